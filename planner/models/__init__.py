@@ -1,0 +1,1 @@
+"""Built-in models (random weights from configs; no downloads)."""

@@ -1,0 +1,10 @@
+import os
+import sys
+
+# Multi-process tests run several ranks on 2 cores: one thread each keeps them from fighting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+# Worker processes import test models (tests.models) too.
+os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")

@@ -1,0 +1,83 @@
+"""Helpers for runtime tests: profiles, plans with chosen cuts, runs, and single-process references."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from planner.costmodel import CostOptions, evaluate
+from planner.jsonio import write_json_atomic
+from planner.measure import profile_model
+from planner.plan import make_plan
+from planner.profile import Profile
+from planner.solve.ilp import Solution
+from planner.spec import build_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def _profile(entry: str, args_items: tuple, sizes: tuple) -> Profile:
+    return profile_model(entry, dict(args_items), list(sizes), repeats=1)
+
+
+def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (1, 2, 4)) -> Profile:
+    return _profile(entry, tuple(sorted((args or {}).items())), tuple(sizes))
+
+
+def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
+              schedule: str = "1f1b") -> dict:
+    """A plan with the given cuts (not solved): for testing the runtime on chosen splits."""
+    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule)
+    cost = evaluate(profile, boundaries, micro_batch_size, opts)
+    solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
+                        num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
+                        method="fixed", backend="none")
+    return make_plan(profile, solution, opts, "test")
+
+
+def run_cli(args: Sequence[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `python -m <args>` from the repository root, capturing output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+    """Write the plan, run `runtime execute` on it, return the saved full state_dict."""
+    plan_path = os.path.join(str(tmp_path), "plan.json")
+    state_path = os.path.join(str(tmp_path), "state.pt")
+    write_json_atomic(plan_path, plan)
+    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", str(steps), "--lr", str(lr),
+                      "--save-state", state_path, "--report", os.path.join(str(tmp_path), "report.json"),
+                      *extra])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(state_path, weights_only=True)
+
+
+def reference_state(plan: dict, steps: int = 3, lr: float = 0.05) -> Dict[str, torch.Tensor]:
+    """Single-process training on the same micro-batches: the ground truth."""
+    torch.set_num_threads(1)
+    model = plan["model"]
+    spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+    optimizer = torch.optim.SGD(spec.module.parameters(), lr=lr)
+    g, b, m = plan["global_batch"], plan["micro_batch_size"], plan["num_micro_batches"]
+    for step in range(steps):
+        inputs, target = spec.batch(g, step)
+        for i in range(m):
+            micro_inputs = [t[i * b:(i + 1) * b] for t in inputs]
+            loss = spec.loss(spec.module(*micro_inputs), target[i * b:(i + 1) * b]) / m
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
+
+
+def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), f"state keys differ: {sorted(set(a) ^ set(b))}"
+    return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
