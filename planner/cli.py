@@ -74,7 +74,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     if args.stages < 1:
         raise UsageError("--stages must be at least 1")
-    global_batch = args.global_batch or max(profile.micro_batch_sizes) * args.stages * 2
+    global_batch = max(profile.micro_batch_sizes) * args.stages * 2 if args.global_batch is None \
+        else args.global_batch
     if global_batch < 1:
         raise UsageError("--global-batch must be positive")
     opts = CostOptions(
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "minimising the modelled iteration time under each device's memory.")
     s.add_argument("profile", help="profile JSON from `planner profile`")
     s.add_argument("--stages", type=int, default=2, help="pipeline stages, one device each (default 2)")
-    s.add_argument("--global-batch", type=int, default=0,
+    s.add_argument("--global-batch", type=int, default=None,
                    help="samples per optimizer step (default: 2 x stages x largest profiled micro-batch)")
     s.add_argument("--memory-per-device", help="memory cap per device, e.g. 16GiB or 512MiB (default: none)")
     s.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")

@@ -38,3 +38,23 @@ def long_skip(dim: int = 16, layers: int = 4) -> ModelSpec:
             torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+def failing(fail_step: int = 1) -> ModelSpec:
+    """An MLP whose loss raises at `fail_step`: only the last rank computes the loss, so one rank fails
+    while the others wait on it."""
+    from planner.models.mlp import build
+
+    spec = build(layers=2)
+    loss_fn = spec.loss
+    calls = {"n": 0}
+
+    def loss(output, target):
+        import os
+
+        calls["n"] += 1
+        if os.environ.get("RANK") and calls["n"] > fail_step * 2:  # only inside the runtime  # two micro-batches per step in the test plan
+            raise RuntimeError("injected failure in the loss")
+        return loss_fn(output, target)
+
+    return ModelSpec(module=spec.module, batch=spec.batch, loss=loss)

@@ -1,0 +1,33 @@
+# `make demo`: create .venv, install, and run the whole path on a built-in model.
+# `make test`: create .venv if needed and run the test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OUT := out
+DEMO_MODEL := builtin:gpt
+DEMO_ARGS := --model-arg vocab=8192 --model-arg layers=6 --model-arg dim=64
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# The CPU build of torch is pinned here (a plain `pip install torch` pulls a multi-GB CUDA build);
+# pyproject.toml only asks for torch>=2.4, so GPU users keep their own build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,highs]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p $(OUT)
+	$(VENV)/bin/planner profile $(DEMO_MODEL) $(DEMO_ARGS) --micro-batch-sizes 1,2,4,8 -o profiles/demo-gpt.json
+	$(VENV)/bin/planner solve profiles/demo-gpt.json --stages 2 --global-batch 16 --memory-per-device 64MiB -o $(OUT)/plan.json
+	$(VENV)/bin/runtime execute $(OUT)/plan.json --steps 6 --report $(OUT)/report.json --save-state $(OUT)/state.pt
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(OUT) profiles/demo-*.json .pytest_cache .hypothesis

@@ -1,0 +1,217 @@
+"""Why no plan exists, said so the user can fix it; and the exact min-max partition DP behind it.
+
+The DP. For a stage cost C_s(a, e) of placing units [a, e) as stage s (infinite when not
+allowed), the best split into S contiguous non-empty stages minimising max_s C_s is
+
+    best_0(e) = C_0(0, e)
+    best_s(e) = min_{a < e} max(best_{s-1}(a), C_s(a, e))          s = 1 .. S-1
+
+with the answer best_{S-1}(L). It is exact for any stage cost that depends only on (s, a, e),
+which is the case for both stage memory M_s (through inflight_s) and stage time T_s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+
+from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate,
+                               in_flight, optimizer_factor)
+from planner.profile import Profile
+
+
+class InfeasibleError(Exception):
+    """No plan satisfies the request. The message (one or two lines) says how to fix it."""
+
+    def __init__(self, message: str, min_memory_bytes: Optional[float] = None,
+                 min_stages: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes  # smallest memory per device that fits S stages
+        self.min_stages = min_stages  # smallest stage count fitting the given cap, if any
+
+
+def format_bytes(n: float) -> str:
+    """Human units: '512 B', '12.0 KiB', '512.0 MiB', '1.50 GiB'."""
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    if abs(n) < 1024 ** 2:
+        return f"{n / 1024:.1f} KiB"
+    if abs(n) < 1024 ** 3:
+        return f"{n / 1024 ** 2:.1f} MiB"
+    return f"{n / 1024 ** 3:.2f} GiB"
+
+
+StageCostMatrix = Callable[[int], np.ndarray]  # s -> (L+1) x (L+1) matrix C_s[a, e], inf where e <= a
+
+
+def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatrix
+                      ) -> Tuple[float, Optional[List[int]]]:
+    """Exact min over contiguous splits of max_s C_s(a_s, e_s): (value, boundaries) or (inf, None)."""
+    L, S = num_units, num_stages
+    if not 1 <= S <= L:
+        return math.inf, None
+    best = np.array(stage_cost(0)[0, :], dtype=float)  # best_0(e)
+    choices: List[np.ndarray] = []
+    for s in range(1, S):
+        candidates = np.maximum(best[:, None], stage_cost(s))  # [a, e]
+        arg = np.argmin(candidates, axis=0)
+        best = candidates[arg, np.arange(L + 1)]
+        choices.append(arg)
+    value = float(best[L])
+    if not math.isfinite(value):
+        return math.inf, None
+    boundaries: List[int] = []
+    e = L
+    for arg in reversed(choices):
+        e = int(arg[e])
+        boundaries.append(e)
+    return value, sorted(boundaries)
+
+
+def _upper_triangle(values: np.ndarray) -> np.ndarray:
+    """Keep entries [a, e] with a < e, set the rest to +inf."""
+    n = values.shape[0]
+    mask = np.triu(np.ones((n, n), dtype=bool), k=1)
+    return np.where(mask, values, np.inf)
+
+
+def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMatrix:
+    """s -> M_s[a, e] = (P[e] - P[a]) (2 + opt) + inflight_s (A[e] - A[a]) using prefix sums."""
+    params = np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in profile.units])])
+    saved = np.concatenate([[0.0], np.cumsum([float(u.saved_bytes[b]) for u in profile.units])])
+    static = (params[None, :] - params[:, None]) * (2 + optimizer_factor(opts.optimizer))
+    per_micro_batch = saved[None, :] - saved[:, None]
+    m = opts.global_batch // b
+    return lambda s: _upper_triangle(static + in_flight(s, opts.num_stages, m, opts.schedule) * per_micro_batch)
+
+
+def time_matrix(profile: Profile, b: int, opts: CostOptions) -> np.ndarray:
+    """T[a, e] = sum of forward+backward over [a, e) + c_a [a > 0] + c_e [e < L] (seconds)."""
+    L = profile.num_units
+    work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])])
+    c = np.array(cut_times(profile, b, opts) + [0.0])  # c[0] = c[L] = 0: no transfer at the ends
+    assert len(c) == L + 1
+    return _upper_triangle(work[None, :] - work[:, None] + c[:, None] + c[None, :])
+
+
+def min_bottleneck(profile: Profile, b: int, opts: CostOptions) -> Tuple[float, Optional[List[int]]]:
+    """Exact min over memory-feasible splits of max_s T_s at size b: (seconds, boundaries)."""
+    times = time_matrix(profile, b, opts)
+    memory = memory_matrices(profile, b, opts)
+    cap = opts.memory_cap
+    if cap is None:
+        return min_max_partition(profile.num_units, opts.num_stages, lambda s: times)
+    return min_max_partition(profile.num_units, opts.num_stages,
+                             lambda s: np.where(memory(s) <= cap, times, np.inf))
+
+
+@dataclass
+class MemoryFloor:
+    """The split with the least peak stage memory, over all candidate micro-batch sizes."""
+
+    memory_bytes: float
+    micro_batch_size: int
+    boundaries: List[int]
+
+
+def min_memory_plan(profile: Profile, opts: CostOptions) -> Optional[MemoryFloor]:
+    """Smallest memory per device that fits S stages: min over b, splits of max_s M_s (exact)."""
+    best: Optional[MemoryFloor] = None
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch):
+        value, boundaries = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))
+        if boundaries is None:
+            continue
+        # Report exactly what the cost model computes for this split (the DP sums in another order).
+        peak = max(st.memory_bytes for st in evaluate(profile, boundaries, b, opts).stages)
+        if best is None or peak < best.memory_bytes:
+            best = MemoryFloor(peak, b, boundaries)
+    return best
+
+
+def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int]:
+    """The least S' <= L for which some split and candidate b fit opts.memory_cap, or None.
+
+    Counted from the last stage, stage S'-1-j holds min(j + 1, m) micro-batches under 1F1B (m under
+    GPipe) whatever S' is, so one backward DP answers every S' at once:
+
+        R_0(a) = [M^(0)(a, L) <= cap]
+        R_j(a) = OR_{e > a} [M^(j)(a, e) <= cap] AND R_{j-1}(e)      (units [a, L) in j + 1 stages)
+
+    and S' = j + 1 fits iff R_j(0). Cost O(L^3) per b, vectorised over (a, e).
+    """
+    L, cap = profile.num_units, opts.memory_cap
+    sizes = candidate_micro_batch_sizes(profile, opts.global_batch)
+    if cap is None:
+        return 1 if sizes else None
+    # memory_matrices(s) uses inflight(s, S, ...): with S = L, stage L-1-j holds min(j + 1, m).
+    tables = [memory_matrices(profile, b, _with_stages(opts, L)) for b in sizes]
+    reach = [None] * len(sizes)
+    for j in range(L):
+        for i, memory in enumerate(tables):
+            fits = memory(L - 1 - j) <= cap  # [a, e]
+            if j == 0:
+                reach[i] = fits[:, L].copy()
+            else:
+                reach[i] = np.any(fits & reach[i][None, :], axis=1)
+            if reach[i][0]:
+                return j + 1
+    return None
+
+
+def _units_text(profile: Profile, first: int, end: int) -> str:
+    names = profile.units
+    if end - first == 1:
+        return f"unit {first} {names[first].name!r}"
+    return f"units {first}..{end - 1} {names[first].name!r}..{names[end - 1].name!r}"
+
+
+def _with_stages(opts: CostOptions, num_stages: int) -> CostOptions:
+    return CostOptions(num_stages=num_stages, global_batch=opts.global_batch, schedule=opts.schedule,
+                       bandwidth=opts.bandwidth, latency=opts.latency, memory_cap=opts.memory_cap,
+                       optimizer=opts.optimizer)
+
+
+def diagnose(profile: Profile, opts: CostOptions) -> str:
+    """Explain why no plan exists for (profile, opts), or say that one does."""
+    L, S, G = profile.num_units, opts.num_stages, opts.global_batch
+    if S > L:
+        return (f"{S} stages requested but the profile has only {L} units; "
+                f"use at most {L} stages, or profile the model with finer partition units")
+    if not candidate_micro_batch_sizes(profile, G):
+        sizes = sorted(profile.micro_batch_sizes)
+        smallest = sizes[0] if sizes else 1
+        suggestion = -(-G // smallest) * smallest
+        return (f"no profiled micro-batch size divides the global batch {G} (profiled: "
+                f"{', '.join(map(str, sizes))}); use a global batch that is a multiple of one of them, "
+                f"e.g. {suggestion}, or profile more micro-batch sizes")
+    floor = min_memory_plan(profile, opts)
+    cap = opts.memory_cap
+    if floor is None:  # cannot happen when S <= L, kept for safety
+        return f"no split of {L} units into {S} stages exists"
+    if cap is None or floor.memory_bytes <= cap:
+        return f"a plan fits: the smallest memory per device for {S} stages is {format_bytes(floor.memory_bytes)}"
+    cost = evaluate(profile, floor.boundaries, floor.micro_batch_size, opts)
+    worst = max(range(S), key=lambda s: cost.stages[s].memory_bytes)
+    stage = cost.stages[worst]
+    first_line = (f"no plan fits {format_bytes(cap)} per device with {S} stage{'s' if S != 1 else ''}: even the split that needs "
+                  f"the least memory (micro-batch size {floor.micro_batch_size}) puts "
+                  f"{format_bytes(stage.memory_bytes)} on stage {worst} ({_units_text(profile, stage.first_unit, stage.end_unit)}), "
+                  f"{format_bytes(stage.memory_bytes - cap)} over the cap")
+    fit_stages = smallest_fitting_stages(profile, opts)
+    fix = (f"fix: allow at least {format_bytes(floor.memory_bytes)} ({floor.memory_bytes:.0f} bytes) per device"
+           + (f", or use {fit_stages} stages" if fit_stages is not None else
+              f"; no number of stages up to {L} fits under {format_bytes(cap)}"))
+    return first_line + "\n" + fix
+
+
+def infeasible_error(profile: Profile, opts: CostOptions) -> InfeasibleError:
+    """The InfeasibleError for (profile, opts), with the memory floor attached when there is one."""
+    message = diagnose(profile, opts)
+    floor = None
+    if opts.num_stages <= profile.num_units and candidate_micro_batch_sizes(profile, opts.global_batch):
+        found = min_memory_plan(profile, opts)
+        floor = found.memory_bytes if found is not None else None
+    return InfeasibleError(message, min_memory_bytes=floor)
