@@ -10,7 +10,6 @@ JSON). Times are seconds, sizes are bytes.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
-import time
 import traceback
 
 import torch
