@@ -23,11 +23,17 @@ SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class Action:
+    """One instruction. `chunk` is the model chunk (virtual stage) on this rank; 0 unless the
+    schedule places several chunks per device (interleaved, bfs)."""
+
     kind: str
     micro_batch: int = -1
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return self.kind if self.micro_batch < 0 else f"{self.kind}({self.micro_batch})"
+        if self.micro_batch < 0:
+            return self.kind
+        return f"{self.kind}({self.micro_batch})" if self.chunk == 0 else f"{self.kind}({self.micro_batch},c{self.chunk})"
 
 
 def _forward(stage: int, num_stages: int, i: int) -> List[Action]:
