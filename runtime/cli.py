@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from runtime import schedule as sched
+from runtime.topology import topology_of
 
 PLAN_SCHEMA_VERSION = 1
 _REQUIRED = ("model", "schedule", "micro_batch_size", "num_micro_batches", "global_batch", "stages")
@@ -34,19 +35,23 @@ def load_plan(path: str) -> Dict[str, Any]:
 
 def check_plan(plan: Dict[str, Any]) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process."""
+    topology = topology_of(plan)
     g, b, m = int(plan["global_batch"]), int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
-    if b * m != g:
-        raise UsageError(f"the plan's global batch {g} is not micro-batch size {b} x {m} micro-batches")
-    lists = sched.build_schedule(plan["schedule"], len(plan["stages"]), m)
+    d = topology.data_parallel
+    if b * m * d != g:
+        raise UsageError(f"the plan's global batch {g} is not {d} replica(s) x {m} micro-batches x micro-batch "
+                         f"size {b}; re-run `planner solve`")
+    lists = sched.build_schedule(plan["schedule"], topology.num_chunks, m, topology.virtual_stages,
+                                 topology.chunk_device)
     sched.check_schedule(lists, m)
     return lists
 
 
-def _merge_states(out_dir: str, world: int, path: str) -> None:
+def _merge_states(out_dir: str, ranks: List[int], path: str) -> None:
     import torch
 
     state: Dict[str, Any] = {}
-    for rank in range(world):
+    for rank in ranks:
         state.update(torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=True))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -65,19 +70,39 @@ def execute(args: argparse.Namespace) -> int:
     from runtime.report import build_report, format_report
 
     plan = load_plan(args.plan)
-    check_plan(plan)
+    lists = check_plan(plan)
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
-    world = len(plan["stages"])
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    topology = topology_of(plan)
+    world = topology.world_size
     threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
-    print(f"running {args.plan}: {world} stages, {plan['schedule']}, micro-batch {plan['micro_batch_size']} x "
-          f"{plan['num_micro_batches']}, {args.steps} steps, {threads} thread(s) per rank", flush=True)
+    optimizer = args.optimizer or plan.get("optimizer", "sgd")
+    if plan.get("optimizer") and optimizer.rstrip("w") != str(plan["optimizer"]).rstrip("w"):
+        print(f"warning: the plan's memory model assumed {plan['optimizer']}, this run uses {optimizer}",
+              file=sys.stderr)
+    shape = f"{topology.pipeline_ranks} pipeline ranks" + (
+        f" x {topology.data_parallel} replicas" if topology.data_parallel > 1 else "") + (
+        f", {topology.num_chunks} stages" if topology.virtual_stages > 1 else "")
+    print(f"running {args.plan}: {shape}, {plan['schedule']}, micro-batch {plan['micro_batch_size']} x "
+          f"{plan['num_micro_batches']}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
-                   "--lr", str(args.lr), "--threads", str(threads)]
+                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer]
     if args.save_state:
         worker_args.append("--save-state")
-    result = launch_local(world, worker_args, out_dir, threads, args.timeout, progress_rank=world - 1)
+    if args.trace or args.timeline:
+        worker_args.append("--trace")
+    if args.checkpoint_dir:
+        worker_args += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
+                        "--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise UsageError("--resume needs --checkpoint-dir")
+        worker_args.append("--resume")
+    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
+    result = launch_local(world, worker_args, out_dir, threads, args.timeout, progress_rank=reporter)
     if not result.ok:
         print(f"error: rank {result.failed_rank} failed: {result.error}\n"
               f"(its log: {result.log_path}; all ranks were stopped)", file=sys.stderr)
@@ -86,11 +111,25 @@ def execute(args: argparse.Namespace) -> int:
     report = build_report(plan, ranks)
     print(format_report(report))
     if args.save_state:
-        _merge_states(out_dir, world, args.save_state)
+        _merge_states(out_dir, [topology.global_rank(0, p) for p in range(topology.pipeline_ranks)],
+                      args.save_state)
         print(f"saved the trained model's state_dict to {args.save_state}")
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote report {args.report}")
+    if args.trace or args.timeline:
+        from runtime import trace
+        from runtime.simulate import costs_from_plan, simulate
+
+        events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(world)}
+        if args.trace:
+            trace.chrome_trace(events, args.trace)
+            print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
+        if args.timeline:
+            _, predicted = simulate(lists, costs_from_plan(plan))
+            replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
+            trace.timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
+            print(f"wrote timeline {args.timeline}")
     shutil.rmtree(out_dir, ignore_errors=True)
     return 0
 
@@ -98,9 +137,11 @@ def execute(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
-    for s, actions in enumerate(lists):
-        units = plan["stages"][s]["units"]
-        print(f"rank {s} ({units[0]} .. {units[-1]}), at most {sched.max_in_flight(actions)} micro-batches held:")
+    for r, actions in enumerate(lists):
+        chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
+        units = [u for g in chunks for u in plan["stages"][g]["units"]]
+        print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}), at most "
+              f"{sched.max_in_flight(actions)} micro-batches held:")
         print("  " + " ".join(str(a) for a in actions))
     print("checked: every send has its receive, and no rank can wait forever")
     return 0
@@ -111,13 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="run a plan: one process per stage on this machine")
     ex.add_argument("plan", help="plan JSON from `planner solve`")
-    ex.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    ex.add_argument("--steps", type=int, default=3, help="training steps in all (a resumed run continues to it; default 3)")
     ex.add_argument("--lr", type=float, default=0.01, help="SGD learning rate, no momentum (default 0.01)")
     ex.add_argument("--save-state", metavar="PATH", help="write the trained model's full state_dict here")
     ex.add_argument("--report", metavar="PATH", help="write the measured-vs-predicted report JSON here")
     ex.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: as profiled)")
-    ex.add_argument("--timeout", type=float, default=120.0,
-                    help="seconds a rank may wait on another before giving up (default 120)")
+    ex.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+                    help="optimizer (default: the plan's; SGD without momentum, AdamW with torch defaults)")
+    ex.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds a rank may wait on another before giving up (default 60)")
+    ex.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's actions")
+    ex.add_argument("--timeline", metavar="PNG", help="draw the last step's timeline beside the predicted one")
+    ex.add_argument("--checkpoint-dir", metavar="DIR", help="save each rank's parameters and optimizer state here")
+    ex.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
+    ex.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
     ex.set_defaults(func=execute)
     sh = sub.add_parser("show", help="print and check each rank's instruction list")
     sh.add_argument("plan")

@@ -1,43 +1,46 @@
 """Execute one rank's instruction list, step after step.
 
-A step: `inputs, target = batch(G, step)`, split into m equal micro-batches along dim 0; the
-last stage's loss for micro-batch i is `loss(output_i, target_i) / m`, so the accumulated
-gradients are those of the mean micro-batch loss, exactly as single-device gradient
-accumulation computes them. One optimizer step per stage ends the step.
+A step: `inputs, target = batch(G, step)`; replica r of d takes samples [r·G/d, (r+1)·G/d) and
+splits them into m equal micro-batches along dim 0. The last chunk's loss for micro-batch i is
+`loss(output_i, target_i) / (d·m)`, so after the gradient all-reduce (a sum over replicas) every
+parameter holds the gradient of the mean micro-batch loss, exactly as single-device gradient
+accumulation over the same d·m micro-batches computes it. Tied weights used on several ranks
+get their gradients summed across those ranks first. One optimizer step per rank ends the step.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from planner.spec import ModelSpec
 from runtime import schedule as sched
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint
-from runtime.stage import Stage
+from runtime.stage import Chunk, RankModel
+from runtime.topology import Topology
 
 
 class BatchError(ValueError):
     """The model's batch function does not produce what the plan needs."""
 
 
-def split_micro_batches(obj: Any, global_batch: int, num_micro_batches: int, what: str) -> List[Any]:
-    """Split every tensor in `obj` (tensor, tuple, list, dict) into m equal parts along dim 0."""
-    size = global_batch // num_micro_batches
+def split_micro_batches(obj: Any, total: int, parts: int, what: str) -> List[Any]:
+    """Split every tensor in `obj` (tensor, tuple, list, dict) into `parts` equal parts along dim 0."""
+    size = total // parts
     if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] != global_batch:
-            raise BatchError(f"{what} has shape {tuple(obj.shape)}; every batch tensor needs the global batch "
-                             f"{global_batch} on dim 0")
-        return [obj.narrow(0, i * size, size) for i in range(num_micro_batches)]
+        if obj.dim() == 0 or obj.shape[0] != total:
+            raise BatchError(f"{what} has shape {tuple(obj.shape)}; every batch tensor needs the batch "
+                             f"({total}) on dim 0")
+        return [obj.narrow(0, i * size, size) for i in range(parts)]
     if isinstance(obj, (tuple, list)):
-        parts = [split_micro_batches(o, global_batch, num_micro_batches, f"{what}[{j}]") for j, o in enumerate(obj)]
-        return [type(obj)(p[i] for p in parts) for i in range(num_micro_batches)]
+        split = [split_micro_batches(o, total, parts, f"{what}[{j}]") for j, o in enumerate(obj)]
+        return [type(obj)(p[i] for p in split) for i in range(parts)]
     if isinstance(obj, dict):
-        parts = {k: split_micro_batches(v, global_batch, num_micro_batches, f"{what}[{k!r}]") for k, v in obj.items()}
-        return [{k: parts[k][i] for k in obj} for i in range(num_micro_batches)]
-    return [obj] * num_micro_batches  # non-tensor values (flags) go to every micro-batch
+        split = {k: split_micro_batches(v, total, parts, f"{what}[{k!r}]") for k, v in obj.items()}
+        return [{k: split[k][i] for k in obj} for i in range(parts)]
+    return [obj] * parts  # non-tensor values (flags) go to every part
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -50,116 +53,157 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _constant(value: Any) -> Any:
+    """Constants arrive as JSON lists; sizes were tuples in the model."""
+    if isinstance(value, list):
+        return tuple(_constant(v) for v in value)
+    return value
+
+
 @dataclass
 class StepStats:
     step: int
-    time_s: float
+    time_s: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
     recv_wait_s: float = 0.0
     send_wait_s: float = 0.0
+    reduce_s: float = 0.0
     optimizer_s: float = 0.0
     loss: Optional[float] = None
 
 
 @dataclass
-class _MicroBatchState:
-    inputs: List[Any] = field(default_factory=list)  # model inputs this stage reads
-    received: List[Any] = field(default_factory=list)  # values crossing the first cut
-    outputs: Any = None  # the stage's outputs (kept for backward)
+class _State:
+    """One micro-batch on one chunk."""
+
+    inputs: List[Any] = field(default_factory=list)
+    received: List[Any] = field(default_factory=list)
+    outputs: Any = None
+    grads: List[torch.Tensor] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None
     target: Any = None
 
 
+class _ChunkRunner:
+    """Per-chunk bookkeeping: which sent/received values are tensors and which carry gradients."""
+
+    def __init__(self, chunk: Chunk):
+        self.chunk = chunk
+        self.send_tensors = [i for i, v in enumerate(chunk.send) if v["kind"] == "tensor"]
+        self.send_grads = [i for i in self.send_tensors if chunk.send[i].get("requires_grad")]
+        self.recv_tensors = [i for i, v in enumerate(chunk.recv) if v["kind"] == "tensor"]
+        self.recv_grads = [i for i in self.recv_tensors if chunk.recv[i].get("requires_grad")]
+        self.wanted_inputs = [chunk.model_inputs.index(n) for n in chunk.io.inputs]
+
+
+TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, chunk, start, end)
+
+
 class Engine:
-    def __init__(self, spec: ModelSpec, stage: Stage, actions: List[sched.Action], global_batch: int,
-                 num_micro_batches: int, optimizer: torch.optim.Optimizer, device: torch.device,
-                 comm: Optional[PointToPoint]):
-        self.spec = spec
-        self.stage = stage
+    def __init__(self, rank_model: RankModel, actions: List[sched.Action], topology: Topology, rank: int,
+                 global_batch: int, num_micro_batches: int, optimizer: Any, device: torch.device,
+                 comm: Optional[PointToPoint], groups: "Groups", trace: Optional[TraceHook] = None):
+        self.spec = rank_model.spec
+        self.rank_model = rank_model
+        self.runners = {c.index: _ChunkRunner(c) for c in rank_model.chunks}
         self.actions = actions
+        self.topology = topology
+        self.replica = topology.replica_of(rank)
         self.global_batch = global_batch
         self.m = num_micro_batches
         self.optimizer = optimizer
         self.device = device
         self.comm = comm
-        # Indices into the sent / received values that are tensors carrying gradients.
-        self.send_tensors = [i for i, v in enumerate(stage.send) if v["kind"] == "tensor"]
-        self.send_grads = [i for i in self.send_tensors if stage.send[i].get("requires_grad")]
-        self.recv_tensors = [i for i, v in enumerate(stage.recv) if v["kind"] == "tensor"]
-        self.recv_grads = [i for i in self.recv_tensors if stage.recv[i].get("requires_grad")]
+        self.groups = groups
+        self.trace = trace
+        self.params = rank_model.parameters()
+
+    def _peer(self, chunk: int) -> int:
+        """The global rank running `chunk` in this replica."""
+        return self.topology.global_rank(self.replica, self.topology.chunk_device[chunk])
 
     # --- one step ---------------------------------------------------------------------------
-    def run_step(self, step: int) -> StepStats:
-        start = time.perf_counter()
-        stats = StepStats(step=step, time_s=0.0)
+    def _micro_batches(self, step: int) -> Tuple[List[Any], List[Any]]:
         inputs, target = self.spec.batch(self.global_batch, step)
         if not isinstance(inputs, (tuple, list)):
-            raise BatchError("batch() must return (inputs: tuple, target); got a non-tuple inputs")
-        wanted = [self.stage.model_inputs.index(name) for name in self.stage.io.inputs]
-        micro_inputs = split_micro_batches([inputs[j] for j in wanted], self.global_batch, self.m, "inputs") \
-            if wanted else [[] for _ in range(self.m)]
-        micro_targets = split_micro_batches(target, self.global_batch, self.m, "target") \
-            if self.stage.is_last else [None] * self.m
-        states = [_MicroBatchState(inputs=_to(list(micro_inputs[i]), self.device),
-                                   target=_to(micro_targets[i], self.device)) for i in range(self.m)]
+            raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
+        d = self.topology.data_parallel
+        mine = split_micro_batches([list(inputs), target], self.global_batch, d, "batch")[self.replica]
+        per_replica = self.global_batch // d
+        micro_inputs = split_micro_batches(mine[0], per_replica, self.m, "inputs")
+        micro_targets = split_micro_batches(mine[1], per_replica, self.m, "target")
+        return micro_inputs, micro_targets
+
+    def run_step(self, step: int) -> StepStats:
+        start = time.perf_counter()
+        stats = StepStats(step=step)
+        micro_inputs, micro_targets = self._micro_batches(step)
+        states: Dict[Tuple[int, int], _State] = {}
         losses: List[float] = []
         for action in self.actions:
-            kind, i = action.kind, action.micro_batch
+            kind, i, g = action.kind, action.micro_batch, action.chunk
+            t0 = time.perf_counter()
             if kind == sched.RECV_ACT:
-                t0 = time.perf_counter()
-                tensors = self.comm.recv([self.stage.recv[j] for j in self.recv_tensors], self.stage.index - 1,
-                                         i, ACTIVATION)
+                runner = self.runners[g]
+                tensors = self.comm.recv([runner.chunk.recv[j] for j in runner.recv_tensors], self._peer(g - 1),
+                                         self._tag(g, i), ACTIVATION)
+                states.setdefault((g, i), _State()).received = self._assemble(runner.chunk, tensors)
                 stats.recv_wait_s += time.perf_counter() - t0
-                states[i].received = self._assemble_received(tensors)
             elif kind == sched.FORWARD:
-                t0 = time.perf_counter()
-                self._forward(states[i])
+                state = states.setdefault((g, i), _State())
+                self._forward(self.runners[g], state, micro_inputs[i], micro_targets[i])
+                if state.loss is not None:
+                    losses.append(float(state.loss.detach()) * self.m * self.topology.data_parallel)
                 stats.forward_s += time.perf_counter() - t0
-                if states[i].loss is not None:
-                    losses.append(float(states[i].loss.detach()) * self.m)
             elif kind == sched.SEND_ACT:
-                outputs = states[i].outputs
-                self.comm.send([outputs[j] for j in self.send_tensors], self.stage.index + 1, i, ACTIVATION)
+                runner, outputs = self.runners[g], states[(g, i)].outputs
+                self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1), self._tag(g + 1, i),
+                               ACTIVATION)
             elif kind == sched.RECV_GRAD:
-                t0 = time.perf_counter()
-                grads = self.comm.recv([self.stage.send[j] for j in self.send_grads], self.stage.index + 1,
-                                       i, GRADIENT)
+                runner = self.runners[g]
+                states[(g, i)].grads = self.comm.recv([runner.chunk.send[j] for j in runner.send_grads],
+                                                      self._peer(g + 1), self._tag(g, i), GRADIENT)
                 stats.recv_wait_s += time.perf_counter() - t0
-                states[i].outputs = (states[i].outputs, grads)
             elif kind == sched.BACKWARD:
-                t0 = time.perf_counter()
-                self._backward(states[i])
+                self._backward(self.runners[g], states[(g, i)])
                 stats.backward_s += time.perf_counter() - t0
+                if g == 0:  # nothing to send back: free the micro-batch now
+                    states.pop((g, i), None)
             elif kind == sched.SEND_GRAD:
-                received = states[i].received
-                grads = []
-                for j in self.recv_grads:
-                    g = received[j].grad
-                    grads.append(g if g is not None else torch.zeros_like(received[j]))
-                self.comm.send(grads, self.stage.index - 1, i, GRADIENT)
-                states[i] = _MicroBatchState()  # free this micro-batch's activations
+                runner, received = self.runners[g], states.pop((g, i)).received
+                grads = [received[j].grad if received[j].grad is not None else torch.zeros_like(received[j])
+                         for j in runner.recv_grads]
+                self.comm.send(grads, self._peer(g - 1), self._tag(g - 1, i), GRADIENT)
             elif kind == sched.OPTIMIZER_STEP:
-                t0 = time.perf_counter()
                 if self.comm is not None:
                     self.comm.wait_sends()
                 stats.send_wait_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
+                t1 = time.perf_counter()
+                self.groups.reduce_gradients(self.rank_model, self.params)
+                t2 = time.perf_counter()
+                stats.reduce_s += t2 - t1
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                stats.optimizer_s += time.perf_counter() - t0
+                stats.optimizer_s += time.perf_counter() - t2
             else:
                 raise ValueError(f"unknown action {action}")
+            if self.trace is not None:
+                self.trace(kind, i, g, t0, time.perf_counter())
         if losses:
             stats.loss = sum(losses) / len(losses)
         stats.time_s = time.perf_counter() - start
         return stats
 
-    def _assemble_received(self, tensors: List[torch.Tensor]) -> List[Any]:
-        """Received tensors and injected constants, in the stage's input order."""
+    def _tag(self, receiving_chunk: int, micro_batch: int) -> int:
+        """A message tag unique per (receiving chunk, micro-batch) within a step."""
+        return receiving_chunk * self.m + micro_batch
+
+    def _assemble(self, chunk: Chunk, tensors: List[torch.Tensor]) -> List[Any]:
+        """Received tensors and injected constants, in the chunk's input order."""
         values: List[Any] = []
         it = iter(tensors)
-        for spec in self.stage.recv:
+        for spec in chunk.recv:
             if spec["kind"] == "tensor":
                 t = next(it)
                 if spec.get("requires_grad"):
@@ -169,29 +213,63 @@ class Engine:
                 values.append(_constant(spec["value"]))
         return values
 
-    def _forward(self, state: _MicroBatchState) -> None:
-        out = self.stage.module(*state.inputs, *state.received)
-        if self.stage.is_last:
-            state.loss = self.spec.loss(out, state.target) / self.m
-            state.outputs = None
+    def _forward(self, runner: _ChunkRunner, state: _State, inputs: List[Any], target: Any) -> None:
+        chunk = runner.chunk
+        args = _to([inputs[j] for j in runner.wanted_inputs], self.device)
+        out = chunk.module(*args, *state.received)
+        if chunk.is_last:
+            state.loss = self.spec.loss(out, _to(target, self.device)) / (self.m * self.topology.data_parallel)
         else:
             state.outputs = out
 
-    def _backward(self, state: _MicroBatchState) -> None:
-        if self.stage.is_last:
+    def _backward(self, runner: _ChunkRunner, state: _State) -> None:
+        if runner.chunk.is_last:
             state.loss.backward()
             state.loss = None
             return
-        outputs, grads = state.outputs
-        pairs = [(outputs[j], g) for j, g in zip(self.send_grads, grads)
-                 if isinstance(outputs[j], torch.Tensor) and outputs[j].requires_grad]
+        pairs = [(state.outputs[j], g) for j, g in zip(runner.send_grads, state.grads)
+                 if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        state.outputs = None
+        state.outputs, state.grads = None, []
 
 
-def _constant(value: Any) -> Any:
-    """Constants arrive as JSON lists; sizes were tuples in the model."""
-    if isinstance(value, list):
-        return tuple(_constant(v) for v in value)
-    return value
+class Groups:
+    """Process groups for gradient reductions: tied weights across pipeline ranks (per replica)
+    and data-parallel replicas (per pipeline rank). Every rank creates every group, in the same
+    order, as torch.distributed requires."""
+
+    def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]]):
+        self.topology = topology
+        self.tie_groups: Dict[str, Any] = {}
+        self.data_parallel_group = None
+        if not dist.is_initialized():
+            return
+        replica, pipeline_rank = topology.replica_of(rank), topology.pipeline_rank_of(rank)
+        for name, ranks in tied_groups:
+            for r in range(topology.data_parallel):
+                group = dist.new_group([topology.global_rank(r, p) for p in ranks])
+                if r == replica and pipeline_rank in ranks:
+                    self.tie_groups[name] = group
+        if topology.data_parallel > 1:
+            for p in range(topology.pipeline_ranks):
+                group = dist.new_group(topology.data_parallel_group(p))
+                if p == pipeline_rank:
+                    self.data_parallel_group = group
+
+    def reduce_gradients(self, rank_model: RankModel, params: List[torch.nn.Parameter]) -> None:
+        for name, (param, _) in rank_model.tied.items():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self.tie_groups[name])
+        if self.data_parallel_group is not None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for p, g in zip(params, grads):
+                p.grad = g
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self.data_parallel_group)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()

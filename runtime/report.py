@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
+MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
+
 
 def _steady(values: List[float]) -> List[float]:
     """Drop the first step (warm-up: allocator, caches, lazy init) when there are others."""
@@ -13,29 +15,34 @@ def _steady(values: List[float]) -> List[float]:
 def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Dict[str, Any]:
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     num_steps = len(rank_results[0]["steps"])
-    last = rank_results[-1]
+    reporter = max((r for r in rank_results if r.get("replica", 0) == 0), key=lambda r: max(r.get("chunks", [0])))
     m = int(plan["num_micro_batches"])
     steps = []
-    for i in range(num_steps):
+    for j in range(num_steps):
         steps.append({
-            "step": i,
-            "loss": last["steps"][i]["loss"],
+            "step": reporter["steps"][j]["step"],
+            "loss": reporter["steps"][j]["loss"],
             # A step ends when the slowest rank has finished its optimizer step.
-            "time_s": max(r["steps"][i]["time_s"] for r in rank_results),
+            "time_s": max(r["steps"][j]["time_s"] for r in rank_results),
         })
-    measured = statistics.median(_steady([s["time_s"] for s in steps]))
-    stages = []
-    for r, plan_stage in zip(rank_results, plan["stages"]):
-        def mean(key: str) -> float:
-            return statistics.mean(_steady([s[key] for s in r["steps"]]))
-        stages.append({
-            "stage": r["stage"],
-            "units": plan_stage["units"],
-            "measured": {"forward_s": mean("forward_s"), "backward_s": mean("backward_s"),
-                         "recv_wait_s": mean("recv_wait_s"), "send_wait_s": mean("send_wait_s"),
-                         "optimizer_s": mean("optimizer_s"), "step_s": mean("time_s")},
-            "predicted": {"forward_s": m * float(plan_stage.get("forward_s", 0.0)),
-                          "backward_s": m * float(plan_stage.get("backward_s", 0.0))},
+    measured = statistics.median(_steady([s["time_s"] for s in steps])) if steps else 0.0
+    ranks = []
+    for r in rank_results:
+        chunks = r.get("chunks", [r["rank"]])
+        plan_stages = [plan["stages"][g] for g in chunks]
+        mean = {k: statistics.mean(_steady([s.get(k, 0.0) for s in r["steps"]])) if r["steps"] else 0.0
+                for k in MEASURED_KEYS}
+        mean["step_s"] = mean.pop("time_s")
+        units = [u for st in plan_stages for u in st["units"]]
+        ranks.append({
+            "rank": r["rank"],
+            "stage": r.get("pipeline_rank", r["rank"]),
+            "replica": r.get("replica", 0),
+            "chunks": chunks,
+            "units": units,
+            "measured": mean,
+            "predicted": {"forward_s": m * sum(float(st.get("forward_s", 0.0)) for st in plan_stages),
+                          "backward_s": m * sum(float(st.get("backward_s", 0.0)) for st in plan_stages)},
             "threads": r.get("threads"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),
@@ -48,8 +55,10 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
         "schedule": plan["schedule"],
         "micro_batch_size": plan["micro_batch_size"],
         "num_micro_batches": m,
+        "data_parallel": int(plan.get("data_parallel", 1) or 1),
+        "optimizer": rank_results[0].get("optimizer"),
         "steps": steps,
-        "stages": stages,
+        "stages": ranks,
         "predicted_iteration_s": predicted,
         "measured_iteration_s": measured,
         "relative_error": (measured - predicted) / predicted if predicted > 0 else None,
@@ -57,13 +66,15 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
 
 
 def format_report(report: Dict[str, Any]) -> str:
-    lines = [f"{'stage':>5}  {'forward ms':>21}  {'backward ms':>21}  {'waiting ms':>10}  units",
-             f"{'':>5}  {'measured':>10} {'predicted':>10}  {'measured':>10} {'predicted':>10}"]
+    lines = [f"{'rank':>4}  {'forward ms':>21}  {'backward ms':>21}  {'waiting ms':>10}  units",
+             f"{'':>4}  {'measured':>10} {'predicted':>10}  {'measured':>10} {'predicted':>10}"]
     for s in report["stages"]:
         me, pr = s["measured"], s["predicted"]
         units = s["units"]
         span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
-        lines.append(f"{s['stage']:>5}  {me['forward_s'] * 1e3:>10.2f} {pr['forward_s'] * 1e3:>10.2f}  "
+        if len(s["chunks"]) > 1:
+            span += f" in stages {','.join(map(str, s['chunks']))}"
+        lines.append(f"{s['rank']:>4}  {me['forward_s'] * 1e3:>10.2f} {pr['forward_s'] * 1e3:>10.2f}  "
                      f"{me['backward_s'] * 1e3:>10.2f} {pr['backward_s'] * 1e3:>10.2f}  "
                      f"{(me['recv_wait_s'] + me['send_wait_s']) * 1e3:>10.2f}  {span}")
     p, m = report["predicted_iteration_s"], report["measured_iteration_s"]

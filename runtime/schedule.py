@@ -8,7 +8,7 @@ the receiver (`check_schedule` verifies this by simulating the lists).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import List
 
 RECV_ACT = "recv_act"
 FORWARD = "forward"
@@ -18,78 +18,134 @@ BACKWARD = "backward"
 SEND_GRAD = "send_grad"
 OPTIMIZER_STEP = "optimizer_step"
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One instruction. `chunk` is the model chunk (virtual stage) on this rank; 0 unless the
-    schedule places several chunks per device (interleaved, bfs)."""
+    """One instruction: what to do, for which micro-batch, on which model chunk (plan stage)."""
 
     kind: str
     micro_batch: int = -1
-    chunk: int = 0
+    chunk: int = 0  # the global chunk (plan stage) index this action works on
 
     def __str__(self) -> str:
         if self.micro_batch < 0:
             return self.kind
-        return f"{self.kind}({self.micro_batch})" if self.chunk == 0 else f"{self.kind}({self.micro_batch},c{self.chunk})"
+        return f"{self.kind}({self.micro_batch},s{self.chunk})"
 
 
-def _forward(stage: int, num_stages: int, i: int) -> List[Action]:
+def _forward(chunk: int, num_chunks: int, i: int) -> List[Action]:
     actions = []
-    if stage > 0:
-        actions.append(Action(RECV_ACT, i))
-    actions.append(Action(FORWARD, i))
-    if stage < num_stages - 1:
-        actions.append(Action(SEND_ACT, i))
+    if chunk > 0:
+        actions.append(Action(RECV_ACT, i, chunk))
+    actions.append(Action(FORWARD, i, chunk))
+    if chunk < num_chunks - 1:
+        actions.append(Action(SEND_ACT, i, chunk))
     return actions
 
 
-def _backward(stage: int, num_stages: int, i: int) -> List[Action]:
+def _backward(chunk: int, num_chunks: int, i: int) -> List[Action]:
     actions = []
-    if stage < num_stages - 1:
-        actions.append(Action(RECV_GRAD, i))
-    actions.append(Action(BACKWARD, i))
-    if stage > 0:
-        actions.append(Action(SEND_GRAD, i))
+    if chunk < num_chunks - 1:
+        actions.append(Action(RECV_GRAD, i, chunk))
+    actions.append(Action(BACKWARD, i, chunk))
+    if chunk > 0:
+        actions.append(Action(SEND_GRAD, i, chunk))
     return actions
 
 
-def gpipe(stage: int, num_stages: int, num_micro_batches: int) -> List[Action]:
-    """All forwards, then all backwards (in micro-batch order), then one optimizer step."""
+def breadth_first(chunks: List[int], num_chunks: int, num_micro_batches: int) -> List[Action]:
+    """GPipe, generalised to several chunks per rank ("bfs", looped breadth-first): every
+    micro-batch through one chunk before the next chunk, then the backwards in reverse chunk
+    order. With one chunk per rank this is GPipe: all forwards, then all backwards."""
     actions: List[Action] = []
-    for i in range(num_micro_batches):
-        actions += _forward(stage, num_stages, i)
-    for i in range(num_micro_batches):
-        actions += _backward(stage, num_stages, i)
+    for g in chunks:
+        for i in range(num_micro_batches):
+            actions += _forward(g, num_chunks, i)
+    for g in reversed(chunks):
+        for i in range(num_micro_batches):
+            actions += _backward(g, num_chunks, i)
     return actions + [Action(OPTIMIZER_STEP)]
 
 
-def one_f_one_b(stage: int, num_stages: int, num_micro_batches: int) -> List[Action]:
-    """1F1B: min(S − s − 1, m) warm-up forwards, then alternate one forward and one backward,
-    then drain the remaining backwards. Stage s holds at most min(S − s, m) micro-batches."""
+def one_f_one_b(chunks: List[int], num_chunks: int, num_micro_batches: int) -> List[Action]:
+    """1F1B (one chunk per rank): min(P − g − 1, m) warm-up forwards, then alternate one forward
+    and one backward, then drain. Chunk g holds at most min(P − g, m) micro-batches."""
+    (g,) = chunks
     m = num_micro_batches
-    warmup = min(num_stages - stage - 1, m)
+    warmup = min(num_chunks - g - 1, m)
     actions: List[Action] = []
     for i in range(warmup):
-        actions += _forward(stage, num_stages, i)
+        actions += _forward(g, num_chunks, i)
     for i in range(m - warmup):
-        actions += _forward(stage, num_stages, warmup + i)
-        actions += _backward(stage, num_stages, i)
+        actions += _forward(g, num_chunks, warmup + i)
+        actions += _backward(g, num_chunks, i)
     for i in range(m - warmup, m):
-        actions += _backward(stage, num_stages, i)
+        actions += _backward(g, num_chunks, i)
     return actions + [Action(OPTIMIZER_STEP)]
 
 
-def build_schedule(name: str, num_stages: int, num_micro_batches: int) -> List[List[Action]]:
-    """One instruction list per stage."""
-    if num_stages < 1 or num_micro_batches < 1:
-        raise ValueError(f"need at least one stage and one micro-batch (got {num_stages}, {num_micro_batches})")
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
-    if name not in builders:
+def interleaved(chunks: List[int], num_chunks: int, num_micro_batches: int) -> List[Action]:
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline): v chunks per rank, looping placement.
+
+    Forward k (k = 0 .. m·v − 1) of pipeline rank r runs local chunk (k // p) mod v on
+    micro-batch (k // (p·v))·p + k mod p; backward k runs local chunk v − 1 − (k // p) mod v on
+    the same micro-batch formula. Warm-up: min(2·(p − r − 1) + (v − 1)·p, m·v) forwards.
+    Needs m divisible by p. Bubble (p − 1)/(v·m) of the ideal time.
+    """
+    v = len(chunks)
+    p = num_chunks // v
+    r = chunks[0]  # looping placement: local chunk 0 is global chunk r
+    m = num_micro_batches
+    total = m * v
+
+    def forward_op(k: int) -> List[Action]:
+        return _forward(chunks[(k // p) % v], num_chunks, (k // (p * v)) * p + k % p)
+
+    def backward_op(k: int) -> List[Action]:
+        return _backward(chunks[v - 1 - (k // p) % v], num_chunks, (k // (p * v)) * p + k % p)
+
+    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    actions: List[Action] = []
+    for k in range(warmup):
+        actions += forward_op(k)
+    for k in range(total - warmup):
+        actions += forward_op(warmup + k)
+        actions += backward_op(k)
+    for k in range(total - warmup, total):
+        actions += backward_op(k)
+    return actions + [Action(OPTIMIZER_STEP)]
+
+
+def build_schedule(name: str, num_chunks: int, num_micro_batches: int, virtual_stages: int = 1,
+                   chunk_device: "tuple | None" = None) -> List[List[Action]]:
+    """One instruction list per pipeline rank. `chunk_device[g]` is the rank running chunk g
+    (default: looping placement g mod p, with p = num_chunks / virtual_stages)."""
+    if num_chunks < 1 or num_micro_batches < 1 or virtual_stages < 1:
+        raise ValueError(f"need at least one stage and one micro-batch (got {num_chunks}, {num_micro_batches})")
+    if num_chunks % virtual_stages:
+        raise ValueError(f"{num_chunks} stages do not divide into {virtual_stages} virtual stages per device")
+    p = num_chunks // virtual_stages
+    devices = tuple(chunk_device) if chunk_device is not None else tuple(g % p for g in range(num_chunks))
+    per_rank = [[g for g in range(num_chunks) if devices[g] == r] for r in range(p)]
+    if name == "gpipe" or name == "bfs":
+        builder = breadth_first
+    elif name == "1f1b":
+        if virtual_stages != 1:
+            raise ValueError("1f1b runs one stage per device; use 'interleaved' for several")
+        builder = one_f_one_b
+    elif name == "interleaved":
+        looping = all(devices[g] == g % p for g in range(num_chunks))
+        if not looping:
+            raise ValueError("interleaved needs the looping placement: stage g on device g mod p")
+        if num_micro_batches % p:
+            raise ValueError(f"interleaved needs the number of micro-batches ({num_micro_batches}) to be a "
+                             f"multiple of the pipeline depth ({p})")
+        builder = interleaved
+    else:
         raise ValueError(f"unknown schedule {name!r}; this runtime runs {', '.join(SCHEDULES)}")
-    return [builders[name](s, num_stages, num_micro_batches) for s in range(num_stages)]
+    return [builder(chunks, num_chunks, num_micro_batches) for chunks in per_rank]
 
 
 def max_in_flight(actions: List[Action]) -> int:
@@ -107,42 +163,51 @@ def max_in_flight(actions: List[Action]) -> int:
 def check_schedule(lists: List[List[Action]], num_micro_batches: int) -> None:
     """Raise ValueError unless the lists are complete and cannot deadlock.
 
-    Simulates all ranks: a send completes at once (non-blocking); a receive proceeds only when
-    the matching send has been issued. If no rank can move and some have work left, it is a
-    deadlock. Also checks every micro-batch is forwarded and backwarded exactly once per stage,
-    forward before backward, and the optimizer step comes last.
+    Every chunk must forward and backward each micro-batch exactly once, forward first, and each
+    rank must end with its optimizer step. Then all ranks are simulated: a send completes at
+    once (non-blocking); a receive proceeds only once the matching send has been issued. If no
+    rank can move while some have work left, the lists deadlock.
     """
-    num_stages = len(lists)
-    for s, actions in enumerate(lists):
-        for kind in (FORWARD, BACKWARD):
-            done = sorted(a.micro_batch for a in actions if a.kind == kind)
-            if done != list(range(num_micro_batches)):
-                raise ValueError(f"stage {s}: {kind} runs micro-batches {done}, expected 0..{num_micro_batches - 1}")
-        if actions[-1].kind != OPTIMIZER_STEP:
-            raise ValueError(f"stage {s}: the optimizer step must come last")
-        position = {(a.kind, a.micro_batch): j for j, a in enumerate(actions)}
-        for i in range(num_micro_batches):
-            if position[(FORWARD, i)] > position[(BACKWARD, i)]:
-                raise ValueError(f"stage {s}: backward({i}) before forward({i})")
-    sent: Dict[Tuple[str, int, int], bool] = {}  # (kind, receiver stage, micro-batch)
-    cursor = [0] * num_stages
+    chunk_rank = {}
+    for r, actions in enumerate(lists):
+        if not actions or actions[-1].kind != OPTIMIZER_STEP:
+            raise ValueError(f"rank {r}: the optimizer step must come last")
+        for a in actions:
+            if a.kind == FORWARD:
+                chunk_rank.setdefault(a.chunk, r)
+    num_chunks = len(chunk_rank)
+    if sorted(chunk_rank) != list(range(num_chunks)):
+        raise ValueError(f"chunks {sorted(chunk_rank)} are not 0..{num_chunks - 1}")
+    for r, actions in enumerate(lists):
+        position = {(a.kind, a.chunk, a.micro_batch): j for j, a in enumerate(actions)}
+        for g in (g for g, owner in chunk_rank.items() if owner == r):
+            for kind in (FORWARD, BACKWARD):
+                done = sorted(a.micro_batch for a in actions if a.kind == kind and a.chunk == g)
+                if done != list(range(num_micro_batches)):
+                    raise ValueError(f"rank {r} chunk {g}: {kind} runs micro-batches {done}, "
+                                     f"expected 0..{num_micro_batches - 1}")
+            for i in range(num_micro_batches):
+                if position[(FORWARD, g, i)] > position[(BACKWARD, g, i)]:
+                    raise ValueError(f"rank {r} chunk {g}: backward({i}) before forward({i})")
+    sent = set()  # (kind, receiving chunk, micro-batch)
+    cursor = [0] * len(lists)
     while True:
         moved = False
-        for s in range(num_stages):
-            while cursor[s] < len(lists[s]):
-                a = lists[s][cursor[s]]
-                if a.kind == RECV_ACT and (SEND_ACT, s, a.micro_batch) not in sent:
+        for r, actions in enumerate(lists):
+            while cursor[r] < len(actions):
+                a = actions[cursor[r]]
+                if a.kind == RECV_ACT and (SEND_ACT, a.chunk, a.micro_batch) not in sent:
                     break
-                if a.kind == RECV_GRAD and (SEND_GRAD, s, a.micro_batch) not in sent:
+                if a.kind == RECV_GRAD and (SEND_GRAD, a.chunk, a.micro_batch) not in sent:
                     break
                 if a.kind == SEND_ACT:
-                    sent[(SEND_ACT, s + 1, a.micro_batch)] = True
+                    sent.add((SEND_ACT, a.chunk + 1, a.micro_batch))
                 elif a.kind == SEND_GRAD:
-                    sent[(SEND_GRAD, s - 1, a.micro_batch)] = True
-                cursor[s] += 1
+                    sent.add((SEND_GRAD, a.chunk - 1, a.micro_batch))
+                cursor[r] += 1
                 moved = True
-        if all(cursor[s] == len(lists[s]) for s in range(num_stages)):
+        if all(cursor[r] == len(actions) for r, actions in enumerate(lists)):
             return
         if not moved:
-            stuck = {s: str(lists[s][cursor[s]]) for s in range(num_stages) if cursor[s] < len(lists[s])}
+            stuck = {r: str(lists[r][cursor[r]]) for r in range(len(lists)) if cursor[r] < len(lists[r])}
             raise ValueError(f"schedule deadlocks: ranks wait at {stuck}")

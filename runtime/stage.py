@@ -1,19 +1,25 @@
-"""Build one rank's stage from a plan: rebuild the model, re-capture it, cut out the stage's units.
+"""Build one rank's model chunks from a plan: rebuild the model, re-capture it, cut out the chunks.
 
 Every rank builds the full spec after `torch.manual_seed(seed)` (identical weights everywhere),
-captures the same fx graph the profile was made from, and checks that the graph still has
-the plan's units and cut values before cutting out its own `fx.GraphModule`.
+captures the same graph the profile was made from, and checks that the graph still has the
+plan's units and cut values before cutting out its own chunks (plan stages) as fx GraphModules.
+
+A chunk whose plan stage marks units for recomputation runs as a chain of segments: each
+recomputed unit alone under `torch.utils.checkpoint` (only its inputs are kept; its forward
+runs again in backward), the other units fused into segments.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from planner.capture import CapturedModel, StageIO, capture
 from planner.spec import ModelSpec, build_spec
+from runtime.topology import Topology
 
 
 class PlanMismatchError(RuntimeError):
@@ -21,15 +27,54 @@ class PlanMismatchError(RuntimeError):
 
 
 @dataclass
-class Stage:
-    index: int
-    num_stages: int
+class Segment:
     module: fx.GraphModule
+    io: StageIO
+    recompute: bool
+
+
+class ChunkModule(nn.Module):
+    """A plan stage: forward(*inputs, *received) -> tuple(sent) or the model output.
+
+    Runs its segments in order, keeping every value by name, so a recomputed unit can sit
+    anywhere in the stage.
+    """
+
+    def __init__(self, segments: List[Segment], io: StageIO):
+        super().__init__()
+        self.segments = segments
+        self.io = io
+        self.parts = nn.ModuleList(s.module for s in segments)  # registers parameters for .to()/state
+
+    def forward(self, *args):
+        if len(self.segments) == 1 and not self.segments[0].recompute:
+            return self.segments[0].module(*args)
+        values = dict(zip(self.io.inputs + self.io.received, args))
+        out: Any = None
+        for seg in self.segments:
+            seg_args = [values[name] for name in seg.io.inputs + seg.io.received]
+            if seg.recompute:
+                out = checkpoint(seg.module, *seg_args, use_reentrant=False)
+            else:
+                out = seg.module(*seg_args)
+            if not seg.io.is_last:
+                values.update(zip(seg.io.sent, out))
+        if self.io.is_last:
+            return out
+        return tuple(values[name] for name in self.io.sent)
+
+
+@dataclass
+class Chunk:
+    index: int  # global chunk (plan stage) index
+    num_chunks: int
+    module: nn.Module
     io: StageIO
     recv: List[Dict[str, Any]]  # the plan's descriptions of the values crossing the first cut
     send: List[Dict[str, Any]]  # ... and of those crossing the end cut
-    state_keys: List[str]  # keys of the model's state_dict this stage owns (saved from this rank)
-    model_inputs: List[str]  # the model's forward arguments, in order (fx placeholder names)
+    state_keys: List[str]  # model state_dict keys this chunk saves
+    model_inputs: List[str]  # the model's forward arguments (fx placeholder names), in order
+    recompute: List[str] = field(default_factory=list)
 
     @property
     def is_first(self) -> bool:
@@ -37,7 +82,28 @@ class Stage:
 
     @property
     def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+        return self.index == self.num_chunks - 1
+
+
+@dataclass
+class RankModel:
+    spec: ModelSpec
+    chunks: List[Chunk]
+    # Parameters used by chunks on several pipeline ranks (tied weights): canonical name ->
+    # (parameter on this rank, pipeline ranks holding it). Their gradients are summed across
+    # those ranks before the optimizer step.
+    tied: Dict[str, Tuple[nn.Parameter, Tuple[int, ...]]]
+    tied_groups: List[Tuple[str, Tuple[int, ...]]]  # every tie in the plan, same order on all ranks
+
+    def parameters(self) -> List[nn.Parameter]:
+        """This rank's parameters, each once (a tie within the rank is one parameter)."""
+        seen, params = set(), []
+        for chunk in self.chunks:
+            for p in chunk.module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
 
 
 def _check_units(plan: Dict[str, Any], captured: CapturedModel) -> None:
@@ -59,46 +125,88 @@ def _check_values(where: str, planned: List[Dict[str, Any]], actual: List[str]) 
                                 "re-run `planner profile` and `planner solve`")
 
 
-def build_stage(plan: Dict[str, Any], stage_index: int) -> "tuple[ModelSpec, Stage]":
+def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence[str]) -> List[Segment]:
+    """Units [first, end) as segments: each recomputed unit alone, runs of others fused."""
+    names = captured.unit_names
+    unknown = [u for u in recompute if u not in names[first:end]]
+    if unknown:
+        raise PlanMismatchError(f"the plan recomputes {unknown}, which are not units of stage [{first}, {end})")
+    bounds: List[Tuple[int, int, bool]] = []
+    k = first
+    while k < end:
+        if names[k] in recompute:
+            bounds.append((k, k + 1, True))
+            k += 1
+        else:
+            e = k
+            while e < end and names[e] not in recompute:
+                e += 1
+            bounds.append((k, e, False))
+            k = e
+    segments = []
+    for a, e, again in bounds:
+        module, io = captured.stage_module(a, e)
+        if again and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+            raise PlanMismatchError(f"unit {names[a]!r} has BatchNorm: recomputing it would update its running "
+                                    "statistics twice; re-solve with --recompute none for it")
+        segments.append(Segment(module, io, again))
+    return segments
+
+
+def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> RankModel:
     model = plan["model"]
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     captured = capture(spec.module)
     _check_units(plan, captured)
     stages = plan["stages"]
     ranges = [(int(s["first_unit"]), int(s["end_unit"])) for s in stages]
-    modules = [captured.stage_module(first, end) for first, end in ranges]
+    modules = [captured.stage_module(first, end)[0] for first, end in ranges]
 
-    # A parameter used by two stages would be trained twice, out of step: refuse it clearly.
-    owner: Dict[str, int] = {}
-    for s, (module, _) in enumerate(modules):
-        for name, _ in module.named_parameters():
-            if name in owner and owner[name] != s:
-                raise PlanMismatchError(
-                    f"parameter {name!r} is used by stages {owner[name]} and {s} (shared/tied weights); "
-                    "this runtime needs each parameter in one stage: re-solve so both uses share a stage")
-            owner.setdefault(name, s)
+    # Which chunks use each parameter object (a tied weight is one object under two names).
+    canonical = {}
+    for name, p in spec.module.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+    users: Dict[int, set] = {}
+    for g, module in enumerate(modules):
+        for p in module.parameters():
+            users.setdefault(id(p), set()).add(topology.chunk_device[g])
+    tied_groups = sorted((canonical[pid], tuple(sorted(ranks))) for pid, ranks in users.items() if len(ranks) > 1)
 
-    # Each model state entry is saved by the first stage that holds it; rank 0 also saves the
-    # entries no stage uses, so the merged state_dict is complete.
-    model_keys = list(spec.module.state_dict().keys())
+    # Each model state entry is saved by the first chunk that holds it; chunk 0 also saves the
+    # entries no chunk uses, so the merged state_dict is complete.
     holder: Dict[str, int] = {}
-    for s, (module, _) in enumerate(modules):
+    for g, module in enumerate(modules):
         for key in module.state_dict().keys():
-            holder.setdefault(key, s)
-    state_keys = [k for k in model_keys if holder.get(k, 0) == stage_index]
+            holder.setdefault(key, g)
+    model_keys = list(spec.module.state_dict().keys())
 
-    module, io = modules[stage_index]
-    plan_stage = stages[stage_index]
-    _check_values(f"stage {stage_index} input", plan_stage.get("recv", []), io.received)
-    _check_values(f"stage {stage_index} output", plan_stage.get("send", []), io.sent)
-    stage = Stage(index=stage_index, num_stages=len(stages), module=module, io=io,
-                  recv=list(plan_stage.get("recv", [])), send=list(plan_stage.get("send", [])),
-                  state_keys=state_keys, model_inputs=list(captured.placeholders))
-    return spec, stage
+    chunks: List[Chunk] = []
+    for g in topology.chunks_of(pipeline_rank):
+        first, end = ranges[g]
+        plan_stage = stages[g]
+        recompute = list(plan_stage.get("recompute", []) or [])
+        io = captured.stage_io(first, end)
+        _check_values(f"stage {g} input", plan_stage.get("recv", []), io.received)
+        _check_values(f"stage {g} output", plan_stage.get("send", []), io.sent)
+        if recompute:
+            module: nn.Module = ChunkModule(_segments(captured, first, end, recompute), io)
+        else:
+            module = modules[g]
+        chunks.append(Chunk(index=g, num_chunks=len(stages), module=module, io=io,
+                            recv=list(plan_stage.get("recv", [])), send=list(plan_stage.get("send", [])),
+                            state_keys=[k for k in model_keys if holder.get(k, 0) == g],
+                            model_inputs=list(captured.placeholders), recompute=recompute))
+    mine = {id(p): p for c in chunks for p in c.module.parameters()}
+    by_name = dict(spec.module.named_parameters(remove_duplicate=False))
+    tied = {name: (by_name[name], ranks) for name, ranks in tied_groups
+            if pipeline_rank in ranks and id(by_name[name]) in mine}
+    return RankModel(spec=spec, chunks=chunks, tied=tied, tied_groups=tied_groups)
 
 
-def stage_state(stage: Stage, spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    """The model state entries this stage owns, under their original names, on the CPU."""
-    own = stage.module.state_dict()  # its tensors may have moved to the device: read them here
-    full = spec.module.state_dict()  # entries no stage uses keep their initial values
-    return {k: (own[k] if k in own else full[k]).detach().cpu().clone() for k in stage.state_keys}
+def chunk_state(chunk: Chunk, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """The model state entries this chunk saves, under their original names, on the CPU."""
+    own = {}
+    for key, value in chunk.module.state_dict().items():
+        own[key.split("parts.", 1)[-1].split(".", 1)[-1] if key.startswith("parts.") else key] = value
+    full = spec.module.state_dict()  # entries no chunk uses keep their initial values
+    return {k: (own[k] if k in own else full[k]).detach().cpu().clone() for k in chunk.state_keys}

@@ -1,40 +1,69 @@
-"""One rank of a pipeline run. Started by `runtime execute` (or by torchrun: it reads the usual
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables).
+"""One rank of a pipeline run. Started by `runtime execute`, or by torchrun on several machines
+(it reads the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables):
 
-    python -m runtime.worker PLAN --out-dir DIR [--steps N] [--lr LR] [--save-state]
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m runtime.worker plan.json --out-dir run/ --steps 100
 
-Writes DIR/rank{R}.json (per-step timings and losses), DIR/rank{R}.pt (its stage's state,
-with --save-state) and, if it fails, DIR/rank{R}.error (one line) and the traceback on stderr.
+Writes DIR/rank{R}.json (per-step timings and losses), DIR/rank{R}.pt (its chunks' state, with
+--save-state), DIR/rank{R}.trace.json (with --trace) and, if it fails, DIR/rank{R}.error (one
+line) and the traceback on stderr.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import json
 import os
 import sys
+import time
 import traceback
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from planner.jsonio import read_json, write_json_atomic
+from runtime import checkpoint as ckpt
 from runtime import schedule as sched
 from runtime.comm import PointToPoint
-from runtime.engine import Engine
-from runtime.stage import build_stage, stage_state
+from runtime.engine import Engine, Groups
+from runtime.stage import build_rank, chunk_state
+from runtime.topology import topology_of
+
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
     p.add_argument("plan")
-    p.add_argument("--out-dir", required=True)
+    p.add_argument("--out-dir", default="runtime-out", help="where this rank writes its results (default runtime-out)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the plan's optimizer")
     p.add_argument("--save-state", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank may wait on another")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: as profiled)")
-    p.add_argument("--progress", action="store_true", help="print a line per step (from the last stage)")
+    p.add_argument("--progress", action="store_true", help="print a line per step")
+    p.add_argument("--trace", action="store_true", help="record every action's start and end")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
     return p.parse_args(argv)
+
+
+def plan_hash(plan: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
+def _check_same_plan(digest: str, rank: int, world: int) -> None:
+    """Refuse to start if any rank read a different plan than rank 0 (e.g. a stale copy on one machine)."""
+    mine = torch.tensor([int(digest[i:i + 8], 16) for i in range(0, 64, 8)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    if not torch.equal(gathered[rank], gathered[0]):
+        raise RuntimeError(f"this rank's plan differs from rank 0's (sha256 {digest[:12]}…): give every machine "
+                           "the same plan file")
 
 
 def _device_for(plan, local_rank: int) -> torch.device:
@@ -44,60 +73,123 @@ def _device_for(plan, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def run(args) -> None:
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    plan = read_json(args.plan, what="plan")
-    num_stages = len(plan["stages"])
-    if world != num_stages:
-        raise RuntimeError(f"the plan has {num_stages} stages but {world} ranks were started; "
-                           f"start exactly {num_stages}")
-    threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
-    torch.set_num_threads(threads)
-    device = _device_for(plan, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        spec, stage = build_stage(plan, rank)
-        stage.module.to(device)
-        m = int(plan["num_micro_batches"])
-        actions = sched.build_schedule(plan["schedule"], num_stages, m)[rank]
-        optimizer = torch.optim.SGD(stage.module.parameters(), lr=args.lr) if list(stage.module.parameters()) \
-            else _NoOptimizer()
-        comm = PointToPoint(device, use_tags=backend == "gloo") if world > 1 else None
-        engine = Engine(spec, stage, actions, int(plan["global_batch"]), m, optimizer, device, comm)
-        dist.barrier()
-        steps = []
-        for step in range(args.steps):
-            stats = engine.run_step(step)
-            steps.append(stats.__dict__)
-            if args.progress and stage.is_last:
-                print(f"step {step + 1}/{args.steps}  loss {stats.loss:.4f}  time {stats.time_s * 1e3:.1f} ms",
-                      flush=True)
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            peak = None
-        result = {"rank": rank, "stage": rank, "threads": threads, "device": str(device), "steps": steps,
-                  "peak_memory_bytes": peak}
-        if args.save_state:
-            torch.save(stage_state(stage, spec), os.path.join(args.out_dir, f"rank{rank}.pt"))
-        write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def make_optimizer(name: str, params: List[torch.nn.Parameter], lr: float):
+    if not params:
+        return _NoOptimizer()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
 class _NoOptimizer:
-    """A stage without parameters still takes part in every step."""
+    """A rank without parameters still takes part in every step."""
 
     def step(self) -> None:
         pass
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+
+def run(args) -> None:
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    os.makedirs(args.out_dir, exist_ok=True)
+    plan = read_json(args.plan, what="plan")
+    topology = topology_of(plan)
+    if world != topology.world_size:
+        raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
+                           f"{topology.data_parallel} data-parallel) but {world} were started")
+    threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
+    torch.set_num_threads(threads)
+    device = _device_for(plan, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        digest = plan_hash(plan)
+        _check_same_plan(digest, rank, world)
+        pipeline_rank = topology.pipeline_rank_of(rank)
+        rank_model = build_rank(plan, topology, pipeline_rank)
+        for chunk in rank_model.chunks:
+            chunk.module.to(device)
+        groups = Groups(topology, rank, rank_model.tied_groups)
+        m = int(plan["num_micro_batches"])
+        actions = sched.build_schedule(plan["schedule"], topology.num_chunks, m, topology.virtual_stages,
+                                       topology.chunk_device)[pipeline_rank]
+        optimizer_name = args.optimizer or plan.get("optimizer", "sgd")
+        if optimizer_name == "adam":
+            optimizer_name = "adamw"
+        optimizer = make_optimizer(optimizer_name, rank_model.parameters(), args.lr)
+        comm = PointToPoint(device, use_tags=backend == "gloo") if topology.pipeline_ranks > 1 else None
+        events: List[List[Any]] = []
+        clock_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by all ranks
+
+        def record(kind, i, g, t0, t1):
+            events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
+
+        engine = Engine(rank_model, actions, topology, rank, int(plan["global_batch"]), m, optimizer, device,
+                        comm, groups, trace=record if args.trace else None)
+
+        first_step = 0
+        if args.resume:
+            if not args.checkpoint_dir:
+                raise RuntimeError("--resume needs --checkpoint-dir")
+            done = ckpt.latest(args.checkpoint_dir, digest, world)
+            if done is not None:
+                saved = ckpt.load_rank(args.checkpoint_dir, done, rank)
+                for chunk in rank_model.chunks:
+                    chunk.module.load_state_dict(saved["chunks"][str(chunk.index)])
+                optimizer.load_state_dict(saved["optimizer"])
+                first_step = done
+        dist.barrier()
+        is_reporter = pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
+        steps = []
+        for step in range(first_step, args.steps):
+            stats = engine.run_step(step)
+            if topology.data_parallel > 1 and rank_model.chunks[-1].is_last:
+                stats.loss = _mean_over_replicas(stats.loss, groups)
+            steps.append(dict(stats.__dict__))
+            if args.progress and is_reporter:
+                print(f"step {step + 1}/{args.steps}  loss {stats.loss:.4f}  time {stats.time_s * 1e3:.1f} ms",
+                      flush=True)
+            if args.checkpoint_dir and args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0:
+                ckpt.save_rank(args.checkpoint_dir, step + 1, rank,
+                               {str(c.index): c.module.state_dict() for c in rank_model.chunks},
+                               optimizer.state_dict())
+                dist.barrier()  # every rank's file is in place before the step is marked complete
+                if rank == 0:
+                    ckpt.mark_complete(args.checkpoint_dir, step + 1, digest, world)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
+                  "chunks": [c.index for c in rank_model.chunks], "threads": threads, "device": str(device),
+                  "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak}
+        if args.save_state and topology.replica_of(rank) == 0:
+            state: Dict[str, torch.Tensor] = {}
+            for chunk in rank_model.chunks:
+                state.update(chunk_state(chunk, rank_model.spec))
+            torch.save(state, os.path.join(args.out_dir, f"rank{rank}.pt"))
+        if args.trace:
+            write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.trace.json"), events)
+        write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _mean_over_replicas(loss, groups: Groups):
+    """Each replica's last stage knows its own mean loss; the step's loss is their mean."""
+    value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    dist.all_reduce(value, group=groups.data_parallel_group)
+    return float(value.item()) / groups.topology.data_parallel
 
 
 def main(argv=None) -> int:
@@ -109,6 +201,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # report once, in one line, for the launcher to print
         message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         try:
+            os.makedirs(args.out_dir, exist_ok=True)
             with open(os.path.join(args.out_dir, f"rank{rank}.error"), "w") as f:
                 f.write(message + "\n")
         except OSError:

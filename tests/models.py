@@ -58,3 +58,102 @@ def failing(fail_step: int = 1) -> ModelSpec:
         return loss_fn(output, target)
 
     return ModelSpec(module=spec.module, batch=spec.batch, loss=loss)
+
+
+class BranchBlock(nn.Module):
+    """A residual block with Python control flow on a shape (torch.fx cannot trace it)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.fc(x)))
+        if x.shape[-1] % 2 == 0:  # a shape-dependent branch: fx raises, export specialises
+            h = h * 0.5
+        return x + h
+
+
+class ShapeBranch(nn.Module):
+    """Export-only: shape-dependent branches, BatchNorm buffers, keyword input, dict output."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(BranchBlock(dim) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, shift=None):
+        h = self.inp(x)
+        if shift is not None:
+            h = h + shift
+        for block in self.blocks:
+            h = block(h)
+        return {"y": self.out(h), "features": h}
+
+
+def shape_branch(dim: int = 8, layers: int = 4, keyword: bool = False) -> ModelSpec:
+    """`keyword=True` passes `shift` as a keyword tensor (inputs end with a dict)."""
+    module = ShapeBranch(dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        x, shift, y = (torch.randn(batch_size, dim, generator=g) for _ in range(3))
+        return ((x, {"shift": shift}) if keyword else (x, shift)), y
+
+    def loss(output, target):
+        return F.mse_loss(output["y"], target) + 0.1 * output["features"].pow(2).mean()
+
+    return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+class TiedLM(nn.Module):
+    """Input embedding and output head share one weight (as GPT-2 and T5 do)."""
+
+    def __init__(self, vocab: int, dim: int, layers: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def tied_lm(vocab: int = 64, dim: int = 16, layers: int = 3, seq: int = 8) -> ModelSpec:
+    module = TiedLM(vocab, dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 5)
+        tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+        return (tokens[:, :-1],), tokens[:, 1:]
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+def killed(kill_step: int = 1) -> ModelSpec:
+    """An MLP whose last rank kills itself with SIGKILL at `kill_step` (no error file, no goodbye)."""
+    import os
+    import signal
+
+    from planner.models.mlp import build
+
+    spec = build(layers=2)
+    loss_fn = spec.loss
+    calls = {"n": 0}
+
+    def loss(output, target):
+        calls["n"] += 1
+        if os.environ.get("RANK") and calls["n"] > kill_step * 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss_fn(output, target)
+
+    return ModelSpec(module=spec.module, batch=spec.batch, loss=loss)

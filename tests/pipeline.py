@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -49,7 +50,8 @@ def run_cli(args: Sequence[str], timeout: float = 240) -> subprocess.CompletedPr
 
 
 def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
-    """Write the plan, run `runtime execute` on it, return the saved full state_dict."""
+    """Write the plan, run `runtime execute` on it, return the saved full state_dict (the report
+    is left in tmp_path/report.json)."""
     plan_path = os.path.join(str(tmp_path), "plan.json")
     state_path = os.path.join(str(tmp_path), "state.pt")
     write_json_atomic(plan_path, plan)
@@ -60,24 +62,54 @@ def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
     return torch.load(state_path, weights_only=True)
 
 
-def reference_state(plan: dict, steps: int = 3, lr: float = 0.05) -> Dict[str, torch.Tensor]:
-    """Single-process training on the same micro-batches: the ground truth."""
+def reshape_plan(plan: dict, virtual_stages: int = 1, data_parallel: int = 1, schedule: Optional[str] = None,
+                 recompute: Optional[Dict[int, List[str]]] = None) -> dict:
+    """Turn a plan of P stages into one with P / v pipeline ranks of v chunks each (looping
+    placement), d replicas (global batch scaled by d) and recomputed units: the fields the
+    runtime reads, set the way `planner solve` sets them."""
+    plan = dict(plan)
+    num_chunks = len(plan["stages"])
+    p = num_chunks // virtual_stages
+    plan["stages"] = [dict(s, device=g % p, recompute=list((recompute or {}).get(g, [])))
+                      for g, s in enumerate(plan["stages"])]
+    plan["virtual_stages"], plan["pipeline_stages"], plan["data_parallel"] = virtual_stages, p, data_parallel
+    plan["global_batch"] = plan["micro_batch_size"] * plan["num_micro_batches"] * data_parallel
+    if schedule:
+        plan["schedule"] = schedule
+    return plan
+
+
+def reference_state(plan: dict, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
+                    losses: Optional[List[float]] = None, first_step: int = 0) -> Dict[str, torch.Tensor]:
+    """Single-process training on the same micro-batches: the ground truth. All d·m micro-batches
+    of a step (the replicas' slices in order) contribute loss / (d·m) to one accumulated gradient."""
     torch.set_num_threads(1)
     model = plan["model"]
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
-    optimizer = torch.optim.SGD(spec.module.parameters(), lr=lr)
-    g, b, m = plan["global_batch"], plan["micro_batch_size"], plan["num_micro_batches"]
+    params = list(spec.module.parameters())
+    opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    g, b = plan["global_batch"], plan["micro_batch_size"]
+    m = g // b
     for step in range(steps):
         inputs, target = spec.batch(g, step)
+        total = 0.0
         for i in range(m):
             micro_inputs = [t[i * b:(i + 1) * b] for t in inputs]
             loss = spec.loss(spec.module(*micro_inputs), target[i * b:(i + 1) * b]) / m
             loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            total += float(loss.detach()) * m
+        if losses is not None:
+            losses.append(total / m)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
 
 
 def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b), f"state keys differ: {sorted(set(a) ^ set(b))}"
     return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
+
+
+def report_of(tmp_path) -> dict:
+    with open(os.path.join(str(tmp_path), "report.json")) as f:
+        return json.load(f)

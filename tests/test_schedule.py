@@ -1,0 +1,78 @@
+"""Instruction lists are pure data: check them without processes."""
+import pytest
+
+from runtime import schedule as sched
+from runtime.simulate import ChunkCosts, simulate
+from runtime.topology import TopologyError, topology_of
+
+CONFIGS = [(name, p, v, m) for name in ("gpipe", "1f1b", "interleaved", "bfs") for p in (1, 2, 3, 4)
+           for v in ((1,) if name in ("gpipe", "1f1b") else (1, 2, 3)) for m in range(1, 10)
+           if not (name == "interleaved" and m % p)]
+
+
+@pytest.mark.parametrize("name,p,v,m", CONFIGS)
+def test_every_schedule_is_complete_and_deadlock_free(name, p, v, m):
+    lists = sched.build_schedule(name, p * v, m, v)
+    assert len(lists) == p
+    sched.check_schedule(lists, m)
+
+
+def test_in_flight_micro_batches():
+    # 1F1B: stage s holds min(S - s, m); GPipe: m; bfs: every micro-batch of every chunk.
+    for s, actions in enumerate(sched.build_schedule("1f1b", 4, 6)):
+        assert sched.max_in_flight(actions) == min(4 - s, 6)
+    assert all(sched.max_in_flight(a) == 6 for a in sched.build_schedule("gpipe", 4, 6))
+    assert all(sched.max_in_flight(a) == 12 for a in sched.build_schedule("bfs", 4, 6, 2))
+    # interleaved holds fewer than bfs but more than plain 1F1B's first stage
+    interleaved = sched.build_schedule("interleaved", 4, 4, 2)
+    assert sched.max_in_flight(interleaved[0]) == 2 * (2 - 0 - 1) + (2 - 1) * 2 + 1
+
+
+def test_deadlock_is_detected():
+    lists = sched.build_schedule("1f1b", 2, 2)
+    # rank 1 waiting for a gradient nobody sends: swap rank 0's send of micro-batch 1 after its backward
+    bad = [a for a in lists[0] if not (a.kind == sched.SEND_ACT and a.micro_batch == 1)]
+    bad.insert(len(bad) - 1, sched.Action(sched.SEND_ACT, 1, 0))
+    with pytest.raises(ValueError, match="deadlock"):
+        sched.check_schedule([bad, lists[1]], 2)
+    with pytest.raises(ValueError, match="micro-batches"):
+        sched.check_schedule([lists[0][:-3] + [lists[0][-1]], lists[1]], 2)
+
+
+def test_bad_schedule_requests_are_clear_errors():
+    with pytest.raises(ValueError, match="multiple of the pipeline depth"):
+        sched.build_schedule("interleaved", 4, 3, 2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        sched.build_schedule("zigzag", 2, 2)
+    with pytest.raises(ValueError, match="interleaved"):
+        sched.build_schedule("1f1b", 4, 4, 2)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 4), (4, 8), (3, 5)])
+def test_simulation_matches_closed_form_on_equal_stages(name, p, m):
+    # equal stages, free transfers: (m + p - 1)(f + b) = sum_s T_s + (m - 1) max_s T_s
+    f, b = 1.0, 2.0
+    costs = {g: ChunkCosts(f, b, 0.0, 0.0) for g in range(p)}
+    total, _ = simulate(sched.build_schedule(name, p, m), costs)
+    assert total == pytest.approx(p * (f + b) + (m - 1) * (f + b))
+
+
+def test_interleaving_shrinks_the_bubble():
+    # 8 equal chunks on 4 ranks: interleaving (v = 2) beats 1F1B on 4 stages of twice the work
+    m = 8
+    one = simulate(sched.build_schedule("1f1b", 4, m), {g: ChunkCosts(2.0, 4.0, 0, 0) for g in range(4)})[0]
+    two = simulate(sched.build_schedule("interleaved", 8, m, 2), {g: ChunkCosts(1.0, 2.0, 0, 0) for g in range(8)})[0]
+    assert two < one
+    ideal = m * 6.0
+    assert (two - ideal) / ideal == pytest.approx((4 - 1) / (2 * m), rel=1e-9)
+
+
+def test_topology_from_plan():
+    stages = [{"units": [f"u{g}"]} for g in range(6)]
+    t = topology_of({"stages": stages, "virtual_stages": 2, "data_parallel": 2})
+    assert (t.pipeline_ranks, t.world_size) == (3, 6)
+    assert t.chunks_of(1) == [1, 4]
+    assert t.data_parallel_group(2) == [2, 5]
+    with pytest.raises(TopologyError):
+        topology_of({"stages": stages, "virtual_stages": 4})
