@@ -65,6 +65,25 @@ def _merge_states(out_dir: str, ranks: List[int], path: str) -> None:
         raise
 
 
+def _warn_conditions(plan: Dict[str, Any], threads: int, world: int) -> None:
+    """Predictions hold for the conditions the profile was measured under: say when a run differs."""
+    import torch
+
+    profiled = plan.get("profile", {})
+    notes = []
+    if profiled.get("threads") and int(profiled["threads"]) != threads:
+        notes.append(f"{threads} thread(s) per rank, profiled with {profiled['threads']}")
+    if profiled.get("torch_version") and profiled["torch_version"] != torch.__version__:
+        notes.append(f"torch {torch.__version__}, profiled with {profiled['torch_version']}")
+    if profiled.get("device") == "cuda" and not torch.cuda.is_available():
+        notes.append("running on CPU, profiled on CUDA")
+    if profiled.get("device") == "cpu" and (os.cpu_count() or 1) < world * threads:
+        notes.append(f"{world} ranks x {threads} thread(s) on {os.cpu_count()} cores")
+    if notes:
+        print("warning: the run differs from the profile's conditions (" + "; ".join(notes) +
+              "): measured times will not match the prediction", file=sys.stderr)
+
+
 def execute(args: argparse.Namespace) -> int:
     from runtime.launch import launch_local
     from runtime.report import build_report, format_report
@@ -79,6 +98,7 @@ def execute(args: argparse.Namespace) -> int:
     world = topology.world_size
     threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
     optimizer = args.optimizer or plan.get("optimizer", "sgd")
+    _warn_conditions(plan, threads, world)
     if plan.get("optimizer") and optimizer.rstrip("w") != str(plan["optimizer"]).rstrip("w"):
         print(f"warning: the plan's memory model assumed {plan['optimizer']}, this run uses {optimizer}",
               file=sys.stderr)
@@ -89,7 +109,7 @@ def execute(args: argparse.Namespace) -> int:
           f"{plan['num_micro_batches']}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
-                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer]
+                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link"]
     if args.save_state:
         worker_args.append("--save-state")
     if args.trace or args.timeline:

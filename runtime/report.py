@@ -62,6 +62,7 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
         "predicted_iteration_s": predicted,
         "measured_iteration_s": measured,
         "relative_error": (measured - predicted) / predicted if predicted > 0 else None,
+        "link": next((r["link"] for r in rank_results if r.get("link")), None),
     }
 
 

@@ -25,17 +25,22 @@ def chrome_trace(rank_events: Dict[int, List[List[Any]]], path: str) -> None:
 
 
 def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[Any], step: int, path: str) -> None:
-    """Gantt chart of one measured step (top) and the simulated prediction (bottom)."""
+    """Gantt chart of one measured step (top; omitted when `rank_events` is empty) and the
+    simulated prediction (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    ranks = sorted(rank_events)
-    fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 0.9 * len(ranks) * 2), sharex=True)
-    for ax, title, rows in ((axes[0], f"measured (step {step})", _measured_rows(rank_events, step)),
-                            (axes[1], "predicted (simulated from the plan)", _predicted_rows(predicted))):
+    panels = [("predicted (simulated from the plan)", _predicted_rows(predicted))]
+    if rank_events:
+        panels.insert(0, (f"measured (step {step})", _measured_rows(rank_events, step)))
+    ranks = sorted(set(rank_events) | {e.rank for e in predicted})
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.9 * len(ranks) * len(panels)), sharex=True,
+                             squeeze=False)
+    axes = axes[:, 0]
+    for ax, (title, rows) in zip(axes, panels):
         for rank, kind, i, start, end in rows:
             if end - start <= 0:
                 continue
@@ -47,7 +52,7 @@ def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[An
         ax.set_yticklabels([f"rank {r}" for r in ranks])
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
-    axes[1].set_xlabel("ms")
+    axes[-1].set_xlabel("ms")
     fig.legend(handles=[Patch(color=_COLOURS[k], label=k.replace("_", " ")) for k in
                         ("forward", "backward", "send_act", "recv_act", "optimizer_step")],
                loc="upper right", fontsize=7, ncol=5)

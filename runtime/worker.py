@@ -49,6 +49,7 @@ def _parse(argv):
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
     return p.parse_args(argv)
 
 
@@ -150,6 +151,7 @@ def run(args) -> None:
                     chunk.module.load_state_dict(saved["chunks"][str(chunk.index)])
                 optimizer.load_state_dict(saved["optimizer"])
                 first_step = done
+        link = _measure_link(topology, rank) if args.measure_link else None
         dist.barrier()
         is_reporter = pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
         steps = []
@@ -171,7 +173,8 @@ def run(args) -> None:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
                   "chunks": [c.index for c in rank_model.chunks], "threads": threads, "device": str(device),
-                  "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak}
+                  "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
+                  "link": link}
         if args.save_state and topology.replica_of(rank) == 0:
             state: Dict[str, torch.Tensor] = {}
             for chunk in rank_model.chunks:
@@ -183,6 +186,35 @@ def run(args) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _measure_link(topology, rank: int, repeats: int = 5):
+    """Ping-pong between pipeline ranks 0 and 1 of replica 0: latency from 8-byte messages,
+    bandwidth from 4 MiB ones (round trip / 2 each). Other ranks take no part."""
+    if topology.pipeline_ranks < 2 or rank not in (0, 1):
+        return None
+    peer, tag = 1 - rank, 1 << 30
+
+    def round_trip(numel: int) -> float:
+        buffer = torch.zeros(numel, dtype=torch.float32)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, peer, tag=tag)
+                dist.recv(buffer, peer, tag=tag)
+            else:
+                dist.recv(buffer, peer, tag=tag)
+                dist.send(buffer, peer, tag=tag)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2] / 2
+
+    latency = round_trip(2)
+    big = 1 << 20
+    one_way = round_trip(big)
+    bandwidth = big * 4 / max(one_way - latency, 1e-9)
+    return {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth, "bytes": big * 4, "one_way_s": one_way}
 
 
 def _mean_over_replicas(loss, groups: Groups):

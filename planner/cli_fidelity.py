@@ -1,0 +1,76 @@
+"""`planner simulate PLAN`, `planner check PLAN REPORT`, `planner calibrate PROFILE REPORT`."""
+from __future__ import annotations
+
+import argparse
+
+from planner.jsonio import read_json
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from planner.fidelity import format_simulation, simulate_plan
+    from runtime.cli import load_plan
+
+    plan = load_plan(args.plan)
+    sim = simulate_plan(plan)
+    print(format_simulation(sim))
+    if args.timeline:
+        from runtime.trace import timeline_png
+
+        timeline_png({}, sim.events, step=0, path=args.timeline)
+        print(f"wrote {args.timeline}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from planner.fidelity import check_report, format_check
+    from runtime.cli import load_plan
+
+    plan = load_plan(args.plan)
+    report = read_json(args.report, what="report")
+    print(format_check(check_report(plan, report)))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from planner.fidelity import calibrate_profile
+    from planner.profile import load_profile, save_profile
+    from runtime.cli import load_plan
+
+    profile = load_profile(args.profile)
+    report = read_json(args.report, what="report")
+    plan = load_plan(args.plan)
+    calibrated = calibrate_profile(profile, plan, report)
+    save_profile(calibrated, args.output)
+    c = calibrated.extra["calibration"]
+    factors = c["unit_scale"].values()
+    fwd = [f["forward"] for f in factors]
+    bwd = [f["backward"] for f in factors]
+    print(f"scaled {len(fwd)} units: forward x{min(fwd):.2f}..{max(fwd):.2f}, backward x{min(bwd):.2f}..{max(bwd):.2f}")
+    if "bandwidth_bytes_per_s" in c:
+        print(f"link: {c['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {c['latency_s'] * 1e6:.0f} us")
+    print(f"per-step overhead {c['step_overhead_s'] * 1e3:.2f} ms")
+    print(f"wrote {args.output}; re-solve with it: planner solve {args.output} ...")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser("simulate", help="discrete-event simulation of a plan's schedule",
+                       description="Simulate every rank's instruction list with the plan's per-stage costs.")
+    s.add_argument("plan")
+    s.add_argument("--timeline", metavar="PNG", help="draw the simulated schedule")
+    s.set_defaults(func=cmd_simulate)
+
+    c = sub.add_parser("check", help="predicted vs measured, per rank and overall",
+                       description="Compare a run's report (runtime execute --report) with its plan.")
+    c.add_argument("plan")
+    c.add_argument("report")
+    c.set_defaults(func=cmd_check)
+
+    k = sub.add_parser("calibrate", help="correct a profile from a run's report",
+                       description="Scale each unit's times by what its rank measured, take the link's measured "
+                                   "bandwidth and latency, and record the per-step overhead.")
+    k.add_argument("profile")
+    k.add_argument("report")
+    k.add_argument("--plan", required=True, help="the plan the run executed")
+    k.add_argument("--output", "-o", required=True, help="calibrated profile to write")
+    k.set_defaults(func=cmd_calibrate)

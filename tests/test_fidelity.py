@@ -1,0 +1,103 @@
+"""Simulator vs the solver's closed form, predicted vs measured, and calibration."""
+import json
+import random
+
+import pytest
+
+from planner.fidelity import calibrate_profile, check_report, simulate_plan
+from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
+from tests.synthetic import synthetic_profile
+
+
+def _plan(times, m, schedule, b=1):
+    """A plan of len(times) one-unit stages with forward t and backward 2t, no transfers."""
+    n = len(times)
+    profile = synthetic_profile(forward=[{1: t} for t in times], backward=[{1: 2 * t} for t in times],
+                                params=[0] * n, saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,))
+    return plan_with(profile, list(range(1, n)), b, m * b, schedule)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_simulation_and_closed_form(seed):
+    rng = random.Random(seed)
+    p, m = rng.randint(1, 6), rng.randint(1, 10)
+    times = [rng.uniform(0.5, 2.0) for _ in range(p)]
+    gpipe = _plan(times, m, "gpipe")
+    # GPipe: the closed form sum_s T_s + (m - 1) max_s T_s is exact (a flow shop of identical jobs)
+    assert simulate_plan(gpipe).iteration_s == pytest.approx(gpipe["predicted_iteration_s"], rel=1e-9)
+    # 1F1B: the closed form is an upper bound of the simulated schedule, exact for equal stages
+    one = _plan(times, m, "1f1b")
+    assert simulate_plan(one).iteration_s <= one["predicted_iteration_s"] * (1 + 1e-9)
+    equal = _plan([times[0]] * p, m, "1f1b")
+    assert simulate_plan(equal).iteration_s == pytest.approx(equal["predicted_iteration_s"], rel=1e-9)
+
+
+def test_simulation_reports_busy_idle_and_memory():
+    plan = _plan([1.0, 3.0], 4, "1f1b")
+    sim = simulate_plan(plan)
+    assert [r.chunks for r in sim.ranks] == [[0], [1]]
+    # the slow stage is busy 4 x (3 + 6); the fast one idles the rest
+    assert sim.ranks[1].busy_s == pytest.approx(36.0)
+    assert sim.ranks[0].idle_s == pytest.approx(sim.iteration_s - 12.0)
+    assert 0 < sim.bubble_fraction < 1
+
+
+def _fake_report(plan, forward_scale, backward_scale, measured_iteration_s, link=None):
+    m = plan["num_micro_batches"]
+    return {"model": plan["model"], "measured_iteration_s": measured_iteration_s, "link": link,
+            "stages": [{"rank": g, "replica": 0, "chunks": [g], "units": s["units"],
+                        "measured": {"forward_s": m * s["forward_s"] * forward_scale[g],
+                                     "backward_s": m * s["backward_s"] * backward_scale[g],
+                                     "recv_wait_s": 0.0, "send_wait_s": 0.0},
+                        "predicted": {"forward_s": m * s["forward_s"], "backward_s": m * s["backward_s"]}}
+                       for g, s in enumerate(plan["stages"])]}
+
+
+def test_calibration_scales_units_and_records_overhead():
+    times = [1.0, 1.0, 2.0]
+    n = len(times)
+    profile = synthetic_profile(forward=[{1: t} for t in times], backward=[{1: 2 * t} for t in times],
+                                params=[0] * n, saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,))
+    plan = plan_with(profile, [2], 1, 4, "gpipe")  # stages: units 0-1, unit 2
+    truth = plan_with(synthetic_profile(forward=[{1: 1.5}, {1: 1.5}, {1: 2.0}],
+                                        backward=[{1: 3.0}, {1: 3.0}, {1: 2.0}], params=[0] * n,
+                                        saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,)),
+                      [2], 1, 4, "gpipe")
+    overhead = 0.25
+    measured = simulate_plan(truth).iteration_s + overhead
+    report = _fake_report(plan, [1.5, 1.0], [1.5, 0.5], measured,
+                          link={"bandwidth_bytes_per_s": 2e9, "latency_s": 1e-4})
+    calibrated = calibrate_profile(profile, plan, report)
+    assert [u.forward_s[1] for u in calibrated.units] == pytest.approx([1.5, 1.5, 2.0])
+    assert [u.backward_s[1] for u in calibrated.units] == pytest.approx([3.0, 3.0, 2.0])
+    c = calibrated.extra["calibration"]
+    assert c["step_overhead_s"] == pytest.approx(overhead, rel=1e-6)
+    assert c["bandwidth_bytes_per_s"] == 2e9 and c["latency_s"] == 1e-4
+    assert profile.units[0].forward_s[1] == 1.0  # the input profile is untouched
+    result = check_report(plan, report)
+    assert result["ranks"][0]["forward"][2] == pytest.approx(0.5)
+
+
+def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
+    from planner.jsonio import write_json_atomic
+    from planner.profile import save_profile
+
+    profile = profile_of("builtin:gpt")
+    plan = plan_with(profile, [4], 2, 8)
+    execute(plan, tmp_path, steps=3)
+    plan_path, profile_path = str(tmp_path / "plan.json"), str(tmp_path / "profile.json")
+    save_profile(profile, profile_path)
+    write_json_atomic(plan_path, plan)
+    report_path = str(tmp_path / "report.json")
+    assert report_of(tmp_path)["link"]["bandwidth_bytes_per_s"] > 0
+    checked = run_cli(["planner.cli", "check", plan_path, report_path])
+    assert checked.returncode == 0, checked.stderr
+    assert "iteration: measured" in checked.stdout
+    out = str(tmp_path / "calibrated.json")
+    calibrated = run_cli(["planner.cli", "calibrate", profile_path, report_path, "--plan", plan_path, "-o", out])
+    assert calibrated.returncode == 0, calibrated.stderr
+    assert "per-step overhead" in calibrated.stdout
+    assert "calibration" in json.load(open(out))
+    simulated = run_cli(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
+    assert simulated.returncode == 0, simulated.stderr
+    assert "simulated iteration" in simulated.stdout and (tmp_path / "sim.png").exists()
