@@ -34,12 +34,15 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
                 for k in MEASURED_KEYS}
         mean["step_s"] = mean.pop("time_s")
         units = [u for st in plan_stages for u in st["units"]]
+        spans = [st["units"][0] if len(st["units"]) == 1 else f"{st['units'][0]}..{st['units'][-1]}"
+                 for st in plan_stages]
         ranks.append({
             "rank": r["rank"],
             "stage": r.get("pipeline_rank", r["rank"]),
             "replica": r.get("replica", 0),
             "chunks": chunks,
             "units": units,
+            "unit_spans": spans,
             "measured": mean,
             "predicted": {"forward_s": m * sum(float(st.get("forward_s", 0.0)) for st in plan_stages),
                           "backward_s": m * sum(float(st.get("backward_s", 0.0)) for st in plan_stages)},
@@ -71,10 +74,9 @@ def format_report(report: Dict[str, Any]) -> str:
              f"{'':>4}  {'measured':>10} {'predicted':>10}  {'measured':>10} {'predicted':>10}"]
     for s in report["stages"]:
         me, pr = s["measured"], s["predicted"]
-        units = s["units"]
-        span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+        span = " + ".join(s["unit_spans"]) + f" ({len(s['units'])} units)"
         if len(s["chunks"]) > 1:
-            span += f" in stages {','.join(map(str, s['chunks']))}"
+            span = f"stages {','.join(map(str, s['chunks']))}: {span}"
         lines.append(f"{s['rank']:>4}  {me['forward_s'] * 1e3:>10.2f} {pr['forward_s'] * 1e3:>10.2f}  "
                      f"{me['backward_s'] * 1e3:>10.2f} {pr['backward_s'] * 1e3:>10.2f}  "
                      f"{(me['recv_wait_s'] + me['send_wait_s']) * 1e3:>10.2f}  {span}")
