@@ -1,9 +1,15 @@
-"""Capture a model's graph with torch.fx and group it into ordered partition units.
+"""Capture a model's graph (torch.fx, else torch.export) and group it into ordered partition units.
+
+`torch.fx.symbolic_trace` is tried first; when it fails (Python control flow on shapes or
+values, library code), `torch.export` captures the model on an example batch instead
+(capture_export.py). Both give an FX graph whose nodes carry `meta["module_stack"]`.
 
 A unit is a maximal run of graph nodes (in execution order) that belong to the same
-top-level submodule call; containers (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`) are
-looked through, so a transformer block or a residual block is one unit. Free operations
-between submodule calls join the unit before them (leading ones the first unit).
+top-level submodule call. Containers (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`) and
+"stacks" (modules holding a list of repeated layers somewhere below them, like a Hugging Face
+`LlamaModel` or `T5Stack`) are looked through, so a transformer block or a residual block is
+one unit. Free operations between submodule calls join the unit before them (leading ones the
+first unit).
 
 Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
 a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
@@ -17,11 +23,18 @@ qualified names, so a stage's `state_dict` keys are the model's own.
 """
 from __future__ import annotations
 
+import inspect
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
+from torch.fx import _pytree as fx_pytree
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
+
+from planner.capture_export import ExportFailure, export_graph, split_inputs
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -37,11 +50,16 @@ class _UnitTracer(fx.Tracer):
         super().__init__()
         self.proxy_buffer_attributes = True  # buffers become get_attr nodes, read per stage
         self.unit_module_stack: List[str] = []
+        self.failed_at: Optional[str] = None  # innermost module running when tracing failed
 
     def call_module(self, m, forward, args, kwargs):
         self.unit_module_stack.append(self.path_of_module(m))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = self.unit_module_stack[-1]
+            raise
         finally:
             self.unit_module_stack.pop()
 
@@ -67,32 +85,68 @@ class StageIO:
     is_last: bool
 
 
-def _unit_path(root: nn.Module, stack: List[str]) -> Optional[str]:
-    """The partition key of a node: its outermost module call, looking through containers."""
-    if not stack:
-        return None
-    depth = 0
-    path = stack[0]
-    while depth + 1 < len(stack) and isinstance(root.get_submodule(path), _CONTAINERS):
-        depth += 1
-        path = stack[depth]
-    return path
+def _is_repeated_list(module: nn.Module) -> bool:
+    """A container of two or more layers of one type: the layer list of a stack."""
+    if not isinstance(module, _CONTAINERS):
+        return False
+    types = [type(child) for child in module.children()]
+    return len(types) >= 2 and len(set(types)) < len(types)
+
+
+def _looked_through(module: nn.Module) -> bool:
+    """Containers, and modules with a repeated layer list below them (a model wrapper, a stack)."""
+    if isinstance(module, _CONTAINERS):
+        return True
+    return any(_is_repeated_list(m) for m in module.modules() if m is not module)
+
+
+def _unit_path(root: nn.Module, stack: List[str], cache: Dict[str, bool]) -> Optional[str]:
+    """The partition key of a node: its outermost module call, looking through containers and
+    stacks; None for a node directly inside a looked-through module (a free operation)."""
+    for path in stack:
+        if path not in cache:
+            cache[path] = _looked_through(root.get_submodule(path))
+        if not cache[path]:
+            return path
+    return None
+
+
+@dataclass
+class SharedParameter:
+    """One parameter tensor read by several units (tied weights), under all of its names."""
+
+    name: str  # the model's first name for it (named_parameters order)
+    names: List[str]  # every state_dict name of the tensor
+    units: List[str]  # units reading it
+    bytes: int
 
 
 class CapturedModel:
-    """A traced model, its units, and the values crossing each cut."""
+    """A captured model, its units, and the values crossing each cut.
 
-    def __init__(self, module: nn.Module):
+    `method` is "fx" or "export". For "auto", fx is tried first and export on failure; export
+    needs an example batch: `example_inputs`, or the batch function of the `ModelSpec` that
+    built `module` (recorded by `planner.spec.build_spec`).
+    """
+
+    def __init__(self, module: nn.Module, example_inputs: Any = None, method: str = "auto"):
         self.module = module
-        tracer = _UnitTracer()
-        try:
-            graph = tracer.trace(module)
-        except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
-            raise CaptureError(
-                f"torch.fx could not trace {type(module).__name__}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}. Make data-dependent code a leaf module "
-                "or avoid Python control flow on tensor values") from None
-        self.gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+        self.in_spec: Any = None  # export only: pytree spec of (args, kwargs)
+        self.out_spec: Any = None  # export only: pytree spec of the model's output
+        self.fallback_reason = ""  # why fx was not used, when export was
+        if method not in ("auto", "fx", "export"):
+            raise ValueError(f"capture method {method!r} is not auto, fx or export")
+        fx_error = None
+        if method in ("auto", "fx"):
+            try:
+                self.gm, self.method = self._trace_fx(module), "fx"
+            except CaptureError as e:
+                if method == "fx":
+                    raise
+                fx_error = e
+        if method == "export" or fx_error is not None:
+            self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
+            self.fallback_reason = str(fx_error) if fx_error else ""
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.units = self._group_units(module)
         self._unit_of: Dict[str, int] = {}
@@ -101,12 +155,52 @@ class CapturedModel:
                 self._unit_of[node.name] = index
         self._crossing = self._compute_crossings()
 
+    # --- capture ------------------------------------------------------------------------
+    @staticmethod
+    def _trace_fx(module: nn.Module) -> fx.GraphModule:
+        tracer = _UnitTracer()
+        try:
+            graph = tracer.trace(module)
+        except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
+            where = f" in {tracer.failed_at!r}" if tracer.failed_at else ""
+            raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {_first_line(e)}") from None
+        return fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+    def _export(self, module: nn.Module, example_inputs: Any, fx_error: Optional[CaptureError]) -> fx.GraphModule:
+        if example_inputs is None:
+            example_inputs = example_batch(module)
+        if example_inputs is None:
+            raise CaptureError(f"{fx_error or 'torch.export was asked for'}; torch.export needs an example batch: "
+                               "build the model with planner.spec.build_spec or pass example_inputs")
+        try:
+            exported = export_graph(module, example_inputs)
+        except ExportFailure as e:
+            where = f" in {e.module_path!r}" if e.module_path else ""
+            raise CaptureError(
+                f"cannot capture {type(module).__name__}: {fx_error}; torch.export failed{where}: "
+                f"{_first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
+                "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
+        self.in_spec, self.out_spec = exported.in_spec, exported.out_spec
+        return exported.gm
+
+    def input_values(self, inputs: Any) -> List[Any]:
+        """A batch's `inputs` (positional, optionally ending in a keyword dict) as a list aligned
+        with `placeholders`: what the graph's forward takes."""
+        args, kwargs = split_inputs(inputs)
+        if self.method == "export":
+            return list(fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec))
+        bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        return [values[name] for name in self.placeholders]
+
     # --- grouping -----------------------------------------------------------------------
     def _group_units(self, root: nn.Module) -> List[Unit]:
         compute = [n for n in self.gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
         if not compute:
             raise CaptureError(f"{type(root).__name__} has no operations to partition")
-        keys = [_unit_path(root, n.meta.get("module_stack", [])) for n in compute]
+        cache: Dict[str, bool] = {}
+        keys = [_unit_path(root, n.meta.get("module_stack", []), cache) for n in compute]
         # Free operations join the unit before them; leading free operations join the first unit.
         first_key = next((k for k in keys if k is not None), "ops")
         previous = first_key
@@ -201,9 +295,14 @@ class CapturedModel:
             output = next(n for n in self.gm.graph.nodes if n.op == "output")
             for source in output.all_input_nodes:
                 lookup(source)
-            graph.output(fx.map_arg(output.args[0], lookup))
+            graph.output(fx.map_arg(output.args[0], lookup), type_expr=output.type)
         else:
             graph.output(tuple(env[by_name[name]] for name in io.sent))
+        if io.is_last and self.out_spec is not None:
+            # The loss sees the model's real output type (tuple, dict, ModelOutput dataclass ...).
+            names = io.inputs + io.received
+            graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(
+                orig_args=names, in_spec=pytree.tree_structure((tuple(names), {})), out_spec=self.out_spec)))
         graph.lint()
         stage = fx.GraphModule(self.gm, graph, class_name=f"Stage_{first}_{end}")
         return stage, io
@@ -214,12 +313,70 @@ class CapturedModel:
         return [name for name, _ in stage.named_parameters()]
 
 
-def capture(module: nn.Module) -> CapturedModel:
-    return CapturedModel(module)
+    def shared_parameters(self) -> List[SharedParameter]:
+        """Parameter tensors read by more than one unit (tied weights), each once."""
+        names_of: Dict[int, List[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(name)
+        units_of: Dict[int, List[str]] = {}
+        tensors: Dict[int, torch.Tensor] = {}
+        for node in self.gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            value = _resolve(self.gm, node.target)
+            if not isinstance(value, nn.Parameter):
+                continue
+            tensors[id(value)] = value
+            for user in node.users:
+                if user.name in self._unit_of:
+                    unit = self.units[self._unit_of[user.name]].name
+                    if unit not in units_of.setdefault(id(value), []):
+                        units_of[id(value)].append(unit)
+        shared = []
+        for key, units in units_of.items():
+            if len(units) > 1:
+                names = names_of.get(key, [])
+                t = tensors[key]
+                shared.append(SharedParameter(name=names[0] if names else "", names=names,
+                                              units=sorted(units, key=self.unit_index),
+                                              bytes=t.numel() * t.element_size()))
+        return shared
 
 
-def run_all_nodes(captured: CapturedModel, inputs: tuple, grad: bool = False) -> Dict[str, Any]:
-    """Run the traced model once, returning every node's value by name (for measuring units).
+def _resolve(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# The batch function of the ModelSpec that built each module (export needs an example batch).
+_EXAMPLE_BATCHES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
+EXAMPLE_BATCH_SIZE = 2  # dynamic batch dimensions must not be 0 or 1 when exported
+
+
+def remember_batch(module: nn.Module, batch: Callable) -> None:
+    """Record `batch(batch_size, step)` for `module`, so capture can export it on an example."""
+    _EXAMPLE_BATCHES[module] = batch
+
+
+def example_batch(module: nn.Module) -> Any:
+    batch = _EXAMPLE_BATCHES.get(module)
+    return batch(EXAMPLE_BATCH_SIZE, 0)[0] if batch is not None else None
+
+
+def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto") -> CapturedModel:
+    """fx if it can, torch.export otherwise (see CapturedModel)."""
+    return CapturedModel(module, example_inputs, method)
+
+
+def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False) -> Dict[str, Any]:
+    """Run the captured model once on a batch's `inputs`, returning every node's value by name.
 
     With `grad=True` autograd records the run, so each value's `requires_grad` is meaningful."""
     values: Dict[str, Any] = {}
@@ -231,5 +388,5 @@ def run_all_nodes(captured: CapturedModel, inputs: tuple, grad: bool = False) ->
             return result
 
     with torch.set_grad_enabled(grad):
-        _Recorder(captured.gm).run(*inputs)
+        _Recorder(captured.gm).run(*captured.input_values(inputs))
     return values

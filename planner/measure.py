@@ -142,6 +142,12 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def shared_parameters_json(captured: CapturedModel) -> List[Dict[str, Any]]:
+    """Tied weights for the profile: each unit using one counts its bytes in its param_bytes."""
+    return [{"name": p.name, "names": p.names, "units": p.units, "bytes": p.bytes}
+            for p in captured.shared_parameters()]
+
+
 def profile_model(
     entry: str,
     model_args: Dict[str, Any],
@@ -163,8 +169,10 @@ def profile_model(
     captured: CapturedModel = capture(spec.module)
     captured.gm.to(dev)
     L = len(captured.units)
-    say(f"captured {type(spec.module).__name__} with torch.fx: {L} units "
-        f"({', '.join(captured.unit_names[:6])}{', …' if L > 6 else ''})")
+    if captured.fallback_reason:
+        say(f"torch.fx failed ({captured.fallback_reason}); used torch.export")
+    say(f"captured {type(spec.module).__name__} with {'torch.fx' if captured.method == 'fx' else 'torch.export'}: "
+        f"{L} units ({', '.join(captured.unit_names[:6])}{', …' if L > 6 else ''})")
 
     stages = [captured.stage_module(k, k + 1) for k in range(L)]
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
@@ -222,7 +230,7 @@ def profile_model(
         threads=torch.get_num_threads(),
         dtype=str(next((p.dtype for p in spec.module.parameters()), torch.float32)).replace("torch.", ""),
         torch_version=torch.__version__,
-        capture="fx",
+        capture=captured.method,
         repeats=repeats,
-        extra={"python": sys.version.split()[0]},
+        extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured)},
     )

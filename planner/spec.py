@@ -20,8 +20,13 @@ class ModelSpec:
 
     module: the `torch.nn.Module` to train.
     batch:  `batch(batch_size, step) -> (inputs: tuple, target)`, deterministic for a given step;
-            every tensor has the batch on dim 0; `module(*inputs)` is the forward call.
-    loss:   `loss(output, target) -> scalar tensor`, the mean loss of a micro-batch.
+            every tensor has the batch on dim 0. `module(*inputs)` is the forward call; if the
+            last element of `inputs` is a dict, it holds keyword arguments:
+            `module(*inputs[:-1], **inputs[-1])` (see `call_model`). `target` may be any
+            tensor, tuple or dict of tensors (or None).
+    loss:   `loss(output, target) -> scalar tensor`, the mean loss of a micro-batch; `output`
+            is whatever the module returns (tensor, tuple, dict, dataclass such as a Hugging
+            Face ModelOutput).
     """
 
     module: torch.nn.Module
@@ -34,6 +39,14 @@ class ModelEntryError(ValueError):
 
 
 BUILTIN_MODELS = ("gpt", "resnet", "mlp")
+
+
+def call_model(module: torch.nn.Module, inputs: Any) -> Any:
+    """The forward call for a batch's `inputs`: a trailing dict is passed as keyword arguments."""
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if inputs and isinstance(inputs[-1], dict):
+        return module(*inputs[:-1], **inputs[-1])
+    return module(*inputs)
 
 
 def parse_model_args(pairs: Iterable[str]) -> Dict[str, Any]:
@@ -62,6 +75,10 @@ def _parse_literal(raw: str) -> Any:
 
 
 def resolve_entry(entry: str) -> Callable[..., ModelSpec]:
+    if entry.startswith("hf:"):
+        from planner.models.hf import hf_builder
+
+        return hf_builder(entry.split(":", 1)[1])
     if entry.startswith("builtin:"):
         name = entry.split(":", 1)[1]
         if name not in BUILTIN_MODELS:
@@ -96,6 +113,9 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
         raise ModelEntryError(f"{entry} returned {type(spec).__name__}, expected planner.ModelSpec(module=, batch=, loss=)")
     if not isinstance(spec.module, torch.nn.Module):
         raise ModelEntryError(f"{entry}: ModelSpec.module must be a torch.nn.Module")
+    from planner.capture import remember_batch
+
+    remember_batch(spec.module, spec.batch)  # torch.export captures on an example batch
     return spec
 
 

@@ -129,7 +129,8 @@ class Engine:
         if not isinstance(inputs, (tuple, list)):
             raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
         d = self.topology.data_parallel
-        mine = split_micro_batches([list(inputs), target], self.global_batch, d, "batch")[self.replica]
+        flat = self.rank_model.input_values(inputs)  # aligned with the graph's placeholders
+        mine = split_micro_batches([flat, target], self.global_batch, d, "batch")[self.replica]
         per_replica = self.global_batch // d
         micro_inputs = split_micro_batches(mine[0], per_replica, self.m, "inputs")
         micro_targets = split_micro_batches(mine[1], per_replica, self.m, "target")

@@ -11,7 +11,7 @@ runs again in backward), the other units fused into segments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import fx, nn
@@ -94,6 +94,9 @@ class RankModel:
     # those ranks before the optimizer step.
     tied: Dict[str, Tuple[nn.Parameter, Tuple[int, ...]]]
     tied_groups: List[Tuple[str, Tuple[int, ...]]]  # every tie in the plan, same order on all ranks
+    # A batch's `inputs` (positional, maybe ending in a keyword dict) as a list aligned with the
+    # graph's placeholders (Chunk.model_inputs).
+    input_values: Callable[[Any], List[Any]] = lambda inputs: list(inputs)
 
     def parameters(self) -> List[nn.Parameter]:
         """This rank's parameters, each once (a tie within the rank is one parameter)."""
@@ -200,7 +203,8 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
     by_name = dict(spec.module.named_parameters(remove_duplicate=False))
     tied = {name: (by_name[name], ranks) for name, ranks in tied_groups
             if pipeline_rank in ranks and id(by_name[name]) in mine}
-    return RankModel(spec=spec, chunks=chunks, tied=tied, tied_groups=tied_groups)
+    return RankModel(spec=spec, chunks=chunks, tied=tied, tied_groups=tied_groups,
+                     input_values=captured.input_values)
 
 
 def chunk_state(chunk: Chunk, spec: ModelSpec) -> Dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@ from planner.measure import profile_model
 from planner.plan import make_plan
 from planner.profile import Profile
 from planner.solve.ilp import Solution
-from planner.spec import build_spec
+from planner.spec import build_spec, call_model
+from runtime.engine import split_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,10 +93,11 @@ def reference_state(plan: dict, steps: int = 3, lr: float = 0.05, optimizer: str
     m = g // b
     for step in range(steps):
         inputs, target = spec.batch(g, step)
+        micro_inputs = split_micro_batches(tuple(inputs), g, m, "inputs")
+        micro_targets = split_micro_batches(target, g, m, "target")
         total = 0.0
         for i in range(m):
-            micro_inputs = [t[i * b:(i + 1) * b] for t in inputs]
-            loss = spec.loss(spec.module(*micro_inputs), target[i * b:(i + 1) * b]) / m
+            loss = spec.loss(call_model(spec.module, micro_inputs[i]), micro_targets[i]) / m
             loss.backward()
             total += float(loss.detach()) * m
         if losses is not None:

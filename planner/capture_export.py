@@ -1,0 +1,111 @@
+"""The torch.export path of capture: for models torch.fx cannot trace symbolically.
+
+`torch.export.export(strict=False)` runs the model's Python on fake tensors, so shape-dependent
+control flow and library code (Hugging Face models) go through. Its graph is an FX graph too:
+after unlifting (`ExportedProgram.module()`), parameters and buffers are `get_attr` nodes under
+the model's original qualified names, and each node's `nn_module_stack` says which module calls
+produced it. We normalise that into the same `node.meta["module_stack"]` the fx tracer writes,
+so unit grouping, crossings and stage cutting are shared by both paths.
+
+The batch dimension (dim 0 of every tensor input) is exported as dynamic so one graph serves
+every micro-batch size; sizes derived from it become integer nodes that cross cuts as constants.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+# Nodes that only check what export assumed about the example inputs (device, dtype, guards):
+# a stage cut out of the graph runs on other sizes and devices, so they are dropped.
+_CHECK_TARGETS = tuple(t for t in (
+    getattr(torch.ops.aten, "_assert_tensor_metadata", None),
+    getattr(torch.ops.aten, "_assert_scalar", None),
+    getattr(torch.ops.aten, "sym_constrain_range_for_size", None),
+) if t is not None)
+
+
+@dataclass
+class ExportedGraph:
+    """An unlifted export graph and how to map a batch's inputs and outputs onto it."""
+
+    gm: fx.GraphModule
+    in_spec: Any  # pytree spec of (args, kwargs)
+    out_spec: Any  # pytree spec of the model's output (tuple, dict, dataclass ...)
+
+
+class ExportFailure(RuntimeError):
+    """torch.export failed; `module_path` is the innermost submodule running when it did."""
+
+    def __init__(self, cause: BaseException, module_path: str):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.module_path = module_path
+
+
+def split_inputs(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:
+    """A batch's `inputs` as (args, kwargs): a trailing dict holds the keyword arguments."""
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if inputs and isinstance(inputs[-1], dict):
+        return inputs[:-1], dict(inputs[-1])
+    return inputs, {}
+
+
+def _dynamic_batch(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """dim 0 of every tensor input is the (dynamic) batch dimension."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+
+    def spec(value: Any) -> Any:
+        return pytree.tree_map(lambda v: {0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim()
+                               else None, value)
+
+    return {name: spec(value) for name, value in bound.arguments.items()}
+
+
+def innermost_module(root: nn.Module, error: BaseException) -> str:
+    """The path of the innermost submodule of `root` whose code raised `error` ("" if none)."""
+    by_id = {id(m): name for name, m in root.named_modules() if name}
+    found = ""
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in by_id:
+            found = by_id[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
+    """Export `module` on `example_inputs` (batch of 2 or more) and normalise the graph."""
+    args, kwargs = split_inputs(example_inputs)
+    try:
+        program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_batch(module, args, kwargs),
+                                      strict=False)
+    except Exception as e:  # export raises many types; all mean "cannot capture"
+        raise ExportFailure(e, innermost_module(module, e)) from None
+    gm = program.module()
+    info = gm.graph._codegen.pytree_info
+    _normalise(gm, module)
+    return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec)
+
+
+def _normalise(gm: fx.GraphModule, root: nn.Module) -> None:
+    """Drop guard/assert nodes; tag each node with its module-call stack (outermost first)."""
+    names = {name for name, _ in root.named_modules() if name}
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_module" and node.target == "_guards_fn") or \
+                (node.op == "call_function" and node.target in _CHECK_TARGETS and not node.users):
+            gm.graph.erase_node(node)
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        node.meta["module_stack"] = [path for path, _ in stack.values() if path in names]
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    # The unlifted module checks inputs against the example in a pre-hook: stages run other sizes.
+    gm._forward_pre_hooks.clear()
+    gm.graph.lint()
+    gm.recompile()
