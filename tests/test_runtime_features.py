@@ -163,3 +163,19 @@ def test_recomputed_units_keep_only_their_inputs():
     names = lambda grads: {n.split("parts.", 1)[-1].split(".", 1)[-1] if n.startswith("parts.") else n: g
                            for n, g in grads.items()}
     assert max_abs_diff(names(plain_grads), names(again_grads)) <= 1e-6
+
+
+def test_show_prints_checked_lists_and_bad_plans_fail_before_starting(tmp_path):
+    plan = reshape_plan(_gpt_plan([2, 5, 7], b=2, g=8), virtual_stages=2, schedule="interleaved")
+    path = str(tmp_path / "plan.json")
+    write_json_atomic(path, plan)
+    shown = run_cli(["runtime.cli", "show", path])
+    assert shown.returncode == 0, shown.stderr
+    assert "rank 0 (stages 0,2" in shown.stdout and "no rank can wait forever" in shown.stdout
+    # interleaved needs m divisible by p; a global batch that does not split evenly is refused too
+    for bad in (dict(plan, num_micro_batches=3, global_batch=6), dict(plan, global_batch=10)):
+        write_json_atomic(path, bad)
+        for command in (["runtime.cli", "show", path], ["runtime.cli", "execute", path]):
+            result = run_cli(command)
+            assert result.returncode == 2, (command, result.stdout, result.stderr)
+            assert "Traceback" not in result.stderr and "error:" in result.stderr

@@ -1,0 +1,134 @@
+"""Fidelity grid: predicted vs measured iteration time on real runs, before and after one
+calibration round.
+
+    .venv/bin/python benchmarks/fidelity.py [--steps 6] [--json out.json]
+
+For built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
+profile once (1 thread, as each rank of a 2-rank run on 2 cores has), solve the split with the ILP
+for that (b, m), run it with `runtime execute`, and compare the plan's predicted iteration time
+with the measured one (median of steady steps). Then calibrate the profile from ONE run per model
+(2 stages, m = 4, b = 4) and predict every grid point again with the calibrated profile: the
+mean absolute percentage error (MAPE) before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from planner.costmodel import CostOptions  # noqa: E402
+from planner.fidelity import calibrate_profile  # noqa: E402
+from planner.jsonio import read_json, write_json_atomic  # noqa: E402
+from planner.measure import profile_model  # noqa: E402
+from planner.plan import make_plan  # noqa: E402
+from planner.solve import solve  # noqa: E402
+
+MODELS = {
+    "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),
+    "resnet": ("builtin:resnet", {"width": 16, "blocks": 4, "image": 32}),
+}
+STAGES = (1, 2)
+MICRO_BATCHES = (2, 4, 8)
+SIZES = (2, 4)
+CALIBRATION_POINT = (2, 4, 4)  # stages, m, b
+
+
+def only_size(profile, b):
+    """The profile restricted to one micro-batch size, so the solver keeps (b, m) fixed."""
+    p = copy.deepcopy(profile)
+    p.micro_batch_sizes = [b]
+    return p
+
+
+def plan_for(profile, stages, m, b, opts_extra=None):
+    opts = CostOptions(num_stages=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    solution = solve(only_size(profile, b), opts, method="ilp")
+    return make_plan(profile, solution, opts, "benchmark"), opts
+
+
+def run(plan, steps):
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path, report_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "report.json")
+        write_json_atomic(plan_path, plan)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", plan_path, "--steps", str(steps),
+                                 "--report", report_path], cwd=ROOT, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr)
+        return read_json(report_path)
+
+
+def mape(rows, key):
+    return statistics.mean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) * 100
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", help="write all rows here")
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    started = time.time()
+    all_rows, summary = [], []
+    for name in args.models.split(","):
+        entry, model_args = MODELS[name]
+        profile = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7)
+        rows, reports = [], {}
+        for stages in STAGES:
+            for m in MICRO_BATCHES:
+                for b in SIZES:
+                    plan, _ = plan_for(profile, stages, m, b)
+                    report = run(plan, args.steps)
+                    reports[(stages, m, b)] = (plan, report)
+                    rows.append({"model": name, "stages": stages, "m": m, "b": b,
+                                 "split": [s["units"][0] for s in plan["stages"]],
+                                 "predicted_s": plan["predicted_iteration_s"],
+                                 "measured_s": report["measured_iteration_s"]})
+                    print(f"{name:6} S={stages} m={m} b={b}: predicted {rows[-1]['predicted_s'] * 1e3:7.2f} ms, "
+                          f"measured {rows[-1]['measured_s'] * 1e3:7.2f} ms", flush=True)
+        plan, report = reports[CALIBRATION_POINT]
+        calibrated = calibrate_profile(profile, plan, report)
+        cal = calibrated.extra["calibration"]
+        link = {"bandwidth": cal["bandwidth_bytes_per_s"], "latency": cal["latency_s"]} \
+            if "bandwidth_bytes_per_s" in cal else {}
+        for row in rows:
+            # the same split, re-predicted from the calibrated profile
+            (plan, _) = reports[(row["stages"], row["m"], row["b"])]
+            boundaries = [s["first_unit"] for s in plan["stages"][1:]]
+            from planner.costmodel import evaluate
+            opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b", **link)
+            cost = evaluate(calibrated, boundaries, row["b"], opts)
+            row["calibrated_s"] = cost.iteration_s + cal["step_overhead_s"]
+        before, after = mape(rows, "predicted_s"), mape(rows, "calibrated_s")
+        summary.append({"model": name, "points": len(rows), "mape_before_pct": before, "mape_after_pct": after,
+                        "step_overhead_ms": cal["step_overhead_s"] * 1e3,
+                        "link_gbps": link.get("bandwidth", 0) / 1e9, "latency_us": link.get("latency", 0) * 1e6})
+        all_rows += rows
+    print()
+    print("| model | points | MAPE before | MAPE after one calibration | per-step overhead | link |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for s in summary:
+        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
+              f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
+    print()
+    print("| model | S | m | b | predicted ms | calibrated ms | measured ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in all_rows:
+        print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
+              f"{r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} |")
+    print(f"\n{time.time() - started:.0f} s")
+    if args.json:
+        write_json_atomic(args.json, {"summary": summary, "rows": all_rows})
+
+
+if __name__ == "__main__":
+    main()
