@@ -5,11 +5,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from planner import cli_fidelity, cli_profile, cli_solve
+from planner import cli_compare, cli_fidelity, cli_import, cli_profile, cli_show, cli_solve
 from planner.cli_common import UsageError
 from planner.jsonio import JsonFileError
 
-SUBCOMMANDS = [cli_profile, cli_solve, cli_fidelity]
+SUBCOMMANDS = [cli_profile, cli_solve, cli_compare, cli_show, cli_import, cli_fidelity]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,41 +1,103 @@
-"""`planner solve PROFILE`: the integer program, and the plan file."""
+"""`planner solve PROFILE`: the plan (integer program by default), printed as a table and written as JSON."""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import List, Optional, Tuple
 
 from planner.cli_common import UsageError, parse_bytes
 
+SCHEDULE_CHOICES = ["1f1b", "gpipe", "interleaved", "bfs", "auto"]
 
-def cmd_solve(args: argparse.Namespace) -> int:
+
+def add_problem_options(s: argparse.ArgumentParser) -> None:
+    """The options describing the planning problem (shared by solve and compare)."""
+    s.add_argument("profile", help="profile JSON from `planner profile` or `planner import-pipedream`")
+    group = s.add_mutually_exclusive_group()
+    group.add_argument("--stages", type=int, default=None, help="pipeline stages, one device each (default 2)")
+    group.add_argument("--devices", type=int, default=None,
+                       help="devices N: choose pipeline depth p and data-parallel degree d with p x d = N")
+    s.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step, G = d x m x b (default: 2 x stages x largest profiled size)")
+    s.add_argument("--memory-per-device", help="memory cap per device, e.g. 16GiB or 512MiB (default: none)")
+    s.add_argument("--schedule", default="1f1b", choices=SCHEDULE_CHOICES,
+                   help="pipeline schedule; auto lets the solver choose (default 1f1b)")
+    s.add_argument("--virtual-stages", type=int, default=2,
+                   help="model chunks per device for interleaved/bfs (default 2)")
+    s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
+                   help="activation recomputation per unit: auto = where memory needs it (default auto)")
+    s.add_argument("--bandwidth", default="5GB", help="bytes/s between consecutive stages (default 5GB)")
+    s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
+    s.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages (default 0)")
+    s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cluster.py)")
+    s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
+                   help="optimizer whose state the memory model counts (default sgd)")
+    s.add_argument("--backend", default="highs", choices=["highs", "cbc"],
+                   help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py)")
+    s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+
+
+def problem_from_args(args: argparse.Namespace):
+    """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
+    from planner.cluster import load_cluster
     from planner.costmodel import CostOptions
-    from planner.jsonio import write_json_atomic
-    from planner.plan import format_plan_table, make_plan
     from planner.profile import load_profile
-    from planner.solve import solve
-    from planner.solve.diagnose import InfeasibleError
 
     profile = load_profile(args.profile)
-    if args.stages < 1:
-        raise UsageError("--stages must be at least 1")
-    global_batch = max(profile.micro_batch_sizes) * args.stages * 2 if args.global_batch is None \
-        else args.global_batch
+    cluster = None
+    if args.cluster:
+        try:
+            cluster = load_cluster(args.cluster)
+        except ValueError as e:
+            raise UsageError(f"--cluster {args.cluster}: {e}") from None
+    stages = args.stages if args.stages is not None else (cluster.num_devices if cluster else 2)
+    if stages < 1 or (args.devices is not None and args.devices < 1):
+        raise UsageError("--stages/--devices must be at least 1")
+    if args.virtual_stages < 2:
+        raise UsageError("--virtual-stages must be at least 2 (it only applies to interleaved and bfs)")
+    width = args.devices if args.devices is not None else stages
+    global_batch = max(profile.micro_batch_sizes) * width * 2 if args.global_batch is None else args.global_batch
     if global_batch < 1:
         raise UsageError("--global-batch must be positive")
+    if args.schedule == "auto":
+        schedules: List[str] = ["1f1b", "gpipe", "interleaved", "bfs"]
+    else:
+        schedules = [args.schedule]
     opts = CostOptions(
-        num_stages=args.stages,
+        num_stages=stages if args.devices is None else 1,
         global_batch=global_batch,
-        schedule=args.schedule,
+        schedule="1f1b",
         bandwidth=parse_bytes(args.bandwidth, "--bandwidth"),
         latency=args.latency,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
+        dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
+        virtual_stages=args.virtual_stages if args.schedule in ("interleaved", "bfs") else 1,
+        cluster=cluster,
+        recompute=args.recompute,
     )
+    if args.schedule in ("interleaved", "bfs"):
+        opts = opts.with_(schedule=args.schedule)
+    if cluster is not None and args.devices is not None:
+        raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")
+    return profile, opts, args.devices, schedules
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from planner.jsonio import write_json_atomic
+    from planner.plan import format_plan_table, make_plan
+    from planner.solve import solve
+    from planner.solve.diagnose import InfeasibleError
+
+    profile, opts, devices, schedules = problem_from_args(args)
     try:
-        solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend)
+        solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
+                         devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
     except InfeasibleError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     plan = make_plan(profile, solution, opts, args.profile)
     write_json_atomic(args.output, plan)
     print(format_plan_table(plan))
@@ -43,23 +105,14 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def register(sub) -> None:
-    s = sub.add_parser("solve", help="choose stages and micro-batching with an integer program",
+    s = sub.add_parser("solve", help="choose stages, micro-batching, recomputation and schedule",
                        description="Assign contiguous units to pipeline stages and choose the micro-batch size, "
-                                   "minimising the modelled iteration time under each device's memory.")
-    s.add_argument("profile", help="profile JSON from `planner profile`")
-    s.add_argument("--stages", type=int, default=2, help="pipeline stages, one device each (default 2)")
-    s.add_argument("--global-batch", type=int, default=None,
-                   help="samples per optimizer step (default: 2 x stages x largest profiled micro-batch)")
-    s.add_argument("--memory-per-device", help="memory cap per device, e.g. 16GiB or 512MiB (default: none)")
-    s.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
-    s.add_argument("--bandwidth", default="5GB", help="bytes/s between consecutive stages (default 5GB)")
-    s.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages (default 0)")
-    s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
-                   help="optimizer whose state the memory model counts (default sgd)")
-    s.add_argument("--method", default="ilp", choices=["ilp", "brute"], help="solver (default ilp)")
-    s.add_argument("--backend", default="cbc", choices=["cbc", "highs"], help="MIP solver for --method ilp")
-    s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+                                   "recomputation, data-parallel degree and schedule, minimising the modelled "
+                                   "iteration time under each device's memory.")
+    add_problem_options(s)
+    s.add_argument("--method", default="ilp", choices=["ilp", "dp", "brute", "uniform", "params", "block"],
+                   help="solver: ilp (default, proven optimal), dp (exact chain DP), brute (tiny profiles), "
+                        "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

@@ -21,29 +21,46 @@ REQUIRED_KEYS = ("kind", "model", "profile", "schedule", "optimizer", "global_ba
                  "stages", "predicted_iteration_s", "bubble_fraction", "solver")
 STAGE_KEYS = ("index", "units", "first_unit", "end_unit", "forward_s", "backward_s", "comm_s", "time_s",
               "in_flight", "memory_bytes", "recv", "send")
+# Written by make_plan (schema 1 readers ignore unknown keys): schedule choice and joint decisions.
+PLAN_DECISION_KEYS = ("data_parallel", "virtual_stages", "pipeline_stages")
+STAGE_DECISION_KEYS = ("device", "recompute")
 
 
 def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_path: str) -> Dict[str, Any]:
-    """The plan file's content for `solution` (as produced by planner.solve) of `profile`."""
+    """The plan file's content for `solution` (as produced by planner.solve) of `profile`.
+
+    `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
+    `stages` lists the p v chunks in model order; chunk c runs on pipeline rank `device` = c % p.
+    """
+    opts = solution.options or opts
     b = solution.micro_batch_size
     cost = solution.cost
     last = len(cost.stages) - 1
+    m, p = cost.num_micro_batches, cost.pipeline_stages
+    pipeline_s = cost.iteration_s - cost.extra_s
+    rank_work = [sum(st.time_s for st in cost.stages if st.device == i) for i in range(p)]
     stages: List[Dict[str, Any]] = []
     for index, st in enumerate(cost.stages):
         recv = [v.at(b) for v in profile.cut(st.first_unit).values] if index > 0 else []
         send = [v.at(b) for v in profile.cut(st.end_unit).values] if index < last else []
         stages.append({
             "index": index,
+            "device": st.device,
             "units": [u.name for u in profile.units[st.first_unit:st.end_unit]],
             "first_unit": st.first_unit,
             "end_unit": st.end_unit,
+            "recompute": [profile.units[l].name for l in st.recompute],
             "forward_s": st.forward_s,
             "backward_s": st.backward_s,
             "comm_s": st.comm_s,
             "time_s": st.time_s,
+            "extra_s": st.extra_s,
             "in_flight": st.in_flight,
             "memory_bytes": {"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
-                             "activations": st.activation_bytes, "total": st.memory_bytes},
+                             "activations": st.activation_bytes, "total": st.memory_bytes,
+                             "device_total": cost.device_memory[st.device]},
+            "memory_cap_bytes": cost.device_caps[st.device],
+            "bubble_fraction": max(0.0, 1.0 - m * rank_work[st.device] / pipeline_s) if pipeline_s > 0 else 0.0,
             "recv": recv,
             "send": send,
         })
@@ -54,11 +71,14 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         "model": {"entry": model.get("entry"), "args": model.get("args", {}), "seed": model.get("seed", 0)},
         "profile": {"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
                     "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype},
-        "schedule": opts.schedule,
+        "schedule": cost.schedule,
         "optimizer": opts.optimizer,
         "global_batch": opts.global_batch,
+        "data_parallel": cost.data_parallel,
+        "pipeline_stages": p,
+        "virtual_stages": cost.virtual_stages,
         "micro_batch_size": b,
-        "num_micro_batches": solution.num_micro_batches,
+        "num_micro_batches": m,
         "memory_per_device_bytes": opts.memory_cap,
         "bandwidth_bytes_per_s": opts.bandwidth,
         "latency_s": opts.latency,
@@ -110,31 +130,48 @@ def _units_cell(units: List[str]) -> str:
 
 
 def format_plan_table(plan: Dict[str, Any]) -> str:
-    """A fixed-width table of the stages, then the batch split, schedule, prediction and certificate."""
+    """A fixed-width table of the stages (compute, transfer, memory against the cap, bubble share of
+    the stage's device), then the batch split, schedule, prediction and certificate."""
     cap = plan.get("memory_per_device_bytes")
+    caps = [st.get("memory_cap_bytes", cap) for st in plan["stages"]]
+    any_cap = any(c for c in caps)
     mib = float(2 ** 20)
-    header = ["stage", "units", "compute ms", "transfer ms", "time ms", "memory MiB" + (" / cap" if cap else "")]
+    chunked = plan.get("virtual_stages", 1) > 1
+    header = ["stage"] + (["device"] if chunked else []) + ["units", "compute ms", "transfer ms", "time ms",
+                                                            "memory MiB" + (" / cap" if any_cap else ""), "bubble"]
     rows = []
-    for st in plan["stages"]:
-        memory = f"{st['memory_bytes']['total'] / mib:.1f}" + (f" / {cap / mib:.1f}" if cap else "")
-        rows.append([str(st["index"]), _units_cell(st["units"]), _ms(st["forward_s"] + st["backward_s"]),
-                     _ms(st["comm_s"]), _ms(st["time_s"]), memory])
+    for st, c in zip(plan["stages"], caps):
+        mem = st["memory_bytes"].get("device_total", st["memory_bytes"]["total"])
+        memory = f"{mem / mib:.1f}" + (f" / {c / mib:.1f}" if c else "")
+        units = _units_cell(st["units"]) + (f" r{len(st['recompute'])}" if st.get("recompute") else "")
+        rows.append([str(st["index"])] + ([str(st.get("device", 0))] if chunked else []) +
+                    [units, _ms(st["forward_s"] + st["backward_s"]), _ms(st["comm_s"]), _ms(st["time_s"]), memory,
+                     f"{100 * st.get('bubble_fraction', plan['bubble_fraction']):.1f}%"])
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    align_left = {1}
+    align_left = {header.index("units")}
 
     def line(cells: List[str]) -> str:
         return "  ".join(c.ljust(w) if i in align_left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     out = [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
     out.append("")
-    out.append(f"micro-batch size {plan['micro_batch_size']} x {plan['num_micro_batches']} micro-batches "
-               f"(global batch {plan['global_batch']}), schedule {plan['schedule']}, optimizer {plan['optimizer']}")
+    d = plan.get("data_parallel", 1)
+    v = plan.get("virtual_stages", 1)
+    out.append(f"micro-batch size {plan['micro_batch_size']} x {plan['num_micro_batches']} micro-batches"
+               + (f" x {d} data-parallel replicas" if d > 1 else "")
+               + f" (global batch {plan['global_batch']}), schedule {plan['schedule']}"
+               + (f" with {v} chunks per device" if v > 1 else "") + f", optimizer {plan['optimizer']}")
+    redo = sum(len(st.get("recompute", [])) for st in plan["stages"])
     out.append(f"predicted iteration time {_ms(plan['predicted_iteration_s'])} ms, "
                f"bubble {100 * plan['bubble_fraction']:.1f}%"
-               + (f", memory cap {format_bytes(cap)} per device" if cap else ""))
+               + (f", memory cap {format_bytes(cap)} per device" if cap else "")
+               + (f", {redo} units recomputed (rN in the units column)" if redo else ""))
     solver = plan["solver"]
     if solver.get("status") == "optimal":
         certificate = f"proven optimal for this cost model (gap {100 * (solver.get('gap') or 0.0):.2f}%)"
+    elif solver.get("status") in ("heuristic", "infeasible"):
+        certificate = f"{solver.get('method')} baseline, no optimality claim" + \
+            (" (does NOT fit memory)" if solver.get("status") == "infeasible" else "")
     else:
         certificate = (f"best found, gap {100 * (solver.get('gap') or 0.0):.2f}% from the bound "
                        f"{_ms(solver.get('bound') or 0.0)} ms")

@@ -95,3 +95,18 @@ def test_load_plan_rejects_non_json(tmp_path):
         load_plan(str(path))
     with pytest.raises(JsonFileError, match="does not exist"):
         load_plan(str(tmp_path / "missing.json"))
+
+
+def test_decision_fields_and_png(tmp_path, capsys):
+    from planner.cli import main
+    _, solution, plan = make()
+    assert plan["data_parallel"] == 1 and plan["virtual_stages"] == 1 and plan["pipeline_stages"] == 3
+    assert plan["global_batch"] == plan["data_parallel"] * plan["num_micro_batches"] * plan["micro_batch_size"]
+    assert [st["device"] for st in plan["stages"]] == [0, 1, 2]
+    assert all(st["recompute"] == [] for st in plan["stages"])
+    assert "bubble" in format_plan_table(plan).splitlines()[0]
+    path = tmp_path / "plan.json"
+    write_json_atomic(str(path), plan)
+    png = tmp_path / "plan.png"
+    assert main(["show", str(path), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

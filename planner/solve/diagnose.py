@@ -17,8 +17,8 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate,
-                               in_flight, optimizer_factor)
+from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate, in_flight,
+                               num_micro_batches, optimizer_factor)
 from planner.profile import Profile
 
 
@@ -84,7 +84,7 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
     saved = np.concatenate([[0.0], np.cumsum([float(u.saved_bytes[b]) for u in profile.units])])
     static = (params[None, :] - params[:, None]) * (2 + optimizer_factor(opts.optimizer))
     per_micro_batch = saved[None, :] - saved[:, None]
-    m = opts.global_batch // b
+    m = num_micro_batches(opts, b)
     return lambda s: _upper_triangle(static + in_flight(s, opts.num_stages, m, opts.schedule) * per_micro_batch)
 
 
@@ -120,7 +120,7 @@ class MemoryFloor:
 def min_memory_plan(profile: Profile, opts: CostOptions) -> Optional[MemoryFloor]:
     """Smallest memory per device that fits S stages: min over b, splits of max_s M_s (exact)."""
     best: Optional[MemoryFloor] = None
-    for b in candidate_micro_batch_sizes(profile, opts.global_batch):
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         value, boundaries = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))
         if boundaries is None:
             continue
@@ -143,7 +143,7 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
     and S' = j + 1 fits iff R_j(0). Cost O(L^3) per b, vectorised over (a, e).
     """
     L, cap = profile.num_units, opts.memory_cap
-    sizes = candidate_micro_batch_sizes(profile, opts.global_batch)
+    sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
     if cap is None:
         return 1 if sizes else None
     # memory_matrices(s) uses inflight(s, S, ...): with S = L, stage L-1-j holds min(j + 1, m).
@@ -169,9 +169,7 @@ def _units_text(profile: Profile, first: int, end: int) -> str:
 
 
 def _with_stages(opts: CostOptions, num_stages: int) -> CostOptions:
-    return CostOptions(num_stages=num_stages, global_batch=opts.global_batch, schedule=opts.schedule,
-                       bandwidth=opts.bandwidth, latency=opts.latency, memory_cap=opts.memory_cap,
-                       optimizer=opts.optimizer)
+    return opts.with_(num_stages=num_stages, cluster=None)
 
 
 def diagnose(profile: Profile, opts: CostOptions) -> str:
@@ -180,13 +178,17 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
     if S > L:
         return (f"{S} stages requested but the profile has only {L} units; "
                 f"use at most {L} stages, or profile the model with finer partition units")
-    if not candidate_micro_batch_sizes(profile, G):
+    if not candidate_micro_batch_sizes(profile, G, opts):
         sizes = sorted(profile.micro_batch_sizes)
         smallest = sizes[0] if sizes else 1
         suggestion = -(-G // smallest) * smallest
         return (f"no profiled micro-batch size divides the global batch {G} (profiled: "
                 f"{', '.join(map(str, sizes))}); use a global batch that is a multiple of one of them, "
                 f"e.g. {suggestion}, or profile more micro-batch sizes")
+    if opts.virtual_stages > 1 or opts.cluster is not None or opts.data_parallel > 1:
+        return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} chunks, schedule "
+                f"{opts.schedule}, data-parallel {opts.data_parallel}; fix: allow more memory, more stages, "
+                "fewer virtual stages or --recompute auto")
     floor = min_memory_plan(profile, opts)
     cap = opts.memory_cap
     if floor is None:  # cannot happen when S <= L, kept for safety
@@ -211,7 +213,8 @@ def infeasible_error(profile: Profile, opts: CostOptions) -> InfeasibleError:
     """The InfeasibleError for (profile, opts), with the memory floor attached when there is one."""
     message = diagnose(profile, opts)
     floor = None
-    if opts.num_stages <= profile.num_units and candidate_micro_batch_sizes(profile, opts.global_batch):
+    simple = opts.virtual_stages == 1 and opts.cluster is None
+    if simple and opts.num_stages <= profile.num_units and candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         found = min_memory_plan(profile, opts)
         floor = found.memory_bytes if found is not None else None
     return InfeasibleError(message, min_memory_bytes=floor)

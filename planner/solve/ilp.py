@@ -1,61 +1,51 @@
-"""The integer program: micro-batch size and stage split chosen jointly, optimality proven.
+"""The integer program for one scenario (p, d, v, schedule, micro-batch size b): boundaries and
+recomputation chosen jointly, optimality proven. planner.solve.search enumerates the scenarios.
 
-Disjunctive (convex-hull) formulation. For every candidate micro-batch size b (profiled, divides
-G, and admitting at least one memory-feasible split) there is a binary y_b, with
+Prefix (staircase) form over C = p v chunks: z[l][c] = 1 iff unit l is in a chunk <= c, with
 
-    sum_b y_b = 1                                                    (one micro-batch size)
+    z[l][C-1] = 1;  z[l][c] = 1 for c >= l;  z[l][c] = 0 for c < C - L + l   (chunks are non-empty)
+    z[l][c] >= z[l+1][c]     (contiguity)        z[l][c] <= z[l][c+1]    (prefix)
+    z[l][c] <= z[l+1][c+1]   (chunk c+1 non-empty)
+    x[l][c] = z[l][c] - z[l][c-1]  (unit l in chunk c);  e[k][c] = z[k-1][c] - z[k][c] (cut k ends c)
 
-and a private copy of the split variables that is switched on by y_b. Prefix (staircase) form:
+Variable fixing by prefix sums. With an incumbent of value U, any better plan has
+max_i D_i <= tau = (U - G / v) / (m - 1/v) (G: a lower bound on sum_c T_c: total work over the fastest rank,
+or the DP's unconstrained min sum when v = 1),
+and every chunk time T_c <= tau. Units 0..l in chunks <= c need W(0, l+1) <= (c+1) tau sigma_max,
+so z[l][c] = 0 otherwise; units l..L-1 in chunks > c need W(l, L) <= (C-1-c) tau sigma_max, so
+z[l][c] = 1 otherwise. On balanced chains this leaves each unit one or two possible chunks.
 
-    z^b[l][s] = 1  iff  y_b = 1 and unit l is in a stage <= s      (l < L, s < S)
+Recomputation ('auto', with a memory cap): rho[l][c] <= x[l][c] for units with s_l > in_l;
+chunk c's time gains f_l / sigma rho[l][c] and its memory loses h_c (s_l - in_l) rho[l][c].
 
-    z^b[l][S-1] = y_b                                (every unit is in some stage)
-    z^b[l][s]   = y_b  for s >= l                    (unit l is in a stage <= l)
-    z^b[l][s]   = 0    for s < S - L + l             (the L-1-l later units need S-1-s later stages)
-    z^b[l][s] >= z^b[l+1][s]                         (contiguity: stage index non-decreasing in l)
-    z^b[l][s] <= z^b[l][s+1]                         (prefix form)
-    z^b[l][s] <= z^b[l+1][s+1]                       (stage s+1 is non-empty)
+    T_c   = sum_l x[l][c] w_l / sigma_c + sum_l rho[l][c] f_l / sigma_c
+            + sum_k e[k][c-1] t_k^{c-1} [c > 0] + sum_k e[k][c] t_k^c [c < C-1]
+    Dmax >= sum_{c on i} T_c (each rank i);   Dmax >= LB (exact min-max DP value when v = 1)
+    M_i   = sum_{c on i} sum_l x[l][c] (P_l (2 + opt) + h_c s_l) - rho terms  <= cap_i
+    Emax >= sum_{c on i} (sum_l x[l][c] ar_l + tie_c)           (ar_l: all-reduce of P_l over d)
+    tied parameter t with uses u_1 < ... < u_n: sep_j >= sum_c e[k][c] for cuts u_j < k <= u_{j+1},
+    hold_c >= x[u][c], tie_c >= 2 bytes_t / bw (sum_j sep_j - (n - 1)(1 - hold_c)), tie_c >= 0
+    minimise (1/v) sum_c T_c + (m - 1/v) Dmax + Emax
 
-Derived linear expressions (x: unit in stage, e: cut k ends stage s):
-
-    x^b[l][s] = z^b[l][s] - z^b[l][s-1]
-    e^b[k][s] = z^b[k-1][s] - z^b[k][s]            (k = 1..L-1, s = 0..S-2)
-    T^b_s = sum_l x^b[l][s] w_l + sum_k e^b[k][s-1] c_k [s > 0] + sum_k e^b[k][s] c_k [s < S-1]
-
-with w_l = forward + backward of unit l at b and c_k the cut time (planner.costmodel). Then
-
-    Tmax_b >= T^b_s                                   for every s
-    Tmax_b >= y_b * LB_b      (LB_b: exact min over memory-feasible splits of max_s T_s, by the DP
-                               of planner.solve.diagnose; LB_b >= max_l w_l and >= sum_l w_l / S)
-    M^b_s = sum_l x^b[l][s] (P_l (2 + opt) + inflight_{s,b} A_l(b)) <= cap * y_b
-
-    minimise  sum_b [ sum_s T^b_s + (m_b - 1) Tmax_b ]
-
-Since every copy but the chosen one is all zero, the objective is the cost model's iteration time
-of the chosen (b, split). Times are in milliseconds and memory in MiB inside the model.
+Times are in milliseconds and memory in MiB inside the model.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import re
-import sys
-import tempfile
-import time
-import warnings
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import pulp
 
-from planner.costmodel import (CostOptions, PlanCost, candidate_micro_batch_sizes, cut_times, evaluate,
-                               in_flight, optimizer_factor)
+from planner.costmodel import (CostOptions, PlanCost, allreduce_time, boundary_links, cut_times, held_counts,
+                               input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds,
+                               shared_parameters)
 from planner.profile import Profile
-from planner.solve.diagnose import infeasible_error, min_bottleneck
+from planner.solve.backends import _parse_cbc_log, _run_cbc, _run_highs  # noqa: F401  (re-exported)
 
 MS = 1e3  # seconds -> milliseconds
-MIB = float(2 ** 20)  # bytes -> MiB (a power of two: the division is exact)
+MIB = float(2 ** 20)  # bytes -> MiB
 OPTIMALITY_GAP = 1e-6  # a solution within this relative gap of the bound is reported as optimal
 
 
@@ -70,322 +60,216 @@ class Solution:
     bound: float  # proven lower bound on the optimal iteration time, seconds
     gap: float  # (objective - bound) / objective
     seconds: float  # wall time of the solve
-    method: str  # "ilp" | "brute"
+    method: str  # "ilp" | "dp" | "brute" | "uniform" | "params" | "block"
     backend: str  # "cbc" | "highs" | "python"
+    recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
+    options: Optional[CostOptions] = None  # the concrete scenario (p, d, v, schedule) chosen
 
 
 @dataclass
-class _Copy:
-    """The variables of one candidate micro-batch size b."""
+class ScenarioResult:
+    """What the solver said about one scenario: its plan (or None) and a proven lower bound."""
 
-    b: int
-    m: int
-    y: pulp.LpVariable
-    tmax: pulp.LpVariable
-    z: List[List[object]]  # z[l][s]: an LpVariable, or the expression y_b, or 0
-    free: List[pulp.LpVariable]
+    plan: Optional[Tuple[List[int], List[int]]]  # (boundaries, recomputed units)
+    bound_s: float
+    optimal: bool
 
 
-def _new_variable(prob: pulp.LpProblem, name: str, low: Optional[float] = None,
-                  cat: str = pulp.LpContinuous) -> pulp.LpVariable:
-    """A variable of `prob`: PuLP >= 3.3 wants prob.add_variable, older versions LpVariable."""
-    if cat == pulp.LpBinary:
-        low, high, cat = 0, 1, pulp.LpInteger
-    else:
-        high = None
+class _NoPlanUnderBound(Exception):
+    """Fixed variables contradict each other: no split has every chunk time under the bound."""
+
+
+def _var(prob: pulp.LpProblem, name: str, binary: bool = False) -> pulp.LpVariable:
+    low, high, cat = (0, 1, pulp.LpInteger) if binary else (0.0, None, pulp.LpContinuous)
     if hasattr(prob, "add_variable"):
         return prob.add_variable(name, low, high, cat=cat)
     return pulp.LpVariable(name, low, high, cat=cat)
 
 
-def _build_copy(prob: pulp.LpProblem, profile: Profile, opts: CostOptions, b: int,
-                lower_bound_ms: float) -> Tuple[_Copy, pulp.LpAffineExpression]:
-    """Add one disjunct (micro-batch size b) to `prob`; return it and its objective term."""
-    L, S = profile.num_units, opts.num_stages
-    m = opts.global_batch // b
-    y = _new_variable(prob, f"y_{b}", cat=pulp.LpBinary)
-    tmax = _new_variable(prob, f"tmax_{b}", low=0.0)
+def _fixings(profile: Profile, b: int, opts: CostOptions, tau: float) -> Tuple[List[int], List[int]]:
+    """For each unit l: the lowest and highest chunk it may occupy given max chunk time tau (s)."""
+    L, C = profile.num_units, opts.num_chunks
+    fastest = max(rank_speeds(opts))
+    work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])]) / fastest
+    slack = tau * (1 + 1e-9) + 1e-15
+    low, high = [], []
+    for l in range(L):
+        lo = max(0, l - (L - C), math.ceil(work[l + 1] / slack - 1 - 1e-12))  # W(0,l+1) <= (c+1) tau
+        hi = min(C - 1, l, C - 1 - math.ceil((work[L] - work[l]) / slack - 1e-12) + 1)  # W(l,L) <= (C-c) tau
+        low.append(min(lo, C - 1))
+        high.append(max(hi, 0))
+    return low, high
+
+
+def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Tuple[float, List[int], List[int]]],
+                    dmax_floor_s: float, total_floor_s: float, time_limit: Optional[float], backend: str, warm_start: bool
+                    ) -> ScenarioResult:
+    """Solve the scenario's program; the incumbent (iteration, boundaries, recompute) bounds and warm-starts it."""
+    L, C, p, v = profile.num_units, opts.num_chunks, opts.num_stages, opts.virtual_stages
+    m = num_micro_batches(opts, b)
+    speeds, caps, held, links = rank_speeds(opts), rank_caps(opts), held_counts(opts, m), boundary_links(opts)
+    units = profile.units
+    redo_all = opts.recompute == "all"
+    work = [(u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if redo_all else 0.0)) * MS for u in units]
+    inputs = input_bytes(profile, b)
+    saved = [inputs[l] if redo_all else u.saved_bytes[b] for l, u in enumerate(units)]
+    total_work = max(sum(work) / MS / max(speeds), total_floor_s)  # sum_c T_c >= this
+    tau = math.inf
+    if incumbent is not None:
+        tau = incumbent[0] if m * v == 1 else min(incumbent[0], (incumbent[0] - total_work / v) / (m - 1.0 / v))
+    low, high = _fixings(profile, b, opts, tau) if math.isfinite(tau) else ([max(0, l - (L - C)) for l in range(L)],
+                                                                            [min(C - 1, l) for l in range(L)])
+    if any(lo > hi for lo, hi in zip(low, high)):
+        return ScenarioResult(plan=None, bound_s=incumbent[0] if incumbent else math.inf, optimal=True)
+    prob = pulp.LpProblem("pipeline_plan", pulp.LpMinimize)
     z: List[List[object]] = []
-    free: List[pulp.LpVariable] = []
     for l in range(L):
         row: List[object] = []
-        for s in range(S):
-            if s >= l or s == S - 1:
-                row.append(y)  # unit l is in a stage <= l <= s
-            elif s < S - L + l:
-                row.append(0)  # units l..L-1 need stages s+1..S-1 at least
+        for c in range(C):
+            if c >= high[l]:
+                row.append(1)  # unit l sits in a chunk <= high[l] <= c
+            elif c < low[l]:
+                row.append(0)
             else:
-                var = _new_variable(prob, f"z_{b}_{l}_{s}", cat=pulp.LpBinary)
-                free.append(var)
-                row.append(var)
+                row.append(_var(prob, f"z_{l}_{c}", binary=True))
         z.append(row)
 
     def add(constraint: object, name: str) -> None:
         if isinstance(constraint, pulp.LpConstraint) and len(constraint) > 0:
             prob.addConstraint(constraint, name)
+        elif (isinstance(constraint, bool) and not constraint) or \
+                (isinstance(constraint, pulp.LpConstraint) and not constraint.valid(1e-9)):
+            raise _NoPlanUnderBound(name)  # constants alone violate it: no plan in this scenario
 
-    free_ids = {id(v) for v in free}
-
-    def either_free(*terms: object) -> bool:  # constraints between fixed values hold by construction
-        return any(id(t) in free_ids for t in terms)
-
-    for l in range(L):
-        for s in range(S):
-            if l + 1 < L and either_free(z[l][s], z[l + 1][s]):
-                add(z[l][s] >= z[l + 1][s], f"contiguous_{b}_{l}_{s}")  # z[l][s] >= z[l+1][s]
-            if s + 1 < S and either_free(z[l][s], z[l][s + 1]):
-                add(z[l][s] <= z[l][s + 1], f"prefix_{b}_{l}_{s}")  # z[l][s] <= z[l][s+1]
-            if l + 1 < L and s + 1 < S and either_free(z[l][s], z[l + 1][s + 1]):
-                add(z[l][s] <= z[l + 1][s + 1], f"nonempty_{b}_{l}_{s}")  # z[l][s] <= z[l+1][s+1]
-
-    def x(l: int, s: int) -> object:  # x[l][s] = z[l][s] - z[l][s-1]: unit l is in stage s
-        return z[l][s] - (z[l][s - 1] if s > 0 else 0)
-
-    def ends(k: int, s: int) -> object:  # e[k][s] = z[k-1][s] - z[k][s]: cut k ends stage s
-        return z[k - 1][s] - z[k][s]
-
-    work = [(u.forward_s[b] + u.backward_s[b]) * MS for u in profile.units]  # w_l, ms
-    cut = [c * MS for c in cut_times(profile, b, opts)]  # c_k, ms (cut[0] unused)
-    opt = optimizer_factor(opts.optimizer)
-    for s in range(S):
-        stage_time = pulp.lpSum(work[l] * x(l, s) for l in range(L) if s <= l <= L - S + s)
-        if s > 0:
-            stage_time += pulp.lpSum(cut[k] * ends(k, s - 1) for k in range(1, L) if cut[k] != 0)
-        if s < S - 1:
-            stage_time += pulp.lpSum(cut[k] * ends(k, s) for k in range(1, L) if cut[k] != 0)
-        add(tmax >= stage_time, f"bottleneck_{b}_{s}")  # Tmax_b >= T^b_s
-        if opts.memory_cap is not None:
-            held = in_flight(s, S, m, opts.schedule)
-            memory = pulp.lpSum(
-                (u.param_bytes * (2 + opt) + held * u.saved_bytes[b]) / MIB * x(l, s)
-                for l, u in enumerate(profile.units) if s <= l <= L - S + s)
-            add(memory <= _cap_mib(profile, opts) * y, f"memory_{b}_{s}")  # M^b_s <= cap y_b
-    # Tmax_b >= y_b LB_b: LB_b, the DP's exact min bottleneck at b, dominates max_l w_l and
-    # sum_l w_l / S; relaxed by 1e-9 relative so that float rounding never cuts off the optimum.
-    add(tmax >= y * lower_bound_ms * (1 - 1e-9), f"bottleneck_floor_{b}")
-    # sum_s T^b_s = y_b sum_l w_l + 2 sum_k c_k (cut k used), used = sum_{s<S-1} e[k][s]
-    used_cuts = pulp.lpSum(2 * cut[k] * ends(k, s) for k in range(1, L) for s in range(S - 1) if cut[k] != 0)
-    objective = sum(work) * y + used_cuts + (m - 1) * tmax
-    return _Copy(b=b, m=m, y=y, tmax=tmax, z=z, free=free), objective
-
-
-def _cap_mib(profile: Profile, opts: CostOptions) -> float:
-    """The memory cap in MiB; rounded down to whole bytes when every memory term is integral."""
-    cap = float(opts.memory_cap)
-    if float(optimizer_factor(opts.optimizer)).is_integer():
-        cap = math.floor(cap)  # integral M_s <= cap iff M_s <= floor(cap): absorbs solver tolerance
-    return cap / MIB
-
-
-def _value(term: object) -> float:
-    return float(pulp.value(term) or 0.0) if not isinstance(term, (int, float)) else float(term)
-
-
-def _decode(copies: List[_Copy], num_units: int, num_stages: int) -> Optional[Tuple[int, List[int]]]:
-    """(b, boundaries) of the chosen disjunct: stage s ends at cut sum_l z[l][s]."""
-    chosen = [c for c in copies if _value(c.y) > 0.5]
-    if len(chosen) != 1:
-        return None
-    c = chosen[0]
-    boundaries = [sum(1 for l in range(num_units) if _value(c.z[l][s]) > 0.5) for s in range(num_stages - 1)]
-    return c.b, boundaries
-
-
-_CBC_BOUND = re.compile(r"^Lower bound:\s*(\S+)", re.M)
-_CBC_OBJECTIVE = re.compile(r"^Objective value:\s*(\S+)", re.M)
-
-
-def _parse_cbc_log(text: str) -> Tuple[Optional[str], Optional[float], Optional[float]]:
-    """(result line, objective, lower bound) from a CBC log; the bound is rounded down to be safe.
-
-    CBC prints 'Result - Optimal solution found' (no 'Lower bound' line: bound = objective) or
-    'Result - Stopped on time limit' followed by 'Objective value:', 'Lower bound:', 'Gap:'. The
-    bound is printed with few decimals, so half a unit of the last printed digit is subtracted.
-    """
-    result = re.search(r"^Result - (.*)$", text, re.M)
-    objective = _CBC_OBJECTIVE.search(text)
-    bound = _CBC_BOUND.search(text)
-    value = None
-    if bound:
-        try:
-            value = float(bound.group(1))
-            digits = bound.group(1).split(".")[1] if "." in bound.group(1) else ""
-            if "e" not in bound.group(1).lower():
-                value -= 0.5 * 10.0 ** (-len(digits))
-        except ValueError:
-            value = None
-    obj = None
-    if objective:
-        try:
-            obj = float(objective.group(1))
-        except ValueError:
-            obj = None
-    return (result.group(1).strip() if result else None), obj, value
-
-
-CBC_ATTEMPTS = 3  # the bundled CBC 2.10.3 sometimes segfaults when its time limit strikes mid-phase
-
-
-def _run_cbc(prob: pulp.LpProblem, time_limit: Optional[float], warm: bool) -> Tuple[bool, Optional[float], bool]:
-    """Solve with CBC; (proven optimal, best bound in model units or None, solver ran).
-
-    A crashed run (pulp raises PulpSolverError) is retried with 1.5x the time limit, since the
-    crash depends on where the limit interrupts the solver; after CBC_ATTEMPTS crashes the
-    third element is False and the caller falls back to the warm start.
-    """
-    limit = time_limit
-    for _ in range(CBC_ATTEMPTS):
-        with tempfile.TemporaryDirectory(prefix="planner-cbc-") as scratch:
-            log_path = os.path.join(scratch, "cbc.log")
-            with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC; it is what we ship with
-                warnings.simplefilter("ignore", DeprecationWarning)
-                solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, logPath=log_path, gapRel=1e-10,
-                                           warmStart=warm)
-            solver.tmpDir = scratch  # MPS/solution files land here and go away even after a crash
-            try:
-                prob.solve(solver)
-            except pulp.PulpSolverError:
-                limit = None if limit is None else limit * 1.5
-                continue
-            with open(log_path, "r", encoding="utf-8", errors="replace") as f:
-                result, objective, bound = _parse_cbc_log(f.read())
-        optimal = prob.sol_status == pulp.LpSolutionOptimal and result is not None and result.startswith("Optimal")
-        if optimal and bound is None:
-            bound = objective  # CBC proved optimality: its bound is its objective
-        return optimal, bound, True
-    return False, None, False
-
-
-@contextlib.contextmanager
-def _quiet_stdout() -> Iterator[None]:
-    """Send file descriptor 1 to /dev/null for the duration (C libraries write there directly)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
     try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        for l in range(L):
+            for c in range(C):
+                if l + 1 < L:
+                    add(z[l][c] >= z[l + 1][c], f"contiguous_{l}_{c}")
+                if c + 1 < C:
+                    add(z[l][c] <= z[l][c + 1], f"prefix_{l}_{c}")
+                if l + 1 < L and c + 1 < C:
+                    add(z[l][c] <= z[l + 1][c + 1], f"nonempty_{l}_{c}")
 
+        def x(l: int, c: int) -> object:
+            return z[l][c] - (z[l][c - 1] if c > 0 else 0)
 
-def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float]) -> Tuple[bool, Optional[float], bool]:
-    """Solve with HiGHS through highspy; (proven optimal, MIP dual bound in model units or None, True)."""
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-10, gapAbs=1e-9)
-    if not solver.available():
-        raise RuntimeError("the highs backend needs highspy: pip install highspy")
-    with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
-        prob.solve(solver)
-    info = prob.solverModel.getInfo()
-    bound = float(getattr(info, "mip_dual_bound", float("nan")))
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
-    return optimal, (bound if math.isfinite(bound) else None), True
+        def ends(k: int, c: int) -> object:
+            return z[k - 1][c] - z[k][c]
 
+        def may(l: int, c: int) -> bool:
+            return low[l] <= c <= high[l]
 
-def analytic_bound(profile: Profile, opts: CostOptions, floors: Dict[int, float]) -> float:
-    """A lower bound without the solver (seconds): min_b sum_l w_l + 2 (S-1 cheapest cuts) + (m-1) LB_b."""
-    best = math.inf
-    for b, floor in floors.items():
-        cuts = sorted(cut_times(profile, b, opts)[1:])[: opts.num_stages - 1]
-        work = sum(u.forward_s[b] + u.backward_s[b] for u in profile.units)
-        best = min(best, work + 2 * sum(cuts) + (opts.global_batch // b - 1) * floor)
-    return best
+        def cut_may_end(k: int, c: int) -> bool:  # cut k can end chunk c: unit k-1 in c, unit k in c+1
+            return may(k - 1, c) and may(k, c + 1)
 
-
-def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] = None,
-              backend: str = "cbc", warm_start: bool = True) -> "Solution":
-    """Optimal (b, split) for the cost model, with a proven bound. Raises InfeasibleError.
-
-    With warm_start (default) the DP's min-bottleneck split is given to CBC as a start and kept
-    if the solver returns nothing better (e.g. on a time limit); without it, the answer is the
-    solver's alone (tests use this to check the integer program by itself).
-    """
-    opts.validate()
-    if backend not in ("cbc", "highs"):
-        raise ValueError(f"unknown ILP backend {backend!r}; use 'cbc' or 'highs'")
-    started = time.perf_counter()
-    L, S = profile.num_units, opts.num_stages
-    if S > L or not candidate_micro_batch_sizes(profile, opts.global_batch):
-        raise infeasible_error(profile, opts)
-    # Exact per-b min bottleneck (memory-feasible): drops b with no feasible split, bounds Tmax_b,
-    # and its split is the warm start.
-    floors: Dict[int, float] = {}
-    heuristic: Optional[Tuple[float, int, List[int]]] = None
-    for b in candidate_micro_batch_sizes(profile, opts.global_batch):
-        floor, boundaries = min_bottleneck(profile, b, opts)
-        if boundaries is None:
-            continue
-        floors[b] = floor
-        cost = evaluate(profile, boundaries, b, opts)
-        if cost.feasible and (heuristic is None or (cost.iteration_s, b) < heuristic[:2]):
-            heuristic = (cost.iteration_s, b, boundaries)
-    if not floors or heuristic is None:
-        raise infeasible_error(profile, opts)
-
-    prob = pulp.LpProblem("pipeline_plan", pulp.LpMinimize)
-    copies: List[_Copy] = []
-    objective = 0
-    for b, floor in floors.items():
-        copy, term = _build_copy(prob, profile, opts, b, floor * MS)
-        copies.append(copy)
-        objective = objective + term
-    prob += objective
-    prob.addConstraint(pulp.lpSum(c.y for c in copies) == 1, "one_micro_batch_size")
-    if warm_start:
-        _set_warm_start(copies, heuristic[1], heuristic[2], profile, opts)
-
+        recompute_units = [l for l, u in enumerate(units) if u.saved_bytes[b] > inputs[l]] \
+            if opts.recompute == "auto" and any(cap is not None for cap in caps) else []
+        rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
+        for l in recompute_units:
+            for c in range(low[l], high[l] + 1):
+                rho[l, c] = _var(prob, f"r_{l}_{c}", binary=True)
+                add(rho[l, c] <= x(l, c), f"recompute_in_chunk_{l}_{c}")
+        cut_ms = [[t * MS for t in cut_times(profile, b, opts, link)] for link in links]
+        opt = optimizer_factor(opts.optimizer)
+        chunk_time = []
+        for c in range(C):
+            sigma = speeds[c % p]
+            t = pulp.lpSum(work[l] / sigma * x(l, c) for l in range(L) if may(l, c))
+            t += pulp.lpSum(units[l].forward_s[b] * MS / sigma * r for (l, cc), r in rho.items() if cc == c)
+            if c > 0:
+                t += pulp.lpSum(cut_ms[c - 1][k] * ends(k, c - 1) for k in range(1, L)
+                                if cut_ms[c - 1][k] and cut_may_end(k, c - 1))
+            if c < C - 1:
+                t += pulp.lpSum(cut_ms[c][k] * ends(k, c) for k in range(1, L) if cut_ms[c][k] and cut_may_end(k, c))
+            chunk_time.append(t)
+        dmax = _var(prob, "dmax")
+        for i in range(p):
+            add(dmax >= pulp.lpSum(chunk_time[c] for c in range(i, C, p)), f"busiest_rank_{i}")
+        add(dmax >= dmax_floor_s * MS * (1 - 1e-9), "busiest_rank_floor")
+        for i in range(p):
+            if caps[i] is None:
+                continue
+            memory = pulp.lpSum((units[l].param_bytes * (2 + opt) + held[c] * saved[l]) / MIB * x(l, c)
+                                for c in range(i, C, p) for l in range(L) if may(l, c))
+            memory -= pulp.lpSum(held[c] * (units[l].saved_bytes[b] - inputs[l]) / MIB * r
+                                 for (l, c), r in rho.items() if c % p == i)
+            cap = math.floor(caps[i]) if opt.is_integer() else caps[i]
+            add(memory <= cap / MIB, f"memory_rank_{i}")
+        extra_terms = _extra_terms(prob, profile, opts, x, ends, may, add)
+        objective = pulp.lpSum(chunk_time) * (1.0 / v) + (m - 1.0 / v) * dmax
+        if extra_terms is not None:
+            emax = _var(prob, "emax")
+            for i in range(p):
+                add(emax >= pulp.lpSum(extra_terms[c] for c in range(i, C, p)), f"extra_rank_{i}")
+            objective += emax
+        prob += objective
+    except _NoPlanUnderBound:  # fixings or constants leave no plan: nothing beats the incumbent here
+        return ScenarioResult(plan=None, bound_s=incumbent[0] if incumbent else math.inf, optimal=True)
+    if warm_start and incumbent is not None:
+        edges = list(incumbent[1]) + [L]
+        for l in range(L):
+            for c in range(C):
+                if isinstance(z[l][c], pulp.LpVariable):
+                    z[l][c].setInitialValue(1 if l < edges[c] else 0)
+        for (l, c), r in rho.items():
+            r.setInitialValue(1 if l in incumbent[2] and (c == 0 or edges[c - 1] <= l) and l < edges[c] else 0)
     if backend == "cbc":
-        solver_optimal, bound_ms, ran = _run_cbc(prob, time_limit, warm=warm_start)
+        optimal, bound_ms, ran = _run_cbc(prob, time_limit, warm=warm_start and incumbent is not None)
     else:
-        solver_optimal, bound_ms, ran = _run_highs(prob, time_limit)
-
+        optimal, bound_ms, ran = _run_highs(prob, time_limit)
+    if not ran:
+        if not warm_start:
+            raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
+                               "enable the warm start")
+        return ScenarioResult(plan=None, bound_s=-math.inf, optimal=False)
+    if prob.sol_status == pulp.LpSolutionInfeasible or prob.status == pulp.LpStatusInfeasible:
+        # Infeasible with fixings derived from the incumbent: nothing beats the incumbent here.
+        return ScenarioResult(plan=None, bound_s=incumbent[0] if incumbent else math.inf, optimal=True)
     plan = None
-    if ran and prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        decoded = _decode(copies, L, S)
-        if decoded is not None:
-            try:
-                cost = evaluate(profile, decoded[1], decoded[0], opts)
-                if cost.feasible:
-                    plan = (cost.iteration_s, decoded[0], decoded[1])
-            except ValueError:
-                plan = None
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        value = lambda t: float(t) if isinstance(t, (int, float)) else float(pulp.value(t) or 0.0)
+        boundaries = [sum(1 for l in range(L) if value(z[l][c]) > 0.5) for c in range(C - 1)]
+        chosen = sorted({l for (l, c), r in rho.items() if value(r) > 0.5 and value(x(l, c)) > 0.5})
+        plan = (boundaries, list(range(L)) if redo_all else chosen)
     if plan is None and not warm_start:
-        raise RuntimeError(f"the {backend} solver returned no plan ({'status ' + pulp.LpStatus[prob.status] if ran else 'it crashed'}); "
+        raise RuntimeError(f"the {backend} solver returned no plan (status {pulp.LpStatus[prob.status]}); "
                            "give it more time or enable the warm start")
-    if warm_start and (plan is None or heuristic[0] < plan[0]):
-        # The solver returned nothing, or something worse than the warm start (time limit, or
-        # tolerances): keep the warm start; it is optimal only if the solver's optimum matches it.
-        solver_optimal = solver_optimal and plan is not None and math.isclose(plan[0], heuristic[0], rel_tol=1e-9)
-        plan = heuristic
-    iteration, b, boundaries = plan
-    cost = evaluate(profile, boundaries, b, opts)
-    bound = analytic_bound(profile, opts, floors)
-    if bound_ms is not None:
-        bound = max(bound, bound_ms / MS)
-    bound = min(bound, iteration)
-    gap = max(0.0, (iteration - bound) / iteration) if iteration > 0 else 0.0
-    if solver_optimal and gap <= OPTIMALITY_GAP:
-        bound, gap = iteration, 0.0
-    status = "optimal" if gap <= 1e-12 or (solver_optimal and gap <= OPTIMALITY_GAP) else "feasible"
-    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
-                    cost=cost, status=status, objective=iteration, bound=bound, gap=gap,
-                    seconds=time.perf_counter() - started, method="ilp", backend=backend)
+    if bound_ms is not None:  # solvers report the bound without the objective's constant term
+        bound_ms += float(getattr(prob.objective, "constant", 0.0) or 0.0)
+    bound = -math.inf if bound_ms is None else bound_ms / MS  # search() takes the max with its analytic bound
+    return ScenarioResult(plan=plan, bound_s=bound, optimal=optimal)
 
 
-def _set_warm_start(copies: List[_Copy], b: int, boundaries: List[int], profile: Profile, opts: CostOptions) -> None:
-    """Initial values for every variable: the chosen copy encodes `boundaries`, the others are 0."""
-    edges = list(boundaries) + [profile.num_units]
-    for c in copies:
-        on = c.b == b
-        c.y.setInitialValue(1 if on else 0)
-        for l, row in enumerate(c.z):
-            for s, term in enumerate(row):
-                if isinstance(term, pulp.LpVariable) and term is not c.y:
-                    term.setInitialValue(1 if on and l < edges[s] else 0)
-        if on:
-            cost = evaluate(profile, boundaries, b, opts)
-            c.tmax.setInitialValue(cost.bottleneck_s * MS)
-        else:
-            c.tmax.setInitialValue(0)
+def _extra_terms(prob, profile: Profile, opts: CostOptions, x, ends, may, add) -> Optional[List[object]]:
+    """Per-chunk per-iteration time (ms): all-reduce of its parameters over d, plus tied exchange."""
+    L, C = profile.num_units, opts.num_chunks
+    ties = shared_parameters(profile)
+    if opts.data_parallel == 1 and not ties:
+        return None
+    terms: List[object] = []
+    for c in range(C):
+        terms.append(pulp.lpSum(allreduce_time(u.param_bytes, opts) * MS * x(l, c)
+                                for l, u in enumerate(profile.units) if may(l, c) and u.param_bytes))
+    for t_index, (_, uses, size) in enumerate(ties):
+        if len(uses) < 2:
+            continue
+        kappa = 2.0 * size / opts.bandwidth * MS
+        seps = []
+        for j in range(len(uses) - 1):
+            sep = _var(prob, f"tie_sep_{t_index}_{j}")
+            for k in range(uses[j] + 1, uses[j + 1] + 1):
+                add(sep >= pulp.lpSum(ends(k, c) for c in range(C - 1) if may(k - 1, c) and may(k, c + 1)),
+                    f"tie_sep_{t_index}_{j}_{k}")
+            seps.append(sep)
+        for c in range(C):
+            if not any(may(u, c) for u in uses):
+                continue
+            hold = _var(prob, f"tie_hold_{t_index}_{c}")
+            for u in uses:
+                if may(u, c):
+                    add(hold >= x(u, c), f"tie_hold_{t_index}_{c}_{u}")
+            share = _var(prob, f"tie_share_{t_index}_{c}")
+            add(share >= kappa * (pulp.lpSum(seps) - (len(uses) - 1) * (1 - hold)), f"tie_share_{t_index}_{c}")
+            terms[c] = terms[c] + share
+    return terms

@@ -1,0 +1,78 @@
+"""Solve time of the ILP: random chains (L <= 130, S <= 16 and S = 32) and the PipeDream profiles.
+
+    .venv/bin/python benchmarks/solver_speed.py [--samples 20] [--backends highs,cbc] [--skip-pipedream]
+
+PipeDream graphs are read from ../shared/external/pipedream-profiles/ (skipped with a message if
+missing), imported at batch size 64, planned with G = 64 x 2 x S.
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from planner.costmodel import CostOptions  # noqa: E402
+from planner.pipedream import import_pipedream  # noqa: E402
+from planner.solve import solve  # noqa: E402
+from tests.synthetic import synthetic_profile  # noqa: E402
+
+PIPEDREAM = os.path.join(ROOT, "..", "shared", "external", "pipedream-profiles")
+
+
+def chain(rng, L):
+    sizes = (1, 2, 4, 8)
+    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
+    return synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
+                             [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
+                             [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
+
+
+def p95(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--backends", default="highs,cbc")
+    ap.add_argument("--skip-pipedream", action="store_true")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args()
+    backends = args.backends.split(",")
+    rng = random.Random(0)
+    for label, stages in (("S <= 16", None), ("S = 32", 32)) if args.samples > 0 else ():
+        problems = []
+        for _ in range(args.samples):
+            L = rng.randint(stages or 2, 130)
+            S = stages or rng.randint(1, min(16, L))
+            problems.append((chain(rng, L), CostOptions(num_stages=S, global_batch=32, latency=1e-5)))
+        for backend in backends:
+            times, gaps = [], []
+            for p, opts in problems:
+                found = solve(p, opts, backend=backend, time_limit=args.time_limit)
+                times.append(found.seconds)
+                gaps.append(found.gap)
+            print(f"chains L <= 130, {label}, {backend}: p95 {p95(times):.2f} s, max {max(times):.2f} s, "
+                  f"max gap {max(gaps):.2e} ({len(problems)} samples)", flush=True)
+    if args.skip_pipedream:
+        return
+    if not os.path.isdir(PIPEDREAM):
+        print(f"PipeDream profiles not found at {PIPEDREAM}; skipped")
+        return
+    for name in sorted(f for f in os.listdir(PIPEDREAM) if f.endswith(".graph.txt")):
+        p = import_pipedream(os.path.join(PIPEDREAM, name), 64)
+        for backend in backends:
+            row = []
+            for S in (2, 4, 8, 16):
+                found = solve(p, CostOptions(num_stages=S, global_batch=64 * 2 * S), backend=backend,
+                              time_limit=args.time_limit)
+                row.append(f"S={S}: {found.seconds:.2f} s gap {found.gap:.1e}")
+            print(f"{name.split('.')[0]} ({p.num_units} units) {backend}: " + "; ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""`planner compare PROFILE`: the ILP beside the baselines other tools use, all by the same cost model."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from planner.cli_common import UsageError
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.cli_solve import problem_from_args
+    from planner.solve import solve
+    from planner.solve.baselines import solve_baseline
+    from planner.solve.diagnose import InfeasibleError
+    from planner.solve.search import expand_scenarios
+
+    profile, opts, devices, schedules = problem_from_args(args)
+    try:
+        best = solve(profile, opts, method="ilp", time_limit=args.time_limit, backend=args.backend,
+                     devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+    except InfeasibleError as e:
+        best = None
+        print(f"ilp: infeasible: {str(e).splitlines()[0]}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, args.virtual_stages)
+    rows = [("method", "iteration ms", "bottleneck ms", "max memory MiB", "feasible", "b x m", "vs ilp")]
+    results = [("ilp", best)] + [(m, solve_baseline(profile, scenarios, m)) for m in ("uniform", "params", "block")]
+    for name, sol in results:
+        if sol is None:
+            rows.append((name, "-", "-", "-", "no", "-", "-"))
+            continue
+        cost = sol.cost
+        ratio = f"{sol.objective / best.objective:.3f}x" if best is not None and best.objective > 0 else "-"
+        rows.append((name, f"{sol.objective * 1e3:.3f}", f"{cost.bottleneck_s * 1e3:.3f}",
+                     f"{max(cost.device_memory) / 2 ** 20:.1f}", "yes" if cost.feasible else "no",
+                     f"{sol.micro_batch_size} x {sol.num_micro_batches}", ratio))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if best is not None:
+        gap = 0.0 if math.isnan(best.gap) else best.gap
+        print(f"ilp: {best.status}, gap {100 * gap:.2f}%, schedule {best.cost.schedule}, "
+              f"p {best.cost.pipeline_stages} x d {best.cost.data_parallel}, "
+              f"{len(best.recompute)} units recomputed [{best.seconds:.2f} s]")
+    return 0
+
+
+def register(sub) -> None:
+    from planner.cli_solve import add_problem_options
+    s = sub.add_parser("compare", help="the ILP plan beside the uniform / params / block baselines",
+                       description="Predicted iteration time, bottleneck, peak memory and feasibility of the "
+                                   "optimal plan and of DeepSpeed's and torchgpipe's partitioners, by one cost model.")
+    add_problem_options(s)
+    s.set_defaults(func=cmd_compare)

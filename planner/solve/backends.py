@@ -1,0 +1,125 @@
+"""Running the MIP backends: CBC (pulp's bundled binary, bound parsed from its log) and HiGHS (highspy).
+
+Never trust pulp's status word: CBC stopped by its time limit is reported "Optimal" by pulp. Both
+runners return (proven optimal, best bound in model units or None, solver ran); optimality needs
+sol_status Optimal *and* CBC's own 'Result - Optimal' line (CBC) or HiGHS's model status.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+import tempfile
+import warnings
+from typing import Iterator, Optional, Tuple
+
+import pulp
+
+
+_CBC_BOUND = re.compile(r"^Lower bound:\s*(\S+)", re.M)
+_CBC_OBJECTIVE = re.compile(r"^Objective value:\s*(\S+)", re.M)
+
+
+def _parse_cbc_log(text: str) -> Tuple[Optional[str], Optional[float], Optional[float]]:
+    """(result line, objective, lower bound) from a CBC log; the bound is rounded down to be safe.
+
+    CBC prints 'Result - Optimal solution found' (no 'Lower bound' line: bound = objective) or
+    'Result - Stopped on time limit' followed by 'Objective value:', 'Lower bound:', 'Gap:'. The
+    bound is printed with few decimals, so half a unit of the last printed digit is subtracted.
+    """
+    result = re.search(r"^Result - (.*)$", text, re.M)
+    if result is None and re.search(r"^Optimal - objective value", text, re.M):
+        lp = re.search(r"^Optimal - objective value\s*(\S+)", text, re.M)
+        try:  # a pure LP (every integer variable fixed): CBC's simplex proved it optimal
+            return "Optimal solution found", float(lp.group(1)), None
+        except ValueError:
+            return "Optimal solution found", None, None
+    objective = _CBC_OBJECTIVE.search(text)
+    bound = _CBC_BOUND.search(text)
+    value = None
+    if bound:
+        try:
+            value = float(bound.group(1))
+            digits = bound.group(1).split(".")[1] if "." in bound.group(1) else ""
+            if "e" not in bound.group(1).lower():
+                value -= 0.5 * 10.0 ** (-len(digits))
+        except ValueError:
+            value = None
+    obj = None
+    if objective:
+        try:
+            obj = float(objective.group(1))
+        except ValueError:
+            obj = None
+    return (result.group(1).strip() if result else None), obj, value
+
+
+CBC_ATTEMPTS = 3  # the bundled CBC 2.10.3 sometimes segfaults when its time limit strikes mid-phase
+
+
+def _run_cbc(prob: pulp.LpProblem, time_limit: Optional[float], warm: bool) -> Tuple[bool, Optional[float], bool]:
+    """Solve with CBC; (proven optimal, best bound in model units or None, solver ran).
+
+    A crashed run (pulp raises PulpSolverError) is retried with 1.5x the time limit, since the
+    crash depends on where the limit interrupts the solver; after CBC_ATTEMPTS crashes the
+    third element is False and the caller falls back to the warm start.
+    """
+    limit = time_limit
+    for _ in range(CBC_ATTEMPTS):
+        with tempfile.TemporaryDirectory(prefix="planner-cbc-") as scratch:
+            log_path = os.path.join(scratch, "cbc.log")
+            with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC; it is what we ship with
+                warnings.simplefilter("ignore", DeprecationWarning)
+                solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, logPath=log_path, gapRel=1e-10,
+                                           warmStart=warm)
+            solver.tmpDir = scratch  # MPS/solution files land here and go away even after a crash
+            try:
+                prob.solve(solver)
+            except pulp.PulpSolverError:
+                limit = None if limit is None else limit * 1.5
+                continue
+            with open(log_path, "r", encoding="utf-8", errors="replace") as f:
+                result, objective, bound = _parse_cbc_log(f.read())
+        optimal = prob.sol_status == pulp.LpSolutionOptimal and result is not None and result.startswith("Optimal")
+        if optimal and bound is None:
+            bound = objective  # CBC proved optimality: its bound is its objective
+        return optimal, bound, True
+    return False, None, False
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null for the duration (C libraries write there directly)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float]) -> Tuple[bool, Optional[float], bool]:
+    """Solve with HiGHS through highspy; (proven optimal, MIP dual bound in model units or None, True)."""
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-10, gapAbs=1e-9)
+    if not solver.available():
+        raise RuntimeError("the highs backend needs highspy: pip install highspy")
+    try:
+        with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
+            prob.solve(solver)
+    except pulp.PulpSolverError:
+        return False, None, False
+    info = prob.solverModel.getInfo()
+    bound = float(getattr(info, "mip_dual_bound", float("nan")))
+    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    if optimal:  # proven within gapRel = 1e-10; a pure LP (all integers fixed) reports no MIP bound
+        objective = float(getattr(info, "objective_function_value", float("nan")))
+        if math.isfinite(objective):
+            proven = objective - abs(objective) * 1e-9
+            bound = proven if not math.isfinite(bound) else max(bound, proven)
+    return optimal, (bound if math.isfinite(bound) else None), True

@@ -1,0 +1,148 @@
+"""The exact dynamic program for chains (v = 1 chunk per rank, no tied parameters): `--method dp`.
+
+For one micro-batch size b (and fixed p, d, schedule) let T_c(a, e) be the time of units [a, e)
+as stage c (cheapest memory-fitting recomputation included, +inf when nothing fits) and E_c(a, e)
+its per-iteration all-reduce time (planner.solve.tables). The objective
+
+    min over splits  sum_c T_c + (m - 1) max_c T_c + max_c E_c
+
+is not separable because of the two maxima, so both are fixed by thresholds: for every pair
+(tau, eps) of candidate values (values the matrices take),
+
+    g(tau, eps) = min sum_c T_c  subject to  T_c <= tau, E_c <= eps      (min-sum DP:
+                  best_c(e) = min_{a<e} best_{c-1}(a) + T_c(a, e), masked)
+
+and the optimum is min over (tau, eps) of g(tau, eps) + (m - 1) tau + eps, evaluated at the split
+found (whose own maxima are <= the thresholds). Thresholds are scanned upwards from the min-max
+values and stop once (m - 1) tau + eps + g_min >= the incumbent (g_min: the unconstrained min sum),
+which is exact because g >= g_min. Memory enters through T_c = +inf.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from planner.costmodel import CostOptions, candidate_micro_batch_sizes, evaluate, held_counts, rank_speeds
+from planner.profile import Profile
+from planner.solve.diagnose import min_max_partition
+from planner.solve.tables import auto_recompute_times, cheapest_recompute, chunk_tables
+
+DpResult = Tuple[float, List[int], List[int]]  # (iteration, boundaries, recomputed units)
+
+
+def _min_sum(times: List[np.ndarray], L: int) -> Tuple[float, Optional[List[int]]]:
+    """min over splits of sum_c times[c][a_c, e_c]; (value, boundaries) or (inf, None)."""
+    best = times[0][0, :].copy()
+    choices = []
+    for t in times[1:]:
+        cand = best[:, None] + t
+        arg = np.argmin(cand, axis=0)
+        best = cand[arg, np.arange(L + 1)]
+        choices.append(arg)
+    if not math.isfinite(best[L]):
+        return math.inf, None
+    bounds, e = [], L
+    for arg in reversed(choices):
+        e = int(arg[e])
+        bounds.append(e)
+    return float(best[L]), sorted(bounds)
+
+
+def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, exact: bool = True
+                  ) -> Optional[List[int]]:
+    """The cheapest recomputation set making every stage of this split fit (None: impossible)."""
+    L = profile.num_units
+    if opts.recompute == "all":
+        return list(range(L))
+    plain = evaluate(profile, boundaries, b, opts)
+    if opts.recompute == "none" or plain.feasible:
+        return [] if plain.feasible else None
+    if opts.virtual_stages != 1:
+        return None
+    speeds, held, chosen = rank_speeds(opts), held_counts(opts, plain.num_micro_batches), []
+    for c, st in enumerate(plain.stages):
+        cap = plain.device_caps[c]
+        if cap is None or st.memory_bytes <= cap:
+            continue
+        found = cheapest_recompute(profile, b, st.first_unit, st.end_unit, st.memory_bytes - cap, held[c],
+                                   speeds[c], exact)
+        if found is None:
+            return None
+        chosen += found[1]
+    return chosen
+
+
+def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
+                max_thresholds: Optional[int] = None) -> Optional[DpResult]:
+    """Best (iteration, boundaries, recompute) at micro-batch size b, or None when nothing fits.
+
+    exact=False uses the greedy recomputation and max_thresholds caps the tau scan (a heuristic for
+    warm starts on large profiles); with the defaults the answer is the exact optimum.
+    """
+    L, C = profile.num_units, opts.num_chunks
+    tables = chunk_tables(profile, b, opts)
+    if opts.recompute == "auto" and any(cap is not None for cap in tables.caps):
+        times = auto_recompute_times(profile, b, opts, tables, exact)
+    else:
+        times = [np.where(mem <= cap, t, np.inf) if cap is not None else t
+                 for t, mem, cap in zip(tables.time, tables.memory, tables.caps)]
+    extras = tables.extra
+    m = tables.m
+    tau_star, split = min_max_partition(L, C, lambda c: times[c])
+    if split is None:
+        return None
+    g_min, _ = _min_sum(times, L)
+    eps_values = np.unique(np.concatenate([E[np.isfinite(t)] for E, t in zip(extras, times)])).tolist()
+    eps_star, _ = min_max_partition(L, C, lambda c: np.where(np.isfinite(times[c]), extras[c], np.inf))
+    eps_values = [x for x in eps_values if x >= eps_star - 1e-15] or [0.0]
+    finite = np.concatenate([t[np.isfinite(t) & (t >= tau_star)] for t in times])
+    tau_values = np.unique(finite).tolist() if m > 1 else [math.inf]  # m = 1: no max term at all
+    best: Optional[DpResult] = None
+
+    def consider(bounds: List[int]) -> None:
+        nonlocal best
+        redo = recompute_for(profile, bounds, b, opts, exact)
+        if redo is None:
+            return
+        cost = evaluate(profile, bounds, b, opts, redo)
+        if cost.feasible and (best is None or cost.iteration_s < best[0]):
+            best = (cost.iteration_s, bounds, redo)
+
+    for eps in eps_values:
+        if best is not None and g_min + (m - 1) * tau_star + eps >= best[0]:
+            break
+        masks = [np.where(E <= eps, t, np.inf) for t, E in zip(times, extras)]
+        for count, tau in enumerate(tau_values):
+            if best is not None and g_min + (m - 1) * tau + eps >= best[0]:
+                break
+            if max_thresholds is not None and count >= max_thresholds:
+                break
+            value, bounds = _min_sum([np.where(t <= tau, t, np.inf) for t in masks], L)
+            if bounds is not None:
+                consider(bounds)
+    return best
+
+
+def solve_dp(profile: Profile, opts: CostOptions, exact: bool = True) -> Optional[Tuple[DpResult, int]]:
+    """Exact optimum over every candidate b: ((iteration, boundaries, recompute), b) or None."""
+    _check(profile, opts)
+    best = None
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        found = dp_for_size(profile, b, opts, exact)
+        if found is not None and (best is None or found[0] < best[0][0]):
+            best = (found, b)
+    return best
+
+
+def _check(profile: Profile, opts: CostOptions) -> None:
+    from planner.costmodel import shared_parameters
+    if opts.virtual_stages != 1:
+        raise ValueError("the dp method handles one chunk per rank (gpipe/1f1b); use --method ilp for "
+                         f"{opts.schedule}")
+    if shared_parameters(profile):
+        raise ValueError("the dp method does not model tied-parameter exchange; use --method ilp")
+
+
+__all__ = ["solve_dp", "dp_for_size", "recompute_for"]

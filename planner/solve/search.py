@@ -1,0 +1,163 @@
+"""The outer search: every scenario (pipeline depth p, data-parallel d, schedule, v, micro-batch b),
+each solved by the chosen method, with the global certificate.
+
+The decisions that change the shape of the program (p, d, schedule, v, b) are enumerated; the
+boundaries and recomputation are solved inside each scenario. A scenario whose lower bound
+
+    LB = G / v + (m - 1/v) D_lb      (G: total compute over the fastest rank, or the unconstrained
+                                      min-sum DP when v = 1; D_lb: exact min-max chunk time
+                                                  when v = 1, else max(W / (p sigma_max), max_l w_l))
+
+is not below the incumbent is skipped; the global bound is the minimum over scenarios of their
+proven bounds (a skipped scenario contributes its LB), so the reported gap is a true gap.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
+                               shared_parameters)
+from planner.profile import Profile
+from planner.solve.diagnose import min_max_partition
+from planner.solve.dp import _min_sum, dp_for_size
+from planner.solve.ilp import OPTIMALITY_GAP, Solution, build_and_solve
+from planner.solve.tables import chunk_tables
+
+HEURISTIC_THRESHOLDS = 12  # tau values the warm-start DP scans (the exact DP scans all)
+
+
+def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] = None,
+                     schedules: Optional[Sequence[str]] = None, virtual_stages: Optional[int] = None
+                     ) -> List[CostOptions]:
+    """Concrete options: each schedule (interleaved/bfs with v = virtual_stages, default the
+    options' own or 2) and, given `devices` N, each p x d = N."""
+    chunks = virtual_stages if virtual_stages is not None else max(2, opts.virtual_stages)
+    schedules = list(schedules) if schedules else [opts.schedule]
+    pairs = [(opts.num_stages, opts.data_parallel)] if devices is None else \
+        [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and opts.global_batch % d == 0]
+    out = []
+    for p, d in pairs:
+        for schedule in schedules:
+            v = chunks if schedule in ("interleaved", "bfs") else 1
+            if p * v <= num_units:
+                out.append(opts.with_(num_stages=p, data_parallel=d, schedule=schedule, virtual_stages=v))
+    return out
+
+
+@dataclass
+class _Candidate:
+    opts: CostOptions
+    b: int
+    heuristic: Optional[Tuple[float, List[int], List[int]]]
+    lower_bound: float
+    floor: float  # D_lb (s)
+    total: float  # lower bound on sum_c T_c (s)
+
+
+def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> List[int]:
+    work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])])
+    n = len(work)
+    table = np.where(np.triu(np.ones((n, n), dtype=bool), 1), work[None, :] - work[:, None], np.inf)
+    return min_max_partition(profile.num_units, opts.num_chunks, lambda c: table)[1]
+
+
+def heuristic_plan(profile: Profile, b: int, opts: CostOptions) -> Optional[Tuple[float, List[int], List[int]]]:
+    """A good feasible plan fast: the DP with a short threshold scan (v = 1), else a balanced split."""
+    if opts.virtual_stages == 1 and not shared_parameters(profile):
+        scan = HEURISTIC_THRESHOLDS if profile.num_units <= 300 else 2  # each scan is O(C L^2)
+        return dp_for_size(profile, b, opts, exact=False, max_thresholds=scan)
+    bounds = _balanced_split(profile, b, opts)
+    for redo in ([], [l for l in range(profile.num_units)]) if opts.recompute == "auto" else \
+            ([list(range(profile.num_units))] if opts.recompute == "all" else [[]]):
+        cost = evaluate(profile, bounds, b, opts, redo)
+        if cost.feasible:
+            return cost.iteration_s, bounds, redo
+    return None
+
+
+def _candidates(profile: Profile, scenarios: List[CostOptions], use_heuristic: bool) -> List[_Candidate]:
+    out = []
+    for opts in scenarios:
+        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+            m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.num_stages
+            fastest = max(rank_speeds(opts))
+            w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
+            floor = max(sum(w) / p, max(w))
+            total = sum(w)
+            if v == 1:
+                tables = chunk_tables(profile, b, opts.with_(recompute="none"))
+                floor = max(floor, min_max_partition(profile.num_units, opts.num_chunks,
+                                                     lambda c: tables.time[c])[0])
+                total = max(total, _min_sum(tables.time, profile.num_units)[0])  # sum_c T_c >= g_min
+            lower = total / v + (m - 1.0 / v) * floor
+            heuristic = heuristic_plan(profile, b, opts) if use_heuristic else None
+            out.append(_Candidate(opts, b, heuristic, lower, floor, total))
+    return out
+
+
+def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
+           backend: str = "cbc", warm_start: bool = True) -> Optional[Solution]:
+    """Best plan over the scenarios by `method` ('ilp' or 'dp'); None when nothing fits."""
+    started = time.perf_counter()
+    if method == "dp":
+        best = None
+        for opts in scenarios:
+            for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+                found = dp_for_size(profile, b, opts)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = (found[0], found[1], found[2], b, opts)
+        if best is None:
+            return None
+        return _solution(profile, best, best[0], True, started, "dp", "python")
+    candidates = sorted(_candidates(profile, scenarios, warm_start),
+                        key=lambda c: (c.heuristic[0] if c.heuristic else math.inf, c.lower_bound))
+    best = None  # (iteration, boundaries, recompute, b, opts)
+    for c in candidates:
+        if c.heuristic and (best is None or c.heuristic[0] < best[0]):
+            best = (*c.heuristic, c.b, c.opts)
+    bound, all_optimal = math.inf, True
+    for c in candidates:
+        if best is not None and c.lower_bound >= best[0] * (1 - 1e-12):
+            bound = min(bound, c.lower_bound)
+            continue
+        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        incumbent = None
+        if warm_start and best is not None:
+            own = c.heuristic if c.heuristic else (best[0], None, [])
+            incumbent = (best[0], own[1] if own[1] is not None else best[1], own[2])
+            if own[1] is None or len(own[1]) != c.opts.num_chunks - 1:
+                incumbent = (best[0], _balanced_split(profile, c.b, c.opts), [])
+        result = build_and_solve(profile, c.b, c.opts, incumbent, c.floor, c.total, remaining,
+                                 backend, warm_start)
+        all_optimal = all_optimal and result.optimal
+        if result.plan is not None:
+            try:
+                cost = evaluate(profile, result.plan[0], c.b, c.opts, result.plan[1])
+            except ValueError:
+                cost = None
+            if cost is not None and cost.feasible and (best is None or cost.iteration_s < best[0]):
+                best = (cost.iteration_s, result.plan[0], result.plan[1], c.b, c.opts)
+        bound = min(bound, max(result.bound_s, c.lower_bound))
+    if best is None:
+        return None
+    return _solution(profile, best, bound, all_optimal, started, "ilp", backend)
+
+
+def _solution(profile: Profile, best, bound: float, solver_optimal: bool, started: float, method: str,
+              backend: str) -> Solution:
+    iteration, boundaries, redo, b, opts = best
+    cost = evaluate(profile, boundaries, b, opts, redo)
+    bound = min(bound, iteration)
+    gap = max(0.0, (iteration - bound) / iteration) if iteration > 0 else 0.0
+    if solver_optimal and gap <= OPTIMALITY_GAP:
+        bound, gap = iteration, 0.0
+    status = "optimal" if gap <= OPTIMALITY_GAP else "feasible"
+    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+                    cost=cost, status=status, objective=iteration, bound=bound, gap=gap,
+                    seconds=time.perf_counter() - started, method=method, backend=backend,
+                    recompute=list(redo), options=opts)

@@ -1,0 +1,62 @@
+"""Baselines: their splits follow their tools' rules, and the ILP is never worse than any of them."""
+import pytest
+
+from planner.cli import main
+from planner.costmodel import CostOptions
+from planner.profile import save_profile
+from planner.solve import InfeasibleError, solve
+from planner.solve.baselines import balanced_split, uniform_split
+from tests.synthetic import synthetic_profile
+
+
+def lopsided():
+    # a light embedding, heavy middle blocks, a parameter-heavy head (DeepSpeed #2974's complaint)
+    return synthetic_profile([0.001, 0.01, 0.01, 0.01, 0.01, 0.004], [0.002, 0.02, 0.02, 0.02, 0.02, 0.008],
+                             [1 << 20, 2 << 20, 2 << 20, 2 << 20, 2 << 20, 24 << 20], [1 << 16] * 6, [1 << 12] * 5,
+                             sizes=(1, 2, 4))
+
+
+def test_uniform_and_balanced_splits():
+    assert uniform_split(10, 4) == [3, 6, 8]
+    assert uniform_split(8, 4) == [2, 4, 6]
+    assert balanced_split([1, 1, 1, 10], 2) == [3]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1]
+
+
+@pytest.mark.parametrize("method", ["uniform", "params", "block"])
+def test_ilp_never_worse_than_a_baseline(method):
+    p = lopsided()
+    opts = CostOptions(num_stages=3, global_batch=8)
+    ilp = solve(p, opts)
+    base = solve(p, opts, method=method)
+    assert base.status == "heuristic" and base.cost.feasible
+    assert ilp.objective <= base.objective * (1 + 1e-9)
+
+
+def test_params_baseline_isolates_the_heavy_head_and_loses_time():
+    p = lopsided()
+    opts = CostOptions(num_stages=2, global_batch=8)
+    base = solve(p, opts, method="params")
+    assert base.boundaries == [5]  # the 24 MiB head alone outweighs everything else
+    assert solve(p, opts).objective < 0.8 * base.objective
+
+
+def test_baseline_that_does_not_fit_is_infeasible():
+    p = lopsided()
+    opts = CostOptions(num_stages=2, global_batch=8, memory_cap=50 << 20)
+    ilp = solve(p, opts)
+    assert ilp.cost.feasible
+    with pytest.raises(InfeasibleError):
+        solve(p, opts, method="uniform")  # [3] puts 56 MiB of parameters on the last device
+
+
+def test_compare_prints_every_method(tmp_path, capsys):
+    path = str(tmp_path / "p.json")
+    save_profile(lopsided(), path)
+    assert main(["compare", path, "--stages", "2", "--global-batch", "8", "--memory-per-device", "50MiB"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[0] == "method"
+    for name in ("ilp", "uniform", "params", "block"):
+        assert any(line.split()[0] == name for line in lines[2:] if line.split())
+    assert "1.000x" in out and "no" in out
