@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from planner.allocator import retain_freed_memory
 from planner.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.spec import ModelSpec, build_spec
@@ -165,6 +166,7 @@ def profile_model(
         raise CaptureError("--device cuda was asked for but CUDA is not available here; use --device cpu")
     if threads > 0:
         torch.set_num_threads(threads)
+    retain_freed_memory()  # as every rank does: measure without per-micro-batch page faults
     spec: ModelSpec = build_spec(entry, model_args, seed)
     captured: CapturedModel = capture(spec.module)
     captured.gm.to(dev)

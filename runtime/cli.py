@@ -66,17 +66,25 @@ def _merge_states(out_dir: str, ranks: List[int], path: str) -> None:
 
 
 def _warn_conditions(plan: Dict[str, Any], threads: int, world: int) -> None:
-    """Predictions hold for the conditions the profile was measured under: say when a run differs."""
-    import torch
+    """Predictions hold for the conditions the profile was measured under: say when a run differs.
+    (Without importing torch here: the launcher stays quick to start.)"""
+    from importlib.metadata import PackageNotFoundError, version
 
     profiled = plan.get("profile", {})
     notes = []
     if profiled.get("threads") and int(profiled["threads"]) != threads:
         notes.append(f"{threads} thread(s) per rank, profiled with {profiled['threads']}")
-    if profiled.get("torch_version") and profiled["torch_version"] != torch.__version__:
-        notes.append(f"torch {torch.__version__}, profiled with {profiled['torch_version']}")
-    if profiled.get("device") == "cuda" and not torch.cuda.is_available():
-        notes.append("running on CPU, profiled on CUDA")
+    try:
+        installed = version("torch")
+    except PackageNotFoundError:
+        installed = None
+    if installed and profiled.get("torch_version") and profiled["torch_version"].split("+")[0] != installed.split("+")[0]:
+        notes.append(f"torch {installed}, profiled with {profiled['torch_version']}")
+    if profiled.get("device") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            notes.append("running on CPU, profiled on CUDA")
     if profiled.get("device") == "cpu" and (os.cpu_count() or 1) < world * threads:
         notes.append(f"{world} ranks x {threads} thread(s) on {os.cpu_count()} cores")
     if notes:
