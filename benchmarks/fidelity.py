@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import run_plan  # noqa: E402
 
 from planner.costmodel import CostOptions  # noqa: E402
 from planner.fidelity import calibrate_profile  # noqa: E402
-from planner.jsonio import read_json, write_json_atomic  # noqa: E402
+from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.measure import profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
@@ -55,18 +52,6 @@ def plan_for(profile, stages, m, b, opts_extra=None):
     return make_plan(profile, solution, opts, "benchmark"), opts
 
 
-def run(plan, steps):
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path, report_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "report.json")
-        write_json_atomic(plan_path, plan)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", plan_path, "--steps", str(steps),
-                                 "--report", report_path], cwd=ROOT, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr)
-        return read_json(report_path)
-
-
 def mape(rows, key):
     return statistics.mean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) * 100
 
@@ -87,7 +72,7 @@ def main():
             for m in MICRO_BATCHES:
                 for b in SIZES:
                     plan, _ = plan_for(profile, stages, m, b)
-                    report = run(plan, args.steps)
+                    report = run_plan(plan, args.steps)
                     reports[(stages, m, b)] = (plan, report)
                     rows.append({"model": name, "stages": stages, "m": m, "b": b,
                                  "split": [s["units"][0] for s in plan["stages"]],

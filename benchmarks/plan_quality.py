@@ -13,33 +13,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import run_plan  # noqa: E402
 
 from planner.costmodel import CostOptions  # noqa: E402
-from planner.jsonio import read_json, write_json_atomic  # noqa: E402
 from planner.measure import profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
 
 MODEL = ("builtin:gpt", {"vocab": 16384, "dim": 128, "layers": 8, "seq_len": 32})  # head ~ 10 blocks
 METHODS = ("ilp", "uniform", "params")
-
-
-def run(plan, steps):
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path, report_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "report.json")
-        write_json_atomic(plan_path, plan)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", plan_path, "--steps", str(steps),
-                                 "--report", report_path], cwd=ROOT, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr)
-        return read_json(report_path)["measured_iteration_s"]
 
 
 def main():
@@ -62,7 +47,7 @@ def main():
     measured = {m: [] for m in METHODS}
     for rep in range(args.reps):
         for method in METHODS:
-            measured[method].append(run(plans[method], args.steps))
+            measured[method].append(run_plan(plans[method], args.steps)["measured_iteration_s"])
             print(f"  rep {rep + 1} {method:8} {measured[method][-1] * 1e3:.1f} ms", flush=True)
     median = {m: statistics.median(v) for m, v in measured.items()}
     print()
