@@ -51,13 +51,14 @@ def main():
             S = stages or rng.randint(1, min(16, L))
             problems.append((chain(rng, L), CostOptions(num_stages=S, global_batch=32, latency=1e-5)))
         for backend in backends:
-            times, gaps = [], []
+            times, gaps, methods = [], [], set()
             for p, opts in problems:
                 found = solve(p, opts, backend=backend, time_limit=args.time_limit)
                 times.append(found.seconds)
                 gaps.append(found.gap)
+                methods.add(found.method)
             print(f"chains L <= 130, {label}, {backend}: p95 {p95(times):.2f} s, max {max(times):.2f} s, "
-                  f"max gap {max(gaps):.2e} ({len(problems)} samples)", flush=True)
+                  f"max gap {max(gaps):.2e} ({len(problems)} samples, method {'/'.join(sorted(methods))})", flush=True)
     if args.skip_pipedream:
         return
     if not os.path.isdir(PIPEDREAM):
@@ -70,7 +71,7 @@ def main():
             for S in (2, 4, 8, 16):
                 found = solve(p, CostOptions(num_stages=S, global_batch=64 * 2 * S), backend=backend,
                               time_limit=args.time_limit)
-                row.append(f"S={S}: {found.seconds:.2f} s gap {found.gap:.1e}")
+                row.append(f"S={S}: {found.seconds:.2f} s gap {found.gap:.1e} ({found.method})")
             print(f"{name.split('.')[0]} ({p.num_units} units) {backend}: " + "; ".join(row), flush=True)
 
 

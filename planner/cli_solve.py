@@ -26,15 +26,39 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
                    help="model chunks per device for interleaved/bfs (default 2)")
     s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
                    help="activation recomputation per unit: auto = where memory needs it (default auto)")
-    s.add_argument("--bandwidth", default="5GB", help="bytes/s between consecutive stages (default 5GB)")
+    s.add_argument("--bandwidth", default=None,
+                   help="bytes/s between consecutive stages (default: the profile's calibration, else 5GB)")
     s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
-    s.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages (default 0)")
+    s.add_argument("--latency", type=float, default=None,
+                   help="seconds per message between stages (default: the profile's calibration, else 0)")
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
     s.add_argument("--backend", default="highs", choices=["highs", "cbc"],
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py)")
     s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+
+
+def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, float, Optional[str]]:
+    """(bandwidth, latency, step overhead, note): explicit options first, then the profile's
+    `planner calibrate` results (profile.extra['calibration']), then the defaults (5 GB/s, 0, 0).
+    The note says what the calibration supplied (None when it supplied nothing)."""
+    calibration = profile.extra.get("calibration") or {}
+    bandwidth = parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None
+    latency, overhead, used = args.latency, 0.0, []
+    if bandwidth is None and calibration.get("bandwidth_bytes_per_s"):
+        bandwidth = float(calibration["bandwidth_bytes_per_s"])
+        used.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
+    if latency is None and calibration.get("latency_s") is not None:
+        latency = float(calibration["latency_s"])
+        used.append(f"latency {latency * 1e6:.3g} us")
+    if calibration.get("step_overhead_s"):
+        overhead = max(0.0, float(calibration["step_overhead_s"]))
+        used.append(f"step overhead {overhead * 1e3:.3g} ms")
+    bandwidth = parse_bytes("5GB", "--bandwidth") if bandwidth is None else bandwidth
+    latency = 0.0 if latency is None else latency
+    note = f"applied the profile's calibration: {', '.join(used)}" if used else None
+    return bandwidth, latency, overhead, note
 
 
 def problem_from_args(args: argparse.Namespace):
@@ -63,12 +87,15 @@ def problem_from_args(args: argparse.Namespace):
         schedules: List[str] = ["1f1b", "gpipe", "interleaved", "bfs"]
     else:
         schedules = [args.schedule]
+    bandwidth, latency, overhead, note = calibrated_link(profile, args)
+    args.calibration_note = note
     opts = CostOptions(
         num_stages=stages if args.devices is None else 1,
         global_batch=global_batch,
         schedule="1f1b",
-        bandwidth=parse_bytes(args.bandwidth, "--bandwidth"),
-        latency=args.latency,
+        bandwidth=bandwidth,
+        latency=latency,
+        step_overhead_s=overhead,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
@@ -90,6 +117,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from planner.solve.diagnose import InfeasibleError
 
     profile, opts, devices, schedules = problem_from_args(args)
+    if getattr(args, "calibration_note", None):
+        print(args.calibration_note)
     try:
         solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
                          devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)

@@ -21,7 +21,10 @@ Per-iteration extra time of rank i (gradient traffic, once per iteration):
 
 Iteration time (D_i = sum_{c on i} T_c, the rank's work per micro-batch):
 
-    iteration = (1/v) sum_c T_c + (m - 1/v) max_i D_i + max_i E_i
+    iteration = (1/v) sum_c T_c + (m - 1/v) max_i D_i + max_i E_i + step_overhead
+
+(step_overhead: a constant per iteration, e.g. from `planner calibrate`; it moves no argmin but is
+part of every predicted time and every bound.)
 
 For v = 1 this is the classic fill-drain bound sum_s T_s + (m - 1) max_s T_s (GPipe and 1F1B);
 with equal chunks of time t it is m v t + (p - 1) t: Megatron's interleaved bubble (p - 1)/(v m).
@@ -69,6 +72,7 @@ class CostOptions:
     dp_bandwidth: Optional[float] = None  # all-reduce bandwidth; None = bandwidth
     cluster: Optional[Cluster] = None
     recompute: str = "none"  # what solvers may choose: none | all | auto
+    step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: optimizer step, launch)
 
     @property
     def num_chunks(self) -> int:
@@ -93,6 +97,8 @@ class CostOptions:
         for name, value in (("bandwidth", self.bandwidth), ("dp bandwidth", self.dp_bandwidth)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive bytes/s (got {value})")
+        if not self.step_overhead_s >= 0:
+            raise ValueError(f"the step overhead must be >= 0 seconds (got {self.step_overhead_s})")
         if self.latency < 0:
             raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
         if self.memory_cap is not None and not self.memory_cap > 0:
@@ -320,7 +326,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     total = sum(st.time_s for st in stages)
     bottleneck = max(work)
     pipeline = total / v + (m - 1.0 / v) * bottleneck
-    iteration = pipeline + max(extra)
+    iteration = pipeline + max(extra) + opts.step_overhead_s
     bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
     feasible = all(cap is None or mem <= cap for mem, cap in zip(memory, caps))
     return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages, iteration_s=iteration,

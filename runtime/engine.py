@@ -83,6 +83,7 @@ class _State:
     grads: List[torch.Tensor] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None
     target: Any = None
+    saved_bytes: int = 0  # held for backward by this micro-batch's forward
 
 
 class _ChunkRunner:
@@ -118,6 +119,7 @@ class Engine:
         self.groups = groups
         self.trace = trace
         self.params = rank_model.parameters()
+        self.saved = SavedBytes(self.params)
 
     def _peer(self, chunk: int) -> int:
         """The global rank running `chunk` in this replica."""
@@ -217,22 +219,62 @@ class Engine:
     def _forward(self, runner: _ChunkRunner, state: _State, inputs: List[Any], target: Any) -> None:
         chunk = runner.chunk
         args = _to([inputs[j] for j in runner.wanted_inputs], self.device)
-        out = chunk.module(*args, *state.received)
-        if chunk.is_last:
-            state.loss = self.spec.loss(out, _to(target, self.device)) / (self.m * self.topology.data_parallel)
-        else:
-            state.outputs = out
+        counter = self.saved
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            counter.start()
+            out = chunk.module(*args, *state.received)
+            if chunk.is_last:
+                state.loss = self.spec.loss(out, _to(target, self.device)) / (self.m * self.topology.data_parallel)
+            else:
+                state.outputs = out
+            state.saved_bytes = counter.finish()
 
     def _backward(self, runner: _ChunkRunner, state: _State) -> None:
         if runner.chunk.is_last:
             state.loss.backward()
             state.loss = None
-            return
-        pairs = [(state.outputs[j], g) for j, g in zip(runner.send_grads, state.grads)
-                 if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        state.outputs, state.grads = None, []
+        else:
+            pairs = [(state.outputs[j], g) for j, g in zip(runner.send_grads, state.grads)
+                     if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            state.outputs, state.grads = None, []
+        self.saved.release(state.saved_bytes)
+
+
+class SavedBytes:
+    """Bytes held for backward, as autograd saves them (each storage once, parameters excluded):
+    added when a micro-batch's forward ends, released when its backward does. `peak` is the most
+    held at once on this rank — the activation memory the plan's memory model predicts."""
+
+    def __init__(self, params: List[torch.nn.Parameter]):
+        self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live = 0
+        self.peak = 0
+        self._storages: Dict[int, int] = {}
+
+    def start(self) -> None:
+        self._storages = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self.parameter_ptrs:
+            self._storages[ptr] = storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def finish(self) -> int:
+        held = sum(self._storages.values())
+        self.live += held
+        self.peak = max(self.peak, self.live)
+        return held
+
+    def release(self, held: int) -> None:
+        self.live -= held
 
 
 class Groups:

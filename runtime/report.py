@@ -33,6 +33,8 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
         mean = {k: statistics.mean(_steady([s.get(k, 0.0) for s in r["steps"]])) if r["steps"] else 0.0
                 for k in MEASURED_KEYS}
         mean["step_s"] = mean.pop("time_s")
+        busy = sum(mean[k] for k in ("forward_s", "backward_s", "reduce_s", "optimizer_s"))
+        mean["idle_s"] = max(0.0, mean["step_s"] - busy)  # waiting on neighbours: the bubble and transfers
         units = [u for st in plan_stages for u in st["units"]]
         spans = [st["units"][0] if len(st["units"]) == 1 else f"{st['units'][0]}..{st['units'][-1]}"
                  for st in plan_stages]
@@ -49,6 +51,10 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
             "threads": r.get("threads"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "peak_saved_bytes": r.get("peak_saved_bytes"),
+            "param_bytes": r.get("param_bytes"),
+            "predicted_activation_bytes": sum(float(st.get("memory_bytes", {}).get("activations", 0))
+                                              for st in plan_stages),
         })
     predicted = float(plan.get("predicted_iteration_s", 0.0))
     return {
@@ -70,8 +76,10 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
 
 
 def format_report(report: Dict[str, Any]) -> str:
-    lines = [f"{'rank':>4}  {'forward ms':>21}  {'backward ms':>21}  {'waiting ms':>10}  units",
-             f"{'':>4}  {'measured':>10} {'predicted':>10}  {'measured':>10} {'predicted':>10}"]
+    lines = [f"{'rank':>4}  {'forward ms':>21}  {'backward ms':>21}  {'waiting ms':>10}  "
+             f"{'held for backward MiB':>21}  units",
+             f"{'':>4}  {'measured':>10} {'predicted':>10}  {'measured':>10} {'predicted':>10}  {'':>10}  "
+             f"{'measured':>10} {'predicted':>10}"]
     for s in report["stages"]:
         me, pr = s["measured"], s["predicted"]
         span = " + ".join(s["unit_spans"]) + f" ({len(s['units'])} units)"
@@ -79,7 +87,9 @@ def format_report(report: Dict[str, Any]) -> str:
             span = f"stages {','.join(map(str, s['chunks']))}: {span}"
         lines.append(f"{s['rank']:>4}  {me['forward_s'] * 1e3:>10.2f} {pr['forward_s'] * 1e3:>10.2f}  "
                      f"{me['backward_s'] * 1e3:>10.2f} {pr['backward_s'] * 1e3:>10.2f}  "
-                     f"{(me['recv_wait_s'] + me['send_wait_s']) * 1e3:>10.2f}  {span}")
+                     f"{(me['recv_wait_s'] + me['send_wait_s']) * 1e3:>10.2f}  "
+                     f"{(s.get('peak_saved_bytes') or 0) / 2**20:>10.2f} {s.get('predicted_activation_bytes', 0) / 2**20:>10.2f}"
+                     f"  {span}")
     p, m = report["predicted_iteration_s"], report["measured_iteration_s"]
     err = report.get("relative_error")
     lines.append(f"iteration: measured {m * 1e3:.2f} ms (median of steady steps), predicted {p * 1e3:.2f} ms"

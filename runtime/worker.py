@@ -173,10 +173,12 @@ def run(args) -> None:
                 if rank == 0:
                     ckpt.mark_complete(args.checkpoint_dir, step + 1, digest, world)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        # the parameters in memory on this rank, each once
+        static = sum(p.numel() * p.element_size() for p in rank_model.parameters())
         result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
                   "chunks": [c.index for c in rank_model.chunks], "threads": threads, "device": str(device),
                   "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
-                  "link": link}
+                  "peak_saved_bytes": engine.saved.peak, "param_bytes": static, "link": link}
         if args.save_state and topology.replica_of(rank) == 0:
             state: Dict[str, torch.Tensor] = {}
             for chunk in rank_model.chunks:

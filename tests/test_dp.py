@@ -39,11 +39,13 @@ def test_ilp_equals_dp(problem):
         dp = solve(profile, opts, method="dp")
     except Exception as e:  # infeasible for both or neither
         with pytest.raises(type(e)):
-            solve(profile, opts, method="ilp")
+            solve(profile, opts, method="ilp", warm_start=False)
         return
-    ilp = solve(profile, opts, method="ilp")
+    ilp = solve(profile, opts, method="ilp", warm_start=False)  # the integer program on its own
     assert ilp.objective == pytest.approx(dp.objective, rel=1e-6)
     assert ilp.status == "optimal" and dp.status == "optimal"
+    default = solve(profile, opts)  # the search: chain solver where exact, ILP otherwise
+    assert default.objective == pytest.approx(dp.objective, rel=1e-6) and default.gap == 0.0
     cost = evaluate(profile, dp.boundaries, dp.micro_batch_size, opts, dp.recompute)
     assert cost.feasible and cost.iteration_s == pytest.approx(dp.objective, rel=1e-12)
 

@@ -104,9 +104,19 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float]) -> Tuple[bool, Optional[float], bool]:
-    """Solve with HiGHS through highspy; (proven optimal, MIP dual bound in model units or None, True)."""
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-10, gapAbs=1e-9)
+def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Optional[float] = None
+               ) -> Tuple[bool, Optional[float], bool]:
+    """Solve with HiGHS through highspy; (proven optimal, MIP dual bound in model units or None, True).
+
+    One thread (the machine is shared). Feasibility tolerances are 1e-9 rather than 1e-7: a memory
+    row in MiB over by one byte (1e-6 MiB) must not pass. cutoff (model units, without the
+    objective's constant): HiGHS's objective_bound, pruning every node that cannot beat it; when
+    nothing beats it, the problem is marked infeasible and the cutoff is the proven bound.
+    """
+    params = dict(mip_feasibility_tolerance=1e-9, primal_feasibility_tolerance=1e-9)
+    if cutoff is not None and math.isfinite(cutoff):
+        params["objective_bound"] = float(cutoff)
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-10, gapAbs=1e-9, threads=1, **params)
     if not solver.available():
         raise RuntimeError("the highs backend needs highspy: pip install highspy")
     try:
@@ -114,12 +124,21 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float]) -> Tuple[bool,
             prob.solve(solver)
     except pulp.PulpSolverError:
         return False, None, False
+    import highspy
     info = prob.solverModel.getInfo()
+    status = prob.solverModel.getModelStatus()
+    has_solution = int(getattr(info, "primal_solution_status", 0)) == 2  # kSolutionStatusFeasible
+    if "objective_bound" in params and not has_solution and status in (
+            highspy.HighsModelStatus.kObjectiveBound, highspy.HighsModelStatus.kInfeasible):
+        prob.status, prob.sol_status = pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible
+        return True, float(cutoff), True
     bound = float(getattr(info, "mip_dual_bound", float("nan")))
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    optimal = prob.sol_status == pulp.LpSolutionOptimal and status == highspy.HighsModelStatus.kOptimal
     if optimal:  # proven within gapRel = 1e-10; a pure LP (all integers fixed) reports no MIP bound
         objective = float(getattr(info, "objective_function_value", float("nan")))
         if math.isfinite(objective):
             proven = objective - abs(objective) * 1e-9
             bound = proven if not math.isfinite(bound) else max(bound, proven)
+    if "objective_bound" in params and math.isfinite(bound):
+        bound = min(bound, float(cutoff))  # nodes were pruned against the cutoff: only this much is proven
     return optimal, (bound if math.isfinite(bound) else None), True

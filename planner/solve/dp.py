@@ -20,12 +20,16 @@ which is exact because g >= g_min. Memory enters through T_c = +inf.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import CostOptions, candidate_micro_batch_sizes, evaluate, held_counts, rank_speeds
+from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluate, held_counts, rank_caps, rank_speeds,
+                               shared_parameters)
 from planner.profile import Profile
+from planner.solve.chain import solve_chain
+from planner.solve.chain_recompute import MAX_UNITS, recompute_tables
 from planner.solve.diagnose import min_max_partition
 from planner.solve.tables import auto_recompute_times, cheapest_recompute, chunk_tables
 
@@ -74,13 +78,72 @@ def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOpt
     return chosen
 
 
+@dataclass
+class ChainBounds:
+    """What the fast chain solver proves about one v = 1 scenario at one micro-batch size."""
+
+    plan: Optional[DpResult]  # the best plan found (None: nothing fits without recomputation)
+    lower_bound: float  # on every plan of the scenario (recomputation included)
+    exact: bool  # plan is optimal: no integer program needed
+    floor: float  # lower bound on max_c T_c (tau* without caps or recomputation)
+    total: float  # lower bound on sum_c T_c
+
+
+def chain_bounds(profile: Profile, b: int, opts: CostOptions) -> Optional[ChainBounds]:
+    """Solve a v = 1 scenario without tied parameters by planner.solve.chain; None if out of scope.
+
+    Recomputation 'none'/'all', or 'auto' without caps: the chain optimum is the scenario optimum.
+    'auto' with caps: recomputing only adds forward time and only lowers memory. Up to
+    chain_recompute.MAX_UNITS units, the chain optimum with each range's fractional-knapsack
+    recomputation time is a lower bound and the one with greedy whole-unit recomputation a plan
+    (planner.solve.chain_recompute); beyond, the optimum without caps or recomputation is the
+    lower bound and the capped optimum without recomputation the plan. When the two meet, the plan
+    is optimal; otherwise the ILP closes the gap.
+    """
+    if opts.virtual_stages != 1 or shared_parameters(profile):
+        return None
+    capped = any(cap is not None for cap in rank_caps(opts))
+    auto = opts.recompute == "auto" and capped
+    redo_all = list(range(profile.num_units)) if opts.recompute == "all" else []
+    if not auto:
+        found = solve_chain(profile, b, opts)
+        if found is None:
+            return ChainBounds(None, math.inf, True, math.inf, math.inf)
+        cost = evaluate(profile, found.boundaries, b, opts, redo_all)
+        plan = (cost.iteration_s, list(found.boundaries), redo_all)
+        return ChainBounds(plan, found.objective, cost.feasible, found.min_max, found.min_sum)
+    if profile.num_units <= MAX_UNITS:
+        lower_t, upper_t = recompute_tables(profile, b, opts)
+        relaxed = solve_chain(profile, b, opts, caps=False, added=lower_t)
+        upper = solve_chain(profile, b, opts, caps=False, added=upper_t)
+    else:
+        relaxed = solve_chain(profile, b, opts, caps=False)
+        upper = solve_chain(profile, b, opts, caps=True)
+    if relaxed is None:
+        return ChainBounds(None, math.inf, True, math.inf, math.inf)
+    best: Optional[DpResult] = None
+    for bounds in [upper.boundaries] if upper is not None else []:
+        redo = recompute_for(profile, bounds, b, opts, exact=False)
+        cost = evaluate(profile, bounds, b, opts, redo) if redo is not None else None
+        if cost is not None and cost.feasible:
+            best = (cost.iteration_s, list(bounds), redo)
+    exact = best is not None and best[0] <= relaxed.objective * (1 + 1e-12)
+    return ChainBounds(best, relaxed.objective, exact, relaxed.min_max, relaxed.min_sum)
+
+
 def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
                 max_thresholds: Optional[int] = None) -> Optional[DpResult]:
     """Best (iteration, boundaries, recompute) at micro-batch size b, or None when nothing fits.
 
+    Uses the fast chain solver (planner.solve.chain) whenever it is exact; otherwise (recompute
+    'auto' with binding caps) the threshold scan below with per-range recomputation knapsacks.
     exact=False uses the greedy recomputation and max_thresholds caps the tau scan (a heuristic for
     warm starts on large profiles); with the defaults the answer is the exact optimum.
     """
+    fast = chain_bounds(profile, b, opts)
+    if fast is not None and (fast.exact or fast.plan is None and math.isinf(fast.lower_bound)):
+        return fast.plan
+
     L, C = profile.num_units, opts.num_chunks
     tables = chunk_tables(profile, b, opts)
     if opts.recompute == "auto" and any(cap is not None for cap in tables.caps):
@@ -111,11 +174,11 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
             best = (cost.iteration_s, bounds, redo)
 
     for eps in eps_values:
-        if best is not None and g_min + (m - 1) * tau_star + eps >= best[0]:
+        if best is not None and g_min + (m - 1) * tau_star + eps + opts.step_overhead_s >= best[0]:
             break
         masks = [np.where(E <= eps, t, np.inf) for t, E in zip(times, extras)]
         for count, tau in enumerate(tau_values):
-            if best is not None and g_min + (m - 1) * tau + eps >= best[0]:
+            if best is not None and g_min + (m - 1) * tau + eps + opts.step_overhead_s >= best[0]:
                 break
             if max_thresholds is not None and count >= max_thresholds:
                 break

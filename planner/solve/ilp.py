@@ -25,7 +25,7 @@ chunk c's time gains f_l / sigma rho[l][c] and its memory loses h_c (s_l - in_l)
     Emax >= sum_{c on i} (sum_l x[l][c] ar_l + tie_c)           (ar_l: all-reduce of P_l over d)
     tied parameter t with uses u_1 < ... < u_n: sep_j >= sum_c e[k][c] for cuts u_j < k <= u_{j+1},
     hold_c >= x[u][c], tie_c >= 2 bytes_t / bw (sum_j sep_j - (n - 1)(1 - hold_c)), tie_c >= 0
-    minimise (1/v) sum_c T_c + (m - 1/v) Dmax + Emax
+    minimise (1/v) sum_c T_c + (m - 1/v) Dmax + Emax + step_overhead   (a constant)
 
 Times are in milliseconds and memory in MiB inside the model.
 """
@@ -116,7 +116,8 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
     total_work = max(sum(work) / MS / max(speeds), total_floor_s)  # sum_c T_c >= this
     tau = math.inf
     if incumbent is not None:
-        tau = incumbent[0] if m * v == 1 else min(incumbent[0], (incumbent[0] - total_work / v) / (m - 1.0 / v))
+        beat = incumbent[0] - opts.step_overhead_s
+        tau = beat if m * v == 1 else min(beat, (beat - total_work / v) / (m - 1.0 / v))
     low, high = _fixings(profile, b, opts, tau) if math.isfinite(tau) else ([max(0, l - (L - C)) for l in range(L)],
                                                                             [min(C - 1, l) for l in range(L)])
     if any(lo > hi for lo, hi in zip(low, high)):
@@ -197,7 +198,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
             cap = math.floor(caps[i]) if opt.is_integer() else caps[i]
             add(memory <= cap / MIB, f"memory_rank_{i}")
         extra_terms = _extra_terms(prob, profile, opts, x, ends, may, add)
-        objective = pulp.lpSum(chunk_time) * (1.0 / v) + (m - 1.0 / v) * dmax
+        objective = pulp.lpSum(chunk_time) * (1.0 / v) + (m - 1.0 / v) * dmax + opts.step_overhead_s * MS
         if extra_terms is not None:
             emax = _var(prob, "emax")
             for i in range(p):
@@ -217,7 +218,10 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
     if backend == "cbc":
         optimal, bound_ms, ran = _run_cbc(prob, time_limit, warm=warm_start and incumbent is not None)
     else:
-        optimal, bound_ms, ran = _run_highs(prob, time_limit)
+        cutoff = None
+        if warm_start and incumbent is not None:  # only plans beating the incumbent matter
+            cutoff = incumbent[0] * MS - float(getattr(prob.objective, "constant", 0.0) or 0.0)
+        optimal, bound_ms, ran = _run_highs(prob, time_limit, cutoff)
     if not ran:
         if not warm_start:
             raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "

@@ -24,12 +24,9 @@ from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluat
                                shared_parameters)
 from planner.profile import Profile
 from planner.solve.diagnose import min_max_partition
-from planner.solve.dp import _min_sum, dp_for_size
+from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
 from planner.solve.ilp import OPTIMALITY_GAP, Solution, build_and_solve
 from planner.solve.tables import chunk_tables
-
-HEURISTIC_THRESHOLDS = 12  # tau values the warm-start DP scans (the exact DP scans all)
-
 
 def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] = None,
                      schedules: Optional[Sequence[str]] = None, virtual_stages: Optional[int] = None
@@ -57,6 +54,7 @@ class _Candidate:
     lower_bound: float
     floor: float  # D_lb (s)
     total: float  # lower bound on sum_c T_c (s)
+    exact: bool = False  # heuristic is proven optimal for this (scenario, b): no ILP needed
 
 
 def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> List[int]:
@@ -67,10 +65,11 @@ def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> List[int]:
 
 
 def heuristic_plan(profile: Profile, b: int, opts: CostOptions) -> Optional[Tuple[float, List[int], List[int]]]:
-    """A good feasible plan fast: the DP with a short threshold scan (v = 1), else a balanced split."""
+    """A good feasible plan fast: the chain solver's (v = 1), else a balanced split."""
     if opts.virtual_stages == 1 and not shared_parameters(profile):
-        scan = HEURISTIC_THRESHOLDS if profile.num_units <= 300 else 2  # each scan is O(C L^2)
-        return dp_for_size(profile, b, opts, exact=False, max_thresholds=scan)
+        fast = chain_bounds(profile, b, opts)
+        if fast is not None:
+            return fast.plan
     bounds = _balanced_split(profile, b, opts)
     for redo in ([], [l for l in range(profile.num_units)]) if opts.recompute == "auto" else \
             ([list(range(profile.num_units))] if opts.recompute == "all" else [[]]):
@@ -80,24 +79,30 @@ def heuristic_plan(profile: Profile, b: int, opts: CostOptions) -> Optional[Tupl
     return None
 
 
+def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool) -> _Candidate:
+    m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.num_stages
+    fastest = max(rank_speeds(opts))
+    w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
+    floor, total = max(sum(w) / p, max(w)), sum(w)
+    if use_heuristic and v == 1:
+        fast = chain_bounds(profile, b, opts)
+        if fast is not None:  # exact, or bounds and an incumbent for the ILP
+            floor, total = max(floor, fast.floor), max(total, fast.total)
+            lower = fast.plan[0] if fast.exact and fast.plan is not None else \
+                max(fast.lower_bound, total + (m - 1) * floor + opts.step_overhead_s)
+            return _Candidate(opts, b, fast.plan, lower, floor, total, exact=fast.exact)
+    if v == 1:
+        tables = chunk_tables(profile, b, opts.with_(recompute="none"))
+        floor = max(floor, min_max_partition(profile.num_units, opts.num_chunks, lambda c: tables.time[c])[0])
+        total = max(total, _min_sum(tables.time, profile.num_units)[0])  # sum_c T_c >= g_min
+    lower = total / v + (m - 1.0 / v) * floor + opts.step_overhead_s
+    heuristic = heuristic_plan(profile, b, opts) if use_heuristic else None
+    return _Candidate(opts, b, heuristic, lower, floor, total)
+
+
 def _candidates(profile: Profile, scenarios: List[CostOptions], use_heuristic: bool) -> List[_Candidate]:
-    out = []
-    for opts in scenarios:
-        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-            m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.num_stages
-            fastest = max(rank_speeds(opts))
-            w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
-            floor = max(sum(w) / p, max(w))
-            total = sum(w)
-            if v == 1:
-                tables = chunk_tables(profile, b, opts.with_(recompute="none"))
-                floor = max(floor, min_max_partition(profile.num_units, opts.num_chunks,
-                                                     lambda c: tables.time[c])[0])
-                total = max(total, _min_sum(tables.time, profile.num_units)[0])  # sum_c T_c >= g_min
-            lower = total / v + (m - 1.0 / v) * floor
-            heuristic = heuristic_plan(profile, b, opts) if use_heuristic else None
-            out.append(_Candidate(opts, b, heuristic, lower, floor, total))
-    return out
+    return [_candidate(profile, opts, b, use_heuristic) for opts in scenarios
+            for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)]
 
 
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
@@ -120,9 +125,9 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     for c in candidates:
         if c.heuristic and (best is None or c.heuristic[0] < best[0]):
             best = (*c.heuristic, c.b, c.opts)
-    bound, all_optimal = math.inf, True
+    bound, all_optimal, ran_ilp = math.inf, True, False
     for c in candidates:
-        if best is not None and c.lower_bound >= best[0] * (1 - 1e-12):
+        if c.exact or (best is not None and c.lower_bound >= best[0] * (1 - 1e-12)):
             bound = min(bound, c.lower_bound)
             continue
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
@@ -132,6 +137,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             incumbent = (best[0], own[1] if own[1] is not None else best[1], own[2])
             if own[1] is None or len(own[1]) != c.opts.num_chunks - 1:
                 incumbent = (best[0], _balanced_split(profile, c.b, c.opts), [])
+        ran_ilp = True
         result = build_and_solve(profile, c.b, c.opts, incumbent, c.floor, c.total, remaining,
                                  backend, warm_start)
         all_optimal = all_optimal and result.optimal
@@ -145,6 +151,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         bound = min(bound, max(result.bound_s, c.lower_bound))
     if best is None:
         return None
+    if not ran_ilp:  # every scenario was settled by the exact chain solver or its bound
+        return _solution(profile, best, bound, True, started, "dp", "python")
     return _solution(profile, best, bound, all_optimal, started, "ilp", backend)
 
 

@@ -1,0 +1,85 @@
+"""Recomputation bounds per chunk range for the chain solver ('auto' recomputation under caps).
+
+Chunk c holding [a, e) on rank i (speed sigma, h_c micro-batches in flight) needs to free
+need = M_c(a, e) - cap_i bytes. Recomputing unit l costs f_l / sigma and frees h_c g_l bytes
+(g_l = s_l - in_l > 0). The cheapest cover is a covering knapsack
+
+    R_c(a, e) = min { sum_{l in S} f_l / sigma : S in [a, e), h_c sum_{l in S} g_l >= need }.
+
+With the units of [a, e) in increasing order of f_l / g_l (the same order for every c: sigma and
+h_c scale all ratios alike) and prefix sums F_k (freed) and T_k (time) along it, k the first prefix
+with h_c F_k >= need:
+
+    lower: T_{k-1} + (need / h_c - F_{k-1}) / g_k f_k   (the fractional knapsack: a lower bound)
+    upper: T_k                                          (greedy whole units: feasible)
+
+both divided by sigma, +inf when even all of [a, e) does not free enough. Every chunk time with
+its best recomputation lies between T_c + lower and T_c + upper, and the objective is monotone in
+each chunk time, so the chain optimum with the lower tables bounds every plan from below and the
+one with the upper tables is a feasible plan (planner.solve.dp.chain_bounds).
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+from planner.costmodel import CostOptions, held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, \
+    rank_speeds
+from planner.profile import Profile
+
+MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
+
+
+def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+    """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per chunk."""
+    units, L, C, p = profile.units, profile.num_units, opts.num_chunks, opts.num_stages
+    m = num_micro_batches(opts, b)
+    inputs = input_bytes(profile, b)
+    f = np.array([u.forward_s[b] for u in units], dtype=float)
+    g = np.array([u.saved_bytes[b] - inputs[l] for l, u in enumerate(units)], dtype=float)
+    P = np.concatenate([[0.0], np.cumsum([u.param_bytes for u in units])])
+    A = np.concatenate([[0.0], np.cumsum([u.saved_bytes[b] for u in units])])
+    items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
+    order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
+    n = order.size
+    speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
+    opt = optimizer_factor(opts.optimizer)
+    ends = np.arange(L + 1)
+    cache = {}
+    lower, upper = [], []
+    for c in range(C):
+        key = (held[c], speeds[c % p], caps[c % p])
+        if key not in cache:
+            cache[key] = _tables(L, n, order, f, g, P, A, opt, *key, ends)
+        lower.append(cache[key][0])
+        upper.append(cache[key][1])
+    return lower, upper
+
+
+def _tables(L, n, order, f, g, P, A, opt, h, sigma, cap, ends):
+    low = np.full((L + 1, L + 1), np.inf)
+    high = np.full((L + 1, L + 1), np.inf)
+    for a in range(L):
+        e = ends[a + 1:]
+        need = (P[e] - P[a]) * (2 + opt) + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
+        fits = need <= 0
+        low[a, e[fits]] = 0.0
+        high[a, e[fits]] = 0.0
+        if n == 0 or fits.all():
+            continue
+        inside = (order[None, :] >= a) & (order[None, :] < e[:, None])  # [e, rank in order]
+        freed = np.cumsum(np.where(inside, g[order][None, :], 0.0), axis=1)
+        spent = np.cumsum(np.where(inside, f[order][None, :], 0.0), axis=1)
+        target = need / h
+        enough = freed >= target[:, None]
+        k = np.argmax(enough, axis=1)
+        ok = enough[np.arange(e.size), k] & ~fits
+        rows = np.arange(e.size)[ok]
+        kk = k[ok]
+        before_f = np.where(kk > 0, freed[rows, kk - 1], 0.0)
+        before_t = np.where(kk > 0, spent[rows, kk - 1], 0.0)
+        unit = order[kk]
+        low[a, e[ok]] = (before_t + (target[ok] - before_f) / g[unit] * f[unit]) / sigma
+        high[a, e[ok]] = spent[rows, kk] / sigma
+    return low, high
