@@ -131,11 +131,27 @@ def format_check(result: Dict[str, Any]) -> str:
 
 
 # --- calibration -----------------------------------------------------------------------------
+def _predictor(profile: Profile, plan: Dict[str, Any], bandwidth: float):
+    """latency -> the cost model's iteration time for the executed split of `plan` on `profile`."""
+    from planner.costmodel import CostOptions, evaluate
+
+    names = [u.name for u in profile.units]
+    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
+    recompute = [names.index(u) for s in plan["stages"] for u in s.get("recompute", [])]
+    opts = CostOptions(num_stages=int(plan.get("pipeline_stages") or len(plan["stages"])),
+                       global_batch=int(plan["global_batch"]), schedule=plan["schedule"], bandwidth=bandwidth,
+                       optimizer=plan.get("optimizer", "sgd"), data_parallel=int(plan.get("data_parallel") or 1),
+                       virtual_stages=int(plan.get("virtual_stages") or 1))
+    b = int(plan["micro_batch_size"])
+    return lambda latency: evaluate(profile, boundaries, b, opts.with_(latency=latency), recompute).iteration_s
+
+
 def calibrate_profile(profile: Profile, plan: Dict[str, Any], report: Dict[str, Any]) -> Profile:
     """A copy of `profile` corrected by the run: every unit's forward and backward times are scaled
     by measured / predicted of the rank that ran it (the same factor at every micro-batch size:
     the run measured one), the link's bandwidth and latency replace the defaults when the report
-    measured them, and the step time the simulation still misses becomes a per-step overhead."""
+    measured them; the step time the cost model still misses is charged as extra per-message
+    latency (multi-stage runs), and what remains as a per-step overhead."""
     if report.get("model") != profile.model:
         raise ValueError("the report is of a different model than the profile")
     names = [u.name for u in profile.units]
@@ -160,18 +176,24 @@ def calibrate_profile(profile: Profile, plan: Dict[str, Any], report: Dict[str, 
     if link.get("bandwidth_bytes_per_s"):
         calibration["bandwidth_bytes_per_s"] = link["bandwidth_bytes_per_s"]
         calibration["latency_s"] = link.get("latency_s", 0.0)
-    # Re-simulate the executed plan with the corrected compute: what remains is per-step overhead.
-    corrected = copy.deepcopy(plan)
-    for stage in corrected["stages"]:
-        f = [factors.get(u, {"forward": 1.0})["forward"] for u in stage["units"]]
-        b = [factors.get(u, {"backward": 1.0})["backward"] for u in stage["units"]]
-        stage["forward_s"] = float(stage["forward_s"]) * (sum(f) / len(f))
-        stage["backward_s"] = float(stage["backward_s"]) * (sum(b) / len(b))
-    if "bandwidth_bytes_per_s" in calibration:
-        corrected["bandwidth_bytes_per_s"] = calibration["bandwidth_bytes_per_s"]
-        corrected["latency_s"] = calibration["latency_s"]
-    simulated = simulate_plan(corrected).iteration_s
-    calibration["step_overhead_s"] = max(0.0, report["measured_iteration_s"] - simulated)
+        calibration["measured_link"] = dict(link)
+    # What the corrected model still misses is charged first as per-message latency (it grows
+    # with the number of transfers, as Python and gloo overheads do), then as per-step overhead.
+    base_latency = float(calibration.get("latency_s", plan.get("latency_s") or 0.0))
+    bandwidth = float(calibration.get("bandwidth_bytes_per_s", plan.get("bandwidth_bytes_per_s") or 5e9))
+    predict = _predictor(calibrated, plan, bandwidth)
+    measured = float(report["measured_iteration_s"])
+    latency = base_latency
+    if len(plan["stages"]) > 1 and predict(base_latency) < measured:
+        low, high = base_latency, base_latency + 1.0
+        if predict(high) > measured:
+            for _ in range(60):  # the prediction grows monotonically with latency: bisect
+                mid = (low + high) / 2
+                low, high = (mid, high) if predict(mid) < measured else (low, mid)
+            latency = low
+    calibration["bandwidth_bytes_per_s"] = bandwidth
+    calibration["latency_s"] = latency
+    calibration["step_overhead_s"] = max(0.0, measured - predict(latency))
     calibration["runs"] = int(calibration.get("runs", 0)) + 1
     calibrated.extra = dict(calibrated.extra, calibration=calibration)
     return calibrated
