@@ -66,18 +66,10 @@ def middle_cut(unit_names: List[str]) -> int:
 
 
 def plan_with(profile, boundaries: List[int], micro_batch_size: int, global_batch: int, schedule: str) -> dict:
-    """A plan with the given cuts, not solved (the logic of tests/pipeline.py's plan_with)."""
-    from planner.costmodel import CostOptions, evaluate
-    from planner.plan import make_plan
-    from planner.solve.ilp import Solution
+    """A plan with the given cuts, not solved."""
+    from planner.plan import plan_for_split
 
-    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule)
-    cost = evaluate(profile, boundaries, micro_batch_size, opts)
-    solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
-                        num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
-                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
-                        method="fixed", backend="none")
-    return make_plan(profile, solution, opts, "benchmark")
+    return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "benchmark")
 
 
 def make_plans(sizes: List[str], schedules: List[str], work: str) -> Dict[tuple, str]:

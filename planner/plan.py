@@ -177,3 +177,18 @@ def format_plan_table(plan: Dict[str, Any]) -> str:
                        f"{_ms(solver.get('bound') or 0.0)} ms")
     out.append(f"{certificate} [{solver.get('method')}/{solver.get('backend')}, {solver.get('seconds', 0.0):.2f} s]")
     return "\n".join(out)
+
+
+def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
+                   schedule: str = "1f1b", profile_path: str = "") -> Dict[str, Any]:
+    """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
+    tests and benchmarks do to compare splits on real runs."""
+    from planner.costmodel import evaluate
+
+    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule)
+    cost = evaluate(profile, boundaries, micro_batch_size, opts)
+    solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
+                        num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
+                        method="fixed", backend="none")
+    return make_plan(profile, solution, opts, profile_path)

@@ -10,12 +10,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from planner.costmodel import CostOptions, evaluate
 from planner.jsonio import write_json_atomic
 from planner.measure import profile_model
-from planner.plan import make_plan
+from planner.plan import plan_for_split
 from planner.profile import Profile
-from planner.solve.ilp import Solution
 from planner.spec import build_spec, call_model
 from runtime.engine import split_micro_batches
 
@@ -34,13 +32,7 @@ def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (
 def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
               schedule: str = "1f1b") -> dict:
     """A plan with the given cuts (not solved): for testing the runtime on chosen splits."""
-    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule)
-    cost = evaluate(profile, boundaries, micro_batch_size, opts)
-    solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
-                        num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
-                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
-                        method="fixed", backend="none")
-    return make_plan(profile, solution, opts, "test")
+    return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "test")
 
 
 def run_cli(args: Sequence[str], timeout: float = 240) -> subprocess.CompletedProcess:
