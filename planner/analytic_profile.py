@@ -16,7 +16,7 @@ import torch
 
 from planner.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
-from planner.measure import encode_constant, shared_parameters_json
+from planner.measure import record_cut_values, shared_parameters_json
 from planner.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.spec import ModelSpec, build_spec
 
@@ -98,17 +98,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
     for b in sizes:
         inputs, target = meta_batch(b)
         values = run_all_nodes(captured, inputs)
-        for k in range(1, L):
-            for node in captured.crossing(k):
-                v = values[node.name]
-                record = cut_values[k].setdefault(node.name, CutValue(
-                    name=node.name, kind="tensor" if isinstance(v, torch.Tensor) else "constant"))
-                if isinstance(v, torch.Tensor):
-                    record.dtype = str(v.dtype).replace("torch.", "")
-                    record.requires_grad = grad_flags.get(node.name, False) and v.is_floating_point()
-                    record.shape[b], record.bytes[b] = list(v.shape), _nbytes(v)
-                else:
-                    record.value[b] = encode_constant(v, f"value {node.name!r} crossing cut {k}")
+        record_cut_values(captured, values, b, grad_flags, cut_values)
         for k, (stage, io) in enumerate(stages):
             args = []
             for name in io.inputs + io.received:

@@ -133,13 +133,32 @@ def _prepare_args(values: Dict[str, Any], names: Sequence[str], grad_flags: Dict
     return args
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, grad_flags: Dict[str, bool],
+                      cut_values: Dict[int, Dict[str, CutValue]]) -> None:
+    """Add micro-batch size b's shapes, bytes and constants of every value crossing every cut
+    (from one run's node values) to `cut_values[k][name]`, creating records on first sight."""
+    for k in range(1, len(captured.units)):
+        for node in captured.crossing(k):
+            v = values[node.name]
+            record = cut_values[k].setdefault(node.name, CutValue(
+                name=node.name, kind="tensor" if isinstance(v, torch.Tensor) else "constant"))
+            if isinstance(v, torch.Tensor):
+                record.dtype = str(v.dtype).replace("torch.", "")
+                record.requires_grad = grad_flags.get(node.name, False) and v.is_floating_point()
+                record.shape[b] = list(v.shape)
+                record.bytes[b] = _tensor_bytes(v)
+            else:
+                record.value[b] = encode_constant(v, f"value {node.name!r} crossing cut {k}")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(o, device) for o in obj)
+        return type(obj)(to_device(o, device) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -182,7 +201,7 @@ def profile_model(
     # Which crossing values carry gradients: one forward with autograd on, at the smallest size.
     inputs0, _ = spec.batch(sizes[0], 0)
     with torch.enable_grad():
-        probe = run_all_nodes(captured, _to_device(tuple(inputs0), dev), grad=True)
+        probe = run_all_nodes(captured, to_device(tuple(inputs0), dev), grad=True)
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
 
@@ -193,20 +212,9 @@ def profile_model(
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     for b in sizes:
         inputs, target = spec.batch(b, 0)
-        inputs, target = _to_device(tuple(inputs), dev), _to_device(target, dev)
+        inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
         values = run_all_nodes(captured, inputs)
-        for k in range(1, L):
-            for node in captured.crossing(k):
-                v = values[node.name]
-                record = cut_values[k].setdefault(node.name, CutValue(
-                    name=node.name, kind="tensor" if isinstance(v, torch.Tensor) else "constant"))
-                if isinstance(v, torch.Tensor):
-                    record.dtype = str(v.dtype).replace("torch.", "")
-                    record.requires_grad = grad_flags.get(node.name, False) and v.is_floating_point()
-                    record.shape[b] = list(v.shape)
-                    record.bytes[b] = _tensor_bytes(v)
-                else:
-                    record.value[b] = encode_constant(v, f"value {node.name!r} crossing cut {k}")
+        record_cut_values(captured, values, b, grad_flags, cut_values)
         for k, (stage, io) in enumerate(stages):
             args = _prepare_args(values, io.inputs + io.received,
                                  {n: cut_values[k][n].requires_grad for n in io.received} if k else {}, dev)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from planner.measure import to_device
 from runtime import schedule as sched
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint
 from runtime.stage import Chunk, RankModel
@@ -41,16 +42,6 @@ def split_micro_batches(obj: Any, total: int, parts: int, what: str) -> List[Any
         split = {k: split_micro_batches(v, total, parts, f"{what}[{k!r}]") for k, v in obj.items()}
         return [{k: split[k][i] for k in obj} for i in range(parts)]
     return [obj] * parts  # non-tensor values (flags) go to every part
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
 
 
 def _constant(value: Any) -> Any:
@@ -218,13 +209,13 @@ class Engine:
 
     def _forward(self, runner: _ChunkRunner, state: _State, inputs: List[Any], target: Any) -> None:
         chunk = runner.chunk
-        args = _to([inputs[j] for j in runner.wanted_inputs], self.device)
+        args = to_device([inputs[j] for j in runner.wanted_inputs], self.device)
         counter = self.saved
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             counter.start()
             out = chunk.module(*args, *state.received)
             if chunk.is_last:
-                state.loss = self.spec.loss(out, _to(target, self.device)) / (self.m * self.topology.data_parallel)
+                state.loss = self.spec.loss(out, to_device(target, self.device)) / (self.m * self.topology.data_parallel)
             else:
                 state.outputs = out
             state.saved_bytes = counter.finish()
