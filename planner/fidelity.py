@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 from planner.profile import Profile
 from runtime import schedule as sched
 from runtime.simulate import SimEvent, costs_from_plan, simulate
-from runtime.topology import topology_of
+from runtime.topology import instruction_lists
 
 
 @dataclass
@@ -40,9 +40,7 @@ class Simulation:
 
 
 def _lists(plan: Dict[str, Any]) -> List[List[sched.Action]]:
-    topology = topology_of(plan)
-    return sched.build_schedule(plan["schedule"], topology.num_chunks, int(plan["num_micro_batches"]),
-                                topology.virtual_stages, topology.chunk_device)
+    return instruction_lists(plan)
 
 
 def simulate_plan(plan: Dict[str, Any], step_overhead_s: float = 0.0) -> Simulation:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from runtime import schedule as sched
-from runtime.topology import topology_of
+from runtime.topology import instruction_lists, topology_of
 
 PLAN_SCHEMA_VERSION = 1
 _REQUIRED = ("model", "schedule", "micro_batch_size", "num_micro_batches", "global_batch", "stages")
@@ -41,9 +41,8 @@ def check_plan(plan: Dict[str, Any]) -> List[List[sched.Action]]:
     if b * m * d != g:
         raise UsageError(f"the plan's global batch {g} is not {d} replica(s) x {m} micro-batches x micro-batch "
                          f"size {b}; re-run `planner solve`")
-    lists = sched.build_schedule(plan["schedule"], topology.num_chunks, m, topology.virtual_stages,
-                                 topology.chunk_device)
-    sched.check_schedule(lists, m)
+    lists = instruction_lists(plan)
+    sched.check_schedule(lists, m, placement=topology.position_of)
     return lists
 
 
@@ -110,7 +109,9 @@ def execute(args: argparse.Namespace) -> int:
     if plan.get("optimizer") and optimizer.rstrip("w") != str(plan["optimizer"]).rstrip("w"):
         print(f"warning: the plan's memory model assumed {plan['optimizer']}, this run uses {optimizer}",
               file=sys.stderr)
+    replicas = [topology.replicas_of(g) for g in range(topology.num_chunks)]
     shape = f"{topology.pipeline_ranks} pipeline ranks" + (
+        f" ({topology.num_chunks} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
         f" x {topology.data_parallel} replicas" if topology.data_parallel > 1 else "") + (
         f", {topology.num_chunks} stages" if topology.virtual_stages > 1 else "")
     print(f"running {args.plan}: {shape}, {plan['schedule']}, micro-batch {plan['micro_batch_size']} x "
@@ -139,7 +140,7 @@ def execute(args: argparse.Namespace) -> int:
     report = build_report(plan, ranks)
     print(format_report(report))
     if args.save_state:
-        _merge_states(out_dir, [topology.global_rank(0, p) for p in range(topology.pipeline_ranks)],
+        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_positions()],
                       args.save_state)
         print(f"saved the trained model's state_dict to {args.save_state}")
     if args.report:
@@ -168,7 +169,10 @@ def show(args: argparse.Namespace) -> int:
     for r, actions in enumerate(lists):
         chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
         units = [u for g in chunks for u in plan["stages"][g]["units"]]
-        print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}), at most "
+        topology = topology_of(plan)
+        lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(chunks[0])}"
+                if topology.replicas_of(chunks[0]) > 1 else "")
+        print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}{lane}), at most "
               f"{sched.max_in_flight(actions)} micro-batches held:")
         print("  " + " ".join(str(a) for a in actions))
     print("checked: every send has its receive, and no rank can wait forever")

@@ -4,8 +4,10 @@ A step: `inputs, target = batch(G, step)`; replica r of d takes samples [r·G/d,
 splits them into m equal micro-batches along dim 0. The last chunk's loss for micro-batch i is
 `loss(output_i, target_i) / (d·m)`, so after the gradient all-reduce (a sum over replicas) every
 parameter holds the gradient of the mean micro-batch loss, exactly as single-device gradient
-accumulation over the same d·m micro-batches computes it. Tied weights used on several ranks
-get their gradients summed across those ranks first. One optimizer step per rank ends the step.
+accumulation over the same d·m micro-batches computes it. A replicated stage's replicas each
+run their share of the micro-batches (round-robin) and sum gradients the same way. Tied weights
+used on several ranks get their gradients summed across all their holders. One optimizer step
+per rank ends the step.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ class StepStats:
     send_wait_s: float = 0.0
     reduce_s: float = 0.0
     optimizer_s: float = 0.0
-    loss: Optional[float] = None
+    loss: Optional[float] = None  # mean over the micro-batches whose loss this rank computed
+    loss_count: int = 0
 
 
 @dataclass
@@ -112,9 +115,9 @@ class Engine:
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
 
-    def _peer(self, chunk: int) -> int:
-        """The global rank running `chunk` in this replica."""
-        return self.topology.global_rank(self.replica, self.topology.chunk_device[chunk])
+    def _peer(self, chunk: int, micro_batch: int) -> int:
+        """The global rank running `micro_batch` through `chunk` in this data-parallel replica."""
+        return self.topology.global_rank(self.replica, self.topology.position_of(chunk, micro_batch))
 
     # --- one step ---------------------------------------------------------------------------
     def _micro_batches(self, step: int) -> Tuple[List[Any], List[Any]]:
@@ -140,7 +143,7 @@ class Engine:
             t0 = time.perf_counter()
             if kind == sched.RECV_ACT:
                 runner = self.runners[g]
-                tensors = self.comm.recv([runner.chunk.recv[j] for j in runner.recv_tensors], self._peer(g - 1),
+                tensors = self.comm.recv([runner.chunk.recv[j] for j in runner.recv_tensors], self._peer(g - 1, i),
                                          self._tag(g, i), ACTIVATION)
                 states.setdefault((g, i), _State()).received = self._assemble(runner.chunk, tensors)
                 stats.recv_wait_s += time.perf_counter() - t0
@@ -152,12 +155,12 @@ class Engine:
                 stats.forward_s += time.perf_counter() - t0
             elif kind == sched.SEND_ACT:
                 runner, outputs = self.runners[g], states[(g, i)].outputs
-                self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1), self._tag(g + 1, i),
-                               ACTIVATION)
+                self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1, i),
+                               self._tag(g + 1, i), ACTIVATION)
             elif kind == sched.RECV_GRAD:
                 runner = self.runners[g]
                 states[(g, i)].grads = self.comm.recv([runner.chunk.send[j] for j in runner.send_grads],
-                                                      self._peer(g + 1), self._tag(g, i), GRADIENT)
+                                                      self._peer(g + 1, i), self._tag(g, i), GRADIENT)
                 stats.recv_wait_s += time.perf_counter() - t0
             elif kind == sched.BACKWARD:
                 self._backward(self.runners[g], states[(g, i)])
@@ -168,7 +171,7 @@ class Engine:
                 runner, received = self.runners[g], states.pop((g, i)).received
                 grads = [received[j].grad if received[j].grad is not None else torch.zeros_like(received[j])
                          for j in runner.recv_grads]
-                self.comm.send(grads, self._peer(g - 1), self._tag(g - 1, i), GRADIENT)
+                self.comm.send(grads, self._peer(g - 1, i), self._tag(g - 1, i), GRADIENT)
             elif kind == sched.OPTIMIZER_STEP:
                 if self.comm is not None:
                     self.comm.wait_sends()
@@ -186,6 +189,7 @@ class Engine:
                 self.trace(kind, i, g, t0, time.perf_counter())
         if losses:
             stats.loss = sum(losses) / len(losses)
+            stats.loss_count = len(losses)
         stats.time_s = time.perf_counter() - start
         return stats
 
@@ -269,36 +273,46 @@ class SavedBytes:
 
 
 class Groups:
-    """Process groups for gradient reductions: tied weights across pipeline ranks (per replica)
-    and data-parallel replicas (per pipeline rank). Every rank creates every group, in the same
-    order, as torch.distributed requires."""
+    """Process groups for gradient reductions, created by every rank in the same order, as
+    torch.distributed requires:
+
+    - holders of the same chunks (a stage's replicas across data-parallel replicas and within
+      the pipeline): their gradients are summed in one flat all-reduce;
+    - tied weights used by chunks on several positions: one group of every rank holding a use,
+      in every replica, whose sum is the whole gradient (so tied parameters skip the first).
+    """
 
     def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]]):
         self.topology = topology
         self.tie_groups: Dict[str, Any] = {}
-        self.data_parallel_group = None
+        self.data_parallel_group = None  # the holders of this rank's chunks, when more than one
         if not dist.is_initialized():
             return
-        replica, pipeline_rank = topology.replica_of(rank), topology.pipeline_rank_of(rank)
-        for name, ranks in tied_groups:
-            for r in range(topology.data_parallel):
-                group = dist.new_group([topology.global_rank(r, p) for p in ranks])
-                if r == replica and pipeline_rank in ranks:
-                    self.tie_groups[name] = group
-        if topology.data_parallel > 1:
-            for p in range(topology.pipeline_ranks):
-                group = dist.new_group(topology.data_parallel_group(p))
-                if p == pipeline_rank:
+        made = set()
+        for position in range(topology.pipeline_ranks):
+            ranks = tuple(topology.data_parallel_group(position))
+            if len(ranks) > 1 and ranks not in made:
+                made.add(ranks)
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
                     self.data_parallel_group = group
+        for name, positions in tied_groups:
+            ranks = [topology.global_rank(r, q) for r in range(topology.data_parallel) for q in positions]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.tie_groups[name] = group
 
     def reduce_gradients(self, rank_model: RankModel, params: List[torch.nn.Parameter]) -> None:
+        tied = set()
         for name, (param, _) in rank_model.tied.items():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=self.tie_groups[name])
+            tied.add(id(param))
         if self.data_parallel_group is not None:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for p, g in zip(params, grads):
+            own = [p for p in params if id(p) not in tied]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in own]
+            for p, g in zip(own, grads):
                 p.grad = g
             if grads:
                 flat = torch.cat([g.reshape(-1) for g in grads])

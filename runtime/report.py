@@ -30,6 +30,7 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
     for r in rank_results:
         chunks = r.get("chunks", [r["rank"]])
         plan_stages = [plan["stages"][g] for g in chunks]
+        counts = r.get("micro_batches") or {}  # micro-batches per chunk (a stage replica runs its share)
         mean = {k: statistics.mean(_steady([s.get(k, 0.0) for s in r["steps"]])) if r["steps"] else 0.0
                 for k in MEASURED_KEYS}
         mean["step_s"] = mean.pop("time_s")
@@ -42,12 +43,13 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
             "rank": r["rank"],
             "stage": r.get("pipeline_rank", r["rank"]),
             "replica": r.get("replica", 0),
+            "lane": r.get("lane", 0),
             "chunks": chunks,
             "units": units,
             "unit_spans": spans,
             "measured": mean,
-            "predicted": {"forward_s": m * sum(float(st.get("forward_s", 0.0)) for st in plan_stages),
-                          "backward_s": m * sum(float(st.get("backward_s", 0.0)) for st in plan_stages)},
+            "predicted": {kind: sum(counts.get(str(g), m) * float(plan["stages"][g].get(kind, 0.0)) for g in chunks)
+                          for kind in ("forward_s", "backward_s")},
             "threads": r.get("threads"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),

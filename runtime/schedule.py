@@ -8,7 +8,7 @@ the receiver (`check_schedule` verifies this by simulating the lists).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, List, Sequence
 
 RECV_ACT = "recv_act"
 FORWARD = "forward"
@@ -69,12 +69,14 @@ def breadth_first(chunks: List[int], num_chunks: int, num_micro_batches: int) ->
     return actions + [Action(OPTIMIZER_STEP)]
 
 
-def one_f_one_b(chunks: List[int], num_chunks: int, num_micro_batches: int) -> List[Action]:
+def one_f_one_b(chunks: List[int], num_chunks: int, num_micro_batches: int,
+                warmup: "int | None" = None) -> List[Action]:
     """1F1B (one chunk per rank): min(P − g − 1, m) warm-up forwards, then alternate one forward
-    and one backward, then drain. Chunk g holds at most min(P − g, m) micro-batches."""
+    and one backward, then drain. Chunk g holds at most min(P − g, m) micro-batches. `warmup`
+    overrides P − g − 1 (replicated stages: the devices downstream, see `replicated`)."""
     (g,) = chunks
     m = num_micro_batches
-    warmup = min(num_chunks - g - 1, m)
+    warmup = min(num_chunks - g - 1 if warmup is None else warmup, m)
     actions: List[Action] = []
     for i in range(warmup):
         actions += _forward(g, num_chunks, i)
@@ -118,12 +120,43 @@ def interleaved(chunks: List[int], num_chunks: int, num_micro_batches: int) -> L
     return actions + [Action(OPTIMIZER_STEP)]
 
 
+def replicated(name: str, replicas: Sequence[int], num_micro_batches: int) -> List[List[Action]]:
+    """Stages with r_g >= 1 devices each (one stage per device): one list per device, stage by stage.
+
+    Stage g's order is the unreplicated one (GPipe; or 1F1B with w_g = sum_{h >= g} r_h − 1
+    warm-up forwards: one per device from g to the end, as P − g − 1 counts them without
+    replicas), and its replica j runs the subsequence of micro-batches i ≡ j (mod r_g).
+    Deadlock-free: one global order that executes the unreplicated lists (warm-ups
+    non-increasing along the pipeline) executes these too, as each list is a subsequence of its
+    stage's. Replica j of stage g holds at most ceil(min(w_g + 1, m) / r_g) micro-batches (1F1B),
+    ceil(m / r_g) (GPipe)."""
+    num_chunks, m = len(replicas), num_micro_batches
+    lists: List[List[Action]] = []
+    for g, r in enumerate(replicas):
+        if name == "1f1b":
+            order = one_f_one_b([g], num_chunks, m, warmup=sum(replicas[g:]) - 1)
+        else:
+            order = breadth_first([g], num_chunks, m)
+        for lane in range(r):
+            lists.append([a for a in order if a.micro_batch < 0 or a.micro_batch % r == lane])
+    return lists
+
+
 def build_schedule(name: str, num_chunks: int, num_micro_batches: int, virtual_stages: int = 1,
-                   chunk_device: "tuple | None" = None) -> List[List[Action]]:
+                   chunk_device: "tuple | None" = None,
+                   chunk_replicas: "Sequence[int] | None" = None) -> List[List[Action]]:
     """One instruction list per pipeline rank. `chunk_device[g]` is the rank running chunk g
-    (default: looping placement g mod p, with p = num_chunks / virtual_stages)."""
+    (default: looping placement g mod p, with p = num_chunks / virtual_stages); with
+    `chunk_replicas` (r_g devices for stage g), one list per device of `replicated`."""
     if num_chunks < 1 or num_micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"need at least one stage and one micro-batch (got {num_chunks}, {num_micro_batches})")
+    if chunk_replicas is not None and any(r != 1 for r in chunk_replicas):
+        if len(chunk_replicas) != num_chunks or virtual_stages != 1 or name not in ("gpipe", "1f1b"):
+            raise ValueError("replicated stages run one stage per device with gpipe or 1f1b")
+        if max(chunk_replicas) > num_micro_batches or min(chunk_replicas) < 1:
+            raise ValueError(f"stage replicas {list(chunk_replicas)} need 1 <= r <= {num_micro_batches} "
+                             "(the micro-batch count)")
+        return replicated(name, chunk_replicas, num_micro_batches)
     if num_chunks % virtual_stages:
         raise ValueError(f"{num_chunks} stages do not divide into {virtual_stages} virtual stages per device")
     p = num_chunks // virtual_stages
@@ -160,35 +193,57 @@ def max_in_flight(actions: List[Action]) -> int:
     return peak
 
 
-def check_schedule(lists: List[List[Action]], num_micro_batches: int) -> None:
+def check_schedule(lists: List[List[Action]], num_micro_batches: int,
+                   placement: "Callable[[int, int], int] | None" = None) -> None:
     """Raise ValueError unless the lists are complete and cannot deadlock.
 
-    Every chunk must forward and backward each micro-batch exactly once, forward first, and each
+    Every chunk must forward and backward each micro-batch exactly once, forward first, on one
+    rank (with `placement`, the rank `placement(chunk, micro_batch)` that peers send to), and each
     rank must end with its optimizer step. Then all ranks are simulated: a send completes at
     once (non-blocking); a receive proceeds only once the matching send has been issued. If no
     rank can move while some have work left, the lists deadlock.
     """
-    chunk_rank = {}
+    owner = {}  # (chunk, micro-batch) -> the rank that forwards it
     for r, actions in enumerate(lists):
         if not actions or actions[-1].kind != OPTIMIZER_STEP:
             raise ValueError(f"rank {r}: the optimizer step must come last")
         for a in actions:
             if a.kind == FORWARD:
-                chunk_rank.setdefault(a.chunk, r)
-    num_chunks = len(chunk_rank)
-    if sorted(chunk_rank) != list(range(num_chunks)):
-        raise ValueError(f"chunks {sorted(chunk_rank)} are not 0..{num_chunks - 1}")
+                if (a.chunk, a.micro_batch) in owner:
+                    raise ValueError(f"chunk {a.chunk}: forward({a.micro_batch}) runs on ranks "
+                                     f"{owner[(a.chunk, a.micro_batch)]} and {r}")
+                owner[(a.chunk, a.micro_batch)] = r
+    chunks = sorted({g for g, _ in owner})
+    if chunks != list(range(len(chunks))):
+        raise ValueError(f"chunks {chunks} are not 0..{len(chunks) - 1}")
+    for g in chunks:
+        done = sorted(i for c, i in owner if c == g)
+        if done != list(range(num_micro_batches)):
+            raise ValueError(f"chunk {g}: forward runs micro-batches {done}, expected 0..{num_micro_batches - 1}")
     for r, actions in enumerate(lists):
-        position = {(a.kind, a.chunk, a.micro_batch): j for j, a in enumerate(actions)}
-        for g in (g for g, owner in chunk_rank.items() if owner == r):
-            for kind in (FORWARD, BACKWARD):
-                done = sorted(a.micro_batch for a in actions if a.kind == kind and a.chunk == g)
-                if done != list(range(num_micro_batches)):
-                    raise ValueError(f"rank {r} chunk {g}: {kind} runs micro-batches {done}, "
-                                     f"expected 0..{num_micro_batches - 1}")
-            for i in range(num_micro_batches):
+        position = {}
+        for j, a in enumerate(actions):
+            if a.kind in (FORWARD, BACKWARD):
+                if (a.kind, a.chunk, a.micro_batch) in position:
+                    raise ValueError(f"rank {r} chunk {a.chunk}: {a.kind}({a.micro_batch}) runs twice")
+                position[(a.kind, a.chunk, a.micro_batch)] = j
+        for g in {g for (g, _), rank in owner.items() if rank == r}:
+            forwards = sorted(i for (c, i), rank in owner.items() if c == g and rank == r)
+            backwards = sorted(i for kind, c, i in position if kind == BACKWARD and c == g)
+            if backwards != forwards:
+                raise ValueError(f"rank {r} chunk {g}: backward runs micro-batches {backwards}, expected "
+                                 f"{forwards} (those it forwards)")
+            for i in forwards:
                 if position[(FORWARD, g, i)] > position[(BACKWARD, g, i)]:
                     raise ValueError(f"rank {r} chunk {g}: backward({i}) before forward({i})")
+        stray = [k for k in position if k[0] == BACKWARD and owner.get(k[1:]) != r]
+        if stray:
+            raise ValueError(f"rank {r} chunk {stray[0][1]}: backward({stray[0][2]}) without its forward here")
+        if placement is not None:
+            wrong = [a for a in actions if a.micro_batch >= 0 and placement(a.chunk, a.micro_batch) != r]
+            if wrong:
+                raise ValueError(f"rank {r} runs {wrong[0]}, which the topology places on rank "
+                                 f"{placement(wrong[0].chunk, wrong[0].micro_batch)}")
     sent = set()  # (kind, receiving chunk, micro-batch)
     cursor = [0] * len(lists)
     while True:

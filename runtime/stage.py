@@ -89,9 +89,9 @@ class Chunk:
 class RankModel:
     spec: ModelSpec
     chunks: List[Chunk]
-    # Parameters used by chunks on several pipeline ranks (tied weights): canonical name ->
-    # (parameter on this rank, pipeline ranks holding it). Their gradients are summed across
-    # those ranks before the optimizer step.
+    # Parameters used by chunks on several positions (tied weights): canonical name ->
+    # (parameter on this rank, positions holding it). Their gradients are summed across those
+    # positions, in every data-parallel replica, before the optimizer step.
     tied: Dict[str, Tuple[nn.Parameter, Tuple[int, ...]]]
     tied_groups: List[Tuple[str, Tuple[int, ...]]]  # every tie in the plan, same order on all ranks
     # A batch's `inputs` (positional, maybe ending in a keyword dict) as a list aligned with the
@@ -172,8 +172,12 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
     users: Dict[int, set] = {}
     for g, module in enumerate(modules):
         for p in module.parameters():
-            users.setdefault(id(p), set()).add(topology.chunk_device[g])
-    tied_groups = sorted((canonical[pid], tuple(sorted(ranks))) for pid, ranks in users.items() if len(ranks) > 1)
+            users.setdefault(id(p), set()).add(g)
+    # A tie: chunks on different positions use one parameter (a replicated stage's replicas are
+    # not ties: they hold the same chunk, and sum their gradients with the data-parallel group).
+    holders = {pid: sorted({q for g in chunks for q in topology.positions_of(g)}) for pid, chunks in users.items()
+               if len(chunks) > 1}
+    tied_groups = sorted((canonical[pid], tuple(ranks)) for pid, ranks in holders.items() if len(ranks) > 1)
 
     # Each model state entry is saved by the first chunk that holds it; chunk 0 also saves the
     # entries no chunk uses, so the merged state_dict is complete.
@@ -195,6 +199,9 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
             module: nn.Module = ChunkModule(_segments(captured, first, end, recompute), io)
         else:
             module = modules[g]
+        if topology.replicas_of(g) > 1 and any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in module.modules()):
+            raise PlanMismatchError(f"stage {g} has BatchNorm: its {topology.replicas_of(g)} replicas would keep "
+                                    "different running statistics; do not replicate this stage")
         chunks.append(Chunk(index=g, num_chunks=len(stages), module=module, io=io,
                             recv=list(plan_stage.get("recv", [])), send=list(plan_stage.get("send", [])),
                             state_keys=[k for k in model_keys if holder.get(k, 0) == g],

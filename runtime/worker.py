@@ -30,7 +30,7 @@ from runtime import schedule as sched
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
 from runtime.stage import build_rank, chunk_state
-from runtime.topology import topology_of
+from runtime.topology import instruction_lists, topology_of
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -126,8 +126,7 @@ def run(args) -> None:
             chunk.module.to(device)
         groups = Groups(topology, rank, rank_model.tied_groups)
         m = int(plan["num_micro_batches"])
-        actions = sched.build_schedule(plan["schedule"], topology.num_chunks, m, topology.virtual_stages,
-                                       topology.chunk_device)[pipeline_rank]
+        actions = instruction_lists(plan)[pipeline_rank]
         optimizer_name = args.optimizer or plan.get("optimizer", "sgd")
         if optimizer_name == "adam":
             optimizer_name = "adamw"
@@ -159,8 +158,8 @@ def run(args) -> None:
         steps = []
         for step in range(first_step, args.steps):
             stats = engine.run_step(step)
-            if topology.data_parallel > 1 and rank_model.chunks[-1].is_last:
-                stats.loss = _mean_over_replicas(stats.loss, groups)
+            if groups.data_parallel_group is not None and rank_model.chunks[-1].is_last:
+                stats.loss = _mean_over_holders(stats, groups)
             steps.append(dict(stats.__dict__))
             if args.progress and is_reporter:
                 print(f"step {step + 1}/{args.steps}  loss {stats.loss:.4f}  time {stats.time_s * 1e3:.1f} ms",
@@ -176,10 +175,12 @@ def run(args) -> None:
         # the parameters in memory on this rank, each once
         static = sum(p.numel() * p.element_size() for p in rank_model.parameters())
         result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
-                  "chunks": [c.index for c in rank_model.chunks], "threads": threads, "device": str(device),
+                  "lane": topology.lane_of(pipeline_rank), "chunks": [c.index for c in rank_model.chunks],
+                  "micro_batches": {str(c.index): len(topology.micro_batches_of(pipeline_rank, c.index, m))
+                                    for c in rank_model.chunks}, "threads": threads, "device": str(device),
                   "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
                   "peak_saved_bytes": engine.saved.peak, "param_bytes": static, "link": link}
-        if args.save_state and topology.replica_of(rank) == 0:
+        if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
             state: Dict[str, torch.Tensor] = {}
             for chunk in rank_model.chunks:
                 state.update(chunk_state(chunk, rank_model.spec))
@@ -221,11 +222,13 @@ def _measure_link(topology, rank: int, repeats: int = 5):
     return {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth, "bytes": big * 4, "one_way_s": one_way}
 
 
-def _mean_over_replicas(loss, groups: Groups):
-    """Each replica's last stage knows its own mean loss; the step's loss is their mean."""
-    value = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+def _mean_over_holders(stats, groups: Groups):
+    """Each holder of the last stage (data-parallel replicas, stage replicas) knows the mean loss
+    of its own micro-batches; the step's loss is the mean over all of them."""
+    total = (stats.loss or 0.0) * stats.loss_count
+    value = torch.tensor([total, float(stats.loss_count)], dtype=torch.float64)
     dist.all_reduce(value, group=groups.data_parallel_group)
-    return float(value.item()) / groups.topology.data_parallel
+    return float(value[0] / value[1]) if value[1] > 0 else None
 
 
 def main(argv=None) -> int:

@@ -56,15 +56,19 @@ def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
 
 
 def reshape_plan(plan: dict, virtual_stages: int = 1, data_parallel: int = 1, schedule: Optional[str] = None,
-                 recompute: Optional[Dict[int, List[str]]] = None) -> dict:
+                 recompute: Optional[Dict[int, List[str]]] = None, replicas: Optional[List[int]] = None) -> dict:
     """Turn a plan of P stages into one with P / v pipeline ranks of v chunks each (looping
-    placement), d replicas (global batch scaled by d) and recomputed units: the fields the
-    runtime reads, set the way `planner solve` sets them."""
+    placement), d replicas (global batch scaled by d), recomputed units and stage replicas
+    (r_g devices for stage g, consecutive): the fields the runtime reads, set the way
+    `planner solve` sets them."""
     plan = dict(plan)
     num_chunks = len(plan["stages"])
     p = num_chunks // virtual_stages
-    plan["stages"] = [dict(s, device=g % p, recompute=list((recompute or {}).get(g, [])))
+    replicas = list(replicas or [1] * num_chunks)
+    devices = [g % p for g in range(num_chunks)] if virtual_stages > 1 else [sum(replicas[:g]) for g in range(num_chunks)]
+    plan["stages"] = [dict(s, device=devices[g], replicas=replicas[g], recompute=list((recompute or {}).get(g, [])))
                       for g, s in enumerate(plan["stages"])]
+    p = p if virtual_stages > 1 else sum(replicas)
     plan["virtual_stages"], plan["pipeline_stages"], plan["data_parallel"] = virtual_stages, p, data_parallel
     plan["global_batch"] = plan["micro_batch_size"] * plan["num_micro_batches"] * data_parallel
     if schedule:

@@ -1,0 +1,130 @@
+"""Replicated stages (a heavy stage on several devices, micro-batches round-robin): instruction
+lists checked as data, the simulator, and real runs against single-process training."""
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime import schedule as sched
+from runtime.simulate import ChunkCosts, simulate
+from runtime.topology import TopologyError, instruction_lists, topology_of
+from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
+
+
+def _plan(replicas, m, schedule="1f1b", d=1):
+    stages = [{"units": [f"u{g}"], "replicas": r} for g, r in enumerate(replicas)]
+    return {"stages": stages, "schedule": schedule, "num_micro_batches": m, "data_parallel": d}
+
+
+@settings(max_examples=200, deadline=None)
+@given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=4), extra=st.integers(0, 6),
+       schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_replicated_lists_are_complete_placed_and_deadlock_free(replicas, extra, schedule):
+    m = max(replicas) + extra
+    plan = _plan(replicas, m, schedule)
+    topology = topology_of(plan)
+    lists = instruction_lists(plan)
+    assert len(lists) == sum(replicas) == topology.pipeline_ranks
+    sched.check_schedule(lists, m, placement=topology.position_of)
+    held = {}
+    for position, actions in enumerate(lists):
+        (g,) = topology.chunks_of(position)
+        mine = topology.micro_batches_of(position, g, m)
+        assert sorted(a.micro_batch for a in actions if a.kind == sched.FORWARD) == mine
+        held[g] = max(held.get(g, 0), sched.max_in_flight(actions))
+    for g, r in enumerate(replicas):  # what the plan's memory model charges a replica device
+        window = m if schedule == "gpipe" else min(sum(replicas[g:]), m)
+        assert held[g] == math.ceil(window / r)
+
+
+def test_without_replicas_the_lists_are_the_unreplicated_ones():
+    for schedule in ("gpipe", "1f1b"):
+        assert instruction_lists(_plan([1, 1, 1], 5, schedule)) == sched.build_schedule(schedule, 3, 5)
+
+
+def test_misplaced_action_is_caught():
+    plan = _plan([1, 2], 4)
+    topology = topology_of(plan)
+    lists = instruction_lists(plan)
+    with pytest.raises(ValueError, match="places"):
+        sched.check_schedule([lists[0], lists[2], lists[1]], 4, placement=topology.position_of)
+    with pytest.raises(ValueError, match="micro-batches"):  # a replica dropped: its micro-batches never run
+        sched.check_schedule(lists[:2], 4)
+
+
+def test_replicating_the_heavy_stage_shortens_the_step():
+    # stage 1 costs three times stage 0: three replicas of it balance the pipeline
+    costs = {0: ChunkCosts(1.0, 2.0, 0.0, 0.0), 1: ChunkCosts(3.0, 6.0, 0.0, 0.0)}
+    m = 12
+    plain, _ = simulate(instruction_lists(_plan([1, 1], m)), costs)
+    replicated, _ = simulate(instruction_lists(_plan([1, 3], m)), costs)
+    assert plain == pytest.approx(3 + 9 + (m - 1) * 9)  # sum T + (m - 1) max T
+    # the best any schedule can do: stage 0 busy all along (3 m), then the last micro-batch's stage 1
+    assert replicated == pytest.approx(3 * m + 9)
+
+
+def test_topology_of_replicated_plans():
+    t = topology_of(_plan([1, 3, 2], 6, d=2))
+    assert (t.pipeline_ranks, t.world_size) == (6, 12)
+    assert t.chunk_device == (0, 1, 4) and t.positions_of(1) == [1, 2, 3]
+    assert [t.position_of(1, i) for i in range(6)] == [1, 2, 3, 1, 2, 3]
+    assert t.chunks_of(3) == [1] and t.lane_of(3) == 2 and t.lane_of(4) == 0
+    assert t.data_parallel_group(2) == [1, 2, 3, 7, 8, 9]
+    assert t.primary_positions() == [0, 1, 4]
+    with pytest.raises(TopologyError, match="virtual_stages"):
+        topology_of(dict(_plan([1, 2], 4), virtual_stages=2))
+    with pytest.raises(TopologyError, match="gpipe or 1f1b"):
+        topology_of(_plan([1, 2], 4, schedule="interleaved"))
+    with pytest.raises(TopologyError, match="nothing to do"):
+        topology_of(_plan([1, 3], 2))
+    bad = _plan([2, 1], 4)
+    bad["stages"][1]["device"] = 1
+    with pytest.raises(TopologyError, match="consecutive"):
+        topology_of(bad)
+
+
+def _gpt_plan(cuts, b=1, g=8, schedule="1f1b"):
+    return plan_with(profile_of("builtin:gpt", {"layers": 4}), cuts, b, g, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_replicated_last_stage_is_exact(tmp_path, schedule):
+    # 3 ranks: stage 0 on rank 0, the heavy head stage on ranks 1 and 2 (odd micro-batches on 2)
+    plan = reshape_plan(_gpt_plan([3], schedule=schedule), replicas=[1, 2])
+    state = execute(plan, tmp_path)
+    losses = []
+    assert max_abs_diff(state, reference_state(plan, losses=losses)) <= 1e-5
+    report = report_of(tmp_path)
+    assert [s["loss"] for s in report["steps"]] == pytest.approx(losses, rel=1e-5)
+    assert [(s["chunks"], s["lane"]) for s in report["stages"]] == [([0], 0), ([1], 0), ([1], 1)]
+    m = plan["num_micro_batches"]
+    forward = plan["stages"][1]["forward_s"]
+    assert [s["predicted"]["forward_s"] for s in report["stages"][1:]] == pytest.approx([m / 2 * forward] * 2)
+
+
+def test_replicated_middle_stage_with_data_parallel_and_adamw(tmp_path):
+    # d = 2 copies of a 3-stage pipeline whose middle stage has 2 replicas: 8 ranks
+    plan = reshape_plan(_gpt_plan([2, 4], b=1, g=4), replicas=[1, 2, 1], data_parallel=2)
+    assert plan["global_batch"] == 8
+    state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=["--optimizer", "adamw"])
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=1e-3, optimizer="adamw")) <= 1e-5
+
+
+def test_replicated_stage_with_tied_weights(tmp_path):
+    # the embedding (stage 0) and the head (stage 1, two replicas) share one weight
+    plan = reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [2], 2, 8, "1f1b"), replicas=[1, 2])
+    state = execute(plan, tmp_path)
+    assert max_abs_diff(state, reference_state(plan)) <= 1e-5
+
+
+def test_replicas_are_not_ties():
+    # a replicated stage's parameters are summed with its replica group in one flat all-reduce,
+    # not one collective per parameter; a real tie spans every holder of either use
+    from runtime.stage import build_rank
+
+    plan = reshape_plan(_gpt_plan([3]), replicas=[1, 2])
+    assert build_rank(plan, topology_of(plan), 1).tied_groups == []
+    tied = reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [2], 2, 8, "1f1b"), replicas=[1, 2])
+    rank = build_rank(tied, topology_of(tied), 2)
+    assert [ranks for _, ranks in rank.tied_groups] == [(0, 1, 2)] and len(rank.tied) == 1
