@@ -239,6 +239,10 @@ class _Search:
 
 
 def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[int]) -> InfeasibleError:
+    if not sizes:
+        return InfeasibleError(f"no profiled micro-batch size ({', '.join(map(str, profile.micro_batch_sizes))}) "
+                               f"divides the global batch {opts.global_batch} over {opts.data_parallel} "
+                               "data-parallel replicas; change --global-batch")
     least = None  # (memory, b)
     for b in sizes:
         value, plan = ReplicaTables(profile, b, opts, devices).min_memory()
