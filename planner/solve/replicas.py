@@ -91,17 +91,21 @@ class ReplicaTables:
         self.X = {r: np.where(finite, (ceil_div(self.m, r) - 1) * np.where(finite, self.T, 0.0), np.inf) for r in rs}
         self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
                               np.inf) for r in rs}
-        self.memory: Dict[Tuple[int, int], np.ndarray] = {}
-        self.base: Dict[Tuple[int, int], np.ndarray] = {}
-        static, fits_cache = params * (2 + optimizer_factor(opts.optimizer)), {}
+        self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
+        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e]
+        self.fits: Dict[int, np.ndarray] = {}  # held -> T[a, e] where M fits, else inf
+        static = params * (2 + optimizer_factor(opts.optimizer))
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
-                held = ceil_div(self.m if opts.schedule == "gpipe" else min(k, self.m), r)
-                if held not in fits_cache:
-                    mem = static + held * acts
-                    fits_cache[held] = (mem, mem <= opts.memory_cap if opts.memory_cap is not None else True)
-                self.memory[r, k] = fits_cache[held][0]
-                self.base[r, k] = np.where(fits_cache[held][1], self.T, np.inf)
+                held = self.held[r, k] = ceil_div(self.m if opts.schedule == "gpipe" else min(k, self.m), r)
+                if held not in self.memory:
+                    self.memory[held] = static + held * acts
+                    self.fits[held] = self.T if opts.memory_cap is None else \
+                        np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+
+    def base(self, r: int, k: int) -> np.ndarray:
+        """T[a, e] where stage [a, e) with r replicas, k devices from it to the end, fits its memory."""
+        return self.fits[self.held[r, k]]
 
     def _dp(self, table, combine) -> Tuple[float, Optional[Plan]]:
         """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)."""
@@ -131,20 +135,25 @@ class ReplicaTables:
 
     def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[Plan]]:
         """g(tau, eps): least sum T with every X <= tau and E <= eps (and memory within the cap)."""
+        masks: Dict[int, np.ndarray] = {}
+        cache: Dict[Tuple[int, int], np.ndarray] = {}
+
         def table(r, k):
-            t = self.base[r, k]
-            if math.isfinite(tau):
-                t = np.where(self.X[r] <= tau, t, np.inf)
-            return np.where(self.E[r] <= eps, t, np.inf) if math.isfinite(eps) else t
+            key = (r, self.held[r, k])
+            if key not in cache:
+                if r not in masks:
+                    masks[r] = (self.X[r] <= tau) & (self.E[r] <= eps)
+                cache[key] = np.where(masks[r], self.base(r, k), np.inf)
+            return cache[key]
         return self._dp(table, np.add)
 
     def min_max(self, which: Dict[int, np.ndarray]) -> Tuple[float, Optional[Plan]]:
         """Least max over stages of which[r] (X or E) among memory-feasible plans."""
-        return self._dp(lambda r, k: np.where(np.isfinite(self.base[r, k]), which[r], np.inf), np.maximum)
+        return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which[r], np.inf), np.maximum)
 
     def min_memory(self) -> Tuple[float, Optional[Plan]]:
         """Least max per-device memory of any plan on N devices (caps ignored)."""
-        return self._dp(lambda r, k: self.memory[r, k], np.maximum)
+        return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
 
     def values(self, plan: Plan) -> Tuple[float, float, float]:
         """(sum T, max X, max E) of a plan, read from the tables."""
@@ -154,8 +163,8 @@ class ReplicaTables:
 
     def candidates(self, which: Dict[int, np.ndarray], floor: float) -> np.ndarray:
         feasible = {r: np.zeros_like(self.T, dtype=bool) for r in which}
-        for (r, _), t in self.base.items():
-            feasible[r] |= np.isfinite(t)
+        for (r, k) in self.held:
+            feasible[r] |= np.isfinite(self.base(r, k))
         out = np.unique(np.concatenate([which[r][feasible[r]] for r in which]))
         return out[out >= floor]
 
