@@ -55,7 +55,11 @@ n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + tr
     replica filters to its micro-batches (r = 1 everywhere: min(p - g, m) as above).
 
 M_g (per replica device) = P_g (2 + opt) + h_g A_g. With every r_g = 1 this is the v = 1 model
-above: n_g = m and (m - 1) max_g T_g.
+above: n_g = m and (m - 1) max_g T_g. The closed form assumes each replica streams its n_g
+micro-batches; with gpipe the event simulation of the filtered orders agrees within a few per cent,
+but under 1f1b a heavily replicated stage behind a one-device stage can serialise (replica j's
+backward of i waits for its forward of i + r_g, which the stage before releases only after the
+backward of i - 1): tests/test_replicas_solver.py measures it. (planner/costmodel_replicas.py.)
 """
 from __future__ import annotations
 
@@ -93,11 +97,6 @@ class CostOptions:
     @property
     def replicated(self) -> bool:
         return any(r != 1 for r in self.replicas)
-
-    @property
-    def devices_per_replica(self) -> int:
-        """N = sum_g r_g: devices of one data-parallel replica (= num_stages without replication)."""
-        return sum(self.replicas) if self.replicas else self.num_stages
 
     @property
     def num_chunks(self) -> int:
@@ -139,30 +138,12 @@ class CostOptions:
             raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.num_stages} "
                              "pipeline stages were asked; give --stages equal to the cluster's device count")
 
-
     def _validate_replicas(self) -> None:
         if len(self.replicas) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in self.replicas):
             raise ValueError(f"replicas must give one integer >= 1 per stage ({self.num_stages} stages), "
                              f"got {list(self.replicas)}")
-        if not self.replicated:
-            return
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule})")
-        if self.cluster is not None:
-            raise ValueError("replicated stages are not modelled on a --cluster; drop --cluster or the replication")
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def replica_in_flight(stage: int, replicas: Sequence[int], m: int, schedule: str) -> int:
-    """h_g per replica device of a replicated stage (module docstring)."""
-    r = replicas[stage]
-    if schedule == "gpipe":
-        return ceil_div(m, r)
-    warmup = min(sum(replicas[stage:]) - 1, m)
-    return ceil_div(min(warmup + 1, m), r)
+        if self.replicated and (self.schedule not in ("gpipe", "1f1b") or self.cluster is not None):
+            raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")
 
 
 @dataclass
@@ -355,6 +336,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
     reps = list(opts.replicas) if opts.replicated else [1] * C
     if opts.replicated:  # stage g on devices offset_g .. offset_g + r_g - 1, each holding h_g
+        from planner.costmodel_replicas import replica_in_flight, replicated_plan_cost
         held = [replica_in_flight(g, reps, m, opts.schedule) for g in range(C)]
         offsets = [sum(reps[:g]) for g in range(C)]
     inputs = input_bytes(profile, b)
@@ -384,7 +366,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
             extra_s=allreduce_time(params, opts, reps[c] * opts.data_parallel) + ties.get(c, 0.0),
             recompute=sorted(l for l in redo if first <= l < end), replicas=reps[c]))
     if opts.replicated:
-        return _replicated_cost(stages, b, m, opts, caps[0])
+        return replicated_plan_cost(stages, b, m, opts, caps[0])
     work = [sum(st.time_s for st in stages if st.device == i) for i in range(p)]
     extra = [sum(st.extra_s for st in stages if st.device == i) for i in range(p)]
     memory = [sum(st.memory_bytes for st in stages if st.device == i) for i in range(p)]
@@ -399,20 +381,3 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     device_memory=memory, device_caps=caps, extra_s=max(extra), schedule=opts.schedule,
                     pipeline_stages=p, virtual_stages=v, data_parallel=opts.data_parallel)
 
-
-def _replicated_cost(stages: List[StageCost], b: int, m: int, opts: CostOptions, cap: Optional[float]) -> PlanCost:
-    """The PlanCost of replicated stages: iteration = sum T + max (n_g - 1) T_g + max E + overhead."""
-    n = [ceil_div(m, st.replicas) for st in stages]
-    devices = [st for st in stages for _ in range(st.replicas)]  # device k runs stage devices[k]
-    total = sum(st.time_s for st in stages)
-    pipeline = total + max((n_g - 1) * st.time_s for n_g, st in zip(n, stages))
-    extra = max(st.extra_s for st in stages)
-    memory = [st.memory_bytes for st in devices]
-    bubble = 1.0 - m * total / (len(devices) * pipeline) if pipeline > 0 else 0.0
-    return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages,
-                    iteration_s=pipeline + extra + opts.step_overhead_s,
-                    bottleneck_s=max(n_g * st.time_s for n_g, st in zip(n, stages)) / m,
-                    bubble_fraction=max(0.0, bubble), feasible=all(cap is None or x <= cap for x in memory),
-                    device_memory=memory, device_caps=[cap] * len(devices), extra_s=extra,
-                    schedule=opts.schedule, pipeline_stages=len(devices), virtual_stages=1,
-                    data_parallel=opts.data_parallel)

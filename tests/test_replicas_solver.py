@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import CostOptions, _replicated_cost, evaluate, in_flight, replica_in_flight
+from planner.costmodel import CostOptions, evaluate, in_flight
+from planner.costmodel_replicas import replica_in_flight, replica_order, replicated_plan_cost
 from planner.plan import make_plan
 from planner.solve import solve
 from planner.solve.brute import solve_brute, solve_brute_replicated
@@ -53,7 +54,7 @@ def test_formula_with_every_r_1_is_the_unreplicated_model(schedule, m):
                           [rng.randint(0, 5000) for _ in range(L - 1)], sizes=(1,))
     opts = CostOptions(num_stages=4, global_batch=m, schedule=schedule, data_parallel=1, bandwidth=1e6)
     plain = evaluate(p, [1, 2, 4], 1, opts)
-    replicated = _replicated_cost(plain.stages, 1, m, opts, None)
+    replicated = replicated_plan_cost(plain.stages, 1, m, opts, None)
     assert replicated.iteration_s == pytest.approx(plain.iteration_s, rel=1e-14)
     assert replicated.bubble_fraction == pytest.approx(plain.bubble_fraction, rel=1e-12)
     assert [replica_in_flight(g, [1] * 4, m, schedule) for g in range(4)] == \
@@ -75,16 +76,9 @@ def replicated_lists(replicas, m, schedule):
 
     lists = []
     for g, r in enumerate(replicas):
-        if schedule == "gpipe":
-            order = [("f", i) for i in range(m)] + [("b", i) for i in range(m)]
-        else:
-            w = min(sum(replicas[g:]) - 1, m)
-            order = [("f", i) for i in range(w)]
-            for i in range(m - w):
-                order += [("f", w + i), ("b", i)]
-            order += [("b", i) for i in range(m - w, m)]
         for j in range(r):
-            acts = [a for kind, i in order if i % r == j for a in (fwd(g, i) if kind == "f" else bwd(g, i))]
+            acts = [a for kind, i in replica_order(g, replicas, m, schedule, j)
+                    for a in (fwd(g, i) if kind == "forward" else bwd(g, i))]
             lists.append(acts + [sched.Action(sched.OPTIMIZER_STEP)])
     return lists
 
@@ -208,3 +202,21 @@ def test_infeasible_says_the_least_memory():
     fits = solve_replicated(p, CostOptions(num_stages=4, global_batch=8, memory_cap=info.value.min_memory_bytes))
     assert max(fits.cost.device_memory) <= info.value.min_memory_bytes
     assert math.isfinite(fits.objective)
+
+
+def test_in_flight_is_what_the_replica_order_holds():
+    from itertools import product
+    for schedule, m in product(("1f1b", "gpipe"), range(1, 9)):
+        for S in range(1, 4):
+            for replicas in product(range(1, 4), repeat=S):
+                if max(replicas) > m:
+                    continue
+                for g, r in enumerate(replicas):
+                    peaks = []
+                    for j in range(r):
+                        live = peak = 0
+                        for kind, _ in replica_order(g, replicas, m, schedule, j):
+                            live += 1 if kind == "forward" else -1
+                            peak = max(peak, live)
+                        peaks.append(peak)
+                    assert max(peaks) == replica_in_flight(g, replicas, m, schedule), (schedule, m, replicas, g)

@@ -42,8 +42,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batch_sizes, ceil_div, cut_times,
-                               evaluate, input_bytes, num_micro_batches, optimizer_factor, shared_parameters)
+from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
+                               input_bytes, num_micro_batches, optimizer_factor, shared_parameters)
+from planner.costmodel_replicas import ceil_div
 from planner.profile import Profile
 from planner.solve.diagnose import InfeasibleError, format_bytes
 from planner.solve.ilp import Solution
