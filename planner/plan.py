@@ -33,6 +33,9 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
 
     `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
     `stages` lists the p v chunks in model order; chunk c runs on pipeline rank `device` = c % p.
+    Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
+    (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
+    and `bubble_fraction` are per replica device.
     """
     opts = solution.options or opts
     b = solution.micro_batch_size
