@@ -24,8 +24,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
                    help="pipeline schedule; auto lets the solver choose (default 1f1b)")
     s.add_argument("--virtual-stages", type=int, default=2,
                    help="model chunks per device for interleaved/bfs (default 2)")
-    s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
-                   help="activation recomputation per unit: auto = where memory needs it (default auto)")
+    s.add_argument("--recompute", default=None, choices=["auto", "none", "all"],
+                   help="activation recomputation per unit: auto = where memory needs it (default auto; "
+                        "none with --replicate)")
     s.add_argument("--bandwidth", default=None,
                    help="bytes/s between consecutive stages (default: the profile's calibration, else 5GB)")
     s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
@@ -59,6 +60,13 @@ def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, fl
     latency = 0.0 if latency is None else latency
     note = f"applied the profile's calibration: {', '.join(used)}" if used else None
     return bandwidth, latency, overhead, note
+
+
+def _recompute_mode(args: argparse.Namespace) -> str:
+    """--recompute as given; by default auto, or none with --replicate (which cannot choose per unit)."""
+    if args.recompute is not None:
+        return args.recompute
+    return "none" if getattr(args, "replicate", False) else "auto"
 
 
 def problem_from_args(args: argparse.Namespace):
@@ -101,7 +109,7 @@ def problem_from_args(args: argparse.Namespace):
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
         virtual_stages=args.virtual_stages if args.schedule in ("interleaved", "bfs") else 1,
         cluster=cluster,
-        recompute=args.recompute,
+        recompute=_recompute_mode(args),
     )
     if args.schedule in ("interleaved", "bfs"):
         opts = opts.with_(schedule=args.schedule)
@@ -120,8 +128,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)
     try:
-        solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
-                         devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+        if args.replicate:
+            solution = _solve_replicated(profile, opts, devices, schedules, args)
+        else:
+            solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
+                             devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
     except InfeasibleError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 2
@@ -134,6 +145,23 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _solve_replicated(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
+    """--replicate: N = --stages devices per data-parallel replica (or every p x d = --devices), shared
+    by S <= N stages with r_g replicas each (planner.solve.replicas)."""
+    from planner.solve.replicas import solve_replicated
+    from planner.solve.search import expand_scenarios
+
+    if args.method != "ilp":
+        raise UsageError("--replicate has its own exact solver; drop --method")
+    if args.schedule not in ("1f1b", "gpipe"):
+        raise UsageError(f"--replicate needs --schedule 1f1b or gpipe (got {args.schedule})")
+    scenarios = [opts.with_(schedule=args.schedule)] if devices is None else \
+        expand_scenarios(opts.with_(schedule=args.schedule), 10 ** 9, devices, [args.schedule])
+    if not scenarios:
+        raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
+    return solve_replicated(profile, scenarios[0], scenarios)
+
+
 def register(sub) -> None:
     s = sub.add_parser("solve", help="choose stages, micro-batching, recomputation and schedule",
                        description="Assign contiguous units to pipeline stages and choose the micro-batch size, "
@@ -143,5 +171,9 @@ def register(sub) -> None:
     s.add_argument("--method", default="ilp", choices=["ilp", "dp", "brute", "uniform", "params", "block"],
                    help="solver: ilp (default, proven optimal), dp (exact chain DP), brute (tiny profiles), "
                         "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
+    s.add_argument("--replicate", action="store_true",
+                   help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
+                        "the devices per data-parallel replica, shared by at most N stages; exact solver, "
+                        "1f1b or gpipe, recompute none or all")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

@@ -41,6 +41,25 @@ micro-batches whose activations chunk c holds at once:
     (k // p) % v, so h_c = #{k < min(W_i + 1, m v) : (k // p) % v = c // p}.
 
 Interleaved needs m to be a multiple of p (Megatron's rule). A plan is feasible iff M_i <= cap_i.
+
+Replicated stages (PipeDream-style; v = 1, gpipe or 1f1b, no cluster, no tied parameters).
+Stage g of S gets r_g >= 1 devices, N = sum_g r_g devices per data-parallel replica (the plan's
+pipeline_stages; world size d N). Stage g runs on devices o_g .. o_g + r_g - 1, o_g = sum_{h<g} r_h,
+and micro-batch i of stage g on replica i mod r_g, so one replica device processes at most
+n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + transfers). Then
+
+    iteration = sum_g T_g + max_g (n_g - 1) T_g + max_g E_g + step_overhead
+    E_g = 2 (n - 1) / n * P_g / dp_bandwidth,  n = r_g d   (one ring over every holder of stage g)
+    held per replica device:  gpipe: ceil(m / r_g)     1f1b: ceil(min(w_g + 1, m) / r_g)
+    with the 1f1b warm-up w_g = min(sum_{h>=g} r_h - 1, m) of the unreplicated order that each
+    replica filters to its micro-batches (r = 1 everywhere: min(p - g, m) as above).
+
+M_g (per replica device) = P_g (2 + opt) + h_g A_g. With every r_g = 1 this is the v = 1 model
+above: n_g = m and (m - 1) max_g T_g. The closed form assumes each replica streams its n_g
+micro-batches; with gpipe the event simulation of the filtered orders agrees within a few per cent,
+but under 1f1b a heavily replicated stage behind a one-device stage can serialise (replica j's
+backward of i waits for its forward of i + r_g, which the stage before releases only after the
+backward of i - 1): tests/test_replicas_solver.py measures it. (planner/costmodel_replicas.py.)
 """
 from __future__ import annotations
 
@@ -73,6 +92,11 @@ class CostOptions:
     cluster: Optional[Cluster] = None
     recompute: str = "none"  # what solvers may choose: none | all | auto
     step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: optimizer step, launch)
+    replicas: Tuple[int, ...] = ()  # r_g per stage (num_stages = S of them); () = one device per stage
+
+    @property
+    def replicated(self) -> bool:
+        return any(r != 1 for r in self.replicas)
 
     @property
     def num_chunks(self) -> int:
@@ -108,9 +132,18 @@ class CostOptions:
                              f"{', '.join(sorted(OPTIMIZER_STATE_PER_PARAM_BYTE))}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+        if self.replicas:
+            self._validate_replicas()
         if self.cluster is not None and self.cluster.num_devices != self.num_stages:
             raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.num_stages} "
                              "pipeline stages were asked; give --stages equal to the cluster's device count")
+
+    def _validate_replicas(self) -> None:
+        if len(self.replicas) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in self.replicas):
+            raise ValueError(f"replicas must give one integer >= 1 per stage ({self.num_stages} stages), "
+                             f"got {list(self.replicas)}")
+        if self.replicated and (self.schedule not in ("gpipe", "1f1b") or self.cluster is not None):
+            raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")
 
 
 @dataclass
@@ -132,6 +165,7 @@ class StageCost:
     memory_bytes: float  # this chunk's params + grads + optimizer + activations
     extra_s: float  # per-iteration: this chunk's share of all-reduce + tied-parameter exchange
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
+    replicas: int = 1  # r_g: devices running this stage (device .. device + r_g - 1)
 
 
 @dataclass
@@ -140,10 +174,10 @@ class PlanCost:
     num_micro_batches: int  # m, per replica
     stages: List[StageCost]
     iteration_s: float
-    bottleneck_s: float  # max_i D_i: the busiest rank's time per micro-batch
+    bottleneck_s: float  # max_i D_i: the busiest rank's time per micro-batch (replicated: max_g n_g T_g / m)
     bubble_fraction: float  # 1 - m sum_c T_c / (p * pipeline time): idle share of the ranks
     feasible: bool  # every rank's memory fits its cap
-    device_memory: List[float] = field(default_factory=list)  # M_i
+    device_memory: List[float] = field(default_factory=list)  # M_i, one per device (replicas included)
     device_caps: List[Optional[float]] = field(default_factory=list)
     extra_s: float = 0.0  # max_i E_i
     schedule: str = "1f1b"
@@ -228,9 +262,9 @@ def input_bytes(profile: Profile, b: int) -> List[int]:
     return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
 
 
-def allreduce_time(param_bytes: float, opts: CostOptions) -> float:
-    """Ring all-reduce of a rank's gradients over d replicas: 2 (d - 1)/d * P / dp_bandwidth."""
-    d = opts.data_parallel
+def allreduce_time(param_bytes: float, opts: CostOptions, holders: Optional[int] = None) -> float:
+    """Ring all-reduce of a rank's gradients over n holders (default the d replicas): 2 (n - 1)/n * P / dp_bandwidth."""
+    d = opts.data_parallel if holders is None else holders
     bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
     return 2.0 * (d - 1) / d * param_bytes / bandwidth
 
@@ -276,6 +310,11 @@ def validate_boundaries(profile: Profile, boundaries: Sequence[int], b: int, opt
     if opts.global_batch % (opts.data_parallel * b) != 0:
         raise ValueError(f"micro-batch size {b} x data-parallel {opts.data_parallel} does not divide "
                          f"the global batch {opts.global_batch}")
+    if opts.replicated and num_micro_batches(opts, b) < max(opts.replicas):
+        raise ValueError(f"{num_micro_batches(opts, b)} micro-batches cannot feed a stage with "
+                         f"{max(opts.replicas)} replicas; use a smaller micro-batch size or fewer replicas")
+    if opts.replicated and shared_parameters(profile):
+        raise ValueError("replicated stages do not model tied (shared) parameters; solve without replication")
     if opts.schedule == "interleaved" and num_micro_batches(opts, b) % opts.num_stages != 0:
         raise ValueError(f"interleaved needs the micro-batch count ({num_micro_batches(opts, b)}) "
                          f"to be a multiple of the pipeline depth {opts.num_stages}")
@@ -295,6 +334,11 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     edges = [0] + list(boundaries) + [L]
     links = boundary_links(opts)
     speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
+    reps = list(opts.replicas) if opts.replicated else [1] * C
+    if opts.replicated:  # stage g on devices offset_g .. offset_g + r_g - 1, each holding h_g
+        from planner.costmodel_replicas import replica_in_flight, replicated_plan_cost
+        held = [replica_in_flight(g, reps, m, opts.schedule) for g in range(C)]
+        offsets = [sum(reps[:g]) for g in range(C)]
     inputs = input_bytes(profile, b)
     chunk_of = [c for c in range(C) for _ in range(edges[c], edges[c + 1])]
     ties: Dict[int, float] = {}
@@ -305,6 +349,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     stages: List[StageCost] = []
     for c in range(C):
         first, end, rank = edges[c], edges[c + 1], c % p
+        device = offsets[c] if opts.replicated else rank
         units = profile.units[first:end]
         forward = sum(u.forward_s[b] for u in units) / speeds[rank]
         backward = sum(u.backward_s[b] + (u.forward_s[b] if first + i in redo else 0.0)
@@ -314,12 +359,14 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
         params = sum(u.param_bytes for u in units)
         saved = sum(inputs[first + i] if first + i in redo else u.saved_bytes[b] for i, u in enumerate(units))
         stages.append(StageCost(
-            first_unit=first, end_unit=end, device=rank, forward_s=forward, backward_s=backward, comm_s=comm,
+            first_unit=first, end_unit=end, device=device, forward_s=forward, backward_s=backward, comm_s=comm,
             time_s=forward + backward + comm, in_flight=held[c], param_bytes=params, grad_bytes=params,
             optimizer_bytes=params * opt, activation_bytes=held[c] * saved,
             memory_bytes=params * (2 + opt) + held[c] * saved,
-            extra_s=allreduce_time(params, opts) + ties.get(c, 0.0),
-            recompute=sorted(l for l in redo if first <= l < end)))
+            extra_s=allreduce_time(params, opts, reps[c] * opts.data_parallel) + ties.get(c, 0.0),
+            recompute=sorted(l for l in redo if first <= l < end), replicas=reps[c]))
+    if opts.replicated:
+        return replicated_plan_cost(stages, b, m, opts, caps[0])
     work = [sum(st.time_s for st in stages if st.device == i) for i in range(p)]
     extra = [sum(st.extra_s for st in stages if st.device == i) for i in range(p)]
     memory = [sum(st.memory_bytes for st in stages if st.device == i) for i in range(p)]
@@ -333,3 +380,4 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     bottleneck_s=bottleneck, bubble_fraction=max(0.0, bubble), feasible=feasible,
                     device_memory=memory, device_caps=caps, extra_s=max(extra), schedule=opts.schedule,
                     pipeline_stages=p, virtual_stages=v, data_parallel=opts.data_parallel)
+

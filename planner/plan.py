@@ -6,7 +6,7 @@ plan's micro-batch size) and the planner's predictions sit beside them for compa
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 from planner.costmodel import CostOptions
 from planner.jsonio import JsonFileError, read_json
@@ -24,6 +24,8 @@ STAGE_KEYS = ("index", "units", "first_unit", "end_unit", "forward_s", "backward
 # Written by make_plan (schema 1 readers ignore unknown keys): schedule choice and joint decisions.
 PLAN_DECISION_KEYS = ("data_parallel", "virtual_stages", "pipeline_stages")
 STAGE_DECISION_KEYS = ("device", "recompute")
+# Only when some stage is replicated (absent means 1): stage g runs on devices device .. device + replicas - 1.
+REPLICA_STAGE_KEY = "replicas"
 
 
 def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_path: str) -> Dict[str, Any]:
@@ -31,6 +33,9 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
 
     `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
     `stages` lists the p v chunks in model order; chunk c runs on pipeline rank `device` = c % p.
+    Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
+    (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
+    and `bubble_fraction` are per replica device.
     """
     opts = solution.options or opts
     b = solution.micro_batch_size
@@ -39,6 +44,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     m, p = cost.num_micro_batches, cost.pipeline_stages
     pipeline_s = cost.iteration_s - cost.extra_s
     rank_work = [sum(st.time_s for st in cost.stages if st.device == i) for i in range(p)]
+    replicated = any(st.replicas > 1 for st in cost.stages)
     stages: List[Dict[str, Any]] = []
     for index, st in enumerate(cost.stages):
         recv = [v.at(b) for v in profile.cut(st.first_unit).values] if index > 0 else []
@@ -64,6 +70,10 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
             "recv": recv,
             "send": send,
         })
+        if replicated:  # per replica device: in_flight, memory_bytes; busy for ceil(m / r) micro-batches
+            busy = -(-m // st.replicas) * st.time_s
+            stages[-1].update(replicas=st.replicas, bubble_fraction=max(0.0, 1.0 - busy / pipeline_s)
+                              if pipeline_s > 0 else 0.0)
     model = profile.model or {}
     return {
         "schema_version": PLAN_SCHEMA_VERSION,
@@ -111,7 +121,34 @@ def validate_plan(plan: Any, where: str = "plan") -> Dict[str, Any]:
             raise JsonFileError(f"{where} stage {i} lacks {', '.join(absent)}; {remake}")
         if st["index"] != i:
             raise JsonFileError(f"{where} stage {i} has index {st['index']!r}; {remake}")
+    if any("replicas" in st for st in stages):
+        _validate_replicas(plan, where, remake)
     return plan
+
+
+def _validate_replicas(plan: Dict[str, Any], where: str, remake: str) -> None:
+    """Replicated stages: r_g >= 1, device = sum_{h<g} r_h, pipeline_stages = sum r_g, v = 1,
+    gpipe or 1f1b, at least max r_g micro-batches."""
+    replicas = [st.get("replicas", 1) for st in plan["stages"]]
+    for i, r in enumerate(replicas):
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise JsonFileError(f"{where} stage {i} has replicas {r!r}, expected an integer >= 1; {remake}")
+    offsets = [sum(replicas[:g]) for g in range(len(replicas))]
+    for i, (st, offset) in enumerate(zip(plan["stages"], offsets)):
+        if st.get("device", offset) != offset:
+            raise JsonFileError(f"{where} stage {i} has device {st.get('device')!r}, expected {offset} "
+                                f"(the replicas of earlier stages come first); {remake}")
+    if plan.get("pipeline_stages", sum(replicas)) != sum(replicas):
+        raise JsonFileError(f"{where} has pipeline_stages {plan.get('pipeline_stages')!r} but its stages' "
+                            f"replicas add up to {sum(replicas)}; {remake}")
+    if max(replicas) > 1:
+        if plan.get("virtual_stages", 1) != 1 or plan["schedule"] not in ("gpipe", "1f1b"):
+            raise JsonFileError(f"{where} replicates stages under schedule {plan['schedule']!r} with "
+                                f"{plan.get('virtual_stages', 1)} virtual stages; replication needs gpipe or "
+                                f"1f1b with one chunk per device; {remake}")
+        if not isinstance(plan["num_micro_batches"], int) or plan["num_micro_batches"] < max(replicas):
+            raise JsonFileError(f"{where} has {plan['num_micro_batches']!r} micro-batches for a stage with "
+                                f"{max(replicas)} replicas (needs at least as many); {remake}")
 
 
 def load_plan(path: str) -> Dict[str, Any]:
@@ -137,14 +174,19 @@ def format_plan_table(plan: Dict[str, Any]) -> str:
     any_cap = any(c for c in caps)
     mib = float(2 ** 20)
     chunked = plan.get("virtual_stages", 1) > 1
-    header = ["stage"] + (["device"] if chunked else []) + ["units", "compute ms", "transfer ms", "time ms",
+    replicated = any(st.get("replicas", 1) > 1 for st in plan["stages"])
+    header = ["stage"] + (["device"] if chunked or replicated else []) + \
+        (["replicas"] if replicated else []) + ["units", "compute ms", "transfer ms", "time ms",
                                                             "memory MiB" + (" / cap" if any_cap else ""), "bubble"]
     rows = []
     for st, c in zip(plan["stages"], caps):
         mem = st["memory_bytes"].get("device_total", st["memory_bytes"]["total"])
         memory = f"{mem / mib:.1f}" + (f" / {c / mib:.1f}" if c else "")
         units = _units_cell(st["units"]) + (f" r{len(st['recompute'])}" if st.get("recompute") else "")
-        rows.append([str(st["index"])] + ([str(st.get("device", 0))] if chunked else []) +
+        r = st.get("replicas", 1)
+        device = str(st.get("device", 0)) + (f"-{st.get('device', 0) + r - 1}" if r > 1 else "")
+        rows.append([str(st["index"])] + ([device] if chunked or replicated else []) +
+                    ([str(r)] if replicated else []) +
                     [units, _ms(st["forward_s"] + st["backward_s"]), _ms(st["comm_s"]), _ms(st["time_s"]), memory,
                      f"{100 * st.get('bubble_fraction', plan['bubble_fraction']):.1f}%"])
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
@@ -155,6 +197,9 @@ def format_plan_table(plan: Dict[str, Any]) -> str:
 
     out = [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
     out.append("")
+    if replicated:
+        out.append(f"replicated stages: {plan.get('pipeline_stages')} devices per data-parallel replica; "
+                   "memory and bubble are per replica device, micro-batch i of a stage runs on its replica i mod r")
     d = plan.get("data_parallel", 1)
     v = plan.get("virtual_stages", 1)
     out.append(f"micro-batch size {plan['micro_batch_size']} x {plan['num_micro_batches']} micro-batches"
@@ -180,12 +225,14 @@ def format_plan_table(plan: Dict[str, Any]) -> str:
 
 
 def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
-                   schedule: str = "1f1b", profile_path: str = "") -> Dict[str, Any]:
+                   schedule: str = "1f1b", profile_path: str = "",
+                   replicas: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
-    tests and benchmarks do to compare splits on real runs."""
+    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1)."""
     from planner.costmodel import evaluate
 
-    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule)
+    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule,
+                       replicas=tuple(replicas) if replicas else ())
     cost = evaluate(profile, boundaries, micro_batch_size, opts)
     solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
                         num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",

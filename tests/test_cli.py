@@ -156,3 +156,30 @@ def _processes_running(needles):
         if all(n in cmdline for n in needles):
             found.append((pid, cmdline))
     return found
+
+
+def test_solve_replicate(gpt_profile, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                      "-o", str(plan_path)])
+    assert result.returncode == 0, result.stderr
+    assert "proven optimal" in result.stdout and "[replicas/python" in result.stdout
+    with open(plan_path) as f:
+        plan = json.load(f)
+    replicas = [st.get("replicas", 1) for st in plan["stages"]]
+    assert sum(replicas) == plan["pipeline_stages"] == 3
+    help_text = run_cli(["planner.cli", "solve", "--help"]).stdout
+    assert "--replicate" in help_text
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--schedule", "interleaved"], "1f1b or gpipe"),
+    (["--recompute", "auto", "--memory-per-device", "1GiB"], "--recompute none"),
+    (["--method", "dp"], "drop --method"),
+])
+def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, needle):
+    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                      "-o", str(tmp_path / "plan.json")] + extra)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    _no_traceback(result)
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1

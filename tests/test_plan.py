@@ -110,3 +110,62 @@ def test_decision_fields_and_png(tmp_path, capsys):
     png = tmp_path / "plan.png"
     assert main(["show", str(path), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def replicated_plan(schedule="1f1b"):
+    from planner.solve.replicas import solve_replicated
+    profile = synthetic_profile(forward=[0.001, 0.001, 0.010, 0.001], backward=[0.002, 0.002, 0.020, 0.002],
+                                params=[40_000_000, 40_000_000, 1000, 40_000_000], saved=[100] * 4,
+                                cut_act=[1000] * 3, sizes=(1, 2), names=["embed", "block0", "block1", "head"])
+    opts = CostOptions(num_stages=4, global_batch=8, schedule=schedule, bandwidth=1e9, memory_cap=1e9)
+    solution = solve_replicated(profile, opts)
+    return solution, make_plan(profile, solution, opts, "profiles/toy.json")
+
+
+def test_replicated_plan_keys():
+    solution, plan = replicated_plan()
+    assert [st["replicas"] for st in plan["stages"]] == [1, 2, 1]
+    assert [st["device"] for st in plan["stages"]] == [0, 1, 3]  # offset_g = sum_{h<g} r_h
+    assert plan["pipeline_stages"] == 4 and plan["virtual_stages"] == 1 and plan["data_parallel"] == 1
+    assert plan["num_micro_batches"] >= 2
+    cost = solution.cost
+    for st, sc in zip(plan["stages"], cost.stages):  # per replica device
+        assert st["in_flight"] == sc.in_flight and st["memory_bytes"]["device_total"] == sc.memory_bytes
+    assert plan["predicted_iteration_s"] == solution.objective
+    assert plan["solver"]["status"] == "optimal" and plan["solver"]["gap"] == 0.0
+    table = format_plan_table(plan)
+    assert "replicas" in table.splitlines()[0] and "replicated stages: 4 devices" in table
+    row = next(line for line in table.splitlines()[2:] if line.split()[:1] == ["1"])
+    assert row.split()[1:3] == ["1-2", "2"]
+
+
+def test_unreplicated_plans_have_no_replicas_key():
+    _, _, plan = make()
+    assert all("replicas" not in st for st in plan["stages"])
+    assert "replicas" not in format_plan_table(plan).splitlines()[0]
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda p: p["stages"][1].update(replicas=0), "replicas 0"),
+    (lambda p: p["stages"][2].update(device=2), "expected 3"),
+    (lambda p: p.update(pipeline_stages=3), "add up to 4"),
+    (lambda p: p.update(schedule="interleaved"), "gpipe or 1f1b"),
+    (lambda p: p.update(num_micro_batches=1), "needs at least as many"),
+])
+def test_load_plan_rejects_bad_replicas(tmp_path, mutate, match):
+    _, plan = replicated_plan()
+    path = tmp_path / "plan.json"
+    write_json_atomic(str(path), plan)
+    assert load_plan(str(path))["pipeline_stages"] == 4
+    mutate(plan)
+    write_json_atomic(str(path), plan)
+    with pytest.raises(JsonFileError, match=match):
+        load_plan(str(path))
+
+
+def test_plan_for_split_with_replicas():
+    from planner.plan import plan_for_split, validate_plan
+    profile = small_profile()
+    plan = validate_plan(plan_for_split(profile, [1, 3], 1, 8, schedule="gpipe", replicas=[1, 3, 1]))
+    assert [st["device"] for st in plan["stages"]] == [0, 1, 4] and plan["pipeline_stages"] == 5
+    assert [st["in_flight"] for st in plan["stages"]] == [8, 3, 8]

@@ -1,0 +1,58 @@
+"""Replicated stages in the cost model: what one replica device holds, and the plan's cost.
+
+The maths is planner.costmodel's module docstring ("Replicated stages"); planner.costmodel.evaluate
+builds the stages and calls replicated_plan_cost when some r_g > 1.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from planner.costmodel import CostOptions, PlanCost, StageCost
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def replica_in_flight(stage: int, replicas: Sequence[int], m: int, schedule: str) -> int:
+    """h_g per replica device: gpipe ceil(m / r_g); 1f1b ceil(min(w_g + 1, m) / r_g) with the warm-up
+    w_g = min(sum_{h>=g} r_h - 1, m) of the unreplicated order each replica filters."""
+    r = replicas[stage]
+    if schedule == "gpipe":
+        return ceil_div(m, r)
+    warmup = min(sum(replicas[stage:]) - 1, m)
+    return ceil_div(min(warmup + 1, m), r)
+
+
+def replica_order(stage: int, replicas: Sequence[int], m: int, schedule: str, replica: int) -> List[Tuple[str, int]]:
+    """What replica `replica` of `stage` runs, as ("forward" | "backward", micro-batch) in order: the
+    unreplicated order (gpipe: every forward, then every backward; 1f1b: w_g warm-up forwards, then
+    one forward and one backward alternately, then the drain) restricted to micro-batches i with
+    i mod r_g = replica. The runtime's contract, for checking in_flight against a schedule."""
+    if schedule == "gpipe":
+        order = [("forward", i) for i in range(m)] + [("backward", i) for i in range(m)]
+    else:
+        w = min(sum(replicas[stage:]) - 1, m)
+        order = [("forward", i) for i in range(w)]
+        for i in range(m - w):
+            order += [("forward", w + i), ("backward", i)]
+        order += [("backward", i) for i in range(m - w, m)]
+    return [(kind, i) for kind, i in order if i % replicas[stage] == replica]
+
+
+def replicated_plan_cost(stages: List[StageCost], b: int, m: int, opts: CostOptions, cap: Optional[float]) -> PlanCost:
+    """The PlanCost of replicated stages: iteration = sum T + max (n_g - 1) T_g + max E + overhead."""
+    n = [ceil_div(m, st.replicas) for st in stages]
+    devices = [st for st in stages for _ in range(st.replicas)]  # device k runs stage devices[k]
+    total = sum(st.time_s for st in stages)
+    pipeline = total + max((n_g - 1) * st.time_s for n_g, st in zip(n, stages))
+    extra = max(st.extra_s for st in stages)
+    memory = [st.memory_bytes for st in devices]
+    bubble = 1.0 - m * total / (len(devices) * pipeline) if pipeline > 0 else 0.0
+    return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages,
+                    iteration_s=pipeline + extra + opts.step_overhead_s,
+                    bottleneck_s=max(n_g * st.time_s for n_g, st in zip(n, stages)) / m,
+                    bubble_fraction=max(0.0, bubble), feasible=all(cap is None or x <= cap for x in memory),
+                    device_memory=memory, device_caps=[cap] * len(devices), extra_s=extra,
+                    schedule=opts.schedule, pipeline_stages=len(devices), virtual_stages=1,
+                    data_parallel=opts.data_parallel)

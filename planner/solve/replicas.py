@@ -1,0 +1,306 @@
+"""Replicated stages (PipeDream-style): `planner solve --stages N --replicate`. Exact.
+
+The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
+[a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
+minimising (planner.costmodel, "Replicated stages")
+
+    F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
+    T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
+                                              beyond "has a predecessor / a successor")
+    X_g = (ceil(m / r_g) - 1) T_g            E_g = 2 (n - 1)/n P(a_g, e_g) / dp_bw,  n = r_g d
+
+subject to M_g = P_g (2 + opt) + h(r_g, k_g) A_g <= cap, where k_g = sum_{h>=g} r_h is the number of
+devices from stage g to the end (1f1b: h = ceil(min(k_g, m) / r_g); gpipe: h = ceil(m / r_g)).
+
+Suffix DP. Every per-stage quantity depends only on (a, e, r, k), so for thresholds (tau, eps)
+
+    g(tau, eps) = min sum_g T_g  subject to  X_g <= tau, E_g <= eps, M_g <= cap
+    best_0(L) = 0;  best_k(a) = min_{e > a, 1 <= r <= min(k, m)} T(a, e) [allowed] + best_{k-r}(e)
+
+is exact (state: first unit a of the suffix, devices k it uses; answer best_N(0)); O(N^2 L^2) per DP.
+
+Thresholds (the proof). OPT = min over (tau, eps) in the candidate values (the values X and E
+take) of g(tau, eps) + tau + eps: the optimal plan is feasible at its own maxima, and any plan
+found at (tau, eps) has maxima <= (tau, eps), so its true F is no larger than the bound. g is
+non-increasing in both arguments. Inner search, eps fixed, over tau: when the plan found at tau
+has max X = x, g is constant on [x, tau] (that plan is feasible at x), so one DP settles every
+threshold there; an interval of thresholds [tau_lo, tau_hi] whose right end is known to have
+g >= g_r costs at least g_r + tau_lo + eps, and is discarded when that reaches the incumbent.
+This branch and bound returns F(eps) = min_tau g(tau, eps) + tau exactly, or a lower bound on it
+(the least bound among discarded intervals) when nothing at eps beats the incumbent. Outer search
+over eps: F(eps) is non-increasing, so the same branch and bound on F(eps) + eps with those
+lower bounds is exact. Every discarded set is bounded below by the incumbent (up to the relative
+tolerance TOL), so the plan returned is optimal: the solver reports gap 0 only after the search
+is complete. The micro-batch sizes are enumerated, each seeded with the best plan so far.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
+                               input_bytes, num_micro_batches, optimizer_factor, shared_parameters)
+from planner.costmodel_replicas import ceil_div
+from planner.profile import Profile
+from planner.solve.diagnose import InfeasibleError, format_bytes
+from planner.solve.ilp import Solution
+
+TOL = 1e-12  # relative tolerance of every prune
+Plan = Tuple[List[int], List[int]]  # (boundaries, replicas per stage)
+
+
+def _span(prefix: np.ndarray) -> np.ndarray:
+    n = prefix.shape[0]
+    return np.where(np.triu(np.ones((n, n), dtype=bool), 1), prefix[None, :] - prefix[:, None], np.inf)
+
+
+def check_replicable(profile: Profile, opts: CostOptions) -> None:
+    """ValueError (saying what to do) unless replicated stages can be solved for these options."""
+    if opts.schedule not in ("gpipe", "1f1b") or opts.virtual_stages != 1:
+        raise ValueError(f"--replicate needs --schedule 1f1b or gpipe (got {opts.schedule})")
+    if opts.cluster is not None:
+        raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
+    if shared_parameters(profile):
+        raise ValueError("--replicate does not model tied (shared) parameters; solve this profile without --replicate")
+    if opts.recompute == "auto" and opts.memory_cap is not None:
+        raise ValueError("--replicate does not choose recomputation per unit under a memory cap; "
+                         "pass --recompute none or --recompute all")
+
+
+class ReplicaTables:
+    """T, X_r, E_r and the memory-feasible T per (r, k) at one micro-batch size; the DPs on them."""
+
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int) -> None:
+        units, L = profile.units, profile.num_units
+        self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
+        redo_all = opts.recompute == "all"
+        work = _span(np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] +
+                                                       (u.forward_s[b] if redo_all else 0.0) for u in units])]))
+        cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
+        ends = np.arange(L + 1)
+        self.T = work + np.where(ends > 0, cuts, 0.0)[:, None] + np.where(ends < L, cuts, 0.0)[None, :]
+        params = _span(np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in units])]))
+        saved = input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units]
+        acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))
+        self.max_r = min(devices, self.m)
+        rs = range(1, self.max_r + 1)
+        finite = np.isfinite(self.T)
+        self.X = {r: np.where(finite, (ceil_div(self.m, r) - 1) * np.where(finite, self.T, 0.0), np.inf) for r in rs}
+        self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
+                              np.inf) for r in rs}
+        self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
+        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e]
+        self.fits: Dict[int, np.ndarray] = {}  # held -> T[a, e] where M fits, else inf
+        static = params * (2 + optimizer_factor(opts.optimizer))
+        for k in range(1, devices + 1):
+            for r in range(1, min(k, self.max_r) + 1):
+                held = self.held[r, k] = ceil_div(self.m if opts.schedule == "gpipe" else min(k, self.m), r)
+                if held not in self.memory:
+                    self.memory[held] = static + held * acts
+                    self.fits[held] = self.T if opts.memory_cap is None else \
+                        np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+
+    def base(self, r: int, k: int) -> np.ndarray:
+        """T[a, e] where stage [a, e) with r replicas, k devices from it to the end, fits its memory."""
+        return self.fits[self.held[r, k]]
+
+    def _dp(self, table, combine) -> Tuple[float, Optional[Plan]]:
+        """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)."""
+        L, rows = self.L, np.arange(self.L + 1)
+        best = [np.where(rows == L, 0.0, np.inf)]
+        arg_e, arg_r = [None], [None]
+        for k in range(1, self.N + 1):
+            cur, ce, cr = np.full(L + 1, np.inf), np.zeros(L + 1, dtype=int), np.zeros(L + 1, dtype=int)
+            for r in range(1, min(k, self.max_r) + 1):
+                cand = combine(table(r, k), best[k - r][None, :])
+                e = np.argmin(cand, axis=1)
+                val = cand[rows, e]
+                better = val < cur
+                cur, ce, cr = np.where(better, val, cur), np.where(better, e, ce), np.where(better, r, cr)
+            best.append(cur)
+            arg_e.append(ce)
+            arg_r.append(cr)
+        if not math.isfinite(best[self.N][0]):
+            return math.inf, None
+        bounds, reps, a, k = [], [], 0, self.N
+        while a < L:
+            e, r = int(arg_e[k][a]), int(arg_r[k][a])
+            bounds.append(e)
+            reps.append(r)
+            a, k = e, k - r
+        return float(best[self.N][0]), (bounds[:-1], reps)
+
+    def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[Plan]]:
+        """g(tau, eps): least sum T with every X <= tau and E <= eps (and memory within the cap)."""
+        masks: Dict[int, np.ndarray] = {}
+        cache: Dict[Tuple[int, int], np.ndarray] = {}
+
+        def table(r, k):
+            key = (r, self.held[r, k])
+            if key not in cache:
+                if r not in masks:
+                    masks[r] = (self.X[r] <= tau) & (self.E[r] <= eps)
+                cache[key] = np.where(masks[r], self.base(r, k), np.inf)
+            return cache[key]
+        return self._dp(table, np.add)
+
+    def min_max(self, which: Dict[int, np.ndarray]) -> Tuple[float, Optional[Plan]]:
+        """Least max over stages of which[r] (X or E) among memory-feasible plans."""
+        return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which[r], np.inf), np.maximum)
+
+    def min_memory(self) -> Tuple[float, Optional[Plan]]:
+        """Least max per-device memory of any plan on N devices (caps ignored)."""
+        return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
+
+    def values(self, plan: Plan) -> Tuple[float, float, float]:
+        """(sum T, max X, max E) of a plan, read from the tables."""
+        edges = [0] + list(plan[0]) + [self.L]
+        parts = [(self.T[a, e], self.X[r][a, e], self.E[r][a, e]) for a, e, r in zip(edges, edges[1:], plan[1])]
+        return float(sum(p[0] for p in parts)), float(max(p[1] for p in parts)), float(max(p[2] for p in parts))
+
+    def candidates(self, which: Dict[int, np.ndarray], floor: float) -> np.ndarray:
+        feasible = {r: np.zeros_like(self.T, dtype=bool) for r in which}
+        for (r, k) in self.held:
+            feasible[r] |= np.isfinite(self.base(r, k))
+        out = np.unique(np.concatenate([which[r][feasible[r]] for r in which]))
+        return out[out >= floor]
+
+
+class _Search:
+    """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead."""
+
+    def __init__(self, tables: ReplicaTables, incumbent: float) -> None:
+        self.t, self.U, self.best, self.dps = tables, incumbent, None, 0
+        self.g_top, top = tables.min_sum()
+        self.tau_star, by_x = tables.min_max(tables.X)
+        self.eps_star, by_e = tables.min_max(tables.E)
+        for plan in (top, by_x, by_e):
+            if plan is not None:
+                self.consider(plan)
+        self.x_values = tables.candidates(tables.X, self.tau_star)
+        self.e_values = tables.candidates(tables.E, self.eps_star)
+
+    def consider(self, plan: Plan) -> Tuple[float, float, float]:
+        s, x, e = self.t.values(plan)
+        if s + x + e < self.U:
+            self.U, self.best = s + x + e, plan
+        return s, x, e
+
+    def inner(self, eps: float) -> Tuple[float, float, Optional[float]]:
+        """(lower bound on F(eps), best sum + max X found with max E <= eps, that plan's max E)."""
+        values = self.x_values
+        found: Tuple[float, Optional[float]] = (math.inf, None)
+        lower = math.inf
+        heap = [(-math.inf, 0, len(values) - 1, math.inf)]
+        while heap:
+            _, lo, hi, g_right = heapq.heappop(heap)
+            floor = g_right if math.isfinite(g_right) else self.g_top
+            cut = min(hi, int(np.searchsorted(values, self.U * (1 + TOL) - eps - floor, side="right")) - 1)
+            if cut < hi:
+                lower = min(lower, floor + values[max(cut + 1, lo)])
+            hi = cut
+            if lo > hi:
+                continue
+            if math.isfinite(g_right) and g_right + values[lo] + eps >= self.U * (1 - TOL):
+                lower = min(lower, g_right + values[lo])
+                continue
+            mid = hi if not math.isfinite(g_right) else (lo + hi) // 2
+            g, plan = self.t.min_sum(float(values[mid]), eps)
+            self.dps += 1
+            if plan is None:  # nothing at or below values[mid]
+                if mid + 1 <= hi:
+                    heapq.heappush(heap, (g_right + values[mid + 1], mid + 1, hi, g_right))
+                continue
+            s, x, e = self.consider(plan)
+            if s + x < found[0]:
+                found = (s + x, e)
+            k = int(np.searchsorted(values, x, side="left"))  # g is constant on [x, values[mid]]
+            if k > lo:
+                heapq.heappush(heap, (g + values[lo], lo, k - 1, g))
+            if mid + 1 <= hi:
+                heapq.heappush(heap, (g_right + values[mid + 1], mid + 1, hi, g_right))
+        return min(lower, found[0]), found[0], found[1]
+
+    def run(self) -> None:
+        values = self.e_values
+        if not math.isfinite(self.g_top) or values.size == 0:
+            return
+        base = self.g_top + self.tau_star  # F(eps) >= base for every eps
+        heap = [(base + values[0], 0, len(values) - 1, base, True)]
+        while heap:
+            _, lo, hi, f_right, first = heapq.heappop(heap)
+            hi = min(hi, int(np.searchsorted(values, self.U * (1 + TOL) - f_right, side="right")) - 1)
+            if lo > hi or f_right + values[lo] >= self.U * (1 - TOL):
+                continue
+            mid = hi if first else (lo + hi) // 2
+            f_low, f, e_act = self.inner(float(values[mid]))
+            f_low = max(f_low, f_right)
+            right = mid - 1
+            if e_act is not None and f_low >= f:  # F exact at mid and constant on [e_act, values[mid]]
+                right = int(np.searchsorted(values, e_act, side="left")) - 1
+            if right >= lo:
+                heapq.heappush(heap, (f_low + values[lo], lo, right, f_low, False))
+            if mid + 1 <= hi:
+                heapq.heappush(heap, (f_right + values[mid + 1], mid + 1, hi, f_right, False))
+
+
+def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[int]) -> InfeasibleError:
+    if not sizes:
+        return InfeasibleError(f"no profiled micro-batch size ({', '.join(map(str, profile.micro_batch_sizes))}) "
+                               f"divides the global batch {opts.global_batch} over {opts.data_parallel} "
+                               "data-parallel replicas; change --global-batch")
+    least = None  # (memory, b)
+    for b in sizes:
+        value, plan = ReplicaTables(profile, b, opts, devices).min_memory()
+        if plan is not None and (least is None or value < least[0]):
+            least = (value, b)
+    if least is None:
+        return InfeasibleError(f"no replicated plan fills {devices} devices: at most {profile.num_units} stages "
+                               "with no more replicas than micro-batches each; use fewer --stages or a larger "
+                               "--global-batch")
+    cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
+    return InfeasibleError(f"no replicated plan on {devices} devices fits {cap} per device; the least any needs "
+                           f"is {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
+                           f"{format_bytes(least[0])} ({math.ceil(least[0])} bytes) or use more --stages",
+                           min_memory_bytes=least[0])
+
+
+def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None
+                     ) -> Solution:
+    """The optimal replicated plan: opts.num_stages (or each scenario's) = N devices per data-parallel
+    replica, shared by S <= N stages. Raises ValueError for what it does not model, InfeasibleError
+    when nothing fits."""
+    started = time.perf_counter()
+    best = None  # (value without overhead, plan, b, scenario)
+    dps = 0
+    for scenario in scenarios or [opts]:
+        check_replicable(profile, scenario)
+        if scenario.recompute == "auto":  # no cap: recomputing only adds time
+            scenario = scenario.with_(recompute="none")
+        for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
+            search = _Search(ReplicaTables(profile, b, scenario, scenario.num_stages),
+                             best[0] if best is not None else math.inf)
+            search.run()
+            dps += search.dps
+            if search.best is not None:
+                best = (search.U, search.best, b, scenario)
+    if best is None:
+        sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
+        raise _infeasible(profile, opts, opts.num_stages, sizes)
+    _, (bounds, reps), b, scenario = best
+    chosen = scenario.with_(num_stages=len(reps), replicas=tuple(reps))
+    if not chosen.replicated:
+        chosen = chosen.with_(replicas=())
+    redo = list(range(profile.num_units)) if scenario.recompute == "all" else []
+    cost = evaluate(profile, bounds, b, chosen, redo)
+    return Solution(boundaries=list(bounds), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+                    cost=cost, status="optimal", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0,
+                    seconds=time.perf_counter() - started, method="replicas", backend="python",
+                    recompute=redo, options=chosen)
+
+
+__all__ = ["solve_replicated", "check_replicable", "ReplicaTables"]
