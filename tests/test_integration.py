@@ -31,3 +31,22 @@ def test_solved_plan_runs_exactly(gpt_profile, tmp_path, solve_args, expect):
     assert ran.returncode == 0, ran.stderr
     state = torch.load(state_path, weights_only=True)
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=0.05)) <= 1e-5
+
+
+def test_solved_replicated_plan_runs_exactly(tmp_path):
+    # a head that costs more than all blocks together and cannot be split: with 3 devices the
+    # solver gives it 2 (micro-batches alternate between them), and the run stays exact
+    profile, plan_path, state_path = (str(tmp_path / n) for n in ("gpt.json", "plan.json", "state.pt"))
+    made = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=2", "--model-arg", "vocab=16384",
+                    "--micro-batch-sizes", "1,2", "--repeats", "3", "--quiet", "-o", profile])
+    assert made.returncode == 0, made.stderr
+    solved = run_cli(["planner.cli", "solve", profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                      "-o", plan_path])
+    assert solved.returncode == 0, solved.stderr
+    plan = json.load(open(plan_path))
+    replicated = plan["stages"][1]["units"]
+    assert [s["replicas"] for s in plan["stages"]] == [1, 2] and replicated[-1] == "head", replicated
+    ran = run_cli(["runtime.cli", "execute", plan_path, "--steps", "2", "--lr", "0.05", "--save-state", state_path])
+    assert ran.returncode == 0, ran.stderr
+    state = torch.load(state_path, weights_only=True)
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=0.05)) <= 1e-5
