@@ -169,3 +169,12 @@ def test_plan_for_split_with_replicas():
     plan = validate_plan(plan_for_split(profile, [1, 3], 1, 8, schedule="gpipe", replicas=[1, 3, 1]))
     assert [st["device"] for st in plan["stages"]] == [0, 1, 4] and plan["pipeline_stages"] == 5
     assert [st["in_flight"] for st in plan["stages"]] == [8, 3, 8]
+
+
+def test_show_draws_a_replicated_plan(tmp_path):
+    from planner.cli import main
+    _, plan = replicated_plan()
+    path, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    write_json_atomic(str(path), plan)
+    assert main(["show", str(path), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
