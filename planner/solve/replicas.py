@@ -339,11 +339,12 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         bound = min(bound, lower.U)
     chosen = _chosen(scenario, plan)
     cost = evaluate(profile, plan[0], b, chosen, redo)
-    gap = max(0.0, (value - bound) / value) if value > 0 else 0.0
+    bound = min(bound + scenario.step_overhead_s, cost.iteration_s)
+    gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
     optimal = gap <= OPTIMALITY_GAP
     return Solution(boundaries=list(plan[0]), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
                     cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
-                    bound=cost.iteration_s if optimal else bound + scenario.step_overhead_s,
+                    bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
 
