@@ -32,6 +32,13 @@ over eps: F(eps) is non-increasing, so the same branch and bound on F(eps) + eps
 lower bounds is exact. Every discarded set is bounded below by the incumbent (up to the relative
 tolerance TOL), so the plan returned is optimal: the solver reports gap 0 only after the search
 is complete. The micro-batch sizes are enumerated, each seeded with the best plan so far.
+
+Recomputation. 'none' and 'all' fix T and A (exact; 'auto' without a cap is 'none', recomputing
+only adds time). 'auto' under a cap: T' = T + the recomputation time that makes the range fit
+holding h micro-batches, one table per h (planner.solve.chain_recompute): the greedy whole-unit
+cover gives a plan (then each of its stages takes the exact cheapest cover), the fractional
+knapsack a lower bound on every plan (F is monotone in each T'), and the gap between the two
+searches is reported: 0 only when they meet.
 """
 from __future__ import annotations
 
