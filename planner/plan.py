@@ -198,8 +198,8 @@ def format_plan_table(plan: Dict[str, Any]) -> str:
     out = [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
     out.append("")
     if replicated:
-        out.append(f"replicated stages: {plan.get('pipeline_stages')} devices per data-parallel replica; "
-                   "memory and bubble are per replica device, micro-batch i of a stage runs on its replica i mod r")
+        out.append(f"replicated stages on {plan.get('pipeline_stages')} devices per data-parallel replica "
+                   "(memory and bubble per replica device)")
     d = plan.get("data_parallel", 1)
     v = plan.get("virtual_stages", 1)
     out.append(f"micro-batch size {plan['micro_batch_size']} x {plan['num_micro_batches']} micro-batches"

@@ -134,7 +134,7 @@ def test_replicated_plan_keys():
     assert plan["predicted_iteration_s"] == solution.objective
     assert plan["solver"]["status"] == "optimal" and plan["solver"]["gap"] == 0.0
     table = format_plan_table(plan)
-    assert "replicas" in table.splitlines()[0] and "replicated stages: 4 devices" in table
+    assert "replicas" in table.splitlines()[0] and "replicated stages on 4 devices" in table
     row = next(line for line in table.splitlines()[2:] if line.split()[:1] == ["1"])
     assert row.split()[1:3] == ["1-2", "2"]
 
