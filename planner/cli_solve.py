@@ -144,11 +144,12 @@ def _solve_replicated(profile, opts, devices: Optional[int], schedules: List[str
     from planner.solve.search import expand_scenarios
 
     if args.method != "ilp":
-        raise UsageError("--replicate has its own exact solver; drop --method")
-    if args.schedule not in ("1f1b", "gpipe"):
-        raise UsageError(f"--replicate needs --schedule 1f1b or gpipe (got {args.schedule})")
-    scenarios = [opts.with_(schedule=args.schedule)] if devices is None else \
-        expand_scenarios(opts.with_(schedule=args.schedule), 10 ** 9, devices, [args.schedule])
+        raise UsageError("--replicate has its own solver; drop --method")
+    if args.schedule not in ("1f1b", "gpipe", "auto"):
+        raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")
+    schedules = ["1f1b", "gpipe"] if args.schedule == "auto" else [args.schedule]
+    scenarios = [opts.with_(schedule=s) for s in schedules] if devices is None else \
+        expand_scenarios(opts, 10 ** 9, devices, schedules)
     if not scenarios:
         raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
     return solve_replicated(profile, scenarios[0], scenarios)

@@ -173,7 +173,7 @@ def test_solve_replicate(gpt_profile, tmp_path):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--schedule", "interleaved"], "1f1b or gpipe"),
+    (["--schedule", "interleaved"], "1f1b, gpipe or auto"),
     (["--method", "dp"], "drop --method"),
 ])
 def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, needle):

@@ -252,3 +252,15 @@ def test_known_gap_1f1b_serialises_a_wide_stage_behind_a_narrow_one():
         gaps[schedule] = simulated / closed
     assert gaps["gpipe"] == pytest.approx(1.0, abs=0.08)  # 1.05 here
     assert gaps["1f1b"] > 1.5
+
+
+def test_devices_choose_the_data_parallel_degree_too():
+    from planner.solve.search import expand_scenarios
+    p = heavy_middle()
+    opts = CostOptions(num_stages=1, global_batch=8, bandwidth=1e9)
+    scenarios = expand_scenarios(opts, 10 ** 9, 4, ["1f1b", "gpipe"])
+    assert {(s.num_stages, s.data_parallel) for s in scenarios} == {(4, 1), (2, 2), (1, 4)}
+    found = solve_replicated(p, scenarios[0], scenarios)
+    oracle = min((solve_brute_replicated(p, s) for s in scenarios), key=lambda sol: sol.objective)
+    assert found.objective == pytest.approx(oracle.objective, rel=1e-12)
+    assert found.options.data_parallel == oracle.options.data_parallel
