@@ -143,6 +143,10 @@ def test_unreplicated_plans_have_no_replicas_key():
     _, _, plan = make()
     assert all("replicas" not in st for st in plan["stages"])
     assert "replicas" not in format_plan_table(plan).splitlines()[0]
+    for st in plan["stages"]:  # "replicas": 1 (what absent means) is accepted as it stands
+        st["replicas"] = 1
+    from planner.plan import validate_plan
+    assert validate_plan(plan) is plan
 
 
 @pytest.mark.parametrize("mutate,match", [
