@@ -7,7 +7,8 @@ from planner.cli_common import UsageError
 
 
 def draw_plan(plan: dict, path: str) -> None:
-    """Two bar charts: per-stage compute / transfer time (ms), and memory (MiB) against the cap."""
+    """Two bar charts: per-stage compute / transfer time (ms), and memory (MiB) against the cap
+    (replicated stages: labelled with their replica count, memory per replica device)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -33,8 +34,12 @@ def draw_plan(plan: dict, path: str) -> None:
     if any(caps):
         bottom.step([i - 0.5 for i in x] + [len(x) - 0.5], [c / mib if c else 0 for c in caps] + [caps[-1] / mib if caps[-1] else 0],
                     where="post", color="red", label="cap")
-    bottom.set_ylabel("MiB")
-    bottom.set_xlabel("stage")
+    replicas = [st.get("replicas", 1) for st in stages]
+    bottom.set_ylabel("MiB" + (" per replica device" if max(replicas) > 1 else ""))
+    bottom.set_xlabel("stage" + (" (x replicas)" if max(replicas) > 1 else ""))
+    if max(replicas) > 1:
+        bottom.set_xticks(x)
+        bottom.set_xticklabels([f"{i} x{r}" if r > 1 else str(i) for i, r in zip(x, replicas)])
     bottom.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -24,9 +24,8 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
                    help="pipeline schedule; auto lets the solver choose (default 1f1b)")
     s.add_argument("--virtual-stages", type=int, default=2,
                    help="model chunks per device for interleaved/bfs (default 2)")
-    s.add_argument("--recompute", default=None, choices=["auto", "none", "all"],
-                   help="activation recomputation per unit: auto = where memory needs it (default auto; "
-                        "none with --replicate)")
+    s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
+                   help="activation recomputation per unit: auto = where memory needs it (default auto)")
     s.add_argument("--bandwidth", default=None,
                    help="bytes/s between consecutive stages (default: the profile's calibration, else 5GB)")
     s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
@@ -60,13 +59,6 @@ def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, fl
     latency = 0.0 if latency is None else latency
     note = f"applied the profile's calibration: {', '.join(used)}" if used else None
     return bandwidth, latency, overhead, note
-
-
-def _recompute_mode(args: argparse.Namespace) -> str:
-    """--recompute as given; by default auto, or none with --replicate (which cannot choose per unit)."""
-    if args.recompute is not None:
-        return args.recompute
-    return "none" if getattr(args, "replicate", False) else "auto"
 
 
 def problem_from_args(args: argparse.Namespace):
@@ -109,7 +101,7 @@ def problem_from_args(args: argparse.Namespace):
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
         virtual_stages=args.virtual_stages if args.schedule in ("interleaved", "bfs") else 1,
         cluster=cluster,
-        recompute=_recompute_mode(args),
+        recompute=args.recompute,
     )
     if args.schedule in ("interleaved", "bfs"):
         opts = opts.with_(schedule=args.schedule)
@@ -152,11 +144,12 @@ def _solve_replicated(profile, opts, devices: Optional[int], schedules: List[str
     from planner.solve.search import expand_scenarios
 
     if args.method != "ilp":
-        raise UsageError("--replicate has its own exact solver; drop --method")
-    if args.schedule not in ("1f1b", "gpipe"):
-        raise UsageError(f"--replicate needs --schedule 1f1b or gpipe (got {args.schedule})")
-    scenarios = [opts.with_(schedule=args.schedule)] if devices is None else \
-        expand_scenarios(opts.with_(schedule=args.schedule), 10 ** 9, devices, [args.schedule])
+        raise UsageError("--replicate has its own solver; drop --method")
+    if args.schedule not in ("1f1b", "gpipe", "auto"):
+        raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")
+    schedules = ["1f1b", "gpipe"] if args.schedule == "auto" else [args.schedule]
+    scenarios = [opts.with_(schedule=s) for s in schedules] if devices is None else \
+        expand_scenarios(opts, 10 ** 9, devices, schedules)
     if not scenarios:
         raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
     return solve_replicated(profile, scenarios[0], scenarios)
@@ -173,7 +166,7 @@ def register(sub) -> None:
                         "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
     s.add_argument("--replicate", action="store_true",
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
-                        "the devices per data-parallel replica, shared by at most N stages; exact solver, "
-                        "1f1b or gpipe, recompute none or all")
+                        "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
+                        "exact, but with --recompute auto under a memory cap the gap says how close)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

@@ -380,4 +380,3 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     bottleneck_s=bottleneck, bubble_fraction=max(0.0, bubble), feasible=feasible,
                     device_memory=memory, device_caps=caps, extra_s=max(extra), schedule=opts.schedule,
                     pipeline_stages=p, virtual_stages=v, data_parallel=opts.data_parallel)
-

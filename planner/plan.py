@@ -133,6 +133,8 @@ def _validate_replicas(plan: Dict[str, Any], where: str, remake: str) -> None:
     for i, r in enumerate(replicas):
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise JsonFileError(f"{where} stage {i} has replicas {r!r}, expected an integer >= 1; {remake}")
+    if max(replicas) == 1:  # "replicas": 1 everywhere is an ordinary plan
+        return
     offsets = [sum(replicas[:g]) for g in range(len(replicas))]
     for i, (st, offset) in enumerate(zip(plan["stages"], offsets)):
         if st.get("device", offset) != offset:
@@ -141,14 +143,13 @@ def _validate_replicas(plan: Dict[str, Any], where: str, remake: str) -> None:
     if plan.get("pipeline_stages", sum(replicas)) != sum(replicas):
         raise JsonFileError(f"{where} has pipeline_stages {plan.get('pipeline_stages')!r} but its stages' "
                             f"replicas add up to {sum(replicas)}; {remake}")
-    if max(replicas) > 1:
-        if plan.get("virtual_stages", 1) != 1 or plan["schedule"] not in ("gpipe", "1f1b"):
-            raise JsonFileError(f"{where} replicates stages under schedule {plan['schedule']!r} with "
-                                f"{plan.get('virtual_stages', 1)} virtual stages; replication needs gpipe or "
-                                f"1f1b with one chunk per device; {remake}")
-        if not isinstance(plan["num_micro_batches"], int) or plan["num_micro_batches"] < max(replicas):
-            raise JsonFileError(f"{where} has {plan['num_micro_batches']!r} micro-batches for a stage with "
-                                f"{max(replicas)} replicas (needs at least as many); {remake}")
+    if plan.get("virtual_stages", 1) != 1 or plan["schedule"] not in ("gpipe", "1f1b"):
+        raise JsonFileError(f"{where} replicates stages under schedule {plan['schedule']!r} with "
+                            f"{plan.get('virtual_stages', 1)} virtual stages; replication needs gpipe or "
+                            f"1f1b with one chunk per device; {remake}")
+    if not isinstance(plan["num_micro_batches"], int) or plan["num_micro_batches"] < max(replicas):
+        raise JsonFileError(f"{where} has {plan['num_micro_batches']!r} micro-batches for a stage with "
+                            f"{max(replicas)} replicas (needs at least as many); {remake}")
 
 
 def load_plan(path: str) -> Dict[str, Any]:
@@ -198,8 +199,8 @@ def format_plan_table(plan: Dict[str, Any]) -> str:
     out = [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
     out.append("")
     if replicated:
-        out.append(f"replicated stages: {plan.get('pipeline_stages')} devices per data-parallel replica; "
-                   "memory and bubble are per replica device, micro-batch i of a stage runs on its replica i mod r")
+        out.append(f"replicated stages on {plan.get('pipeline_stages')} devices per data-parallel replica "
+                   "(memory and bubble per replica device)")
     d = plan.get("data_parallel", 1)
     v = plan.get("virtual_stages", 1)
     out.append(f"micro-batch size {plan['micro_batch_size']} x {plan['num_micro_batches']} micro-batches"

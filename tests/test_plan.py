@@ -134,7 +134,7 @@ def test_replicated_plan_keys():
     assert plan["predicted_iteration_s"] == solution.objective
     assert plan["solver"]["status"] == "optimal" and plan["solver"]["gap"] == 0.0
     table = format_plan_table(plan)
-    assert "replicas" in table.splitlines()[0] and "replicated stages: 4 devices" in table
+    assert "replicas" in table.splitlines()[0] and "replicated stages on 4 devices" in table
     row = next(line for line in table.splitlines()[2:] if line.split()[:1] == ["1"])
     assert row.split()[1:3] == ["1-2", "2"]
 
@@ -143,6 +143,10 @@ def test_unreplicated_plans_have_no_replicas_key():
     _, _, plan = make()
     assert all("replicas" not in st for st in plan["stages"])
     assert "replicas" not in format_plan_table(plan).splitlines()[0]
+    for st in plan["stages"]:  # "replicas": 1 (what absent means) is accepted as it stands
+        st["replicas"] = 1
+    from planner.plan import validate_plan
+    assert validate_plan(plan) is plan
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -169,3 +173,12 @@ def test_plan_for_split_with_replicas():
     plan = validate_plan(plan_for_split(profile, [1, 3], 1, 8, schedule="gpipe", replicas=[1, 3, 1]))
     assert [st["device"] for st in plan["stages"]] == [0, 1, 4] and plan["pipeline_stages"] == 5
     assert [st["in_flight"] for st in plan["stages"]] == [8, 3, 8]
+
+
+def test_show_draws_a_replicated_plan(tmp_path):
+    from planner.cli import main
+    _, plan = replicated_plan()
+    path, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    write_json_atomic(str(path), plan)
+    assert main(["show", str(path), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

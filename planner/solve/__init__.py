@@ -9,6 +9,7 @@ from planner.profile import Profile
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError, diagnose, format_bytes, infeasible_error, min_memory_plan
 from planner.solve.ilp import Solution
+from planner.solve.replicas import solve_replicated
 from planner.solve.search import expand_scenarios, search_scenarios
 
 METHODS = ("ilp", "dp", "brute", "uniform", "params", "block")
@@ -69,5 +70,5 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     return found
 
 
-__all__ = ["solve", "solve_ilp", "solve_brute", "Solution", "InfeasibleError", "diagnose", "format_bytes",
+__all__ = ["solve", "solve_ilp", "solve_brute", "solve_replicated", "Solution", "InfeasibleError", "diagnose", "format_bytes",
            "min_memory_plan", "infeasible_error", "METHODS", "BACKENDS", "DEFAULT_BACKEND"]

@@ -78,23 +78,23 @@ def compositions(total: int, parts: int, largest: int):
 
 def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     """The oracle for --replicate: every S <= N = opts.num_stages, split, replica tuple (sum N) and b,
-    judged by planner.costmodel.evaluate; recomputation as opts.recompute says ('auto' = none, no cap)."""
+    judged by planner.costmodel.evaluate, with every recomputation set that opts.recompute allows."""
     started = time.perf_counter()
     L, N = profile.num_units, opts.num_stages
-    redo = list(range(L)) if opts.recompute == "all" else []
-    best = None  # (iteration, cost, boundaries, b, options)
+    best = None  # (iteration, cost, boundaries, b, options, recompute)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
         for S in range(1, min(N, L) + 1):
             for reps in compositions(N, S, m):
                 scenario = opts.with_(num_stages=S, replicas=reps if max(reps) > 1 else ())
-                for boundaries in itertools.combinations(range(1, L), S - 1):
+                for boundaries, redo in itertools.product(itertools.combinations(range(1, L), S - 1),
+                                                          _recompute_sets(profile, b, opts)):
                     cost = evaluate(profile, list(boundaries), b, scenario, redo)
                     if cost.feasible and (best is None or cost.iteration_s < best[0]):
-                        best = (cost.iteration_s, cost, list(boundaries), b, scenario)
+                        best = (cost.iteration_s, cost, list(boundaries), b, scenario, redo)
     if best is None:
         return None
-    iteration, cost, boundaries, b, scenario = best
+    iteration, cost, boundaries, b, scenario, redo = best
     return Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=cost.num_micro_batches, cost=cost,
                     status="optimal", objective=iteration, bound=iteration, gap=0.0,
                     seconds=time.perf_counter() - started, method="brute", backend="python", recompute=redo,

@@ -57,6 +57,22 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
     return lower, upper
 
 
+def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0
+                           ) -> Tuple[np.ndarray, np.ndarray]:
+    """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
+    of this speed and opts.memory_cap (planner.solve.replicas: one table per held count)."""
+    units, L = profile.units, profile.num_units
+    inputs = input_bytes(profile, b)
+    f = np.array([u.forward_s[b] for u in units], dtype=float)
+    g = np.array([u.saved_bytes[b] - inputs[l] for l, u in enumerate(units)], dtype=float)
+    P = np.concatenate([[0.0], np.cumsum([u.param_bytes for u in units])])
+    A = np.concatenate([[0.0], np.cumsum([u.saved_bytes[b] for u in units])])
+    items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
+    order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
+    return _tables(L, order.size, order, f, g, P, A, optimizer_factor(opts.optimizer), held, speed,
+                   opts.memory_cap, np.arange(L + 1))
+
+
 def _tables(L, n, order, f, g, P, A, opt, h, sigma, cap, ends):
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)

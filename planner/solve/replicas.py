@@ -32,6 +32,13 @@ over eps: F(eps) is non-increasing, so the same branch and bound on F(eps) + eps
 lower bounds is exact. Every discarded set is bounded below by the incumbent (up to the relative
 tolerance TOL), so the plan returned is optimal: the solver reports gap 0 only after the search
 is complete. The micro-batch sizes are enumerated, each seeded with the best plan so far.
+
+Recomputation. 'none' and 'all' fix T and A (exact; 'auto' without a cap is 'none', recomputing
+only adds time). 'auto' under a cap: T' = T + the recomputation time that makes the range fit
+holding h micro-batches, one table per h (planner.solve.chain_recompute): the greedy whole-unit
+cover gives a plan (then each of its stages takes the exact cheapest cover), the fractional
+knapsack a lower bound on every plan (F is monotone in each T'), and the gap between the two
+searches is reported: 0 only when they meet.
 """
 from __future__ import annotations
 
@@ -46,8 +53,10 @@ from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batc
                                input_bytes, num_micro_batches, optimizer_factor, shared_parameters)
 from planner.costmodel_replicas import ceil_div
 from planner.profile import Profile
+from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError, format_bytes
-from planner.solve.ilp import Solution
+from planner.solve.ilp import OPTIMALITY_GAP, Solution
+from planner.solve.tables import cheapest_recompute
 
 TOL = 1e-12  # relative tolerance of every prune
 Plan = Tuple[List[int], List[int]]  # (boundaries, replicas per stage)
@@ -66,15 +75,18 @@ def check_replicable(profile: Profile, opts: CostOptions) -> None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
     if shared_parameters(profile):
         raise ValueError("--replicate does not model tied (shared) parameters; solve this profile without --replicate")
-    if opts.recompute == "auto" and opts.memory_cap is not None:
-        raise ValueError("--replicate does not choose recomputation per unit under a memory cap; "
-                         "pass --recompute none or --recompute all")
 
 
 class ReplicaTables:
-    """T, X_r, E_r and the memory-feasible T per (r, k) at one micro-batch size; the DPs on them."""
+    """Per (r, k): the stage time T' (T plus the recomputation that makes the stage fit, +inf where
+    nothing fits), X = (ceil(m / r) - 1) T' and E_r, at one micro-batch size; the DPs on them.
 
-    def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int) -> None:
+    recompute_bound ('auto' under a cap only): 'lower' adds the fractional-knapsack recomputation
+    time (planner.solve.chain_recompute), a lower bound on every plan; 'upper' the greedy whole-unit
+    one, which is a feasible plan's."""
+
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
+                 recompute_bound: Optional[str] = None) -> None:
         units, L = profile.units, profile.num_units
         self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
@@ -87,26 +99,40 @@ class ReplicaTables:
         saved = input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units]
         acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))
         self.max_r = min(devices, self.m)
-        rs = range(1, self.max_r + 1)
         finite = np.isfinite(self.T)
-        self.X = {r: np.where(finite, (ceil_div(self.m, r) - 1) * np.where(finite, self.T, 0.0), np.inf) for r in rs}
         self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
-                              np.inf) for r in rs}
+                              np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e]
-        self.fits: Dict[int, np.ndarray] = {}  # held -> T[a, e] where M fits, else inf
+        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e] without recomputation
+        self.fits: Dict[int, np.ndarray] = {}  # held -> T'[a, e]
+        self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
         static = params * (2 + optimizer_factor(opts.optimizer))
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 held = self.held[r, k] = ceil_div(self.m if opts.schedule == "gpipe" else min(k, self.m), r)
                 if held not in self.memory:
                     self.memory[held] = static + held * acts
-                    self.fits[held] = self.T if opts.memory_cap is None else \
-                        np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+                    if recompute_bound is not None:
+                        low, high = recompute_range_tables(profile, b, opts, held)
+                        self.fits[held] = self.T + (low if recompute_bound == "lower" else high)
+                    elif opts.memory_cap is None:
+                        self.fits[held] = self.T
+                    else:
+                        self.fits[held] = np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+                if (r, held) not in self._x:
+                    t = self.fits[held]
+                    self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
+                                                np.where(np.isfinite(t), t, 0.0), np.inf)
 
     def base(self, r: int, k: int) -> np.ndarray:
-        """T[a, e] where stage [a, e) with r replicas, k devices from it to the end, fits its memory."""
+        """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
         return self.fits[self.held[r, k]]
+
+    def X(self, r: int, k: int) -> np.ndarray:
+        return self._x[r, self.held[r, k]]
+
+    def Ek(self, r: int, k: int) -> np.ndarray:
+        return self.E[r]
 
     def _dp(self, table, combine) -> Tuple[float, Optional[Plan]]:
         """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)."""
@@ -135,40 +161,34 @@ class ReplicaTables:
         return float(best[self.N][0]), (bounds[:-1], reps)
 
     def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[Plan]]:
-        """g(tau, eps): least sum T with every X <= tau and E <= eps (and memory within the cap)."""
-        masks: Dict[int, np.ndarray] = {}
+        """g(tau, eps): least sum T' with every X <= tau and E <= eps."""
         cache: Dict[Tuple[int, int], np.ndarray] = {}
 
         def table(r, k):
             key = (r, self.held[r, k])
             if key not in cache:
-                if r not in masks:
-                    masks[r] = (self.X[r] <= tau) & (self.E[r] <= eps)
-                cache[key] = np.where(masks[r], self.base(r, k), np.inf)
+                cache[key] = np.where((self.X(r, k) <= tau) & (self.E[r] <= eps), self.base(r, k), np.inf)
             return cache[key]
         return self._dp(table, np.add)
 
-    def min_max(self, which: Dict[int, np.ndarray]) -> Tuple[float, Optional[Plan]]:
-        """Least max over stages of which[r] (X or E) among memory-feasible plans."""
-        return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which[r], np.inf), np.maximum)
+    def min_max(self, which) -> Tuple[float, Optional[Plan]]:
+        """Least max over stages of which(r, k) (self.X or self.Ek) among memory-feasible plans."""
+        return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which(r, k), np.inf), np.maximum)
 
     def min_memory(self) -> Tuple[float, Optional[Plan]]:
         """Least max per-device memory of any plan on N devices (caps ignored)."""
         return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
 
     def values(self, plan: Plan) -> Tuple[float, float, float]:
-        """(sum T, max X, max E) of a plan, read from the tables."""
-        edges = [0] + list(plan[0]) + [self.L]
-        parts = [(self.T[a, e], self.X[r][a, e], self.E[r][a, e]) for a, e, r in zip(edges, edges[1:], plan[1])]
+        """(sum T', max X, max E) of a plan, read from the tables."""
+        edges, reps = [0] + list(plan[0]) + [self.L], plan[1]
+        parts = [(self.base(r, k)[a, e], self.X(r, k)[a, e], self.E[r][a, e])
+                 for a, e, r, k in zip(edges, edges[1:], reps, [sum(reps[g:]) for g in range(len(reps))])]
         return float(sum(p[0] for p in parts)), float(max(p[1] for p in parts)), float(max(p[2] for p in parts))
 
-    def candidates(self, which: Dict[int, np.ndarray], floor: float) -> np.ndarray:
-        feasible = {r: np.zeros_like(self.T, dtype=bool) for r in which}
-        for (r, k) in self.held:
-            feasible[r] |= np.isfinite(self.base(r, k))
-        out = np.unique(np.concatenate([which[r][feasible[r]] for r in which]))
-        return out[out >= floor]
-
+    def candidates(self, which) -> np.ndarray:
+        """The values which(r, k) (X or E) takes where a stage fits, ascending."""
+        return np.unique(np.concatenate([which(r, k)[np.isfinite(self.base(r, k))] for (r, k) in self.held]))
 
 class _Search:
     """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead."""
@@ -177,12 +197,14 @@ class _Search:
         self.t, self.U, self.best, self.dps = tables, incumbent, None, 0
         self.g_top, top = tables.min_sum()
         self.tau_star, by_x = tables.min_max(tables.X)
-        self.eps_star, by_e = tables.min_max(tables.E)
+        self.eps_star, by_e = tables.min_max(tables.Ek)
         for plan in (top, by_x, by_e):
             if plan is not None:
                 self.consider(plan)
-        self.x_values = tables.candidates(tables.X, self.tau_star)
-        self.e_values = tables.candidates(tables.E, self.eps_star)
+        self.x_values = tables.candidates(tables.X)
+        self.e_values = tables.candidates(tables.Ek)
+        self.x_values = self.x_values[self.x_values >= self.tau_star]
+        self.e_values = self.e_values[self.e_values >= self.eps_star]
 
     def consider(self, plan: Plan) -> Tuple[float, float, float]:
         s, x, e = self.t.values(plan)
@@ -269,38 +291,75 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
                            min_memory_bytes=least[0])
 
 
+def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: Plan, b: int, cap: float) -> List[int]:
+    """Per stage of the plan, the cheapest recomputation that makes it fit (exact subsets up to
+    EXACT_KNAPSACK_UNITS candidates, else greedy by time per byte)."""
+    edges, reps, chosen = [0] + list(plan[0]) + [profile.num_units], plan[1], []
+    for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
+        held = tables.held[r, sum(reps[g:])]
+        need = float(tables.memory[held][a, e]) - cap
+        if need > 0:
+            try:
+                found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=True)
+            except ValueError:  # too many candidate units for subsets
+                found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=False)
+            chosen += found[1] if found is not None else []
+    return sorted(chosen)
+
+
 def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None
                      ) -> Solution:
-    """The optimal replicated plan: opts.num_stages (or each scenario's) = N devices per data-parallel
-    replica, shared by S <= N stages. Raises ValueError for what it does not model, InfeasibleError
-    when nothing fits."""
+    """The best replicated plan: opts.num_stages (or each scenario's) = N devices per data-parallel
+    replica, shared by S <= N stages. Exact for recompute none/all (and auto without a cap); under
+    auto with a cap the plan uses greedy-then-exact per-stage recomputation and the bound comes
+    from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
+    what it does not model, InfeasibleError when nothing fits."""
     started = time.perf_counter()
-    best = None  # (value without overhead, plan, b, scenario)
-    dps = 0
+    best = None  # (iteration without overhead, plan, b, scenario, recomputed units)
+    searched = []  # (scenario, b) under auto recomputation with a cap
     for scenario in scenarios or [opts]:
         check_replicable(profile, scenario)
-        if scenario.recompute == "auto":  # no cap: recomputing only adds time
+        auto = scenario.recompute == "auto" and scenario.memory_cap is not None
+        if scenario.recompute == "auto" and not auto:  # no cap: recomputing only adds time
             scenario = scenario.with_(recompute="none")
         for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
-            search = _Search(ReplicaTables(profile, b, scenario, scenario.num_stages),
-                             best[0] if best is not None else math.inf)
+            tables = ReplicaTables(profile, b, scenario, scenario.num_stages, "upper" if auto else None)
+            search = _Search(tables, best[0] if best is not None else math.inf)
             search.run()
-            dps += search.dps
-            if search.best is not None:
-                best = (search.U, search.best, b, scenario)
+            searched += [(scenario, b)] if auto else []
+            if search.best is None:
+                continue
+            redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
+                (list(range(profile.num_units)) if scenario.recompute == "all" else [])
+            value = evaluate(profile, search.best[0], b, _chosen(scenario, search.best), redo).iteration_s - \
+                scenario.step_overhead_s
+            if best is None or value < best[0]:
+                best = (value, search.best, b, scenario, redo)
     if best is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
         raise _infeasible(profile, opts, opts.num_stages, sizes)
-    _, (bounds, reps), b, scenario = best
-    chosen = scenario.with_(num_stages=len(reps), replicas=tuple(reps))
-    if not chosen.replicated:
-        chosen = chosen.with_(replicas=())
-    redo = list(range(profile.num_units)) if scenario.recompute == "all" else []
-    cost = evaluate(profile, bounds, b, chosen, redo)
-    return Solution(boundaries=list(bounds), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
-                    cost=cost, status="optimal", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0,
-                    seconds=time.perf_counter() - started, method="replicas", backend="python",
-                    recompute=redo, options=chosen)
+    value, plan, b, scenario, redo = best
+    bound = value
+    for other, size in searched:  # the lower-bound tables, pruned by the plan found
+        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower"), value)
+        lower.run()
+        bound = min(bound, lower.U)
+    chosen = _chosen(scenario, plan)
+    cost = evaluate(profile, plan[0], b, chosen, redo)
+    bound = min(bound + scenario.step_overhead_s, cost.iteration_s)
+    gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
+    optimal = gap <= OPTIMALITY_GAP
+    return Solution(boundaries=list(plan[0]), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+                    cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
+                    bound=cost.iteration_s if optimal else bound,
+                    gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
+                    backend="python", recompute=redo, options=chosen)
+
+
+def _chosen(scenario: CostOptions, plan: Plan) -> CostOptions:
+    """The scenario as evaluated: S stages with their replicas (none listed when every r_g = 1)."""
+    reps = tuple(plan[1])
+    return scenario.with_(num_stages=len(reps), replicas=reps if max(reps) > 1 else ())
 
 
 __all__ = ["solve_replicated", "check_replicable", "ReplicaTables"]
