@@ -5,9 +5,10 @@ builds the stages and calls replicated_plan_cost when some r_g > 1.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from planner.costmodel import CostOptions, PlanCost, StageCost
+from runtime.schedule import replicated_warmups
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -16,28 +17,13 @@ def ceil_div(a: int, b: int) -> int:
 
 def replica_in_flight(stage: int, replicas: Sequence[int], m: int, schedule: str) -> int:
     """h_g per replica device: gpipe ceil(m / r_g); 1f1b ceil(min(w_g + 1, m) / r_g) with the warm-up
-    w_g = min(sum_{h>=g} r_h - 1, m) of the unreplicated order each replica filters."""
+    w_g of the unreplicated order each replica filters (runtime.schedule.replicated_warmups, the
+    runtime's own rule: w_last = r_last - 1, w_g = w_{g+1} + max(r_g, r_{g+1}))."""
     r = replicas[stage]
     if schedule == "gpipe":
         return ceil_div(m, r)
-    warmup = min(sum(replicas[stage:]) - 1, m)
+    warmup = replicated_warmups(replicas, m)[stage]
     return ceil_div(min(warmup + 1, m), r)
-
-
-def replica_order(stage: int, replicas: Sequence[int], m: int, schedule: str, replica: int) -> List[Tuple[str, int]]:
-    """What replica `replica` of `stage` runs, as ("forward" | "backward", micro-batch) in order: the
-    unreplicated order (gpipe: every forward, then every backward; 1f1b: w_g warm-up forwards, then
-    one forward and one backward alternately, then the drain) restricted to micro-batches i with
-    i mod r_g = replica. The runtime's contract, for checking in_flight against a schedule."""
-    if schedule == "gpipe":
-        order = [("forward", i) for i in range(m)] + [("backward", i) for i in range(m)]
-    else:
-        w = min(sum(replicas[stage:]) - 1, m)
-        order = [("forward", i) for i in range(w)]
-        for i in range(m - w):
-            order += [("forward", w + i), ("backward", i)]
-        order += [("backward", i) for i in range(m - w, m)]
-    return [(kind, i) for kind, i in order if i % replicas[stage] == replica]
 
 
 def replicated_plan_cost(stages: List[StageCost], b: int, m: int, opts: CostOptions, cap: Optional[float]) -> PlanCost:

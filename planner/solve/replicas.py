@@ -9,8 +9,12 @@ minimising (planner.costmodel, "Replicated stages")
                                               beyond "has a predecessor / a successor")
     X_g = (ceil(m / r_g) - 1) T_g            E_g = 2 (n - 1)/n P(a_g, e_g) / dp_bw,  n = r_g d
 
-subject to M_g = P_g (2 + opt) + h(r_g, k_g) A_g <= cap, where k_g = sum_{h>=g} r_h is the number of
-devices from stage g to the end (1f1b: h = ceil(min(k_g, m) / r_g); gpipe: h = ceil(m / r_g)).
+subject to M_g = P_g (2 + opt) + h_g A_g <= cap, k_g = sum_{h>=g} r_h the devices from stage g to the
+end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
+w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
+under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
+found fits) and again with the smallest (a lower bound); the gap is 0 when the two meet, as they do
+without a cap or when the cap does not bind.
 
 Suffix DP. Every per-stage quantity depends only on (a, e, r, k), so for thresholds (tau, eps)
 
@@ -67,6 +71,22 @@ def _span(prefix: np.ndarray) -> np.ndarray:
     return np.where(np.triu(np.ones((n, n), dtype=bool), 1), prefix[None, :] - prefix[:, None], np.inf)
 
 
+def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
+    """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, as the
+    runtime sets it (runtime.schedule.replicated_warmups: w_last = r - 1, w_g = w_{g+1} +
+    max(r_g, r_{g+1})), maximised (pick=max) or minimised (pick=min) over every suffix after it.
+    The DP's state (first unit, devices left) does not know the suffix: the largest warm-up
+    gives plans that fit whatever follows, the smallest a lower bound."""
+    table: Dict[Tuple[int, int], int] = {}
+    for k in range(1, devices + 1):
+        for r in range(1, min(k, max_r) + 1):
+            if k == r:
+                table[r, k] = r - 1  # the last stage
+            else:
+                table[r, k] = pick(table[q, k - r] + max(r, q) for q in range(1, min(k - r, max_r) + 1))
+    return table
+
+
 def check_replicable(profile: Profile, opts: CostOptions) -> None:
     """ValueError (saying what to do) unless replicated stages can be solved for these options."""
     if opts.schedule not in ("gpipe", "1f1b") or opts.virtual_stages != 1:
@@ -86,7 +106,7 @@ class ReplicaTables:
     one, which is a feasible plan's."""
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
-                 recompute_bound: Optional[str] = None) -> None:
+                 recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
         units, L = profile.units, profile.num_units
         self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
@@ -107,9 +127,11 @@ class ReplicaTables:
         self.fits: Dict[int, np.ndarray] = {}  # held -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
         static = params * (2 + optimizer_factor(opts.optimizer))
+        warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
-                held = self.held[r, k] = ceil_div(self.m if opts.schedule == "gpipe" else min(k, self.m), r)
+                window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
+                held = self.held[r, k] = ceil_div(window, r)
                 if held not in self.memory:
                     self.memory[held] = static + held * acts
                     if recompute_bound is not None:
@@ -320,13 +342,15 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     for scenario in scenarios or [opts]:
         check_replicable(profile, scenario)
         auto = scenario.recompute == "auto" and scenario.memory_cap is not None
+        # under a cap, 1f1b's held counts depend on the stages after (suffix_warmups): bounded both ways
+        bounded = auto or (scenario.memory_cap is not None and scenario.schedule == "1f1b")
         if scenario.recompute == "auto" and not auto:  # no cap: recomputing only adds time
             scenario = scenario.with_(recompute="none")
         for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
             tables = ReplicaTables(profile, b, scenario, scenario.num_stages, "upper" if auto else None)
             search = _Search(tables, best[0] if best is not None else math.inf)
             search.run()
-            searched += [(scenario, b)] if auto else []
+            searched += [(scenario, b, auto)] if bounded else []
             if search.best is None:
                 continue
             redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
@@ -340,8 +364,9 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         raise _infeasible(profile, opts, opts.num_stages, sizes)
     value, plan, b, scenario, redo = best
     bound = value
-    for other, size in searched:  # the lower-bound tables, pruned by the plan found
-        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower"), value)
+    for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
+        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower" if auto else None,
+                                      held_bound="lower"), value)
         lower.run()
         bound = min(bound, lower.U)
     chosen = _chosen(scenario, plan)
