@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
 from planner.costmodel import CostOptions  # noqa: E402
-from planner.fidelity import calibrate_profile  # noqa: E402
+from planner.fidelity import calibrate_profile, simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
-from planner.measure import profile_model  # noqa: E402
+from planner.measure import measure_link, profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
 
@@ -52,39 +52,76 @@ def plan_for(profile, stages, m, b, opts_extra=None):
     return make_plan(profile, solution, opts, "benchmark"), opts
 
 
+def link_options(profile):
+    """The profile's measured link (planner profile --link measure) as cost-model options."""
+    link = profile.extra.get("link") or {}
+    if not link.get("bandwidth_bytes_per_s"):
+        return {}
+    return {"bandwidth": float(link["bandwidth_bytes_per_s"]), "latency": float(link["latency_s"])}
+
+
 def mape(rows, key):
     return statistics.mean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) * 100
 
 
+def profiles_for(entry, model_args, args):
+    """One profile per stage count: measured as its ranks will run (S - 1 co-runners), with the link."""
+    profiles = {}
+    for stages in STAGES:
+        profiles[stages] = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7,
+                                         warmup_s=args.warmup, min_time_s=args.min_time,
+                                         co_runners=stages - 1 if args.co_runners else 0)
+    if args.link:
+        cut_bytes = {c.activation_bytes(b) for c in profiles[1].cuts for b in SIZES}
+        link = measure_link(sorted(cut_bytes))
+        for prof in profiles.values():
+            prof.extra["link"] = link
+    return profiles
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--warmup", type=float, default=0.5, help="profile warm-up seconds (planner profile --warmup)")
+    parser.add_argument("--min-time", type=float, default=1.0,
+                        help="profile: timed seconds per micro-batch size at least (planner profile --min-time)")
+    parser.add_argument("--no-co-runners", dest="co_runners", action="store_false",
+                        help="profile every stage count alone (as --ranks-per-host 1) instead of with S - 1 co-runners")
+    parser.add_argument("--no-link", dest="link", action="store_false",
+                        help="plan with the 5 GB/s, 0 latency defaults instead of the measured link")
     args = parser.parse_args()
     started = time.time()
     all_rows, summary = [], []
     for name in args.models.split(","):
         entry, model_args = MODELS[name]
-        profile = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7)
+        profiles = profiles_for(entry, model_args, args)
+        link = profiles[1].extra.get("link")
+        if link:
+            print(f"{name}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {link['latency_s'] * 1e6:.0f} us",
+                  flush=True)
         rows, reports = [], {}
         for stages in STAGES:
+            profile = profiles[stages]
             for m in MICRO_BATCHES:
                 for b in SIZES:
-                    plan, _ = plan_for(profile, stages, m, b)
+                    plan, _ = plan_for(profile, stages, m, b, link_options(profile))
                     report = run_plan(plan, args.steps)
                     reports[(stages, m, b)] = (plan, report)
                     rows.append({"model": name, "stages": stages, "m": m, "b": b,
                                  "split": [s["units"][0] for s in plan["stages"]],
                                  "predicted_s": plan["predicted_iteration_s"],
+                                 "simulated_s": simulate_plan(plan).iteration_s,
                                  "measured_s": report["measured_iteration_s"]})
-                    print(f"{name:6} S={stages} m={m} b={b}: predicted {rows[-1]['predicted_s'] * 1e3:7.2f} ms, "
+                    print(f"{name:6} S={stages} m={m} b={b}: predicted {rows[-1]['predicted_s'] * 1e3:7.2f} ms "
+                          f"(simulated {rows[-1]['simulated_s'] * 1e3:7.2f}), "
                           f"measured {rows[-1]['measured_s'] * 1e3:7.2f} ms", flush=True)
         from planner.costmodel import evaluate
         calibrations = {}
         for stages in STAGES:
             plan, report = reports[(stages,) + CALIBRATION_M_B]
-            calibrations[stages] = calibrate_profile(profile, plan, report)
+            calibrations[stages] = calibrate_profile(profiles[stages], plan, report)
         for row in rows:
             # the same split, re-predicted from the calibrated profile of its stage count
             calibrated = calibrations[row["stages"]]
@@ -96,28 +133,32 @@ def main():
                                step_overhead_s=cal["step_overhead_s"])
             row["calibrated_s"] = evaluate(calibrated, boundaries, row["b"], opts).iteration_s
         cal = calibrations[max(STAGES)].extra["calibration"]
-        link = {"bandwidth": cal["bandwidth_bytes_per_s"], "latency": cal["latency_s"]}
         before, after = mape(rows, "predicted_s"), mape(rows, "calibrated_s")
         summary.append({"model": name, "points": len(rows), "mape_before_pct": before, "mape_after_pct": after,
+                        "mape_simulated_pct": mape(rows, "simulated_s"),
+                        "signed_before_pct": statistics.mean((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+                                                             for r in rows) * 100,
                         "step_overhead_ms": calibrations[min(STAGES)].extra["calibration"]["step_overhead_s"] * 1e3,
-                        "link_gbps": link.get("bandwidth", 0) / 1e9, "latency_us": link.get("latency", 0) * 1e6})
+                        "link_gbps": cal["bandwidth_bytes_per_s"] / 1e9, "latency_us": cal["latency_s"] * 1e6,
+                        "profiled_link": link})
         all_rows += rows
     print()
-    print("| model | points | MAPE before | MAPE after one calibration | per-step overhead (1 stage) | "
-          "link (2 stages: bandwidth, effective latency) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | points | MAPE before (closed form) | mean signed error | MAPE simulated | MAPE after one calibration | "
+          "per-step overhead (1 stage) | link after calibration (2 stages: bandwidth, effective latency) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:
-        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
+        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['signed_before_pct']:+.1f} % | "
+              f"{s['mape_simulated_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
               f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
     print()
-    print("| model | S | m | b | predicted ms | calibrated ms | measured ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | S | m | b | predicted ms | simulated ms | calibrated ms | measured ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in all_rows:
         print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} |")
+              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} |")
     print(f"\n{time.time() - started:.0f} s")
     if args.json:
-        write_json_atomic(args.json, {"summary": summary, "rows": all_rows})
+        write_json_atomic(args.json, {"summary": summary, "rows": all_rows, "settings": vars(args)})
 
 
 if __name__ == "__main__":

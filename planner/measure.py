@@ -396,22 +396,26 @@ def profile_model(
 
 # --- the link between two ranks on this host -------------------------------------------------
 def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
-    """Least-squares fit of one-way message time = latency + bytes / bandwidth to
-    [(bytes, seconds), ...] (at least two distinct sizes). Latency is clamped to >= 0 (refitting
-    bandwidth through the origin then); a non-positive slope (time not growing with size, e.g.
-    all messages tiny) raises ValueError: no bandwidth can be read from such samples."""
+    """Fit one-way message time = latency + bytes / bandwidth to [(bytes, seconds), ...] (at least
+    two distinct sizes), minimising relative residuals (weights 1 / t^2), so the small messages
+    pipeline cuts mostly are fit as well as the large one. Latency is clamped to >= 0 (the
+    bandwidth refit through the origin then); a non-positive slope (time not growing with size)
+    raises ValueError: no bandwidth can be read from such samples."""
     points = [(float(n), float(t)) for n, t in samples]
     if len({n for n, _ in points}) < 2:
         raise ValueError("fitting a link needs messages of at least two sizes")
-    count = len(points)
-    mean_n = sum(n for n, _ in points) / count
-    mean_t = sum(t for _, t in points) / count
-    var = sum((n - mean_n) ** 2 for n, _ in points)
-    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
+    if any(not t > 0 for _, t in points):
+        raise ValueError("message times must be positive")
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    mean_n = sum(wi * n for wi, (n, _) in zip(w, points)) / sw
+    mean_t = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
+    var = sum(wi * (n - mean_n) ** 2 for wi, (n, _) in zip(w, points))
+    slope = sum(wi * (n - mean_n) * (t - mean_t) for wi, (n, t) in zip(w, points)) / var
     latency = mean_t - slope * mean_n
     if latency < 0:
         latency = 0.0
-        slope = sum(n * t for n, t in points) / sum(n * n for n, _ in points)
+        slope = sum(wi * n * t for wi, (n, t) in zip(w, points)) / sum(wi * n * n for wi, (n, _) in zip(w, points))
     if not slope > 0:
         raise ValueError("message time does not grow with size in these samples; measure larger messages")
     return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / slope}
@@ -431,12 +435,13 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
     try:
-        samples = []
         peer = 1 - rank
-        for size in config["sizes"]:
-            buffer = torch.zeros(max(int(size) // 4, 1), dtype=torch.float32)
-            times = []
-            for i in range(int(config["warmup"]) + int(config["repeats"])):
+        sizes = [int(n) for n in config["sizes"]]
+        buffers = [torch.zeros(max(n // 4, 1), dtype=torch.float32) for n in sizes]
+        times: List[List[float]] = [[] for _ in sizes]
+        # sizes interleaved, round after round: a burst of noise on the host hits every size alike
+        for i in range(int(config["warmup"]) + int(config["repeats"])):
+            for k, buffer in enumerate(buffers):
                 t0 = time.perf_counter()
                 if rank == 0:
                     dist.send(buffer, peer)
@@ -445,8 +450,8 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
                     dist.recv(buffer, peer)
                     dist.send(buffer, peer)
                 if i >= int(config["warmup"]):
-                    times.append((time.perf_counter() - t0) / 2)
-            samples.append([_tensor_bytes(buffer), statistics.median(times)])
+                    times[k].append((time.perf_counter() - t0) / 2)
+        samples = [[_tensor_bytes(buffer), statistics.median(t)] for buffer, t in zip(buffers, times)]
         dist.barrier()
         if rank == 0:
             print(json.dumps(samples), flush=True)
@@ -462,11 +467,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 20, warmup: int = 3,
+def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 30, warmup: int = 3,
                  timeout_s: float = 60.0) -> Dict[str, Any]:
     """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it:
     gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
-    plus a small and a large message for the fit), `repeats` round trips each after `warmup`.
+    plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
+    each size's one-way time is the median of its round trips / 2.
     Returns {"latency_s", "bandwidth_bytes_per_s", "samples": [[bytes, one-way s], ...], ...}."""
     import json
     import subprocess
