@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
 from planner.costmodel import CostOptions  # noqa: E402
-from planner.measure import profile_model  # noqa: E402
+from planner.measure import measure_link, profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
 
@@ -32,11 +32,22 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8, help="m (default 8: m >= 4p, as real pipelines run)")
+    parser.add_argument("--vocab", type=int, default=MODEL[1]["vocab"])
+    parser.add_argument("--no-link", dest="link", action="store_false",
+                        help="plan with the 5 GB/s, 0 latency defaults instead of the measured link")
     args = parser.parse_args()
-    entry, model_args = MODEL
-    profile = profile_model(entry, model_args, [args.micro_batch], threads=1, repeats=7)
-    opts = CostOptions(num_stages=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b")
+    entry, model_args = MODEL[0], dict(MODEL[1], vocab=args.vocab)
+    # profiled as the 2 ranks will run: 1 thread, one co-runner on the other core, warm, 1 s per size
+    profile = profile_model(entry, model_args, [args.micro_batch], threads=1, repeats=7, warmup_s=0.5,
+                            min_time_s=1.0, co_runners=1)
+    link = {}
+    if args.link:
+        measured = measure_link(sorted({c.activation_bytes(args.micro_batch) for c in profile.cuts}))
+        link = {"bandwidth": measured["bandwidth_bytes_per_s"], "latency": measured["latency_s"]}
+        print(f"link {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us", flush=True)
+    print(f"{entry} {model_args}, 2 stages, micro-batch {args.micro_batch} x {args.micro_batches}", flush=True)
+    opts = CostOptions(num_stages=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b", **link)
     plans = {}
     for method in METHODS:
         solution = solve(profile, opts, method=method)
@@ -58,6 +69,8 @@ def main():
         print(f"| {method} | {plan['stages'][0]['units'][-1]} | {plan['predicted_iteration_s'] * 1e3:.1f} | "
               f"{median[method] * 1e3:.1f} | {median[method] / median['ilp']:.2f}x |")
     worse = max(median["uniform"], median["params"])
+    for method in METHODS:
+        print(f"{method} runs: " + ", ".join(f"{t * 1e3:.1f}" for t in measured[method]) + " ms")
     print(f"\nilp is {worse / median['ilp']:.2f}x faster than the worse baseline, "
           f"{min(median['uniform'], median['params']) / median['ilp']:.2f}x than the better one")
 

@@ -306,13 +306,13 @@ def profile_model(
     measured under is recorded in its `measured_under`."""
     say = progress or (lambda msg: None)
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CaptureError("--device cuda was asked for but CUDA is not available here; use --device cpu")
     if co_runners < 0:
         raise ValueError(f"co_runners must be >= 0 (got {co_runners})")
     if co_runners and dev.type != "cpu":
         raise CaptureError("co-runners (--ranks-per-host > 1) model ranks sharing a CPU host; they apply to "
                            "--device cpu only")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CaptureError("--device cuda was asked for but CUDA is not available here; use --device cpu")
     if threads > 0:
         torch.set_num_threads(threads)
     retain_freed_memory()  # as every rank does: measure without per-micro-batch page faults
