@@ -1,20 +1,26 @@
 """Fidelity grid: predicted vs measured iteration time on real runs, before and after one
 calibration round.
 
-    .venv/bin/python benchmarks/fidelity.py [--steps 6] [--json out.json]
+    .venv/bin/python benchmarks/fidelity.py [--passes 3] [--steps 10] [--json out.json]
 
 For built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
-profile once (1 thread, as each rank of a 2-rank run on 2 cores has), solve the split with the ILP
-for that (b, m), run it with `runtime execute`, and compare the plan's predicted iteration time
-with the measured one (median of steady steps). Then calibrate the profile from ONE run per model
-and stage count (m = 4, b = 4) and predict that stage count's grid points again with the calibrated
-profile: the mean absolute percentage error (MAPE) before and after.
+profile the way the ranks of that stage count run (1 thread each; round-robin over units after a
+warm-up, at least 1 s timed per size; for 2 stages with one co-runner process on the other core,
+as `planner profile --ranks-per-host 2`), measure the gloo link between two local processes at the
+cut sizes (`--link measure`), solve the split with the ILP for that (b, m) with that link, run it
+with `runtime execute`, and compare the plan's predicted iteration time (the solver's closed form;
+the discrete-event simulation beside it) with the measured one: the median over `--passes` whole
+passes over the grid of each run's median steady step. Each run also records how many cores
+other processes kept busy meanwhile. Then calibrate the profile from ONE run per model and stage
+count (m = 4, b = 4; the median pass's report) and predict that stage count's grid points again
+with the calibrated profile: the mean absolute percentage error (MAPE) before and after.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -60,6 +66,31 @@ def link_options(profile):
     return {"bandwidth": float(link["bandwidth_bytes_per_s"]), "latency": float(link["latency_s"])}
 
 
+def _busy_cpu_s():
+    """System-wide busy CPU seconds so far (/proc/stat), None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s():
+    self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return self_.ru_utime + self_.ru_stime + children.ru_utime + children.ru_stime
+
+
+def measured_run(plan, steps):
+    """(report, other_cores): run the plan, and how many cores other processes kept busy meanwhile
+    on average (the machine is shared; a run disturbed by other jobs shows it here)."""
+    busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    report = run_plan(plan, steps)
+    busy1, own1, wall = _busy_cpu_s(), _own_cpu_s(), time.perf_counter() - t0
+    other = None if busy0 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    return report, other
+
+
 def mape(rows, key):
     return statistics.mean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) * 100
 
@@ -81,7 +112,9 @@ def profiles_for(entry, model_args, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--passes", type=int, default=3,
+                        help="passes over the grid; a point's measured time is the median over passes (default 3)")
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--warmup", type=float, default=0.5, help="profile warm-up seconds (planner profile --warmup)")
@@ -101,22 +134,29 @@ def main():
         if link:
             print(f"{name}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {link['latency_s'] * 1e6:.0f} us",
                   flush=True)
+        plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
+                 for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
+        runs = {key: [] for key in plans}
+        for rep in range(args.passes):  # whole passes over the grid: a slow spell hits every point alike
+            for key, plan in plans.items():
+                report, other = measured_run(plan, args.steps)
+                runs[key].append((report["measured_iteration_s"], other, report))
+                print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
+                      f"{plan['predicted_iteration_s'] * 1e3:7.2f} ms, measured {runs[key][-1][0] * 1e3:7.2f} ms"
+                      + (f" (other processes: {other:.2f} cores)" if other is not None else ""), flush=True)
         rows, reports = [], {}
-        for stages in STAGES:
-            profile = profiles[stages]
-            for m in MICRO_BATCHES:
-                for b in SIZES:
-                    plan, _ = plan_for(profile, stages, m, b, link_options(profile))
-                    report = run_plan(plan, args.steps)
-                    reports[(stages, m, b)] = (plan, report)
-                    rows.append({"model": name, "stages": stages, "m": m, "b": b,
-                                 "split": [s["units"][0] for s in plan["stages"]],
-                                 "predicted_s": plan["predicted_iteration_s"],
-                                 "simulated_s": simulate_plan(plan).iteration_s,
-                                 "measured_s": report["measured_iteration_s"]})
-                    print(f"{name:6} S={stages} m={m} b={b}: predicted {rows[-1]['predicted_s'] * 1e3:7.2f} ms "
-                          f"(simulated {rows[-1]['simulated_s'] * 1e3:7.2f}), "
-                          f"measured {rows[-1]['measured_s'] * 1e3:7.2f} ms", flush=True)
+        for (stages, m, b), plan in plans.items():
+            ordered = sorted(runs[(stages, m, b)], key=lambda r: r[0])
+            middle = ordered[(len(ordered) - 1) // 2]  # the median run (the lower middle one for even counts)
+            reports[(stages, m, b)] = (plan, middle[2])
+            others = [r[1] for r in ordered if r[1] is not None]
+            rows.append({"model": name, "stages": stages, "m": m, "b": b,
+                         "split": [s["units"][0] for s in plan["stages"]],
+                         "predicted_s": plan["predicted_iteration_s"],
+                         "simulated_s": simulate_plan(plan).iteration_s,
+                         "measured_s": statistics.median(r[0] for r in ordered),
+                         "measured_runs_s": [r[0] for r in runs[(stages, m, b)]],
+                         "other_cores_max": max(others) if others else None})
         from planner.costmodel import evaluate
         calibrations = {}
         for stages in STAGES:
@@ -140,7 +180,8 @@ def main():
                                                              for r in rows) * 100,
                         "step_overhead_ms": calibrations[min(STAGES)].extra["calibration"]["step_overhead_s"] * 1e3,
                         "link_gbps": cal["bandwidth_bytes_per_s"] / 1e9, "latency_us": cal["latency_s"] * 1e6,
-                        "profiled_link": link})
+                        "profiled_link": link,
+                        "other_cores_max": max((r["other_cores_max"] or 0.0) for r in rows)})
         all_rows += rows
     print()
     print("| model | points | MAPE before (closed form) | mean signed error | MAPE simulated | MAPE after one calibration | "
@@ -151,11 +192,14 @@ def main():
               f"{s['mape_simulated_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
               f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
     print()
-    print("| model | S | m | b | predicted ms | simulated ms | calibrated ms | measured ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | S | m | b | predicted ms | simulated ms | calibrated ms | measured ms (median) | passes ms | "
+          "other processes, cores (max) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in all_rows:
+        other = "" if r["other_cores_max"] is None else f"{r['other_cores_max']:.2f}"
         print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} |")
+              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+              f"{', '.join(f'{t * 1e3:.1f}' for t in r['measured_runs_s'])} | {other} |")
     print(f"\n{time.time() - started:.0f} s")
     if args.json:
         write_json_atomic(args.json, {"summary": summary, "rows": all_rows, "settings": vars(args)})
