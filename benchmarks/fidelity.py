@@ -4,7 +4,8 @@ calibration round.
     .venv/bin/python benchmarks/fidelity.py [--passes 3] [--steps 10] [--json out.json]
 
 For built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
-profile the way the ranks of that stage count run (1 thread each; round-robin over units after a
+profile (afresh before each pass over the grid: a shared machine drifts over minutes) the way the
+ranks of that stage count run (1 thread each; round-robin over units after a
 warm-up, at least 1 s timed per size; for 2 stages with one co-runner process on the other core,
 as `planner profile --ranks-per-host 2`), measure the gloo link between two local processes at the
 cut sizes (`--link measure`), solve the split with the ILP for that (b, m) with that link, run it
@@ -56,6 +57,21 @@ def plan_for(profile, stages, m, b, opts_extra=None):
     opts = CostOptions(num_stages=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
     solution = solve(only_size(profile, b), opts, method="ilp")
     return make_plan(profile, solution, opts, "benchmark"), opts
+
+
+def plan_fixed(profile, plan, opts_extra=None):
+    """`plan`'s split and (b, m), re-planned (costs, predictions) from another profile."""
+    from planner.costmodel import evaluate
+    from planner.solve.ilp import Solution
+
+    b, m = int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
+    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
+    opts = CostOptions(num_stages=len(plan["stages"]), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    cost = evaluate(only_size(profile, b), boundaries, b, opts)
+    solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
+                        backend="none")
+    return make_plan(profile, solution, opts, "benchmark")
 
 
 def link_options(profile):
@@ -129,44 +145,54 @@ def main():
     all_rows, summary = [], []
     for name in args.models.split(","):
         entry, model_args = MODELS[name]
-        profiles = profiles_for(entry, model_args, args)
-        link = profiles[1].extra.get("link")
-        if link:
-            print(f"{name}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {link['latency_s'] * 1e6:.0f} us",
-                  flush=True)
-        plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
-                 for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
-        runs = {key: [] for key in plans}
-        for rep in range(args.passes):  # whole passes over the grid: a slow spell hits every point alike
+        plans, runs, link = None, None, None
+        for rep in range(args.passes):
+            # Whole passes over the grid, each profiled afresh just before its runs: the machine's speed
+            # drifts over minutes (shared host), and the prediction should see the same spell the runs do.
+            profiles = profiles_for(entry, model_args, args)
+            link = profiles[1].extra.get("link")
+            if link:
+                print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+                      f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
+            if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
+                plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
+                         for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
+                runs = {key: [] for key in plans}
             for key, plan in plans.items():
-                report, other = measured_run(plan, args.steps)
-                runs[key].append((report["measured_iteration_s"], other, report))
+                profile = profiles[key[0]]
+                this = plan_fixed(profile, plan, link_options(profile))
+                report, other = measured_run(this, args.steps)
+                runs[key].append({"measured_s": report["measured_iteration_s"], "other": other, "report": report,
+                                  "plan": this, "profile": profile, "predicted_s": this["predicted_iteration_s"],
+                                  "simulated_s": simulate_plan(this).iteration_s})
                 print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
-                      f"{plan['predicted_iteration_s'] * 1e3:7.2f} ms, measured {runs[key][-1][0] * 1e3:7.2f} ms"
+                      f"{this['predicted_iteration_s'] * 1e3:7.2f} ms, measured {report['measured_iteration_s'] * 1e3:7.2f} ms"
                       + (f" (other processes: {other:.2f} cores)" if other is not None else ""), flush=True)
         rows, reports = [], {}
         for (stages, m, b), plan in plans.items():
-            ordered = sorted(runs[(stages, m, b)], key=lambda r: r[0])
+            done = runs[(stages, m, b)]
+            ordered = sorted(done, key=lambda r: r["measured_s"])
             middle = ordered[(len(ordered) - 1) // 2]  # the median run (the lower middle one for even counts)
-            reports[(stages, m, b)] = (plan, middle[2])
-            others = [r[1] for r in ordered if r[1] is not None]
+            reports[(stages, m, b)] = middle
+            others = [r["other"] for r in done if r["other"] is not None]
             rows.append({"model": name, "stages": stages, "m": m, "b": b,
                          "split": [s["units"][0] for s in plan["stages"]],
-                         "predicted_s": plan["predicted_iteration_s"],
-                         "simulated_s": simulate_plan(plan).iteration_s,
-                         "measured_s": statistics.median(r[0] for r in ordered),
-                         "measured_runs_s": [r[0] for r in runs[(stages, m, b)]],
+                         "predicted_s": statistics.median(r["predicted_s"] for r in done),
+                         "simulated_s": statistics.median(r["simulated_s"] for r in done),
+                         "measured_s": statistics.median(r["measured_s"] for r in done),
+                         "predicted_runs_s": [r["predicted_s"] for r in done],
+                         "measured_runs_s": [r["measured_s"] for r in done],
                          "other_cores_max": max(others) if others else None})
         from planner.costmodel import evaluate
         calibrations = {}
         for stages in STAGES:
-            plan, report = reports[(stages,) + CALIBRATION_M_B]
-            calibrations[stages] = calibrate_profile(profiles[stages], plan, report)
+            run = reports[(stages,) + CALIBRATION_M_B]  # the median pass's run, its plan and its profile
+            calibrations[stages] = calibrate_profile(run["profile"], run["plan"], run["report"])
         for row in rows:
             # the same split, re-predicted from the calibrated profile of its stage count
             calibrated = calibrations[row["stages"]]
             cal = calibrated.extra["calibration"]
-            (plan, _) = reports[(row["stages"], row["m"], row["b"])]
+            plan = plans[(row["stages"], row["m"], row["b"])]
             boundaries = [s["first_unit"] for s in plan["stages"][1:]]
             opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
                                bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
@@ -192,14 +218,15 @@ def main():
               f"{s['mape_simulated_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
               f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
     print()
-    print("| model | S | m | b | predicted ms | simulated ms | calibrated ms | measured ms (median) | passes ms | "
-          "other processes, cores (max) |")
+    print("| model | S | m | b | predicted ms (median) | simulated ms | calibrated ms | measured ms (median) | "
+          "passes: predicted / measured ms | other processes, cores (max) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in all_rows:
         other = "" if r["other_cores_max"] is None else f"{r['other_cores_max']:.2f}"
         print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
               f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
-              f"{', '.join(f'{t * 1e3:.1f}' for t in r['measured_runs_s'])} | {other} |")
+              f"{', '.join(f'{p * 1e3:.1f}/{t * 1e3:.1f}' for p, t in zip(r['predicted_runs_s'], r['measured_runs_s']))} | "
+              f"{other} |")
     print(f"\n{time.time() - started:.0f} s")
     if args.json:
         write_json_atomic(args.json, {"summary": summary, "rows": all_rows, "settings": vars(args)})

@@ -1,11 +1,14 @@
 """Plan quality on real runs: measured step time of the ILP's plan vs the equal-units split
 (DeepSpeed's `uniform`) and the parameter-balanced split (DeepSpeed's `parameters`).
 
-    .venv/bin/python benchmarks/plan_quality.py [--steps 8] [--reps 3]
+    .venv/bin/python benchmarks/plan_quality.py [--steps 8] [--reps 3] [--micro-batches 8] [--vocab 16384]
 
 gpt with a large vocabulary (the LM head costs several blocks), 2 stages on this CPU, 1 thread
-per rank. Every method plans at the same micro-batch size and count (the profile holds one size),
-so the comparison is about the split alone; each plan runs `--reps` times, interleaved
+per rank, m = 8 micro-batches of 4 (m >= 4p, as real pipelines run). The profile is measured as
+the two ranks run (`planner profile --ranks-per-host 2`: one co-runner on the other core, warm-up,
+round-robin, at least 1 s timed) and the link is measured (`--link measure`); every method plans
+at the same micro-batch size and count (the profile holds one size), so the comparison is about
+the split alone; each plan runs `--reps` times, interleaved
 (ilp, uniform, params, ilp, ...) so that machine noise hits all alike; the table gives the median.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import run_plan  # noqa: E402
+from fidelity import measured_run  # noqa: E402
 
 from planner.costmodel import CostOptions  # noqa: E402
 from planner.measure import measure_link, profile_model  # noqa: E402
@@ -56,10 +59,14 @@ def main():
         print(f"{method:8} split after {stages[0]['units'][-1]!r}: predicted "
               f"{plans[method]['predicted_iteration_s'] * 1e3:.1f} ms", flush=True)
     measured = {m: [] for m in METHODS}
+    others = []
     for rep in range(args.reps):
         for method in METHODS:
-            measured[method].append(run_plan(plans[method], args.steps)["measured_iteration_s"])
-            print(f"  rep {rep + 1} {method:8} {measured[method][-1] * 1e3:.1f} ms", flush=True)
+            report, other = measured_run(plans[method], args.steps)
+            measured[method].append(report["measured_iteration_s"])
+            others.append(other or 0.0)
+            print(f"  rep {rep + 1} {method:8} {measured[method][-1] * 1e3:.1f} ms"
+                  + (f" (other processes: {other:.2f} cores)" if other is not None else ""), flush=True)
     median = {m: statistics.median(v) for m, v in measured.items()}
     print()
     print("| method | split (stage 0 ends after) | predicted ms | measured ms (median) | measured vs ilp |")
@@ -71,6 +78,7 @@ def main():
     worse = max(median["uniform"], median["params"])
     for method in METHODS:
         print(f"{method} runs: " + ", ".join(f"{t * 1e3:.1f}" for t in measured[method]) + " ms")
+    print(f"other processes kept at most {max(others):.2f} cores busy during a run")
     print(f"\nilp is {worse / median['ilp']:.2f}x faster than the worse baseline, "
           f"{min(median['uniform'], median['params']) / median['ilp']:.2f}x than the better one")
 
