@@ -1,20 +1,27 @@
 """Fidelity grid: predicted vs measured iteration time on real runs, before and after one
 calibration round.
 
-    .venv/bin/python benchmarks/fidelity.py [--steps 6] [--json out.json]
+    .venv/bin/python benchmarks/fidelity.py [--passes 3] [--steps 10] [--json out.json]
 
 For built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
-profile once (1 thread, as each rank of a 2-rank run on 2 cores has), solve the split with the ILP
-for that (b, m), run it with `runtime execute`, and compare the plan's predicted iteration time
-with the measured one (median of steady steps). Then calibrate the profile from ONE run per model
-and stage count (m = 4, b = 4) and predict that stage count's grid points again with the calibrated
-profile: the mean absolute percentage error (MAPE) before and after.
+profile (afresh before each pass over the grid: a shared machine drifts over minutes) the way the
+ranks of that stage count run (1 thread each; round-robin over units after a
+warm-up, at least 1 s timed per size; for 2 stages with one co-runner process on the other core,
+as `planner profile --ranks-per-host 2`), measure the gloo link between two local processes at the
+cut sizes (`--link measure`), solve the split with the ILP for that (b, m) with that link, run it
+with `runtime execute`, and compare the plan's predicted iteration time (the solver's closed form;
+the discrete-event simulation beside it) with the measured one: the median over `--passes` whole
+passes over the grid of each run's median steady step. Each run also records how many cores
+other processes kept busy meanwhile. Then calibrate the profile from ONE run per model and stage
+count (m = 4, b = 4; the median pass's report) and predict that stage count's grid points again
+with the calibrated profile: the mean absolute percentage error (MAPE) before and after.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -23,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
 from planner.costmodel import CostOptions  # noqa: E402
-from planner.fidelity import calibrate_profile  # noqa: E402
+from planner.fidelity import calibrate_profile, simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
-from planner.measure import profile_model  # noqa: E402
+from planner.measure import measure_link, profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
 
@@ -52,72 +59,177 @@ def plan_for(profile, stages, m, b, opts_extra=None):
     return make_plan(profile, solution, opts, "benchmark"), opts
 
 
+def plan_fixed(profile, plan, opts_extra=None):
+    """`plan`'s split and (b, m), re-planned (costs, predictions) from another profile."""
+    from planner.costmodel import evaluate
+    from planner.solve.ilp import Solution
+
+    b, m = int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
+    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
+    opts = CostOptions(num_stages=len(plan["stages"]), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    cost = evaluate(only_size(profile, b), boundaries, b, opts)
+    solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
+                        backend="none")
+    return make_plan(profile, solution, opts, "benchmark")
+
+
+def link_options(profile):
+    """The profile's measured link (planner profile --link measure) as cost-model options."""
+    link = profile.extra.get("link") or {}
+    if not link.get("bandwidth_bytes_per_s"):
+        return {}
+    return {"bandwidth": float(link["bandwidth_bytes_per_s"]), "latency": float(link["latency_s"])}
+
+
+def _busy_cpu_s():
+    """System-wide busy CPU seconds so far (/proc/stat), None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s():
+    self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return self_.ru_utime + self_.ru_stime + children.ru_utime + children.ru_stime
+
+
+def measured_run(plan, steps):
+    """(report, other_cores): run the plan, and how many cores other processes kept busy meanwhile
+    on average (the machine is shared; a run disturbed by other jobs shows it here)."""
+    busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    report = run_plan(plan, steps)
+    busy1, own1, wall = _busy_cpu_s(), _own_cpu_s(), time.perf_counter() - t0
+    other = None if busy0 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    return report, other
+
+
 def mape(rows, key):
     return statistics.mean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) * 100
 
 
+def profiles_for(entry, model_args, args):
+    """One profile per stage count: measured as its ranks will run (S - 1 co-runners), with the link."""
+    profiles = {}
+    for stages in STAGES:
+        profiles[stages] = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7,
+                                         warmup_s=args.warmup, min_time_s=args.min_time,
+                                         co_runners=stages - 1 if args.co_runners else 0)
+    if args.link:
+        cut_bytes = {c.activation_bytes(b) for c in profiles[1].cuts for b in SIZES}
+        link = measure_link(sorted(cut_bytes))
+        for prof in profiles.values():
+            prof.extra["link"] = link
+    return profiles
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--passes", type=int, default=3,
+                        help="passes over the grid; a point's measured time is the median over passes (default 3)")
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--warmup", type=float, default=0.5, help="profile warm-up seconds (planner profile --warmup)")
+    parser.add_argument("--min-time", type=float, default=1.0,
+                        help="profile: timed seconds per micro-batch size at least (planner profile --min-time)")
+    parser.add_argument("--no-co-runners", dest="co_runners", action="store_false",
+                        help="profile every stage count alone (as --ranks-per-host 1) instead of with S - 1 co-runners")
+    parser.add_argument("--no-link", dest="link", action="store_false",
+                        help="plan with the 5 GB/s, 0 latency defaults instead of the measured link")
     args = parser.parse_args()
     started = time.time()
     all_rows, summary = [], []
     for name in args.models.split(","):
         entry, model_args = MODELS[name]
-        profile = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7)
+        plans, runs, link = None, None, None
+        for rep in range(args.passes):
+            # Whole passes over the grid, each profiled afresh just before its runs: the machine's speed
+            # drifts over minutes (shared host), and the prediction should see the same spell the runs do.
+            profiles = profiles_for(entry, model_args, args)
+            link = profiles[1].extra.get("link")
+            if link:
+                print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+                      f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
+            if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
+                plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
+                         for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
+                runs = {key: [] for key in plans}
+            for key, plan in plans.items():
+                profile = profiles[key[0]]
+                this = plan_fixed(profile, plan, link_options(profile))
+                report, other = measured_run(this, args.steps)
+                runs[key].append({"measured_s": report["measured_iteration_s"], "other": other, "report": report,
+                                  "plan": this, "profile": profile, "predicted_s": this["predicted_iteration_s"],
+                                  "simulated_s": simulate_plan(this).iteration_s})
+                print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
+                      f"{this['predicted_iteration_s'] * 1e3:7.2f} ms, measured {report['measured_iteration_s'] * 1e3:7.2f} ms"
+                      + (f" (other processes: {other:.2f} cores)" if other is not None else ""), flush=True)
         rows, reports = [], {}
-        for stages in STAGES:
-            for m in MICRO_BATCHES:
-                for b in SIZES:
-                    plan, _ = plan_for(profile, stages, m, b)
-                    report = run_plan(plan, args.steps)
-                    reports[(stages, m, b)] = (plan, report)
-                    rows.append({"model": name, "stages": stages, "m": m, "b": b,
-                                 "split": [s["units"][0] for s in plan["stages"]],
-                                 "predicted_s": plan["predicted_iteration_s"],
-                                 "measured_s": report["measured_iteration_s"]})
-                    print(f"{name:6} S={stages} m={m} b={b}: predicted {rows[-1]['predicted_s'] * 1e3:7.2f} ms, "
-                          f"measured {rows[-1]['measured_s'] * 1e3:7.2f} ms", flush=True)
+        for (stages, m, b), plan in plans.items():
+            done = runs[(stages, m, b)]
+            ordered = sorted(done, key=lambda r: r["measured_s"])
+            middle = ordered[(len(ordered) - 1) // 2]  # the median run (the lower middle one for even counts)
+            reports[(stages, m, b)] = middle
+            others = [r["other"] for r in done if r["other"] is not None]
+            rows.append({"model": name, "stages": stages, "m": m, "b": b,
+                         "split": [s["units"][0] for s in plan["stages"]],
+                         "predicted_s": statistics.median(r["predicted_s"] for r in done),
+                         "simulated_s": statistics.median(r["simulated_s"] for r in done),
+                         "measured_s": statistics.median(r["measured_s"] for r in done),
+                         "predicted_runs_s": [r["predicted_s"] for r in done],
+                         "measured_runs_s": [r["measured_s"] for r in done],
+                         "other_cores_max": max(others) if others else None})
         from planner.costmodel import evaluate
         calibrations = {}
         for stages in STAGES:
-            plan, report = reports[(stages,) + CALIBRATION_M_B]
-            calibrations[stages] = calibrate_profile(profile, plan, report)
+            run = reports[(stages,) + CALIBRATION_M_B]  # the median pass's run, its plan and its profile
+            calibrations[stages] = calibrate_profile(run["profile"], run["plan"], run["report"])
         for row in rows:
             # the same split, re-predicted from the calibrated profile of its stage count
             calibrated = calibrations[row["stages"]]
             cal = calibrated.extra["calibration"]
-            (plan, _) = reports[(row["stages"], row["m"], row["b"])]
+            plan = plans[(row["stages"], row["m"], row["b"])]
             boundaries = [s["first_unit"] for s in plan["stages"][1:]]
             opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
                                bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
                                step_overhead_s=cal["step_overhead_s"])
             row["calibrated_s"] = evaluate(calibrated, boundaries, row["b"], opts).iteration_s
         cal = calibrations[max(STAGES)].extra["calibration"]
-        link = {"bandwidth": cal["bandwidth_bytes_per_s"], "latency": cal["latency_s"]}
         before, after = mape(rows, "predicted_s"), mape(rows, "calibrated_s")
         summary.append({"model": name, "points": len(rows), "mape_before_pct": before, "mape_after_pct": after,
+                        "mape_simulated_pct": mape(rows, "simulated_s"),
+                        "signed_before_pct": statistics.mean((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+                                                             for r in rows) * 100,
                         "step_overhead_ms": calibrations[min(STAGES)].extra["calibration"]["step_overhead_s"] * 1e3,
-                        "link_gbps": link.get("bandwidth", 0) / 1e9, "latency_us": link.get("latency", 0) * 1e6})
+                        "link_gbps": cal["bandwidth_bytes_per_s"] / 1e9, "latency_us": cal["latency_s"] * 1e6,
+                        "profiled_link": link,
+                        "other_cores_max": max((r["other_cores_max"] or 0.0) for r in rows)})
         all_rows += rows
     print()
-    print("| model | points | MAPE before | MAPE after one calibration | per-step overhead (1 stage) | "
-          "link (2 stages: bandwidth, effective latency) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | points | MAPE before (closed form) | mean signed error | MAPE simulated | MAPE after one calibration | "
+          "per-step overhead (1 stage) | link after calibration (2 stages: bandwidth, effective latency) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:
-        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
+        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['signed_before_pct']:+.1f} % | "
+              f"{s['mape_simulated_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
               f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
     print()
-    print("| model | S | m | b | predicted ms | calibrated ms | measured ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | S | m | b | predicted ms (median) | simulated ms | calibrated ms | measured ms (median) | "
+          "passes: predicted / measured ms | other processes, cores (max) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in all_rows:
+        other = "" if r["other_cores_max"] is None else f"{r['other_cores_max']:.2f}"
         print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} |")
+              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+              f"{', '.join(f'{p * 1e3:.1f}/{t * 1e3:.1f}' for p, t in zip(r['predicted_runs_s'], r['measured_runs_s']))} | "
+              f"{other} |")
     print(f"\n{time.time() - started:.0f} s")
     if args.json:
-        write_json_atomic(args.json, {"summary": summary, "rows": all_rows})
+        write_json_atomic(args.json, {"summary": summary, "rows": all_rows, "settings": vars(args)})
 
 
 if __name__ == "__main__":

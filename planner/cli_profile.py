@@ -22,6 +22,25 @@ def _analytic(args: argparse.Namespace, model_args, sizes, progress):
                             progress=progress)
 
 
+def _link(args: argparse.Namespace, profile, sizes) -> None:
+    """--link measure: gloo ping-pong between two local processes at the profile's cut sizes."""
+    link_mode = args.link or ("measure" if args.device == "cpu" else "none")
+    if link_mode == "none":
+        return
+    if args.device != "cpu":
+        raise UsageError("--link measure times gloo between two processes on this host (CPU runs); for GPUs "
+                         "give planner solve --bandwidth/--latency or calibrate from a run")
+    from planner.measure import measure_link
+
+    cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in sizes} - {0})
+    link = measure_link(cut_bytes, threads=args.threads)
+    profile.extra["link"] = link
+    print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us, "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s ({len(link['samples'])} message sizes, "
+          f"median of {link['repeats']} round trips); planner solve uses it unless --bandwidth/--latency are given",
+          flush=True)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from planner.measure import profile_model
     from planner.profile import save_profile
@@ -39,10 +58,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         if args.dtype:
             raise UsageError("--dtype is for analytic profiles (measured ones use the model's own dtype)")
+        if args.ranks_per_host < 1:
+            raise UsageError("--ranks-per-host must be at least 1")
+        if args.ranks_per_host > 1 and args.device != "cpu":
+            raise UsageError("--ranks-per-host > 1 models ranks sharing a CPU host; it applies to --device cpu only")
+        if args.warmup < 0 or args.min_time < 0:
+            raise UsageError("--warmup and --min-time are seconds >= 0")
+        shared = f", {args.ranks_per_host - 1} co-runner(s) loading the other cores" if args.ranks_per_host > 1 else ""
         print(f"profiling {args.model} {model_args or ''} on {args.device} at micro-batch sizes "
-              f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of {args.repeats} runs)", flush=True)
+              f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of at least {args.repeats} runs and "
+              f"{args.min_time:g} s per size after {args.warmup:g} s warm-up{shared})", flush=True)
         profile = profile_model(args.model, model_args, sizes, device=args.device, seed=args.seed,
-                                threads=args.threads, repeats=args.repeats, progress=progress)
+                                threads=args.threads, repeats=args.repeats, progress=progress,
+                                warmup_s=args.warmup, min_time_s=args.min_time,
+                                co_runners=args.ranks_per_host - 1)
+        _link(args, profile, sizes)
     save_profile(profile, output)
     total_params = sum(u.param_bytes for u in profile.units)
     shared = profile.extra.get("shared_parameters") or []
@@ -68,6 +98,19 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while measuring; match the threads each rank will have (default 1)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per unit, after warm-up (median; default 7)")
+    p.add_argument("--warmup", type=float, default=0.5,
+                   help="seconds of untimed warm-up rounds over all units first (default 0.5)")
+    p.add_argument("--min-time", type=float, default=1.0,
+                   help="timed seconds per micro-batch size at least: units are timed round-robin until both "
+                        "--repeats rounds and this much time are done (default 1.0; 0: --repeats rounds only)")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks the runs will put on this CPU host: N - 1 co-runner processes run the model's training "
+                        "step on the other cores while measuring, as those ranks contend for caches and memory "
+                        "bandwidth (default 1: measure alone)")
+    p.add_argument("--link", choices=["measure", "none"], default=None,
+                   help="measure: time gloo send/recv between two processes on this host at the cut sizes and "
+                        "record latency and bandwidth in the profile, which planner solve then uses by default "
+                        "(default on CPU; none on CUDA)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
     p.add_argument("--output", "-o", help="profile JSON to write (default profiles/<model>.json)")
     p.add_argument("--quiet", action="store_true", help="no per-unit progress lines")

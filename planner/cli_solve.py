@@ -27,10 +27,12 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
                    help="activation recomputation per unit: auto = where memory needs it (default auto)")
     s.add_argument("--bandwidth", default=None,
-                   help="bytes/s between consecutive stages (default: the profile's calibration, else 5GB)")
+                   help="bytes/s between consecutive stages (default: the profile's calibration, else the link "
+                        "planner profile measured, else 5GB)")
     s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
     s.add_argument("--latency", type=float, default=None,
-                   help="seconds per message between stages (default: the profile's calibration, else 0)")
+                   help="seconds per message between stages (default: the profile's calibration, else the "
+                        "measured link's, else 0)")
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
@@ -41,7 +43,8 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
 
 def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, float, Optional[str]]:
     """(bandwidth, latency, step overhead, note): explicit options first, then the profile's
-    `planner calibrate` results (profile.extra['calibration']), then the defaults (5 GB/s, 0, 0).
+    `planner calibrate` results (profile.extra['calibration']), then the link `planner profile`
+    measured (profile.extra['link']), then the defaults (5 GB/s, 0, 0).
     The note says what the calibration supplied (None when it supplied nothing)."""
     calibration = profile.extra.get("calibration") or {}
     bandwidth = parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None
@@ -52,12 +55,22 @@ def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, fl
     if latency is None and calibration.get("latency_s") is not None:
         latency = float(calibration["latency_s"])
         used.append(f"latency {latency * 1e6:.3g} us")
+    link = profile.extra.get("link") or {}  # measured by `planner profile --link measure`
+    measured = []
+    if bandwidth is None and link.get("bandwidth_bytes_per_s"):
+        bandwidth = float(link["bandwidth_bytes_per_s"])
+        measured.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
+    if latency is None and link.get("latency_s") is not None:
+        latency = float(link["latency_s"])
+        measured.append(f"latency {latency * 1e6:.3g} us")
     if calibration.get("step_overhead_s"):
         overhead = max(0.0, float(calibration["step_overhead_s"]))
         used.append(f"step overhead {overhead * 1e3:.3g} ms")
     bandwidth = parse_bytes("5GB", "--bandwidth") if bandwidth is None else bandwidth
     latency = 0.0 if latency is None else latency
-    note = f"applied the profile's calibration: {', '.join(used)}" if used else None
+    notes = ([f"applied the profile's calibration: {', '.join(used)}"] if used else []) + \
+        ([f"used the profile's measured link: {', '.join(measured)}"] if measured else [])
+    note = "; ".join(notes) if notes else None
     return bandwidth, latency, overhead, note
 
 

@@ -9,6 +9,7 @@ The last unit's forward includes the loss, as on the runtime's last stage.
 """
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -97,28 +98,56 @@ def _unit_step(stage, args: List[Any], produced: List[int], is_last: bool, loss_
 
 def measure_unit(stage, args, produced, is_last, loss_fn, target, device, repeats: int, warmup: int = 2):
     """Median forward and backward seconds, and bytes saved for backward, of one unit."""
-    forward, backward = _unit_step(stage, args, produced, is_last, loss_fn, target, device)
-    parameter_ptrs = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    counter = _SavedBytesCounter(parameter_ptrs)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        out = forward()
-    backward(out)
-    saved = counter.total
-    forward_times, backward_times = [], []
-    for i in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = forward()
-        _sync(device)
-        t1 = time.perf_counter()
+    [(fwd, bwd, saved)] = measure_units([(stage, args, produced, is_last)], loss_fn, target, device, repeats,
+                                        warmup=warmup)
+    return fwd, bwd, saved
+
+
+def measure_units(units, loss_fn, target, device, repeats: int, warmup: int = 2, warmup_s: float = 0.0,
+                  min_time_s: float = 0.0):
+    """Median forward and backward seconds, and bytes saved for backward, of several units
+    [(stage, args, produced, is_last)], measured round-robin: each timed round runs every unit's
+    forward then backward once, so slow drifts of the machine (other jobs, frequency) fall on all
+    units alike and each unit runs after the others have used the caches, as in a step.
+    `warmup` untimed rounds (and at least `warmup_s` seconds of them) come first; then timed
+    rounds until there are `repeats` of them and they took at least `min_time_s` seconds."""
+    steps = [_unit_step(stage, args, produced, is_last, loss_fn, target, device)
+             for stage, args, produced, is_last in units]
+    saved = []
+    for (stage, *_), (forward, backward) in zip(units, steps):
+        counter = _SavedBytesCounter({p.untyped_storage().data_ptr() for p in stage.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            out = forward()
         backward(out)
-        _sync(device)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            forward_times.append(t1 - t0)
-            backward_times.append(t2 - t1)
-    stage.zero_grad(set_to_none=True)
-    return statistics.median(forward_times), statistics.median(backward_times), saved
+        saved.append(counter.total)
+    forward_times: List[List[float]] = [[] for _ in units]
+    backward_times: List[List[float]] = [[] for _ in units]
+    start = time.perf_counter()
+    rounds = 0
+    while True:
+        warming = rounds < warmup or time.perf_counter() - start < warmup_s
+        if not warming and not forward_times[0]:
+            timed_start = time.perf_counter()
+        if not warming and len(forward_times[0]) >= max(repeats, 1) and \
+                time.perf_counter() - timed_start >= min_time_s:
+            break
+        for k, (forward, backward) in enumerate(steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = forward()
+            _sync(device)
+            t1 = time.perf_counter()
+            backward(out)
+            _sync(device)
+            t2 = time.perf_counter()
+            if not warming:
+                forward_times[k].append(t1 - t0)
+                backward_times[k].append(t2 - t1)
+            del out
+        rounds += 1
+    for stage, *_ in units:
+        stage.zero_grad(set_to_none=True)
+    return [(statistics.median(f), statistics.median(b), s) for f, b, s in zip(forward_times, backward_times, saved)]
 
 
 def _prepare_args(values: Dict[str, Any], names: Sequence[str], grad_flags: Dict[str, bool], device) -> List[Any]:
@@ -168,6 +197,92 @@ def shared_parameters_json(captured: CapturedModel) -> List[Dict[str, Any]]:
             for p in captured.shared_parameters()]
 
 
+def co_runner_main(argv: Optional[Sequence[str]] = None) -> None:
+    """A co-runner process (`python -c "from planner.measure import co_runner_main; co_runner_main()" SPEC`):
+    the model's whole training step (forward, loss, backward) in a loop, at the micro-batch size last
+    read from stdin (one integer a line; 0 pauses), until stdin closes. Nothing it computes is kept."""
+    import json
+    import threading
+
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    torch.set_num_threads(max(int(config["threads"]), 1))
+    retain_freed_memory()
+    spec = build_spec(config["entry"], config["args"], int(config["seed"]))
+    from planner.spec import call_model
+
+    state = {"b": 0, "stop": False}
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                state["b"] = int(line)
+        state["stop"] = True
+
+    threading.Thread(target=read_commands, daemon=True).start()
+    print("ready", flush=True)
+    batches: Dict[int, Any] = {}
+    while not state["stop"]:
+        b = state["b"]
+        if b <= 0:
+            time.sleep(0.001)
+            continue
+        if b not in batches:
+            batches = {b: spec.batch(b, 0)}
+        inputs, target = batches[b]
+        loss = spec.loss(call_model(spec.module, inputs), target)
+        loss.backward()
+        spec.module.zero_grad(set_to_none=True)
+
+
+class CoRunners:
+    """`count` processes that load the other cores as the other ranks of a run on this host would:
+    each runs the model's training step with the same threads (see `co_runner_main`)."""
+
+    def __init__(self, entry: str, model_args: Dict[str, Any], seed: int, threads: int, count: int,
+                 timeout_s: float = 120.0):
+        import json
+        import select
+        import subprocess
+
+        config = json.dumps({"entry": entry, "args": dict(model_args), "seed": seed, "threads": threads})
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                   OMP_NUM_THREADS=str(max(threads, 1)))
+        code = "from planner.measure import co_runner_main; co_runner_main()"
+        self.processes = [subprocess.Popen([sys.executable, "-c", code, config], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, env=env, text=True) for _ in range(count)]
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            line = ""
+            while not line and proc.poll() is None and time.monotonic() < deadline:
+                if select.select([proc.stdout], [], [], 0.1)[0]:
+                    line = proc.stdout.readline()
+            if line.strip() != "ready":
+                code_ = proc.poll()
+                self.stop()
+                raise RuntimeError(f"a co-runner process did not start (exit code {code_}); it builds the model "
+                                   "the same way `planner profile` does: check that MODEL imports in a new process")
+
+    def load(self, micro_batch_size: int, settle_s: float = 0.2) -> None:
+        """Run the load at this micro-batch size from now on (after a short settling time)."""
+        for proc in self.processes:
+            proc.stdin.write(f"{int(micro_batch_size)}\n")
+            proc.stdin.flush()
+        time.sleep(settle_s)
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self.processes:
+            try:
+                proc.wait(10)
+            except Exception:
+                proc.kill()
+                proc.wait(5)
+
+
 def profile_model(
     entry: str,
     model_args: Dict[str, Any],
@@ -177,10 +292,25 @@ def profile_model(
     threads: int = 1,
     repeats: int = 5,
     progress: Optional[Callable[[str], None]] = None,
+    warmup_s: float = 0.0,
+    min_time_s: float = 0.0,
+    co_runners: int = 0,
 ) -> Profile:
-    """Capture and measure a model; return its profile (nothing written)."""
+    """Capture and measure a model; return its profile (nothing written).
+
+    Units are timed round-robin (`measure_units`) after `warmup_s` seconds of warm-up rounds,
+    for at least `repeats` rounds and `min_time_s` seconds per micro-batch size. With
+    `co_runners` > 0 (CPU only), that many other processes run the same model's training step
+    at the same micro-batch size meanwhile, with the same threads each: the contention for
+    cores, caches and memory bandwidth that ranks sharing a host see. What the profile was
+    measured under is recorded in its `measured_under`."""
     say = progress or (lambda msg: None)
     dev = torch.device(device)
+    if co_runners < 0:
+        raise ValueError(f"co_runners must be >= 0 (got {co_runners})")
+    if co_runners and dev.type != "cpu":
+        raise CaptureError("co-runners (--ranks-per-host > 1) model ranks sharing a CPU host; they apply to "
+                           "--device cpu only")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CaptureError("--device cuda was asked for but CUDA is not available here; use --device cpu")
     if threads > 0:
@@ -210,24 +340,38 @@ def profile_model(
                                 nodes=[n.name for n in u.nodes])
                     for k, u in enumerate(captured.units)]
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
-    for b in sizes:
-        inputs, target = spec.batch(b, 0)
-        inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
-        values = run_all_nodes(captured, inputs)
-        record_cut_values(captured, values, b, grad_flags, cut_values)
-        for k, (stage, io) in enumerate(stages):
-            args = _prepare_args(values, io.inputs + io.received,
-                                 {n: cut_values[k][n].requires_grad for n in io.received} if k else {}, dev)
-            own = {n.name for n in captured.units[k].nodes}
-            produced = [i for i, name in enumerate(io.sent) if name in own]
-            fwd, bwd, saved = measure_unit(stage, args, produced, io.is_last, spec.loss, target, dev, repeats)
-            unit = unit_records[k]
-            unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
-            unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced
-                                       if isinstance(values[io.sent[i]], torch.Tensor))
-            say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {fwd * 1e3:8.3f} ms  "
-                f"backward {bwd * 1e3:8.3f} ms  saved {saved / 2**20:8.2f} MiB")
-        del values
+    co = CoRunners(entry, model_args, seed, threads, co_runners) if co_runners > 0 else None
+    try:
+        if co is not None:
+            say(f"started {co_runners} co-runner process(es): the same model's training step on the other "
+                f"core(s) while measuring, as a {co_runners + 1}-rank run on this host has")
+        for b in sizes:
+            inputs, target = spec.batch(b, 0)
+            inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
+            values = run_all_nodes(captured, inputs)
+            record_cut_values(captured, values, b, grad_flags, cut_values)
+            work, produced_of = [], []
+            for k, (stage, io) in enumerate(stages):
+                args = _prepare_args(values, io.inputs + io.received,
+                                     {n: cut_values[k][n].requires_grad for n in io.received} if k else {}, dev)
+                own = {n.name for n in captured.units[k].nodes}
+                produced = [i for i, name in enumerate(io.sent) if name in own]
+                work.append((stage, args, produced, io.is_last))
+                produced_of.append(produced)
+            if co is not None:
+                co.load(b)
+            measured = measure_units(work, spec.loss, target, dev, repeats, warmup_s=warmup_s, min_time_s=min_time_s)
+            for k, ((stage, io), (fwd, bwd, saved)) in enumerate(zip(stages, measured)):
+                unit = unit_records[k]
+                unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
+                unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
+                                           if isinstance(values[io.sent[i]], torch.Tensor))
+                say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {fwd * 1e3:8.3f} ms  "
+                    f"backward {bwd * 1e3:8.3f} ms  saved {saved / 2**20:8.2f} MiB")
+            del values, work
+    finally:
+        if co is not None:
+            co.stop()
     cuts = [CutProfile(before_unit=k, values=[cut_values[k][n.name] for n in captured.crossing(k)])
             for k in range(1, L)]
     return Profile(
@@ -242,5 +386,118 @@ def profile_model(
         torch_version=torch.__version__,
         capture=captured.method,
         repeats=repeats,
-        extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured)},
+        extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
+               "measured_under": {"threads": torch.get_num_threads(), "repeats": repeats, "warmup_s": warmup_s,
+                                  "min_time_s": min_time_s, "order": "round-robin", "co_runners": co_runners,
+                                  "co_runner_load": "the model's training step at the measured micro-batch size"
+                                  if co_runners else None, "cpu_count": os.cpu_count()}},
     )
+
+
+# --- the link between two ranks on this host -------------------------------------------------
+def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """Fit one-way message time = latency + bytes / bandwidth to [(bytes, seconds), ...] (at least
+    two distinct sizes), minimising relative residuals (weights 1 / t^2), so the small messages
+    pipeline cuts mostly are fit as well as the large one. Latency is clamped to >= 0 (the
+    bandwidth refit through the origin then); a non-positive slope (time not growing with size)
+    raises ValueError: no bandwidth can be read from such samples."""
+    points = [(float(n), float(t)) for n, t in samples]
+    if len({n for n, _ in points}) < 2:
+        raise ValueError("fitting a link needs messages of at least two sizes")
+    if any(not t > 0 for _, t in points):
+        raise ValueError("message times must be positive")
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    mean_n = sum(wi * n for wi, (n, _) in zip(w, points)) / sw
+    mean_t = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
+    var = sum(wi * (n - mean_n) ** 2 for wi, (n, _) in zip(w, points))
+    slope = sum(wi * (n - mean_n) * (t - mean_t) for wi, (n, t) in zip(w, points)) / var
+    latency = mean_t - slope * mean_n
+    if latency < 0:
+        latency = 0.0
+        slope = sum(wi * n * t for wi, (n, t) in zip(w, points)) / sum(wi * n * n for wi, (n, _) in zip(w, points))
+    if not slope > 0:
+        raise ValueError("message time does not grow with size in these samples; measure larger messages")
+    return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / slope}
+
+
+def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
+    """One side of `measure_link`: rank 0 ping-pongs each size with rank 1 over gloo and prints
+    [[bytes, one-way seconds (median of round trips / 2)], ...] as JSON."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    rank, port = int(config["rank"]), int(config["port"])
+    torch.set_num_threads(max(int(config["threads"]), 1))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
+    try:
+        peer = 1 - rank
+        sizes = [int(n) for n in config["sizes"]]
+        buffers = [torch.zeros(max(n // 4, 1), dtype=torch.float32) for n in sizes]
+        times: List[List[float]] = [[] for _ in sizes]
+        # sizes interleaved, round after round: a burst of noise on the host hits every size alike
+        for i in range(int(config["warmup"]) + int(config["repeats"])):
+            for k, buffer in enumerate(buffers):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buffer, peer)
+                    dist.recv(buffer, peer)
+                else:
+                    dist.recv(buffer, peer)
+                    dist.send(buffer, peer)
+                if i >= int(config["warmup"]):
+                    times[k].append((time.perf_counter() - t0) / 2)
+        samples = [[_tensor_bytes(buffer), statistics.median(t)] for buffer, t in zip(buffers, times)]
+        dist.barrier()
+        if rank == 0:
+            print(json.dumps(samples), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 30, warmup: int = 3,
+                 timeout_s: float = 60.0) -> Dict[str, Any]:
+    """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it:
+    gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
+    plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
+    each size's one-way time is the median of its round trips / 2.
+    Returns {"latency_s", "bandwidth_bytes_per_s", "samples": [[bytes, one-way s], ...], ...}."""
+    import json
+    import subprocess
+
+    sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(max(threads, 1)))
+    code = "from planner.measure import link_worker_main; link_worker_main()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
+        {"rank": r, "port": port, "threads": threads, "sizes": sizes, "repeats": repeats, "warmup": warmup,
+         "timeout_s": timeout_s})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        for r in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout_s + 30)
+            if proc.returncode != 0:
+                raise RuntimeError(f"measuring the link failed: {(err.strip().splitlines() or ['?'])[-1]}")
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    samples = json.loads(outputs[0])
+    fit = fit_link(samples)
+    return dict(fit, backend="gloo", between="two processes on this host (loopback)", threads=threads,
+                repeats=repeats, samples=samples)
