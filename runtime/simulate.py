@@ -3,7 +3,9 @@
 Pure and fast (no processes). Each rank runs its list in order. A forward or backward of chunk g
 takes the plan's per-micro-batch time of that stage; a send occupies its sender for the transfer
 time (bytes / bandwidth + latency) and its message can be received from then on; a receive waits
-until its message has arrived. The simulated step time is when the last rank finishes.
+until its message has arrived; the optimizer step takes the plan's slowest once-per-step gradient
+exchange (all-reduce over data-parallel and stage replicas, tied weights), as the closed form
+charges it. The simulated step time is when the last rank finishes.
 """
 from __future__ import annotations
 
@@ -81,5 +83,7 @@ def costs_from_plan(plan: Dict) -> Dict[int, ChunkCosts]:
         grad = sum(v.get("bytes", 0) for v in stage.get("recv", []) if v["kind"] == "tensor" and v.get("requires_grad"))
         costs[g] = ChunkCosts(forward_s=float(stage.get("forward_s", 0.0)), backward_s=float(stage.get("backward_s", 0.0)),
                               send_act_s=act / bandwidth + (latency if act else 0.0),
-                              send_grad_s=grad / bandwidth + (latency if grad else 0.0))
+                              send_grad_s=grad / bandwidth + (latency if grad else 0.0),
+                              # the plan's once-per-step gradient all-reduce and tie exchange
+                              optimizer_s=float(stage.get("extra_s", 0.0) or 0.0))
     return costs

@@ -11,6 +11,7 @@ from tests.pipeline import max_abs_diff, reference_state, run_cli
 def gpt_profile(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("prof") / "gpt.json")
     result = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=6", "--repeats", "3",
+                      "--warmup", "0", "--min-time", "0", "--link", "none",
                       "--quiet", "-o", path])
     assert result.returncode == 0, result.stderr
     return path
@@ -38,7 +39,8 @@ def test_solved_replicated_plan_runs_exactly(tmp_path):
     # solver gives it 2 (micro-batches alternate between them), and the run stays exact
     profile, plan_path, state_path = (str(tmp_path / n) for n in ("gpt.json", "plan.json", "state.pt"))
     made = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=2", "--model-arg", "vocab=16384",
-                    "--micro-batch-sizes", "1,2", "--repeats", "3", "--quiet", "-o", profile])
+                    "--micro-batch-sizes", "1,2", "--repeats", "3", "--warmup", "0", "--min-time", "0", "--link", "none",
+                    "--quiet", "-o", profile])
     assert made.returncode == 0, made.stderr
     solved = run_cli(["planner.cli", "solve", profile, "--stages", "3", "--replicate", "--global-batch", "8",
                       "-o", plan_path])

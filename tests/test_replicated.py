@@ -125,9 +125,10 @@ def test_replicated_last_stage_is_exact(tmp_path, schedule):
     assert [s["predicted"]["forward_s"] for s in report["stages"][1:]] == pytest.approx([m / 2 * forward] * 2)
 
 
-def test_replicated_middle_stage_with_data_parallel_and_adamw(tmp_path):
-    # d = 2 copies of a 3-stage pipeline whose middle stage has 2 replicas: 8 ranks
-    plan = reshape_plan(_gpt_plan([2, 4], b=1, g=4), replicas=[1, 2, 1], data_parallel=2)
+def test_replicated_stage_with_data_parallel_and_adamw(tmp_path):
+    # d = 2 copies of a 2-stage pipeline whose first stage has 2 replicas: 6 ranks, one all-reduce
+    # over the 4 holders of stage 0
+    plan = reshape_plan(_gpt_plan([4], b=1, g=4), replicas=[2, 1], data_parallel=2)
     assert plan["global_batch"] == 8
     state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=["--optimizer", "adamw"])
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=1e-3, optimizer="adamw")) <= 1e-5
