@@ -31,10 +31,10 @@ from planner.profile import Profile
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
 
 
-def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-    """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per chunk."""
-    units, L, C, p = profile.units, profile.num_units, opts.num_chunks, opts.num_stages
-    m = num_micro_batches(opts, b)
+def _unit_arrays(profile: Profile, b: int):
+    """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P
+    and saved bytes A; the units worth recomputing, cheapest time per byte first."""
+    units, L = profile.units, profile.num_units
     inputs = input_bytes(profile, b)
     f = np.array([u.forward_s[b] for u in units], dtype=float)
     g = np.array([u.saved_bytes[b] - inputs[l] for l, u in enumerate(units)], dtype=float)
@@ -42,6 +42,14 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
     A = np.concatenate([[0.0], np.cumsum([u.saved_bytes[b] for u in units])])
     items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
     order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
+    return f, g, P, A, order
+
+
+def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+    """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per chunk."""
+    L, C, p = profile.num_units, opts.num_chunks, opts.num_stages
+    m = num_micro_batches(opts, b)
+    f, g, P, A, order = _unit_arrays(profile, b)
     n = order.size
     speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
     opt = optimizer_factor(opts.optimizer)
@@ -61,14 +69,8 @@ def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: in
                            ) -> Tuple[np.ndarray, np.ndarray]:
     """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
     of this speed and opts.memory_cap (planner.solve.replicas: one table per held count)."""
-    units, L = profile.units, profile.num_units
-    inputs = input_bytes(profile, b)
-    f = np.array([u.forward_s[b] for u in units], dtype=float)
-    g = np.array([u.saved_bytes[b] - inputs[l] for l, u in enumerate(units)], dtype=float)
-    P = np.concatenate([[0.0], np.cumsum([u.param_bytes for u in units])])
-    A = np.concatenate([[0.0], np.cumsum([u.saved_bytes[b] for u in units])])
-    items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
-    order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
+    L = profile.num_units
+    f, g, P, A, order = _unit_arrays(profile, b)
     return _tables(L, order.size, order, f, g, P, A, optimizer_factor(opts.optimizer), held, speed,
                    opts.memory_cap, np.arange(L + 1))
 
