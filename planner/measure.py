@@ -1,11 +1,16 @@
 """Measure every partition unit on the target device: the numbers behind `planner profile`.
 
 For each micro-batch size b the whole model runs once to obtain every unit's real inputs;
-then each unit runs on its own, as the stage module the runtime would build for it:
-forward and backward time (median of `repeats` runs after warm-up, synchronised on CUDA),
+then each unit runs on its own, as the stage module the runtime would build for it, all units
+round-robin (`measure_units`): forward and backward time (median of at least `repeats` rounds and
+`min_time_s` seconds after `warmup_s` seconds of warm-up, synchronised on CUDA; optionally with
+co-runner processes loading the other cores as other ranks on the host would, `CoRunners`),
 bytes saved for backward (counted by saved-tensor hooks as autograd packs them, parameters
 excluded, each storage once), parameter bytes, and the bytes of every value crossing each cut.
 The last unit's forward includes the loss, as on the runtime's last stage.
+
+`measure_link` times gloo point-to-point messages between two processes on this host at the cut
+sizes and fits latency + bytes / bandwidth (`fit_link`): the link `planner solve` then uses.
 """
 from __future__ import annotations
 
