@@ -103,7 +103,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
 
 def validate_plan(plan: Any, where: str = "plan") -> Dict[str, Any]:
     """Check a loaded plan's version and keys; raise JsonFileError saying how to fix it."""
-    remake = "re-create it with `planner plan PROFILE`"
+    remake = "re-create it with `planner solve PROFILE`"
     if not isinstance(plan, dict) or plan.get("kind") != "plan":
         raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {remake}")
     version = plan.get("schema_version")
@@ -127,29 +127,14 @@ def validate_plan(plan: Any, where: str = "plan") -> Dict[str, Any]:
 
 
 def _validate_replicas(plan: Dict[str, Any], where: str, remake: str) -> None:
-    """Replicated stages: r_g >= 1, device = sum_{h<g} r_h, pipeline_stages = sum r_g, v = 1,
-    gpipe or 1f1b, at least max r_g micro-batches."""
-    replicas = [st.get("replicas", 1) for st in plan["stages"]]
-    for i, r in enumerate(replicas):
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise JsonFileError(f"{where} stage {i} has replicas {r!r}, expected an integer >= 1; {remake}")
-    if max(replicas) == 1:  # "replicas": 1 everywhere is an ordinary plan
-        return
-    offsets = [sum(replicas[:g]) for g in range(len(replicas))]
-    for i, (st, offset) in enumerate(zip(plan["stages"], offsets)):
-        if st.get("device", offset) != offset:
-            raise JsonFileError(f"{where} stage {i} has device {st.get('device')!r}, expected {offset} "
-                                f"(the replicas of earlier stages come first); {remake}")
-    if plan.get("pipeline_stages", sum(replicas)) != sum(replicas):
-        raise JsonFileError(f"{where} has pipeline_stages {plan.get('pipeline_stages')!r} but its stages' "
-                            f"replicas add up to {sum(replicas)}; {remake}")
-    if plan.get("virtual_stages", 1) != 1 or plan["schedule"] not in ("gpipe", "1f1b"):
-        raise JsonFileError(f"{where} replicates stages under schedule {plan['schedule']!r} with "
-                            f"{plan.get('virtual_stages', 1)} virtual stages; replication needs gpipe or "
-                            f"1f1b with one chunk per device; {remake}")
-    if not isinstance(plan["num_micro_batches"], int) or plan["num_micro_batches"] < max(replicas):
-        raise JsonFileError(f"{where} has {plan['num_micro_batches']!r} micro-batches for a stage with "
-                            f"{max(replicas)} replicas (needs at least as many); {remake}")
+    """Replicated stages: the runtime's own checks (r_g >= 1, device = sum_{h<g} r_h,
+    pipeline_stages = sum r_g, v = 1, gpipe or 1f1b, at least max r_g micro-batches)."""
+    from runtime.topology import TopologyError, topology_of
+
+    try:
+        topology_of(plan)
+    except TopologyError as e:
+        raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {remake}") from None
 
 
 def load_plan(path: str) -> Dict[str, Any]:

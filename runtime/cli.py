@@ -166,10 +166,10 @@ def execute(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
+    topology = topology_of(plan)
     for r, actions in enumerate(lists):
         chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
         units = [u for g in chunks for u in plan["stages"][g]["units"]]
-        topology = topology_of(plan)
         lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(chunks[0])}"
                 if topology.replicas_of(chunks[0]) > 1 else "")
         print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}{lane}), at most "

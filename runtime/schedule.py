@@ -73,7 +73,7 @@ def one_f_one_b(chunks: List[int], num_chunks: int, num_micro_batches: int,
                 warmup: "int | None" = None) -> List[Action]:
     """1F1B (one chunk per rank): min(P − g − 1, m) warm-up forwards, then alternate one forward
     and one backward, then drain. Chunk g holds at most min(P − g, m) micro-batches. `warmup`
-    overrides P − g − 1 (replicated stages: the devices downstream, see `replicated`)."""
+    overrides P − g − 1 (replicated stages: `replicated_warmups`)."""
     (g,) = chunks
     m = num_micro_batches
     warmup = min(num_chunks - g - 1 if warmup is None else warmup, m)

@@ -93,9 +93,10 @@ def topology_of(plan: Dict[str, Any]) -> Topology:
     stages = plan["stages"]
     num_chunks = len(stages)
     v = int(plan.get("virtual_stages", 1) or 1)
-    replicas = tuple(int(s.get("replicas", 1) or 1) for s in stages)
-    if any(r < 1 for r in replicas):
-        raise TopologyError(f"plan stage replicas must be >= 1 (got {list(replicas)}); re-run `planner solve`")
+    replicas = tuple(s.get("replicas", 1) for s in stages)
+    for g, r in enumerate(replicas):
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise TopologyError(f"plan stage {g} has replicas {r!r}, expected an integer >= 1; re-run `planner solve`")
     if any(r > 1 for r in replicas):
         return _replicated_topology(plan, replicas, v)
     p = int(plan.get("pipeline_stages", num_chunks // v) or num_chunks // v)
@@ -124,8 +125,9 @@ def _replicated_topology(plan: Dict[str, Any], replicas: tuple, v: int) -> Topol
     m = int(plan.get("num_micro_batches", 0) or 0)
     for g, r in enumerate(replicas):
         if r > m:
-            raise TopologyError(f"plan stage {g} has {r} replicas but only {m} micro-batches: a replica would "
-                                "have nothing to do; use fewer replicas or more micro-batches")
+            raise TopologyError(f"plan stage {g} has {r} replicas but only {m} micro-batches (a stage needs at "
+                                "least as many, or a replica would have nothing to do); use fewer replicas or more "
+                                "micro-batches")
     offsets = tuple(sum(replicas[:g]) for g in range(len(replicas)))
     p = sum(replicas)
     for g, s in enumerate(stages):
@@ -135,8 +137,8 @@ def _replicated_topology(plan: Dict[str, Any], replicas: tuple, v: int) -> Topol
                                 "re-run `planner solve`")
     planned = int(plan.get("pipeline_stages", p) or p)
     if planned != p:
-        raise TopologyError(f"the plan's stages have {p} devices in all (sum of replicas) but pipeline_stages is "
-                            f"{planned}; re-run `planner solve`")
+        raise TopologyError(f"the plan's stage replicas add up to {p} devices but pipeline_stages is {planned}; "
+                            "re-run `planner solve`")
     d = int(plan.get("data_parallel", 1) or 1)
     if d < 1:
         raise TopologyError(f"data_parallel must be >= 1 (got {d})")
