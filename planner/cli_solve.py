@@ -48,21 +48,22 @@ def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, fl
     The note says what the calibration supplied (None when it supplied nothing)."""
     calibration = profile.extra.get("calibration") or {}
     bandwidth = parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None
-    latency, overhead, used = args.latency, 0.0, []
-    if bandwidth is None and calibration.get("bandwidth_bytes_per_s"):
-        bandwidth = float(calibration["bandwidth_bytes_per_s"])
-        used.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
-    if latency is None and calibration.get("latency_s") is not None:
-        latency = float(calibration["latency_s"])
-        used.append(f"latency {latency * 1e6:.3g} us")
-    link = profile.extra.get("link") or {}  # measured by `planner profile --link measure`
-    measured = []
-    if bandwidth is None and link.get("bandwidth_bytes_per_s"):
-        bandwidth = float(link["bandwidth_bytes_per_s"])
-        measured.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
-    if latency is None and link.get("latency_s") is not None:
-        latency = float(link["latency_s"])
-        measured.append(f"latency {latency * 1e6:.3g} us")
+    latency, overhead = args.latency, 0.0
+
+    def fill(source: dict) -> list:
+        """Take what is still unset from `source`; say what was taken."""
+        nonlocal bandwidth, latency
+        taken = []
+        if bandwidth is None and source.get("bandwidth_bytes_per_s"):
+            bandwidth = float(source["bandwidth_bytes_per_s"])
+            taken.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
+        if latency is None and source.get("latency_s") is not None:
+            latency = float(source["latency_s"])
+            taken.append(f"latency {latency * 1e6:.3g} us")
+        return taken
+
+    used = fill(calibration)
+    measured = fill(profile.extra.get("link") or {})  # measured by `planner profile --link measure`
     if calibration.get("step_overhead_s"):
         overhead = max(0.0, float(calibration["step_overhead_s"]))
         used.append(f"step overhead {overhead * 1e3:.3g} ms")
