@@ -13,7 +13,8 @@ subject to M_g = P_g (2 + opt) + h_g A_g <= cap, k_g = sum_{h>=g} r_h the device
 end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
-found fits) and again with the smallest (a lower bound); the gap is 0 when the two meet, as they do
+found fits) and again with the smallest (a lower bound, whose plan is taken when it fits the exact
+model: time does not depend on the held counts, so it is then optimal); the gap is 0 when the two meet, as they do
 without a cap or when the cap does not bind.
 
 Suffix DP. Every per-stage quantity depends only on (a, e, r, k), so for thresholds (tau, eps)
@@ -359,16 +360,24 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                 scenario.step_overhead_s
             if best is None or value < best[0]:
                 best = (value, search.best, b, scenario, redo)
+    bound = best[0] if best is not None else math.inf
+    for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
+        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower" if auto else None,
+                                      held_bound="lower"), bound)
+        lower.run()
+        bound = min(bound, lower.U)
+        if not auto and lower.best is not None:
+            # the relaxation's plan may fit after all (the upper tables assumed the worst suffix):
+            # then it beats every plan, time not depending on the held counts
+            redo = list(range(profile.num_units)) if other.recompute == "all" else []
+            cost = evaluate(profile, lower.best[0], size, _chosen(other, lower.best), redo)
+            value = cost.iteration_s - other.step_overhead_s
+            if cost.feasible and (best is None or value < best[0]):
+                best = (value, lower.best, size, other, redo)
     if best is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
         raise _infeasible(profile, opts, opts.num_stages, sizes)
     value, plan, b, scenario, redo = best
-    bound = value
-    for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
-        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower" if auto else None,
-                                      held_bound="lower"), value)
-        lower.run()
-        bound = min(bound, lower.U)
     chosen = _chosen(scenario, plan)
     cost = evaluate(profile, plan[0], b, chosen, redo)
     bound = min(bound + scenario.step_overhead_s, cost.iteration_s)
