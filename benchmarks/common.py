@@ -13,14 +13,14 @@ if ROOT not in sys.path:
 from planner.jsonio import read_json, write_json_atomic  # noqa: E402
 
 
-def run_plan(plan: dict, steps: int) -> dict:
+def run_plan(plan: dict, steps: int, extra_args=()) -> dict:
     """Execute `plan` for `steps` steps (1 thread per rank) and return its report."""
     with tempfile.TemporaryDirectory() as tmp:
         plan_path, report_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "report.json")
         write_json_atomic(plan_path, plan)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", plan_path, "--steps", str(steps),
-                                 "--report", report_path], cwd=ROOT, env=env, capture_output=True, text=True)
+                                 "--report", report_path, *extra_args], cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(result.stderr)
         return read_json(report_path)

@@ -1,7 +1,7 @@
 """Fidelity grid: predicted vs measured iteration time on real runs, before and after one
 calibration round.
 
-    .venv/bin/python benchmarks/fidelity.py [--passes 3] [--steps 10] [--json out.json]
+    .venv/bin/python benchmarks/fidelity.py [--passes 5] [--steps 10] [--json out.json]
 
 For built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
 profile (afresh before each pass over the grid: a shared machine drifts over minutes) the way the
@@ -13,8 +13,9 @@ with `runtime execute`, and compare the plan's predicted iteration time (the sol
 the discrete-event simulation beside it) with the measured one: the median over `--passes` whole
 passes over the grid of each run's median steady step. Each run also records how many cores
 other processes kept busy meanwhile. Then calibrate the profile from ONE run per model and stage
-count (m = 4, b = 4; the median pass's report) and predict that stage count's grid points again
-with the calibrated profile: the mean absolute percentage error (MAPE) before and after.
+count and pass (m = 4, b = 4: that pass's run calibrates that pass's profile) and predict that stage
+count's grid points again with each calibrated profile, median over passes as before: the mean
+absolute percentage error (MAPE) before and after.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.costmodel import CostOptions  # noqa: E402
+from planner.costmodel import CostOptions, profiled_optimizer_step_s  # noqa: E402
 from planner.fidelity import calibrate_profile, simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.measure import measure_link, profile_model  # noqa: E402
@@ -75,11 +76,13 @@ def plan_fixed(profile, plan, opts_extra=None):
 
 
 def link_options(profile):
-    """The profile's measured link (planner profile --link measure) as cost-model options."""
+    """What `planner solve` takes from the profile by default, as cost-model options: the measured
+    link (planner profile --link measure) and the profiled SGD step."""
+    options = {"optimizer_step_total_s": profiled_optimizer_step_s(profile, "sgd")}
     link = profile.extra.get("link") or {}
-    if not link.get("bandwidth_bytes_per_s"):
-        return {}
-    return {"bandwidth": float(link["bandwidth_bytes_per_s"]), "latency": float(link["latency_s"])}
+    if link.get("bandwidth_bytes_per_s"):
+        options.update(bandwidth=float(link["bandwidth_bytes_per_s"]), latency=float(link["latency_s"]))
+    return options
 
 
 def _busy_cpu_s():
@@ -129,8 +132,8 @@ def profiles_for(entry, model_args, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--passes", type=int, default=3,
-                        help="passes over the grid; a point's measured time is the median over passes (default 3)")
+    parser.add_argument("--passes", type=int, default=5,
+                        help="passes over the grid; a point's measured time is the median over passes (default 5)")
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--warmup", type=float, default=0.5, help="profile warm-up seconds (planner profile --warmup)")
@@ -168,12 +171,9 @@ def main():
                 print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
                       f"{this['predicted_iteration_s'] * 1e3:7.2f} ms, measured {report['measured_iteration_s'] * 1e3:7.2f} ms"
                       + (f" (other processes: {other:.2f} cores)" if other is not None else ""), flush=True)
-        rows, reports = [], {}
+        rows = []
         for (stages, m, b), plan in plans.items():
             done = runs[(stages, m, b)]
-            ordered = sorted(done, key=lambda r: r["measured_s"])
-            middle = ordered[(len(ordered) - 1) // 2]  # the median run (the lower middle one for even counts)
-            reports[(stages, m, b)] = middle
             others = [r["other"] for r in done if r["other"] is not None]
             rows.append({"model": name, "stages": stages, "m": m, "b": b,
                          "split": [s["units"][0] for s in plan["stages"]],
@@ -184,20 +184,31 @@ def main():
                          "measured_runs_s": [r["measured_s"] for r in done],
                          "other_cores_max": max(others) if others else None})
         from planner.costmodel import evaluate
-        calibrations = {}
-        for stages in STAGES:
-            run = reports[(stages,) + CALIBRATION_M_B]  # the median pass's run, its plan and its profile
-            calibrations[stages] = calibrate_profile(run["profile"], run["plan"], run["report"])
+        # One calibration round per pass, as the predictions before it are one per pass: each pass's
+        # profile is calibrated from that pass's run at (m, b) = CALIBRATION_M_B, re-predicts the
+        # same splits, and a point's calibrated time is the median over the passes (calibrating the
+        # median pass's profile alone would carry that one profile's noise at the other size).
+        for rep in range(args.passes):
+            calibrations = {}
+            for stages in STAGES:
+                run = runs[(stages,) + CALIBRATION_M_B][rep]
+                calibrations[stages] = calibrate_profile(run["profile"], run["plan"], run["report"])
+            for row in rows:
+                calibrated = calibrations[row["stages"]]
+                cal = calibrated.extra["calibration"]
+                plan = plans[(row["stages"], row["m"], row["b"])]
+                boundaries = [s["first_unit"] for s in plan["stages"][1:]]
+                opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
+                                   bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
+                                   step_overhead_s=cal["step_overhead_s"],
+                                   optimizer_step_total_s=profiled_optimizer_step_s(calibrated, "sgd"))
+                row.setdefault("calibrated_runs_s", []).append(
+                    evaluate(calibrated, boundaries, row["b"], opts).iteration_s)
+            if rep == (args.passes - 1) // 2:
+                middle_calibrations = calibrations
         for row in rows:
-            # the same split, re-predicted from the calibrated profile of its stage count
-            calibrated = calibrations[row["stages"]]
-            cal = calibrated.extra["calibration"]
-            plan = plans[(row["stages"], row["m"], row["b"])]
-            boundaries = [s["first_unit"] for s in plan["stages"][1:]]
-            opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
-                               bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
-                               step_overhead_s=cal["step_overhead_s"])
-            row["calibrated_s"] = evaluate(calibrated, boundaries, row["b"], opts).iteration_s
+            row["calibrated_s"] = statistics.median(row["calibrated_runs_s"])
+        calibrations = middle_calibrations
         cal = calibrations[max(STAGES)].extra["calibration"]
         before, after = mape(rows, "predicted_s"), mape(rows, "calibrated_s")
         summary.append({"model": name, "points": len(rows), "mape_before_pct": before, "mape_after_pct": after,

@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity import measured_run  # noqa: E402
 
-from planner.costmodel import CostOptions  # noqa: E402
+from planner.costmodel import CostOptions, profiled_optimizer_step_s  # noqa: E402
 from planner.measure import measure_link, profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
@@ -50,7 +50,8 @@ def main():
         link = {"bandwidth": measured["bandwidth_bytes_per_s"], "latency": measured["latency_s"]}
         print(f"link {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us", flush=True)
     print(f"{entry} {model_args}, 2 stages, micro-batch {args.micro_batch} x {args.micro_batches}", flush=True)
-    opts = CostOptions(num_stages=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b", **link)
+    opts = CostOptions(num_stages=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b",
+                       optimizer_step_total_s=profiled_optimizer_step_s(profile, "sgd"), **link)
     plans = {}
     for method in METHODS:
         solution = solve(profile, opts, method=method)

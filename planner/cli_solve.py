@@ -101,7 +101,13 @@ def problem_from_args(args: argparse.Namespace):
         schedules: List[str] = ["1f1b", "gpipe", "interleaved", "bfs"]
     else:
         schedules = [args.schedule]
+    from planner.costmodel import profiled_optimizer_step_s
+
     bandwidth, latency, overhead, note = calibrated_link(profile, args)
+    optimizer_step = profiled_optimizer_step_s(profile, args.optimizer)
+    if optimizer_step > 0:
+        step_note = f"charged the profiled {args.optimizer} step ({optimizer_step * 1e3:.3g} ms over all units)"
+        note = f"{note}; {step_note}" if note else step_note
     args.calibration_note = note
     opts = CostOptions(
         num_stages=stages if args.devices is None else 1,
@@ -110,6 +116,7 @@ def problem_from_args(args: argparse.Namespace):
         bandwidth=bandwidth,
         latency=latency,
         step_overhead_s=overhead,
+        optimizer_step_total_s=optimizer_step,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,

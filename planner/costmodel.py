@@ -21,10 +21,14 @@ Per-iteration extra time of rank i (gradient traffic, once per iteration):
 
 Iteration time (D_i = sum_{c on i} T_c, the rank's work per micro-batch):
 
-    iteration = (1/v) sum_c T_c + (m - 1/v) max_i D_i + max_i E_i + step_overhead
+    iteration = (1/v) sum_c T_c + (m - 1/v) max_i D_i + max_i E_i + step_overhead + (1/p) sum_l o_l
 
-(step_overhead: a constant per iteration, e.g. from `planner calibrate`; it moves no argmin but is
-part of every predicted time and every bound.)
+(step_overhead: a constant per iteration, e.g. from `planner calibrate`; o_l: one optimizer step
+over unit l's parameters, as profiled. Each rank steps its own units' parameters once per
+iteration, after its last backward; the model charges the average rank's step, (1/p) sum_l o_l,
+a constant for given p: like step_overhead it moves no argmin of a fixed p but is part of every
+predicted time and every bound (`CostOptions.per_step_s`). Charging max_i O_i instead would make
+it a third max term in every solver; the ranks' steps differ by a few per cent of an iteration.)
 
 For v = 1 this is the classic fill-drain bound sum_s T_s + (m - 1) max_s T_s (GPipe and 1F1B);
 with equal chunks of time t it is m v t + (p - 1) t: Megatron's interleaved bubble (p - 1)/(v m).
@@ -48,7 +52,7 @@ pipeline_stages; world size d N). Stage g runs on devices o_g .. o_g + r_g - 1, 
 and micro-batch i of stage g on replica i mod r_g, so one replica device processes at most
 n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + transfers). Then
 
-    iteration = sum_g T_g + max_g (n_g - 1) T_g + max_g E_g + step_overhead
+    iteration = sum_g T_g + max_g (n_g - 1) T_g + max_g E_g + step_overhead + (1/N) sum_l o_l
     E_g = 2 (n - 1) / n * P_g / dp_bandwidth,  n = r_g d   (one ring over every holder of stage g)
     held per replica device:  gpipe: ceil(m / r_g)     1f1b: ceil(min(w_g + 1, m) / r_g)
     with the 1f1b warm-up of the unreplicated order that each replica filters to its micro-batches
@@ -93,8 +97,19 @@ class CostOptions:
     dp_bandwidth: Optional[float] = None  # all-reduce bandwidth; None = bandwidth
     cluster: Optional[Cluster] = None
     recompute: str = "none"  # what solvers may choose: none | all | auto
-    step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: optimizer step, launch)
+    step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
+    # sum_l o_l: one optimizer step over every unit's parameters, as profiled (profiled_optimizer_step_s)
+    optimizer_step_total_s: float = 0.0
     replicas: Tuple[int, ...] = ()  # r_g per stage (num_stages = S of them); () = one device per stage
+
+    @property
+    def per_step_s(self) -> float:
+        """Time charged once per iteration whatever the split: the step overhead plus the optimizer
+        step of an average device, sum_l o_l / N (N devices per pipeline: p, or sum_g r_g with
+        replicated stages, whose replicas' steps overlap; a replicated stage's parameters count
+        once, so that N, the solver's budget, keeps it a constant of the search)."""
+        devices = sum(self.replicas) if self.replicas else self.num_stages
+        return self.step_overhead_s + self.optimizer_step_total_s / devices
 
     @property
     def replicated(self) -> bool:
@@ -125,6 +140,8 @@ class CostOptions:
                 raise ValueError(f"{name} must be positive bytes/s (got {value})")
         if not self.step_overhead_s >= 0:
             raise ValueError(f"the step overhead must be >= 0 seconds (got {self.step_overhead_s})")
+        if not self.optimizer_step_total_s >= 0:
+            raise ValueError(f"the optimizer step must be >= 0 seconds (got {self.optimizer_step_total_s})")
         if self.latency < 0:
             raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
         if self.memory_cap is not None and not self.memory_cap > 0:
@@ -259,6 +276,13 @@ def cut_times(profile: Profile, b: int, opts: CostOptions, link: Optional[Tuple[
     return [0.0] + [cut_time(profile, k, b, opts, link) for k in range(1, profile.num_units)]
 
 
+def profiled_optimizer_step_s(profile: Profile, optimizer: str) -> float:
+    """sum_l o_l: seconds of one `optimizer` step over every unit's parameters, as `planner profile`
+    measured them (0 for units without a measurement: analytic and imported profiles)."""
+    name = "adamw" if optimizer in ("adam", "adamw") else optimizer
+    return sum(float(u.optimizer_s.get(name, 0.0)) for u in profile.units)
+
+
 def input_bytes(profile: Profile, b: int) -> List[int]:
     """in_l: bytes crossing cut l (what a recomputed unit keeps); in_0 = 0."""
     return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
@@ -375,7 +399,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     total = sum(st.time_s for st in stages)
     bottleneck = max(work)
     pipeline = total / v + (m - 1.0 / v) * bottleneck
-    iteration = pipeline + max(extra) + opts.step_overhead_s
+    iteration = pipeline + max(extra) + opts.per_step_s
     bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
     feasible = all(cap is None or mem <= cap for mem, cap in zip(memory, caps))
     return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages, iteration_s=iteration,

@@ -36,7 +36,7 @@ def replicated_plan_cost(stages: List[StageCost], b: int, m: int, opts: CostOpti
     memory = [st.memory_bytes for st in devices]
     bubble = 1.0 - m * total / (len(devices) * pipeline) if pipeline > 0 else 0.0
     return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages,
-                    iteration_s=pipeline + extra + opts.step_overhead_s,
+                    iteration_s=pipeline + extra + opts.per_step_s,
                     bottleneck_s=max(n_g * st.time_s for n_g, st in zip(n, stages)) / m,
                     bubble_fraction=max(0.0, bubble), feasible=all(cap is None or x <= cap for x in memory),
                     device_memory=memory, device_caps=[cap] * len(devices), extra_s=extra,

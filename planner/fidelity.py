@@ -43,11 +43,13 @@ def _lists(plan: Dict[str, Any]) -> List[List[sched.Action]]:
     return instruction_lists(plan)
 
 
-def simulate_plan(plan: Dict[str, Any], step_overhead_s: float = 0.0) -> Simulation:
+def simulate_plan(plan: Dict[str, Any], step_overhead_s: Optional[float] = None) -> Simulation:
+    """The plan's schedule simulated event by event; the time charged once per step (the plan's
+    `per_step_s`: step overhead and optimizer step, or `step_overhead_s` when given) is added."""
     lists = _lists(plan)
     costs = costs_from_plan(plan)
     total, events = simulate(lists, costs)
-    total += step_overhead_s
+    total += float(plan.get("per_step_s", 0.0)) if step_overhead_s is None else step_overhead_s
     ranks = []
     compute = 0.0
     for r, actions in enumerate(lists):
@@ -131,7 +133,7 @@ def format_check(result: Dict[str, Any]) -> str:
 # --- calibration -----------------------------------------------------------------------------
 def _predictor(profile: Profile, plan: Dict[str, Any], bandwidth: float):
     """latency -> the cost model's iteration time for the executed split of `plan` on `profile`."""
-    from planner.costmodel import CostOptions, evaluate
+    from planner.costmodel import CostOptions, evaluate, profiled_optimizer_step_s
 
     names = [u.name for u in profile.units]
     boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
@@ -139,7 +141,8 @@ def _predictor(profile: Profile, plan: Dict[str, Any], bandwidth: float):
     opts = CostOptions(num_stages=int(plan.get("pipeline_stages") or len(plan["stages"])),
                        global_batch=int(plan["global_batch"]), schedule=plan["schedule"], bandwidth=bandwidth,
                        optimizer=plan.get("optimizer", "sgd"), data_parallel=int(plan.get("data_parallel") or 1),
-                       virtual_stages=int(plan.get("virtual_stages") or 1))
+                       virtual_stages=int(plan.get("virtual_stages") or 1),
+                       optimizer_step_total_s=profiled_optimizer_step_s(profile, plan.get("optimizer", "sgd")))
     b = int(plan["micro_batch_size"])
     return lambda latency: evaluate(profile, boundaries, b, opts.with_(latency=latency), recompute).iteration_s
 

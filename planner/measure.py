@@ -155,6 +155,46 @@ def measure_units(units, loss_fn, target, device, repeats: int, warmup: int = 2,
     return [(statistics.median(f), statistics.median(b), s) for f, b, s in zip(forward_times, backward_times, saved)]
 
 
+def measure_optimizer_steps(unit_params: Sequence[Sequence[torch.Tensor]], device, repeats: int,
+                            min_time_s: float = 0.0) -> List[Dict[str, float]]:
+    """Median seconds of one optimizer step over each unit's parameters, per optimizer the
+    runtime runs ({"sgd": s, "adamw": s}; {} for a unit without parameters). Steps copies of the
+    parameters, with gradients set, round-robin over the units after a few untimed rounds (AdamW
+    creates its state in its first step), for at least `repeats` rounds and `min_time_s` seconds
+    per optimizer."""
+    from runtime.optim import OPTIMIZERS, make_optimizer
+
+    copies = []
+    for params in unit_params:
+        mine = [p.detach().clone().requires_grad_(True) for p in params]
+        for p in mine:
+            p.grad = torch.full_like(p, 1e-3)
+        copies.append(mine)
+    results: List[Dict[str, float]] = [{} for _ in unit_params]
+    for name in OPTIMIZERS:
+        optimizers = [(k, make_optimizer(name, mine, lr=0.01)) for k, mine in enumerate(copies) if mine]
+        times: Dict[int, List[float]] = {k: [] for k, _ in optimizers}
+        start, rounds = time.perf_counter(), 0
+        while optimizers and (rounds < 3 + max(repeats, 1) or time.perf_counter() - start < min_time_s):
+            for k, optimizer in optimizers:
+                _sync(device)
+                t0 = time.perf_counter()
+                optimizer.step()
+                _sync(device)
+                if rounds >= 3:
+                    times[k].append(time.perf_counter() - t0)
+            rounds += 1
+        for k, values in times.items():
+            results[k][name] = statistics.median(values)
+    return results
+
+
+def _whole_model_item(captured: CapturedModel, values: Dict[str, Any], device):
+    """(stage, args, produced, is_last) of all units as one stage, as a 1-stage run calls it."""
+    stage, io = captured.stage_module(0, len(captured.units))
+    return stage, _prepare_args(values, io.inputs, {}, device), [], True
+
+
 def _prepare_args(values: Dict[str, Any], names: Sequence[str], grad_flags: Dict[str, bool], device) -> List[Any]:
     args = []
     for name in names:
@@ -300,6 +340,7 @@ def profile_model(
     warmup_s: float = 0.0,
     min_time_s: float = 0.0,
     co_runners: int = 0,
+    whole_model: bool = True,
 ) -> Profile:
     """Capture and measure a model; return its profile (nothing written).
 
@@ -308,7 +349,10 @@ def profile_model(
     `co_runners` > 0 (CPU only), that many other processes run the same model's training step
     at the same micro-batch size meanwhile, with the same threads each: the contention for
     cores, caches and memory bandwidth that ranks sharing a host see. What the profile was
-    measured under is recorded in its `measured_under`."""
+    measured under is recorded in its `measured_under`. With `whole_model`, the whole model is
+    timed as one more item of every round and each size's unit times are scaled so that they sum
+    to it (forward and backward apart; `measured_under.whole_model_scale`): a unit timed alone
+    pays a call's fixed cost that a stage pays once."""
     say = progress or (lambda msg: None)
     dev = torch.device(device)
     if co_runners < 0:
@@ -346,6 +390,7 @@ def profile_model(
                     for k, u in enumerate(captured.units)]
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     co = CoRunners(entry, model_args, seed, threads, co_runners) if co_runners > 0 else None
+    whole_scale: Dict[int, Dict[str, float]] = {}
     try:
         if co is not None:
             say(f"started {co_runners} co-runner process(es): the same model's training step on the other "
@@ -365,7 +410,26 @@ def profile_model(
                 produced_of.append(produced)
             if co is not None:
                 co.load(b)
-            measured = measure_units(work, spec.loss, target, dev, repeats, warmup_s=warmup_s, min_time_s=min_time_s)
+            # The whole model, one call, timed in the same rounds: a unit timed alone pays a call's
+            # fixed cost (module call, autograd.backward, the seed gradient) that a stage of several
+            # units pays once (resnet: the sum of its 6 units is 8 % above the whole, gpt 3 %).
+            whole = _whole_model_item(captured, values, dev) if whole_model else None
+            try:
+                measured = measure_units(work + ([whole] if whole else []), spec.loss, target, dev, repeats,
+                                         warmup_s=warmup_s, min_time_s=min_time_s)
+            except torch.cuda.OutOfMemoryError:
+                if whole is None:
+                    raise
+                whole = None  # the model does not fit as one stage here: unit times as measured
+                torch.cuda.empty_cache()
+                measured = measure_units(work, spec.loss, target, dev, repeats, warmup_s=warmup_s,
+                                         min_time_s=min_time_s)
+            if whole is not None:
+                (whole_f, whole_b, _), measured = measured[-1], measured[:-1]
+                scale = {"forward": whole_f / max(sum(f for f, _, _ in measured), 1e-12),
+                         "backward": whole_b / max(sum(g for _, g, _ in measured), 1e-12)}
+                whole_scale[b] = scale
+                measured = [(f * scale["forward"], g * scale["backward"], s) for f, g, s in measured]
             for k, ((stage, io), (fwd, bwd, saved)) in enumerate(zip(stages, measured)):
                 unit = unit_records[k]
                 unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
@@ -374,6 +438,13 @@ def profile_model(
                 say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {fwd * 1e3:8.3f} ms  "
                     f"backward {bwd * 1e3:8.3f} ms  saved {saved / 2**20:8.2f} MiB")
             del values, work
+        # under the same load as the units: the ranks step their optimizers while the others compute
+        steps = measure_optimizer_steps([list(stage.parameters()) for stage, _ in stages], dev, repeats,
+                                        min_time_s=min(min_time_s, 0.5))
+        for unit, step in zip(unit_records, steps):
+            unit.optimizer_s = step
+        total = {name: sum(step.get(name, 0.0) for step in steps) for name in ("sgd", "adamw")}
+        say(f"  optimizer step over all units: sgd {total['sgd'] * 1e3:.3f} ms, adamw {total['adamw'] * 1e3:.3f} ms")
     finally:
         if co is not None:
             co.stop()
@@ -395,7 +466,8 @@ def profile_model(
                "measured_under": {"threads": torch.get_num_threads(), "repeats": repeats, "warmup_s": warmup_s,
                                   "min_time_s": min_time_s, "order": "round-robin", "co_runners": co_runners,
                                   "co_runner_load": "the model's training step at the measured micro-batch size"
-                                  if co_runners else None, "cpu_count": os.cpu_count()}},
+                                  if co_runners else None, "cpu_count": os.cpu_count(),
+                                  "whole_model_scale": {str(b): s for b, s in whole_scale.items()} or None}},
     )
 
 
@@ -440,28 +512,36 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
     try:
-        peer = 1 - rank
-        sizes = [int(n) for n in config["sizes"]]
-        buffers = [torch.zeros(max(n // 4, 1), dtype=torch.float32) for n in sizes]
-        times: List[List[float]] = [[] for _ in sizes]
-        # sizes interleaved, round after round: a burst of noise on the host hits every size alike
-        for i in range(int(config["warmup"]) + int(config["repeats"])):
-            for k, buffer in enumerate(buffers):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(buffer, peer)
-                    dist.recv(buffer, peer)
-                else:
-                    dist.recv(buffer, peer)
-                    dist.send(buffer, peer)
-                if i >= int(config["warmup"]):
-                    times[k].append((time.perf_counter() - t0) / 2)
-        samples = [[_tensor_bytes(buffer), statistics.median(t)] for buffer, t in zip(buffers, times)]
+        samples = ping_pong(rank == 0, 1 - rank, config["sizes"], int(config["repeats"]), int(config["warmup"]))
         dist.barrier()
         if rank == 0:
             print(json.dumps(samples), flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
+              tag: int = 0) -> List[List[float]]:
+    """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
+    and `peer` in the default process group (the leader sends first; the peer runs the same call
+    with leader=False). Sizes are interleaved round after round, so a burst of noise on the host
+    hits every size alike."""
+    import torch.distributed as dist
+
+    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32) for n in message_bytes]
+    times: List[List[float]] = [[] for _ in buffers]
+    for i in range(warmup + max(repeats, 1)):
+        for k, buffer in enumerate(buffers):
+            t0 = time.perf_counter()
+            if leader:
+                dist.send(buffer, peer, tag=tag)
+                dist.recv(buffer, peer, tag=tag)
+            else:
+                dist.recv(buffer, peer, tag=tag)
+                dist.send(buffer, peer, tag=tag)
+            if i >= warmup:
+                times[k].append((time.perf_counter() - t0) / 2)
+    return [[_tensor_bytes(buffer), statistics.median(t)] for buffer, t in zip(buffers, times)]
 
 
 def _free_port() -> int:

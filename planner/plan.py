@@ -92,6 +92,8 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         "memory_per_device_bytes": opts.memory_cap,
         "bandwidth_bytes_per_s": opts.bandwidth,
         "latency_s": opts.latency,
+        # charged once per iteration whatever the split: step overhead + average rank's optimizer step
+        "per_step_s": opts.per_step_s,
         "stages": stages,
         "predicted_iteration_s": cost.iteration_s,
         "bubble_fraction": cost.bubble_fraction,

@@ -40,6 +40,9 @@ class UnitProfile:
     saved_bytes: Dict[int, int]  # bytes saved for backward (parameters excluded), per micro-batch
     output_bytes: Dict[int, int]
     nodes: List[str] = field(default_factory=list)
+    # seconds of one optimizer step over this unit's parameters, per optimizer ("sgd", "adamw");
+    # empty where it was not measured (analytic and imported profiles, older files)
+    optimizer_s: Dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -50,6 +53,7 @@ class UnitProfile:
             "saved_bytes": _str_keys(self.saved_bytes),
             "output_bytes": _str_keys(self.output_bytes),
             "nodes": list(self.nodes),
+            **({"optimizer_s": dict(self.optimizer_s)} if self.optimizer_s else {}),
         }
 
     @classmethod
@@ -62,6 +66,7 @@ class UnitProfile:
             saved_bytes={k: int(v) for k, v in _int_keys(d["saved_bytes"]).items()},
             output_bytes={k: int(v) for k, v in _int_keys(d.get("output_bytes", {})).items()},
             nodes=list(d.get("nodes", [])),
+            optimizer_s={str(k): float(v) for k, v in (d.get("optimizer_s") or {}).items()},
         )
 
 

@@ -99,6 +99,8 @@ def execute(args: argparse.Namespace) -> int:
     lists = check_plan(plan)
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
+    if args.recv_ahead < 0:
+        raise UsageError("--recv-ahead must be 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     topology = topology_of(plan)
@@ -118,7 +120,8 @@ def execute(args: argparse.Namespace) -> int:
           f"{plan['num_micro_batches']}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
-                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link"]
+                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
+                   "--recv-ahead", str(args.recv_ahead)]
     if args.save_state:
         worker_args.append("--save-state")
     if args.trace or args.timeline:
@@ -193,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer (default: the plan's; SGD without momentum, AdamW with torch defaults)")
     ex.add_argument("--timeout", type=float, default=60.0,
                     help="seconds a rank may wait on another before giving up (default 60)")
+    ex.add_argument("--recv-ahead", type=int, default=2, metavar="K",
+                    help="on gloo, post each receive K receive actions before it runs, so data moves while "
+                         "the rank computes (default 2; 0 posts it when needed)")
     ex.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's actions")
     ex.add_argument("--timeline", metavar="PNG", help="draw the last step's timeline beside the predicted one")
     ex.add_argument("--checkpoint-dir", metavar="DIR", help="save each rank's parameters and optimizer state here")

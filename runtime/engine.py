@@ -11,6 +11,7 @@ per rank ends the step.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from planner.measure import to_device
 from runtime import schedule as sched
-from runtime.comm import ACTIVATION, GRADIENT, PointToPoint
+from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
 from runtime.stage import Chunk, RankModel
 from runtime.topology import Topology
 
@@ -98,7 +99,8 @@ TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch,
 class Engine:
     def __init__(self, rank_model: RankModel, actions: List[sched.Action], topology: Topology, rank: int,
                  global_batch: int, num_micro_batches: int, optimizer: Any, device: torch.device,
-                 comm: Optional[PointToPoint], groups: "Groups", trace: Optional[TraceHook] = None):
+                 comm: Optional[PointToPoint], groups: "Groups", trace: Optional[TraceHook] = None,
+                 recv_ahead: int = 2):
         self.spec = rank_model.spec
         self.rank_model = rank_model
         self.runners = {c.index: _ChunkRunner(c) for c in rank_model.chunks}
@@ -114,6 +116,15 @@ class Engine:
         self.trace = trace
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
+        # Saved-tensor hooks cost a Python call per saved tensor in forward and in backward (5-10 %
+        # of a step of small ops; the profile times units without them). Every step holds the same
+        # tensors, so the first step this engine runs counts them and the later ones run bare.
+        self.count_saved = True
+        # Receives posted ahead, in action order. Only where messages are matched by tag (gloo):
+        # NCCL runs a pair's sends and receives in issue order on one stream, so a receive posted
+        # early could sit in front of the send its sender is waiting for.
+        self.recv_ahead = recv_ahead if comm is not None and comm.use_tags else 0
+        self.receive_actions = [k for k, a in enumerate(actions) if a.kind in (sched.RECV_ACT, sched.RECV_GRAD)]
 
     def _peer(self, chunk: int, micro_batch: int) -> int:
         """The global rank running `micro_batch` through `chunk` in this data-parallel replica."""
@@ -138,14 +149,13 @@ class Engine:
         micro_inputs, micro_targets = self._micro_batches(step)
         states: Dict[Tuple[int, int], _State] = {}
         losses: List[float] = []
-        for action in self.actions:
+        receives = _ReceivesAhead(self, self.recv_ahead)
+        for index, action in enumerate(self.actions):
             kind, i, g = action.kind, action.micro_batch, action.chunk
             t0 = time.perf_counter()
             if kind == sched.RECV_ACT:
-                runner = self.runners[g]
-                tensors = self.comm.recv([runner.chunk.recv[j] for j in runner.recv_tensors], self._peer(g - 1, i),
-                                         self._tag(g, i), ACTIVATION)
-                states.setdefault((g, i), _State()).received = self._assemble(runner.chunk, tensors)
+                tensors = self.comm.recv(*self._message(action), posted=receives.take(index))
+                states.setdefault((g, i), _State()).received = self._assemble(self.runners[g].chunk, tensors)
                 stats.recv_wait_s += time.perf_counter() - t0
             elif kind == sched.FORWARD:
                 state = states.setdefault((g, i), _State())
@@ -158,9 +168,7 @@ class Engine:
                 self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1, i),
                                self._tag(g + 1, i), ACTIVATION)
             elif kind == sched.RECV_GRAD:
-                runner = self.runners[g]
-                states[(g, i)].grads = self.comm.recv([runner.chunk.send[j] for j in runner.send_grads],
-                                                      self._peer(g + 1, i), self._tag(g, i), GRADIENT)
+                states[(g, i)].grads = self.comm.recv(*self._message(action), posted=receives.take(index))
                 stats.recv_wait_s += time.perf_counter() - t0
             elif kind == sched.BACKWARD:
                 self._backward(self.runners[g], states[(g, i)])
@@ -187,11 +195,19 @@ class Engine:
                 raise ValueError(f"unknown action {action}")
             if self.trace is not None:
                 self.trace(kind, i, g, t0, time.perf_counter())
+        self.count_saved = False
         if losses:
             stats.loss = sum(losses) / len(losses)
             stats.loss_count = len(losses)
         stats.time_s = time.perf_counter() - start
         return stats
+
+    def _message(self, action: sched.Action) -> Tuple[List[dict], int, int, int]:
+        """(tensor specs, source rank, tag, direction) of the message a receive action waits for."""
+        runner, i, g = self.runners[action.chunk], action.micro_batch, action.chunk
+        if action.kind == sched.RECV_ACT:
+            return [runner.chunk.recv[j] for j in runner.recv_tensors], self._peer(g - 1, i), self._tag(g, i), ACTIVATION
+        return [runner.chunk.send[j] for j in runner.send_grads], self._peer(g + 1, i), self._tag(g, i), GRADIENT
 
     def _tag(self, receiving_chunk: int, micro_batch: int) -> int:
         """A message tag unique per (receiving chunk, micro-batch) within a step."""
@@ -215,14 +231,16 @@ class Engine:
         chunk = runner.chunk
         args = to_device([inputs[j] for j in runner.wanted_inputs], self.device)
         counter = self.saved
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if self.count_saved else \
+            contextlib.nullcontext()
+        with hooks:
             counter.start()
             out = chunk.module(*args, *state.received)
             if chunk.is_last:
                 state.loss = self.spec.loss(out, to_device(target, self.device)) / (self.m * self.topology.data_parallel)
             else:
                 state.outputs = out
-            state.saved_bytes = counter.finish()
+            state.saved_bytes = counter.finish() if self.count_saved else 0
 
     def _backward(self, runner: _ChunkRunner, state: _State) -> None:
         if runner.chunk.is_last:
@@ -237,10 +255,38 @@ class Engine:
         self.saved.release(state.saved_bytes)
 
 
+class _ReceivesAhead:
+    """One step's receives, each posted `ahead` receive actions before it runs (in action order),
+    so its data can move while this rank computes. `take(k)` hands over action k's posted
+    receives (None when nothing was posted ahead: the action posts and waits itself)."""
+
+    def __init__(self, engine: Engine, ahead: int):
+        self.engine, self.ahead = engine, ahead
+        self.order = engine.receive_actions
+        self.rank_in_order = {k: n for n, k in enumerate(self.order)}
+        self.posted: Dict[int, PostedRecv] = {}
+        self.next = 0  # index into `order` of the next receive to post
+        self._top_up(0)
+
+    def _top_up(self, consumed: int) -> None:
+        while self.next < len(self.order) and self.next < consumed + self.ahead:
+            k = self.order[self.next]
+            self.posted[k] = self.engine.comm.post_recv(*self.engine._message(self.engine.actions[k]))
+            self.next += 1
+
+    def take(self, action_index: int) -> Optional[PostedRecv]:
+        if not self.ahead:
+            return None
+        posted = self.posted.pop(action_index)
+        self._top_up(self.rank_in_order[action_index] + 1)
+        return posted
+
+
 class SavedBytes:
     """Bytes held for backward, as autograd saves them (each storage once, parameters excluded):
     added when a micro-batch's forward ends, released when its backward does. `peak` is the most
-    held at once on this rank — the activation memory the plan's memory model predicts."""
+    held at once on this rank — the activation memory the plan's memory model predicts. Counted
+    in the engine's first step only (every step holds the same; see Engine.count_saved)."""
 
     def __init__(self, params: List[torch.nn.Parameter]):
         self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}

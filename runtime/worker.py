@@ -25,15 +25,14 @@ import torch.distributed as dist
 
 from planner.allocator import retain_freed_memory
 from planner.jsonio import read_json, write_json_atomic
+from planner.measure import fit_link, ping_pong
 from runtime import checkpoint as ckpt
 from runtime import schedule as sched
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
+from runtime.optim import OPTIMIZERS, make_optimizer
 from runtime.stage import build_rank, chunk_state
 from runtime.topology import instruction_lists, topology_of
-
-OPTIMIZERS = ("sgd", "adamw")
-
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
@@ -50,6 +49,8 @@ def _parse(argv):
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--recv-ahead", type=int, default=2,
+                   help="receives posted ahead of the action that needs them (gloo; 0: post when needed)")
     p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
     return p.parse_args(argv)
 
@@ -75,32 +76,6 @@ def _device_for(plan, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def make_optimizer(name: str, params: List[torch.nn.Parameter], lr: float):
-    if not params:
-        return _NoOptimizer()
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-
-
-class _NoOptimizer:
-    """A rank without parameters still takes part in every step."""
-
-    def step(self) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        pass
-
-
 def run(args) -> None:
     retain_freed_memory()  # as the profile did: no page faults for every micro-batch's buffers
     rank = int(os.environ["RANK"])
@@ -112,6 +87,8 @@ def run(args) -> None:
     if world != topology.world_size:
         raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
                            f"{topology.data_parallel} data-parallel) but {world} were started")
+    if args.recv_ahead < 0:
+        raise ValueError("--recv-ahead must be 0 or more")
     threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
     torch.set_num_threads(threads)
     device = _device_for(plan, local_rank)
@@ -139,7 +116,7 @@ def run(args) -> None:
             events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
 
         engine = Engine(rank_model, actions, topology, rank, int(plan["global_batch"]), m, optimizer, device,
-                        comm, groups, trace=record if args.trace else None)
+                        comm, groups, trace=record if args.trace else None, recv_ahead=args.recv_ahead)
 
         first_step = 0
         if args.resume:
@@ -152,7 +129,7 @@ def run(args) -> None:
                     chunk.module.load_state_dict(saved["chunks"][str(chunk.index)])
                 optimizer.load_state_dict(saved["optimizer"])
                 first_step = done
-        link = _measure_link(topology, rank) if args.measure_link else None
+        link = _measure_link(plan, topology, rank) if args.measure_link else None
         dist.barrier()
         is_reporter = pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
         steps = []
@@ -193,33 +170,21 @@ def run(args) -> None:
         dist.destroy_process_group()
 
 
-def _measure_link(topology, rank: int, repeats: int = 5):
-    """Ping-pong between pipeline ranks 0 and 1 of replica 0: latency from 8-byte messages,
-    bandwidth from 4 MiB ones (round trip / 2 each). Other ranks take no part."""
+def _measure_link(plan, topology, rank: int, repeats: int = 10):
+    """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
+    4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
+    take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
-    peer, tag = 1 - rank, 1 << 30
-
-    def round_trip(numel: int) -> float:
-        buffer = torch.zeros(numel, dtype=torch.float32)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, peer, tag=tag)
-                dist.recv(buffer, peer, tag=tag)
-            else:
-                dist.recv(buffer, peer, tag=tag)
-                dist.send(buffer, peer, tag=tag)
-            if i:
-                times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] / 2
-
-    latency = round_trip(2)
-    big = 1 << 20
-    one_way = round_trip(big)
-    bandwidth = big * 4 / max(one_way - latency, 1e-9)
-    return {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth, "bytes": big * 4, "one_way_s": one_way}
+    sizes = sorted({8, 4 << 20} | {max(4, int(sum(v.get("bytes", 0) for v in stage.get("send", [])
+                                                   if v.get("kind") == "tensor")))
+                                    for stage in plan["stages"][:-1]})
+    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30)
+    try:
+        fit = fit_link(samples)
+    except ValueError:  # time did not grow with size in this noisy sample: report no link
+        return None
+    return dict(fit, samples=samples, repeats=repeats)
 
 
 def _mean_over_holders(stats, groups: Groups):

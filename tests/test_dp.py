@@ -23,7 +23,7 @@ def chains(draw, max_units=14, max_stages=5, with_cap=True):
                                 [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
     opts = CostOptions(num_stages=S, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
-                       latency=rng.choice([0.0, 1e-4]))
+                       latency=rng.choice([0.0, 1e-4]), optimizer_step_total_s=rng.choice([0.0, 3e-3]))
     if with_cap and draw(st.booleans()):
         free = solve(profile, opts, method="dp")
         peak = max(free.cost.device_memory)

@@ -4,7 +4,10 @@ import random
 
 import pytest
 
+from planner.costmodel import CostOptions, evaluate
 from planner.fidelity import calibrate_profile, check_report, simulate_plan
+from planner.plan import make_plan
+from planner.solve import solve
 from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
 from tests.synthetic import synthetic_profile
 
@@ -30,6 +33,20 @@ def test_simulation_and_closed_form(seed):
     assert simulate_plan(one).iteration_s <= one["predicted_iteration_s"] * (1 + 1e-9)
     equal = _plan([times[0]] * p, m, "1f1b")
     assert simulate_plan(equal).iteration_s == pytest.approx(equal["predicted_iteration_s"], rel=1e-9)
+
+
+def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulation():
+    profile = synthetic_profile(forward=[{1: 1.0}, {1: 2.0}], backward=[{1: 2.0}, {1: 4.0}], params=[0, 0],
+                                saved=[{1: 0}] * 2, cut_act=[{1: 0}], sizes=(1,))
+    base = CostOptions(num_stages=2, global_batch=4, schedule="gpipe")
+    plain = evaluate(profile, [1], 1, base).iteration_s
+    charged = evaluate(profile, [1], 1, base.with_(optimizer_step_total_s=0.5, step_overhead_s=0.1)).iteration_s
+    assert charged == pytest.approx(plain + 0.5 / 2 + 0.1)  # the average rank's step, sum_l o_l / p
+    solution = solve(profile, base.with_(optimizer_step_total_s=0.5), method="ilp")
+    assert solution.objective == pytest.approx(plain + 0.25)
+    plan = make_plan(profile, solution, base.with_(optimizer_step_total_s=0.5), "p.json")
+    assert plan["per_step_s"] == pytest.approx(0.25)
+    assert simulate_plan(plan).iteration_s == pytest.approx(plan["predicted_iteration_s"], rel=1e-9)
 
 
 def test_simulation_reports_busy_idle_and_memory():

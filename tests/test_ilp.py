@@ -38,7 +38,7 @@ def problems(draw, max_units=7, max_stages=4):
     optimizer = draw(st.sampled_from(["sgd", "adamw"]))
     base = CostOptions(num_stages=S, global_batch=draw(st.sampled_from([8, 16])), schedule=schedule,
                        bandwidth=rng.choice([1e8, 1e9, 1e10]), latency=rng.choice([0.0, 1e-4]),
-                       optimizer=optimizer)
+                       optimizer=optimizer, optimizer_step_total_s=rng.choice([0.0, 3e-3]))
     # cap between the memory floor (t = 0) and the peak of the unconstrained optimum (t = 1):
     # t < 0 is infeasible, 0 <= t < 1 usually binds, None is no cap
     t = draw(st.one_of(st.none(), st.floats(-0.1, 1.1)))

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from planner.costmodel import profiled_optimizer_step_s
 from planner.measure import CoRunners, fit_link, measure_link, measure_units, profile_model
 from planner.profile import Profile
 from tests.pipeline import run_cli
@@ -87,11 +88,23 @@ def test_profile_with_a_co_runner_records_its_conditions():
     assert under["co_runners"] == 1 and under["order"] == "round-robin"
     assert under["warmup_s"] == 0.05 and under["min_time_s"] == 0.05 and under["threads"] == 1
     assert alone.extra["measured_under"]["co_runners"] == 0
+    # unit times are scaled to the whole model timed in the same rounds, per size
+    scale = under["whole_model_scale"]["2"]
+    assert set(scale) == {"forward", "backward"} and all(0.3 < x < 3.0 for x in scale.values())
+    bare = profile_model("builtin:mlp", {}, [2], repeats=1, whole_model=False)
+    assert bare.extra["measured_under"]["whole_model_scale"] is None
     # the load changes times, never what is counted
     assert [u.saved_bytes for u in shared.units] == [u.saved_bytes for u in alone.units]
     assert [u.param_bytes for u in shared.units] == [u.param_bytes for u in alone.units]
     again = Profile.from_json(json.loads(json.dumps(shared.to_json())))
     assert again.extra["measured_under"] == under
+    # one optimizer step per unit with parameters, for each optimizer the runtime runs; kept in the file
+    for unit in shared.units:
+        assert (set(unit.optimizer_s) == {"sgd", "adamw"} and all(t > 0 for t in unit.optimizer_s.values())) \
+            if unit.param_bytes else unit.optimizer_s == {}
+    assert [u.optimizer_s for u in again.units] == [u.optimizer_s for u in shared.units]
+    total = sum(u.optimizer_s.get("adamw", 0.0) for u in shared.units)
+    assert profiled_optimizer_step_s(again, "adam") == pytest.approx(total) and total > 0
 
 
 def test_co_runners_load_and_stop():

@@ -107,7 +107,7 @@ def problems(draw):
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), data_parallel=draw(st.sampled_from([1, 2])),
                        dp_bandwidth=rng.choice([None, 1e8]), recompute=draw(st.sampled_from(["none", "all", "auto"])),
-                       step_overhead_s=rng.choice([0.0, 1e-3]))
+                       step_overhead_s=rng.choice([0.0, 1e-3]), optimizer_step_total_s=rng.choice([0.0, 2e-3]))
     if draw(st.booleans()):
         opts = opts.with_(memory_cap=rng.uniform(5e6, 6e7))
     return profile, opts

@@ -16,11 +16,13 @@ def _gpt_plan(cuts, b=2, g=8, schedule="1f1b"):
     return plan_with(profile_of("builtin:gpt", {"layers": 6}), cuts, b, g, schedule)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "bfs"])
-def test_multi_chunk_schedules(tmp_path, schedule):
-    # 4 stages on 2 ranks, looping placement: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3
+@pytest.mark.parametrize("schedule, ahead", [("interleaved", "0"), ("bfs", "7")])
+def test_multi_chunk_schedules(tmp_path, schedule, ahead):
+    # 4 stages on 2 ranks, looping placement: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3;
+    # each rank receives both directions from the same peer: receives posted when needed, or
+    # 7 ahead (other tests run the default, 2)
     plan = reshape_plan(_gpt_plan([2, 5, 7], b=2, g=8), virtual_stages=2, schedule=schedule)
-    state = execute(plan, tmp_path)
+    state = execute(plan, tmp_path, extra=["--recv-ahead", ahead])
     assert max_abs_diff(state, reference_state(plan)) <= 1e-5
     assert [s["chunks"] for s in report_of(tmp_path)["stages"]] == [[0, 2], [1, 3]]
 

@@ -76,3 +76,33 @@ def test_topology_from_plan():
     assert t.data_parallel_group(2) == [2, 5]
     with pytest.raises(TopologyError):
         topology_of({"stages": stages, "virtual_stages": 4})
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2, 5])
+def test_receives_are_posted_ahead_in_action_order(ahead):
+    """The engine posts each receive `ahead` receive actions before it runs (gloo matches by tag,
+    so data can move while the rank computes); every receive is posted once, in list order."""
+    from types import SimpleNamespace
+
+    from runtime.engine import _ReceivesAhead
+
+    actions = sched.build_schedule("1f1b", 3, 6)[1]  # a middle rank: activations and gradients
+    posts = []
+    comm = SimpleNamespace(post_recv=lambda *message: posts.append(message) or message)
+    engine = SimpleNamespace(comm=comm, actions=actions, _message=lambda a: (a.kind, a.micro_batch, a.chunk),
+                             receive_actions=[k for k, a in enumerate(actions)
+                                              if a.kind in (sched.RECV_ACT, sched.RECV_GRAD)])
+    receives = _ReceivesAhead(engine, ahead)
+    taken = 0
+    for index, action in enumerate(actions):
+        if action.kind not in (sched.RECV_ACT, sched.RECV_GRAD):
+            continue
+        posted = receives.take(index)
+        taken += 1
+        if ahead == 0:
+            assert posted is None and posts == []
+            continue
+        assert posted == (action.kind, action.micro_batch, action.chunk)  # this action's own message
+        assert len(posts) == min(taken + ahead, len(engine.receive_actions))  # `ahead` more are out
+    wanted = [engine._message(actions[k]) for k in engine.receive_actions]
+    assert posts == (wanted if ahead else [])

@@ -174,11 +174,11 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
             best = (cost.iteration_s, bounds, redo)
 
     for eps in eps_values:
-        if best is not None and g_min + (m - 1) * tau_star + eps + opts.step_overhead_s >= best[0]:
+        if best is not None and g_min + (m - 1) * tau_star + eps + opts.per_step_s >= best[0]:
             break
         masks = [np.where(E <= eps, t, np.inf) for t, E in zip(times, extras)]
         for count, tau in enumerate(tau_values):
-            if best is not None and g_min + (m - 1) * tau + eps + opts.step_overhead_s >= best[0]:
+            if best is not None and g_min + (m - 1) * tau + eps + opts.per_step_s >= best[0]:
                 break
             if max_thresholds is not None and count >= max_thresholds:
                 break

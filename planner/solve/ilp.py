@@ -116,7 +116,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
     total_work = max(sum(work) / MS / max(speeds), total_floor_s)  # sum_c T_c >= this
     tau = math.inf
     if incumbent is not None:
-        beat = incumbent[0] - opts.step_overhead_s
+        beat = incumbent[0] - opts.per_step_s
         tau = beat if m * v == 1 else min(beat, (beat - total_work / v) / (m - 1.0 / v))
     low, high = _fixings(profile, b, opts, tau) if math.isfinite(tau) else ([max(0, l - (L - C)) for l in range(L)],
                                                                             [min(C - 1, l) for l in range(L)])
@@ -198,7 +198,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
             cap = math.floor(caps[i]) if opt.is_integer() else caps[i]
             add(memory <= cap / MIB, f"memory_rank_{i}")
         extra_terms = _extra_terms(prob, profile, opts, x, ends, may, add)
-        objective = pulp.lpSum(chunk_time) * (1.0 / v) + (m - 1.0 / v) * dmax + opts.step_overhead_s * MS
+        objective = pulp.lpSum(chunk_time) * (1.0 / v) + (m - 1.0 / v) * dmax + opts.per_step_s * MS
         if extra_terms is not None:
             emax = _var(prob, "emax")
             for i in range(p):

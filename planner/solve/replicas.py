@@ -357,7 +357,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
                 (list(range(profile.num_units)) if scenario.recompute == "all" else [])
             value = evaluate(profile, search.best[0], b, _chosen(scenario, search.best), redo).iteration_s - \
-                scenario.step_overhead_s
+                scenario.per_step_s
             if best is None or value < best[0]:
                 best = (value, search.best, b, scenario, redo)
     bound = best[0] if best is not None else math.inf
@@ -371,7 +371,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             # then it beats every plan, time not depending on the held counts
             redo = list(range(profile.num_units)) if other.recompute == "all" else []
             cost = evaluate(profile, lower.best[0], size, _chosen(other, lower.best), redo)
-            value = cost.iteration_s - other.step_overhead_s
+            value = cost.iteration_s - other.per_step_s
             if cost.feasible and (best is None or value < best[0]):
                 best = (value, lower.best, size, other, redo)
     if best is None:
@@ -380,7 +380,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     value, plan, b, scenario, redo = best
     chosen = _chosen(scenario, plan)
     cost = evaluate(profile, plan[0], b, chosen, redo)
-    bound = min(bound + scenario.step_overhead_s, cost.iteration_s)
+    bound = min(bound + scenario.per_step_s, cost.iteration_s)
     gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
     optimal = gap <= OPTIMALITY_GAP
     return Solution(boundaries=list(plan[0]), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,

@@ -89,13 +89,13 @@ def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool)
         if fast is not None:  # exact, or bounds and an incumbent for the ILP
             floor, total = max(floor, fast.floor), max(total, fast.total)
             lower = fast.plan[0] if fast.exact and fast.plan is not None else \
-                max(fast.lower_bound, total + (m - 1) * floor + opts.step_overhead_s)
+                max(fast.lower_bound, total + (m - 1) * floor + opts.per_step_s)
             return _Candidate(opts, b, fast.plan, lower, floor, total, exact=fast.exact)
     if v == 1:
         tables = chunk_tables(profile, b, opts.with_(recompute="none"))
         floor = max(floor, min_max_partition(profile.num_units, opts.num_chunks, lambda c: tables.time[c])[0])
         total = max(total, _min_sum(tables.time, profile.num_units)[0])  # sum_c T_c >= g_min
-    lower = total / v + (m - 1.0 / v) * floor + opts.step_overhead_s
+    lower = total / v + (m - 1.0 / v) * floor + opts.per_step_s
     heuristic = heuristic_plan(profile, b, opts) if use_heuristic else None
     return _Candidate(opts, b, heuristic, lower, floor, total)
 
