@@ -27,6 +27,7 @@ from planner.allocator import retain_freed_memory
 from planner.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.spec import ModelSpec, build_spec
+from runtime.optim import OPTIMIZERS, make_optimizer
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
@@ -162,8 +163,6 @@ def measure_optimizer_steps(unit_params: Sequence[Sequence[torch.Tensor]], devic
     parameters, with gradients set, round-robin over the units after a few untimed rounds (AdamW
     creates its state in its first step), for at least `repeats` rounds and `min_time_s` seconds
     per optimizer."""
-    from runtime.optim import OPTIMIZERS, make_optimizer
-
     copies = []
     for params in unit_params:
         mine = [p.detach().clone().requires_grad_(True) for p in params]
@@ -443,8 +442,8 @@ def profile_model(
                                         min_time_s=min(min_time_s, 0.5))
         for unit, step in zip(unit_records, steps):
             unit.optimizer_s = step
-        total = {name: sum(step.get(name, 0.0) for step in steps) for name in ("sgd", "adamw")}
-        say(f"  optimizer step over all units: sgd {total['sgd'] * 1e3:.3f} ms, adamw {total['adamw'] * 1e3:.3f} ms")
+        totals = {name: sum(step.get(name, 0.0) for step in steps) for name in OPTIMIZERS}
+        say("  optimizer step over all units: " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in totals.items()))
     finally:
         if co is not None:
             co.stop()
