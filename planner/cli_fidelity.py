@@ -1,4 +1,4 @@
-"""`planner simulate PLAN`, `planner check PLAN REPORT`, `planner calibrate PROFILE REPORT`."""
+"""`planner simulate PLAN`, `planner check PLAN REPORT`, `planner calibrate PROFILE REPORT...`."""
 from __future__ import annotations
 
 import argparse
@@ -32,20 +32,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from planner.fidelity import calibrate_profile
+    from planner.calibrate import calibrate_profile, factor_range
+    from planner.cli_common import UsageError
     from planner.profile import load_profile, save_profile
     from runtime.cli import load_plan
 
+    if len(args.plan) not in (1, len(args.reports)):
+        raise UsageError(f"give one --plan for all reports or one per report ({len(args.reports)} reports, "
+                         f"{len(args.plan)} plans), in the same order")
     profile = load_profile(args.profile)
-    report = read_json(args.report, what="report")
-    plan = load_plan(args.plan)
-    calibrated = calibrate_profile(profile, plan, report)
+    plans = [load_plan(path) for path in args.plan]
+    reports = [read_json(path, what="report") for path in args.reports]
+    runs = list(zip(plans * len(reports) if len(plans) == 1 else plans, reports))
+    calibrated = calibrate_profile(profile, runs)
     save_profile(calibrated, args.output)
     c = calibrated.extra["calibration"]
-    factors = c["unit_scale"].values()
-    fwd = [f["forward"] for f in factors]
-    bwd = [f["backward"] for f in factors]
-    print(f"scaled {len(fwd)} units: forward x{min(fwd):.2f}..{max(fwd):.2f}, backward x{min(bwd):.2f}..{max(bwd):.2f}")
+    (f_lo, f_hi), (b_lo, b_hi) = factor_range(c, "forward"), factor_range(c, "backward")
+    print(f"scaled {len(c['unit_scale'])} units from {len(runs)} run(s): forward x{f_lo:.2f}..{f_hi:.2f}, "
+          f"backward x{b_lo:.2f}..{b_hi:.2f}")
     if "bandwidth_bytes_per_s" in c:
         print(f"link: {c['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, latency {c['latency_s'] * 1e6:.0f} us")
     print(f"per-step overhead {c['step_overhead_s'] * 1e3:.2f} ms")
@@ -66,11 +70,14 @@ def register(sub) -> None:
     c.add_argument("report")
     c.set_defaults(func=cmd_check)
 
-    k = sub.add_parser("calibrate", help="correct a profile from a run's report",
-                       description="Scale each unit's times by what its rank measured, take the link's measured "
-                                   "bandwidth and latency, and record the per-step overhead.")
+    k = sub.add_parser("calibrate", help="correct a profile from runs' reports",
+                       description="Scale each unit's times by what its rank measured (the median over the "
+                                   "runs, per micro-batch size), take the link's measured bandwidth and latency, "
+                                   "and record the per-step overhead. Several runs (other splits, micro-batch "
+                                   "sizes and counts) calibrate better than one: a shared host's noise averages out.")
     k.add_argument("profile")
-    k.add_argument("report")
-    k.add_argument("--plan", required=True, help="the plan the run executed")
+    k.add_argument("reports", nargs="+", metavar="REPORT", help="runtime execute --report files")
+    k.add_argument("--plan", required=True, action="append",
+                   help="the plan a report's run executed: once for all reports, or once per report in order")
     k.add_argument("--output", "-o", required=True, help="calibrated profile to write")
     k.set_defaults(func=cmd_calibrate)

@@ -1,22 +1,20 @@
-"""Does a plan keep its promises? Simulate it, check it against a run's report, and calibrate
-the profile from what was measured.
+"""Does a plan keep its promises? Simulate it, and check it against a run's report.
 
 - `simulate_plan`: discrete-event simulation of the plan's instruction lists (the same lists the
   runtime executes) with the plan's per-stage costs: per-rank busy and idle time, bubble fraction,
   iteration time and peak memory per rank.
-- `check_report`: predicted vs measured per rank and overall, with relative errors.
-- `calibrate_profile`: per-unit scale factors (measured / predicted compute of the rank that ran
-  the unit), the link's measured bandwidth and latency, and the per-step overhead left over, so
-  that re-solving plans with what this machine really does.
+- `check_report`: predicted vs measured per rank and overall, with relative errors, and the
+  host's speed during the run against the profile's (runtime.hostspeed).
+
+Correcting the profile from runs' reports is `planner.calibrate`.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from planner.profile import Profile
 from runtime import schedule as sched
+from runtime.hostspeed import slowdown_warning
 from runtime.simulate import SimEvent, costs_from_plan, simulate
 from runtime.topology import instruction_lists
 
@@ -112,7 +110,8 @@ def check_report(plan: Dict[str, Any], report: Dict[str, Any]) -> Dict[str, Any]
                       "backward": (me["backward_s"], pr["backward_s"], _rel(me["backward_s"], pr["backward_s"])),
                       "waiting_s": me.get("recv_wait_s", 0.0) + me.get("send_wait_s", 0.0)})
     measured, predicted = report["measured_iteration_s"], plan["predicted_iteration_s"]
-    return {"ranks": ranks, "iteration": (measured, predicted, _rel(measured, predicted))}
+    return {"ranks": ranks, "iteration": (measured, predicted, _rel(measured, predicted)),
+            "host_slowdown": report.get("host_slowdown")}
 
 
 def format_check(result: Dict[str, Any]) -> str:
@@ -127,74 +126,11 @@ def format_check(result: Dict[str, Any]) -> str:
     me, pr, rel = result["iteration"]
     lines.append(f"iteration: measured {me * 1e3:.2f} ms, predicted {pr * 1e3:.2f} ms, error "
                  f"{'n/a' if rel is None else f'{rel * 100:+.1f}%'}")
+    slow = result.get("host_slowdown")
+    if slow:
+        lines.append(f"host speed during the run: the reference kernel took x{slow['fastest']:.2f}..x{slow['slowest']:.2f}"
+                     " of the profile's time on the ranks (runtime.hostspeed)")
+        warning = slowdown_warning(slow)
+        if warning:
+            lines.append("warning: " + warning)
     return "\n".join(lines)
-
-
-# --- calibration -----------------------------------------------------------------------------
-def _predictor(profile: Profile, plan: Dict[str, Any], bandwidth: float):
-    """latency -> the cost model's iteration time for the executed split of `plan` on `profile`."""
-    from planner.costmodel import CostOptions, evaluate, profiled_optimizer_step_s
-
-    names = [u.name for u in profile.units]
-    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
-    recompute = [names.index(u) for s in plan["stages"] for u in s.get("recompute", [])]
-    opts = CostOptions(num_stages=int(plan.get("pipeline_stages") or len(plan["stages"])),
-                       global_batch=int(plan["global_batch"]), schedule=plan["schedule"], bandwidth=bandwidth,
-                       optimizer=plan.get("optimizer", "sgd"), data_parallel=int(plan.get("data_parallel") or 1),
-                       virtual_stages=int(plan.get("virtual_stages") or 1),
-                       optimizer_step_total_s=profiled_optimizer_step_s(profile, plan.get("optimizer", "sgd")))
-    b = int(plan["micro_batch_size"])
-    return lambda latency: evaluate(profile, boundaries, b, opts.with_(latency=latency), recompute).iteration_s
-
-
-def calibrate_profile(profile: Profile, plan: Dict[str, Any], report: Dict[str, Any]) -> Profile:
-    """A copy of `profile` corrected by the run: every unit's forward and backward times are scaled
-    by measured / predicted of the rank that ran it (the same factor at every micro-batch size:
-    the run measured one), the link's bandwidth and latency replace the defaults when the report
-    measured them; the step time the cost model still misses is charged as extra per-message
-    latency (multi-stage runs), and what remains as a per-step overhead."""
-    if report.get("model") != profile.model:
-        raise ValueError("the report is of a different model than the profile")
-    names = [u.name for u in profile.units]
-    calibrated = copy.deepcopy(profile)
-    factors: Dict[str, Dict[str, float]] = {}
-    for r in report["stages"]:
-        if r.get("replica", 0) != 0:
-            continue
-        me, pr = r["measured"], r["predicted"]
-        fwd = me["forward_s"] / pr["forward_s"] if pr["forward_s"] > 0 else 1.0
-        bwd = me["backward_s"] / pr["backward_s"] if pr["backward_s"] > 0 else 1.0
-        for unit_name in r["units"]:
-            if unit_name not in names:
-                raise ValueError(f"the report's unit {unit_name!r} is not in the profile")
-            unit = calibrated.units[names.index(unit_name)]
-            unit.forward_s = {b: t * fwd for b, t in unit.forward_s.items()}
-            unit.backward_s = {b: t * bwd for b, t in unit.backward_s.items()}
-            factors[unit_name] = {"forward": fwd, "backward": bwd}
-    link = report.get("link") or {}
-    calibration: Dict[str, Any] = dict(profile.extra.get("calibration", {}))
-    calibration["unit_scale"] = factors
-    if link.get("bandwidth_bytes_per_s"):
-        calibration["bandwidth_bytes_per_s"] = link["bandwidth_bytes_per_s"]
-        calibration["latency_s"] = link.get("latency_s", 0.0)
-        calibration["measured_link"] = dict(link)
-    # What the corrected model still misses is charged first as per-message latency (it grows
-    # with the number of transfers, as Python and gloo overheads do), then as per-step overhead.
-    base_latency = float(calibration.get("latency_s", plan.get("latency_s") or 0.0))
-    bandwidth = float(calibration.get("bandwidth_bytes_per_s", plan.get("bandwidth_bytes_per_s") or 5e9))
-    predict = _predictor(calibrated, plan, bandwidth)
-    measured = float(report["measured_iteration_s"])
-    latency = base_latency
-    if len(plan["stages"]) > 1 and predict(base_latency) < measured:
-        low, high = base_latency, base_latency + 1.0
-        if predict(high) > measured:
-            for _ in range(60):  # the prediction grows monotonically with latency: bisect
-                mid = (low + high) / 2
-                low, high = (mid, high) if predict(mid) < measured else (low, mid)
-            latency = low
-    calibration["bandwidth_bytes_per_s"] = bandwidth
-    calibration["latency_s"] = latency
-    calibration["step_overhead_s"] = max(0.0, measured - predict(latency))
-    calibration["runs"] = int(calibration.get("runs", 0)) + 1
-    calibrated.extra = dict(calibrated.extra, calibration=calibration)
-    return calibrated

@@ -25,8 +25,10 @@ import torch
 
 from planner.allocator import retain_freed_memory
 from planner.capture import CaptureError, CapturedModel, capture, run_all_nodes
+from planner.corunners import CoRunners, host_kernel_s
 from planner.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.spec import ModelSpec, build_spec
+from runtime.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from runtime.optim import OPTIMIZERS, make_optimizer
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -241,92 +243,6 @@ def shared_parameters_json(captured: CapturedModel) -> List[Dict[str, Any]]:
             for p in captured.shared_parameters()]
 
 
-def co_runner_main(argv: Optional[Sequence[str]] = None) -> None:
-    """A co-runner process (`python -c "from planner.measure import co_runner_main; co_runner_main()" SPEC`):
-    the model's whole training step (forward, loss, backward) in a loop, at the micro-batch size last
-    read from stdin (one integer a line; 0 pauses), until stdin closes. Nothing it computes is kept."""
-    import json
-    import threading
-
-    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    torch.set_num_threads(max(int(config["threads"]), 1))
-    retain_freed_memory()
-    spec = build_spec(config["entry"], config["args"], int(config["seed"]))
-    from planner.spec import call_model
-
-    state = {"b": 0, "stop": False}
-
-    def read_commands() -> None:
-        for line in sys.stdin:
-            if line.strip():
-                state["b"] = int(line)
-        state["stop"] = True
-
-    threading.Thread(target=read_commands, daemon=True).start()
-    print("ready", flush=True)
-    batches: Dict[int, Any] = {}
-    while not state["stop"]:
-        b = state["b"]
-        if b <= 0:
-            time.sleep(0.001)
-            continue
-        if b not in batches:
-            batches = {b: spec.batch(b, 0)}
-        inputs, target = batches[b]
-        loss = spec.loss(call_model(spec.module, inputs), target)
-        loss.backward()
-        spec.module.zero_grad(set_to_none=True)
-
-
-class CoRunners:
-    """`count` processes that load the other cores as the other ranks of a run on this host would:
-    each runs the model's training step with the same threads (see `co_runner_main`)."""
-
-    def __init__(self, entry: str, model_args: Dict[str, Any], seed: int, threads: int, count: int,
-                 timeout_s: float = 120.0):
-        import json
-        import select
-        import subprocess
-
-        config = json.dumps({"entry": entry, "args": dict(model_args), "seed": seed, "threads": threads})
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                   OMP_NUM_THREADS=str(max(threads, 1)))
-        code = "from planner.measure import co_runner_main; co_runner_main()"
-        self.processes = [subprocess.Popen([sys.executable, "-c", code, config], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, env=env, text=True) for _ in range(count)]
-        deadline = time.monotonic() + timeout_s
-        for proc in self.processes:
-            line = ""
-            while not line and proc.poll() is None and time.monotonic() < deadline:
-                if select.select([proc.stdout], [], [], 0.1)[0]:
-                    line = proc.stdout.readline()
-            if line.strip() != "ready":
-                code_ = proc.poll()
-                self.stop()
-                raise RuntimeError(f"a co-runner process did not start (exit code {code_}); it builds the model "
-                                   "the same way `planner profile` does: check that MODEL imports in a new process")
-
-    def load(self, micro_batch_size: int, settle_s: float = 0.2) -> None:
-        """Run the load at this micro-batch size from now on (after a short settling time)."""
-        for proc in self.processes:
-            proc.stdin.write(f"{int(micro_batch_size)}\n")
-            proc.stdin.flush()
-        time.sleep(settle_s)
-
-    def stop(self) -> None:
-        for proc in self.processes:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-        for proc in self.processes:
-            try:
-                proc.wait(10)
-            except Exception:
-                proc.kill()
-                proc.wait(5)
-
-
 def profile_model(
     entry: str,
     model_args: Dict[str, Any],
@@ -390,10 +306,12 @@ def profile_model(
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     co = CoRunners(entry, model_args, seed, threads, co_runners) if co_runners > 0 else None
     whole_scale: Dict[int, Dict[str, float]] = {}
+    host_kernel: List[Optional[float]] = []
     try:
         if co is not None:
             say(f"started {co_runners} co-runner process(es): the same model's training step on the other "
                 f"core(s) while measuring, as a {co_runners + 1}-rank run on this host has")
+        host_kernel.append(host_kernel_s(co, dev))
         for b in sizes:
             inputs, target = spec.batch(b, 0)
             inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
@@ -444,6 +362,12 @@ def profile_model(
             unit.optimizer_s = step
         totals = {name: sum(step.get(name, 0.0) for step in steps) for name in OPTIMIZERS}
         say("  optimizer step over all units: " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in totals.items()))
+        host_kernel.append(host_kernel_s(co, dev))
+        if host_kernel[0]:
+            drift = host_kernel[1] / host_kernel[0]
+            say(f"  host speed: reference kernel {host_kernel[0] * 1e6:.0f} us before, {host_kernel[1] * 1e6:.0f} us "
+                f"after" + (f" (x{drift:.2f}: the machine's speed changed while profiling; profile again when it "
+                            "is quiet)" if abs(drift - 1) > SLOWDOWN_WARN else ""))
     finally:
         if co is not None:
             co.stop()
@@ -466,7 +390,10 @@ def profile_model(
                                   "min_time_s": min_time_s, "order": "round-robin", "co_runners": co_runners,
                                   "co_runner_load": "the model's training step at the measured micro-batch size"
                                   if co_runners else None, "cpu_count": os.cpu_count(),
-                                  "whole_model_scale": {str(b): s for b, s in whole_scale.items()} or None}},
+                                  "whole_model_scale": {str(b): s for b, s in whole_scale.items()} or None,
+                                  "host_kernel": {"kernel": REFERENCE_KERNEL, "before_s": host_kernel[0],
+                                                  "after_s": host_kernel[1], "mean_s": mean_kernel_s(host_kernel)}
+                                  if host_kernel[0] else None}},
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
+from runtime.hostspeed import host_slowdown, slowdown_warning
+
 MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
 
 
@@ -51,6 +53,7 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
             "predicted": {kind: sum(counts.get(str(g), m) * float(plan["stages"][g].get(kind, 0.0)) for g in chunks)
                           for kind in ("forward_s", "backward_s")},
             "threads": r.get("threads"),
+            "host_kernel_s": r.get("host_kernel_s"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),
             "peak_saved_bytes": r.get("peak_saved_bytes"),
@@ -74,6 +77,9 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
         "measured_iteration_s": measured,
         "relative_error": (measured - predicted) / predicted if predicted > 0 else None,
         "link": next((r["link"] for r in rank_results if r.get("link")), None),
+        # the host's speed during the run against the profile's (runtime.hostspeed)
+        "host_slowdown": host_slowdown((plan.get("profile") or {}).get("host_kernel_s"),
+                                       [r.get("host_kernel_s") or [] for r in rank_results]),
     }
 
 
@@ -96,4 +102,11 @@ def format_report(report: Dict[str, Any]) -> str:
     err = report.get("relative_error")
     lines.append(f"iteration: measured {m * 1e3:.2f} ms (median of steady steps), predicted {p * 1e3:.2f} ms"
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
+    slow = report.get("host_slowdown")
+    if slow:
+        lines.append(f"host speed: the reference kernel took x{slow['fastest']:.2f}..x{slow['slowest']:.2f} of the "
+                     "profile's time on the ranks")
+        warning = slowdown_warning(slow)
+        if warning:
+            lines.append("warning: " + warning)
     return "\n".join(lines)

@@ -30,6 +30,7 @@ from runtime import checkpoint as ckpt
 from runtime import schedule as sched
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
+from runtime.hostspeed import reference_kernel_s
 from runtime.optim import OPTIMIZERS, make_optimizer
 from runtime.stage import build_rank, chunk_state
 from runtime.topology import instruction_lists, topology_of
@@ -131,6 +132,8 @@ def run(args) -> None:
                 first_step = done
         link = _measure_link(plan, topology, rank) if args.measure_link else None
         dist.barrier()
+        host_kernel = [reference_kernel_s(0.05, device=device)]  # all ranks at once, as they compute
+        dist.barrier()
         is_reporter = pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
         steps = []
         for step in range(first_step, args.steps):
@@ -148,6 +151,8 @@ def run(args) -> None:
                 dist.barrier()  # every rank's file is in place before the step is marked complete
                 if rank == 0:
                     ckpt.mark_complete(args.checkpoint_dir, step + 1, digest, world)
+        dist.barrier()
+        host_kernel.append(reference_kernel_s(0.05, device=device))
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         # the parameters in memory on this rank, each once
         static = sum(p.numel() * p.element_size() for p in rank_model.parameters())
@@ -156,7 +161,8 @@ def run(args) -> None:
                   "micro_batches": {str(c.index): len(topology.micro_batches_of(pipeline_rank, c.index, m))
                                     for c in rank_model.chunks}, "threads": threads, "device": str(device),
                   "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
-                  "peak_saved_bytes": engine.saved.peak, "param_bytes": static, "link": link}
+                  "peak_saved_bytes": engine.saved.peak, "param_bytes": static, "link": link,
+                  "host_kernel_s": host_kernel}
         if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
             state: Dict[str, torch.Tensor] = {}
             for chunk in rank_model.chunks:

@@ -5,7 +5,9 @@ import random
 import pytest
 
 from planner.costmodel import CostOptions, evaluate
-from planner.fidelity import calibrate_profile, check_report, simulate_plan
+from planner.calibrate import calibrate_profile
+from planner.fidelity import check_report, simulate_plan
+from runtime.hostspeed import host_slowdown, reference_kernel_s, slowdown_warning
 from planner.plan import make_plan
 from planner.solve import solve
 from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
@@ -84,7 +86,7 @@ def test_calibration_scales_units_and_records_overhead():
     measured = simulate_plan(truth).iteration_s + overhead
     report = _fake_report(plan, [1.5, 1.0], [1.5, 0.5], measured,
                           link={"bandwidth_bytes_per_s": 2e9, "latency_s": 1e-4})
-    calibrated = calibrate_profile(profile, plan, report)
+    calibrated = calibrate_profile(profile, [(plan, report)])
     assert [u.forward_s[1] for u in calibrated.units] == pytest.approx([1.5, 1.5, 2.0])
     assert [u.backward_s[1] for u in calibrated.units] == pytest.approx([3.0, 3.0, 2.0])
     c = calibrated.extra["calibration"]
@@ -93,6 +95,74 @@ def test_calibration_scales_units_and_records_overhead():
     assert profile.units[0].forward_s[1] == 1.0  # the input profile is untouched
     result = check_report(plan, report)
     assert result["ranks"][0]["forward"][2] == pytest.approx(0.5)
+
+
+def _two_unit_profile(scale=1.0):
+    return synthetic_profile(forward=[{1: 1.0 * scale, 2: 1.8 * scale}, {1: 2.0 * scale, 2: 3.6 * scale}],
+                             backward=[{1: 2.0 * scale, 2: 3.6 * scale}, {1: 4.0 * scale, 2: 7.2 * scale}],
+                             params=[0, 0], saved=[{1: 0, 2: 0}] * 2, cut_act=[{1: 8, 2: 16}], sizes=(1, 2))
+
+
+def test_calibration_from_several_runs_takes_per_size_medians():
+    profile = _two_unit_profile()
+    at1, at2 = plan_with(profile, [1], 1, 4, "gpipe"), plan_with(profile, [1], 2, 8, "gpipe")
+    runs = [(at1, _fake_report(at1, [1.1, 1.2], [1.0, 1.0], 1.0)),
+            (at1, _fake_report(at1, [1.3, 1.2], [1.0, 1.0], 1.0)),
+            (at1, _fake_report(at1, [1.2, 9.0], [1.0, 1.0], 1.0)),  # one noisy run: the median ignores it
+            (at2, _fake_report(at2, [0.9, 0.8], [1.1, 1.1], 1.0))]
+    c = calibrate_profile(profile, runs)
+    u0, u1 = c.units
+    assert u0.forward_s[1] == pytest.approx(1.2) and u1.forward_s[1] == pytest.approx(2.0 * 1.2)
+    assert u0.forward_s[2] == pytest.approx(1.8 * 0.9) and u1.backward_s[2] == pytest.approx(7.2 * 1.1)
+    assert c.extra["calibration"]["unit_scale"]["u1"]["forward"] == {"1": pytest.approx(1.2), "2": pytest.approx(0.8)}
+    assert c.extra["calibration"]["runs"] == 4
+    # a size no run measured takes the median over all runs
+    only1 = calibrate_profile(profile, runs[:1])
+    assert only1.units[0].forward_s[2] == pytest.approx(1.8 * 1.1)
+
+
+def test_calibration_recomputes_predictions_from_the_profile_it_corrects():
+    """A run planned from another measurement of the model (here 2x slower) calibrates this profile
+    as a run planned from it does: the measured times are what count."""
+    profile, other = _two_unit_profile(), _two_unit_profile(2.0)
+    own, foreign = plan_with(profile, [1], 1, 4, "gpipe"), plan_with(other, [1], 1, 4, "gpipe")
+    measured = _fake_report(own, [1.5, 1.5], [1.5, 1.5], 20.0)
+    # the same measured seconds, reported against the other profile's plan
+    from_other = _fake_report(foreign, [0.75, 0.75], [0.75, 0.75], 20.0)
+    a = calibrate_profile(profile, [(own, measured)])
+    b = calibrate_profile(profile, [(foreign, from_other)])
+    assert [u.forward_s[1] for u in a.units] == pytest.approx([u.forward_s[1] for u in b.units])
+    assert [u.forward_s[1] for u in a.units] == pytest.approx([1.5, 3.0])
+    assert a.extra["calibration"]["step_overhead_s"] == pytest.approx(b.extra["calibration"]["step_overhead_s"])
+
+
+def test_calibration_separates_per_step_overhead_from_latency_over_runs():
+    profile = _two_unit_profile()
+    one = [plan_with(profile, [], 1, m, "gpipe") for m in (2, 4, 8)]
+    overhead = 0.7
+    runs = [(p, _fake_report(p, [1.0], [1.0], simulate_plan(p).iteration_s + overhead + noise))
+            for p, noise in zip(one, (0.0, 0.05, -0.05))]
+    c = calibrate_profile(profile, runs).extra["calibration"]
+    assert c["step_overhead_s"] == pytest.approx(overhead, abs=1e-9)  # the median residual
+    two = [plan_with(profile, [1], 1, m, "gpipe") for m in (2, 8)]
+    slow = [(p, _fake_report(p, [1.0, 1.0], [1.0, 1.0], simulate_plan(p).iteration_s + 0.1 * m))
+            for p, m in zip(two, (2, 8))]
+    c2 = calibrate_profile(profile, slow).extra["calibration"]
+    assert c2["latency_s"] > 0  # what grows with the messages becomes latency
+    with pytest.raises(ValueError, match="at least one run"):
+        calibrate_profile(profile, [])
+
+
+def test_host_slowdown_and_its_warning():
+    assert reference_kernel_s(0.01) > 0 and reference_kernel_s(0.01, device="meta") is None
+    assert host_slowdown(None, [[1.0]]) is None and host_slowdown(1.0, [[None, None]]) is None
+    quiet = host_slowdown(1e-4, [[1.0e-4, 1.02e-4], [0.99e-4, 1.01e-4]])
+    assert quiet["slowest"] == pytest.approx(1.01) and quiet["fastest"] == pytest.approx(1.0)
+    assert slowdown_warning(quiet) is None
+    spell = host_slowdown(1e-4, [[1.0e-4, 1.0e-4], [1.3e-4, 1.2e-4]])
+    assert spell["per_rank"] == pytest.approx([1.0, 1.25])
+    assert "x1.25" in slowdown_warning(spell) and "rank 1" in slowdown_warning(spell)
+    assert "faster" in slowdown_warning(host_slowdown(1e-4, [[0.8e-4]]))
 
 
 def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
@@ -110,10 +180,19 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     checked = run_cli(["planner.cli", "check", plan_path, report_path])
     assert checked.returncode == 0, checked.stderr
     assert "iteration: measured" in checked.stdout
+    # every rank timed the host-speed kernel before and after its steps; the profile did too
+    slow = report_of(tmp_path)["host_slowdown"]
+    assert len(slow["per_rank"]) == 2 and all(r > 0 for r in slow["per_rank"])
+    assert "host speed during the run" in checked.stdout
     out = str(tmp_path / "calibrated.json")
-    calibrated = run_cli(["planner.cli", "calibrate", profile_path, report_path, "--plan", plan_path, "-o", out])
+    calibrated = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, "--plan", plan_path,
+                          "-o", out])
     assert calibrated.returncode == 0, calibrated.stderr
-    assert "per-step overhead" in calibrated.stdout
+    assert "per-step overhead" in calibrated.stdout and "from 2 run(s)" in calibrated.stdout
+    mismatched = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, report_path,
+                          "--plan", plan_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")])
+    assert mismatched.returncode != 0 and "one per report" in mismatched.stderr
+    assert not (tmp_path / "no.json").exists()
     assert "calibration" in json.load(open(out))
     simulated = run_cli(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
     assert simulated.returncode == 0, simulated.stderr

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from planner.costmodel import profiled_optimizer_step_s
-from planner.measure import CoRunners, fit_link, measure_link, measure_units, profile_model
+from planner.corunners import CoRunners
+from planner.measure import fit_link, measure_link, measure_units, profile_model
 from planner.profile import Profile
 from tests.pipeline import run_cli
 
@@ -88,6 +89,9 @@ def test_profile_with_a_co_runner_records_its_conditions():
     assert under["co_runners"] == 1 and under["order"] == "round-robin"
     assert under["warmup_s"] == 0.05 and under["min_time_s"] == 0.05 and under["threads"] == 1
     assert alone.extra["measured_under"]["co_runners"] == 0
+    # the host-speed reference kernel, timed before and after (with the co-runner running it too)
+    for host in (under["host_kernel"], alone.extra["measured_under"]["host_kernel"]):
+        assert 0 < host["before_s"] < 1 and 0 < host["after_s"] < 1 and host["mean_s"] > 0
     # unit times are scaled to the whole model timed in the same rounds, per size
     scale = under["whole_model_scale"]["2"]
     assert set(scale) == {"forward", "backward"} and all(0.3 < x < 3.0 for x in scale.values())
@@ -110,6 +114,7 @@ def test_profile_with_a_co_runner_records_its_conditions():
 def test_co_runners_load_and_stop():
     co = CoRunners("builtin:mlp", {}, 0, 1, 1)
     co.load(2, settle_s=0.0)
+    co.load(-1, settle_s=0.0)  # the reference kernel
     co.stop()
     assert all(p.returncode == 0 for p in co.processes)
 
