@@ -12,9 +12,14 @@ cut sizes (`--link measure`), solve the split with the ILP for that (b, m) with 
 with `runtime execute`, and compare the plan's predicted iteration time (the solver's closed form;
 the discrete-event simulation beside it) with the measured one: the median over `--passes` whole
 passes over the grid of each run's median steady step. Each run also records how many cores
-other processes kept busy meanwhile. Then calibrate the profile from ONE run per model and stage
-count and pass (m = 4, b = 4: that pass's run calibrates that pass's profile) and predict that stage
-count's grid points again with each calibrated profile, median over passes as before: the mean
+other processes kept busy meanwhile, and how fast the host computed against the profile
+(runtime.hostspeed: a reference kernel every rank times before and after its steps): a run off
+the profile's speed by more than 10 % (a shared host's slow spell) is run again, at most twice,
+keeping the try nearest the profile's speed; a profile whose host speed drifted that much while
+it was measured is measured again. The error of the first tries alone is reported beside it.
+Then one calibration round per model and stage count: each pass's profile is calibrated from
+the runs at (m, b) = (4, 2) and (4, 4) of every pass (`planner calibrate` with several reports)
+and predicts that stage count's grid points again, median over passes as before: the mean
 absolute percentage error (MAPE) before and after.
 """
 from __future__ import annotations
@@ -31,11 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
 from planner.costmodel import CostOptions, profiled_optimizer_step_s  # noqa: E402
-from planner.fidelity import calibrate_profile, simulate_plan  # noqa: E402
+from planner.calibrate import calibrate_profile  # noqa: E402
+from planner.costmodel import evaluate  # noqa: E402
+from planner.fidelity import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.measure import measure_link, profile_model  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
+from runtime.hostspeed import SLOWDOWN_WARN  # noqa: E402
 
 MODELS = {
     "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),
@@ -44,7 +52,11 @@ MODELS = {
 STAGES = (1, 2)
 MICRO_BATCHES = (2, 4, 8)
 SIZES = (2, 4)
-CALIBRATION_M_B = (4, 4)  # one calibration run per model and stage count: m = 4, b = 4
+# The runs one calibration round takes, per model and stage count: these (m, b) points of every pass.
+CALIBRATION_POINTS = ((4, 2), (4, 4))
+# A run (or a profile) that met another host speed than its profile (or than itself, before and
+# after) by more than runtime.hostspeed.SLOWDOWN_WARN is measured again, at most this many times.
+RETRIES = 2
 
 
 def only_size(profile, b):
@@ -110,23 +122,167 @@ def measured_run(plan, steps):
     return report, other
 
 
-def mape(rows, key):
-    return statistics.mean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) * 100
+def host_off(report) -> float:
+    """How far the run's host speed was from the profile's: the largest |ratio - 1| over ranks."""
+    slow = report.get("host_slowdown") or {}
+    return max((abs(slow[k] - 1.0) for k in ("slowest", "fastest") if k in slow), default=0.0)
+
+
+def profile_drift(profile) -> float:
+    host = profile.extra["measured_under"].get("host_kernel") or {}
+    return abs(host["after_s"] / host["before_s"] - 1.0) if host.get("before_s") else 0.0
+
+
+def mape(rows, key, measured="measured_s"):
+    return statistics.mean(abs(r[key] - r[measured]) / r[measured] for r in rows) * 100
 
 
 def profiles_for(entry, model_args, args):
-    """One profile per stage count: measured as its ranks will run (S - 1 co-runners), with the link."""
+    """One profile per stage count: measured as its ranks will run (S - 1 co-runners), with the
+    link; profiled again (at most RETRIES times) when the host's speed changed while profiling."""
     profiles = {}
     for stages in STAGES:
-        profiles[stages] = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7,
-                                         warmup_s=args.warmup, min_time_s=args.min_time,
-                                         co_runners=stages - 1 if args.co_runners else 0)
+        for attempt in range(RETRIES + 1):
+            profile = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7, warmup_s=args.warmup,
+                                    min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0)
+            if profile_drift(profile) <= SLOWDOWN_WARN:
+                break
+            print(f"  profile for {stages} stage(s): host speed drifted {profile_drift(profile) * 100:.0f} % "
+                  f"while profiling" + ("; profiling again" if attempt < RETRIES else ""), flush=True)
+        profile.extra["profile_attempts"] = attempt + 1
+        profiles[stages] = profile
     if args.link:
         cut_bytes = {c.activation_bytes(b) for c in profiles[1].cuts for b in SIZES}
         link = measure_link(sorted(cut_bytes))
         for prof in profiles.values():
             prof.extra["link"] = link
     return profiles
+
+
+def run_point(plan, profile, steps):
+    """One grid point of one pass: run it; run again (at most RETRIES times) while the run's host
+    speed is off the profile's by more than SLOWDOWN_WARN, keeping the try closest to the profile's
+    speed. The first try is kept beside it (the error without re-measurement)."""
+    tries = []
+    for _ in range(RETRIES + 1):
+        report, other = measured_run(plan, steps)
+        tries.append({"measured_s": report["measured_iteration_s"], "other": other, "report": report,
+                      "host_off": host_off(report)})
+        if tries[-1]["host_off"] <= SLOWDOWN_WARN:
+            break
+    best = min(tries, key=lambda t: t["host_off"])
+    return dict(best, plan=plan, profile=profile, predicted_s=plan["predicted_iteration_s"],
+                simulated_s=simulate_plan(plan).iteration_s, first_measured_s=tries[0]["measured_s"],
+                tries=len(tries), host_off_tries=[t["host_off"] for t in tries])
+
+
+def run_passes(name, args):
+    """Every pass over the grid for one model: {(S, m, b): plan}, {(S, m, b): [run per pass]}."""
+    entry, model_args = MODELS[name]
+    plans, runs = None, None
+    for rep in range(args.passes):
+        # Whole passes over the grid, each profiled afresh just before its runs: the machine's speed
+        # drifts over minutes (shared host), and the prediction should see the same spell the runs do.
+        profiles = profiles_for(entry, model_args, args)
+        link = profiles[1].extra.get("link")
+        if link:
+            print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+                  f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
+        if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
+            plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
+                     for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
+            runs = {key: [] for key in plans}
+        for key, plan in plans.items():
+            profile = profiles[key[0]]
+            run = run_point(plan_fixed(profile, plan, link_options(profile)), profile, args.steps)
+            runs[key].append(run)
+            print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
+                  f"{run['predicted_s'] * 1e3:7.2f} ms, measured {run['measured_s'] * 1e3:7.2f} ms, host speed off "
+                  f"{', '.join(f'{h * 100:.0f}' for h in run['host_off_tries'])} %"
+                  + (f" (other processes: {run['other']:.2f} cores)" if run["other"] is not None else ""), flush=True)
+    return plans, runs
+
+
+def grid_rows(name, plans, runs):
+    rows = []
+    for (stages, m, b), plan in plans.items():
+        done = runs[(stages, m, b)]
+        others = [r["other"] for r in done if r["other"] is not None]
+        rows.append({"model": name, "stages": stages, "m": m, "b": b,
+                     "split": [s["units"][0] for s in plan["stages"]],
+                     "predicted_s": statistics.median(r["predicted_s"] for r in done),
+                     "simulated_s": statistics.median(r["simulated_s"] for r in done),
+                     "measured_s": statistics.median(r["measured_s"] for r in done),
+                     "first_measured_s": statistics.median(r["first_measured_s"] for r in done),
+                     "predicted_runs_s": [r["predicted_s"] for r in done],
+                     "measured_runs_s": [r["measured_s"] for r in done],
+                     "tries": [r["tries"] for r in done],
+                     "other_cores_max": max(others) if others else None})
+    return rows
+
+
+def calibrate_rows(rows, plans, runs, passes):
+    """One calibration round per stage count, from the runs at CALIBRATION_POINTS of every pass
+    (several runs: one run's noise is what a single-run calibration would keep). Each pass's
+    profile is calibrated from them and re-predicts every point of its stage count; a point's
+    calibrated time is the median over the passes, as the predictions before are."""
+    calibrations = {}
+    for rep in range(passes):
+        for stages in STAGES:
+            chosen = [run for m, b in CALIBRATION_POINTS for run in runs[(stages, m, b)]]
+            calibrations[stages] = calibrate_profile(runs[(stages,) + CALIBRATION_POINTS[0]][rep]["profile"],
+                                                     [(run["plan"], run["report"]) for run in chosen])
+        for row in rows:
+            calibrated = calibrations[row["stages"]]
+            cal = calibrated.extra["calibration"]
+            plan = plans[(row["stages"], row["m"], row["b"])]
+            boundaries = [s["first_unit"] for s in plan["stages"][1:]]
+            opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
+                               bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
+                               step_overhead_s=cal["step_overhead_s"],
+                               optimizer_step_total_s=profiled_optimizer_step_s(calibrated, "sgd"))
+            row.setdefault("calibrated_runs_s", []).append(evaluate(calibrated, boundaries, row["b"], opts).iteration_s)
+    for row in rows:
+        row["calibrated_s"] = statistics.median(row["calibrated_runs_s"])
+    return calibrations
+
+
+def summarize(name, rows, runs, calibrations):
+    cal = calibrations[max(STAGES)].extra["calibration"]
+    every = [r for done in runs.values() for r in done]
+    return {"model": name, "points": len(rows), "mape_before_pct": mape(rows, "predicted_s"),
+            "mape_after_pct": mape(rows, "calibrated_s"), "mape_simulated_pct": mape(rows, "simulated_s"),
+            "mape_first_tries_pct": mape(rows, "predicted_s", "first_measured_s"),
+            "signed_before_pct": statistics.mean((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+                                                 for r in rows) * 100,
+            "runs": len(every), "remeasured_runs": sum(r["tries"] > 1 for r in every),
+            "runs_off_after_retries": sum(r["host_off"] > SLOWDOWN_WARN for r in every),
+            "step_overhead_ms": calibrations[min(STAGES)].extra["calibration"]["step_overhead_s"] * 1e3,
+            "link_gbps": cal["bandwidth_bytes_per_s"] / 1e9, "latency_us": cal["latency_s"] * 1e6,
+            "other_cores_max": max((r["other_cores_max"] or 0.0) for r in rows)}
+
+
+def print_tables(summary, all_rows):
+    print()
+    print("| model | points | MAPE before (closed form) | MAPE before, first tries | mean signed error | "
+          "MAPE simulated | MAPE after one calibration | runs re-measured (still off) | per-step overhead "
+          "(1 stage) | link after calibration (2 stages) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for s in summary:
+        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['mape_first_tries_pct']:.1f} % | "
+              f"{s['signed_before_pct']:+.1f} % | {s['mape_simulated_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
+              f"{s['remeasured_runs']} of {s['runs']} ({s['runs_off_after_retries']}) | "
+              f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
+    print()
+    print("| model | S | m | b | predicted ms (median) | simulated ms | calibrated ms | measured ms (median) | "
+          "passes: predicted / measured ms | tries | other processes, cores (max) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in all_rows:
+        other = "" if r["other_cores_max"] is None else f"{r['other_cores_max']:.2f}"
+        print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
+              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+              f"{', '.join(f'{p * 1e3:.1f}/{t * 1e3:.1f}' for p, t in zip(r['predicted_runs_s'], r['measured_runs_s']))} | "
+              f"{'/'.join(map(str, r['tries']))} | {other} |")
 
 
 def main():
@@ -147,97 +303,12 @@ def main():
     started = time.time()
     all_rows, summary = [], []
     for name in args.models.split(","):
-        entry, model_args = MODELS[name]
-        plans, runs, link = None, None, None
-        for rep in range(args.passes):
-            # Whole passes over the grid, each profiled afresh just before its runs: the machine's speed
-            # drifts over minutes (shared host), and the prediction should see the same spell the runs do.
-            profiles = profiles_for(entry, model_args, args)
-            link = profiles[1].extra.get("link")
-            if link:
-                print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
-                      f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
-            if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
-                plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
-                         for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
-                runs = {key: [] for key in plans}
-            for key, plan in plans.items():
-                profile = profiles[key[0]]
-                this = plan_fixed(profile, plan, link_options(profile))
-                report, other = measured_run(this, args.steps)
-                runs[key].append({"measured_s": report["measured_iteration_s"], "other": other, "report": report,
-                                  "plan": this, "profile": profile, "predicted_s": this["predicted_iteration_s"],
-                                  "simulated_s": simulate_plan(this).iteration_s})
-                print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
-                      f"{this['predicted_iteration_s'] * 1e3:7.2f} ms, measured {report['measured_iteration_s'] * 1e3:7.2f} ms"
-                      + (f" (other processes: {other:.2f} cores)" if other is not None else ""), flush=True)
-        rows = []
-        for (stages, m, b), plan in plans.items():
-            done = runs[(stages, m, b)]
-            others = [r["other"] for r in done if r["other"] is not None]
-            rows.append({"model": name, "stages": stages, "m": m, "b": b,
-                         "split": [s["units"][0] for s in plan["stages"]],
-                         "predicted_s": statistics.median(r["predicted_s"] for r in done),
-                         "simulated_s": statistics.median(r["simulated_s"] for r in done),
-                         "measured_s": statistics.median(r["measured_s"] for r in done),
-                         "predicted_runs_s": [r["predicted_s"] for r in done],
-                         "measured_runs_s": [r["measured_s"] for r in done],
-                         "other_cores_max": max(others) if others else None})
-        from planner.costmodel import evaluate
-        # One calibration round per pass, as the predictions before it are one per pass: each pass's
-        # profile is calibrated from that pass's run at (m, b) = CALIBRATION_M_B, re-predicts the
-        # same splits, and a point's calibrated time is the median over the passes (calibrating the
-        # median pass's profile alone would carry that one profile's noise at the other size).
-        for rep in range(args.passes):
-            calibrations = {}
-            for stages in STAGES:
-                run = runs[(stages,) + CALIBRATION_M_B][rep]
-                calibrations[stages] = calibrate_profile(run["profile"], run["plan"], run["report"])
-            for row in rows:
-                calibrated = calibrations[row["stages"]]
-                cal = calibrated.extra["calibration"]
-                plan = plans[(row["stages"], row["m"], row["b"])]
-                boundaries = [s["first_unit"] for s in plan["stages"][1:]]
-                opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
-                                   bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
-                                   step_overhead_s=cal["step_overhead_s"],
-                                   optimizer_step_total_s=profiled_optimizer_step_s(calibrated, "sgd"))
-                row.setdefault("calibrated_runs_s", []).append(
-                    evaluate(calibrated, boundaries, row["b"], opts).iteration_s)
-            if rep == (args.passes - 1) // 2:
-                middle_calibrations = calibrations
-        for row in rows:
-            row["calibrated_s"] = statistics.median(row["calibrated_runs_s"])
-        calibrations = middle_calibrations
-        cal = calibrations[max(STAGES)].extra["calibration"]
-        before, after = mape(rows, "predicted_s"), mape(rows, "calibrated_s")
-        summary.append({"model": name, "points": len(rows), "mape_before_pct": before, "mape_after_pct": after,
-                        "mape_simulated_pct": mape(rows, "simulated_s"),
-                        "signed_before_pct": statistics.mean((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
-                                                             for r in rows) * 100,
-                        "step_overhead_ms": calibrations[min(STAGES)].extra["calibration"]["step_overhead_s"] * 1e3,
-                        "link_gbps": cal["bandwidth_bytes_per_s"] / 1e9, "latency_us": cal["latency_s"] * 1e6,
-                        "profiled_link": link,
-                        "other_cores_max": max((r["other_cores_max"] or 0.0) for r in rows)})
+        plans, runs = run_passes(name, args)
+        rows = grid_rows(name, plans, runs)
+        calibrations = calibrate_rows(rows, plans, runs, args.passes)
+        summary.append(summarize(name, rows, runs, calibrations))
         all_rows += rows
-    print()
-    print("| model | points | MAPE before (closed form) | mean signed error | MAPE simulated | MAPE after one calibration | "
-          "per-step overhead (1 stage) | link after calibration (2 stages: bandwidth, effective latency) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for s in summary:
-        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['signed_before_pct']:+.1f} % | "
-              f"{s['mape_simulated_pct']:.1f} % | {s['mape_after_pct']:.1f} % | "
-              f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
-    print()
-    print("| model | S | m | b | predicted ms (median) | simulated ms | calibrated ms | measured ms (median) | "
-          "passes: predicted / measured ms | other processes, cores (max) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in all_rows:
-        other = "" if r["other_cores_max"] is None else f"{r['other_cores_max']:.2f}"
-        print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
-              f"{', '.join(f'{p * 1e3:.1f}/{t * 1e3:.1f}' for p, t in zip(r['predicted_runs_s'], r['measured_runs_s']))} | "
-              f"{other} |")
+    print_tables(summary, all_rows)
     print(f"\n{time.time() - started:.0f} s")
     if args.json:
         write_json_atomic(args.json, {"summary": summary, "rows": all_rows, "settings": vars(args)})
