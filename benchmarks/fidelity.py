@@ -16,7 +16,7 @@ other processes kept busy meanwhile, and how fast the host computed against the 
 (runtime.hostspeed: a reference kernel every rank times before and after its steps): a run off
 the profile's speed by more than 10 % (a shared host's slow spell) is run again, at most twice,
 keeping the try nearest the profile's speed; a profile whose host speed drifted that much while
-it was measured is measured again. The error of the first tries alone is reported beside it.
+it was measured is measured again (at most twice, keeping the steadiest). The error of the first tries alone is reported beside it.
 Then one calibration round per model and stage count: each pass's profile is calibrated from
 the runs at (m, b) = (4, 2) and (4, 4) of every pass (`planner calibrate` with several reports)
 and predicts that stage count's grid points again, median over passes as before: the mean
@@ -142,14 +142,17 @@ def profiles_for(entry, model_args, args):
     link; profiled again (at most RETRIES times) when the host's speed changed while profiling."""
     profiles = {}
     for stages in STAGES:
+        attempts = []
         for attempt in range(RETRIES + 1):
-            profile = profile_model(entry, model_args, list(SIZES), threads=1, repeats=7, warmup_s=args.warmup,
-                                    min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0)
-            if profile_drift(profile) <= SLOWDOWN_WARN:
+            attempts.append(profile_model(entry, model_args, list(SIZES), threads=1, repeats=7, warmup_s=args.warmup,
+                                          min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0))
+            drift = profile_drift(attempts[-1])
+            if drift <= SLOWDOWN_WARN:
                 break
-            print(f"  profile for {stages} stage(s): host speed drifted {profile_drift(profile) * 100:.0f} % "
-                  f"while profiling" + ("; profiling again" if attempt < RETRIES else ""), flush=True)
-        profile.extra["profile_attempts"] = attempt + 1
+            print(f"  profile for {stages} stage(s): host speed drifted {drift * 100:.0f} % while profiling"
+                  + ("; profiling again" if attempt < RETRIES else "; keeping the steadiest attempt"), flush=True)
+        profile = min(attempts, key=profile_drift)
+        profile.extra["profile_attempts"] = len(attempts)
         profiles[stages] = profile
     if args.link:
         cut_bytes = {c.activation_bytes(b) for c in profiles[1].cuts for b in SIZES}

@@ -234,7 +234,8 @@ class Engine:
         hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if self.count_saved else \
             contextlib.nullcontext()
         with hooks:
-            counter.start()
+            if self.count_saved:
+                counter.start()
             out = chunk.module(*args, *state.received)
             if chunk.is_last:
                 state.loss = self.spec.loss(out, to_device(target, self.device)) / (self.m * self.topology.data_parallel)
