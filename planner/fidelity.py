@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from runtime import schedule as sched
-from runtime.hostspeed import slowdown_warning
+from runtime.hostspeed import host_speed_lines
 from runtime.simulate import SimEvent, costs_from_plan, simulate
 from runtime.topology import instruction_lists
 
@@ -126,11 +126,5 @@ def format_check(result: Dict[str, Any]) -> str:
     me, pr, rel = result["iteration"]
     lines.append(f"iteration: measured {me * 1e3:.2f} ms, predicted {pr * 1e3:.2f} ms, error "
                  f"{'n/a' if rel is None else f'{rel * 100:+.1f}%'}")
-    slow = result.get("host_slowdown")
-    if slow:
-        lines.append(f"host speed during the run: the reference kernel took x{slow['fastest']:.2f}..x{slow['slowest']:.2f}"
-                     " of the profile's time on the ranks (runtime.hostspeed)")
-        warning = slowdown_warning(slow)
-        if warning:
-            lines.append("warning: " + warning)
+    lines += host_speed_lines(result.get("host_slowdown"))
     return "\n".join(lines)

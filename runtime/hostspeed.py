@@ -72,3 +72,13 @@ def slowdown_warning(slowdown: Optional[Dict[str, Any]]) -> Optional[str]:
     return (f"the host computed at another speed than when profiled: the reference kernel took x{worst:.2f} the "
             f"profile's time on rank {rank} ({how}); measured times include that (a shared or throttled machine); "
             "re-profile when it is quiet, or calibrate")
+
+
+def host_speed_lines(slowdown: Optional[Dict[str, Any]]) -> List[str]:
+    """What a report or a check prints of the host's speed: the ratio range, and the warning."""
+    if not slowdown:
+        return []
+    lines = [f"host speed during the run: the reference kernel took x{slowdown['fastest']:.2f}.."
+             f"x{slowdown['slowest']:.2f} of the profile's time on the ranks"]
+    warning = slowdown_warning(slowdown)
+    return lines + (["warning: " + warning] if warning else [])

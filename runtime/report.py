@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
-from runtime.hostspeed import host_slowdown, slowdown_warning
+from runtime.hostspeed import host_slowdown, host_speed_lines
 
 MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
 
@@ -102,11 +102,5 @@ def format_report(report: Dict[str, Any]) -> str:
     err = report.get("relative_error")
     lines.append(f"iteration: measured {m * 1e3:.2f} ms (median of steady steps), predicted {p * 1e3:.2f} ms"
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
-    slow = report.get("host_slowdown")
-    if slow:
-        lines.append(f"host speed: the reference kernel took x{slow['fastest']:.2f}..x{slow['slowest']:.2f} of the "
-                     "profile's time on the ranks")
-        warning = slowdown_warning(slow)
-        if warning:
-            lines.append("warning: " + warning)
+    lines += host_speed_lines(report.get("host_slowdown"))
     return "\n".join(lines)
