@@ -3,7 +3,20 @@ from __future__ import annotations
 
 import argparse
 
-from planner.jsonio import read_json
+from typing import Any, Dict
+
+from planner.cli_common import UsageError
+from planner.jsonio import JsonFileError, read_json
+
+
+def load_report(path: str) -> Dict[str, Any]:
+    """A `runtime execute --report` file, or a one-line error saying what it is instead."""
+    report = read_json(path, what="report")
+    if not isinstance(report, dict) or report.get("kind") != "report" or "stages" not in report:
+        kind = report.get("kind", "no kind") if isinstance(report, dict) else type(report).__name__
+        raise JsonFileError(f"{path!r} is not a run report ({kind}); pass the file `runtime execute PLAN "
+                            "--report FILE` wrote")
+    return report
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -26,14 +39,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     from runtime.cli import load_plan
 
     plan = load_plan(args.plan)
-    report = read_json(args.report, what="report")
-    print(format_check(check_report(plan, report)))
+    report = load_report(args.report)
+    try:
+        result = check_report(plan, report)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(format_check(result))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from planner.calibrate import calibrate_profile, factor_range
-    from planner.cli_common import UsageError
     from planner.profile import load_profile, save_profile
     from runtime.cli import load_plan
 
@@ -42,9 +58,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                          f"{len(args.plan)} plans), in the same order")
     profile = load_profile(args.profile)
     plans = [load_plan(path) for path in args.plan]
-    reports = [read_json(path, what="report") for path in args.reports]
+    reports = [load_report(path) for path in args.reports]
     runs = list(zip(plans * len(reports) if len(plans) == 1 else plans, reports))
-    calibrated = calibrate_profile(profile, runs)
+    try:
+        calibrated = calibrate_profile(profile, runs)
+    except ValueError as e:  # a report or plan of another model, units the profile lacks
+        raise UsageError(f"{e}; calibrate a profile with reports of runs of the same model") from None
     save_profile(calibrated, args.output)
     c = calibrated.extra["calibration"]
     (f_lo, f_hi), (b_lo, b_hi) = factor_range(c, "forward"), factor_range(c, "backward")

@@ -199,6 +199,18 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
                           "--plan", plan_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")])
     assert mismatched.returncode != 0 and "one per report" in mismatched.stderr
     assert not (tmp_path / "no.json").exists()
+    # bad input: one line and exit 2, never a traceback
+    not_a_report = run_cli(["planner.cli", "check", plan_path, profile_path])
+    assert not_a_report.returncode == 2 and "not a run report" in not_a_report.stderr
+    other = json.load(open(report_path))
+    other["model"] = dict(other["model"], entry="builtin:mlp")
+    other_path = str(tmp_path / "other.json")
+    write_json_atomic(other_path, other)
+    for args in (["check", plan_path, other_path],
+                 ["calibrate", profile_path, other_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")]):
+        wrong = run_cli(["planner.cli", *args])
+        assert wrong.returncode == 2 and "different model" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert not (tmp_path / "no.json").exists()
     assert "calibration" in json.load(open(out))
     simulated = run_cli(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
     assert simulated.returncode == 0, simulated.stderr
