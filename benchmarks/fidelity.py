@@ -40,7 +40,7 @@ from planner.calibrate import calibrate_profile  # noqa: E402
 from planner.costmodel import evaluate  # noqa: E402
 from planner.fidelity import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
-from planner.measure import measure_link, profile_model  # noqa: E402
+from planner.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
 from runtime.hostspeed import SLOWDOWN_WARN  # noqa: E402
@@ -128,11 +128,6 @@ def host_off(report) -> float:
     return max((abs(slow[k] - 1.0) for k in ("slowest", "fastest") if k in slow), default=0.0)
 
 
-def profile_drift(profile) -> float:
-    host = profile.extra["measured_under"].get("host_kernel") or {}
-    return abs(host["after_s"] / host["before_s"] - 1.0) if host.get("before_s") else 0.0
-
-
 def mape(rows, key, measured="measured_s"):
     return statistics.mean(abs(r[key] - r[measured]) / r[measured] for r in rows) * 100
 
@@ -142,18 +137,10 @@ def profiles_for(entry, model_args, args):
     link; profiled again (at most RETRIES times) when the host's speed changed while profiling."""
     profiles = {}
     for stages in STAGES:
-        attempts = []
-        for attempt in range(RETRIES + 1):
-            attempts.append(profile_model(entry, model_args, list(SIZES), threads=1, repeats=7, warmup_s=args.warmup,
-                                          min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0))
-            drift = profile_drift(attempts[-1])
-            if drift <= SLOWDOWN_WARN:
-                break
-            print(f"  profile for {stages} stage(s): host speed drifted {drift * 100:.0f} % while profiling"
-                  + ("; profiling again" if attempt < RETRIES else "; keeping the steadiest attempt"), flush=True)
-        profile = min(attempts, key=profile_drift)
-        profile.extra["profile_attempts"] = len(attempts)
-        profiles[stages] = profile
+        profiles[stages] = steadiest_profile(lambda: profile_model(
+            entry, model_args, list(SIZES), threads=1, repeats=7, warmup_s=args.warmup, min_time_s=args.min_time,
+            co_runners=stages - 1 if args.co_runners else 0), RETRIES,
+            lambda msg: print(f"  profile for {stages} stage(s): {msg}", flush=True))
     if args.link:
         cut_bytes = {c.activation_bytes(b) for c in profiles[1].cuts for b in SIZES}
         link = measure_link(sorted(cut_bytes))

@@ -42,7 +42,7 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from planner.measure import profile_model
+    from planner.measure import profile_model, steadiest_profile
     from planner.profile import save_profile
     from planner.spec import model_name, parse_model_args
 
@@ -68,10 +68,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"profiling {args.model} {model_args or ''} on {args.device} at micro-batch sizes "
               f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of at least {args.repeats} runs and "
               f"{args.min_time:g} s per size after {args.warmup:g} s warm-up{shared})", flush=True)
-        profile = profile_model(args.model, model_args, sizes, device=args.device, seed=args.seed,
-                                threads=args.threads, repeats=args.repeats, progress=progress,
-                                warmup_s=args.warmup, min_time_s=args.min_time,
-                                co_runners=args.ranks_per_host - 1)
+        if args.retries < 0:
+            raise UsageError("--retries must be 0 or more")
+        profile = steadiest_profile(lambda: profile_model(
+            args.model, model_args, sizes, device=args.device, seed=args.seed, threads=args.threads,
+            repeats=args.repeats, progress=progress, warmup_s=args.warmup, min_time_s=args.min_time,
+            co_runners=args.ranks_per_host - 1), args.retries, lambda msg: print(msg, flush=True))
         _link(args, profile, sizes)
     save_profile(profile, output)
     total_params = sum(u.param_bytes for u in profile.units)
@@ -107,6 +109,10 @@ def register(sub) -> None:
                    help="ranks the runs will put on this CPU host: N - 1 co-runner processes run the model's training "
                         "step on the other cores while measuring, as those ranks contend for caches and memory "
                         "bandwidth (default 1: measure alone)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="profile again, at most this many times, when the host's speed (a reference kernel timed "
+                        "before and after) drifted by more than 10 %% while measuring; keeps the steadiest attempt "
+                        "(CPU; default 2)")
     p.add_argument("--link", choices=["measure", "none"], default=None,
                    help="measure: time gloo send/recv between two processes on this host at the cut sizes and "
                         "record latency and bandwidth in the profile, which planner solve then uses by default "

@@ -397,6 +397,33 @@ def profile_model(
     )
 
 
+def host_drift(profile: Profile) -> float:
+    """|after / before - 1| of the host-speed reference kernel the profile timed around its
+    measurement (0 where it did not: off CPU, older profiles)."""
+    host = (profile.extra.get("measured_under") or {}).get("host_kernel") or {}
+    return abs(host["after_s"] / host["before_s"] - 1.0) if host.get("before_s") and host.get("after_s") else 0.0
+
+
+def steadiest_profile(measure: Callable[[], Profile], retries: int,
+                      progress: Optional[Callable[[str], None]] = None) -> Profile:
+    """`measure()` again, at most `retries` more times, while the host's speed drifted by more than
+    SLOWDOWN_WARN during it (a shared machine's slow spell began or ended: some units were timed
+    at one speed, some at another); the attempt that drifted least is kept, its count recorded."""
+    say = progress or (lambda msg: None)
+    attempts = [measure()]
+    while host_drift(attempts[-1]) > SLOWDOWN_WARN and len(attempts) <= retries:
+        say(f"host speed drifted {host_drift(attempts[-1]) * 100:.0f} % while profiling: profiling again "
+            f"(attempt {len(attempts) + 1} of {retries + 1})")
+        attempts.append(measure())
+    best = min(attempts, key=host_drift)
+    if host_drift(best) > SLOWDOWN_WARN:
+        say(f"host speed drifted in every attempt; keeping the steadiest ({host_drift(best) * 100:.0f} %): "
+            "profile again when the machine is quiet")
+    under = best.extra.setdefault("measured_under", {})
+    under["attempts"] = len(attempts)
+    return best
+
+
 # --- the link between two ranks on this host -------------------------------------------------
 def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
     """Fit one-way message time = latency + bytes / bandwidth to [(bytes, seconds), ...] (at least

@@ -8,7 +8,7 @@ import torch
 
 from planner.costmodel import profiled_optimizer_step_s
 from planner.corunners import CoRunners
-from planner.measure import fit_link, measure_link, measure_units, profile_model
+from planner.measure import fit_link, host_drift, measure_link, measure_units, profile_model, steadiest_profile
 from planner.profile import Profile
 from tests.pipeline import run_cli
 
@@ -111,6 +111,40 @@ def test_profile_with_a_co_runner_records_its_conditions():
     assert profiled_optimizer_step_s(again, "adam") == pytest.approx(total) and total > 0
 
 
+def _drifting(drifts):
+    """A measure() whose successive profiles drifted by these fractions while 'measured'."""
+    from tests.synthetic import synthetic_profile
+
+    made = []
+
+    def measure():
+        p = synthetic_profile(forward=[1.0], backward=[2.0], params=[0], saved=[0], cut_act=[], sizes=(1,))
+        drift = drifts[len(made)]
+        p.extra["measured_under"] = {"host_kernel": {"before_s": 1e-4, "after_s": 1e-4 * (1 + drift)}}
+        made.append(p)
+        return p
+    return measure, made
+
+
+def test_a_profile_whose_host_speed_drifted_is_measured_again():
+    measure, made = _drifting([0.3, 0.05, 0.0])
+    said = []
+    best = steadiest_profile(measure, retries=2, progress=said.append)
+    assert best is made[1] and len(made) == 2 and best.extra["measured_under"]["attempts"] == 2
+    assert host_drift(best) == pytest.approx(0.05) and "drifted 30 %" in said[0]
+    # every attempt drifted: the steadiest is kept, and the user told
+    measure, made = _drifting([0.3, 0.2, 0.25])
+    said = []
+    best = steadiest_profile(measure, retries=2, progress=said.append)
+    assert best is made[1] and len(made) == 3 and "keeping the steadiest (20 %)" in said[-1]
+    measure, made = _drifting([0.3])
+    assert steadiest_profile(measure, retries=0) is made[0]
+    # no reference kernel timed (a GPU, an older profile): nothing to compare, one attempt
+    from tests.synthetic import synthetic_profile
+    plain = synthetic_profile(forward=[1.0], backward=[2.0], params=[0], saved=[0], cut_act=[], sizes=(1,))
+    assert host_drift(plain) == 0.0 and steadiest_profile(lambda: plain, retries=2) is plain
+
+
 def test_co_runners_load_and_stop():
     co = CoRunners("builtin:mlp", {}, 0, 1, 1)
     co.load(2, settle_s=0.0)
@@ -157,7 +191,8 @@ def test_profile_cli_link_none_and_bad_flags(tmp_path):
                     "--min-time", "0", "--link", "none", "-o", path])
     assert made.returncode == 0, made.stderr
     assert "link" not in json.load(open(path))
-    for bad, message in ((["--ranks-per-host", "0"], "at least 1"), (["--min-time", "-1"], "seconds")):
+    for bad, message in ((["--ranks-per-host", "0"], "at least 1"), (["--min-time", "-1"], "seconds"),
+                         (["--retries", "-1"], "0 or more")):
         result = run_cli(["planner.cli", "profile", "builtin:mlp", *bad, "-o", path])
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
