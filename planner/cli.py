@@ -6,7 +6,7 @@ import sys
 from typing import List, Optional
 
 from planner import cli_compare, cli_fidelity, cli_import, cli_profile, cli_show, cli_solve
-from planner.cli_common import UsageError
+from planner.cli_common import UsageError, run_subcommand
 from planner.jsonio import JsonFileError
 
 SUBCOMMANDS = [cli_profile, cli_solve, cli_compare, cli_show, cli_import, cli_fidelity]
@@ -25,14 +25,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from planner.capture import CaptureError
     from planner.spec import ModelEntryError
 
-    try:
-        return args.func(args)
-    except (UsageError, JsonFileError, ModelEntryError, CaptureError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written", file=sys.stderr)
-        return 130
+    return run_subcommand(args, (UsageError, JsonFileError, ModelEntryError, CaptureError),
+                          "interrupted; nothing was written")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Option parsing shared by the planner's subcommands."""
+"""Option parsing and error handling shared by the `planner` and `runtime` commands."""
 from __future__ import annotations
 
+import argparse
 import re
-from typing import List
+import sys
+from typing import List, Tuple, Type
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -34,3 +36,16 @@ def parse_sizes(text: str) -> List[int]:
     return sizes
 
 
+
+
+def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseException], ...], interrupted: str) -> int:
+    """`args.func(args)`, with the user's mistakes (`user_errors`) as one line on stderr and exit
+    code 2, never a traceback, and Ctrl-C as `interrupted` and exit code 130."""
+    try:
+        return args.func(args)
+    except user_errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
+from planner.cli_common import UsageError, run_subcommand
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from runtime import schedule as sched
 from runtime.topology import instruction_lists, topology_of
@@ -15,9 +16,6 @@ from runtime.topology import instruction_lists, topology_of
 PLAN_SCHEMA_VERSION = 1
 _REQUIRED = ("model", "schedule", "micro_batch_size", "num_micro_batches", "global_batch", "stages")
 
-
-class UsageError(ValueError):
-    pass
 
 
 def load_plan(path: str) -> Dict[str, Any]:
@@ -213,14 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (JsonFileError, UsageError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_subcommand(args, (JsonFileError, UsageError, ValueError), "interrupted")
 
 
 if __name__ == "__main__":
