@@ -25,7 +25,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from planner.capture import CaptureError
     from planner.spec import ModelEntryError
 
-    return run_subcommand(args, (UsageError, JsonFileError, ModelEntryError, CaptureError),
+    # ValueError: what the cost model, solvers and profile readers raise on inputs they cannot take
+    return run_subcommand(args, (UsageError, JsonFileError, ModelEntryError, CaptureError, ValueError),
                           "interrupted; nothing was written")
 
 

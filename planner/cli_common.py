@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import List, Tuple, Type
@@ -40,10 +41,12 @@ def parse_sizes(text: str) -> List[int]:
 
 def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseException], ...], interrupted: str) -> int:
     """`args.func(args)`, with the user's mistakes (`user_errors`) as one line on stderr and exit
-    code 2, never a traceback, and Ctrl-C as `interrupted` and exit code 130."""
+    code 2, never a traceback (PLANNER_TRACEBACK=1 shows it), and Ctrl-C as `interrupted` and exit code 130."""
     try:
         return args.func(args)
     except user_errors as e:
+        if os.environ.get("PLANNER_TRACEBACK"):  # for a bug report: the whole stack
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

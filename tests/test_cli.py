@@ -182,3 +182,27 @@ def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, nee
     assert result.returncode == 2, (result.stdout, result.stderr)
     _no_traceback(result)
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(capsys, monkeypatch):
+    import argparse
+
+    from planner.cli_common import run_subcommand
+
+    def fails(_args):
+        raise ValueError("the cost model cannot take this")
+
+    args = argparse.Namespace(func=fails)
+    monkeypatch.delenv("PLANNER_TRACEBACK", raising=False)
+    assert run_subcommand(args, (ValueError,), "interrupted") == 2
+    assert capsys.readouterr().err == "error: the cost model cannot take this\n"
+
+    def interrupted(_args):
+        raise KeyboardInterrupt
+
+    assert run_subcommand(argparse.Namespace(func=interrupted), (ValueError,), "interrupted") == 130
+    monkeypatch.setenv("PLANNER_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="cannot take"):
+        run_subcommand(args, (ValueError,), "interrupted")
+    with pytest.raises(KeyError):  # not a user error: never swallowed
+        run_subcommand(argparse.Namespace(func=lambda _a: {}["x"]), (ValueError,), "interrupted")
