@@ -35,15 +35,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.costmodel import CostOptions, profiled_optimizer_step_s  # noqa: E402
 from planner.calibrate import calibrate_profile  # noqa: E402
-from planner.costmodel import evaluate  # noqa: E402
+from planner.cli_solve import calibrated_link  # noqa: E402
+from planner.costmodel import CostOptions, evaluate, profiled_optimizer_step_s  # noqa: E402
 from planner.fidelity import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
-from runtime.hostspeed import SLOWDOWN_WARN  # noqa: E402
+from runtime.hostspeed import SLOWDOWN_WARN, worst_ratio  # noqa: E402
 
 MODELS = {
     "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),
@@ -74,7 +74,6 @@ def plan_for(profile, stages, m, b, opts_extra=None):
 
 def plan_fixed(profile, plan, opts_extra=None):
     """`plan`'s split and (b, m), re-planned (costs, predictions) from another profile."""
-    from planner.costmodel import evaluate
     from planner.solve.ilp import Solution
 
     b, m = int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
@@ -88,13 +87,11 @@ def plan_fixed(profile, plan, opts_extra=None):
 
 
 def link_options(profile):
-    """What `planner solve` takes from the profile by default, as cost-model options: the measured
-    link (planner profile --link measure) and the profiled SGD step."""
-    options = {"optimizer_step_total_s": profiled_optimizer_step_s(profile, "sgd")}
-    link = profile.extra.get("link") or {}
-    if link.get("bandwidth_bytes_per_s"):
-        options.update(bandwidth=float(link["bandwidth_bytes_per_s"]), latency=float(link["latency_s"]))
-    return options
+    """What `planner solve` takes from the profile by default, as cost-model options: its
+    calibration, else the measured link (planner profile --link measure), and the profiled SGD step."""
+    bandwidth, latency, overhead, _ = calibrated_link(profile, argparse.Namespace(bandwidth=None, latency=None))
+    return {"optimizer_step_total_s": profiled_optimizer_step_s(profile, "sgd"), "bandwidth": bandwidth,
+            "latency": latency, "step_overhead_s": overhead}
 
 
 def _busy_cpu_s():
@@ -124,8 +121,7 @@ def measured_run(plan, steps):
 
 def host_off(report) -> float:
     """How far the run's host speed was from the profile's: the largest |ratio - 1| over ranks."""
-    slow = report.get("host_slowdown") or {}
-    return max((abs(slow[k] - 1.0) for k in ("slowest", "fastest") if k in slow), default=0.0)
+    return abs(worst_ratio(report.get("host_slowdown")) - 1.0)
 
 
 def mape(rows, key, measured="measured_s"):
@@ -217,21 +213,17 @@ def calibrate_rows(rows, plans, runs, passes):
     profile is calibrated from them and re-predicts every point of its stage count; a point's
     calibrated time is the median over the passes, as the predictions before are."""
     calibrations = {}
+    chosen = {stages: [(run["plan"], run["report"]) for m, b in CALIBRATION_POINTS for run in runs[(stages, m, b)]]
+              for stages in STAGES}
     for rep in range(passes):
         for stages in STAGES:
-            chosen = [run for m, b in CALIBRATION_POINTS for run in runs[(stages, m, b)]]
             calibrations[stages] = calibrate_profile(runs[(stages,) + CALIBRATION_POINTS[0]][rep]["profile"],
-                                                     [(run["plan"], run["report"]) for run in chosen])
+                                                     chosen[stages])
         for row in rows:
             calibrated = calibrations[row["stages"]]
-            cal = calibrated.extra["calibration"]
-            plan = plans[(row["stages"], row["m"], row["b"])]
-            boundaries = [s["first_unit"] for s in plan["stages"][1:]]
-            opts = CostOptions(num_stages=row["stages"], global_batch=row["m"] * row["b"], schedule="1f1b",
-                               bandwidth=cal["bandwidth_bytes_per_s"], latency=cal["latency_s"],
-                               step_overhead_s=cal["step_overhead_s"],
-                               optimizer_step_total_s=profiled_optimizer_step_s(calibrated, "sgd"))
-            row.setdefault("calibrated_runs_s", []).append(evaluate(calibrated, boundaries, row["b"], opts).iteration_s)
+            # re-planned as `planner solve` plans from a calibrated profile
+            replanned = plan_fixed(calibrated, plans[(row["stages"], row["m"], row["b"])], link_options(calibrated))
+            row.setdefault("calibrated_runs_s", []).append(replanned["predicted_iteration_s"])
     for row in rows:
         row["calibrated_s"] = statistics.median(row["calibrated_runs_s"])
     return calibrations

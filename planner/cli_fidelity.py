@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-
 from typing import Any, Dict
 
 from planner.cli_common import UsageError

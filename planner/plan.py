@@ -28,12 +28,6 @@ STAGE_DECISION_KEYS = ("device", "recompute")
 REPLICA_STAGE_KEY = "replicas"
 
 
-def _profiled_host_kernel_s(profile: Profile) -> Optional[float]:
-    """The host-speed reference kernel's time while the profile was measured (runtime.hostspeed)."""
-    host = (profile.extra.get("measured_under") or {}).get("host_kernel") or {}
-    return host.get("mean_s")
-
-
 def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_path: str) -> Dict[str, Any]:
     """The plan file's content for `solution` (as produced by planner.solve) of `profile`.
 
@@ -87,7 +81,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         "model": {"entry": model.get("entry"), "args": model.get("args", {}), "seed": model.get("seed", 0)},
         "profile": {"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
                     "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype,
-                    "host_kernel_s": _profiled_host_kernel_s(profile)},
+                    "host_kernel_s": profile.host_kernel.get("mean_s")},
         "schedule": cost.schedule,
         "optimizer": opts.optimizer,
         "global_batch": opts.global_batch,

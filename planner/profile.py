@@ -156,6 +156,12 @@ class Profile:
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
+    def host_kernel(self) -> Dict[str, Any]:
+        """The host-speed reference kernel timed around the measurement ({} where it was not:
+        off CPU, analytic or older profiles; runtime.hostspeed)."""
+        return (self.extra.get("measured_under") or {}).get("host_kernel") or {}
+
+    @property
     def num_units(self) -> int:
         return len(self.units)
 

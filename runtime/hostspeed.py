@@ -60,11 +60,16 @@ def host_slowdown(profiled_s: Optional[float], rank_samples: Sequence[Sequence[O
             "fastest": min(known)}
 
 
+def worst_ratio(slowdown: Optional[Dict[str, Any]]) -> float:
+    """The rank ratio furthest from 1 (1.0 where nothing was measured)."""
+    if not slowdown:
+        return 1.0
+    return max((slowdown["slowest"], slowdown["fastest"]), key=lambda r: abs(r - 1.0))
+
+
 def slowdown_warning(slowdown: Optional[Dict[str, Any]]) -> Optional[str]:
     """One line when the run met another host speed than the profile did, else None."""
-    if not slowdown:
-        return None
-    worst = max((slowdown["slowest"], slowdown["fastest"]), key=lambda r: abs(r - 1.0))
+    worst = worst_ratio(slowdown)
     if abs(worst - 1.0) <= SLOWDOWN_WARN:
         return None
     rank = slowdown["per_rank"].index(worst)

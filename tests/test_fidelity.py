@@ -148,7 +148,8 @@ def test_calibration_separates_per_step_overhead_from_latency_over_runs():
     slow = [(p, _fake_report(p, [1.0, 1.0], [1.0, 1.0], simulate_plan(p).iteration_s + 0.1 * m))
             for p, m in zip(two, (2, 8))]
     c2 = calibrate_profile(profile, slow).extra["calibration"]
-    assert c2["latency_s"] > 0  # what grows with the messages becomes latency
+    assert c2["latency_s"] > 0  # what grows with the messages becomes latency, not per-step overhead
+    assert c2["step_overhead_s"] == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match="at least one run"):
         calibrate_profile(profile, [])
 
