@@ -35,8 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.calibrate import calibrate_profile  # noqa: E402
-from planner.cli_solve import calibrated_link  # noqa: E402
+from planner.calibrate import calibrate_profile, solve_link  # noqa: E402
 from planner.costmodel import CostOptions, evaluate, profiled_optimizer_step_s  # noqa: E402
 from planner.fidelity import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
@@ -89,7 +88,7 @@ def plan_fixed(profile, plan, opts_extra=None):
 def link_options(profile):
     """What `planner solve` takes from the profile by default, as cost-model options: its
     calibration, else the measured link (planner profile --link measure), and the profiled SGD step."""
-    bandwidth, latency, overhead, _ = calibrated_link(profile, argparse.Namespace(bandwidth=None, latency=None))
+    bandwidth, latency, overhead, _ = solve_link(profile)
     return {"optimizer_step_total_s": profiled_optimizer_step_s(profile, "sgd"), "bandwidth": bandwidth,
             "latency": latency, "step_overhead_s": overhead}
 

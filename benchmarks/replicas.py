@@ -7,7 +7,6 @@ of the runtime's instruction lists for both plans (1F1B; links and all-reduce at
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from planner.costmodel import CostOptions, PlanCost, evaluate, profiled_optimizer_step_s
 from planner.profile import Profile
@@ -131,7 +131,8 @@ def calibrate_profile(profile: Profile, runs: Sequence[Run]) -> Profile:
     if links:
         calibration["bandwidth_bytes_per_s"] = statistics.median(float(k["bandwidth_bytes_per_s"]) for k in links)
         calibration["latency_s"] = statistics.median(float(k.get("latency_s", 0.0)) for k in links)
-        calibration["measured_link"] = dict(links[len(links) // 2])
+        calibration["measured_links"] = [{"bandwidth_bytes_per_s": float(k["bandwidth_bytes_per_s"]),
+                                          "latency_s": float(k.get("latency_s", 0.0))} for k in links]
     first_plan = runs[0][0]
     bandwidth = float(calibration.get("bandwidth_bytes_per_s", first_plan.get("bandwidth_bytes_per_s")
                                       or DEFAULT_BANDWIDTH))
@@ -156,3 +157,35 @@ def factor_range(calibration: Dict[str, Any], kind: str) -> Tuple[float, float]:
     """(smallest, largest) scale factor of `kind` (forward | backward) over units and sizes."""
     values = [f for unit in calibration.get("unit_scale", {}).values() for f in unit.get(kind, {}).values()]
     return (min(values), max(values)) if values else (1.0, 1.0)
+
+
+def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Optional[float] = None
+               ) -> Tuple[float, float, float, Optional[str]]:
+    """(bandwidth, latency, step overhead, note) a solve uses: the given values first (the user's
+    --bandwidth/--latency), then the profile's calibration (profile.extra['calibration']), then
+    the link `planner profile` measured (profile.extra['link']), then the defaults (5 GB/s, 0, 0).
+    The note says what the profile supplied (None when it supplied nothing)."""
+    calibration = profile.extra.get("calibration") or {}
+    overhead = 0.0
+
+    def fill(source: Dict[str, Any]) -> List[str]:
+        """Take what is still unset from `source`; say what was taken."""
+        nonlocal bandwidth, latency
+        taken = []
+        if bandwidth is None and source.get("bandwidth_bytes_per_s"):
+            bandwidth = float(source["bandwidth_bytes_per_s"])
+            taken.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
+        if latency is None and source.get("latency_s") is not None:
+            latency = float(source["latency_s"])
+            taken.append(f"latency {latency * 1e6:.3g} us")
+        return taken
+
+    used = fill(calibration)
+    measured = fill(profile.extra.get("link") or {})  # measured by `planner profile --link measure`
+    if calibration.get("step_overhead_s"):
+        overhead = max(0.0, float(calibration["step_overhead_s"]))
+        used.append(f"step overhead {overhead * 1e3:.3g} ms")
+    notes = ([f"applied the profile's calibration: {', '.join(used)}"] if used else []) + \
+        ([f"used the profile's measured link: {', '.join(measured)}"] if measured else [])
+    return (DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, 0.0 if latency is None else latency, overhead,
+            "; ".join(notes) if notes else None)

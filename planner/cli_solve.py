@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from planner.cli_common import UsageError, parse_bytes
 
@@ -41,40 +41,6 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
 
 
-def calibrated_link(profile, args: argparse.Namespace) -> Tuple[float, float, float, Optional[str]]:
-    """(bandwidth, latency, step overhead, note): explicit options first, then the profile's
-    `planner calibrate` results (profile.extra['calibration']), then the link `planner profile`
-    measured (profile.extra['link']), then the defaults (5 GB/s, 0, 0).
-    The note says what the calibration supplied (None when it supplied nothing)."""
-    calibration = profile.extra.get("calibration") or {}
-    bandwidth = parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None
-    latency, overhead = args.latency, 0.0
-
-    def fill(source: dict) -> list:
-        """Take what is still unset from `source`; say what was taken."""
-        nonlocal bandwidth, latency
-        taken = []
-        if bandwidth is None and source.get("bandwidth_bytes_per_s"):
-            bandwidth = float(source["bandwidth_bytes_per_s"])
-            taken.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
-        if latency is None and source.get("latency_s") is not None:
-            latency = float(source["latency_s"])
-            taken.append(f"latency {latency * 1e6:.3g} us")
-        return taken
-
-    used = fill(calibration)
-    measured = fill(profile.extra.get("link") or {})  # measured by `planner profile --link measure`
-    if calibration.get("step_overhead_s"):
-        overhead = max(0.0, float(calibration["step_overhead_s"]))
-        used.append(f"step overhead {overhead * 1e3:.3g} ms")
-    bandwidth = parse_bytes("5GB", "--bandwidth") if bandwidth is None else bandwidth
-    latency = 0.0 if latency is None else latency
-    notes = ([f"applied the profile's calibration: {', '.join(used)}"] if used else []) + \
-        ([f"used the profile's measured link: {', '.join(measured)}"] if measured else [])
-    note = "; ".join(notes) if notes else None
-    return bandwidth, latency, overhead, note
-
-
 def problem_from_args(args: argparse.Namespace):
     """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
     from planner.cluster import load_cluster
@@ -103,7 +69,10 @@ def problem_from_args(args: argparse.Namespace):
         schedules = [args.schedule]
     from planner.costmodel import profiled_optimizer_step_s
 
-    bandwidth, latency, overhead, note = calibrated_link(profile, args)
+    from planner.calibrate import solve_link
+
+    bandwidth, latency, overhead, note = solve_link(
+        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency)
     optimizer_step = profiled_optimizer_step_s(profile, args.optimizer)
     if optimizer_step > 0:
         step_note = f"charged the profiled {args.optimizer} step ({optimizer_step * 1e3:.3g} ms over all units)"

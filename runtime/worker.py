@@ -27,7 +27,6 @@ from planner.allocator import retain_freed_memory
 from planner.jsonio import read_json, write_json_atomic
 from planner.measure import fit_link, ping_pong
 from runtime import checkpoint as ckpt
-from runtime import schedule as sched
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
 from runtime.hostspeed import reference_kernel_s
@@ -131,9 +130,14 @@ def run(args) -> None:
                 optimizer.load_state_dict(saved["optimizer"])
                 first_step = done
         link = _measure_link(plan, topology, rank) if args.measure_link else None
-        dist.barrier()
-        host_kernel = [reference_kernel_s(0.05, device=device)]  # all ranks at once, as they compute
-        dist.barrier()
+        # The host's speed, timed by all ranks at once as they compute (CPU hosts only: shared
+        # cores are what drifts; on a GPU the kernel is not timed and no barriers are needed).
+        timed_host = device.type == "cpu"
+        if timed_host:
+            dist.barrier()
+        host_kernel = [reference_kernel_s(0.05, device=device) if timed_host else None]
+        if timed_host:
+            dist.barrier()
         is_reporter = pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
         steps = []
         for step in range(first_step, args.steps):
@@ -151,8 +155,9 @@ def run(args) -> None:
                 dist.barrier()  # every rank's file is in place before the step is marked complete
                 if rank == 0:
                     ckpt.mark_complete(args.checkpoint_dir, step + 1, digest, world)
-        dist.barrier()
-        host_kernel.append(reference_kernel_s(0.05, device=device))
+        if timed_host:
+            dist.barrier()
+        host_kernel.append(reference_kernel_s(0.05, device=device) if timed_host else None)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         # the parameters in memory on this rank, each once
         static = sum(p.numel() * p.element_size() for p in rank_model.parameters())

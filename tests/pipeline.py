@@ -1,7 +1,9 @@
 """Helpers for runtime tests: profiles, plans with chosen cuts, runs, and single-process references."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import subprocess
@@ -45,13 +47,20 @@ def run_cli(args: Sequence[str], timeout: float = 240) -> subprocess.CompletedPr
 def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
     """Write the plan, run `runtime execute` on it, return the saved full state_dict (the report
     is left in tmp_path/report.json)."""
+    from runtime.cli import main as runtime_main
+
+    os.makedirs(str(tmp_path), exist_ok=True)
     plan_path = os.path.join(str(tmp_path), "plan.json")
     state_path = os.path.join(str(tmp_path), "state.pt")
     write_json_atomic(plan_path, plan)
-    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", str(steps), "--lr", str(lr),
-                      "--save-state", state_path, "--report", os.path.join(str(tmp_path), "report.json"),
-                      *extra])
-    assert result.returncode == 0, result.stdout + result.stderr
+    # In this process, not as `python -m runtime.cli`: the command's own process would import torch
+    # again (2 s of a 2-core CI machine per run) to merge the ranks' states. The ranks are real
+    # processes either way; tests/test_cli.py runs the command itself.
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = runtime_main(["execute", plan_path, "--steps", str(steps), "--lr", str(lr), "--save-state", state_path,
+                             "--report", os.path.join(str(tmp_path), "report.json"), *extra])
+    assert code == 0, out.getvalue() + err.getvalue()
     return torch.load(state_path, weights_only=True)
 
 

@@ -16,7 +16,8 @@ def _no_traceback(result):
 def gpt_profile(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("prof") / "gpt.json")
     result = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "vocab=4096",
-                      "--model-arg", "layers=3", "--micro-batch-sizes", "1,2,4", "--repeats", "3", "-o", path])
+                      "--model-arg", "layers=3", "--micro-batch-sizes", "1,2,4", "--repeats", "3",
+                      "--warmup", "0.1", "--min-time", "0.2", "-o", path])  # short: the file's contract, not its times
     assert result.returncode == 0, result.stderr
     assert "unit" in result.stdout and "wrote" in result.stdout  # progress while measuring
     return path

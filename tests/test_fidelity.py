@@ -92,6 +92,7 @@ def test_calibration_scales_units_and_records_overhead():
     c = calibrated.extra["calibration"]
     assert c["step_overhead_s"] == pytest.approx(overhead, rel=1e-6)
     assert c["bandwidth_bytes_per_s"] == 2e9 and c["latency_s"] == 1e-4
+    assert c["measured_links"] == [{"bandwidth_bytes_per_s": 2e9, "latency_s": 1e-4}]  # each run's, as measured
     assert profile.units[0].forward_s[1] == 1.0  # the input profile is untouched
     result = check_report(plan, report)
     assert result["ranks"][0]["forward"][2] == pytest.approx(0.5)

@@ -199,19 +199,15 @@ def test_profile_cli_link_none_and_bad_flags(tmp_path):
 
 
 def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_link():
-    import argparse
-
-    from planner.cli_solve import calibrated_link
+    from planner.calibrate import solve_link
     from tests.synthetic import synthetic_profile
 
     profile = synthetic_profile(forward=[{1: 1.0}] * 2, backward=[{1: 2.0}] * 2, params=[0, 0], saved=[{1: 0}] * 2,
                                 cut_act=[{1: 8}], sizes=(1,))
-    none = argparse.Namespace(bandwidth=None, latency=None)
-    assert calibrated_link(profile, none)[:3] == (5e9, 0.0, 0.0)  # nothing measured: the defaults
+    assert solve_link(profile)[:3] == (5e9, 0.0, 0.0)  # nothing measured: the defaults
     profile.extra["link"] = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9}
-    bandwidth, latency, _, note = calibrated_link(profile, none)
+    bandwidth, latency, _, note = solve_link(profile)
     assert (bandwidth, latency) == (2e9, 1e-4) and "measured link" in note
     profile.extra["calibration"] = {"latency_s": 5e-4, "bandwidth_bytes_per_s": 1e9, "step_overhead_s": 0.002}
-    assert calibrated_link(profile, none)[:3] == (1e9, 5e-4, 0.002)  # a run's calibration beats the ping-pong
-    explicit = argparse.Namespace(bandwidth="3GB", latency=0.0)
-    assert calibrated_link(profile, explicit)[:2] == (3e9, 0.0)
+    assert solve_link(profile)[:3] == (1e9, 5e-4, 0.002)  # a run's calibration beats the ping-pong
+    assert solve_link(profile, 3e9, 0.0)[:2] == (3e9, 0.0)  # the user's options beat both

@@ -247,7 +247,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
 
 def _extra_terms(prob, profile: Profile, opts: CostOptions, x, ends, may, add) -> Optional[List[object]]:
     """Per-chunk per-iteration time (ms): all-reduce of its parameters over d, plus tied exchange."""
-    L, C = profile.num_units, opts.num_chunks
+    C = opts.num_chunks
     ties = shared_parameters(profile)
     if opts.data_parallel == 1 and not ties:
         return None
