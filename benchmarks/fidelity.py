@@ -2,6 +2,7 @@
 calibration round.
 
     .venv/bin/python benchmarks/fidelity.py [--passes 5] [--steps 10] [--json out.json]
+    .venv/bin/python benchmarks/fidelity.py --device cuda --passes 3     # the same grid on GPUs (one per stage)
 
 For built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
 profile (afresh before each pass over the grid: a shared machine drifts over minutes) the way the
@@ -131,13 +132,13 @@ def profiles_for(entry, model_args, args):
     """One profile per stage count: measured as its ranks will run (S - 1 co-runners), with the
     link; profiled again (at most RETRIES times) when the host's speed changed while profiling."""
     profiles = {}
-    for stages in STAGES:
+    for stages in args.stage_counts:
         profiles[stages] = steadiest_profile(lambda: profile_model(
-            entry, model_args, list(SIZES), threads=1, repeats=7, warmup_s=args.warmup, min_time_s=args.min_time,
-            co_runners=stages - 1 if args.co_runners else 0), RETRIES,
+            entry, model_args, list(SIZES), device=args.device, threads=1, repeats=7, warmup_s=args.warmup,
+            min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0), RETRIES,
             lambda msg: print(f"  profile for {stages} stage(s): {msg}", flush=True))
     if args.link:
-        cut_bytes = {c.activation_bytes(b) for c in profiles[1].cuts for b in SIZES}
+        cut_bytes = {c.activation_bytes(b) for c in profiles[min(profiles)].cuts for b in SIZES}
         link = measure_link(sorted(cut_bytes))
         for prof in profiles.values():
             prof.extra["link"] = link
@@ -169,13 +170,13 @@ def run_passes(name, args):
         # Whole passes over the grid, each profiled afresh just before its runs: the machine's speed
         # drifts over minutes (shared host), and the prediction should see the same spell the runs do.
         profiles = profiles_for(entry, model_args, args)
-        link = profiles[1].extra.get("link")
+        link = profiles[min(profiles)].extra.get("link")
         if link:
             print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                   f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
         if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
             plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
-                     for stages in STAGES for m in MICRO_BATCHES for b in SIZES}
+                     for stages in args.stage_counts for m in MICRO_BATCHES for b in SIZES}
             runs = {key: [] for key in plans}
         for key, plan in plans.items():
             profile = profiles[key[0]]
@@ -206,16 +207,16 @@ def grid_rows(name, plans, runs):
     return rows
 
 
-def calibrate_rows(rows, plans, runs, passes):
+def calibrate_rows(rows, plans, runs, passes, stage_counts=STAGES):
     """One calibration round per stage count, from the runs at CALIBRATION_POINTS of every pass
     (several runs: one run's noise is what a single-run calibration would keep). Each pass's
     profile is calibrated from them and re-predicts every point of its stage count; a point's
     calibrated time is the median over the passes, as the predictions before are."""
     calibrations = {}
     chosen = {stages: [(run["plan"], run["report"]) for m, b in CALIBRATION_POINTS for run in runs[(stages, m, b)]]
-              for stages in STAGES}
+              for stages in stage_counts}
     for rep in range(passes):
-        for stages in STAGES:
+        for stages in stage_counts:
             calibrations[stages] = calibrate_profile(runs[(stages,) + CALIBRATION_POINTS[0]][rep]["profile"],
                                                      chosen[stages])
         for row in rows:
@@ -229,7 +230,7 @@ def calibrate_rows(rows, plans, runs, passes):
 
 
 def summarize(name, rows, runs, calibrations):
-    cal = calibrations[max(STAGES)].extra["calibration"]
+    cal = calibrations[max(calibrations)].extra["calibration"]
     every = [r for done in runs.values() for r in done]
     return {"model": name, "points": len(rows), "mape_before_pct": mape(rows, "predicted_s"),
             "mape_after_pct": mape(rows, "calibrated_s"), "mape_simulated_pct": mape(rows, "simulated_s"),
@@ -238,7 +239,7 @@ def summarize(name, rows, runs, calibrations):
                                                  for r in rows) * 100,
             "runs": len(every), "remeasured_runs": sum(r["tries"] > 1 for r in every),
             "runs_off_after_retries": sum(r["host_off"] > SLOWDOWN_WARN for r in every),
-            "step_overhead_ms": calibrations[min(STAGES)].extra["calibration"]["step_overhead_s"] * 1e3,
+            "step_overhead_ms": calibrations[min(calibrations)].extra["calibration"]["step_overhead_s"] * 1e3,
             "link_gbps": cal["bandwidth_bytes_per_s"] / 1e9, "latency_us": cal["latency_s"] * 1e6,
             "other_cores_max": max((r["other_cores_max"] or 0.0) for r in rows)}
 
@@ -280,13 +281,33 @@ def main():
                         help="profile every stage count alone (as --ranks-per-host 1) instead of with S - 1 co-runners")
     parser.add_argument("--no-link", dest="link", action="store_false",
                         help="plan with the 5 GB/s, 0 latency defaults instead of the measured link")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="profile and run on this device (cuda: one GPU per stage; no co-runners, no gloo link)")
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="stage counts of the grid (default 1,2)")
     args = parser.parse_args()
+    try:
+        args.stage_counts = sorted({int(s) for s in args.stages.split(",")})
+    except ValueError:
+        sys.exit(f"error: --stages {args.stages!r} must be comma-separated integers, e.g. 1,2")
+    if not args.stage_counts or args.stage_counts[0] < 1:
+        sys.exit("error: --stages needs positive integers")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda but CUDA is not available here; run on a GPU machine or drop --device")
+        gpus = torch.cuda.device_count()
+        if max(args.stage_counts) > gpus:
+            print(f"note: {gpus} GPU(s): stage counts above {gpus} left out (a stage per GPU)", flush=True)
+            args.stage_counts = [s for s in args.stage_counts if s <= gpus]
+        # co-runners model ranks sharing a CPU host, and the profile's link is gloo between CPU processes
+        args.co_runners, args.link = False, False
     started = time.time()
     all_rows, summary = [], []
     for name in args.models.split(","):
         plans, runs = run_passes(name, args)
         rows = grid_rows(name, plans, runs)
-        calibrations = calibrate_rows(rows, plans, runs, args.passes)
+        calibrations = calibrate_rows(rows, plans, runs, args.passes, args.stage_counts)
         summary.append(summarize(name, rows, runs, calibrations))
         all_rows += rows
     print_tables(summary, all_rows)

@@ -7,7 +7,8 @@ profile, so runs planned from other measurements of the model calibrate it too):
 - unit scale factors: a unit's forward (backward) time at micro-batch size b is multiplied by the
   median, over the runs at size b, of measured / predicted forward (backward) compute of the rank
   that ran it; sizes no run measured take the median over all runs. Several runs average out the
-  noise one run carries (a shared host's speed drifts by several % from one run to the next);
+  noise one run carries (a shared host's speed drifts by several % from one run to the next).
+  A stage's own cost (the profile's stage_overhead_s) takes the median over every rank;
 - the link: the median bandwidth and latency the runs' reports measured;
 - what the corrected model still misses is charged first as extra per-message latency (it grows
   with the number of transfers, as Python and gloo overheads do), chosen so that the multi-stage
@@ -98,6 +99,17 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
                 per_size[b] = statistics.median(measured if measured else pooled)
                 times[b] *= per_size[b]
             factors.setdefault(unit.name, {})[kind] = {str(b): f for b, f in sorted(per_size.items())}
+    # A stage's own cost (profile.stage_overhead_s) is part of every rank's compute: it takes the
+    # median of every rank's factor at its size (of all runs' at sizes no run measured).
+    by_size: Dict[Tuple[int, int], List[float]] = {}  # (size, 0 forward | 1 backward) -> ratios
+    for (_, b, kind), xs in samples.items():
+        by_size.setdefault((b, 0 if kind == "forward" else 1), []).extend(xs)
+    for b, pair in list(calibrated.stage_overhead_s.items()):
+        scaled = []
+        for i in (0, 1):
+            pooled = by_size.get((b, i)) or [x for (_, j), xs in by_size.items() if j == i for x in xs]
+            scaled.append(pair[i] * statistics.median(pooled) if pooled else pair[i])
+        calibrated.stage_overhead_s[b] = (scaled[0], scaled[1])
     return calibrated, factors
 
 

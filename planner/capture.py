@@ -35,12 +35,9 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from planner.capture_export import ExportFailure, export_graph, split_inputs
+from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-class CaptureError(RuntimeError):
-    """The model cannot be captured as a graph. The message names the cause and a way out."""
 
 
 class _UnitTracer(fx.Tracer):

@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from planner import cli_compare, cli_fidelity, cli_import, cli_profile, cli_show, cli_solve
 from planner.cli_common import UsageError, run_subcommand
+from planner.errors import CaptureError
 from planner.jsonio import JsonFileError
 
 SUBCOMMANDS = [cli_profile, cli_solve, cli_compare, cli_show, cli_import, cli_fidelity]
@@ -22,11 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from planner.capture import CaptureError
-    from planner.spec import ModelEntryError
-
     # ValueError: what the cost model, solvers and profile readers raise on inputs they cannot take
-    return run_subcommand(args, (UsageError, JsonFileError, ModelEntryError, CaptureError, ValueError),
+    # (spec.ModelEntryError is one); nothing here loads torch, so that a bad option fails at once
+    return run_subcommand(args, (UsageError, JsonFileError, CaptureError, ValueError),
                           "interrupted; nothing was written")
 
 

@@ -41,35 +41,41 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
           flush=True)
 
 
+def _check_measure_options(args: argparse.Namespace) -> None:
+    """The options of a measured profile, checked before torch is loaded (a typo fails at once)."""
+    if args.dtype:
+        raise UsageError("--dtype is for analytic profiles (measured ones use the model's own dtype)")
+    if args.ranks_per_host < 1:
+        raise UsageError("--ranks-per-host must be at least 1")
+    if args.ranks_per_host > 1 and args.device != "cpu":
+        raise UsageError("--ranks-per-host > 1 models ranks sharing a CPU host; it applies to --device cpu only")
+    if args.warmup < 0 or args.min_time < 0:
+        raise UsageError("--warmup and --min-time are seconds >= 0")
+    if args.retries < 0:
+        raise UsageError("--retries must be 0 or more")
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    sizes = parse_sizes(args.micro_batch_sizes)
+    if args.device_spec and not args.analytic:
+        raise UsageError("--device-spec is for analytic profiles: add --analytic")
+    if not args.analytic:
+        _check_measure_options(args)
     from planner.measure import profile_model, steadiest_profile
     from planner.profile import save_profile
     from planner.spec import model_name, parse_model_args
 
     model_args = parse_model_args(args.model_arg or [])
-    sizes = parse_sizes(args.micro_batch_sizes)
     output = args.output or os.path.join("profiles", f"{model_name(args.model)}.json")
     start = time.perf_counter()
     progress = (lambda msg: print(msg, flush=True)) if not args.quiet else None
-    if args.device_spec and not args.analytic:
-        raise UsageError("--device-spec is for analytic profiles: add --analytic")
     if args.analytic:
         profile = _analytic(args, model_args, sizes, progress)
     else:
-        if args.dtype:
-            raise UsageError("--dtype is for analytic profiles (measured ones use the model's own dtype)")
-        if args.ranks_per_host < 1:
-            raise UsageError("--ranks-per-host must be at least 1")
-        if args.ranks_per_host > 1 and args.device != "cpu":
-            raise UsageError("--ranks-per-host > 1 models ranks sharing a CPU host; it applies to --device cpu only")
-        if args.warmup < 0 or args.min_time < 0:
-            raise UsageError("--warmup and --min-time are seconds >= 0")
         shared = f", {args.ranks_per_host - 1} co-runner(s) loading the other cores" if args.ranks_per_host > 1 else ""
         print(f"profiling {args.model} {model_args or ''} on {args.device} at micro-batch sizes "
               f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of at least {args.repeats} runs and "
               f"{args.min_time:g} s per size after {args.warmup:g} s warm-up{shared})", flush=True)
-        if args.retries < 0:
-            raise UsageError("--retries must be 0 or more")
         profile = steadiest_profile(lambda: profile_model(
             args.model, model_args, sizes, device=args.device, seed=args.seed, threads=args.threads,
             repeats=args.repeats, progress=progress, warmup_s=args.warmup, min_time_s=args.min_time,

@@ -8,7 +8,9 @@ replica runs m micro-batches of size b. R is the set of recomputed units.
 
 Time per micro-batch of chunk c on rank i = c % p (speed sigma_i, 1 without a cluster):
 
-    F_c = sum_{l in c} f_l / sigma_i          B_c = sum_{l in c} (g_l + [l in R] f_l) / sigma_i
+    F_c = (k^f + sum_{l in c} f_l) / sigma_i          B_c = (k^b + sum_{l in c} (g_l + [l in R] f_l)) / sigma_i
+    (k^f, k^b: the profile's stage_overhead_s at b, what a stage pays per micro-batch whatever its
+    units: one call's fixed cost; 0 for analytic and imported profiles)
     t_k^j = (act_k + grad_k) / bw_j + lat_j * [act_k > 0] * (1 + [grad_k > 0])
             (cut k used as boundary j, between ranks j % p and (j + 1) % p of the path bw_j, lat_j)
     T_c = F_c + B_c + t_{a_c}^{c-1} [c > 0] + t_{e_c}^{c} [c < C - 1]
@@ -276,6 +278,12 @@ def cut_times(profile: Profile, b: int, opts: CostOptions, link: Optional[Tuple[
     return [0.0] + [cut_time(profile, k, b, opts, link) for k in range(1, profile.num_units)]
 
 
+def stage_call_s(profile: Profile, b: int) -> float:
+    """k^f + k^b: seconds (at speed 1) every chunk pays per micro-batch on top of its units."""
+    forward, backward = profile.stage_overhead(b)
+    return forward + backward
+
+
 def profiled_optimizer_step_s(profile: Profile, optimizer: str) -> float:
     """sum_l o_l: seconds of one `optimizer` step over every unit's parameters, as `planner profile`
     measured them (0 for units without a measurement: analytic and imported profiles)."""
@@ -372,14 +380,15 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
         chunks = sorted({chunk_of[l] for l in units})
         for c in chunks:
             ties[c] = ties.get(c, 0.0) + tie_time(size, len(chunks), opts)
+    call_forward, call_backward = profile.stage_overhead(b)
     stages: List[StageCost] = []
     for c in range(C):
         first, end, rank = edges[c], edges[c + 1], c % p
         device = offsets[c] if opts.replicated else rank
         units = profile.units[first:end]
-        forward = sum(u.forward_s[b] for u in units) / speeds[rank]
-        backward = sum(u.backward_s[b] + (u.forward_s[b] if first + i in redo else 0.0)
-                       for i, u in enumerate(units)) / speeds[rank]
+        forward = (call_forward + sum(u.forward_s[b] for u in units)) / speeds[rank]
+        backward = (call_backward + sum(u.backward_s[b] + (u.forward_s[b] if first + i in redo else 0.0)
+                                        for i, u in enumerate(units))) / speeds[rank]
         comm = (cut_time(profile, first, b, opts, links[c - 1]) if c > 0 else 0.0) + \
                (cut_time(profile, end, b, opts, links[c]) if c < C - 1 else 0.0)
         params = sum(u.param_bytes for u in units)

@@ -19,7 +19,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -265,9 +265,9 @@ def profile_model(
     at the same micro-batch size meanwhile, with the same threads each: the contention for
     cores, caches and memory bandwidth that ranks sharing a host see. What the profile was
     measured under is recorded in its `measured_under`. With `whole_model`, the whole model is
-    timed as one more item of every round and each size's unit times are scaled so that they sum
-    to it (forward and backward apart; `measured_under.whole_model_scale`): a unit timed alone
-    pays a call's fixed cost that a stage pays once."""
+    timed as one more item of every round: a unit timed alone pays a call's fixed cost that a
+    stage pays once, which the profile keeps apart as `stage_overhead_s` (`split_call_overhead`,
+    forward and backward apart), so that the units and that cost sum to the whole model."""
     say = progress or (lambda msg: None)
     dev = torch.device(device)
     if co_runners < 0:
@@ -306,6 +306,7 @@ def profile_model(
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     co = CoRunners(entry, model_args, seed, threads, co_runners) if co_runners > 0 else None
     whole_scale: Dict[int, Dict[str, float]] = {}
+    stage_overhead: Dict[int, Tuple[float, float]] = {}
     host_kernel: List[Optional[float]] = []
     try:
         if co is not None:
@@ -343,10 +344,11 @@ def profile_model(
                                          min_time_s=min_time_s)
             if whole is not None:
                 (whole_f, whole_b, _), measured = measured[-1], measured[:-1]
-                scale = {"forward": whole_f / max(sum(f for f, _, _ in measured), 1e-12),
-                         "backward": whole_b / max(sum(g for _, g, _ in measured), 1e-12)}
-                whole_scale[b] = scale
-                measured = [(f * scale["forward"], g * scale["backward"], s) for f, g, s in measured]
+                call_f, forwards, scale_f = split_call_overhead([f for f, _, _ in measured], whole_f)
+                call_b, backwards, scale_b = split_call_overhead([g for _, g, _ in measured], whole_b)
+                whole_scale[b] = {"forward": scale_f, "backward": scale_b}
+                stage_overhead[b] = (call_f, call_b)
+                measured = [(f, g, s) for f, g, (_, _, s) in zip(forwards, backwards, measured)]
             for k, ((stage, io), (fwd, bwd, saved)) in enumerate(zip(stages, measured)):
                 unit = unit_records[k]
                 unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
@@ -354,6 +356,9 @@ def profile_model(
                                            if isinstance(values[io.sent[i]], torch.Tensor))
                 say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {fwd * 1e3:8.3f} ms  "
                     f"backward {bwd * 1e3:8.3f} ms  saved {saved / 2**20:8.2f} MiB")
+            if b in stage_overhead:
+                say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "
+                    f"forward {stage_overhead[b][0] * 1e3:.3f} ms  backward {stage_overhead[b][1] * 1e3:.3f} ms")
             del values, work
         # under the same load as the units: the ranks step their optimizers while the others compute
         steps = measure_optimizer_steps([list(stage.parameters()) for stage, _ in stages], dev, repeats,
@@ -392,7 +397,26 @@ def profile_model(
                                   "host_kernel": {"kernel": REFERENCE_KERNEL, "before_s": host_kernel[0],
                                                   "after_s": host_kernel[1], "mean_s": mean_kernel_s(host_kernel)}
                                   if host_kernel[0] else None}},
+        stage_overhead_s=stage_overhead,
     )
+
+
+def split_call_overhead(alone: Sequence[float], whole: float) -> Tuple[float, List[float], float]:
+    """(c, unit times t, scale): a stage of units S costs sum_{l in S} t_l + c, and the whole model
+    sum_l t_l + c = `whole`, from each unit's time timed alone (`alone`) and the whole model's.
+
+    A unit timed alone pays a call's fixed cost c that a stage of several units pays once, so
+    alone_l = t_l + c and sum_l alone_l - whole = (L - 1) c. c is at most the cheapest unit's time
+    (no unit costs less than nothing) and at least 0; what c does not explain is spread over the
+    units in proportion to their time (scale, 1 when c explains it all):
+    t_l = (alone_l - c) (whole - c) / (sum_l alone_l - L c)."""
+    L, total = len(alone), sum(alone)
+    c = min((total - whole) / (L - 1), min(alone)) if L > 1 and whole > 0 and total > whole else 0.0
+    rest = total - L * c
+    if rest <= 0 or whole - c <= 0:
+        c, rest = 0.0, total
+    scale = (whole - c) / rest if rest > 0 else 1.0
+    return c, [(t - c) * scale for t in alone], scale
 
 
 def host_drift(profile: Profile) -> float:

@@ -11,7 +11,7 @@ JSON). Times are seconds, sizes are bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 
@@ -154,6 +154,13 @@ class Profile:
     repeats: int = 5
     schema_version: int = PROFILE_SCHEMA_VERSION
     extra: Dict[str, Any] = field(default_factory=dict)
+    # b -> (forward, backward) seconds a stage pays once per micro-batch whatever units it holds
+    # (a call's fixed cost: Python, autograd's engine start); unit times exclude it. Empty: none.
+    stage_overhead_s: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+
+    def stage_overhead(self, b: int) -> Tuple[float, float]:
+        """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units."""
+        return self.stage_overhead_s.get(b, (0.0, 0.0))
 
     @property
     def host_kernel(self) -> Dict[str, Any]:
@@ -188,6 +195,9 @@ class Profile:
             "units": [u.to_json() for u in self.units],
             "cuts": [c.to_json() for c in self.cuts],
         }
+        if self.stage_overhead_s:
+            d["stage_overhead_s"] = {str(b): {"forward": f, "backward": g}
+                                     for b, (f, g) in sorted(self.stage_overhead_s.items())}
         d.update(self.extra)
         return d
 
@@ -204,7 +214,9 @@ class Profile:
             units = [UnitProfile.from_json(u) for u in d["units"]]
             cuts = [CutProfile.from_json(c) for c in d.get("cuts", [])]
             sizes = [int(b) for b in d["micro_batch_sizes"]]
-        except (KeyError, TypeError, ValueError) as e:
+            overhead = {int(b): (float(o["forward"]), float(o["backward"]))
+                        for b, o in (d.get("stage_overhead_s") or {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise JsonFileError(f"profile is malformed ({type(e).__name__}: {e}); re-run `planner profile`") from e
         if not units:
             raise JsonFileError("profile has no units")
@@ -214,9 +226,11 @@ class Profile:
             for b in sizes:
                 if b not in u.forward_s or b not in u.backward_s or b not in u.saved_bytes:
                     raise JsonFileError(f"profile unit {u.name!r} has no measurement at micro-batch size {b}")
+        if any(not (0 <= x < float("inf")) for pair in overhead.values() for x in pair):
+            raise JsonFileError("profile stage_overhead_s must be seconds >= 0; re-run `planner profile`")
         known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
                  "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
-                 "units", "cuts"}
+                 "units", "cuts", "stage_overhead_s"}
         return cls(
             model=d.get("model", {}),
             micro_batch_sizes=sizes,
@@ -231,6 +245,7 @@ class Profile:
             repeats=int(d.get("repeats", 5)),
             schema_version=version,
             extra={k: v for k, v in d.items() if k not in known},
+            stage_overhead_s=overhead,
         )
 
 

@@ -17,14 +17,15 @@ def _at(value: PerSize, b: int, integral: bool = False):
 def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], params: Sequence[int],
                       saved: Sequence[PerSize], cut_act: Sequence[PerSize], cut_grad: Optional[Sequence[PerSize]] = None,
                       sizes: Sequence[int] = (1, 2, 4), names: Optional[Sequence[str]] = None,
-                      model: Optional[dict] = None) -> Profile:
+                      model: Optional[dict] = None, stage_overhead: Optional[Dict[int, tuple]] = None) -> Profile:
     """A Profile with L = len(forward) units and L - 1 cuts.
 
     forward/backward (seconds), saved (bytes) and cut_act/cut_grad (bytes crossing cut k = index + 1)
     are per sample (multiplied by b) unless given as {b: value} dicts. Cut k carries one tensor of
     cut_act bytes, with requires_grad; when cut_grad differs from cut_act, the gradient-carrying
     part is a separate tensor ('x', requires_grad) of cut_grad bytes, and the remainder a tensor
-    without gradient ('aux'). A cut with 0 bytes carries only a constant.
+    without gradient ('aux'). A cut with 0 bytes carries only a constant. stage_overhead:
+    {b: (forward, backward)} seconds every stage pays per micro-batch (Profile.stage_overhead_s).
     """
     L = len(forward)
     assert len(backward) == L and len(params) == L and len(saved) == L and len(cut_act) == L - 1
@@ -54,4 +55,5 @@ def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], p
         cuts.append(CutProfile(before_unit=k, values=values))
     return Profile(model=model or {"entry": "tests.synthetic:model", "args": {}, "seed": 0},
                    micro_batch_sizes=list(sizes), units=units, cuts=cuts, device="cpu",
-                   device_name="synthetic", threads=1, dtype="float32", torch_version="test")
+                   device_name="synthetic", threads=1, dtype="float32", torch_version="test",
+                   stage_overhead_s=dict(stage_overhead or {}))

@@ -108,3 +108,33 @@ def test_bad_options_are_rejected():
         evaluate(three_units(), [1], 1, CostOptions(num_stages=2, global_batch=4, schedule="zb"))
     with pytest.raises(ValueError, match="optimizer"):
         evaluate(three_units(), [1], 1, CostOptions(num_stages=2, global_batch=4, optimizer="lion"))
+
+
+def test_every_stage_pays_the_profiles_stage_overhead_once_per_micro_batch():
+    plain = three_units()
+    charged = synthetic_profile(forward=[0.001, 0.002, 0.003], backward=[0.002, 0.004, 0.006],
+                                params=[100, 200, 300], saved=[10, 20, 30], cut_act=[1000, 2000],
+                                sizes=(1, 2, 4, 8), stage_overhead={2: (0.0005, 0.001)})
+    opts = CostOptions(num_stages=2, global_batch=8, schedule="gpipe", bandwidth=1e6)
+    a, b = evaluate(plain, [1], 2, opts), evaluate(charged, [1], 2, opts)
+    for st_a, st_b in zip(a.stages, b.stages):
+        assert st_b.forward_s == pytest.approx(st_a.forward_s + 0.0005)
+        assert st_b.backward_s == pytest.approx(st_a.backward_s + 0.001)
+    # (1/v) sum_c T_c + (m - 1) max_c T_c: each of the two stages is 1.5 ms longer, m = 4
+    assert b.iteration_s == pytest.approx(a.iteration_s + 2 * 0.0015 + 3 * 0.0015)
+    assert evaluate(charged, [1], 4, opts).iteration_s == evaluate(plain, [1], 4, opts).iteration_s  # b=4: none
+
+
+def test_a_per_stage_cost_makes_every_solver_prefer_fewer_larger_micro_batches():
+    """Times linear in b: without a per-stage cost the shorter fill of b = 1 wins; a cost per stage
+    and micro-batch makes 2 micro-batches of 4 cheaper than 8 of 1, in every exact method."""
+    from planner.solve import solve
+
+    def profile(overhead):
+        return synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[0],
+                                 sizes=(1, 4), stage_overhead={b: (overhead, overhead) for b in (1, 4)})
+    opts = CostOptions(num_stages=2, global_batch=8, schedule="1f1b")
+    for method in ("ilp", "dp", "brute"):
+        assert solve(profile(0.0), opts, method=method).micro_batch_size == 1  # 3 x (8 + 1) = 27 < 12 x 3
+        chosen = solve(profile(5.0), opts, method=method)  # 13 x 9 = 117 > 22 x 3 = 66
+        assert chosen.micro_batch_size == 4 and chosen.objective == pytest.approx(66.0), method

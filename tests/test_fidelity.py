@@ -122,6 +122,18 @@ def test_calibration_from_several_runs_takes_per_size_medians():
     assert only1.units[0].forward_s[2] == pytest.approx(1.8 * 1.1)
 
 
+def test_calibration_scales_the_stage_overhead_with_the_ranks():
+    profile = _two_unit_profile()
+    profile.stage_overhead_s = {1: (0.5, 1.0), 2: (0.9, 1.8)}
+    plan = plan_with(profile, [1], 1, 4, "gpipe")
+    assert plan["stages"][0]["forward_s"] == pytest.approx(1.0 + 0.5)  # the stage pays it on top of its unit
+    calibrated = calibrate_profile(profile, [(plan, _fake_report(plan, [1.5, 1.5], [2.0, 2.0], 1.0))])
+    assert calibrated.stage_overhead_s[1] == pytest.approx((0.75, 2.0))
+    assert calibrated.stage_overhead_s[2] == pytest.approx((1.35, 3.6))  # no run at b = 2: all runs' median
+    again = plan_with(calibrated, [1], 1, 4, "gpipe")
+    assert [s["forward_s"] for s in again["stages"]] == pytest.approx([1.5 * s["forward_s"] for s in plan["stages"]])
+
+
 def test_calibration_recomputes_predictions_from_the_profile_it_corrects():
     """A run planned from another measurement of the model (here 2x slower) calibrates this profile
     as a run planned from it does: the measured times are what count."""

@@ -33,7 +33,10 @@ def problems(draw, max_units=7, max_stages=4):
     saved = [rng.randint(0, 2 << 20) for _ in range(L)]
     act = [rng.choice([0, rng.randint(1, 1 << 20)]) for _ in range(L - 1)]
     grad = [rng.choice([a, a // 2, 0]) for a in act]
-    profile = synthetic_profile(forward, backward, params, saved, act, grad, sizes=sizes)
+    # half the profiles charge every stage its own cost per micro-batch (a measured profile's
+    # stage_overhead_s), so the ILP and the oracle must agree on it too
+    overhead = {b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes} if rng.random() < 0.5 else None
+    profile = synthetic_profile(forward, backward, params, saved, act, grad, sizes=sizes, stage_overhead=overhead)
     schedule = draw(st.sampled_from(["1f1b", "gpipe"]))
     optimizer = draw(st.sampled_from(["sgd", "adamw"]))
     base = CostOptions(num_stages=S, global_batch=draw(st.sampled_from([8, 16])), schedule=schedule,

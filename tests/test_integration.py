@@ -2,9 +2,10 @@
 import json
 
 import pytest
-import torch
 
-from tests.pipeline import max_abs_diff, reference_state, run_cli
+from planner.measure import profile_model
+from planner.profile import save_profile
+from tests.pipeline import execute, max_abs_diff, reference_state, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +24,12 @@ def gpt_profile(tmp_path_factory):
     (["--stages", "2", "--memory-per-device", "3MiB"], lambda p: any(s["recompute"] for s in p["stages"])),
 ], ids=["devices", "interleaved", "recompute"])
 def test_solved_plan_runs_exactly(gpt_profile, tmp_path, solve_args, expect):
-    plan_path, state_path = str(tmp_path / "plan.json"), str(tmp_path / "state.pt")
+    plan_path = str(tmp_path / "solved.json")
     solved = run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "16", *solve_args, "-o", plan_path])
     assert solved.returncode == 0, solved.stderr
     plan = json.load(open(plan_path))
     assert expect(plan), plan
-    ran = run_cli(["runtime.cli", "execute", plan_path, "--steps", "2", "--lr", "0.05", "--save-state", state_path])
-    assert ran.returncode == 0, ran.stderr
-    state = torch.load(state_path, weights_only=True)
+    state = execute(plan, tmp_path, steps=2, lr=0.05)  # `runtime execute`, in this process
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=0.05)) <= 1e-5
 
 
@@ -39,18 +38,13 @@ def test_solved_replicated_plan_runs_exactly(tmp_path):
     # solver gives it 2 (micro-batches alternate between them), and the run stays exact. The cap
     # (the whole model's 16.8 MiB of weights and gradients do not fit) rules out plain data
     # parallelism, which the cost model can otherwise prefer on this small model
-    profile, plan_path, state_path = (str(tmp_path / n) for n in ("gpt.json", "plan.json", "state.pt"))
-    made = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=2", "--model-arg", "vocab=16384",
-                    "--micro-batch-sizes", "1,2", "--repeats", "3", "--warmup", "0", "--min-time", "0", "--link", "none",
-                    "--quiet", "-o", profile])
-    assert made.returncode == 0, made.stderr
+    profile, plan_path = str(tmp_path / "gpt.json"), str(tmp_path / "solved.json")
+    save_profile(profile_model("builtin:gpt", {"layers": 2, "vocab": 16384}, [1, 2], repeats=3), profile)
     solved = run_cli(["planner.cli", "solve", profile, "--stages", "3", "--replicate", "--global-batch", "8",
                       "--memory-per-device", "14MiB", "-o", plan_path])
     assert solved.returncode == 0, solved.stderr
     plan = json.load(open(plan_path))
     replicated = plan["stages"][1]["units"]
     assert [s["replicas"] for s in plan["stages"]] == [1, 2] and replicated[-1] == "head", replicated
-    ran = run_cli(["runtime.cli", "execute", plan_path, "--steps", "2", "--lr", "0.05", "--save-state", state_path])
-    assert ran.returncode == 0, ran.stderr
-    state = torch.load(state_path, weights_only=True)
+    state = execute(plan, tmp_path, steps=2, lr=0.05)  # `runtime execute`, in this process
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=0.05)) <= 1e-5

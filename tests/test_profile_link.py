@@ -8,7 +8,8 @@ import torch
 
 from planner.costmodel import profiled_optimizer_step_s
 from planner.corunners import CoRunners
-from planner.measure import fit_link, host_drift, measure_link, measure_units, profile_model, steadiest_profile
+from planner.measure import (fit_link, host_drift, measure_link, measure_units, profile_model, split_call_overhead,
+                             steadiest_profile)
 from planner.profile import Profile
 from tests.pipeline import run_cli
 
@@ -95,13 +96,15 @@ def test_profile_with_a_co_runner_records_its_conditions():
     # unit times are scaled to the whole model timed in the same rounds, per size
     scale = under["whole_model_scale"]["2"]
     assert set(scale) == {"forward", "backward"} and all(0.3 < x < 3.0 for x in scale.values())
+    # what a stage pays once whatever it holds, kept apart from the units (see split_call_overhead)
+    assert set(shared.stage_overhead_s) == {2} and all(x >= 0 for x in shared.stage_overhead_s[2])
     bare = profile_model("builtin:mlp", {}, [2], repeats=1, whole_model=False)
-    assert bare.extra["measured_under"]["whole_model_scale"] is None
+    assert bare.extra["measured_under"]["whole_model_scale"] is None and bare.stage_overhead_s == {}
     # the load changes times, never what is counted
     assert [u.saved_bytes for u in shared.units] == [u.saved_bytes for u in alone.units]
     assert [u.param_bytes for u in shared.units] == [u.param_bytes for u in alone.units]
     again = Profile.from_json(json.loads(json.dumps(shared.to_json())))
-    assert again.extra["measured_under"] == under
+    assert again.extra["measured_under"] == under and again.stage_overhead_s == shared.stage_overhead_s
     # one optimizer step per unit with parameters, for each optimizer the runtime runs; kept in the file
     for unit in shared.units:
         assert (set(unit.optimizer_s) == {"sgd", "adamw"} and all(t > 0 for t in unit.optimizer_s.values())) \
@@ -109,6 +112,34 @@ def test_profile_with_a_co_runner_records_its_conditions():
     assert [u.optimizer_s for u in again.units] == [u.optimizer_s for u in shared.units]
     total = sum(u.optimizer_s.get("adamw", 0.0) for u in shared.units)
     assert profiled_optimizer_step_s(again, "adam") == pytest.approx(total) and total > 0
+
+
+def test_split_call_overhead_recovers_a_per_call_cost():
+    # units of 1, 2, 3 ms each timed alone with a 0.5 ms call cost; the whole model pays it once
+    c, units, scale = split_call_overhead([1.5, 2.5, 3.5], 6.5)
+    assert c == pytest.approx(0.5) and units == pytest.approx([1.0, 2.0, 3.0]) and scale == pytest.approx(1.0)
+    # a cost larger than the cheapest unit is capped there; the rest is spread in proportion
+    c, units, scale = split_call_overhead([0.2, 4.0, 4.0], 6.0)
+    assert c == pytest.approx(0.2) and units[0] == 0.0 and sum(units) + c == pytest.approx(6.0) and scale < 1
+    # units that sum below the whole (noise) or a single unit: no call cost, proportional scaling
+    for alone, whole in (([1.0, 2.0], 3.3), ([2.0], 1.8)):
+        c, units, scale = split_call_overhead(alone, whole)
+        assert c == 0.0 and sum(units) == pytest.approx(whole) and scale == pytest.approx(whole / sum(alone))
+
+
+def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
+    from planner.jsonio import JsonFileError
+    from tests.synthetic import synthetic_profile
+
+    p = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[8],
+                          sizes=(1, 2), stage_overhead={1: (0.1, 0.2), 2: (0.15, 0.25)})
+    data = json.loads(json.dumps(p.to_json()))
+    assert data["stage_overhead_s"]["2"] == {"forward": 0.15, "backward": 0.25}
+    assert Profile.from_json(data).stage_overhead(2) == (0.15, 0.25)
+    assert Profile.from_json(data).stage_overhead(4) == (0.0, 0.0)  # unmeasured: none
+    for bad in ({"1": {"forward": -1.0, "backward": 0.0}}, {"1": {"forward": 0.1}}, [0.1]):
+        with pytest.raises(JsonFileError):
+            Profile.from_json(dict(data, stage_overhead_s=bad))
 
 
 def _drifting(drifts):

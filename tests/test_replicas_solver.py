@@ -102,7 +102,9 @@ def problems(draw):
     per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
     profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
                                 [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
-                                [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
+                                [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
+                                stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
+                                if rng.random() < 0.5 else None)
     opts = CostOptions(num_stages=N, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), data_parallel=draw(st.sampled_from([1, 2])),

@@ -3,7 +3,8 @@
 For a micro-batch size b, chunk c (on rank c, speed sigma_c) holding units [a, e) costs
 
     T_c(a, e) = (W_e - W_a) / sigma_c + tin_c(a) + tout_c(e)       (W: prefix sums of f + g,
-    E_c(a, e) = ar (P_e - P_a)                                       plus f under 'all')
+    E_c(a, e) = ar (P_e - P_a)                                       plus f under 'all'; tin_c
+                                                                     holds the stage's own cost k / sigma_c)
     M_c(a, e) = (P_e - P_a)(2 + opt) + h_c (A_e - A_a) <= cap_c      (else the entry is +inf)
 
 and the objective of a split is  F = sum_c T_c + (m - 1) max_c T_c + max_c E_c (plus the
@@ -35,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from planner.costmodel import (CostOptions, allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                               num_micro_batches, optimizer_factor, rank_caps, rank_speeds)
+                               num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
 from planner.profile import Profile
 
 TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far below the reported gap)
@@ -76,16 +77,18 @@ class ChainScenario:
         self.held = held
         self.opt = optimizer_factor(opts.optimizer)
         self.ar = allreduce_time(1.0, opts) if opts.data_parallel > 1 else 0.0
-        cache: Dict[Tuple[float, float], np.ndarray] = {}
+        cache: Dict[tuple, np.ndarray] = {}
+        call = stage_call_s(profile, b)  # a chunk's own cost per micro-batch, charged with its input
 
-        def cuts(link) -> np.ndarray:
-            if link not in cache:
-                cache[link] = np.array(cut_times(profile, b, opts, link) + [0.0])
-            return cache[link]
+        def cuts(link, sigma: float = 0.0) -> np.ndarray:
+            """Transfer times over `link` (None: no transfer), plus the call cost at speed sigma."""
+            if (link, sigma) not in cache:
+                times = np.array(cut_times(profile, b, opts, link) + [0.0]) if link is not None else np.zeros(self.L + 1)
+                cache[link, sigma] = times + (call / sigma if sigma else 0.0)
+            return cache[link, sigma]
 
-        zero = np.zeros(self.L + 1)
-        self.tin = [cuts(links[c - 1]) if c > 0 else zero for c in range(self.C)]
-        self.tout = [cuts(links[c]) if c < self.C - 1 else zero for c in range(self.C)]
+        self.tin = [cuts(links[c - 1] if c > 0 else None, self.sigma[c]) for c in range(self.C)]
+        self.tout = [cuts(links[c]) if c < self.C - 1 else cuts(None) for c in range(self.C)]
         self.band_tau = -1.0
 
     # -- the band ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate, in_flight,
-                               num_micro_batches, optimizer_factor)
+                               num_micro_batches, optimizer_factor, stage_call_s)
 from planner.profile import Profile
 
 
@@ -89,12 +89,13 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
 
 
 def time_matrix(profile: Profile, b: int, opts: CostOptions) -> np.ndarray:
-    """T[a, e] = sum of forward+backward over [a, e) + c_a [a > 0] + c_e [e < L] (seconds)."""
+    """T[a, e] = k + sum of forward+backward over [a, e) + c_a [a > 0] + c_e [e < L] (seconds; k: a
+    stage's own cost)."""
     L = profile.num_units
     work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])])
     c = np.array(cut_times(profile, b, opts) + [0.0])  # c[0] = c[L] = 0: no transfer at the ends
     assert len(c) == L + 1
-    return _upper_triangle(work[None, :] - work[:, None] + c[:, None] + c[None, :])
+    return _upper_triangle(stage_call_s(profile, b) + work[None, :] - work[:, None] + c[:, None] + c[None, :])
 
 
 def min_bottleneck(profile: Profile, b: int, opts: CostOptions) -> Tuple[float, Optional[List[int]]]:

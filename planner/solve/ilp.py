@@ -18,7 +18,7 @@ z[l][c] = 1 otherwise. On balanced chains this leaves each unit one or two possi
 Recomputation ('auto', with a memory cap): rho[l][c] <= x[l][c] for units with s_l > in_l;
 chunk c's time gains f_l / sigma rho[l][c] and its memory loses h_c (s_l - in_l) rho[l][c].
 
-    T_c   = sum_l x[l][c] w_l / sigma_c + sum_l rho[l][c] f_l / sigma_c
+    T_c   = k / sigma_c + sum_l x[l][c] w_l / sigma_c + sum_l rho[l][c] f_l / sigma_c   (k: a stage's own cost)
             + sum_k e[k][c-1] t_k^{c-1} [c > 0] + sum_k e[k][c] t_k^c [c < C-1]
     Dmax >= sum_{c on i} T_c (each rank i);   Dmax >= LB (exact min-max DP value when v = 1)
     M_i   = sum_{c on i} sum_l x[l][c] (P_l (2 + opt) + h_c s_l) - rho terms  <= cap_i
@@ -40,7 +40,7 @@ import pulp
 
 from planner.costmodel import (CostOptions, PlanCost, allreduce_time, boundary_links, cut_times, held_counts,
                                input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds,
-                               shared_parameters)
+                               shared_parameters, stage_call_s)
 from planner.profile import Profile
 from planner.solve.backends import _parse_cbc_log, _run_cbc, _run_highs  # noqa: F401  (re-exported)
 
@@ -113,7 +113,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
     work = [(u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if redo_all else 0.0)) * MS for u in units]
     inputs = input_bytes(profile, b)
     saved = [inputs[l] if redo_all else u.saved_bytes[b] for l, u in enumerate(units)]
-    total_work = max(sum(work) / MS / max(speeds), total_floor_s)  # sum_c T_c >= this
+    total_work = max((sum(work) / MS + C * stage_call_s(profile, b)) / max(speeds), total_floor_s)  # sum_c T_c >= this
     tau = math.inf
     if incumbent is not None:
         beat = incumbent[0] - opts.per_step_s
@@ -172,11 +172,12 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
                 rho[l, c] = _var(prob, f"r_{l}_{c}", binary=True)
                 add(rho[l, c] <= x(l, c), f"recompute_in_chunk_{l}_{c}")
         cut_ms = [[t * MS for t in cut_times(profile, b, opts, link)] for link in links]
+        call_ms = stage_call_s(profile, b) * MS
         opt = optimizer_factor(opts.optimizer)
         chunk_time = []
         for c in range(C):
             sigma = speeds[c % p]
-            t = pulp.lpSum(work[l] / sigma * x(l, c) for l in range(L) if may(l, c))
+            t = call_ms / sigma + pulp.lpSum(work[l] / sigma * x(l, c) for l in range(L) if may(l, c))
             t += pulp.lpSum(units[l].forward_s[b] * MS / sigma * r for (l, cc), r in rho.items() if cc == c)
             if c > 0:
                 t += pulp.lpSum(cut_ms[c - 1][k] * ends(k, c - 1) for k in range(1, L)

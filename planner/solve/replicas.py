@@ -55,7 +55,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
-                               input_bytes, num_micro_batches, optimizer_factor, shared_parameters)
+                               input_bytes, num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
 from planner.costmodel_replicas import ceil_div
 from planner.profile import Profile
 from planner.solve.chain_recompute import recompute_range_tables
@@ -115,7 +115,8 @@ class ReplicaTables:
                                                        (u.forward_s[b] if redo_all else 0.0) for u in units])]))
         cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
         ends = np.arange(L + 1)
-        self.T = work + np.where(ends > 0, cuts, 0.0)[:, None] + np.where(ends < L, cuts, 0.0)[None, :]
+        self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
+            np.where(ends < L, cuts, 0.0)[None, :]
         params = _span(np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in units])]))
         saved = input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units]
         acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))

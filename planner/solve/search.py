@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
-                               shared_parameters)
+                               shared_parameters, stage_call_s)
 from planner.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
@@ -83,7 +83,9 @@ def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool)
     m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.num_stages
     fastest = max(rank_speeds(opts))
     w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
-    floor, total = max(sum(w) / p, max(w)), sum(w)
+    call = stage_call_s(profile, b) / fastest  # every one of the C chunks pays it
+    total = sum(w) + opts.num_chunks * call
+    floor = max(total / p, max(w) + call)
     if use_heuristic and v == 1:
         fast = chain_bounds(profile, b, opts)
         if fast is not None:  # exact, or bounds and an incumbent for the ILP

@@ -2,7 +2,8 @@
 
 For chunk c on rank i = c % p at micro-batch size b, with prefix sums over units:
 
-    time[c][a, e]   = (sum_{a<=l<e} f_l + g_l) / sigma_i + t_a^{c-1} [c > 0] + t_e^{c} [c < C-1]
+    time[c][a, e]   = (k + sum_{a<=l<e} f_l + g_l) / sigma_i + t_a^{c-1} [c > 0] + t_e^{c} [c < C-1]
+                      (k: the profile's per-stage cost, costmodel.stage_call_s)
     redo[c][a, e]   = sum_{a<=l<e} f_l / sigma_i            (extra time if every unit is recomputed)
     memory[c][a, e] = (P_e - P_a)(2 + opt) + h_c (A_e - A_a)   (A: saved bytes, or inputs under 'all')
     extra[c][a, e]  = 2 (d - 1)/d (P_e - P_a) / dp_bandwidth
@@ -22,7 +23,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from planner.costmodel import (CostOptions, allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                               num_micro_batches, optimizer_factor, rank_caps, rank_speeds)
+                               num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
 from planner.profile import Profile
 
 EXACT_KNAPSACK_UNITS = 16  # recompute 'auto' in the DP/brute: enumerate subsets of at most this many units
@@ -56,7 +57,7 @@ def chunk_tables(profile: Profile, b: int, opts: CostOptions) -> ChunkTables:
     all_redo = opts.recompute == "all"
     forward = [u.forward_s[b] for u in profile.units]
     work = _range(_prefix([u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if all_redo else 0.0)
-                           for u in profile.units]))
+                           for u in profile.units])) + stage_call_s(profile, b)
     saved = input_bytes(profile, b) if all_redo else [u.saved_bytes[b] for u in profile.units]
     params = _range(_prefix([u.param_bytes for u in profile.units]))
     acts = _range(_prefix(saved))
