@@ -26,11 +26,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, args.virtual_stages)
     rows = [("method", "iteration ms", "bottleneck ms", "max memory MiB", "feasible", "b x m", "vs ilp")]
     results = [("ilp", best)] + [(m, solve_baseline(profile, scenarios, m)) for m in ("uniform", "params", "block")]
+    if args.replicate:
+        results.append(("replicas", _replicated_or_none(profile, opts, devices, schedules, args)))
     for name, sol in results:
         if sol is None:
             rows.append((name, "-", "-", "-", "no", "-", "-"))
             continue
         cost = sol.cost
+        if name == "replicas":
+            name = "replicas " + "/".join(str(r) for r in cost_replicas(sol))
         ratio = f"{sol.objective / best.objective:.3f}x" if best is not None and best.objective > 0 else "-"
         rows.append((name, f"{sol.objective * 1e3:.3f}", f"{cost.bottleneck_s * 1e3:.3f}",
                      f"{max(cost.device_memory) / 2 ** 20:.1f}", "yes" if cost.feasible else "no",
@@ -48,10 +52,32 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cost_replicas(sol) -> list:
+    """r_g per stage of a solution (1 each when nothing is replicated)."""
+    return [st.replicas for st in sol.cost.stages]
+
+
+def _replicated_or_none(profile, opts, devices, schedules, args):
+    """The --replicate optimum (planner solve --replicate), or None when no replicated plan fits."""
+    from planner.cli_solve import solve_replicated_from_args
+    from planner.solve.diagnose import InfeasibleError
+
+    try:
+        return solve_replicated_from_args(profile, opts, devices, schedules, args)
+    except InfeasibleError as e:
+        print(f"replicas: infeasible: {str(e).splitlines()[0]}")
+        return None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def register(sub) -> None:
     from planner.cli_solve import add_problem_options
     s = sub.add_parser("compare", help="the ILP plan beside the uniform / params / block baselines",
                        description="Predicted iteration time, bottleneck, peak memory and feasibility of the "
                                    "optimal plan and of DeepSpeed's and torchgpipe's partitioners, by one cost model.")
     add_problem_options(s)
+    s.add_argument("--replicate", action="store_true",
+                   help="add a row for the optimum with replicated stages (planner solve --replicate): "
+                        "--stages N devices shared by at most N stages")
     s.set_defaults(func=cmd_compare)

@@ -111,7 +111,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(args.calibration_note)
     try:
         if args.replicate:
-            solution = _solve_replicated(profile, opts, devices, schedules, args)
+            solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
         else:
             solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
                              devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
@@ -127,13 +127,13 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _solve_replicated(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
+def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
     """--replicate: N = --stages devices per data-parallel replica (or every p x d = --devices), shared
     by S <= N stages with r_g replicas each (planner.solve.replicas)."""
     from planner.solve.replicas import solve_replicated
     from planner.solve.search import expand_scenarios
 
-    if args.method != "ilp":
+    if getattr(args, "method", "ilp") != "ilp":
         raise UsageError("--replicate has its own solver; drop --method")
     if args.schedule not in ("1f1b", "gpipe", "auto"):
         raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")

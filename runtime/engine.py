@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -149,12 +149,13 @@ class Engine:
         micro_inputs, micro_targets = self._micro_batches(step)
         states: Dict[Tuple[int, int], _State] = {}
         losses: List[float] = []
-        receives = _ReceivesAhead(self, self.recv_ahead)
+        receives = _ReceivesAhead(self.receive_actions, self.recv_ahead,
+                                  lambda k: self.comm.post_recv(*self.message_of(self.actions[k])))
         for index, action in enumerate(self.actions):
             kind, i, g = action.kind, action.micro_batch, action.chunk
             t0 = time.perf_counter()
             if kind == sched.RECV_ACT:
-                tensors = self.comm.recv(*self._message(action), posted=receives.take(index))
+                tensors = self.comm.recv(*self.message_of(action), posted=receives.take(index))
                 states.setdefault((g, i), _State()).received = self._assemble(self.runners[g].chunk, tensors)
                 stats.recv_wait_s += time.perf_counter() - t0
             elif kind == sched.FORWARD:
@@ -168,7 +169,7 @@ class Engine:
                 self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1, i),
                                self._tag(g + 1, i), ACTIVATION)
             elif kind == sched.RECV_GRAD:
-                states[(g, i)].grads = self.comm.recv(*self._message(action), posted=receives.take(index))
+                states[(g, i)].grads = self.comm.recv(*self.message_of(action), posted=receives.take(index))
                 stats.recv_wait_s += time.perf_counter() - t0
             elif kind == sched.BACKWARD:
                 self._backward(self.runners[g], states[(g, i)])
@@ -202,7 +203,7 @@ class Engine:
         stats.time_s = time.perf_counter() - start
         return stats
 
-    def _message(self, action: sched.Action) -> Tuple[List[dict], int, int, int]:
+    def message_of(self, action: sched.Action) -> Tuple[List[dict], int, int, int]:
         """(tensor specs, source rank, tag, direction) of the message a receive action waits for."""
         runner, i, g = self.runners[action.chunk], action.micro_batch, action.chunk
         if action.kind == sched.RECV_ACT:
@@ -258,12 +259,12 @@ class Engine:
 
 class _ReceivesAhead:
     """One step's receives, each posted `ahead` receive actions before it runs (in action order),
-    so its data can move while this rank computes. `take(k)` hands over action k's posted
-    receives (None when nothing was posted ahead: the action posts and waits itself)."""
+    so its data can move while this rank computes. `post(k)` posts action k's receive;
+    `take(k)` hands over what was posted for it (None when nothing was posted ahead: the action
+    posts and waits itself)."""
 
-    def __init__(self, engine: Engine, ahead: int):
-        self.engine, self.ahead = engine, ahead
-        self.order = engine.receive_actions
+    def __init__(self, order: Sequence[int], ahead: int, post: Callable[[int], PostedRecv]):
+        self.order, self.ahead, self.post = list(order), ahead, post
         self.rank_in_order = {k: n for n, k in enumerate(self.order)}
         self.posted: Dict[int, PostedRecv] = {}
         self.next = 0  # index into `order` of the next receive to post
@@ -272,7 +273,7 @@ class _ReceivesAhead:
     def _top_up(self, consumed: int) -> None:
         while self.next < len(self.order) and self.next < consumed + self.ahead:
             k = self.order[self.next]
-            self.posted[k] = self.engine.comm.post_recv(*self.engine._message(self.engine.actions[k]))
+            self.posted[k] = self.post(k)
             self.next += 1
 
     def take(self, action_index: int) -> Optional[PostedRecv]:

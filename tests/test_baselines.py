@@ -60,3 +60,24 @@ def test_compare_prints_every_method(tmp_path, capsys):
     for name in ("ilp", "uniform", "params", "block"):
         assert any(line.split()[0] == name for line in lines[2:] if line.split())
     assert "1.000x" in out and "no" in out
+
+
+def test_compare_replicate_adds_the_replicated_optimum(tmp_path, capsys):
+    """One unit holds most of the work: with --replicate, compare adds the optimum that runs it on
+    several devices, and it is faster than the best unreplicated split (the ILP row)."""
+    from planner.solve.replicas import solve_replicated
+
+    p = synthetic_profile([0.001, 0.001, 0.02], [0.002, 0.002, 0.04], [1 << 16] * 3, [1 << 12] * 3, [1 << 10] * 2,
+                          sizes=(1, 2, 4))
+    path = str(tmp_path / "p.json")
+    save_profile(p, path)
+    assert main(["compare", path, "--stages", "3", "--global-batch", "8", "--replicate"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:] if line.split()}
+    opts = CostOptions(num_stages=3, global_batch=8)
+    replicated = solve_replicated(p, opts, [opts, opts.with_(schedule="gpipe")])
+    label = "/".join(str(st.replicas) for st in replicated.cost.stages)
+    assert rows["replicas"][1] == label and max(st.replicas for st in replicated.cost.stages) > 1
+    assert float(rows["replicas"][2]) == pytest.approx(replicated.objective * 1e3, abs=1e-3)
+    ilp_ms = float(rows["ilp"][1])
+    assert float(rows["replicas"][2]) < ilp_ms
+    assert float(rows["replicas"][-1].rstrip("x")) == pytest.approx(replicated.objective * 1e3 / ilp_ms, abs=2e-3)

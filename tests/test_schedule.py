@@ -82,17 +82,18 @@ def test_topology_from_plan():
 def test_receives_are_posted_ahead_in_action_order(ahead):
     """The engine posts each receive `ahead` receive actions before it runs (gloo matches by tag,
     so data can move while the rank computes); every receive is posted once, in list order."""
-    from types import SimpleNamespace
-
     from runtime.engine import _ReceivesAhead
 
     actions = sched.build_schedule("1f1b", 3, 6)[1]  # a middle rank: activations and gradients
+    order = [k for k, a in enumerate(actions) if a.kind in (sched.RECV_ACT, sched.RECV_GRAD)]
     posts = []
-    comm = SimpleNamespace(post_recv=lambda *message: posts.append(message) or message)
-    engine = SimpleNamespace(comm=comm, actions=actions, _message=lambda a: (a.kind, a.micro_batch, a.chunk),
-                             receive_actions=[k for k, a in enumerate(actions)
-                                              if a.kind in (sched.RECV_ACT, sched.RECV_GRAD)])
-    receives = _ReceivesAhead(engine, ahead)
+
+    def post(k):
+        message = (actions[k].kind, actions[k].micro_batch, actions[k].chunk)
+        posts.append(message)
+        return message
+
+    receives = _ReceivesAhead(order, ahead, post)
     taken = 0
     for index, action in enumerate(actions):
         if action.kind not in (sched.RECV_ACT, sched.RECV_GRAD):
@@ -103,6 +104,6 @@ def test_receives_are_posted_ahead_in_action_order(ahead):
             assert posted is None and posts == []
             continue
         assert posted == (action.kind, action.micro_batch, action.chunk)  # this action's own message
-        assert len(posts) == min(taken + ahead, len(engine.receive_actions))  # `ahead` more are out
-    wanted = [engine._message(actions[k]) for k in engine.receive_actions]
+        assert len(posts) == min(taken + ahead, len(order))  # `ahead` more are out
+    wanted = [(actions[k].kind, actions[k].micro_batch, actions[k].chunk) for k in order]
     assert posts == (wanted if ahead else [])
