@@ -126,5 +126,5 @@ def format_check(result: Dict[str, Any]) -> str:
     me, pr, rel = result["iteration"]
     lines.append(f"iteration: measured {me * 1e3:.2f} ms, predicted {pr * 1e3:.2f} ms, error "
                  f"{'n/a' if rel is None else f'{rel * 100:+.1f}%'}")
-    lines += host_speed_lines(result.get("host_slowdown"))
+    lines += host_speed_lines(result.get("host_slowdown"), pr, me)
     return "\n".join(lines)

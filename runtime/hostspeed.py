@@ -67,6 +67,16 @@ def worst_ratio(slowdown: Optional[Dict[str, Any]]) -> float:
     return max((slowdown["slowest"], slowdown["fastest"]), key=lambda r: abs(r - 1.0))
 
 
+def at_host_speed(predicted_s: float, slowdown: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The prediction scaled to the host speed the run met: predicted x the slowest rank's kernel
+    ratio (a pipeline goes at its slowest rank's pace). It tells the host's drift from the model's
+    error; it scales transfers too, which do not slow with the host: an estimate. None where the
+    run or the profile did not time the kernel."""
+    if not slowdown:
+        return None
+    return predicted_s * float(slowdown["slowest"])
+
+
 def slowdown_warning(slowdown: Optional[Dict[str, Any]]) -> Optional[str]:
     """One line when the run met another host speed than the profile did, else None."""
     worst = worst_ratio(slowdown)
@@ -79,11 +89,17 @@ def slowdown_warning(slowdown: Optional[Dict[str, Any]]) -> Optional[str]:
             "re-profile when it is quiet, or calibrate")
 
 
-def host_speed_lines(slowdown: Optional[Dict[str, Any]]) -> List[str]:
-    """What a report or a check prints of the host's speed: the ratio range, and the warning."""
+def host_speed_lines(slowdown: Optional[Dict[str, Any]], predicted_s: Optional[float] = None,
+                     measured_s: Optional[float] = None) -> List[str]:
+    """What a report or a check prints of the host's speed: the ratio range, the plan's prediction
+    at that speed against the measured iteration (when both are given), and the warning."""
     if not slowdown:
         return []
     lines = [f"host speed during the run: the reference kernel took x{slowdown['fastest']:.2f}.."
              f"x{slowdown['slowest']:.2f} of the profile's time on the ranks"]
+    if predicted_s and measured_s:
+        scaled = at_host_speed(predicted_s, slowdown)
+        lines.append(f"at the run's host speed the plan predicts {scaled * 1e3:.2f} ms (x{slowdown['slowest']:.2f}): "
+                     f"error {(measured_s - scaled) / scaled * 100:+.1f}%")
     warning = slowdown_warning(slowdown)
     return lines + (["warning: " + warning] if warning else [])

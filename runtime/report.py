@@ -102,5 +102,5 @@ def format_report(report: Dict[str, Any]) -> str:
     err = report.get("relative_error")
     lines.append(f"iteration: measured {m * 1e3:.2f} ms (median of steady steps), predicted {p * 1e3:.2f} ms"
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
-    lines += host_speed_lines(report.get("host_slowdown"))
+    lines += host_speed_lines(report.get("host_slowdown"), p, m)
     return "\n".join(lines)

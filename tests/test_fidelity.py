@@ -7,7 +7,7 @@ import pytest
 from planner.costmodel import CostOptions, evaluate
 from planner.calibrate import calibrate_profile
 from planner.fidelity import check_report, simulate_plan
-from runtime.hostspeed import host_slowdown, reference_kernel_s, slowdown_warning
+from runtime.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.plan import make_plan
 from planner.solve import solve
 from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
@@ -179,6 +179,19 @@ def test_host_slowdown_and_its_warning():
     assert "faster" in slowdown_warning(host_slowdown(1e-4, [[0.8e-4]]))
 
 
+def test_prediction_at_the_runs_host_speed():
+    """The plan's prediction scaled by the slowest rank's kernel ratio, and its error against the
+    measured iteration: what is left of the error once the host's drift is taken out."""
+    spell = host_slowdown(1e-4, [[1.0e-4, 1.0e-4], [1.3e-4, 1.2e-4]])  # rank 1 at x1.25
+    assert at_host_speed(0.040, spell) == pytest.approx(0.050)
+    assert at_host_speed(0.040, None) is None
+    lines = host_speed_lines(spell, 0.040, 0.051)
+    assert any("predicts 50.00 ms (x1.25): error +2.0%" in line for line in lines)
+    assert lines[-1].startswith("warning: ")
+    assert not any("predicts" in line for line in host_speed_lines(spell))  # nothing to compare
+    assert host_speed_lines(None, 0.040, 0.051) == []
+
+
 def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     from planner.jsonio import write_json_atomic
     from planner.profile import save_profile
@@ -204,6 +217,8 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     slow = report_of(tmp_path)["host_slowdown"]
     assert len(slow["per_rank"]) == 2 and all(r > 0 for r in slow["per_rank"])
     assert "host speed during the run" in checked.stdout
+    scaled = at_host_speed(plan["predicted_iteration_s"], slow)
+    assert f"at the run's host speed the plan predicts {scaled * 1e3:.2f} ms" in checked.stdout
     out = str(tmp_path / "calibrated.json")
     calibrated = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, "--plan", plan_path,
                           "-o", out])
