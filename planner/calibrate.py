@@ -80,9 +80,14 @@ def _rank_ratios(profile: Profile, plan: Dict[str, Any], report: Dict[str, Any])
 
 def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[str, Any]]:
     samples: Dict[Tuple[str, int, str], List[float]] = {}  # (unit, size, kind) -> ratios
+    # (size, 0 forward | 1 backward) -> one ratio per rank and run (a rank counts once, however
+    # many units it runs: the stage's own cost is paid once per rank)
+    by_size: Dict[Tuple[int, int], List[float]] = {}
     for plan, report in runs:
         b = int(plan["micro_batch_size"])
         for units, fwd, bwd in _rank_ratios(profile, plan, report):
+            by_size.setdefault((b, 0), []).append(fwd)
+            by_size.setdefault((b, 1), []).append(bwd)
             for name in units:
                 samples.setdefault((name, b, "forward"), []).append(fwd)
                 samples.setdefault((name, b, "backward"), []).append(bwd)
@@ -101,9 +106,6 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
             factors.setdefault(unit.name, {})[kind] = {str(b): f for b, f in sorted(per_size.items())}
     # A stage's own cost (profile.stage_overhead_s) is part of every rank's compute: it takes the
     # median of every rank's factor at its size (of all runs' at sizes no run measured).
-    by_size: Dict[Tuple[int, int], List[float]] = {}  # (size, 0 forward | 1 backward) -> ratios
-    for (_, b, kind), xs in samples.items():
-        by_size.setdefault((b, 0 if kind == "forward" else 1), []).extend(xs)
     for b, pair in list(calibrated.stage_overhead_s.items()):
         scaled = []
         for i in (0, 1):

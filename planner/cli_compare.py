@@ -67,8 +67,9 @@ def _replicated_or_none(profile, opts, devices, schedules, args):
     except InfeasibleError as e:
         print(f"replicas: infeasible: {str(e).splitlines()[0]}")
         return None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    except (UsageError, ValueError) as e:  # the other rows are solved: say why this one is not
+        print(f"replicas: not available: {str(e).splitlines()[0]}")
+        return None
 
 
 def register(sub) -> None:

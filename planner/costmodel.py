@@ -10,7 +10,9 @@ Time per micro-batch of chunk c on rank i = c % p (speed sigma_i, 1 without a cl
 
     F_c = (k^f + sum_{l in c} f_l) / sigma_i          B_c = (k^b + sum_{l in c} (g_l + [l in R] f_l)) / sigma_i
     (k^f, k^b: the profile's stage_overhead_s at b, what a stage pays per micro-batch whatever its
-    units: one call's fixed cost; 0 for analytic and imported profiles)
+    units: one call's fixed cost; 0 for analytic and imported profiles. A recomputed unit runs as
+    its own checkpointed call, whose fixed cost, up to k^f per unit in R, is not charged: an
+    approximation, small beside f_l, that keeps every solver's stage time the same sum)
     t_k^j = (act_k + grad_k) / bw_j + lat_j * [act_k > 0] * (1 + [grad_k > 0])
             (cut k used as boundary j, between ranks j % p and (j + 1) % p of the path bw_j, lat_j)
     T_c = F_c + B_c + t_{a_c}^{c-1} [c > 0] + t_{e_c}^{c} [c < C - 1]

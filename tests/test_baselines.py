@@ -81,3 +81,14 @@ def test_compare_replicate_adds_the_replicated_optimum(tmp_path, capsys):
     ilp_ms = float(rows["ilp"][1])
     assert float(rows["replicas"][2]) < ilp_ms
     assert float(rows["replicas"][-1].rstrip("x")) == pytest.approx(replicated.objective * 1e3 / ilp_ms, abs=2e-3)
+
+
+def test_compare_replicate_under_an_unsupported_schedule_keeps_the_table(tmp_path, capsys):
+    path = str(tmp_path / "p.json")
+    save_profile(lopsided(), path)
+    assert main(["compare", path, "--stages", "2", "--global-batch", "8", "--replicate",
+                 "--schedule", "interleaved", "--virtual-stages", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas: not available: --replicate needs --schedule 1f1b, gpipe or auto" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.split()}
+    assert rows["replicas"][-1] == "-" and rows["ilp"][-1] == "1.000x"

@@ -134,6 +134,15 @@ def test_calibration_scales_the_stage_overhead_with_the_ranks():
     assert [s["forward_s"] for s in again["stages"]] == pytest.approx([1.5 * s["forward_s"] for s in plan["stages"]])
 
 
+def test_stage_overhead_takes_each_rank_once():
+    """A rank running two units counts once in the stage cost's median, as a rank with one does."""
+    profile = synthetic_profile(forward=[1.0, 1.0, 1.0], backward=[2.0, 2.0, 2.0], params=[0] * 3, saved=[0] * 3,
+                                cut_act=[8, 8], sizes=(1,), stage_overhead={1: (0.5, 1.0)})
+    plan = plan_with(profile, [1], 1, 4, "gpipe")  # rank 0: one unit, rank 1: two
+    calibrated = calibrate_profile(profile, [(plan, _fake_report(plan, [1.0, 2.0], [1.0, 3.0], 1.0))])
+    assert calibrated.stage_overhead_s[1] == pytest.approx((0.5 * 1.5, 1.0 * 2.0))  # medians of [1, 2] and [1, 3]
+
+
 def test_calibration_recomputes_predictions_from_the_profile_it_corrects():
     """A run planned from another measurement of the model (here 2x slower) calibrates this profile
     as a run planned from it does: the measured times are what count."""
