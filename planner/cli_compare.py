@@ -27,14 +27,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = [("method", "iteration ms", "bottleneck ms", "max memory MiB", "feasible", "b x m", "vs ilp")]
     results = [("ilp", best)] + [(m, solve_baseline(profile, scenarios, m)) for m in ("uniform", "params", "block")]
     if args.replicate:
-        results.append(("replicas", _replicated_or_none(profile, opts, devices, schedules, args)))
+        replicated = _replicated_or_none(profile, opts, devices, schedules, args)
+        label = "replicas" if replicated is None else \
+            "replicas " + "/".join(str(st.replicas) for st in replicated.cost.stages)  # r_g per stage
+        results.append((label, replicated))
     for name, sol in results:
         if sol is None:
             rows.append((name, "-", "-", "-", "no", "-", "-"))
             continue
         cost = sol.cost
-        if name == "replicas":
-            name = "replicas " + "/".join(str(r) for r in cost_replicas(sol))
         ratio = f"{sol.objective / best.objective:.3f}x" if best is not None and best.objective > 0 else "-"
         rows.append((name, f"{sol.objective * 1e3:.3f}", f"{cost.bottleneck_s * 1e3:.3f}",
                      f"{max(cost.device_memory) / 2 ** 20:.1f}", "yes" if cost.feasible else "no",
@@ -50,11 +51,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
               f"p {best.cost.pipeline_stages} x d {best.cost.data_parallel}, "
               f"{len(best.recompute)} units recomputed [{best.seconds:.2f} s]")
     return 0
-
-
-def cost_replicas(sol) -> list:
-    """r_g per stage of a solution (1 each when nothing is replicated)."""
-    return [st.replicas for st in sol.cost.stages]
 
 
 def _replicated_or_none(profile, opts, devices, schedules, args):
