@@ -1,6 +1,12 @@
 """Each joint decision changes the answer exactly when it should: recomputation, p x d, schedules,
 a slow link in a cluster, tied parameters. ILP answers are checked against brute force."""
+import itertools
+import math
+import random
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from planner.cluster import cluster_from_json
 from planner.costmodel import CostOptions, evaluate, in_flight
@@ -134,3 +140,55 @@ def test_auto_schedule_picks_the_fastest():
         except InfeasibleError:
             pass
     assert best.objective == pytest.approx(min(each)) and len(each) >= 2
+
+
+@st.composite
+def chunked_cluster_problems(draw):
+    """Chunked schedules (v = 2) on two devices of drawn speeds, with a per-stage call cost k that
+    every chunk pays: 2p chunks pay it, so the oracle and the ILP must both count it per chunk."""
+    rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
+    L = draw(st.integers(4, 7))
+    sizes = (1, 2)
+    forward = [{b: rng.uniform(1e-3, 5e-3) * b for b in sizes} for _ in range(L)]
+    backward = [{b: rng.uniform(2e-3, 1e-2) * b for b in sizes} for _ in range(L)]
+    overhead = {b: (rng.uniform(0, 4e-3), rng.uniform(0, 6e-3)) for b in sizes}
+    p = synthetic_profile(forward, backward, [rng.randint(0, 4 << 20) for _ in range(L)],
+                          [rng.randint(0, 2 << 20) for _ in range(L)],
+                          [rng.choice([0, 1 << 16, 1 << 20]) for _ in range(L - 1)], sizes=sizes,
+                          stage_overhead=overhead)
+    speeds = draw(st.sampled_from([(1.0, 1.0), (2.0, 1.0), (1.0, 3.0)]))
+    cluster = cluster_from_json({"groups": [{"devices": 1, "speed": speeds[0]}, {"devices": 1, "speed": speeds[1]}],
+                                 "links": [{"bandwidth": rng.choice([1e8, 1e10]), "latency": 1e-4}]})
+    schedule = draw(st.sampled_from(["interleaved", "bfs"]))
+    return p, CostOptions(num_stages=2, global_batch=8, schedule=schedule, virtual_stages=2, cluster=cluster)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunked_cluster_problems())
+def test_chunked_schedules_on_a_cluster_with_call_cost_match_brute_force(problem):
+    p, opts = problem
+    found = same_as_brute(p, opts)
+    cost = evaluate(p, found.boundaries, found.micro_batch_size, opts, found.recompute)
+    k = sum(p.stage_overhead(found.micro_batch_size))
+    speeds = [g.speed for g in opts.cluster.groups]
+    # every one of the 2p chunks pays k at its device's speed
+    for st_ in cost.stages:
+        units = p.units[st_.first_unit:st_.end_unit]
+        work = sum(u.forward_s[cost.micro_batch_size] + u.backward_s[cost.micro_batch_size] for u in units)
+        assert st_.forward_s + st_.backward_s == pytest.approx((k + work) / speeds[st_.device])
+
+
+def test_diagnosis_time_matrix_charges_the_call_cost_once_per_stage():
+    from planner.solve.diagnose import time_matrix
+    p = synthetic_profile([0.002, 0.003, 0.001, 0.004], [0.004, 0.005, 0.002, 0.006], [0] * 4, [0] * 4,
+                          [1 << 16] * 3, sizes=(1, 2), stage_overhead={1: (1e-3, 2e-3), 2: (1.5e-3, 2.5e-3)})
+    opts = CostOptions(num_stages=3, global_batch=4, bandwidth=1e8, latency=1e-4)
+    for b in (1, 2):
+        T = time_matrix(p, b, opts)
+        for first, end in itertools.combinations(range(p.num_units + 1), 2):
+            # a three-stage plan whose middle (or only matching) stage covers [first, end)
+            edges = sorted({first, end} - {0, p.num_units})
+            cost = evaluate(p, edges, b, opts.with_(num_stages=len(edges) + 1))
+            stage = next(s for s in cost.stages if (s.first_unit, s.end_unit) == (first, end))
+            assert T[first, end] == pytest.approx(stage.time_s)
+        assert T[1, 0] == math.inf
