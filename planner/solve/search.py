@@ -85,7 +85,7 @@ def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool)
     w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
     call = stage_call_s(profile, b) / fastest  # every one of the C chunks pays it
     total = sum(w) + opts.num_chunks * call
-    floor = max(total / p, max(w) + call)
+    floor = max(total / p, max(w) + v * call)  # the rank holding the largest unit runs v chunks
     if use_heuristic and v == 1:
         fast = chain_bounds(profile, b, opts)
         if fast is not None:  # exact, or bounds and an incumbent for the ILP
