@@ -1,7 +1,7 @@
 """Plan quality on real runs: measured step time of the ILP's plan vs the equal-units split
 (DeepSpeed's `uniform`) and the parameter-balanced split (DeepSpeed's `parameters`).
 
-    .venv/bin/python benchmarks/plan_quality.py [--steps 8] [--reps 3] [--micro-batches 8] [--vocab 16384]
+    .venv/bin/python benchmarks/plan_quality.py [--steps 8] [--reps 5] [--micro-batches 8] [--vocab 16384]
 
 gpt with a large vocabulary (the LM head costs several blocks), 2 stages on this CPU, 1 thread
 per rank, m = 8 micro-batches of 4 (m >= 4p, as real pipelines run). The profile is measured as
@@ -33,7 +33,9 @@ METHODS = ("ilp", "uniform", "params")
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5,
+                        help="runs per split, interleaved; the median is reported (default 5: the first rep "
+                             "of each split often runs slow, and one slow rep in three moves a median)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8, help="m (default 8: m >= 4p, as real pipelines run)")
     parser.add_argument("--vocab", type=int, default=MODEL[1]["vocab"])
