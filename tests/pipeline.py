@@ -46,7 +46,7 @@ def run_cli(args: Sequence[str], timeout: float = 240) -> subprocess.CompletedPr
 
 def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
     """Write the plan, run `runtime execute` on it, return the saved full state_dict (the report
-    is left in tmp_path/report.json)."""
+    is left in tmp_path/report.json, what the command printed in tmp_path/execute.out)."""
     from runtime.cli import main as runtime_main
 
     os.makedirs(str(tmp_path), exist_ok=True)
@@ -61,6 +61,8 @@ def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
         code = runtime_main(["execute", plan_path, "--steps", str(steps), "--lr", str(lr), "--save-state", state_path,
                              "--report", os.path.join(str(tmp_path), "report.json"), *extra])
     assert code == 0, out.getvalue() + err.getvalue()
+    with open(os.path.join(str(tmp_path), "execute.out"), "w") as f:
+        f.write(out.getvalue())
     return torch.load(state_path, weights_only=True)
 
 

@@ -172,10 +172,10 @@ def test_chunked_schedules_on_a_cluster_with_call_cost_match_brute_force(problem
     k = sum(p.stage_overhead(found.micro_batch_size))
     speeds = [g.speed for g in opts.cluster.groups]
     # every one of the 2p chunks pays k at its device's speed
-    for st_ in cost.stages:
-        units = p.units[st_.first_unit:st_.end_unit]
+    for stage in cost.stages:
+        units = p.units[stage.first_unit:stage.end_unit]
         work = sum(u.forward_s[cost.micro_batch_size] + u.backward_s[cost.micro_batch_size] for u in units)
-        assert st_.forward_s + st_.backward_s == pytest.approx((k + work) / speeds[st_.device])
+        assert stage.forward_s + stage.backward_s == pytest.approx((k + work) / speeds[stage.device])
 
 
 def test_diagnosis_time_matrix_charges_the_call_cost_once_per_stage():
@@ -186,7 +186,7 @@ def test_diagnosis_time_matrix_charges_the_call_cost_once_per_stage():
     for b in (1, 2):
         T = time_matrix(p, b, opts)
         for first, end in itertools.combinations(range(p.num_units + 1), 2):
-            # a three-stage plan whose middle (or only matching) stage covers [first, end)
+            # the plan of 1 to 3 stages cut at first and end (where inside): one of its stages is [first, end)
             edges = sorted({first, end} - {0, p.num_units})
             cost = evaluate(p, edges, b, opts.with_(num_stages=len(edges) + 1))
             stage = next(s for s in cost.stages if (s.first_unit, s.end_unit) == (first, end))
