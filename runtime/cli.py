@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 from planner.cli_common import UsageError, run_subcommand
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from runtime import schedule as sched
+from runtime.launch import RANK_TIMEOUT_S
 from runtime.topology import instruction_lists, topology_of
 
 PLAN_SCHEMA_VERSION = 1
@@ -192,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: as profiled)")
     ex.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
                     help="optimizer (default: the plan's; SGD without momentum, AdamW with torch defaults)")
-    ex.add_argument("--timeout", type=float, default=60.0,
-                    help="seconds a rank may wait on another before giving up (default 60)")
+    ex.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
+                    help=f"seconds a rank may wait on another before giving up (default {RANK_TIMEOUT_S:g})")
     ex.add_argument("--recv-ahead", type=int, default=2, metavar="K",
                     help="on gloo, post each receive K receive actions before it runs, so data moves while "
                          "the rank computes (default 2; 0 posts it when needed)")

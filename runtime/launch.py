@@ -15,6 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
+# How long a rank may wait on another (the process-group timeout) before it fails: the one default of
+# `runtime execute --timeout` and of `python -m runtime.worker --timeout` (torchrun launches).
+RANK_TIMEOUT_S = 60.0
+
 
 @dataclass
 class LaunchResult:

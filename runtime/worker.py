@@ -30,6 +30,7 @@ from runtime import checkpoint as ckpt
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
 from runtime.hostspeed import reference_kernel_s
+from runtime.launch import RANK_TIMEOUT_S
 from runtime.optim import OPTIMIZERS, make_optimizer
 from runtime.stage import build_rank, chunk_state
 from runtime.topology import instruction_lists, topology_of
@@ -42,7 +43,8 @@ def _parse(argv):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the plan's optimizer")
     p.add_argument("--save-state", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank may wait on another")
+    p.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
+                   help=f"seconds a rank may wait on another (default {RANK_TIMEOUT_S:g})")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: as profiled)")
     p.add_argument("--progress", action="store_true", help="print a line per step")
     p.add_argument("--trace", action="store_true", help="record every action's start and end")

@@ -207,3 +207,13 @@ def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(cap
         run_subcommand(args, (ValueError,), "interrupted")
     with pytest.raises(KeyError):  # not a user error: never swallowed
         run_subcommand(argparse.Namespace(func=lambda _a: {}["x"]), (ValueError,), "interrupted")
+
+
+def test_rank_timeout_has_one_default():
+    # runtime execute passes its --timeout to every rank; a torchrun-launched worker gets the same default
+    from runtime.cli import build_parser
+    from runtime.launch import RANK_TIMEOUT_S
+    from runtime.worker import _parse
+
+    execute_default = build_parser().parse_args(["execute", "plan.json"]).timeout
+    assert execute_default == _parse(["plan.json"]).timeout == RANK_TIMEOUT_S
