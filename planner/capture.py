@@ -34,7 +34,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from planner.capture_export import ExportFailure, export_graph, split_inputs
+from planner.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -134,16 +134,17 @@ class CapturedModel:
         if method not in ("auto", "fx", "export"):
             raise ValueError(f"capture method {method!r} is not auto, fx or export")
         fx_error = None
-        if method in ("auto", "fx"):
-            try:
-                self.gm, self.method = self._trace_fx(module), "fx"
-            except CaptureError as e:
-                if method == "fx":
-                    raise
-                fx_error = e
-        if method == "export" or fx_error is not None:
-            self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
-            self.fallback_reason = str(fx_error) if fx_error else ""
+        with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
+            if method in ("auto", "fx"):
+                try:
+                    self.gm, self.method = self._trace_fx(module), "fx"
+                except CaptureError as e:
+                    if method == "fx":
+                        raise
+                    fx_error = e
+            if method == "export" or fx_error is not None:
+                self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
+                self.fallback_reason = str(fx_error) if fx_error else ""
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.units = self._group_units(module)
         self._unit_of: Dict[str, int] = {}

@@ -12,9 +12,14 @@ every micro-batch size; sizes derived from it become integer nodes that cross cu
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+import os
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 from torch import fx, nn
@@ -45,6 +50,35 @@ class ExportFailure(RuntimeError):
         super().__init__(str(cause))
         self.cause = cause
         self.module_path = module_path
+
+
+class _TorchRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "torch" or record.name.startswith("torch."))
+
+
+@contextlib.contextmanager
+def torch_quiet() -> Iterator[None]:
+    """Hold back what torch itself says while a model is captured: its loggers' records (symbolic
+    shape warnings), the partial graph torch.export prints on stderr when it fails, and Python
+    warnings. A failure is reported as one CaptureError line instead; with PLANNER_TRACEBACK=1 (a
+    bug report) everything goes through. Other libraries' log records are left alone."""
+    if os.environ.get("PLANNER_TRACEBACK"):
+        yield
+        return
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    handlers = {handler for logger in loggers for handler in logger.handlers}
+    drop = _TorchRecords()
+    for handler in handlers:  # torch's own handler keeps the stderr it was made with: filter it
+        handler.addFilter(drop)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)
 
 
 def split_inputs(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:

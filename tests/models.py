@@ -108,6 +108,34 @@ def shape_branch(dim: int = 8, layers: int = 4, keyword: bool = False) -> ModelS
     return ModelSpec(module=module, batch=batch, loss=loss)
 
 
+class ValueGate(nn.Module):
+    """Control flow on a tensor's value: neither torch.fx nor torch.export can capture it."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+class ValueBranch(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.gate = ValueGate()
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+def value_branch(dim: int = 4) -> ModelSpec:
+    """A model no capture path takes (for the one-line error of `planner profile`)."""
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=ValueBranch(dim), batch=batch, loss=F.mse_loss)
+
+
 class TiedLM(nn.Module):
     """Input embedding and output head share one weight (as GPT-2 and T5 do)."""
 

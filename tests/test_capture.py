@@ -94,3 +94,21 @@ def test_export_without_an_example_batch_says_how_to_get_one():
     with pytest.raises(CaptureError, match="example batch"):
         capture(net)
     assert capture(net, (torch.randn(2, 4),)).method == "export"
+
+
+def test_uncapturable_model_prints_one_line_not_torch_internals(tmp_path):
+    from tests.pipeline import run_cli
+
+    out = tmp_path / "profile.json"
+    command = ["planner.cli", "profile", "tests.models:value_branch", "--link", "none", "-o", str(out)]
+    result = run_cli(command, env={"PLANNER_TRACEBACK": ""})
+    assert result.returncode == 2 and not out.exists()
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: cannot capture ValueBranch"), result.stderr
+    assert "'gate'" in errors[0] and "Way out" in errors[0]
+    assert result.stdout.strip().splitlines() == [line for line in result.stdout.strip().splitlines()
+                                                  if line.startswith("profiling ")], result.stdout
+    # what torch said is still there for a bug report
+    shown = run_cli(command, env={"PLANNER_TRACEBACK": "1"})
+    assert shown.returncode != 0 and not out.exists()
+    assert "Traceback" in shown.stderr and "def forward" in shown.stderr
