@@ -217,3 +217,110 @@ def test_rank_timeout_has_one_default():
 
     execute_default = build_parser().parse_args(["execute", "plan.json"]).timeout
     assert execute_default == _parse(["plan.json"]).timeout == RANK_TIMEOUT_S
+
+
+def _profile_json(tmp_path, mutate=None):
+    """A small valid profile file (3 units, sizes 1 and 2, a tied weight, a measured link), mutated."""
+    from planner.jsonio import write_json_atomic
+    from tests.synthetic import synthetic_profile
+
+    profile = synthetic_profile(forward=[1e-3, 2e-3, 1e-3], backward=[2e-3, 4e-3, 2e-3], params=[400, 800, 400],
+                                saved=[1000, 2000, 1000], cut_act=[256, 256], sizes=(1, 2))
+    data = json.loads(json.dumps(profile.to_json()))
+    data["shared_parameters"] = [{"name": "w", "names": ["a.w", "c.w"], "units": ["u0", "u2"], "bytes": 400}]
+    data["link"] = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+    if mutate is not None:
+        mutate(data)
+    path = str(tmp_path / "profile.json")
+    write_json_atomic(path, data)
+    if any(isinstance(x, float) and x != x for x in _leaves(data)):  # NaN: JSON writers refuse it, json.dump allows
+        with open(path, "w") as f:
+            json.dump(data, f)
+    return path
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def _set(path, value):
+    def mutate(data):
+        *keys, last = path
+        target = data
+        for key in keys:
+            target = target[key]
+        if value is _DELETE:
+            del target[last]
+        else:
+            target[last] = value
+    return mutate
+
+
+_DELETE = object()
+
+BAD_PROFILES = [
+    # (what is wrong, the field the error names first)
+    (_set(["units", 1, "forward_s", "2"], -0.1), 'units[1].forward_s["2"] is -0.1: times must be finite and >= 0'),
+    (_set(["units", 0, "backward_s", "1"], float("nan")), 'units[0].backward_s["1"] is NaN'),
+    (_set(["units", 2, "forward_s", "1"], None), 'units[2].forward_s["1"] is null'),  # how inf is written
+    (_set(["units", 0, "forward_s", "1"], "fast"), 'units[0].forward_s["1"] is "fast"'),
+    (_set(["units", 1, "saved_bytes", "1"], -5), 'units[1].saved_bytes["1"] is -5: byte counts must be'),
+    (_set(["units", 2, "param_bytes"], -400), "units[2].param_bytes is -400"),
+    (_set(["units", 0, "optimizer_s"], {"sgd": -1e-3}), 'units[0].optimizer_s["sgd"] is -0.001'),
+    (_set(["units", 2, "backward_s", "2"], _DELETE), "units[2].backward_s has no entry for micro-batch size 2"),
+    (_set(["units", 1, "name"], "u0"), "units[1].name 'u0' repeats units[0].name"),
+    (_set(["micro_batch_sizes"], [1, 0]), "micro_batch_sizes is [1, 0]"),
+    (_set(["cuts", 0, "before_unit"], 2), "cuts[0].before_unit is 2"),
+    (lambda d: d["cuts"].pop(), "cuts has 1 entries: 3 units have 2 cuts"),
+    (_set(["cuts", 1, "values", 0, "bytes", "1"], -256), 'cuts[1].values[0].bytes["1"] is -256'),
+    (_set(["cuts", 0, "values", 0, "bytes", "2"], _DELETE), "cuts[0].values[0].bytes has no entry for micro-batch size 2"),
+    (_set(["cuts", 0, "values", 0, "kind"], "blob"), "cuts[0].values[0].kind is \"blob\""),
+    (_set(["stage_overhead_s"], {"1": {"forward": -1e-4, "backward": 0.0}}), 'stage_overhead_s["1"].forward is -0.0001'),
+    (_set(["shared_parameters", 0, "bytes"], -400), "shared_parameters[0].bytes is -400"),
+    (_set(["shared_parameters", 0, "units"], ["u0", "head"]), "shared_parameters[0].units is [\"u0\", \"head\"]"),
+    (_set(["link", "bandwidth_bytes_per_s"], -1e9), "link.bandwidth_bytes_per_s is -1000000000.0"),
+    (_set(["link", "latency_s"], -1e-4), "link.latency_s is -0.0001"),
+]
+
+
+@pytest.mark.parametrize("mutate,field", BAD_PROFILES, ids=[f[1].split(" is")[0].split(" has")[0].split(" repeats")[0]
+                                                            for f in BAD_PROFILES])
+def test_bad_profile_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, mutate, field):
+    from planner.cli import main
+
+    monkeypatch.delenv("PLANNER_TRACEBACK", raising=False)
+    good, out = _profile_json(tmp_path / "good"), tmp_path / "plan.json"
+    assert main(["solve", good, "--global-batch", "4", "-o", str(out)]) == 0 and out.exists()  # the file before harm
+    out.unlink()
+    capsys.readouterr()
+    bad = _profile_json(tmp_path, mutate)
+    for command in (["solve", bad, "--global-batch", "4", "-o", str(out)],
+                    ["compare", bad, "--global-batch", "4"],
+                    ["calibrate", bad, str(tmp_path / "report.json"), "--plan", str(tmp_path / "p.json"),
+                     "-o", str(tmp_path / "calibrated.json")]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: profile {bad!r}: {field}"), err
+        assert "re-run `planner profile`" in err
+    assert not out.exists() and not (tmp_path / "calibrated.json").exists()
+
+
+def test_negative_costs_are_refused_by_planner_solve(tmp_path):
+    def negative(data):
+        for unit in data["units"]:
+            unit["forward_s"] = {b: -t for b, t in unit["forward_s"].items()}
+            unit["saved_bytes"] = {b: -n for b, n in unit["saved_bytes"].items()}
+
+    bad, out = _profile_json(tmp_path, negative), tmp_path / "plan.json"
+    result = run_cli(["planner.cli", "solve", bad, "--global-batch", "4", "-o", str(out)])
+    assert result.returncode == 2 and not out.exists(), result.stdout
+    _no_traceback(result)
+    assert result.stderr.splitlines() == [f"error: profile {bad!r}: units[0].forward_s[\"1\"] is -0.001: times must "
+                                          "be finite and >= 0; re-run `planner profile`"]
