@@ -11,7 +11,7 @@ runs again in backward), the other units fused into segments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
@@ -72,7 +72,10 @@ class Chunk:
     io: StageIO
     recv: List[Dict[str, Any]]  # the plan's descriptions of the values crossing the first cut
     send: List[Dict[str, Any]]  # ... and of those crossing the end cut
-    state_keys: List[str]  # model state_dict keys this chunk saves
+    # model state_dict keys this chunk saves -> the key of the same tensor in the chunk's own state
+    # (an aliased parameter, one tensor under several names, is saved under each of them), or None
+    # for an entry no chunk uses (saved by chunk 0 at its initial value)
+    state_sources: Dict[str, Optional[str]]
     model_inputs: List[str]  # the model's forward arguments (fx placeholder names), in order
     recompute: List[str] = field(default_factory=list)
 
@@ -179,13 +182,15 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
                if len(chunks) > 1}
     tied_groups = sorted((canonical[pid], tuple(ranks)) for pid, ranks in holders.items() if len(ranks) > 1)
 
-    # Each model state entry is saved by the first chunk that holds it; chunk 0 also saves the
-    # entries no chunk uses, so the merged state_dict is complete.
-    holder: Dict[str, int] = {}
+    # Each model state entry is saved by the first chunk holding its tensor, read under the chunk's
+    # name for that tensor: an aliased parameter (one tensor, several names, like BERT's
+    # cls.predictions.bias and cls.predictions.decoder.bias) may be used under one name only, and
+    # every name must carry the trained value. Chunk 0 also saves the entries no chunk uses.
+    held: Dict[int, Tuple[int, str]] = {}  # tensor id -> (first chunk holding it, its key there)
     for g, module in enumerate(modules):
-        for key in module.state_dict().keys():
-            holder.setdefault(key, g)
-    model_keys = list(spec.module.state_dict().keys())
+        for key, value in module.state_dict(keep_vars=True).items():
+            held.setdefault(id(value), (g, key))
+    sources = {key: held.get(id(value), (0, None)) for key, value in spec.module.state_dict(keep_vars=True).items()}
 
     chunks: List[Chunk] = []
     for g in topology.chunks_of(pipeline_rank):
@@ -204,7 +209,7 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
                                     "different running statistics; do not replicate this stage")
         chunks.append(Chunk(index=g, num_chunks=len(stages), module=module, io=io,
                             recv=list(plan_stage.get("recv", [])), send=list(plan_stage.get("send", [])),
-                            state_keys=[k for k in model_keys if holder.get(k, 0) == g],
+                            state_sources={k: source for k, (holder, source) in sources.items() if holder == g},
                             model_inputs=list(captured.placeholders), recompute=recompute))
     mine = {id(p): p for c in chunks for p in c.module.parameters()}
     by_name = dict(spec.module.named_parameters(remove_duplicate=False))
@@ -215,9 +220,11 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
 
 
 def chunk_state(chunk: Chunk, spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    """The model state entries this chunk saves, under their original names, on the CPU."""
+    """The model state entries this chunk saves, under the model's names (every name of an aliased
+    parameter), on the CPU."""
     own = {}
     for key, value in chunk.module.state_dict().items():
         own[key.split("parts.", 1)[-1].split(".", 1)[-1] if key.startswith("parts.") else key] = value
     full = spec.module.state_dict()  # entries no chunk uses keep their initial values
-    return {k: (own[k] if k in own else full[k]).detach().cpu().clone() for k in chunk.state_keys}
+    return {k: (own[source] if source is not None else full[k]).detach().cpu().clone()
+            for k, source in chunk.state_sources.items()}

@@ -137,14 +137,19 @@ def value_branch(dim: int = 4) -> ModelSpec:
 
 
 class TiedLM(nn.Module):
-    """Input embedding and output head share one weight (as GPT-2 and T5 do)."""
+    """Input embedding and output head share one weight (as GPT-2 and T5 do). With `aliased_bias`,
+    the head's bias is also the model's `bias`: one Parameter under two names, which the graph reads
+    under one of them (as Hugging Face BERT's `cls.predictions.bias` and `...decoder.bias`)."""
 
-    def __init__(self, vocab: int, dim: int, layers: int):
+    def __init__(self, vocab: int, dim: int, layers: int, aliased_bias: bool = False):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight
+        if aliased_bias:
+            self.bias = nn.Parameter(torch.zeros(vocab))
+            self.head.bias = self.bias
 
     def forward(self, idx):
         h = self.emb(idx)
@@ -153,8 +158,8 @@ class TiedLM(nn.Module):
         return self.head(h)
 
 
-def tied_lm(vocab: int = 64, dim: int = 16, layers: int = 3, seq: int = 8) -> ModelSpec:
-    module = TiedLM(vocab, dim, layers)
+def tied_lm(vocab: int = 64, dim: int = 16, layers: int = 3, seq: int = 8, aliased_bias: bool = False) -> ModelSpec:
+    module = TiedLM(vocab, dim, layers, aliased_bias)
 
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step + 5)

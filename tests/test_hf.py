@@ -66,6 +66,12 @@ def test_masked_lm_stages_match_the_model():
             assert torch.allclose(grads[name], p.grad, atol=1e-6), name
 
 
+def test_masked_lm_pipeline_matches_single_process(tmp_path):
+    # cls.predictions.bias is cls.predictions.decoder.bias (one Parameter, two names, the graph reads
+    # one), and the decoder's weight is the word embeddings' on the other stage
+    assert_pipeline_exact("hf:BertForMaskedLM", BERT, [2], tmp_path, b=2, g=8, schedule="gpipe")
+
+
 def test_tied_embeddings_are_recorded_as_shared():
     profile = profile_of("hf:LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True), sizes=(1, 2))
     shared = profile.extra["shared_parameters"]

@@ -56,6 +56,19 @@ def test_tied_weights_across_stages(tmp_path):
     assert torch.equal(state["emb.weight"], state["head.weight"])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_aliased_parameter_gets_one_update(tmp_path, schedule):
+    # head.bias is the model's `bias` (one tensor, two names, one unit); head.weight is emb.weight on the
+    # other rank: every name of every parameter must hold the single-process value
+    args = {"aliased_bias": True}
+    plan = plan_with(profile_of("tests.models:tied_lm", args), [2], 2, 8, schedule)
+    state = execute(plan, tmp_path)
+    reference = reference_state(plan)
+    assert max_abs_diff(state, reference) <= 1e-5
+    assert torch.equal(state["bias"], state["head.bias"]) and torch.equal(state["emb.weight"], state["head.weight"])
+    assert state["bias"].abs().max() > 1e-4  # the bias was trained (it starts at zero)
+
+
 def test_resume_continues_exactly(tmp_path):
     plan = _gpt_plan([4], schedule="gpipe")
     straight = execute(plan, tmp_path / "a", steps=4, extra=["--optimizer", "adamw"], lr=1e-3)
