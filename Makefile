@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,highs,hf]'
+	$(PY) -m pip install -q -e '.[test,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -8,15 +8,16 @@ from planner.cli_common import UsageError
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from planner.cli_solve import problem_from_args
+    from planner.cli_solve import ilp_backend, problem_from_args
     from planner.solve import solve
     from planner.solve.baselines import solve_baseline
     from planner.solve.diagnose import InfeasibleError
     from planner.solve.search import expand_scenarios
 
     profile, opts, devices, schedules = problem_from_args(args)
+    backend = ilp_backend(args.backend)
     try:
-        best = solve(profile, opts, method="ilp", time_limit=args.time_limit, backend=args.backend,
+        best = solve(profile, opts, method="ilp", time_limit=args.time_limit, backend=backend,
                      devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
     except InfeasibleError as e:
         best = None

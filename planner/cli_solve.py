@@ -36,8 +36,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
-    s.add_argument("--backend", default="highs", choices=["highs", "cbc"],
-                   help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py)")
+    s.add_argument("--backend", default=None, choices=["highs", "cbc"],
+                   help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
+                        "with a note, where highspy cannot be imported)")
     s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
 
 
@@ -100,6 +101,20 @@ def problem_from_args(args: argparse.Namespace):
     return profile, opts, args.devices, schedules
 
 
+def ilp_backend(requested: Optional[str]) -> str:
+    """The MIP solver the integer program runs on (planner.solve.backends.choose_backend); a
+    fallback's one-line note goes to stderr."""
+    from planner.solve.backends import choose_backend
+
+    try:
+        backend, note = choose_backend(requested)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if note:
+        print(note, file=sys.stderr)
+    return backend
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     from planner.jsonio import write_json_atomic
     from planner.plan import format_plan_table, make_plan
@@ -109,6 +124,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     profile, opts, devices, schedules = problem_from_args(args)
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)
+    if args.method == "ilp" and not args.replicate:
+        args.backend = ilp_backend(args.backend)
     try:
         if args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)

@@ -324,3 +324,50 @@ def test_negative_costs_are_refused_by_planner_solve(tmp_path):
     _no_traceback(result)
     assert result.stderr.splitlines() == [f"error: profile {bad!r}: units[0].forward_s[\"1\"] is -0.001: times must "
                                           "be finite and >= 0; re-run `planner profile`"]
+
+
+def _without_highspy(argv):
+    """`planner ARGV` in a process where `import highspy` fails (as in an install without it)."""
+    import subprocess
+    import sys
+
+    from tests.pipeline import ROOT
+
+    code = ("import sys; sys.modules['highspy'] = None\n"
+            "from planner.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_solve_without_highspy_falls_back_to_cbc(tmp_path):
+    # tied weights send the solve to the integer program (the chain DP does not take them)
+    profile, with_highs, without = _profile_json(tmp_path), tmp_path / "highs.json", tmp_path / "cbc.json"
+    problem = ["--stages", "2", "--global-batch", "4"]
+    assert run_cli(["planner.cli", "solve", profile, *problem, "-o", str(with_highs)]).returncode == 0
+    result = _without_highspy(["solve", profile, *problem, "-o", str(without)])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"note: highspy cannot be imported here (it comes with pipeplanner: "
+                                          "reinstall, or pip install highspy), so the integer program runs on CBC, "
+                                          "pulp's bundled solver, which is slower"]
+    plans = [json.load(open(p)) for p in (with_highs, without)]
+    assert [p["solver"]["method"] for p in plans] == ["ilp", "ilp"]
+    assert [p["solver"]["backend"] for p in plans] == ["highs", "cbc"]
+    assert plans[1]["solver"]["status"] == "optimal" and "proven optimal" in result.stdout
+    assert plans[1]["predicted_iteration_s"] == pytest.approx(plans[0]["predicted_iteration_s"], rel=1e-9)
+    # HiGHS asked for by name is not replaced
+    named = _without_highspy(["solve", profile, *problem, "--backend", "highs", "-o", str(tmp_path / "no.json")])
+    assert named.returncode == 2 and not (tmp_path / "no.json").exists()
+    assert named.stderr.splitlines() == ["error: the highs backend needs highspy, which cannot be imported here: "
+                                         "pip install highspy, or use --backend cbc"]
+
+
+def test_a_plain_install_brings_the_default_solver():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from tests.pipeline import ROOT
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]]
+    assert "highspy" in names and "pulp" in names  # HiGHS is the default backend: not an extra

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 from planner.costmodel import CostOptions
 from planner.profile import Profile
+from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError, diagnose, format_bytes, infeasible_error, min_memory_plan
 from planner.solve.ilp import Solution
@@ -13,12 +14,10 @@ from planner.solve.replicas import solve_replicated
 from planner.solve.search import expand_scenarios, search_scenarios
 
 METHODS = ("ilp", "dp", "brute", "uniform", "params", "block")
-BACKENDS = ("highs", "cbc")
-DEFAULT_BACKEND = "highs"  # faster on every benchmark in benchmarks/solver_speed.py (BENCHMARKS.md)
 
 
 def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] = None,
-              backend: str = DEFAULT_BACKEND, warm_start: bool = True) -> Solution:
+              backend: Optional[str] = None, warm_start: bool = True) -> Solution:
     """The ILP on exactly these options (one schedule, p, d): optimal plan with a proven bound.
 
     warm_start=False solves every micro-batch size's program alone, without the DP incumbent, its
@@ -28,19 +27,21 @@ def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] =
 
 
 def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: Optional[float] = None,
-          backend: str = DEFAULT_BACKEND, devices: Optional[int] = None,
+          backend: Optional[str] = None, devices: Optional[int] = None,
           schedules: Optional[Sequence[str]] = None, warm_start: bool = True,
           virtual_stages: Optional[int] = None) -> Solution:
     """The best plan for (profile, opts) by `method`; raises InfeasibleError when none exists.
 
     devices: choose p x d = devices (opts.num_stages is then ignored); schedules: candidate
-    schedules to choose from (default: opts.schedule alone); virtual_stages: v for interleaved/bfs.
+    schedules to choose from (default: opts.schedule alone); virtual_stages: v for interleaved/bfs;
+    backend: the ILP's MIP solver, 'highs' or 'cbc' (default: highs, cbc where highspy cannot be
+    imported; planner.solve.backends.choose_backend).
     """
     opts.validate()
     if method not in METHODS:
         raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown ILP backend {backend!r}; use 'cbc' or 'highs'")
+    if method == "ilp":
+        backend, _ = choose_backend(backend)
     if devices is not None and devices < 1:
         raise ValueError(f"--devices must be at least 1 (got {devices})")
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)

@@ -1,5 +1,10 @@
 """Running the MIP backends: CBC (pulp's bundled binary, bound parsed from its log) and HiGHS (highspy).
 
+HiGHS is the default (its objective cutoff prunes against the chain solver's incumbent; pulp
+deprecates its bundled CBC) and highspy a core dependency; where it cannot be imported anyway, the
+default falls back to CBC with a one-line note (`choose_backend`), so a plain install solves
+everything.
+
 Never trust pulp's status word: CBC stopped by its time limit is reported "Optimal" by pulp. Both
 runners return (proven optimal, best bound in model units or None, solver ran); optimality needs
 sol_status Optimal *and* CBC's own 'Result - Optimal' line (CBC) or HiGHS's model status.
@@ -16,6 +21,30 @@ import warnings
 from typing import Iterator, Optional, Tuple
 
 import pulp
+
+
+BACKENDS = ("highs", "cbc")
+DEFAULT_BACKEND = "highs"
+HIGHS_MISSING = ("highspy cannot be imported here (it comes with pipeplanner: reinstall, or pip install highspy), "
+                 "so the integer program runs on CBC, pulp's bundled solver, which is slower")
+
+
+def highs_available() -> bool:
+    """pulp found highspy when it was imported (pulp decides once, at import)."""
+    return bool(pulp.HiGHS(msg=False).available())
+
+
+def choose_backend(requested: Optional[str] = None) -> Tuple[str, Optional[str]]:
+    """(backend, note): `requested`, or by default HiGHS where highspy imports and otherwise CBC with
+    a note saying so. ValueError for an unknown backend, or HiGHS asked for by name without highspy."""
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"unknown ILP backend {requested!r}; use 'cbc' or 'highs'")
+    if highs_available() or requested == "cbc":
+        return requested or DEFAULT_BACKEND, None
+    if requested == "highs":
+        raise ValueError("the highs backend needs highspy, which cannot be imported here: pip install highspy, "
+                         "or use --backend cbc")
+    return "cbc", f"note: {HIGHS_MISSING}"
 
 
 _CBC_BOUND = re.compile(r"^Lower bound:\s*(\S+)", re.M)
@@ -117,8 +146,8 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
     if cutoff is not None and math.isfinite(cutoff):
         params["objective_bound"] = float(cutoff)
     solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-10, gapAbs=1e-9, threads=1, **params)
-    if not solver.available():
-        raise RuntimeError("the highs backend needs highspy: pip install highspy")
+    if not solver.available():  # choose_backend never picks highs then
+        raise RuntimeError("the highs backend needs highspy: pip install highspy, or use the cbc backend")
     try:
         with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
             prob.solve(solver)
