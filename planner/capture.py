@@ -312,24 +312,31 @@ class CapturedModel:
 
 
     def shared_parameters(self) -> List[SharedParameter]:
-        """Parameter tensors read by more than one unit (tied weights), each once."""
+        """Parameter tensors read by more than one unit (tied weights), each once: read through a
+        get_attr node (by the units using it) or held by a called submodule (a leaf module under fx,
+        e.g. an nn.Linear head whose weight is the nn.Embedding's)."""
         names_of: Dict[int, List[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
         units_of: Dict[int, List[str]] = {}
         tensors: Dict[int, torch.Tensor] = {}
-        for node in self.gm.graph.nodes:
-            if node.op != "get_attr":
-                continue
-            value = _resolve(self.gm, node.target)
-            if not isinstance(value, nn.Parameter):
-                continue
+
+        def used(value: nn.Parameter, nodes: List[fx.Node]) -> None:
             tensors[id(value)] = value
-            for user in node.users:
-                if user.name in self._unit_of:
-                    unit = self.units[self._unit_of[user.name]].name
+            for node in nodes:
+                if node.name in self._unit_of:
+                    unit = self.units[self._unit_of[node.name]].name
                     if unit not in units_of.setdefault(id(value), []):
                         units_of[id(value)].append(unit)
+
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr":
+                value = _resolve(self.gm, node.target)
+                if isinstance(value, nn.Parameter):
+                    used(value, list(node.users))
+            elif node.op == "call_module":
+                for value in self.gm.get_submodule(node.target).parameters():
+                    used(value, [node])
         shared = []
         for key, units in units_of.items():
             if len(units) > 1:

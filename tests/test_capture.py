@@ -112,3 +112,12 @@ def test_uncapturable_model_prints_one_line_not_torch_internals(tmp_path):
     shown = run_cli(command, env={"PLANNER_TRACEBACK": "1"})
     assert shown.returncode != 0 and not out.exists()
     assert "Traceback" in shown.stderr and "def forward" in shown.stderr
+
+
+def test_tie_between_leaf_modules_is_recorded():
+    # under fx an nn.Embedding and an nn.Linear are called whole (no get_attr of the shared weight);
+    # the aliased bias is used by one unit only: no tie
+    captured = capture(build_spec("tests.models:tied_lm", {"aliased_bias": True}, 0).module)
+    assert captured.method == "fx"
+    shared = [(s.name, s.names, s.units, s.bytes) for s in captured.shared_parameters()]
+    assert shared == [("emb.weight", ["emb.weight", "head.weight"], ["emb", "head"], 64 * 16 * 4)]
