@@ -6,7 +6,8 @@ consumed at or after it (skip connections included). Model inputs are never coun
 crossing: every rank rebuilds the batch itself from the deterministic `batch` function.
 
 Per-micro-batch-size numbers are dicts keyed by the micro-batch size (int in memory, str in
-JSON). Times are seconds, sizes are bytes.
+JSON). Times are seconds, sizes are bytes. Reading a file checks it (`_Reader`'s rules): every
+command that takes a profile refuses a bad one in one line naming the first bad field.
 """
 from __future__ import annotations
 
@@ -291,7 +292,7 @@ class Profile:
             raise read.error("micro_batch_sizes", f"is {_show(sizes)}: expected distinct positive integers")
         read.sizes = sizes
         if not isinstance(d["units"], list) or not d["units"]:
-            raise read.error("units", "is empty: a profile has at least one unit")
+            raise read.error("units", f"is {_show(d['units'])}: expected a list of at least one unit")
         units = [UnitProfile.from_json(u, read, f"units[{i}]") for i, u in enumerate(d["units"])]
         first_of: Dict[str, int] = {}
         for i, u in enumerate(units):
