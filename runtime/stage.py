@@ -161,6 +161,7 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     captured = capture(spec.module)
     _check_units(plan, captured)
+    captured.check_batch_size(int(plan["micro_batch_size"]), f"plan with micro-batch size {captured.fixed_batch}")
     stages = plan["stages"]
     ranges = [(int(s["first_unit"]), int(s["end_unit"])) for s in stages]
     modules = [captured.stage_module(first, end)[0] for first, end in ranges]
