@@ -86,6 +86,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         f"{'torch.fx' if captured.method == 'fx' else 'torch.export'}: {L} units in {time.perf_counter() - start:.1f} s")
     stages = [captured.stage_module(k, k + 1) for k in range(L)]
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
+    for b in sizes:
+        captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
     inputs0, _ = meta_batch(sizes[0])
     with torch.enable_grad():
         probe = run_all_nodes(captured, inputs0, grad=True)

@@ -11,6 +11,13 @@ top-level submodule call. Containers (`nn.Sequential`, `nn.ModuleList`, `nn.Modu
 one unit. Free operations between submodule calls join the unit before them (leading ones the
 first unit).
 
+In-place operations: a unit boundary never falls between a tensor's producer and an operation
+that writes into it (or into a view of it): such units are joined into one, named after the
+first (`CapturedModel.merges` says which and why; rule and details in planner/inplace.py). So an
+`nn.ReLU(inplace=True)` that is a unit of its own joins the unit of the tensor it overwrites,
+and no stage ever writes into a tensor it received. The fx tracer records `a += b` in place
+(`augmented_assign`), as eager PyTorch runs it, where fx alone would record `a = a + b`.
+
 Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
 a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
 unit). Model inputs never cross: every rank rebuilds the batch itself. Parameters and buffers
@@ -36,6 +43,8 @@ from torch.utils import _pytree as pytree
 
 from planner.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
+from planner.failures import NodeRunError, first_line
+from planner.inplace import AugmentedProxy, Merge, writes_across_units
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -64,6 +73,9 @@ class _UnitTracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         node.meta["module_stack"] = list(self.unit_module_stack)
         return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return AugmentedProxy(node, self)  # records `a += b` in place, as eager runs it
 
 
 @dataclass
@@ -131,6 +143,7 @@ class CapturedModel:
         self.in_spec: Any = None  # export only: pytree spec of (args, kwargs)
         self.out_spec: Any = None  # export only: pytree spec of the model's output
         self.fallback_reason = ""  # why fx was not used, when export was
+        self.fixed_batch: Optional[int] = None  # export only: the one batch size the graph runs
         if method not in ("auto", "fx", "export"):
             raise ValueError(f"capture method {method!r} is not auto, fx or export")
         fx_error = None
@@ -146,7 +159,7 @@ class CapturedModel:
                 self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
                 self.fallback_reason = str(fx_error) if fx_error else ""
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-        self.units = self._group_units(module)
+        self.units, self.merges = _keep_writes_with_their_tensors(self.gm, self._group_units(module))
         self._unit_of: Dict[str, int] = {}
         for index, unit in enumerate(self.units):
             for node in unit.nodes:
@@ -161,7 +174,7 @@ class CapturedModel:
             graph = tracer.trace(module)
         except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
             where = f" in {tracer.failed_at!r}" if tracer.failed_at else ""
-            raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {_first_line(e)}") from None
+            raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {first_line(e)}") from None
         return fx.GraphModule(module, graph, class_name=type(module).__name__)
 
     def _export(self, module: nn.Module, example_inputs: Any, fx_error: Optional[CaptureError]) -> fx.GraphModule:
@@ -176,10 +189,17 @@ class CapturedModel:
             where = f" in {e.module_path!r}" if e.module_path else ""
             raise CaptureError(
                 f"cannot capture {type(module).__name__}: {fx_error}; torch.export failed{where}: "
-                f"{_first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
+                f"{first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
                 "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
-        self.in_spec, self.out_spec = exported.in_spec, exported.out_spec
+        self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
         return exported.gm
+
+    def check_batch_size(self, size: int, fix: str) -> None:
+        """Refuse a micro-batch size the graph cannot run (export fixed another one); `fix` says what to do."""
+        if self.fixed_batch is not None and size != self.fixed_batch:
+            raise CaptureError(
+                f"torch.export fixed {type(self.module).__name__}'s batch size at {self.fixed_batch} (the model's code "
+                f"depends on it, e.g. a Python loop over the samples), so micro-batch size {size} cannot run; {fix}")
 
     def input_values(self, inputs: Any) -> List[Any]:
         """A batch's `inputs` (positional, optionally ending in a keyword dict) as a list aligned
@@ -348,16 +368,23 @@ class CapturedModel:
         return shared
 
 
+def _keep_writes_with_their_tensors(gm: fx.GraphModule, units: List[Unit]) -> Tuple[List[Unit], List[Merge]]:
+    """Units joined so that no unit boundary falls between a tensor's producer and an operation
+    writing into it (planner/inplace.py states the rule)."""
+    merges = writes_across_units(gm, [u.nodes for u in units], [u.name for u in units])
+    joined, k = [], 0
+    for merge in merges:
+        joined += units[k:merge.first]
+        joined.append(Unit(merge.kept, [n for u in units[merge.first:merge.last + 1] for n in u.nodes]))
+        k = merge.last + 1
+    return joined + units[k:], merges
+
+
 def _resolve(root: nn.Module, target: str) -> Any:
     value: Any = root
     for part in target.split("."):
         value = getattr(value, part)
     return value
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # The batch function of the ModelSpec that built each module (export needs an example batch).
@@ -381,14 +408,18 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto")
 
 
 def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False) -> Dict[str, Any]:
-    """Run the captured model once on a batch's `inputs`, returning every node's value by name.
+    """Run the captured model once on a batch's `inputs`, returning every node's value by name
+    (a node that raises: planner.failures.NodeRunError, naming it).
 
     With `grad=True` autograd records the run, so each value's `requires_grad` is meaningful."""
     values: Dict[str, Any] = {}
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n):
-            result = super().run_node(n)
+            try:
+                result = super().run_node(n)
+            except Exception as e:  # the model's own error, whatever its type: say where it came from
+                raise NodeRunError(n, e) from e
             values[n.name] = result
             return result
 

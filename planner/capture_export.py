@@ -9,6 +9,9 @@ so unit grouping, crossings and stage cutting are shared by both paths.
 
 The batch dimension (dim 0 of every tensor input) is exported as dynamic so one graph serves
 every micro-batch size; sizes derived from it become integer nodes that cross cuts as constants.
+Where the model's code needs a fixed batch size (LLaVA turns its image features into a Python
+list, one entry per image), export specialises the graph to the example's: `fixed_batch` says so,
+and profiling or running another micro-batch size is refused in one line.
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 # Nodes that only check what export assumed about the example inputs (device, dtype, guards):
@@ -41,6 +45,7 @@ class ExportedGraph:
     gm: fx.GraphModule
     in_spec: Any  # pytree spec of (args, kwargs)
     out_spec: Any  # pytree spec of the model's output (tuple, dict, dataclass ...)
+    fixed_batch: Optional[int] = None  # the batch size export fixed, when the model's code needs one
 
 
 class ExportFailure(RuntimeError):
@@ -124,7 +129,17 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     gm = program.module()
     info = gm.graph._codegen.pytree_info
     _normalise(gm, module)
-    return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec)
+    return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm))
+
+
+def _fixed_batch(gm: fx.GraphModule) -> Optional[int]:
+    """The batch size export specialised the graph to (a Python loop over the samples, say: the
+    graph then holds one branch per sample), or None when dim 0 stayed dynamic in every input."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and value.dim() and is_concrete_int(value.shape[0]):
+            return int(value.shape[0])
+    return None
 
 
 def _normalise(gm: fx.GraphModule, root: nn.Module) -> None:

@@ -95,9 +95,9 @@ def register(sub) -> None:
     p = sub.add_parser("profile", help="capture a model's graph and measure each partition unit",
                        description="Capture MODEL (torch.fx, else torch.export), split it into partition units and "
                                    "measure each one, or cost it analytically for a device not at hand. MODEL is "
-                                   "builtin:NAME (gpt, resnet, mlp), hf:ClassName (Hugging Face transformers, random "
-                                   "weights from the config; --model-arg overrides config fields, seq_len sets the "
-                                   "sequence length) or package.module:function.")
+                                   "builtin:NAME (gpt, resnet, mobilenet, unet, mlp), hf:ClassName (Hugging Face "
+                                   "transformers, random weights from the config; --model-arg overrides config "
+                                   "fields, seq_len sets the sequence length) or package.module:function.")
     p.add_argument("model", help="builtin:NAME, hf:ClassName or package.module:function returning planner.ModelSpec")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="argument for the model function "
                    "(repeatable; int/float/bool literals, else strings)")

@@ -26,6 +26,8 @@ import torch
 from planner.allocator import retain_freed_memory
 from planner.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.corunners import CoRunners, host_kernel_s
+from planner.failures import NodeRunError, UnitRunError, first_line, model_failure, unit_failure
+from planner.inplace import written_inputs
 from planner.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.spec import ModelSpec, build_spec
 from runtime.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
@@ -104,6 +106,21 @@ def _unit_step(stage, args: List[Any], produced: List[int], is_last: bool, loss_
     return forward, backward
 
 
+class _InputRestore:
+    """Puts back the inputs a unit writes into in place (a model input it scales, say) after each
+    call, so that every timed call sees the same values (planner.inplace.written_inputs)."""
+
+    def __init__(self, stage: Any, args: Sequence[Any]):
+        positions = written_inputs(stage) if isinstance(stage, torch.fx.GraphModule) else []
+        self.saved = [(args[i], args[i].detach().clone()) for i in positions
+                      if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            for arg, value in self.saved:
+                arg.copy_(value)
+
+
 def measure_unit(stage, args, produced, is_last, loss_fn, target, device, repeats: int, warmup: int = 2):
     """Median forward and backward seconds, and bytes saved for backward, of one unit."""
     [(fwd, bwd, saved)] = measure_units([(stage, args, produced, is_last)], loss_fn, target, device, repeats,
@@ -121,12 +138,21 @@ def measure_units(units, loss_fn, target, device, repeats: int, warmup: int = 2,
     rounds until there are `repeats` of them and they took at least `min_time_s` seconds."""
     steps = [_unit_step(stage, args, produced, is_last, loss_fn, target, device)
              for stage, args, produced, is_last in units]
+    restores = [_InputRestore(stage, args) for stage, args, _, _ in units]
     saved = []
-    for (stage, *_), (forward, backward) in zip(units, steps):
+    for k, ((stage, *_), (forward, backward)) in enumerate(zip(units, steps)):
         counter = _SavedBytesCounter({p.untyped_storage().data_ptr() for p in stage.parameters()})
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            out = forward()
-        backward(out)
+        phase = "forward"
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                out = forward()
+            phase = "backward"
+            backward(out)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # the model's own error, whatever its type: the caller names unit and operation
+            raise UnitRunError(k, phase, e) from e
+        restores[k]()
         saved.append(counter.total)
     forward_times: List[List[float]] = [[] for _ in units]
     backward_times: List[List[float]] = [[] for _ in units]
@@ -148,6 +174,7 @@ def measure_units(units, loss_fn, target, device, repeats: int, warmup: int = 2,
             backward(out)
             _sync(device)
             t2 = time.perf_counter()
+            restores[k]()
             if not warming:
                 forward_times[k].append(t1 - t0)
                 backward_times[k].append(t2 - t1)
@@ -288,14 +315,21 @@ def profile_model(
         say(f"torch.fx failed ({captured.fallback_reason}); used torch.export")
     say(f"captured {type(spec.module).__name__} with {'torch.fx' if captured.method == 'fx' else 'torch.export'}: "
         f"{L} units ({', '.join(captured.unit_names[:6])}{', …' if L > 6 else ''})")
+    for merge in captured.merges:
+        say(f"  {', '.join(map(repr, merge.absorbed))} kept in one unit with {merge.kept!r}: {'; '.join(merge.writes)}")
 
     stages = [captured.stage_module(k, k + 1) for k in range(L)]
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
+    for b in sizes:
+        captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
 
     # Which crossing values carry gradients: one forward with autograd on, at the smallest size.
     inputs0, _ = spec.batch(sizes[0], 0)
     with torch.enable_grad():
-        probe = run_all_nodes(captured, to_device(tuple(inputs0), dev), grad=True)
+        try:
+            probe = run_all_nodes(captured, to_device(tuple(inputs0), dev), grad=True)
+        except NodeRunError as e:
+            raise model_failure(e, sizes[0]) from e
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
 
@@ -316,7 +350,10 @@ def profile_model(
         for b in sizes:
             inputs, target = spec.batch(b, 0)
             inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
-            values = run_all_nodes(captured, inputs)
+            try:
+                values = run_all_nodes(captured, inputs)
+            except NodeRunError as e:
+                raise model_failure(e, b) from e
             record_cut_values(captured, values, b, grad_flags, cut_values)
             work, produced_of = [], []
             for k, (stage, io) in enumerate(stages):
@@ -335,6 +372,11 @@ def profile_model(
             try:
                 measured = measure_units(work + ([whole] if whole else []), spec.loss, target, dev, repeats,
                                          warmup_s=warmup_s, min_time_s=min_time_s)
+            except UnitRunError as e:
+                if e.index == len(work):  # the whole model as one stage, after each of its units ran alone
+                    raise CaptureError(f"the whole model as one stage raised {first_line(e.cause)} in its {e.phase} "
+                                       "(each unit alone did not); PLANNER_TRACEBACK=1 shows the stack") from e
+                raise unit_failure(captured.unit_names[e.index], L, e, work[e.index][0], work[e.index][1]) from e
             except torch.cuda.OutOfMemoryError:
                 if whole is None:
                     raise
@@ -389,6 +431,8 @@ def profile_model(
         capture=captured.method,
         repeats=repeats,
         extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
+               "inplace_merges": [{"unit": m.kept, "absorbed": m.absorbed, "writes": m.writes}
+                                  for m in captured.merges],
                "measured_under": {"threads": torch.get_num_threads(), "repeats": repeats, "warmup_s": warmup_s,
                                   "min_time_s": min_time_s, "order": "round-robin", "co_runners": co_runners,
                                   "co_runner_load": "the model's training step at the measured micro-batch size"

@@ -38,7 +38,7 @@ class ModelEntryError(ValueError):
     """The model entry point cannot be resolved or called. The message says how to fix it."""
 
 
-BUILTIN_MODELS = ("gpt", "resnet", "mlp")
+BUILTIN_MODELS = ("gpt", "resnet", "mlp", "mobilenet", "unet")
 
 
 def call_model(module: torch.nn.Module, inputs: Any) -> Any:

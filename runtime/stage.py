@@ -6,7 +6,8 @@ plan's units and cut values before cutting out its own chunks (plan stages) as f
 
 A chunk whose plan stage marks units for recomputation runs as a chain of segments: each
 recomputed unit alone under `torch.utils.checkpoint` (only its inputs are kept; its forward
-runs again in backward), the other units fused into segments.
+runs again in backward, its buffers put back afterwards: BatchNorm's running statistics are
+updated once per micro-batch, as without recomputation), the other units fused into segments.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from planner.capture import CapturedModel, StageIO, capture
 from planner.spec import ModelSpec, build_spec
@@ -54,7 +55,8 @@ class ChunkModule(nn.Module):
         for seg in self.segments:
             seg_args = [values[name] for name in seg.io.inputs + seg.io.received]
             if seg.recompute:
-                out = checkpoint(seg.module, *seg_args, use_reentrant=False)
+                out = checkpoint(seg.module, *seg_args, use_reentrant=False,
+                                 context_fn=lambda m=seg.module: (noop_context_fn()[0], BuffersPutBack(m)))
             else:
                 out = seg.module(*seg_args)
             if not seg.io.is_last:
@@ -62,6 +64,26 @@ class ChunkModule(nn.Module):
         if self.io.is_last:
             return out
         return tuple(values[name] for name in self.io.sent)
+
+
+class BuffersPutBack:
+    """Around a recomputation: the forward runs again in backward, and what it writes into buffers
+    (BatchNorm's running statistics and batch count) is put back afterwards, so buffers are updated
+    once per micro-batch, as without recomputation. Batch statistics, which the recomputed values
+    use, do not depend on the buffers."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [(b, b.detach().clone()) for b in self.module.buffers()]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+        self.saved = []
 
 
 @dataclass
@@ -152,9 +174,6 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     segments = []
     for a, e, again in bounds:
         module, io = captured.stage_module(a, e)
-        if again and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
-            raise PlanMismatchError(f"unit {names[a]!r} has BatchNorm: recomputing it would update its running "
-                                    "statistics twice; re-solve with --recompute none for it")
         segments.append(Segment(module, io, again))
     return segments
 
@@ -164,6 +183,7 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     captured = capture(spec.module)
     _check_units(plan, captured)
+    captured.check_batch_size(int(plan["micro_batch_size"]), f"plan with micro-batch size {captured.fixed_batch}")
     stages = plan["stages"]
     ranges = [(int(s["first_unit"]), int(s["end_unit"])) for s in stages]
     modules = [captured.stage_module(first, end)[0] for first, end in ranges]

@@ -89,9 +89,12 @@ def reshape_plan(plan: dict, virtual_stages: int = 1, data_parallel: int = 1, sc
 
 
 def reference_state(plan: dict, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
-                    losses: Optional[List[float]] = None, first_step: int = 0) -> Dict[str, torch.Tensor]:
-    """Single-process training on the same micro-batches: the ground truth. All d·m micro-batches
-    of a step (the replicas' slices in order) contribute loss / (d·m) to one accumulated gradient."""
+                    losses: Optional[List[float]] = None, first_step: int = 0,
+                    buffers_of_replica: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Single-process training on the same micro-batches: the ground truth, parameters and buffers.
+    All d·m micro-batches of a step (the replicas' slices in order) contribute loss / (d·m) to one
+    accumulated gradient. With `buffers_of_replica` = r, only replica r's micro-batches update the
+    buffers (running statistics), as the ranks of data-parallel replica r keep them."""
     torch.set_num_threads(1)
     model = plan["model"]
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
@@ -104,10 +107,16 @@ def reference_state(plan: dict, steps: int = 3, lr: float = 0.05, optimizer: str
         micro_inputs = split_micro_batches(tuple(inputs), g, m, "inputs")
         micro_targets = split_micro_batches(target, g, m, "target")
         total = 0.0
+        per_replica = m // int(plan.get("data_parallel", 1) or 1)
         for i in range(m):
+            other = buffers_of_replica is not None and i // per_replica != buffers_of_replica
+            kept = [(t, t.detach().clone()) for t in spec.module.buffers()] if other else []
             loss = spec.loss(call_model(spec.module, micro_inputs[i]), micro_targets[i]) / m
             loss.backward()
             total += float(loss.detach()) * m
+            with torch.no_grad():
+                for t, value in kept:  # another replica's micro-batch: its ranks' buffers, not these
+                    t.copy_(value)
         if losses is not None:
             losses.append(total / m)
         opt.step()
@@ -116,6 +125,8 @@ def reference_state(plan: dict, steps: int = 3, lr: float = 0.05, optimizer: str
 
 
 def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    """The largest difference over every entry of two state_dicts: parameters and (persistent)
+    buffers, such as BatchNorm's running statistics and batch counts; both must hold the same keys."""
     assert set(a) == set(b), f"state keys differ: {sorted(set(a) ^ set(b))}"
     return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
 

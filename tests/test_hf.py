@@ -98,3 +98,30 @@ def test_unknown_names_say_what_to_use():
         build_spec("hf:LlamaForCausalLM", {"hidden_sise": 32}, 0)
     with pytest.raises(ModelEntryError, match="no loss known"):
         build_spec("hf:LlamaModel", {}, 0)
+
+
+VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+       "image_size": 16, "patch_size": 4, "num_labels": 10}
+LLAVA = {"text_config__vocab_size": 128, "text_config__hidden_size": 32, "text_config__intermediate_size": 64,
+         "text_config__num_hidden_layers": 1, "text_config__num_attention_heads": 4,
+         "text_config__num_key_value_heads": 2, "vision_config__hidden_size": 32,
+         "vision_config__intermediate_size": 64, "vision_config__num_hidden_layers": 1,
+         "vision_config__num_attention_heads": 4, "vision_config__image_size": 16, "vision_config__patch_size": 4,
+         "seq_len": 8}
+
+
+def test_image_classification_and_image_text_batches():
+    vit = build_spec("hf:ViTForImageClassification", VIT, 0)
+    (pixels,), labels = vit.batch(3, 0)
+    assert pixels.shape == (3, 3, 16, 16) and labels.shape == (3,) and int(labels.max()) < 10
+    assert torch.isfinite(vit.loss(call_model(vit.module, (pixels,)), labels))
+    llava = build_spec("hf:LlavaForConditionalGeneration", LLAVA, 0)
+    (ids, pixels), labels = llava.batch(2, 1)
+    image_token, patches = llava.module.config.image_token_id, (16 // 4) ** 2
+    assert image_token == 127 and (ids == image_token).sum(dim=1).tolist() == [patches, patches]
+    assert ids.shape == labels.shape == (2, patches + 8) and (labels[:, :patches] == -100).all()
+    assert (labels[:, patches:] != image_token).all() and pixels.shape == (2, 3, 16, 16)
+    assert llava.module.config.text_config.num_hidden_layers == 1  # SUB__FIELD reached the nested config
+    assert torch.isfinite(llava.loss(call_model(llava.module, (ids, pixels)), labels))
+    with pytest.raises(ModelEntryError, match="SUBCONFIG__FIELD"):
+        build_spec("hf:LlavaForConditionalGeneration", {"text_config__hidden_sise": 32}, 0)

@@ -10,9 +10,17 @@ process. Batches are synthetic token ids; the loss is the family's usual one, fr
 - masked LM (`...ForMaskedLM`): cross-entropy on a deterministic ~1/7 of the positions,
   replaced by a mask token (the last id of the vocabulary);
 - seq2seq (`...ForConditionalGeneration`, T5/BART): labels are the target tokens and the
-  decoder reads them shifted right behind the decoder start token.
+  decoder reads them shifted right behind the decoder start token;
+- image + text (`...ForConditionalGeneration` whose config has a `vision_config` and an image
+  token, LLaVA): random images, and token ids that begin with one image token per image feature
+  (the vision tower's patches) followed by `seq_len` text tokens; next-token cross-entropy on the
+  text (the image token is the text vocabulary's last id);
+- image classification (`...ForImageClassification`, ViT): random images and labels,
+  cross-entropy.
 
-Batch arguments: `seq_len` (default 16) and `target_len` (seq2seq, default seq_len).
+Batch arguments: `seq_len` (default 16) and `target_len` (seq2seq, default seq_len). A field of
+a nested config is `SUBCONFIG__FIELD` (`text_config__num_hidden_layers=2`,
+`vision_config__image_size=32`).
 """
 from __future__ import annotations
 
@@ -27,15 +35,17 @@ from planner.spec import ModelEntryError, ModelSpec
 _CAUSAL = ("ForCausalLM", "LMHeadModel")
 _MASKED = ("ForMaskedLM",)
 _SEQ2SEQ = ("ForConditionalGeneration",)
+_IMAGE_CLASSIFICATION = ("ForImageClassification",)
 
 
 def _family(name: str) -> str:
-    for family, suffixes in (("causal", _CAUSAL), ("masked", _MASKED), ("seq2seq", _SEQ2SEQ)):
+    for family, suffixes in (("causal", _CAUSAL), ("masked", _MASKED), ("seq2seq", _SEQ2SEQ),
+                             ("image-classification", _IMAGE_CLASSIFICATION)):
         if name.endswith(suffixes):
             return family
     raise ModelEntryError(f"hf:{name}: no loss known for this head; use a ...ForCausalLM / ...LMHeadModel, "
-                          "...ForMaskedLM or ...ForConditionalGeneration class, or write a "
-                          "package.module:function entry returning planner.ModelSpec")
+                          "...ForMaskedLM, ...ForConditionalGeneration or ...ForImageClassification class, or write "
+                          "a package.module:function entry returning planner.ModelSpec")
 
 
 def _model_class(name: str):
@@ -50,20 +60,33 @@ def _model_class(name: str):
     return cls
 
 
+def _sub_configs(config) -> list:
+    """The config and the configs nested in it (LLaVA's vision_config and text_config)."""
+    nested = [value for value in vars(config).values() if hasattr(value, "to_dict") and hasattr(value, "model_type")]
+    return [config] + [c for sub in nested for c in _sub_configs(sub)]
+
+
 def make_config(cls, overrides: Dict[str, Any]):
-    """The class's config with `overrides`, no cache, no dropout, eager attention."""
+    """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
+    no dropout, eager attention (in nested configs too)."""
     config = cls.config_class()
-    unknown = [k for k in overrides if not hasattr(config, k)]
+    unknown = []
+    for key, value in overrides.items():
+        target, _, field = key.rpartition("__")
+        owner = getattr(config, target, None) if target else config
+        if owner is None or not hasattr(owner, field or key):
+            unknown.append(key)
+            continue
+        setattr(owner, field or key, value)
     if unknown:
         raise ModelEntryError(f"hf:{cls.__name__}: {cls.config_class.__name__} has no field(s) {', '.join(unknown)}; "
-                              "batch arguments are seq_len and target_len")
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    config.use_cache = False
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
-            setattr(config, key, 0.0)
-    config._attn_implementation = "eager"
+                              "batch arguments are seq_len and target_len, nested fields are SUBCONFIG__FIELD")
+    for part in _sub_configs(config):
+        part.use_cache = False
+        for key, value in part.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+                setattr(part, key, 0.0)
+        part._attn_implementation = "eager"
     return config
 
 
@@ -76,26 +99,51 @@ def _arrange(cls, named: Dict[str, torch.Tensor]) -> tuple:
     return (dict(named),)
 
 
+def _image_text(config) -> bool:
+    return hasattr(config, "vision_config") and hasattr(config, "text_config") and hasattr(config, "image_token_id")
+
+
 def hf_builder(name: str) -> Callable[..., ModelSpec]:
     cls = _model_class(name)
     family = _family(name)
 
     def build(seq_len: int = 16, target_len: int = 0, **overrides: Any) -> ModelSpec:
         config = make_config(cls, overrides)
+        kind = "image-text" if family == "seq2seq" and _image_text(config) else family
+        if kind == "image-text":  # the image token: the text vocabulary's last id, never drawn as text
+            config.image_token_id = int(config.text_config.vocab_size) - 1
         model = cls(config)  # under `with torch.device("meta")` (analytic profiles) no memory is used
         model.train()
-        vocab = int(config.vocab_size)
+        text = config.text_config if kind == "image-text" else config
+        vocab = int(getattr(text, "vocab_size", 0) or 0)
         tgt_len = target_len or seq_len
+        vision = getattr(config, "vision_config", config)
 
         def tokens(g: torch.Generator, batch_size: int, length: int, high: int) -> torch.Tensor:
             return torch.randint(0, high, (batch_size, length), generator=g)
 
+        def images(g: torch.Generator, batch_size: int) -> torch.Tensor:
+            side = int(vision.image_size)
+            return torch.randn(batch_size, int(getattr(vision, "num_channels", 3)), side, side, generator=g)
+
         def batch(batch_size: int, step: int):
             g = torch.Generator().manual_seed(1_000_003 * step + 29)
-            if family == "causal":
+            if kind == "image-classification":
+                labels = torch.randint(0, int(config.num_labels), (batch_size,), generator=g)
+                return _arrange(cls, {"pixel_values": images(g, batch_size)}), labels
+            if kind == "image-text":
+                patches = (int(vision.image_size) // int(vision.patch_size)) ** 2  # CLIP's CLS feature is dropped
+                patches += getattr(config, "vision_feature_select_strategy", "default") == "full"  # ... or kept
+                ids = tokens(g, batch_size, seq_len + 1, vocab - 1)
+                image_ids = torch.full((batch_size, patches), config.image_token_id, dtype=ids.dtype)
+                labels = torch.cat([torch.full_like(image_ids, -100), ids[:, 1:]], dim=1)
+                pixels = images(g, batch_size)
+                return _arrange(cls, {"input_ids": torch.cat([image_ids, ids[:, :-1]], dim=1),
+                                      "pixel_values": pixels}), labels
+            if kind == "causal":
                 ids = tokens(g, batch_size, seq_len + 1, vocab)
                 return _arrange(cls, {"input_ids": ids[:, :-1]}), ids[:, 1:]
-            if family == "masked":
+            if kind == "masked":
                 ids = tokens(g, batch_size, seq_len, vocab - 1)
                 rows = torch.arange(batch_size).unsqueeze(1)
                 masked = (torch.arange(seq_len).unsqueeze(0) + rows + step) % 7 == 0
