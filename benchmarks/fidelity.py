@@ -14,7 +14,7 @@ with `runtime execute`, and compare the plan's predicted iteration time (the sol
 the discrete-event simulation beside it) with the measured one: the median over `--passes` whole
 passes over the grid of each run's median steady step. Each run also records how many cores
 other processes kept busy meanwhile, and how fast the host computed against the profile
-(runtime.hostspeed: a reference kernel every rank times before and after its steps): a run off
+(planner.profile.hostspeed: a reference kernel every rank times before and after its steps): a run off
 the profile's speed by more than 10 % (a shared host's slow spell) is run again, at most twice,
 keeping the try nearest the profile's speed; a profile whose host speed drifted that much while
 it was measured is measured again (at most twice, keeping the steadiest). The error of the first tries alone is reported beside it.
@@ -36,14 +36,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.calibrate import calibrate_profile, solve_link  # noqa: E402
-from planner.costmodel import CostOptions, evaluate, profiled_optimizer_step_s  # noqa: E402
-from planner.fidelity import simulate_plan  # noqa: E402
+from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
+from planner.cost.model import CostOptions, evaluate, profiled_optimizer_step_s  # noqa: E402
+from planner.fidelity.check import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
-from planner.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
-from planner.plan import make_plan  # noqa: E402
+from planner.profile.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
+from planner.plan.file import make_plan  # noqa: E402
 from planner.solve import solve  # noqa: E402
-from runtime.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
+from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 
 MODELS = {
     "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),
@@ -55,7 +55,7 @@ SIZES = (2, 4)
 # The runs one calibration round takes, per model and stage count: these (m, b) points of every pass.
 CALIBRATION_POINTS = ((4, 2), (4, 4))
 # A run (or a profile) that met another host speed than its profile (or than itself, before and
-# after) by more than runtime.hostspeed.SLOWDOWN_WARN is measured again, at most this many times.
+# after) by more than planner.profile.hostspeed.SLOWDOWN_WARN is measured again, at most this many times.
 RETRIES = 2
 
 

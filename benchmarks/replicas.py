@@ -11,10 +11,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.costmodel import CostOptions  # noqa: E402
-from planner.fidelity import simulate_plan  # noqa: E402
-from planner.pipedream import import_pipedream  # noqa: E402
-from planner.plan import make_plan  # noqa: E402
+from planner.cost.model import CostOptions  # noqa: E402
+from planner.fidelity.check import simulate_plan  # noqa: E402
+from planner.profile.pipedream import import_pipedream  # noqa: E402
+from planner.plan.file import make_plan  # noqa: E402
 from planner.solve import solve, solve_replicated  # noqa: E402
 from planner.solve.search import expand_scenarios  # noqa: E402
 

@@ -5,7 +5,7 @@
 
 Both systems run the built-in gpt on 2 ranks (gloo, OMP_NUM_THREADS=1, one torch thread per rank),
 global batch 16 as 4 micro-batches of 4, the split in the middle of the blocks, SGD (lr 0.01), and
-execute the *same* fx GraphModule per stage (`planner.capture.capture(module).stage_module(first, end)`):
+execute the *same* fx GraphModule per stage (`planner.model.capture.capture(module).stage_module(first, end)`):
 
 * ours:   a plan made from `profile_model(entry, args, [4], repeats=1)` with the fixed cut, run with
           `python -m runtime.cli execute plan.json --steps N --report r.json` (`measured_iteration_s`);
@@ -67,7 +67,7 @@ def middle_cut(unit_names: List[str]) -> int:
 
 def plan_with(profile, boundaries: List[int], micro_batch_size: int, global_batch: int, schedule: str) -> dict:
     """A plan with the given cuts, not solved."""
-    from planner.plan import plan_for_split
+    from planner.plan.file import plan_for_split
 
     return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "benchmark")
 
@@ -76,7 +76,7 @@ def make_plans(sizes: List[str], schedules: List[str], work: str) -> Dict[tuple,
     import torch
 
     from planner.jsonio import write_json_atomic
-    from planner.measure import profile_model
+    from planner.profile.measure import profile_model
 
     torch.set_num_threads(1)
     paths = {}
@@ -156,8 +156,8 @@ def torch_step_fn(plan: dict, rank: int, world: int):
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from planner.capture import capture
-    from planner.spec import build_spec
+    from planner.model.capture import capture
+    from planner.model.spec import build_spec
 
     stages = plan["stages"]
     assert world == len(stages), f"the plan has {len(stages)} stages, {world} ranks were started"
@@ -193,11 +193,11 @@ def our_step_fn(plan: dict, rank: int):
     """This runtime's Engine on this rank, built as runtime/worker.py builds it (for the in-process A/B)."""
     import torch
 
-    from runtime import schedule as sched
+    from planner.pipeline import schedule as sched
     from runtime.comm import PointToPoint
     from runtime.engine import Engine, Groups
     from runtime.stage import build_rank
-    from runtime.topology import topology_of
+    from planner.pipeline.topology import topology_of
 
     topology = topology_of(plan)
     m = int(plan["num_micro_batches"])

@@ -10,7 +10,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.costmodel import CostOptions  # noqa: E402
+from planner.cost.model import CostOptions  # noqa: E402
 from planner.solve import InfeasibleError, solve  # noqa: E402
 from tests.synthetic import synthetic_profile  # noqa: E402
 

@@ -13,8 +13,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.costmodel import CostOptions  # noqa: E402
-from planner.pipedream import import_pipedream  # noqa: E402
+from planner.cost.model import CostOptions  # noqa: E402
+from planner.profile.pipedream import import_pipedream  # noqa: E402
 from planner.solve import solve  # noqa: E402
 from tests.synthetic import synthetic_profile  # noqa: E402
 

@@ -8,10 +8,10 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
-from planner.cli_common import UsageError, run_subcommand
+from planner.cli.common import UsageError, run_subcommand
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
-from runtime import schedule as sched
-from runtime.topology import instruction_lists, topology_of
+from planner.pipeline import schedule as sched
+from planner.pipeline.topology import instruction_lists, topology_of
 
 PLAN_SCHEMA_VERSION = 1
 _REQUIRED = ("model", "schedule", "micro_batch_size", "num_micro_batches", "global_batch", "stages")
@@ -149,7 +149,7 @@ def execute(args: argparse.Namespace) -> int:
         print(f"wrote report {args.report}")
     if args.trace or args.timeline:
         from runtime import trace
-        from runtime.simulate import costs_from_plan, simulate
+        from planner.pipeline.simulate import costs_from_plan, simulate
 
         events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(world)}
         if args.trace:

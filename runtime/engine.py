@@ -19,11 +19,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from planner.measure import to_device
-from runtime import schedule as sched
+from planner.profile.measure import to_device
+from planner.pipeline import schedule as sched
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
 from runtime.stage import Chunk, RankModel
-from runtime.topology import Topology
+from planner.pipeline.topology import Topology
 
 
 class BatchError(ValueError):

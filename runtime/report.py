@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
-from runtime.hostspeed import host_slowdown, host_speed_lines
+from planner.profile.hostspeed import host_slowdown, host_speed_lines
 
 MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
 
@@ -77,7 +77,7 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
         "measured_iteration_s": measured,
         "relative_error": (measured - predicted) / predicted if predicted > 0 else None,
         "link": next((r["link"] for r in rank_results if r.get("link")), None),
-        # the host's speed during the run against the profile's (runtime.hostspeed)
+        # the host's speed during the run against the profile's (planner.profile.hostspeed)
         "host_slowdown": host_slowdown((plan.get("profile") or {}).get("host_kernel_s"),
                                        [r.get("host_kernel_s") or [] for r in rank_results]),
     }

@@ -17,9 +17,9 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.capture import CapturedModel, StageIO, capture
-from planner.spec import ModelSpec, build_spec
-from runtime.topology import Topology
+from planner.model.capture import CapturedModel, StageIO, capture
+from planner.model.spec import ModelSpec, build_spec
+from planner.pipeline.topology import Topology
 
 
 class PlanMismatchError(RuntimeError):

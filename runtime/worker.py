@@ -23,16 +23,16 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from planner.allocator import retain_freed_memory
+from planner.profile.allocator import retain_freed_memory
 from planner.jsonio import read_json, write_json_atomic
-from planner.measure import fit_link, ping_pong
+from planner.profile.measure import fit_link, ping_pong
 from runtime import checkpoint as ckpt
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
-from runtime.hostspeed import reference_kernel_s
-from runtime.optim import OPTIMIZERS, make_optimizer
+from planner.profile.hostspeed import reference_kernel_s
+from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime.stage import build_rank, chunk_state
-from runtime.topology import instruction_lists, topology_of
+from planner.pipeline.topology import instruction_lists, topology_of
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")

@@ -13,10 +13,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from planner.jsonio import write_json_atomic
-from planner.measure import profile_model
-from planner.plan import plan_for_split
-from planner.profile import Profile
-from planner.spec import build_spec, call_model
+from planner.profile.measure import profile_model
+from planner.plan.file import plan_for_split
+from planner.profile.profile import Profile
+from planner.model.spec import build_spec, call_model
 from runtime.engine import split_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Union
 
-from planner.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 
 PerSize = Union[float, int, Dict[int, Union[float, int]]]
 

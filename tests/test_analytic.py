@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from planner.analytic import CostCounter, DeviceSpec, DeviceSpecError, load_device_spec
-from planner.analytic_profile import analytic_profile
-from planner.profile import Profile
+from planner.profile.analytic import CostCounter, DeviceSpec, DeviceSpecError, load_device_spec
+from planner.profile.analytic_profile import analytic_profile
+from planner.profile.profile import Profile
 
 FLAT = DeviceSpec(name="test", peak_flops={"float32": 1e12}, memory_bandwidth=1e11, efficiency=0.5)
 

@@ -1,9 +1,9 @@
 """Baselines: their splits follow their tools' rules, and the ILP is never worse than any of them."""
 import pytest
 
-from planner.cli import main
-from planner.costmodel import CostOptions
-from planner.profile import save_profile
+from planner.cli.main import main
+from planner.cost.model import CostOptions
+from planner.profile.profile import save_profile
 from planner.solve import InfeasibleError, solve
 from planner.solve.baselines import balanced_split, uniform_split
 from tests.synthetic import synthetic_profile

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from planner.capture import CaptureError, capture
-from planner.spec import build_spec, call_model
+from planner.model.capture import CaptureError, capture
+from planner.model.spec import build_spec, call_model
 from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state
 
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from planner.costmodel import CostOptions, candidate_micro_batch_sizes, cut_time, evaluate
+from planner.cost.model import CostOptions, candidate_micro_batch_sizes, cut_time, evaluate
 from tests.synthetic import synthetic_profile
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cluster import cluster_from_json
-from planner.costmodel import CostOptions, evaluate, in_flight
+from planner.cost.cluster import cluster_from_json
+from planner.cost.model import CostOptions, evaluate, in_flight
 from planner.solve import InfeasibleError, solve
 from tests.synthetic import synthetic_profile
 

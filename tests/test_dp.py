@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import CostOptions, evaluate
+from planner.cost.model import CostOptions, evaluate
 from planner.solve import solve
 from planner.solve.brute import solve_brute
 from tests.synthetic import synthetic_profile

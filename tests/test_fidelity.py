@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from planner.costmodel import CostOptions, evaluate
-from planner.calibrate import calibrate_profile
-from planner.fidelity import check_report, simulate_plan
-from runtime.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
-from planner.plan import make_plan
+from planner.cost.model import CostOptions, evaluate
+from planner.fidelity.calibrate import calibrate_profile
+from planner.fidelity.check import check_report, simulate_plan
+from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
+from planner.plan.file import make_plan
 from planner.solve import solve
 from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
 from tests.synthetic import synthetic_profile
@@ -203,7 +203,7 @@ def test_prediction_at_the_runs_host_speed():
 
 def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     from planner.jsonio import write_json_atomic
-    from planner.profile import save_profile
+    from planner.profile.profile import save_profile
 
     profile = profile_of("builtin:gpt")
     plan = plan_with(profile, [4], 2, 8)

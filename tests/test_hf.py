@@ -4,8 +4,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from planner.capture import capture  # noqa: E402
-from planner.spec import ModelEntryError, build_spec, call_model  # noqa: E402
+from planner.model.capture import capture  # noqa: E402
+from planner.model.spec import ModelEntryError, build_spec, call_model  # noqa: E402
 from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state  # noqa: E402
 from tests.test_capture import run_stages  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import CostOptions, candidate_micro_batch_sizes, evaluate
+from planner.cost.model import CostOptions, candidate_micro_batch_sizes, evaluate
 from planner.solve import InfeasibleError, format_bytes, min_memory_plan, solve, solve_brute, solve_ilp
 from planner.solve.ilp import _parse_cbc_log
 from tests.synthetic import synthetic_profile

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from planner.measure import profile_model
-from planner.profile import save_profile
+from planner.profile.measure import profile_model
+from planner.profile.profile import save_profile
 from tests.pipeline import execute, max_abs_diff, reference_state, run_cli
 
 

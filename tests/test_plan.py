@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from planner.costmodel import CostOptions
+from planner.cost.model import CostOptions
 from planner.jsonio import JsonFileError, write_json_atomic
-from planner.plan import PLAN_SCHEMA_VERSION, format_plan_table, load_plan, make_plan
+from planner.plan.file import PLAN_SCHEMA_VERSION, format_plan_table, load_plan, make_plan
 from planner.solve import solve
 from tests.synthetic import synthetic_profile
 
@@ -98,7 +98,7 @@ def test_load_plan_rejects_non_json(tmp_path):
 
 
 def test_decision_fields_and_png(tmp_path, capsys):
-    from planner.cli import main
+    from planner.cli.main import main
     _, solution, plan = make()
     assert plan["data_parallel"] == 1 and plan["virtual_stages"] == 1 and plan["pipeline_stages"] == 3
     assert plan["global_batch"] == plan["data_parallel"] * plan["num_micro_batches"] * plan["micro_batch_size"]
@@ -145,7 +145,7 @@ def test_unreplicated_plans_have_no_replicas_key():
     assert "replicas" not in format_plan_table(plan).splitlines()[0]
     for st in plan["stages"]:  # "replicas": 1 (what absent means) is accepted as it stands
         st["replicas"] = 1
-    from planner.plan import validate_plan
+    from planner.plan.file import validate_plan
     assert validate_plan(plan) is plan
 
 
@@ -168,7 +168,7 @@ def test_load_plan_rejects_bad_replicas(tmp_path, mutate, match):
 
 
 def test_plan_for_split_with_replicas():
-    from planner.plan import plan_for_split, validate_plan
+    from planner.plan.file import plan_for_split, validate_plan
     profile = small_profile()
     plan = validate_plan(plan_for_split(profile, [1, 3], 1, 8, schedule="gpipe", replicas=[1, 3, 1]))
     assert [st["device"] for st in plan["stages"]] == [0, 1, 4] and plan["pipeline_stages"] == 5
@@ -176,7 +176,7 @@ def test_plan_for_split_with_replicas():
 
 
 def test_show_draws_a_replicated_plan(tmp_path):
-    from planner.cli import main
+    from planner.cli.main import main
     _, plan = replicated_plan()
     path, png = tmp_path / "plan.json", tmp_path / "plan.png"
     write_json_atomic(str(path), plan)

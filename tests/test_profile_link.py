@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from planner.costmodel import profiled_optimizer_step_s
-from planner.corunners import CoRunners
-from planner.measure import (fit_link, host_drift, measure_link, measure_units, profile_model, split_call_overhead,
+from planner.cost.model import profiled_optimizer_step_s
+from planner.profile.corunners import CoRunners
+from planner.profile.measure import (fit_link, host_drift, measure_link, measure_units, profile_model, split_call_overhead,
                              steadiest_profile)
-from planner.profile import Profile
+from planner.profile.profile import Profile
 from tests.pipeline import run_cli
 
 
@@ -230,7 +230,7 @@ def test_profile_cli_link_none_and_bad_flags(tmp_path):
 
 
 def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_link():
-    from planner.calibrate import solve_link
+    from planner.fidelity.calibrate import solve_link
     from tests.synthetic import synthetic_profile
 
     profile = synthetic_profile(forward=[{1: 1.0}] * 2, backward=[{1: 2.0}] * 2, params=[0, 0], saved=[{1: 0}] * 2,

@@ -7,15 +7,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import CostOptions, evaluate, in_flight
-from planner.costmodel_replicas import replica_in_flight, replicated_plan_cost
-from planner.plan import make_plan
+from planner.cost.model import CostOptions, evaluate, in_flight
+from planner.cost.replicas import replica_in_flight, replicated_plan_cost
+from planner.plan.file import make_plan
 from planner.solve import solve
 from planner.solve.brute import solve_brute, solve_brute_replicated
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
-from runtime import schedule as sched
-from runtime.simulate import costs_from_plan, simulate
+from planner.pipeline import schedule as sched
+from planner.pipeline.simulate import costs_from_plan, simulate
 from tests.synthetic import synthetic_profile
 
 

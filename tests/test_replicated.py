@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import schedule as sched
-from runtime.simulate import ChunkCosts, simulate
-from runtime.topology import TopologyError, instruction_lists, topology_of
+from planner.pipeline import schedule as sched
+from planner.pipeline.simulate import ChunkCosts, simulate
+from planner.pipeline.topology import TopologyError, instruction_lists, topology_of
 from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
 
 

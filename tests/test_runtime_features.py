@@ -137,7 +137,7 @@ def test_torchrun_runs_the_same_worker(tmp_path):
 def test_recomputed_units_keep_only_their_inputs():
     """In-process: a recomputed unit saves less for backward, and its gradients are unchanged."""
     from runtime.stage import build_rank
-    from runtime.topology import topology_of
+    from planner.pipeline.topology import topology_of
 
     plan = _gpt_plan([5])
     plain = reshape_plan(plan)

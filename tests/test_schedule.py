@@ -1,9 +1,9 @@
 """Instruction lists are pure data: check them without processes."""
 import pytest
 
-from runtime import schedule as sched
-from runtime.simulate import ChunkCosts, simulate
-from runtime.topology import TopologyError, topology_of
+from planner.pipeline import schedule as sched
+from planner.pipeline.simulate import ChunkCosts, simulate
+from planner.pipeline.topology import TopologyError, topology_of
 
 CONFIGS = [(name, p, v, m) for name in ("gpipe", "1f1b", "interleaved", "bfs") for p in (1, 2, 3, 4)
            for v in ((1,) if name in ("gpipe", "1f1b") else (1, 2, 3)) for m in range(1, 10)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from planner.cli import main
-from planner.costmodel import CostOptions, evaluate
-from planner.profile import save_profile
+from planner.cli.main import main
+from planner.cost.model import CostOptions, evaluate
+from planner.profile.profile import save_profile
 from planner.solve import solve
 from planner.solve.chain import solve_chain
 from tests.synthetic import synthetic_profile

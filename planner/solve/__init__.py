@@ -1,11 +1,11 @@
 """Solvers for the pipeline plan: the integer program (proven optimal), the exact chain DP, the
-brute-force oracle, and the baselines other tools use — all judged by planner.costmodel."""
+brute-force oracle, and the baselines other tools use — all judged by planner.cost.model."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from planner.costmodel import CostOptions
-from planner.profile import Profile
+from planner.cost.model import CostOptions
+from planner.profile.profile import Profile
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError, diagnose, format_bytes, infeasible_error, min_memory_plan
 from planner.solve.ilp import Solution

@@ -22,8 +22,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from planner.costmodel import CostOptions, candidate_micro_batch_sizes, evaluate
-from planner.profile import Profile
+from planner.cost.model import CostOptions, candidate_micro_batch_sizes, evaluate
+from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.ilp import Solution
 

@@ -1,7 +1,7 @@
 """Exhaustive search: every split, every candidate micro-batch size, every recomputation set. The oracle.
 
 There are C(L-1, C-1) ways to choose the C - 1 boundaries of C = p v chunks; each is evaluated
-with planner.costmodel.evaluate for every candidate b (and, under --recompute auto with a memory
+with planner.cost.model.evaluate for every candidate b (and, under --recompute auto with a memory
 cap, for every subset of the units that can shrink by recomputation: 2^L more). The minimum
 feasible iteration time wins; ties go to the smallest boundaries, then the smallest b.
 """
@@ -12,8 +12,8 @@ import math
 import time
 from typing import List, Optional
 
-from planner.costmodel import CostOptions, candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
-from planner.profile import Profile
+from planner.cost.model import CostOptions, candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
+from planner.profile.profile import Profile
 from planner.solve.ilp import Solution
 
 MAX_COMBINATIONS = 200_000
@@ -78,7 +78,7 @@ def compositions(total: int, parts: int, largest: int):
 
 def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     """The oracle for --replicate: every S <= N = opts.num_stages, split, replica tuple (sum N) and b,
-    judged by planner.costmodel.evaluate, with every recomputation set that opts.recompute allows."""
+    judged by planner.cost.model.evaluate, with every recomputation set that opts.recompute allows."""
     started = time.perf_counter()
     L, N = profile.num_units, opts.num_stages
     best = None  # (iteration, cost, boundaries, b, options, recompute)

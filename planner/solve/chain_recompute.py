@@ -24,9 +24,9 @@ from typing import List, Tuple
 
 import numpy as np
 
-from planner.costmodel import CostOptions, held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, \
+from planner.cost.model import CostOptions, held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, \
     rank_speeds
-from planner.profile import Profile
+from planner.profile.profile import Profile
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
 

@@ -17,9 +17,9 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate, in_flight,
+from planner.cost.model import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate, in_flight,
                                num_micro_batches, optimizer_factor, stage_call_s)
-from planner.profile import Profile
+from planner.profile.profile import Profile
 
 
 class InfeasibleError(Exception):

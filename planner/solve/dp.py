@@ -25,9 +25,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluate, held_counts, rank_caps, rank_speeds,
+from planner.cost.model import (CostOptions, candidate_micro_batch_sizes, evaluate, held_counts, rank_caps, rank_speeds,
                                shared_parameters)
-from planner.profile import Profile
+from planner.profile.profile import Profile
 from planner.solve.chain import solve_chain
 from planner.solve.chain_recompute import MAX_UNITS, recompute_tables
 from planner.solve.diagnose import min_max_partition
@@ -200,7 +200,7 @@ def solve_dp(profile: Profile, opts: CostOptions, exact: bool = True) -> Optiona
 
 
 def _check(profile: Profile, opts: CostOptions) -> None:
-    from planner.costmodel import shared_parameters
+    from planner.cost.model import shared_parameters
     if opts.virtual_stages != 1:
         raise ValueError("the dp method handles one chunk per rank (gpipe/1f1b); use --method ilp for "
                          f"{opts.schedule}")

@@ -38,10 +38,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pulp
 
-from planner.costmodel import (CostOptions, PlanCost, allreduce_time, boundary_links, cut_times, held_counts,
+from planner.cost.model import (CostOptions, PlanCost, allreduce_time, boundary_links, cut_times, held_counts,
                                input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds,
                                shared_parameters, stage_call_s)
-from planner.profile import Profile
+from planner.profile.profile import Profile
 from planner.solve.backends import _parse_cbc_log, _run_cbc, _run_highs  # noqa: F401  (re-exported)
 
 MS = 1e3  # seconds -> milliseconds

@@ -2,7 +2,7 @@
 
 The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
 [a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
-minimising (planner.costmodel, "Replicated stages")
+minimising (planner.cost.model, "Replicated stages")
 
     F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
     T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
@@ -54,10 +54,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
+from planner.cost.model import (CostOptions, allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
                                input_bytes, num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
-from planner.costmodel_replicas import ceil_div
-from planner.profile import Profile
+from planner.cost.replicas import ceil_div
+from planner.profile.profile import Profile
 from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError, format_bytes
 from planner.solve.ilp import OPTIMALITY_GAP, Solution
@@ -74,7 +74,7 @@ def _span(prefix: np.ndarray) -> np.ndarray:
 
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
     """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, as the
-    runtime sets it (runtime.schedule.replicated_warmups: w_last = r - 1, w_g = w_{g+1} +
+    runtime sets it (planner.pipeline.schedule.replicated_warmups: w_last = r - 1, w_g = w_{g+1} +
     max(r_g, r_{g+1})), maximised (pick=max) or minimised (pick=min) over every suffix after it.
     The DP's state (first unit, devices left) does not know the suffix: the largest warm-up
     gives plans that fit whatever follows, the smallest a lower bound."""

@@ -20,9 +20,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
+from planner.cost.model import (CostOptions, candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
                                shared_parameters, stage_call_s)
-from planner.profile import Profile
+from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
 from planner.solve.ilp import OPTIMALITY_GAP, Solution, build_and_solve

@@ -1,0 +1,119 @@
+"""Hugging Face transformers models by name: `hf:LlamaForCausalLM`, `hf:BertForMaskedLM`, ...
+
+The model is built from its config class with random weights (nothing is downloaded):
+every `--model-arg` except the batch arguments below overrides a config field
+(`num_hidden_layers=4`, `hidden_size=256`, `tie_word_embeddings=True` ...). Caching and
+dropout are switched off and attention is "eager", so a pipeline trains exactly like one
+process. Batches are synthetic token ids; the loss is the family's usual one, from logits:
+
+- causal LM (`...ForCausalLM`, `...LMHeadModel`): next-token cross-entropy (shifted);
+- masked LM (`...ForMaskedLM`): cross-entropy on a deterministic ~1/7 of the positions,
+  replaced by a mask token (the last id of the vocabulary);
+- seq2seq (`...ForConditionalGeneration`, T5/BART): labels are the target tokens and the
+  decoder reads them shifted right behind the decoder start token.
+
+Batch arguments: `seq_len` (default 16) and `target_len` (seq2seq, default seq_len).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict
+
+import torch
+import torch.nn.functional as F
+
+from planner.model.spec import ModelEntryError, ModelSpec
+
+_CAUSAL = ("ForCausalLM", "LMHeadModel")
+_MASKED = ("ForMaskedLM",)
+_SEQ2SEQ = ("ForConditionalGeneration",)
+
+
+def _family(name: str) -> str:
+    for family, suffixes in (("causal", _CAUSAL), ("masked", _MASKED), ("seq2seq", _SEQ2SEQ)):
+        if name.endswith(suffixes):
+            return family
+    raise ModelEntryError(f"hf:{name}: no loss known for this head; use a ...ForCausalLM / ...LMHeadModel, "
+                          "...ForMaskedLM or ...ForConditionalGeneration class, or write a "
+                          "package.module:function entry returning planner.ModelSpec")
+
+
+def _model_class(name: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ModelEntryError("hf: models need transformers: pip install -e '.[hf]'") from None
+    cls = getattr(transformers, name, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise ModelEntryError(f"transformers has no model class {name!r} (e.g. hf:LlamaForCausalLM, "
+                              "hf:GPT2LMHeadModel, hf:BertForMaskedLM, hf:T5ForConditionalGeneration)")
+    return cls
+
+
+def make_config(cls, overrides: Dict[str, Any]):
+    """The class's config with `overrides`, no cache, no dropout, eager attention."""
+    config = cls.config_class()
+    unknown = [k for k in overrides if not hasattr(config, k)]
+    if unknown:
+        raise ModelEntryError(f"hf:{cls.__name__}: {cls.config_class.__name__} has no field(s) {', '.join(unknown)}; "
+                              "batch arguments are seq_len and target_len")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config.use_cache = False
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+            setattr(config, key, 0.0)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _arrange(cls, named: Dict[str, torch.Tensor]) -> tuple:
+    """Inputs as positional tensors when they lead forward's signature (the runtime's simplest
+    contract), else with a trailing keyword dict."""
+    params = [p for p in inspect.signature(cls.forward).parameters if p != "self"]
+    if params[:len(named)] == list(named):
+        return tuple(named.values())
+    return (dict(named),)
+
+
+def hf_builder(name: str) -> Callable[..., ModelSpec]:
+    cls = _model_class(name)
+    family = _family(name)
+
+    def build(seq_len: int = 16, target_len: int = 0, **overrides: Any) -> ModelSpec:
+        config = make_config(cls, overrides)
+        model = cls(config)  # under `with torch.device("meta")` (analytic profiles) no memory is used
+        model.train()
+        vocab = int(config.vocab_size)
+        tgt_len = target_len or seq_len
+
+        def tokens(g: torch.Generator, batch_size: int, length: int, high: int) -> torch.Tensor:
+            return torch.randint(0, high, (batch_size, length), generator=g)
+
+        def batch(batch_size: int, step: int):
+            g = torch.Generator().manual_seed(1_000_003 * step + 29)
+            if family == "causal":
+                ids = tokens(g, batch_size, seq_len + 1, vocab)
+                return _arrange(cls, {"input_ids": ids[:, :-1]}), ids[:, 1:]
+            if family == "masked":
+                ids = tokens(g, batch_size, seq_len, vocab - 1)
+                rows = torch.arange(batch_size).unsqueeze(1)
+                masked = (torch.arange(seq_len).unsqueeze(0) + rows + step) % 7 == 0
+                labels = torch.where(masked, ids, torch.full_like(ids, -100))
+                return _arrange(cls, {"input_ids": torch.where(masked, vocab - 1, ids)}), labels
+            source, labels = tokens(g, batch_size, seq_len, vocab), tokens(g, batch_size, tgt_len, vocab)
+            start = getattr(config, "decoder_start_token_id", None) or getattr(config, "pad_token_id", None) or 0
+            decoder_ids = torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], dim=1)
+            named = {"input_ids": source, "attention_mask": torch.ones_like(source),
+                     "decoder_input_ids": decoder_ids}
+            return _arrange(cls, named), labels
+
+        def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                   ignore_index=-100)
+
+        return ModelSpec(module=model, batch=batch, loss=loss)
+
+    build.__name__ = name
+    return build
