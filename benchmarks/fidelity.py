@@ -37,12 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
 from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
-from planner.cost.model import CostOptions, evaluate, profiled_optimizer_step_s  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.cost.model import evaluate, profiled_optimizer_step_s  # noqa: E402
 from planner.fidelity.check import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.profile.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
 from planner.plan.file import make_plan  # noqa: E402
-from planner.solve import solve  # noqa: E402
+from planner.solve.api import solve  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 
 MODELS = {
@@ -74,7 +75,7 @@ def plan_for(profile, stages, m, b, opts_extra=None):
 
 def plan_fixed(profile, plan, opts_extra=None):
     """`plan`'s split and (b, m), re-planned (costs, predictions) from another profile."""
-    from planner.solve.ilp import Solution
+    from planner.solve.solution import Solution
 
     b, m = int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
     boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]

@@ -157,7 +157,7 @@ def torch_step_fn(plan: dict, rank: int, world: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from planner.model.capture import capture
-    from planner.model.spec import build_spec
+    from planner.model.entry import build_spec
 
     stages = plan["stages"]
     assert world == len(stages), f"the plan has {len(stages)} stages, {world} ranks were started"

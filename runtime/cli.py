@@ -8,7 +8,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
-from planner.cli.common import UsageError, run_subcommand
+from planner.errors import UsageError, run_subcommand
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
 from planner.pipeline.topology import instruction_lists, topology_of
@@ -148,8 +148,9 @@ def execute(args: argparse.Namespace) -> int:
         write_json_atomic(args.report, report)
         print(f"wrote report {args.report}")
     if args.trace or args.timeline:
-        from runtime import trace
+        from planner.fidelity.timeline import timeline_png
         from planner.pipeline.simulate import costs_from_plan, simulate
+        from runtime import trace
 
         events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(world)}
         if args.trace:
@@ -158,7 +159,7 @@ def execute(args: argparse.Namespace) -> int:
         if args.timeline:
             _, predicted = simulate(lists, costs_from_plan(plan))
             replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
-            trace.timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
+            timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
             print(f"wrote timeline {args.timeline}")
     shutil.rmtree(out_dir, ignore_errors=True)
     return 0

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from planner.profile.measure import to_device
+from planner.model.spec import to_device
 from planner.pipeline import schedule as sched
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
 from runtime.stage import Chunk, RankModel

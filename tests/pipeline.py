@@ -16,7 +16,8 @@ from planner.jsonio import write_json_atomic
 from planner.profile.measure import profile_model
 from planner.plan.file import plan_for_split
 from planner.profile.profile import Profile
-from planner.model.spec import build_spec, call_model
+from planner.model.entry import build_spec
+from planner.model.spec import call_model
 from runtime.engine import split_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

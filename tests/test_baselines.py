@@ -2,9 +2,10 @@
 import pytest
 
 from planner.cli.main import main
-from planner.cost.model import CostOptions
+from planner.cost.options import CostOptions
 from planner.profile.profile import save_profile
-from planner.solve import InfeasibleError, solve
+from planner.solve.diagnose import InfeasibleError
+from planner.solve.api import solve
 from planner.solve.baselines import balanced_split, uniform_split
 from tests.synthetic import synthetic_profile
 

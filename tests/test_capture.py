@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from planner.model.capture import CaptureError, capture
-from planner.model.spec import build_spec, call_model
+from planner.model.entry import build_spec
+from planner.model.spec import call_model
 from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state
 
 

@@ -188,7 +188,7 @@ def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, nee
 def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(capsys, monkeypatch):
     import argparse
 
-    from planner.cli.common import run_subcommand
+    from planner.errors import run_subcommand
 
     def fails(_args):
         raise ValueError("the cost model cannot take this")

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from planner.cost.model import CostOptions, candidate_micro_batch_sizes, cut_time, evaluate
+from planner.cost.options import CostOptions
+from planner.cost.model import candidate_micro_batch_sizes, cut_time, evaluate
 from tests.synthetic import synthetic_profile
 
 
@@ -128,7 +129,7 @@ def test_every_stage_pays_the_profiles_stage_overhead_once_per_micro_batch():
 def test_a_per_stage_cost_makes_every_solver_prefer_fewer_larger_micro_batches():
     """Times linear in b: without a per-stage cost the shorter fill of b = 1 wins; a cost per stage
     and micro-batch makes 2 micro-batches of 4 cheaper than 8 of 1, in every exact method."""
-    from planner.solve import solve
+    from planner.solve.api import solve
 
     def profile(overhead):
         return synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[0],

@@ -9,8 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cost.cluster import cluster_from_json
-from planner.cost.model import CostOptions, evaluate, in_flight
-from planner.solve import InfeasibleError, solve
+from planner.cost.options import CostOptions
+from planner.cost.model import evaluate, in_flight
+from planner.solve.diagnose import InfeasibleError
+from planner.solve.api import solve
 from tests.synthetic import synthetic_profile
 
 

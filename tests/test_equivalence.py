@@ -23,6 +23,6 @@ def test_pipeline_matches_single_process(tmp_path, entry, args, cuts, b, g, sche
     reference = reference_state(plan, steps=3)
     assert max_abs_diff(state, reference) <= 1e-5
     # and training actually moved the weights (a runtime that skipped the update would not)
-    from planner.model.spec import build_spec
+    from planner.model.entry import build_spec
     initial = build_spec(entry, args, 0).module.state_dict()
     assert max_abs_diff(state, {k: v.clone() for k, v in initial.items()}) > 1e-4

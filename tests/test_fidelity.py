@@ -4,12 +4,13 @@ import random
 
 import pytest
 
-from planner.cost.model import CostOptions, evaluate
+from planner.cost.options import CostOptions
+from planner.cost.model import evaluate
 from planner.fidelity.calibrate import calibrate_profile
 from planner.fidelity.check import check_report, simulate_plan
 from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.plan.file import make_plan
-from planner.solve import solve
+from planner.solve.api import solve
 from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
 from tests.synthetic import synthetic_profile
 

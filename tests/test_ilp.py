@@ -7,9 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost.model import CostOptions, candidate_micro_batch_sizes, evaluate
-from planner.solve import InfeasibleError, format_bytes, min_memory_plan, solve, solve_brute, solve_ilp
-from planner.solve.ilp import _parse_cbc_log
+from planner.cost.options import CostOptions
+from planner.cost.model import candidate_micro_batch_sizes, evaluate
+from planner.solve.diagnose import InfeasibleError, min_memory_plan
+from planner.solve.api import solve, solve_ilp
+from planner.solve.brute import solve_brute
+from planner.sizes import format_bytes
+from planner.solve.backends import _parse_cbc_log
 from tests.synthetic import synthetic_profile
 
 SIZES = (1, 2, 4, 8)

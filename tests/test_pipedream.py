@@ -4,10 +4,10 @@ import os
 import pytest
 
 from planner.cli.main import main
-from planner.cost.model import CostOptions
+from planner.cost.options import CostOptions
 from planner.profile.pipedream import graph_to_profile, import_pipedream, parse_graph
 from planner.profile.profile import load_profile
-from planner.solve import solve
+from planner.solve.api import solve
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gnmt.graph.txt")
 

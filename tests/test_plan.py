@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from planner.cost.model import CostOptions
+from planner.cost.options import CostOptions
 from planner.jsonio import JsonFileError, write_json_atomic
 from planner.plan.file import PLAN_SCHEMA_VERSION, format_plan_table, load_plan, make_plan
-from planner.solve import solve
+from planner.solve.api import solve
 from tests.synthetic import synthetic_profile
 
 

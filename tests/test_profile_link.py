@@ -8,8 +8,8 @@ import torch
 
 from planner.cost.model import profiled_optimizer_step_s
 from planner.profile.corunners import CoRunners
-from planner.profile.measure import (fit_link, host_drift, measure_link, measure_units, profile_model, split_call_overhead,
-                             steadiest_profile)
+from planner.profile.measure import (fit_link, host_drift, measure_link, measure_units, profile_model,
+                                     split_call_overhead, steadiest_profile)
 from planner.profile.profile import Profile
 from tests.pipeline import run_cli
 

@@ -7,10 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost.model import CostOptions, evaluate, in_flight
+from planner.cost.options import CostOptions
+from planner.cost.model import evaluate, in_flight
 from planner.cost.replicas import replica_in_flight, replicated_plan_cost
 from planner.plan.file import make_plan
-from planner.solve import solve
+from planner.solve.api import solve
 from planner.solve.brute import solve_brute, solve_brute_replicated
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
@@ -66,7 +67,7 @@ def simulated_pipeline_s(profile, boundaries, b, opts):
     """(closed-form pipeline time, simulated step time, held counts per stage (its busiest replica
     device) in the simulated lists and in the model)."""
     cost = evaluate(profile, boundaries, b, opts)
-    from planner.solve.ilp import Solution
+    from planner.solve.solution import Solution
     solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
                         cost=cost, status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0,
                         seconds=0.0, method="fixed", backend="none", options=opts)

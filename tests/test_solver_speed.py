@@ -7,9 +7,10 @@ import time
 import pytest
 
 from planner.cli.main import main
-from planner.cost.model import CostOptions, evaluate
+from planner.cost.options import CostOptions
+from planner.cost.model import evaluate
 from planner.profile.profile import save_profile
-from planner.solve import solve
+from planner.solve.api import solve
 from planner.solve.chain import solve_chain
 from tests.synthetic import synthetic_profile
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import math
 
-from planner.cli.common import UsageError
+from planner.errors import UsageError
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.cli.solve import problem_from_args
-    from planner.solve import solve
+    from planner.solve.api import solve
     from planner.solve.baselines import solve_baseline
     from planner.solve.diagnose import InfeasibleError
     from planner.solve.search import expand_scenarios

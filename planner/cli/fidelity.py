@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
-from planner.cli.common import UsageError
+from planner.errors import UsageError
 from planner.jsonio import JsonFileError, read_json
 
 
@@ -20,13 +20,13 @@ def load_report(path: str) -> Dict[str, Any]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from planner.fidelity.check import format_simulation, simulate_plan
-    from runtime.cli import load_plan
+    from planner.plan.file import load_plan
 
     plan = load_plan(args.plan)
     sim = simulate_plan(plan)
     print(format_simulation(sim))
     if args.timeline:
-        from runtime.trace import timeline_png
+        from planner.fidelity.timeline import timeline_png
 
         timeline_png({}, sim.events, step=0, path=args.timeline)
         print(f"wrote {args.timeline}")
@@ -35,7 +35,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from planner.fidelity.check import check_report, format_check
-    from runtime.cli import load_plan
+    from planner.plan.file import load_plan
 
     plan = load_plan(args.plan)
     report = load_report(args.report)
@@ -50,7 +50,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from planner.fidelity.calibrate import calibrate_profile, factor_range
     from planner.profile.profile import load_profile, save_profile
-    from runtime.cli import load_plan
+    from planner.plan.file import load_plan
 
     if len(args.plan) not in (1, len(args.reports)):
         raise UsageError(f"give one --plan for all reports or one per report ({len(args.reports)} reports, "

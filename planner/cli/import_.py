@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli.common import UsageError
+from planner.errors import UsageError
 
 
 def cmd_import(args: argparse.Namespace) -> int:

@@ -6,8 +6,7 @@ import sys
 from typing import List, Optional
 
 from planner.cli import compare, fidelity, import_, profile, show, solve
-from planner.cli.common import UsageError, run_subcommand
-from planner.errors import CaptureError
+from planner.errors import CaptureError, UsageError, run_subcommand
 from planner.jsonio import JsonFileError
 
 SUBCOMMANDS = [profile, solve, compare, show, import_, fidelity]

@@ -5,7 +5,8 @@ import argparse
 import os
 import time
 
-from planner.cli.common import UsageError, parse_sizes
+from planner.errors import UsageError
+from planner.cli.common import parse_sizes
 
 
 def _analytic(args: argparse.Namespace, model_args, sizes, progress):
@@ -63,7 +64,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         _check_measure_options(args)
     from planner.profile.measure import profile_model, steadiest_profile
     from planner.profile.profile import save_profile
-    from planner.model.spec import model_name, parse_model_args
+    from planner.model.entry import model_name, parse_model_args
 
     model_args = parse_model_args(args.model_arg or [])
     output = args.output or os.path.join("profiles", f"{model_name(args.model)}.json")

@@ -5,7 +5,8 @@ import argparse
 import sys
 from typing import List, Optional
 
-from planner.cli.common import UsageError, parse_bytes
+from planner.errors import UsageError
+from planner.sizes import parse_bytes
 
 SCHEDULE_CHOICES = ["1f1b", "gpipe", "interleaved", "bfs", "auto"]
 
@@ -44,7 +45,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
 def problem_from_args(args: argparse.Namespace):
     """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
     from planner.cost.cluster import load_cluster
-    from planner.cost.model import CostOptions
+    from planner.cost.options import CostOptions
     from planner.profile.profile import load_profile
 
     profile = load_profile(args.profile)
@@ -103,7 +104,7 @@ def problem_from_args(args: argparse.Namespace):
 def cmd_solve(args: argparse.Namespace) -> int:
     from planner.jsonio import write_json_atomic
     from planner.plan.file import format_plan_table, make_plan
-    from planner.solve import solve
+    from planner.solve.api import solve
     from planner.solve.diagnose import InfeasibleError
 
     profile, opts, devices, schedules = problem_from_args(args)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from planner.jsonio import read_json
+from planner.sizes import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,6 @@ class Cluster:
 
 
 def _size(value: Any, what: str) -> float:
-    from planner.cli.common import parse_bytes
     number = parse_bytes(value, what) if isinstance(value, str) else float(value)
     if not number > 0:
         raise ValueError(f"{what} must be positive (got {value!r})")

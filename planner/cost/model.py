@@ -73,141 +73,12 @@ ran 4.05 s against the closed form's 2.10 s). (planner/costmodel_replicas.py.)
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from planner.cost.cluster import Cluster
+from planner.cost.options import CostOptions
+from planner.cost.replicas import replica_in_flight, replicated_plan_cost
+from planner.cost.result import PlanCost, StageCost
 from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE, Profile
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "bfs")
-CHUNKED_SCHEDULES = ("interleaved", "bfs")
-RECOMPUTE_MODES = ("none", "all", "auto")
-
-
-@dataclass(frozen=True)
-class CostOptions:
-    """What the planner is asked: p ranks x d replicas, a global batch of G samples, the hardware."""
-
-    num_stages: int  # p: pipeline ranks per replica
-    global_batch: int  # G = d * m * b
-    schedule: str = "1f1b"
-    bandwidth: float = 5e9  # bytes/s between consecutive ranks (and for tied-parameter exchange)
-    latency: float = 0.0  # seconds per message (one per direction per cut with tensors)
-    memory_cap: Optional[float] = None  # bytes per device; None = unlimited
-    optimizer: str = "sgd"
-    data_parallel: int = 1  # d
-    virtual_stages: int = 1  # v
-    dp_bandwidth: Optional[float] = None  # all-reduce bandwidth; None = bandwidth
-    cluster: Optional[Cluster] = None
-    recompute: str = "none"  # what solvers may choose: none | all | auto
-    step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
-    # sum_l o_l: one optimizer step over every unit's parameters, as profiled (profiled_optimizer_step_s)
-    optimizer_step_total_s: float = 0.0
-    replicas: Tuple[int, ...] = ()  # r_g per stage (num_stages = S of them); () = one device per stage
-
-    @property
-    def per_step_s(self) -> float:
-        """Time charged once per iteration whatever the split: the step overhead plus the optimizer
-        step of an average device, sum_l o_l / N (N devices per pipeline: p, or sum_g r_g with
-        replicated stages, whose replicas' steps overlap; a replicated stage's parameters count
-        once, so that N, the solver's budget, keeps it a constant of the search)."""
-        devices = sum(self.replicas) if self.replicas else self.num_stages
-        return self.step_overhead_s + self.optimizer_step_total_s / devices
-
-    @property
-    def replicated(self) -> bool:
-        return any(r != 1 for r in self.replicas)
-
-    @property
-    def num_chunks(self) -> int:
-        return self.num_stages * self.virtual_stages
-
-    def with_(self, **changes) -> "CostOptions":
-        return dataclasses.replace(self, **changes)
-
-    def validate(self) -> None:
-        if self.num_stages < 1:
-            raise ValueError(f"the number of stages must be at least 1 (got {self.num_stages})")
-        if self.global_batch < 1:
-            raise ValueError(f"the global batch must be at least 1 (got {self.global_batch})")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if self.schedule in CHUNKED_SCHEDULES and self.virtual_stages < 2:
-            raise ValueError(f"schedule {self.schedule} needs --virtual-stages >= 2 (got {self.virtual_stages})")
-        if self.schedule not in CHUNKED_SCHEDULES and self.virtual_stages != 1:
-            raise ValueError(f"--virtual-stages {self.virtual_stages} needs schedule interleaved or bfs")
-        if self.data_parallel < 1:
-            raise ValueError(f"the data-parallel degree must be at least 1 (got {self.data_parallel})")
-        for name, value in (("bandwidth", self.bandwidth), ("dp bandwidth", self.dp_bandwidth)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive bytes/s (got {value})")
-        if not self.step_overhead_s >= 0:
-            raise ValueError(f"the step overhead must be >= 0 seconds (got {self.step_overhead_s})")
-        if not self.optimizer_step_total_s >= 0:
-            raise ValueError(f"the optimizer step must be >= 0 seconds (got {self.optimizer_step_total_s})")
-        if self.latency < 0:
-            raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
-        if self.memory_cap is not None and not self.memory_cap > 0:
-            raise ValueError(f"memory per device must be positive bytes (got {self.memory_cap})")
-        if self.optimizer not in OPTIMIZER_STATE_PER_PARAM_BYTE:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
-                             f"{', '.join(sorted(OPTIMIZER_STATE_PER_PARAM_BYTE))}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
-        if self.replicas:
-            self._validate_replicas()
-        if self.cluster is not None and self.cluster.num_devices != self.num_stages:
-            raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.num_stages} "
-                             "pipeline stages were asked; give --stages equal to the cluster's device count")
-
-    def _validate_replicas(self) -> None:
-        if len(self.replicas) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in self.replicas):
-            raise ValueError(f"replicas must give one integer >= 1 per stage ({self.num_stages} stages), "
-                             f"got {list(self.replicas)}")
-        if self.replicated and (self.schedule not in ("gpipe", "1f1b") or self.cluster is not None):
-            raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")
-
-
-@dataclass
-class StageCost:
-    """One chunk (stage) of an evaluated plan; times in seconds per micro-batch, memory in bytes."""
-
-    first_unit: int
-    end_unit: int  # exclusive
-    device: int  # pipeline rank = chunk index % p
-    forward_s: float
-    backward_s: float  # includes recomputed forwards
-    comm_s: float  # transfer time charged to this chunk (receive + send, both directions)
-    time_s: float  # T_c
-    in_flight: int  # h_c
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: float
-    activation_bytes: int  # h_c * A_c
-    memory_bytes: float  # this chunk's params + grads + optimizer + activations
-    extra_s: float  # per-iteration: this chunk's share of all-reduce + tied-parameter exchange
-    recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
-    replicas: int = 1  # r_g: devices running this stage (device .. device + r_g - 1)
-
-
-@dataclass
-class PlanCost:
-    micro_batch_size: int
-    num_micro_batches: int  # m, per replica
-    stages: List[StageCost]
-    iteration_s: float
-    bottleneck_s: float  # max_i D_i: the busiest rank's time per micro-batch (replicated: max_g n_g T_g / m)
-    bubble_fraction: float  # 1 - m sum_c T_c / (p * pipeline time): idle share of the ranks
-    feasible: bool  # every rank's memory fits its cap
-    device_memory: List[float] = field(default_factory=list)  # M_i, one per device (replicas included)
-    device_caps: List[Optional[float]] = field(default_factory=list)
-    extra_s: float = 0.0  # max_i E_i
-    schedule: str = "1f1b"
-    pipeline_stages: int = 1
-    virtual_stages: int = 1
-    data_parallel: int = 1
-
 
 def optimizer_factor(optimizer: str) -> float:
     """opt: optimizer-state bytes per parameter byte."""
@@ -372,7 +243,6 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
     reps = list(opts.replicas) if opts.replicated else [1] * C
     if opts.replicated:  # stage g on devices offset_g .. offset_g + r_g - 1, each holding h_g
-        from planner.cost.replicas import replica_in_flight, replicated_plan_cost
         held = [replica_in_flight(g, reps, m, opts.schedule) for g in range(C)]
         offsets = [sum(reps[:g]) for g in range(C)]
     inputs = input_bytes(profile, b)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from planner.cost.model import CostOptions, PlanCost, StageCost
+from planner.cost.options import CostOptions
+from planner.cost.result import PlanCost, StageCost
 from planner.pipeline.schedule import replicated_warmups
 
 

@@ -21,7 +21,9 @@ import copy
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from planner.cost.model import CostOptions, PlanCost, evaluate, profiled_optimizer_step_s
+from planner.cost.options import CostOptions
+from planner.cost.result import PlanCost
+from planner.cost.model import evaluate, profiled_optimizer_step_s
 from planner.profile.profile import Profile
 
 Run = Tuple[Dict[str, Any], Dict[str, Any]]  # (plan, report)

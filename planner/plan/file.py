@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from planner.cost.model import CostOptions
+from planner.cost.options import CostOptions
 from planner.jsonio import JsonFileError, read_json
 from planner.profile.profile import Profile
-from planner.solve.diagnose import format_bytes
-from planner.solve.ilp import Solution
+from planner.sizes import format_bytes
+from planner.solve.solution import Solution
 
 PLAN_SCHEMA_VERSION = 1
 

@@ -18,7 +18,8 @@ from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, 
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
 from planner.profile.measure import record_cut_values, shared_parameters_json
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
-from planner.model.spec import ModelSpec, build_spec
+from planner.model.spec import ModelSpec
+from planner.model.entry import build_spec
 
 
 def _meta(obj: Any) -> Any:

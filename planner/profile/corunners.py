@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from planner.profile.allocator import retain_freed_memory
-from planner.model.spec import build_spec
+from planner.model.entry import build_spec
 from planner.profile.hostspeed import reference_kernel_s
 
 

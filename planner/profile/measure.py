@@ -27,7 +27,8 @@ from planner.profile.allocator import retain_freed_memory
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
-from planner.model.spec import ModelSpec, build_spec
+from planner.model.entry import build_spec
+from planner.model.spec import ModelSpec, to_device
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from planner.profile.optim import OPTIMIZERS, make_optimizer
 
@@ -224,17 +225,6 @@ def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, g
                 record.bytes[b] = _tensor_bytes(v)
             else:
                 record.value[b] = encode_constant(v, f"value {node.name!r} crossing cut {k}")
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) tuple, list or dict to `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 def shared_parameters_json(captured: CapturedModel) -> List[Dict[str, Any]]:

@@ -22,10 +22,11 @@ from typing import List, Optional
 
 import numpy as np
 
-from planner.cost.model import CostOptions, candidate_micro_batch_sizes, evaluate
+from planner.cost.options import CostOptions
+from planner.cost.model import candidate_micro_batch_sizes, evaluate
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
-from planner.solve.ilp import Solution
+from planner.solve.solution import Solution
 
 BASELINES = ("uniform", "params", "block")
 

@@ -12,9 +12,10 @@ import math
 import time
 from typing import List, Optional
 
-from planner.cost.model import CostOptions, candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
+from planner.cost.options import CostOptions
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
 from planner.profile.profile import Profile
-from planner.solve.ilp import Solution
+from planner.solve.solution import Solution
 
 MAX_COMBINATIONS = 200_000
 

@@ -17,9 +17,11 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate, in_flight,
-                               num_micro_batches, optimizer_factor, stage_call_s)
+from planner.cost.options import CostOptions
+from planner.cost.model import (candidate_micro_batch_sizes, cut_times, evaluate, in_flight, num_micro_batches,
+                                optimizer_factor, stage_call_s)
 from planner.profile.profile import Profile
+from planner.sizes import format_bytes
 
 
 class InfeasibleError(Exception):
@@ -30,18 +32,6 @@ class InfeasibleError(Exception):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes  # smallest memory per device that fits S stages
         self.min_stages = min_stages  # smallest stage count fitting the given cap, if any
-
-
-def format_bytes(n: float) -> str:
-    """Human units: '512 B', '12.0 KiB', '512.0 MiB', '1.50 GiB'."""
-    n = float(n)
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    if abs(n) < 1024 ** 2:
-        return f"{n / 1024:.1f} KiB"
-    if abs(n) < 1024 ** 3:
-        return f"{n / 1024 ** 2:.1f} MiB"
-    return f"{n / 1024 ** 3:.2f} GiB"
 
 
 StageCostMatrix = Callable[[int], np.ndarray]  # s -> (L+1) x (L+1) matrix C_s[a, e], inf where e <= a

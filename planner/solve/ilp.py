@@ -32,40 +32,21 @@ Times are in milliseconds and memory in MiB inside the model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pulp
 
-from planner.cost.model import (CostOptions, PlanCost, allreduce_time, boundary_links, cut_times, held_counts,
-                               input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds,
-                               shared_parameters, stage_call_s)
+from planner.cost.options import CostOptions
+from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
+                                num_micro_batches, optimizer_factor, rank_caps, rank_speeds, shared_parameters,
+                                stage_call_s)
 from planner.profile.profile import Profile
-from planner.solve.backends import _parse_cbc_log, _run_cbc, _run_highs  # noqa: F401  (re-exported)
+from planner.solve.backends import _run_cbc, _run_highs
 
 MS = 1e3  # seconds -> milliseconds
 MIB = float(2 ** 20)  # bytes -> MiB
-OPTIMALITY_GAP = 1e-6  # a solution within this relative gap of the bound is reported as optimal
-
-
-@dataclass
-class Solution:
-    boundaries: List[int]
-    micro_batch_size: int
-    num_micro_batches: int
-    cost: PlanCost
-    status: str  # "optimal" | "feasible" (stopped early; gap reported)
-    objective: float  # iteration time in seconds of this plan, per the cost model
-    bound: float  # proven lower bound on the optimal iteration time, seconds
-    gap: float  # (objective - bound) / objective
-    seconds: float  # wall time of the solve
-    method: str  # "ilp" | "dp" | "brute" | "uniform" | "params" | "block"
-    backend: str  # "cbc" | "highs" | "python"
-    recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
-    options: Optional[CostOptions] = None  # the concrete scenario (p, d, v, schedule) chosen
-
-
 @dataclass
 class ScenarioResult:
     """What the solver said about one scenario: its plan (or None) and a proven lower bound."""
