@@ -39,10 +39,10 @@ from common import run_plan  # noqa: E402
 from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.cost.model import evaluate, profiled_optimizer_step_s  # noqa: E402
-from planner.fidelity.check import simulate_plan  # noqa: E402
+from planner.fidelity.simulation import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.profile.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
-from planner.plan.file import make_plan  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 
@@ -77,9 +77,9 @@ def plan_fixed(profile, plan, opts_extra=None):
     """`plan`'s split and (b, m), re-planned (costs, predictions) from another profile."""
     from planner.solve.solution import Solution
 
-    b, m = int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
-    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
-    opts = CostOptions(num_stages=len(plan["stages"]), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    b, m = plan.micro_batch_size, plan.num_micro_batches
+    boundaries = [s.first_unit for s in plan.stages[1:]]
+    opts = CostOptions(num_stages=len(plan.stages), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
     cost = evaluate(only_size(profile, b), boundaries, b, opts)
     solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
                         objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
@@ -158,7 +158,7 @@ def run_point(plan, profile, steps):
         if tries[-1]["host_off"] <= SLOWDOWN_WARN:
             break
     best = min(tries, key=lambda t: t["host_off"])
-    predicted = plan["predicted_iteration_s"]
+    predicted = plan.predicted_iteration_s
     scaled = at_host_speed(predicted, best["report"].get("host_slowdown"))
     return dict(best, plan=plan, profile=profile, predicted_s=predicted,
                 at_host_speed_s=predicted if scaled is None else scaled,
@@ -199,7 +199,7 @@ def grid_rows(name, plans, runs):
         done = runs[(stages, m, b)]
         others = [r["other"] for r in done if r["other"] is not None]
         rows.append({"model": name, "stages": stages, "m": m, "b": b,
-                     "split": [s["units"][0] for s in plan["stages"]],
+                     "split": [s.units[0] for s in plan.stages],
                      "predicted_s": statistics.median(r["predicted_s"] for r in done),
                      "simulated_s": statistics.median(r["simulated_s"] for r in done),
                      "at_host_speed_s": statistics.median(r["at_host_speed_s"] for r in done),

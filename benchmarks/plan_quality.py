@@ -24,7 +24,7 @@ from fidelity import measured_run  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.cost.model import profiled_optimizer_step_s  # noqa: E402
 from planner.profile.measure import measure_link, profile_model  # noqa: E402
-from planner.plan.file import make_plan  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
 MODEL = ("builtin:gpt", {"vocab": 16384, "dim": 128, "layers": 8, "seq_len": 32})  # head ~ 10 blocks
@@ -59,9 +59,9 @@ def main():
     for method in METHODS:
         solution = solve(profile, opts, method=method)
         plans[method] = make_plan(profile, solution, opts, "benchmark")
-        stages = plans[method]["stages"]
-        print(f"{method:8} split after {stages[0]['units'][-1]!r}: predicted "
-              f"{plans[method]['predicted_iteration_s'] * 1e3:.1f} ms", flush=True)
+        stages = plans[method].stages
+        print(f"{method:8} split after {stages[0].units[-1]!r}: predicted "
+              f"{plans[method].predicted_iteration_s * 1e3:.1f} ms", flush=True)
     measured = {m: [] for m in METHODS}
     others = []
     for rep in range(args.reps):
@@ -77,7 +77,7 @@ def main():
     print("| --- | --- | --- | --- | --- |")
     for method in METHODS:
         plan = plans[method]
-        print(f"| {method} | {plan['stages'][0]['units'][-1]} | {plan['predicted_iteration_s'] * 1e3:.1f} | "
+        print(f"| {method} | {plan.stages[0].units[-1]} | {plan.predicted_iteration_s * 1e3:.1f} | "
               f"{median[method] * 1e3:.1f} | {median[method] / median['ilp']:.2f}x |")
     worse = max(median["uniform"], median["params"])
     for method in METHODS:

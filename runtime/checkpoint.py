@@ -10,12 +10,11 @@ Files are read back with `torch.load(weights_only=True)`: nothing is unpickled.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Dict, Optional
 
 import torch
 
-from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
 
 CHECKPOINT_SCHEMA_VERSION = 1
 
@@ -31,16 +30,8 @@ def _step_dir(directory: str, completed_steps: int) -> str:
 def save_rank(directory: str, completed_steps: int, rank: int, chunks_state: Dict[str, Any],
               optimizer_state: Dict[str, Any]) -> None:
     path = os.path.join(_step_dir(directory, completed_steps), f"rank{rank}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save({"completed_steps": completed_steps, "chunks": chunks_state, "optimizer": optimizer_state}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def mark_complete(directory: str, completed_steps: int, plan_hash: str, world_size: int) -> None:

@@ -9,38 +9,15 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from planner.errors import UsageError, run_subcommand
-from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
-from planner.pipeline.topology import instruction_lists, topology_of
+from planner.plan.file import Plan, load_plan
 
-PLAN_SCHEMA_VERSION = 1
-_REQUIRED = ("model", "schedule", "micro_batch_size", "num_micro_batches", "global_batch", "stages")
-
-
-
-def load_plan(path: str) -> Dict[str, Any]:
-    plan = read_json(path, what="plan")
-    if not isinstance(plan, dict) or plan.get("kind", "plan") != "plan":
-        raise JsonFileError(f"{path!r} is not a plan file; make one with `planner solve PROFILE`")
-    if plan.get("schema_version") != PLAN_SCHEMA_VERSION:
-        raise JsonFileError(f"plan schema_version {plan.get('schema_version')!r} is not supported "
-                            f"(expected {PLAN_SCHEMA_VERSION}); re-run `planner solve`")
-    missing = [k for k in _REQUIRED if k not in plan]
-    if missing:
-        raise JsonFileError(f"plan {path!r} lacks {', '.join(missing)}; re-run `planner solve`")
-    return plan
-
-
-def check_plan(plan: Dict[str, Any]) -> List[List[sched.Action]]:
-    """Everything that can be checked before starting a process."""
-    topology = topology_of(plan)
-    g, b, m = int(plan["global_batch"]), int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
-    d = topology.data_parallel
-    if b * m * d != g:
-        raise UsageError(f"the plan's global batch {g} is not {d} replica(s) x {m} micro-batches x micro-batch "
-                         f"size {b}; re-run `planner solve`")
-    lists = instruction_lists(plan)
-    sched.check_schedule(lists, m, placement=topology.position_of)
+def check_plan(plan: Plan) -> List[List[sched.Action]]:
+    """Everything that can be checked before starting a process (the file itself was checked when
+    it was loaded): the instruction lists are complete and cannot deadlock."""
+    lists = plan.instruction_lists()
+    sched.check_schedule(lists, plan.num_micro_batches, placement=plan.topology().position_of)
     return lists
 
 
@@ -50,24 +27,16 @@ def _merge_states(out_dir: str, ranks: List[int], path: str) -> None:
     state: Dict[str, Any] = {}
     for rank in ranks:
         state.update(torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=True))
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
-def _warn_conditions(plan: Dict[str, Any], threads: int, world: int) -> None:
+def _warn_conditions(plan: Plan, threads: int, world: int) -> None:
     """Predictions hold for the conditions the profile was measured under: say when a run differs.
     (Without importing torch here: the launcher stays quick to start.)"""
     from importlib.metadata import PackageNotFoundError, version
 
-    profiled = plan.get("profile", {})
+    profiled = plan.profile
     notes = []
     if profiled.get("threads") and int(profiled["threads"]) != threads:
         notes.append(f"{threads} thread(s) per rank, profiled with {profiled['threads']}")
@@ -101,21 +70,21 @@ def execute(args: argparse.Namespace) -> int:
         raise UsageError("--recv-ahead must be 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
-    topology = topology_of(plan)
+    topology = plan.topology()
     world = topology.world_size
-    threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
-    optimizer = args.optimizer or plan.get("optimizer", "sgd")
+    threads = args.threads or int(plan.profile.get("threads", 1) or 1)
+    optimizer = args.optimizer or plan.optimizer
     _warn_conditions(plan, threads, world)
-    if plan.get("optimizer") and optimizer.rstrip("w") != str(plan["optimizer"]).rstrip("w"):
-        print(f"warning: the plan's memory model assumed {plan['optimizer']}, this run uses {optimizer}",
+    if optimizer.rstrip("w") != plan.optimizer.rstrip("w"):
+        print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
               file=sys.stderr)
     replicas = [topology.replicas_of(g) for g in range(topology.num_chunks)]
     shape = f"{topology.pipeline_ranks} pipeline ranks" + (
         f" ({topology.num_chunks} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
         f" x {topology.data_parallel} replicas" if topology.data_parallel > 1 else "") + (
         f", {topology.num_chunks} stages" if topology.virtual_stages > 1 else "")
-    print(f"running {args.plan}: {shape}, {plan['schedule']}, micro-batch {plan['micro_batch_size']} x "
-          f"{plan['num_micro_batches']}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
+    print(f"running {args.plan}: {shape}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
+          f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
@@ -149,7 +118,7 @@ def execute(args: argparse.Namespace) -> int:
         print(f"wrote report {args.report}")
     if args.trace or args.timeline:
         from planner.fidelity.timeline import timeline_png
-        from planner.pipeline.simulate import costs_from_plan, simulate
+        from planner.pipeline.simulate import simulate
         from runtime import trace
 
         events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(world)}
@@ -157,7 +126,7 @@ def execute(args: argparse.Namespace) -> int:
             trace.chrome_trace(events, args.trace)
             print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
         if args.timeline:
-            _, predicted = simulate(lists, costs_from_plan(plan))
+            _, predicted = simulate(lists, plan.stage_costs())
             replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
             timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
             print(f"wrote timeline {args.timeline}")
@@ -168,10 +137,10 @@ def execute(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
-    topology = topology_of(plan)
+    topology = plan.topology()
     for r, actions in enumerate(lists):
         chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
-        units = [u for g in chunks for u in plan["stages"][g]["units"]]
+        units = [u for g in chunks for u in plan.stages[g].units]
         lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(chunks[0])}"
                 if topology.replicas_of(chunks[0]) > 1 else "")
         print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}{lane}), at most "

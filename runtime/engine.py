@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from planner.model.spec import to_device
+from planner.profile.saved import SavedBytes
 from planner.pipeline import schedule as sched
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
 from runtime.stage import Chunk, RankModel
@@ -231,18 +232,13 @@ class Engine:
     def _forward(self, runner: _ChunkRunner, state: _State, inputs: List[Any], target: Any) -> None:
         chunk = runner.chunk
         args = to_device([inputs[j] for j in runner.wanted_inputs], self.device)
-        counter = self.saved
-        hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if self.count_saved else \
-            contextlib.nullcontext()
-        with hooks:
-            if self.count_saved:
-                counter.start()
+        with self.saved.counting() if self.count_saved else contextlib.nullcontext():
             out = chunk.module(*args, *state.received)
             if chunk.is_last:
                 state.loss = self.spec.loss(out, to_device(target, self.device)) / (self.m * self.topology.data_parallel)
             else:
                 state.outputs = out
-            state.saved_bytes = counter.finish() if self.count_saved else 0
+        state.saved_bytes = self.saved.finish() if self.count_saved else 0
 
     def _backward(self, runner: _ChunkRunner, state: _State) -> None:
         if runner.chunk.is_last:
@@ -282,42 +278,6 @@ class _ReceivesAhead:
         posted = self.posted.pop(action_index)
         self._top_up(self.rank_in_order[action_index] + 1)
         return posted
-
-
-class SavedBytes:
-    """Bytes held for backward, as autograd saves them (each storage once, parameters excluded):
-    added when a micro-batch's forward ends, released when its backward does. `peak` is the most
-    held at once on this rank — the activation memory the plan's memory model predicts. Counted
-    in the engine's first step only (every step holds the same; see Engine.count_saved)."""
-
-    def __init__(self, params: List[torch.nn.Parameter]):
-        self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.live = 0
-        self.peak = 0
-        self._storages: Dict[int, int] = {}
-
-    def start(self) -> None:
-        self._storages = {}
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr and ptr not in self.parameter_ptrs:
-            self._storages[ptr] = storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def finish(self) -> int:
-        held = sum(self._storages.values())
-        self.live += held
-        self.peak = max(self.peak, self.live)
-        return held
-
-    def release(self, held: int) -> None:
-        self.live -= held
 
 
 class Groups:

@@ -21,6 +21,7 @@ from planner.model.capture import CapturedModel, StageIO, capture
 from planner.model.spec import ModelSpec
 from planner.model.entry import build_spec
 from planner.pipeline.topology import Topology
+from planner.plan.file import Plan
 
 
 class PlanMismatchError(RuntimeError):
@@ -110,8 +111,8 @@ class RankModel:
         return params
 
 
-def _check_units(plan: Dict[str, Any], captured: CapturedModel) -> None:
-    planned = [name for stage in plan["stages"] for name in stage["units"]]
+def _check_units(plan: Plan, captured: CapturedModel) -> None:
+    planned = [name for stage in plan.stages for name in stage.units]
     actual = captured.unit_names
     if planned != actual:
         first_difference = next((i for i, (a, b) in enumerate(zip(planned, actual)) if a != b),
@@ -157,13 +158,13 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     return segments
 
 
-def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> RankModel:
-    model = plan["model"]
+def build_rank(plan: Plan, topology: Topology, pipeline_rank: int) -> RankModel:
+    model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     captured = capture(spec.module)
     _check_units(plan, captured)
-    stages = plan["stages"]
-    ranges = [(int(s["first_unit"]), int(s["end_unit"])) for s in stages]
+    stages = plan.stages
+    ranges = [(s.first_unit, s.end_unit) for s in stages]
     modules = [captured.stage_module(first, end)[0] for first, end in ranges]
 
     # Which chunks use each parameter object (a tied weight is one object under two names).
@@ -192,10 +193,10 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
     for g in topology.chunks_of(pipeline_rank):
         first, end = ranges[g]
         plan_stage = stages[g]
-        recompute = list(plan_stage.get("recompute", []) or [])
+        recompute = list(plan_stage.recompute)
         io = captured.stage_io(first, end)
-        _check_values(f"stage {g} input", plan_stage.get("recv", []), io.received)
-        _check_values(f"stage {g} output", plan_stage.get("send", []), io.sent)
+        _check_values(f"stage {g} input", plan_stage.recv, io.received)
+        _check_values(f"stage {g} output", plan_stage.send, io.sent)
         if recompute:
             module: nn.Module = ChunkModule(_segments(captured, first, end, recompute), io)
         else:
@@ -204,7 +205,7 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
             raise PlanMismatchError(f"stage {g} has BatchNorm: its {topology.replicas_of(g)} replicas would keep "
                                     "different running statistics; do not replicate this stage")
         chunks.append(Chunk(index=g, num_chunks=len(stages), module=module, io=io,
-                            recv=list(plan_stage.get("recv", [])), send=list(plan_stage.get("send", [])),
+                            recv=list(plan_stage.recv), send=list(plan_stage.send),
                             state_keys=[k for k in model_keys if holder.get(k, 0) == g],
                             model_inputs=list(captured.placeholders), recompute=recompute))
     mine = {id(p): p for c in chunks for p in c.module.parameters()}

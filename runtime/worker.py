@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
 import os
 import sys
 import time
@@ -23,8 +21,9 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from planner.plan.file import Plan, load_plan
 from planner.profile.allocator import retain_freed_memory
-from planner.jsonio import read_json, write_json_atomic
+from planner.jsonio import atomic_path, write_json_atomic
 from planner.profile.measure import fit_link, ping_pong
 from runtime import checkpoint as ckpt
 from runtime.comm import PointToPoint
@@ -32,7 +31,6 @@ from runtime.engine import Engine, Groups
 from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime.stage import build_rank, chunk_state
-from planner.pipeline.topology import instruction_lists, topology_of
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
@@ -55,10 +53,6 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def plan_hash(plan: Dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-
-
 def _check_same_plan(digest: str, rank: int, world: int) -> None:
     """Refuse to start if any rank read a different plan than rank 0 (e.g. a stale copy on one machine)."""
     mine = torch.tensor([int(digest[i:i + 8], 16) for i in range(0, 64, 8)], dtype=torch.int64)
@@ -69,8 +63,8 @@ def _check_same_plan(digest: str, rank: int, world: int) -> None:
                            "the same plan file")
 
 
-def _device_for(plan, local_rank: int) -> torch.device:
-    if plan.get("profile", {}).get("device") == "cuda" and torch.cuda.is_available():
+def _device_for(plan: Plan, local_rank: int) -> torch.device:
+    if plan.profile.get("device") == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -82,29 +76,29 @@ def run(args) -> None:
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     os.makedirs(args.out_dir, exist_ok=True)
-    plan = read_json(args.plan, what="plan")
-    topology = topology_of(plan)
+    plan = load_plan(args.plan)
+    topology = plan.topology()
     if world != topology.world_size:
         raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
                            f"{topology.data_parallel} data-parallel) but {world} were started")
     if args.recv_ahead < 0:
         raise ValueError("--recv-ahead must be 0 or more")
-    threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
+    threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
     device = _device_for(plan, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        digest = plan_hash(plan)
+        digest = plan.digest()
         _check_same_plan(digest, rank, world)
         pipeline_rank = topology.pipeline_rank_of(rank)
         rank_model = build_rank(plan, topology, pipeline_rank)
         for chunk in rank_model.chunks:
             chunk.module.to(device)
         groups = Groups(topology, rank, rank_model.tied_groups)
-        m = int(plan["num_micro_batches"])
-        actions = instruction_lists(plan)[pipeline_rank]
-        optimizer_name = args.optimizer or plan.get("optimizer", "sgd")
+        m = plan.num_micro_batches
+        actions = plan.instruction_lists()[pipeline_rank]
+        optimizer_name = args.optimizer or plan.optimizer
         if optimizer_name == "adam":
             optimizer_name = "adamw"
         optimizer = make_optimizer(optimizer_name, rank_model.parameters(), args.lr)
@@ -115,7 +109,7 @@ def run(args) -> None:
         def record(kind, i, g, t0, t1):
             events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
 
-        engine = Engine(rank_model, actions, topology, rank, int(plan["global_batch"]), m, optimizer, device,
+        engine = Engine(rank_model, actions, topology, rank, plan.global_batch, m, optimizer, device,
                         comm, groups, trace=record if args.trace else None, recv_ahead=args.recv_ahead)
 
         first_step = 0
@@ -172,7 +166,8 @@ def run(args) -> None:
             state: Dict[str, torch.Tensor] = {}
             for chunk in rank_model.chunks:
                 state.update(chunk_state(chunk, rank_model.spec))
-            torch.save(state, os.path.join(args.out_dir, f"rank{rank}.pt"))
+            with atomic_path(os.path.join(args.out_dir, f"rank{rank}.pt")) as tmp:
+                torch.save(state, tmp)
         if args.trace:
             write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.trace.json"), events)
         write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
@@ -181,15 +176,13 @@ def run(args) -> None:
         dist.destroy_process_group()
 
 
-def _measure_link(plan, topology, rank: int, repeats: int = 10):
+def _measure_link(plan: Plan, topology, rank: int, repeats: int = 10):
     """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
     4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
     take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
-    sizes = sorted({8, 4 << 20} | {max(4, int(sum(v.get("bytes", 0) for v in stage.get("send", [])
-                                                   if v.get("kind") == "tensor")))
-                                    for stage in plan["stages"][:-1]})
+    sizes = sorted({8, 4 << 20} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
     samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30)
     try:
         fit = fit_link(samples)
@@ -217,8 +210,9 @@ def main(argv=None) -> int:
         message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         try:
             os.makedirs(args.out_dir, exist_ok=True)
-            with open(os.path.join(args.out_dir, f"rank{rank}.error"), "w") as f:
-                f.write(message + "\n")
+            with atomic_path(os.path.join(args.out_dir, f"rank{rank}.error")) as tmp:
+                with open(tmp, "w") as f:
+                    f.write(message + "\n")
         except OSError:
             pass
         traceback.print_exc(file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -12,9 +13,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from planner.jsonio import write_json_atomic
 from planner.profile.measure import profile_model
-from planner.plan.file import plan_for_split
+from planner.plan.file import Plan, save_plan
+from planner.plan.make import plan_for_split
 from planner.profile.profile import Profile
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
@@ -33,7 +34,7 @@ def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (
 
 
 def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
-              schedule: str = "1f1b") -> dict:
+              schedule: str = "1f1b") -> Plan:
     """A plan with the given cuts (not solved): for testing the runtime on chosen splits."""
     return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "test")
 
@@ -45,7 +46,7 @@ def run_cli(args: Sequence[str], timeout: float = 240) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
-def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+def execute(plan: Plan, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
     """Write the plan, run `runtime execute` on it, return the saved full state_dict (the report
     is left in tmp_path/report.json, what the command printed in tmp_path/execute.out)."""
     from runtime.cli import main as runtime_main
@@ -53,7 +54,7 @@ def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
     os.makedirs(str(tmp_path), exist_ok=True)
     plan_path = os.path.join(str(tmp_path), "plan.json")
     state_path = os.path.join(str(tmp_path), "state.pt")
-    write_json_atomic(plan_path, plan)
+    save_plan(plan, plan_path)
     # In this process, not as `python -m runtime.cli`: the command's own process would import torch
     # again (2 s of a 2-core CI machine per run) to merge the ranks' states. The ranks are real
     # processes either way; tests/test_cli.py runs the command itself.
@@ -67,37 +68,34 @@ def execute(plan: dict, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
     return torch.load(state_path, weights_only=True)
 
 
-def reshape_plan(plan: dict, virtual_stages: int = 1, data_parallel: int = 1, schedule: Optional[str] = None,
-                 recompute: Optional[Dict[int, List[str]]] = None, replicas: Optional[List[int]] = None) -> dict:
+def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, schedule: Optional[str] = None,
+                 recompute: Optional[Dict[int, List[str]]] = None, replicas: Optional[List[int]] = None) -> Plan:
     """Turn a plan of P stages into one with P / v pipeline ranks of v chunks each (looping
     placement), d replicas (global batch scaled by d), recomputed units and stage replicas
     (r_g devices for stage g, consecutive): the fields the runtime reads, set the way
     `planner solve` sets them."""
-    plan = dict(plan)
-    num_chunks = len(plan["stages"])
+    num_chunks = len(plan.stages)
     p = num_chunks // virtual_stages
     replicas = list(replicas or [1] * num_chunks)
     devices = [g % p for g in range(num_chunks)] if virtual_stages > 1 else [sum(replicas[:g]) for g in range(num_chunks)]
-    plan["stages"] = [dict(s, device=devices[g], replicas=replicas[g], recompute=list((recompute or {}).get(g, [])))
-                      for g, s in enumerate(plan["stages"])]
+    stages = [dataclasses.replace(s, device=devices[g], replicas=replicas[g],
+                                  recompute=list((recompute or {}).get(g, []))) for g, s in enumerate(plan.stages)]
     p = p if virtual_stages > 1 else sum(replicas)
-    plan["virtual_stages"], plan["pipeline_stages"], plan["data_parallel"] = virtual_stages, p, data_parallel
-    plan["global_batch"] = plan["micro_batch_size"] * plan["num_micro_batches"] * data_parallel
-    if schedule:
-        plan["schedule"] = schedule
-    return plan
+    return dataclasses.replace(plan, stages=stages, virtual_stages=virtual_stages, pipeline_stages=p,
+                               data_parallel=data_parallel, schedule=schedule or plan.schedule,
+                               global_batch=plan.micro_batch_size * plan.num_micro_batches * data_parallel)
 
 
-def reference_state(plan: dict, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
+def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
                     losses: Optional[List[float]] = None, first_step: int = 0) -> Dict[str, torch.Tensor]:
     """Single-process training on the same micro-batches: the ground truth. All d·m micro-batches
     of a step (the replicas' slices in order) contribute loss / (d·m) to one accumulated gradient."""
     torch.set_num_threads(1)
-    model = plan["model"]
+    model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     params = list(spec.module.parameters())
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
-    g, b = plan["global_batch"], plan["micro_batch_size"]
+    g, b = plan.global_batch, plan.micro_batch_size
     m = g // b
     for step in range(steps):
         inputs, target = spec.batch(g, step)

@@ -66,8 +66,10 @@ def test_end_to_end_profile_solve_execute(gpt_profile, tmp_path):
     assert report["predicted_iteration_s"] == pytest.approx(plan["predicted_iteration_s"])
     assert report["measured_iteration_s"] > 0
     import torch
+
+    from planner.plan.file import load_plan
     state = torch.load(state_path, weights_only=True)
-    assert max_abs_diff(state, reference_state(plan, steps=3, lr=0.05)) <= 1e-5
+    assert max_abs_diff(state, reference_state(load_plan(plan_path), steps=3, lr=0.05)) <= 1e-5
 
 
 def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
@@ -127,12 +129,12 @@ def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
 
 
 def test_failing_rank_takes_the_others_down(tmp_path):
-    from planner.jsonio import write_json_atomic
+    from planner.plan.file import save_plan
     from tests.pipeline import plan_with, profile_of
 
     plan = plan_with(profile_of("tests.models:failing"), [2], 2, 4)
     plan_path = str(tmp_path / "plan.json")
-    write_json_atomic(plan_path, plan)
+    save_plan(plan, plan_path)
     start = time.monotonic()
     result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"], timeout=120)
     elapsed = time.monotonic() - start

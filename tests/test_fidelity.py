@@ -7,9 +7,10 @@ import pytest
 from planner.cost.options import CostOptions
 from planner.cost.model import evaluate
 from planner.fidelity.calibrate import calibrate_profile
-from planner.fidelity.check import check_report, simulate_plan
+from planner.fidelity.check import check_report
+from planner.fidelity.simulation import simulate_plan
 from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
-from planner.plan.file import make_plan
+from planner.plan.make import make_plan
 from planner.solve.api import solve
 from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
 from tests.synthetic import synthetic_profile
@@ -30,12 +31,12 @@ def test_simulation_and_closed_form(seed):
     times = [rng.uniform(0.5, 2.0) for _ in range(p)]
     gpipe = _plan(times, m, "gpipe")
     # GPipe: the closed form sum_s T_s + (m - 1) max_s T_s is exact (a flow shop of identical jobs)
-    assert simulate_plan(gpipe).iteration_s == pytest.approx(gpipe["predicted_iteration_s"], rel=1e-9)
+    assert simulate_plan(gpipe).iteration_s == pytest.approx(gpipe.predicted_iteration_s, rel=1e-9)
     # 1F1B: the closed form is an upper bound of the simulated schedule, exact for equal stages
     one = _plan(times, m, "1f1b")
-    assert simulate_plan(one).iteration_s <= one["predicted_iteration_s"] * (1 + 1e-9)
+    assert simulate_plan(one).iteration_s <= one.predicted_iteration_s * (1 + 1e-9)
     equal = _plan([times[0]] * p, m, "1f1b")
-    assert simulate_plan(equal).iteration_s == pytest.approx(equal["predicted_iteration_s"], rel=1e-9)
+    assert simulate_plan(equal).iteration_s == pytest.approx(equal.predicted_iteration_s, rel=1e-9)
 
 
 def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulation():
@@ -48,8 +49,8 @@ def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulatio
     solution = solve(profile, base.with_(optimizer_step_total_s=0.5), method="ilp")
     assert solution.objective == pytest.approx(plain + 0.25)
     plan = make_plan(profile, solution, base.with_(optimizer_step_total_s=0.5), "p.json")
-    assert plan["per_step_s"] == pytest.approx(0.25)
-    assert simulate_plan(plan).iteration_s == pytest.approx(plan["predicted_iteration_s"], rel=1e-9)
+    assert plan.per_step_s == pytest.approx(0.25)
+    assert simulate_plan(plan).iteration_s == pytest.approx(plan.predicted_iteration_s, rel=1e-9)
 
 
 def test_simulation_reports_busy_idle_and_memory():
@@ -63,14 +64,14 @@ def test_simulation_reports_busy_idle_and_memory():
 
 
 def _fake_report(plan, forward_scale, backward_scale, measured_iteration_s, link=None):
-    m = plan["num_micro_batches"]
-    return {"model": plan["model"], "measured_iteration_s": measured_iteration_s, "link": link,
-            "stages": [{"rank": g, "replica": 0, "chunks": [g], "units": s["units"],
-                        "measured": {"forward_s": m * s["forward_s"] * forward_scale[g],
-                                     "backward_s": m * s["backward_s"] * backward_scale[g],
+    m = plan.num_micro_batches
+    return {"model": plan.model, "measured_iteration_s": measured_iteration_s, "link": link,
+            "stages": [{"rank": g, "replica": 0, "chunks": [g], "units": s.units,
+                        "measured": {"forward_s": m * s.forward_s * forward_scale[g],
+                                     "backward_s": m * s.backward_s * backward_scale[g],
                                      "recv_wait_s": 0.0, "send_wait_s": 0.0},
-                        "predicted": {"forward_s": m * s["forward_s"], "backward_s": m * s["backward_s"]}}
-                       for g, s in enumerate(plan["stages"])]}
+                        "predicted": {"forward_s": m * s.forward_s, "backward_s": m * s.backward_s}}
+                       for g, s in enumerate(plan.stages)]}
 
 
 def test_calibration_scales_units_and_records_overhead():
@@ -127,12 +128,12 @@ def test_calibration_scales_the_stage_overhead_with_the_ranks():
     profile = _two_unit_profile()
     profile.stage_overhead_s = {1: (0.5, 1.0), 2: (0.9, 1.8)}
     plan = plan_with(profile, [1], 1, 4, "gpipe")
-    assert plan["stages"][0]["forward_s"] == pytest.approx(1.0 + 0.5)  # the stage pays it on top of its unit
+    assert plan.stages[0].forward_s == pytest.approx(1.0 + 0.5)  # the stage pays it on top of its unit
     calibrated = calibrate_profile(profile, [(plan, _fake_report(plan, [1.5, 1.5], [2.0, 2.0], 1.0))])
     assert calibrated.stage_overhead_s[1] == pytest.approx((0.75, 2.0))
     assert calibrated.stage_overhead_s[2] == pytest.approx((1.35, 3.6))  # no run at b = 2: all runs' median
     again = plan_with(calibrated, [1], 1, 4, "gpipe")
-    assert [s["forward_s"] for s in again["stages"]] == pytest.approx([1.5 * s["forward_s"] for s in plan["stages"]])
+    assert [s.forward_s for s in again.stages] == pytest.approx([1.5 * s.forward_s for s in plan.stages])
 
 
 def test_stage_overhead_takes_each_rank_once():
@@ -204,6 +205,7 @@ def test_prediction_at_the_runs_host_speed():
 
 def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     from planner.jsonio import write_json_atomic
+    from planner.plan.file import save_plan
     from planner.profile.profile import save_profile
 
     profile = profile_of("builtin:gpt")
@@ -211,7 +213,7 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     execute(plan, tmp_path, steps=3)
     plan_path, profile_path = str(tmp_path / "plan.json"), str(tmp_path / "profile.json")
     save_profile(profile, profile_path)
-    write_json_atomic(plan_path, plan)
+    save_plan(plan, plan_path)
     report_path = str(tmp_path / "report.json")
     assert report_of(tmp_path)["link"]["bandwidth_bytes_per_s"] > 0
     checked = run_cli(["planner.cli", "check", plan_path, report_path])
@@ -227,7 +229,7 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     slow = report_of(tmp_path)["host_slowdown"]
     assert len(slow["per_rank"]) == 2 and all(r > 0 for r in slow["per_rank"])
     assert "host speed during the run" in checked.stdout
-    scaled = at_host_speed(plan["predicted_iteration_s"], slow)
+    scaled = at_host_speed(plan.predicted_iteration_s, slow)
     assert f"at the run's host speed the plan predicts {scaled * 1e3:.2f} ms" in checked.stdout
     printed = (tmp_path / "execute.out").read_text()  # what `runtime execute` printed for this run
     assert "host speed during the run" in printed

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from planner.plan.file import load_plan
 from planner.profile.measure import profile_model
 from planner.profile.profile import save_profile
 from tests.pipeline import execute, max_abs_diff, reference_state, run_cli
@@ -27,8 +28,8 @@ def test_solved_plan_runs_exactly(gpt_profile, tmp_path, solve_args, expect):
     plan_path = str(tmp_path / "solved.json")
     solved = run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "16", *solve_args, "-o", plan_path])
     assert solved.returncode == 0, solved.stderr
-    plan = json.load(open(plan_path))
-    assert expect(plan), plan
+    assert expect(json.load(open(plan_path)))
+    plan = load_plan(plan_path)
     state = execute(plan, tmp_path, steps=2, lr=0.05)  # `runtime execute`, in this process
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=0.05)) <= 1e-5
 
@@ -43,8 +44,8 @@ def test_solved_replicated_plan_runs_exactly(tmp_path):
     solved = run_cli(["planner.cli", "solve", profile, "--stages", "3", "--replicate", "--global-batch", "8",
                       "--memory-per-device", "14MiB", "-o", plan_path])
     assert solved.returncode == 0, solved.stderr
-    plan = json.load(open(plan_path))
-    replicated = plan["stages"][1]["units"]
-    assert [s["replicas"] for s in plan["stages"]] == [1, 2] and replicated[-1] == "head", replicated
+    plan = load_plan(plan_path)
+    replicated = plan.stages[1].units
+    assert [s.replicas for s in plan.stages] == [1, 2] and replicated[-1] == "head", replicated
     state = execute(plan, tmp_path, steps=2, lr=0.05)  # `runtime execute`, in this process
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=0.05)) <= 1e-5

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from planner.cost.options import CostOptions
 from planner.cost.model import evaluate, in_flight
 from planner.cost.replicas import replica_in_flight, replicated_plan_cost
-from planner.plan.file import make_plan
+from planner.plan.make import make_plan
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute, solve_brute_replicated
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
 from planner.pipeline import schedule as sched
-from planner.pipeline.simulate import costs_from_plan, simulate
+from planner.pipeline.simulate import simulate
 from tests.synthetic import synthetic_profile
 
 
@@ -74,7 +74,7 @@ def simulated_pipeline_s(profile, boundaries, b, opts):
     plan = make_plan(profile, solution, opts, "")
     reps = list(opts.replicas) or [1] * opts.num_stages
     lists = sched.replicated(opts.schedule, reps, cost.num_micro_batches)  # what the runtime runs
-    total, _ = simulate(lists, costs_from_plan(plan))
+    total, _ = simulate(lists, plan.stage_costs())
     devices = [sched.max_in_flight(lst) for lst in lists]
     offsets = [st.device for st in cost.stages]
     held = [max(devices[o:o + st.replicas]) for o, st in zip(offsets, cost.stages)]  # the busiest replica

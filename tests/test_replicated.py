@@ -7,14 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.pipeline import schedule as sched
-from planner.pipeline.simulate import ChunkCosts, simulate
+from planner.pipeline.simulate import StageCosts, simulate
 from planner.pipeline.topology import TopologyError, instruction_lists, topology_of
 from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
 
 
-def _plan(replicas, m, schedule="1f1b", d=1):
-    stages = [{"units": [f"u{g}"], "replicas": r} for g, r in enumerate(replicas)]
-    return {"stages": stages, "schedule": schedule, "num_micro_batches": m, "data_parallel": d}
+def _topology(replicas, m, schedule="1f1b", d=1, devices=None, virtual_stages=1):
+    """The topology of a plan whose stage g has replicas[g] devices (the plan's other fields default)."""
+    return topology_of(devices or [None] * len(replicas), replicas, schedule, m, virtual_stages, data_parallel=d)
+
+
+def _lists(replicas, m, schedule="1f1b"):
+    return instruction_lists(_topology(replicas, m, schedule), schedule, m)
 
 
 @settings(max_examples=200, deadline=None)
@@ -22,9 +26,8 @@ def _plan(replicas, m, schedule="1f1b", d=1):
        schedule=st.sampled_from(["gpipe", "1f1b"]))
 def test_replicated_lists_are_complete_placed_and_deadlock_free(replicas, extra, schedule):
     m = max(replicas) + extra
-    plan = _plan(replicas, m, schedule)
-    topology = topology_of(plan)
-    lists = instruction_lists(plan)
+    topology = _topology(replicas, m, schedule)
+    lists = _lists(replicas, m, schedule)
     assert len(lists) == sum(replicas) == topology.pipeline_ranks
     sched.check_schedule(lists, m, placement=topology.position_of)
     held = {}
@@ -33,7 +36,7 @@ def test_replicated_lists_are_complete_placed_and_deadlock_free(replicas, extra,
         mine = topology.micro_batches_of(position, g, m)
         assert sorted(a.micro_batch for a in actions if a.kind == sched.FORWARD) == mine
         held[g] = max(held.get(g, 0), sched.max_in_flight(actions))
-    warmups = sched.replicated_warmups(replicas, m)
+    warmups = sched.one_f_one_b_warmups(replicas, m)
     for g, r in enumerate(replicas):  # what the plan's memory model charges a replica device
         window = m if schedule == "gpipe" else min(warmups[g] + 1, m)
         assert held[g] == math.ceil(window / r)
@@ -43,7 +46,7 @@ def test_replicated_lists_are_complete_placed_and_deadlock_free(replicas, extra,
 
 def test_without_replicas_the_lists_are_the_unreplicated_ones():
     for schedule in ("gpipe", "1f1b"):
-        assert instruction_lists(_plan([1, 1, 1], 5, schedule)) == sched.build_schedule(schedule, 3, 5)
+        assert _lists([1, 1, 1], 5, schedule) == sched.build_schedule(schedule, 3, 5)
 
 
 def test_1f1b_with_replicas_is_never_slower_than_gpipe():
@@ -57,17 +60,16 @@ def test_1f1b_with_replicas_is_never_slower_than_gpipe():
         m = rng.choice([8, 12, 16])
         if max(replicas) > m:
             continue
-        costs = {g: ChunkCosts(r * rng.uniform(0.2, 0.4), r * rng.uniform(0.4, 0.8), 0.05, 0.05)
+        costs = {g: StageCosts(r * rng.uniform(0.2, 0.4), r * rng.uniform(0.4, 0.8), 0.05, 0.05)
                  for g, r in enumerate(replicas)}
-        one_f_one_b, _ = simulate(instruction_lists(_plan(replicas, m, "1f1b")), costs)
-        gpipe, _ = simulate(instruction_lists(_plan(replicas, m, "gpipe")), costs)
+        one_f_one_b, _ = simulate(_lists(replicas, m, "1f1b"), costs)
+        gpipe, _ = simulate(_lists(replicas, m, "gpipe"), costs)
         assert one_f_one_b <= gpipe * (1 + 1e-9), (replicas, m)
 
 
 def test_misplaced_action_is_caught():
-    plan = _plan([1, 2], 4)
-    topology = topology_of(plan)
-    lists = instruction_lists(plan)
+    topology = _topology([1, 2], 4)
+    lists = _lists([1, 2], 4)
     with pytest.raises(ValueError, match="places"):
         sched.check_schedule([lists[0], lists[2], lists[1]], 4, placement=topology.position_of)
     with pytest.raises(ValueError, match="micro-batches"):  # a replica dropped: its micro-batches never run
@@ -76,10 +78,10 @@ def test_misplaced_action_is_caught():
 
 def test_replicating_the_heavy_stage_shortens_the_step():
     # stage 1 costs three times stage 0: three replicas of it balance the pipeline
-    costs = {0: ChunkCosts(1.0, 2.0, 0.0, 0.0), 1: ChunkCosts(3.0, 6.0, 0.0, 0.0)}
+    costs = {0: StageCosts(1.0, 2.0, 0.0, 0.0), 1: StageCosts(3.0, 6.0, 0.0, 0.0)}
     m = 12
-    plain, _ = simulate(instruction_lists(_plan([1, 1], m)), costs)
-    replicated, _ = simulate(instruction_lists(_plan([1, 3], m)), costs)
+    plain, _ = simulate(_lists([1, 1], m), costs)
+    replicated, _ = simulate(_lists([1, 3], m), costs)
     assert plain == pytest.approx(3 + 9 + (m - 1) * 9)  # sum T + (m - 1) max T
     # within the closed form sum T + max_g (ceil(m / r_g) - 1) T_g = 12 + max(11 * 3, 3 * 9), and
     # above stage 0's own work (3 m): the heavy stage no longer sets the pace
@@ -87,7 +89,7 @@ def test_replicating_the_heavy_stage_shortens_the_step():
 
 
 def test_topology_of_replicated_plans():
-    t = topology_of(_plan([1, 3, 2], 6, d=2))
+    t = _topology([1, 3, 2], 6, d=2)
     assert (t.pipeline_ranks, t.world_size) == (6, 12)
     assert t.chunk_device == (0, 1, 4) and t.positions_of(1) == [1, 2, 3]
     assert [t.position_of(1, i) for i in range(6)] == [1, 2, 3, 1, 2, 3]
@@ -95,15 +97,13 @@ def test_topology_of_replicated_plans():
     assert t.data_parallel_group(2) == [1, 2, 3, 7, 8, 9]
     assert t.primary_positions() == [0, 1, 4]
     with pytest.raises(TopologyError, match="virtual_stages"):
-        topology_of(dict(_plan([1, 2], 4), virtual_stages=2))
+        _topology([1, 2], 4, virtual_stages=2)
     with pytest.raises(TopologyError, match="gpipe or 1f1b"):
-        topology_of(_plan([1, 2], 4, schedule="interleaved"))
+        _topology([1, 2], 4, schedule="interleaved")
     with pytest.raises(TopologyError, match="nothing to do"):
-        topology_of(_plan([1, 3], 2))
-    bad = _plan([2, 1], 4)
-    bad["stages"][1]["device"] = 1
+        _topology([1, 3], 2)
     with pytest.raises(TopologyError, match="consecutive"):
-        topology_of(bad)
+        _topology([2, 1], 4, devices=[None, 1])
 
 
 def _gpt_plan(cuts, b=1, g=8, schedule="1f1b"):
@@ -120,8 +120,8 @@ def test_replicated_last_stage_is_exact(tmp_path, schedule):
     report = report_of(tmp_path)
     assert [s["loss"] for s in report["steps"]] == pytest.approx(losses, rel=1e-5)
     assert [(s["chunks"], s["lane"]) for s in report["stages"]] == [([0], 0), ([1], 0), ([1], 1)]
-    m = plan["num_micro_batches"]
-    forward = plan["stages"][1]["forward_s"]
+    m = plan.num_micro_batches
+    forward = plan.stages[1].forward_s
     assert [s["predicted"]["forward_s"] for s in report["stages"][1:]] == pytest.approx([m / 2 * forward] * 2)
 
 
@@ -129,7 +129,7 @@ def test_replicated_stage_with_data_parallel_and_adamw(tmp_path):
     # d = 2 copies of a 2-stage pipeline whose first stage has 2 replicas: 6 ranks, one all-reduce
     # over the 4 holders of stage 0
     plan = reshape_plan(_gpt_plan([4], b=1, g=4), replicas=[2, 1], data_parallel=2)
-    assert plan["global_batch"] == 8
+    assert plan.global_batch == 8
     state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=["--optimizer", "adamw"])
     assert max_abs_diff(state, reference_state(plan, steps=2, lr=1e-3, optimizer="adamw")) <= 1e-5
 
@@ -147,7 +147,7 @@ def test_replicas_are_not_ties():
     from runtime.stage import build_rank
 
     plan = reshape_plan(_gpt_plan([3]), replicas=[1, 2])
-    assert build_rank(plan, topology_of(plan), 1).tied_groups == []
+    assert build_rank(plan, plan.topology(), 1).tied_groups == []
     tied = reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [2], 2, 8, "1f1b"), replicas=[1, 2])
-    rank = build_rank(tied, topology_of(tied), 2)
+    rank = build_rank(tied, tied.topology(), 2)
     assert [ranks for _, ranks in rank.tied_groups] == [(0, 1, 2)] and len(rank.tied) == 1

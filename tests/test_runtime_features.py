@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from planner.jsonio import write_json_atomic
+from planner.plan.file import save_plan
 from tests.pipeline import (execute, max_abs_diff, plan_with, profile_of, report_of, reference_state,
                             reshape_plan, run_cli)
 from tests.test_cli import _processes_running
@@ -29,7 +30,7 @@ def test_multi_chunk_schedules(tmp_path, schedule, ahead):
 
 def test_data_parallel_2x2(tmp_path):
     plan = reshape_plan(_gpt_plan([5], b=2, g=4), data_parallel=2)  # 4 ranks, global batch 8
-    assert plan["global_batch"] == 8
+    assert plan.global_batch == 8
     state = execute(plan, tmp_path)
     losses = []
     assert max_abs_diff(state, reference_state(plan, losses=losses)) <= 1e-5
@@ -89,7 +90,7 @@ def test_trace_and_timeline(tmp_path):
 def test_rank_killed_with_sigkill_takes_the_others_down(tmp_path):
     plan = plan_with(profile_of("tests.models:killed"), [2], 2, 4)
     plan_path = str(tmp_path / "plan.json")
-    write_json_atomic(plan_path, plan)
+    save_plan(plan, plan_path)
     start = time.monotonic()
     result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"], timeout=120)
     assert result.returncode == 1
@@ -107,8 +108,8 @@ def test_ranks_with_different_plans_refuse_to_start(tmp_path):
 
     plan = _gpt_plan([4])
     paths = [str(tmp_path / f"plan{r}.json") for r in range(2)]
-    write_json_atomic(paths[0], plan)
-    write_json_atomic(paths[1], dict(plan, global_batch=plan["global_batch"], note="edited"))
+    write_json_atomic(paths[0], plan.to_json())
+    write_json_atomic(paths[1], dict(plan.to_json(), note="edited"))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "runtime.worker", paths[r], "--out-dir", str(tmp_path),
                                "--timeout", "30"],
@@ -123,7 +124,7 @@ def test_ranks_with_different_plans_refuse_to_start(tmp_path):
 def test_torchrun_runs_the_same_worker(tmp_path):
     plan = _gpt_plan([4])
     plan_path = str(tmp_path / "plan.json")
-    write_json_atomic(plan_path, plan)
+    save_plan(plan, plan_path)
     out = str(tmp_path / "out")
     result = run_cli(["torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime.worker",
                       plan_path, "--out-dir", out, "--steps", "3", "--lr", "0.05", "--save-state"], timeout=180)
@@ -137,14 +138,13 @@ def test_torchrun_runs_the_same_worker(tmp_path):
 def test_recomputed_units_keep_only_their_inputs():
     """In-process: a recomputed unit saves less for backward, and its gradients are unchanged."""
     from runtime.stage import build_rank
-    from planner.pipeline.topology import topology_of
 
     plan = _gpt_plan([5])
     plain = reshape_plan(plan)
     again = reshape_plan(plan, recompute={0: ["blocks.0", "blocks.1", "blocks.2"]})
 
     def saved_bytes_and_grads(p):
-        model = build_rank(p, topology_of(p), 0)
+        model = build_rank(p, p.topology(), 0)
         chunk = model.chunks[0]
         storages = {}
 
@@ -170,12 +170,12 @@ def test_recomputed_units_keep_only_their_inputs():
 def test_show_prints_checked_lists_and_bad_plans_fail_before_starting(tmp_path):
     plan = reshape_plan(_gpt_plan([2, 5, 7], b=2, g=8), virtual_stages=2, schedule="interleaved")
     path = str(tmp_path / "plan.json")
-    write_json_atomic(path, plan)
+    save_plan(plan, path)
     shown = run_cli(["runtime.cli", "show", path])
     assert shown.returncode == 0, shown.stderr
     assert "rank 0 (stages 0,2" in shown.stdout and "no rank can wait forever" in shown.stdout
     # interleaved needs m divisible by p; a global batch that does not split evenly is refused too
-    for bad in (dict(plan, num_micro_batches=3, global_batch=6), dict(plan, global_batch=10)):
+    for bad in (dict(plan.to_json(), num_micro_batches=3, global_batch=6), dict(plan.to_json(), global_batch=10)):
         write_json_atomic(path, bad)
         for command in (["runtime.cli", "show", path], ["runtime.cli", "execute", path]):
             result = run_cli(command)

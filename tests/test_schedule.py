@@ -2,7 +2,7 @@
 import pytest
 
 from planner.pipeline import schedule as sched
-from planner.pipeline.simulate import ChunkCosts, simulate
+from planner.pipeline.simulate import StageCosts, simulate
 from planner.pipeline.topology import TopologyError, topology_of
 
 CONFIGS = [(name, p, v, m) for name in ("gpipe", "1f1b", "interleaved", "bfs") for p in (1, 2, 3, 4)
@@ -53,7 +53,7 @@ def test_bad_schedule_requests_are_clear_errors():
 def test_simulation_matches_closed_form_on_equal_stages(name, p, m):
     # equal stages, free transfers: (m + p - 1)(f + b) = sum_s T_s + (m - 1) max_s T_s
     f, b = 1.0, 2.0
-    costs = {g: ChunkCosts(f, b, 0.0, 0.0) for g in range(p)}
+    costs = {g: StageCosts(f, b, 0.0, 0.0) for g in range(p)}
     total, _ = simulate(sched.build_schedule(name, p, m), costs)
     assert total == pytest.approx(p * (f + b) + (m - 1) * (f + b))
 
@@ -61,21 +61,20 @@ def test_simulation_matches_closed_form_on_equal_stages(name, p, m):
 def test_interleaving_shrinks_the_bubble():
     # 8 equal chunks on 4 ranks: interleaving (v = 2) beats 1F1B on 4 stages of twice the work
     m = 8
-    one = simulate(sched.build_schedule("1f1b", 4, m), {g: ChunkCosts(2.0, 4.0, 0, 0) for g in range(4)})[0]
-    two = simulate(sched.build_schedule("interleaved", 8, m, 2), {g: ChunkCosts(1.0, 2.0, 0, 0) for g in range(8)})[0]
+    one = simulate(sched.build_schedule("1f1b", 4, m), {g: StageCosts(2.0, 4.0, 0, 0) for g in range(4)})[0]
+    two = simulate(sched.build_schedule("interleaved", 8, m, 2), {g: StageCosts(1.0, 2.0, 0, 0) for g in range(8)})[0]
     assert two < one
     ideal = m * 6.0
     assert (two - ideal) / ideal == pytest.approx((4 - 1) / (2 * m), rel=1e-9)
 
 
 def test_topology_from_plan():
-    stages = [{"units": [f"u{g}"]} for g in range(6)]
-    t = topology_of({"stages": stages, "virtual_stages": 2, "data_parallel": 2})
+    t = topology_of([None] * 6, [1] * 6, "interleaved", 6, virtual_stages=2, data_parallel=2)
     assert (t.pipeline_ranks, t.world_size) == (3, 6)
     assert t.chunks_of(1) == [1, 4]
     assert t.data_parallel_group(2) == [2, 5]
     with pytest.raises(TopologyError):
-        topology_of({"stages": stages, "virtual_stages": 4})
+        topology_of([None] * 6, [1] * 6, "interleaved", 6, virtual_stages=4)
 
 
 @pytest.mark.parametrize("ahead", [0, 1, 2, 5])

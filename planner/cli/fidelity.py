@@ -2,24 +2,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict
 
 from planner.errors import UsageError
-from planner.jsonio import JsonFileError, read_json
-
-
-def load_report(path: str) -> Dict[str, Any]:
-    """A `runtime execute --report` file, or a one-line error saying what it is instead."""
-    report = read_json(path, what="report")
-    if not isinstance(report, dict) or report.get("kind") != "report" or "stages" not in report:
-        kind = report.get("kind", "no kind") if isinstance(report, dict) else type(report).__name__
-        raise JsonFileError(f"{path!r} is not a run report ({kind}); pass the file `runtime execute PLAN "
-                            "--report FILE` wrote")
-    return report
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from planner.fidelity.check import format_simulation, simulate_plan
+    from planner.fidelity.simulation import format_simulation, simulate_plan
     from planner.plan.file import load_plan
 
     plan = load_plan(args.plan)
@@ -34,7 +22,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from planner.fidelity.check import check_report, format_check
+    from planner.fidelity.check import check_report, format_check, load_report
     from planner.plan.file import load_plan
 
     plan = load_plan(args.plan)
@@ -49,6 +37,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from planner.fidelity.calibrate import calibrate_profile, factor_range
+    from planner.fidelity.check import load_report
     from planner.profile.profile import load_profile, save_profile
     from planner.plan.file import load_plan
 

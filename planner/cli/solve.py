@@ -6,9 +6,9 @@ import sys
 from typing import List, Optional
 
 from planner.errors import UsageError
+from planner.pipeline.schedule import CHUNKED_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.sizes import parse_bytes
 
-SCHEDULE_CHOICES = ["1f1b", "gpipe", "interleaved", "bfs", "auto"]
 
 
 def add_problem_options(s: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--global-batch", type=int, default=None,
                    help="samples per optimizer step, G = d x m x b (default: 2 x stages x largest profiled size)")
     s.add_argument("--memory-per-device", help="memory cap per device, e.g. 16GiB or 512MiB (default: none)")
-    s.add_argument("--schedule", default="1f1b", choices=SCHEDULE_CHOICES,
+    s.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES) + ["auto"],
                    help="pipeline schedule; auto lets the solver choose (default 1f1b)")
     s.add_argument("--virtual-stages", type=int, default=2,
                    help="model chunks per device for interleaved/bfs (default 2)")
@@ -65,7 +65,7 @@ def problem_from_args(args: argparse.Namespace):
     if global_batch < 1:
         raise UsageError("--global-batch must be positive")
     if args.schedule == "auto":
-        schedules: List[str] = ["1f1b", "gpipe", "interleaved", "bfs"]
+        schedules: List[str] = list(SCHEDULES)
     else:
         schedules = [args.schedule]
     from planner.cost.model import profiled_optimizer_step_s
@@ -90,11 +90,11 @@ def problem_from_args(args: argparse.Namespace):
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
-        virtual_stages=args.virtual_stages if args.schedule in ("interleaved", "bfs") else 1,
+        virtual_stages=args.virtual_stages if args.schedule in CHUNKED_SCHEDULES else 1,
         cluster=cluster,
         recompute=args.recompute,
     )
-    if args.schedule in ("interleaved", "bfs"):
+    if args.schedule in CHUNKED_SCHEDULES:
         opts = opts.with_(schedule=args.schedule)
     if cluster is not None and args.devices is not None:
         raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")
@@ -102,8 +102,9 @@ def problem_from_args(args: argparse.Namespace):
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
-    from planner.jsonio import write_json_atomic
-    from planner.plan.file import format_plan_table, make_plan
+    from planner.plan.file import save_plan
+    from planner.plan.make import make_plan
+    from planner.plan.table import format_plan_table
     from planner.solve.api import solve
     from planner.solve.diagnose import InfeasibleError
 
@@ -122,7 +123,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     plan = make_plan(profile, solution, opts, args.profile)
-    write_json_atomic(args.output, plan)
+    save_plan(plan, args.output)
     print(format_plan_table(plan))
     print(f"wrote {args.output}")
     return 0
@@ -136,9 +137,9 @@ def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules:
 
     if getattr(args, "method", "ilp") != "ilp":
         raise UsageError("--replicate has its own solver; drop --method")
-    if args.schedule not in ("1f1b", "gpipe", "auto"):
+    if args.schedule not in ONE_STAGE_SCHEDULES + ("auto",):
         raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")
-    schedules = ["1f1b", "gpipe"] if args.schedule == "auto" else [args.schedule]
+    schedules = list(ONE_STAGE_SCHEDULES) if args.schedule == "auto" else [args.schedule]
     scenarios = [opts.with_(schedule=s) for s in schedules] if devices is None else \
         expand_scenarios(opts, 10 ** 9, devices, schedules)
     if not scenarios:

@@ -60,7 +60,7 @@ n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + tr
     E_g = 2 (n - 1) / n * P_g / dp_bandwidth,  n = r_g d   (one ring over every holder of stage g)
     held per replica device:  gpipe: ceil(m / r_g)     1f1b: ceil(min(w_g + 1, m) / r_g)
     with the 1f1b warm-up of the unreplicated order that each replica filters to its micro-batches
-    (planner.pipeline.schedule.replicated_warmups): w_last = r_last - 1, w_g = min(w_{g+1} + max(r_g, r_{g+1}), m)
+    (planner.pipeline.schedule.one_f_one_b_warmups): w_last = r_last - 1, w_g = min(w_{g+1} + max(r_g, r_{g+1}), m)
     (r = 1 everywhere: min(p - g, m) as above).
 
 M_g (per replica device) = P_g (2 + opt) + h_g A_g. With every r_g = 1 this is the v = 1 model
@@ -78,6 +78,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 from planner.cost.options import CostOptions
 from planner.cost.replicas import replica_in_flight, replicated_plan_cost
 from planner.cost.result import PlanCost, StageCost
+from planner.pipeline.schedule import interleaved_warmup, one_f_one_b_warmups
 from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE, Profile
 
 def optimizer_factor(optimizer: str) -> float:
@@ -105,9 +106,9 @@ def in_flight(chunk: int, num_stages: int, m: int, schedule: str, virtual_stages
     if schedule in ("gpipe", "bfs"):
         return m
     if schedule == "1f1b":
-        return min(p - chunk, m)
+        return min(one_f_one_b_warmups([1] * p, m)[chunk] + 1, m)
     rank, local = chunk % p, chunk // p
-    warmup = min(2 * (p - rank - 1) + (v - 1) * p, m * v)
+    warmup = interleaved_warmup(rank, p, v, m)
     return sum(1 for k in range(min(warmup + 1, m * v)) if (k // p) % v == local)
 
 

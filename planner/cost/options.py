@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from planner.cost.cluster import Cluster
+from planner.pipeline.schedule import CHUNKED_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "bfs")
-CHUNKED_SCHEDULES = ("interleaved", "bfs")
 RECOMPUTE_MODES = ("none", "all", "auto")
+DEFAULT_BANDWIDTH = 5e9  # bytes/s between pipeline ranks when nothing better is known
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class CostOptions:
     num_stages: int  # p: pipeline ranks per replica
     global_batch: int  # G = d * m * b
     schedule: str = "1f1b"
-    bandwidth: float = 5e9  # bytes/s between consecutive ranks (and for tied-parameter exchange)
+    bandwidth: float = DEFAULT_BANDWIDTH  # bytes/s between consecutive ranks (and for tied-parameter exchange)
     latency: float = 0.0  # seconds per message (one per direction per cut with tensors)
     memory_cap: Optional[float] = None  # bytes per device; None = unlimited
     optimizer: str = "sgd"
@@ -93,5 +93,5 @@ class CostOptions:
         if len(self.replicas) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in self.replicas):
             raise ValueError(f"replicas must give one integer >= 1 per stage ({self.num_stages} stages), "
                              f"got {list(self.replicas)}")
-        if self.replicated and (self.schedule not in ("gpipe", "1f1b") or self.cluster is not None):
+        if self.replicated and (self.schedule not in ONE_STAGE_SCHEDULES or self.cluster is not None):
             raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 
 from planner.cost.options import CostOptions
 from planner.cost.result import PlanCost, StageCost
-from planner.pipeline.schedule import replicated_warmups
+from planner.pipeline.schedule import one_f_one_b_warmups
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -18,12 +18,12 @@ def ceil_div(a: int, b: int) -> int:
 
 def replica_in_flight(stage: int, replicas: Sequence[int], m: int, schedule: str) -> int:
     """h_g per replica device: gpipe ceil(m / r_g); 1f1b ceil(min(w_g + 1, m) / r_g) with the warm-up
-    w_g of the unreplicated order each replica filters (planner.pipeline.schedule.replicated_warmups, the
+    w_g of the unreplicated order each replica filters (planner.pipeline.schedule.one_f_one_b_warmups, the
     runtime's own rule: w_last = r_last - 1, w_g = w_{g+1} + max(r_g, r_{g+1}))."""
     r = replicas[stage]
     if schedule == "gpipe":
         return ceil_div(m, r)
-    warmup = replicated_warmups(replicas, m)[stage]
+    warmup = one_f_one_b_warmups(replicas, m)[stage]
     return ceil_div(min(warmup + 1, m), r)
 
 

@@ -21,46 +21,44 @@ import copy
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from planner.cost.options import CostOptions
+from planner.cost.options import DEFAULT_BANDWIDTH, CostOptions
 from planner.cost.result import PlanCost
 from planner.cost.model import evaluate, profiled_optimizer_step_s
+from planner.plan.file import Plan
 from planner.profile.profile import Profile
 
-Run = Tuple[Dict[str, Any], Dict[str, Any]]  # (plan, report)
-DEFAULT_BANDWIDTH = 5e9
+Run = Tuple[Plan, Dict[str, Any]]  # (plan, report)
 
 
-def _evaluate_plan(profile: Profile, plan: Dict[str, Any], bandwidth: float, latency: float) -> PlanCost:
+def _evaluate_plan(profile: Profile, plan: Plan, bandwidth: float, latency: float) -> PlanCost:
     """The cost model's view of the split `plan` executed, on `profile`, with this link."""
     names = [u.name for u in profile.units]
-    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
-    recompute = [names.index(u) for s in plan["stages"] for u in s.get("recompute", [])]
-    replicas = tuple(int(s.get("replicas", 1) or 1) for s in plan["stages"])
-    opts = CostOptions(num_stages=int(plan.get("pipeline_stages") or len(plan["stages"])),
-                       global_batch=int(plan["global_batch"]), schedule=plan["schedule"], bandwidth=bandwidth,
-                       latency=latency, optimizer=plan.get("optimizer", "sgd"),
-                       data_parallel=int(plan.get("data_parallel") or 1),
-                       virtual_stages=int(plan.get("virtual_stages") or 1),
+    boundaries = [st.first_unit for st in plan.stages[1:]]
+    recompute = [names.index(u) for st in plan.stages for u in st.recompute]
+    replicas = tuple(st.replica_count for st in plan.stages)
+    opts = CostOptions(num_stages=plan.pipeline_stages or len(plan.stages), global_batch=plan.global_batch,
+                       schedule=plan.schedule, bandwidth=bandwidth, latency=latency, optimizer=plan.optimizer,
+                       data_parallel=plan.data_parallel, virtual_stages=plan.virtual_stages,
                        replicas=replicas if any(r != 1 for r in replicas) else (),
-                       optimizer_step_total_s=profiled_optimizer_step_s(profile, plan.get("optimizer", "sgd")))
-    return evaluate(profile, boundaries, int(plan["micro_batch_size"]), opts, recompute)
+                       optimizer_step_total_s=profiled_optimizer_step_s(profile, plan.optimizer))
+    return evaluate(profile, boundaries, plan.micro_batch_size, opts, recompute)
 
 
-def _check_run(profile: Profile, plan: Dict[str, Any], report: Dict[str, Any]) -> None:
+def _check_run(profile: Profile, plan: Plan, report: Dict[str, Any]) -> None:
     if report.get("model") != profile.model:
         raise ValueError("a report is of a different model than the profile")
-    if plan.get("model") != profile.model:
+    if plan.model != profile.model:
         raise ValueError("a plan is of a different model than the profile")
     names = set(u.name for u in profile.units)
     for r in report["stages"]:
         for unit_name in r["units"]:
             if unit_name not in names:
                 raise ValueError(f"the report's unit {unit_name!r} is not in the profile")
-    if int(report.get("micro_batch_size", plan["micro_batch_size"])) != int(plan["micro_batch_size"]):
+    if int(report.get("micro_batch_size", plan.micro_batch_size)) != plan.micro_batch_size:
         raise ValueError("a report and its plan differ in micro-batch size: pass each report with the plan it ran")
 
 
-def _rank_ratios(profile: Profile, plan: Dict[str, Any], report: Dict[str, Any]) -> List[Tuple[List[str], float, float]]:
+def _rank_ratios(profile: Profile, plan: Plan, report: Dict[str, Any]) -> List[Tuple[List[str], float, float]]:
     """(units, measured / predicted forward, same for backward) per rank of replica 0, with the
     prediction recomputed from `profile` (the plan's own may come from another profile)."""
     here = _evaluate_plan(profile, plan, DEFAULT_BANDWIDTH, 0.0).stages
@@ -71,7 +69,7 @@ def _rank_ratios(profile: Profile, plan: Dict[str, Any], report: Dict[str, Any])
         chunks = r.get("chunks", [r["rank"]])
         ratios = []
         for kind in ("forward_s", "backward_s"):
-            planned = sum(float(plan["stages"][g][kind]) for g in chunks)
+            planned = sum(float(getattr(plan.stages[g], kind)) for g in chunks)
             # the report's prediction, rescaled from the plan's profile to this one
             predicted = float(r["predicted"][kind]) * (sum(getattr(here[g], kind) for g in chunks) / planned) \
                 if planned > 0 else 0.0
@@ -86,7 +84,7 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
     # many units it runs: the stage's own cost is paid once per rank)
     by_size: Dict[Tuple[int, int], List[float]] = {}
     for plan, report in runs:
-        b = int(plan["micro_batch_size"])
+        b = plan.micro_batch_size
         for units, fwd, bwd in _rank_ratios(profile, plan, report):
             by_size.setdefault((b, 0), []).append(fwd)
             by_size.setdefault((b, 1), []).append(bwd)
@@ -150,15 +148,14 @@ def calibrate_profile(profile: Profile, runs: Sequence[Run]) -> Profile:
         calibration["measured_links"] = [{"bandwidth_bytes_per_s": float(k["bandwidth_bytes_per_s"]),
                                           "latency_s": float(k.get("latency_s", 0.0))} for k in links]
     first_plan = runs[0][0]
-    bandwidth = float(calibration.get("bandwidth_bytes_per_s", first_plan.get("bandwidth_bytes_per_s")
-                                      or DEFAULT_BANDWIDTH))
-    base_latency = float(calibration.get("latency_s", first_plan.get("latency_s") or 0.0))
+    bandwidth = float(calibration.get("bandwidth_bytes_per_s", first_plan.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH))
+    base_latency = float(calibration.get("latency_s", first_plan.latency_s or 0.0))
 
-    def predictor(plan: Dict[str, Any]) -> Callable[[float], float]:
+    def predictor(plan: Plan) -> Callable[[float], float]:
         return lambda latency: _evaluate_plan(calibrated, plan, bandwidth, latency).iteration_s
 
     measured = [float(report["measured_iteration_s"]) for _, report in runs]
-    multi = [(predictor(plan), t) for (plan, _), t in zip(runs, measured) if len(plan["stages"]) > 1]
+    multi = [(predictor(plan), t) for (plan, _), t in zip(runs, measured) if len(plan.stages) > 1]
     latency = _fit_latency([p for p, _ in multi], [t for _, t in multi], base_latency)
     left = [t - predictor(plan)(latency) for (plan, _), t in zip(runs, measured)]
     calibration["bandwidth_bytes_per_s"] = bandwidth

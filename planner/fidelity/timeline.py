@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
+from planner.jsonio import atomic_path
+
 _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recv_act": "#cccccc", "recv_grad": "#cccccc",
             "send_act": "#55a868", "send_grad": "#55a868", "optimizer_step": "#8172b3"}
 
@@ -41,7 +43,8 @@ def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[An
                         ("forward", "backward", "send_act", "recv_act", "optimizer_step")],
                loc="upper right", fontsize=7, ncol=5)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 

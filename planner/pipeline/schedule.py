@@ -18,7 +18,11 @@ BACKWARD = "backward"
 SEND_GRAD = "send_grad"
 OPTIMIZER_STEP = "optimizer_step"
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "bfs")
+# The schedules, the one list every command and check uses. One stage per pipeline rank (v = 1;
+# also the ones replicated stages run with), then several ("chunked", v >= 2).
+ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+CHUNKED_SCHEDULES = ("interleaved", "bfs")
+SCHEDULES = ONE_STAGE_SCHEDULES + CHUNKED_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,12 @@ def breadth_first(chunks: List[int], num_chunks: int, num_micro_batches: int) ->
 
 def one_f_one_b(chunks: List[int], num_chunks: int, num_micro_batches: int,
                 warmup: "int | None" = None) -> List[Action]:
-    """1F1B (one chunk per rank): min(P − g − 1, m) warm-up forwards, then alternate one forward
-    and one backward, then drain. Chunk g holds at most min(P − g, m) micro-batches. `warmup`
-    overrides P − g − 1 (replicated stages: `replicated_warmups`)."""
+    """1F1B (one chunk per rank): `warmup` forwards (default `one_f_one_b_warmups`: P − g − 1,
+    clipped to m), then alternate one forward and one backward, then drain. Chunk g holds at
+    most min(warmup + 1, m) micro-batches."""
     (g,) = chunks
     m = num_micro_batches
-    warmup = min(num_chunks - g - 1 if warmup is None else warmup, m)
+    warmup = one_f_one_b_warmups([1] * num_chunks, m)[g] if warmup is None else min(warmup, m)
     actions: List[Action] = []
     for i in range(warmup):
         actions += _forward(g, num_chunks, i)
@@ -93,7 +97,7 @@ def interleaved(chunks: List[int], num_chunks: int, num_micro_batches: int) -> L
 
     Forward k (k = 0 .. m·v − 1) of pipeline rank r runs local chunk (k // p) mod v on
     micro-batch (k // (p·v))·p + k mod p; backward k runs local chunk v − 1 − (k // p) mod v on
-    the same micro-batch formula. Warm-up: min(2·(p − r − 1) + (v − 1)·p, m·v) forwards.
+    the same micro-batch formula. Warm-up: `interleaved_warmup` forwards.
     Needs m divisible by p. Bubble (p − 1)/(v·m) of the ideal time.
     """
     v = len(chunks)
@@ -108,7 +112,7 @@ def interleaved(chunks: List[int], num_chunks: int, num_micro_batches: int) -> L
     def backward_op(k: int) -> List[Action]:
         return _backward(chunks[v - 1 - (k // p) % v], num_chunks, (k // (p * v)) * p + k % p)
 
-    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    warmup = interleaved_warmup(r, p, v, m)
     actions: List[Action] = []
     for k in range(warmup):
         actions += forward_op(k)
@@ -120,35 +124,53 @@ def interleaved(chunks: List[int], num_chunks: int, num_micro_batches: int) -> L
     return actions + [Action(OPTIMIZER_STEP)]
 
 
-def replicated_warmups(replicas: Sequence[int], num_micro_batches: int) -> List[int]:
-    """1F1B warm-up forwards w_g of each replicated stage's unreplicated order:
+def last_stage_warmup(replicas: int) -> int:
+    """1F1B warm-up forwards of the last stage's unreplicated order: one per replica beyond the first."""
+    return replicas - 1
 
-        w_{S-1} = r_{S-1} − 1          w_g = w_{g+1} + max(r_g, r_{g+1})    (clipped to m)
+
+def warmup_before(next_warmup: int, replicas: int, next_replicas: int) -> int:
+    """1F1B warm-up w_g of a stage with r_g replicas before a stage with r_{g+1} and warm-up w_{g+1}:
+
+        w_g = w_{g+1} + max(r_g, r_{g+1})
 
     Without replicas this is 1F1B's P − g − 1. A stage feeding r_{g+1} replicas keeps that many
     more micro-batches going, so that each replica finds its next forward ready; with the
     alternative w_g = sum_{h>=g} r_h − 1, a wide stage behind a narrow one serialises (its
-    replica j's backward waits for a forward that upstream releases only after backward j − 2:
-    up to 2x slower than GPipe in simulation; this rule was never slower than GPipe on 400
-    random replicated pipelines, median 4 % faster). Non-increasing, so deadlock-free."""
+    replica j's backward waits for a forward that upstream releases only after backward j − 2;
+    BENCHMARKS.md has the measurements). Non-increasing along the pipeline, so deadlock-free."""
+    return next_warmup + max(replicas, next_replicas)
+
+
+def one_f_one_b_warmups(replicas: Sequence[int], num_micro_batches: int) -> List[int]:
+    """The 1F1B warm-up forwards w_g of every stage (replicated stages: of its unreplicated order,
+    which each replica filters), clipped to m: `last_stage_warmup`, then `warmup_before` backwards.
+    The schedule builders and the cost model's in-flight counts both use this rule."""
     warmups = [0] * len(replicas)
-    warmups[-1] = replicas[-1] - 1
+    warmups[-1] = last_stage_warmup(replicas[-1])
     for g in range(len(replicas) - 2, -1, -1):
-        warmups[g] = warmups[g + 1] + max(replicas[g], replicas[g + 1])
+        warmups[g] = warmup_before(warmups[g + 1], replicas[g], replicas[g + 1])
     return [min(w, num_micro_batches) for w in warmups]
+
+
+def interleaved_warmup(pipeline_rank: int, pipeline_ranks: int, virtual_stages: int, num_micro_batches: int) -> int:
+    """Interleaved 1F1B's warm-up forwards on pipeline rank r (Megatron-LM's rule), clipped to the
+    m·v forwards the rank runs: min(2·(p − r − 1) + (v − 1)·p, m·v)."""
+    p, v = pipeline_ranks, virtual_stages
+    return min(2 * (p - pipeline_rank - 1) + (v - 1) * p, num_micro_batches * v)
 
 
 def replicated(name: str, replicas: Sequence[int], num_micro_batches: int) -> List[List[Action]]:
     """Stages with r_g >= 1 devices each (one stage per device): one list per device, stage by stage.
 
     Stage g's order is the unreplicated one (GPipe; or 1F1B with the warm-ups of
-    `replicated_warmups`), and its replica j runs the subsequence of micro-batches i ≡ j (mod r_g).
+    `one_f_one_b_warmups`), and its replica j runs the subsequence of micro-batches i ≡ j (mod r_g).
     Deadlock-free: one global order that executes the unreplicated lists (warm-ups
     non-increasing along the pipeline) executes these too, as each list is a subsequence of its
     stage's. Replica j of stage g holds at most ceil(min(w_g + 1, m) / r_g) micro-batches (1F1B),
     ceil(m / r_g) (GPipe)."""
     num_chunks, m = len(replicas), num_micro_batches
-    warmups = replicated_warmups(replicas, m)
+    warmups = one_f_one_b_warmups(replicas, m)
     lists: List[List[Action]] = []
     for g, r in enumerate(replicas):
         if name == "1f1b":
@@ -169,7 +191,7 @@ def build_schedule(name: str, num_chunks: int, num_micro_batches: int, virtual_s
     if num_chunks < 1 or num_micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"need at least one stage and one micro-batch (got {num_chunks}, {num_micro_batches})")
     if chunk_replicas is not None and any(r != 1 for r in chunk_replicas):
-        if len(chunk_replicas) != num_chunks or virtual_stages != 1 or name not in ("gpipe", "1f1b"):
+        if len(chunk_replicas) != num_chunks or virtual_stages != 1 or name not in ONE_STAGE_SCHEDULES:
             raise ValueError("replicated stages run one stage per device with gpipe or 1f1b")
         if max(chunk_replicas) > num_micro_batches or min(chunk_replicas) < 1:
             raise ValueError(f"stage replicas {list(chunk_replicas)} need 1 <= r <= {num_micro_batches} "

@@ -26,7 +26,7 @@ class SimEvent:
 
 
 @dataclass
-class ChunkCosts:
+class StageCosts:
     forward_s: float
     backward_s: float
     send_act_s: float  # transfer of this chunk's outputs to the next chunk
@@ -34,7 +34,7 @@ class ChunkCosts:
     optimizer_s: float = 0.0
 
 
-def simulate(lists: Sequence[List[sched.Action]], costs: Dict[int, ChunkCosts]) -> Tuple[float, List[SimEvent]]:
+def simulate(lists: Sequence[List[sched.Action]], costs: Dict[int, StageCosts]) -> Tuple[float, List[SimEvent]]:
     """(step time, events) for one step of the given per-rank lists."""
     clock = [0.0] * len(lists)
     cursor = [0] * len(lists)
@@ -71,19 +71,3 @@ def simulate(lists: Sequence[List[sched.Action]], costs: Dict[int, ChunkCosts]) 
         if not moved:
             raise ValueError("the instruction lists deadlock")
     return max(clock), events
-
-
-def costs_from_plan(plan: Dict) -> Dict[int, ChunkCosts]:
-    """Per-chunk costs as the plan predicts them (per micro-batch)."""
-    bandwidth = float(plan.get("bandwidth_bytes_per_s") or 5e9)
-    latency = float(plan.get("latency_s") or 0.0)
-    costs = {}
-    for g, stage in enumerate(plan["stages"]):
-        act = sum(v.get("bytes", 0) for v in stage.get("send", []) if v["kind"] == "tensor")
-        grad = sum(v.get("bytes", 0) for v in stage.get("recv", []) if v["kind"] == "tensor" and v.get("requires_grad"))
-        costs[g] = ChunkCosts(forward_s=float(stage.get("forward_s", 0.0)), backward_s=float(stage.get("backward_s", 0.0)),
-                              send_act_s=act / bandwidth + (latency if act else 0.0),
-                              send_grad_s=grad / bandwidth + (latency if grad else 0.0),
-                              # the plan's once-per-step gradient all-reduce and tie exchange
-                              optimizer_s=float(stage.get("extra_s", 0.0) or 0.0))
-    return costs

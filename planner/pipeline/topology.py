@@ -17,7 +17,9 @@ Pure functions of the plan: every rank derives the same topology without talking
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional, Sequence
+
+from planner.pipeline import schedule as sched
 
 
 class TopologyError(ValueError):
@@ -89,22 +91,27 @@ class Topology:
         return [q for q in range(self.pipeline_ranks) if self.lane_of(q) == 0]
 
 
-def topology_of(plan: Dict[str, Any]) -> Topology:
-    stages = plan["stages"]
-    num_chunks = len(stages)
-    v = int(plan.get("virtual_stages", 1) or 1)
-    replicas = tuple(s.get("replicas", 1) for s in stages)
+def topology_of(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence[Any], schedule: str,
+                num_micro_batches: int, virtual_stages: int = 1, pipeline_ranks: Optional[int] = None,
+                data_parallel: int = 1) -> Topology:
+    """The topology of a plan's S stages, from its fields: stage_devices[g] is stage g's "device"
+    (None: the default), stage_replicas[g] its "replicas", pipeline_ranks the plan's
+    pipeline_stages (None: S / v, or the sum of the replicas). TopologyError says what does not fit."""
+    num_chunks = len(stage_devices)
+    v, d = virtual_stages, data_parallel
+    replicas = tuple(stage_replicas)
     for g, r in enumerate(replicas):
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise TopologyError(f"plan stage {g} has replicas {r!r}, expected an integer >= 1; re-run `planner solve`")
+    if d < 1:
+        raise TopologyError(f"data_parallel must be >= 1 (got {d})")
     if any(r > 1 for r in replicas):
-        return _replicated_topology(plan, replicas, v)
-    p = int(plan.get("pipeline_stages", num_chunks // v) or num_chunks // v)
-    d = int(plan.get("data_parallel", 1) or 1)
-    if p < 1 or v < 1 or d < 1 or p * v != num_chunks:
+        return _replicated_topology(stage_devices, replicas, schedule, num_micro_batches, v, pipeline_ranks, d)
+    p = pipeline_ranks or (num_chunks // v if v >= 1 else 0)
+    if p < 1 or v < 1 or p * v != num_chunks:
         raise TopologyError(f"the plan has {num_chunks} stages but pipeline_stages={p} x virtual_stages={v}; "
                             "re-run `planner solve`")
-    devices = tuple(int(s.get("device", g % p)) for g, s in enumerate(stages))
+    devices = tuple(g % p if dev is None else dev for g, dev in enumerate(stage_devices))
     for g, dev in enumerate(devices):
         if not 0 <= dev < p:
             raise TopologyError(f"plan stage {g} is placed on device {dev}, outside 0..{p - 1}")
@@ -115,14 +122,13 @@ def topology_of(plan: Dict[str, Any]) -> Topology:
                     chunk_device=devices)
 
 
-def _replicated_topology(plan: Dict[str, Any], replicas: tuple, v: int) -> Topology:
-    stages = plan["stages"]
+def _replicated_topology(stage_devices: Sequence[Optional[int]], replicas: tuple, schedule: str,
+                         num_micro_batches: int, v: int, pipeline_ranks: Optional[int], d: int) -> Topology:
     if v != 1:
         raise TopologyError("replicated stages need one stage per device (virtual_stages 1); re-run `planner solve`")
-    if plan.get("schedule") not in ("gpipe", "1f1b"):
-        raise TopologyError(f"replicated stages run with gpipe or 1f1b, not {plan.get('schedule')!r}; "
-                            "re-run `planner solve`")
-    m = int(plan.get("num_micro_batches", 0) or 0)
+    if schedule not in sched.ONE_STAGE_SCHEDULES:
+        raise TopologyError(f"replicated stages run with gpipe or 1f1b, not {schedule!r}; re-run `planner solve`")
+    m = num_micro_batches
     for g, r in enumerate(replicas):
         if r > m:
             raise TopologyError(f"plan stage {g} has {r} replicas but only {m} micro-batches (a stage needs at "
@@ -130,26 +136,20 @@ def _replicated_topology(plan: Dict[str, Any], replicas: tuple, v: int) -> Topol
                                 "micro-batches")
     offsets = tuple(sum(replicas[:g]) for g in range(len(replicas)))
     p = sum(replicas)
-    for g, s in enumerate(stages):
-        if "device" in s and int(s["device"]) != offsets[g]:
-            raise TopologyError(f"plan stage {g} has {replicas[g]} replica(s) on devices from {s['device']}, "
+    for g, dev in enumerate(stage_devices):
+        if dev is not None and dev != offsets[g]:
+            raise TopologyError(f"plan stage {g} has {replicas[g]} replica(s) on devices from {dev}, "
                                 f"but replicated stages take consecutive devices (expected {offsets[g]}); "
                                 "re-run `planner solve`")
-    planned = int(plan.get("pipeline_stages", p) or p)
+    planned = pipeline_ranks or p
     if planned != p:
         raise TopologyError(f"the plan's stage replicas add up to {p} devices but pipeline_stages is {planned}; "
                             "re-run `planner solve`")
-    d = int(plan.get("data_parallel", 1) or 1)
-    if d < 1:
-        raise TopologyError(f"data_parallel must be >= 1 (got {d})")
-    return Topology(num_chunks=len(stages), pipeline_ranks=p, virtual_stages=1, data_parallel=d,
+    return Topology(num_chunks=len(replicas), pipeline_ranks=p, virtual_stages=1, data_parallel=d,
                     chunk_device=offsets, chunk_replicas=replicas)
 
 
-def instruction_lists(plan: Dict[str, Any]):
-    """Every position's instruction list for the plan (planner.pipeline.schedule.build_schedule)."""
-    from planner.pipeline import schedule as sched
-
-    topology = topology_of(plan)
-    return sched.build_schedule(plan["schedule"], topology.num_chunks, int(plan["num_micro_batches"]),
-                                topology.virtual_stages, topology.chunk_device, topology.chunk_replicas)
+def instruction_lists(topology: Topology, schedule: str, num_micro_batches: int) -> List[List[sched.Action]]:
+    """Every pipeline rank's instruction list (planner.pipeline.schedule.build_schedule)."""
+    return sched.build_schedule(schedule, topology.num_chunks, num_micro_batches, topology.virtual_stages,
+                                topology.chunk_device, topology.chunk_replicas)

@@ -1,230 +1,238 @@
-"""The plan file: which units each stage runs, what crosses each cut, and the solver's certificate.
+"""The plan file as typed data: `Plan` and its `PlanStage`s, read and checked by `load_plan` (the one
+loader: planner commands, `runtime execute/show` and every rank use it) and written by `save_plan`.
 
-A plan is plain JSON (schema below, version PLAN_SCHEMA_VERSION). The runtime reads `stages`
-(units in order; `recv`/`send` describe the values crossing the stage's first and end cut at the
-plan's micro-batch size) and the planner's predictions sit beside them for comparison.
+A plan is plain JSON (version PLAN_SCHEMA_VERSION), one key per field below, in this order.
+`stages` lists the S = p·v stages in model order: the units each runs, and `recv`/`send`, the
+values crossing its first and end cut at the plan's micro-batch size (`CutValue.at`); the
+planner's predictions sit beside them for comparison. Keys this version does not know are kept
+(`extra`) and written back. `Plan.from_json(d).to_json() == d` for every plan `planner solve` writes.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
-from planner.cost.options import CostOptions
-from planner.jsonio import JsonFileError, read_json
-from planner.profile.profile import Profile
-from planner.sizes import format_bytes
-from planner.solve.solution import Solution
+from planner.cost.options import DEFAULT_BANDWIDTH
+from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.pipeline.schedule import SCHEDULES, Action
+from planner.pipeline.simulate import StageCosts
+from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
 
 PLAN_SCHEMA_VERSION = 1
+_REMAKE = "re-create it with `planner solve PROFILE`"
 
-REQUIRED_KEYS = ("kind", "model", "profile", "schedule", "optimizer", "global_batch", "micro_batch_size",
-                 "num_micro_batches", "memory_per_device_bytes", "bandwidth_bytes_per_s", "latency_s",
-                 "stages", "predicted_iteration_s", "bubble_fraction", "solver")
-STAGE_KEYS = ("index", "units", "first_unit", "end_unit", "forward_s", "backward_s", "comm_s", "time_s",
-              "in_flight", "memory_bytes", "recv", "send")
-# Written by make_plan (schema 1 readers ignore unknown keys): schedule choice and joint decisions.
-PLAN_DECISION_KEYS = ("data_parallel", "virtual_stages", "pipeline_stages")
-STAGE_DECISION_KEYS = ("device", "recompute")
-# Only when some stage is replicated (absent means 1): stage g runs on devices device .. device + replicas - 1.
-REPLICA_STAGE_KEY = "replicas"
-
-
-def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_path: str) -> Dict[str, Any]:
-    """The plan file's content for `solution` (as produced by planner.solve) of `profile`.
-
-    `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
-    `stages` lists the p v chunks in model order; chunk c runs on pipeline rank `device` = c % p.
-    Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
-    (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
-    and `bubble_fraction` are per replica device.
-    """
-    opts = solution.options or opts
-    b = solution.micro_batch_size
-    cost = solution.cost
-    last = len(cost.stages) - 1
-    m, p = cost.num_micro_batches, cost.pipeline_stages
-    pipeline_s = cost.iteration_s - cost.extra_s
-    rank_work = [sum(st.time_s for st in cost.stages if st.device == i) for i in range(p)]
-    replicated = any(st.replicas > 1 for st in cost.stages)
-    stages: List[Dict[str, Any]] = []
-    for index, st in enumerate(cost.stages):
-        recv = [v.at(b) for v in profile.cut(st.first_unit).values] if index > 0 else []
-        send = [v.at(b) for v in profile.cut(st.end_unit).values] if index < last else []
-        stages.append({
-            "index": index,
-            "device": st.device,
-            "units": [u.name for u in profile.units[st.first_unit:st.end_unit]],
-            "first_unit": st.first_unit,
-            "end_unit": st.end_unit,
-            "recompute": [profile.units[l].name for l in st.recompute],
-            "forward_s": st.forward_s,
-            "backward_s": st.backward_s,
-            "comm_s": st.comm_s,
-            "time_s": st.time_s,
-            "extra_s": st.extra_s,
-            "in_flight": st.in_flight,
-            "memory_bytes": {"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
-                             "activations": st.activation_bytes, "total": st.memory_bytes,
-                             "device_total": cost.device_memory[st.device]},
-            "memory_cap_bytes": cost.device_caps[st.device],
-            "bubble_fraction": max(0.0, 1.0 - m * rank_work[st.device] / pipeline_s) if pipeline_s > 0 else 0.0,
-            "recv": recv,
-            "send": send,
-        })
-        if replicated:  # per replica device: in_flight, memory_bytes; busy for ceil(m / r) micro-batches
-            busy = -(-m // st.replicas) * st.time_s
-            stages[-1].update(replicas=st.replicas, bubble_fraction=max(0.0, 1.0 - busy / pipeline_s)
-                              if pipeline_s > 0 else 0.0)
-    model = profile.model or {}
-    return {
-        "schema_version": PLAN_SCHEMA_VERSION,
-        "kind": "plan",
-        "model": {"entry": model.get("entry"), "args": model.get("args", {}), "seed": model.get("seed", 0)},
-        "profile": {"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
-                    "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype,
-                    "host_kernel_s": profile.host_kernel.get("mean_s")},
-        "schedule": cost.schedule,
-        "optimizer": opts.optimizer,
-        "global_batch": opts.global_batch,
-        "data_parallel": cost.data_parallel,
-        "pipeline_stages": p,
-        "virtual_stages": cost.virtual_stages,
-        "micro_batch_size": b,
-        "num_micro_batches": m,
-        "memory_per_device_bytes": opts.memory_cap,
-        "bandwidth_bytes_per_s": opts.bandwidth,
-        "latency_s": opts.latency,
-        # charged once per iteration whatever the split: step overhead + average rank's optimizer step
-        "per_step_s": opts.per_step_s,
-        "stages": stages,
-        "predicted_iteration_s": cost.iteration_s,
-        "bubble_fraction": cost.bubble_fraction,
-        "solver": {"method": solution.method, "backend": solution.backend, "status": solution.status,
-                   "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,
-                   "seconds": solution.seconds},
-    }
+# What a field's JSON value must be: (check, what the message says was expected)
+_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+_NUMBER_OR_NULL = (lambda v: v is None or _NUMBER[0](v), "a number or null")
+_TEXT = (lambda v: isinstance(v, str), "a string")
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_NAMES = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names")
+_VALUES = (lambda v: isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) and
+                                                 x.get("kind") in ("tensor", "constant") for x in v),
+           "a list of values ({name, kind: tensor|constant, ...})")
 
 
-def validate_plan(plan: Any, where: str = "plan") -> Dict[str, Any]:
-    """Check a loaded plan's version and keys; raise JsonFileError saying how to fix it."""
-    remake = "re-create it with `planner solve PROFILE`"
-    if not isinstance(plan, dict) or plan.get("kind") != "plan":
-        raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {remake}")
-    version = plan.get("schema_version")
-    if version != PLAN_SCHEMA_VERSION:
-        raise JsonFileError(f"{where} has schema_version {version!r}, expected {PLAN_SCHEMA_VERSION}; {remake}")
-    missing = [k for k in REQUIRED_KEYS if k not in plan]
+def _key(kind: Tuple, required: bool = True, **kwargs) -> Any:
+    return field(metadata={"json": kind, "required": required}, **kwargs)
+
+
+@dataclass
+class PlanStage:
+    """One entry of `stages`: units [first_unit, end_unit), run as stage `index` on the pipeline
+    ranks device .. device + replicas - 1. Times in seconds per micro-batch, bytes per device."""
+
+    index: int = _key(_INT)
+    device: Optional[int] = _key(_INT, required=False, default=None)  # absent: the topology's default
+    units: List[str] = _key(_NAMES, default_factory=list)
+    first_unit: int = _key(_INT, default=0)
+    end_unit: int = _key(_INT, default=0)
+    recompute: List[str] = _key(_NAMES, required=False, default_factory=list)  # units run again in backward
+    forward_s: float = _key(_NUMBER, default=0.0)
+    backward_s: float = _key(_NUMBER, default=0.0)  # recomputed forwards included
+    comm_s: float = _key(_NUMBER, default=0.0)  # transfers charged to this stage
+    time_s: float = _key(_NUMBER, default=0.0)
+    extra_s: float = _key(_NUMBER, required=False, default=0.0)  # once per step: all-reduce, tied weights
+    in_flight: int = _key(_INT, default=1)  # micro-batches whose activations it holds at once
+    # params, grads, optimizer, activations, total (this stage) and device_total (its device)
+    memory_bytes: Dict[str, float] = _key(_OBJECT, default_factory=dict)
+    memory_cap_bytes: Optional[float] = _key(_NUMBER_OR_NULL, required=False, default=None)
+    bubble_fraction: Optional[float] = _key(_NUMBER, required=False, default=None)  # of its device
+    recv: List[Dict[str, Any]] = _key(_VALUES, default_factory=list)
+    send: List[Dict[str, Any]] = _key(_VALUES, default_factory=list)
+    replicas: Optional[int] = _key(_INT, required=False, default=None)  # only in replicated plans; absent: 1
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys this version does not know
+
+    @property
+    def replica_count(self) -> int:
+        """r: the pipeline ranks running this stage (its micro-batches round-robin)."""
+        return 1 if self.replicas is None else self.replicas
+
+    def activation_bytes_sent(self) -> int:
+        """Bytes of tensors this stage sends forward per micro-batch."""
+        return sum(int(v.get("bytes", 0)) for v in self.send if v["kind"] == "tensor")
+
+    def gradient_bytes_sent(self) -> int:
+        """Bytes of gradients this stage sends back per micro-batch (those of its received tensors)."""
+        return sum(int(v.get("bytes", 0)) for v in self.recv if v["kind"] == "tensor" and v.get("requires_grad"))
+
+
+@dataclass
+class Plan:
+    """A plan: the model, how its batch is split, the schedule, the stages, and the prediction.
+
+    Data-parallel replicas d, stages per pipeline rank v and pipeline ranks p (per replica; the sum
+    of the stages' replicas when some stage is replicated) are `data_parallel`, `virtual_stages`
+    and `pipeline_stages`; global_batch = d · num_micro_batches · micro_batch_size."""
+
+    schema_version: int = _key(_INT, default=PLAN_SCHEMA_VERSION)
+    kind: str = _key(_TEXT, default="plan")
+    model: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # {"entry", "args", "seed"}
+    profile: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # which profile, measured under what
+    schedule: str = _key(_TEXT, default="1f1b")
+    optimizer: str = _key(_TEXT, default="sgd")
+    global_batch: int = _key(_INT, default=1)
+    data_parallel: int = _key(_INT, required=False, default=1)
+    pipeline_stages: int = _key(_INT, required=False, default=0)  # 0 in code: derive from the stages
+    virtual_stages: int = _key(_INT, required=False, default=1)
+    micro_batch_size: int = _key(_INT, default=1)
+    num_micro_batches: int = _key(_INT, default=1)  # per data-parallel replica
+    memory_per_device_bytes: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
+    bandwidth_bytes_per_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
+    latency_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
+    per_step_s: float = _key(_NUMBER, required=False, default=0.0)  # charged once per step whatever the split
+    stages: List[PlanStage] = _key(None, default_factory=list)
+    predicted_iteration_s: float = _key(_NUMBER, default=0.0)
+    bubble_fraction: float = _key(_NUMBER, default=0.0)
+    solver: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # method, backend, status, objective, bound, gap
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys this version does not know
+
+    @property
+    def replicated(self) -> bool:
+        return any(st.replica_count > 1 for st in self.stages)
+
+    def topology(self) -> Topology:
+        """Where every stage runs (planner.pipeline.topology); TopologyError if inconsistent."""
+        return topology_of([st.device for st in self.stages], [st.replica_count for st in self.stages],
+                           self.schedule, self.num_micro_batches, self.virtual_stages, self.pipeline_stages or None,
+                           self.data_parallel)
+
+    def instruction_lists(self) -> List[List[Action]]:
+        """Every pipeline rank's instruction list, as the runtime executes them."""
+        return instruction_lists(self.topology(), self.schedule, self.num_micro_batches)
+
+    def stage_costs(self) -> Dict[int, StageCosts]:
+        """Per-stage costs as the plan predicts them (per micro-batch), for the event simulation."""
+        bandwidth = float(self.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH)
+        latency = float(self.latency_s or 0.0)
+
+        def transfer(size: int) -> float:
+            return size / bandwidth + (latency if size else 0.0)
+
+        return {g: StageCosts(forward_s=float(st.forward_s), backward_s=float(st.backward_s),
+                              send_act_s=transfer(st.activation_bytes_sent()),
+                              send_grad_s=transfer(st.gradient_bytes_sent()),
+                              optimizer_s=float(st.extra_s or 0.0))  # the once-per-step exchanges
+                for g, st in enumerate(self.stages)}
+
+    def digest(self) -> str:
+        """sha256 of the plan's JSON (keys sorted): ranks compare it, checkpoints record it."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    # --- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> Dict[str, Any]:
+        out = _fields_to_json(self)
+        out["stages"] = [_fields_to_json(st) for st in self.stages]
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "plan") -> "Plan":
+        """The plan in `d`, checked: JsonFileError (one line, saying how to fix it) otherwise."""
+        if not isinstance(d, dict) or d.get("kind") != "plan":
+            raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {_REMAKE}")
+        if d.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise JsonFileError(f"{where} has schema_version {d.get('schema_version')!r}, expected "
+                                f"{PLAN_SCHEMA_VERSION}; {_REMAKE}")
+        values = _fields_from_json(cls, d, where)
+        if not isinstance(values["stages"], list) or not values["stages"]:
+            raise JsonFileError(f"{where} has no stages; {_REMAKE}")
+        values["stages"] = [PlanStage(**_fields_from_json(PlanStage, st, f"{where} stage {i}"))
+                            if isinstance(st, dict) else _not_an_object(f"{where} stage {i}")
+                            for i, st in enumerate(values["stages"])]
+        plan = cls(**values)
+        for st, raw in zip(plan.stages, d["stages"]):
+            if "memory_cap_bytes" not in raw:  # older files: the plan's cap
+                st.memory_cap_bytes = plan.memory_per_device_bytes
+        plan._check(where)
+        return plan
+
+    def _check(self, where: str) -> None:
+        for i, st in enumerate(self.stages):
+            if st.index != i:
+                raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
+        if self.schedule not in SCHEDULES:
+            raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
+        try:
+            topology = self.topology()
+        except TopologyError as e:
+            raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {_REMAKE}") from None
+        d, m, b = self.data_parallel, self.num_micro_batches, self.micro_batch_size
+        if min(m, b) < 1 or d * m * b != self.global_batch:
+            raise JsonFileError(f"{where}: the global batch {self.global_batch} is not {d} replica(s) x {m} "
+                                f"micro-batches x micro-batch size {b}; {_REMAKE}")
+        if not self.pipeline_stages:  # older files: derived from the stages
+            self.pipeline_stages = topology.pipeline_ranks
+        for st, device in zip(self.stages, topology.chunk_device):
+            if st.device is None:
+                st.device = device
+
+
+def _not_an_object(where: str):
+    raise JsonFileError(f"{where} is not an object; {_REMAKE}")
+
+
+def _fields_from_json(cls, d: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """The dataclass's fields from their keys: every required key present, every value of its type;
+    other keys go to `extra`."""
+    known = [f for f in dataclasses.fields(cls) if "json" in f.metadata]
+    missing = [f.name for f in known if f.metadata["required"] and f.name not in d]
     if missing:
-        raise JsonFileError(f"{where} lacks {', '.join(missing)}; {remake}")
-    stages = plan["stages"]
-    if not isinstance(stages, list) or not stages:
-        raise JsonFileError(f"{where} has no stages; {remake}")
-    for i, st in enumerate(stages):
-        absent = [k for k in STAGE_KEYS if not isinstance(st, dict) or k not in st]
-        if absent:
-            raise JsonFileError(f"{where} stage {i} lacks {', '.join(absent)}; {remake}")
-        if st["index"] != i:
-            raise JsonFileError(f"{where} stage {i} has index {st['index']!r}; {remake}")
-    if any("replicas" in st for st in stages):
-        _validate_replicas(plan, where, remake)
-    return plan
+        raise JsonFileError(f"{where} lacks {', '.join(missing)}; {_REMAKE}")
+    values: Dict[str, Any] = {}
+    for f in known:
+        if f.name not in d:
+            continue
+        check = f.metadata["json"]
+        if check is not None and not check[0](d[f.name]):
+            raise JsonFileError(f"{where} has {f.name} {d[f.name]!r}, expected {check[1]}; {_REMAKE}")
+        values[f.name] = d[f.name]
+    names = {f.name for f in known}
+    values["extra"] = {k: v for k, v in d.items() if k not in names}
+    return values
 
 
-def _validate_replicas(plan: Dict[str, Any], where: str, remake: str) -> None:
-    """Replicated stages: the runtime's own checks (r_g >= 1, device = sum_{h<g} r_h,
-    pipeline_stages = sum r_g, v = 1, gpipe or 1f1b, at least max r_g micro-batches)."""
-    from planner.pipeline.topology import TopologyError, topology_of
-
-    try:
-        topology_of(plan)
-    except TopologyError as e:
-        raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {remake}") from None
-
-
-def load_plan(path: str) -> Dict[str, Any]:
-    """Read and validate a plan file."""
-    return validate_plan(read_json(path, what="plan"), where=f"plan {path!r}")
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}"
+def _fields_to_json(obj: Any) -> Dict[str, Any]:
+    """Every field under its key, in order; optional fields that are unset (None) are left out
+    (`memory_per_device_bytes` and the like, required and nullable, are written as null)."""
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if "json" not in f.metadata:
+            continue
+        value = getattr(obj, f.name)
+        if value is None and not f.metadata["required"] and f.metadata["json"] is not _NUMBER_OR_NULL:
+            continue
+        out[f.name] = value
+    out.update(obj.extra)
+    return out
 
 
-def _units_cell(units: List[str]) -> str:
-    if len(units) == 1:
-        return f"{units[0]} (1)"
-    return f"{units[0]}..{units[-1]} ({len(units)})"
+def load_plan(path: str) -> Plan:
+    """Read and check a plan file."""
+    return Plan.from_json(read_json(path, what="plan"), where=f"plan {path!r}")
 
 
-def format_plan_table(plan: Dict[str, Any]) -> str:
-    """A fixed-width table of the stages (compute, transfer, memory against the cap, bubble share of
-    the stage's device), then the batch split, schedule, prediction and certificate."""
-    cap = plan.get("memory_per_device_bytes")
-    caps = [st.get("memory_cap_bytes", cap) for st in plan["stages"]]
-    any_cap = any(c for c in caps)
-    mib = float(2 ** 20)
-    chunked = plan.get("virtual_stages", 1) > 1
-    replicated = any(st.get("replicas", 1) > 1 for st in plan["stages"])
-    header = ["stage"] + (["device"] if chunked or replicated else []) + \
-        (["replicas"] if replicated else []) + ["units", "compute ms", "transfer ms", "time ms",
-                                                            "memory MiB" + (" / cap" if any_cap else ""), "bubble"]
-    rows = []
-    for st, c in zip(plan["stages"], caps):
-        mem = st["memory_bytes"].get("device_total", st["memory_bytes"]["total"])
-        memory = f"{mem / mib:.1f}" + (f" / {c / mib:.1f}" if c else "")
-        units = _units_cell(st["units"]) + (f" r{len(st['recompute'])}" if st.get("recompute") else "")
-        r = st.get("replicas", 1)
-        device = str(st.get("device", 0)) + (f"-{st.get('device', 0) + r - 1}" if r > 1 else "")
-        rows.append([str(st["index"])] + ([device] if chunked or replicated else []) +
-                    ([str(r)] if replicated else []) +
-                    [units, _ms(st["forward_s"] + st["backward_s"]), _ms(st["comm_s"]), _ms(st["time_s"]), memory,
-                     f"{100 * st.get('bubble_fraction', plan['bubble_fraction']):.1f}%"])
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    align_left = {header.index("units")}
-
-    def line(cells: List[str]) -> str:
-        return "  ".join(c.ljust(w) if i in align_left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    out = [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
-    out.append("")
-    if replicated:
-        out.append(f"replicated stages on {plan.get('pipeline_stages')} devices per data-parallel replica "
-                   "(memory and bubble per replica device)")
-    d = plan.get("data_parallel", 1)
-    v = plan.get("virtual_stages", 1)
-    out.append(f"micro-batch size {plan['micro_batch_size']} x {plan['num_micro_batches']} micro-batches"
-               + (f" x {d} data-parallel replicas" if d > 1 else "")
-               + f" (global batch {plan['global_batch']}), schedule {plan['schedule']}"
-               + (f" with {v} chunks per device" if v > 1 else "") + f", optimizer {plan['optimizer']}")
-    redo = sum(len(st.get("recompute", [])) for st in plan["stages"])
-    out.append(f"predicted iteration time {_ms(plan['predicted_iteration_s'])} ms, "
-               f"bubble {100 * plan['bubble_fraction']:.1f}%"
-               + (f", memory cap {format_bytes(cap)} per device" if cap else "")
-               + (f", {redo} units recomputed (rN in the units column)" if redo else ""))
-    solver = plan["solver"]
-    if solver.get("status") == "optimal":
-        certificate = f"proven optimal for this cost model (gap {100 * (solver.get('gap') or 0.0):.2f}%)"
-    elif solver.get("status") in ("heuristic", "infeasible"):
-        certificate = f"{solver.get('method')} baseline, no optimality claim" + \
-            (" (does NOT fit memory)" if solver.get("status") == "infeasible" else "")
-    else:
-        certificate = (f"best found, gap {100 * (solver.get('gap') or 0.0):.2f}% from the bound "
-                       f"{_ms(solver.get('bound') or 0.0)} ms")
-    out.append(f"{certificate} [{solver.get('method')}/{solver.get('backend')}, {solver.get('seconds', 0.0):.2f} s]")
-    return "\n".join(out)
-
-
-def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
-                   schedule: str = "1f1b", profile_path: str = "",
-                   replicas: Optional[Sequence[int]] = None) -> Dict[str, Any]:
-    """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
-    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1)."""
-    from planner.cost.model import evaluate
-
-    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule,
-                       replicas=tuple(replicas) if replicas else ())
-    cost = evaluate(profile, boundaries, micro_batch_size, opts)
-    solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
-                        num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
-                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
-                        method="fixed", backend="none")
-    return make_plan(profile, solution, opts, profile_path)
+def save_plan(plan: Plan, path: str) -> None:
+    write_json_atomic(path, plan.to_json())

@@ -26,6 +26,7 @@ import torch
 from planner.profile.allocator import retain_freed_memory
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.profile.corunners import CoRunners, host_kernel_s
+from planner.profile.saved import SavedBytes
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.model.entry import build_spec
 from planner.model.spec import ModelSpec, to_device
@@ -59,29 +60,6 @@ def _sync(device: torch.device) -> None:
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-class _SavedBytesCounter:
-    """Counts the distinct storages autograd saves for backward, ignoring parameters."""
-
-    def __init__(self, parameter_ptrs: set):
-        self.parameter_ptrs = parameter_ptrs
-        self.storages: Dict[int, int] = {}
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.parameter_ptrs and ptr != 0:
-            self.storages[ptr] = storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def _unit_step(stage, args: List[Any], produced: List[int], is_last: bool, loss_fn, target, device):
@@ -124,11 +102,11 @@ def measure_units(units, loss_fn, target, device, repeats: int, warmup: int = 2,
              for stage, args, produced, is_last in units]
     saved = []
     for (stage, *_), (forward, backward) in zip(units, steps):
-        counter = _SavedBytesCounter({p.untyped_storage().data_ptr() for p in stage.parameters()})
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        counter = SavedBytes(stage.parameters())
+        with counter.counting():
             out = forward()
         backward(out)
-        saved.append(counter.total)
+        saved.append(counter.finish())
     forward_times: List[List[float]] = [[] for _ in units]
     backward_times: List[List[float]] = [[] for _ in units]
     start = time.perf_counter()

@@ -58,6 +58,7 @@ from planner.cost.options import CostOptions
 from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
                                 num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
 from planner.cost.replicas import ceil_div
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
 from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError
@@ -75,24 +76,24 @@ def _span(prefix: np.ndarray) -> np.ndarray:
 
 
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
-    """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, as the
-    runtime sets it (planner.pipeline.schedule.replicated_warmups: w_last = r - 1, w_g = w_{g+1} +
-    max(r_g, r_{g+1})), maximised (pick=max) or minimised (pick=min) over every suffix after it.
-    The DP's state (first unit, devices left) does not know the suffix: the largest warm-up
-    gives plans that fit whatever follows, the smallest a lower bound."""
+    """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, by the
+    schedule's rule (planner.pipeline.schedule: `last_stage_warmup`, `warmup_before`), maximised
+    (pick=max) or minimised (pick=min) over every suffix after it. The DP's state (first unit,
+    devices left) does not know the suffix: the largest warm-up gives plans that fit whatever
+    follows, the smallest a lower bound."""
     table: Dict[Tuple[int, int], int] = {}
     for k in range(1, devices + 1):
         for r in range(1, min(k, max_r) + 1):
             if k == r:
-                table[r, k] = r - 1  # the last stage
+                table[r, k] = last_stage_warmup(r)
             else:
-                table[r, k] = pick(table[q, k - r] + max(r, q) for q in range(1, min(k - r, max_r) + 1))
+                table[r, k] = pick(warmup_before(table[q, k - r], r, q) for q in range(1, min(k - r, max_r) + 1))
     return table
 
 
 def check_replicable(profile: Profile, opts: CostOptions) -> None:
     """ValueError (saying what to do) unless replicated stages can be solved for these options."""
-    if opts.schedule not in ("gpipe", "1f1b") or opts.virtual_stages != 1:
+    if opts.schedule not in ONE_STAGE_SCHEDULES or opts.virtual_stages != 1:
         raise ValueError(f"--replicate needs --schedule 1f1b or gpipe (got {opts.schedule})")
     if opts.cluster is not None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")

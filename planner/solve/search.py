@@ -23,6 +23,7 @@ import numpy as np
 from planner.cost.options import CostOptions
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
                                 shared_parameters, stage_call_s)
+from planner.pipeline.schedule import CHUNKED_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
@@ -42,7 +43,7 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
     out = []
     for p, d in pairs:
         for schedule in schedules:
-            v = chunks if schedule in ("interleaved", "bfs") else 1
+            v = chunks if schedule in CHUNKED_SCHEDULES else 1
             if p * v <= num_units:
                 out.append(opts.with_(num_stages=p, data_parallel=d, schedule=schedule, virtual_stages=v))
     return out
