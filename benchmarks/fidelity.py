@@ -68,7 +68,7 @@ def only_size(profile, b):
 
 
 def plan_for(profile, stages, m, b, opts_extra=None):
-    opts = CostOptions(num_stages=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    opts = CostOptions(pipeline_ranks=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
     solution = solve(only_size(profile, b), opts, method="ilp")
     return make_plan(profile, solution, opts, "benchmark"), opts
 
@@ -79,7 +79,7 @@ def plan_fixed(profile, plan, opts_extra=None):
 
     b, m = plan.micro_batch_size, plan.num_micro_batches
     boundaries = [s.first_unit for s in plan.stages[1:]]
-    opts = CostOptions(num_stages=len(plan.stages), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    opts = CostOptions(pipeline_ranks=len(plan.stages), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
     cost = evaluate(only_size(profile, b), boundaries, b, opts)
     solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
                         objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",

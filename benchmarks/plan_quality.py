@@ -53,7 +53,7 @@ def main():
         link = {"bandwidth": measured["bandwidth_bytes_per_s"], "latency": measured["latency_s"]}
         print(f"link {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us", flush=True)
     print(f"{entry} {model_args}, 2 stages, micro-batch {args.micro_batch} x {args.micro_batches}", flush=True)
-    opts = CostOptions(num_stages=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b",
+    opts = CostOptions(pipeline_ranks=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b",
                        optimizer_step_total_s=profiled_optimizer_step_s(profile, "sgd"), **link)
     plans = {}
     for method in METHODS:

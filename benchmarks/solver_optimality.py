@@ -24,7 +24,7 @@ def random_problem(rng):
     p = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
                           [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
                           [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
-    opts = CostOptions(num_stages=S, global_batch=rng.choice([8, 16, 32]), schedule=rng.choice(["1f1b", "gpipe"]),
+    opts = CostOptions(pipeline_ranks=S, global_batch=rng.choice([8, 16, 32]), schedule=rng.choice(["1f1b", "gpipe"]),
                        bandwidth=rng.choice([1e8, 1e9, 1e10]), latency=rng.choice([0.0, 1e-4]))
     if rng.random() < 0.5:
         peak = max(solve(p, opts, method="dp").cost.device_memory)

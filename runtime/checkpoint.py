@@ -1,4 +1,4 @@
-"""Checkpoints: each rank saves its chunks' parameters, buffers and optimizer state atomically;
+"""Checkpoints: each rank saves its stages' parameters, buffers and optimizer state atomically;
 rank 0 then marks the step complete. `--resume` continues from the last complete step.
 
     DIR/step-000004/rank0.pt ... rank{W-1}.pt   (torch.save of tensors and plain values only)
@@ -27,11 +27,12 @@ def _step_dir(directory: str, completed_steps: int) -> str:
     return os.path.join(directory, f"step-{completed_steps:06d}")
 
 
-def save_rank(directory: str, completed_steps: int, rank: int, chunks_state: Dict[str, Any],
+def save_rank(directory: str, completed_steps: int, rank: int, stages_state: Dict[str, Any],
               optimizer_state: Dict[str, Any]) -> None:
     path = os.path.join(_step_dir(directory, completed_steps), f"rank{rank}.pt")
     with atomic_path(path) as tmp:
-        torch.save({"completed_steps": completed_steps, "chunks": chunks_state, "optimizer": optimizer_state}, tmp)
+        # "chunks": the stages' states by index (the file's key since its first version)
+        torch.save({"completed_steps": completed_steps, "chunks": stages_state, "optimizer": optimizer_state}, tmp)
 
 
 def mark_complete(directory: str, completed_steps: int, plan_hash: str, world_size: int) -> None:

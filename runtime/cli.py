@@ -11,13 +11,14 @@ from typing import Any, Dict, List, Optional
 from planner.errors import UsageError, run_subcommand
 from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
+from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
     it was loaded): the instruction lists are complete and cannot deadlock."""
     lists = plan.instruction_lists()
-    sched.check_schedule(lists, plan.num_micro_batches, placement=plan.topology().position_of)
+    check_schedule(lists, plan.num_micro_batches, placement=plan.topology().rank_running)
     return lists
 
 
@@ -78,11 +79,11 @@ def execute(args: argparse.Namespace) -> int:
     if optimizer.rstrip("w") != plan.optimizer.rstrip("w"):
         print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
               file=sys.stderr)
-    replicas = [topology.replicas_of(g) for g in range(topology.num_chunks)]
+    replicas = [topology.replicas_of(g) for g in range(topology.num_stages)]
     shape = f"{topology.pipeline_ranks} pipeline ranks" + (
-        f" ({topology.num_chunks} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
+        f" ({topology.num_stages} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
         f" x {topology.data_parallel} replicas" if topology.data_parallel > 1 else "") + (
-        f", {topology.num_chunks} stages" if topology.virtual_stages > 1 else "")
+        f", {topology.num_stages} stages" if topology.virtual_stages > 1 else "")
     print(f"running {args.plan}: {shape}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
           f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
@@ -110,7 +111,7 @@ def execute(args: argparse.Namespace) -> int:
     report = build_report(plan, ranks)
     print(format_report(report))
     if args.save_state:
-        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_positions()],
+        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_ranks()],
                       args.save_state)
         print(f"saved the trained model's state_dict to {args.save_state}")
     if args.report:
@@ -139,11 +140,11 @@ def show(args: argparse.Namespace) -> int:
     lists = check_plan(plan)
     topology = plan.topology()
     for r, actions in enumerate(lists):
-        chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
-        units = [u for g in chunks for u in plan.stages[g].units]
-        lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(chunks[0])}"
-                if topology.replicas_of(chunks[0]) > 1 else "")
-        print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}{lane}), at most "
+        stages = topology.stages_of(r)
+        units = [u for g in stages for u in plan.stages[g].units]
+        lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(stages[0])}"
+                if topology.replicas_of(stages[0]) > 1 else "")
+        print(f"rank {r} (stages {','.join(map(str, stages))}: {units[0]} .. {units[-1]}{lane}), at most "
               f"{sched.max_in_flight(actions)} micro-batches held:")
         print("  " + " ".join(str(a) for a in actions))
     print("checked: every send has its receive, and no rank can wait forever")

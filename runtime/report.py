@@ -31,9 +31,9 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
     measured = statistics.median(_steady([s["time_s"] for s in steps])) if steps else 0.0
     ranks = []
     for r in rank_results:
-        chunks = r.get("chunks", [r["rank"]])
-        plan_stages = [plan.stages[g] for g in chunks]
-        counts = r.get("micro_batches") or {}  # micro-batches per chunk (a stage replica runs its share)
+        stages = r.get("chunks", [r["rank"]])  # the rank's stages ("chunks" in the rank and report files)
+        plan_stages = [plan.stages[g] for g in stages]
+        counts = r.get("micro_batches") or {}  # micro-batches per stage (a stage's lane runs its share)
         mean = {k: statistics.mean(_steady([s.get(k, 0.0) for s in r["steps"]])) if r["steps"] else 0.0
                 for k in MEASURED_KEYS}
         mean["step_s"] = mean.pop("time_s")
@@ -46,11 +46,11 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "stage": r.get("pipeline_rank", r["rank"]),
             "replica": r.get("replica", 0),
             "lane": r.get("lane", 0),
-            "chunks": chunks,
+            "chunks": stages,
             "units": units,
             "unit_spans": spans,
             "measured": mean,
-            "predicted": {kind: sum(counts.get(str(g), m) * float(getattr(plan.stages[g], kind)) for g in chunks)
+            "predicted": {kind: sum(counts.get(str(g), m) * float(getattr(plan.stages[g], kind)) for g in stages)
                           for kind in ("forward_s", "backward_s")},
             "threads": r.get("threads"),
             "host_kernel_s": r.get("host_kernel_s"),

@@ -4,7 +4,7 @@
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m runtime.worker plan.json --out-dir run/ --steps 100
 
-Writes DIR/rank{R}.json (per-step timings and losses), DIR/rank{R}.pt (its chunks' state, with
+Writes DIR/rank{R}.json (per-step timings and losses), DIR/rank{R}.pt (its stages' state, with
 --save-state), DIR/rank{R}.trace.json (with --trace) and, if it fails, DIR/rank{R}.error (one
 line) and the traceback on stderr.
 """
@@ -30,7 +30,7 @@ from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
 from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.optim import OPTIMIZERS, make_optimizer
-from runtime.stage import build_rank, chunk_state
+from runtime.stage import build_rank, stage_state
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
@@ -93,8 +93,8 @@ def run(args) -> None:
         _check_same_plan(digest, rank, world)
         pipeline_rank = topology.pipeline_rank_of(rank)
         rank_model = build_rank(plan, topology, pipeline_rank)
-        for chunk in rank_model.chunks:
-            chunk.module.to(device)
+        for stage in rank_model.stages:
+            stage.module.to(device)
         groups = Groups(topology, rank, rank_model.tied_groups)
         m = plan.num_micro_batches
         actions = plan.instruction_lists()[pipeline_rank]
@@ -119,8 +119,8 @@ def run(args) -> None:
             done = ckpt.latest(args.checkpoint_dir, digest, world)
             if done is not None:
                 saved = ckpt.load_rank(args.checkpoint_dir, done, rank)
-                for chunk in rank_model.chunks:
-                    chunk.module.load_state_dict(saved["chunks"][str(chunk.index)])
+                for stage in rank_model.stages:
+                    stage.module.load_state_dict(saved["chunks"][str(stage.index)])
                 optimizer.load_state_dict(saved["optimizer"])
                 first_step = done
         link = _measure_link(plan, topology, rank) if args.measure_link else None
@@ -136,7 +136,7 @@ def run(args) -> None:
         steps = []
         for step in range(first_step, args.steps):
             stats = engine.run_step(step)
-            if groups.data_parallel_group is not None and rank_model.chunks[-1].is_last:
+            if groups.data_parallel_group is not None and rank_model.stages[-1].is_last:
                 stats.loss = _mean_over_holders(stats, groups)
             steps.append(dict(stats.__dict__))
             if args.progress and is_reporter:
@@ -144,7 +144,7 @@ def run(args) -> None:
                       flush=True)
             if args.checkpoint_dir and args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0:
                 ckpt.save_rank(args.checkpoint_dir, step + 1, rank,
-                               {str(c.index): c.module.state_dict() for c in rank_model.chunks},
+                               {str(st.index): st.module.state_dict() for st in rank_model.stages},
                                optimizer.state_dict())
                 dist.barrier()  # every rank's file is in place before the step is marked complete
                 if rank == 0:
@@ -156,16 +156,16 @@ def run(args) -> None:
         # the parameters in memory on this rank, each once
         static = sum(p.numel() * p.element_size() for p in rank_model.parameters())
         result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
-                  "lane": topology.lane_of(pipeline_rank), "chunks": [c.index for c in rank_model.chunks],
-                  "micro_batches": {str(c.index): len(topology.micro_batches_of(pipeline_rank, c.index, m))
-                                    for c in rank_model.chunks}, "threads": threads, "device": str(device),
+                  "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in rank_model.stages],
+                  "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
+                                    for st in rank_model.stages}, "threads": threads, "device": str(device),
                   "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
                   "peak_saved_bytes": engine.saved.peak, "param_bytes": static, "link": link,
                   "host_kernel_s": host_kernel}
         if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
             state: Dict[str, torch.Tensor] = {}
-            for chunk in rank_model.chunks:
-                state.update(chunk_state(chunk, rank_model.spec))
+            for stage in rank_model.stages:
+                state.update(stage_state(stage, rank_model.spec))
             with atomic_path(os.path.join(args.out_dir, f"rank{rank}.pt")) as tmp:
                 torch.save(state, tmp)
         if args.trace:

@@ -70,14 +70,14 @@ def execute(plan: Plan, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
 
 def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, schedule: Optional[str] = None,
                  recompute: Optional[Dict[int, List[str]]] = None, replicas: Optional[List[int]] = None) -> Plan:
-    """Turn a plan of P stages into one with P / v pipeline ranks of v chunks each (looping
+    """Turn a plan of P stages into one with P / v pipeline ranks of v stages each (looping
     placement), d replicas (global batch scaled by d), recomputed units and stage replicas
     (r_g devices for stage g, consecutive): the fields the runtime reads, set the way
     `planner solve` sets them."""
-    num_chunks = len(plan.stages)
-    p = num_chunks // virtual_stages
-    replicas = list(replicas or [1] * num_chunks)
-    devices = [g % p for g in range(num_chunks)] if virtual_stages > 1 else [sum(replicas[:g]) for g in range(num_chunks)]
+    num_stages = len(plan.stages)
+    p = num_stages // virtual_stages
+    replicas = list(replicas or [1] * num_stages)
+    devices = [g % p for g in range(num_stages)] if virtual_stages > 1 else [sum(replicas[:g]) for g in range(num_stages)]
     stages = [dataclasses.replace(s, device=devices[g], replicas=replicas[g],
                                   recompute=list((recompute or {}).get(g, []))) for g, s in enumerate(plan.stages)]
     p = p if virtual_stages > 1 else sum(replicas)

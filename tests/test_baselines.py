@@ -27,7 +27,7 @@ def test_uniform_and_balanced_splits():
 @pytest.mark.parametrize("method", ["uniform", "params", "block"])
 def test_ilp_never_worse_than_a_baseline(method):
     p = lopsided()
-    opts = CostOptions(num_stages=3, global_batch=8)
+    opts = CostOptions(pipeline_ranks=3, global_batch=8)
     ilp = solve(p, opts)
     base = solve(p, opts, method=method)
     assert base.status == "heuristic" and base.cost.feasible
@@ -36,7 +36,7 @@ def test_ilp_never_worse_than_a_baseline(method):
 
 def test_params_baseline_isolates_the_heavy_head_and_loses_time():
     p = lopsided()
-    opts = CostOptions(num_stages=2, global_batch=8)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8)
     base = solve(p, opts, method="params")
     assert base.boundaries == [5]  # the 24 MiB head alone outweighs everything else
     assert solve(p, opts).objective < 0.8 * base.objective
@@ -44,7 +44,7 @@ def test_params_baseline_isolates_the_heavy_head_and_loses_time():
 
 def test_baseline_that_does_not_fit_is_infeasible():
     p = lopsided()
-    opts = CostOptions(num_stages=2, global_batch=8, memory_cap=50 << 20)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=50 << 20)
     ilp = solve(p, opts)
     assert ilp.cost.feasible
     with pytest.raises(InfeasibleError):
@@ -74,7 +74,7 @@ def test_compare_replicate_adds_the_replicated_optimum(tmp_path, capsys):
     save_profile(p, path)
     assert main(["compare", path, "--stages", "3", "--global-batch", "8", "--replicate"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:] if line.split()}
-    opts = CostOptions(num_stages=3, global_batch=8)
+    opts = CostOptions(pipeline_ranks=3, global_batch=8)
     replicated = solve_replicated(p, opts, [opts, opts.with_(schedule="gpipe")])
     label = "/".join(str(st.replicas) for st in replicated.cost.stages)
     assert rows["replicas"][1] == label and max(st.replicas for st in replicated.cost.stages) > 1

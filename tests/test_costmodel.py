@@ -24,7 +24,7 @@ def test_candidate_sizes_divide_the_global_batch():
 
 def test_two_stages_1f1b_by_hand():
     p = three_units()
-    opts = CostOptions(num_stages=2, global_batch=8, bandwidth=1e6, latency=1e-4)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, bandwidth=1e6, latency=1e-4)
     cost = evaluate(p, [1], 2, opts)  # b = 2, m = 4
     assert cost.num_micro_batches == 4
     # cut 1 at b=2: 2000 B forward + 2000 B gradient at 1 MB/s, two messages of 0.1 ms
@@ -49,17 +49,17 @@ def test_two_stages_1f1b_by_hand():
 
 def test_gpipe_holds_every_micro_batch():
     p = three_units()
-    cost = evaluate(p, [1], 2, CostOptions(num_stages=2, global_batch=8, schedule="gpipe"))
+    cost = evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, schedule="gpipe"))
     assert [s.in_flight for s in cost.stages] == [4, 4]
     assert [s.memory_bytes for s in cost.stages] == [200 + 4 * 20, 1000 + 4 * 100]
     # iteration formula is the same for both schedules
-    c = evaluate(p, [1], 2, CostOptions(num_stages=2, global_batch=8)).iteration_s
+    c = evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8)).iteration_s
     assert math.isclose(cost.iteration_s, c)
 
 
 def test_in_flight_capped_by_micro_batches_and_adam_state():
     p = three_units()
-    opts = CostOptions(num_stages=3, global_batch=2, optimizer="adamw")
+    opts = CostOptions(pipeline_ranks=3, global_batch=2, optimizer="adamw")
     cost = evaluate(p, [1, 2], 2, opts)  # m = 1
     assert [s.in_flight for s in cost.stages] == [1, 1, 1]
     assert cost.stages[0].optimizer_bytes == 200
@@ -67,23 +67,23 @@ def test_in_flight_capped_by_micro_batches_and_adam_state():
     assert cost.stages[2].memory_bytes == 300 * 4 + 60
     # m = 1: iteration = sum of stage times, no bubble term
     assert math.isclose(cost.iteration_s, sum(s.time_s for s in cost.stages))
-    opts = CostOptions(num_stages=3, global_batch=16)
+    opts = CostOptions(pipeline_ranks=3, global_batch=16)
     assert [s.in_flight for s in evaluate(p, [1, 2], 1, opts).stages] == [3, 2, 1]
 
 
 def test_memory_cap_is_inclusive():
     p = three_units()
-    assert evaluate(p, [1], 2, CostOptions(num_stages=2, global_batch=8, memory_cap=1100)).feasible
-    assert not evaluate(p, [1], 2, CostOptions(num_stages=2, global_batch=8, memory_cap=1099)).feasible
+    assert evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=1100)).feasible
+    assert not evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=1099)).feasible
 
 
 def test_latency_counts_messages():
-    opts = CostOptions(num_stages=2, global_batch=4, bandwidth=1e6, latency=1e-3)
+    opts = CostOptions(pipeline_ranks=2, global_batch=4, bandwidth=1e6, latency=1e-3)
     no_grad = three_units(cut_grad=[0, 0])
     assert math.isclose(cut_time(no_grad, 1, 1, opts), 1000 / 1e6 + 1e-3)  # forward message only
     empty = synthetic_profile([0.001] * 2, [0.001] * 2, [0, 0], [0, 0], cut_act=[0])
     assert cut_time(empty, 1, 1, opts) == 0.0  # only a constant crosses: nothing is sent
-    single = evaluate(empty, [], 1, CostOptions(num_stages=1, global_batch=4))
+    single = evaluate(empty, [], 1, CostOptions(pipeline_ranks=1, global_batch=4))
     assert math.isclose(single.iteration_s, 4 * 0.004) and single.bubble_fraction == pytest.approx(0.0, abs=1e-12)
 
 
@@ -97,18 +97,18 @@ def test_latency_counts_messages():
     (2, [1], 3, "not profiled"),
 ])
 def test_bad_plans_are_rejected(stages, boundaries, b, match):
-    opts = CostOptions(num_stages=stages, global_batch=12)
+    opts = CostOptions(pipeline_ranks=stages, global_batch=12)
     with pytest.raises(ValueError, match=match):
         evaluate(three_units(), boundaries, b, opts)
 
 
 def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="only 3 units"):
-        evaluate(three_units(), [1, 2, 2], 1, CostOptions(num_stages=4, global_batch=4))
+        evaluate(three_units(), [1, 2, 2], 1, CostOptions(pipeline_ranks=4, global_batch=4))
     with pytest.raises(ValueError, match="schedule"):
-        evaluate(three_units(), [1], 1, CostOptions(num_stages=2, global_batch=4, schedule="zb"))
+        evaluate(three_units(), [1], 1, CostOptions(pipeline_ranks=2, global_batch=4, schedule="zb"))
     with pytest.raises(ValueError, match="optimizer"):
-        evaluate(three_units(), [1], 1, CostOptions(num_stages=2, global_batch=4, optimizer="lion"))
+        evaluate(three_units(), [1], 1, CostOptions(pipeline_ranks=2, global_batch=4, optimizer="lion"))
 
 
 def test_every_stage_pays_the_profiles_stage_overhead_once_per_micro_batch():
@@ -116,7 +116,7 @@ def test_every_stage_pays_the_profiles_stage_overhead_once_per_micro_batch():
     charged = synthetic_profile(forward=[0.001, 0.002, 0.003], backward=[0.002, 0.004, 0.006],
                                 params=[100, 200, 300], saved=[10, 20, 30], cut_act=[1000, 2000],
                                 sizes=(1, 2, 4, 8), stage_overhead={2: (0.0005, 0.001)})
-    opts = CostOptions(num_stages=2, global_batch=8, schedule="gpipe", bandwidth=1e6)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="gpipe", bandwidth=1e6)
     a, b = evaluate(plain, [1], 2, opts), evaluate(charged, [1], 2, opts)
     for st_a, st_b in zip(a.stages, b.stages):
         assert st_b.forward_s == pytest.approx(st_a.forward_s + 0.0005)
@@ -134,7 +134,7 @@ def test_a_per_stage_cost_makes_every_solver_prefer_fewer_larger_micro_batches()
     def profile(overhead):
         return synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[0],
                                  sizes=(1, 4), stage_overhead={b: (overhead, overhead) for b in (1, 4)})
-    opts = CostOptions(num_stages=2, global_batch=8, schedule="1f1b")
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="1f1b")
     for method in ("ilp", "dp", "brute"):
         assert solve(profile(0.0), opts, method=method).micro_batch_size == 1  # 3 x (8 + 1) = 27 < 12 x 3
         chosen = solve(profile(5.0), opts, method=method)  # 13 x 9 = 117 > 22 x 3 = 66

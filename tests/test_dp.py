@@ -24,7 +24,7 @@ def chains(draw, max_units=14, max_stages=5, with_cap=True):
                                 [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
                                 stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
                                 if rng.random() < 0.5 else None)
-    opts = CostOptions(num_stages=S, global_batch=draw(st.sampled_from([4, 8, 16])),
+    opts = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), optimizer_step_total_s=rng.choice([0.0, 3e-3]))
     if with_cap and draw(st.booleans()):
@@ -70,4 +70,4 @@ def test_dp_equals_brute_force(problem, recompute, replicas):
 def test_dp_refuses_what_it_does_not_model():
     p = synthetic_profile([0.01] * 4, [0.02] * 4, [1] * 4, [1] * 4, [1] * 3)
     with pytest.raises(ValueError, match="ilp"):
-        solve(p, CostOptions(num_stages=2, global_batch=8, schedule="interleaved", virtual_stages=2), method="dp")
+        solve(p, CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2), method="dp")

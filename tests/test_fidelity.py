@@ -42,7 +42,7 @@ def test_simulation_and_closed_form(seed):
 def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulation():
     profile = synthetic_profile(forward=[{1: 1.0}, {1: 2.0}], backward=[{1: 2.0}, {1: 4.0}], params=[0, 0],
                                 saved=[{1: 0}] * 2, cut_act=[{1: 0}], sizes=(1,))
-    base = CostOptions(num_stages=2, global_batch=4, schedule="gpipe")
+    base = CostOptions(pipeline_ranks=2, global_batch=4, schedule="gpipe")
     plain = evaluate(profile, [1], 1, base).iteration_s
     charged = evaluate(profile, [1], 1, base.with_(optimizer_step_total_s=0.5, step_overhead_s=0.1)).iteration_s
     assert charged == pytest.approx(plain + 0.5 / 2 + 0.1)  # the average rank's step, sum_l o_l / p
@@ -56,7 +56,7 @@ def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulatio
 def test_simulation_reports_busy_idle_and_memory():
     plan = _plan([1.0, 3.0], 4, "1f1b")
     sim = simulate_plan(plan)
-    assert [r.chunks for r in sim.ranks] == [[0], [1]]
+    assert [r.stages for r in sim.ranks] == [[0], [1]]
     # the slow stage is busy 4 x (3 + 6); the fast one idles the rest
     assert sim.ranks[1].busy_s == pytest.approx(36.0)
     assert sim.ranks[0].idle_s == pytest.approx(sim.iteration_s - 12.0)

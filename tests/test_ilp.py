@@ -43,7 +43,7 @@ def problems(draw, max_units=7, max_stages=4):
     profile = synthetic_profile(forward, backward, params, saved, act, grad, sizes=sizes, stage_overhead=overhead)
     schedule = draw(st.sampled_from(["1f1b", "gpipe"]))
     optimizer = draw(st.sampled_from(["sgd", "adamw"]))
-    base = CostOptions(num_stages=S, global_batch=draw(st.sampled_from([8, 16])), schedule=schedule,
+    base = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([8, 16])), schedule=schedule,
                        bandwidth=rng.choice([1e8, 1e9, 1e10]), latency=rng.choice([0.0, 1e-4]),
                        optimizer=optimizer, optimizer_step_total_s=rng.choice([0.0, 3e-3]))
     # cap between the memory floor (t = 0) and the peak of the unconstrained optimum (t = 1):
@@ -97,7 +97,7 @@ def test_highs_agrees_with_cbc(problem):
 def brute_memory_floor(profile, opts):
     """min over b and splits of max_s M_s, by enumeration."""
     best = math.inf
-    for boundaries in itertools.combinations(range(1, profile.num_units), opts.num_stages - 1):
+    for boundaries in itertools.combinations(range(1, profile.num_units), opts.pipeline_ranks - 1):
         for b in candidate_micro_batch_sizes(profile, opts.global_batch):
             cost = evaluate(profile, list(boundaries), b, opts)
             best = min(best, max(s.memory_bytes for s in cost.stages))
@@ -127,14 +127,14 @@ def test_infeasible_message_names_stage_and_stage_count():
     # one huge unit at the end: 4 units, stage memories dominated by unit 3
     p = synthetic_profile([0.01] * 4, [0.02] * 4, [1 << 20, 1 << 20, 1 << 20, 64 << 20], [0] * 4, [1000] * 3,
                           names=["embed", "block0", "block1", "head"])
-    opts = CostOptions(num_stages=2, global_batch=4, memory_cap=100 << 20)
+    opts = CostOptions(pipeline_ranks=2, global_batch=4, memory_cap=100 << 20)
     with pytest.raises(InfeasibleError) as info:
         solve(p, opts)
     message = str(info.value)
     assert "stage 1" in message and "'head'" in message and "128.0 MiB" in message
     assert "28.0 MiB over the cap" in message
     assert "no number of stages" in message  # 'head' alone needs 128 MiB
-    roomy = CostOptions(num_stages=1, global_batch=4, memory_cap=100 << 20)
+    roomy = CostOptions(pipeline_ranks=1, global_batch=4, memory_cap=100 << 20)
     p2 = synthetic_profile([0.01] * 4, [0.02] * 4, [20 << 20] * 4, [0] * 4, [1000] * 3)
     with pytest.raises(InfeasibleError, match="use 2 stages"):
         solve(p2, roomy)
@@ -143,11 +143,11 @@ def test_infeasible_message_names_stage_and_stage_count():
 def test_other_infeasible_requests():
     p = synthetic_profile([0.01] * 3, [0.02] * 3, [0] * 3, [0] * 3, [10, 10], sizes=(2, 4))
     with pytest.raises(InfeasibleError, match=r"profiled: 2, 4.*e\.g\. 8"):
-        solve(p, CostOptions(num_stages=2, global_batch=7))
+        solve(p, CostOptions(pipeline_ranks=2, global_batch=7))
     with pytest.raises(InfeasibleError, match="only 3 units"):
-        solve(p, CostOptions(num_stages=4, global_batch=8))
+        solve(p, CostOptions(pipeline_ranks=4, global_batch=8))
     with pytest.raises(InfeasibleError, match="only 3 units"):
-        solve(p, CostOptions(num_stages=4, global_batch=8), method="brute")
+        solve(p, CostOptions(pipeline_ranks=4, global_batch=8), method="brute")
 
 
 def big_profile(L=60, seed=3):
@@ -162,7 +162,7 @@ def big_profile(L=60, seed=3):
 @pytest.mark.parametrize("backend", ["cbc", "highs"])
 def test_time_limited_solve_reports_a_valid_bound(backend):
     p = big_profile()
-    opts = CostOptions(num_stages=8, global_batch=32, latency=1e-4, bandwidth=1e9, memory_cap=80e6)
+    opts = CostOptions(pipeline_ranks=8, global_batch=32, latency=1e-4, bandwidth=1e9, memory_cap=80e6)
     found = solve_ilp(p, opts, time_limit=0.05, backend=backend)
     assert found.status in ("optimal", "feasible")
     assert 0 < found.bound <= found.objective + 1e-9
@@ -175,7 +175,7 @@ def test_time_limited_solve_reports_a_valid_bound(backend):
 
 def test_brute_refuses_huge_searches():
     with pytest.raises(ValueError, match="use the ILP"):
-        solve_brute(big_profile(), CostOptions(num_stages=8, global_batch=32))
+        solve_brute(big_profile(), CostOptions(pipeline_ranks=8, global_batch=32))
 
 
 def test_cbc_log_parsing():
@@ -196,7 +196,7 @@ def test_smallest_fitting_stage_count(problem, scale):
     cap = scale * min_memory_plan(profile, opts).memory_bytes
     expected = None
     for stages in range(1, profile.num_units + 1):
-        other = CostOptions(**{**opts.__dict__, "num_stages": stages, "memory_cap": cap})
+        other = CostOptions(**{**opts.__dict__, "pipeline_ranks": stages, "memory_cap": cap})
         if brute_memory_floor(profile, other) <= cap:
             expected = stages
             break
@@ -210,7 +210,7 @@ def test_solver_crash_falls_back_to_the_warm_start(monkeypatch):
         raise pulp.PulpSolverError("simulated CBC crash")
 
     p = big_profile(L=12)
-    opts = CostOptions(num_stages=3, global_batch=8, memory_cap=60e6)
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, memory_cap=60e6)
     expected = solve_brute(p, opts)
     monkeypatch.setattr(pulp.LpProblem, "solve", crash)
     found = solve_ilp(p, opts, time_limit=1.0)

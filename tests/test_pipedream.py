@@ -57,8 +57,8 @@ def test_gnmt_imports_and_plans(tmp_path, capsys):
     assert p.num_units == 48 and p.micro_batch_sizes == [64]
     assert max(len(c.values) for c in p.cuts) >= 3  # LSTM outputs and skip connections cross cuts
     for S in (2, 4, 8):
-        found = solve(p, CostOptions(num_stages=S, global_batch=64 * 4 * S))
+        found = solve(p, CostOptions(pipeline_ranks=S, global_batch=64 * 4 * S))
         assert found.status == "optimal" and found.gap == 0.0 and found.seconds < 10
-        dp = solve(p, CostOptions(num_stages=S, global_batch=64 * 4 * S), method="dp")
+        dp = solve(p, CostOptions(pipeline_ranks=S, global_batch=64 * 4 * S), method="dp")
         assert dp.objective == pytest.approx(found.objective, rel=1e-6)
     assert import_pipedream(DATA, 64).units[0].forward_s[64] == 0.0

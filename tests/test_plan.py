@@ -22,7 +22,7 @@ def small_profile():
 
 def make(cap=64e6, schedule="1f1b"):
     profile = small_profile()
-    opts = CostOptions(num_stages=3, global_batch=8, schedule=schedule, memory_cap=cap, latency=1e-5)
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, schedule=schedule, memory_cap=cap, latency=1e-5)
     solution = solve(profile, opts)
     return profile, solution, make_plan(profile, solution, opts, "profiles/toy.json")
 
@@ -146,7 +146,7 @@ def replicated_plan(schedule="1f1b"):
     profile = synthetic_profile(forward=[0.001, 0.001, 0.010, 0.001], backward=[0.002, 0.002, 0.020, 0.002],
                                 params=[40_000_000, 40_000_000, 1000, 40_000_000], saved=[100] * 4,
                                 cut_act=[1000] * 3, sizes=(1, 2), names=["embed", "block0", "block1", "head"])
-    opts = CostOptions(num_stages=4, global_batch=8, schedule=schedule, bandwidth=1e9, memory_cap=1e9)
+    opts = CostOptions(pipeline_ranks=4, global_batch=8, schedule=schedule, bandwidth=1e9, memory_cap=1e9)
     solution = solve_replicated(profile, opts)
     return solution, make_plan(profile, solution, opts, "profiles/toy.json")
 

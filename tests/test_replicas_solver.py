@@ -27,7 +27,7 @@ def three_units():
 
 def test_replicated_stage_by_hand():
     p = three_units()
-    opts = CostOptions(num_stages=3, global_batch=8, bandwidth=1e6, dp_bandwidth=1e5, replicas=(1, 2, 1))
+    opts = CostOptions(pipeline_ranks=4, global_batch=8, bandwidth=1e6, dp_bandwidth=1e5, replicas=(1, 2, 1))
     cost = evaluate(p, [1, 2], 1, opts)  # b = 1, m = 8
     t = [0.003 + 2000 / 1e6, 0.030 + 2000 / 1e6 + 4000 / 1e6, 0.003 + 4000 / 1e6]
     assert [st.time_s for st in cost.stages] == pytest.approx(t)
@@ -36,7 +36,7 @@ def test_replicated_stage_by_hand():
     # held ceil(min(w + 1, m) / r) = 5, ceil(3 / 2) = 2, 1
     assert [st.in_flight for st in cost.stages] == [5, 2, 1]
     assert cost.device_memory == [200 + 5 * 10, 400 + 2 * 20, 400 + 2 * 20, 600 + 30]
-    assert cost.pipeline_stages == 4
+    assert cost.pipeline_ranks == 4
     # stage 1's gradients: a ring over its 2 replicas, 2 (1/2) 200 B / 1e5 B/s
     assert cost.stages[1].extra_s == pytest.approx(200 / 1e5) and cost.stages[0].extra_s == 0.0
     # n = ceil(8 / r) = 8, 4, 8 micro-batches per device
@@ -54,7 +54,7 @@ def test_formula_with_every_r_1_is_the_unreplicated_model(schedule, m):
     p = synthetic_profile([rng.uniform(1e-3, 1e-2) for _ in range(L)], [rng.uniform(1e-3, 2e-2) for _ in range(L)],
                           [rng.randint(0, 1000) for _ in range(L)], [rng.randint(0, 100) for _ in range(L)],
                           [rng.randint(0, 5000) for _ in range(L - 1)], sizes=(1,))
-    opts = CostOptions(num_stages=4, global_batch=m, schedule=schedule, data_parallel=1, bandwidth=1e6)
+    opts = CostOptions(pipeline_ranks=4, global_batch=m, schedule=schedule, data_parallel=1, bandwidth=1e6)
     plain = evaluate(p, [1, 2, 4], 1, opts)
     replicated = replicated_plan_cost(plain.stages, 1, m, opts, None)
     assert replicated.iteration_s == pytest.approx(plain.iteration_s, rel=1e-14)
@@ -86,7 +86,7 @@ def simulated_pipeline_s(profile, boundaries, b, opts):
                                                ((3,), [], 5), ((1, 1, 1), [1, 2], 4), ((2, 2), [1], 8)])
 def test_closed_form_against_event_simulation(schedule, replicas, bounds, m):
     p = three_units()
-    opts = CostOptions(num_stages=len(replicas), global_batch=m, schedule=schedule, bandwidth=1e8,
+    opts = CostOptions(pipeline_ranks=sum(replicas), global_batch=m, schedule=schedule, bandwidth=1e8,
                        replicas=replicas if max(replicas) > 1 else ())
     closed, simulated, held, model = simulated_pipeline_s(p, bounds, 1, opts)
     assert held == model  # the memory model holds what the schedule holds on each stage's busiest replica
@@ -106,7 +106,7 @@ def problems(draw):
                                 [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
                                 stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
                                 if rng.random() < 0.5 else None)
-    opts = CostOptions(num_stages=N, global_batch=draw(st.sampled_from([4, 8, 16])),
+    opts = CostOptions(pipeline_ranks=N, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), data_parallel=draw(st.sampled_from([1, 2])),
                        dp_bandwidth=rng.choice([None, 1e8]), recompute=draw(st.sampled_from(["none", "all", "auto"])),
@@ -134,7 +134,7 @@ def test_solver_equals_brute_force(problem):
         assert found.gap == pytest.approx((found.objective - found.bound) / found.objective)
     cost = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
     assert cost.feasible and cost.iteration_s == pytest.approx(found.objective, rel=1e-12)
-    assert cost.pipeline_stages == opts.num_stages
+    assert cost.pipeline_ranks == opts.pipeline_ranks
 
 
 def heavy_middle():
@@ -147,25 +147,25 @@ def heavy_middle():
 
 def test_replication_beats_every_unreplicated_split():
     p = heavy_middle()
-    opts = CostOptions(num_stages=4, global_batch=8, bandwidth=1e9)
+    opts = CostOptions(pipeline_ranks=4, global_batch=8, bandwidth=1e9)
     replicated = solve_replicated(p, opts)
     assert replicated.options.replicas == (1, 2, 1) and replicated.boundaries == [2, 3]
-    unreplicated = min(solve_brute(p, opts.with_(num_stages=S)).objective for S in range(1, 5))
+    unreplicated = min(solve_brute(p, opts.with_(pipeline_ranks=S)).objective for S in range(1, 5))
     assert replicated.objective < 0.6 * unreplicated
     assert solve(p, opts).objective >= unreplicated * (1 - 1e-12)  # the ordinary solver on 4 devices
 
 
 def test_unreplicated_optimum_is_kept_when_replication_does_not_pay():
     p = synthetic_profile([0.001] * 4, [0.002] * 4, [1 << 30] * 4, [10] * 4, [10] * 3, sizes=(1,))
-    opts = CostOptions(num_stages=4, global_batch=8, bandwidth=1e9, dp_bandwidth=1e8)  # all-reduce is dear
+    opts = CostOptions(pipeline_ranks=4, global_batch=8, bandwidth=1e9, dp_bandwidth=1e8)  # all-reduce is dear
     found = solve_replicated(p, opts)
-    assert found.options.replicas == () and found.options.num_stages == 4
+    assert found.options.replicas == () and found.options.pipeline_ranks == 4
     assert found.objective == pytest.approx(solve(p, opts).objective, rel=1e-12)
 
 
 def test_interleaved_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match="1f1b or gpipe"):
-        solve_replicated(heavy_middle(), CostOptions(num_stages=4, global_batch=8, schedule="interleaved",
+        solve_replicated(heavy_middle(), CostOptions(pipeline_ranks=4, global_batch=8, schedule="interleaved",
                                                      virtual_stages=2))
 
 
@@ -173,7 +173,7 @@ def test_auto_recomputation_under_a_cap():
     # the heavy unit saves 4000 B per sample: no plan on 3 devices fits 7000 B without recomputing it
     p = synthetic_profile(forward=[0.001, 0.010, 0.001], backward=[0.002, 0.020, 0.002], params=[1000] * 3,
                           saved=[100, 4000, 100], cut_act=[10, 10], sizes=(1, 2))
-    opts = CostOptions(num_stages=3, global_batch=8, bandwidth=1e9, memory_cap=7000, recompute="auto")
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, bandwidth=1e9, memory_cap=7000, recompute="auto")
     with pytest.raises(InfeasibleError, match="allow at least"):
         solve_replicated(p, opts.with_(recompute="none"))
     found = solve_replicated(p, opts)
@@ -188,16 +188,16 @@ def test_tied_parameters_and_too_few_micro_batches_are_refused():
     p = heavy_middle()
     p.extra["shared_parameters"] = [{"name": "w", "units": ["u0", "u3"], "bytes": 100}]
     with pytest.raises(ValueError, match="tied"):
-        solve_replicated(p, CostOptions(num_stages=4, global_batch=8))
+        solve_replicated(p, CostOptions(pipeline_ranks=4, global_batch=8))
     with pytest.raises(ValueError, match="micro-batches cannot feed"):
-        evaluate(heavy_middle(), [2], 2, CostOptions(num_stages=2, global_batch=4, replicas=(1, 3)))
+        evaluate(heavy_middle(), [2], 2, CostOptions(pipeline_ranks=4, global_batch=4, replicas=(1, 3)))
 
 
 def test_infeasible_says_the_least_memory():
     p = heavy_middle()
     with pytest.raises(InfeasibleError, match="allow at least") as info:
-        solve_replicated(p, CostOptions(num_stages=4, global_batch=8, memory_cap=100))
-    fits = solve_replicated(p, CostOptions(num_stages=4, global_batch=8, memory_cap=info.value.min_memory_bytes))
+        solve_replicated(p, CostOptions(pipeline_ranks=4, global_batch=8, memory_cap=100))
+    fits = solve_replicated(p, CostOptions(pipeline_ranks=4, global_batch=8, memory_cap=info.value.min_memory_bytes))
     assert max(fits.cost.device_memory) <= info.value.min_memory_bytes
     assert math.isfinite(fits.objective)
 
@@ -224,7 +224,7 @@ def test_1f1b_does_not_serialise_a_wide_stage_behind_a_narrow_one():
     p = synthetic_profile(forward=[1e-4, 0.100, 0.005], backward=[2e-4, 0.200, 0.010], params=[0, 0, 0],
                           saved=[1, 1, 1], cut_act=[1000, 1000], sizes=(1,))
     for schedule in ("gpipe", "1f1b"):
-        opts = CostOptions(num_stages=3, global_batch=16, schedule=schedule, bandwidth=1e9, replicas=(1, 6, 1))
+        opts = CostOptions(pipeline_ranks=8, global_batch=16, schedule=schedule, bandwidth=1e9, replicas=(1, 6, 1))
         closed, simulated, held, model = simulated_pipeline_s(p, [1, 2], 1, opts)
         assert held == model
         assert simulated == pytest.approx(closed, rel=0.08), schedule
@@ -233,9 +233,9 @@ def test_1f1b_does_not_serialise_a_wide_stage_behind_a_narrow_one():
 def test_devices_choose_the_data_parallel_degree_too():
     from planner.solve.search import expand_scenarios
     p = heavy_middle()
-    opts = CostOptions(num_stages=1, global_batch=8, bandwidth=1e9)
+    opts = CostOptions(pipeline_ranks=1, global_batch=8, bandwidth=1e9)
     scenarios = expand_scenarios(opts, 10 ** 9, 4, ["1f1b", "gpipe"])
-    assert {(s.num_stages, s.data_parallel) for s in scenarios} == {(4, 1), (2, 2), (1, 4)}
+    assert {(s.pipeline_ranks, s.data_parallel) for s in scenarios} == {(4, 1), (2, 2), (1, 4)}
     found = solve_replicated(p, scenarios[0], scenarios)
     oracle = min((solve_brute_replicated(p, s) for s in scenarios), key=lambda sol: sol.objective)
     assert found.objective == pytest.approx(oracle.objective, rel=1e-12)

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.pipeline import schedule as sched
+from planner.pipeline.check import check_schedule
 from planner.pipeline.simulate import StageCosts, simulate
 from planner.pipeline.topology import TopologyError, instruction_lists, topology_of
 from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
@@ -29,12 +30,12 @@ def test_replicated_lists_are_complete_placed_and_deadlock_free(replicas, extra,
     topology = _topology(replicas, m, schedule)
     lists = _lists(replicas, m, schedule)
     assert len(lists) == sum(replicas) == topology.pipeline_ranks
-    sched.check_schedule(lists, m, placement=topology.position_of)
+    check_schedule(lists, m, placement=topology.rank_running)
     held = {}
     for position, actions in enumerate(lists):
-        (g,) = topology.chunks_of(position)
+        (g,) = topology.stages_of(position)
         mine = topology.micro_batches_of(position, g, m)
-        assert sorted(a.micro_batch for a in actions if a.kind == sched.FORWARD) == mine
+        assert sorted(a.micro_batch for a in actions if a.kind == sched.ActionKind.FORWARD) == mine
         held[g] = max(held.get(g, 0), sched.max_in_flight(actions))
     warmups = sched.one_f_one_b_warmups(replicas, m)
     for g, r in enumerate(replicas):  # what the plan's memory model charges a replica device
@@ -71,9 +72,9 @@ def test_misplaced_action_is_caught():
     topology = _topology([1, 2], 4)
     lists = _lists([1, 2], 4)
     with pytest.raises(ValueError, match="places"):
-        sched.check_schedule([lists[0], lists[2], lists[1]], 4, placement=topology.position_of)
+        check_schedule([lists[0], lists[2], lists[1]], 4, placement=topology.rank_running)
     with pytest.raises(ValueError, match="micro-batches"):  # a replica dropped: its micro-batches never run
-        sched.check_schedule(lists[:2], 4)
+        check_schedule(lists[:2], 4)
 
 
 def test_replicating_the_heavy_stage_shortens_the_step():
@@ -91,11 +92,11 @@ def test_replicating_the_heavy_stage_shortens_the_step():
 def test_topology_of_replicated_plans():
     t = _topology([1, 3, 2], 6, d=2)
     assert (t.pipeline_ranks, t.world_size) == (6, 12)
-    assert t.chunk_device == (0, 1, 4) and t.positions_of(1) == [1, 2, 3]
-    assert [t.position_of(1, i) for i in range(6)] == [1, 2, 3, 1, 2, 3]
-    assert t.chunks_of(3) == [1] and t.lane_of(3) == 2 and t.lane_of(4) == 0
+    assert t.stage_rank == (0, 1, 4) and t.ranks_of(1) == [1, 2, 3]
+    assert [t.rank_running(1, i) for i in range(6)] == [1, 2, 3, 1, 2, 3]
+    assert t.stages_of(3) == [1] and t.lane_of(3) == 2 and t.lane_of(4) == 0
     assert t.data_parallel_group(2) == [1, 2, 3, 7, 8, 9]
-    assert t.primary_positions() == [0, 1, 4]
+    assert t.primary_ranks() == [0, 1, 4]
     with pytest.raises(TopologyError, match="virtual_stages"):
         _topology([1, 2], 4, virtual_stages=2)
     with pytest.raises(TopologyError, match="gpipe or 1f1b"):

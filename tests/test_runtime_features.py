@@ -18,7 +18,7 @@ def _gpt_plan(cuts, b=2, g=8, schedule="1f1b"):
 
 
 @pytest.mark.parametrize("schedule, ahead", [("interleaved", "0"), ("bfs", "7")])
-def test_multi_chunk_schedules(tmp_path, schedule, ahead):
+def test_multi_stage_schedules(tmp_path, schedule, ahead):
     # 4 stages on 2 ranks, looping placement: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3;
     # each rank receives both directions from the same peer: receives posted when needed, or
     # 7 ahead (other tests run the default, 2)
@@ -145,7 +145,7 @@ def test_recomputed_units_keep_only_their_inputs():
 
     def saved_bytes_and_grads(p):
         model = build_rank(p, p.topology(), 0)
-        chunk = model.chunks[0]
+        stage = model.stages[0]
         storages = {}
 
         def pack(t):
@@ -154,10 +154,10 @@ def test_recomputed_units_keep_only_their_inputs():
 
         (idx,), _ = model.spec.batch(2, 0)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = chunk.module(idx)
+            out = stage.module(idx)
         torch.autograd.backward([o for o in out if o.requires_grad], [torch.ones_like(o) for o in out
                                                                         if o.requires_grad])
-        return sum(storages.values()), {n: p.grad.clone() for n, p in chunk.module.named_parameters()}
+        return sum(storages.values()), {n: p.grad.clone() for n, p in stage.module.named_parameters()}
 
     plain_bytes, plain_grads = saved_bytes_and_grads(plain)
     again_bytes, again_grads = saved_bytes_and_grads(again)

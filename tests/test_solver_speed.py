@@ -27,7 +27,7 @@ def _chain(L, seed=0, sizes=(1, 2)):
 def test_thousand_unit_chain_at_16_stages_is_proven_optimal_fast():
     profile = _chain(1000)
     started = time.perf_counter()
-    found = solve(profile, CostOptions(num_stages=16, global_batch=64, latency=1e-5))
+    found = solve(profile, CostOptions(pipeline_ranks=16, global_batch=64, latency=1e-5))
     assert time.perf_counter() - started < 10.0
     assert found.gap == 0.0 and found.status == "optimal"
     assert found.cost.iteration_s == pytest.approx(found.objective, rel=1e-12)
@@ -37,7 +37,7 @@ def test_thousand_unit_chain_at_16_stages_is_proven_optimal_fast():
 def test_banded_chain_solver_equals_the_integer_program(seed):
     rng = random.Random(seed)
     profile = _chain(rng.randint(8, 30), seed, sizes=(2,))
-    opts = CostOptions(num_stages=rng.randint(2, 6), global_batch=16, data_parallel=rng.choice([1, 2]),
+    opts = CostOptions(pipeline_ranks=rng.randint(2, 6), global_batch=16, data_parallel=rng.choice([1, 2]),
                        bandwidth=rng.choice([1e8, 1e9]), latency=1e-4)
     fast = solve_chain(profile, 2, opts)
     assert evaluate(profile, fast.boundaries, 2, opts).iteration_s == pytest.approx(fast.objective, rel=1e-12)
@@ -47,7 +47,7 @@ def test_banded_chain_solver_equals_the_integer_program(seed):
 
 def test_step_overhead_is_added_to_every_objective_and_bound():
     profile = _chain(12, 3)
-    opts = CostOptions(num_stages=3, global_batch=8)
+    opts = CostOptions(pipeline_ranks=3, global_batch=8)
     base = solve(profile, opts)
     for method in ("ilp", "dp"):
         shifted = solve(profile, opts.with_(step_overhead_s=0.25), method=method)
@@ -70,7 +70,7 @@ def test_solve_applies_the_profiles_calibration_unless_overridden(tmp_path, caps
     assert main(["solve", path, "--stages", "2", "--global-batch", "8", "-o", out]) == 0
     printed = capsys.readouterr().out
     assert "applied the profile's calibration" in printed and "step overhead 100 ms" in printed
-    opts = CostOptions(num_stages=2, global_batch=8, bandwidth=2e8, latency=3e-4, step_overhead_s=0.1)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, bandwidth=2e8, latency=3e-4, step_overhead_s=0.1)
     expected = solve(profile, opts)
     import json
     with open(out) as f:

@@ -48,7 +48,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if best is not None:
         gap = 0.0 if math.isnan(best.gap) else best.gap
         print(f"ilp: {best.status}, gap {100 * gap:.2f}%, schedule {best.cost.schedule}, "
-              f"p {best.cost.pipeline_stages} x d {best.cost.data_parallel}, "
+              f"p {best.cost.pipeline_ranks} x d {best.cost.data_parallel}, "
               f"{len(best.recompute)} units recomputed [{best.seconds:.2f} s]")
     return 0
 

@@ -6,7 +6,7 @@ import sys
 from typing import List, Optional
 
 from planner.errors import UsageError
-from planner.pipeline.schedule import CHUNKED_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.sizes import parse_bytes
 
 
@@ -24,7 +24,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES) + ["auto"],
                    help="pipeline schedule; auto lets the solver choose (default 1f1b)")
     s.add_argument("--virtual-stages", type=int, default=2,
-                   help="model chunks per device for interleaved/bfs (default 2)")
+                   help="stages per device for interleaved/bfs (default 2)")
     s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
                    help="activation recomputation per unit: auto = where memory needs it (default auto)")
     s.add_argument("--bandwidth", default=None,
@@ -80,7 +80,7 @@ def problem_from_args(args: argparse.Namespace):
         note = f"{note}; {step_note}" if note else step_note
     args.calibration_note = note
     opts = CostOptions(
-        num_stages=stages if args.devices is None else 1,
+        pipeline_ranks=stages if args.devices is None else 1,
         global_batch=global_batch,
         schedule="1f1b",
         bandwidth=bandwidth,
@@ -90,11 +90,11 @@ def problem_from_args(args: argparse.Namespace):
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
-        virtual_stages=args.virtual_stages if args.schedule in CHUNKED_SCHEDULES else 1,
+        virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,
         cluster=cluster,
         recompute=args.recompute,
     )
-    if args.schedule in CHUNKED_SCHEDULES:
+    if args.schedule in MULTI_STAGE_SCHEDULES:
         opts = opts.with_(schedule=args.schedule)
     if cluster is not None and args.devices is not None:
         raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")

@@ -1,12 +1,12 @@
 """The pipeline cost model: what a plan costs, in time and memory. The single source of truth.
 
 Notation. The profile has L ordered units. A plan has p pipeline ranks (devices per replica), d
-data-parallel replicas, v model chunks per rank (v = 1 except for `interleaved`/`bfs`), and
-C = p * v chunks ("stages"), chunk c holding units [a_c, e_c) and running on rank c % p. The C - 1
+data-parallel replicas, v model stages per rank (v = 1 except for `interleaved`/`bfs`), and
+C = p * v stages, stage c holding units [a_c, e_c) and running on rank c % p. The C - 1
 boundaries are the cuts e_0 < ... < e_{C-2}. A global batch of G samples is G = d * m * b: each
 replica runs m micro-batches of size b. R is the set of recomputed units.
 
-Time per micro-batch of chunk c on rank i = c % p (speed sigma_i, 1 without a cluster):
+Time per micro-batch of stage c on rank i = c % p (speed sigma_i, 1 without a cluster):
 
     F_c = (k^f + sum_{l in c} f_l) / sigma_i          B_c = (k^b + sum_{l in c} (g_l + [l in R] f_l)) / sigma_i
     (k^f, k^b: the profile's stage_overhead_s at b, what a stage pays per micro-batch whatever its
@@ -20,8 +20,8 @@ Time per micro-batch of chunk c on rank i = c % p (speed sigma_i, 1 without a cl
 Per-iteration extra time of rank i (gradient traffic, once per iteration):
 
     E_i = 2 (d - 1) / d * P_i / dp_bandwidth  +  sum_{c on i} tie_c
-    tie_c = sum over shared parameters t used in chunk c: 2 (n_t - 1) bytes_t / bandwidth
-            (n_t: number of chunks holding a use of t; nothing when n_t = 1)
+    tie_c = sum over shared parameters t used in stage c: 2 (n_t - 1) bytes_t / bandwidth
+            (n_t: number of stages holding a use of t; nothing when n_t = 1)
 
 Iteration time (D_i = sum_{c on i} T_c, the rank's work per micro-batch):
 
@@ -35,17 +35,17 @@ predicted time and every bound (`CostOptions.per_step_s`). Charging max_i O_i in
 it a third max term in every solver; the ranks' steps differ by a few per cent of an iteration.)
 
 For v = 1 this is the classic fill-drain bound sum_s T_s + (m - 1) max_s T_s (GPipe and 1F1B);
-with equal chunks of time t it is m v t + (p - 1) t: Megatron's interleaved bubble (p - 1)/(v m).
-`bfs` (looped breadth-first) uses the same closed form: every chunk pass streams m >= 1
-micro-batches, so the fill costs one chunk-row of time, (1/v) sum_c T_c, like interleaving.
+with equal stages of time t it is m v t + (p - 1) t: Megatron's interleaved bubble (p - 1)/(v m).
+`bfs` (looped breadth-first) uses the same closed form: every stage pass streams m >= 1
+micro-batches, so the fill costs one stage-row of time, (1/v) sum_c T_c, like interleaving.
 
 Memory of rank i (bytes): M_i = sum_{c on i} [ P_c (2 + opt) + h_c A_c ] with
 A_c = sum_{l in c} (in_l if l in R else s_l) (in_l: bytes crossing cut l, in_0 = 0) and h_c the
-micro-batches whose activations chunk c holds at once:
+micro-batches whose activations stage c holds at once:
 
-    gpipe: m      1f1b: min(p - c, m)      bfs: m (all micro-batches of every chunk)
-    interleaved (Megatron's 1F1B with v chunks): rank i runs W_i = min(2 (p - i - 1) + (v - 1) p, m v)
-    warm-up forwards then one more before its first backward; forward k goes to local chunk
+    gpipe: m      1f1b: min(p - c, m)      bfs: m (all micro-batches of every stage)
+    interleaved (Megatron's 1F1B with v stages): rank i runs W_i = min(2 (p - i - 1) + (v - 1) p, m v)
+    warm-up forwards then one more before its first backward; forward k goes to local stage
     (k // p) % v, so h_c = #{k < min(W_i + 1, m v) : (k // p) % v = c // p}.
 
 Interleaved needs m to be a multiple of p (Megatron's rule). A plan is feasible iff M_i <= cap_i.
@@ -96,40 +96,40 @@ def candidate_micro_batch_sizes(profile: Profile, global_batch: int, opts: Optio
     d = opts.data_parallel if opts is not None else 1
     sizes = sorted({int(b) for b in profile.micro_batch_sizes if b > 0 and global_batch % (d * b) == 0})
     if opts is not None and opts.schedule == "interleaved":
-        sizes = [b for b in sizes if (global_batch // (d * b)) % opts.num_stages == 0]
+        sizes = [b for b in sizes if (global_batch // (d * b)) % opts.pipeline_ranks == 0]
     return sizes
 
 
-def in_flight(chunk: int, num_stages: int, m: int, schedule: str, virtual_stages: int = 1) -> int:
-    """h_c: micro-batches whose activations chunk c holds at once (module docstring)."""
-    p, v = num_stages, virtual_stages
+def in_flight(stage: int, pipeline_ranks: int, m: int, schedule: str, virtual_stages: int = 1) -> int:
+    """h_c: micro-batches whose activations stage c holds at once (module docstring)."""
+    p, v = pipeline_ranks, virtual_stages
     if schedule in ("gpipe", "bfs"):
         return m
     if schedule == "1f1b":
-        return min(one_f_one_b_warmups([1] * p, m)[chunk] + 1, m)
-    rank, local = chunk % p, chunk // p
+        return min(one_f_one_b_warmups([1] * p, m)[stage] + 1, m)
+    rank, local = stage % p, stage // p
     warmup = interleaved_warmup(rank, p, v, m)
     return sum(1 for k in range(min(warmup + 1, m * v)) if (k // p) % v == local)
 
 
 def held_counts(opts: CostOptions, m: int) -> List[int]:
-    return [in_flight(c, opts.num_stages, m, opts.schedule, opts.virtual_stages) for c in range(opts.num_chunks)]
+    return [in_flight(c, opts.pipeline_ranks, m, opts.schedule, opts.virtual_stages) for c in range(opts.num_stages)]
 
 
 def rank_speeds(opts: CostOptions) -> List[float]:
-    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(opts.num_stages)]
+    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(opts.pipeline_ranks)]
 
 
 def rank_caps(opts: CostOptions) -> List[Optional[float]]:
     return [opts.memory_cap if opts.cluster is None else opts.cluster.memory(i, opts.memory_cap)
-            for i in range(opts.num_stages)]
+            for i in range(opts.pipeline_ranks)]
 
 
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
-    """(bandwidth, latency) of boundary j (between chunk j and j + 1), j = 0 .. C - 2."""
-    p = opts.num_stages
+    """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. C - 2."""
+    p = opts.pipeline_ranks
     links = []
-    for j in range(opts.num_chunks - 1):
+    for j in range(opts.num_stages - 1):
         if opts.cluster is None:
             links.append((opts.bandwidth, opts.latency))
         else:
@@ -153,7 +153,7 @@ def cut_times(profile: Profile, b: int, opts: CostOptions, link: Optional[Tuple[
 
 
 def stage_call_s(profile: Profile, b: int) -> float:
-    """k^f + k^b: seconds (at speed 1) every chunk pays per micro-batch on top of its units."""
+    """k^f + k^b: seconds (at speed 1) every stage pays per micro-batch on top of its units."""
     forward, backward = profile.stage_overhead(b)
     return forward + backward
 
@@ -194,14 +194,14 @@ def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
 
 
 def tie_time(bytes_: int, holders: int, opts: CostOptions) -> float:
-    """Per holding chunk: 2 (n - 1) bytes / bandwidth (n = chunks holding a use; 0 when n = 1)."""
+    """Per holding stage: 2 (n - 1) bytes / bandwidth (n = stages holding a use; 0 when n = 1)."""
     return 2.0 * (holders - 1) * bytes_ / opts.bandwidth
 
 
 def validate_boundaries(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOptions) -> None:
     """Raise ValueError unless the plan (boundaries, b) is well formed for this profile."""
     opts.validate()
-    L, C = profile.num_units, opts.num_chunks
+    L, C = profile.num_units, opts.num_stages
     if C > L:
         raise ValueError(f"{C} stages requested but the profile has only {L} units")
     if len(boundaries) != C - 1:
@@ -223,9 +223,9 @@ def validate_boundaries(profile: Profile, boundaries: Sequence[int], b: int, opt
                          f"{max(opts.replicas)} replicas; use a smaller micro-batch size or fewer replicas")
     if opts.replicated and shared_parameters(profile):
         raise ValueError("replicated stages do not model tied (shared) parameters; solve without replication")
-    if opts.schedule == "interleaved" and num_micro_batches(opts, b) % opts.num_stages != 0:
+    if opts.schedule == "interleaved" and num_micro_batches(opts, b) % opts.pipeline_ranks != 0:
         raise ValueError(f"interleaved needs the micro-batch count ({num_micro_batches(opts, b)}) "
-                         f"to be a multiple of the pipeline depth {opts.num_stages}")
+                         f"to be a multiple of the pipeline depth {opts.pipeline_ranks}")
 
 
 def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOptions,
@@ -233,7 +233,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     """Cost of cutting the profile at `boundaries` (C - 1 cuts) with micro-batch size b and the
     units in `recompute` recomputed in backward."""
     validate_boundaries(profile, boundaries, b, opts)
-    L, C, p, v = profile.num_units, opts.num_chunks, opts.num_stages, opts.virtual_stages
+    L, C, p, v = profile.num_units, opts.num_stages, opts.pipeline_ranks, opts.virtual_stages
     redo: FrozenSet[int] = frozenset(recompute)
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
@@ -247,12 +247,12 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
         held = [replica_in_flight(g, reps, m, opts.schedule) for g in range(C)]
         offsets = [sum(reps[:g]) for g in range(C)]
     inputs = input_bytes(profile, b)
-    chunk_of = [c for c in range(C) for _ in range(edges[c], edges[c + 1])]
+    stage_of = [c for c in range(C) for _ in range(edges[c], edges[c + 1])]
     ties: Dict[int, float] = {}
     for _, units, size in shared_parameters(profile):
-        chunks = sorted({chunk_of[l] for l in units})
-        for c in chunks:
-            ties[c] = ties.get(c, 0.0) + tie_time(size, len(chunks), opts)
+        holders = sorted({stage_of[l] for l in units})
+        for c in holders:
+            ties[c] = ties.get(c, 0.0) + tie_time(size, len(holders), opts)
     call_forward, call_backward = profile.stage_overhead(b)
     stages: List[StageCost] = []
     for c in range(C):
@@ -287,4 +287,4 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages, iteration_s=iteration,
                     bottleneck_s=bottleneck, bubble_fraction=max(0.0, bubble), feasible=feasible,
                     device_memory=memory, device_caps=caps, extra_s=max(extra), schedule=opts.schedule,
-                    pipeline_stages=p, virtual_stages=v, data_parallel=opts.data_parallel)
+                    pipeline_ranks=p, virtual_stages=v, data_parallel=opts.data_parallel)

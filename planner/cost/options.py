@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from planner.cost.cluster import Cluster
-from planner.pipeline.schedule import CHUNKED_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE
 
 RECOMPUTE_MODES = ("none", "all", "auto")
@@ -15,9 +15,11 @@ DEFAULT_BANDWIDTH = 5e9  # bytes/s between pipeline ranks when nothing better is
 
 @dataclass(frozen=True)
 class CostOptions:
-    """What the planner is asked: p ranks x d replicas, a global batch of G samples, the hardware."""
+    """What the planner is asked: p pipeline ranks x d data-parallel replicas, a global batch of G
+    samples, the schedule and the hardware. The plan then has S = num_stages stages: p·v, or one
+    per entry of `replicas` (stage g on r_g of the p ranks)."""
 
-    num_stages: int  # p: pipeline ranks per replica
+    pipeline_ranks: int  # p: devices per data-parallel replica (sum_g r_g with replicated stages)
     global_batch: int  # G = d * m * b
     schedule: str = "1f1b"
     bandwidth: float = DEFAULT_BANDWIDTH  # bytes/s between consecutive ranks (and for tied-parameter exchange)
@@ -32,38 +34,38 @@ class CostOptions:
     step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
     # sum_l o_l: one optimizer step over every unit's parameters, as profiled (profiled_optimizer_step_s)
     optimizer_step_total_s: float = 0.0
-    replicas: Tuple[int, ...] = ()  # r_g per stage (num_stages = S of them); () = one device per stage
+    replicas: Tuple[int, ...] = ()  # r_g per stage (S of them, adding up to p); () = one rank per stage
 
     @property
     def per_step_s(self) -> float:
         """Time charged once per iteration whatever the split: the step overhead plus the optimizer
-        step of an average device, sum_l o_l / N (N devices per pipeline: p, or sum_g r_g with
-        replicated stages, whose replicas' steps overlap; a replicated stage's parameters count
-        once, so that N, the solver's budget, keeps it a constant of the search)."""
-        devices = sum(self.replicas) if self.replicas else self.num_stages
-        return self.step_overhead_s + self.optimizer_step_total_s / devices
+        step of an average device, sum_l o_l / p (p = sum_g r_g with replicated stages, whose
+        replicas' steps overlap; a replicated stage's parameters count once, so that p, the
+        solver's budget, keeps it a constant of the search)."""
+        return self.step_overhead_s + self.optimizer_step_total_s / self.pipeline_ranks
 
     @property
     def replicated(self) -> bool:
         return any(r != 1 for r in self.replicas)
 
     @property
-    def num_chunks(self) -> int:
-        return self.num_stages * self.virtual_stages
+    def num_stages(self) -> int:
+        """S: the plan's stages (p·v, or one per replicated stage)."""
+        return len(self.replicas) if self.replicas else self.pipeline_ranks * self.virtual_stages
 
     def with_(self, **changes) -> "CostOptions":
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        if self.num_stages < 1:
-            raise ValueError(f"the number of stages must be at least 1 (got {self.num_stages})")
+        if self.pipeline_ranks < 1:
+            raise ValueError(f"the number of stages must be at least 1 (got {self.pipeline_ranks})")
         if self.global_batch < 1:
             raise ValueError(f"the global batch must be at least 1 (got {self.global_batch})")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if self.schedule in CHUNKED_SCHEDULES and self.virtual_stages < 2:
+        if self.schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2:
             raise ValueError(f"schedule {self.schedule} needs --virtual-stages >= 2 (got {self.virtual_stages})")
-        if self.schedule not in CHUNKED_SCHEDULES and self.virtual_stages != 1:
+        if self.schedule not in MULTI_STAGE_SCHEDULES and self.virtual_stages != 1:
             raise ValueError(f"--virtual-stages {self.virtual_stages} needs schedule interleaved or bfs")
         if self.data_parallel < 1:
             raise ValueError(f"the data-parallel degree must be at least 1 (got {self.data_parallel})")
@@ -85,13 +87,13 @@ class CostOptions:
             raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
         if self.replicas:
             self._validate_replicas()
-        if self.cluster is not None and self.cluster.num_devices != self.num_stages:
-            raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.num_stages} "
+        if self.cluster is not None and self.cluster.num_devices != self.pipeline_ranks:
+            raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.pipeline_ranks} "
                              "pipeline stages were asked; give --stages equal to the cluster's device count")
 
     def _validate_replicas(self) -> None:
-        if len(self.replicas) != self.num_stages or any(not isinstance(r, int) or r < 1 for r in self.replicas):
-            raise ValueError(f"replicas must give one integer >= 1 per stage ({self.num_stages} stages), "
-                             f"got {list(self.replicas)}")
+        if any(not isinstance(r, int) or r < 1 for r in self.replicas) or sum(self.replicas) != self.pipeline_ranks:
+            raise ValueError(f"replicas must give one integer >= 1 per stage, adding up to the {self.pipeline_ranks} "
+                             f"pipeline ranks; got {list(self.replicas)}")
         if self.replicated and (self.schedule not in ONE_STAGE_SCHEDULES or self.cluster is not None):
             raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")

@@ -41,5 +41,5 @@ def replicated_plan_cost(stages: List[StageCost], b: int, m: int, opts: CostOpti
                     bottleneck_s=max(n_g * st.time_s for n_g, st in zip(n, stages)) / m,
                     bubble_fraction=max(0.0, bubble), feasible=all(cap is None or x <= cap for x in memory),
                     device_memory=memory, device_caps=[cap] * len(devices), extra_s=extra,
-                    schedule=opts.schedule, pipeline_stages=len(devices), virtual_stages=1,
+                    schedule=opts.schedule, pipeline_ranks=len(devices), virtual_stages=1,
                     data_parallel=opts.data_parallel)

@@ -7,22 +7,22 @@ from typing import List, Optional
 
 @dataclass
 class StageCost:
-    """One chunk (stage) of an evaluated plan; times in seconds per micro-batch, memory in bytes."""
+    """One stage of an evaluated plan; times in seconds per micro-batch, memory in bytes."""
 
     first_unit: int
     end_unit: int  # exclusive
-    device: int  # pipeline rank = chunk index % p
+    device: int  # pipeline rank = stage index % p
     forward_s: float
     backward_s: float  # includes recomputed forwards
-    comm_s: float  # transfer time charged to this chunk (receive + send, both directions)
+    comm_s: float  # transfer time charged to this stage (receive + send, both directions)
     time_s: float  # T_c
     in_flight: int  # h_c
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: float
     activation_bytes: int  # h_c * A_c
-    memory_bytes: float  # this chunk's params + grads + optimizer + activations
-    extra_s: float  # per-iteration: this chunk's share of all-reduce + tied-parameter exchange
+    memory_bytes: float  # this stage's params + grads + optimizer + activations
+    extra_s: float  # per-iteration: this stage's share of all-reduce + tied-parameter exchange
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
     replicas: int = 1  # r_g: devices running this stage (device .. device + r_g - 1)
 
@@ -40,6 +40,6 @@ class PlanCost:
     device_caps: List[Optional[float]] = field(default_factory=list)
     extra_s: float = 0.0  # max_i E_i
     schedule: str = "1f1b"
-    pipeline_stages: int = 1
+    pipeline_ranks: int = 1  # p (sum_g r_g with replicated stages)
     virtual_stages: int = 1
     data_parallel: int = 1

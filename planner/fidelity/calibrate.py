@@ -36,7 +36,7 @@ def _evaluate_plan(profile: Profile, plan: Plan, bandwidth: float, latency: floa
     boundaries = [st.first_unit for st in plan.stages[1:]]
     recompute = [names.index(u) for st in plan.stages for u in st.recompute]
     replicas = tuple(st.replica_count for st in plan.stages)
-    opts = CostOptions(num_stages=plan.pipeline_stages or len(plan.stages), global_batch=plan.global_batch,
+    opts = CostOptions(pipeline_ranks=plan.pipeline_stages or len(plan.stages), global_batch=plan.global_batch,
                        schedule=plan.schedule, bandwidth=bandwidth, latency=latency, optimizer=plan.optimizer,
                        data_parallel=plan.data_parallel, virtual_stages=plan.virtual_stages,
                        replicas=replicas if any(r != 1 for r in replicas) else (),
@@ -66,12 +66,12 @@ def _rank_ratios(profile: Profile, plan: Plan, report: Dict[str, Any]) -> List[T
     for r in report["stages"]:
         if r.get("replica", 0) != 0:
             continue
-        chunks = r.get("chunks", [r["rank"]])
+        stages = r.get("chunks", [r["rank"]])
         ratios = []
         for kind in ("forward_s", "backward_s"):
-            planned = sum(float(getattr(plan.stages[g], kind)) for g in chunks)
+            planned = sum(float(getattr(plan.stages[g], kind)) for g in stages)
             # the report's prediction, rescaled from the plan's profile to this one
-            predicted = float(r["predicted"][kind]) * (sum(getattr(here[g], kind) for g in chunks) / planned) \
+            predicted = float(r["predicted"][kind]) * (sum(getattr(here[g], kind) for g in stages) / planned) \
                 if planned > 0 else 0.0
             ratios.append(float(r["measured"][kind]) / predicted if predicted > 0 else 1.0)
         out.append((list(r["units"]), ratios[0], ratios[1]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from planner.pipeline import schedule as sched
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, Action, ActionKind
 from planner.pipeline.simulate import SimEvent, simulate
 from planner.plan.file import Plan
 
@@ -14,7 +14,7 @@ from planner.plan.file import Plan
 @dataclass
 class RankSimulation:
     rank: int
-    chunks: List[int]
+    stages: List[int]
     busy_s: float
     idle_s: float
     peak_memory_bytes: float
@@ -39,38 +39,38 @@ def simulate_plan(plan: Plan, step_overhead_s: Optional[float] = None) -> Simula
     compute = 0.0
     for r, actions in enumerate(lists):
         mine = [e for e in events if e.rank == r]
-        busy = sum(e.end - e.start for e in mine if e.kind not in (sched.RECV_ACT, sched.RECV_GRAD))
-        compute += sum(e.end - e.start for e in mine if e.kind in (sched.FORWARD, sched.BACKWARD))
-        chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
-        ranks.append(RankSimulation(rank=r, chunks=chunks, busy_s=busy, idle_s=total - busy,
-                                    peak_memory_bytes=_peak_memory(plan, actions, chunks)))
+        busy = sum(e.end - e.start for e in mine if e.kind not in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD))
+        compute += sum(e.end - e.start for e in mine if e.kind in (ActionKind.FORWARD, ActionKind.BACKWARD))
+        stages = sorted({a.stage for a in actions if a.kind is ActionKind.FORWARD})
+        ranks.append(RankSimulation(rank=r, stages=stages, busy_s=busy, idle_s=total - busy,
+                                    peak_memory_bytes=_peak_memory(plan, actions, stages)))
     bubble = 1.0 - compute / (len(lists) * total) if total > 0 else 0.0
-    closed = plan.predicted_iteration_s if plan.schedule in sched.ONE_STAGE_SCHEDULES else None
+    closed = plan.predicted_iteration_s if plan.schedule in ONE_STAGE_SCHEDULES else None
     return Simulation(iteration_s=total, bubble_fraction=bubble, ranks=ranks, events=events, closed_form_s=closed)
 
 
-def _peak_memory(plan: Plan, actions: List[sched.Action], chunks: List[int]) -> float:
+def _peak_memory(plan: Plan, actions: List[Action], stages: List[int]) -> float:
     """Static memory of the rank's stages plus the most activations held at once, walking its list."""
     static, per_micro_batch = 0.0, {}
-    for g in chunks:
+    for g in stages:
         mem = plan.stages[g].memory_bytes
         static += float(mem.get("params", 0)) + float(mem.get("grads", 0)) + float(mem.get("optimizer", 0))
         held = max(plan.stages[g].in_flight, 1)
         per_micro_batch[g] = float(mem.get("activations", 0)) / held
     live = peak = 0.0
     for a in actions:
-        if a.kind == sched.FORWARD:
-            live += per_micro_batch[a.chunk]
+        if a.kind is ActionKind.FORWARD:
+            live += per_micro_batch[a.stage]
             peak = max(peak, live)
-        elif a.kind == sched.BACKWARD:
-            live -= per_micro_batch[a.chunk]
+        elif a.kind is ActionKind.BACKWARD:
+            live -= per_micro_batch[a.stage]
     return static + peak
 
 
 def format_simulation(sim: Simulation) -> str:
     lines = [f"{'rank':>4}  {'stages':<10} {'busy ms':>9} {'idle ms':>9} {'peak MiB':>9}"]
     for r in sim.ranks:
-        lines.append(f"{r.rank:>4}  {','.join(map(str, r.chunks)):<10} {r.busy_s * 1e3:>9.3f} {r.idle_s * 1e3:>9.3f} "
+        lines.append(f"{r.rank:>4}  {','.join(map(str, r.stages)):<10} {r.busy_s * 1e3:>9.3f} {r.idle_s * 1e3:>9.3f} "
                      f"{r.peak_memory_bytes / 2**20:>9.2f}")
     lines.append(f"simulated iteration {sim.iteration_s * 1e3:.3f} ms, bubble {sim.bubble_fraction * 100:.1f}%")
     if sim.closed_form_s is not None:

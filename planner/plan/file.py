@@ -185,7 +185,7 @@ class Plan:
                                 f"micro-batches x micro-batch size {b}; {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
-        for st, device in zip(self.stages, topology.chunk_device):
+        for st, device in zip(self.stages, topology.stage_rank):
             if st.device is None:
                 st.device = device
 

@@ -14,7 +14,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     """The plan for `solution` (as produced by planner.solve) of `profile`.
 
     `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
-    `stages` lists the p v chunks in model order; chunk c runs on pipeline rank `device` = c % p.
+    `stages` lists the p v stages in model order; stage c runs on pipeline rank `device` = c % p.
     Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
     (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
     and `bubble_fraction` are per replica device.
@@ -23,7 +23,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     b = solution.micro_batch_size
     cost = solution.cost
     last = len(cost.stages) - 1
-    m, p = cost.num_micro_batches, cost.pipeline_stages
+    m, p = cost.num_micro_batches, cost.pipeline_ranks
     pipeline_s = cost.iteration_s - cost.extra_s
     rank_work = [sum(st.time_s for st in cost.stages if st.device == i) for i in range(p)]
     replicated = any(st.replicas > 1 for st in cost.stages)
@@ -67,8 +67,8 @@ def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: in
                    replicas: Optional[Sequence[int]] = None) -> Plan:
     """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
     tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1)."""
-    opts = CostOptions(num_stages=len(boundaries) + 1, global_batch=global_batch, schedule=schedule,
-                       replicas=tuple(replicas) if replicas else ())
+    opts = CostOptions(pipeline_ranks=sum(replicas) if replicas else len(boundaries) + 1, global_batch=global_batch,
+                       schedule=schedule, replicas=tuple(replicas) if replicas else ())
     cost = evaluate(profile, boundaries, micro_batch_size, opts)
     solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
                         num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",

@@ -63,7 +63,7 @@ def _summary(plan: Plan, cap) -> List[str]:
     out.append(f"micro-batch size {plan.micro_batch_size} x {plan.num_micro_batches} micro-batches"
                + (f" x {d} data-parallel replicas" if d > 1 else "")
                + f" (global batch {plan.global_batch}), schedule {plan.schedule}"
-               + (f" with {v} chunks per device" if v > 1 else "") + f", optimizer {plan.optimizer}")
+               + (f" with {v} stages per device" if v > 1 else "") + f", optimizer {plan.optimizer}")
     redo = sum(len(st.recompute) for st in plan.stages)
     out.append(f"predicted iteration time {_ms(plan.predicted_iteration_s)} ms, "
                f"bubble {100 * plan.bubble_fraction:.1f}%"

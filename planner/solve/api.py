@@ -32,7 +32,7 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
           virtual_stages: Optional[int] = None) -> Solution:
     """The best plan for (profile, opts) by `method`; raises InfeasibleError when none exists.
 
-    devices: choose p x d = devices (opts.num_stages is then ignored); schedules: candidate
+    devices: choose p x d = devices (opts.pipeline_ranks is then ignored); schedules: candidate
     schedules to choose from (default: opts.schedule alone); virtual_stages: v for interleaved/bfs.
     """
     opts.validate()

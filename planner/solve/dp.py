@@ -1,4 +1,4 @@
-"""The exact dynamic program for chains (v = 1 chunk per rank, no tied parameters): `--method dp`.
+"""The exact dynamic program for chains (v = 1 stage per rank, no tied parameters): `--method dp`.
 
 For one micro-batch size b (and fixed p, d, schedule) let T_c(a, e) be the time of units [a, e)
 as stage c (cheapest memory-fitting recomputation included, +inf when nothing fits) and E_c(a, e)
@@ -32,7 +32,7 @@ from planner.profile.profile import Profile
 from planner.solve.chain import solve_chain
 from planner.solve.chain_recompute import MAX_UNITS, recompute_tables
 from planner.solve.diagnose import min_max_partition
-from planner.solve.tables import auto_recompute_times, cheapest_recompute, chunk_tables
+from planner.solve.tables import auto_recompute_times, cheapest_recompute, stage_tables
 
 DpResult = Tuple[float, List[int], List[int]]  # (iteration, boundaries, recomputed units)
 
@@ -145,8 +145,8 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
     if fast is not None and (fast.exact or fast.plan is None and math.isinf(fast.lower_bound)):
         return fast.plan
 
-    L, C = profile.num_units, opts.num_chunks
-    tables = chunk_tables(profile, b, opts)
+    L, C = profile.num_units, opts.num_stages
+    tables = stage_tables(profile, b, opts)
     if opts.recompute == "auto" and any(cap is not None for cap in tables.caps):
         times = auto_recompute_times(profile, b, opts, tables, exact)
     else:
@@ -203,7 +203,7 @@ def solve_dp(profile: Profile, opts: CostOptions, exact: bool = True) -> Optiona
 def _check(profile: Profile, opts: CostOptions) -> None:
     from planner.cost.model import shared_parameters
     if opts.virtual_stages != 1:
-        raise ValueError("the dp method handles one chunk per rank (gpipe/1f1b); use --method ilp for "
+        raise ValueError("the dp method handles one stage per rank (gpipe/1f1b); use --method ilp for "
                          f"{opts.schedule}")
     if shared_parameters(profile):
         raise ValueError("the dp method does not model tied-parameter exchange; use --method ilp")

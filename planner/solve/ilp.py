@@ -1,22 +1,22 @@
 """The integer program for one scenario (p, d, v, schedule, micro-batch size b): boundaries and
 recomputation chosen jointly, optimality proven. planner.solve.search enumerates the scenarios.
 
-Prefix (staircase) form over C = p v chunks: z[l][c] = 1 iff unit l is in a chunk <= c, with
+Prefix (staircase) form over C = p v stages: z[l][c] = 1 iff unit l is in a stage <= c, with
 
-    z[l][C-1] = 1;  z[l][c] = 1 for c >= l;  z[l][c] = 0 for c < C - L + l   (chunks are non-empty)
+    z[l][C-1] = 1;  z[l][c] = 1 for c >= l;  z[l][c] = 0 for c < C - L + l   (stages are non-empty)
     z[l][c] >= z[l+1][c]     (contiguity)        z[l][c] <= z[l][c+1]    (prefix)
-    z[l][c] <= z[l+1][c+1]   (chunk c+1 non-empty)
-    x[l][c] = z[l][c] - z[l][c-1]  (unit l in chunk c);  e[k][c] = z[k-1][c] - z[k][c] (cut k ends c)
+    z[l][c] <= z[l+1][c+1]   (stage c+1 non-empty)
+    x[l][c] = z[l][c] - z[l][c-1]  (unit l in stage c);  e[k][c] = z[k-1][c] - z[k][c] (cut k ends c)
 
 Variable fixing by prefix sums. With an incumbent of value U, any better plan has
 max_i D_i <= tau = (U - G / v) / (m - 1/v) (G: a lower bound on sum_c T_c: total work over the fastest rank,
 or the DP's unconstrained min sum when v = 1),
-and every chunk time T_c <= tau. Units 0..l in chunks <= c need W(0, l+1) <= (c+1) tau sigma_max,
-so z[l][c] = 0 otherwise; units l..L-1 in chunks > c need W(l, L) <= (C-1-c) tau sigma_max, so
-z[l][c] = 1 otherwise. On balanced chains this leaves each unit one or two possible chunks.
+and every stage time T_c <= tau. Units 0..l in stages <= c need W(0, l+1) <= (c+1) tau sigma_max,
+so z[l][c] = 0 otherwise; units l..L-1 in stages > c need W(l, L) <= (C-1-c) tau sigma_max, so
+z[l][c] = 1 otherwise. On balanced chains this leaves each unit one or two possible stages.
 
 Recomputation ('auto', with a memory cap): rho[l][c] <= x[l][c] for units with s_l > in_l;
-chunk c's time gains f_l / sigma rho[l][c] and its memory loses h_c (s_l - in_l) rho[l][c].
+stage c's time gains f_l / sigma rho[l][c] and its memory loses h_c (s_l - in_l) rho[l][c].
 
     T_c   = k / sigma_c + sum_l x[l][c] w_l / sigma_c + sum_l rho[l][c] f_l / sigma_c   (k: a stage's own cost)
             + sum_k e[k][c-1] t_k^{c-1} [c > 0] + sum_k e[k][c] t_k^c [c < C-1]
@@ -57,7 +57,7 @@ class ScenarioResult:
 
 
 class _NoPlanUnderBound(Exception):
-    """Fixed variables contradict each other: no split has every chunk time under the bound."""
+    """Fixed variables contradict each other: no split has every stage time under the bound."""
 
 
 def _var(prob: pulp.LpProblem, name: str, binary: bool = False) -> pulp.LpVariable:
@@ -68,8 +68,8 @@ def _var(prob: pulp.LpProblem, name: str, binary: bool = False) -> pulp.LpVariab
 
 
 def _fixings(profile: Profile, b: int, opts: CostOptions, tau: float) -> Tuple[List[int], List[int]]:
-    """For each unit l: the lowest and highest chunk it may occupy given max chunk time tau (s)."""
-    L, C = profile.num_units, opts.num_chunks
+    """For each unit l: the lowest and highest stage it may occupy given max stage time tau (s)."""
+    L, C = profile.num_units, opts.num_stages
     fastest = max(rank_speeds(opts))
     work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])]) / fastest
     slack = tau * (1 + 1e-9) + 1e-15
@@ -86,7 +86,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
                     dmax_floor_s: float, total_floor_s: float, time_limit: Optional[float], backend: str, warm_start: bool
                     ) -> ScenarioResult:
     """Solve the scenario's program; the incumbent (iteration, boundaries, recompute) bounds and warm-starts it."""
-    L, C, p, v = profile.num_units, opts.num_chunks, opts.num_stages, opts.virtual_stages
+    L, C, p, v = profile.num_units, opts.num_stages, opts.pipeline_ranks, opts.virtual_stages
     m = num_micro_batches(opts, b)
     speeds, caps, held, links = rank_speeds(opts), rank_caps(opts), held_counts(opts, m), boundary_links(opts)
     units = profile.units
@@ -109,7 +109,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
         row: List[object] = []
         for c in range(C):
             if c >= high[l]:
-                row.append(1)  # unit l sits in a chunk <= high[l] <= c
+                row.append(1)  # unit l sits in a stage <= high[l] <= c
             elif c < low[l]:
                 row.append(0)
             else:
@@ -142,7 +142,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
         def may(l: int, c: int) -> bool:
             return low[l] <= c <= high[l]
 
-        def cut_may_end(k: int, c: int) -> bool:  # cut k can end chunk c: unit k-1 in c, unit k in c+1
+        def cut_may_end(k: int, c: int) -> bool:  # cut k can end stage c: unit k-1 in c, unit k in c+1
             return may(k - 1, c) and may(k, c + 1)
 
         recompute_units = [l for l, u in enumerate(units) if u.saved_bytes[b] > inputs[l]] \
@@ -151,11 +151,11 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
         for l in recompute_units:
             for c in range(low[l], high[l] + 1):
                 rho[l, c] = _var(prob, f"r_{l}_{c}", binary=True)
-                add(rho[l, c] <= x(l, c), f"recompute_in_chunk_{l}_{c}")
+                add(rho[l, c] <= x(l, c), f"recompute_in_stage_{l}_{c}")
         cut_ms = [[t * MS for t in cut_times(profile, b, opts, link)] for link in links]
         call_ms = stage_call_s(profile, b) * MS
         opt = optimizer_factor(opts.optimizer)
-        chunk_time = []
+        stage_time = []
         for c in range(C):
             sigma = speeds[c % p]
             t = call_ms / sigma + pulp.lpSum(work[l] / sigma * x(l, c) for l in range(L) if may(l, c))
@@ -165,10 +165,10 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
                                 if cut_ms[c - 1][k] and cut_may_end(k, c - 1))
             if c < C - 1:
                 t += pulp.lpSum(cut_ms[c][k] * ends(k, c) for k in range(1, L) if cut_ms[c][k] and cut_may_end(k, c))
-            chunk_time.append(t)
+            stage_time.append(t)
         dmax = _var(prob, "dmax")
         for i in range(p):
-            add(dmax >= pulp.lpSum(chunk_time[c] for c in range(i, C, p)), f"busiest_rank_{i}")
+            add(dmax >= pulp.lpSum(stage_time[c] for c in range(i, C, p)), f"busiest_rank_{i}")
         add(dmax >= dmax_floor_s * MS * (1 - 1e-9), "busiest_rank_floor")
         for i in range(p):
             if caps[i] is None:
@@ -180,7 +180,7 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
             cap = math.floor(caps[i]) if opt.is_integer() else caps[i]
             add(memory <= cap / MIB, f"memory_rank_{i}")
         extra_terms = _extra_terms(prob, profile, opts, x, ends, may, add)
-        objective = pulp.lpSum(chunk_time) * (1.0 / v) + (m - 1.0 / v) * dmax + opts.per_step_s * MS
+        objective = pulp.lpSum(stage_time) * (1.0 / v) + (m - 1.0 / v) * dmax + opts.per_step_s * MS
         if extra_terms is not None:
             emax = _var(prob, "emax")
             for i in range(p):
@@ -228,8 +228,8 @@ def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Opti
 
 
 def _extra_terms(prob, profile: Profile, opts: CostOptions, x, ends, may, add) -> Optional[List[object]]:
-    """Per-chunk per-iteration time (ms): all-reduce of its parameters over d, plus tied exchange."""
-    C = opts.num_chunks
+    """Per-stage per-iteration time (ms): all-reduce of its parameters over d, plus tied exchange."""
+    C = opts.num_stages
     ties = shared_parameters(profile)
     if opts.data_parallel == 1 and not ties:
         return None

@@ -336,7 +336,7 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: Plan, b: 
 
 def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None
                      ) -> Solution:
-    """The best replicated plan: opts.num_stages (or each scenario's) = N devices per data-parallel
+    """The best replicated plan: opts.pipeline_ranks (or each scenario's) = N devices per data-parallel
     replica, shared by S <= N stages. Exact for recompute none/all (and auto without a cap); under
     auto with a cap the plan uses greedy-then-exact per-stage recomputation and the bound comes
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
@@ -352,7 +352,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         if scenario.recompute == "auto" and not auto:  # no cap: recomputing only adds time
             scenario = scenario.with_(recompute="none")
         for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
-            tables = ReplicaTables(profile, b, scenario, scenario.num_stages, "upper" if auto else None)
+            tables = ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, "upper" if auto else None)
             search = _Search(tables, best[0] if best is not None else math.inf)
             search.run()
             searched += [(scenario, b, auto)] if bounded else []
@@ -366,7 +366,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                 best = (value, search.best, b, scenario, redo)
     bound = best[0] if best is not None else math.inf
     for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
-        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower" if auto else None,
+        lower = _Search(ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
                                       held_bound="lower"), bound)
         lower.run()
         bound = min(bound, lower.U)
@@ -380,7 +380,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                 best = (value, lower.best, size, other, redo)
     if best is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-        raise _infeasible(profile, opts, opts.num_stages, sizes)
+        raise _infeasible(profile, opts, opts.pipeline_ranks, sizes)
     value, plan, b, scenario, redo = best
     chosen = _chosen(scenario, plan)
     cost = evaluate(profile, plan[0], b, chosen, redo)
@@ -397,7 +397,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
 def _chosen(scenario: CostOptions, plan: Plan) -> CostOptions:
     """The scenario as evaluated: S stages with their replicas (none listed when every r_g = 1)."""
     reps = tuple(plan[1])
-    return scenario.with_(num_stages=len(reps), replicas=reps if max(reps) > 1 else ())
+    return scenario.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = the scenario's ranks
 
 
 __all__ = ["solve_replicated", "check_replicable", "ReplicaTables"]

@@ -5,7 +5,7 @@ The decisions that change the shape of the program (p, d, schedule, v, b) are en
 boundaries and recomputation are solved inside each scenario. A scenario whose lower bound
 
     LB = G / v + (m - 1/v) D_lb      (G: total compute over the fastest rank, or the unconstrained
-                                      min-sum DP when v = 1; D_lb: exact min-max chunk time
+                                      min-sum DP when v = 1; D_lb: exact min-max stage time
                                                   when v = 1, else max(W / (p sigma_max), max_l w_l))
 
 is not below the incumbent is skipped; the global bound is the minimum over scenarios of their
@@ -23,29 +23,29 @@ import numpy as np
 from planner.cost.options import CostOptions
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
                                 shared_parameters, stage_call_s)
-from planner.pipeline.schedule import CHUNKED_SCHEDULES
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.ilp import build_and_solve
-from planner.solve.tables import chunk_tables
+from planner.solve.tables import stage_tables
 
 def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] = None,
                      schedules: Optional[Sequence[str]] = None, virtual_stages: Optional[int] = None
                      ) -> List[CostOptions]:
     """Concrete options: each schedule (interleaved/bfs with v = virtual_stages, default the
     options' own or 2) and, given `devices` N, each p x d = N."""
-    chunks = virtual_stages if virtual_stages is not None else max(2, opts.virtual_stages)
+    multi_v = virtual_stages if virtual_stages is not None else max(2, opts.virtual_stages)
     schedules = list(schedules) if schedules else [opts.schedule]
-    pairs = [(opts.num_stages, opts.data_parallel)] if devices is None else \
+    pairs = [(opts.pipeline_ranks, opts.data_parallel)] if devices is None else \
         [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and opts.global_batch % d == 0]
     out = []
     for p, d in pairs:
         for schedule in schedules:
-            v = chunks if schedule in CHUNKED_SCHEDULES else 1
+            v = multi_v if schedule in MULTI_STAGE_SCHEDULES else 1
             if p * v <= num_units:
-                out.append(opts.with_(num_stages=p, data_parallel=d, schedule=schedule, virtual_stages=v))
+                out.append(opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v))
     return out
 
 
@@ -64,7 +64,7 @@ def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> List[int]:
     work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])])
     n = len(work)
     table = np.where(np.triu(np.ones((n, n), dtype=bool), 1), work[None, :] - work[:, None], np.inf)
-    return min_max_partition(profile.num_units, opts.num_chunks, lambda c: table)[1]
+    return min_max_partition(profile.num_units, opts.num_stages, lambda c: table)[1]
 
 
 def heuristic_plan(profile: Profile, b: int, opts: CostOptions) -> Optional[Tuple[float, List[int], List[int]]]:
@@ -83,12 +83,12 @@ def heuristic_plan(profile: Profile, b: int, opts: CostOptions) -> Optional[Tupl
 
 
 def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool) -> _Candidate:
-    m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.num_stages
+    m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.pipeline_ranks
     fastest = max(rank_speeds(opts))
     w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
-    call = stage_call_s(profile, b) / fastest  # every one of the C chunks pays it
-    total = sum(w) + opts.num_chunks * call
-    floor = max(total / p, max(w) + v * call)  # the rank holding the largest unit runs v chunks
+    call = stage_call_s(profile, b) / fastest  # every one of the C stages pays it
+    total = sum(w) + opts.num_stages * call
+    floor = max(total / p, max(w) + v * call)  # the rank holding the largest unit runs v stages
     if use_heuristic and v == 1:
         fast = chain_bounds(profile, b, opts)
         if fast is not None:  # exact, or bounds and an incumbent for the ILP
@@ -97,8 +97,8 @@ def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool)
                 max(fast.lower_bound, total + (m - 1) * floor + opts.per_step_s)
             return _Candidate(opts, b, fast.plan, lower, floor, total, exact=fast.exact)
     if v == 1:
-        tables = chunk_tables(profile, b, opts.with_(recompute="none"))
-        floor = max(floor, min_max_partition(profile.num_units, opts.num_chunks, lambda c: tables.time[c])[0])
+        tables = stage_tables(profile, b, opts.with_(recompute="none"))
+        floor = max(floor, min_max_partition(profile.num_units, opts.num_stages, lambda c: tables.time[c])[0])
         total = max(total, _min_sum(tables.time, profile.num_units)[0])  # sum_c T_c >= g_min
     lower = total / v + (m - 1.0 / v) * floor + opts.per_step_s
     heuristic = heuristic_plan(profile, b, opts) if use_heuristic else None
@@ -140,7 +140,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         if warm_start and best is not None:
             own = c.heuristic if c.heuristic else (best[0], None, [])
             incumbent = (best[0], own[1] if own[1] is not None else best[1], own[2])
-            if own[1] is None or len(own[1]) != c.opts.num_chunks - 1:
+            if own[1] is None or len(own[1]) != c.opts.num_stages - 1:
                 incumbent = (best[0], _balanced_split(profile, c.b, c.opts), [])
         ran_ilp = True
         result = build_and_solve(profile, c.b, c.opts, incumbent, c.floor, c.total, remaining,
