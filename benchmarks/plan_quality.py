@@ -23,7 +23,8 @@ from fidelity import measured_run  # noqa: E402
 
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.cost.model import profiled_optimizer_step_s  # noqa: E402
-from planner.profile.measure import measure_link, profile_model  # noqa: E402
+from planner.profile.link import measure_link  # noqa: E402
+from planner.profile.measure import profile_model  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 

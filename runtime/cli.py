@@ -60,33 +60,60 @@ def _warn_conditions(plan: Plan, threads: int, world: int) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    """`runtime execute`: check the plan, start one process per rank here, report what they measured."""
     from runtime.launch import launch_local
     from runtime.report import build_report, format_report
 
     plan = load_plan(args.plan)
     lists = check_plan(plan)
+    _check_run_options(args)
+    topology = plan.topology()
+    threads = args.threads or int(plan.profile.get("threads", 1) or 1)
+    optimizer = args.optimizer or plan.optimizer
+    _warn_conditions(plan, threads, topology.world_size)
+    if optimizer.rstrip("w") != plan.optimizer.rstrip("w"):
+        print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
+              file=sys.stderr)
+    print(f"running {args.plan}: {_shape(topology)}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
+          f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
+    out_dir = tempfile.mkdtemp(prefix="runtime-")
+    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
+    result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,
+                          args.timeout, progress_rank=reporter)
+    if not result.ok:
+        print(f"error: rank {result.failed_rank} failed: {result.error}\n"
+              f"(its log: {result.log_path}; all ranks were stopped)", file=sys.stderr)
+        return 1
+    ranks = [read_json(os.path.join(out_dir, f"rank{r}.json")) for r in range(topology.world_size)]
+    report = build_report(plan, ranks)
+    print(format_report(report))
+    _write_outputs(args, plan, lists, out_dir, report)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
     if args.recv_ahead < 0:
         raise UsageError("--recv-ahead must be 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
-    topology = plan.topology()
-    world = topology.world_size
-    threads = args.threads or int(plan.profile.get("threads", 1) or 1)
-    optimizer = args.optimizer or plan.optimizer
-    _warn_conditions(plan, threads, world)
-    if optimizer.rstrip("w") != plan.optimizer.rstrip("w"):
-        print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
-              file=sys.stderr)
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir")
+
+
+def _shape(topology) -> str:
+    """'4 pipeline ranks x 2 replicas', '3 pipeline ranks (2 stages, replicas 1/2)', ..."""
     replicas = [topology.replicas_of(g) for g in range(topology.num_stages)]
-    shape = f"{topology.pipeline_ranks} pipeline ranks" + (
+    return f"{topology.pipeline_ranks} pipeline ranks" + (
         f" ({topology.num_stages} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
         f" x {topology.data_parallel} replicas" if topology.data_parallel > 1 else "") + (
         f", {topology.num_stages} stages" if topology.virtual_stages > 1 else "")
-    print(f"running {args.plan}: {shape}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
-          f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
-    out_dir = tempfile.mkdtemp(prefix="runtime-")
+
+
+def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer: str) -> List[str]:
+    """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
                    "--recv-ahead", str(args.recv_ahead)]
@@ -98,21 +125,16 @@ def execute(args: argparse.Namespace) -> int:
         worker_args += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                         "--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
-        if not args.checkpoint_dir:
-            raise UsageError("--resume needs --checkpoint-dir")
         worker_args.append("--resume")
-    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
-    result = launch_local(world, worker_args, out_dir, threads, args.timeout, progress_rank=reporter)
-    if not result.ok:
-        print(f"error: rank {result.failed_rank} failed: {result.error}\n"
-              f"(its log: {result.log_path}; all ranks were stopped)", file=sys.stderr)
-        return 1
-    ranks = [read_json(os.path.join(out_dir, f"rank{r}.json")) for r in range(world)]
-    report = build_report(plan, ranks)
-    print(format_report(report))
+    return worker_args
+
+
+def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.Action]], out_dir: str,
+                   report: Dict[str, Any]) -> None:
+    """--save-state, --report, --trace and --timeline, from the ranks' files in out_dir."""
+    topology = plan.topology()
     if args.save_state:
-        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_ranks()],
-                      args.save_state)
+        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_ranks()], args.save_state)
         print(f"saved the trained model's state_dict to {args.save_state}")
     if args.report:
         write_json_atomic(args.report, report)
@@ -122,7 +144,7 @@ def execute(args: argparse.Namespace) -> int:
         from planner.pipeline.simulate import simulate
         from runtime import trace
 
-        events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(world)}
+        events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(topology.world_size)}
         if args.trace:
             trace.chrome_trace(events, args.trace)
             print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
@@ -131,8 +153,6 @@ def execute(args: argparse.Namespace) -> int:
             replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
             timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
             print(f"wrote timeline {args.timeline}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return 0
 
 
 def show(args: argparse.Namespace) -> int:

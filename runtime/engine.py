@@ -73,12 +73,10 @@ class StepStats:
 class _State:
     """One micro-batch on one stage."""
 
-    inputs: List[Any] = field(default_factory=list)
     received: List[Any] = field(default_factory=list)
     outputs: Any = None
     grads: List[torch.Tensor] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None
-    target: Any = None
     saved_bytes: int = 0  # held for backward by this micro-batch's forward
 
 

@@ -81,10 +81,6 @@ class RankStage:
     recompute: List[str] = field(default_factory=list)
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 

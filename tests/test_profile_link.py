@@ -8,8 +8,9 @@ import torch
 
 from planner.cost.model import profiled_optimizer_step_s
 from planner.profile.corunners import CoRunners
-from planner.profile.measure import (fit_link, host_drift, measure_link, measure_units, profile_model,
-                                     split_call_overhead, steadiest_profile)
+from planner.profile.link import fit_link, measure_link
+from planner.profile.measure import host_drift, profile_model, steadiest_profile
+from planner.profile.timing import UnitCall, measure_units, split_call_overhead
 from planner.profile.profile import Profile
 from tests.pipeline import run_cli
 
@@ -67,17 +68,17 @@ class _Logged(torch.nn.Module):
 
 def test_units_are_timed_round_robin_after_warmup():
     log = []
-    units = [(_Logged(name, log), [torch.ones(3, requires_grad=True)], [0], False) for name in "abc"]
+    units = [UnitCall(_Logged(name, log), [torch.ones(3, requires_grad=True)], [0], False) for name in "abc"]
     result = measure_units(units, None, None, torch.device("cpu"), repeats=4, warmup=2)
     assert len(result) == 3
     # one saved-bytes probe per unit, then 2 warm-up and 4 timed rounds over all units in turn
     assert log == ["a", "b", "c"] + ["a", "b", "c"] * 6
-    assert all(f > 0 and b > 0 for f, b, _ in result)
+    assert all(t.forward_s > 0 and t.backward_s > 0 for t in result)
 
 
 def test_minimum_time_adds_rounds_beyond_repeats():
     log = []
-    units = [(_Logged("a", log), [torch.ones(3, requires_grad=True)], [0], False)]
+    units = [UnitCall(_Logged("a", log), [torch.ones(3, requires_grad=True)], [0], False)]
     measure_units(units, None, None, torch.device("cpu"), repeats=1, warmup=0, min_time_s=0.05)
     assert len(log) > 2  # the probe and one round would be 2; 50 ms of rounds are many more
 
@@ -116,15 +117,18 @@ def test_profile_with_a_co_runner_records_its_conditions():
 
 def test_split_call_overhead_recovers_a_per_call_cost():
     # units of 1, 2, 3 ms each timed alone with a 0.5 ms call cost; the whole model pays it once
-    c, units, scale = split_call_overhead([1.5, 2.5, 3.5], 6.5)
-    assert c == pytest.approx(0.5) and units == pytest.approx([1.0, 2.0, 3.0]) and scale == pytest.approx(1.0)
+    split = split_call_overhead([1.5, 2.5, 3.5], 6.5)
+    assert split.call_s == pytest.approx(0.5) and split.unit_s == pytest.approx([1.0, 2.0, 3.0])
+    assert split.scale == pytest.approx(1.0)
     # a cost larger than the cheapest unit is capped there; the rest is spread in proportion
-    c, units, scale = split_call_overhead([0.2, 4.0, 4.0], 6.0)
-    assert c == pytest.approx(0.2) and units[0] == 0.0 and sum(units) + c == pytest.approx(6.0) and scale < 1
+    split = split_call_overhead([0.2, 4.0, 4.0], 6.0)
+    assert split.call_s == pytest.approx(0.2) and split.unit_s[0] == 0.0 and split.scale < 1
+    assert sum(split.unit_s) + split.call_s == pytest.approx(6.0)
     # units that sum below the whole (noise) or a single unit: no call cost, proportional scaling
     for alone, whole in (([1.0, 2.0], 3.3), ([2.0], 1.8)):
-        c, units, scale = split_call_overhead(alone, whole)
-        assert c == 0.0 and sum(units) == pytest.approx(whole) and scale == pytest.approx(whole / sum(alone))
+        split = split_call_overhead(alone, whole)
+        assert split.call_s == 0.0 and sum(split.unit_s) == pytest.approx(whole)
+        assert split.scale == pytest.approx(whole / sum(alone))
 
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():

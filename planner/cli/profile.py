@@ -31,7 +31,7 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
     if args.device != "cpu":
         raise UsageError("--link measure times gloo between two processes on this host (CPU runs); for GPUs "
                          "give planner solve --bandwidth/--latency or calibrate from a run")
-    from planner.profile.measure import measure_link
+    from planner.profile.link import measure_link
 
     cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in sizes} - {0})
     link = measure_link(cut_bytes, threads=args.threads)

@@ -65,11 +65,10 @@ n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + tr
 
 M_g (per replica device) = P_g (2 + opt) + h_g A_g. With every r_g = 1 this is the v = 1 model
 above: n_g = m and (m - 1) max_g T_g. The closed form assumes each replica streams its n_g
-micro-batches; the event simulation of the runtime's lists agrees within a few per cent for gpipe
-and 1f1b (tests/test_replicas_solver.py). The warm-up grows by max(r_g, r_{g+1}) so that a wide
-stage behind a narrow one does not serialise, as it did with w_g = sum_{h>=g} r_h - 1 (its replica
-j waited for a forward the stage before released only after backward j - 2: VGG-16 on 8 devices
-ran 4.05 s against the closed form's 2.10 s). (planner/costmodel_replicas.py.)
+micro-batches; tests/test_replicas_solver.py checks it against the event simulation of the
+runtime's lists (BENCHMARKS.md: how close). The warm-up grows by max(r_g, r_{g+1}) so that a wide
+stage behind a narrow one does not serialise (planner.pipeline.schedule.warmup_before).
+(planner/cost/replicas.py.)
 """
 from __future__ import annotations
 

@@ -304,12 +304,6 @@ class CapturedModel:
         stage = fx.GraphModule(self.gm, graph, class_name=f"Stage_{first}_{end}")
         return stage, io
 
-    def parameter_names(self, first: int, end: int) -> List[str]:
-        """Original names of the parameters units [first, end) use."""
-        stage, _ = self.stage_module(first, end)
-        return [name for name, _ in stage.named_parameters()]
-
-
     def shared_parameters(self) -> List[SharedParameter]:
         """Parameter tensors read by more than one unit (tied weights), each once."""
         names_of: Dict[int, List[str]] = {}

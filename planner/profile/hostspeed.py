@@ -1,7 +1,7 @@
 """How fast this CPU host computes right now: the median time of one fixed reference kernel.
 
-A shared machine's speed drifts (other tenants' jobs, frequency): the same unit can take 1.3x as
-long a minute later. The profile times the reference kernel while it measures, and every rank of a
+A shared machine's speed drifts (other tenants' jobs, frequency): the same unit can take much
+longer a minute later (BENCHMARKS.md). The profile times the reference kernel while it measures, and every rank of a
 run times it before its first and after its last step, all ranks at once as the run's ranks load
 the host's cores together (the profile's co-runners run the kernel meanwhile for the same
 reason). The ratio tells a run that met another host speed from a wrong model: `runtime execute`

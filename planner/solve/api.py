@@ -48,9 +48,9 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     found: Optional[Solution] = None
     if method in ("ilp", "dp"):
         if method == "dp":
-            from planner.solve.dp import _check
+            from planner.solve.dp import check_dp_scope
             for scenario in scenarios:
-                _check(profile, scenario)
+                check_dp_scope(profile, scenario)
         found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend, warm_start=warm_start)
     elif method == "brute":
         best = None

@@ -90,7 +90,6 @@ class ChainScenario:
 
         self.tin = [cuts(links[c - 1] if c > 0 else None, self.sigma[c]) for c in range(self.C)]
         self.tout = [cuts(links[c]) if c < self.C - 1 else cuts(None) for c in range(self.C)]
-        self.band_tau = -1.0
 
     # -- the band ---------------------------------------------------------------------------
     def build_band(self, tau_hi: float) -> None:
@@ -108,7 +107,7 @@ class ChainScenario:
         valid = (a >= lo[:, None]) & (a >= 0)
         self.a_idx = np.where(valid, a, L + 1)  # L + 1: a sentinel whose DP value is +inf
         safe = np.where(valid, a, 0)
-        self.band_tau, self.K = tau_hi, K
+        self.K = K
         base: Dict[tuple, np.ndarray] = {}
         self.tables: List[np.ndarray] = []
         self.raw: Dict[tuple, np.ndarray] = {}

@@ -25,3 +25,13 @@ class Solution:
     backend: str  # "cbc" | "highs" | "python"
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
     options: Optional[CostOptions] = None  # the concrete scenario (p, d, v, schedule) chosen
+
+
+@dataclass
+class Split:
+    """A plan inside a solver's search: where the stages are cut (unit indices), which units are
+    recomputed in backward, and its iteration time by the cost model (seconds)."""
+
+    iteration_s: float
+    boundaries: List[int]
+    recompute: List[int] = field(default_factory=list)

@@ -56,7 +56,6 @@ def stage_tables(profile: Profile, b: int, opts: CostOptions) -> StageTables:
     L, C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
     m = num_micro_batches(opts, b)
     all_redo = opts.recompute == "all"
-    forward = [u.forward_s[b] for u in profile.units]
     work = _range(_prefix([u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if all_redo else 0.0)
                            for u in profile.units])) + stage_call_s(profile, b)
     saved = input_bytes(profile, b) if all_redo else [u.saved_bytes[b] for u in profile.units]
@@ -65,7 +64,6 @@ def stage_tables(profile: Profile, b: int, opts: CostOptions) -> StageTables:
     speeds, caps, held, links = rank_speeds(opts), rank_caps(opts), held_counts(opts, m), boundary_links(opts)
     static = params * (2 + optimizer_factor(opts.optimizer))
     times, memories, extras = [], [], []
-    del forward
     for c in range(C):
         t = work / speeds[c % p]
         if c > 0:
