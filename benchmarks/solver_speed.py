@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.profile.pipedream import import_pipedream  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
-from tests.synthetic import synthetic_profile  # noqa: E402
+from tests.support.synthetic import synthetic_profile  # noqa: E402
 
 PIPEDREAM = os.path.join(ROOT, "..", "shared", "external", "pipedream-profiles")
 

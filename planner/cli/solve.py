@@ -34,7 +34,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--latency", type=float, default=None,
                    help="seconds per message between stages (default: the profile's calibration, else the "
                         "measured link's, else 0)")
-    s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cluster.py)")
+    s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cost/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
     s.add_argument("--backend", default="highs", choices=["highs", "cbc"],

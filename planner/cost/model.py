@@ -65,7 +65,7 @@ n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + tr
 
 M_g (per replica device) = P_g (2 + opt) + h_g A_g. With every r_g = 1 this is the v = 1 model
 above: n_g = m and (m - 1) max_g T_g. The closed form assumes each replica streams its n_g
-micro-batches; tests/test_replicas_solver.py checks it against the event simulation of the
+micro-batches; tests/solve/test_replicas.py checks it against the event simulation of the
 runtime's lists (BENCHMARKS.md: how close). The warm-up grows by max(r_g, r_{g+1}) so that a wide
 stage behind a narrow one does not serialise (planner.pipeline.schedule.warmup_before).
 (planner/cost/replicas.py.)

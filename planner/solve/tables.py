@@ -3,7 +3,7 @@
 For stage c on rank i = c % p at micro-batch size b, with prefix sums over units:
 
     time[c][a, e]   = (k + sum_{a<=l<e} f_l + g_l) / sigma_i + t_a^{c-1} [c > 0] + t_e^{c} [c < C-1]
-                      (k: the profile's per-stage cost, costmodel.stage_call_s)
+                      (k: the profile's per-stage cost, planner.cost.model.stage_call_s)
     redo[c][a, e]   = sum_{a<=l<e} f_l / sigma_i            (extra time if every unit is recomputed)
     memory[c][a, e] = (P_e - P_a)(2 + opt) + h_c (A_e - A_a)   (A: saved bytes, or inputs under 'all')
     extra[c][a, e]  = 2 (d - 1)/d (P_e - P_a) / dp_bandwidth

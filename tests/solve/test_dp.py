@@ -9,7 +9,7 @@ from planner.cost.options import CostOptions
 from planner.cost.model import evaluate
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 @st.composite

@@ -8,9 +8,9 @@ import torch
 
 from planner.jsonio import write_json_atomic
 from planner.plan.file import save_plan
-from tests.pipeline import (execute, max_abs_diff, plan_with, profile_of, report_of, reference_state,
+from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, report_of, reference_state,
                             reshape_plan, run_cli)
-from tests.test_cli import _processes_running
+from tests.support.runs import processes_running
 
 
 def _gpt_plan(cuts, b=2, g=8, schedule="1f1b"):
@@ -96,7 +96,7 @@ def test_rank_killed_with_sigkill_takes_the_others_down(tmp_path):
     assert result.returncode == 1
     assert "rank 1 failed: killed by signal SIGKILL" in result.stderr
     assert time.monotonic() - start < 30
-    assert _processes_running(["runtime.worker", plan_path]) == []
+    assert processes_running(["runtime.worker", plan_path]) == []
 
 
 def test_ranks_with_different_plans_refuse_to_start(tmp_path):
@@ -104,7 +104,7 @@ def test_ranks_with_different_plans_refuse_to_start(tmp_path):
     import sys
 
     from runtime.launch import free_port
-    from tests.pipeline import ROOT
+    from tests.support.runs import ROOT
 
     plan = _gpt_plan([4])
     paths = [str(tmp_path / f"plan{r}.json") for r in range(2)]

@@ -12,7 +12,7 @@ from planner.profile.link import fit_link, measure_link
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
 from planner.profile.timing import UnitCall, measure_units, split_call_overhead
 from planner.profile.profile import Profile
-from tests.pipeline import run_cli
+from tests.support.runs import run_cli
 
 
 # --- the link fit ----------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_split_call_overhead_recovers_a_per_call_cost():
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
     from planner.jsonio import JsonFileError
-    from tests.synthetic import synthetic_profile
+    from tests.support.synthetic import synthetic_profile
 
     p = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[8],
                           sizes=(1, 2), stage_overhead={1: (0.1, 0.2), 2: (0.15, 0.25)})
@@ -148,7 +148,7 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
 
 def _drifting(drifts):
     """A measure() whose successive profiles drifted by these fractions while 'measured'."""
-    from tests.synthetic import synthetic_profile
+    from tests.support.synthetic import synthetic_profile
 
     made = []
 
@@ -175,7 +175,7 @@ def test_a_profile_whose_host_speed_drifted_is_measured_again():
     measure, made = _drifting([0.3])
     assert steadiest_profile(measure, retries=0) is made[0]
     # no reference kernel timed (a GPU, an older profile): nothing to compare, one attempt
-    from tests.synthetic import synthetic_profile
+    from tests.support.synthetic import synthetic_profile
     plain = synthetic_profile(forward=[1.0], backward=[2.0], params=[0], saved=[0], cut_act=[], sizes=(1,))
     assert host_drift(plain) == 0.0 and steadiest_profile(lambda: plain, retries=2) is plain
 
@@ -235,7 +235,7 @@ def test_profile_cli_link_none_and_bad_flags(tmp_path):
 
 def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_link():
     from planner.fidelity.calibrate import solve_link
-    from tests.synthetic import synthetic_profile
+    from tests.support.synthetic import synthetic_profile
 
     profile = synthetic_profile(forward=[{1: 1.0}] * 2, backward=[{1: 2.0}] * 2, params=[0, 0], saved=[{1: 0}] * 2,
                                 cut_act=[{1: 8}], sizes=(1,))

@@ -2,7 +2,7 @@
 training on the same micro-batches, max abs diff <= 1e-5 (fp32)."""
 import pytest
 
-from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state
 
 CASES = [
     # (entry, model args, cuts, micro-batch size, global batch)

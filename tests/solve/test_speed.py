@@ -12,7 +12,7 @@ from planner.cost.model import evaluate
 from planner.profile.profile import save_profile
 from planner.solve.api import solve
 from planner.solve.chain import solve_chain
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 def _chain(L, seed=0, sizes=(1, 2)):

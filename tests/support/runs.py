@@ -21,7 +21,7 @@ from planner.model.entry import build_spec
 from planner.model.spec import call_model
 from runtime.engine import split_micro_batches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +57,7 @@ def execute(plan: Plan, tmp_path, steps: int = 3, lr: float = 0.05, extra: Seque
     save_plan(plan, plan_path)
     # In this process, not as `python -m runtime.cli`: the command's own process would import torch
     # again (2 s of a 2-core CI machine per run) to merge the ranks' states. The ranks are real
-    # processes either way; tests/test_cli.py runs the command itself.
+    # processes either way; tests/cli/test_cli.py runs the command itself.
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = runtime_main(["execute", plan_path, "--steps", str(steps), "--lr", str(lr), "--save-state", state_path,
@@ -121,3 +121,30 @@ def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
 def report_of(tmp_path) -> dict:
     with open(os.path.join(str(tmp_path), "report.json")) as f:
         return json.load(f)
+
+
+def run_stages(captured, inputs, cuts):
+    """Run the model stage by stage in one process, as the runtime would split it."""
+    values = dict(zip(captured.placeholders, captured.input_values(inputs)))
+    bounds = [0, *cuts, len(captured.units)]
+    for first, end in zip(bounds, bounds[1:]):
+        stage, io = captured.stage_module(first, end)
+        result = stage(*[values[n] for n in io.inputs + io.received])
+        if io.is_last:
+            return result
+        values.update(zip(io.sent, result))
+
+
+def processes_running(needles):
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            found.append((pid, cmdline))
+    return found

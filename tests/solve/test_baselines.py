@@ -7,7 +7,7 @@ from planner.profile.profile import save_profile
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.api import solve
 from planner.solve.baselines import balanced_split, uniform_split
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 def lopsided():

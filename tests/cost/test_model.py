@@ -5,7 +5,7 @@ import pytest
 
 from planner.cost.options import CostOptions
 from planner.cost.model import candidate_micro_batch_sizes, cut_time, evaluate
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 def three_units(cut_grad=None):

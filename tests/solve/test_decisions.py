@@ -11,7 +11,7 @@ from planner.cost.options import CostOptions
 from planner.cost.model import evaluate, in_flight
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.api import solve
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 def chain(L=6, saved=4 << 20, params=1 << 20, act=1 << 16, **kw):

@@ -9,7 +9,7 @@ from planner.profile.pipedream import graph_to_profile, import_pipedream, parse_
 from planner.profile.profile import load_profile
 from planner.solve.api import solve
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "gnmt.graph.txt")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "gnmt.graph.txt")
 
 DIAMOND = """node1 -- Input0 -- forward_compute_time=5.000, backward_compute_time=0.000, activation_size=400.0, parameter_size=0.000
 node2 -- Conv2d(3, 8) -- forward_compute_time=1.000, backward_compute_time=2.000, activation_size=800.0, parameter_size=96.000

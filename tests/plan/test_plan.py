@@ -9,7 +9,7 @@ from planner.plan.file import PLAN_SCHEMA_VERSION, Plan, load_plan, save_plan
 from planner.plan.table import format_plan_table
 from planner.plan.make import make_plan
 from planner.solve.api import solve
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 def small_profile():

@@ -6,7 +6,7 @@ import pytest
 from planner.plan.file import load_plan
 from planner.profile.measure import profile_model
 from planner.profile.profile import save_profile
-from tests.pipeline import execute, max_abs_diff, reference_state, run_cli
+from tests.support.runs import execute, max_abs_diff, reference_state, run_cli
 
 
 @pytest.fixture(scope="module")

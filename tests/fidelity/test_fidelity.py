@@ -12,8 +12,8 @@ from planner.fidelity.simulation import simulate_plan
 from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.plan.make import make_plan
 from planner.solve.api import solve
-from tests.pipeline import execute, plan_with, profile_of, report_of, run_cli
-from tests.synthetic import synthetic_profile
+from tests.support.runs import execute, plan_with, profile_of, report_of, run_cli
+from tests.support.synthetic import synthetic_profile
 
 
 def _plan(times, m, schedule, b=1):

@@ -6,19 +6,7 @@ from torch import nn
 from planner.model.capture import CaptureError, capture
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
-from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state
-
-
-def run_stages(captured, inputs, cuts):
-    """Run the model stage by stage in one process, as the runtime would split it."""
-    values = dict(zip(captured.placeholders, captured.input_values(inputs)))
-    bounds = [0, *cuts, len(captured.units)]
-    for first, end in zip(bounds, bounds[1:]):
-        stage, io = captured.stage_module(first, end)
-        result = stage(*[values[n] for n in io.inputs + io.received])
-        if io.is_last:
-            return result
-        values.update(zip(io.sent, result))
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, run_stages
 
 
 def test_fx_is_used_when_it_works():

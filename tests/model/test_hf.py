@@ -7,8 +7,8 @@ pytest.importorskip("transformers")
 from planner.model.capture import capture  # noqa: E402
 from planner.model.spec import ModelEntryError, call_model  # noqa: E402
 from planner.model.entry import build_spec  # noqa: E402
-from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state  # noqa: E402
-from tests.test_capture import run_stages  # noqa: E402
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state  # noqa: E402
+from tests.support.runs import run_stages  # noqa: E402
 
 LLAMA = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "seq_len": 8}

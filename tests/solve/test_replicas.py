@@ -17,7 +17,7 @@ from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
 from planner.pipeline import schedule as sched
 from planner.pipeline.simulate import simulate
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 
 def three_units():

@@ -10,7 +10,7 @@ from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.pipeline.simulate import StageCosts, simulate
 from planner.pipeline.topology import TopologyError, instruction_lists, topology_of
-from tests.pipeline import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
 
 
 def _topology(replicas, m, schedule="1f1b", d=1, devices=None, virtual_stages=1):

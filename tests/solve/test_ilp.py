@@ -14,7 +14,7 @@ from planner.solve.api import solve, solve_ilp
 from planner.solve.brute import solve_brute
 from planner.sizes import format_bytes
 from planner.solve.backends import _parse_cbc_log
-from tests.synthetic import synthetic_profile
+from tests.support.synthetic import synthetic_profile
 
 SIZES = (1, 2, 4, 8)
 

@@ -1,11 +1,10 @@
 """The three commands as a user runs them: outputs, exit codes, files, and one-line errors."""
 import json
-import os
 import time
 
 import pytest
 
-from tests.pipeline import max_abs_diff, reference_state, run_cli
+from tests.support.runs import max_abs_diff, processes_running, reference_state, run_cli
 
 
 def _no_traceback(result):
@@ -130,7 +129,7 @@ def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
 
 def test_failing_rank_takes_the_others_down(tmp_path):
     from planner.plan.file import save_plan
-    from tests.pipeline import plan_with, profile_of
+    from tests.support.runs import plan_with, profile_of
 
     plan = plan_with(profile_of("tests.models:failing"), [2], 2, 4)
     plan_path = str(tmp_path / "plan.json")
@@ -143,22 +142,7 @@ def test_failing_rank_takes_the_others_down(tmp_path):
     assert result.stderr.count("injected failure") == 1  # printed once
     _no_traceback(result)
     assert elapsed < 30  # the waiting rank was stopped, not left to time out
-    assert _processes_running(["runtime.worker", plan_path]) == []
-
-
-def _processes_running(needles):
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if all(n in cmdline for n in needles):
-            found.append((pid, cmdline))
-    return found
+    assert processes_running(["runtime.worker", plan_path]) == []
 
 
 def test_solve_replicate(gpt_profile, tmp_path):
