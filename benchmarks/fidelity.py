@@ -36,16 +36,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
-from planner.cost.options import CostOptions  # noqa: E402
 from planner.cost.model import evaluate, profiled_optimizer_step_s  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
 from planner.fidelity.simulation import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
+from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
 from planner.profile.measure import profile_model, steadiest_profile  # noqa: E402
-from planner.plan.make import make_plan  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
-from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 
 MODELS = {
     "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),

@@ -21,11 +21,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity import measured_run  # noqa: E402
 
-from planner.cost.options import CostOptions  # noqa: E402
 from planner.cost.model import profiled_optimizer_step_s  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
 from planner.profile.measure import profile_model  # noqa: E402
-from planner.plan.make import make_plan  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
 MODEL = ("builtin:gpt", {"vocab": 16384, "dim": 128, "layers": 8, "seq_len": 32})  # head ~ 10 blocks

@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.fidelity.simulation import simulate_plan  # noqa: E402
-from planner.profile.pipedream import import_pipedream  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
+from planner.profile.pipedream import import_pipedream  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 from planner.solve.replicas import solve_replicated  # noqa: E402
 from planner.solve.search import expand_scenarios  # noqa: E402

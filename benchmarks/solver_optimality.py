@@ -11,8 +11,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planner.cost.options import CostOptions  # noqa: E402
-from planner.solve.diagnose import InfeasibleError  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
+from planner.solve.diagnose import InfeasibleError  # noqa: E402
 from tests.support.synthetic import synthetic_profile  # noqa: E402
 
 

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from planner.model.spec import to_device
-from planner.profile.saved import SavedBytes
 from planner.pipeline.schedule import Action, ActionKind
+from planner.pipeline.topology import Topology
+from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
 from runtime.stage import RankModel, RankStage
-from planner.pipeline.topology import Topology
 
 
 class BatchError(ValueError):

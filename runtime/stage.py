@@ -18,8 +18,8 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.model.capture import CapturedModel, StageIO, capture
-from planner.model.spec import ModelSpec
 from planner.model.entry import build_spec
+from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
 

@@ -22,16 +22,16 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from planner.jsonio import atomic_path, write_json_atomic
+from planner.pipeline.topology import Topology
 from planner.plan.file import Plan, load_plan
 from planner.profile.allocator import retain_freed_memory
-from planner.jsonio import atomic_path, write_json_atomic
+from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.link import fit_link, ping_pong
+from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime import checkpoint as ckpt
 from runtime.comm import PointToPoint
-from planner.pipeline.topology import Topology
 from runtime.engine import Engine, Groups
-from planner.profile.hostspeed import reference_kernel_s
-from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):

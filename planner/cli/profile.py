@@ -5,8 +5,8 @@ import argparse
 import os
 import time
 
-from planner.errors import UsageError
 from planner.cli.common import parse_sizes
+from planner.errors import UsageError
 
 
 def _analytic(args: argparse.Namespace, model_args, sizes, progress):

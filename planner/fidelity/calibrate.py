@@ -21,9 +21,9 @@ import copy
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from planner.cost.model import evaluate, profiled_optimizer_step_s
 from planner.cost.options import DEFAULT_BANDWIDTH, CostOptions
 from planner.cost.result import PlanCost
-from planner.cost.model import evaluate, profiled_optimizer_step_s
 from planner.plan.file import Plan
 from planner.profile.profile import Profile
 

@@ -34,8 +34,8 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
-from planner.model.capture_export import ExportFailure, export_graph, split_inputs
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
+from planner.model.capture_export import ExportFailure, export_graph, split_inputs
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

@@ -14,12 +14,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
+from planner.model.entry import build_spec
+from planner.model.spec import ModelSpec
+from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.measure import record_cut_values, shared_parameters_json
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
-from planner.model.spec import ModelSpec
-from planner.model.entry import build_spec
 
 
 def _meta(obj: Any) -> Any:

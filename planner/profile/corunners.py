@@ -12,8 +12,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from planner.profile.allocator import retain_freed_memory
 from planner.model.entry import build_spec
+from planner.profile.allocator import retain_freed_memory
 from planner.profile.hostspeed import reference_kernel_s
 
 

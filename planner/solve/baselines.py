@@ -22,8 +22,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import candidate_micro_batch_sizes, evaluate
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.solution import Solution

@@ -12,8 +12,8 @@ import math
 import time
 from typing import List, Optional
 
-from planner.cost.options import CostOptions
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.solution import Solution
 

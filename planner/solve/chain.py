@@ -35,9 +35,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
                                 num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 
 TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far below the reported gap)

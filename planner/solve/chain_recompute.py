@@ -24,8 +24,8 @@ from typing import List, Tuple
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size

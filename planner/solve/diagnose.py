@@ -17,9 +17,9 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, in_flight, num_micro_batches,
                                 optimizer_factor)
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 

@@ -25,9 +25,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (evaluate, held_counts, rank_caps, rank_speeds,
                                 shared_parameters)
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.chain import solve_chain
 from planner.solve.chain_recompute import MAX_UNITS, recompute_tables

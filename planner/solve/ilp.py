@@ -38,10 +38,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pulp
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
                                 num_micro_batches, optimizer_factor, rank_caps, rank_speeds, shared_parameters,
                                 stage_call_s)
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
 from planner.solve.solution import Split

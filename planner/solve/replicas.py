@@ -55,15 +55,15 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
                                 num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
+from planner.cost.options import CostOptions
 from planner.cost.replicas import ceil_div
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
+from planner.sizes import format_bytes
 from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError
-from planner.sizes import format_bytes
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.tables import cheapest_recompute
 

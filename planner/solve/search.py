@@ -20,15 +20,15 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
                                 shared_parameters, stage_call_s)
+from planner.cost.options import CostOptions
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
-from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
 from planner.solve.ilp import build_and_solve
+from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
 from planner.solve.tables import stage_tables
 
 def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] = None,

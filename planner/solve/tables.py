@@ -22,9 +22,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.options import CostOptions
 from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
                                 num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
+from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 
 EXACT_KNAPSACK_UNITS = 16  # recompute 'auto' in the DP/brute: enumerate subsets of at most this many units

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from planner.cost.options import CostOptions
 from planner.cost.model import candidate_micro_batch_sizes, cut_time, evaluate
+from planner.cost.options import CostOptions
 from tests.support.synthetic import synthetic_profile
 
 

@@ -4,13 +4,13 @@ import random
 
 import pytest
 
-from planner.cost.options import CostOptions
 from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
 from planner.fidelity.calibrate import calibrate_profile
 from planner.fidelity.check import check_report
 from planner.fidelity.simulation import simulate_plan
-from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.plan.make import make_plan
+from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.solve.api import solve
 from tests.support.runs import execute, plan_with, profile_of, report_of, run_cli
 from tests.support.synthetic import synthetic_profile

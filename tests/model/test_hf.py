@@ -5,8 +5,8 @@ import torch
 pytest.importorskip("transformers")
 
 from planner.model.capture import capture  # noqa: E402
-from planner.model.spec import ModelEntryError, call_model  # noqa: E402
 from planner.model.entry import build_spec  # noqa: E402
+from planner.model.spec import ModelEntryError, call_model  # noqa: E402
 from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state  # noqa: E402
 from tests.support.runs import run_stages  # noqa: E402
 

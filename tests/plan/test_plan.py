@@ -6,8 +6,8 @@ import pytest
 from planner.cost.options import CostOptions
 from planner.jsonio import JsonFileError, write_json_atomic
 from planner.plan.file import PLAN_SCHEMA_VERSION, Plan, load_plan, save_plan
-from planner.plan.table import format_plan_table
 from planner.plan.make import make_plan
+from planner.plan.table import format_plan_table
 from planner.solve.api import solve
 from tests.support.synthetic import synthetic_profile
 

@@ -10,8 +10,8 @@ from planner.cost.model import profiled_optimizer_step_s
 from planner.profile.corunners import CoRunners
 from planner.profile.link import fit_link, measure_link
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
-from planner.profile.timing import UnitCall, measure_units, split_call_overhead
 from planner.profile.profile import Profile
+from planner.profile.timing import UnitCall, measure_units, split_call_overhead
 from tests.support.runs import run_cli
 
 

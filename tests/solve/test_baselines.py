@@ -4,9 +4,9 @@ import pytest
 from planner.cli.main import main
 from planner.cost.options import CostOptions
 from planner.profile.profile import save_profile
-from planner.solve.diagnose import InfeasibleError
 from planner.solve.api import solve
 from planner.solve.baselines import balanced_split, uniform_split
+from planner.solve.diagnose import InfeasibleError
 from tests.support.synthetic import synthetic_profile
 
 

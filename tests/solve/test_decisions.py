@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cost.cluster import cluster_from_json
-from planner.cost.options import CostOptions
 from planner.cost.model import evaluate, in_flight
-from planner.solve.diagnose import InfeasibleError
+from planner.cost.options import CostOptions
 from planner.solve.api import solve
+from planner.solve.diagnose import InfeasibleError
 from tests.support.synthetic import synthetic_profile
 
 

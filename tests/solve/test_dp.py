@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost.options import CostOptions
 from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from tests.support.synthetic import synthetic_profile

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost.options import CostOptions
 from planner.cost.model import candidate_micro_batch_sizes, evaluate
-from planner.solve.diagnose import InfeasibleError, min_memory_plan
-from planner.solve.api import solve, solve_ilp
-from planner.solve.brute import solve_brute
+from planner.cost.options import CostOptions
 from planner.sizes import format_bytes
+from planner.solve.api import solve, solve_ilp
 from planner.solve.backends import _parse_cbc_log
+from planner.solve.brute import solve_brute
+from planner.solve.diagnose import InfeasibleError, min_memory_plan
 from tests.support.synthetic import synthetic_profile
 
 SIZES = (1, 2, 4, 8)

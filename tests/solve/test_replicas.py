@@ -7,16 +7,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost.options import CostOptions
 from planner.cost.model import evaluate, in_flight
+from planner.cost.options import CostOptions
 from planner.cost.replicas import replica_in_flight, replicated_plan_cost
+from planner.pipeline import schedule as sched
+from planner.pipeline.simulate import simulate
 from planner.plan.make import make_plan
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute, solve_brute_replicated
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
-from planner.pipeline import schedule as sched
-from planner.pipeline.simulate import simulate
 from tests.support.synthetic import synthetic_profile
 
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from planner.cli.main import main
-from planner.cost.options import CostOptions
 from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
 from planner.profile.profile import save_profile
 from planner.solve.api import solve
 from planner.solve.chain import solve_chain

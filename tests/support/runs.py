@@ -13,12 +13,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from planner.profile.measure import profile_model
-from planner.plan.file import Plan, save_plan
-from planner.plan.make import plan_for_split
-from planner.profile.profile import Profile
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
+from planner.plan.file import Plan, save_plan
+from planner.plan.make import plan_for_split
+from planner.profile.measure import profile_model
+from planner.profile.profile import Profile
 from runtime.engine import split_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
