@@ -76,9 +76,9 @@ def cover(name: str, global_batch: int, tmp: str) -> Dict[str, Any]:
     """One row: profile, then solve and execute on 2 and 4 stages, each compared with one process."""
     import torch
 
-    from planner.jsonio import read_json
-    from planner.profile import load_profile
-    from tests.pipeline import max_abs_diff, reference_state
+    from planner.plan.file import load_plan
+    from planner.profile.profile import load_profile
+    from tests.support.runs import max_abs_diff, reference_state
 
     entry, model_args, what = MODELS[name]
     profile_path = os.path.join(tmp, f"{name}.json")
@@ -96,15 +96,15 @@ def cover(name: str, global_batch: int, tmp: str) -> Dict[str, Any]:
         plan_path, state_path = os.path.join(tmp, f"{name}-{stages}.plan.json"), os.path.join(tmp, f"{name}.pt")
         _run(["planner.cli", "solve", profile_path, "--stages", str(stages), "--global-batch", str(global_batch),
               "--schedule", "1f1b", "-o", plan_path])
-        plan = read_json(plan_path)
+        plan = load_plan(plan_path)
         _run(["runtime.cli", "execute", plan_path, "--steps", str(STEPS), "--lr", str(LR), "--save-state", state_path])
         state = torch.load(state_path, weights_only=True)
         reference = reference_state(plan, steps=STEPS, lr=LR)
         diff = max_abs_diff(state, reference)
         worst = sorted(((max_abs_diff({k: state[k]}, {k: reference[k]}), k) for k in reference), reverse=True)
         row[f"inexact_{stages}"] = [f"{k} {d:.1e}" for d, k in worst[:3] if d > EXACT]
-        cuts = [s["first_unit"] for s in plan["stages"][1:]]
-        row[f"plan_{stages}"] = (f"{plan['schedule']} {plan['micro_batch_size']}x{plan['num_micro_batches']}, "
+        cuts = [s.first_unit for s in plan.stages[1:]]
+        row[f"plan_{stages}"] = (f"{plan.schedule} {plan.micro_batch_size}x{plan.num_micro_batches}, "
                                  f"cuts {','.join(map(str, cuts))}")
         row[f"diff_{stages}"] = diff
     return row

@@ -14,7 +14,7 @@ with `runtime execute`, and compare the plan's predicted iteration time (the sol
 the discrete-event simulation beside it) with the measured one: the median over `--passes` whole
 passes over the grid of each run's median steady step. Each run also records how many cores
 other processes kept busy meanwhile, and how fast the host computed against the profile
-(runtime.hostspeed: a reference kernel every rank times before and after its steps): a run off
+(planner.profile.hostspeed: a reference kernel every rank times before and after its steps): a run off
 the profile's speed by more than 10 % (a shared host's slow spell) is run again, at most twice,
 keeping the try nearest the profile's speed; a profile whose host speed drifted that much while
 it was measured is measured again (at most twice, keeping the steadiest). The error of the first tries alone is reported beside it.
@@ -36,14 +36,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.calibrate import calibrate_profile, solve_link  # noqa: E402
-from planner.costmodel import CostOptions, evaluate, profiled_optimizer_step_s  # noqa: E402
-from planner.fidelity import simulate_plan  # noqa: E402
+from planner.cost.model import evaluate, profiled_optimizer_step_s  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
+from planner.fidelity.simulation import simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
-from planner.measure import measure_link, profile_model, steadiest_profile  # noqa: E402
-from planner.plan import make_plan  # noqa: E402
-from planner.solve import solve  # noqa: E402
-from runtime.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
+from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
+from planner.profile.link import measure_link  # noqa: E402
+from planner.profile.measure import profile_model, steadiest_profile  # noqa: E402
+from planner.solve.api import solve  # noqa: E402
 
 MODELS = {
     "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),
@@ -55,7 +57,7 @@ SIZES = (2, 4)
 # The runs one calibration round takes, per model and stage count: these (m, b) points of every pass.
 CALIBRATION_POINTS = ((4, 2), (4, 4))
 # A run (or a profile) that met another host speed than its profile (or than itself, before and
-# after) by more than runtime.hostspeed.SLOWDOWN_WARN is measured again, at most this many times.
+# after) by more than planner.profile.hostspeed.SLOWDOWN_WARN is measured again, at most this many times.
 RETRIES = 2
 
 
@@ -67,18 +69,18 @@ def only_size(profile, b):
 
 
 def plan_for(profile, stages, m, b, opts_extra=None):
-    opts = CostOptions(num_stages=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    opts = CostOptions(pipeline_ranks=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
     solution = solve(only_size(profile, b), opts, method="ilp")
     return make_plan(profile, solution, opts, "benchmark"), opts
 
 
 def plan_fixed(profile, plan, opts_extra=None):
     """`plan`'s split and (b, m), re-planned (costs, predictions) from another profile."""
-    from planner.solve.ilp import Solution
+    from planner.solve.solution import Solution
 
-    b, m = int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
-    boundaries = [int(s["first_unit"]) for s in plan["stages"][1:]]
-    opts = CostOptions(num_stages=len(plan["stages"]), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    b, m = plan.micro_batch_size, plan.num_micro_batches
+    boundaries = [s.first_unit for s in plan.stages[1:]]
+    opts = CostOptions(pipeline_ranks=len(plan.stages), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
     cost = evaluate(only_size(profile, b), boundaries, b, opts)
     solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
                         objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
@@ -157,7 +159,7 @@ def run_point(plan, profile, steps):
         if tries[-1]["host_off"] <= SLOWDOWN_WARN:
             break
     best = min(tries, key=lambda t: t["host_off"])
-    predicted = plan["predicted_iteration_s"]
+    predicted = plan.predicted_iteration_s
     scaled = at_host_speed(predicted, best["report"].get("host_slowdown"))
     return dict(best, plan=plan, profile=profile, predicted_s=predicted,
                 at_host_speed_s=predicted if scaled is None else scaled,
@@ -198,7 +200,7 @@ def grid_rows(name, plans, runs):
         done = runs[(stages, m, b)]
         others = [r["other"] for r in done if r["other"] is not None]
         rows.append({"model": name, "stages": stages, "m": m, "b": b,
-                     "split": [s["units"][0] for s in plan["stages"]],
+                     "split": [s.units[0] for s in plan.stages],
                      "predicted_s": statistics.median(r["predicted_s"] for r in done),
                      "simulated_s": statistics.median(r["simulated_s"] for r in done),
                      "at_host_speed_s": statistics.median(r["at_host_speed_s"] for r in done),

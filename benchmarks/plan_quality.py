@@ -21,10 +21,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity import measured_run  # noqa: E402
 
-from planner.costmodel import CostOptions, profiled_optimizer_step_s  # noqa: E402
-from planner.measure import measure_link, profile_model  # noqa: E402
-from planner.plan import make_plan  # noqa: E402
-from planner.solve import solve  # noqa: E402
+from planner.cost.model import profiled_optimizer_step_s  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
+from planner.profile.link import measure_link  # noqa: E402
+from planner.profile.measure import profile_model  # noqa: E402
+from planner.solve.api import solve  # noqa: E402
 
 MODEL = ("builtin:gpt", {"vocab": 16384, "dim": 128, "layers": 8, "seq_len": 32})  # head ~ 10 blocks
 METHODS = ("ilp", "uniform", "params")
@@ -52,15 +54,15 @@ def main():
         link = {"bandwidth": measured["bandwidth_bytes_per_s"], "latency": measured["latency_s"]}
         print(f"link {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us", flush=True)
     print(f"{entry} {model_args}, 2 stages, micro-batch {args.micro_batch} x {args.micro_batches}", flush=True)
-    opts = CostOptions(num_stages=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b",
+    opts = CostOptions(pipeline_ranks=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b",
                        optimizer_step_total_s=profiled_optimizer_step_s(profile, "sgd"), **link)
     plans = {}
     for method in METHODS:
         solution = solve(profile, opts, method=method)
         plans[method] = make_plan(profile, solution, opts, "benchmark")
-        stages = plans[method]["stages"]
-        print(f"{method:8} split after {stages[0]['units'][-1]!r}: predicted "
-              f"{plans[method]['predicted_iteration_s'] * 1e3:.1f} ms", flush=True)
+        stages = plans[method].stages
+        print(f"{method:8} split after {stages[0].units[-1]!r}: predicted "
+              f"{plans[method].predicted_iteration_s * 1e3:.1f} ms", flush=True)
     measured = {m: [] for m in METHODS}
     others = []
     for rep in range(args.reps):
@@ -76,7 +78,7 @@ def main():
     print("| --- | --- | --- | --- | --- |")
     for method in METHODS:
         plan = plans[method]
-        print(f"| {method} | {plan['stages'][0]['units'][-1]} | {plan['predicted_iteration_s'] * 1e3:.1f} | "
+        print(f"| {method} | {plan.stages[0].units[-1]} | {plan.predicted_iteration_s * 1e3:.1f} | "
               f"{median[method] * 1e3:.1f} | {median[method] / median['ilp']:.2f}x |")
     worse = max(median["uniform"], median["params"])
     for method in METHODS:

@@ -11,11 +11,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.costmodel import CostOptions  # noqa: E402
-from planner.fidelity import simulate_plan  # noqa: E402
-from planner.pipedream import import_pipedream  # noqa: E402
-from planner.plan import make_plan  # noqa: E402
-from planner.solve import solve, solve_replicated  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.fidelity.simulation import simulate_plan  # noqa: E402
+from planner.plan.make import make_plan  # noqa: E402
+from planner.profile.pipedream import import_pipedream  # noqa: E402
+from planner.solve.api import solve  # noqa: E402
+from planner.solve.replicas import solve_replicated  # noqa: E402
 from planner.solve.search import expand_scenarios  # noqa: E402
 
 PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "external",
@@ -37,7 +38,7 @@ def main():
         path = os.path.join(PROFILES, f"{name}.graph.txt")
         profile = import_pipedream(path, batch_size=64)
         for n in args.devices:
-            opts = CostOptions(num_stages=n, global_batch=64 * args.micro_batches, schedule="1f1b",
+            opts = CostOptions(pipeline_ranks=n, global_batch=64 * args.micro_batches, schedule="1f1b",
                                bandwidth=args.bandwidth * 1e9)
             started = time.perf_counter()
             plain = solve(profile, opts, method="dp", devices=n)
@@ -49,8 +50,8 @@ def main():
                 plan = make_plan(profile, solution, solution.options or opts, path)
                 sims.append((solution.objective, simulate_plan(plan).iteration_s))
             chosen = replicated.options
-            reps = "+".join(str(r) for r in (chosen.replicas or (1,) * chosen.num_stages)) + f" x {chosen.data_parallel}"
-            shape = f"{plain.options.num_stages} x {plain.options.data_parallel}"
+            reps = "+".join(str(r) for r in (chosen.replicas or (1,) * chosen.pipeline_ranks)) + f" x {chosen.data_parallel}"
+            shape = f"{plain.options.pipeline_ranks} x {plain.options.data_parallel}"
             print(f"| {name} | {n} | {sims[0][0] * 1e3:.1f} / {sims[0][1] * 1e3:.1f} | {shape} | "
                   f"{sims[1][0] * 1e3:.1f} / {sims[1][1] * 1e3:.1f} | {reps} | {sims[0][1] / sims[1][1]:.2f}x | "
                   f"{seconds:.2f} |", flush=True)

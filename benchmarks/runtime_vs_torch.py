@@ -5,7 +5,7 @@
 
 Both systems run the built-in gpt on 2 ranks (gloo, OMP_NUM_THREADS=1, one torch thread per rank),
 global batch 16 as 4 micro-batches of 4, the split in the middle of the blocks, SGD (lr 0.01), and
-execute the *same* fx GraphModule per stage (`planner.capture.capture(module).stage_module(first, end)`):
+execute the *same* fx GraphModule per stage (`planner.model.capture.capture(module).stage_module(first, end)`):
 
 * ours:   a plan made from `profile_model(entry, args, [4], repeats=1)` with the fixed cut, run with
           `python -m runtime.cli execute plan.json --steps N --report r.json` (`measured_iteration_s`);
@@ -65,9 +65,9 @@ def middle_cut(unit_names: List[str]) -> int:
     return blocks[len(blocks) // 2]
 
 
-def plan_with(profile, boundaries: List[int], micro_batch_size: int, global_batch: int, schedule: str) -> dict:
+def plan_with(profile, boundaries: List[int], micro_batch_size: int, global_batch: int, schedule: str):
     """A plan with the given cuts, not solved."""
-    from planner.plan import plan_for_split
+    from planner.plan.make import plan_for_split
 
     return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "benchmark")
 
@@ -75,8 +75,8 @@ def plan_with(profile, boundaries: List[int], micro_batch_size: int, global_batc
 def make_plans(sizes: List[str], schedules: List[str], work: str) -> Dict[tuple, str]:
     import torch
 
-    from planner.jsonio import write_json_atomic
-    from planner.measure import profile_model
+    from planner.plan.file import save_plan
+    from planner.profile.measure import profile_model
 
     torch.set_num_threads(1)
     paths = {}
@@ -87,7 +87,7 @@ def make_plans(sizes: List[str], schedules: List[str], work: str) -> Dict[tuple,
         for schedule in schedules:
             plan = plan_with(profile, [cut], MICRO_BATCH, GLOBAL_BATCH, schedule)
             path = os.path.join(work, f"plan-{size}-{schedule}.json")
-            write_json_atomic(path, plan)
+            save_plan(plan, path)
             paths[(size, schedule)] = path
         print(f"profiled gpt {size} {SIZES[size]} in {time.perf_counter() - t0:.1f} s; cut before unit {cut} "
               f"({profile.units[cut].name})", flush=True)
@@ -146,29 +146,30 @@ def run_theirs(plan_path: str, steps: int, work: str, tag: str, launcher: str = 
 
 
 # --------------------------------------------------------------------------- the two step functions
-def _load_plan(plan_path: str) -> dict:
-    with open(plan_path) as f:
-        return json.load(f)
+def _load_plan(plan_path: str):
+    from planner.plan.file import load_plan
+
+    return load_plan(plan_path)
 
 
-def torch_step_fn(plan: dict, rank: int, world: int):
+def torch_step_fn(plan, rank: int, world: int):
     """torch.distributed.pipelining on this rank's stage: returns step(k) -> mean loss (last rank) or None."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from planner.capture import capture
-    from planner.spec import build_spec
+    from planner.model.capture import capture
+    from planner.model.entry import build_spec
 
-    stages = plan["stages"]
+    stages = plan.stages
     assert world == len(stages), f"the plan has {len(stages)} stages, {world} ranks were started"
-    model = plan["model"]
+    model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     # The same fx GraphModule the runtime cuts out and runs for this stage.
-    module, _ = capture(spec.module).stage_module(int(stages[rank]["first_unit"]), int(stages[rank]["end_unit"]))
-    g, b = int(plan["global_batch"]), int(plan["micro_batch_size"])
+    module, _ = capture(spec.module).stage_module(stages[rank].first_unit, stages[rank].end_unit)
+    g, b = plan.global_batch, plan.micro_batch_size
     example = tuple(t[:b] for t in spec.batch(g, 0)[0]) if rank == 0 else None  # first stage's shape inference
     stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=example)
-    schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan["schedule"]]
+    schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.schedule]
     # scale_grads=True: the grads of the summed micro-batch losses are divided by m, as ours divides each loss by m.
     schedule = schedule_cls(stage, n_microbatches=g // b, loss_fn=spec.loss, scale_grads=True)
     optimizer = torch.optim.SGD(list(module.parameters()), lr=LR)
@@ -189,24 +190,21 @@ def torch_step_fn(plan: dict, rank: int, world: int):
     return step
 
 
-def our_step_fn(plan: dict, rank: int):
+def our_step_fn(plan, rank: int):
     """This runtime's Engine on this rank, built as runtime/worker.py builds it (for the in-process A/B)."""
     import torch
 
-    from runtime import schedule as sched
     from runtime.comm import PointToPoint
     from runtime.engine import Engine, Groups
     from runtime.stage import build_rank
-    from runtime.topology import topology_of
 
-    topology = topology_of(plan)
-    m = int(plan["num_micro_batches"])
+    topology = plan.topology()
+    m = plan.num_micro_batches
     rank_model = build_rank(plan, topology, rank)
-    actions = sched.build_schedule(plan["schedule"], topology.num_chunks, m, topology.virtual_stages,
-                                   topology.chunk_device)[rank]
+    actions = plan.instruction_lists()[rank]
     optimizer = torch.optim.SGD(rank_model.parameters(), lr=LR)
     device = torch.device("cpu")
-    engine = Engine(rank_model, actions, topology, rank, int(plan["global_batch"]), m, optimizer, device,
+    engine = Engine(rank_model, actions, topology, rank, plan.global_batch, m, optimizer, device,
                     PointToPoint(device, use_tags=True), Groups(topology, rank, rank_model.tied_groups))
     return lambda k: engine.run_step(k).loss
 

@@ -10,9 +10,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.costmodel import CostOptions  # noqa: E402
-from planner.solve import InfeasibleError, solve  # noqa: E402
-from tests.synthetic import synthetic_profile  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.solve.api import solve  # noqa: E402
+from planner.solve.diagnose import InfeasibleError  # noqa: E402
+from tests.support.synthetic import synthetic_profile  # noqa: E402
 
 
 def random_problem(rng):
@@ -23,7 +24,7 @@ def random_problem(rng):
     p = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
                           [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
                           [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
-    opts = CostOptions(num_stages=S, global_batch=rng.choice([8, 16, 32]), schedule=rng.choice(["1f1b", "gpipe"]),
+    opts = CostOptions(pipeline_ranks=S, global_batch=rng.choice([8, 16, 32]), schedule=rng.choice(["1f1b", "gpipe"]),
                        bandwidth=rng.choice([1e8, 1e9, 1e10]), latency=rng.choice([0.0, 1e-4]))
     if rng.random() < 0.5:
         peak = max(solve(p, opts, method="dp").cost.device_memory)

@@ -13,10 +13,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.costmodel import CostOptions  # noqa: E402
-from planner.pipedream import import_pipedream  # noqa: E402
-from planner.solve import solve  # noqa: E402
-from tests.synthetic import synthetic_profile  # noqa: E402
+from planner.cost.options import CostOptions  # noqa: E402
+from planner.profile.pipedream import import_pipedream  # noqa: E402
+from planner.solve.api import solve  # noqa: E402
+from tests.support.synthetic import synthetic_profile  # noqa: E402
 
 PIPEDREAM = os.path.join(ROOT, "..", "shared", "external", "pipedream-profiles")
 
@@ -48,7 +48,7 @@ def main():
         for _ in range(args.samples):
             L = rng.randint(stages or 2, 130)
             S = stages or rng.randint(1, min(16, L))
-            problems.append((chain(rng, L), CostOptions(num_stages=S, global_batch=32, latency=1e-5)))
+            problems.append((chain(rng, L), CostOptions(pipeline_ranks=S, global_batch=32, latency=1e-5)))
         for backend in backends:
             times, gaps, methods = [], [], set()
             for p, opts in problems:
@@ -68,7 +68,7 @@ def main():
         for backend in backends:
             row = []
             for S in (2, 4, 8, 16):
-                found = solve(p, CostOptions(num_stages=S, global_batch=64 * 2 * S), backend=backend,
+                found = solve(p, CostOptions(pipeline_ranks=S, global_batch=64 * 2 * S), backend=backend,
                               time_limit=args.time_limit)
                 row.append(f"S={S}: {found.seconds:.2f} s gap {found.gap:.1e} ({found.method})")
             print(f"{name.split('.')[0]} ({p.num_units} units) {backend}: " + "; ".join(row), flush=True)

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "ModelSpec":
-        from planner.spec import ModelSpec
+        from planner.model.spec import ModelSpec
 
         return ModelSpec
     raise AttributeError(f"module 'planner' has no attribute {name!r}")

@@ -1,6 +1,33 @@
-"""Errors the commands report as one line, importable without torch (the CLI catches them before
-any model is loaded)."""
+"""Errors the commands report as one line, and the one place that reports them.
+
+Importable without torch: the commands catch these before any model is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Tuple, Type
 
 
 class CaptureError(RuntimeError):
     """The model cannot be captured as a graph. The message names the cause and a way out."""
+
+
+class UsageError(ValueError):
+    """A bad option value; the message says what is expected."""
+
+
+def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseException], ...], interrupted: str) -> int:
+    """`args.func(args)`, with the user's mistakes (`user_errors`) as one line on stderr and exit
+    code 2, never a traceback (PLANNER_TRACEBACK=1 shows it), and Ctrl-C as `interrupted` and exit code 130."""
+    try:
+        return args.func(args)
+    except user_errors as e:
+        if os.environ.get("PLANNER_TRACEBACK"):  # for a bug report: the whole stack
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130

@@ -1,11 +1,12 @@
-"""Reading and writing the project's JSON files: clear errors in, atomic writes out."""
+"""Reading and writing the project's files: JSON read with clear errors, every file written atomically."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 
 class JsonFileError(ValueError):
@@ -35,15 +36,17 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary path beside `path` (same suffix) to write the file to; renamed onto `path` when
+    the block ends, removed if it raises. Readers never see half a file, and a failed write leaves
+    none. Every file the project writes whole goes through here (logs are streamed)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=directory)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_clean(obj), f, indent=1, allow_nan=False)
-            f.write("\n")
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -51,3 +54,11 @@ def write_json_atomic(path: str, obj: Any) -> None:
         except OSError:
             pass
         raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write `obj` as JSON (inf and nan as null), atomically (`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(_clean(obj), f, indent=1, allow_nan=False)
+            f.write("\n")

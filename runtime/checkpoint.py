@@ -1,4 +1,4 @@
-"""Checkpoints: each rank saves its chunks' parameters, buffers and optimizer state atomically;
+"""Checkpoints: each rank saves its stages' parameters, buffers and optimizer state atomically;
 rank 0 then marks the step complete. `--resume` continues from the last complete step.
 
     DIR/step-000004/rank0.pt ... rank{W-1}.pt   (torch.save of tensors and plain values only)
@@ -10,12 +10,11 @@ Files are read back with `torch.load(weights_only=True)`: nothing is unpickled.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Dict, Optional
 
 import torch
 
-from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
 
 CHECKPOINT_SCHEMA_VERSION = 1
 
@@ -28,19 +27,12 @@ def _step_dir(directory: str, completed_steps: int) -> str:
     return os.path.join(directory, f"step-{completed_steps:06d}")
 
 
-def save_rank(directory: str, completed_steps: int, rank: int, chunks_state: Dict[str, Any],
+def save_rank(directory: str, completed_steps: int, rank: int, stages_state: Dict[str, Any],
               optimizer_state: Dict[str, Any]) -> None:
     path = os.path.join(_step_dir(directory, completed_steps), f"rank{rank}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        torch.save({"completed_steps": completed_steps, "chunks": chunks_state, "optimizer": optimizer_state}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp:
+        # "chunks": the stages' states by index (the file's key since its first version)
+        torch.save({"completed_steps": completed_steps, "chunks": stages_state, "optimizer": optimizer_state}, tmp)
 
 
 def mark_complete(directory: str, completed_steps: int, plan_hash: str, world_size: int) -> None:

@@ -8,40 +8,18 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
-from planner.cli_common import UsageError, run_subcommand
-from planner.jsonio import JsonFileError, read_json, write_json_atomic
-from runtime import schedule as sched
+from planner.errors import UsageError, run_subcommand
+from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
+from planner.pipeline import schedule as sched
+from planner.pipeline.check import check_schedule
+from planner.plan.file import Plan, load_plan
 from runtime.launch import RANK_TIMEOUT_S
-from runtime.topology import instruction_lists, topology_of
 
-PLAN_SCHEMA_VERSION = 1
-_REQUIRED = ("model", "schedule", "micro_batch_size", "num_micro_batches", "global_batch", "stages")
-
-
-
-def load_plan(path: str) -> Dict[str, Any]:
-    plan = read_json(path, what="plan")
-    if not isinstance(plan, dict) or plan.get("kind", "plan") != "plan":
-        raise JsonFileError(f"{path!r} is not a plan file; make one with `planner solve PROFILE`")
-    if plan.get("schema_version") != PLAN_SCHEMA_VERSION:
-        raise JsonFileError(f"plan schema_version {plan.get('schema_version')!r} is not supported "
-                            f"(expected {PLAN_SCHEMA_VERSION}); re-run `planner solve`")
-    missing = [k for k in _REQUIRED if k not in plan]
-    if missing:
-        raise JsonFileError(f"plan {path!r} lacks {', '.join(missing)}; re-run `planner solve`")
-    return plan
-
-
-def check_plan(plan: Dict[str, Any]) -> List[List[sched.Action]]:
-    """Everything that can be checked before starting a process."""
-    topology = topology_of(plan)
-    g, b, m = int(plan["global_batch"]), int(plan["micro_batch_size"]), int(plan["num_micro_batches"])
-    d = topology.data_parallel
-    if b * m * d != g:
-        raise UsageError(f"the plan's global batch {g} is not {d} replica(s) x {m} micro-batches x micro-batch "
-                         f"size {b}; re-run `planner solve`")
-    lists = instruction_lists(plan)
-    sched.check_schedule(lists, m, placement=topology.position_of)
+def check_plan(plan: Plan) -> List[List[sched.Action]]:
+    """Everything that can be checked before starting a process (the file itself was checked when
+    it was loaded): the instruction lists are complete and cannot deadlock."""
+    lists = plan.instruction_lists()
+    check_schedule(lists, plan.num_micro_batches, placement=plan.topology().rank_running)
     return lists
 
 
@@ -51,24 +29,16 @@ def _merge_states(out_dir: str, ranks: List[int], path: str) -> None:
     state: Dict[str, Any] = {}
     for rank in ranks:
         state.update(torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=True))
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
-def _warn_conditions(plan: Dict[str, Any], threads: int, world: int) -> None:
+def _warn_conditions(plan: Plan, threads: int, world: int) -> None:
     """Predictions hold for the conditions the profile was measured under: say when a run differs.
     (Without importing torch here: the launcher stays quick to start.)"""
     from importlib.metadata import PackageNotFoundError, version
 
-    profiled = plan.get("profile", {})
+    profiled = plan.profile
     notes = []
     if profiled.get("threads") and int(profiled["threads"]) != threads:
         notes.append(f"{threads} thread(s) per rank, profiled with {profiled['threads']}")
@@ -91,33 +61,60 @@ def _warn_conditions(plan: Dict[str, Any], threads: int, world: int) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    """`runtime execute`: check the plan, start one process per rank here, report what they measured."""
     from runtime.launch import launch_local
     from runtime.report import build_report, format_report
 
     plan = load_plan(args.plan)
     lists = check_plan(plan)
+    _check_run_options(args)
+    topology = plan.topology()
+    threads = args.threads or int(plan.profile.get("threads", 1) or 1)
+    optimizer = args.optimizer or plan.optimizer
+    _warn_conditions(plan, threads, topology.world_size)
+    if optimizer.rstrip("w") != plan.optimizer.rstrip("w"):
+        print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
+              file=sys.stderr)
+    print(f"running {args.plan}: {_shape(topology)}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
+          f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
+    out_dir = tempfile.mkdtemp(prefix="runtime-")
+    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
+    result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,
+                          args.timeout, progress_rank=reporter)
+    if not result.ok:
+        print(f"error: rank {result.failed_rank} failed: {result.error}\n"
+              f"(its log: {result.log_path}; all ranks were stopped)", file=sys.stderr)
+        return 1
+    ranks = [read_json(os.path.join(out_dir, f"rank{r}.json")) for r in range(topology.world_size)]
+    report = build_report(plan, ranks)
+    print(format_report(report))
+    _write_outputs(args, plan, lists, out_dir, report)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
     if args.recv_ahead < 0:
         raise UsageError("--recv-ahead must be 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
-    topology = topology_of(plan)
-    world = topology.world_size
-    threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
-    optimizer = args.optimizer or plan.get("optimizer", "sgd")
-    _warn_conditions(plan, threads, world)
-    if plan.get("optimizer") and optimizer.rstrip("w") != str(plan["optimizer"]).rstrip("w"):
-        print(f"warning: the plan's memory model assumed {plan['optimizer']}, this run uses {optimizer}",
-              file=sys.stderr)
-    replicas = [topology.replicas_of(g) for g in range(topology.num_chunks)]
-    shape = f"{topology.pipeline_ranks} pipeline ranks" + (
-        f" ({topology.num_chunks} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir")
+
+
+def _shape(topology) -> str:
+    """'4 pipeline ranks x 2 replicas', '3 pipeline ranks (2 stages, replicas 1/2)', ..."""
+    replicas = [topology.replicas_of(g) for g in range(topology.num_stages)]
+    return f"{topology.pipeline_ranks} pipeline ranks" + (
+        f" ({topology.num_stages} stages, replicas {'/'.join(map(str, replicas))})" if topology.replicated else "") + (
         f" x {topology.data_parallel} replicas" if topology.data_parallel > 1 else "") + (
-        f", {topology.num_chunks} stages" if topology.virtual_stages > 1 else "")
-    print(f"running {args.plan}: {shape}, {plan['schedule']}, micro-batch {plan['micro_batch_size']} x "
-          f"{plan['num_micro_batches']}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
-    out_dir = tempfile.mkdtemp(prefix="runtime-")
+        f", {topology.num_stages} stages" if topology.virtual_stages > 1 else "")
+
+
+def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer: str) -> List[str]:
+    """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
                    "--recv-ahead", str(args.recv_ahead)]
@@ -129,52 +126,46 @@ def execute(args: argparse.Namespace) -> int:
         worker_args += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                         "--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
-        if not args.checkpoint_dir:
-            raise UsageError("--resume needs --checkpoint-dir")
         worker_args.append("--resume")
-    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
-    result = launch_local(world, worker_args, out_dir, threads, args.timeout, progress_rank=reporter)
-    if not result.ok:
-        print(f"error: rank {result.failed_rank} failed: {result.error}\n"
-              f"(its log: {result.log_path}; all ranks were stopped)", file=sys.stderr)
-        return 1
-    ranks = [read_json(os.path.join(out_dir, f"rank{r}.json")) for r in range(world)]
-    report = build_report(plan, ranks)
-    print(format_report(report))
+    return worker_args
+
+
+def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.Action]], out_dir: str,
+                   report: Dict[str, Any]) -> None:
+    """--save-state, --report, --trace and --timeline, from the ranks' files in out_dir."""
+    topology = plan.topology()
     if args.save_state:
-        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_positions()],
-                      args.save_state)
+        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_ranks()], args.save_state)
         print(f"saved the trained model's state_dict to {args.save_state}")
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote report {args.report}")
     if args.trace or args.timeline:
+        from planner.fidelity.timeline import timeline_png
+        from planner.pipeline.simulate import simulate
         from runtime import trace
-        from runtime.simulate import costs_from_plan, simulate
 
-        events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(world)}
+        events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(topology.world_size)}
         if args.trace:
             trace.chrome_trace(events, args.trace)
             print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
         if args.timeline:
-            _, predicted = simulate(lists, costs_from_plan(plan))
+            _, predicted = simulate(lists, plan.stage_costs())
             replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
-            trace.timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
+            timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
             print(f"wrote timeline {args.timeline}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return 0
 
 
 def show(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
-    topology = topology_of(plan)
+    topology = plan.topology()
     for r, actions in enumerate(lists):
-        chunks = sorted({a.chunk for a in actions if a.kind == sched.FORWARD})
-        units = [u for g in chunks for u in plan["stages"][g]["units"]]
-        lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(chunks[0])}"
-                if topology.replicas_of(chunks[0]) > 1 else "")
-        print(f"rank {r} (stages {','.join(map(str, chunks))}: {units[0]} .. {units[-1]}{lane}), at most "
+        stages = topology.stages_of(r)
+        units = [u for g in stages for u in plan.stages[g].units]
+        lane = (f", replica {topology.lane_of(r) + 1} of {topology.replicas_of(stages[0])}"
+                if topology.replicas_of(stages[0]) > 1 else "")
+        print(f"rank {r} (stages {','.join(map(str, stages))}: {units[0]} .. {units[-1]}{lane}), at most "
               f"{sched.max_in_flight(actions)} micro-batches held:")
         print("  " + " ".join(str(a) for a in actions))
     print("checked: every send has its receive, and no rank can wait forever")

@@ -5,7 +5,7 @@ tensors alive until then). Receives can be posted ahead of the action that needs
 (`post_recv`, then `recv(..., posted=)`): gloo's TCP transport is a rendezvous protocol, a
 send's payload leaves only once the receiver has posted the matching receive, so a receive
 posted at the moment its data is needed pays a round trip of two background-thread wake-ups on
-the critical path (about 1 ms on a loaded 2-core host). Each message carries a tag derived from
+the critical path (BENCHMARKS.md: what it costs on a loaded host). Each message carries a tag derived from
 the micro-batch, the direction and the tensor's position, so messages cannot be mismatched.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Execute one rank's instruction list, step after step.
 
 A step: `inputs, target = batch(G, step)`; replica r of d takes samples [r·G/d, (r+1)·G/d) and
-splits them into m equal micro-batches along dim 0. The last chunk's loss for micro-batch i is
+splits them into m equal micro-batches along dim 0. The last stage's loss for micro-batch i is
 `loss(output_i, target_i) / (d·m)`, so after the gradient all-reduce (a sum over replicas) every
 parameter holds the gradient of the mean micro-batch loss, exactly as single-device gradient
 accumulation over the same d·m micro-batches computes it. A replicated stage's replicas each
@@ -19,11 +19,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from planner.measure import to_device
-from runtime import schedule as sched
+from planner.model.spec import to_device
+from planner.pipeline.schedule import Action, ActionKind
+from planner.pipeline.topology import Topology
+from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
-from runtime.stage import Chunk, RankModel
-from runtime.topology import Topology
+from runtime.stage import RankModel, RankStage
 
 
 class BatchError(ValueError):
@@ -70,40 +71,52 @@ class StepStats:
 
 @dataclass
 class _State:
-    """One micro-batch on one chunk."""
+    """One micro-batch on one stage."""
 
-    inputs: List[Any] = field(default_factory=list)
     received: List[Any] = field(default_factory=list)
     outputs: Any = None
     grads: List[torch.Tensor] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None
-    target: Any = None
     saved_bytes: int = 0  # held for backward by this micro-batch's forward
 
 
-class _ChunkRunner:
-    """Per-chunk bookkeeping: which sent/received values are tensors and which carry gradients."""
+class _StageRunner:
+    """Per-stage bookkeeping: which sent/received values are tensors and which carry gradients."""
 
-    def __init__(self, chunk: Chunk):
-        self.chunk = chunk
-        self.send_tensors = [i for i, v in enumerate(chunk.send) if v["kind"] == "tensor"]
-        self.send_grads = [i for i in self.send_tensors if chunk.send[i].get("requires_grad")]
-        self.recv_tensors = [i for i, v in enumerate(chunk.recv) if v["kind"] == "tensor"]
-        self.recv_grads = [i for i in self.recv_tensors if chunk.recv[i].get("requires_grad")]
-        self.wanted_inputs = [chunk.model_inputs.index(n) for n in chunk.io.inputs]
+    def __init__(self, stage: RankStage):
+        self.stage = stage
+        self.send_tensors = [i for i, v in enumerate(stage.send) if v["kind"] == "tensor"]
+        self.send_grads = [i for i in self.send_tensors if stage.send[i].get("requires_grad")]
+        self.recv_tensors = [i for i, v in enumerate(stage.recv) if v["kind"] == "tensor"]
+        self.recv_grads = [i for i in self.recv_tensors if stage.recv[i].get("requires_grad")]
+        self.wanted_inputs = [stage.model_inputs.index(n) for n in stage.io.inputs]
 
 
-TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, chunk, start, end)
+@dataclass
+class _Step:
+    """What one step's actions share: its micro-batches, the micro-batches in flight, the timings."""
+
+    stats: StepStats
+    inputs: List[Any]  # per micro-batch, aligned with the graph's placeholders
+    targets: List[Any]
+    receives: "_ReceivesAhead"
+    states: Dict[Tuple[int, int], _State] = field(default_factory=dict)  # (stage, micro-batch) -> state
+    losses: List[float] = field(default_factory=list)
+
+
+TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
 
 
 class Engine:
-    def __init__(self, rank_model: RankModel, actions: List[sched.Action], topology: Topology, rank: int,
+    """Runs one rank's instruction list, step after step: each action by its kind's handler."""
+
+    def __init__(self, rank_model: RankModel, actions: List[Action], topology: Topology, rank: int,
                  global_batch: int, num_micro_batches: int, optimizer: Any, device: torch.device,
                  comm: Optional[PointToPoint], groups: "Groups", trace: Optional[TraceHook] = None,
                  recv_ahead: int = 2):
         self.spec = rank_model.spec
         self.rank_model = rank_model
-        self.runners = {c.index: _ChunkRunner(c) for c in rank_model.chunks}
+        self.runners = {st.index: _StageRunner(st) for st in rank_model.stages}
         self.actions = actions
         self.topology = topology
         self.replica = topology.replica_of(rank)
@@ -116,19 +129,25 @@ class Engine:
         self.trace = trace
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
-        # Saved-tensor hooks cost a Python call per saved tensor in forward and in backward (5-10 %
-        # of a step of small ops; the profile times units without them). Every step holds the same
-        # tensors, so the first step this engine runs counts them and the later ones run bare.
+        # Saved-tensor hooks cost a Python call per saved tensor in forward and in backward (the
+        # profile times units without them). Every step holds the same tensors, so the first step
+        # this engine runs counts them and the later ones run bare.
         self.count_saved = True
         # Receives posted ahead, in action order. Only where messages are matched by tag (gloo):
         # NCCL runs a pair's sends and receives in issue order on one stream, so a receive posted
         # early could sit in front of the send its sender is waiting for.
         self.recv_ahead = recv_ahead if comm is not None and comm.use_tags else 0
-        self.receive_actions = [k for k, a in enumerate(actions) if a.kind in (sched.RECV_ACT, sched.RECV_GRAD)]
+        self.receive_actions = [k for k, a in enumerate(actions)
+                                if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)]
+        self.handlers: Dict[ActionKind, Callable[[_Step, int, Action], None]] = {
+            ActionKind.RECV_ACT: self._receive_activations, ActionKind.FORWARD: self._forward,
+            ActionKind.SEND_ACT: self._send_activations, ActionKind.RECV_GRAD: self._receive_gradients,
+            ActionKind.BACKWARD: self._backward, ActionKind.SEND_GRAD: self._send_gradients,
+            ActionKind.OPTIMIZER_STEP: self._optimizer_step}
 
-    def _peer(self, chunk: int, micro_batch: int) -> int:
-        """The global rank running `micro_batch` through `chunk` in this data-parallel replica."""
-        return self.topology.global_rank(self.replica, self.topology.position_of(chunk, micro_batch))
+    def _peer(self, stage: int, micro_batch: int) -> int:
+        """The global rank running `micro_batch` through `stage` in this data-parallel replica."""
+        return self.topology.global_rank(self.replica, self.topology.rank_running(stage, micro_batch))
 
     # --- one step ---------------------------------------------------------------------------
     def _micro_batches(self, step: int) -> Tuple[List[Any], List[Any]]:
@@ -145,80 +164,114 @@ class Engine:
 
     def run_step(self, step: int) -> StepStats:
         start = time.perf_counter()
-        stats = StepStats(step=step)
         micro_inputs, micro_targets = self._micro_batches(step)
-        states: Dict[Tuple[int, int], _State] = {}
-        losses: List[float] = []
         receives = _ReceivesAhead(self.receive_actions, self.recv_ahead,
                                   lambda k: self.comm.post_recv(*self.message_of(self.actions[k])))
+        current = _Step(StepStats(step=step), micro_inputs, micro_targets, receives)
         for index, action in enumerate(self.actions):
-            kind, i, g = action.kind, action.micro_batch, action.chunk
             t0 = time.perf_counter()
-            if kind == sched.RECV_ACT:
-                tensors = self.comm.recv(*self.message_of(action), posted=receives.take(index))
-                states.setdefault((g, i), _State()).received = self._assemble(self.runners[g].chunk, tensors)
-                stats.recv_wait_s += time.perf_counter() - t0
-            elif kind == sched.FORWARD:
-                state = states.setdefault((g, i), _State())
-                self._forward(self.runners[g], state, micro_inputs[i], micro_targets[i])
-                if state.loss is not None:
-                    losses.append(float(state.loss.detach()) * self.m * self.topology.data_parallel)
-                stats.forward_s += time.perf_counter() - t0
-            elif kind == sched.SEND_ACT:
-                runner, outputs = self.runners[g], states[(g, i)].outputs
-                self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1, i),
-                               self._tag(g + 1, i), ACTIVATION)
-            elif kind == sched.RECV_GRAD:
-                states[(g, i)].grads = self.comm.recv(*self.message_of(action), posted=receives.take(index))
-                stats.recv_wait_s += time.perf_counter() - t0
-            elif kind == sched.BACKWARD:
-                self._backward(self.runners[g], states[(g, i)])
-                stats.backward_s += time.perf_counter() - t0
-                if g == 0:  # nothing to send back: free the micro-batch now
-                    states.pop((g, i), None)
-            elif kind == sched.SEND_GRAD:
-                runner, received = self.runners[g], states.pop((g, i)).received
-                grads = [received[j].grad if received[j].grad is not None else torch.zeros_like(received[j])
-                         for j in runner.recv_grads]
-                self.comm.send(grads, self._peer(g - 1, i), self._tag(g - 1, i), GRADIENT)
-            elif kind == sched.OPTIMIZER_STEP:
-                if self.comm is not None:
-                    self.comm.wait_sends()
-                stats.send_wait_s += time.perf_counter() - t0
-                t1 = time.perf_counter()
-                self.groups.reduce_gradients(self.rank_model, self.params)
-                t2 = time.perf_counter()
-                stats.reduce_s += t2 - t1
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                stats.optimizer_s += time.perf_counter() - t2
-            else:
-                raise ValueError(f"unknown action {action}")
+            self.handlers[action.kind](current, index, action)
             if self.trace is not None:
-                self.trace(kind, i, g, t0, time.perf_counter())
+                self.trace(action.kind.value, action.micro_batch, action.stage, t0, time.perf_counter())
         self.count_saved = False
-        if losses:
-            stats.loss = sum(losses) / len(losses)
-            stats.loss_count = len(losses)
+        stats = current.stats
+        if current.losses:
+            stats.loss = sum(current.losses) / len(current.losses)
+            stats.loss_count = len(current.losses)
         stats.time_s = time.perf_counter() - start
         return stats
 
-    def message_of(self, action: sched.Action) -> Tuple[List[dict], int, int, int]:
+    # --- the handlers, one per action kind -------------------------------------------------------
+    def _receive_activations(self, step: _Step, index: int, action: Action) -> None:
+        t0 = time.perf_counter()
+        g, i = action.stage, action.micro_batch
+        tensors = self.comm.recv(*self.message_of(action), posted=step.receives.take(index))
+        step.states.setdefault((g, i), _State()).received = self._assemble(self.runners[g].stage, tensors)
+        step.stats.recv_wait_s += time.perf_counter() - t0
+
+    def _forward(self, step: _Step, index: int, action: Action) -> None:
+        t0 = time.perf_counter()
+        g, i = action.stage, action.micro_batch
+        runner, state = self.runners[g], step.states.setdefault((g, i), _State())
+        args = to_device([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
+        with self.saved.counting() if self.count_saved else contextlib.nullcontext():
+            out = runner.stage.module(*args, *state.received)
+            if runner.stage.is_last:
+                state.loss = self.spec.loss(out, to_device(step.targets[i], self.device)) / \
+                    (self.m * self.topology.data_parallel)
+            else:
+                state.outputs = out
+        state.saved_bytes = self.saved.finish() if self.count_saved else 0
+        if state.loss is not None:
+            step.losses.append(float(state.loss.detach()) * self.m * self.topology.data_parallel)
+        step.stats.forward_s += time.perf_counter() - t0
+
+    def _send_activations(self, step: _Step, index: int, action: Action) -> None:
+        g, i = action.stage, action.micro_batch
+        runner, outputs = self.runners[g], step.states[(g, i)].outputs
+        self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1, i), self._tag(g + 1, i),
+                       ACTIVATION)
+
+    def _receive_gradients(self, step: _Step, index: int, action: Action) -> None:
+        t0 = time.perf_counter()
+        state = step.states[(action.stage, action.micro_batch)]
+        state.grads = self.comm.recv(*self.message_of(action), posted=step.receives.take(index))
+        step.stats.recv_wait_s += time.perf_counter() - t0
+
+    def _backward(self, step: _Step, index: int, action: Action) -> None:
+        t0 = time.perf_counter()
+        g, i = action.stage, action.micro_batch
+        runner, state = self.runners[g], step.states[(g, i)]
+        if runner.stage.is_last:
+            state.loss.backward()
+            state.loss = None
+        else:
+            pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
+                     if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [grad for _, grad in pairs])
+            state.outputs, state.grads = None, []
+        self.saved.release(state.saved_bytes)
+        step.stats.backward_s += time.perf_counter() - t0
+        if g == 0:  # nothing to send back: free the micro-batch now
+            step.states.pop((g, i), None)
+
+    def _send_gradients(self, step: _Step, index: int, action: Action) -> None:
+        g, i = action.stage, action.micro_batch
+        runner, received = self.runners[g], step.states.pop((g, i)).received
+        grads = [received[j].grad if received[j].grad is not None else torch.zeros_like(received[j])
+                 for j in runner.recv_grads]
+        self.comm.send(grads, self._peer(g - 1, i), self._tag(g - 1, i), GRADIENT)
+
+    def _optimizer_step(self, step: _Step, index: int, action: Action) -> None:
+        t0 = time.perf_counter()
+        if self.comm is not None:
+            self.comm.wait_sends()
+        t1 = time.perf_counter()
+        step.stats.send_wait_s += t1 - t0
+        self.groups.reduce_gradients(self.rank_model, self.params)
+        t2 = time.perf_counter()
+        step.stats.reduce_s += t2 - t1
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        step.stats.optimizer_s += time.perf_counter() - t2
+
+    def message_of(self, action: Action) -> Tuple[List[dict], int, int, int]:
         """(tensor specs, source rank, tag, direction) of the message a receive action waits for."""
-        runner, i, g = self.runners[action.chunk], action.micro_batch, action.chunk
-        if action.kind == sched.RECV_ACT:
-            return [runner.chunk.recv[j] for j in runner.recv_tensors], self._peer(g - 1, i), self._tag(g, i), ACTIVATION
-        return [runner.chunk.send[j] for j in runner.send_grads], self._peer(g + 1, i), self._tag(g, i), GRADIENT
+        runner, i, g = self.runners[action.stage], action.micro_batch, action.stage
+        if action.kind is ActionKind.RECV_ACT:
+            return [runner.stage.recv[j] for j in runner.recv_tensors], self._peer(g - 1, i), self._tag(g, i), ACTIVATION
+        return [runner.stage.send[j] for j in runner.send_grads], self._peer(g + 1, i), self._tag(g, i), GRADIENT
 
-    def _tag(self, receiving_chunk: int, micro_batch: int) -> int:
-        """A message tag unique per (receiving chunk, micro-batch) within a step."""
-        return receiving_chunk * self.m + micro_batch
+    def _tag(self, receiving_stage: int, micro_batch: int) -> int:
+        """A message tag unique per (receiving stage, micro-batch) within a step."""
+        return receiving_stage * self.m + micro_batch
 
-    def _assemble(self, chunk: Chunk, tensors: List[torch.Tensor]) -> List[Any]:
-        """Received tensors and injected constants, in the chunk's input order."""
+    def _assemble(self, stage: RankStage, tensors: List[torch.Tensor]) -> List[Any]:
+        """Received tensors and injected constants, in the stage's input order."""
         values: List[Any] = []
         it = iter(tensors)
-        for spec in chunk.recv:
+        for spec in stage.recv:
             if spec["kind"] == "tensor":
                 t = next(it)
                 if spec.get("requires_grad"):
@@ -227,34 +280,6 @@ class Engine:
             else:
                 values.append(_constant(spec["value"]))
         return values
-
-    def _forward(self, runner: _ChunkRunner, state: _State, inputs: List[Any], target: Any) -> None:
-        chunk = runner.chunk
-        args = to_device([inputs[j] for j in runner.wanted_inputs], self.device)
-        counter = self.saved
-        hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if self.count_saved else \
-            contextlib.nullcontext()
-        with hooks:
-            if self.count_saved:
-                counter.start()
-            out = chunk.module(*args, *state.received)
-            if chunk.is_last:
-                state.loss = self.spec.loss(out, to_device(target, self.device)) / (self.m * self.topology.data_parallel)
-            else:
-                state.outputs = out
-            state.saved_bytes = counter.finish() if self.count_saved else 0
-
-    def _backward(self, runner: _ChunkRunner, state: _State) -> None:
-        if runner.chunk.is_last:
-            state.loss.backward()
-            state.loss = None
-        else:
-            pairs = [(state.outputs[j], g) for j, g in zip(runner.send_grads, state.grads)
-                     if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            state.outputs, state.grads = None, []
-        self.saved.release(state.saved_bytes)
 
 
 class _ReceivesAhead:
@@ -284,56 +309,20 @@ class _ReceivesAhead:
         return posted
 
 
-class SavedBytes:
-    """Bytes held for backward, as autograd saves them (each storage once, parameters excluded):
-    added when a micro-batch's forward ends, released when its backward does. `peak` is the most
-    held at once on this rank — the activation memory the plan's memory model predicts. Counted
-    in the engine's first step only (every step holds the same; see Engine.count_saved)."""
-
-    def __init__(self, params: List[torch.nn.Parameter]):
-        self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.live = 0
-        self.peak = 0
-        self._storages: Dict[int, int] = {}
-
-    def start(self) -> None:
-        self._storages = {}
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr and ptr not in self.parameter_ptrs:
-            self._storages[ptr] = storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def finish(self) -> int:
-        held = sum(self._storages.values())
-        self.live += held
-        self.peak = max(self.peak, self.live)
-        return held
-
-    def release(self, held: int) -> None:
-        self.live -= held
-
-
 class Groups:
     """Process groups for gradient reductions, created by every rank in the same order, as
     torch.distributed requires:
 
-    - holders of the same chunks (a stage's replicas across data-parallel replicas and within
-      the pipeline): their gradients are summed in one flat all-reduce;
-    - tied weights used by chunks on several positions: one group of every rank holding a use,
+    - holders of the same stages (a stage's lanes, in every data-parallel replica): their
+      gradients are summed in one flat all-reduce;
+    - tied weights used by stages on several pipeline ranks: one group of every rank holding a use,
       in every replica, whose sum is the whole gradient (so tied parameters skip the first).
     """
 
     def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]]):
         self.topology = topology
         self.tie_groups: Dict[str, Any] = {}
-        self.data_parallel_group = None  # the holders of this rank's chunks, when more than one
+        self.data_parallel_group = None  # the holders of this rank's stages, when more than one
         if not dist.is_initialized():
             return
         made = set()

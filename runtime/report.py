@@ -4,7 +4,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
-from runtime.hostspeed import host_slowdown, host_speed_lines
+from planner.plan.file import Plan
+from planner.profile.hostspeed import host_slowdown, host_speed_lines
 
 MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
 
@@ -14,11 +15,11 @@ def _steady(values: List[float]) -> List[float]:
     return values[1:] if len(values) > 1 else values
 
 
-def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Dict[str, Any]:
+def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, Any]:
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     num_steps = len(rank_results[0]["steps"])
     reporter = max((r for r in rank_results if r.get("replica", 0) == 0), key=lambda r: max(r.get("chunks", [0])))
-    m = int(plan["num_micro_batches"])
+    m = plan.num_micro_batches
     steps = []
     for j in range(num_steps):
         steps.append({
@@ -30,27 +31,26 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
     measured = statistics.median(_steady([s["time_s"] for s in steps])) if steps else 0.0
     ranks = []
     for r in rank_results:
-        chunks = r.get("chunks", [r["rank"]])
-        plan_stages = [plan["stages"][g] for g in chunks]
-        counts = r.get("micro_batches") or {}  # micro-batches per chunk (a stage replica runs its share)
+        stages = r.get("chunks", [r["rank"]])  # the rank's stages ("chunks" in the rank and report files)
+        plan_stages = [plan.stages[g] for g in stages]
+        counts = r.get("micro_batches") or {}  # micro-batches per stage (a stage's lane runs its share)
         mean = {k: statistics.mean(_steady([s.get(k, 0.0) for s in r["steps"]])) if r["steps"] else 0.0
                 for k in MEASURED_KEYS}
         mean["step_s"] = mean.pop("time_s")
         busy = sum(mean[k] for k in ("forward_s", "backward_s", "reduce_s", "optimizer_s"))
         mean["idle_s"] = max(0.0, mean["step_s"] - busy)  # waiting on neighbours: the bubble and transfers
-        units = [u for st in plan_stages for u in st["units"]]
-        spans = [st["units"][0] if len(st["units"]) == 1 else f"{st['units'][0]}..{st['units'][-1]}"
-                 for st in plan_stages]
+        units = [u for st in plan_stages for u in st.units]
+        spans = [st.units[0] if len(st.units) == 1 else f"{st.units[0]}..{st.units[-1]}" for st in plan_stages]
         ranks.append({
             "rank": r["rank"],
             "stage": r.get("pipeline_rank", r["rank"]),
             "replica": r.get("replica", 0),
             "lane": r.get("lane", 0),
-            "chunks": chunks,
+            "chunks": stages,
             "units": units,
             "unit_spans": spans,
             "measured": mean,
-            "predicted": {kind: sum(counts.get(str(g), m) * float(plan["stages"][g].get(kind, 0.0)) for g in chunks)
+            "predicted": {kind: sum(counts.get(str(g), m) * float(getattr(plan.stages[g], kind)) for g in stages)
                           for kind in ("forward_s", "backward_s")},
             "threads": r.get("threads"),
             "host_kernel_s": r.get("host_kernel_s"),
@@ -58,18 +58,17 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
             "peak_memory_bytes": r.get("peak_memory_bytes"),
             "peak_saved_bytes": r.get("peak_saved_bytes"),
             "param_bytes": r.get("param_bytes"),
-            "predicted_activation_bytes": sum(float(st.get("memory_bytes", {}).get("activations", 0))
-                                              for st in plan_stages),
+            "predicted_activation_bytes": sum(float(st.memory_bytes.get("activations", 0)) for st in plan_stages),
         })
-    predicted = float(plan.get("predicted_iteration_s", 0.0))
+    predicted = float(plan.predicted_iteration_s)
     return {
         "schema_version": 1,
         "kind": "report",
-        "model": plan["model"],
-        "schedule": plan["schedule"],
-        "micro_batch_size": plan["micro_batch_size"],
+        "model": plan.model,
+        "schedule": plan.schedule,
+        "micro_batch_size": plan.micro_batch_size,
         "num_micro_batches": m,
-        "data_parallel": int(plan.get("data_parallel", 1) or 1),
+        "data_parallel": plan.data_parallel,
         "optimizer": rank_results[0].get("optimizer"),
         "steps": steps,
         "stages": ranks,
@@ -77,8 +76,8 @@ def build_report(plan: Dict[str, Any], rank_results: List[Dict[str, Any]]) -> Di
         "measured_iteration_s": measured,
         "relative_error": (measured - predicted) / predicted if predicted > 0 else None,
         "link": next((r["link"] for r in rank_results if r.get("link")), None),
-        # the host's speed during the run against the profile's (runtime.hostspeed)
-        "host_slowdown": host_slowdown((plan.get("profile") or {}).get("host_kernel_s"),
+        # the host's speed during the run against the profile's (planner.profile.hostspeed)
+        "host_slowdown": host_slowdown(plan.profile.get("host_kernel_s"),
                                        [r.get("host_kernel_s") or [] for r in rank_results]),
     }
 

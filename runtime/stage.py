@@ -1,10 +1,10 @@
-"""Build one rank's model chunks from a plan: rebuild the model, re-capture it, cut out the chunks.
+"""Build one rank's stages from a plan: rebuild the model, re-capture it, cut out the stages.
 
 Every rank builds the full spec after `torch.manual_seed(seed)` (identical weights everywhere),
 captures the same graph the profile was made from, and checks that the graph still has the
-plan's units and cut values before cutting out its own chunks (plan stages) as fx GraphModules.
+plan's units and cut values before cutting out its own stages as fx GraphModules.
 
-A chunk whose plan stage marks units for recomputation runs as a chain of segments: each
+A stage whose plan entry marks units for recomputation runs as a chain of segments: each
 recomputed unit alone under `torch.utils.checkpoint` (only its inputs are kept; its forward
 runs again in backward, its buffers put back afterwards: BatchNorm's running statistics are
 updated once per micro-batch, as without recomputation), the other units fused into segments.
@@ -18,9 +18,11 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from planner.capture import CapturedModel, StageIO, capture
-from planner.spec import ModelSpec, build_spec
-from runtime.topology import Topology
+from planner.model.capture import CapturedModel, StageIO, capture
+from planner.model.entry import build_spec
+from planner.model.spec import ModelSpec
+from planner.pipeline.topology import Topology
+from planner.plan.file import Plan
 
 
 class PlanMismatchError(RuntimeError):
@@ -34,7 +36,7 @@ class Segment:
     recompute: bool
 
 
-class ChunkModule(nn.Module):
+class SegmentedStage(nn.Module):
     """A plan stage: forward(*inputs, *received) -> tuple(sent) or the model output.
 
     Runs its segments in order, keeping every value by name, so a recomputed unit can sit
@@ -87,55 +89,53 @@ class BuffersPutBack:
 
 
 @dataclass
-class Chunk:
-    index: int  # global chunk (plan stage) index
-    num_chunks: int
+class RankStage:
+    """One plan stage as this rank runs it."""
+
+    index: int  # the stage's index g in the plan
+    num_stages: int
     module: nn.Module
     io: StageIO
     recv: List[Dict[str, Any]]  # the plan's descriptions of the values crossing the first cut
     send: List[Dict[str, Any]]  # ... and of those crossing the end cut
-    # model state_dict keys this chunk saves -> the key of the same tensor in the chunk's own state
+    # model state_dict keys this stage saves -> the key of the same tensor in the stage's own state
     # (an aliased parameter, one tensor under several names, is saved under each of them), or None
-    # for an entry no chunk uses (saved by chunk 0 at its initial value)
+    # for an entry no stage uses (saved by stage 0 at its initial value)
     state_sources: Dict[str, Optional[str]]
     model_inputs: List[str]  # the model's forward arguments (fx placeholder names), in order
     recompute: List[str] = field(default_factory=list)
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
     def is_last(self) -> bool:
-        return self.index == self.num_chunks - 1
+        return self.index == self.num_stages - 1
 
 
 @dataclass
 class RankModel:
     spec: ModelSpec
-    chunks: List[Chunk]
-    # Parameters used by chunks on several positions (tied weights): canonical name ->
-    # (parameter on this rank, positions holding it). Their gradients are summed across those
-    # positions, in every data-parallel replica, before the optimizer step.
+    stages: List[RankStage]  # the stages this rank runs, in model order
+    # Parameters used by stages on several pipeline ranks (tied weights): canonical name ->
+    # (parameter on this rank, pipeline ranks holding it). Their gradients are summed across those
+    # ranks, in every data-parallel replica, before the optimizer step.
     tied: Dict[str, Tuple[nn.Parameter, Tuple[int, ...]]]
     tied_groups: List[Tuple[str, Tuple[int, ...]]]  # every tie in the plan, same order on all ranks
     # A batch's `inputs` (positional, maybe ending in a keyword dict) as a list aligned with the
-    # graph's placeholders (Chunk.model_inputs).
+    # graph's placeholders (RankStage.model_inputs).
     input_values: Callable[[Any], List[Any]] = lambda inputs: list(inputs)
 
     def parameters(self) -> List[nn.Parameter]:
         """This rank's parameters, each once (a tie within the rank is one parameter)."""
         seen, params = set(), []
-        for chunk in self.chunks:
-            for p in chunk.module.parameters():
+        for stage in self.stages:
+            for p in stage.module.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
         return params
 
 
-def _check_units(plan: Dict[str, Any], captured: CapturedModel) -> None:
-    planned = [name for stage in plan["stages"] for name in stage["units"]]
+def _check_units(plan: Plan, captured: CapturedModel) -> None:
+    planned = [name for stage in plan.stages for name in stage.units]
     actual = captured.unit_names
     if planned != actual:
         first_difference = next((i for i, (a, b) in enumerate(zip(planned, actual)) if a != b),
@@ -178,17 +178,17 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     return segments
 
 
-def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> RankModel:
-    model = plan["model"]
+def build_rank(plan: Plan, topology: Topology, pipeline_rank: int) -> RankModel:
+    model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     captured = capture(spec.module)
     _check_units(plan, captured)
-    captured.check_batch_size(int(plan["micro_batch_size"]), f"plan with micro-batch size {captured.fixed_batch}")
-    stages = plan["stages"]
-    ranges = [(int(s["first_unit"]), int(s["end_unit"])) for s in stages]
+    captured.check_batch_size(plan.micro_batch_size, f"plan with micro-batch size {captured.fixed_batch}")
+    stages = plan.stages
+    ranges = [(s.first_unit, s.end_unit) for s in stages]
     modules = [captured.stage_module(first, end)[0] for first, end in ranges]
 
-    # Which chunks use each parameter object (a tied weight is one object under two names).
+    # Which stages use each parameter object (a tied weight is one object under two names).
     canonical = {}
     for name, p in spec.module.named_parameters(remove_duplicate=False):
         canonical.setdefault(id(p), name)
@@ -196,55 +196,55 @@ def build_rank(plan: Dict[str, Any], topology: Topology, pipeline_rank: int) -> 
     for g, module in enumerate(modules):
         for p in module.parameters():
             users.setdefault(id(p), set()).add(g)
-    # A tie: chunks on different positions use one parameter (a replicated stage's replicas are
-    # not ties: they hold the same chunk, and sum their gradients with the data-parallel group).
-    holders = {pid: sorted({q for g in chunks for q in topology.positions_of(g)}) for pid, chunks in users.items()
-               if len(chunks) > 1}
+    # A tie: stages on different pipeline ranks use one parameter (a replicated stage's lanes are
+    # not ties: they hold the same stage, and sum their gradients with the data-parallel group).
+    holders = {pid: sorted({q for g in users_of for q in topology.ranks_of(g)}) for pid, users_of in users.items()
+               if len(users_of) > 1}
     tied_groups = sorted((canonical[pid], tuple(ranks)) for pid, ranks in holders.items() if len(ranks) > 1)
 
-    # Each model state entry is saved by the first chunk holding its tensor, read under the chunk's
+    # Each model state entry is saved by the first stage holding its tensor, read under the stage's
     # name for that tensor: an aliased parameter (one tensor, several names, like BERT's
     # cls.predictions.bias and cls.predictions.decoder.bias) may be used under one name only, and
-    # every name must carry the trained value. Chunk 0 also saves the entries no chunk uses.
-    held: Dict[int, Tuple[int, str]] = {}  # tensor id -> (first chunk holding it, its key there)
+    # every name must carry the trained value. Stage 0 also saves the entries no stage uses.
+    held: Dict[int, Tuple[int, str]] = {}  # tensor id -> (first stage holding it, its key there)
     for g, module in enumerate(modules):
         for key, value in module.state_dict(keep_vars=True).items():
             held.setdefault(id(value), (g, key))
     sources = {key: held.get(id(value), (0, None)) for key, value in spec.module.state_dict(keep_vars=True).items()}
 
-    chunks: List[Chunk] = []
-    for g in topology.chunks_of(pipeline_rank):
+    mine: List[RankStage] = []
+    for g in topology.stages_of(pipeline_rank):
         first, end = ranges[g]
         plan_stage = stages[g]
-        recompute = list(plan_stage.get("recompute", []) or [])
+        recompute = list(plan_stage.recompute)
         io = captured.stage_io(first, end)
-        _check_values(f"stage {g} input", plan_stage.get("recv", []), io.received)
-        _check_values(f"stage {g} output", plan_stage.get("send", []), io.sent)
+        _check_values(f"stage {g} input", plan_stage.recv, io.received)
+        _check_values(f"stage {g} output", plan_stage.send, io.sent)
         if recompute:
-            module: nn.Module = ChunkModule(_segments(captured, first, end, recompute), io)
+            module: nn.Module = SegmentedStage(_segments(captured, first, end, recompute), io)
         else:
             module = modules[g]
         if topology.replicas_of(g) > 1 and any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in module.modules()):
             raise PlanMismatchError(f"stage {g} has BatchNorm: its {topology.replicas_of(g)} replicas would keep "
                                     "different running statistics; do not replicate this stage")
-        chunks.append(Chunk(index=g, num_chunks=len(stages), module=module, io=io,
-                            recv=list(plan_stage.get("recv", [])), send=list(plan_stage.get("send", [])),
-                            state_sources={k: source for k, (holder, source) in sources.items() if holder == g},
+        mine.append(RankStage(index=g, num_stages=len(stages), module=module, io=io,
+                              recv=list(plan_stage.recv), send=list(plan_stage.send),
+                              state_sources={k: source for k, (holder, source) in sources.items() if holder == g},
                             model_inputs=list(captured.placeholders), recompute=recompute))
-    mine = {id(p): p for c in chunks for p in c.module.parameters()}
+    held = {id(p): p for st in mine for p in st.module.parameters()}
     by_name = dict(spec.module.named_parameters(remove_duplicate=False))
     tied = {name: (by_name[name], ranks) for name, ranks in tied_groups
-            if pipeline_rank in ranks and id(by_name[name]) in mine}
-    return RankModel(spec=spec, chunks=chunks, tied=tied, tied_groups=tied_groups,
+            if pipeline_rank in ranks and id(by_name[name]) in held}
+    return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups,
                      input_values=captured.input_values)
 
 
-def chunk_state(chunk: Chunk, spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    """The model state entries this chunk saves, under the model's names (every name of an aliased
+def stage_state(stage: RankStage, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """The model state entries this stage saves, under the model's names (every name of an aliased
     parameter), on the CPU."""
     own = {}
-    for key, value in chunk.module.state_dict().items():
+    for key, value in stage.module.state_dict().items():
         own[key.split("parts.", 1)[-1].split(".", 1)[-1] if key.startswith("parts.") else key] = value
-    full = spec.module.state_dict()  # entries no chunk uses keep their initial values
+    full = spec.module.state_dict()  # entries no stage uses keep their initial values
     return {k: (own[source] if source is not None else full[k]).detach().cpu().clone()
-            for k, source in chunk.state_sources.items()}
+            for k, source in stage.state_sources.items()}

@@ -1,13 +1,10 @@
-"""Timelines of a run: a Chrome trace (open in https://ui.perfetto.dev) and a PNG Gantt chart
-with the predicted schedule drawn beside the measured one."""
+"""A run's timeline as a Chrome trace (open in https://ui.perfetto.dev). The PNG Gantt chart beside
+the prediction is planner.fidelity.timeline."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List
 
 from planner.jsonio import write_json_atomic
-
-_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recv_act": "#cccccc", "recv_grad": "#cccccc",
-            "send_act": "#55a868", "send_grad": "#55a868", "optimizer_step": "#8172b3"}
 
 
 def chrome_trace(rank_events: Dict[int, List[List[Any]]], path: str) -> None:
@@ -22,60 +19,3 @@ def chrome_trace(rank_events: Dict[int, List[List[Any]]], path: str) -> None:
                           "ts": (start - origin) * 1e6, "dur": max(end - start, 0.0) * 1e6,
                           "args": {"micro_batch": i, "stage": g}})
     write_json_atomic(path, {"traceEvents": trace, "displayTimeUnit": "ms"})
-
-
-def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[Any], step: int, path: str) -> None:
-    """Gantt chart of one measured step (top; omitted when `rank_events` is empty) and the
-    simulated prediction (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    panels = [("predicted (simulated from the plan)", _predicted_rows(predicted))]
-    if rank_events:
-        panels.insert(0, (f"measured (step {step})", _measured_rows(rank_events, step)))
-    ranks = sorted(set(rank_events) | {e.rank for e in predicted})
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.9 * len(ranks) * len(panels)), sharex=True,
-                             squeeze=False)
-    axes = axes[:, 0]
-    for ax, (title, rows) in zip(axes, panels):
-        for rank, kind, i, start, end in rows:
-            if end - start <= 0:
-                continue
-            ax.barh(rank, (end - start) * 1e3, left=start * 1e3, color=_COLOURS.get(kind, "#999999"),
-                    edgecolor="white", linewidth=0.4)
-            if kind in ("forward", "backward") and end - start > 0:
-                ax.text((start + end) / 2 * 1e3, rank, str(i), ha="center", va="center", fontsize=6, color="white")
-        ax.set_yticks(ranks)
-        ax.set_yticklabels([f"rank {r}" for r in ranks])
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=9, loc="left")
-    axes[-1].set_xlabel("ms")
-    fig.legend(handles=[Patch(color=_COLOURS[k], label=k.replace("_", " ")) for k in
-                        ("forward", "backward", "send_act", "recv_act", "optimizer_step")],
-               loc="upper right", fontsize=7, ncol=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _measured_rows(rank_events: Dict[int, List[List[Any]]], step: int):
-    """The events of one step, per rank, relative to that step's earliest start."""
-    per_rank = {}
-    for rank, events in rank_events.items():
-        # A step ends with the optimizer step: split the event list at those.
-        steps, current = [], []
-        for e in events:
-            current.append(e)
-            if e[0] == "optimizer_step":
-                steps.append(current)
-                current = []
-        per_rank[rank] = steps[step] if step < len(steps) else []
-    origin = min((e[3] for evs in per_rank.values() for e in evs), default=0.0)
-    return [(rank, e[0], e[1], e[3] - origin, e[4] - origin) for rank, evs in per_rank.items() for e in evs]
-
-
-def _predicted_rows(predicted: Sequence[Any]):
-    return [(e.rank, e.kind, e.micro_batch, e.start, e.end) for e in predicted]

@@ -4,7 +4,7 @@
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m runtime.worker plan.json --out-dir run/ --steps 100
 
-Writes DIR/rank{R}.json (per-step timings and losses), DIR/rank{R}.pt (its chunks' state, with
+Writes DIR/rank{R}.json (per-step timings and losses), DIR/rank{R}.pt (its stages' state, with
 --save-state), DIR/rank{R}.trace.json (with --trace) and, if it fails, DIR/rank{R}.error (one
 line) and the traceback on stderr.
 """
@@ -12,28 +12,28 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
 import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from planner.allocator import retain_freed_memory
-from planner.jsonio import read_json, write_json_atomic
-from planner.measure import fit_link, ping_pong
+from planner.jsonio import atomic_path, write_json_atomic
+from planner.pipeline.topology import Topology
+from planner.plan.file import Plan, load_plan
+from planner.profile.allocator import retain_freed_memory
+from planner.profile.hostspeed import reference_kernel_s
+from planner.profile.link import fit_link, ping_pong
+from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime import checkpoint as ckpt
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
-from runtime.hostspeed import reference_kernel_s
 from runtime.launch import RANK_TIMEOUT_S
-from runtime.optim import OPTIMIZERS, make_optimizer
-from runtime.stage import build_rank, chunk_state
-from runtime.topology import instruction_lists, topology_of
+from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
@@ -57,10 +57,6 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def plan_hash(plan: Dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-
-
 def _check_same_plan(digest: str, rank: int, world: int) -> None:
     """Refuse to start if any rank read a different plan than rank 0 (e.g. a stale copy on one machine)."""
     mine = torch.tensor([int(digest[i:i + 8], 16) for i in range(0, 64, 8)], dtype=torch.int64)
@@ -71,127 +67,182 @@ def _check_same_plan(digest: str, rank: int, world: int) -> None:
                            "the same plan file")
 
 
-def _device_for(plan, local_rank: int) -> torch.device:
-    if plan.get("profile", {}).get("device") == "cuda" and torch.cuda.is_available():
+def _device_for(plan: Plan, local_rank: int) -> torch.device:
+    if plan.profile.get("device") == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
+@dataclass
+class _Rank:
+    """This process in the run: its plan, place and device, and what it has built."""
+
+    args: argparse.Namespace
+    plan: Plan
+    topology: Topology
+    rank: int
+    world: int
+    device: torch.device
+    threads: int
+    digest: str = ""
+    rank_model: Optional[RankModel] = None
+    optimizer: Any = None
+    optimizer_name: str = ""
+    groups: Optional[Groups] = None
+    engine: Optional[Engine] = None
+    events: List[List[Any]] = field(default_factory=list)  # trace: [kind, micro-batch, stage, start, end]
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.topology.pipeline_rank_of(self.rank)
+
+
 def run(args) -> None:
+    """One rank's whole run: join the group, build, train, write what it measured."""
     retain_freed_memory()  # as the profile did: no page faults for every micro-batch's buffers
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    os.makedirs(args.out_dir, exist_ok=True)
-    plan = read_json(args.plan, what="plan")
-    topology = topology_of(plan)
-    if world != topology.world_size:
-        raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
-                           f"{topology.data_parallel} data-parallel) but {world} were started")
-    if args.recv_ahead < 0:
-        raise ValueError("--recv-ahead must be 0 or more")
-    threads = args.threads or int(plan.get("profile", {}).get("threads", 1) or 1)
-    torch.set_num_threads(threads)
-    device = _device_for(plan, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    me = _start(args)
+    backend = "nccl" if me.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=me.rank, world_size=me.world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        digest = plan_hash(plan)
-        _check_same_plan(digest, rank, world)
-        pipeline_rank = topology.pipeline_rank_of(rank)
-        rank_model = build_rank(plan, topology, pipeline_rank)
-        for chunk in rank_model.chunks:
-            chunk.module.to(device)
-        groups = Groups(topology, rank, rank_model.tied_groups)
-        m = int(plan["num_micro_batches"])
-        actions = instruction_lists(plan)[pipeline_rank]
-        optimizer_name = args.optimizer or plan.get("optimizer", "sgd")
-        if optimizer_name == "adam":
-            optimizer_name = "adamw"
-        optimizer = make_optimizer(optimizer_name, rank_model.parameters(), args.lr)
-        comm = PointToPoint(device, use_tags=backend == "gloo") if topology.pipeline_ranks > 1 else None
-        events: List[List[Any]] = []
-        clock_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by all ranks
-
-        def record(kind, i, g, t0, t1):
-            events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
-
-        engine = Engine(rank_model, actions, topology, rank, int(plan["global_batch"]), m, optimizer, device,
-                        comm, groups, trace=record if args.trace else None, recv_ahead=args.recv_ahead)
-
-        first_step = 0
-        if args.resume:
-            if not args.checkpoint_dir:
-                raise RuntimeError("--resume needs --checkpoint-dir")
-            done = ckpt.latest(args.checkpoint_dir, digest, world)
-            if done is not None:
-                saved = ckpt.load_rank(args.checkpoint_dir, done, rank)
-                for chunk in rank_model.chunks:
-                    chunk.module.load_state_dict(saved["chunks"][str(chunk.index)])
-                optimizer.load_state_dict(saved["optimizer"])
-                first_step = done
-        link = _measure_link(plan, topology, rank) if args.measure_link else None
-        # The host's speed, timed by all ranks at once as they compute (CPU hosts only: shared
-        # cores are what drifts; on a GPU the kernel is not timed and no barriers are needed).
-        timed_host = device.type == "cpu"
-        if timed_host:
-            dist.barrier()
-        host_kernel = [reference_kernel_s(0.05, device=device) if timed_host else None]
-        if timed_host:
-            dist.barrier()
-        is_reporter = pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
-        steps = []
-        for step in range(first_step, args.steps):
-            stats = engine.run_step(step)
-            if groups.data_parallel_group is not None and rank_model.chunks[-1].is_last:
-                stats.loss = _mean_over_holders(stats, groups)
-            steps.append(dict(stats.__dict__))
-            if args.progress and is_reporter:
-                print(f"step {step + 1}/{args.steps}  loss {stats.loss:.4f}  time {stats.time_s * 1e3:.1f} ms",
-                      flush=True)
-            if args.checkpoint_dir and args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0:
-                ckpt.save_rank(args.checkpoint_dir, step + 1, rank,
-                               {str(c.index): c.module.state_dict() for c in rank_model.chunks},
-                               optimizer.state_dict())
-                dist.barrier()  # every rank's file is in place before the step is marked complete
-                if rank == 0:
-                    ckpt.mark_complete(args.checkpoint_dir, step + 1, digest, world)
-        if timed_host:
-            dist.barrier()
-        host_kernel.append(reference_kernel_s(0.05, device=device) if timed_host else None)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        # the parameters in memory on this rank, each once
-        static = sum(p.numel() * p.element_size() for p in rank_model.parameters())
-        result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
-                  "lane": topology.lane_of(pipeline_rank), "chunks": [c.index for c in rank_model.chunks],
-                  "micro_batches": {str(c.index): len(topology.micro_batches_of(pipeline_rank, c.index, m))
-                                    for c in rank_model.chunks}, "threads": threads, "device": str(device),
-                  "optimizer": optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
-                  "peak_saved_bytes": engine.saved.peak, "param_bytes": static, "link": link,
-                  "host_kernel_s": host_kernel}
-        if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
-            state: Dict[str, torch.Tensor] = {}
-            for chunk in rank_model.chunks:
-                state.update(chunk_state(chunk, rank_model.spec))
-            torch.save(state, os.path.join(args.out_dir, f"rank{rank}.pt"))
-        if args.trace:
-            write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.trace.json"), events)
-        write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
+        me.digest = me.plan.digest()
+        _check_same_plan(me.digest, me.rank, me.world)
+        _build(me, use_tags=backend == "gloo")
+        first_step = _resume(me)
+        link = _measure_link(me.plan, me.topology, me.rank) if args.measure_link else None
+        host_kernel = [_time_host(me.device)]
+        steps = _train(me, first_step)
+        host_kernel.append(_time_host(me.device))
+        _write_results(me, first_step, steps, link, host_kernel)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _measure_link(plan, topology, rank: int, repeats: int = 10):
+def _start(args) -> _Rank:
+    """Who this process is (RANK, WORLD_SIZE, LOCAL_RANK), the plan it runs, checked, and its device."""
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    os.makedirs(args.out_dir, exist_ok=True)
+    plan = load_plan(args.plan)
+    topology = plan.topology()
+    if world != topology.world_size:
+        raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
+                           f"{topology.data_parallel} data-parallel) but {world} were started")
+    if args.recv_ahead < 0:
+        raise ValueError("--recv-ahead must be 0 or more")
+    threads = args.threads or int(plan.profile.get("threads", 1) or 1)
+    torch.set_num_threads(threads)
+    return _Rank(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
+
+
+def _build(me: _Rank, use_tags: bool) -> None:
+    """This rank's stages, process groups, optimizer and engine."""
+    plan, topology, args = me.plan, me.topology, me.args
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank)
+    for stage in me.rank_model.stages:
+        stage.module.to(me.device)
+    me.groups = Groups(topology, me.rank, me.rank_model.tied_groups)
+    actions = plan.instruction_lists()[me.pipeline_rank]
+    me.optimizer_name = args.optimizer or plan.optimizer
+    if me.optimizer_name == "adam":
+        me.optimizer_name = "adamw"
+    me.optimizer = make_optimizer(me.optimizer_name, me.rank_model.parameters(), args.lr)
+    comm = PointToPoint(me.device, use_tags=use_tags) if topology.pipeline_ranks > 1 else None
+    clock_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by all ranks
+
+    def record(kind, i, g, t0, t1):
+        me.events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
+
+    me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
+                       me.optimizer, me.device, comm, me.groups, trace=record if args.trace else None,
+                       recv_ahead=args.recv_ahead)
+
+
+def _resume(me: _Rank) -> int:
+    """The first step to run: 0, or the last complete checkpoint's step with its state loaded."""
+    args = me.args
+    if not args.resume:
+        return 0
+    if not args.checkpoint_dir:
+        raise RuntimeError("--resume needs --checkpoint-dir")
+    done = ckpt.latest(args.checkpoint_dir, me.digest, me.world)
+    if done is None:
+        return 0
+    saved = ckpt.load_rank(args.checkpoint_dir, done, me.rank)
+    for stage in me.rank_model.stages:
+        stage.module.load_state_dict(saved["chunks"][str(stage.index)])
+    me.optimizer.load_state_dict(saved["optimizer"])
+    return done
+
+
+def _time_host(device: torch.device) -> Optional[float]:
+    """The host's speed, timed by all ranks at once as they compute (CPU hosts only: shared cores
+    are what drifts; on a GPU the kernel is not timed and no barriers are needed)."""
+    if device.type != "cpu":
+        return None
+    dist.barrier()
+    return reference_kernel_s(0.05, device=device)
+
+
+def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
+    """Steps first_step .. --steps, checkpointing every --checkpoint-every; each step's statistics."""
+    args, topology, rank = me.args, me.topology, me.rank
+    if me.device.type == "cpu":
+        dist.barrier()  # every rank timed the host before any starts its steps
+    is_reporter = me.pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
+    steps = []
+    for step in range(first_step, args.steps):
+        stats = me.engine.run_step(step)
+        if me.groups.data_parallel_group is not None and me.rank_model.stages[-1].is_last:
+            stats.loss = _mean_over_holders(stats, me.groups)
+        steps.append(dict(stats.__dict__))
+        if args.progress and is_reporter:
+            print(f"step {step + 1}/{args.steps}  loss {stats.loss:.4f}  time {stats.time_s * 1e3:.1f} ms",
+                  flush=True)
+        if args.checkpoint_dir and args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0:
+            ckpt.save_rank(args.checkpoint_dir, step + 1, rank,
+                           {str(st.index): st.module.state_dict() for st in me.rank_model.stages},
+                           me.optimizer.state_dict())
+            dist.barrier()  # every rank's file is in place before the step is marked complete
+            if rank == 0:
+                ckpt.mark_complete(args.checkpoint_dir, step + 1, me.digest, me.world)
+    return steps
+
+
+def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link, host_kernel) -> None:
+    """DIR/rank{R}.json (and the state with --save-state, the trace with --trace)."""
+    args, topology, rank, m = me.args, me.topology, me.rank, me.plan.num_micro_batches
+    pipeline_rank, stages = me.pipeline_rank, me.rank_model.stages
+    peak = torch.cuda.max_memory_allocated(me.device) if me.device.type == "cuda" else None
+    static = sum(p.numel() * p.element_size() for p in me.rank_model.parameters())  # each parameter once
+    result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
+              "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
+              "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
+                                for st in stages}, "threads": me.threads, "device": str(me.device),
+              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
+              "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
+              "host_kernel_s": host_kernel}
+    if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
+        state: Dict[str, torch.Tensor] = {}
+        for stage in stages:
+            state.update(stage_state(stage, me.rank_model.spec))
+        with atomic_path(os.path.join(args.out_dir, f"rank{rank}.pt")) as tmp:
+            torch.save(state, tmp)
+    if args.trace:
+        write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.trace.json"), me.events)
+    write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
+
+
+def _measure_link(plan: Plan, topology, rank: int, repeats: int = 10):
     """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
     4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
     take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
-    sizes = sorted({8, 4 << 20} | {max(4, int(sum(v.get("bytes", 0) for v in stage.get("send", [])
-                                                   if v.get("kind") == "tensor")))
-                                    for stage in plan["stages"][:-1]})
+    sizes = sorted({8, 4 << 20} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
     samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30)
     try:
         fit = fit_link(samples)
@@ -219,8 +270,9 @@ def main(argv=None) -> int:
         message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         try:
             os.makedirs(args.out_dir, exist_ok=True)
-            with open(os.path.join(args.out_dir, f"rank{rank}.error"), "w") as f:
-                f.write(message + "\n")
+            with atomic_path(os.path.join(args.out_dir, f"rank{rank}.error")) as tmp:
+                with open(tmp, "w") as f:
+                    f.write(message + "\n")
         except OSError:
             pass
         traceback.print_exc(file=sys.stderr)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.spec import ModelSpec
+from planner.model.spec import ModelSpec
 
 
 class Writers(nn.Module):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.spec import ModelSpec
+from planner.model.spec import ModelSpec
 
 
 class LongSkip(nn.Module):
@@ -43,7 +43,7 @@ def long_skip(dim: int = 16, layers: int = 4) -> ModelSpec:
 def failing(fail_step: int = 1) -> ModelSpec:
     """An MLP whose loss raises at `fail_step`: only the last rank computes the loss, so one rank fails
     while the others wait on it."""
-    from planner.models.mlp import build
+    from planner.model.builtin.mlp import build
 
     spec = build(layers=2)
     loss_fn = spec.loss
@@ -177,7 +177,7 @@ def killed(kill_step: int = 1) -> ModelSpec:
     import os
     import signal
 
-    from planner.models.mlp import build
+    from planner.model.builtin.mlp import build
 
     spec = build(layers=2)
     loss_fn = spec.loss

@@ -1,7 +1,7 @@
 """Exhaustive search: every split, every candidate micro-batch size, every recomputation set. The oracle.
 
-There are C(L-1, C-1) ways to choose the C - 1 boundaries of C = p v chunks; each is evaluated
-with planner.costmodel.evaluate for every candidate b (and, under --recompute auto with a memory
+There are C(L-1, C-1) ways to choose the C - 1 boundaries of C = p v stages; each is evaluated
+with planner.cost.model.evaluate for every candidate b (and, under --recompute auto with a memory
 cap, for every subset of the units that can shrink by recomputation: 2^L more). The minimum
 feasible iteration time wins; ties go to the smallest boundaries, then the smallest b.
 """
@@ -12,9 +12,10 @@ import math
 import time
 from typing import List, Optional
 
-from planner.costmodel import CostOptions, candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
-from planner.profile import Profile
-from planner.solve.ilp import Solution
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
+from planner.solve.solution import Solution
 
 MAX_COMBINATIONS = 200_000
 
@@ -37,7 +38,7 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     """
     opts.validate()
     started = time.perf_counter()
-    L, C = profile.num_units, opts.num_chunks
+    L, C = profile.num_units, opts.num_stages
     if C > L:
         raise ValueError(f"{C} stages requested but the profile has only {L} units")
     sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
@@ -77,16 +78,16 @@ def compositions(total: int, parts: int, largest: int):
 
 
 def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solution]:
-    """The oracle for --replicate: every S <= N = opts.num_stages, split, replica tuple (sum N) and b,
-    judged by planner.costmodel.evaluate, with every recomputation set that opts.recompute allows."""
+    """The oracle for --replicate: every S <= N = opts.pipeline_ranks, split, replica tuple (sum N) and b,
+    judged by planner.cost.model.evaluate, with every recomputation set that opts.recompute allows."""
     started = time.perf_counter()
-    L, N = profile.num_units, opts.num_stages
+    L, N = profile.num_units, opts.pipeline_ranks
     best = None  # (iteration, cost, boundaries, b, options, recompute)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
         for S in range(1, min(N, L) + 1):
             for reps in compositions(N, S, m):
-                scenario = opts.with_(num_stages=S, replicas=reps if max(reps) > 1 else ())
+                scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
                 for boundaries, redo in itertools.product(itertools.combinations(range(1, L), S - 1),
                                                           _recompute_sets(profile, b, opts)):
                     cost = evaluate(profile, list(boundaries), b, scenario, redo)

@@ -1,6 +1,6 @@
 """Fast exact solver for one v = 1 scenario on a chain (no tied parameters, fixed recomputation).
 
-For a micro-batch size b, chunk c (on rank c, speed sigma_c) holding units [a, e) costs
+For a micro-batch size b, stage c (on rank c, speed sigma_c) holding units [a, e) costs
 
     T_c(a, e) = (W_e - W_a) / sigma_c + tin_c(a) + tout_c(e)       (W: prefix sums of f + g,
     E_c(a, e) = ar (P_e - P_a)                                       plus f under 'all'; tin_c
@@ -24,7 +24,7 @@ Band. Every split better than an incumbent U has max T <= tau_hi = (U - g_lb - e
 (g_lb: the unconstrained min sum, by a prefix minimum since T_c is separable in a and e), and
 T_c(a, e) >= (W_e - W_a) / sigma_max, so only starts a >= lo(e) = min{a : W_e - W_a <= tau_hi
 sigma_max} matter. The DPs run on a band of K = max_e (e - lo(e)) starts per end: O(C L K)
-numpy work per DP instead of O(C L^2), and O(L K) memory per distinct chunk table.
+numpy work per DP instead of O(C L^2), and O(L K) memory per distinct stage table.
 """
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                               num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
-from planner.profile import Profile
+from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
+                                num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
 
 TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far below the reported gap)
 
@@ -58,13 +59,13 @@ def _prefix(values) -> np.ndarray:
 
 
 class ChainScenario:
-    """Prefix sums and banded chunk tables for (profile, b, opts); `caps=False` drops memory caps."""
+    """Prefix sums and banded stage tables for (profile, b, opts); `caps=False` drops memory caps."""
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, caps: bool = True,
                  added: Optional[List[np.ndarray]] = None) -> None:
         units = profile.units
-        self.added = added  # per chunk, [a, e]: extra time >= 0 (recomputation), +inf where nothing fits
-        self.L, self.C, p = profile.num_units, opts.num_chunks, opts.num_stages
+        self.added = added  # per stage, [a, e]: extra time >= 0 (recomputation), +inf where nothing fits
+        self.L, self.C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
         self.m = num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
         self.W = _prefix([u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if redo_all else 0.0) for u in units])
@@ -78,7 +79,7 @@ class ChainScenario:
         self.opt = optimizer_factor(opts.optimizer)
         self.ar = allreduce_time(1.0, opts) if opts.data_parallel > 1 else 0.0
         cache: Dict[tuple, np.ndarray] = {}
-        call = stage_call_s(profile, b)  # a chunk's own cost per micro-batch, charged with its input
+        call = stage_call_s(profile, b)  # a stage's own cost per micro-batch, charged with its input
 
         def cuts(link, sigma: float = 0.0) -> np.ndarray:
             """Transfer times over `link` (None: no transfer), plus the call cost at speed sigma."""
@@ -89,7 +90,6 @@ class ChainScenario:
 
         self.tin = [cuts(links[c - 1] if c > 0 else None, self.sigma[c]) for c in range(self.C)]
         self.tout = [cuts(links[c]) if c < self.C - 1 else cuts(None) for c in range(self.C)]
-        self.band_tau = -1.0
 
     # -- the band ---------------------------------------------------------------------------
     def build_band(self, tau_hi: float) -> None:
@@ -107,14 +107,14 @@ class ChainScenario:
         valid = (a >= lo[:, None]) & (a >= 0)
         self.a_idx = np.where(valid, a, L + 1)  # L + 1: a sentinel whose DP value is +inf
         safe = np.where(valid, a, 0)
-        self.band_tau, self.K = tau_hi, K
+        self.K = K
         base: Dict[tuple, np.ndarray] = {}
         self.tables: List[np.ndarray] = []
         self.raw: Dict[tuple, np.ndarray] = {}
         dP = self.P[ends][:, None] - self.P[safe]
         dA = self.A[ends][:, None] - self.A[safe]
         for c in range(self.C):
-            key = (self.sigma[c], id(self.tin[c]), id(self.tout[c])) if self.added is None else ("chunk", c)
+            key = (self.sigma[c], id(self.tin[c]), id(self.tout[c])) if self.added is None else ("stage", c)
             if key not in self.raw:
                 t = (W[ends][:, None] - W[safe]) / self.sigma[c] + self.tin[c][safe] + self.tout[c][ends][:, None]
                 if self.added is not None:
@@ -185,7 +185,7 @@ class ChainScenario:
         best[0] = 0.0
         for c in range(self.C):
             key = self.W / self.sigma[c]
-            left = best - key + self.tin[c]  # value of starting chunk c at a
+            left = best - key + self.tin[c]  # value of starting stage c at a
             run = np.minimum.accumulate(left)  # min over a <= e - 1, shifted below
             new = np.full(self.L + 1, np.inf)
             new[1:] = run[:-1] + key[1:] + self.tout[c][1:]
@@ -209,7 +209,7 @@ class ChainScenario:
 def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
                 added: Optional[List[np.ndarray]] = None) -> Optional[ChainResult]:
     """The exact optimum of the scenario's objective over splits (memory caps included unless
-    caps=False; recomputation fixed: none, or all under recompute='all'; `added` adds a per-chunk
+    caps=False; recomputation fixed: none, or all under recompute='all'; `added` adds a per-stage
     [a, e] time table, e.g. recomputation bounds); None when nothing fits."""
     chain = ChainScenario(profile, b, opts, caps, added)
     L, C, m = chain.L, chain.C, chain.m

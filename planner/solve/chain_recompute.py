@@ -1,6 +1,6 @@
-"""Recomputation bounds per chunk range for the chain solver ('auto' recomputation under caps).
+"""Recomputation bounds per stage range for the chain solver ('auto' recomputation under caps).
 
-Chunk c holding [a, e) on rank i (speed sigma, h_c micro-batches in flight) needs to free
+Stage c holding [a, e) on rank i (speed sigma, h_c micro-batches in flight) needs to free
 need = M_c(a, e) - cap_i bytes. Recomputing unit l costs f_l / sigma and frees h_c g_l bytes
 (g_l = s_l - in_l > 0). The cheapest cover is a covering knapsack
 
@@ -13,9 +13,9 @@ with h_c F_k >= need:
     lower: T_{k-1} + (need / h_c - F_{k-1}) / g_k f_k   (the fractional knapsack: a lower bound)
     upper: T_k                                          (greedy whole units: feasible)
 
-both divided by sigma, +inf when even all of [a, e) does not free enough. Every chunk time with
+both divided by sigma, +inf when even all of [a, e) does not free enough. Every stage time with
 its best recomputation lies between T_c + lower and T_c + upper, and the objective is monotone in
-each chunk time, so the chain optimum with the lower tables bounds every plan from below and the
+each stage time, so the chain optimum with the lower tables bounds every plan from below and the
 one with the upper tables is a feasible plan (planner.solve.dp.chain_bounds).
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import List, Tuple
 
 import numpy as np
 
-from planner.costmodel import CostOptions, held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, \
-    rank_speeds
-from planner.profile import Profile
+from planner.cost.model import held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
 
@@ -46,8 +46,8 @@ def _unit_arrays(profile: Profile, b: int):
 
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-    """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per chunk."""
-    L, C, p = profile.num_units, opts.num_chunks, opts.num_stages
+    """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per stage."""
+    L, C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
     m = num_micro_batches(opts, b)
     f, g, P, A, order = _unit_arrays(profile, b)
     n = order.size

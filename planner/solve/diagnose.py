@@ -17,9 +17,11 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, cut_times, evaluate, in_flight,
-                               num_micro_batches, optimizer_factor, stage_call_s)
-from planner.profile import Profile
+from planner.cost.model import (candidate_micro_batch_sizes, evaluate, in_flight, num_micro_batches,
+                                optimizer_factor)
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
+from planner.sizes import format_bytes
 
 
 class InfeasibleError(Exception):
@@ -30,18 +32,6 @@ class InfeasibleError(Exception):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes  # smallest memory per device that fits S stages
         self.min_stages = min_stages  # smallest stage count fitting the given cap, if any
-
-
-def format_bytes(n: float) -> str:
-    """Human units: '512 B', '12.0 KiB', '512.0 MiB', '1.50 GiB'."""
-    n = float(n)
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    if abs(n) < 1024 ** 2:
-        return f"{n / 1024:.1f} KiB"
-    if abs(n) < 1024 ** 3:
-        return f"{n / 1024 ** 2:.1f} MiB"
-    return f"{n / 1024 ** 3:.2f} GiB"
 
 
 StageCostMatrix = Callable[[int], np.ndarray]  # s -> (L+1) x (L+1) matrix C_s[a, e], inf where e <= a
@@ -85,28 +75,7 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
     static = (params[None, :] - params[:, None]) * (2 + optimizer_factor(opts.optimizer))
     per_micro_batch = saved[None, :] - saved[:, None]
     m = num_micro_batches(opts, b)
-    return lambda s: _upper_triangle(static + in_flight(s, opts.num_stages, m, opts.schedule) * per_micro_batch)
-
-
-def time_matrix(profile: Profile, b: int, opts: CostOptions) -> np.ndarray:
-    """T[a, e] = k + sum of forward+backward over [a, e) + c_a [a > 0] + c_e [e < L] (seconds; k: a
-    stage's own cost)."""
-    L = profile.num_units
-    work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])])
-    c = np.array(cut_times(profile, b, opts) + [0.0])  # c[0] = c[L] = 0: no transfer at the ends
-    assert len(c) == L + 1
-    return _upper_triangle(stage_call_s(profile, b) + work[None, :] - work[:, None] + c[:, None] + c[None, :])
-
-
-def min_bottleneck(profile: Profile, b: int, opts: CostOptions) -> Tuple[float, Optional[List[int]]]:
-    """Exact min over memory-feasible splits of max_s T_s at size b: (seconds, boundaries)."""
-    times = time_matrix(profile, b, opts)
-    memory = memory_matrices(profile, b, opts)
-    cap = opts.memory_cap
-    if cap is None:
-        return min_max_partition(profile.num_units, opts.num_stages, lambda s: times)
-    return min_max_partition(profile.num_units, opts.num_stages,
-                             lambda s: np.where(memory(s) <= cap, times, np.inf))
+    return lambda s: _upper_triangle(static + in_flight(s, opts.pipeline_ranks, m, opts.schedule) * per_micro_batch)
 
 
 @dataclass
@@ -148,7 +117,7 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
     if cap is None:
         return 1 if sizes else None
     # memory_matrices(s) uses inflight(s, S, ...): with S = L, stage L-1-j holds min(j + 1, m).
-    tables = [memory_matrices(profile, b, _with_stages(opts, L)) for b in sizes]
+    tables = [memory_matrices(profile, b, opts.with_(pipeline_ranks=L, cluster=None)) for b in sizes]
     reach = [None] * len(sizes)
     for j in range(L):
         for i, memory in enumerate(tables):
@@ -169,13 +138,9 @@ def _units_text(profile: Profile, first: int, end: int) -> str:
     return f"units {first}..{end - 1} {names[first].name!r}..{names[end - 1].name!r}"
 
 
-def _with_stages(opts: CostOptions, num_stages: int) -> CostOptions:
-    return opts.with_(num_stages=num_stages, cluster=None)
-
-
 def diagnose(profile: Profile, opts: CostOptions) -> str:
     """Explain why no plan exists for (profile, opts), or say that one does."""
-    L, S, G = profile.num_units, opts.num_stages, opts.global_batch
+    L, S, G = profile.num_units, opts.pipeline_ranks, opts.global_batch  # S: what --stages asked
     if S > L:
         return (f"{S} stages requested but the profile has only {L} units; "
                 f"use at most {L} stages, or profile the model with finer partition units")
@@ -187,7 +152,7 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
                 f"{', '.join(map(str, sizes))}); use a global batch that is a multiple of one of them, "
                 f"e.g. {suggestion}, or profile more micro-batch sizes")
     if opts.virtual_stages > 1 or opts.cluster is not None or opts.data_parallel > 1:
-        return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} chunks, schedule "
+        return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} stages, schedule "
                 f"{opts.schedule}, data-parallel {opts.data_parallel}; fix: allow more memory, more stages, "
                 "fewer virtual stages or --recompute auto")
     floor = min_memory_plan(profile, opts)

@@ -1,4 +1,4 @@
-"""The exact dynamic program for chains (v = 1 chunk per rank, no tied parameters): `--method dp`.
+"""The exact dynamic program for chains (v = 1 stage per rank, no tied parameters): `--method dp`.
 
 For one micro-batch size b (and fixed p, d, schedule) let T_c(a, e) be the time of units [a, e)
 as stage c (cheapest memory-fitting recomputation included, +inf when nothing fits) and E_c(a, e)
@@ -25,16 +25,15 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, candidate_micro_batch_sizes, evaluate, held_counts, rank_caps, rank_speeds,
-                               shared_parameters)
-from planner.profile import Profile
+from planner.cost.model import (evaluate, held_counts, rank_caps, rank_speeds,
+                                shared_parameters)
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
 from planner.solve.chain import solve_chain
 from planner.solve.chain_recompute import MAX_UNITS, recompute_tables
 from planner.solve.diagnose import min_max_partition
-from planner.solve.tables import auto_recompute_times, cheapest_recompute, chunk_tables
-
-DpResult = Tuple[float, List[int], List[int]]  # (iteration, boundaries, recomputed units)
-
+from planner.solve.solution import Split
+from planner.solve.tables import auto_recompute_times, cheapest_recompute, stage_tables
 
 def _min_sum(times: List[np.ndarray], L: int) -> Tuple[float, Optional[List[int]]]:
     """min over splits of sum_c times[c][a_c, e_c]; (value, boundaries) or (inf, None)."""
@@ -82,7 +81,7 @@ def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOpt
 class ChainBounds:
     """What the fast chain solver proves about one v = 1 scenario at one micro-batch size."""
 
-    plan: Optional[DpResult]  # the best plan found (None: nothing fits without recomputation)
+    plan: Optional[Split]  # the best plan found (None: nothing fits without recomputation)
     lower_bound: float  # on every plan of the scenario (recomputation included)
     exact: bool  # plan is optimal: no integer program needed
     floor: float  # lower bound on max_c T_c (tau* without caps or recomputation)
@@ -110,7 +109,7 @@ def chain_bounds(profile: Profile, b: int, opts: CostOptions) -> Optional[ChainB
         if found is None:
             return ChainBounds(None, math.inf, True, math.inf, math.inf)
         cost = evaluate(profile, found.boundaries, b, opts, redo_all)
-        plan = (cost.iteration_s, list(found.boundaries), redo_all)
+        plan = Split(cost.iteration_s, list(found.boundaries), redo_all)
         return ChainBounds(plan, found.objective, cost.feasible, found.min_max, found.min_sum)
     if profile.num_units <= MAX_UNITS:
         lower_t, upper_t = recompute_tables(profile, b, opts)
@@ -121,19 +120,19 @@ def chain_bounds(profile: Profile, b: int, opts: CostOptions) -> Optional[ChainB
         upper = solve_chain(profile, b, opts, caps=True)
     if relaxed is None:
         return ChainBounds(None, math.inf, True, math.inf, math.inf)
-    best: Optional[DpResult] = None
+    best: Optional[Split] = None
     for bounds in [upper.boundaries] if upper is not None else []:
         redo = recompute_for(profile, bounds, b, opts, exact=False)
         cost = evaluate(profile, bounds, b, opts, redo) if redo is not None else None
         if cost is not None and cost.feasible:
-            best = (cost.iteration_s, list(bounds), redo)
-    exact = best is not None and best[0] <= relaxed.objective * (1 + 1e-12)
+            best = Split(cost.iteration_s, list(bounds), redo)
+    exact = best is not None and best.iteration_s <= relaxed.objective * (1 + 1e-12)
     return ChainBounds(best, relaxed.objective, exact, relaxed.min_max, relaxed.min_sum)
 
 
 def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
-                max_thresholds: Optional[int] = None) -> Optional[DpResult]:
-    """Best (iteration, boundaries, recompute) at micro-batch size b, or None when nothing fits.
+                max_thresholds: Optional[int] = None) -> Optional[Split]:
+    """The best plan at micro-batch size b, or None when nothing fits.
 
     Uses the fast chain solver (planner.solve.chain) whenever it is exact; otherwise (recompute
     'auto' with binding caps) the threshold scan below with per-range recomputation knapsacks.
@@ -144,8 +143,8 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
     if fast is not None and (fast.exact or fast.plan is None and math.isinf(fast.lower_bound)):
         return fast.plan
 
-    L, C = profile.num_units, opts.num_chunks
-    tables = chunk_tables(profile, b, opts)
+    L, C = profile.num_units, opts.num_stages
+    tables = stage_tables(profile, b, opts)
     if opts.recompute == "auto" and any(cap is not None for cap in tables.caps):
         times = auto_recompute_times(profile, b, opts, tables, exact)
     else:
@@ -162,7 +161,7 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
     eps_values = [x for x in eps_values if x >= eps_star - 1e-15] or [0.0]
     finite = np.concatenate([t[np.isfinite(t) & (t >= tau_star)] for t in times])
     tau_values = np.unique(finite).tolist() if m > 1 else [math.inf]  # m = 1: no max term at all
-    best: Optional[DpResult] = None
+    best: Optional[Split] = None
 
     def consider(bounds: List[int]) -> None:
         nonlocal best
@@ -170,15 +169,15 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
         if redo is None:
             return
         cost = evaluate(profile, bounds, b, opts, redo)
-        if cost.feasible and (best is None or cost.iteration_s < best[0]):
-            best = (cost.iteration_s, bounds, redo)
+        if cost.feasible and (best is None or cost.iteration_s < best.iteration_s):
+            best = Split(cost.iteration_s, bounds, redo)
 
     for eps in eps_values:
-        if best is not None and g_min + (m - 1) * tau_star + eps + opts.per_step_s >= best[0]:
+        if best is not None and g_min + (m - 1) * tau_star + eps + opts.per_step_s >= best.iteration_s:
             break
         masks = [np.where(E <= eps, t, np.inf) for t, E in zip(times, extras)]
         for count, tau in enumerate(tau_values):
-            if best is not None and g_min + (m - 1) * tau + eps + opts.per_step_s >= best[0]:
+            if best is not None and g_min + (m - 1) * tau + eps + opts.per_step_s >= best.iteration_s:
                 break
             if max_thresholds is not None and count >= max_thresholds:
                 break
@@ -188,24 +187,10 @@ def dp_for_size(profile: Profile, b: int, opts: CostOptions, exact: bool = True,
     return best
 
 
-def solve_dp(profile: Profile, opts: CostOptions, exact: bool = True) -> Optional[Tuple[DpResult, int]]:
-    """Exact optimum over every candidate b: ((iteration, boundaries, recompute), b) or None."""
-    _check(profile, opts)
-    best = None
-    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-        found = dp_for_size(profile, b, opts, exact)
-        if found is not None and (best is None or found[0] < best[0][0]):
-            best = (found, b)
-    return best
-
-
-def _check(profile: Profile, opts: CostOptions) -> None:
-    from planner.costmodel import shared_parameters
+def check_dp_scope(profile: Profile, opts: CostOptions) -> None:
+    """ValueError unless the dp method models these options (one stage per rank, no tied weights)."""
     if opts.virtual_stages != 1:
-        raise ValueError("the dp method handles one chunk per rank (gpipe/1f1b); use --method ilp for "
+        raise ValueError("the dp method handles one stage per rank (gpipe/1f1b); use --method ilp for "
                          f"{opts.schedule}")
     if shared_parameters(profile):
         raise ValueError("the dp method does not model tied-parameter exchange; use --method ilp")
-
-
-__all__ = ["solve_dp", "dp_for_size", "recompute_for"]

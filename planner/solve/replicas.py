@@ -2,7 +2,7 @@
 
 The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
 [a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
-minimising (planner.costmodel, "Replicated stages")
+minimising (planner.cost.model, "Replicated stages")
 
     F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
     T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
@@ -50,21 +50,43 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
-                               input_bytes, num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
-from planner.costmodel_replicas import ceil_div
-from planner.profile import Profile
+from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
+                                num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
+from planner.cost.options import CostOptions
+from planner.cost.replicas import ceil_div
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
+from planner.profile.profile import Profile
+from planner.sizes import format_bytes
 from planner.solve.chain_recompute import recompute_range_tables
-from planner.solve.diagnose import InfeasibleError, format_bytes
-from planner.solve.ilp import OPTIMALITY_GAP, Solution
+from planner.solve.diagnose import InfeasibleError
+from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.tables import cheapest_recompute
 
 TOL = 1e-12  # relative tolerance of every prune
-Plan = Tuple[List[int], List[int]]  # (boundaries, replicas per stage)
+
+
+@dataclass
+class ReplicaSplit:
+    """A replicated plan's shape: where the stages are cut, and each stage's replica count."""
+
+    boundaries: List[int]
+    replicas: List[int]
+
+
+@dataclass
+class _Found:
+    """The best plan so far: its time without the per-step constant, shape, b, scenario, recomputation."""
+
+    value: float
+    split: ReplicaSplit
+    b: int
+    scenario: CostOptions
+    recompute: List[int]
 
 
 def _span(prefix: np.ndarray) -> np.ndarray:
@@ -73,24 +95,24 @@ def _span(prefix: np.ndarray) -> np.ndarray:
 
 
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
-    """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, as the
-    runtime sets it (runtime.schedule.replicated_warmups: w_last = r - 1, w_g = w_{g+1} +
-    max(r_g, r_{g+1})), maximised (pick=max) or minimised (pick=min) over every suffix after it.
-    The DP's state (first unit, devices left) does not know the suffix: the largest warm-up
-    gives plans that fit whatever follows, the smallest a lower bound."""
+    """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, by the
+    schedule's rule (planner.pipeline.schedule: `last_stage_warmup`, `warmup_before`), maximised
+    (pick=max) or minimised (pick=min) over every suffix after it. The DP's state (first unit,
+    devices left) does not know the suffix: the largest warm-up gives plans that fit whatever
+    follows, the smallest a lower bound."""
     table: Dict[Tuple[int, int], int] = {}
     for k in range(1, devices + 1):
         for r in range(1, min(k, max_r) + 1):
             if k == r:
-                table[r, k] = r - 1  # the last stage
+                table[r, k] = last_stage_warmup(r)
             else:
-                table[r, k] = pick(table[q, k - r] + max(r, q) for q in range(1, min(k - r, max_r) + 1))
+                table[r, k] = pick(warmup_before(table[q, k - r], r, q) for q in range(1, min(k - r, max_r) + 1))
     return table
 
 
 def check_replicable(profile: Profile, opts: CostOptions) -> None:
     """ValueError (saying what to do) unless replicated stages can be solved for these options."""
-    if opts.schedule not in ("gpipe", "1f1b") or opts.virtual_stages != 1:
+    if opts.schedule not in ONE_STAGE_SCHEDULES or opts.virtual_stages != 1:
         raise ValueError(f"--replicate needs --schedule 1f1b or gpipe (got {opts.schedule})")
     if opts.cluster is not None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
@@ -158,7 +180,7 @@ class ReplicaTables:
     def Ek(self, r: int, k: int) -> np.ndarray:
         return self.E[r]
 
-    def _dp(self, table, combine) -> Tuple[float, Optional[Plan]]:
+    def _dp(self, table, combine) -> Tuple[float, Optional[ReplicaSplit]]:
         """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)."""
         L, rows = self.L, np.arange(self.L + 1)
         best = [np.where(rows == L, 0.0, np.inf)]
@@ -182,9 +204,9 @@ class ReplicaTables:
             bounds.append(e)
             reps.append(r)
             a, k = e, k - r
-        return float(best[self.N][0]), (bounds[:-1], reps)
+        return float(best[self.N][0]), ReplicaSplit(bounds[:-1], reps)
 
-    def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[Plan]]:
+    def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[ReplicaSplit]]:
         """g(tau, eps): least sum T' with every X <= tau and E <= eps."""
         cache: Dict[Tuple[int, int], np.ndarray] = {}
 
@@ -195,17 +217,17 @@ class ReplicaTables:
             return cache[key]
         return self._dp(table, np.add)
 
-    def min_max(self, which) -> Tuple[float, Optional[Plan]]:
+    def min_max(self, which) -> Tuple[float, Optional[ReplicaSplit]]:
         """Least max over stages of which(r, k) (self.X or self.Ek) among memory-feasible plans."""
         return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which(r, k), np.inf), np.maximum)
 
-    def min_memory(self) -> Tuple[float, Optional[Plan]]:
+    def min_memory(self) -> Tuple[float, Optional[ReplicaSplit]]:
         """Least max per-device memory of any plan on N devices (caps ignored)."""
         return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
 
-    def values(self, plan: Plan) -> Tuple[float, float, float]:
+    def values(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
         """(sum T', max X, max E) of a plan, read from the tables."""
-        edges, reps = [0] + list(plan[0]) + [self.L], plan[1]
+        edges, reps = [0] + list(plan.boundaries) + [self.L], plan.replicas
         parts = [(self.base(r, k)[a, e], self.X(r, k)[a, e], self.E[r][a, e])
                  for a, e, r, k in zip(edges, edges[1:], reps, [sum(reps[g:]) for g in range(len(reps))])]
         return float(sum(p[0] for p in parts)), float(max(p[1] for p in parts)), float(max(p[2] for p in parts))
@@ -218,7 +240,7 @@ class _Search:
     """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead."""
 
     def __init__(self, tables: ReplicaTables, incumbent: float) -> None:
-        self.t, self.U, self.best, self.dps = tables, incumbent, None, 0
+        self.t, self.U, self.best = tables, incumbent, None
         self.g_top, top = tables.min_sum()
         self.tau_star, by_x = tables.min_max(tables.X)
         self.eps_star, by_e = tables.min_max(tables.Ek)
@@ -230,7 +252,7 @@ class _Search:
         self.x_values = self.x_values[self.x_values >= self.tau_star]
         self.e_values = self.e_values[self.e_values >= self.eps_star]
 
-    def consider(self, plan: Plan) -> Tuple[float, float, float]:
+    def consider(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
         s, x, e = self.t.values(plan)
         if s + x + e < self.U:
             self.U, self.best = s + x + e, plan
@@ -256,7 +278,6 @@ class _Search:
                 continue
             mid = hi if not math.isfinite(g_right) else (lo + hi) // 2
             g, plan = self.t.min_sum(float(values[mid]), eps)
-            self.dps += 1
             if plan is None:  # nothing at or below values[mid]
                 if mid + 1 <= hi:
                     heapq.heappush(heap, (g_right + values[mid + 1], mid + 1, hi, g_right))
@@ -315,10 +336,10 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
                            min_memory_bytes=least[0])
 
 
-def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: Plan, b: int, cap: float) -> List[int]:
+def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSplit, b: int, cap: float) -> List[int]:
     """Per stage of the plan, the cheapest recomputation that makes it fit (exact subsets up to
     EXACT_KNAPSACK_UNITS candidates, else greedy by time per byte)."""
-    edges, reps, chosen = [0] + list(plan[0]) + [profile.num_units], plan[1], []
+    edges, reps, chosen = [0] + list(plan.boundaries) + [profile.num_units], plan.replicas, []
     for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
         held = tables.held[r, sum(reps[g:])]
         need = float(tables.memory[held][a, e]) - cap
@@ -333,13 +354,13 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: Plan, b: 
 
 def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None
                      ) -> Solution:
-    """The best replicated plan: opts.num_stages (or each scenario's) = N devices per data-parallel
+    """The best replicated plan: opts.pipeline_ranks (or each scenario's) = N devices per data-parallel
     replica, shared by S <= N stages. Exact for recompute none/all (and auto without a cap); under
     auto with a cap the plan uses greedy-then-exact per-stage recomputation and the bound comes
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
     what it does not model, InfeasibleError when nothing fits."""
     started = time.perf_counter()
-    best = None  # (iteration without overhead, plan, b, scenario, recomputed units)
+    best: Optional[_Found] = None
     searched = []  # (scenario, b) under auto recomputation with a cap
     for scenario in scenarios or [opts]:
         check_replicable(profile, scenario)
@@ -349,21 +370,21 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         if scenario.recompute == "auto" and not auto:  # no cap: recomputing only adds time
             scenario = scenario.with_(recompute="none")
         for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
-            tables = ReplicaTables(profile, b, scenario, scenario.num_stages, "upper" if auto else None)
-            search = _Search(tables, best[0] if best is not None else math.inf)
+            tables = ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, "upper" if auto else None)
+            search = _Search(tables, best.value if best is not None else math.inf)
             search.run()
             searched += [(scenario, b, auto)] if bounded else []
             if search.best is None:
                 continue
             redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
                 (list(range(profile.num_units)) if scenario.recompute == "all" else [])
-            value = evaluate(profile, search.best[0], b, _chosen(scenario, search.best), redo).iteration_s - \
+            value = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo).iteration_s - \
                 scenario.per_step_s
-            if best is None or value < best[0]:
-                best = (value, search.best, b, scenario, redo)
-    bound = best[0] if best is not None else math.inf
+            if best is None or value < best.value:
+                best = _Found(value, search.best, b, scenario, redo)
+    bound = best.value if best is not None else math.inf
     for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
-        lower = _Search(ReplicaTables(profile, size, other, other.num_stages, "lower" if auto else None,
+        lower = _Search(ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
                                       held_bound="lower"), bound)
         lower.run()
         bound = min(bound, lower.U)
@@ -371,30 +392,30 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             # the relaxation's plan may fit after all (the upper tables assumed the worst suffix):
             # then it beats every plan, time not depending on the held counts
             redo = list(range(profile.num_units)) if other.recompute == "all" else []
-            cost = evaluate(profile, lower.best[0], size, _chosen(other, lower.best), redo)
+            cost = evaluate(profile, lower.best.boundaries, size, _chosen(other, lower.best), redo)
             value = cost.iteration_s - other.per_step_s
-            if cost.feasible and (best is None or value < best[0]):
-                best = (value, lower.best, size, other, redo)
+            if cost.feasible and (best is None or value < best.value):
+                best = _Found(value, lower.best, size, other, redo)
     if best is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-        raise _infeasible(profile, opts, opts.num_stages, sizes)
-    value, plan, b, scenario, redo = best
+        raise _infeasible(profile, opts, opts.pipeline_ranks, sizes)
+    plan, b, scenario, redo = best.split, best.b, best.scenario, best.recompute
     chosen = _chosen(scenario, plan)
-    cost = evaluate(profile, plan[0], b, chosen, redo)
+    cost = evaluate(profile, plan.boundaries, b, chosen, redo)
     bound = min(bound + scenario.per_step_s, cost.iteration_s)
     gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
     optimal = gap <= OPTIMALITY_GAP
-    return Solution(boundaries=list(plan[0]), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+    return Solution(boundaries=list(plan.boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
                     cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
                     bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
 
 
-def _chosen(scenario: CostOptions, plan: Plan) -> CostOptions:
+def _chosen(scenario: CostOptions, plan: ReplicaSplit) -> CostOptions:
     """The scenario as evaluated: S stages with their replicas (none listed when every r_g = 1)."""
-    reps = tuple(plan[1])
-    return scenario.with_(num_stages=len(reps), replicas=reps if max(reps) > 1 else ())
+    reps = tuple(plan.replicas)
+    return scenario.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = the scenario's ranks
 
 
 __all__ = ["solve_replicated", "check_replicable", "ReplicaTables"]

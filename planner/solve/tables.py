@@ -1,17 +1,17 @@
-"""Per-chunk cost matrices over unit ranges [a, e), from prefix sums (the DP's and heuristics' input).
+"""Per-stage cost matrices over unit ranges [a, e), from prefix sums (the DP's and heuristics' input).
 
-For chunk c on rank i = c % p at micro-batch size b, with prefix sums over units:
+For stage c on rank i = c % p at micro-batch size b, with prefix sums over units:
 
     time[c][a, e]   = (k + sum_{a<=l<e} f_l + g_l) / sigma_i + t_a^{c-1} [c > 0] + t_e^{c} [c < C-1]
-                      (k: the profile's per-stage cost, costmodel.stage_call_s)
+                      (k: the profile's per-stage cost, planner.cost.model.stage_call_s)
     redo[c][a, e]   = sum_{a<=l<e} f_l / sigma_i            (extra time if every unit is recomputed)
     memory[c][a, e] = (P_e - P_a)(2 + opt) + h_c (A_e - A_a)   (A: saved bytes, or inputs under 'all')
     extra[c][a, e]  = 2 (d - 1)/d (P_e - P_a) / dp_bandwidth
 
-Entries with e <= a are +inf. Recomputation under 'auto' is a per-chunk covering knapsack
+Entries with e <= a are +inf. Recomputation under 'auto' is a per-stage covering knapsack
 (`cheapest_recompute`): the least extra time sum_{l in R} f_l / sigma_i such that
 h_c sum_{l in R} (s_l - in_l) >= memory[c][a, e] - cap_i; it only ever lowers memory and raises
-time, so the best plan recomputes the least that fits, independently per chunk.
+time, so the best plan recomputes the least that fits, independently per stage.
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.costmodel import (CostOptions, allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                               num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
-from planner.profile import Profile
+from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
+                                num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
 
 EXACT_KNAPSACK_UNITS = 16  # recompute 'auto' in the DP/brute: enumerate subsets of at most this many units
 
@@ -40,8 +41,8 @@ def _range(prefix: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class ChunkTables:
-    """Matrices indexed [a, e] for each chunk c (lists of length C); caps per chunk's rank."""
+class StageTables:
+    """Matrices indexed [a, e] for each stage c (lists of length C); caps per stage's rank."""
 
     time: List[np.ndarray]  # T_c without recomputation (or with all units recomputed under 'all')
     memory: List[np.ndarray]
@@ -50,12 +51,11 @@ class ChunkTables:
     m: int
 
 
-def chunk_tables(profile: Profile, b: int, opts: CostOptions) -> ChunkTables:
-    """The matrices above for a v = 1 or chunked plan (the chunk's rank fixes speed, cap, links)."""
-    L, C, p = profile.num_units, opts.num_chunks, opts.num_stages
+def stage_tables(profile: Profile, b: int, opts: CostOptions) -> StageTables:
+    """The matrices above for a v = 1 or multi-stage plan (the stage's rank fixes speed, cap, links)."""
+    L, C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
     m = num_micro_batches(opts, b)
     all_redo = opts.recompute == "all"
-    forward = [u.forward_s[b] for u in profile.units]
     work = _range(_prefix([u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if all_redo else 0.0)
                            for u in profile.units])) + stage_call_s(profile, b)
     saved = input_bytes(profile, b) if all_redo else [u.saved_bytes[b] for u in profile.units]
@@ -64,7 +64,6 @@ def chunk_tables(profile: Profile, b: int, opts: CostOptions) -> ChunkTables:
     speeds, caps, held, links = rank_speeds(opts), rank_caps(opts), held_counts(opts, m), boundary_links(opts)
     static = params * (2 + optimizer_factor(opts.optimizer))
     times, memories, extras = [], [], []
-    del forward
     for c in range(C):
         t = work / speeds[c % p]
         if c > 0:
@@ -76,7 +75,7 @@ def chunk_tables(profile: Profile, b: int, opts: CostOptions) -> ChunkTables:
         extras.append(allreduce_time(1.0, opts) * params if opts.data_parallel > 1 else
                       np.where(np.isfinite(params), 0.0, np.inf))
     assert all(t.shape == (L + 1, L + 1) for t in times)
-    return ChunkTables(time=times, memory=memories, extra=extras, caps=[caps[c % p] for c in range(C)], m=m)
+    return StageTables(time=times, memory=memories, extra=extras, caps=[caps[c % p] for c in range(C)], m=m)
 
 
 def cheapest_recompute(profile: Profile, b: int, first: int, end: int, need_bytes: float, held: int,
@@ -115,10 +114,10 @@ def cheapest_recompute(profile: Profile, b: int, first: int, end: int, need_byte
     return best
 
 
-def auto_recompute_times(profile: Profile, b: int, opts: CostOptions, tables: ChunkTables, exact: bool = True
+def auto_recompute_times(profile: Profile, b: int, opts: CostOptions, tables: StageTables, exact: bool = True
                          ) -> List[np.ndarray]:
-    """time[c] plus the cheapest recomputation making chunk c fit its cap (+inf where nothing fits)."""
-    L, p = profile.num_units, opts.num_stages
+    """time[c] plus the cheapest recomputation making stage c fit its cap (+inf where nothing fits)."""
+    L, p = profile.num_units, opts.pipeline_ranks
     speeds, held = rank_speeds(opts), held_counts(opts, tables.m)
     out = []
     for c, (t, mem, cap) in enumerate(zip(tables.time, tables.memory, tables.caps)):

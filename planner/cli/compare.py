@@ -1,0 +1,81 @@
+"""`planner compare PROFILE`: the ILP beside the baselines other tools use, all by the same cost model."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from planner.errors import UsageError
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.cli.solve import ilp_backend, problem_from_args
+    from planner.solve.api import solve
+    from planner.solve.baselines import solve_baseline
+    from planner.solve.diagnose import InfeasibleError
+    from planner.solve.search import expand_scenarios
+
+    profile, opts, devices, schedules = problem_from_args(args)
+    backend = ilp_backend(args.backend)
+    try:
+        best = solve(profile, opts, method="ilp", time_limit=args.time_limit, backend=backend,
+                     devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+    except InfeasibleError as e:
+        best = None
+        print(f"ilp: infeasible: {str(e).splitlines()[0]}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, args.virtual_stages)
+    rows = [("method", "iteration ms", "bottleneck ms", "max memory MiB", "feasible", "b x m", "vs ilp")]
+    results = [("ilp", best)] + [(m, solve_baseline(profile, scenarios, m)) for m in ("uniform", "params", "block")]
+    if args.replicate:
+        replicated = _replicated_or_none(profile, opts, devices, schedules, args)
+        label = "replicas" if replicated is None else \
+            "replicas " + "/".join(str(st.replicas) for st in replicated.cost.stages)  # r_g per stage
+        results.append((label, replicated))
+    for name, sol in results:
+        if sol is None:
+            rows.append((name, "-", "-", "-", "no", "-", "-"))
+            continue
+        cost = sol.cost
+        ratio = f"{sol.objective / best.objective:.3f}x" if best is not None and best.objective > 0 else "-"
+        rows.append((name, f"{sol.objective * 1e3:.3f}", f"{cost.bottleneck_s * 1e3:.3f}",
+                     f"{max(cost.device_memory) / 2 ** 20:.1f}", "yes" if cost.feasible else "no",
+                     f"{sol.micro_batch_size} x {sol.num_micro_batches}", ratio))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if best is not None:
+        gap = 0.0 if math.isnan(best.gap) else best.gap
+        print(f"ilp: {best.status}, gap {100 * gap:.2f}%, schedule {best.cost.schedule}, "
+              f"p {best.cost.pipeline_ranks} x d {best.cost.data_parallel}, "
+              f"{len(best.recompute)} units recomputed [{best.seconds:.2f} s]")
+    return 0
+
+
+def _replicated_or_none(profile, opts, devices, schedules, args):
+    """The --replicate optimum (planner solve --replicate), or None when no replicated plan fits."""
+    from planner.cli.solve import solve_replicated_from_args
+    from planner.solve.diagnose import InfeasibleError
+
+    try:
+        return solve_replicated_from_args(profile, opts, devices, schedules, args)
+    except InfeasibleError as e:
+        print(f"replicas: infeasible: {str(e).splitlines()[0]}")
+        return None
+    except (UsageError, ValueError) as e:  # the other rows are solved: say why this one is not
+        print(f"replicas: not available: {str(e).splitlines()[0]}")
+        return None
+
+
+def register(sub) -> None:
+    from planner.cli.solve import add_problem_options
+    s = sub.add_parser("compare", help="the ILP plan beside the uniform / params / block baselines",
+                       description="Predicted iteration time, bottleneck, peak memory and feasibility of the "
+                                   "optimal plan and of DeepSpeed's and torchgpipe's partitioners, by one cost model.")
+    add_problem_options(s)
+    s.add_argument("--replicate", action="store_true",
+                   help="add a row for the optimum with replicated stages (planner solve --replicate): "
+                        "--stages N devices shared by at most N stages")
+    s.set_defaults(func=cmd_compare)

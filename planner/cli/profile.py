@@ -1,0 +1,137 @@
+"""`planner profile MODEL`: capture and measure a model."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from planner.cli.common import parse_sizes
+from planner.errors import UsageError
+
+
+def _analytic(args: argparse.Namespace, model_args, sizes, progress):
+    from planner.profile.analytic import DeviceSpecError, load_device_spec
+    from planner.profile.analytic_profile import analytic_profile
+
+    try:
+        device = load_device_spec(args.device_spec or "h100", threads=args.threads)
+    except DeviceSpecError as e:
+        raise UsageError(str(e)) from None
+    print(f"analytic profile of {args.model} {model_args or ''} for {device.name} at micro-batch sizes "
+          f"{','.join(map(str, sizes))} (meta device, roofline)", flush=True)
+    return analytic_profile(args.model, model_args, sizes, device, seed=args.seed, dtype=args.dtype,
+                            progress=progress)
+
+
+def _link(args: argparse.Namespace, profile, sizes) -> None:
+    """--link measure: gloo ping-pong between two local processes at the profile's cut sizes."""
+    link_mode = args.link or ("measure" if args.device == "cpu" else "none")
+    if link_mode == "none":
+        return
+    if args.device != "cpu":
+        raise UsageError("--link measure times gloo between two processes on this host (CPU runs); for GPUs "
+                         "give planner solve --bandwidth/--latency or calibrate from a run")
+    from planner.profile.link import measure_link
+
+    cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in sizes} - {0})
+    link = measure_link(cut_bytes, threads=args.threads)
+    profile.extra["link"] = link
+    print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us, "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s ({len(link['samples'])} message sizes, "
+          f"median of {link['repeats']} round trips); planner solve uses it unless --bandwidth/--latency are given",
+          flush=True)
+
+
+def _check_measure_options(args: argparse.Namespace) -> None:
+    """The options of a measured profile, checked before torch is loaded (a typo fails at once)."""
+    if args.dtype:
+        raise UsageError("--dtype is for analytic profiles (measured ones use the model's own dtype)")
+    if args.ranks_per_host < 1:
+        raise UsageError("--ranks-per-host must be at least 1")
+    if args.ranks_per_host > 1 and args.device != "cpu":
+        raise UsageError("--ranks-per-host > 1 models ranks sharing a CPU host; it applies to --device cpu only")
+    if args.warmup < 0 or args.min_time < 0:
+        raise UsageError("--warmup and --min-time are seconds >= 0")
+    if args.retries < 0:
+        raise UsageError("--retries must be 0 or more")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    sizes = parse_sizes(args.micro_batch_sizes)
+    if args.device_spec and not args.analytic:
+        raise UsageError("--device-spec is for analytic profiles: add --analytic")
+    if not args.analytic:
+        _check_measure_options(args)
+    from planner.profile.measure import profile_model, steadiest_profile
+    from planner.profile.profile import save_profile
+    from planner.model.entry import model_name, parse_model_args
+
+    model_args = parse_model_args(args.model_arg or [])
+    output = args.output or os.path.join("profiles", f"{model_name(args.model)}.json")
+    start = time.perf_counter()
+    progress = (lambda msg: print(msg, flush=True)) if not args.quiet else None
+    if args.analytic:
+        profile = _analytic(args, model_args, sizes, progress)
+    else:
+        shared = f", {args.ranks_per_host - 1} co-runner(s) loading the other cores" if args.ranks_per_host > 1 else ""
+        print(f"profiling {args.model} {model_args or ''} on {args.device} at micro-batch sizes "
+              f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of at least {args.repeats} runs and "
+              f"{args.min_time:g} s per size after {args.warmup:g} s warm-up{shared})", flush=True)
+        profile = steadiest_profile(lambda: profile_model(
+            args.model, model_args, sizes, device=args.device, seed=args.seed, threads=args.threads,
+            repeats=args.repeats, progress=progress, warmup_s=args.warmup, min_time_s=args.min_time,
+            co_runners=args.ranks_per_host - 1), args.retries, lambda msg: print(msg, flush=True))
+        _link(args, profile, sizes)
+    save_profile(profile, output)
+    total_params = sum(u.param_bytes for u in profile.units)
+    shared = profile.extra.get("shared_parameters") or []
+    print(f"wrote {output}: {profile.num_units} units, {total_params / 2**20:.2f} MiB of parameters"
+          f"{f' ({len(shared)} shared across units)' if shared else ''}, captured with {profile.capture}, "
+          f"in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="capture a model's graph and measure each partition unit",
+                       description="Capture MODEL (torch.fx, else torch.export), split it into partition units and "
+                                   "measure each one, or cost it analytically for a device not at hand. MODEL is "
+                                   "builtin:NAME (gpt, resnet, mobilenet, unet, mlp), hf:ClassName (Hugging Face "
+                                   "transformers, random weights from the config; --model-arg overrides config "
+                                   "fields, seq_len sets the sequence length) or package.module:function.")
+    p.add_argument("model", help="builtin:NAME, hf:ClassName or package.module:function returning planner.ModelSpec")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="argument for the model function "
+                   "(repeatable; int/float/bool literals, else strings)")
+    p.add_argument("--micro-batch-sizes", default="1,2,4", help="micro-batch sizes to measure (default 1,2,4)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to measure on (default cpu)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while measuring; match the threads each rank will have (default 1)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per unit, after warm-up (median; default 7)")
+    p.add_argument("--warmup", type=float, default=0.5,
+                   help="seconds of untimed warm-up rounds over all units first (default 0.5)")
+    p.add_argument("--min-time", type=float, default=1.0,
+                   help="timed seconds per micro-batch size at least: units are timed round-robin until both "
+                        "--repeats rounds and this much time are done (default 1.0; 0: --repeats rounds only)")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks the runs will put on this CPU host: N - 1 co-runner processes run the model's training "
+                        "step on the other cores while measuring, as those ranks contend for caches and memory "
+                        "bandwidth (default 1: measure alone)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="profile again, at most this many times, when the host's speed (a reference kernel timed "
+                        "before and after) drifted by more than 10 %% while measuring; keeps the steadiest attempt "
+                        "(CPU; default 2)")
+    p.add_argument("--link", choices=["measure", "none"], default=None,
+                   help="measure: time gloo send/recv between two processes on this host at the cut sizes and "
+                        "record latency and bandwidth in the profile, which planner solve then uses by default "
+                        "(default on CPU; none on CUDA)")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
+    p.add_argument("--output", "-o", help="profile JSON to write (default profiles/<model>.json)")
+    p.add_argument("--quiet", action="store_true", help="no per-unit progress lines")
+    p.add_argument("--analytic", action="store_true", help="no measurement: build on the meta device, count FLOPs "
+                   "and bytes per unit and convert them to times with --device-spec")
+    p.add_argument("--device-spec", help="with --analytic: a100, h100 (default), h200 (profiles/devices/), "
+                   "cpu-calibrated (measured here now) or a path to your own JSON spec")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="with --analytic: cast the model to this dtype first (e.g. bfloat16 for large models)")
+    p.set_defaults(func=cmd_profile)
+

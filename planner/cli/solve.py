@@ -1,0 +1,181 @@
+"""`planner solve PROFILE`: the plan (integer program by default), printed as a table and written as JSON."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from planner.errors import UsageError
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
+from planner.sizes import parse_bytes
+
+
+
+def add_problem_options(s: argparse.ArgumentParser) -> None:
+    """The options describing the planning problem (shared by solve and compare)."""
+    s.add_argument("profile", help="profile JSON from `planner profile` or `planner import-pipedream`")
+    group = s.add_mutually_exclusive_group()
+    group.add_argument("--stages", type=int, default=None, help="pipeline stages, one device each (default 2)")
+    group.add_argument("--devices", type=int, default=None,
+                       help="devices N: choose pipeline depth p and data-parallel degree d with p x d = N")
+    s.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step, G = d x m x b (default: 2 x stages x largest profiled size)")
+    s.add_argument("--memory-per-device", help="memory cap per device, e.g. 16GiB or 512MiB (default: none)")
+    s.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES) + ["auto"],
+                   help="pipeline schedule; auto lets the solver choose (default 1f1b)")
+    s.add_argument("--virtual-stages", type=int, default=2,
+                   help="stages per device for interleaved/bfs (default 2)")
+    s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
+                   help="activation recomputation per unit: auto = where memory needs it (default auto)")
+    s.add_argument("--bandwidth", default=None,
+                   help="bytes/s between consecutive stages (default: the profile's calibration, else the link "
+                        "planner profile measured, else 5GB)")
+    s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
+    s.add_argument("--latency", type=float, default=None,
+                   help="seconds per message between stages (default: the profile's calibration, else the "
+                        "measured link's, else 0)")
+    s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cost/cluster.py)")
+    s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
+                   help="optimizer whose state the memory model counts (default sgd)")
+    s.add_argument("--backend", default=None, choices=["highs", "cbc"],
+                   help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
+                        "with a note, where highspy cannot be imported)")
+    s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+
+
+def problem_from_args(args: argparse.Namespace):
+    """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
+    from planner.cost.cluster import load_cluster
+    from planner.cost.options import CostOptions
+    from planner.profile.profile import load_profile
+
+    profile = load_profile(args.profile)
+    cluster = None
+    if args.cluster:
+        try:
+            cluster = load_cluster(args.cluster)
+        except ValueError as e:
+            raise UsageError(f"--cluster {args.cluster}: {e}") from None
+    stages = args.stages if args.stages is not None else (cluster.num_devices if cluster else 2)
+    if stages < 1 or (args.devices is not None and args.devices < 1):
+        raise UsageError("--stages/--devices must be at least 1")
+    if args.virtual_stages < 2:
+        raise UsageError("--virtual-stages must be at least 2 (it only applies to interleaved and bfs)")
+    width = args.devices if args.devices is not None else stages
+    global_batch = max(profile.micro_batch_sizes) * width * 2 if args.global_batch is None else args.global_batch
+    if global_batch < 1:
+        raise UsageError("--global-batch must be positive")
+    if args.schedule == "auto":
+        schedules: List[str] = list(SCHEDULES)
+    else:
+        schedules = [args.schedule]
+    from planner.cost.model import profiled_optimizer_step_s
+
+    from planner.fidelity.calibrate import solve_link
+
+    bandwidth, latency, overhead, note = solve_link(
+        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency)
+    optimizer_step = profiled_optimizer_step_s(profile, args.optimizer)
+    if optimizer_step > 0:
+        step_note = f"charged the profiled {args.optimizer} step ({optimizer_step * 1e3:.3g} ms over all units)"
+        note = f"{note}; {step_note}" if note else step_note
+    args.calibration_note = note
+    opts = CostOptions(
+        pipeline_ranks=stages if args.devices is None else 1,
+        global_batch=global_batch,
+        schedule="1f1b",
+        bandwidth=bandwidth,
+        latency=latency,
+        step_overhead_s=overhead,
+        optimizer_step_total_s=optimizer_step,
+        memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
+        optimizer=args.optimizer,
+        dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
+        virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,
+        cluster=cluster,
+        recompute=args.recompute,
+    )
+    if args.schedule in MULTI_STAGE_SCHEDULES:
+        opts = opts.with_(schedule=args.schedule)
+    if cluster is not None and args.devices is not None:
+        raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")
+    return profile, opts, args.devices, schedules
+
+
+def ilp_backend(requested: Optional[str]) -> str:
+    """The MIP solver the integer program runs on (planner.solve.backends.choose_backend); a
+    fallback's one-line note goes to stderr."""
+    from planner.solve.backends import choose_backend
+
+    try:
+        backend, note = choose_backend(requested)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if note:
+        print(note, file=sys.stderr)
+    return backend
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from planner.plan.file import save_plan
+    from planner.plan.make import make_plan
+    from planner.plan.table import format_plan_table
+    from planner.solve.api import solve
+    from planner.solve.diagnose import InfeasibleError
+
+    profile, opts, devices, schedules = problem_from_args(args)
+    if getattr(args, "calibration_note", None):
+        print(args.calibration_note)
+    if args.method == "ilp" and not args.replicate:
+        args.backend = ilp_backend(args.backend)
+    try:
+        if args.replicate:
+            solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
+        else:
+            solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
+                             devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+    except InfeasibleError as e:
+        print(f"infeasible: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    plan = make_plan(profile, solution, opts, args.profile)
+    save_plan(plan, args.output)
+    print(format_plan_table(plan))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
+    """--replicate: N = --stages devices per data-parallel replica (or every p x d = --devices), shared
+    by S <= N stages with r_g replicas each (planner.solve.replicas)."""
+    from planner.solve.replicas import solve_replicated
+    from planner.solve.search import expand_scenarios
+
+    if getattr(args, "method", "ilp") != "ilp":
+        raise UsageError("--replicate has its own solver; drop --method")
+    if args.schedule not in ONE_STAGE_SCHEDULES + ("auto",):
+        raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")
+    schedules = list(ONE_STAGE_SCHEDULES) if args.schedule == "auto" else [args.schedule]
+    scenarios = [opts.with_(schedule=s) for s in schedules] if devices is None else \
+        expand_scenarios(opts, 10 ** 9, devices, schedules)
+    if not scenarios:
+        raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
+    return solve_replicated(profile, scenarios[0], scenarios)
+
+
+def register(sub) -> None:
+    s = sub.add_parser("solve", help="choose stages, micro-batching, recomputation and schedule",
+                       description="Assign contiguous units to pipeline stages and choose the micro-batch size, "
+                                   "recomputation, data-parallel degree and schedule, minimising the modelled "
+                                   "iteration time under each device's memory.")
+    add_problem_options(s)
+    s.add_argument("--method", default="ilp", choices=["ilp", "dp", "brute", "uniform", "params", "block"],
+                   help="solver: ilp (default, proven optimal), dp (exact chain DP), brute (tiny profiles), "
+                        "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
+    s.add_argument("--replicate", action="store_true",
+                   help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
+                        "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
+                        "exact, but with --recompute auto under a memory cap the gap says how close)")
+    s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
+    s.set_defaults(func=cmd_solve)

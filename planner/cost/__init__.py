@@ -1,0 +1,1 @@
+"""The cost model: what a plan costs, in time and memory."""

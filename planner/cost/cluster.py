@@ -1,0 +1,126 @@
+"""A heterogeneous cluster: device groups with their own memory and speed, and the links between them.
+
+JSON schema (`--cluster cluster.json`)::
+
+    {
+      "groups": [
+        {"name": "dc1", "devices": 2, "memory": "16GiB", "speed": 1.0,
+         "bandwidth": "10GB", "latency": 0.0},
+        {"name": "dc2", "devices": 2, "memory": 17179869184, "speed": 0.5}
+      ],
+      "links": [{"bandwidth": "100MB", "latency": 0.01}]
+    }
+
+- groups, in pipeline order: `devices` (int >= 1), `memory` (bytes per device, a number or a
+  size such as "16GiB"; optional, default: --memory-per-device), `speed` (relative to the
+  profiled device; a unit's time is divided by it; default 1), `bandwidth`/`latency` between two
+  devices of the group (default: --bandwidth / --latency).
+- links: exactly len(groups) - 1 entries; links[i] joins group i and group i + 1.
+
+Pipeline rank r runs on the r-th device counting through the groups in order, so the cluster
+must hold exactly `--stages` devices. A transfer between ranks i < j in different groups pays the
+slowest link on the way (min bandwidth) and the sum of the link latencies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from planner.jsonio import read_json
+from planner.sizes import parse_bytes
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    name: str
+    devices: int
+    memory: Optional[float] = None  # bytes per device; None = the global cap
+    speed: float = 1.0
+    bandwidth: Optional[float] = None  # bytes/s inside the group; None = the global bandwidth
+    latency: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float
+    latency: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    groups: Tuple[DeviceGroup, ...]
+    links: Tuple[Link, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return sum(g.devices for g in self.groups)
+
+    def group_of(self, device: int) -> int:
+        """Index of the group holding pipeline rank `device`."""
+        for index, group in enumerate(self.groups):
+            if device < group.devices:
+                return index
+            device -= group.devices
+        raise ValueError(f"device {device} is beyond the cluster's {self.num_devices} devices")
+
+    def speed(self, device: int) -> float:
+        return self.groups[self.group_of(device)].speed
+
+    def memory(self, device: int, default: Optional[float]) -> Optional[float]:
+        value = self.groups[self.group_of(device)].memory
+        return default if value is None else value
+
+    def path(self, i: int, j: int, bandwidth: float, latency: float) -> Tuple[float, float]:
+        """(bandwidth, latency) between ranks i and j: the group's own, or the links crossed."""
+        gi, gj = sorted((self.group_of(i), self.group_of(j)))
+        if gi == gj:
+            g = self.groups[gi]
+            return (bandwidth if g.bandwidth is None else g.bandwidth), (latency if g.latency is None else g.latency)
+        crossed = self.links[gi:gj]
+        return min(link.bandwidth for link in crossed), sum(link.latency for link in crossed)
+
+
+def _size(value: Any, what: str) -> float:
+    number = parse_bytes(value, what) if isinstance(value, str) else float(value)
+    if not number > 0:
+        raise ValueError(f"{what} must be positive (got {value!r})")
+    return number
+
+
+def cluster_from_json(d: Any) -> Cluster:
+    """Validate and convert the JSON object; one-line ValueError on bad input."""
+    if not isinstance(d, dict) or not isinstance(d.get("groups"), list) or not d["groups"]:
+        raise ValueError("cluster file needs a non-empty \"groups\" list")
+    groups: List[DeviceGroup] = []
+    for i, g in enumerate(d["groups"]):
+        if not isinstance(g, dict) or not isinstance(g.get("devices"), int) or g["devices"] < 1:
+            raise ValueError(f"cluster group {i} needs \"devices\": a positive integer")
+        speed = float(g.get("speed", 1.0))
+        if not speed > 0:
+            raise ValueError(f"cluster group {i} speed must be positive (got {speed})")
+        latency = g.get("latency")
+        if latency is not None and float(latency) < 0:
+            raise ValueError(f"cluster group {i} latency must be >= 0")
+        groups.append(DeviceGroup(
+            name=str(g.get("name", f"group{i}")), devices=g["devices"],
+            memory=None if g.get("memory") is None else _size(g["memory"], f"group {i} memory"),
+            speed=speed,
+            bandwidth=None if g.get("bandwidth") is None else _size(g["bandwidth"], f"group {i} bandwidth"),
+            latency=None if latency is None else float(latency)))
+    links_json = d.get("links", [])
+    if not isinstance(links_json, list) or len(links_json) != len(groups) - 1:
+        raise ValueError(f"cluster file needs {len(groups) - 1} links (one between consecutive groups), "
+                         f"got {len(links_json) if isinstance(links_json, list) else links_json!r}")
+    links = []
+    for i, link in enumerate(links_json):
+        if not isinstance(link, dict) or "bandwidth" not in link:
+            raise ValueError(f"cluster link {i} needs \"bandwidth\"")
+        latency = float(link.get("latency", 0.0))
+        if latency < 0:
+            raise ValueError(f"cluster link {i} latency must be >= 0")
+        links.append(Link(bandwidth=_size(link["bandwidth"], f"link {i} bandwidth"), latency=latency))
+    return Cluster(groups=tuple(groups), links=tuple(links))
+
+
+def load_cluster(path: str) -> Cluster:
+    return cluster_from_json(read_json(path, what="cluster"))

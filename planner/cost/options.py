@@ -1,0 +1,99 @@
+"""What the planner is asked: CostOptions (pipeline ranks, replicas, batch, schedule, hardware)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from planner.cost.cluster import Cluster
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
+from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE
+
+RECOMPUTE_MODES = ("none", "all", "auto")
+DEFAULT_BANDWIDTH = 5e9  # bytes/s between pipeline ranks when nothing better is known
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """What the planner is asked: p pipeline ranks x d data-parallel replicas, a global batch of G
+    samples, the schedule and the hardware. The plan then has S = num_stages stages: p·v, or one
+    per entry of `replicas` (stage g on r_g of the p ranks)."""
+
+    pipeline_ranks: int  # p: devices per data-parallel replica (sum_g r_g with replicated stages)
+    global_batch: int  # G = d * m * b
+    schedule: str = "1f1b"
+    bandwidth: float = DEFAULT_BANDWIDTH  # bytes/s between consecutive ranks (and for tied-parameter exchange)
+    latency: float = 0.0  # seconds per message (one per direction per cut with tensors)
+    memory_cap: Optional[float] = None  # bytes per device; None = unlimited
+    optimizer: str = "sgd"
+    data_parallel: int = 1  # d
+    virtual_stages: int = 1  # v
+    dp_bandwidth: Optional[float] = None  # all-reduce bandwidth; None = bandwidth
+    cluster: Optional[Cluster] = None
+    recompute: str = "none"  # what solvers may choose: none | all | auto
+    step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
+    # sum_l o_l: one optimizer step over every unit's parameters, as profiled (profiled_optimizer_step_s)
+    optimizer_step_total_s: float = 0.0
+    replicas: Tuple[int, ...] = ()  # r_g per stage (S of them, adding up to p); () = one rank per stage
+
+    @property
+    def per_step_s(self) -> float:
+        """Time charged once per iteration whatever the split: the step overhead plus the optimizer
+        step of an average device, sum_l o_l / p (p = sum_g r_g with replicated stages, whose
+        replicas' steps overlap; a replicated stage's parameters count once, so that p, the
+        solver's budget, keeps it a constant of the search)."""
+        return self.step_overhead_s + self.optimizer_step_total_s / self.pipeline_ranks
+
+    @property
+    def replicated(self) -> bool:
+        return any(r != 1 for r in self.replicas)
+
+    @property
+    def num_stages(self) -> int:
+        """S: the plan's stages (p·v, or one per replicated stage)."""
+        return len(self.replicas) if self.replicas else self.pipeline_ranks * self.virtual_stages
+
+    def with_(self, **changes) -> "CostOptions":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        if self.pipeline_ranks < 1:
+            raise ValueError(f"the number of stages must be at least 1 (got {self.pipeline_ranks})")
+        if self.global_batch < 1:
+            raise ValueError(f"the global batch must be at least 1 (got {self.global_batch})")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2:
+            raise ValueError(f"schedule {self.schedule} needs --virtual-stages >= 2 (got {self.virtual_stages})")
+        if self.schedule not in MULTI_STAGE_SCHEDULES and self.virtual_stages != 1:
+            raise ValueError(f"--virtual-stages {self.virtual_stages} needs schedule interleaved or bfs")
+        if self.data_parallel < 1:
+            raise ValueError(f"the data-parallel degree must be at least 1 (got {self.data_parallel})")
+        for name, value in (("bandwidth", self.bandwidth), ("dp bandwidth", self.dp_bandwidth)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive bytes/s (got {value})")
+        if not self.step_overhead_s >= 0:
+            raise ValueError(f"the step overhead must be >= 0 seconds (got {self.step_overhead_s})")
+        if not self.optimizer_step_total_s >= 0:
+            raise ValueError(f"the optimizer step must be >= 0 seconds (got {self.optimizer_step_total_s})")
+        if self.latency < 0:
+            raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
+        if self.memory_cap is not None and not self.memory_cap > 0:
+            raise ValueError(f"memory per device must be positive bytes (got {self.memory_cap})")
+        if self.optimizer not in OPTIMIZER_STATE_PER_PARAM_BYTE:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
+                             f"{', '.join(sorted(OPTIMIZER_STATE_PER_PARAM_BYTE))}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+        if self.replicas:
+            self._validate_replicas()
+        if self.cluster is not None and self.cluster.num_devices != self.pipeline_ranks:
+            raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.pipeline_ranks} "
+                             "pipeline stages were asked; give --stages equal to the cluster's device count")
+
+    def _validate_replicas(self) -> None:
+        if any(not isinstance(r, int) or r < 1 for r in self.replicas) or sum(self.replicas) != self.pipeline_ranks:
+            raise ValueError(f"replicas must give one integer >= 1 per stage, adding up to the {self.pipeline_ranks} "
+                             f"pipeline ranks; got {list(self.replicas)}")
+        if self.replicated and (self.schedule not in ONE_STAGE_SCHEDULES or self.cluster is not None):
+            raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")

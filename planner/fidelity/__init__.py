@@ -1,0 +1,1 @@
+"""Does a plan keep its promises: simulation, predicted vs measured, calibration."""

@@ -1,0 +1,1 @@
+"""The model entry point and its capture as a graph of partition units."""

@@ -1,0 +1,167 @@
+"""Hugging Face transformers models by name: `hf:LlamaForCausalLM`, `hf:BertForMaskedLM`, ...
+
+The model is built from its config class with random weights (nothing is downloaded):
+every `--model-arg` except the batch arguments below overrides a config field
+(`num_hidden_layers=4`, `hidden_size=256`, `tie_word_embeddings=True` ...). Caching and
+dropout are switched off and attention is "eager", so a pipeline trains exactly like one
+process. Batches are synthetic token ids; the loss is the family's usual one, from logits:
+
+- causal LM (`...ForCausalLM`, `...LMHeadModel`): next-token cross-entropy (shifted);
+- masked LM (`...ForMaskedLM`): cross-entropy on a deterministic ~1/7 of the positions,
+  replaced by a mask token (the last id of the vocabulary);
+- seq2seq (`...ForConditionalGeneration`, T5/BART): labels are the target tokens and the
+  decoder reads them shifted right behind the decoder start token;
+- image + text (`...ForConditionalGeneration` whose config has a `vision_config` and an image
+  token, LLaVA): random images, and token ids that begin with one image token per image feature
+  (the vision tower's patches) followed by `seq_len` text tokens; next-token cross-entropy on the
+  text (the image token is the text vocabulary's last id);
+- image classification (`...ForImageClassification`, ViT): random images and labels,
+  cross-entropy.
+
+Batch arguments: `seq_len` (default 16) and `target_len` (seq2seq, default seq_len). A field of
+a nested config is `SUBCONFIG__FIELD` (`text_config__num_hidden_layers=2`,
+`vision_config__image_size=32`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict
+
+import torch
+import torch.nn.functional as F
+
+from planner.model.spec import ModelEntryError, ModelSpec
+
+_CAUSAL = ("ForCausalLM", "LMHeadModel")
+_MASKED = ("ForMaskedLM",)
+_SEQ2SEQ = ("ForConditionalGeneration",)
+_IMAGE_CLASSIFICATION = ("ForImageClassification",)
+
+
+def _family(name: str) -> str:
+    for family, suffixes in (("causal", _CAUSAL), ("masked", _MASKED), ("seq2seq", _SEQ2SEQ),
+                             ("image-classification", _IMAGE_CLASSIFICATION)):
+        if name.endswith(suffixes):
+            return family
+    raise ModelEntryError(f"hf:{name}: no loss known for this head; use a ...ForCausalLM / ...LMHeadModel, "
+                          "...ForMaskedLM, ...ForConditionalGeneration or ...ForImageClassification class, or write "
+                          "a package.module:function entry returning planner.ModelSpec")
+
+
+def _model_class(name: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ModelEntryError("hf: models need transformers: pip install -e '.[hf]'") from None
+    cls = getattr(transformers, name, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise ModelEntryError(f"transformers has no model class {name!r} (e.g. hf:LlamaForCausalLM, "
+                              "hf:GPT2LMHeadModel, hf:BertForMaskedLM, hf:T5ForConditionalGeneration)")
+    return cls
+
+
+def _sub_configs(config) -> list:
+    """The config and the configs nested in it (LLaVA's vision_config and text_config)."""
+    nested = [value for value in vars(config).values() if hasattr(value, "to_dict") and hasattr(value, "model_type")]
+    return [config] + [c for sub in nested for c in _sub_configs(sub)]
+
+
+def make_config(cls, overrides: Dict[str, Any]):
+    """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
+    no dropout, eager attention (in nested configs too)."""
+    config = cls.config_class()
+    unknown = []
+    for key, value in overrides.items():
+        target, _, field = key.rpartition("__")
+        owner = getattr(config, target, None) if target else config
+        if owner is None or not hasattr(owner, field or key):
+            unknown.append(key)
+            continue
+        setattr(owner, field or key, value)
+    if unknown:
+        raise ModelEntryError(f"hf:{cls.__name__}: {cls.config_class.__name__} has no field(s) {', '.join(unknown)}; "
+                              "batch arguments are seq_len and target_len, nested fields are SUBCONFIG__FIELD")
+    for part in _sub_configs(config):
+        part.use_cache = False
+        for key, value in part.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+                setattr(part, key, 0.0)
+        part._attn_implementation = "eager"
+    return config
+
+
+def _arrange(cls, named: Dict[str, torch.Tensor]) -> tuple:
+    """Inputs as positional tensors when they lead forward's signature (the runtime's simplest
+    contract), else with a trailing keyword dict."""
+    params = [p for p in inspect.signature(cls.forward).parameters if p != "self"]
+    if params[:len(named)] == list(named):
+        return tuple(named.values())
+    return (dict(named),)
+
+
+def _image_text(config) -> bool:
+    return hasattr(config, "vision_config") and hasattr(config, "text_config") and hasattr(config, "image_token_id")
+
+
+def hf_builder(name: str) -> Callable[..., ModelSpec]:
+    cls = _model_class(name)
+    family = _family(name)
+
+    def build(seq_len: int = 16, target_len: int = 0, **overrides: Any) -> ModelSpec:
+        config = make_config(cls, overrides)
+        kind = "image-text" if family == "seq2seq" and _image_text(config) else family
+        if kind == "image-text":  # the image token: the text vocabulary's last id, never drawn as text
+            config.image_token_id = int(config.text_config.vocab_size) - 1
+        model = cls(config)  # under `with torch.device("meta")` (analytic profiles) no memory is used
+        model.train()
+        text = config.text_config if kind == "image-text" else config
+        vocab = int(getattr(text, "vocab_size", 0) or 0)
+        tgt_len = target_len or seq_len
+        vision = getattr(config, "vision_config", config)
+
+        def tokens(g: torch.Generator, batch_size: int, length: int, high: int) -> torch.Tensor:
+            return torch.randint(0, high, (batch_size, length), generator=g)
+
+        def images(g: torch.Generator, batch_size: int) -> torch.Tensor:
+            side = int(vision.image_size)
+            return torch.randn(batch_size, int(getattr(vision, "num_channels", 3)), side, side, generator=g)
+
+        def batch(batch_size: int, step: int):
+            g = torch.Generator().manual_seed(1_000_003 * step + 29)
+            if kind == "image-classification":
+                labels = torch.randint(0, int(config.num_labels), (batch_size,), generator=g)
+                return _arrange(cls, {"pixel_values": images(g, batch_size)}), labels
+            if kind == "image-text":
+                patches = (int(vision.image_size) // int(vision.patch_size)) ** 2  # CLIP's CLS feature is dropped
+                patches += getattr(config, "vision_feature_select_strategy", "default") == "full"  # ... or kept
+                ids = tokens(g, batch_size, seq_len + 1, vocab - 1)
+                image_ids = torch.full((batch_size, patches), config.image_token_id, dtype=ids.dtype)
+                labels = torch.cat([torch.full_like(image_ids, -100), ids[:, 1:]], dim=1)
+                pixels = images(g, batch_size)
+                return _arrange(cls, {"input_ids": torch.cat([image_ids, ids[:, :-1]], dim=1),
+                                      "pixel_values": pixels}), labels
+            if kind == "causal":
+                ids = tokens(g, batch_size, seq_len + 1, vocab)
+                return _arrange(cls, {"input_ids": ids[:, :-1]}), ids[:, 1:]
+            if kind == "masked":
+                ids = tokens(g, batch_size, seq_len, vocab - 1)
+                rows = torch.arange(batch_size).unsqueeze(1)
+                masked = (torch.arange(seq_len).unsqueeze(0) + rows + step) % 7 == 0
+                labels = torch.where(masked, ids, torch.full_like(ids, -100))
+                return _arrange(cls, {"input_ids": torch.where(masked, vocab - 1, ids)}), labels
+            source, labels = tokens(g, batch_size, seq_len, vocab), tokens(g, batch_size, tgt_len, vocab)
+            start = getattr(config, "decoder_start_token_id", None) or getattr(config, "pad_token_id", None) or 0
+            decoder_ids = torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], dim=1)
+            named = {"input_ids": source, "attention_mask": torch.ones_like(source),
+                     "decoder_input_ids": decoder_ids}
+            return _arrange(cls, named), labels
+
+        def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                   ignore_index=-100)
+
+        return ModelSpec(module=model, batch=batch, loss=loss)
+
+    build.__name__ = name
+    return build

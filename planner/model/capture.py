@@ -1,0 +1,422 @@
+"""Capture a model's graph (torch.fx, else torch.export) and group it into ordered partition units.
+
+`torch.fx.symbolic_trace` is tried first; when it fails (Python control flow on shapes or
+values, library code), `torch.export` captures the model on an example batch instead
+(capture_export.py). Both give an FX graph whose nodes carry `meta["module_stack"]`.
+
+A unit is a maximal run of graph nodes (in execution order) that belong to the same
+top-level submodule call. Containers (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`) and
+"stacks" (modules holding a list of repeated layers somewhere below them, like a Hugging Face
+`LlamaModel` or `T5Stack`) are looked through, so a transformer block or a residual block is
+one unit. Free operations between submodule calls join the unit before them (leading ones the
+first unit).
+
+In-place operations: a unit boundary never falls between a tensor's producer and an operation
+that writes into it (or into a view of it): such units are joined into one, named after the
+first (`CapturedModel.merges` says which and why; rule and details in planner/model/inplace.py). So an
+`nn.ReLU(inplace=True)` that is a unit of its own joins the unit of the tensor it overwrites,
+and no stage ever writes into a tensor it received. The fx tracer records `a += b` in place
+(`augmented_assign`), as eager PyTorch runs it, where fx alone would record `a = a + b`.
+
+Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
+a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
+unit). Model inputs never cross: every rank rebuilds the batch itself. Parameters and buffers
+(`get_attr` nodes) never cross either: each stage reads its own.
+
+`CapturedModel.stage_module(first, end)` cuts units [first, end) out as an `fx.GraphModule`
+whose forward takes (model inputs used, values crossing cut `first`) and returns the values
+crossing cut `end` (or the model output for the last stage). Submodules keep their original
+qualified names, so a stage's `state_dict` keys are the model's own.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+from torch.fx import _pytree as fx_pytree
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
+
+from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
+from planner.model.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
+from planner.model.failures import NodeRunError, first_line
+from planner.model.inplace import AugmentedProxy, Merge, writes_across_units
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class _UnitTracer(fx.Tracer):
+    """A symbolic tracer that tags every node with the stack of module paths it was created in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proxy_buffer_attributes = True  # buffers become get_attr nodes, read per stage
+        self.unit_module_stack: List[str] = []
+        self.failed_at: Optional[str] = None  # innermost module running when tracing failed
+
+    def call_module(self, m, forward, args, kwargs):
+        self.unit_module_stack.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = self.unit_module_stack[-1]
+            raise
+        finally:
+            self.unit_module_stack.pop()
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        node.meta["module_stack"] = list(self.unit_module_stack)
+        return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return AugmentedProxy(node, self)  # records `a += b` in place, as eager runs it
+
+
+@dataclass
+class Unit:
+    name: str
+    nodes: List[fx.Node] = field(default_factory=list)
+
+
+@dataclass
+class StageIO:
+    """The signature of a stage module: what it takes and what it returns, by node name."""
+
+    inputs: List[str]  # model input names used by the stage, in the model's order
+    received: List[str]  # values crossing the stage's first cut, in graph order
+    sent: List[str]  # values crossing its end cut, in graph order (empty for the last stage)
+    is_last: bool
+
+
+def _is_repeated_list(module: nn.Module) -> bool:
+    """A container of two or more layers of one type: the layer list of a stack."""
+    if not isinstance(module, _CONTAINERS):
+        return False
+    types = [type(child) for child in module.children()]
+    return len(types) >= 2 and len(set(types)) < len(types)
+
+
+def _looked_through(module: nn.Module) -> bool:
+    """Containers, and modules with a repeated layer list below them (a model wrapper, a stack)."""
+    if isinstance(module, _CONTAINERS):
+        return True
+    return any(_is_repeated_list(m) for m in module.modules() if m is not module)
+
+
+def _unit_path(root: nn.Module, stack: List[str], cache: Dict[str, bool]) -> Optional[str]:
+    """The partition key of a node: its outermost module call, looking through containers and
+    stacks; None for a node directly inside a looked-through module (a free operation)."""
+    for path in stack:
+        if path not in cache:
+            cache[path] = _looked_through(root.get_submodule(path))
+        if not cache[path]:
+            return path
+    return None
+
+
+@dataclass
+class SharedParameter:
+    """One parameter tensor read by several units (tied weights), under all of its names."""
+
+    name: str  # the model's first name for it (named_parameters order)
+    names: List[str]  # every state_dict name of the tensor
+    units: List[str]  # units reading it
+    bytes: int
+
+
+class CapturedModel:
+    """A captured model, its units, and the values crossing each cut.
+
+    `method` is "fx" or "export". For "auto", fx is tried first and export on failure; export
+    needs an example batch: `example_inputs`, or the batch function of the `ModelSpec` that
+    built `module` (recorded by `planner.model.spec.build_spec`).
+    """
+
+    def __init__(self, module: nn.Module, example_inputs: Any = None, method: str = "auto"):
+        self.module = module
+        self.in_spec: Any = None  # export only: pytree spec of (args, kwargs)
+        self.out_spec: Any = None  # export only: pytree spec of the model's output
+        self.fallback_reason = ""  # why fx was not used, when export was
+        self.fixed_batch: Optional[int] = None  # export only: the one batch size the graph runs
+        if method not in ("auto", "fx", "export"):
+            raise ValueError(f"capture method {method!r} is not auto, fx or export")
+        fx_error = None
+        with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
+            if method in ("auto", "fx"):
+                try:
+                    self.gm, self.method = self._trace_fx(module), "fx"
+                except CaptureError as e:
+                    if method == "fx":
+                        raise
+                    fx_error = e
+            if method == "export" or fx_error is not None:
+                self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
+                self.fallback_reason = str(fx_error) if fx_error else ""
+        self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.units, self.merges = _keep_writes_with_their_tensors(self.gm, self._group_units(module))
+        self._unit_of: Dict[str, int] = {}
+        for index, unit in enumerate(self.units):
+            for node in unit.nodes:
+                self._unit_of[node.name] = index
+        self._crossing = self._compute_crossings()
+
+    # --- capture ------------------------------------------------------------------------
+    @staticmethod
+    def _trace_fx(module: nn.Module) -> fx.GraphModule:
+        tracer = _UnitTracer()
+        try:
+            graph = tracer.trace(module)
+        except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
+            where = f" in {tracer.failed_at!r}" if tracer.failed_at else ""
+            raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {first_line(e)}") from None
+        return fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+    def _export(self, module: nn.Module, example_inputs: Any, fx_error: Optional[CaptureError]) -> fx.GraphModule:
+        if example_inputs is None:
+            example_inputs = example_batch(module)
+        if example_inputs is None:
+            raise CaptureError(f"{fx_error or 'torch.export was asked for'}; torch.export needs an example batch: "
+                               "build the model with planner.model.spec.build_spec or pass example_inputs")
+        try:
+            exported = export_graph(module, example_inputs)
+        except ExportFailure as e:
+            where = f" in {e.module_path!r}" if e.module_path else ""
+            raise CaptureError(
+                f"cannot capture {type(module).__name__}: {fx_error}; torch.export failed{where}: "
+                f"{first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
+                "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
+        self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
+        return exported.gm
+
+    def check_batch_size(self, size: int, fix: str) -> None:
+        """Refuse a micro-batch size the graph cannot run (export fixed another one); `fix` says what to do."""
+        if self.fixed_batch is not None and size != self.fixed_batch:
+            raise CaptureError(
+                f"torch.export fixed {type(self.module).__name__}'s batch size at {self.fixed_batch} (the model's code "
+                f"depends on it, e.g. a Python loop over the samples), so micro-batch size {size} cannot run; {fix}")
+
+    def input_values(self, inputs: Any) -> List[Any]:
+        """A batch's `inputs` (positional, optionally ending in a keyword dict) as a list aligned
+        with `placeholders`: what the graph's forward takes."""
+        args, kwargs = split_inputs(inputs)
+        if self.method == "export":
+            return list(fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec))
+        bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        return [values[name] for name in self.placeholders]
+
+    # --- grouping -----------------------------------------------------------------------
+    def _group_units(self, root: nn.Module) -> List[Unit]:
+        compute = [n for n in self.gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+        if not compute:
+            raise CaptureError(f"{type(root).__name__} has no operations to partition")
+        cache: Dict[str, bool] = {}
+        keys = [_unit_path(root, n.meta.get("module_stack", []), cache) for n in compute]
+        # Free operations join the unit before them; leading free operations join the first unit.
+        first_key = next((k for k in keys if k is not None), "ops")
+        previous = first_key
+        for i, key in enumerate(keys):
+            if key is None:
+                keys[i] = previous
+            previous = keys[i]
+        units: List[Unit] = []
+        seen: Dict[str, int] = {}
+        last_key = object()
+        for node, key in zip(compute, keys):
+            if key != last_key:
+                seen[key] = seen.get(key, 0) + 1
+                name = key if seen[key] == 1 else f"{key}#{seen[key]}"
+                units.append(Unit(name))
+                last_key = key
+            units[-1].nodes.append(node)
+        return units
+
+    def _compute_crossings(self) -> List[List[fx.Node]]:
+        """crossing[k] = nodes produced in a unit < k and consumed in a unit >= k (k = 0..L)."""
+        L = len(self.units)
+        last_use: Dict[fx.Node, int] = {}
+        for node in self.gm.graph.nodes:
+            consumer = L if node.op == "output" else self._unit_of.get(node.name)
+            if consumer is None:
+                continue
+            for source in node.all_input_nodes:
+                if source.name in self._unit_of:
+                    last_use[source] = max(last_use.get(source, -1), consumer)
+        crossing: List[List[fx.Node]] = [[] for _ in range(L + 1)]
+        for node in self.gm.graph.nodes:  # graph order gives a canonical order per cut
+            produced = self._unit_of.get(node.name)
+            if produced is None or node not in last_use:
+                continue
+            for k in range(produced + 1, last_use[node] + 1):
+                crossing[k].append(node)
+        return crossing
+
+    # --- queries ------------------------------------------------------------------------
+    @property
+    def unit_names(self) -> List[str]:
+        return [u.name for u in self.units]
+
+    def crossing(self, k: int) -> List[fx.Node]:
+        """Values crossing cut k (the boundary before unit k); k = L means the model's end."""
+        return list(self._crossing[k])
+
+    def unit_index(self, name: str) -> int:
+        for i, unit in enumerate(self.units):
+            if unit.name == name:
+                return i
+        raise KeyError(name)
+
+    def stage_io(self, first: int, end: int) -> StageIO:
+        nodes = [n for u in self.units[first:end] for n in u.nodes]
+        used_inputs = {s.name for n in nodes for s in n.all_input_nodes if s.op == "placeholder"}
+        if end == len(self.units):
+            output = next(n for n in self.gm.graph.nodes if n.op == "output")
+            used_inputs |= {s.name for s in output.all_input_nodes if s.op == "placeholder"}
+        return StageIO(
+            inputs=[p for p in self.placeholders if p in used_inputs],
+            received=[n.name for n in self._crossing[first]] if first > 0 else [],
+            sent=[n.name for n in self._crossing[end]] if end < len(self.units) else [],
+            is_last=end == len(self.units),
+        )
+
+    def stage_module(self, first: int, end: int) -> Tuple[fx.GraphModule, StageIO]:
+        """Units [first, end) as a GraphModule: forward(*inputs, *received) -> tuple(sent) or model output."""
+        if not 0 <= first < end <= len(self.units):
+            raise ValueError(f"bad unit range [{first}, {end}) for {len(self.units)} units")
+        io = self.stage_io(first, end)
+        graph = fx.Graph()
+        env: Dict[fx.Node, fx.Node] = {}
+        by_name = {n.name: n for n in self.gm.graph.nodes}
+        for name in io.inputs + io.received:
+            env[by_name[name]] = graph.placeholder(name)
+
+        def lookup(node: fx.Node) -> fx.Node:
+            if node not in env:
+                if node.op != "get_attr":
+                    raise CaptureError(f"stage [{first}, {end}) needs {node.name!r}, which does not reach it")
+                env[node] = graph.node_copy(node)  # parameters and buffers are read where used
+            return env[node]
+
+        for unit in self.units[first:end]:
+            for node in unit.nodes:
+                for source in node.all_input_nodes:
+                    lookup(source)
+                env[node] = graph.node_copy(node, lookup)
+        if io.is_last:
+            output = next(n for n in self.gm.graph.nodes if n.op == "output")
+            for source in output.all_input_nodes:
+                lookup(source)
+            graph.output(fx.map_arg(output.args[0], lookup), type_expr=output.type)
+        else:
+            graph.output(tuple(env[by_name[name]] for name in io.sent))
+        if io.is_last and self.out_spec is not None:
+            # The loss sees the model's real output type (tuple, dict, ModelOutput dataclass ...).
+            names = io.inputs + io.received
+            graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(
+                orig_args=names, in_spec=pytree.tree_structure((tuple(names), {})), out_spec=self.out_spec)))
+        graph.lint()
+        stage = fx.GraphModule(self.gm, graph, class_name=f"Stage_{first}_{end}")
+        return stage, io
+
+    def shared_parameters(self) -> List[SharedParameter]:
+        """Parameter tensors read by more than one unit (tied weights), each once: read through a
+        get_attr node (by the units using it) or held by a called submodule (a leaf module under fx,
+        e.g. an nn.Linear head whose weight is the nn.Embedding's)."""
+        names_of: Dict[int, List[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(name)
+        units_of: Dict[int, List[str]] = {}
+        tensors: Dict[int, torch.Tensor] = {}
+
+        def used(value: nn.Parameter, nodes: List[fx.Node]) -> None:
+            tensors[id(value)] = value
+            for node in nodes:
+                if node.name in self._unit_of:
+                    unit = self.units[self._unit_of[node.name]].name
+                    if unit not in units_of.setdefault(id(value), []):
+                        units_of[id(value)].append(unit)
+
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr":
+                value = _resolve(self.gm, node.target)
+                if isinstance(value, nn.Parameter):
+                    used(value, list(node.users))
+            elif node.op == "call_module":
+                for value in self.gm.get_submodule(node.target).parameters():
+                    used(value, [node])
+        shared = []
+        for key, units in units_of.items():
+            if len(units) > 1:
+                names = names_of.get(key, [])
+                t = tensors[key]
+                shared.append(SharedParameter(name=names[0] if names else "", names=names,
+                                              units=sorted(units, key=self.unit_index),
+                                              bytes=t.numel() * t.element_size()))
+        return shared
+
+
+def _keep_writes_with_their_tensors(gm: fx.GraphModule, units: List[Unit]) -> Tuple[List[Unit], List[Merge]]:
+    """Units joined so that no unit boundary falls between a tensor's producer and an operation
+    writing into it (planner/model/inplace.py states the rule)."""
+    merges = writes_across_units(gm, [u.nodes for u in units], [u.name for u in units])
+    joined, k = [], 0
+    for merge in merges:
+        joined += units[k:merge.first]
+        joined.append(Unit(merge.kept, [n for u in units[merge.first:merge.last + 1] for n in u.nodes]))
+        k = merge.last + 1
+    return joined + units[k:], merges
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# The batch function of the ModelSpec that built each module (export needs an example batch).
+_EXAMPLE_BATCHES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
+EXAMPLE_BATCH_SIZE = 2  # dynamic batch dimensions must not be 0 or 1 when exported
+
+
+def remember_batch(module: nn.Module, batch: Callable) -> None:
+    """Record `batch(batch_size, step)` for `module`, so capture can export it on an example."""
+    _EXAMPLE_BATCHES[module] = batch
+
+
+def example_batch(module: nn.Module) -> Any:
+    batch = _EXAMPLE_BATCHES.get(module)
+    return batch(EXAMPLE_BATCH_SIZE, 0)[0] if batch is not None else None
+
+
+def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto") -> CapturedModel:
+    """fx if it can, torch.export otherwise (see CapturedModel)."""
+    return CapturedModel(module, example_inputs, method)
+
+
+def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False) -> Dict[str, Any]:
+    """Run the captured model once on a batch's `inputs`, returning every node's value by name
+    (a node that raises: planner.model.failures.NodeRunError, naming it).
+
+    With `grad=True` autograd records the run, so each value's `requires_grad` is meaningful."""
+    values: Dict[str, Any] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n):
+            try:
+                result = super().run_node(n)
+            except Exception as e:  # the model's own error, whatever its type: say where it came from
+                raise NodeRunError(n, e) from e
+            values[n.name] = result
+            return result
+
+    with torch.set_grad_enabled(grad):
+        _Recorder(captured.gm).run(*captured.input_values(inputs))
+    return values

@@ -1,0 +1,90 @@
+"""The model entry point: what a user hands the planner and the runtime.
+
+`MODEL` is `builtin:NAME`, `hf:ClassName` or `package.module:function`. The function is called as
+`function(**model_args)` and returns a `ModelSpec`. Every rank builds the spec after
+`torch.manual_seed(seed)`, so all ranks start from identical weights.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+from typing import Any, Callable, Dict, Iterable
+
+import torch
+
+from planner.model.builtin import BUILTIN_MODELS
+from planner.model.capture import remember_batch
+from planner.model.spec import ModelEntryError, ModelSpec
+
+
+def parse_model_args(pairs: Iterable[str]) -> Dict[str, Any]:
+    """`["layers=4", "name=x", "tied=True"]` -> `{"layers": 4, "name": "x", "tied": True}`.
+
+    Values are Python int/float/bool literals where they parse as such, else strings.
+    """
+    args: Dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ModelEntryError(f"--model-arg {pair!r} is not of the form key=value (e.g. --model-arg layers=4)")
+        args[key] = _parse_literal(raw.strip())
+    return args
+
+
+def _parse_literal(raw: str) -> Any:
+    if raw in ("true", "false"):
+        return raw == "true"
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+    return value if isinstance(value, (bool, int, float)) else raw
+
+
+def resolve_entry(entry: str) -> Callable[..., ModelSpec]:
+    if entry.startswith("hf:"):
+        from planner.model.builtin.hf import hf_builder
+
+        return hf_builder(entry.split(":", 1)[1])
+    if entry.startswith("builtin:"):
+        name = entry.split(":", 1)[1]
+        if name not in BUILTIN_MODELS:
+            raise ModelEntryError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+        module = importlib.import_module(f"planner.model.builtin.{name}")
+        return module.build
+    module_name, sep, func_name = entry.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ModelEntryError(
+            f"model {entry!r} is not 'builtin:NAME' or 'package.module:function' "
+            f"(built-ins: {', '.join(BUILTIN_MODELS)})")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelEntryError(f"cannot import {module_name!r} for model {entry!r}: {e}. "
+                              "Is it installed or on PYTHONPATH?") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ModelEntryError(f"module {module_name!r} has no function {func_name!r}")
+    return func
+
+
+def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
+    """Seed, then call the entry point: the same (entry, args, seed) gives the same weights everywhere."""
+    func = resolve_entry(entry)
+    torch.manual_seed(seed)
+    try:
+        spec = func(**args)
+    except TypeError as e:
+        raise ModelEntryError(f"calling {entry} with {args}: {e}") from None
+    if not isinstance(spec, ModelSpec):
+        raise ModelEntryError(f"{entry} returned {type(spec).__name__}, expected planner.ModelSpec(module=, batch=, loss=)")
+    if not isinstance(spec.module, torch.nn.Module):
+        raise ModelEntryError(f"{entry}: ModelSpec.module must be a torch.nn.Module")
+    remember_batch(spec.module, spec.batch)  # torch.export captures on an example batch
+    return spec
+
+
+def model_name(entry: str) -> str:
+    """A short name for file names: 'builtin:gpt' -> 'gpt', 'pkg.mod:make_net' -> 'make_net'."""
+    return entry.rsplit(":", 1)[-1].replace(".", "_") or "model"

@@ -1,0 +1,54 @@
+"""What a model entry point returns: a `ModelSpec`, and how its batches are fed to the module.
+
+Entry points (planner.model.entry) return one; the profiler and every rank call the module the
+same way (`call_model`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Tuple
+
+import torch
+
+
+@dataclass
+class ModelSpec:
+    """What to train.
+
+    module: the `torch.nn.Module` to train.
+    batch:  `batch(batch_size, step) -> (inputs: tuple, target)`, deterministic for a given step;
+            every tensor has the batch on dim 0. `module(*inputs)` is the forward call; if the
+            last element of `inputs` is a dict, it holds keyword arguments:
+            `module(*inputs[:-1], **inputs[-1])` (see `call_model`). `target` may be any
+            tensor, tuple or dict of tensors (or None).
+    loss:   `loss(output, target) -> scalar tensor`, the mean loss of a micro-batch; `output`
+            is whatever the module returns (tensor, tuple, dict, dataclass such as a Hugging
+            Face ModelOutput).
+    """
+
+    module: torch.nn.Module
+    batch: Callable[[int, int], Tuple[tuple, Any]]
+    loss: Callable[[Any, Any], torch.Tensor]
+
+
+class ModelEntryError(ValueError):
+    """The model entry point cannot be resolved or called. The message says how to fix it."""
+
+
+def call_model(module: torch.nn.Module, inputs: Any) -> Any:
+    """The forward call for a batch's `inputs`: a trailing dict is passed as keyword arguments."""
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if inputs and isinstance(inputs[-1], dict):
+        return module(*inputs[:-1], **inputs[-1])
+    return module(*inputs)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj

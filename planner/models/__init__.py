@@ -1,1 +1,0 @@
-"""Built-in models (random weights from configs; no downloads)."""

@@ -1,0 +1,107 @@
+"""Checking instruction lists before anything runs: complete, placed where the topology says, and
+unable to deadlock."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from planner.pipeline.schedule import Action, ActionKind
+
+Placement = Callable[[int, int], int]  # (stage, micro-batch) -> the pipeline rank running it
+
+
+def check_schedule(lists: List[List[Action]], num_micro_batches: int, placement: Optional[Placement] = None) -> None:
+    """Raise ValueError unless the lists are complete and cannot deadlock.
+
+    Every stage must forward and backward each micro-batch exactly once, forward first, on one
+    rank (with `placement`, the rank `placement(stage, micro_batch)` that peers send to), and each
+    rank must end with its optimizer step. Then all ranks are simulated: a send completes at
+    once (non-blocking); a receive proceeds only once the matching send has been issued. If no
+    rank can move while some have work left, the lists deadlock.
+    """
+    owner = _forward_owners(lists)
+    _check_every_micro_batch_forwarded(owner, num_micro_batches)
+    for r, actions in enumerate(lists):
+        _check_rank(r, actions, owner, placement)
+    _check_no_deadlock(lists)
+
+
+def _forward_owners(lists: List[List[Action]]) -> Dict[Tuple[int, int], int]:
+    """(stage, micro-batch) -> the rank that forwards it; each rank ends with its optimizer step."""
+    owner: Dict[Tuple[int, int], int] = {}
+    for r, actions in enumerate(lists):
+        if not actions or actions[-1].kind is not ActionKind.OPTIMIZER_STEP:
+            raise ValueError(f"rank {r}: the optimizer step must come last")
+        for a in actions:
+            if a.kind is ActionKind.FORWARD:
+                if (a.stage, a.micro_batch) in owner:
+                    raise ValueError(f"stage {a.stage}: forward({a.micro_batch}) runs on ranks "
+                                     f"{owner[(a.stage, a.micro_batch)]} and {r}")
+                owner[(a.stage, a.micro_batch)] = r
+    return owner
+
+
+def _check_every_micro_batch_forwarded(owner: Dict[Tuple[int, int], int], num_micro_batches: int) -> None:
+    stages = sorted({g for g, _ in owner})
+    if stages != list(range(len(stages))):
+        raise ValueError(f"stages {stages} are not 0..{len(stages) - 1}")
+    for g in stages:
+        done = sorted(i for s, i in owner if s == g)
+        if done != list(range(num_micro_batches)):
+            raise ValueError(f"stage {g}: forward runs micro-batches {done}, expected 0..{num_micro_batches - 1}")
+
+
+def _check_rank(r: int, actions: List[Action], owner: Dict[Tuple[int, int], int],
+                placement: Optional[Placement]) -> None:
+    """Rank r runs each of its forwards and backwards once, every backward after its forward and
+    only of what it forwarded, and (with `placement`) only what the topology puts on it."""
+    position: Dict[Tuple[ActionKind, int, int], int] = {}
+    for j, a in enumerate(actions):
+        if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            if (a.kind, a.stage, a.micro_batch) in position:
+                raise ValueError(f"rank {r} stage {a.stage}: {a.kind.value}({a.micro_batch}) runs twice")
+            position[(a.kind, a.stage, a.micro_batch)] = j
+    for g in {g for (g, _), rank in owner.items() if rank == r}:
+        forwards = sorted(i for (s, i), rank in owner.items() if s == g and rank == r)
+        backwards = sorted(i for kind, s, i in position if kind is ActionKind.BACKWARD and s == g)
+        if backwards != forwards:
+            raise ValueError(f"rank {r} stage {g}: backward runs micro-batches {backwards}, expected "
+                             f"{forwards} (those it forwards)")
+        for i in forwards:
+            if position[(ActionKind.FORWARD, g, i)] > position[(ActionKind.BACKWARD, g, i)]:
+                raise ValueError(f"rank {r} stage {g}: backward({i}) before forward({i})")
+    stray = [k for k in position if k[0] is ActionKind.BACKWARD and owner.get(k[1:]) != r]
+    if stray:
+        raise ValueError(f"rank {r} stage {stray[0][1]}: backward({stray[0][2]}) without its forward here")
+    if placement is not None:
+        wrong = [a for a in actions if a.micro_batch >= 0 and placement(a.stage, a.micro_batch) != r]
+        if wrong:
+            raise ValueError(f"rank {r} runs {wrong[0]}, which the topology places on rank "
+                             f"{placement(wrong[0].stage, wrong[0].micro_batch)}")
+
+
+# A receive waits for the send of the same message: (the receive's kind, receiving stage, micro-batch)
+_SENT_BY = {ActionKind.SEND_ACT: (ActionKind.RECV_ACT, +1), ActionKind.SEND_GRAD: (ActionKind.RECV_GRAD, -1)}
+
+
+def _check_no_deadlock(lists: List[List[Action]]) -> None:
+    """Run every rank's list as far as it can go (sends never block); fail if all are stuck."""
+    sent: Set[Tuple[ActionKind, int, int]] = set()
+    cursor = [0] * len(lists)
+    while True:
+        moved = False
+        for r, actions in enumerate(lists):
+            while cursor[r] < len(actions):
+                a = actions[cursor[r]]
+                if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD) and \
+                        (a.kind, a.stage, a.micro_batch) not in sent:
+                    break
+                if a.kind in _SENT_BY:
+                    receive, step = _SENT_BY[a.kind]
+                    sent.add((receive, a.stage + step, a.micro_batch))
+                cursor[r] += 1
+                moved = True
+        if all(cursor[r] == len(actions) for r, actions in enumerate(lists)):
+            return
+        if not moved:
+            stuck = {r: str(lists[r][cursor[r]]) for r in range(len(lists)) if cursor[r] < len(lists[r])}
+            raise ValueError(f"schedule deadlocks: ranks wait at {stuck}")

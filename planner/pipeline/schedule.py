@@ -1,0 +1,268 @@
+"""Pipeline schedules as data: one instruction list per pipeline rank, built by pure functions.
+
+An `Action` names one thing a rank does for one micro-batch of one stage. The engine executes
+the list in order; sends are non-blocking and receives block, so a list is deadlock-free when
+every receive's matching send comes earlier in the sender's list than anything that waits on
+the receiver (planner.pipeline.check verifies this by simulating the lists).
+
+Names: a *stage* is one entry of the plan's stages (index g, S of them in model order); a
+*pipeline rank* runs v stages (S = p·v), or, replicated, one stage with r_g ranks ("lanes").
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import List, Sequence
+
+# The schedules, the one list every command and check uses. One stage per pipeline rank (v = 1;
+# also the ones replicated stages run with), then several ("multi-stage", v >= 2).
+ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+MULTI_STAGE_SCHEDULES = ("interleaved", "bfs")
+SCHEDULES = ONE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+
+
+class ActionKind(enum.Enum):
+    """What an action does. The value is the name traces and timelines record; `code` is the
+    letter or word of the compact text form (`Action.__str__`)."""
+
+    RECV_ACT = "recv_act"  # receive the activations a stage's forward needs
+    FORWARD = "forward"
+    SEND_ACT = "send_act"  # send them on to the next stage
+    RECV_GRAD = "recv_grad"  # receive the gradients of the stage's outputs
+    BACKWARD = "backward"
+    SEND_GRAD = "send_grad"  # send the gradients of its inputs back
+    OPTIMIZER_STEP = "optimizer_step"  # once per step, after the rank's last backward
+
+    @property
+    def code(self) -> str:
+        return _CODES[self]
+
+
+_CODES = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "SEND_F",
+          ActionKind.RECV_ACT: "RECV_F", ActionKind.SEND_GRAD: "SEND_B", ActionKind.RECV_GRAD: "RECV_B",
+          ActionKind.OPTIMIZER_STEP: "STEP"}
+_KINDS = {code: kind for kind, code in _CODES.items()}
+_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One instruction: what to do, for which micro-batch, of which stage.
+
+    Text form: stage, code, micro-batch: "2F5" is stage 2's forward of micro-batch 5, "2B5" its
+    backward, "2SEND_F5"/"2RECV_F5" the activations' send/receive, "2SEND_B5"/"2RECV_B5" the
+    gradients'; "STEP" the optimizer step. `Action.parse(str(a)) == a`."""
+
+    kind: ActionKind
+    micro_batch: int = -1  # -1: not about one micro-batch (the optimizer step)
+    stage: int = 0
+
+    def __str__(self) -> str:
+        if self.kind is ActionKind.OPTIMIZER_STEP:
+            return self.kind.code
+        return f"{self.stage}{self.kind.code}{self.micro_batch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The action `text` names (the form `str` writes); ValueError otherwise."""
+        if text == ActionKind.OPTIMIZER_STEP.code:
+            return cls(ActionKind.OPTIMIZER_STEP)
+        match = _TEXT.fullmatch(text)
+        if match is None:
+            raise ValueError(f"{text!r} is not an action: write STAGE CODE MICRO_BATCH (e.g. 2F5, 0SEND_B3) or STEP")
+        return cls(_KINDS[match.group(2)], int(match.group(3)), int(match.group(1)))
+
+
+def _forward(stage: int, num_stages: int, i: int) -> List[Action]:
+    actions = []
+    if stage > 0:
+        actions.append(Action(ActionKind.RECV_ACT, i, stage))
+    actions.append(Action(ActionKind.FORWARD, i, stage))
+    if stage < num_stages - 1:
+        actions.append(Action(ActionKind.SEND_ACT, i, stage))
+    return actions
+
+
+def _backward(stage: int, num_stages: int, i: int) -> List[Action]:
+    actions = []
+    if stage < num_stages - 1:
+        actions.append(Action(ActionKind.RECV_GRAD, i, stage))
+    actions.append(Action(ActionKind.BACKWARD, i, stage))
+    if stage > 0:
+        actions.append(Action(ActionKind.SEND_GRAD, i, stage))
+    return actions
+
+
+def breadth_first(stages: List[int], num_stages: int, num_micro_batches: int) -> List[Action]:
+    """GPipe, generalised to several stages per rank ("bfs", looped breadth-first): every
+    micro-batch through one stage before the next stage, then the backwards in reverse stage
+    order. With one stage per rank this is GPipe: all forwards, then all backwards."""
+    actions: List[Action] = []
+    for g in stages:
+        for i in range(num_micro_batches):
+            actions += _forward(g, num_stages, i)
+    for g in reversed(stages):
+        for i in range(num_micro_batches):
+            actions += _backward(g, num_stages, i)
+    return actions + [Action(ActionKind.OPTIMIZER_STEP)]
+
+
+def one_f_one_b(stages: List[int], num_stages: int, num_micro_batches: int,
+                warmup: "int | None" = None) -> List[Action]:
+    """1F1B (one stage per rank): `warmup` forwards (default `one_f_one_b_warmups`: P − g − 1,
+    clipped to m), then alternate one forward and one backward, then drain. Stage g holds at
+    most min(warmup + 1, m) micro-batches."""
+    (g,) = stages
+    m = num_micro_batches
+    warmup = one_f_one_b_warmups([1] * num_stages, m)[g] if warmup is None else min(warmup, m)
+    actions: List[Action] = []
+    for i in range(warmup):
+        actions += _forward(g, num_stages, i)
+    for i in range(m - warmup):
+        actions += _forward(g, num_stages, warmup + i)
+        actions += _backward(g, num_stages, i)
+    for i in range(m - warmup, m):
+        actions += _backward(g, num_stages, i)
+    return actions + [Action(ActionKind.OPTIMIZER_STEP)]
+
+
+def interleaved(stages: List[int], num_stages: int, num_micro_batches: int) -> List[Action]:
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline): v stages per rank, looping placement.
+
+    Forward k (k = 0 .. m·v − 1) of pipeline rank r runs local stage (k // p) mod v on
+    micro-batch (k // (p·v))·p + k mod p; backward k runs local stage v − 1 − (k // p) mod v on
+    the same micro-batch formula. Warm-up: `interleaved_warmup` forwards.
+    Needs m divisible by p. Bubble (p − 1)/(v·m) of the ideal time.
+    """
+    v = len(stages)
+    p = num_stages // v
+    r = stages[0]  # looping placement: local stage 0 is global stage r
+    m = num_micro_batches
+    total = m * v
+
+    def forward_op(k: int) -> List[Action]:
+        return _forward(stages[(k // p) % v], num_stages, (k // (p * v)) * p + k % p)
+
+    def backward_op(k: int) -> List[Action]:
+        return _backward(stages[v - 1 - (k // p) % v], num_stages, (k // (p * v)) * p + k % p)
+
+    warmup = interleaved_warmup(r, p, v, m)
+    actions: List[Action] = []
+    for k in range(warmup):
+        actions += forward_op(k)
+    for k in range(total - warmup):
+        actions += forward_op(warmup + k)
+        actions += backward_op(k)
+    for k in range(total - warmup, total):
+        actions += backward_op(k)
+    return actions + [Action(ActionKind.OPTIMIZER_STEP)]
+
+
+def last_stage_warmup(replicas: int) -> int:
+    """1F1B warm-up forwards of the last stage's unreplicated order: one per replica beyond the first."""
+    return replicas - 1
+
+
+def warmup_before(next_warmup: int, replicas: int, next_replicas: int) -> int:
+    """1F1B warm-up w_g of a stage with r_g replicas before a stage with r_{g+1} and warm-up w_{g+1}:
+
+        w_g = w_{g+1} + max(r_g, r_{g+1})
+
+    Without replicas this is 1F1B's P − g − 1. A stage feeding r_{g+1} replicas keeps that many
+    more micro-batches going, so that each replica finds its next forward ready; with the
+    alternative w_g = sum_{h>=g} r_h − 1, a wide stage behind a narrow one serialises (its
+    replica j's backward waits for a forward that upstream releases only after backward j − 2;
+    BENCHMARKS.md has the measurements). Non-increasing along the pipeline, so deadlock-free."""
+    return next_warmup + max(replicas, next_replicas)
+
+
+def one_f_one_b_warmups(replicas: Sequence[int], num_micro_batches: int) -> List[int]:
+    """The 1F1B warm-up forwards w_g of every stage (replicated stages: of its unreplicated order,
+    which each replica filters), clipped to m: `last_stage_warmup`, then `warmup_before` backwards.
+    The schedule builders and the cost model's in-flight counts both use this rule."""
+    warmups = [0] * len(replicas)
+    warmups[-1] = last_stage_warmup(replicas[-1])
+    for g in range(len(replicas) - 2, -1, -1):
+        warmups[g] = warmup_before(warmups[g + 1], replicas[g], replicas[g + 1])
+    return [min(w, num_micro_batches) for w in warmups]
+
+
+def interleaved_warmup(pipeline_rank: int, pipeline_ranks: int, virtual_stages: int, num_micro_batches: int) -> int:
+    """Interleaved 1F1B's warm-up forwards on pipeline rank r (Megatron-LM's rule), clipped to the
+    m·v forwards the rank runs: min(2·(p − r − 1) + (v − 1)·p, m·v)."""
+    p, v = pipeline_ranks, virtual_stages
+    return min(2 * (p - pipeline_rank - 1) + (v - 1) * p, num_micro_batches * v)
+
+
+def replicated(name: str, replicas: Sequence[int], num_micro_batches: int) -> List[List[Action]]:
+    """Stages with r_g >= 1 devices each (one stage per device): one list per device, stage by stage.
+
+    Stage g's order is the unreplicated one (GPipe; or 1F1B with the warm-ups of
+    `one_f_one_b_warmups`), and its replica j runs the subsequence of micro-batches i ≡ j (mod r_g).
+    Deadlock-free: one global order that executes the unreplicated lists (warm-ups
+    non-increasing along the pipeline) executes these too, as each list is a subsequence of its
+    stage's. Replica j of stage g holds at most ceil(min(w_g + 1, m) / r_g) micro-batches (1F1B),
+    ceil(m / r_g) (GPipe)."""
+    num_stages, m = len(replicas), num_micro_batches
+    warmups = one_f_one_b_warmups(replicas, m)
+    lists: List[List[Action]] = []
+    for g, r in enumerate(replicas):
+        if name == "1f1b":
+            order = one_f_one_b([g], num_stages, m, warmup=warmups[g])
+        else:
+            order = breadth_first([g], num_stages, m)
+        for lane in range(r):
+            lists.append([a for a in order if a.micro_batch < 0 or a.micro_batch % r == lane])
+    return lists
+
+
+def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_stages: int = 1,
+                   stage_rank: "tuple | None" = None,
+                   stage_replicas: "Sequence[int] | None" = None) -> List[List[Action]]:
+    """One instruction list per pipeline rank. `stage_rank[g]` is the pipeline rank running stage g
+    (default: looping placement g mod p, with p = num_stages / virtual_stages); with
+    `stage_replicas` (r_g ranks for stage g), one list per rank of `replicated`."""
+    if num_stages < 1 or num_micro_batches < 1 or virtual_stages < 1:
+        raise ValueError(f"need at least one stage and one micro-batch (got {num_stages}, {num_micro_batches})")
+    if stage_replicas is not None and any(r != 1 for r in stage_replicas):
+        if len(stage_replicas) != num_stages or virtual_stages != 1 or name not in ONE_STAGE_SCHEDULES:
+            raise ValueError("replicated stages run one stage per device with gpipe or 1f1b")
+        if max(stage_replicas) > num_micro_batches or min(stage_replicas) < 1:
+            raise ValueError(f"stage replicas {list(stage_replicas)} need 1 <= r <= {num_micro_batches} "
+                             "(the micro-batch count)")
+        return replicated(name, stage_replicas, num_micro_batches)
+    if num_stages % virtual_stages:
+        raise ValueError(f"{num_stages} stages do not divide into {virtual_stages} virtual stages per device")
+    p = num_stages // virtual_stages
+    ranks = tuple(stage_rank) if stage_rank is not None else tuple(g % p for g in range(num_stages))
+    per_rank = [[g for g in range(num_stages) if ranks[g] == r] for r in range(p)]
+    if name == "gpipe" or name == "bfs":
+        builder = breadth_first
+    elif name == "1f1b":
+        if virtual_stages != 1:
+            raise ValueError("1f1b runs one stage per device; use 'interleaved' for several")
+        builder = one_f_one_b
+    elif name == "interleaved":
+        looping = all(ranks[g] == g % p for g in range(num_stages))
+        if not looping:
+            raise ValueError("interleaved needs the looping placement: stage g on device g mod p")
+        if num_micro_batches % p:
+            raise ValueError(f"interleaved needs the number of micro-batches ({num_micro_batches}) to be a "
+                             f"multiple of the pipeline depth ({p})")
+        builder = interleaved
+    else:
+        raise ValueError(f"unknown schedule {name!r}; this runtime runs {', '.join(SCHEDULES)}")
+    return [builder(stages, num_stages, num_micro_batches) for stages in per_rank]
+
+
+def max_in_flight(actions: List[Action]) -> int:
+    """Most micro-batches whose forward has run and whose backward has not, at any point."""
+    live = peak = 0
+    for a in actions:
+        if a.kind == ActionKind.FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == ActionKind.BACKWARD:
+            live -= 1
+    return peak

@@ -1,0 +1,1 @@
+"""The plan file: what `planner solve` writes and the runtime executes."""

@@ -1,0 +1,238 @@
+"""The plan file as typed data: `Plan` and its `PlanStage`s, read and checked by `load_plan` (the one
+loader: planner commands, `runtime execute/show` and every rank use it) and written by `save_plan`.
+
+A plan is plain JSON (version PLAN_SCHEMA_VERSION), one key per field below, in this order.
+`stages` lists the S = p·v stages in model order: the units each runs, and `recv`/`send`, the
+values crossing its first and end cut at the plan's micro-batch size (`CutValue.at`); the
+planner's predictions sit beside them for comparison. Keys this version does not know are kept
+(`extra`) and written back. `Plan.from_json(d).to_json() == d` for every plan `planner solve` writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from planner.cost.options import DEFAULT_BANDWIDTH
+from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.pipeline.schedule import SCHEDULES, Action
+from planner.pipeline.simulate import StageCosts
+from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
+
+PLAN_SCHEMA_VERSION = 1
+_REMAKE = "re-create it with `planner solve PROFILE`"
+
+# What a field's JSON value must be: (check, what the message says was expected)
+_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+_NUMBER_OR_NULL = (lambda v: v is None or _NUMBER[0](v), "a number or null")
+_TEXT = (lambda v: isinstance(v, str), "a string")
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_NAMES = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names")
+_VALUES = (lambda v: isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) and
+                                                 x.get("kind") in ("tensor", "constant") for x in v),
+           "a list of values ({name, kind: tensor|constant, ...})")
+
+
+def _key(kind: Tuple, required: bool = True, **kwargs) -> Any:
+    return field(metadata={"json": kind, "required": required}, **kwargs)
+
+
+@dataclass
+class PlanStage:
+    """One entry of `stages`: units [first_unit, end_unit), run as stage `index` on the pipeline
+    ranks device .. device + replicas - 1. Times in seconds per micro-batch, bytes per device."""
+
+    index: int = _key(_INT)
+    device: Optional[int] = _key(_INT, required=False, default=None)  # absent: the topology's default
+    units: List[str] = _key(_NAMES, default_factory=list)
+    first_unit: int = _key(_INT, default=0)
+    end_unit: int = _key(_INT, default=0)
+    recompute: List[str] = _key(_NAMES, required=False, default_factory=list)  # units run again in backward
+    forward_s: float = _key(_NUMBER, default=0.0)
+    backward_s: float = _key(_NUMBER, default=0.0)  # recomputed forwards included
+    comm_s: float = _key(_NUMBER, default=0.0)  # transfers charged to this stage
+    time_s: float = _key(_NUMBER, default=0.0)
+    extra_s: float = _key(_NUMBER, required=False, default=0.0)  # once per step: all-reduce, tied weights
+    in_flight: int = _key(_INT, default=1)  # micro-batches whose activations it holds at once
+    # params, grads, optimizer, activations, total (this stage) and device_total (its device)
+    memory_bytes: Dict[str, float] = _key(_OBJECT, default_factory=dict)
+    memory_cap_bytes: Optional[float] = _key(_NUMBER_OR_NULL, required=False, default=None)
+    bubble_fraction: Optional[float] = _key(_NUMBER, required=False, default=None)  # of its device
+    recv: List[Dict[str, Any]] = _key(_VALUES, default_factory=list)
+    send: List[Dict[str, Any]] = _key(_VALUES, default_factory=list)
+    replicas: Optional[int] = _key(_INT, required=False, default=None)  # only in replicated plans; absent: 1
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys this version does not know
+
+    @property
+    def replica_count(self) -> int:
+        """r: the pipeline ranks running this stage (its micro-batches round-robin)."""
+        return 1 if self.replicas is None else self.replicas
+
+    def activation_bytes_sent(self) -> int:
+        """Bytes of tensors this stage sends forward per micro-batch."""
+        return sum(int(v.get("bytes", 0)) for v in self.send if v["kind"] == "tensor")
+
+    def gradient_bytes_sent(self) -> int:
+        """Bytes of gradients this stage sends back per micro-batch (those of its received tensors)."""
+        return sum(int(v.get("bytes", 0)) for v in self.recv if v["kind"] == "tensor" and v.get("requires_grad"))
+
+
+@dataclass
+class Plan:
+    """A plan: the model, how its batch is split, the schedule, the stages, and the prediction.
+
+    Data-parallel replicas d, stages per pipeline rank v and pipeline ranks p (per replica; the sum
+    of the stages' replicas when some stage is replicated) are `data_parallel`, `virtual_stages`
+    and `pipeline_stages`; global_batch = d · num_micro_batches · micro_batch_size."""
+
+    schema_version: int = _key(_INT, default=PLAN_SCHEMA_VERSION)
+    kind: str = _key(_TEXT, default="plan")
+    model: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # {"entry", "args", "seed"}
+    profile: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # which profile, measured under what
+    schedule: str = _key(_TEXT, default="1f1b")
+    optimizer: str = _key(_TEXT, default="sgd")
+    global_batch: int = _key(_INT, default=1)
+    data_parallel: int = _key(_INT, required=False, default=1)
+    pipeline_stages: int = _key(_INT, required=False, default=0)  # 0 in code: derive from the stages
+    virtual_stages: int = _key(_INT, required=False, default=1)
+    micro_batch_size: int = _key(_INT, default=1)
+    num_micro_batches: int = _key(_INT, default=1)  # per data-parallel replica
+    memory_per_device_bytes: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
+    bandwidth_bytes_per_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
+    latency_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
+    per_step_s: float = _key(_NUMBER, required=False, default=0.0)  # charged once per step whatever the split
+    stages: List[PlanStage] = _key(None, default_factory=list)
+    predicted_iteration_s: float = _key(_NUMBER, default=0.0)
+    bubble_fraction: float = _key(_NUMBER, default=0.0)
+    solver: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # method, backend, status, objective, bound, gap
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys this version does not know
+
+    @property
+    def replicated(self) -> bool:
+        return any(st.replica_count > 1 for st in self.stages)
+
+    def topology(self) -> Topology:
+        """Where every stage runs (planner.pipeline.topology); TopologyError if inconsistent."""
+        return topology_of([st.device for st in self.stages], [st.replica_count for st in self.stages],
+                           self.schedule, self.num_micro_batches, self.virtual_stages, self.pipeline_stages or None,
+                           self.data_parallel)
+
+    def instruction_lists(self) -> List[List[Action]]:
+        """Every pipeline rank's instruction list, as the runtime executes them."""
+        return instruction_lists(self.topology(), self.schedule, self.num_micro_batches)
+
+    def stage_costs(self) -> Dict[int, StageCosts]:
+        """Per-stage costs as the plan predicts them (per micro-batch), for the event simulation."""
+        bandwidth = float(self.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH)
+        latency = float(self.latency_s or 0.0)
+
+        def transfer(size: int) -> float:
+            return size / bandwidth + (latency if size else 0.0)
+
+        return {g: StageCosts(forward_s=float(st.forward_s), backward_s=float(st.backward_s),
+                              send_act_s=transfer(st.activation_bytes_sent()),
+                              send_grad_s=transfer(st.gradient_bytes_sent()),
+                              optimizer_s=float(st.extra_s or 0.0))  # the once-per-step exchanges
+                for g, st in enumerate(self.stages)}
+
+    def digest(self) -> str:
+        """sha256 of the plan's JSON (keys sorted): ranks compare it, checkpoints record it."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    # --- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> Dict[str, Any]:
+        out = _fields_to_json(self)
+        out["stages"] = [_fields_to_json(st) for st in self.stages]
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "plan") -> "Plan":
+        """The plan in `d`, checked: JsonFileError (one line, saying how to fix it) otherwise."""
+        if not isinstance(d, dict) or d.get("kind") != "plan":
+            raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {_REMAKE}")
+        if d.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise JsonFileError(f"{where} has schema_version {d.get('schema_version')!r}, expected "
+                                f"{PLAN_SCHEMA_VERSION}; {_REMAKE}")
+        values = _fields_from_json(cls, d, where)
+        if not isinstance(values["stages"], list) or not values["stages"]:
+            raise JsonFileError(f"{where} has no stages; {_REMAKE}")
+        values["stages"] = [PlanStage(**_fields_from_json(PlanStage, st, f"{where} stage {i}"))
+                            if isinstance(st, dict) else _not_an_object(f"{where} stage {i}")
+                            for i, st in enumerate(values["stages"])]
+        plan = cls(**values)
+        for st, raw in zip(plan.stages, d["stages"]):
+            if "memory_cap_bytes" not in raw:  # older files: the plan's cap
+                st.memory_cap_bytes = plan.memory_per_device_bytes
+        plan._check(where)
+        return plan
+
+    def _check(self, where: str) -> None:
+        for i, st in enumerate(self.stages):
+            if st.index != i:
+                raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
+        if self.schedule not in SCHEDULES:
+            raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
+        try:
+            topology = self.topology()
+        except TopologyError as e:
+            raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {_REMAKE}") from None
+        d, m, b = self.data_parallel, self.num_micro_batches, self.micro_batch_size
+        if min(m, b) < 1 or d * m * b != self.global_batch:
+            raise JsonFileError(f"{where}: the global batch {self.global_batch} is not {d} replica(s) x {m} "
+                                f"micro-batches x micro-batch size {b}; {_REMAKE}")
+        if not self.pipeline_stages:  # older files: derived from the stages
+            self.pipeline_stages = topology.pipeline_ranks
+        for st, device in zip(self.stages, topology.stage_rank):
+            if st.device is None:
+                st.device = device
+
+
+def _not_an_object(where: str):
+    raise JsonFileError(f"{where} is not an object; {_REMAKE}")
+
+
+def _fields_from_json(cls, d: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """The dataclass's fields from their keys: every required key present, every value of its type;
+    other keys go to `extra`."""
+    known = [f for f in dataclasses.fields(cls) if "json" in f.metadata]
+    missing = [f.name for f in known if f.metadata["required"] and f.name not in d]
+    if missing:
+        raise JsonFileError(f"{where} lacks {', '.join(missing)}; {_REMAKE}")
+    values: Dict[str, Any] = {}
+    for f in known:
+        if f.name not in d:
+            continue
+        check = f.metadata["json"]
+        if check is not None and not check[0](d[f.name]):
+            raise JsonFileError(f"{where} has {f.name} {d[f.name]!r}, expected {check[1]}; {_REMAKE}")
+        values[f.name] = d[f.name]
+    names = {f.name for f in known}
+    values["extra"] = {k: v for k, v in d.items() if k not in names}
+    return values
+
+
+def _fields_to_json(obj: Any) -> Dict[str, Any]:
+    """Every field under its key, in order; optional fields that are unset (None) are left out
+    (`memory_per_device_bytes` and the like, required and nullable, are written as null)."""
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if "json" not in f.metadata:
+            continue
+        value = getattr(obj, f.name)
+        if value is None and not f.metadata["required"] and f.metadata["json"] is not _NUMBER_OR_NULL:
+            continue
+        out[f.name] = value
+    out.update(obj.extra)
+    return out
+
+
+def load_plan(path: str) -> Plan:
+    """Read and check a plan file."""
+    return Plan.from_json(read_json(path, what="plan"), where=f"plan {path!r}")
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    write_json_atomic(path, plan.to_json())

@@ -1,0 +1,77 @@
+"""Making a plan: the plan of a solver's solution (`make_plan`), or of a chosen split (`plan_for_split`)."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
+from planner.plan.file import Plan, PlanStage
+from planner.profile.profile import Profile
+from planner.solve.solution import Solution
+
+
+def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_path: str) -> Plan:
+    """The plan for `solution` (as produced by planner.solve) of `profile`.
+
+    `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
+    `stages` lists the p v stages in model order; stage c runs on pipeline rank `device` = c % p.
+    Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
+    (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
+    and `bubble_fraction` are per replica device.
+    """
+    opts = solution.options or opts
+    b = solution.micro_batch_size
+    cost = solution.cost
+    last = len(cost.stages) - 1
+    m, p = cost.num_micro_batches, cost.pipeline_ranks
+    pipeline_s = cost.iteration_s - cost.extra_s
+    rank_work = [sum(st.time_s for st in cost.stages if st.device == i) for i in range(p)]
+    replicated = any(st.replicas > 1 for st in cost.stages)
+    stages: List[PlanStage] = []
+    for index, st in enumerate(cost.stages):
+        if replicated:  # per replica device: in_flight, memory_bytes; busy for ceil(m / r) micro-batches
+            busy = -(-m // st.replicas) * st.time_s
+        else:
+            busy = m * rank_work[st.device]
+        stages.append(PlanStage(
+            index=index, device=st.device, units=[u.name for u in profile.units[st.first_unit:st.end_unit]],
+            first_unit=st.first_unit, end_unit=st.end_unit, recompute=[profile.units[l].name for l in st.recompute],
+            forward_s=st.forward_s, backward_s=st.backward_s, comm_s=st.comm_s, time_s=st.time_s,
+            extra_s=st.extra_s, in_flight=st.in_flight,
+            memory_bytes={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
+                          "activations": st.activation_bytes, "total": st.memory_bytes,
+                          "device_total": cost.device_memory[st.device]},
+            memory_cap_bytes=cost.device_caps[st.device],
+            bubble_fraction=max(0.0, 1.0 - busy / pipeline_s) if pipeline_s > 0 else 0.0,
+            recv=[v.at(b) for v in profile.cut(st.first_unit).values] if index > 0 else [],
+            send=[v.at(b) for v in profile.cut(st.end_unit).values] if index < last else [],
+            replicas=st.replicas if replicated else None))
+    model = profile.model or {}
+    return Plan(
+        model={"entry": model.get("entry"), "args": model.get("args", {}), "seed": model.get("seed", 0)},
+        profile={"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
+                 "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype,
+                 "host_kernel_s": profile.host_kernel.get("mean_s")},
+        schedule=cost.schedule, optimizer=opts.optimizer, global_batch=opts.global_batch,
+        data_parallel=cost.data_parallel, pipeline_stages=p, virtual_stages=cost.virtual_stages,
+        micro_batch_size=b, num_micro_batches=m, memory_per_device_bytes=opts.memory_cap,
+        bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, per_step_s=opts.per_step_s,
+        stages=stages, predicted_iteration_s=cost.iteration_s, bubble_fraction=cost.bubble_fraction,
+        solver={"method": solution.method, "backend": solution.backend, "status": solution.status,
+                "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,
+                "seconds": solution.seconds})
+
+
+def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
+                   schedule: str = "1f1b", profile_path: str = "",
+                   replicas: Optional[Sequence[int]] = None) -> Plan:
+    """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
+    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1)."""
+    opts = CostOptions(pipeline_ranks=sum(replicas) if replicas else len(boundaries) + 1, global_batch=global_batch,
+                       schedule=schedule, replicas=tuple(replicas) if replicas else ())
+    cost = evaluate(profile, boundaries, micro_batch_size, opts)
+    solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
+                        num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
+                        method="fixed", backend="none")
+    return make_plan(profile, solution, opts, profile_path)

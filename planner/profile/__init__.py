@@ -1,0 +1,1 @@
+"""What was measured: the profile file, and the measurements behind `planner profile`."""

@@ -1,0 +1,131 @@
+"""`planner profile MODEL --analytic`: a profile computed from shapes, FLOPs and a device spec.
+
+Same units, cuts and fields as a measured profile (the solver cannot tell them apart), built
+without running anything real: the model is built under `torch.device("meta")`, captured on
+a meta example batch, and each unit's forward (with the loss on the last unit) and backward
+run on meta tensors under `analytic.CostCounter`. A 70-billion-parameter model needs no
+parameter memory this way.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
+from planner.model.entry import build_spec
+from planner.model.spec import ModelSpec
+from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
+from planner.profile.measure import record_cut_values, shared_parameters_json
+from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+
+
+def _meta(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to("meta")
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_meta(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _meta(v) for k, v in obj.items()}
+    return obj
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss_fn, target,
+                device: DeviceSpec):
+    """(forward seconds, backward seconds, bytes saved for backward) of one unit on meta tensors."""
+    params = {saved_key(p) for p in stage.parameters()}
+    saved: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = saved_key(t)
+        if key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with CostCounter(device) as forward:
+            out = stage(*args)
+            if is_last:
+                out = loss_fn(out, target)
+    with CostCounter(device) as backward:
+        if is_last:
+            out.backward()
+        else:
+            tensors = [out[i] for i in produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
+            if tensors:
+                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    stage.zero_grad(set_to_none=True)
+    return forward.costs.seconds, backward.costs.seconds, sum(saved.values())
+
+
+def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: Sequence[int],
+                     device: DeviceSpec, seed: int = 0, dtype: Optional[str] = None,
+                     progress: Optional[Callable[[str], None]] = None) -> Profile:
+    """Capture on the meta device and cost every unit with `device`'s roofline (nothing written)."""
+    say = progress or (lambda msg: None)
+    start = time.perf_counter()
+    with torch.device("meta"):
+        spec: ModelSpec = build_spec(entry, model_args, seed)
+    if dtype:
+        spec.module.to(getattr(torch, dtype))
+    cast = (lambda t: t.to(getattr(torch, dtype)) if dtype and t.is_floating_point() else t)
+
+    def meta_batch(b: int):
+        inputs, target = spec.batch(b, 0)
+        inputs = torch.utils._pytree.tree_map_only(torch.Tensor, cast, _meta(tuple(inputs)))
+        return inputs, _meta(target)
+
+    captured: CapturedModel = capture(spec.module, example_inputs=meta_batch(EXAMPLE_BATCH_SIZE)[0])
+    L = len(captured.units)
+    say(f"captured {type(spec.module).__name__} on the meta device with "
+        f"{'torch.fx' if captured.method == 'fx' else 'torch.export'}: {L} units in {time.perf_counter() - start:.1f} s")
+    stages = [captured.stage_module(k, k + 1) for k in range(L)]
+    sizes = sorted(set(int(b) for b in micro_batch_sizes))
+    for b in sizes:
+        captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
+    inputs0, _ = meta_batch(sizes[0])
+    with torch.enable_grad():
+        probe = run_all_nodes(captured, inputs0, grad=True)
+    grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
+    del probe
+    units = [UnitProfile(name=u.name, param_bytes=sum(_nbytes(p) for p in stages[k][0].parameters()),
+                         forward_s={}, backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes])
+             for k, u in enumerate(captured.units)]
+    cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
+    for b in sizes:
+        inputs, target = meta_batch(b)
+        values = run_all_nodes(captured, inputs)
+        record_cut_values(captured, values, b, grad_flags, cut_values)
+        for k, (stage, io) in enumerate(stages):
+            args = []
+            for name in io.inputs + io.received:
+                v = values[name]
+                if isinstance(v, torch.Tensor):
+                    v = v.detach().requires_grad_(k > 0 and name in io.received and cut_values[k][name].requires_grad)
+                args.append(v)
+            own = {n.name for n in captured.units[k].nodes}
+            produced = [i for i, name in enumerate(io.sent) if name in own]
+            fwd, bwd, saved = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
+            unit = units[k]
+            unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
+            unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
+                                       if isinstance(values[io.sent[i]], torch.Tensor))
+        say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "
+            f"backward {sum(u.backward_s[b] for u in units) * 1e3:.3f} ms ({time.perf_counter() - start:.1f} s)")
+        del values
+    cuts = [CutProfile(before_unit=k, values=[cut_values[k][n.name] for n in captured.crossing(k)]) for k in range(1, L)]
+    return Profile(
+        model={"entry": entry, "args": dict(model_args), "seed": seed},
+        micro_batch_sizes=sizes, units=units, cuts=cuts, device="analytic", device_name=device.name,
+        threads=torch.get_num_threads(),
+        dtype=str(next((p.dtype for p in spec.module.parameters()), torch.float32)).replace("torch.", ""),
+        torch_version=torch.__version__, capture=captured.method, repeats=0,
+        extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
+               "analytic": {"device_spec": device_spec_json(device)}},
+    )

@@ -1,0 +1,128 @@
+"""The link between two ranks on this host: gloo point-to-point messages timed between two
+processes at the cut sizes, fit as latency + bytes / bandwidth (`planner profile --link measure`,
+and every run's ranks 0 and 1)."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+
+def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """Fit one-way message time = latency + bytes / bandwidth to [(bytes, seconds), ...] (at least
+    two distinct sizes), minimising relative residuals (weights 1 / t^2), so the small messages
+    pipeline cuts mostly are fit as well as the large one. Latency is clamped to >= 0 (the
+    bandwidth refit through the origin then); a non-positive slope (time not growing with size)
+    raises ValueError: no bandwidth can be read from such samples."""
+    points = [(float(n), float(t)) for n, t in samples]
+    if len({n for n, _ in points}) < 2:
+        raise ValueError("fitting a link needs messages of at least two sizes")
+    if any(not t > 0 for _, t in points):
+        raise ValueError("message times must be positive")
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    mean_n = sum(wi * n for wi, (n, _) in zip(w, points)) / sw
+    mean_t = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
+    var = sum(wi * (n - mean_n) ** 2 for wi, (n, _) in zip(w, points))
+    slope = sum(wi * (n - mean_n) * (t - mean_t) for wi, (n, t) in zip(w, points)) / var
+    latency = mean_t - slope * mean_n
+    if latency < 0:
+        latency = 0.0
+        slope = sum(wi * n * t for wi, (n, t) in zip(w, points)) / sum(wi * n * n for wi, (n, _) in zip(w, points))
+    if not slope > 0:
+        raise ValueError("message time does not grow with size in these samples; measure larger messages")
+    return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / slope}
+
+
+def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
+    """One side of `measure_link`: rank 0 ping-pongs each size with rank 1 over gloo and prints
+    [[bytes, one-way seconds (median of round trips / 2)], ...] as JSON."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    rank, port = int(config["rank"]), int(config["port"])
+    torch.set_num_threads(max(int(config["threads"]), 1))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
+    try:
+        samples = ping_pong(rank == 0, 1 - rank, config["sizes"], int(config["repeats"]), int(config["warmup"]))
+        dist.barrier()
+        if rank == 0:
+            print(json.dumps(samples), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
+              tag: int = 0) -> List[List[float]]:
+    """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
+    and `peer` in the default process group (the leader sends first; the peer runs the same call
+    with leader=False). Sizes are interleaved round after round, so a burst of noise on the host
+    hits every size alike."""
+    import torch.distributed as dist
+
+    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32) for n in message_bytes]
+    times: List[List[float]] = [[] for _ in buffers]
+    for i in range(warmup + max(repeats, 1)):
+        for k, buffer in enumerate(buffers):
+            t0 = time.perf_counter()
+            if leader:
+                dist.send(buffer, peer, tag=tag)
+                dist.recv(buffer, peer, tag=tag)
+            else:
+                dist.recv(buffer, peer, tag=tag)
+                dist.send(buffer, peer, tag=tag)
+            if i >= warmup:
+                times[k].append((time.perf_counter() - t0) / 2)
+    return [[buffer.numel() * buffer.element_size(), statistics.median(t)] for buffer, t in zip(buffers, times)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 30, warmup: int = 3,
+                 timeout_s: float = 60.0) -> Dict[str, Any]:
+    """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it:
+    gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
+    plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
+    each size's one-way time is the median of its round trips / 2.
+    Returns {"latency_s", "bandwidth_bytes_per_s", "samples": [[bytes, one-way s], ...], ...}."""
+    import json
+    import subprocess
+
+    sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(max(threads, 1)))
+    code = "from planner.profile.link import link_worker_main; link_worker_main()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
+        {"rank": r, "port": port, "threads": threads, "sizes": sizes, "repeats": repeats, "warmup": warmup,
+         "timeout_s": timeout_s})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        for r in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout_s + 30)
+            if proc.returncode != 0:
+                raise RuntimeError(f"measuring the link failed: {(err.strip().splitlines() or ['?'])[-1]}")
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    samples = json.loads(outputs[0])
+    fit = fit_link(samples)
+    return dict(fit, backend="gloo", between="two processes on this host (loopback)", threads=threads,
+                repeats=repeats, samples=samples)

@@ -1,0 +1,364 @@
+"""The profile file: what `planner profile` measured, as typed data.
+
+A profile describes a model cut into L ordered partition units. Cut k (1 <= k < L) is the
+boundary just before unit k; the values crossing it are those produced before unit k and
+consumed at or after it (skip connections included). Model inputs are never counted as
+crossing: every rank rebuilds the batch itself from the deterministic `batch` function.
+
+Per-micro-batch-size numbers are dicts keyed by the micro-batch size (int in memory, str in
+JSON). Times are seconds, sizes are bytes. Reading a file checks it (`_Reader`'s rules): every
+command that takes a profile refuses a bad one in one line naming the first bad field.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from planner.jsonio import JsonFileError, read_json, write_json_atomic
+
+PROFILE_SCHEMA_VERSION = 1
+
+# Optimizer state bytes held per parameter byte (SGD without momentum: none; Adam: two moments).
+OPTIMIZER_STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adamw": 2.0, "adam": 2.0}
+
+
+def _str_keys(d: Dict[int, Any]) -> Dict[str, Any]:
+    return {str(k): v for k, v in sorted(d.items())}
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Reader:
+    """Reads a profile's JSON values, naming the first bad one by its path in the file.
+
+    Rules: times are finite numbers of seconds >= 0, byte counts finite numbers >= 0, every unit
+    and every cut value has an entry at every listed micro-batch size, cut k sits before unit k.
+    """
+
+    def __init__(self, source: str, sizes: List[int]):
+        self.source = source  # "profile 'path'" or "profile"
+        self.sizes = sizes
+
+    def error(self, where: str, problem: str) -> JsonFileError:
+        return JsonFileError(f"{self.source}: {where} {problem}; re-run `planner profile`")
+
+    def number(self, value: Any, where: str, rule: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise self.error(where, f"is {_show(value)}: {rule}")
+        return float(value)
+
+    def seconds(self, value: Any, where: str) -> float:
+        return self.number(value, where, "times must be finite and >= 0")
+
+    def count(self, value: Any, where: str) -> int:
+        return int(self.number(value, where, "byte counts must be finite and >= 0"))
+
+    def table(self, d: Any, where: str) -> Dict[str, Any]:
+        if not isinstance(d, dict):
+            raise self.error(where, f"is {_show(d)}: expected an object")
+        return d
+
+    def per_size(self, d: Any, where: str, read: Callable[[Any, str], Any], required: bool = True) -> Dict[int, Any]:
+        """{micro-batch size: read(value)}; every listed size must be there when `required` (others
+        may hold some sizes: stage_overhead_s lacks those the whole model was not timed at)."""
+        out: Dict[int, Any] = {}
+        for key, value in self.table(d, where).items():
+            try:
+                b = int(key)
+            except ValueError:
+                raise self.error(where, f"has key {_show(key)}: keys are micro-batch sizes") from None
+            out[b] = read(value, f'{where}["{key}"]')
+        missing = [b for b in self.sizes if b not in out]
+        if missing and required:
+            raise self.error(where, f"has no entry for micro-batch size {missing[0]} (micro_batch_sizes lists it)")
+        return out
+
+
+@dataclass
+class UnitProfile:
+    """One partition unit: a contiguous run of graph nodes (e.g. one transformer block)."""
+
+    name: str
+    param_bytes: int
+    forward_s: Dict[int, float]
+    backward_s: Dict[int, float]
+    saved_bytes: Dict[int, int]  # bytes saved for backward (parameters excluded), per micro-batch
+    output_bytes: Dict[int, int]
+    nodes: List[str] = field(default_factory=list)
+    # seconds of one optimizer step over this unit's parameters, per optimizer ("sgd", "adamw");
+    # empty where it was not measured (analytic and imported profiles, older files)
+    optimizer_s: Dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "name": self.name,
+            "param_bytes": self.param_bytes,
+            "forward_s": _str_keys(self.forward_s),
+            "backward_s": _str_keys(self.backward_s),
+            "saved_bytes": _str_keys(self.saved_bytes),
+            "output_bytes": _str_keys(self.output_bytes),
+            "nodes": list(self.nodes),
+            **({"optimizer_s": dict(self.optimizer_s)} if self.optimizer_s else {}),
+        }
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], read: "_Reader", where: str) -> "UnitProfile":
+        d = read.table(d, where)
+        if not isinstance(d.get("name"), str) or not d["name"]:
+            raise read.error(f"{where}.name", "is missing: every unit has a name")
+        return cls(
+            name=d["name"],
+            param_bytes=read.count(d.get("param_bytes"), f"{where}.param_bytes"),
+            forward_s=read.per_size(d.get("forward_s"), f"{where}.forward_s", read.seconds),
+            backward_s=read.per_size(d.get("backward_s"), f"{where}.backward_s", read.seconds),
+            saved_bytes=read.per_size(d.get("saved_bytes"), f"{where}.saved_bytes", read.count),
+            output_bytes=read.per_size(d.get("output_bytes", {}), f"{where}.output_bytes", read.count, required=False),
+            nodes=list(d.get("nodes", [])),
+            optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
+                         for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
+        )
+
+
+@dataclass
+class CutValue:
+    """A value crossing a cut: a tensor (sent point-to-point) or a constant (e.g. a size).
+
+    Constants depend only on the micro-batch size, so the runtime injects them instead of
+    sending them.
+    """
+
+    name: str
+    kind: str  # "tensor" | "constant"
+    dtype: Optional[str] = None
+    requires_grad: bool = False
+    shape: Dict[int, List[int]] = field(default_factory=dict)
+    bytes: Dict[int, int] = field(default_factory=dict)
+    value: Dict[int, Any] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "tensor":
+            d.update(dtype=self.dtype, requires_grad=self.requires_grad,
+                     shape=_str_keys(self.shape), bytes=_str_keys(self.bytes))
+        else:
+            d["value"] = _str_keys(self.value)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], read: "_Reader", where: str) -> "CutValue":
+        d = read.table(d, where)
+        kind = d.get("kind")
+        if kind not in ("tensor", "constant"):
+            raise read.error(f"{where}.kind", f"is {_show(kind)}: expected \"tensor\" or \"constant\"")
+
+        def shape(value: Any, at: str) -> List[int]:
+            if not isinstance(value, list):
+                raise read.error(at, f"is {_show(value)}: expected a list of sizes")
+            return [read.count(n, f"{at}[{i}]") for i, n in enumerate(value)]
+
+        tensor = kind == "tensor"
+        return cls(
+            name=str(d.get("name", "")),
+            kind=kind,
+            dtype=d.get("dtype"),
+            requires_grad=bool(d.get("requires_grad", False)),
+            shape=read.per_size(d.get("shape", {}), f"{where}.shape", shape, required=tensor),
+            bytes=read.per_size(d.get("bytes", {}), f"{where}.bytes", read.count, required=tensor),
+            value=read.per_size(d.get("value", {}), f"{where}.value", lambda v, _: v, required=not tensor),
+        )
+
+    def at(self, micro_batch_size: int) -> Dict[str, Any]:
+        """This value's description at one micro-batch size (what a plan's stage carries)."""
+        b = micro_batch_size
+        if self.kind == "tensor":
+            return {"name": self.name, "kind": "tensor", "dtype": self.dtype,
+                    "requires_grad": self.requires_grad, "shape": self.shape[b], "bytes": self.bytes[b]}
+        return {"name": self.name, "kind": "constant", "value": self.value[b]}
+
+
+@dataclass
+class CutProfile:
+    """Cut k: the boundary before unit k."""
+
+    before_unit: int
+    values: List[CutValue]
+
+    def activation_bytes(self, b: int) -> int:
+        """Bytes sent forward across this cut for one micro-batch of size b."""
+        return sum(v.bytes[b] for v in self.values if v.kind == "tensor")
+
+    def gradient_bytes(self, b: int) -> int:
+        """Bytes of gradients sent backward across this cut for one micro-batch of size b."""
+        return sum(v.bytes[b] for v in self.values if v.kind == "tensor" and v.requires_grad)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"before_unit": self.before_unit, "values": [v.to_json() for v in self.values]}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], read: "_Reader", where: str, k: int) -> "CutProfile":
+        """Cut k, the k-th entry of the file's cuts (before unit k)."""
+        d = read.table(d, where)
+        if d.get("before_unit") != k or isinstance(d.get("before_unit"), bool):
+            raise read.error(f"{where}.before_unit", f"is {_show(d.get('before_unit'))}: cuts are listed in "
+                             f"order, the k-th before unit k (expected {k})")
+        values = d.get("values")
+        if not isinstance(values, list):
+            raise read.error(f"{where}.values", "is missing: expected the list of values crossing the cut")
+        return cls(before_unit=k, values=[CutValue.from_json(v, read, f"{where}.values[{i}]")
+                                          for i, v in enumerate(values)])
+
+
+@dataclass
+class Profile:
+    model: Dict[str, Any]  # {"entry": str, "args": dict, "seed": int}
+    micro_batch_sizes: List[int]
+    units: List[UnitProfile]
+    cuts: List[CutProfile]  # cuts[k - 1] is cut k, for k = 1 .. L-1
+    device: str = "cpu"
+    device_name: str = ""
+    threads: int = 1
+    dtype: str = "float32"
+    torch_version: str = ""
+    capture: str = "fx"
+    repeats: int = 5
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    extra: Dict[str, Any] = field(default_factory=dict)
+    # b -> (forward, backward) seconds a stage pays once per micro-batch whatever units it holds
+    # (a call's fixed cost: Python, autograd's engine start); unit times exclude it. Empty: none.
+    stage_overhead_s: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+
+    def stage_overhead(self, b: int) -> Tuple[float, float]:
+        """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units."""
+        return self.stage_overhead_s.get(b, (0.0, 0.0))
+
+    @property
+    def host_kernel(self) -> Dict[str, Any]:
+        """The host-speed reference kernel timed around the measurement ({} where it was not:
+        off CPU, analytic or older profiles; planner.profile.hostspeed)."""
+        return (self.extra.get("measured_under") or {}).get("host_kernel") or {}
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    def cut(self, k: int) -> CutProfile:
+        """Cut k (1 <= k < L): the boundary just before unit k."""
+        if not 1 <= k < len(self.units):
+            raise IndexError(f"cut {k} out of range 1..{len(self.units) - 1}")
+        return self.cuts[k - 1]
+
+    def to_json(self) -> Dict[str, Any]:
+        d = {
+            "schema_version": self.schema_version,
+            "kind": "profile",
+            "torch_version": self.torch_version,
+            "device": self.device,
+            "device_name": self.device_name,
+            "threads": self.threads,
+            "dtype": self.dtype,
+            "capture": self.capture,
+            "repeats": self.repeats,
+            "model": self.model,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "optimizer_state_bytes_per_param_byte": dict(OPTIMIZER_STATE_PER_PARAM_BYTE),
+            "units": [u.to_json() for u in self.units],
+            "cuts": [c.to_json() for c in self.cuts],
+        }
+        if self.stage_overhead_s:
+            d["stage_overhead_s"] = {str(b): {"forward": f, "backward": g}
+                                     for b, (f, g) in sorted(self.stage_overhead_s.items())}
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], source: str = "profile") -> "Profile":
+        """The profile in `d`, checked (see _Reader): a JsonFileError names the first bad field."""
+        if not isinstance(d, dict) or d.get("kind", "profile") != "profile" or "units" not in d:
+            raise JsonFileError("this is not a profile file (no 'units'); make one with `planner profile MODEL`")
+        version = d.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise JsonFileError(
+                f"profile schema_version {version!r} is not supported (expected {PROFILE_SCHEMA_VERSION}); "
+                "re-run `planner profile` with this version")
+        read = _Reader(source, [])
+        sizes = d.get("micro_batch_sizes")
+        if not isinstance(sizes, list) or not sizes or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) < len(sizes):
+            raise read.error("micro_batch_sizes", f"is {_show(sizes)}: expected distinct positive integers")
+        read.sizes = sizes
+        if not isinstance(d["units"], list) or not d["units"]:
+            raise read.error("units", f"is {_show(d['units'])}: expected a list of at least one unit")
+        units = [UnitProfile.from_json(u, read, f"units[{i}]") for i, u in enumerate(d["units"])]
+        first_of: Dict[str, int] = {}
+        for i, u in enumerate(units):
+            if first_of.setdefault(u.name, i) != i:
+                raise read.error(f"units[{i}].name", f"{u.name!r} repeats units[{first_of[u.name]}].name: "
+                                 "unit names are unique")
+        cuts_json = d.get("cuts", [])
+        if not isinstance(cuts_json, list) or len(cuts_json) != len(units) - 1:
+            found = len(cuts_json) if isinstance(cuts_json, list) else _show(cuts_json)
+            raise read.error("cuts", f"has {found} entries: {len(units)} units have {len(units) - 1} cuts")
+        cuts = [CutProfile.from_json(c, read, f"cuts[{k - 1}]", k) for k, c in enumerate(cuts_json, start=1)]
+        overhead = {}
+        for b, pair in read.per_size(d.get("stage_overhead_s") or {}, "stage_overhead_s", read.table,
+                                     required=False).items():
+            where = f'stage_overhead_s["{b}"]'
+            overhead[b] = (read.seconds(pair.get("forward"), f"{where}.forward"),
+                           read.seconds(pair.get("backward"), f"{where}.backward"))
+        _check_extra(read, d, set(first_of))
+        known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
+                 "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
+                 "units", "cuts", "stage_overhead_s"}
+        return cls(
+            model=d.get("model", {}),
+            micro_batch_sizes=sizes,
+            units=units,
+            cuts=cuts,
+            device=d.get("device", "cpu"),
+            device_name=d.get("device_name", ""),
+            threads=read.count(d.get("threads", 1), "threads"),
+            dtype=d.get("dtype", "float32"),
+            torch_version=d.get("torch_version", ""),
+            capture=d.get("capture", "fx"),
+            repeats=read.count(d.get("repeats", 5), "repeats"),
+            schema_version=version,
+            extra={k: v for k, v in d.items() if k not in known},
+            stage_overhead_s=overhead,
+        )
+
+
+def _check_extra(read: _Reader, d: Dict[str, Any], unit_names: set) -> None:
+    """The optional parts a solve reads: tied parameters, the measured link, a calibration."""
+    shared = d.get("shared_parameters") or []
+    if not isinstance(shared, list):
+        raise read.error("shared_parameters", "is not a list")
+    for i, entry in enumerate(shared):
+        where = f"shared_parameters[{i}]"
+        entry = read.table(entry, where)
+        read.count(entry.get("bytes"), f"{where}.bytes")
+        units = entry.get("units")
+        if not isinstance(units, list) or any(u not in unit_names for u in units):
+            raise read.error(f"{where}.units", f"is {_show(units)}: expected names of the profile's units")
+    for part in ("link", "calibration"):
+        fields = d.get(part) or {}
+        read.table(fields, part)
+        if fields.get("bandwidth_bytes_per_s") is not None:
+            where = f"{part}.bandwidth_bytes_per_s"
+            if not read.number(fields["bandwidth_bytes_per_s"], where, "a bandwidth is finite and > 0") > 0:
+                raise read.error(where, "is 0: a bandwidth is finite and > 0")
+        for key in ("latency_s", "step_overhead_s"):
+            if fields.get(key) is not None:
+                read.seconds(fields[key], f"{part}.{key}")
+
+
+def load_profile(path: str) -> Profile:
+    return Profile.from_json(read_json(path, what="profile"), source=f"profile {path!r}")
+
+
+def save_profile(profile: Profile, path: str) -> None:
+    write_json_atomic(path, profile.to_json())

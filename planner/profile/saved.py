@@ -1,0 +1,53 @@
+"""Bytes autograd saves for backward, counted as it packs them: the activation memory of the plans.
+
+Each storage counts once and parameters not at all (they are memory of their own). The profile
+counts what one unit's forward saves; every rank counts what each micro-batch's forward saves,
+adds it while the micro-batch waits for its backward and keeps the peak, which the plan's memory
+model predicts.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterable, Iterator
+
+import torch
+
+
+class SavedBytes:
+    """`with counter.counting(): forward()` then `counter.finish()`: the bytes that forward saved,
+    now held (`live`; `peak` is the most held at once) until `release(those bytes)`."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live = 0
+        self.peak = 0
+        self._storages: Dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count what the forward in this block saves (saved-tensor hooks)."""
+        self._storages = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self.parameter_ptrs:
+            self._storages[ptr] = storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def finish(self) -> int:
+        """The bytes the last counted forward saved; they are held from now on."""
+        held = sum(self._storages.values())
+        self.live += held
+        self.peak = max(self.peak, self.live)
+        return held
+
+    def release(self, held: int) -> None:
+        """A backward ran: what its forward saved is freed."""
+        self.live -= held

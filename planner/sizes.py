@@ -1,0 +1,33 @@
+"""Byte sizes as people write and read them: '16GiB' in, '1.50 GiB' out."""
+from __future__ import annotations
+
+import re
+
+from planner.errors import UsageError
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, option: str = "size") -> float:
+    """'16GiB' -> 17179869184; '512MiB', '1.5GB', '1e9' and plain byte counts work too."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise UsageError(f"{option} {text!r} is not a size; write e.g. 16GiB, 512MiB, 2GB or a byte count")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise UsageError(f"{option} must be positive (got {text!r})")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """Human units: '512 B', '12.0 KiB', '512.0 MiB', '1.50 GiB'."""
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    if abs(n) < 1024 ** 2:
+        return f"{n / 1024:.1f} KiB"
+    if abs(n) < 1024 ** 3:
+        return f"{n / 1024 ** 2:.1f} MiB"
+    return f"{n / 1024 ** 3:.2f} GiB"

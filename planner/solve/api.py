@@ -1,0 +1,70 @@
+"""`solve`: the best plan by a chosen method — the integer program (proven optimal), the exact chain
+DP, the brute-force oracle, or a baseline other tools use — all judged by planner.cost.model."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
+from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend  # noqa: F401  (re-exported)
+from planner.solve.brute import solve_brute
+from planner.solve.diagnose import infeasible_error
+from planner.solve.search import expand_scenarios, search_scenarios
+from planner.solve.solution import Solution
+
+METHODS = ("ilp", "dp", "brute", "uniform", "params", "block")
+
+
+def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] = None,
+              backend: Optional[str] = None, warm_start: bool = True) -> Solution:
+    """The ILP on exactly these options (one schedule, p, d): optimal plan with a proven bound.
+
+    warm_start=False solves every micro-batch size's program alone, without the DP incumbent, its
+    variable fixing or pruning (tests use this to check the integer program by itself).
+    """
+    return solve(profile, opts, method="ilp", time_limit=time_limit, backend=backend, warm_start=warm_start)
+
+
+def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: Optional[float] = None,
+          backend: Optional[str] = None, devices: Optional[int] = None,
+          schedules: Optional[Sequence[str]] = None, warm_start: bool = True,
+          virtual_stages: Optional[int] = None) -> Solution:
+    """The best plan for (profile, opts) by `method`; raises InfeasibleError when none exists.
+
+    devices: choose p x d = devices (opts.pipeline_ranks is then ignored); schedules: candidate
+    schedules to choose from (default: opts.schedule alone); virtual_stages: v for interleaved/bfs;
+    backend: the ILP's MIP solver, 'highs' or 'cbc' (default: highs, cbc where highspy cannot be
+    imported; planner.solve.backends.choose_backend).
+    """
+    opts.validate()
+    if method not in METHODS:
+        raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
+    backend, _ = choose_backend(backend)
+    if devices is not None and devices < 1:
+        raise ValueError(f"--devices must be at least 1 (got {devices})")
+    scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
+    for scenario in scenarios:
+        scenario.validate()
+    found: Optional[Solution] = None
+    if method in ("ilp", "dp"):
+        if method == "dp":
+            from planner.solve.dp import check_dp_scope
+            for scenario in scenarios:
+                check_dp_scope(profile, scenario)
+        found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend, warm_start=warm_start)
+    elif method == "brute":
+        best = None
+        for scenario in scenarios:
+            candidate = solve_brute(profile, scenario)
+            if candidate is not None and (best is None or candidate.objective < best.objective):
+                best = candidate
+        found = best
+    else:
+        from planner.solve.baselines import solve_baseline
+        found = solve_baseline(profile, scenarios, method)
+        if found is not None and not found.cost.feasible:
+            found = None
+    if found is None:
+        raise infeasible_error(profile, scenarios[0] if scenarios else opts)
+    return found
+

@@ -1,0 +1,361 @@
+"""The three commands as a user runs them: outputs, exit codes, files, and one-line errors."""
+import json
+import time
+
+import pytest
+
+from tests.support.runs import max_abs_diff, processes_running, reference_state, run_cli
+
+
+def _no_traceback(result):
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt_profile(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("prof") / "gpt.json")
+    result = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "vocab=4096",
+                      "--model-arg", "layers=3", "--micro-batch-sizes", "1,2,4", "--repeats", "3",
+                      "--warmup", "0.1", "--min-time", "0.2", "-o", path])  # short: the file's contract, not its times
+    assert result.returncode == 0, result.stderr
+    assert "unit" in result.stdout and "wrote" in result.stdout  # progress while measuring
+    return path
+
+
+def test_profile_file_contract(gpt_profile):
+    with open(gpt_profile) as f:
+        profile = json.load(f)
+    assert profile["schema_version"] == 1
+    assert profile["model"] == {"entry": "builtin:gpt", "args": {"vocab": 4096, "layers": 3}, "seed": 0}
+    names = [u["name"] for u in profile["units"]]
+    assert names == ["tok_emb", "pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
+    head = profile["units"][-1]
+    assert head["param_bytes"] == 4096 * 64 * 4
+    for b in ("1", "2", "4"):
+        assert head["forward_s"][b] > 0 and head["backward_s"][b] > 0
+    # saved-for-backward bytes grow with the micro-batch
+    assert profile["units"][2]["saved_bytes"]["4"] > profile["units"][2]["saved_bytes"]["1"] > 0
+    # cut 1 is crossed by the positions (int, no grad) and the token embeddings (float, grad)
+    cut1 = profile["cuts"][0]["values"]
+    assert [(v["name"], v["requires_grad"]) for v in cut1] == [("arange", False), ("tok_emb", True)]
+    assert cut1[1]["bytes"]["2"] == 2 * 32 * 64 * 4
+
+
+def test_end_to_end_profile_solve_execute(gpt_profile, tmp_path):
+    plan_path, state_path, report_path = (str(tmp_path / n) for n in ("plan.json", "state.pt", "report.json"))
+    solved = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
+                      "--schedule", "1f1b", "-o", plan_path])
+    assert solved.returncode == 0, solved.stderr
+    assert "proven optimal" in solved.stdout
+    with open(plan_path) as f:
+        plan = json.load(f)
+    for key in ("schema_version", "model", "schedule", "micro_batch_size", "num_micro_batches", "stages",
+                "predicted_iteration_s", "solver"):
+        assert key in plan
+    assert plan["micro_batch_size"] * plan["num_micro_batches"] == 8
+    assert set(plan["solver"]) >= {"status", "objective", "bound", "gap", "seconds"}
+    ran = run_cli(["runtime.cli", "execute", plan_path, "--steps", "3", "--lr", "0.05",
+                   "--save-state", state_path, "--report", report_path])
+    assert ran.returncode == 0, ran.stderr
+    assert "predicted" in ran.stdout and "measured" in ran.stdout
+    with open(report_path) as f:
+        report = json.load(f)
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+    assert all(s["loss"] > 0 and s["time_s"] > 0 for s in report["steps"])
+    assert report["predicted_iteration_s"] == pytest.approx(plan["predicted_iteration_s"])
+    assert report["measured_iteration_s"] > 0
+    import torch
+
+    from planner.plan.file import load_plan
+    state = torch.load(state_path, weights_only=True)
+    assert max_abs_diff(state, reference_state(load_plan(plan_path), steps=3, lr=0.05)) <= 1e-5
+
+
+def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
+                      "--memory-per-device", "1MiB", "-o", str(plan_path)])
+    assert result.returncode == 2
+    _no_traceback(result)
+    assert not plan_path.exists()
+    message = result.stderr
+    assert "stage" in message and "MiB" in message
+    # the diagnosis names a memory that fits; solving with it succeeds
+    import re
+    smallest = re.search(r"allow at least [0-9.]+ [KMG]iB \(([0-9]+) bytes\)", message)
+    assert smallest, message
+    fits = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
+                    "--memory-per-device", smallest.group(1), "-o", str(plan_path)])
+    assert fits.returncode == 0, fits.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["planner.cli", "solve", "/nonexistent/profile.json"], "does not exist"),
+    (["planner.cli", "profile", "builtin:nope"], "unknown built-in model"),
+    (["planner.cli", "profile", "no_such_pkg.mod:fn"], "cannot import"),
+    (["planner.cli", "profile", "builtin:mlp", "--model-arg", "oops"], "key=value"),
+    (["planner.cli", "profile", "builtin:mlp", "--model-arg", "nonsense=1"], "nonsense"),
+    (["runtime.cli", "execute", "/nonexistent/plan.json"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    result = run_cli(args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    _no_traceback(result)
+    assert needle in result.stderr
+
+
+def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
+    bad = run_cli(["planner.cli", "solve", gpt_profile, "--memory-per-device", "lots"])
+    assert bad.returncode == 2 and "16GiB" in bad.stderr
+    _no_traceback(bad)
+    odd = run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "-8", "-o", str(tmp_path / "p.json")])
+    assert odd.returncode == 2 and "--global-batch" in odd.stderr
+    _no_traceback(odd)
+
+
+def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
+    plan_path = str(tmp_path / "plan.json")
+    assert run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "8", "-o", plan_path]).returncode == 0
+    with open(plan_path) as f:
+        plan = json.load(f)
+    plan["model"]["args"]["layers"] = 5  # the graph now has more units than the plan
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "1"], timeout=120)
+    assert result.returncode != 0
+    assert "re-run `planner profile`" in result.stderr
+    _no_traceback(result)
+
+
+def test_failing_rank_takes_the_others_down(tmp_path):
+    from planner.plan.file import save_plan
+    from tests.support.runs import plan_with, profile_of
+
+    plan = plan_with(profile_of("tests.models:failing"), [2], 2, 4)
+    plan_path = str(tmp_path / "plan.json")
+    save_plan(plan, plan_path)
+    start = time.monotonic()
+    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"], timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert "rank 1 failed" in result.stderr and "injected failure in the loss" in result.stderr
+    assert result.stderr.count("injected failure") == 1  # printed once
+    _no_traceback(result)
+    assert elapsed < 30  # the waiting rank was stopped, not left to time out
+    assert processes_running(["runtime.worker", plan_path]) == []
+
+
+def test_solve_replicate(gpt_profile, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                      "-o", str(plan_path)])
+    assert result.returncode == 0, result.stderr
+    assert "proven optimal" in result.stdout and "[replicas/python" in result.stdout
+    with open(plan_path) as f:
+        plan = json.load(f)
+    replicas = [st.get("replicas", 1) for st in plan["stages"]]
+    assert sum(replicas) == plan["pipeline_stages"] == 3
+    help_text = run_cli(["planner.cli", "solve", "--help"]).stdout
+    assert "--replicate" in help_text
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--schedule", "interleaved"], "1f1b, gpipe or auto"),
+    (["--method", "dp"], "drop --method"),
+])
+def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, needle):
+    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                      "-o", str(tmp_path / "plan.json")] + extra)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    _no_traceback(result)
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(capsys, monkeypatch):
+    import argparse
+
+    from planner.errors import run_subcommand
+
+    def fails(_args):
+        raise ValueError("the cost model cannot take this")
+
+    args = argparse.Namespace(func=fails)
+    monkeypatch.delenv("PLANNER_TRACEBACK", raising=False)
+    assert run_subcommand(args, (ValueError,), "interrupted") == 2
+    assert capsys.readouterr().err == "error: the cost model cannot take this\n"
+
+    def interrupted(_args):
+        raise KeyboardInterrupt
+
+    assert run_subcommand(argparse.Namespace(func=interrupted), (ValueError,), "interrupted") == 130
+    monkeypatch.setenv("PLANNER_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="cannot take"):
+        run_subcommand(args, (ValueError,), "interrupted")
+    with pytest.raises(KeyError):  # not a user error: never swallowed
+        run_subcommand(argparse.Namespace(func=lambda _a: {}["x"]), (ValueError,), "interrupted")
+
+
+def test_rank_timeout_has_one_default():
+    # runtime execute passes its --timeout to every rank; a torchrun-launched worker gets the same default
+    from runtime.cli import build_parser
+    from runtime.launch import RANK_TIMEOUT_S
+    from runtime.worker import _parse
+
+    execute_default = build_parser().parse_args(["execute", "plan.json"]).timeout
+    assert execute_default == _parse(["plan.json"]).timeout == RANK_TIMEOUT_S
+
+
+def _profile_json(tmp_path, mutate=None):
+    """A small valid profile file (3 units, sizes 1 and 2, a tied weight, a measured link), mutated."""
+    from planner.jsonio import write_json_atomic
+    from tests.support.synthetic import synthetic_profile
+
+    profile = synthetic_profile(forward=[1e-3, 2e-3, 1e-3], backward=[2e-3, 4e-3, 2e-3], params=[400, 800, 400],
+                                saved=[1000, 2000, 1000], cut_act=[256, 256], sizes=(1, 2))
+    data = json.loads(json.dumps(profile.to_json()))
+    data["shared_parameters"] = [{"name": "w", "names": ["a.w", "c.w"], "units": ["u0", "u2"], "bytes": 400}]
+    data["link"] = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+    if mutate is not None:
+        mutate(data)
+    path = str(tmp_path / "profile.json")
+    write_json_atomic(path, data)
+    if any(isinstance(x, float) and x != x for x in _leaves(data)):  # NaN: JSON writers refuse it, json.dump allows
+        with open(path, "w") as f:
+            json.dump(data, f)
+    return path
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def _set(path, value):
+    def mutate(data):
+        *keys, last = path
+        target = data
+        for key in keys:
+            target = target[key]
+        if value is _DELETE:
+            del target[last]
+        else:
+            target[last] = value
+    return mutate
+
+
+_DELETE = object()
+
+BAD_PROFILES = [
+    # (what is wrong, the field the error names first)
+    (_set(["units", 1, "forward_s", "2"], -0.1), 'units[1].forward_s["2"] is -0.1: times must be finite and >= 0'),
+    (_set(["units", 0, "backward_s", "1"], float("nan")), 'units[0].backward_s["1"] is NaN'),
+    (_set(["units", 2, "forward_s", "1"], None), 'units[2].forward_s["1"] is null'),  # how inf is written
+    (_set(["units", 0, "forward_s", "1"], "fast"), 'units[0].forward_s["1"] is "fast"'),
+    (_set(["units", 1, "saved_bytes", "1"], -5), 'units[1].saved_bytes["1"] is -5: byte counts must be'),
+    (_set(["units", 2, "param_bytes"], -400), "units[2].param_bytes is -400"),
+    (_set(["units", 0, "optimizer_s"], {"sgd": -1e-3}), 'units[0].optimizer_s["sgd"] is -0.001'),
+    (_set(["units", 2, "backward_s", "2"], _DELETE), "units[2].backward_s has no entry for micro-batch size 2"),
+    (_set(["units", 1, "name"], "u0"), "units[1].name 'u0' repeats units[0].name"),
+    (_set(["micro_batch_sizes"], [1, 0]), "micro_batch_sizes is [1, 0]"),
+    (_set(["cuts", 0, "before_unit"], 2), "cuts[0].before_unit is 2"),
+    (lambda d: d["cuts"].pop(), "cuts has 1 entries: 3 units have 2 cuts"),
+    (_set(["cuts", 1, "values", 0, "bytes", "1"], -256), 'cuts[1].values[0].bytes["1"] is -256'),
+    (_set(["cuts", 0, "values", 0, "bytes", "2"], _DELETE),
+     "cuts[0].values[0].bytes has no entry for micro-batch size 2"),
+    (_set(["cuts", 0, "values", 0, "kind"], "blob"), "cuts[0].values[0].kind is \"blob\""),
+    (_set(["stage_overhead_s"], {"1": {"forward": -1e-4, "backward": 0.0}}),
+     'stage_overhead_s["1"].forward is -0.0001'),
+    (_set(["shared_parameters", 0, "bytes"], -400), "shared_parameters[0].bytes is -400"),
+    (_set(["shared_parameters", 0, "units"], ["u0", "head"]), "shared_parameters[0].units is [\"u0\", \"head\"]"),
+    (_set(["link", "bandwidth_bytes_per_s"], -1e9), "link.bandwidth_bytes_per_s is -1000000000.0"),
+    (_set(["link", "latency_s"], -1e-4), "link.latency_s is -0.0001"),
+]
+
+
+@pytest.mark.parametrize("mutate,field", BAD_PROFILES, ids=[f[1].split(" is")[0].split(" has")[0].split(" repeats")[0]
+                                                            for f in BAD_PROFILES])
+def test_bad_profile_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, mutate, field):
+    from planner.cli import main
+
+    monkeypatch.delenv("PLANNER_TRACEBACK", raising=False)
+    good, out = _profile_json(tmp_path / "good"), tmp_path / "plan.json"
+    assert main(["solve", good, "--global-batch", "4", "-o", str(out)]) == 0 and out.exists()  # the file before harm
+    out.unlink()
+    capsys.readouterr()
+    bad = _profile_json(tmp_path, mutate)
+    for command in (["solve", bad, "--global-batch", "4", "-o", str(out)],
+                    ["compare", bad, "--global-batch", "4"],
+                    ["calibrate", bad, str(tmp_path / "report.json"), "--plan", str(tmp_path / "p.json"),
+                     "-o", str(tmp_path / "calibrated.json")]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: profile {bad!r}: {field}"), err
+        assert "re-run `planner profile`" in err
+    assert not out.exists() and not (tmp_path / "calibrated.json").exists()
+
+
+def test_negative_costs_are_refused_by_planner_solve(tmp_path):
+    def negative(data):
+        for unit in data["units"]:
+            unit["forward_s"] = {b: -t for b, t in unit["forward_s"].items()}
+            unit["saved_bytes"] = {b: -n for b, n in unit["saved_bytes"].items()}
+
+    bad, out = _profile_json(tmp_path, negative), tmp_path / "plan.json"
+    result = run_cli(["planner.cli", "solve", bad, "--global-batch", "4", "-o", str(out)])
+    assert result.returncode == 2 and not out.exists(), result.stdout
+    _no_traceback(result)
+    assert result.stderr.splitlines() == [f"error: profile {bad!r}: units[0].forward_s[\"1\"] is -0.001: times must "
+                                          "be finite and >= 0; re-run `planner profile`"]
+
+
+def _without_highspy(argv):
+    """`planner ARGV` in a process where `import highspy` fails (as in an install without it)."""
+    import subprocess
+    import sys
+
+    from tests.support.runs import ROOT
+
+    code = ("import sys; sys.modules['highspy'] = None\n"
+            "from planner.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_solve_without_highspy_falls_back_to_cbc(tmp_path):
+    # tied weights send the solve to the integer program (the chain DP does not take them)
+    profile, with_highs, without = _profile_json(tmp_path), tmp_path / "highs.json", tmp_path / "cbc.json"
+    problem = ["--stages", "2", "--global-batch", "4"]
+    assert run_cli(["planner.cli", "solve", profile, *problem, "-o", str(with_highs)]).returncode == 0
+    result = _without_highspy(["solve", profile, *problem, "-o", str(without)])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"note: highspy cannot be imported here (it comes with pipeplanner: "
+                                          "reinstall, or pip install highspy), so the integer program runs on CBC, "
+                                          "pulp's bundled solver, which is slower"]
+    plans = [json.load(open(p)) for p in (with_highs, without)]
+    assert [p["solver"]["method"] for p in plans] == ["ilp", "ilp"]
+    assert [p["solver"]["backend"] for p in plans] == ["highs", "cbc"]
+    assert plans[1]["solver"]["status"] == "optimal" and "proven optimal" in result.stdout
+    assert plans[1]["predicted_iteration_s"] == pytest.approx(plans[0]["predicted_iteration_s"], rel=1e-9)
+    # HiGHS asked for by name is not replaced
+    named = _without_highspy(["solve", profile, *problem, "--backend", "highs", "-o", str(tmp_path / "no.json")])
+    assert named.returncode == 2 and not (tmp_path / "no.json").exists()
+    assert named.stderr.splitlines() == ["error: the highs backend needs highspy, which cannot be imported here: "
+                                         "pip install highspy, or use --backend cbc"]
+
+
+def test_a_plain_install_brings_the_default_solver():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from tests.support.runs import ROOT
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]]
+    assert "highspy" in names and "pulp" in names  # HiGHS is the default backend: not an extra

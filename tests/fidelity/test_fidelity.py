@@ -1,0 +1,261 @@
+"""Simulator vs the solver's closed form, predicted vs measured, and calibration."""
+import json
+import random
+
+import pytest
+
+from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
+from planner.fidelity.calibrate import calibrate_profile
+from planner.fidelity.check import check_report
+from planner.fidelity.simulation import simulate_plan
+from planner.plan.make import make_plan
+from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
+from planner.solve.api import solve
+from tests.support.runs import execute, plan_with, profile_of, report_of, run_cli
+from tests.support.synthetic import synthetic_profile
+
+
+def _plan(times, m, schedule, b=1):
+    """A plan of len(times) one-unit stages with forward t and backward 2t, no transfers."""
+    n = len(times)
+    profile = synthetic_profile(forward=[{1: t} for t in times], backward=[{1: 2 * t} for t in times],
+                                params=[0] * n, saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,))
+    return plan_with(profile, list(range(1, n)), b, m * b, schedule)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_simulation_and_closed_form(seed):
+    rng = random.Random(seed)
+    p, m = rng.randint(1, 6), rng.randint(1, 10)
+    times = [rng.uniform(0.5, 2.0) for _ in range(p)]
+    gpipe = _plan(times, m, "gpipe")
+    # GPipe: the closed form sum_s T_s + (m - 1) max_s T_s is exact (a flow shop of identical jobs)
+    assert simulate_plan(gpipe).iteration_s == pytest.approx(gpipe.predicted_iteration_s, rel=1e-9)
+    # 1F1B: the closed form is an upper bound of the simulated schedule, exact for equal stages
+    one = _plan(times, m, "1f1b")
+    assert simulate_plan(one).iteration_s <= one.predicted_iteration_s * (1 + 1e-9)
+    equal = _plan([times[0]] * p, m, "1f1b")
+    assert simulate_plan(equal).iteration_s == pytest.approx(equal.predicted_iteration_s, rel=1e-9)
+
+
+def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulation():
+    profile = synthetic_profile(forward=[{1: 1.0}, {1: 2.0}], backward=[{1: 2.0}, {1: 4.0}], params=[0, 0],
+                                saved=[{1: 0}] * 2, cut_act=[{1: 0}], sizes=(1,))
+    base = CostOptions(pipeline_ranks=2, global_batch=4, schedule="gpipe")
+    plain = evaluate(profile, [1], 1, base).iteration_s
+    charged = evaluate(profile, [1], 1, base.with_(optimizer_step_total_s=0.5, step_overhead_s=0.1)).iteration_s
+    assert charged == pytest.approx(plain + 0.5 / 2 + 0.1)  # the average rank's step, sum_l o_l / p
+    solution = solve(profile, base.with_(optimizer_step_total_s=0.5), method="ilp")
+    assert solution.objective == pytest.approx(plain + 0.25)
+    plan = make_plan(profile, solution, base.with_(optimizer_step_total_s=0.5), "p.json")
+    assert plan.per_step_s == pytest.approx(0.25)
+    assert simulate_plan(plan).iteration_s == pytest.approx(plan.predicted_iteration_s, rel=1e-9)
+
+
+def test_simulation_reports_busy_idle_and_memory():
+    plan = _plan([1.0, 3.0], 4, "1f1b")
+    sim = simulate_plan(plan)
+    assert [r.stages for r in sim.ranks] == [[0], [1]]
+    # the slow stage is busy 4 x (3 + 6); the fast one idles the rest
+    assert sim.ranks[1].busy_s == pytest.approx(36.0)
+    assert sim.ranks[0].idle_s == pytest.approx(sim.iteration_s - 12.0)
+    assert 0 < sim.bubble_fraction < 1
+
+
+def _fake_report(plan, forward_scale, backward_scale, measured_iteration_s, link=None):
+    m = plan.num_micro_batches
+    return {"model": plan.model, "measured_iteration_s": measured_iteration_s, "link": link,
+            "stages": [{"rank": g, "replica": 0, "chunks": [g], "units": s.units,
+                        "measured": {"forward_s": m * s.forward_s * forward_scale[g],
+                                     "backward_s": m * s.backward_s * backward_scale[g],
+                                     "recv_wait_s": 0.0, "send_wait_s": 0.0},
+                        "predicted": {"forward_s": m * s.forward_s, "backward_s": m * s.backward_s}}
+                       for g, s in enumerate(plan.stages)]}
+
+
+def test_calibration_scales_units_and_records_overhead():
+    times = [1.0, 1.0, 2.0]
+    n = len(times)
+    profile = synthetic_profile(forward=[{1: t} for t in times], backward=[{1: 2 * t} for t in times],
+                                params=[0] * n, saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,))
+    plan = plan_with(profile, [2], 1, 4, "gpipe")  # stages: units 0-1, unit 2
+    truth = plan_with(synthetic_profile(forward=[{1: 1.5}, {1: 1.5}, {1: 2.0}],
+                                        backward=[{1: 3.0}, {1: 3.0}, {1: 2.0}], params=[0] * n,
+                                        saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,)),
+                      [2], 1, 4, "gpipe")
+    overhead = 0.25
+    measured = simulate_plan(truth).iteration_s + overhead
+    report = _fake_report(plan, [1.5, 1.0], [1.5, 0.5], measured,
+                          link={"bandwidth_bytes_per_s": 2e9, "latency_s": 1e-4})
+    calibrated = calibrate_profile(profile, [(plan, report)])
+    assert [u.forward_s[1] for u in calibrated.units] == pytest.approx([1.5, 1.5, 2.0])
+    assert [u.backward_s[1] for u in calibrated.units] == pytest.approx([3.0, 3.0, 2.0])
+    c = calibrated.extra["calibration"]
+    assert c["step_overhead_s"] == pytest.approx(overhead, rel=1e-6)
+    assert c["bandwidth_bytes_per_s"] == 2e9 and c["latency_s"] == 1e-4
+    assert c["measured_links"] == [{"bandwidth_bytes_per_s": 2e9, "latency_s": 1e-4}]  # each run's, as measured
+    assert profile.units[0].forward_s[1] == 1.0  # the input profile is untouched
+    result = check_report(plan, report)
+    assert result["ranks"][0]["forward"][2] == pytest.approx(0.5)
+
+
+def _two_unit_profile(scale=1.0):
+    return synthetic_profile(forward=[{1: 1.0 * scale, 2: 1.8 * scale}, {1: 2.0 * scale, 2: 3.6 * scale}],
+                             backward=[{1: 2.0 * scale, 2: 3.6 * scale}, {1: 4.0 * scale, 2: 7.2 * scale}],
+                             params=[0, 0], saved=[{1: 0, 2: 0}] * 2, cut_act=[{1: 8, 2: 16}], sizes=(1, 2))
+
+
+def test_calibration_from_several_runs_takes_per_size_medians():
+    profile = _two_unit_profile()
+    at1, at2 = plan_with(profile, [1], 1, 4, "gpipe"), plan_with(profile, [1], 2, 8, "gpipe")
+    runs = [(at1, _fake_report(at1, [1.1, 1.2], [1.0, 1.0], 1.0)),
+            (at1, _fake_report(at1, [1.3, 1.2], [1.0, 1.0], 1.0)),
+            (at1, _fake_report(at1, [1.2, 9.0], [1.0, 1.0], 1.0)),  # one noisy run: the median ignores it
+            (at2, _fake_report(at2, [0.9, 0.8], [1.1, 1.1], 1.0))]
+    c = calibrate_profile(profile, runs)
+    u0, u1 = c.units
+    assert u0.forward_s[1] == pytest.approx(1.2) and u1.forward_s[1] == pytest.approx(2.0 * 1.2)
+    assert u0.forward_s[2] == pytest.approx(1.8 * 0.9) and u1.backward_s[2] == pytest.approx(7.2 * 1.1)
+    assert c.extra["calibration"]["unit_scale"]["u1"]["forward"] == {"1": pytest.approx(1.2), "2": pytest.approx(0.8)}
+    assert c.extra["calibration"]["runs"] == 4
+    # a size no run measured takes the median over all runs
+    only1 = calibrate_profile(profile, runs[:1])
+    assert only1.units[0].forward_s[2] == pytest.approx(1.8 * 1.1)
+
+
+def test_calibration_scales_the_stage_overhead_with_the_ranks():
+    profile = _two_unit_profile()
+    profile.stage_overhead_s = {1: (0.5, 1.0), 2: (0.9, 1.8)}
+    plan = plan_with(profile, [1], 1, 4, "gpipe")
+    assert plan.stages[0].forward_s == pytest.approx(1.0 + 0.5)  # the stage pays it on top of its unit
+    calibrated = calibrate_profile(profile, [(plan, _fake_report(plan, [1.5, 1.5], [2.0, 2.0], 1.0))])
+    assert calibrated.stage_overhead_s[1] == pytest.approx((0.75, 2.0))
+    assert calibrated.stage_overhead_s[2] == pytest.approx((1.35, 3.6))  # no run at b = 2: all runs' median
+    again = plan_with(calibrated, [1], 1, 4, "gpipe")
+    assert [s.forward_s for s in again.stages] == pytest.approx([1.5 * s.forward_s for s in plan.stages])
+
+
+def test_stage_overhead_takes_each_rank_once():
+    """A rank running two units counts once in the stage cost's median, as a rank with one does."""
+    profile = synthetic_profile(forward=[1.0, 1.0, 1.0], backward=[2.0, 2.0, 2.0], params=[0] * 3, saved=[0] * 3,
+                                cut_act=[8, 8], sizes=(1,), stage_overhead={1: (0.5, 1.0)})
+    plan = plan_with(profile, [1], 1, 4, "gpipe")  # rank 0: one unit, rank 1: two
+    calibrated = calibrate_profile(profile, [(plan, _fake_report(plan, [1.0, 2.0], [1.0, 3.0], 1.0))])
+    assert calibrated.stage_overhead_s[1] == pytest.approx((0.5 * 1.5, 1.0 * 2.0))  # medians of [1, 2] and [1, 3]
+
+
+def test_calibration_recomputes_predictions_from_the_profile_it_corrects():
+    """A run planned from another measurement of the model (here 2x slower) calibrates this profile
+    as a run planned from it does: the measured times are what count."""
+    profile, other = _two_unit_profile(), _two_unit_profile(2.0)
+    own, foreign = plan_with(profile, [1], 1, 4, "gpipe"), plan_with(other, [1], 1, 4, "gpipe")
+    measured = _fake_report(own, [1.5, 1.5], [1.5, 1.5], 20.0)
+    # the same measured seconds, reported against the other profile's plan
+    from_other = _fake_report(foreign, [0.75, 0.75], [0.75, 0.75], 20.0)
+    a = calibrate_profile(profile, [(own, measured)])
+    b = calibrate_profile(profile, [(foreign, from_other)])
+    assert [u.forward_s[1] for u in a.units] == pytest.approx([u.forward_s[1] for u in b.units])
+    assert [u.forward_s[1] for u in a.units] == pytest.approx([1.5, 3.0])
+    assert a.extra["calibration"]["step_overhead_s"] == pytest.approx(b.extra["calibration"]["step_overhead_s"])
+
+
+def test_calibration_separates_per_step_overhead_from_latency_over_runs():
+    profile = _two_unit_profile()
+    one = [plan_with(profile, [], 1, m, "gpipe") for m in (2, 4, 8)]
+    overhead = 0.7
+    runs = [(p, _fake_report(p, [1.0], [1.0], simulate_plan(p).iteration_s + overhead + noise))
+            for p, noise in zip(one, (0.0, 0.05, -0.05))]
+    c = calibrate_profile(profile, runs).extra["calibration"]
+    assert c["step_overhead_s"] == pytest.approx(overhead, abs=1e-9)  # the median residual
+    two = [plan_with(profile, [1], 1, m, "gpipe") for m in (2, 8)]
+    slow = [(p, _fake_report(p, [1.0, 1.0], [1.0, 1.0], simulate_plan(p).iteration_s + 0.1 * m))
+            for p, m in zip(two, (2, 8))]
+    c2 = calibrate_profile(profile, slow).extra["calibration"]
+    assert c2["latency_s"] > 0  # what grows with the messages becomes latency, not per-step overhead
+    assert c2["step_overhead_s"] == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="at least one run"):
+        calibrate_profile(profile, [])
+
+
+def test_host_slowdown_and_its_warning():
+    assert reference_kernel_s(0.01) > 0 and reference_kernel_s(0.01, device="meta") is None
+    assert host_slowdown(None, [[1.0]]) is None and host_slowdown(1.0, [[None, None]]) is None
+    quiet = host_slowdown(1e-4, [[1.0e-4, 1.02e-4], [0.99e-4, 1.01e-4]])
+    assert quiet["slowest"] == pytest.approx(1.01) and quiet["fastest"] == pytest.approx(1.0)
+    assert slowdown_warning(quiet) is None
+    spell = host_slowdown(1e-4, [[1.0e-4, 1.0e-4], [1.3e-4, 1.2e-4]])
+    assert spell["per_rank"] == pytest.approx([1.0, 1.25])
+    assert "x1.25" in slowdown_warning(spell) and "rank 1" in slowdown_warning(spell)
+    assert "faster" in slowdown_warning(host_slowdown(1e-4, [[0.8e-4]]))
+
+
+def test_prediction_at_the_runs_host_speed():
+    """The plan's prediction scaled by the slowest rank's kernel ratio, and its error against the
+    measured iteration: what is left of the error once the host's drift is taken out."""
+    spell = host_slowdown(1e-4, [[1.0e-4, 1.0e-4], [1.3e-4, 1.2e-4]])  # rank 1 at x1.25
+    assert at_host_speed(0.040, spell) == pytest.approx(0.050)
+    assert at_host_speed(0.040, None) is None
+    lines = host_speed_lines(spell, 0.040, 0.051)
+    assert any("predicts 50.00 ms (x1.25): error +2.0%" in line for line in lines)
+    assert lines[-1].startswith("warning: ")
+    assert not any("predicts" in line for line in host_speed_lines(spell))  # nothing to compare
+    assert host_speed_lines(None, 0.040, 0.051) == []
+
+
+def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
+    from planner.jsonio import write_json_atomic
+    from planner.plan.file import save_plan
+    from planner.profile.profile import save_profile
+
+    profile = profile_of("builtin:gpt")
+    plan = plan_with(profile, [4], 2, 8)
+    execute(plan, tmp_path, steps=3)
+    plan_path, profile_path = str(tmp_path / "plan.json"), str(tmp_path / "profile.json")
+    save_profile(profile, profile_path)
+    save_plan(plan, plan_path)
+    report_path = str(tmp_path / "report.json")
+    assert report_of(tmp_path)["link"]["bandwidth_bytes_per_s"] > 0
+    checked = run_cli(["planner.cli", "check", plan_path, report_path])
+    assert checked.returncode == 0, checked.stderr
+    assert "iteration: measured" in checked.stdout
+    # every rank timed the host-speed kernel before and after its steps; the profile did too
+    # the bytes held for backward, counted by saved-tensor hooks in the first step, are the plan's
+    # activation memory (1F1B: stage s holds p - s micro-batches at its peak)
+    for stage in report_of(tmp_path)["stages"]:
+        # (measured here: stage 0 1,188,480 B against 1,185,312 predicted, +0.27 %; stage 1 equal)
+        assert stage["peak_saved_bytes"] == pytest.approx(stage["predicted_activation_bytes"], rel=0.01)
+        assert stage["peak_saved_bytes"] > 0
+    slow = report_of(tmp_path)["host_slowdown"]
+    assert len(slow["per_rank"]) == 2 and all(r > 0 for r in slow["per_rank"])
+    assert "host speed during the run" in checked.stdout
+    scaled = at_host_speed(plan.predicted_iteration_s, slow)
+    assert f"at the run's host speed the plan predicts {scaled * 1e3:.2f} ms" in checked.stdout
+    printed = (tmp_path / "execute.out").read_text()  # what `runtime execute` printed for this run
+    assert "host speed during the run" in printed
+    assert f"at the run's host speed the plan predicts {scaled * 1e3:.2f} ms" in printed
+    out = str(tmp_path / "calibrated.json")
+    calibrated = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, "--plan", plan_path,
+                          "-o", out])
+    assert calibrated.returncode == 0, calibrated.stderr
+    assert "per-step overhead" in calibrated.stdout and "from 2 run(s)" in calibrated.stdout
+    mismatched = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, report_path,
+                          "--plan", plan_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")])
+    assert mismatched.returncode != 0 and "one per report" in mismatched.stderr
+    assert not (tmp_path / "no.json").exists()
+    # bad input: one line and exit 2, never a traceback
+    not_a_report = run_cli(["planner.cli", "check", plan_path, profile_path])
+    assert not_a_report.returncode == 2 and "not a run report" in not_a_report.stderr
+    other = json.load(open(report_path))
+    other["model"] = dict(other["model"], entry="builtin:mlp")
+    other_path = str(tmp_path / "other.json")
+    write_json_atomic(other_path, other)
+    for args in (["check", plan_path, other_path],
+                 ["calibrate", profile_path, other_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")]):
+        wrong = run_cli(["planner.cli", *args])
+        assert wrong.returncode == 2 and "different model" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert not (tmp_path / "no.json").exists()
+    assert "calibration" in json.load(open(out))
+    simulated = run_cli(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
+    assert simulated.returncode == 0, simulated.stderr
+    assert "simulated iteration" in simulated.stdout and (tmp_path / "sim.png").exists()

@@ -1,0 +1,112 @@
+"""Capture: fx first, torch.export when fx fails; keyword inputs, structured outputs, clear failures."""
+import pytest
+import torch
+from torch import nn
+
+from planner.model.capture import CaptureError, capture
+from planner.model.entry import build_spec
+from planner.model.spec import call_model
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, run_stages
+
+
+def test_fx_is_used_when_it_works():
+    captured = capture(build_spec("builtin:gpt", {}, 0).module)
+    assert captured.method == "fx" and captured.fallback_reason == ""
+
+
+def test_export_only_model_pipeline_matches_single_process(tmp_path):
+    profile = profile_of("tests.models:shape_branch")
+    assert profile.capture == "export"
+    assert [u.name for u in profile.units] == ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
+    plan = plan_with(profile, [2, 4], 2, 8, "1f1b")
+    state = execute(plan, tmp_path, steps=3)
+    reference = reference_state(plan, steps=3)
+    assert max_abs_diff(state, reference) <= 1e-5
+    # BatchNorm running statistics moved, under the model's own names
+    initial = build_spec("tests.models:shape_branch", {}, 0).module.state_dict()
+    assert "blocks.0.norm.running_mean" in state
+    assert (state["blocks.3.norm.running_mean"] - initial["blocks.3.norm.running_mean"]).abs().max() > 1e-4
+
+
+def test_keyword_inputs_and_dict_output_through_stages():
+    spec = build_spec("tests.models:shape_branch", {"keyword": True}, 0)
+    captured = capture(spec.module)
+    assert captured.method == "export" and captured.placeholders == ["x", "shift"]
+    inputs, target = spec.batch(3, 1)  # another batch size than the export example
+    out = run_stages(captured, inputs, [1, 3, 5])
+    assert set(out) == {"y", "features"}
+    stage_loss = spec.loss(out, target)
+    stage_loss.backward()
+    staged_grads = {n: p.grad.clone() for n, p in spec.module.named_parameters()}
+    spec.module.zero_grad()
+    spec.module.train()
+    reference = spec.loss(call_model(spec.module, inputs), target)
+    reference.backward()
+    assert torch.allclose(stage_loss, reference, atol=1e-6)
+    for name, p in spec.module.named_parameters():
+        assert torch.allclose(staged_grads[name], p.grad, atol=1e-6), name
+
+
+class _ValueBranch(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor's value: neither fx nor export can capture it
+            return x * 2
+        return x
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = _ValueBranch()
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+def test_both_paths_failing_names_the_module_and_a_way_out():
+    with pytest.raises(CaptureError) as info:
+        capture(_Net(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "\n" not in message
+    assert "'gate'" in message and "torch.fx" in message and "torch.export" in message and "Way out" in message
+
+
+def test_export_without_an_example_batch_says_how_to_get_one():
+    net = _Net()
+
+    class Shapey(nn.Module):
+        def forward(self, x):
+            return x if x.shape[0] > 1 else -x
+
+    net.gate = Shapey()
+    with pytest.raises(CaptureError, match="example batch"):
+        capture(net)
+    assert capture(net, (torch.randn(2, 4),)).method == "export"
+
+
+def test_uncapturable_model_prints_one_line_not_torch_internals(tmp_path):
+    from tests.support.runs import run_cli
+
+    out = tmp_path / "profile.json"
+    command = ["planner.cli", "profile", "tests.models:value_branch", "--link", "none", "-o", str(out)]
+    result = run_cli(command, env={"PLANNER_TRACEBACK": ""})
+    assert result.returncode == 2 and not out.exists()
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: cannot capture ValueBranch"), result.stderr
+    assert "'gate'" in errors[0] and "Way out" in errors[0]
+    assert result.stdout.strip().splitlines() == [line for line in result.stdout.strip().splitlines()
+                                                  if line.startswith("profiling ")], result.stdout
+    # what torch said is still there for a bug report
+    shown = run_cli(command, env={"PLANNER_TRACEBACK": "1"})
+    assert shown.returncode != 0 and not out.exists()
+    assert "Traceback" in shown.stderr and "def forward" in shown.stderr
+
+
+def test_tie_between_leaf_modules_is_recorded():
+    # under fx an nn.Embedding and an nn.Linear are called whole (no get_attr of the shared weight);
+    # the aliased bias is used by one unit only: no tie
+    captured = capture(build_spec("tests.models:tied_lm", {"aliased_bias": True}, 0).module)
+    assert captured.method == "fx"
+    shared = [(s.name, s.names, s.units, s.bytes) for s in captured.shared_parameters()]
+    assert shared == [("emb.weight", ["emb.weight", "head.weight"], ["emb", "head"], 64 * 16 * 4)]

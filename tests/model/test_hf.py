@@ -1,0 +1,128 @@
+"""Hugging Face models by name (random weights, no download): capture, profile, pipeline exactness."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from planner.model.capture import capture  # noqa: E402
+from planner.model.entry import build_spec  # noqa: E402
+from planner.model.spec import ModelEntryError, call_model  # noqa: E402
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state  # noqa: E402
+from tests.support.runs import run_stages  # noqa: E402
+
+LLAMA = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "seq_len": 8}
+T5 = {"vocab_size": 128, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 2, "num_decoder_layers": 2,
+      "num_heads": 4, "tie_word_embeddings": False, "seq_len": 8}
+BERT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 16, "seq_len": 8}
+
+
+def assert_pipeline_exact(entry, args, cuts, tmp_path, b=2, g=4, schedule="1f1b"):
+    profile = profile_of(entry, args, sizes=(1, 2))
+    assert profile.capture == "export"
+    plan = plan_with(profile, cuts, b, g, schedule)
+    state = execute(plan, tmp_path, steps=3)
+    reference = reference_state(plan, steps=3)
+    assert max_abs_diff(state, reference) <= 1e-5
+    initial = build_spec(entry, args, 0).module.state_dict()
+    assert max_abs_diff(state, {k: v.clone() for k, v in initial.items()}) > 1e-4
+    return profile
+
+
+def test_causal_lm_pipeline_matches_single_process(tmp_path):
+    profile = assert_pipeline_exact("hf:LlamaForCausalLM", LLAMA, [3], tmp_path)
+    assert [u.name for u in profile.units] == ["model.embed_tokens", "model.rotary_emb", "model.layers.0",
+                                               "model.layers.1", "model.norm", "lm_head"]
+    assert profile.extra["shared_parameters"] == []
+
+
+def test_seq2seq_encoder_output_reaches_every_decoder_stage(tmp_path):
+    profile = profile_of("hf:T5ForConditionalGeneration", T5, sizes=(1, 2))
+    names = [u.name for u in profile.units]
+    first_block, second_block = names.index("decoder.block.0"), names.index("decoder.block.1")
+    cuts = [first_block, second_block]  # the encoder's output is read by both decoder stages
+    crossing = [{v.name for v in profile.cut(k).values} for k in cuts]
+    assert crossing[0] & crossing[1], "some encoder value must cross both cuts"
+    assert_pipeline_exact("hf:T5ForConditionalGeneration", T5, cuts, tmp_path)
+
+
+def test_masked_lm_stages_match_the_model():
+    spec = build_spec("hf:BertForMaskedLM", BERT, 0)
+    captured = capture(spec.module)
+    assert captured.method == "export"
+    inputs, labels = spec.batch(3, 2)
+    assert (labels != -100).sum(dim=1).min() >= 1  # every row has masked positions
+    out = run_stages(captured, inputs, [1, 3])
+    staged = spec.loss(out, labels)
+    staged.backward()
+    grads = {n: p.grad.clone() for n, p in spec.module.named_parameters() if p.grad is not None}
+    spec.module.zero_grad()
+    reference = spec.loss(call_model(spec.module, inputs), labels)
+    reference.backward()
+    assert type(out).__name__ == "MaskedLMOutput"
+    assert torch.allclose(staged, reference, atol=1e-6)
+    for name, p in spec.module.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(grads[name], p.grad, atol=1e-6), name
+
+
+def test_masked_lm_pipeline_matches_single_process(tmp_path):
+    # cls.predictions.bias is cls.predictions.decoder.bias (one Parameter, two names, the graph reads
+    # one), and the decoder's weight is the word embeddings' on the other stage
+    assert_pipeline_exact("hf:BertForMaskedLM", BERT, [2], tmp_path, b=2, g=8, schedule="gpipe")
+
+
+def test_tied_embeddings_are_recorded_as_shared():
+    profile = profile_of("hf:LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True), sizes=(1, 2))
+    shared = profile.extra["shared_parameters"]
+    assert shared == [{"name": "model.embed_tokens.weight", "names": ["model.embed_tokens.weight", "lm_head.weight"],
+                       "units": ["model.embed_tokens", "lm_head"], "bytes": 128 * 32 * 4}]
+    by_name = {u.name: u for u in profile.units}
+    assert by_name["model.embed_tokens"].param_bytes == by_name["lm_head"].param_bytes == 128 * 32 * 4
+
+
+def test_tied_embeddings_across_stages(tmp_path):
+    args = dict(LLAMA, tie_word_embeddings=True)
+    profile = profile_of("hf:LlamaForCausalLM", args, sizes=(1, 2))
+    plan = plan_with(profile, [3], 2, 4, "1f1b")  # embedding in stage 0, LM head in stage 1
+    state = execute(plan, tmp_path, steps=3)
+    reference = reference_state(plan, steps=3)
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    assert max_abs_diff(state, reference) <= 1e-5
+
+
+def test_unknown_names_say_what_to_use():
+    with pytest.raises(ModelEntryError, match="hf:LlamaForCausalLM"):
+        build_spec("hf:NoSuchModel", {}, 0)
+    with pytest.raises(ModelEntryError, match="no field"):
+        build_spec("hf:LlamaForCausalLM", {"hidden_sise": 32}, 0)
+    with pytest.raises(ModelEntryError, match="no loss known"):
+        build_spec("hf:LlamaModel", {}, 0)
+
+
+VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+       "image_size": 16, "patch_size": 4, "num_labels": 10}
+LLAVA = {"text_config__vocab_size": 128, "text_config__hidden_size": 32, "text_config__intermediate_size": 64,
+         "text_config__num_hidden_layers": 1, "text_config__num_attention_heads": 4,
+         "text_config__num_key_value_heads": 2, "vision_config__hidden_size": 32,
+         "vision_config__intermediate_size": 64, "vision_config__num_hidden_layers": 1,
+         "vision_config__num_attention_heads": 4, "vision_config__image_size": 16, "vision_config__patch_size": 4,
+         "seq_len": 8}
+
+
+def test_image_classification_and_image_text_batches():
+    vit = build_spec("hf:ViTForImageClassification", VIT, 0)
+    (pixels,), labels = vit.batch(3, 0)
+    assert pixels.shape == (3, 3, 16, 16) and labels.shape == (3,) and int(labels.max()) < 10
+    assert torch.isfinite(vit.loss(call_model(vit.module, (pixels,)), labels))
+    llava = build_spec("hf:LlavaForConditionalGeneration", LLAVA, 0)
+    (ids, pixels), labels = llava.batch(2, 1)
+    image_token, patches = llava.module.config.image_token_id, (16 // 4) ** 2
+    assert image_token == 127 and (ids == image_token).sum(dim=1).tolist() == [patches, patches]
+    assert ids.shape == labels.shape == (2, patches + 8) and (labels[:, :patches] == -100).all()
+    assert (labels[:, patches:] != image_token).all() and pixels.shape == (2, 3, 16, 16)
+    assert llava.module.config.text_config.num_hidden_layers == 1  # SUB__FIELD reached the nested config
+    assert torch.isfinite(llava.loss(call_model(llava.module, (ids, pixels)), labels))
+    with pytest.raises(ModelEntryError, match="SUBCONFIG__FIELD"):
+        build_spec("hf:LlavaForConditionalGeneration", {"text_config__hidden_sise": 32}, 0)

@@ -1,0 +1,248 @@
+"""Profiling the way ranks run: round-robin timing, co-runner load, the measured link, and the
+CLI flags and defaults that carry them into plans. No timing assertions: what is checked is what
+was run, what was recorded and how the recorded numbers are used."""
+import json
+
+import pytest
+import torch
+
+from planner.cost.model import profiled_optimizer_step_s
+from planner.profile.corunners import CoRunners
+from planner.profile.link import fit_link, measure_link
+from planner.profile.measure import host_drift, profile_model, steadiest_profile
+from planner.profile.profile import Profile
+from planner.profile.timing import UnitCall, measure_units, split_call_overhead
+from tests.support.runs import run_cli
+
+
+# --- the link fit ----------------------------------------------------------------------------
+def test_fit_link_recovers_latency_and_bandwidth():
+    latency, bandwidth = 1.2e-4, 2.0e9
+    samples = [(n, latency + n / bandwidth) for n in (8, 16384, 65536, 1 << 20, 4 << 20)]
+    fit = fit_link(samples)
+    assert fit["latency_s"] == pytest.approx(latency, rel=1e-9)
+    assert fit["bandwidth_bytes_per_s"] == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_fit_link_weights_small_messages_like_large_ones():
+    # the large message is 5 % slow; an unweighted fit would move the latency by tens of us,
+    # the relative fit keeps the small messages (what pipeline cuts send) within a few percent
+    latency, bandwidth = 1e-4, 2e9
+    samples = [(n, latency + n / bandwidth) for n in (8, 16384, 32768)] + [(4 << 20, 1.05 * (latency + (4 << 20) / bandwidth))]
+    fit = fit_link(samples)
+    for n in (8, 16384, 32768):
+        predicted = fit["latency_s"] + n / fit["bandwidth_bytes_per_s"]
+        assert predicted == pytest.approx(latency + n / bandwidth, rel=0.03)
+
+
+def test_fit_link_clamps_negative_latency_and_rejects_bad_samples():
+    fit = fit_link([(1000, 0.5e-6), (2000, 1.5e-6)])  # the line would cross zero below 500 bytes
+    assert fit["latency_s"] == 0.0 and fit["bandwidth_bytes_per_s"] > 0
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_link([(8, 1e-4), (8, 2e-4)])
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_link([(8, 2e-4), (4096, 1e-4)])
+    with pytest.raises(ValueError, match="positive"):
+        fit_link([(8, 0.0), (4096, 1e-4)])
+
+
+def test_measure_link_pings_the_requested_sizes_between_two_processes():
+    link = measure_link([12288, 4096], repeats=3, warmup=1)
+    assert [n for n, _ in link["samples"]] == [8, 4096, 12288, 4 << 20]
+    assert all(t > 0 for _, t in link["samples"])
+    assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0
+    assert link["backend"] == "gloo" and link["repeats"] == 3
+
+
+# --- round-robin unit timing -----------------------------------------------------------------
+class _Logged(torch.nn.Module):
+    def __init__(self, name, log):
+        super().__init__()
+        self.name, self.log = name, log
+        self.weight = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        self.log.append(self.name)
+        return (x * self.weight,)
+
+
+def test_units_are_timed_round_robin_after_warmup():
+    log = []
+    units = [UnitCall(_Logged(name, log), [torch.ones(3, requires_grad=True)], [0], False) for name in "abc"]
+    result = measure_units(units, None, None, torch.device("cpu"), repeats=4, warmup=2)
+    assert len(result) == 3
+    # one saved-bytes probe per unit, then 2 warm-up and 4 timed rounds over all units in turn
+    assert log == ["a", "b", "c"] + ["a", "b", "c"] * 6
+    assert all(t.forward_s > 0 and t.backward_s > 0 for t in result)
+
+
+def test_minimum_time_adds_rounds_beyond_repeats():
+    log = []
+    units = [UnitCall(_Logged("a", log), [torch.ones(3, requires_grad=True)], [0], False)]
+    measure_units(units, None, None, torch.device("cpu"), repeats=1, warmup=0, min_time_s=0.05)
+    assert len(log) > 2  # the probe and one round would be 2; 50 ms of rounds are many more
+
+
+# --- co-runners and what the profile records -------------------------------------------------
+def test_profile_with_a_co_runner_records_its_conditions():
+    alone = profile_model("builtin:mlp", {}, [2], repeats=1)
+    shared = profile_model("builtin:mlp", {}, [2], repeats=1, co_runners=1, warmup_s=0.05, min_time_s=0.05)
+    under = shared.extra["measured_under"]
+    assert under["co_runners"] == 1 and under["order"] == "round-robin"
+    assert under["warmup_s"] == 0.05 and under["min_time_s"] == 0.05 and under["threads"] == 1
+    assert alone.extra["measured_under"]["co_runners"] == 0
+    # the host-speed reference kernel, timed before and after (with the co-runner running it too)
+    for host in (under["host_kernel"], alone.extra["measured_under"]["host_kernel"]):
+        assert 0 < host["before_s"] < 1 and 0 < host["after_s"] < 1 and host["mean_s"] > 0
+    # unit times are scaled to the whole model timed in the same rounds, per size
+    scale = under["whole_model_scale"]["2"]
+    assert set(scale) == {"forward", "backward"} and all(0.3 < x < 3.0 for x in scale.values())
+    # what a stage pays once whatever it holds, kept apart from the units (see split_call_overhead)
+    assert set(shared.stage_overhead_s) == {2} and all(x >= 0 for x in shared.stage_overhead_s[2])
+    bare = profile_model("builtin:mlp", {}, [2], repeats=1, whole_model=False)
+    assert bare.extra["measured_under"]["whole_model_scale"] is None and bare.stage_overhead_s == {}
+    # the load changes times, never what is counted
+    assert [u.saved_bytes for u in shared.units] == [u.saved_bytes for u in alone.units]
+    assert [u.param_bytes for u in shared.units] == [u.param_bytes for u in alone.units]
+    again = Profile.from_json(json.loads(json.dumps(shared.to_json())))
+    assert again.extra["measured_under"] == under and again.stage_overhead_s == shared.stage_overhead_s
+    # one optimizer step per unit with parameters, for each optimizer the runtime runs; kept in the file
+    for unit in shared.units:
+        assert (set(unit.optimizer_s) == {"sgd", "adamw"} and all(t > 0 for t in unit.optimizer_s.values())) \
+            if unit.param_bytes else unit.optimizer_s == {}
+    assert [u.optimizer_s for u in again.units] == [u.optimizer_s for u in shared.units]
+    total = sum(u.optimizer_s.get("adamw", 0.0) for u in shared.units)
+    assert profiled_optimizer_step_s(again, "adam") == pytest.approx(total) and total > 0
+
+
+def test_split_call_overhead_recovers_a_per_call_cost():
+    # units of 1, 2, 3 ms each timed alone with a 0.5 ms call cost; the whole model pays it once
+    split = split_call_overhead([1.5, 2.5, 3.5], 6.5)
+    assert split.call_s == pytest.approx(0.5) and split.unit_s == pytest.approx([1.0, 2.0, 3.0])
+    assert split.scale == pytest.approx(1.0)
+    # a cost larger than the cheapest unit is capped there; the rest is spread in proportion
+    split = split_call_overhead([0.2, 4.0, 4.0], 6.0)
+    assert split.call_s == pytest.approx(0.2) and split.unit_s[0] == 0.0 and split.scale < 1
+    assert sum(split.unit_s) + split.call_s == pytest.approx(6.0)
+    # units that sum below the whole (noise) or a single unit: no call cost, proportional scaling
+    for alone, whole in (([1.0, 2.0], 3.3), ([2.0], 1.8)):
+        split = split_call_overhead(alone, whole)
+        assert split.call_s == 0.0 and sum(split.unit_s) == pytest.approx(whole)
+        assert split.scale == pytest.approx(whole / sum(alone))
+
+
+def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
+    from planner.jsonio import JsonFileError
+    from tests.support.synthetic import synthetic_profile
+
+    p = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[8],
+                          sizes=(1, 2), stage_overhead={1: (0.1, 0.2), 2: (0.15, 0.25)})
+    data = json.loads(json.dumps(p.to_json()))
+    assert data["stage_overhead_s"]["2"] == {"forward": 0.15, "backward": 0.25}
+    assert Profile.from_json(data).stage_overhead(2) == (0.15, 0.25)
+    assert Profile.from_json(data).stage_overhead(4) == (0.0, 0.0)  # unmeasured: none
+    for bad in ({"1": {"forward": -1.0, "backward": 0.0}}, {"1": {"forward": 0.1}}, [0.1]):
+        with pytest.raises(JsonFileError):
+            Profile.from_json(dict(data, stage_overhead_s=bad))
+
+
+def _drifting(drifts):
+    """A measure() whose successive profiles drifted by these fractions while 'measured'."""
+    from tests.support.synthetic import synthetic_profile
+
+    made = []
+
+    def measure():
+        p = synthetic_profile(forward=[1.0], backward=[2.0], params=[0], saved=[0], cut_act=[], sizes=(1,))
+        drift = drifts[len(made)]
+        p.extra["measured_under"] = {"host_kernel": {"before_s": 1e-4, "after_s": 1e-4 * (1 + drift)}}
+        made.append(p)
+        return p
+    return measure, made
+
+
+def test_a_profile_whose_host_speed_drifted_is_measured_again():
+    measure, made = _drifting([0.3, 0.05, 0.0])
+    said = []
+    best = steadiest_profile(measure, retries=2, progress=said.append)
+    assert best is made[1] and len(made) == 2 and best.extra["measured_under"]["attempts"] == 2
+    assert host_drift(best) == pytest.approx(0.05) and "drifted 30 %" in said[0]
+    # every attempt drifted: the steadiest is kept, and the user told
+    measure, made = _drifting([0.3, 0.2, 0.25])
+    said = []
+    best = steadiest_profile(measure, retries=2, progress=said.append)
+    assert best is made[1] and len(made) == 3 and "keeping the steadiest (20 %)" in said[-1]
+    measure, made = _drifting([0.3])
+    assert steadiest_profile(measure, retries=0) is made[0]
+    # no reference kernel timed (a GPU, an older profile): nothing to compare, one attempt
+    from tests.support.synthetic import synthetic_profile
+    plain = synthetic_profile(forward=[1.0], backward=[2.0], params=[0], saved=[0], cut_act=[], sizes=(1,))
+    assert host_drift(plain) == 0.0 and steadiest_profile(lambda: plain, retries=2) is plain
+
+
+def test_co_runners_load_and_stop():
+    co = CoRunners("builtin:mlp", {}, 0, 1, 1)
+    co.load(2, settle_s=0.0)
+    co.load(-1, settle_s=0.0)  # the reference kernel
+    co.stop()
+    assert all(p.returncode == 0 for p in co.processes)
+
+
+def test_co_runners_need_a_cpu_profile():
+    with pytest.raises(Exception, match="cpu only"):
+        profile_model("builtin:mlp", {}, [2], device="cuda" if not torch.cuda.is_available() else "meta",
+                      repeats=1, co_runners=1)
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
+    path = str(tmp_path / "mlp.json")
+    made = run_cli(["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "2", "--repeats", "1",
+                    "--warmup", "0", "--min-time", "0", "--ranks-per-host", "2", "-o", path])
+    assert made.returncode == 0, made.stderr
+    assert "co-runner" in made.stdout and "link (gloo" in made.stdout
+    profile = json.load(open(path))
+    link = profile["link"]
+    assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0 and len(link["samples"]) >= 3
+    assert profile["measured_under"]["co_runners"] == 1
+    plan_path = str(tmp_path / "plan.json")
+    solved = run_cli(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "4", "-o", plan_path])
+    assert solved.returncode == 0, solved.stderr
+    assert "measured link" in solved.stdout
+    plan = json.load(open(plan_path))
+    assert plan["latency_s"] == pytest.approx(link["latency_s"])
+    assert plan["bandwidth_bytes_per_s"] == pytest.approx(link["bandwidth_bytes_per_s"])
+    # explicit options still win over the measured link
+    explicit = run_cli(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "4", "--bandwidth", "1GB",
+                        "--latency", "0.001", "-o", plan_path])
+    assert explicit.returncode == 0, explicit.stderr
+    plan = json.load(open(plan_path))
+    assert plan["latency_s"] == 0.001 and plan["bandwidth_bytes_per_s"] == pytest.approx(1e9)
+
+
+def test_profile_cli_link_none_and_bad_flags(tmp_path):
+    path = str(tmp_path / "mlp.json")
+    made = run_cli(["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "2", "--repeats", "1",
+                    "--min-time", "0", "--link", "none", "-o", path])
+    assert made.returncode == 0, made.stderr
+    assert "link" not in json.load(open(path))
+    for bad, message in ((["--ranks-per-host", "0"], "at least 1"), (["--min-time", "-1"], "seconds"),
+                         (["--retries", "-1"], "0 or more")):
+        result = run_cli(["planner.cli", "profile", "builtin:mlp", *bad, "-o", path])
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_link():
+    from planner.fidelity.calibrate import solve_link
+    from tests.support.synthetic import synthetic_profile
+
+    profile = synthetic_profile(forward=[{1: 1.0}] * 2, backward=[{1: 2.0}] * 2, params=[0, 0], saved=[{1: 0}] * 2,
+                                cut_act=[{1: 8}], sizes=(1,))
+    assert solve_link(profile)[:3] == (5e9, 0.0, 0.0)  # nothing measured: the defaults
+    profile.extra["link"] = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9}
+    bandwidth, latency, _, note = solve_link(profile)
+    assert (bandwidth, latency) == (2e9, 1e-4) and "measured link" in note
+    profile.extra["calibration"] = {"latency_s": 5e-4, "bandwidth_bytes_per_s": 1e9, "step_overhead_s": 0.002}
+    assert solve_link(profile)[:3] == (1e9, 5e-4, 0.002)  # a run's calibration beats the ping-pong
+    assert solve_link(profile, 3e9, 0.0)[:2] == (3e9, 0.0)  # the user's options beat both

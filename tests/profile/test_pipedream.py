@@ -1,0 +1,64 @@
+"""Importing PipeDream's published graphs: units, times, crossing tensors, and planning the result."""
+import os
+
+import pytest
+
+from planner.cli.main import main
+from planner.cost.options import CostOptions
+from planner.profile.pipedream import graph_to_profile, import_pipedream, parse_graph
+from planner.profile.profile import load_profile
+from planner.solve.api import solve
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "gnmt.graph.txt")
+
+DIAMOND = """node1 -- Input0 -- forward_compute_time=5.000, backward_compute_time=0.000, activation_size=400.0, parameter_size=0.000
+node2 -- Conv2d(3, 8) -- forward_compute_time=1.000, backward_compute_time=2.000, activation_size=800.0, parameter_size=96.000
+node4 -- ReLU -- forward_compute_time=0.500, backward_compute_time=0.500, activation_size=[800.0; 16.0], parameter_size=0.000
+node3 -- Conv2d(8, 8) -- forward_compute_time=1.500, backward_compute_time=3.000, activation_size=800.0, parameter_size=64.000
+node5 -- Add -- forward_compute_time=0.100, backward_compute_time=0.100, activation_size=800.0, parameter_size=0.000
+\tnode1 -- node2
+\tnode2 -- node3
+\tnode2 -- node4
+\tnode4 -- node5
+\tnode3 -- node5
+"""
+
+
+def test_diamond_conversion():
+    nodes, edges = parse_graph(DIAMOND)
+    p = graph_to_profile(nodes, edges, 32, "diamond")
+    assert [u.name for u in p.units] == ["node1", "node2", "node4", "node3", "node5"]  # topological, file order
+    first = p.units[0]
+    assert first.forward_s[32] == 0.0 and first.saved_bytes[32] == 0  # Input costs nothing
+    assert p.units[1].forward_s[32] == pytest.approx(1e-3) and p.units[1].backward_s[32] == pytest.approx(2e-3)
+    assert p.units[1].param_bytes == 96 and p.units[2].saved_bytes[32] == 816
+    assert p.cut(1).activation_bytes(32) == 0  # only the model input crosses: never sent
+    assert [v.name for v in p.cut(2).values] == ["node2"]
+    # cut 3 (before node3): node2 still feeds node3, node4's two outputs feed node5
+    assert sorted(v.name for v in p.cut(3).values) == ["node2", "node4:0", "node4:1"]
+    assert p.cut(3).activation_bytes(32) == 800 + 800 + 16
+    assert sorted(v.name for v in p.cut(4).values) == ["node3", "node4:0", "node4:1"]
+
+
+def test_bad_graphs_are_rejected():
+    with pytest.raises(ValueError, match="line 1"):
+        parse_graph("node1 -- Conv -- forward_compute_time=1.0\n")
+    with pytest.raises(ValueError, match="unknown node"):
+        parse_graph(DIAMOND + "\tnode5 -- node9\n")
+    with pytest.raises(ValueError, match="cycle"):
+        nodes, edges = parse_graph(DIAMOND + "\tnode5 -- node2\n")
+        graph_to_profile(nodes, edges, 1, "x")
+
+
+def test_gnmt_imports_and_plans(tmp_path, capsys):
+    out = str(tmp_path / "gnmt.json")
+    assert main(["import-pipedream", DATA, "--batch-size", "64", "--output", out]) == 0
+    p = load_profile(out)
+    assert p.num_units == 48 and p.micro_batch_sizes == [64]
+    assert max(len(c.values) for c in p.cuts) >= 3  # LSTM outputs and skip connections cross cuts
+    for S in (2, 4, 8):
+        found = solve(p, CostOptions(pipeline_ranks=S, global_batch=64 * 4 * S))
+        assert found.status == "optimal" and found.gap == 0.0 and found.seconds < 10
+        dp = solve(p, CostOptions(pipeline_ranks=S, global_batch=64 * 4 * S), method="dp")
+        assert dp.objective == pytest.approx(found.objective, rel=1e-6)
+    assert import_pipedream(DATA, 64).units[0].forward_s[64] == 0.0

@@ -1,0 +1,221 @@
+"""The integer program against the brute-force oracle, the bound it reports, and the diagnosis."""
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cost.model import candidate_micro_batch_sizes, evaluate
+from planner.cost.options import CostOptions
+from planner.sizes import format_bytes
+from planner.solve.api import solve, solve_ilp
+from planner.solve.backends import _parse_cbc_log
+from planner.solve.brute import solve_brute
+from planner.solve.diagnose import InfeasibleError, min_memory_plan
+from tests.support.synthetic import synthetic_profile
+
+SIZES = (1, 2, 4, 8)
+
+
+@st.composite
+def problems(draw, max_units=7, max_stages=4):
+    """A random small profile and request; the memory cap is drawn around the memory floor."""
+    L = draw(st.integers(2, max_units))
+    S = draw(st.integers(1, min(max_stages, L)))
+    sizes = tuple(sorted(draw(st.sets(st.sampled_from(SIZES), min_size=1, max_size=4))))
+    rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
+
+    def per_size(base, per_sample):  # fixed overhead + per-sample cost: bigger b is more efficient
+        t0, t1 = rng.uniform(*base), rng.uniform(*per_sample)
+        return {b: t0 + t1 * b for b in sizes}
+
+    forward = [per_size((1e-3, 1e-2), (1e-4, 2e-3)) for _ in range(L)]
+    backward = [per_size((1e-3, 2e-2), (1e-4, 4e-3)) for _ in range(L)]
+    params = [rng.choice([0, rng.randint(1, 8 << 20)]) for _ in range(L)]
+    saved = [rng.randint(0, 2 << 20) for _ in range(L)]
+    act = [rng.choice([0, rng.randint(1, 1 << 20)]) for _ in range(L - 1)]
+    grad = [rng.choice([a, a // 2, 0]) for a in act]
+    # half the profiles charge every stage its own cost per micro-batch (a measured profile's
+    # stage_overhead_s), so the ILP and the oracle must agree on it too
+    overhead = {b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes} if rng.random() < 0.5 else None
+    profile = synthetic_profile(forward, backward, params, saved, act, grad, sizes=sizes, stage_overhead=overhead)
+    schedule = draw(st.sampled_from(["1f1b", "gpipe"]))
+    optimizer = draw(st.sampled_from(["sgd", "adamw"]))
+    base = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([8, 16])), schedule=schedule,
+                       bandwidth=rng.choice([1e8, 1e9, 1e10]), latency=rng.choice([0.0, 1e-4]),
+                       optimizer=optimizer, optimizer_step_total_s=rng.choice([0.0, 3e-3]))
+    # cap between the memory floor (t = 0) and the peak of the unconstrained optimum (t = 1):
+    # t < 0 is infeasible, 0 <= t < 1 usually binds, None is no cap
+    t = draw(st.one_of(st.none(), st.floats(-0.1, 1.1)))
+    if t is None:
+        return profile, base
+    floor = min_memory_plan(profile, base).memory_bytes
+    free = solve_brute(profile, base)
+    peak = max(s.memory_bytes for s in free.cost.stages)
+    return profile, CostOptions(**{**base.__dict__, "memory_cap": max(1.0, floor + t * (peak - floor))})
+
+
+def assert_matches_oracle(profile, opts, **kwargs):
+    oracle = solve_brute(profile, opts)
+    if oracle is None:
+        with pytest.raises(InfeasibleError):
+            solve_ilp(profile, opts, **kwargs)
+        return None
+    found = solve_ilp(profile, opts, **kwargs)
+    assert found.objective == pytest.approx(oracle.objective, rel=1e-6)
+    cost = evaluate(profile, found.boundaries, found.micro_batch_size, opts)
+    assert cost.feasible and cost.iteration_s == found.objective
+    assert found.bound <= found.objective + 1e-12
+    assert found.status == "optimal" and found.gap <= 1e-6
+    assert found.num_micro_batches * found.micro_batch_size == opts.global_batch
+    return found
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_ilp_matches_brute_force(problem):
+    profile, opts = problem
+    assert_matches_oracle(profile, opts, warm_start=False)  # the integer program on its own
+    assert_matches_oracle(profile, opts)  # with the DP warm start
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=6, max_stages=3))
+def test_highs_agrees_with_cbc(problem):
+    profile, opts = problem
+    if solve_brute(profile, opts) is None:
+        with pytest.raises(InfeasibleError):
+            solve_ilp(profile, opts, backend="highs")
+        return
+    highs = assert_matches_oracle(profile, opts, backend="highs", warm_start=False)
+    cbc = solve_ilp(profile, opts)
+    assert highs.objective == pytest.approx(cbc.objective, rel=1e-6)
+
+
+def brute_memory_floor(profile, opts):
+    """min over b and splits of max_s M_s, by enumeration."""
+    best = math.inf
+    for boundaries in itertools.combinations(range(1, profile.num_units), opts.pipeline_ranks - 1):
+        for b in candidate_micro_batch_sizes(profile, opts.global_batch):
+            cost = evaluate(profile, list(boundaries), b, opts)
+            best = min(best, max(s.memory_bytes for s in cost.stages))
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_infeasible_diagnosis_is_tight(problem):
+    profile, opts = problem
+    floor = brute_memory_floor(profile, opts)
+    assert min_memory_plan(profile, opts).memory_bytes == floor
+    tight = CostOptions(**{**opts.__dict__, "memory_cap": floor})
+    solved = solve(profile, tight)
+    assert max(s.memory_bytes for s in solved.cost.stages) <= floor
+    short = CostOptions(**{**opts.__dict__, "memory_cap": floor * 0.999})
+    assert solve_brute(profile, short) is None
+    with pytest.raises(InfeasibleError) as info:
+        solve(profile, short)
+    message = str(info.value)
+    assert "stage" in message and format_bytes(floor) in message
+    assert info.value.min_memory_bytes == floor
+    assert len(message.splitlines()) <= 2
+
+
+def test_infeasible_message_names_stage_and_stage_count():
+    # one huge unit at the end: 4 units, stage memories dominated by unit 3
+    p = synthetic_profile([0.01] * 4, [0.02] * 4, [1 << 20, 1 << 20, 1 << 20, 64 << 20], [0] * 4, [1000] * 3,
+                          names=["embed", "block0", "block1", "head"])
+    opts = CostOptions(pipeline_ranks=2, global_batch=4, memory_cap=100 << 20)
+    with pytest.raises(InfeasibleError) as info:
+        solve(p, opts)
+    message = str(info.value)
+    assert "stage 1" in message and "'head'" in message and "128.0 MiB" in message
+    assert "28.0 MiB over the cap" in message
+    assert "no number of stages" in message  # 'head' alone needs 128 MiB
+    roomy = CostOptions(pipeline_ranks=1, global_batch=4, memory_cap=100 << 20)
+    p2 = synthetic_profile([0.01] * 4, [0.02] * 4, [20 << 20] * 4, [0] * 4, [1000] * 3)
+    with pytest.raises(InfeasibleError, match="use 2 stages"):
+        solve(p2, roomy)
+
+
+def test_other_infeasible_requests():
+    p = synthetic_profile([0.01] * 3, [0.02] * 3, [0] * 3, [0] * 3, [10, 10], sizes=(2, 4))
+    with pytest.raises(InfeasibleError, match=r"profiled: 2, 4.*e\.g\. 8"):
+        solve(p, CostOptions(pipeline_ranks=2, global_batch=7))
+    with pytest.raises(InfeasibleError, match="only 3 units"):
+        solve(p, CostOptions(pipeline_ranks=4, global_batch=8))
+    with pytest.raises(InfeasibleError, match="only 3 units"):
+        solve(p, CostOptions(pipeline_ranks=4, global_batch=8), method="brute")
+
+
+def big_profile(L=60, seed=3):
+    rng = random.Random(seed)
+    per = lambda a, b: {s: rng.uniform(*a) + rng.uniform(*b) * s for s in SIZES}
+    return synthetic_profile([per((1e-3, 1e-2), (1e-4, 1e-3)) for _ in range(L)],
+                             [per((1e-3, 2e-2), (1e-4, 2e-3)) for _ in range(L)],
+                             [rng.randint(0, 4 << 20) for _ in range(L)], [rng.randint(0, 2 << 20) for _ in range(L)],
+                             [rng.randint(0, 1 << 20) for _ in range(L - 1)], sizes=SIZES)
+
+
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+def test_time_limited_solve_reports_a_valid_bound(backend):
+    p = big_profile()
+    opts = CostOptions(pipeline_ranks=8, global_batch=32, latency=1e-4, bandwidth=1e9, memory_cap=80e6)
+    found = solve_ilp(p, opts, time_limit=0.05, backend=backend)
+    assert found.status in ("optimal", "feasible")
+    assert 0 < found.bound <= found.objective + 1e-9
+    assert found.gap == pytest.approx((found.objective - found.bound) / found.objective, abs=1e-12)
+    if found.status == "optimal":
+        assert found.gap <= 1e-6
+    cost = evaluate(p, found.boundaries, found.micro_batch_size, opts)
+    assert cost.feasible and cost.iteration_s == found.objective
+
+
+def test_brute_refuses_huge_searches():
+    with pytest.raises(ValueError, match="use the ILP"):
+        solve_brute(big_profile(), CostOptions(pipeline_ranks=8, global_batch=32))
+
+
+def test_cbc_log_parsing():
+    stopped = ("Result - Stopped on time limit\n\nObjective value:                2682.85905674\n"
+               "Lower bound:                    2568.340\nGap:                            0.04\n")
+    result, objective, bound = _parse_cbc_log(stopped)
+    assert result == "Stopped on time limit" and objective == pytest.approx(2682.85905674)
+    assert bound == pytest.approx(2568.3395) and bound < 2568.340  # rounded down by half a printed digit
+    optimal = "Result - Optimal solution found\n\nObjective value:                12.50000000\n"
+    assert _parse_cbc_log(optimal) == ("Optimal solution found", 12.5, None)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=6), st.floats(0.3, 1.2))
+def test_smallest_fitting_stage_count(problem, scale):
+    from planner.solve.diagnose import smallest_fitting_stages
+    profile, opts = problem
+    cap = scale * min_memory_plan(profile, opts).memory_bytes
+    expected = None
+    for stages in range(1, profile.num_units + 1):
+        other = CostOptions(**{**opts.__dict__, "pipeline_ranks": stages, "memory_cap": cap})
+        if brute_memory_floor(profile, other) <= cap:
+            expected = stages
+            break
+    assert smallest_fitting_stages(profile, CostOptions(**{**opts.__dict__, "memory_cap": cap})) == expected
+
+
+def test_solver_crash_falls_back_to_the_warm_start(monkeypatch):
+    import pulp
+
+    def crash(self, solver=None, **kwargs):
+        raise pulp.PulpSolverError("simulated CBC crash")
+
+    p = big_profile(L=12)
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, memory_cap=60e6)
+    expected = solve_brute(p, opts)
+    monkeypatch.setattr(pulp.LpProblem, "solve", crash)
+    found = solve_ilp(p, opts, time_limit=1.0)
+    assert found.objective >= expected.objective * (1 - 1e-12)
+    assert found.bound <= expected.objective * (1 + 1e-12)  # the analytic bound is a valid bound
+    assert found.status in ("optimal", "feasible")
+    with pytest.raises(RuntimeError, match="crashed"):
+        solve_ilp(p, opts, warm_start=False)

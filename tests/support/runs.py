@@ -1,0 +1,162 @@
+"""Helpers for runtime tests: profiles, plans with chosen cuts, runs, and single-process references."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from planner.model.entry import build_spec
+from planner.model.spec import call_model
+from planner.plan.file import Plan, save_plan
+from planner.plan.make import plan_for_split
+from planner.profile.measure import profile_model
+from planner.profile.profile import Profile
+from runtime.engine import split_micro_batches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+
+
+@functools.lru_cache(maxsize=None)
+def _profile(entry: str, args_items: tuple, sizes: tuple) -> Profile:
+    return profile_model(entry, dict(args_items), list(sizes), repeats=1)
+
+
+def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (1, 2, 4)) -> Profile:
+    return _profile(entry, tuple(sorted((args or {}).items())), tuple(sizes))
+
+
+def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
+              schedule: str = "1f1b") -> Plan:
+    """A plan with the given cuts (not solved): for testing the runtime on chosen splits."""
+    return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "test")
+
+
+def run_cli(args: Sequence[str], timeout: float = 240, env: Optional[Dict[str, str]] = None
+            ) -> subprocess.CompletedProcess:
+    """Run `python -m <args>` from the repository root, capturing output (env: variables to add)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def execute(plan: Plan, tmp_path, steps: int = 3, lr: float = 0.05, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+    """Write the plan, run `runtime execute` on it, return the saved full state_dict (the report
+    is left in tmp_path/report.json, what the command printed in tmp_path/execute.out)."""
+    from runtime.cli import main as runtime_main
+
+    os.makedirs(str(tmp_path), exist_ok=True)
+    plan_path = os.path.join(str(tmp_path), "plan.json")
+    state_path = os.path.join(str(tmp_path), "state.pt")
+    save_plan(plan, plan_path)
+    # In this process, not as `python -m runtime.cli`: the command's own process would import torch
+    # again (2 s of a 2-core CI machine per run) to merge the ranks' states. The ranks are real
+    # processes either way; tests/cli/test_cli.py runs the command itself.
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = runtime_main(["execute", plan_path, "--steps", str(steps), "--lr", str(lr), "--save-state", state_path,
+                             "--report", os.path.join(str(tmp_path), "report.json"), *extra])
+    assert code == 0, out.getvalue() + err.getvalue()
+    with open(os.path.join(str(tmp_path), "execute.out"), "w") as f:
+        f.write(out.getvalue())
+    return torch.load(state_path, weights_only=True)
+
+
+def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, schedule: Optional[str] = None,
+                 recompute: Optional[Dict[int, List[str]]] = None, replicas: Optional[List[int]] = None) -> Plan:
+    """Turn a plan of P stages into one with P / v pipeline ranks of v stages each (looping
+    placement), d replicas (global batch scaled by d), recomputed units and stage replicas
+    (r_g devices for stage g, consecutive): the fields the runtime reads, set the way
+    `planner solve` sets them."""
+    num_stages = len(plan.stages)
+    p = num_stages // virtual_stages
+    replicas = list(replicas or [1] * num_stages)
+    devices = [g % p for g in range(num_stages)] if virtual_stages > 1 else [sum(replicas[:g]) for g in range(num_stages)]
+    stages = [dataclasses.replace(s, device=devices[g], replicas=replicas[g],
+                                  recompute=list((recompute or {}).get(g, []))) for g, s in enumerate(plan.stages)]
+    p = p if virtual_stages > 1 else sum(replicas)
+    return dataclasses.replace(plan, stages=stages, virtual_stages=virtual_stages, pipeline_stages=p,
+                               data_parallel=data_parallel, schedule=schedule or plan.schedule,
+                               global_batch=plan.micro_batch_size * plan.num_micro_batches * data_parallel)
+
+
+def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
+                    losses: Optional[List[float]] = None, first_step: int = 0,
+                    buffers_of_replica: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Single-process training on the same micro-batches: the ground truth, parameters and buffers.
+    All d·m micro-batches of a step (the replicas' slices in order) contribute loss / (d·m) to one
+    accumulated gradient. With `buffers_of_replica` = r, only replica r's micro-batches update the
+    buffers (running statistics), as the ranks of data-parallel replica r keep them."""
+    torch.set_num_threads(1)
+    model = plan.model
+    spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+    params = list(spec.module.parameters())
+    opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    g, b = plan.global_batch, plan.micro_batch_size
+    m = g // b
+    for step in range(steps):
+        inputs, target = spec.batch(g, step)
+        micro_inputs = split_micro_batches(tuple(inputs), g, m, "inputs")
+        micro_targets = split_micro_batches(target, g, m, "target")
+        total = 0.0
+        per_replica = m // plan.data_parallel
+        for i in range(m):
+            other = buffers_of_replica is not None and i // per_replica != buffers_of_replica
+            kept = [(t, t.detach().clone()) for t in spec.module.buffers()] if other else []
+            loss = spec.loss(call_model(spec.module, micro_inputs[i]), micro_targets[i]) / m
+            loss.backward()
+            total += float(loss.detach()) * m
+            with torch.no_grad():
+                for t, value in kept:  # another replica's micro-batch: its ranks' buffers, not these
+                    t.copy_(value)
+        if losses is not None:
+            losses.append(total / m)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
+
+
+def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    """The largest difference over every entry of two state_dicts: parameters and (persistent)
+    buffers, such as BatchNorm's running statistics and batch counts; both must hold the same keys."""
+    assert set(a) == set(b), f"state keys differ: {sorted(set(a) ^ set(b))}"
+    return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
+
+
+def report_of(tmp_path) -> dict:
+    with open(os.path.join(str(tmp_path), "report.json")) as f:
+        return json.load(f)
+
+
+def run_stages(captured, inputs, cuts):
+    """Run the model stage by stage in one process, as the runtime would split it."""
+    values = dict(zip(captured.placeholders, captured.input_values(inputs)))
+    bounds = [0, *cuts, len(captured.units)]
+    for first, end in zip(bounds, bounds[1:]):
+        stage, io = captured.stage_module(first, end)
+        result = stage(*[values[n] for n in io.inputs + io.received])
+        if io.is_last:
+            return result
+        values.update(zip(io.sent, result))
+
+
+def processes_running(needles):
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            found.append((pid, cmdline))
+    return found

@@ -1,0 +1,59 @@
+"""In-memory profiles for tests: no model, no measurement, just numbers."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Union
+
+from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+
+PerSize = Union[float, int, Dict[int, Union[float, int]]]
+
+
+def _at(value: PerSize, b: int, integral: bool = False):
+    """A per-size value: an explicit {b: v} dict, or a per-sample number scaled linearly in b."""
+    v = value[b] if isinstance(value, dict) else value * b
+    return int(round(v)) if integral else float(v)
+
+
+def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], params: Sequence[int],
+                      saved: Sequence[PerSize], cut_act: Sequence[PerSize], cut_grad: Optional[Sequence[PerSize]] = None,
+                      sizes: Sequence[int] = (1, 2, 4), names: Optional[Sequence[str]] = None,
+                      model: Optional[dict] = None, stage_overhead: Optional[Dict[int, tuple]] = None) -> Profile:
+    """A Profile with L = len(forward) units and L - 1 cuts.
+
+    forward/backward (seconds), saved (bytes) and cut_act/cut_grad (bytes crossing cut k = index + 1)
+    are per sample (multiplied by b) unless given as {b: value} dicts. Cut k carries one tensor of
+    cut_act bytes, with requires_grad; when cut_grad differs from cut_act, the gradient-carrying
+    part is a separate tensor ('x', requires_grad) of cut_grad bytes, and the remainder a tensor
+    without gradient ('aux'). A cut with 0 bytes carries only a constant. stage_overhead:
+    {b: (forward, backward)} seconds every stage pays per micro-batch (Profile.stage_overhead_s).
+    """
+    L = len(forward)
+    assert len(backward) == L and len(params) == L and len(saved) == L and len(cut_act) == L - 1
+    cut_grad = list(cut_act) if cut_grad is None else list(cut_grad)
+    names = list(names) if names is not None else [f"u{i}" for i in range(L)]
+    units = [UnitProfile(name=names[i], param_bytes=int(params[i]),
+                         forward_s={b: _at(forward[i], b) for b in sizes},
+                         backward_s={b: _at(backward[i], b) for b in sizes},
+                         saved_bytes={b: _at(saved[i], b, integral=True) for b in sizes},
+                         output_bytes={b: _at(cut_act[i], b, integral=True) if i < L - 1 else 0 for b in sizes},
+                         nodes=[names[i]])
+             for i in range(L)]
+    cuts = []
+    for k in range(1, L):
+        act = {b: _at(cut_act[k - 1], b, integral=True) for b in sizes}
+        grad = {b: _at(cut_grad[k - 1], b, integral=True) for b in sizes}
+        values = []
+        if any(grad[b] > 0 for b in sizes):
+            values.append(CutValue(name=f"x{k}", kind="tensor", dtype="float32", requires_grad=True,
+                                   shape={b: [grad[b] // 4] for b in sizes}, bytes=grad))
+        rest = {b: act[b] - grad[b] for b in sizes}
+        assert all(r >= 0 for r in rest.values()), "gradient bytes cannot exceed activation bytes"
+        if any(rest[b] > 0 for b in sizes):
+            values.append(CutValue(name=f"aux{k}", kind="tensor", dtype="float32", requires_grad=False,
+                                   shape={b: [rest[b] // 4] for b in sizes}, bytes=rest))
+        values.append(CutValue(name=f"n{k}", kind="constant", value={b: b for b in sizes}))
+        cuts.append(CutProfile(before_unit=k, values=values))
+    return Profile(model=model or {"entry": "tests.synthetic:model", "args": {}, "seed": 0},
+                   micro_batch_sizes=list(sizes), units=units, cuts=cuts, device="cpu",
+                   device_name="synthetic", threads=1, dtype="float32", torch_version="test",
+                   stage_overhead_s=dict(stage_overhead or {}))
