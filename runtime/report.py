@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_slowdown, host_speed_lines
 
-MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
+MEASURED_KEYS = ("forward_s", "backward_s", "wait_s", "reduce_s", "optimizer_s", "time_s")
 
 
 def _steady(values: List[float]) -> List[float]:
@@ -94,7 +94,7 @@ def format_report(report: Dict[str, Any]) -> str:
             span = f"stages {','.join(map(str, s['chunks']))}: {span}"
         lines.append(f"{s['rank']:>4}  {me['forward_s'] * 1e3:>10.2f} {pr['forward_s'] * 1e3:>10.2f}  "
                      f"{me['backward_s'] * 1e3:>10.2f} {pr['backward_s'] * 1e3:>10.2f}  "
-                     f"{(me['recv_wait_s'] + me['send_wait_s']) * 1e3:>10.2f}  "
+                     f"{me['wait_s'] * 1e3:>10.2f}  "
                      f"{(s.get('peak_saved_bytes') or 0) / 2**20:>10.2f} {s.get('predicted_activation_bytes', 0) / 2**20:>10.2f}"
                      f"  {span}")
     p, m = report["predicted_iteration_s"], report["measured_iteration_s"]

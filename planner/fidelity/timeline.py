@@ -65,4 +65,4 @@ def _measured_rows(rank_events: Dict[int, List[List[Any]]], step: int):
 
 
 def _predicted_rows(predicted: Sequence[Any]):
-    return [(e.rank, e.kind.value, e.micro_batch, e.start, e.end) for e in predicted]
+    return [(e.rank, e.kind, e.micro_batch, e.start, e.end) for e in predicted]  # kind: a name (SimEvent)
