@@ -36,7 +36,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from planner.model.spec import to_device
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
@@ -267,7 +266,7 @@ class Engine:
         with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
             out = runner.stage.module(*args, *state.received)
             if runner.stage.is_last:
-                loss = self.spec.loss(out, to_device(step.targets[i], self.device))
+                loss = self.spec.loss(out, _own(step.targets[i], self.device))
                 state.loss = loss / (self.m * self.topology.data_parallel)
             else:
                 state.outputs = out
