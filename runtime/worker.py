@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -216,12 +217,13 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     args, topology, rank, m = me.args, me.topology, me.rank, me.plan.num_micro_batches
     pipeline_rank, stages = me.pipeline_rank, me.rank_model.stages
     peak = torch.cuda.max_memory_allocated(me.device) if me.device.type == "cuda" else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     static = sum(p.numel() * p.element_size() for p in me.rank_model.parameters())  # each parameter once
     result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
               "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
                                 for st in stages}, "threads": me.threads, "device": str(me.device),
-              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
+              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
