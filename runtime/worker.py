@@ -143,7 +143,7 @@ def _start(args) -> _Rank:
 def _build(me: _Rank, use_tags: bool) -> None:
     """This rank's stages, process groups, optimizer and engine."""
     plan, topology, args = me.plan, me.topology, me.args
-    me.rank_model = build_rank(plan, topology, me.pipeline_rank)
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device)
     for stage in me.rank_model.stages:
         stage.module.to(me.device)
     me.groups = Groups(topology, me.rank, me.rank_model.tied_groups)
