@@ -100,6 +100,10 @@ def _check_run_options(args: argparse.Namespace) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    if args.init_state:
+        from runtime.initstate import InitState
+
+        InitState(args.init_state)  # readable, a state_dict: one line now rather than from every rank
 
 
 def _shape(topology) -> str:
@@ -117,6 +121,8 @@ def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link"]
     if args.save_state:
         worker_args.append("--save-state")
+    if args.init_state:
+        worker_args += ["--init-state", os.path.abspath(args.init_state)]
     if args.trace or args.timeline:
         worker_args.append("--trace")
     if args.checkpoint_dir:
@@ -195,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=int, default=3, help="training steps in all (a resumed run continues to it; default 3)")
     ex.add_argument("--lr", type=float, default=0.01, help="SGD learning rate, no momentum (default 0.01)")
     ex.add_argument("--save-state", metavar="PATH", help="write the trained model's full state_dict here")
+    ex.add_argument("--init-state", metavar="PATH",
+                    help="start from this state_dict instead of the seed's weights: a .pt file (torch.save; read "
+                         "with weights_only and mmap), .safetensors, or a save_pretrained directory; each rank "
+                         "materialises only its stages")
     ex.add_argument("--report", metavar="PATH", help="write the measured-vs-predicted report JSON here")
     ex.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: as profiled)")
     ex.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,

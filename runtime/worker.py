@@ -33,6 +33,7 @@ from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime import checkpoint as ckpt
 from runtime.engine import Engine
 from runtime.groups import Groups
+from runtime.initstate import InitState
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.stage import RankModel, build_rank, stage_state
 
@@ -44,6 +45,8 @@ def _parse(argv):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the plan's optimizer")
     p.add_argument("--save-state", action="store_true")
+    p.add_argument("--init-state", default=None, help="start from this state_dict (.pt, .safetensors or a "
+                   "save_pretrained directory); only this rank's stages are materialised")
     p.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
                    help=f"seconds a rank may wait on another (default {RANK_TIMEOUT_S:g})")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: as profiled)")
@@ -54,6 +57,14 @@ def _parse(argv):
     p.add_argument("--resume", action="store_true")
     p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
     return p.parse_args(argv)
+
+
+def _current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _check_same_plan(digest: str, rank: int, world: int) -> None:
@@ -91,6 +102,8 @@ class _Rank:
     optimizer_name: str = ""
     groups: Optional[Groups] = None
     engine: Optional[Engine] = None
+    init_state: Optional[InitState] = None
+    start_rss: int = 0  # resident bytes before building anything (the interpreter, torch)
     events: List[List[Any]] = field(default_factory=list)  # trace: [kind, micro-batch, stage, start, end]
 
     @property
@@ -102,6 +115,7 @@ def run(args) -> None:
     """One rank's whole run: join the group, build, train, write what it measured."""
     retain_freed_memory()  # as the profile did: no page faults for every micro-batch's buffers
     me = _start(args)
+    me.start_rss = _current_rss()
     # On GPUs NCCL moves CUDA tensors; gloo serves the few CPU ones (plan hash, losses).
     backend = "cpu:gloo,cuda:nccl" if me.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=me.rank, world_size=me.world,
@@ -143,7 +157,8 @@ def _start(args) -> _Rank:
 def _build(me: _Rank, use_tags: bool) -> None:
     """This rank's stages, process groups, optimizer and engine."""
     plan, topology, args = me.plan, me.topology, me.args
-    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device)
+    me.init_state = InitState(args.init_state) if args.init_state else None
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state)
     for stage in me.rank_model.stages:
         stage.module.to(me.device)
     me.groups = Groups(topology, me.rank, me.rank_model.tied_groups)
@@ -224,12 +239,13 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
                                 for st in stages}, "threads": me.threads, "device": str(me.device),
               "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
+              "start_rss_bytes": me.start_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
         state: Dict[str, torch.Tensor] = {}
         for stage in stages:
-            state.update(stage_state(stage, me.rank_model.spec))
+            state.update(stage_state(stage, me.rank_model.spec, me.init_state))
         with atomic_path(os.path.join(args.out_dir, f"rank{rank}.pt")) as tmp:
             torch.save(state, tmp)
     if args.trace:

@@ -89,7 +89,8 @@ def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, sc
 
 def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
                     losses: Optional[List[float]] = None, first_step: int = 0,
-                    buffers_of_replica: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                    buffers_of_replica: Optional[int] = None, init_state: Optional[str] = None
+                    ) -> Dict[str, torch.Tensor]:
     """Single-process training on the same micro-batches: the ground truth, parameters and buffers.
     All d·m micro-batches of a step (the replicas' slices in order) contribute loss / (d·m) to one
     accumulated gradient. With `buffers_of_replica` = r, only replica r's micro-batches update the
@@ -97,6 +98,8 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
     torch.set_num_threads(1)
     model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+    if init_state is not None:  # a state_dict file (torch.save)
+        spec.module.load_state_dict(torch.load(init_state, weights_only=True))
     params = list(spec.module.parameters())
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
     g, b = plan.global_batch, plan.micro_batch_size
