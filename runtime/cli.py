@@ -14,6 +14,7 @@ from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.options import add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
@@ -100,6 +101,9 @@ def _check_run_options(args: argparse.Namespace) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    from runtime.options import training_options
+
+    training_options(args, args.optimizer or "sgd", None)  # each option checked here, once, in one line
     if args.init_state:
         from runtime.initstate import InitState
 
@@ -118,7 +122,8 @@ def _shape(topology) -> str:
 def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer: str) -> List[str]:
     """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
-                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link"]
+                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
+                   *forwarded(args)]
     if args.save_state:
         worker_args.append("--save-state")
     if args.init_state:
@@ -199,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("execute", help="run a plan: one process per stage on this machine")
     ex.add_argument("plan", help="plan JSON from `planner solve`")
     ex.add_argument("--steps", type=int, default=3, help="training steps in all (a resumed run continues to it; default 3)")
-    ex.add_argument("--lr", type=float, default=0.01, help="SGD learning rate, no momentum (default 0.01)")
+    ex.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    add_training_options(ex)
     ex.add_argument("--save-state", metavar="PATH", help="write the trained model's full state_dict here")
     ex.add_argument("--init-state", metavar="PATH",
                     help="start from this state_dict instead of the seed's weights: a .pt file (torch.save; read "
@@ -208,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--report", metavar="PATH", help="write the measured-vs-predicted report JSON here")
     ex.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: as profiled)")
     ex.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
-                    help="optimizer (default: the plan's; SGD without momentum, AdamW with torch defaults)")
+                    help="optimizer (default: the plan's; options below)")
     ex.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
                     help=f"seconds a rank may wait on another before giving up (default {RANK_TIMEOUT_S:g})")
     ex.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's actions")

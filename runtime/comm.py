@@ -131,3 +131,51 @@ def exchange(operations: Sequence[Operation], use_tags: bool) -> None:
            for op in operations]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+
+
+_CODES = list(_DTYPES.values())
+
+
+class DescribedLayout:
+    """A message that says its own tensors' dtypes: the first one between two ranks under
+    autocast, whose activations' dtypes the plan (profiled without it) cannot know. One byte
+    buffer: a 16-byte-aligned header of one dtype code per tensor, then each tensor at the offset
+    its widest dtype (the plan's, or 8 bytes per element where that is narrower) would take, so
+    the receiver can size the buffer from the plan alone. Both ends then know the dtypes, and
+    the pair's later messages use the exact `MessageLayout`."""
+
+    def __init__(self, planned: MessageLayout):
+        self.planned = planned
+        self.shapes = [shape for shape, _ in planned.tensors]
+        header = -(-len(self.shapes) // _ALIGN) * _ALIGN
+        self.offsets: List[int] = []
+        total = header
+        for shape in self.shapes:
+            total = -(-total // _ALIGN) * _ALIGN
+            self.offsets.append(total)
+            total += _numel(shape) * 8
+        self.nbytes = total
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        for t, shape in zip(tensors, self.shapes):
+            if tuple(t.shape) != shape or t.dtype not in _CODES:
+                raise MessageError(f"{self.planned.what}: a tensor of shape {tuple(t.shape)} and dtype "
+                                   f"{dtype_name(t.dtype)} where the plan has {shape}; re-run `planner profile` and "
+                                   "`planner solve` for this model")
+        flat = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        flat[:len(tensors)] = torch.tensor([_CODES.index(t.dtype) for t in tensors], dtype=torch.uint8)
+        for t, offset in zip(tensors, self.offsets):
+            size = t.numel() * t.element_size()
+            flat[offset:offset + size].view(t.dtype).view(t.shape).copy_(t.detach())
+        return flat
+
+    def unpack(self, wire: torch.Tensor) -> Tuple[List[torch.Tensor], MessageLayout]:
+        """The tensors (views of the buffer) and the exact layout of the pair's later messages."""
+        codes = wire[:len(self.shapes)].cpu().tolist()
+        dtypes = [_CODES[c] for c in codes]
+        tensors = [wire[offset:offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                   for offset, shape, dtype in zip(self.offsets, self.shapes, dtypes)]
+        return tensors, MessageLayout(list(zip(self.shapes, dtypes)), self.planned.what)

@@ -39,7 +39,8 @@ import torch
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import ACTIVATION, GRADIENT, MessageLayout, Operation, exchange, message_tag, torch_dtype
+from runtime.comm import (ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag,
+                          torch_dtype)
 from runtime.groups import Groups
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel, RankStage
@@ -182,7 +183,8 @@ class Engine:
         self.use_tags = use_tags  # gloo matches messages by tag; NCCL by order
         self.groups = groups
         self.trace = trace
-        self.autocast = autocast
+        self.autocast = autocast  # torch.autocast's dtype for forwards and losses, or None
+        self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
         self.clock = StepClock(device)
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
@@ -346,10 +348,10 @@ class Engine:
         if g == 0:  # nothing to send back: the micro-batch is done here
             step.states.pop((g, i), None)
             return
-        shapes = runner.grad_out.tensors
         state.input_grads = [state.received[j].grad if state.received[j].grad is not None
-                             else torch.zeros(shape, dtype=dtype, device=self.device)
-                             for j, (shape, dtype) in zip(runner.recv_grads, shapes)]
+                             else torch.zeros(state.received[j].shape, dtype=state.received[j].dtype,
+                                              device=self.device)
+                             for j in runner.recv_grads]
         state.received = []
 
     # --- communication ---------------------------------------------------------------------------
@@ -369,39 +371,64 @@ class Engine:
     def _tag(self, receiving_stage: int, micro_batch: int, direction: int) -> int:
         return message_tag(receiving_stage, micro_batch, direction, self.m)
 
+    # Under autocast the plan's dtypes (profiled without it) are not the activations': the first
+    # activation message between two ranks describes itself (comm.DescribedLayout) and later ones
+    # use the dtypes it carried; gradients have the dtypes of the tensors they belong to.
+    def _layout(self, planned: MessageLayout, key: Tuple, tensors: Optional[List[torch.Tensor]] = None):
+        if self.autocast is None:
+            return planned
+        if key not in self.layouts:
+            if tensors is None:
+                return None
+            self.layouts[key] = MessageLayout([(tuple(t.shape), t.dtype) for t in tensors], planned.what)
+        return self.layouts[key]
+
     def _send_activations(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
-        runner, state = self.runners[g], step.states[(g, i)]
-        wire = runner.act_out.pack([state.outputs[j] for j in runner.send_tensors], self.device)
-        return (Operation(True, wire, self._peer(g + 1, i), self._tag(g + 1, i, ACTIVATION)),
+        runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
+        tensors = [state.outputs[j] for j in runner.send_tensors]
+        layout = self._layout(runner.act_out, ("act out", g, peer))
+        if layout is None:  # the first to this peer: it says its dtypes
+            wire = DescribedLayout(runner.act_out).pack(tensors, self.device)
+            self._layout(runner.act_out, ("act out", g, peer), tensors)
+        else:
+            wire = layout.pack(tensors, self.device)
+        return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
                 lambda _: self._drop_outputs(runner, state))
 
     def _receive_activations(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
-        runner = self.runners[g]
+        runner, peer = self.runners[g], self._peer(g - 1, i)
+        layout = self._layout(runner.act_in, ("act in", g, peer))
+        described = DescribedLayout(runner.act_in) if layout is None else None
 
         def arrived(wire: torch.Tensor) -> None:
-            step.states.setdefault((g, i), _State()).received = self._assemble(runner.stage,
-                                                                               runner.act_in.unpack(wire))
+            if described is not None:
+                tensors, self.layouts[("act in", g, peer)] = described.unpack(wire)
+            else:
+                tensors = layout.unpack(wire)
+            step.states.setdefault((g, i), _State()).received = self._assemble(runner.stage, tensors)
 
-        return Operation(False, runner.act_in.empty(self.device), self._peer(g - 1, i),
-                         self._tag(g, i, ACTIVATION)), arrived
+        buffer = (described or layout).empty(self.device)
+        return Operation(False, buffer, peer, self._tag(g, i, ACTIVATION)), arrived
 
     def _send_gradients(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
-        runner, state = self.runners[g], step.states.pop((g, i))
-        wire = runner.grad_out.pack(state.input_grads, self.device)
-        return Operation(True, wire, self._peer(g - 1, i), self._tag(g - 1, i, GRADIENT)), None
+        runner, state, peer = self.runners[g], step.states.pop((g, i)), self._peer(g - 1, i)
+        layout = self._layout(runner.grad_out, ("grad out", g, peer), state.input_grads)
+        wire = layout.pack(state.input_grads, self.device)
+        return Operation(True, wire, peer, self._tag(g - 1, i, GRADIENT)), None
 
     def _receive_gradients(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
-        runner, state = self.runners[g], step.states[(g, i)]
+        runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
+        outputs = [state.outputs[j] for j in runner.send_grads]  # the gradients take their dtypes
+        layout = self._layout(runner.grad_in, ("grad in", g, peer), outputs)
 
         def arrived(wire: torch.Tensor) -> None:
-            state.grads = runner.grad_in.unpack(wire)
+            state.grads = layout.unpack(wire)
 
-        return Operation(False, runner.grad_in.empty(self.device), self._peer(g + 1, i),
-                         self._tag(g, i, GRADIENT)), arrived
+        return Operation(False, layout.empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
 
     # --- end of step ----------------------------------------------------------------------------
     def _optimizer_step(self, step: _Step, action: Action) -> None:

@@ -29,11 +29,13 @@ from planner.plan.file import Plan, load_plan
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.link import fit_link, ping_pong
-from planner.profile.optim import OPTIMIZERS, make_optimizer
+from planner.profile.optim import OPTIMIZERS
 from runtime import checkpoint as ckpt
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
+from runtime.options import add_training_options, training_options
+from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.stage import RankModel, build_rank, stage_state
 
@@ -44,6 +46,7 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the plan's optimizer")
+    add_training_options(p)
     p.add_argument("--save-state", action="store_true")
     p.add_argument("--init-state", default=None, help="start from this state_dict (.pt, .safetensors or a "
                    "save_pretrained directory); only this rank's stages are materialised")
@@ -100,6 +103,7 @@ class _Rank:
     rank_model: Optional[RankModel] = None
     optimizer: Any = None
     optimizer_name: str = ""
+    options: Optional[TrainOptions] = None
     groups: Optional[Groups] = None
     engine: Optional[Engine] = None
     init_state: Optional[InitState] = None
@@ -166,14 +170,17 @@ def _build(me: _Rank, use_tags: bool) -> None:
     me.optimizer_name = args.optimizer or plan.optimizer
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
-    me.optimizer = make_optimizer(me.optimizer_name, me.rank_model.parameters(), args.lr)
+    me.options = training_options(args, me.optimizer_name, plan)
+    me.optimizer = make_optimizer(me.options, me.rank_model.parameters())
 
     def record(kind, i, g, t0, t1):  # wall-clock seconds
         me.events.append([kind, i, g, t0, t1])
 
     me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
                        me.optimizer, me.device, me.groups, use_tags=use_tags,
-                       trace=record if args.trace else None)
+                       trace=record if args.trace else None, autocast=me.options.autocast_dtype)
+    if me.options.clip_grad_norm is not None:
+        me.engine.before_optimizer.append(_clipper(me))
 
 
 def _resume(me: _Rank) -> int:
@@ -193,6 +200,17 @@ def _resume(me: _Rank) -> int:
     return done
 
 
+def _clipper(me: _Rank) -> GlobalNormClip:
+    """Clipping by the global norm: this rank counts the gradients no other rank counts too."""
+    topology = me.topology
+    first = topology.replica_of(me.rank) == 0 and topology.lane_of(me.pipeline_rank) == 0
+    tied_elsewhere = {id(param) for param, positions in me.rank_model.tied.values()
+                      if min(positions) != me.pipeline_rank}
+    params = me.rank_model.parameters()
+    return GlobalNormClip(me.options.clip_grad_norm, params, [first and id(p) not in tied_elsewhere for p in params],
+                          me.device, distributed=me.world > 1)
+
+
 def _time_host(device: torch.device) -> Optional[float]:
     """The host's speed, timed by all ranks at once as they compute (CPU hosts only: shared cores
     are what drifts; on a GPU the kernel is not timed and no barriers are needed)."""
@@ -210,6 +228,7 @@ def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
     is_reporter = me.pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
     steps = []
     for step in range(first_step, args.steps):
+        set_lr(me.optimizer, lr_at(me.options, step))
         stats = me.engine.run_step(step)
         if me.groups.data_parallel_group is not None and me.rank_model.stages[-1].is_last:
             stats.loss = _mean_over_holders(stats, me.groups)

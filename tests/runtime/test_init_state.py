@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from planner.model.entry import build_spec
-from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, reference_state, report_of,
+from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, reference_state,
                                 reshape_plan, run_cli)
 from planner.plan.file import save_plan
 
