@@ -41,7 +41,7 @@ from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import (ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag,
                           torch_dtype)
-from runtime.groups import Groups
+from runtime.groups import GradientBuckets, Groups
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel, RankStage
 from runtime.timing import StepClock
@@ -193,6 +193,12 @@ class Engine:
         # this engine runs counts them and the later ones run bare.
         self.count_saved = True
         self.before_optimizer: List[Callable[[], None]] = []  # e.g. gradient clipping
+        self.buckets: Optional[GradientBuckets] = None
+        self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
+        if groups.data_parallel_group is not None:
+            tied = {id(param) for param, _ in rank_model.tied.values()}
+            self.buckets = GradientBuckets([p for p in self.params if id(p) not in tied], groups.data_parallel_group)
+            self.arming = self._last_backwards(tied)
         self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
             ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
             ActionKind.OPTIMIZER_STEP: self._optimizer_step}
@@ -200,6 +206,29 @@ class Engine:
         self.messages: Dict[ActionKind, Callable[[_Step, Action], Tuple[Operation, Optional[Callable]]]] = {
             ActionKind.SEND_ACT: self._send_activations, ActionKind.RECV_ACT: self._receive_activations,
             ActionKind.SEND_GRAD: self._send_gradients, ActionKind.RECV_GRAD: self._receive_gradients}
+
+    def _last_backwards(self, tied: Set[int]) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
+        """For the data-parallel buckets: (stage, micro-batch) of each backward after which a
+        parameter gets no more gradient this step (the last backward of the last stage here using it)."""
+        last: Dict[int, Tuple[int, int]] = {}  # stage -> its last backward's position and micro-batch
+        for k, a in enumerate(self.actions):
+            if a.kind is ActionKind.BACKWARD:
+                last[a.stage] = (k, a.micro_batch)
+        final: Dict[int, Tuple[int, int, int]] = {}  # parameter -> (position, stage, micro-batch)
+        params: Dict[int, torch.nn.Parameter] = {}
+        for g, runner in self.runners.items():
+            if g not in last:
+                continue
+            for p in runner.stage.module.parameters():
+                if id(p) in tied:
+                    continue
+                params[id(p)] = p
+                candidate = (last[g][0], g, last[g][1])
+                final[id(p)] = max(final.get(id(p), candidate), candidate)
+        arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}
+        for pid, (_, g, i) in final.items():
+            arming.setdefault((g, i), []).append(params[pid])
+        return arming
 
     def _peer(self, stage: int, micro_batch: int) -> int:
         """The global rank running `micro_batch` through `stage` in this data-parallel replica."""
@@ -224,6 +253,8 @@ class Engine:
     def run_step(self, step: int) -> StepStats:
         micro_inputs, micro_targets = self._micro_batches(step)
         current = _Step(StepStats(step=step), micro_inputs, micro_targets)
+        if self.buckets is not None:
+            self.buckets.begin_step()
         clock = self.clock
         clock.start()
         for group in self.program:
@@ -333,6 +364,8 @@ class Engine:
     def _backward(self, step: _Step, action: Action) -> None:
         g, i = action.stage, action.micro_batch
         runner, state = self.runners[g], step.states[(g, i)]
+        if (g, i) in self.arming:
+            self.buckets.arm(self.arming[(g, i)])
         if runner.stage.is_last:
             state.loss.backward()
             state.loss = None
@@ -432,7 +465,7 @@ class Engine:
 
     # --- end of step ----------------------------------------------------------------------------
     def _optimizer_step(self, step: _Step, action: Action) -> None:
-        self.groups.reduce_gradients(self.rank_model, self.params)
+        self.groups.reduce_gradients(self.rank_model, self.buckets)
         self.clock.stop("reduce_s", "reduce")
         self.clock.mark()
         for hook in self.before_optimizer:

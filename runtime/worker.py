@@ -107,6 +107,7 @@ class _Rank:
     groups: Optional[Groups] = None
     engine: Optional[Engine] = None
     init_state: Optional[InitState] = None
+    resumed_rng: Optional[Dict[str, Any]] = None
     start_rss: int = 0  # resident bytes before building anything (the interpreter, torch)
     events: List[List[Any]] = field(default_factory=list)  # trace: [kind, micro-batch, stage, start, end]
 
@@ -184,19 +185,34 @@ def _build(me: _Rank, use_tags: bool) -> None:
 
 
 def _resume(me: _Rank) -> int:
-    """The first step to run: 0, or the last complete checkpoint's step with its state loaded."""
+    """The first step to run: 0, or the last complete checkpoint's step with its state loaded.
+    Rank 0 reads the marker and tells the others which step (-1: none; -2: it failed)."""
     args = me.args
     if not args.resume:
         return 0
     if not args.checkpoint_dir:
         raise RuntimeError("--resume needs --checkpoint-dir")
-    done = ckpt.latest(args.checkpoint_dir, me.digest, me.world)
-    if done is None:
+    chosen = torch.tensor([-1], dtype=torch.int64)  # on the CPU: gloo carries it (cpu:gloo,cuda:nccl on GPUs)
+    failure: Optional[BaseException] = None
+    if me.rank == 0:
+        try:
+            done = ckpt.latest(args.checkpoint_dir, me.digest, me.world)
+            chosen[0] = -1 if done is None else done
+        except BaseException as e:  # tell the others before failing
+            chosen[0], failure = -2, e
+    dist.broadcast(chosen, src=0)
+    if failure is not None:
+        raise failure
+    done = int(chosen[0])
+    if done == -2:
+        raise RuntimeError("rank 0 could not read the checkpoint marker (its error says why)")
+    if done < 0:
         return 0
     saved = ckpt.load_rank(args.checkpoint_dir, done, me.rank)
     for stage in me.rank_model.stages:
         stage.module.load_state_dict(saved["chunks"][str(stage.index)])
     me.optimizer.load_state_dict(saved["optimizer"])
+    me.resumed_rng = saved.get("rng")  # set just before the first step (timing the host draws numbers too)
     return done
 
 
@@ -227,6 +243,8 @@ def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
         dist.barrier()  # every rank timed the host before any starts its steps
     is_reporter = me.pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
     steps = []
+    if me.resumed_rng is not None:
+        ckpt.set_rng_state(me.resumed_rng)
     for step in range(first_step, args.steps):
         set_lr(me.optimizer, lr_at(me.options, step))
         stats = me.engine.run_step(step)

@@ -216,3 +216,25 @@ def tables(rows: int = 1000, dim: int = 32, layers: int = 4) -> ModelSpec:
             torch.randn(n, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+
+
+class DropoutChain(nn.Module):
+    def __init__(self, dim: int, layers: int, p: float):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Dropout(p)) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3) -> ModelSpec:
+    """Dropout after every layer: a resumed run is exact only if the random generators resume too."""
+    module = DropoutChain(dim, layers, p)
+
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))

@@ -202,3 +202,15 @@ def test_stages_on_one_rank_hand_over_in_memory(tmp_path, schedule):
     plan = reshape_plan(_gpt_plan([2, 5]), virtual_stages=3, schedule=schedule)
     state = execute(plan, tmp_path)
     assert max_abs_diff(state, reference_state(plan)) <= 1e-5
+
+
+def test_resume_with_dropout_is_exact(tmp_path):
+    # the random generators are part of the checkpoint: the masks after resuming are the uninterrupted run's
+    plan = plan_with(profile_of("tests.models:dropout_mlp", sizes=(2,)), [2], 2, 8, "1f1b")
+    straight = execute(plan, tmp_path / "a", steps=4)
+    straight_losses = [s["loss"] for s in report_of(tmp_path / "a")["steps"]]
+    ckpt = str(tmp_path / "ckpt")
+    execute(plan, tmp_path / "b", steps=2, extra=["--checkpoint-dir", ckpt, "--checkpoint-every", "2"])
+    resumed = execute(plan, tmp_path / "c", steps=4, extra=["--checkpoint-dir", ckpt, "--resume"])
+    assert [s["loss"] for s in report_of(tmp_path / "c")["steps"]] == straight_losses[2:]
+    assert max_abs_diff(resumed, straight) == 0
