@@ -106,34 +106,3 @@ def test_topology_from_plan():
     assert t.data_parallel_group(2) == [2, 5]
     with pytest.raises(TopologyError):
         topology_of([None] * 6, [1] * 6, "interleaved", 6, virtual_stages=4)
-
-
-@pytest.mark.parametrize("ahead", [0, 1, 2, 5])
-def test_receives_are_posted_ahead_in_action_order(ahead):
-    """The engine posts each receive `ahead` receive actions before it runs (gloo matches by tag,
-    so data can move while the rank computes); every receive is posted once, in list order."""
-    from runtime.engine import _ReceivesAhead
-
-    actions = sched.build_schedule("1f1b", 3, 6)[1]  # a middle rank: activations and gradients
-    order = [k for k, a in enumerate(actions) if a.kind in (sched.ActionKind.RECV_ACT, sched.ActionKind.RECV_GRAD)]
-    posts = []
-
-    def post(k):
-        message = (actions[k].kind, actions[k].micro_batch, actions[k].stage)
-        posts.append(message)
-        return message
-
-    receives = _ReceivesAhead(order, ahead, post)
-    taken = 0
-    for index, action in enumerate(actions):
-        if action.kind not in (sched.ActionKind.RECV_ACT, sched.ActionKind.RECV_GRAD):
-            continue
-        posted = receives.take(index)
-        taken += 1
-        if ahead == 0:
-            assert posted is None and posts == []
-            continue
-        assert posted == (action.kind, action.micro_batch, action.stage)  # this action's own message
-        assert len(posts) == min(taken + ahead, len(order))  # `ahead` more are out
-    wanted = [(actions[k].kind, actions[k].micro_batch, actions[k].stage) for k in order]
-    assert posts == (wanted if ahead else [])
