@@ -226,7 +226,8 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     save_profile(profile, profile_path)
     save_plan(plan, plan_path)
     report_path = str(tmp_path / "report.json")
-    assert report_of(tmp_path)["link"]["bandwidth_bytes_per_s"] > 0
+    link = report_of(tmp_path)["link"]  # None when a loaded host's ping-pong times did not grow with size
+    assert link is None or link["bandwidth_bytes_per_s"] > 0
     checked = run_cli(["planner.cli", "check", plan_path, report_path])
     assert checked.returncode == 0, checked.stderr
     assert "iteration: measured" in checked.stdout
