@@ -34,6 +34,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--latency", type=float, default=None,
                    help="seconds per message between stages (default: the profile's calibration, else the "
                         "measured link's, else 0)")
+    s.add_argument("--message-cost", type=float, default=None,
+                   help="seconds the runtime pays per message on each side, besides latency and transfer "
+                        "(default: the profile's calibration, else the measured link's, else 0)")
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cost/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
@@ -71,8 +74,11 @@ def problem_from_args(args: argparse.Namespace):
         schedules = [args.schedule]
     from planner.fidelity.calibrate import solve_link
 
-    bandwidth, latency, overhead, note = solve_link(
-        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency)
+    if args.message_cost is not None and not args.message_cost >= 0:
+        raise UsageError(f"--message-cost must be >= 0 seconds (got {args.message_cost})")
+    bandwidth, latency, overhead, note, message_s = solve_link(
+        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency,
+        args.message_cost)
     args.calibration_note = note
     opts = CostOptions(
         pipeline_ranks=stages if args.devices is None else 1,
@@ -81,6 +87,7 @@ def problem_from_args(args: argparse.Namespace):
         bandwidth=bandwidth,
         latency=latency,
         step_overhead_s=overhead,
+        message_s=message_s,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,

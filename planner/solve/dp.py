@@ -3,44 +3,19 @@
 The fill-drain form sum_g T_g + (m - 1) max_g T_g (T_g: stage g's forward, backward and transfers)
 is what 1F1B and GPipe take when one stage dominates; planner.solve.chain minimises it exactly and
 fast. Its optimum is simulated (planner.cost.model) and improved under the exact model by
-planner.solve.exact; it is never reported as optimal by itself. `recompute_for` picks the cheapest
-recomputation that makes a split fit (a per-stage knapsack over the units' saved bytes).
+planner.solve.exact; it is never reported as optimal by itself.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
-from planner.cost.model import evaluate, held_counts, rank_caps, rank_speeds, shared_parameters
+from planner.cost.model import evaluate, rank_caps, shared_parameters
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.chain import solve_chain
 from planner.solve.chain_recompute import MAX_UNITS, recompute_tables
 from planner.solve.solution import Split
-from planner.solve.tables import cheapest_recompute
-
-def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, exact: bool = True
-                  ) -> Optional[List[int]]:
-    """The cheapest recomputation set making every stage of this split fit (None: impossible)."""
-    L = profile.num_units
-    if opts.recompute == "all":
-        return list(range(L))
-    plain = evaluate(profile, boundaries, b, opts)
-    if opts.recompute == "none" or plain.feasible:
-        return [] if plain.feasible else None
-    if opts.virtual_stages != 1:
-        return None
-    speeds, held, chosen = rank_speeds(opts), held_counts(opts, plain.num_micro_batches), []
-    for c, st in enumerate(plain.stages):
-        cap = plain.device_caps[c]
-        if cap is None or plain.device_memory[c] <= cap:
-            continue
-        found = cheapest_recompute(profile, b, st.first_unit, st.end_unit, plain.device_memory[c] - cap, held[c],
-                                   speeds[c], exact)
-        if found is None:
-            return None
-        chosen += found[1]
-    return chosen
-
+from planner.solve.recompute import recompute_for
 
 def chain_start(profile: Profile, b: int, opts: CostOptions) -> Optional[Split]:
     """The fill-drain optimum of a v = 1 scenario without tied parameters, simulated: a start for

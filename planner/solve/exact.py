@@ -30,6 +30,7 @@ from planner.cost.result import PathForm, PlanCost
 from planner.cost.step import stage_in_flight, step_graph
 from planner.profile.profile import Profile
 from planner.solve.ilp import Program, _NoSplit, big_m_ms
+from planner.solve.recompute import recompute_for
 from planner.solve.reach import stage_conditions, unit_ranges
 from planner.solve.solution import Split
 
@@ -87,8 +88,6 @@ def _neighbours(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
 def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
               forms: Set[PathForm]) -> Optional[Split]:
     """The candidate if the split is feasible (recording its longest path either way)."""
-    from planner.solve.dp import recompute_for  # the cheapest recomputation that fits (heuristic)
-
     redo = recompute if recompute is not None else recompute_for(profile, boundaries, b, opts, exact=False)
     if redo is None:
         redo = list(range(profile.num_units)) if opts.recompute != "none" else []

@@ -22,7 +22,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from planner.cost.ranges import RangeCosts
+from planner.cost.ranges import RangeCosts, prefix_sums
 
 
 def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float], forms: Iterable[Mapping],
@@ -33,7 +33,7 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
 
     speeds[g]: the speed of stage g's rank; memory: (cap per stage, micro-batches held per stage,
     static bytes per parameter byte, the least bytes each unit can hold for backward) or None."""
-    L, S = costs.num_units, num_stages
+    S = num_stages
     fastest = max(speeds)
     forward = costs.matrix(costs.F) + costs.call_forward
     backward = costs.matrix(costs.G + (costs.F if recompute_all else 0.0)) + costs.call_backward
@@ -52,7 +52,7 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
     if memory is not None:
         caps, held, per_param, least_per_unit = memory
         params = costs.matrix(costs.P) * per_param
-        least = costs.matrix(_prefix(least_per_unit))
+        least = costs.matrix(prefix_sums(least_per_unit))
         for g in range(S):
             if caps[g] is not None:
                 ok[g] &= params + held[g] * least <= caps[g] * (1 + 1e-12)
@@ -77,10 +77,6 @@ def _stage_coefficients(forms: Iterable[Mapping], S: int) -> List[List[Tuple[int
                 if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in found)]
         out.append(sorted(kept))
     return out
-
-
-def _prefix(values: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0.0], np.cumsum(values)])
 
 
 def unit_ranges(ok: Sequence[np.ndarray]) -> Optional[Tuple[List[int], List[int]]]:

@@ -63,16 +63,17 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
+from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
                                 num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs, range_matrix
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.solution import OPTIMALITY_GAP, Solution
-from planner.solve.tables import cheapest_recompute
+from planner.solve.recompute import cheapest_recompute
 
 TOL = 1e-12  # relative tolerance of every prune
 
@@ -94,11 +95,6 @@ class _Found:
     b: int
     scenario: CostOptions
     recompute: List[int]
-
-
-def _span(prefix: np.ndarray) -> np.ndarray:
-    n = prefix.shape[0]
-    return np.where(np.triu(np.ones((n, n), dtype=bool), 1), prefix[None, :] - prefix[:, None], np.inf)
 
 
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
@@ -137,18 +133,16 @@ class ReplicaTables:
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
                  recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
-        units, L = profile.units, profile.num_units
+        costs, L = range_costs(profile, b), profile.num_units
         self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
-        work = _span(np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] +
-                                                       (u.forward_s[b] if redo_all else 0.0) for u in units])]))
+        work = range_matrix(costs.work_prefix(redo_all))
         cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
         ends = np.arange(L + 1)
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
-        params = _span(np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in units])]))
-        saved = input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units]
-        acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))
+        params = range_matrix(costs.P)
+        acts = range_matrix(costs.saved_prefix(redo_all))
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
         self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
@@ -160,8 +154,7 @@ class ReplicaTables:
         static = params * (2 + optimizer_factor(opts.optimizer))
         # received activations (gradients) a device holds before its forward (backward) uses them: at
         # most its ceil(m / r) micro-batches under 'upper' (every plan found fits), none under 'lower'
-        inbox = np.asarray(input_bytes(profile, b) + [0], dtype=float)[:, None]  # rows a = 0..L
-        gradbox = np.asarray([0.0] + [float(profile.cut(k).gradient_bytes(b)) for k in range(1, L)] + [0.0])[None, :]
+        inbox, gradbox = costs.act[:, None], costs.grad[None, :]  # rows a, columns e = 0..L
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
@@ -446,9 +439,7 @@ def ceil_div(a: int, b: int) -> int:
 def busy_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     """A lower bound of every replicated plan's step under the exact model: N devices share the m
     micro-batches' work, and one micro-batch crosses every unit forward and back."""
-    work = sum(u.forward_s[b] + u.backward_s[b] for u in profile.units)
-    if opts.recompute == "all":
-        work += sum(u.forward_s[b] for u in profile.units)
+    work = float(range_costs(profile, b).work_prefix(opts.recompute == "all")[-1])
     m = num_micro_batches(opts, b)
     return max(m * work / opts.pipeline_ranks, work) + opts.step_overhead_s
 
