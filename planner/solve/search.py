@@ -7,9 +7,12 @@ fast (the fill-drain chain optimum and a balanced split, simulated, then improve
 and a lower bound that holds for every split under the exact model:
 
     v = 1:  min over splits of max_g  W(0, a_g) / sigma_max + m (k + W(a_g, e_g)) / sigma_g
+                                      + max(0, W(e_g, L) / sigma_max - (m - 1) F_g)
             (stage g's rank runs m forwards and backwards, after micro-batch 0 crossed the stages
-            before it and before the last micro-batch's backward crosses them again; an exact
-            min-max partition)
+            before it and before the last micro-batch's backward crosses them again; between the
+            forward and the backward of the first micro-batch it backwards, that micro-batch
+            crosses every later stage and back, while the rank has at most m - 1 other forwards
+            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition)
     v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
@@ -23,6 +26,8 @@ import math
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
+
+import numpy as np
 
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_caps, rank_speeds
 from planner.cost.options import CostOptions
@@ -115,8 +120,15 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     total = float(prefix[-1]) + S * call
     if opts.virtual_stages == 1:
         work = costs.matrix(prefix) + call
+        forward = costs.matrix(costs.F) + costs.call_forward
+        forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         before = prefix[:, None] / fastest
-        value = min_max_partition(profile.num_units, S, lambda g: before + m * work / speeds[g])[0]
+        after = (prefix[-1] - prefix)[None, :] / fastest
+
+        def stage(g: int) -> np.ndarray:
+            return before + m * work / speeds[g] + np.maximum(0.0, after - (m - 1) * forward / speeds[g])
+
+        value = min_max_partition(profile.num_units, S, stage)[0]
     else:
         value = max(m * total / (p * fastest), total / fastest)
     return value + opts.step_overhead_s
