@@ -34,6 +34,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--latency", type=float, default=None,
                    help="seconds per message between stages (default: the profile's calibration, else the "
                         "measured link's, else 0)")
+    s.add_argument("--message-cost", type=float, default=None,
+                   help="seconds the runtime pays per message on each side, besides latency and transfer "
+                        "(default: the profile's calibration, else the measured link's, else 0)")
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cost/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
@@ -71,8 +74,11 @@ def problem_from_args(args: argparse.Namespace):
         schedules = [args.schedule]
     from planner.fidelity.calibrate import solve_link
 
-    bandwidth, latency, overhead, note = solve_link(
-        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency)
+    if args.message_cost is not None and not args.message_cost >= 0:
+        raise UsageError(f"--message-cost must be >= 0 seconds (got {args.message_cost})")
+    bandwidth, latency, overhead, note, message_s = solve_link(
+        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency,
+        args.message_cost)
     args.calibration_note = note
     opts = CostOptions(
         pipeline_ranks=stages if args.devices is None else 1,
@@ -81,6 +87,7 @@ def problem_from_args(args: argparse.Namespace):
         bandwidth=bandwidth,
         latency=latency,
         step_overhead_s=overhead,
+        message_s=message_s,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
@@ -164,11 +171,12 @@ def register(sub) -> None:
                                    "iteration time under each device's memory.")
     add_problem_options(s)
     s.add_argument("--method", default="ilp", choices=["ilp", "dp", "brute", "uniform", "params", "block"],
-                   help="solver: ilp (default, proven optimal), dp (exact chain DP), brute (tiny profiles), "
+                   help="solver: ilp (default: the exact search, proven optimal or stopped with its gap), dp "
+                        "(its fast starts and local search alone, with a lower bound), brute (tiny profiles), "
                         "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
     s.add_argument("--replicate", action="store_true",
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
                         "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
-                        "exact, but with --recompute auto under a memory cap the gap says how close)")
+                        "chosen on a closed form, timed by the simulation, with a busy-time bound as its gap)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

@@ -24,8 +24,16 @@ import numpy as np
 from planner.profile.profile import Profile
 
 
-def _prefix(values) -> np.ndarray:
+def prefix_sums(values) -> np.ndarray:
+    """[0, v_0, v_0 + v_1, ...]: the sum over units [a, e) is prefix[e] - prefix[a]."""
     return np.concatenate([[0.0], np.cumsum(np.asarray(list(values), dtype=float))])
+
+
+def range_matrix(prefix: np.ndarray) -> np.ndarray:
+    """M[a, e] = prefix[e] - prefix[a] for every range a < e (+inf elsewhere)."""
+    n = prefix.shape[0]
+    out = prefix[None, :] - prefix[:, None]
+    return np.where(np.triu(np.ones((n, n), dtype=bool), k=1), out, np.inf)
 
 
 class RangeCosts:
@@ -47,7 +55,7 @@ class RangeCosts:
         self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
-        self.F, self.G, self.S, self.P, self.O = (_prefix(x) for x in (self.f, self.g, self.s, self.p, self.o))
+        self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
 
     # --- one range -------------------------------------------------------------------------
     def forward(self, a: int, e: int, speed: float = 1.0) -> float:
@@ -75,9 +83,15 @@ class RangeCosts:
 
     # --- matrices over all ranges [a, e) (+inf where e <= a) ------------------------------------
     def matrix(self, prefix: np.ndarray) -> np.ndarray:
-        n = prefix.shape[0]
-        out = prefix[None, :] - prefix[:, None]
-        return np.where(np.triu(np.ones((n, n), dtype=bool), k=1), out, np.inf)
+        return range_matrix(prefix)
+
+    def work_prefix(self, recompute_all: bool = False) -> np.ndarray:
+        """Prefix sums of f + g per unit (plus f again when every unit is recomputed)."""
+        return self.F + self.G + (self.F if recompute_all else 0.0)
+
+    def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
+        """Prefix sums of the bytes each unit holds for backward (its input when recomputed)."""
+        return prefix_sums(self.inputs) if recompute_all else self.S
 
 
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()
@@ -96,7 +110,3 @@ def range_costs(profile: Profile, b: int, optimizer: str = "sgd") -> RangeCosts:
         _CACHE.popitem(last=False)
     return costs
 
-
-def work_prefix(costs: RangeCosts, recompute_all: bool = False) -> np.ndarray:
-    """Prefix sums of f + g per unit (plus f again when every unit is recomputed)."""
-    return costs.F + costs.G + (costs.F if recompute_all else 0.0)

@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from planner.cost.options import DEFAULT_BANDWIDTH
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline.schedule import SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate

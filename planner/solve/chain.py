@@ -35,9 +35,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
+from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts,
                                 num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 
 TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far below the reported gap)
@@ -54,24 +55,20 @@ class ChainResult:
     evaluations: int
 
 
-def _prefix(values) -> np.ndarray:
-    return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
-
-
 class ChainScenario:
     """Prefix sums and banded stage tables for (profile, b, opts); `caps=False` drops memory caps."""
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, caps: bool = True,
                  added: Optional[List[np.ndarray]] = None) -> None:
-        units = profile.units
+        costs = range_costs(profile, b)
         self.added = added  # per stage, [a, e]: extra time >= 0 (recomputation), +inf where nothing fits
         self.L, self.C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
         self.m = num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
-        self.W = _prefix([u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if redo_all else 0.0) for u in units])
+        self.W = costs.work_prefix(redo_all)
         self.monotone = bool(np.all(np.diff(self.W) >= 0))
-        self.P = _prefix([u.param_bytes for u in units])
-        self.A = _prefix(input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units])
+        self.P = costs.P
+        self.A = costs.saved_prefix(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[c % p] for c in range(self.C)]
         self.caps = [rank_caps(opts)[c % p] if caps else None for c in range(self.C)]

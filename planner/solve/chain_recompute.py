@@ -14,9 +14,8 @@ with h_c F_k >= need:
     upper: T_k                                          (greedy whole units: feasible)
 
 both divided by sigma, +inf when even all of [a, e) does not free enough. Every stage time with
-its best recomputation lies between T_c + lower and T_c + upper, and the objective is monotone in
-each stage time, so the chain optimum with the lower tables bounds every plan from below and the
-one with the upper tables is a feasible plan (planner.solve.dp.chain_bounds).
+its best recomputation lies between T_c + lower and T_c + upper under the fill-drain form; the
+chain optimum with the upper tables is a start for the exact search (planner.solve.dp.chain_start).
 """
 from __future__ import annotations
 
@@ -24,8 +23,9 @@ from typing import List, Tuple
 
 import numpy as np
 
-from planner.cost.model import held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds
+from planner.cost.model import held_counts, num_micro_batches, optimizer_factor, rank_caps, rank_speeds
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
@@ -34,12 +34,8 @@ MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profil
 def _unit_arrays(profile: Profile, b: int):
     """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P
     and saved bytes A; the units worth recomputing, cheapest time per byte first."""
-    units, L = profile.units, profile.num_units
-    inputs = input_bytes(profile, b)
-    f = np.array([u.forward_s[b] for u in units], dtype=float)
-    g = np.array([u.saved_bytes[b] - inputs[l] for l, u in enumerate(units)], dtype=float)
-    P = np.concatenate([[0.0], np.cumsum([u.param_bytes for u in units])])
-    A = np.concatenate([[0.0], np.cumsum([u.saved_bytes[b] for u in units])])
+    costs, L = range_costs(profile, b), profile.num_units
+    f, g, P, A = costs.f, costs.s - costs.inputs, costs.P, costs.S
     items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
     order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
     return f, g, P, A, order

@@ -30,6 +30,7 @@ from planner.cost.result import PathForm, PlanCost
 from planner.cost.step import stage_in_flight, step_graph
 from planner.profile.profile import Profile
 from planner.solve.ilp import Program, _NoSplit, big_m_ms
+from planner.solve.recompute import recompute_for
 from planner.solve.reach import stage_conditions, unit_ranges
 from planner.solve.solution import Split
 
@@ -87,8 +88,6 @@ def _neighbours(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
 def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
               forms: Set[PathForm]) -> Optional[Split]:
     """The candidate if the split is feasible (recording its longest path either way)."""
-    from planner.solve.dp import recompute_for  # the cheapest recomputation that fits (heuristic)
-
     redo = recompute if recompute is not None else recompute_for(profile, boundaries, b, opts, exact=False)
     if redo is None:
         redo = list(range(profile.num_units)) if opts.recompute != "none" else []
@@ -179,6 +178,11 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         loose = not tight and best is not None and (best.iteration_s - max(bound, 0.0)) > COARSE_GAP * best.iteration_s
         result = program.solve(cutoff if math.isfinite(cutoff) else None, remaining, backend,
                                gap=COARSE_GAP / 4 if loose else gap / 4)
+        if not result.ran:
+            if best is None:
+                raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
+                                   "enable the warm start")
+            return ScenarioOutcome(best, bound, False)
         if not result.below_cutoff:
             proven = result.optimal and math.isfinite(cutoff)
             return ScenarioOutcome(best, max(bound, cutoff if proven else result.bound_s), proven)

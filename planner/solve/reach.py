@@ -22,7 +22,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from planner.cost.ranges import RangeCosts
+from planner.cost.ranges import RangeCosts, prefix_sums
 
 
 def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float], forms: Iterable[Mapping],
@@ -33,7 +33,7 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
 
     speeds[g]: the speed of stage g's rank; memory: (cap per stage, micro-batches held per stage,
     static bytes per parameter byte, the least bytes each unit can hold for backward) or None."""
-    L, S = costs.num_units, num_stages
+    S = num_stages
     fastest = max(speeds)
     forward = costs.matrix(costs.F) + costs.call_forward
     backward = costs.matrix(costs.G + (costs.F if recompute_all else 0.0)) + costs.call_backward
@@ -41,16 +41,9 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
     work_after = ((costs.F + costs.G)[-1] - (costs.F + costs.G))[None, :] / fastest  # W(e, L), columns e
     limit = bound * (1 + 1e-9) + 1e-15
     ok = [np.isfinite(forward) for _ in range(S)]
-    for form in forms:
-        alpha = [form.get(("forward", g), 0) for g in range(S)]
-        beta = [form.get(("backward", g), 0) for g in range(S)]
-        mu = [min(x, y) for x, y in zip(alpha, beta)]
-        for g in range(S):
-            if not (alpha[g] or beta[g]):
-                continue
-            before = min(mu[:g]) if g > 0 else 0
-            after = min(mu[g + 1:]) if g < S - 1 else 0
-            value = ((alpha[g] * forward if alpha[g] else 0.0) + (beta[g] * backward if beta[g] else 0.0)) / speeds[g]
+    for g, conditions in enumerate(_stage_coefficients(forms, S)):
+        for alpha, beta, before, after in conditions:
+            value = ((alpha * forward if alpha else 0.0) + (beta * backward if beta else 0.0)) / speeds[g]
             if before:
                 value = value + before * work_before
             if after:
@@ -59,15 +52,31 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
     if memory is not None:
         caps, held, per_param, least_per_unit = memory
         params = costs.matrix(costs.P) * per_param
-        least = costs.matrix(_prefix(least_per_unit))
+        least = costs.matrix(prefix_sums(least_per_unit))
         for g in range(S):
             if caps[g] is not None:
                 ok[g] &= params + held[g] * least <= caps[g] * (1 + 1e-12)
     return ok
 
 
-def _prefix(values: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0.0], np.cumsum(values)])
+def _stage_coefficients(forms: Iterable[Mapping], S: int) -> List[List[Tuple[int, int, int, int]]]:
+    """Per stage, the forms' distinct (alpha, beta, mu_before, mu_after), without those another one
+    covers (larger or equal in every coefficient gives the stronger condition): what is left to test."""
+    per_stage: List[set] = [set() for _ in range(S)]
+    for form in forms:
+        alpha = [form.get(("forward", g), 0) for g in range(S)]
+        beta = [form.get(("backward", g), 0) for g in range(S)]
+        mu = [min(x, y) for x, y in zip(alpha, beta)]
+        for g in range(S):
+            if alpha[g] or beta[g]:
+                per_stage[g].add((alpha[g], beta[g], min(mu[:g]) if g > 0 else 0,
+                                  min(mu[g + 1:]) if g < S - 1 else 0))
+    out = []
+    for found in per_stage:
+        kept = [c for c in found
+                if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in found)]
+        out.append(sorted(kept))
+    return out
 
 
 def unit_ranges(ok: Sequence[np.ndarray]) -> Optional[Tuple[List[int], List[int]]]:

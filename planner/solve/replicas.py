@@ -4,7 +4,8 @@ Plans are judged by the exact model (planner.cost.model: the simulation of the r
 They are chosen by an exact search over a closed form of it, the fill-drain form below; so the
 plan is the closed form's optimum, its simulated time is reported, and the certificate is the
 busy-time bound `busy_bound` (every device shares the micro-batches' work; it holds for every
-replicated plan), a true but loose gap. The closed form:
+replicated plan), a true but loose gap. The exact search's plan with one stage per device is a
+candidate too: a replicated plan is chosen only when its simulated step is shorter. The closed form:
 
 The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
 [a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
@@ -15,7 +16,8 @@ minimising
                                               beyond "has a predecessor / a successor")
     X_g = (ceil(m / r_g) - 1) T_g            E_g = 2 (n - 1)/n P(a_g, e_g) / dp_bw,  n = r_g d
 
-subject to M_g = P_g (2 + opt) + h_g A_g <= cap, k_g = sum_{h>=g} r_h the devices from stage g to the
+subject to M_g = P_g (2 + opt) + h_g A_g + ceil(m / r_g) (in_{a_g} + grad_{e_g}) <= cap (the last
+term bounds the received activations and gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
 end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
@@ -61,16 +63,17 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
+from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
                                 num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs, range_matrix
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.solution import OPTIMALITY_GAP, Solution
-from planner.solve.tables import cheapest_recompute
+from planner.solve.recompute import cheapest_recompute
 
 TOL = 1e-12  # relative tolerance of every prune
 
@@ -92,11 +95,6 @@ class _Found:
     b: int
     scenario: CostOptions
     recompute: List[int]
-
-
-def _span(prefix: np.ndarray) -> np.ndarray:
-    n = prefix.shape[0]
-    return np.where(np.triu(np.ones((n, n), dtype=bool), 1), prefix[None, :] - prefix[:, None], np.inf)
 
 
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
@@ -135,49 +133,52 @@ class ReplicaTables:
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
                  recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
-        units, L = profile.units, profile.num_units
+        costs, L = range_costs(profile, b), profile.num_units
         self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
-        work = _span(np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] +
-                                                       (u.forward_s[b] if redo_all else 0.0) for u in units])]))
+        work = range_matrix(costs.work_prefix(redo_all))
         cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
         ends = np.arange(L + 1)
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
-        params = _span(np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in units])]))
-        saved = input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units]
-        acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))
+        params = range_matrix(costs.P)
+        acts = range_matrix(costs.saved_prefix(redo_all))
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
         self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e] without recomputation
-        self.fits: Dict[int, np.ndarray] = {}  # held -> T'[a, e]
+        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
+        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
         static = params * (2 + optimizer_factor(opts.optimizer))
+        # received activations (gradients) a device holds before its forward (backward) uses them: at
+        # most its ceil(m / r) micro-batches under 'upper' (every plan found fits), none under 'lower'
+        inbox, gradbox = costs.act[:, None], costs.grad[None, :]  # rows a, columns e = 0..L
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
                 held = self.held[r, k] = ceil_div(window, r)
-                if held not in self.memory:
-                    self.memory[held] = static + held * acts
+                key = (held, r)
+                if key not in self.memory:
+                    buffers = ceil_div(self.m, r) * (inbox + gradbox) if held_bound == "upper" else 0.0
+                    self.memory[key] = static + held * acts + buffers
                     if recompute_bound is not None:
                         low, high = recompute_range_tables(profile, b, opts, held)
-                        self.fits[held] = self.T + (low if recompute_bound == "lower" else high)
+                        self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
                     elif opts.memory_cap is None:
-                        self.fits[held] = self.T
+                        self.fits[key] = self.T
                     else:
-                        self.fits[held] = np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+                        self.fits[key] = np.where(self.memory[key] <= opts.memory_cap, self.T, np.inf)
                 if (r, held) not in self._x:
-                    t = self.fits[held]
+                    t = self.fits[key]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
                                                 np.where(np.isfinite(t), t, 0.0), np.inf)
 
     def base(self, r: int, k: int) -> np.ndarray:
         """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
-        return self.fits[self.held[r, k]]
+        return self.fits[self.held[r, k], r]
 
     def X(self, r: int, k: int) -> np.ndarray:
         return self._x[r, self.held[r, k]]
@@ -227,8 +228,9 @@ class ReplicaTables:
         return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which(r, k), np.inf), np.maximum)
 
     def min_memory(self) -> Tuple[float, Optional[ReplicaSplit]]:
-        """Least max per-device memory of any plan on N devices (caps ignored)."""
-        return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
+        """Least max per-device memory of any plan on N devices under these tables (caps ignored;
+        with the 'upper' buffers a memory in which the plan surely fits)."""
+        return self._dp(lambda r, k: self.memory[self.held[r, k], r], np.maximum)
 
     def values(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
         """(sum T', max X, max E) of a plan, read from the tables."""
@@ -335,8 +337,8 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
                                "with no more replicas than micro-batches each; use fewer --stages or a larger "
                                "--global-batch")
     cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
-    return InfeasibleError(f"no replicated plan on {devices} devices fits {cap} per device; the least any needs "
-                           f"is {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
+    return InfeasibleError(f"the replicated search found no plan on {devices} devices within {cap} per device; "
+                           f"one fits in {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
                            f"{format_bytes(least[0])} ({math.ceil(least[0])} bytes) or use more --stages",
                            min_memory_bytes=least[0])
 
@@ -347,7 +349,7 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
     edges, reps, chosen = [0] + list(plan.boundaries) + [profile.num_units], plan.replicas, []
     for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
         held = tables.held[r, sum(reps[g:])]
-        need = float(tables.memory[held][a, e]) - cap
+        need = float(tables.memory[held, r][a, e]) - cap
         if need > 0:
             try:
                 found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=True)
@@ -401,21 +403,33 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
-    if best is None:
+    plain = _unreplicated(profile, scenarios or [opts])
+    if best is None and plain is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
         raise _infeasible(profile, opts, opts.pipeline_ranks, sizes)
-    plan, b, scenario, redo = best.split, best.b, best.scenario, best.recompute
-    chosen = _chosen(scenario, plan)
-    cost = evaluate(profile, plan.boundaries, b, chosen, redo)
+    if best is None or (plain is not None and plain.objective < best.value):
+        chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
+    else:
+        chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
+    cost = evaluate(profile, boundaries, b, chosen, redo)
     bound = min(min(busy_bound(profile, size, other) for other in scenarios or [opts]
                     for size in candidate_micro_batch_sizes(profile, other.global_batch, other)), cost.iteration_s)
     gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
     optimal = gap <= OPTIMALITY_GAP
-    return Solution(boundaries=list(plan.boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
                     cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
                     bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
+
+
+def _unreplicated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solution]:
+    """The exact search's best plan with one stage per device (every r_g = 1), where N <= L: the
+    replicated plan must beat it under the exact model to be chosen."""
+    from planner.solve.search import search_scenarios
+
+    usable = [s.with_(replicas=()) for s in scenarios if s.pipeline_ranks <= profile.num_units]
+    return search_scenarios(profile, usable, "ilp") if usable else None
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -425,9 +439,7 @@ def ceil_div(a: int, b: int) -> int:
 def busy_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     """A lower bound of every replicated plan's step under the exact model: N devices share the m
     micro-batches' work, and one micro-batch crosses every unit forward and back."""
-    work = sum(u.forward_s[b] + u.backward_s[b] for u in profile.units)
-    if opts.recompute == "all":
-        work += sum(u.forward_s[b] for u in profile.units)
+    work = float(range_costs(profile, b).work_prefix(opts.recompute == "all")[-1])
     m = num_micro_batches(opts, b)
     return max(m * work / opts.pipeline_ranks, work) + opts.step_overhead_s
 

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
-from planner.pipeline.simulate import StageCosts, simulate
+from planner.pipeline.simulate import simulate
 from planner.pipeline.topology import TopologyError, topology_of
 
 CONFIGS = [(name, p, v, m) for name in ("gpipe", "1f1b", "interleaved", "bfs") for p in (1, 2, 3, 4)
@@ -73,21 +73,27 @@ def test_bad_schedule_requests_are_clear_errors():
         sched.build_schedule("1f1b", 4, 4, 2)
 
 
+def _step(name, stages, m, f, b, v=1):
+    """Simulated step of the built lists: every stage's forward f and backward b, messages free."""
+    p = stages // v
+    value = {term: t for g in range(stages) for term, t in ((("forward", g), f), (("backward", g), b))}
+    timeline, _ = simulate(sched.build_schedule(name, stages, m, v), value, lambda g, i: g % p)
+    return timeline.step_s
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 4), (4, 8), (3, 5)])
 def test_simulation_matches_closed_form_on_equal_stages(name, p, m):
     # equal stages, free transfers: (m + p - 1)(f + b) = sum_s T_s + (m - 1) max_s T_s
     f, b = 1.0, 2.0
-    costs = {g: StageCosts(f, b, 0.0, 0.0) for g in range(p)}
-    total, _ = simulate(sched.build_schedule(name, p, m), costs)
-    assert total == pytest.approx(p * (f + b) + (m - 1) * (f + b))
+    assert _step(name, p, m, f, b) == pytest.approx(p * (f + b) + (m - 1) * (f + b))
 
 
 def test_interleaving_shrinks_the_bubble():
     # 8 equal stages on 4 ranks: interleaving (v = 2) beats 1F1B on 4 stages of twice the work
     m = 8
-    one = simulate(sched.build_schedule("1f1b", 4, m), {g: StageCosts(2.0, 4.0, 0, 0) for g in range(4)})[0]
-    two = simulate(sched.build_schedule("interleaved", 8, m, 2), {g: StageCosts(1.0, 2.0, 0, 0) for g in range(8)})[0]
+    one = _step("1f1b", 4, m, 2.0, 4.0)
+    two = _step("interleaved", 8, m, 1.0, 2.0, v=2)
     assert two < one
     ideal = m * 6.0
     assert (two - ideal) / ideal == pytest.approx((4 - 1) / (2 * m), rel=1e-9)
