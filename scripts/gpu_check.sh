@@ -18,6 +18,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 FAILED=()
 START=$(date +%s)
+BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"
 : >"$OUT/summary.txt"
 # GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1: the same parts on the CPU with a tiny model (to test this script)
 DEVICE="${GPU_CHECK_DEVICE:-cuda}"
@@ -26,6 +27,13 @@ part() {  # part NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.log, record a f
     local name="$1" limit="$2"
     shift 2
     echo "== $name" | tee -a "$OUT/summary.txt"
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))  # the whole check stays under 8 minutes
+    if [ "$left" -lt 10 ]; then
+        echo "   $name: not run, the check's $BUDGET_S s are spent" | tee -a "$OUT/summary.txt"
+        FAILED+=("$name")
+        return
+    fi
+    if [ "$limit" -gt "$left" ]; then limit=$left; fi
     local t0=$(date +%s)
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
@@ -76,6 +84,9 @@ part solve 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --global
     --output "$OUT/plan.json"
 part execute 75 "$PY" -m runtime.cli execute "$OUT/plan.json" --steps 12 --report "$OUT/report.json" \
     --timeout 60
+# the same plan under bf16 autocast (fp32 parameters)
+part execute-bf16 75 "$PY" -m runtime.cli execute "$OUT/plan.json" --steps 12 --precision bf16 \
+    --report "$OUT/report-bf16.json" --timeout 60
 # two stages on the one GPU (interleaved, v = 2: handed over in memory): the multi-stage engine on CUDA
 part solve-2stages 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --schedule interleaved \
     --virtual-stages 2 --global-batch 16 --output "$OUT/plan-2stages.json"
@@ -87,7 +98,7 @@ part compare 20 "$PY" - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
 rows = []
-for name in ("report.json", "report-2stages.json"):
+for name in ("report.json", "report-bf16.json", "report-2stages.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue
