@@ -176,3 +176,21 @@ def meta_example(batch: Tuple) -> Tuple:
             return {k: move(v) for k, v in value.items()}
         return value
     return move(batch)
+
+
+def release(roots: List[nn.Module], tensors: set) -> None:
+    """Replace the parameters and buffers whose ids are in `tensors` by storage-less meta tensors
+    wherever `roots` hold them: the stages of other ranks, which every rank built but need not keep."""
+    meta: Dict[int, torch.Tensor] = {}
+    for root in roots:
+        for sub in root.modules():
+            for kind in ("_parameters", "_buffers"):
+                slots = getattr(sub, kind)
+                for key, tensor in list(slots.items()):
+                    if tensor is None or id(tensor) not in tensors:
+                        continue
+                    if id(tensor) not in meta:
+                        moved = tensor.detach().to("meta")
+                        meta[id(tensor)] = (nn.Parameter(moved, requires_grad=tensor.requires_grad)
+                                            if kind == "_parameters" else moved)
+                    slots[key] = meta[id(tensor)]

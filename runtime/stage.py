@@ -23,7 +23,8 @@ from planner.model.entry import build_spec
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
-from runtime.initstate import InitState, materialise, meta_example, model_names, parameters_on_meta, to_meta
+from runtime.initstate import (InitState, materialise, meta_example, model_names, parameters_on_meta, release,
+                               to_meta)
 
 
 class PlanMismatchError(RuntimeError):
@@ -252,6 +253,11 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     by_name = dict(spec.module.named_parameters(remove_duplicate=False))
     tied = {name: (by_name[name], ranks) for name, ranks in tied_groups
             if pipeline_rank in ranks and id(by_name[name]) in held}
+    # Other ranks' stages were built too (the whole model is seeded and captured everywhere): keep
+    # none of their tensors. Entries no stage uses stay (stage 0 saves them at their initial value).
+    own = {id(t) for st in mine for t in st.module.state_dict(keep_vars=True).values()}
+    used = {id(t) for module in modules for t in module.state_dict(keep_vars=True).values()}
+    release([spec.module, captured.gm, *modules], used - own)
     return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups,
                      input_values=captured.input_values)
 

@@ -56,3 +56,14 @@ def test_sent_outputs_keep_only_their_graph():
     reference._backward(ref_step, Action(ActionKind.BACKWARD, 0, 0))
     for p, q in zip(engine.params, reference.params):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_rank_keeps_no_other_stage():
+    # every rank builds and captures the whole model; afterwards it holds only its stages' tensors
+    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [3], 2, 8, "1f1b")
+    for rank in (0, 1):
+        model = build_rank(plan, plan.topology(), rank)
+        own = {id(p) for p in model.parameters()}
+        others = [p for p in model.spec.module.parameters() if id(p) not in own]
+        assert others and all(p.device.type == "meta" for p in others)
+        assert all(p.device.type == "cpu" for p in model.parameters())
