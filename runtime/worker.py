@@ -127,6 +127,9 @@ def run(args) -> None:
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=me.device if me.device.type == "cuda" else None)
     try:
+        if me.device.type == "cuda":
+            # every rank joins the NCCL communicator now: a batch_isend_irecv must not be its first use
+            dist.all_reduce(torch.zeros(1, device=me.device))
         me.digest = me.plan.digest()
         _check_same_plan(me.digest, me.rank, me.world)
         _build(me, use_tags=me.device.type != "cuda")
