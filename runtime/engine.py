@@ -32,64 +32,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import (ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag,
-                          torch_dtype)
-from runtime.groups import GradientBuckets, Groups
+from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
+from runtime.groups import GradientBuckets, Groups, last_backwards
+from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
+from runtime.runner import StageRunner
 from runtime.program import COMMUNICATION, batches
-from runtime.stage import RankModel, RankStage
+from runtime.stage import RankModel
 from runtime.timing import StepClock
-
-
-class BatchError(ValueError):
-    """The model's batch function does not produce what the plan needs."""
-
-
-def split_micro_batches(obj: Any, total: int, parts: int, what: str) -> List[Any]:
-    """Split every tensor in `obj` (tensor, tuple, list, dict) into `parts` equal parts along dim 0."""
-    size = total // parts
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] != total:
-            raise BatchError(f"{what} has shape {tuple(obj.shape)}; every batch tensor needs the batch "
-                             f"({total}) on dim 0")
-        return [obj.narrow(0, i * size, size) for i in range(parts)]
-    if isinstance(obj, (tuple, list)):
-        split = [split_micro_batches(o, total, parts, f"{what}[{j}]") for j, o in enumerate(obj)]
-        return [type(obj)(p[i] for p in split) for i in range(parts)]
-    if isinstance(obj, dict):
-        split = {k: split_micro_batches(v, total, parts, f"{what}[{k!r}]") for k, v in obj.items()}
-        return [{k: split[k][i] for k in obj} for i in range(parts)]
-    return [obj] * parts  # non-tensor values (flags) go to every part
-
-
-def _own(obj: Any, device: torch.device) -> Any:
-    """`obj` on `device` with every tensor in storage of its own (a micro-batch that is a view of
-    the whole batch would keep the whole batch alive, and be counted so, while saved for backward)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, copy=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_own(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _own(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _constant(value: Any) -> Any:
-    """Constants arrive as JSON lists; sizes were tuples in the model."""
-    if isinstance(value, list):
-        return tuple(_constant(v) for v in value)
-    return value
-
-
-def _drop_storage(tensor: torch.Tensor) -> None:
-    """Keep `tensor` as an autograd endpoint (its shape, dtype and graph) without its data."""
-    tensor.data = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
 
 
 @dataclass
@@ -118,33 +74,6 @@ class _State:
     saved_bytes: int = 0  # held for backward by this micro-batch's forward
 
 
-class _StageRunner:
-    """Per-stage bookkeeping: which values are tensors, which carry gradients, the messages' layouts,
-    and which storages autograd keeps (learned in the first step's forward)."""
-
-    def __init__(self, stage: RankStage):
-        self.stage = stage
-        self.send_tensors = [i for i, v in enumerate(stage.send) if v["kind"] == "tensor"]
-        self.send_grads = [i for i in self.send_tensors if stage.send[i].get("requires_grad")]
-        self.recv_tensors = [i for i, v in enumerate(stage.recv) if v["kind"] == "tensor"]
-        self.recv_grads = [i for i in self.recv_tensors if stage.recv[i].get("requires_grad")]
-        self.wanted_inputs = [stage.model_inputs.index(n) for n in stage.io.inputs]
-
-        def layout(values, indices, what):
-            return MessageLayout([(tuple(values[j]["shape"]), torch_dtype(values[j]["dtype"])) for j in indices], what)
-
-        g = stage.index
-        self.act_in = layout(stage.recv, self.recv_tensors, f"stage {g}'s input")
-        self.act_out = layout(stage.send, self.send_tensors, f"stage {g}'s output")
-        self.grad_in = layout(stage.send, self.send_grads, f"the gradient of stage {g}'s output")
-        self.grad_out = layout(stage.recv, self.recv_grads, f"the gradient of stage {g}'s input")
-        # Positions (in `send_tensors` / `recv_tensors` order) whose storage autograd saved; None
-        # until learned. A stage with recomputed units reads its inputs again in backward: keep all.
-        self.kept_outputs: Optional[Set[int]] = None
-        self.kept_inputs: Optional[Set[int]] = None
-        self.droppable = not stage.recompute
-
-
 @dataclass
 class _Step:
     """What one step's actions share: its micro-batches, the micro-batches in flight, the timings."""
@@ -170,7 +99,7 @@ class Engine:
                  autocast: Optional[torch.dtype] = None):
         self.spec = rank_model.spec
         self.rank_model = rank_model
-        self.runners = {st.index: _StageRunner(st) for st in rank_model.stages}
+        self.runners = {st.index: StageRunner(st) for st in rank_model.stages}
         self.actions = actions
         self.program = batches(actions)
         self.topology = topology
@@ -198,7 +127,7 @@ class Engine:
         if groups.data_parallel_group is not None:
             tied = {id(param) for param, _ in rank_model.tied.values()}
             self.buckets = GradientBuckets([p for p in self.params if id(p) not in tied], groups.data_parallel_group)
-            self.arming = self._last_backwards(tied)
+            self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
         self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
             ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
             ActionKind.OPTIMIZER_STEP: self._optimizer_step}
@@ -206,29 +135,6 @@ class Engine:
         self.messages: Dict[ActionKind, Callable[[_Step, Action], Tuple[Operation, Optional[Callable]]]] = {
             ActionKind.SEND_ACT: self._send_activations, ActionKind.RECV_ACT: self._receive_activations,
             ActionKind.SEND_GRAD: self._send_gradients, ActionKind.RECV_GRAD: self._receive_gradients}
-
-    def _last_backwards(self, tied: Set[int]) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
-        """For the data-parallel buckets: (stage, micro-batch) of each backward after which a
-        parameter gets no more gradient this step (the last backward of the last stage here using it)."""
-        last: Dict[int, Tuple[int, int]] = {}  # stage -> its last backward's position and micro-batch
-        for k, a in enumerate(self.actions):
-            if a.kind is ActionKind.BACKWARD:
-                last[a.stage] = (k, a.micro_batch)
-        final: Dict[int, Tuple[int, int, int]] = {}  # parameter -> (position, stage, micro-batch)
-        params: Dict[int, torch.nn.Parameter] = {}
-        for g, runner in self.runners.items():
-            if g not in last:
-                continue
-            for p in runner.stage.module.parameters():
-                if id(p) in tied:
-                    continue
-                params[id(p)] = p
-                candidate = (last[g][0], g, last[g][1])
-                final[id(p)] = max(final.get(id(p), candidate), candidate)
-        arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}
-        for pid, (_, g, i) in final.items():
-            arming.setdefault((g, i), []).append(params[pid])
-        return arming
 
     def _peer(self, stage: int, micro_batch: int) -> int:
         """The global rank running `micro_batch` through `stage` in this data-parallel replica."""
@@ -292,74 +198,33 @@ class Engine:
         runner, state = self.runners[g], step.states.setdefault((g, i), _State())
         if g > 0 and self._here(g - 1, i):  # handed over in memory by the previous stage
             before = step.states[(g - 1, i)]
-            state.received = self._assemble(runner.stage, [before.outputs[j].detach() for j in
+            state.received = assemble(runner.stage, [before.outputs[j].detach() for j in
                                                            self.runners[g - 1].send_tensors])
-        args = _own([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
+        args = own_copy([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
         counting = self.count_saved
         with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
             out = runner.stage.module(*args, *state.received)
             if runner.stage.is_last:
-                loss = self.spec.loss(out, _own(step.targets[i], self.device))
+                loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
                 state.loss = loss / (self.m * self.topology.data_parallel)
             else:
                 state.outputs = out
         if counting:
             saved = self.saved.saved_storages()
             state.saved_bytes = self.saved.finish()
-            self._learn_kept(runner, state, saved)
+            runner.learn_kept(state, saved)
         if state.loss is not None:
             detached = state.loss.detach().float() * (self.m * self.topology.data_parallel)
             step.loss_sum = detached if step.loss_sum is None else step.loss_sum + detached
             step.loss_count += 1
-        self._drop_inputs(runner, state)
+        runner.drop_inputs(state)
         if g > 0 and self._here(g - 1, i):
-            self._drop_outputs(self.runners[g - 1], step.states[(g - 1, i)])
+            self.runners[g - 1].drop_outputs(step.states[(g - 1, i)])
 
     def _autocast(self):
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
-
-    def _learn_kept(self, runner: _StageRunner, state: _State, saved: Set[int]) -> None:
-        def kept(values, indices):
-            return {n for n, j in enumerate(indices) if isinstance(values[j], torch.Tensor)
-                    and values[j].untyped_storage().data_ptr() in saved}
-
-        if runner.kept_inputs is None:
-            runner.kept_inputs = kept(state.received, runner.recv_tensors) if state.received else set()
-        if runner.kept_outputs is None and state.outputs is not None:
-            runner.kept_outputs = kept(state.outputs, runner.send_tensors)
-
-    def _drop_inputs(self, runner: _StageRunner, state: _State) -> None:
-        """After the forward: received values autograd did not save are kept only as the leaves
-        whose .grad the backward fills (without data), or not at all."""
-        if not runner.droppable or runner.kept_inputs is None or not state.received:
-            return
-        # an input passed on as an output is sent after this: its data stays until then
-        passed_on = {o.untyped_storage().data_ptr() for o in (state.outputs or ()) if isinstance(o, torch.Tensor)}
-        for n, j in enumerate(runner.recv_tensors):
-            value = state.received[j]
-            if n in runner.kept_inputs or value.untyped_storage().data_ptr() in passed_on:
-                continue
-            if value.requires_grad:
-                _drop_storage(value)
-            else:
-                state.received[j] = None
-
-    def _drop_outputs(self, runner: _StageRunner, state: _State) -> None:
-        """After the outputs were sent (or handed over): keep only what the backward needs."""
-        if not runner.droppable or runner.kept_outputs is None or state.outputs is None:
-            return
-        outputs = list(state.outputs)
-        for n, j in enumerate(runner.send_tensors):
-            value = outputs[j]
-            if n in runner.kept_outputs:
-                continue
-            if value.requires_grad and value.grad_fn is not None:
-                _drop_storage(value)
-            elif not value.requires_grad:
-                outputs[j] = None
-        state.outputs = outputs
 
     def _backward(self, step: _Step, action: Action) -> None:
         g, i = action.stage, action.micro_batch
@@ -427,7 +292,7 @@ class Engine:
         else:
             wire = layout.pack(tensors, self.device)
         return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
-                lambda _: self._drop_outputs(runner, state))
+                lambda _: runner.drop_outputs(state))
 
     def _receive_activations(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
@@ -440,7 +305,7 @@ class Engine:
                 tensors, self.layouts[("act in", g, peer)] = described.unpack(wire)
             else:
                 tensors = layout.unpack(wire)
-            step.states.setdefault((g, i), _State()).received = self._assemble(runner.stage, tensors)
+            step.states.setdefault((g, i), _State()).received = assemble(runner.stage, tensors)
 
         buffer = (described or layout).empty(self.device)
         return Operation(False, buffer, peer, self._tag(g, i, ACTIVATION)), arrived
@@ -472,17 +337,3 @@ class Engine:
             hook()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _assemble(self, stage: RankStage, tensors: List[torch.Tensor]) -> List[Any]:
-        """Received tensors and injected constants, in the stage's input order."""
-        values: List[Any] = []
-        it = iter(tensors)
-        for spec in stage.recv:
-            if spec["kind"] == "tensor":
-                t = next(it)
-                if spec.get("requires_grad"):
-                    t.requires_grad_(True)
-                values.append(t)
-            else:
-                values.append(_constant(spec["value"]))
-        return values

@@ -1,11 +1,12 @@
 """Process groups for the gradient reductions at the end of a step, and the reductions themselves."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
+from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from runtime.stage import RankModel
 
@@ -127,3 +128,28 @@ class GradientBuckets:
                 self._start(k)
         for work in self.works:
             work.wait()
+
+
+def last_backwards(actions: List[Action], stages: Dict[int, Any], tied: Set[int]
+               ) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
+    """For the data-parallel buckets: (stage, micro-batch) of each backward after which a
+    parameter gets no more gradient this step (the last backward of the last stage here using it)."""
+    last: Dict[int, Tuple[int, int]] = {}  # stage -> its last backward's position and micro-batch
+    for k, a in enumerate(actions):
+        if a.kind is ActionKind.BACKWARD:
+            last[a.stage] = (k, a.micro_batch)
+    final: Dict[int, Tuple[int, int, int]] = {}  # parameter -> (position, stage, micro-batch)
+    params: Dict[int, torch.nn.Parameter] = {}
+    for g, stage in stages.items():
+        if g not in last:
+            continue
+        for p in stage.module.parameters():
+            if id(p) in tied:
+                continue
+            params[id(p)] = p
+            candidate = (last[g][0], g, last[g][1])
+            final[id(p)] = max(final.get(id(p), candidate), candidate)
+    arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}
+    for pid, (_, g, i) in final.items():
+        arming.setdefault((g, i), []).append(params[pid])
+    return arming

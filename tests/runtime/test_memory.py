@@ -41,7 +41,7 @@ def test_sent_outputs_keep_only_their_graph():
     dropped = [o for n, o in enumerate(outputs) if n not in runner.kept_outputs and o.requires_grad]
     assert dropped and all(o.untyped_storage().nbytes() > o.element_size() for o in dropped)
     expected = [o.detach().clone() for o in outputs]
-    engine._drop_outputs(runner, state)  # what a send's completion does
+    runner.drop_outputs(state)  # what a send's completion does
     assert all(o.untyped_storage().nbytes() <= o.element_size() for o in dropped)
     for n, o in enumerate(outputs):
         if n in runner.kept_outputs:

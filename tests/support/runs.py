@@ -19,7 +19,7 @@ from planner.plan.file import Plan, save_plan
 from planner.plan.make import plan_for_split
 from planner.profile.measure import profile_model
 from planner.profile.profile import Profile
-from runtime.engine import split_micro_batches
+from runtime.microbatch import split_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 

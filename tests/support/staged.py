@@ -18,6 +18,7 @@ from planner.pipeline.schedule import Action, ActionKind
 from planner.plan.file import Plan
 from planner.profile.optim import make_optimizer
 from runtime.engine import Engine, StepStats, _State, _Step
+from runtime.microbatch import assemble
 from runtime.groups import Groups
 from runtime.stage import build_rank, stage_state
 
@@ -48,8 +49,8 @@ def run_in_process(plan: Plan, steps: int = 3, lr: float = 0.05) -> Dict[str, to
                     sent = steps_of[s - 1].states[(s - 1, i)].outputs
                     fresh = [sent[j].detach().clone() for j in runners[s - 1].send_tensors]
                     # sent: the engine now drops what autograd did not save (a send's completion does this)
-                    engines[s - 1]._drop_outputs(runners[s - 1], steps_of[s - 1].states[(s - 1, i)])
-                    steps_of[s].states[(s, i)] = _State(received=engine._assemble(runner.stage, fresh))
+                    runners[s - 1].drop_outputs(steps_of[s - 1].states[(s - 1, i)])
+                    steps_of[s].states[(s, i)] = _State(received=assemble(runner.stage, fresh))
                 engine._forward(steps_of[s], Action(ActionKind.FORWARD, i, s))
         for i in range(m):
             for s in reversed(range(len(engines))):
