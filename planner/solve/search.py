@@ -12,7 +12,10 @@ and a lower bound that holds for every split under the exact model:
             before it and before the last micro-batch's backward crosses them again; between the
             forward and the backward of the first micro-batch it backwards, that micro-batch
             crosses every later stage and back, while the rank has at most m - 1 other forwards
-            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition)
+            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition).
+            The crossings count too: each boundary before g (after g) costs at least its cheapest
+            message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
+            forward and last backward (the cost per message of each) can fill the wait: the larger counts
     v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
@@ -29,7 +32,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from planner.cost.model import candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_caps, rank_speeds
+from planner.cost.model import (boundary_links, candidate_micro_batch_sizes, evaluate, num_micro_batches,
+                                rank_caps, rank_speeds)
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
 from planner.cost.ranges import range_costs
@@ -119,14 +123,30 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     call = costs.call_forward + costs.call_backward
     total = float(prefix[-1]) + S * call
     if opts.virtual_stages == 1:
+        L = profile.num_units
         work = costs.matrix(prefix) + call
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
+        # crossing boundary j at cut position c: both messages' transfers and the cost per message
+        links = boundary_links(opts)
+        crossing = [np.array([costs.message_s(c, link) + costs.message_s(c, link, gradient=True) if 0 < c < L
+                              else np.inf for c in range(L + 1)]) + 2 * opts.message_s for link in links]
+        # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
+        fill = np.zeros((S, L + 1))
+        drain = np.zeros((S, L + 1))
+        for j, times in enumerate(crossing):
+            fill[j + 1:] += np.minimum.accumulate(times)
+            drain[:j + 1] += np.minimum.accumulate(times[::-1])[::-1]
+        fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
         before = prefix[:, None] / fastest
         after = (prefix[-1] - prefix)[None, :] / fastest
 
         def stage(g: int) -> np.ndarray:
-            return before + m * work / speeds[g] + np.maximum(0.0, after - (m - 1) * forward / speeds[g])
+            # the rank's own batches between its first forward and its last backward (every message
+            # but its first receive and its last send) may lie in the wait: the larger counts
+            inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
+            return before + fill[g][:, None] + m * work / speeds[g] + \
+                np.maximum(inside, after + drain[g][None, :] - (m - 1) * forward / speeds[g])
 
         value = min_max_partition(profile.num_units, S, stage)[0]
     else:
