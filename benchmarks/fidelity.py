@@ -36,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_plan  # noqa: E402
 
-from planner.cost.model import evaluate, profiled_optimizer_step_s  # noqa: E402
+from planner.cost.model import evaluate  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
 from planner.fidelity.simulation import simulate_plan  # noqa: E402
@@ -92,7 +92,7 @@ def link_options(profile):
     """What `planner solve` takes from the profile by default, as cost-model options: its
     calibration, else the measured link (planner profile --link measure), and the profiled SGD step."""
     bandwidth, latency, overhead, _ = solve_link(profile)
-    return {"optimizer_step_total_s": profiled_optimizer_step_s(profile, "sgd"), "bandwidth": bandwidth,
+    return {"bandwidth": bandwidth,
             "latency": latency, "step_overhead_s": overhead}
 
 

@@ -142,7 +142,6 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.
         print(f"wrote report {args.report}")
     if args.trace or args.timeline:
         from planner.fidelity.timeline import timeline_png
-        from planner.pipeline.simulate import simulate
         from runtime import trace
 
         events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(topology.world_size)}
@@ -150,7 +149,7 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.
             trace.chrome_trace(events, args.trace)
             print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
         if args.timeline:
-            _, predicted = simulate(lists, plan.stage_costs())
+            _, predicted = plan.simulate_step()
             replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
             timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
             print(f"wrote timeline {args.timeline}")

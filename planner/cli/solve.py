@@ -69,16 +69,10 @@ def problem_from_args(args: argparse.Namespace):
         schedules: List[str] = list(SCHEDULES)
     else:
         schedules = [args.schedule]
-    from planner.cost.model import profiled_optimizer_step_s
-
     from planner.fidelity.calibrate import solve_link
 
     bandwidth, latency, overhead, note = solve_link(
         profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency)
-    optimizer_step = profiled_optimizer_step_s(profile, args.optimizer)
-    if optimizer_step > 0:
-        step_note = f"charged the profiled {args.optimizer} step ({optimizer_step * 1e3:.3g} ms over all units)"
-        note = f"{note}; {step_note}" if note else step_note
     args.calibration_note = note
     opts = CostOptions(
         pipeline_ranks=stages if args.devices is None else 1,
@@ -87,7 +81,6 @@ def problem_from_args(args: argparse.Namespace):
         bandwidth=bandwidth,
         latency=latency,
         step_overhead_s=overhead,
-        optimizer_step_total_s=optimizer_step,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,

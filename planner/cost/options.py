@@ -32,17 +32,8 @@ class CostOptions:
     cluster: Optional[Cluster] = None
     recompute: str = "none"  # what solvers may choose: none | all | auto
     step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
-    # sum_l o_l: one optimizer step over every unit's parameters, as profiled (profiled_optimizer_step_s)
-    optimizer_step_total_s: float = 0.0
+    message_s: float = 0.0  # what the runtime pays per message on each side, besides the transfer
     replicas: Tuple[int, ...] = ()  # r_g per stage (S of them, adding up to p); () = one rank per stage
-
-    @property
-    def per_step_s(self) -> float:
-        """Time charged once per iteration whatever the split: the step overhead plus the optimizer
-        step of an average device, sum_l o_l / p (p = sum_g r_g with replicated stages, whose
-        replicas' steps overlap; a replicated stage's parameters count once, so that p, the
-        solver's budget, keeps it a constant of the search)."""
-        return self.step_overhead_s + self.optimizer_step_total_s / self.pipeline_ranks
 
     @property
     def replicated(self) -> bool:
@@ -74,8 +65,8 @@ class CostOptions:
                 raise ValueError(f"{name} must be positive bytes/s (got {value})")
         if not self.step_overhead_s >= 0:
             raise ValueError(f"the step overhead must be >= 0 seconds (got {self.step_overhead_s})")
-        if not self.optimizer_step_total_s >= 0:
-            raise ValueError(f"the optimizer step must be >= 0 seconds (got {self.optimizer_step_total_s})")
+        if not self.message_s >= 0:
+            raise ValueError(f"the per-message cost must be >= 0 seconds (got {self.message_s})")
         if self.latency < 0:
             raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
         if self.memory_cap is not None and not self.memory_cap > 0:

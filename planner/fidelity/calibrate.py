@@ -21,7 +21,7 @@ import copy
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from planner.cost.model import evaluate, profiled_optimizer_step_s
+from planner.cost.model import evaluate
 from planner.cost.options import DEFAULT_BANDWIDTH, CostOptions
 from planner.cost.result import PlanCost
 from planner.plan.file import Plan
@@ -40,7 +40,7 @@ def _evaluate_plan(profile: Profile, plan: Plan, bandwidth: float, latency: floa
                        schedule=plan.schedule, bandwidth=bandwidth, latency=latency, optimizer=plan.optimizer,
                        data_parallel=plan.data_parallel, virtual_stages=plan.virtual_stages,
                        replicas=replicas if any(r != 1 for r in replicas) else (),
-                       optimizer_step_total_s=profiled_optimizer_step_s(profile, plan.optimizer))
+                       message_s=plan.message_s)
     return evaluate(profile, boundaries, plan.micro_batch_size, opts, recompute)
 
 

@@ -18,10 +18,14 @@ from typing import Any, Dict, List, Optional, Tuple
 from planner.cost.options import DEFAULT_BANDWIDTH
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline.schedule import SCHEDULES, Action
-from planner.pipeline.simulate import StageCosts
+from planner.pipeline.simulate import SimEvent, simulate
+from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
 
-PLAN_SCHEMA_VERSION = 1
+# 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
+# (1 had a closed form, `per_step_s` and no durations)
+PLAN_SCHEMA_VERSION = 2
+_PER_INDEX = ("forward", "backward", "act", "grad", "reduce", "step")  # step_durations' per-index lists
 _REMAKE = "re-create it with `planner solve PROFILE`"
 
 # What a field's JSON value must be: (check, what the message says was expected)
@@ -103,7 +107,12 @@ class Plan:
     memory_per_device_bytes: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
     bandwidth_bytes_per_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
     latency_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
-    per_step_s: float = _key(_NUMBER, required=False, default=0.0)  # charged once per step whatever the split
+    step_overhead_s: float = _key(_NUMBER, required=False, default=0.0)  # added to the simulated step
+    message_s: float = _key(_NUMBER, required=False, default=0.0)  # the engine's cost per message, each side
+    # every duration of the step graph (planner.cost.model): {"forward": [s per stage], "backward": [...],
+    # "act": [s per boundary], "grad": [...], "message": s, "reduce": [s per pipeline rank], "step": [...],
+    # "collectives": [{"term": [...], "ranks": [...], "seconds": s}]}
+    step_durations: Dict[str, Any] = _key(_OBJECT, default_factory=dict)
     stages: List[PlanStage] = _key(None, default_factory=list)
     predicted_iteration_s: float = _key(_NUMBER, default=0.0)
     bubble_fraction: float = _key(_NUMBER, default=0.0)
@@ -124,19 +133,25 @@ class Plan:
         """Every pipeline rank's instruction list, as the runtime executes them."""
         return instruction_lists(self.topology(), self.schedule, self.num_micro_batches)
 
-    def stage_costs(self) -> Dict[int, StageCosts]:
-        """Per-stage costs as the plan predicts them (per micro-batch), for the event simulation."""
-        bandwidth = float(self.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH)
-        latency = float(self.latency_s or 0.0)
+    def step_terms(self) -> Tuple[Dict[Term, float], List[Tuple[Term, Tuple[int, ...]]]]:
+        """(duration per term, collectives in run order) of the step the planner predicted."""
+        raw = self.step_durations
+        value: Dict[Term, float] = {("message",): float(raw.get("message", 0.0))}
+        for kind in _PER_INDEX:
+            for i, seconds in enumerate(raw.get(kind, [])):
+                value[(kind, i)] = float(seconds)
+        collectives = []
+        for entry in raw.get("collectives", []):
+            term = tuple(entry["term"])
+            value[term] = float(entry["seconds"])
+            collectives.append((term, tuple(int(r) for r in entry["ranks"])))
+        return value, collectives
 
-        def transfer(size: int) -> float:
-            return size / bandwidth + (latency if size else 0.0)
-
-        return {g: StageCosts(forward_s=float(st.forward_s), backward_s=float(st.backward_s),
-                              send_act_s=transfer(st.activation_bytes_sent()),
-                              send_grad_s=transfer(st.gradient_bytes_sent()),
-                              optimizer_s=float(st.extra_s or 0.0))  # the once-per-step exchanges
-                for g, st in enumerate(self.stages)}
+    def simulate_step(self) -> Tuple[Timeline, List[SimEvent]]:
+        """The plan's lists simulated with its durations: the predicted step, without the overhead
+        (predicted_iteration_s = its step time + step_overhead_s)."""
+        value, collectives = self.step_terms()
+        return simulate(self.instruction_lists(), value, self.topology().rank_running, collectives)
 
     def digest(self) -> str:
         """sha256 of the plan's JSON (keys sorted): ranks compare it, checkpoints record it."""
@@ -183,6 +198,12 @@ class Plan:
         if min(m, b) < 1 or d * m * b != self.global_batch:
             raise JsonFileError(f"{where}: the global batch {self.global_batch} is not {d} replica(s) x {m} "
                                 f"micro-batches x micro-batch size {b}; {_REMAKE}")
+        try:
+            value, collectives = self.step_terms()
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise JsonFileError(f"{where} has malformed step_durations; {_REMAKE}") from None
+        if any(not 0 <= x < float("inf") for x in value.values()):
+            raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
         for st, device in zip(self.stages, topology.stage_rank):

@@ -285,7 +285,7 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
         inner(None)
     else:
         _outer(chain, inner, lambda: best[0], g_lb, tau_star, m)
-    return ChainResult(objective=best[0] + opts.per_step_s, boundaries=best[1], min_max=tau_star, min_sum=g_lb,
+    return ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=best[1], min_max=tau_star, min_sum=g_lb,
                        evaluations=evaluations[0])
 
 
