@@ -68,7 +68,7 @@ def chain_bounds(profile: Profile, b: int, opts: CostOptions) -> Optional[ChainB
     """
     if opts.virtual_stages != 1 or shared_parameters(profile):
         return None
-    capped = any(cap is not None for cap in rank_caps(opts))
+    capped = any(cap is not None for cap in rank_caps(opts, profile))
     auto = opts.recompute == "auto" and capped
     redo_all = list(range(profile.num_units)) if opts.recompute == "all" else []
     if not auto:

@@ -13,9 +13,9 @@ minimising
     F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
     T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
                                               beyond "has a predecessor / a successor")
-    X_g = (ceil(m / r_g) - 1) T_g            E_g = 2 (n - 1)/n P(a_g, e_g) / dp_bw,  n = r_g d
+    X_g = (ceil(m / r_g) - 1) T_g            E_g = the exchange of P(a_g, e_g) over n = r_g d holders
 
-subject to M_g = P_g (2 + opt) + h_g A_g <= cap, k_g = sum_{h>=g} r_h the devices from stage g to the
+subject to M_g = P_g beta_g + h_g A_g <= cap (beta_g over n = r_g d holders), k_g = sum_{h>=g} r_h the devices from stage g to the
 end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
@@ -61,8 +61,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
-                                num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate, input_bytes, num_micro_batches,
+                                fixed_bytes, rank_caps, shared_parameters, stage_call_s, static_factor,
+                                sync_time)
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
@@ -149,35 +150,37 @@ class ReplicaTables:
         acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
-        self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
+        self.E = {r: np.where(finite, sync_time(1.0, opts, profile.dtype, self.m, r * opts.data_parallel) *
+                              np.where(finite, params, 0.0),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e] without recomputation
-        self.fits: Dict[int, np.ndarray] = {}  # held -> T'[a, e]
+        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> M[a, e] without recomputation
+        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
-        static = params * (2 + optimizer_factor(opts.optimizer))
+        cap = rank_caps(opts, profile)[0]  # no cluster: one cap
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
                 held = self.held[r, k] = ceil_div(window, r)
-                if held not in self.memory:
-                    self.memory[held] = static + held * acts
+                if (r, held) not in self.memory:
+                    holders = r * opts.data_parallel
+                    self.memory[r, held] = params * static_factor(opts, profile.dtype, holders) + held * acts
                     if recompute_bound is not None:
-                        low, high = recompute_range_tables(profile, b, opts, held)
-                        self.fits[held] = self.T + (low if recompute_bound == "lower" else high)
-                    elif opts.memory_cap is None:
-                        self.fits[held] = self.T
+                        low, high = recompute_range_tables(profile, b, opts, held, holders=holders)
+                        self.fits[r, held] = self.T + (low if recompute_bound == "lower" else high)
+                    elif cap is None:
+                        self.fits[r, held] = self.T
                     else:
-                        self.fits[held] = np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+                        self.fits[r, held] = np.where(self.memory[r, held] <= cap, self.T, np.inf)
                 if (r, held) not in self._x:
-                    t = self.fits[held]
+                    t = self.fits[r, held]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
                                                 np.where(np.isfinite(t), t, 0.0), np.inf)
 
     def base(self, r: int, k: int) -> np.ndarray:
         """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
-        return self.fits[self.held[r, k]]
+        return self.fits[r, self.held[r, k]]
 
     def X(self, r: int, k: int) -> np.ndarray:
         return self._x[r, self.held[r, k]]
@@ -228,7 +231,7 @@ class ReplicaTables:
 
     def min_memory(self) -> Tuple[float, Optional[ReplicaSplit]]:
         """Least max per-device memory of any plan on N devices (caps ignored)."""
-        return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
+        return self._dp(lambda r, k: self.memory[r, self.held[r, k]], np.maximum)
 
     def values(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
         """(sum T', max X, max E) of a plan, read from the tables."""
@@ -329,7 +332,7 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
     for b in sizes:
         value, plan = ReplicaTables(profile, b, opts, devices).min_memory()
         if plan is not None and (least is None or value < least[0]):
-            least = (value, b)
+            least = (value + fixed_bytes(profile, opts), b)
     if least is None:
         return InfeasibleError(f"no replicated plan fills {devices} devices: at most {profile.num_units} stages "
                                "with no more replicas than micro-batches each; use fewer --stages or a larger "
@@ -347,7 +350,7 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
     edges, reps, chosen = [0] + list(plan.boundaries) + [profile.num_units], plan.replicas, []
     for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
         held = tables.held[r, sum(reps[g:])]
-        need = float(tables.memory[held][a, e]) - cap
+        need = float(tables.memory[r, held][a, e]) - cap
         if need > 0:
             try:
                 found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=True)
@@ -365,6 +368,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
     what it does not model, InfeasibleError when nothing fits."""
     started = time.perf_counter()
+    profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     best: Optional[_Found] = None
     searched = []  # (scenario, b) under auto recomputation with a cap
     for scenario in scenarios or [opts]:
@@ -381,7 +385,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             searched += [(scenario, b, auto)] if bounded else []
             if search.best is None:
                 continue
-            redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
+            redo = _cheapest_recompute(profile, tables, search.best, b, rank_caps(scenario, profile)[0]) if auto else \
                 (list(range(profile.num_units)) if scenario.recompute == "all" else [])
             plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
             value = plain.iteration_s

@@ -5,7 +5,7 @@ For stage c on rank i = c % p at micro-batch size b, with prefix sums over units
     time[c][a, e]   = (k + sum_{a<=l<e} f_l + g_l) / sigma_i + t_a^{c-1} [c > 0] + t_e^{c} [c < C-1]
                       (k: the profile's per-stage cost, planner.cost.model.stage_call_s)
     redo[c][a, e]   = sum_{a<=l<e} f_l / sigma_i            (extra time if every unit is recomputed)
-    memory[c][a, e] = (P_e - P_a)(2 + opt) + h_c (A_e - A_a)   (A: saved bytes, or inputs under 'all')
+    memory[c][a, e] = (P_e - P_a) beta + h_c (A_e - A_a)   (A: saved bytes, or inputs under 'all')
     extra[c][a, e]  = 2 (d - 1)/d (P_e - P_a) / dp_bandwidth
 
 Entries with e <= a are +inf. Recomputation under 'auto' is a per-stage covering knapsack
@@ -22,8 +22,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                                num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
+from planner.cost.model import (boundary_links, cut_times, held_counts, input_bytes, num_micro_batches, rank_caps,
+                                rank_speeds, stage_call_s, static_factor, sync_time)
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 
@@ -61,8 +61,8 @@ def stage_tables(profile: Profile, b: int, opts: CostOptions) -> StageTables:
     saved = input_bytes(profile, b) if all_redo else [u.saved_bytes[b] for u in profile.units]
     params = _range(_prefix([u.param_bytes for u in profile.units]))
     acts = _range(_prefix(saved))
-    speeds, caps, held, links = rank_speeds(opts), rank_caps(opts), held_counts(opts, m), boundary_links(opts)
-    static = params * (2 + optimizer_factor(opts.optimizer))
+    speeds, caps, held, links = rank_speeds(opts), rank_caps(opts, profile), held_counts(opts, m), boundary_links(opts)
+    static = params * static_factor(opts, profile.dtype)
     times, memories, extras = [], [], []
     for c in range(C):
         t = work / speeds[c % p]
@@ -72,7 +72,7 @@ def stage_tables(profile: Profile, b: int, opts: CostOptions) -> StageTables:
             t = t + np.array(cut_times(profile, b, opts, links[c]) + [0.0])[None, :]
         times.append(t)
         memories.append(static + held[c] * acts)
-        extras.append(allreduce_time(1.0, opts) * params if opts.data_parallel > 1 else
+        extras.append(sync_time(1.0, opts, profile.dtype, m) * params if opts.data_parallel > 1 else
                       np.where(np.isfinite(params), 0.0, np.inf))
     assert all(t.shape == (L + 1, L + 1) for t in times)
     return StageTables(time=times, memory=memories, extra=extras, caps=[caps[c % p] for c in range(C)], m=m)
