@@ -249,7 +249,9 @@ class Engine:
             self.comm.wait_sends()
         t1 = time.perf_counter()
         step.stats.send_wait_s += t1 - t0
-        self.groups.reduce_gradients(self.rank_model, self.params)
+        # issue 25: a gradient-sharded optimizer reduces the data-parallel gradients itself (runtime/shard.py)
+        sharded = getattr(self.optimizer, "reduces_gradients", False)
+        self.groups.reduce_gradients(self.rank_model, [] if sharded else self.params)
         t2 = time.perf_counter()
         step.stats.reduce_s += t2 - t1
         self.optimizer.step()

@@ -33,6 +33,7 @@ from runtime import checkpoint as ckpt
 from runtime.comm import PointToPoint
 from runtime.engine import Engine, Groups
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -150,6 +151,10 @@ def _build(me: _Rank, use_tags: bool) -> None:
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
     me.optimizer = make_optimizer(me.optimizer_name, me.rank_model.parameters(), args.lr)
+    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py)
+    me.optimizer = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.parameters(),
+                                   [param for param, _ in me.rank_model.tied.values()], args.lr,
+                                   me.groups.data_parallel_group) or me.optimizer
     comm = PointToPoint(me.device, use_tags=use_tags) if topology.pipeline_ranks > 1 else None
     clock_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by all ranks
 
