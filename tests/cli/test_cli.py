@@ -1,5 +1,6 @@
 """The three commands as a user runs them: outputs, exit codes, files, and one-line errors."""
 import json
+import os
 import time
 
 import pytest
@@ -281,7 +282,7 @@ BAD_PROFILES = [
 @pytest.mark.parametrize("mutate,field", BAD_PROFILES, ids=[f[1].split(" is")[0].split(" has")[0].split(" repeats")[0]
                                                             for f in BAD_PROFILES])
 def test_bad_profile_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, mutate, field):
-    from planner.cli import main
+    from planner.cli.main import main
 
     monkeypatch.delenv("PLANNER_TRACEBACK", raising=False)
     good, out = _profile_json(tmp_path / "good"), tmp_path / "plan.json"
@@ -322,7 +323,7 @@ def _without_highspy(argv):
     from tests.support.runs import ROOT
 
     code = ("import sys; sys.modules['highspy'] = None\n"
-            "from planner.cli import main\n"
+            "from planner.cli.main import main\n"
             f"sys.exit(main({list(argv)!r}))")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
