@@ -12,8 +12,9 @@ Bytes per parameter before sharding (`bytes_per_param`, n = 1):
 So AdamW holds 16 B (fp32), 18 B (bf16-mixed) and 8 B (bf16) per parameter; SGD (no momentum)
 8, 10 and 4. The bf16-mixed compute copy is the weights autocast casts to bf16 once per autocast
 region and keeps (cached, and saved for backward) until that region ends: one copy per stage when
-the run keeps one region per step, as counted here; a region per micro-batch would hold one copy
-per micro-batch in flight (planner/cost/memory.py's `COMPUTE_COPY_NOTE`). 4 + 2 + 4 + 8 = 18 B is
+the run keeps one region per step, as counted here; a region per micro-batch holds one copy per
+micro-batch in flight (measured on an H200: BENCHMARKS.md, "LLM scale"). Embedding weights are not
+cast (embedding runs in fp32 under autocast): the count is 2 B high for them. 4 + 2 + 4 + 8 = 18 B is
 also what Megatron-LM holds in bf16 (2 B bf16 weights, 4 B fp32 main weights, 4 B fp32 gradients,
 8 B Adam moments); the difference is which part ZeRO-1 can shard: here the fp32 weights are the
 model's own parameters (the forward reads them), so only the optimizer state shards.
@@ -70,11 +71,12 @@ COMPUTE_COPY_NOTE = ("bf16-mixed counts one bf16 copy of the weights per stage: 
                      "region per step, so the cast weights are cached and shared by its micro-batches")
 
 GIB = 2 ** 30
-# Default reserve per device kind (bytes). GPUs: CUDA context (~0.5 GiB with lazy module loading),
-# NCCL's communicator buffers (a few hundred MiB each; a pipeline rank has several), cuBLAS
-# workspaces and the caching allocator's unused blocks: 2 GiB, what Sailor's memory check adds.
-# A CPU process's runtime overhead is not capped memory: 0.
-DEFAULT_RESERVE = {"cpu": 0, "cuda": 2 * GIB}
+# Default reserve per device kind (bytes). GPUs: what a process holds outside PyTorch's allocator,
+# measured on an H200 (BENCHMARKS.md, "LLM scale"): CUDA context 0.61 GiB, with cuBLAS's workspace
+# 0.67 GiB, with NCCL (one rank, four communicators) 2.35 GiB; NCCL's buffers for peers (a pipeline
+# rank has two neighbours and a data-parallel ring) come on top and could not be measured on one
+# GPU: 2.5 GiB. A CPU process's runtime overhead is not capped memory: 0.
+DEFAULT_RESERVE = {"cpu": 0, "cuda": int(2.5 * GIB)}
 
 
 @dataclass(frozen=True)

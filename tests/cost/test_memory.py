@@ -58,8 +58,8 @@ def test_unknown_words_are_refused_in_one_line():
 
 def test_default_reserve_by_device():
     assert default_reserve("cpu") == 0
-    assert default_reserve("cuda:0") == 2 * 2 ** 30
-    assert default_reserve("analytic", {"name": "h100"}) == 2 * 2 ** 30
+    assert default_reserve("cuda:0") == 2.5 * 2 ** 30
+    assert default_reserve("analytic", {"name": "h100"}) == 2.5 * 2 ** 30
     assert default_reserve("analytic", {"name": "h100", "reserve_bytes": 123}) == 123
     assert default_reserve("analytic", {"name": "cpu-calibrated"}) == 0
 
