@@ -44,8 +44,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
                    help="shard optimizer state / + gradients / + parameters across each stage's data-parallel "
                         "replicas (ZeRO-1/2/3); auto lets the solver choose (default none)")
     s.add_argument("--reserve", default=None,
-                   help="bytes kept free on every device for what is not tensors (CUDA context, cuBLAS and NCCL buffers), "
-                        "e.g. 2GiB, or 0 (default: 2.5GiB on GPUs and analytic GPU profiles, 0 on CPU; docs/memory.md)")
+                   help="bytes kept free on every device for what is not tensors (CUDA context, cuBLAS and NCCL "
+                        "buffers), e.g. 2GiB, or 0 (default: 2.5GiB on GPUs and analytic GPU profiles, 0 on CPU; "
+                        "docs/memory.md)")
     s.add_argument("--backend", default=None, choices=["highs", "cbc"],
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
                         "with a note, where highspy cannot be imported)")

@@ -97,8 +97,8 @@ def fixed_bytes(profile: Profile, opts: CostOptions) -> float:
     gathered = 0.0
     if _shard(opts) == "parameters" and (opts.data_parallel > 1 or opts.replicated):
         largest = max((u.param_bytes for u in profile.units), default=0)
-        gathered = 2 * largest * memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters") \
-            / memory_model.param_itemsize(profile.dtype)
+        per_param = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
+        gathered = 2 * largest * per_param / memory_model.param_itemsize(profile.dtype)
     return reserve_of(profile, opts) + gathered
 
 
@@ -393,7 +393,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             value[term] = tie_time(sizes[term[1]], len(members) * opts.data_parallel, opts)
         else:
             g = term[1]
-            value[term] = sync_time(costs.params(*split.units(g)), opts, split.dtype, m, len(members) * opts.data_parallel)
+            holders = len(members) * opts.data_parallel
+            value[term] = sync_time(costs.params(*split.units(g)), opts, split.dtype, m, holders)
     return value
 
 
@@ -439,7 +440,8 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
                (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
         params = costs.params(a, e)
         count = params / itemsize
-        per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, len(_devices_of(shape, g)) * opts.data_parallel)
+        holders = len(_devices_of(shape, g)) * opts.data_parallel
+        per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         activations = in_flight[g] * held[("live", g)]
         collective = sum(value[term] for term, members in shape.collectives if device in members)
         stages.append(StageCost(

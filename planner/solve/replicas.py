@@ -15,8 +15,8 @@ minimising
                                               beyond "has a predecessor / a successor")
     X_g = (ceil(m / r_g) - 1) T_g            E_g = the exchange of P(a_g, e_g) over n = r_g d holders
 
-subject to M_g = P_g beta_g + h_g A_g <= cap (beta_g over n = r_g d holders), k_g = sum_{h>=g} r_h the devices from stage g to the
-end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
+subject to M_g = P_g beta_g + h_g A_g <= cap (beta_g: static bytes per parameter byte over n = r_g d
+holders), k_g = sum_{h>=g} r_h the devices from stage g to the end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
 found fits) and again with the smallest (a lower bound, whose plan is taken when it fits the exact
@@ -61,9 +61,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate, input_bytes, num_micro_batches,
-                                fixed_bytes, rank_caps, shared_parameters, stage_call_s, static_factor,
-                                sync_time)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate, fixed_bytes,
+                                input_bytes, num_micro_batches, rank_caps, shared_parameters, stage_call_s,
+                                static_factor, sync_time)
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
