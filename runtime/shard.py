@@ -6,10 +6,12 @@ planner/cost/memory.py), trained exactly as one process.
   holder keeps the optimizer state of its share of the parameters, steps them, and broadcasts them
   to the others.
 - `gradients` (ZeRO-2): `GradientShardedOptimizer`. Each parameter has one owner among the n
-  holders (parameters dealt out in order, largest share first, by size). Instead of the all-reduce,
-  every holder sends its gradients to their owner (one `reduce` per owner, of the owner's flattened
-  gradients); the others drop theirs. The owner steps its parameters (only it has their optimizer
-  state) and broadcasts them. gloo has no reduce-scatter: a reduce per owner moves the same bytes.
+  holders (dealt out in order to the least loaded, by size). Instead of the all-reduce at the end,
+  each micro-batch's backward hands every gradient to its owner as soon as it is accumulated (a
+  `reduce` per parameter, from a post-accumulate-grad hook) and the others drop theirs: a holder
+  keeps whole gradients only for its share, as planner/cost/memory.py counts (and sends m times
+  the gradients, as it charges). The owner steps its share (only it has their optimizer state) and
+  broadcasts it. gloo has no reduce-scatter: reduces to the owners move the same bytes.
 
 Tied weights (used by stages on several ranks) are summed over every rank holding a use in every
 replica by runtime.engine.Groups before the step, so each holder steps its copy itself (not sharded).
@@ -91,39 +93,34 @@ class GradientShardedOptimizer:
                  lr: float, group: Any):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
-        me = self.ranks.index(dist.get_rank())
+        self.me = self.ranks.index(dist.get_rank())
         tied_ids = {id(p) for p in tied}
         self.sharded = [p for p in params if id(p) not in tied_ids]
         self.owners = deal(self.sharded, len(self.ranks))
-        mine = [p for p, o in zip(self.sharded, self.owners) if o == me]
+        mine = [p for p, o in zip(self.sharded, self.owners) if o == self.me]
         own_tied = [p for p in params if id(p) in tied_ids]
-        self.me = me
         self.local = optimizer_class(mine + own_tied, lr=lr) if mine or own_tied else None
         self.params = params
+        for p, owner in zip(self.sharded, self.owners):
+            p.register_post_accumulate_grad_hook(self._hand_over(self.ranks[owner], owner == self.me))
 
-    def _of(self, owner: int) -> List[torch.nn.Parameter]:
-        return [p for p, o in zip(self.sharded, self.owners) if o == owner]
+    def _hand_over(self, owner_rank: int, mine: bool):
+        """After each backward that reaches the parameter: its gradient goes to its owner, summed
+        with the other holders' (the owner's already holds the earlier micro-batches'); the others
+        drop theirs. Every holder runs the same backward, so the reduces pair up in order."""
+
+        def hook(p: torch.nn.Parameter) -> None:
+            dist.reduce(p.grad, dst=owner_rank, group=self.group)
+            if not mine:
+                p.grad = None
+
+        return hook
 
     def step(self) -> None:
-        for owner in range(len(self.ranks)):
-            share = self._of(owner)
-            if not share:
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in share]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.reduce(flat, dst=self.ranks[owner], group=self.group)
-            if owner == self.me:
-                offset = 0
-                for p in share:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-            else:
-                for p in share:
-                    p.grad = None  # only the owner keeps (and steps) this share
         if self.local is not None:
             self.local.step()
         for owner in range(len(self.ranks)):
-            share = self._of(owner)
+            share = [p for p, o in zip(self.sharded, self.owners) if o == owner]
             if not share:
                 continue
             flat = torch.cat([p.detach().reshape(-1) for p in share])

@@ -61,3 +61,39 @@ def test_zero3_plan_is_refused_in_one_line(tmp_path):
     result = run_cli(["runtime.cli", "execute", path, "--steps", "1"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "does not run" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _zero2_rank(rank, port, out):
+    import torch.distributed as dist
+    from runtime.shard import GradientShardedOptimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    opt = GradientShardedOptimizer(params, [], torch.optim.SGD, 0.0, dist.group.WORLD)
+    for micro_batch in range(2):  # each rank's own inputs: the owner must end with the sum of all four
+        model(torch.full((1, 4), float(1 + rank + 2 * micro_batch))).sum().backward()
+    out[rank] = {i: (None if p.grad is None else p.grad.clone()) for i, p in enumerate(params)}
+    out[f"owners{rank}"] = list(opt.owners)
+    dist.destroy_process_group()
+
+
+def test_gradient_sharding_keeps_only_the_owned_gradients():
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_zero2_rank, args=(port, out), nprocs=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for x in (1, 2, 3, 4):  # one process, all four micro-batches
+        model(torch.full((1, 4), float(x))).sum().backward()
+    owners = out["owners0"]
+    for i, p in enumerate(model.parameters()):
+        owner, other = owners[i], 1 - owners[i]
+        assert out[other][i] is None  # dropped by the holder that does not own it
+        assert torch.allclose(out[owner][i], p.grad, atol=1e-6)
