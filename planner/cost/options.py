@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from planner.cost.cluster import Cluster
-from planner.cost.memory import PRECISIONS, SHARDS
+from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
-from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE
 
 RECOMPUTE_MODES = ("none", "all", "auto")
 SHARD_CHOICES = SHARDS + ("auto",)  # auto: the solver chooses (a scenario dimension)
@@ -79,9 +78,8 @@ class CostOptions:
             raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
         if self.memory_cap is not None and not self.memory_cap > 0:
             raise ValueError(f"memory per device must be positive bytes (got {self.memory_cap})")
-        if self.optimizer not in OPTIMIZER_STATE_PER_PARAM_BYTE:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
-                             f"{', '.join(sorted(OPTIMIZER_STATE_PER_PARAM_BYTE))}")
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(sorted(OPTIMIZER_MOMENTS))}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.shard not in SHARD_CHOICES:
