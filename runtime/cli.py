@@ -100,8 +100,6 @@ def execute(args: argparse.Namespace) -> int:
 def _check_run_options(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
-    if args.recv_ahead < 0:
-        raise UsageError("--recv-ahead must be 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
@@ -120,8 +118,7 @@ def _shape(topology) -> str:
 def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer: str) -> List[str]:
     """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
-                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
-                   "--recv-ahead", str(args.recv_ahead)]
+                   "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link"]
     if args.save_state:
         worker_args.append("--save-state")
     if args.trace or args.timeline:
@@ -159,10 +156,28 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.
             print(f"wrote timeline {args.timeline}")
 
 
+def _list_text(actions: List[sched.Action]) -> str:
+    """The list in its text form, each batch of communication actions in brackets."""
+    from runtime.program import COMMUNICATION, batches
+
+    words = []
+    for group in batches(actions):
+        text = " ".join(str(actions[k]) for k in group)
+        words.append(f"[{text}]" if actions[group[0]].kind in COMMUNICATION else text)
+    return " ".join(words)
+
+
 def show(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
     topology = plan.topology()
+    if args.json:
+        import json
+
+        from runtime.program import actions_json
+
+        print(json.dumps(actions_json(lists)))
+        return 0
     for r, actions in enumerate(lists):
         stages = topology.stages_of(r)
         units = [u for g in stages for u in plan.stages[g].units]
@@ -170,8 +185,9 @@ def show(args: argparse.Namespace) -> int:
                 if topology.replicas_of(stages[0]) > 1 else "")
         print(f"rank {r} (stages {','.join(map(str, stages))}: {units[0]} .. {units[-1]}{lane}), at most "
               f"{sched.max_in_flight(actions)} micro-batches held:")
-        print("  " + " ".join(str(a) for a in actions))
-    print("checked: every send has its receive, and no rank can wait forever")
+        print("  " + _list_text(actions))
+    print("checked: every send has its receive, and no rank can wait forever (batches in brackets are posted "
+          "together)")
     return 0
 
 
@@ -189,9 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer (default: the plan's; SGD without momentum, AdamW with torch defaults)")
     ex.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
                     help=f"seconds a rank may wait on another before giving up (default {RANK_TIMEOUT_S:g})")
-    ex.add_argument("--recv-ahead", type=int, default=2, metavar="K",
-                    help="on gloo, post each receive K receive actions before it runs, so data moves while "
-                         "the rank computes (default 2; 0 posts it when needed)")
     ex.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's actions")
     ex.add_argument("--timeline", metavar="PNG", help="draw the last step's timeline beside the predicted one")
     ex.add_argument("--checkpoint-dir", metavar="DIR", help="save each rank's parameters and optimizer state here")
@@ -200,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=execute)
     sh = sub.add_parser("show", help="print and check each rank's instruction list")
     sh.add_argument("plan")
+    sh.add_argument("--json", action="store_true",
+                    help='print every rank\'s list as JSON: {"ranks": [{"rank", "actions": [{"kind", "micro_batch", '
+                         '"stage", "batch" (communication actions posted together share it)}]}]}')
     sh.set_defaults(func=show)
     return parser
 

@@ -178,10 +178,14 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     return segments
 
 
-def build_rank(plan: Plan, topology: Topology, pipeline_rank: int) -> RankModel:
+def build_rank(plan: Plan, topology: Topology, pipeline_rank: int,
+               device: torch.device = torch.device("cpu")) -> RankModel:
+    """This rank's stages, their nodes placed on `device` (the parameters are moved by the caller)."""
     model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
     captured = capture(spec.module)
+    if torch.device(device).type != "cpu":
+        captured.place_nodes(device)
     _check_units(plan, captured)
     captured.check_batch_size(plan.micro_batch_size, f"plan with micro-batch size {captured.fixed_batch}")
     stages = plan.stages

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from planner.jsonio import atomic_path, write_json_atomic
+from planner.pipeline.check import check_schedule
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan, load_plan
 from planner.profile.allocator import retain_freed_memory
@@ -30,8 +31,8 @@ from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.link import fit_link, ping_pong
 from planner.profile.optim import OPTIMIZERS, make_optimizer
 from runtime import checkpoint as ckpt
-from runtime.comm import PointToPoint
-from runtime.engine import Engine, Groups
+from runtime.engine import Engine
+from runtime.groups import Groups
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
@@ -52,14 +53,13 @@ def _parse(argv):
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--recv-ahead", type=int, default=2,
-                   help="receives posted ahead of the action that needs them (gloo; 0: post when needed)")
     p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
     return p.parse_args(argv)
 
 
 def _check_same_plan(digest: str, rank: int, world: int) -> None:
     """Refuse to start if any rank read a different plan than rank 0 (e.g. a stale copy on one machine)."""
+    # int64 on the CPU: the collective goes through gloo (the group is cpu:gloo,cuda:nccl on GPUs)
     mine = torch.tensor([int(digest[i:i + 8], 16) for i in range(0, 64, 8)], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
@@ -103,15 +103,17 @@ def run(args) -> None:
     """One rank's whole run: join the group, build, train, write what it measured."""
     retain_freed_memory()  # as the profile did: no page faults for every micro-batch's buffers
     me = _start(args)
-    backend = "nccl" if me.device.type == "cuda" else "gloo"
+    # On GPUs NCCL moves CUDA tensors; gloo serves the few CPU ones (plan hash, losses).
+    backend = "cpu:gloo,cuda:nccl" if me.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=me.rank, world_size=me.world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=me.device if me.device.type == "cuda" else None)
     try:
         me.digest = me.plan.digest()
         _check_same_plan(me.digest, me.rank, me.world)
-        _build(me, use_tags=backend == "gloo")
+        _build(me, use_tags=me.device.type != "cuda")
         first_step = _resume(me)
-        link = _measure_link(me.plan, me.topology, me.rank) if args.measure_link else None
+        link = _measure_link(me.plan, me.topology, me.rank, me.device) if args.measure_link else None
         host_kernel = [_time_host(me.device)]
         steps = _train(me, first_step)
         host_kernel.append(_time_host(me.device))
@@ -129,11 +131,11 @@ def _start(args) -> _Rank:
     os.makedirs(args.out_dir, exist_ok=True)
     plan = load_plan(args.plan)
     topology = plan.topology()
+    # the lists `runtime execute` checks before starting; a torchrun launch checks them here
+    check_schedule(plan.instruction_lists(), plan.num_micro_batches, placement=topology.rank_running)
     if world != topology.world_size:
         raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
                            f"{topology.data_parallel} data-parallel) but {world} were started")
-    if args.recv_ahead < 0:
-        raise ValueError("--recv-ahead must be 0 or more")
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
     return _Rank(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
@@ -142,7 +144,7 @@ def _start(args) -> _Rank:
 def _build(me: _Rank, use_tags: bool) -> None:
     """This rank's stages, process groups, optimizer and engine."""
     plan, topology, args = me.plan, me.topology, me.args
-    me.rank_model = build_rank(plan, topology, me.pipeline_rank)
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device)
     for stage in me.rank_model.stages:
         stage.module.to(me.device)
     me.groups = Groups(topology, me.rank, me.rank_model.tied_groups)
@@ -155,15 +157,13 @@ def _build(me: _Rank, use_tags: bool) -> None:
     me.optimizer = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.parameters(),
                                    [param for param, _ in me.rank_model.tied.values()], args.lr,
                                    me.groups.data_parallel_group) or me.optimizer
-    comm = PointToPoint(me.device, use_tags=use_tags) if topology.pipeline_ranks > 1 else None
-    clock_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by all ranks
 
-    def record(kind, i, g, t0, t1):
-        me.events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
+    def record(kind, i, g, t0, t1):  # wall-clock seconds
+        me.events.append([kind, i, g, t0, t1])
 
     me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
-                       me.optimizer, me.device, comm, me.groups, trace=record if args.trace else None,
-                       recv_ahead=args.recv_ahead)
+                       me.optimizer, me.device, me.groups, use_tags=use_tags,
+                       trace=record if args.trace else None)
 
 
 def _resume(me: _Rank) -> int:
@@ -222,12 +222,13 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     args, topology, rank, m = me.args, me.topology, me.rank, me.plan.num_micro_batches
     pipeline_rank, stages = me.pipeline_rank, me.rank_model.stages
     peak = torch.cuda.max_memory_allocated(me.device) if me.device.type == "cuda" else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     static = sum(p.numel() * p.element_size() for p in me.rank_model.parameters())  # each parameter once
     result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
               "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
                                 for st in stages}, "threads": me.threads, "device": str(me.device),
-              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
+              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
@@ -241,14 +242,14 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
 
 
-def _measure_link(plan: Plan, topology, rank: int, repeats: int = 10):
+def _measure_link(plan: Plan, topology, rank: int, device: torch.device, repeats: int = 10):
     """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
     4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
     take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
     sizes = sorted({8, 4 << 20} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
-    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30)
+    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device)
     try:
         fit = fit_link(samples)
     except ValueError:  # time did not grow with size in this noisy sample: report no link

@@ -185,11 +185,12 @@ def register(sub) -> None:
                                    "iteration time under each device's memory.")
     add_problem_options(s)
     s.add_argument("--method", default="ilp", choices=["ilp", "dp", "brute", "uniform", "params", "block"],
-                   help="solver: ilp (default, proven optimal), dp (exact chain DP), brute (tiny profiles), "
+                   help="solver: ilp (default: the exact search, proven optimal or stopped with its gap), dp "
+                        "(its fast starts and local search alone, with a lower bound), brute (tiny profiles), "
                         "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
     s.add_argument("--replicate", action="store_true",
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
                         "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
-                        "exact, but with --recompute auto under a memory cap the gap says how close)")
+                        "chosen on a closed form, timed by the simulation, with a busy-time bound as its gap)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

@@ -135,20 +135,32 @@ class StepGraph:
             preds += [(before, transfer), (peer, transfer)]
         return self._add(preds, [("message",)] * len(batch), r, "batch " + ", ".join(str(a) for a in batch), batch[0])
 
+    def _compiled(self):
+        """The nodes as integer arrays (term indices; -1: none), built once: `run` is a tight loop."""
+        if getattr(self, "_flat", None) is None:
+            index: Dict[Term, int] = {}
+            preds = [tuple((p, index.setdefault(term, len(index)) if term is not None else -1)
+                           for p, term in node.preds) for node in self.nodes]
+            own = [tuple(index.setdefault(term, len(index)) for term in node.terms) for node in self.nodes]
+            self._flat = (list(index), preds, own)
+        return self._flat
+
     def run(self, value: Mapping[Term, float]) -> Timeline:
         """Every node's end for one set of durations (`value[term]`, 0 where absent)."""
-        end = [0.0] * len(self.nodes)
-        via: List[Tuple[int, Optional[Term]]] = [(-1, None)] * len(self.nodes)
-        get = value.get
-        for n, node in enumerate(self.nodes):
-            best, arg = 0.0, (-1, None)
-            for p, term in node.preds:
-                t = (end[p] if p >= 0 else 0.0) + (get(term, 0.0) if term is not None else 0.0)
-                if t > best:
-                    best, arg = t, (p, term)
-            for term in node.terms:
-                best += get(term, 0.0)
+        terms, all_preds, all_own = self._compiled()
+        val = [float(value.get(term, 0.0)) for term in terms] + [0.0]  # index -1: no term
+        end = [0.0] * (len(self.nodes) + 1)  # end[-1] = 0: the start of the step
+        via: List[Tuple[int, int]] = [(-1, -1)] * len(self.nodes)
+        for n in range(len(self.nodes)):
+            best, arg = 0.0, (-1, -1)
+            for p, t in all_preds[n]:
+                x = end[p] + val[t]
+                if x > best:
+                    best, arg = x, (p, t)
+            for t in all_own[n]:
+                best += val[t]
             end[n], via[n] = best, arg
+        end.pop()
         rank_end = [end[n] for n in self.rank_last]
         n = max(self.rank_last, key=lambda k: end[k])
         critical: Counter = Counter()
@@ -157,9 +169,9 @@ class StepGraph:
         while n >= 0:
             node = self.nodes[n]
             critical.update(node.terms)
-            p, term = via[n]
-            if term is not None:
-                critical[term] += 1
+            p, t = via[n]
+            if t >= 0:
+                critical[terms[t]] += 1
             if node.rank < 0 and p >= 0 and self.nodes[p].rank != after:
                 crossings.append((node.terms[0], self.nodes[p].rank, after))
             after = node.rank if node.rank >= 0 else after

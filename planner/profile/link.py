@@ -61,14 +61,17 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
-              tag: int = 0) -> List[List[float]]:
+              tag: int = 0, device: Optional[torch.device] = None) -> List[List[float]]:
     """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
     and `peer` in the default process group (the leader sends first; the peer runs the same call
     with leader=False). Sizes are interleaved round after round, so a burst of noise on the host
-    hits every size alike."""
+    hits every size alike. On a CUDA `device` the buffers live there (NCCL) and each round trip
+    ends with a synchronisation."""
     import torch.distributed as dist
 
-    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32) for n in message_bytes]
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device) for n in message_bytes]
     times: List[List[float]] = [[] for _ in buffers]
     for i in range(warmup + max(repeats, 1)):
         for k, buffer in enumerate(buffers):
@@ -79,6 +82,7 @@ def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: in
             else:
                 dist.recv(buffer, peer, tag=tag)
                 dist.send(buffer, peer, tag=tag)
+            sync()
             if i >= warmup:
                 times[k].append((time.perf_counter() - t0) / 2)
     return [[buffer.numel() * buffer.element_size(), statistics.median(t)] for buffer, t in zip(buffers, times)]

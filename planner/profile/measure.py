@@ -191,7 +191,7 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
              say: Callable[[str], None]) -> Tuple[ModelSpec, CapturedModel]:
     spec: ModelSpec = build_spec(entry, model_args, seed)
     captured: CapturedModel = capture(spec.module)
-    captured.gm.to(dev)
+    captured.to(dev)
     L = len(captured.units)
     if captured.fallback_reason:
         say(f"torch.fx failed ({captured.fallback_reason}); used torch.export")

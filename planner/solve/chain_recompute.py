@@ -14,9 +14,8 @@ with h_c F_k >= need:
     upper: T_k                                          (greedy whole units: feasible)
 
 both divided by sigma, +inf when even all of [a, e) does not free enough. Every stage time with
-its best recomputation lies between T_c + lower and T_c + upper, and the objective is monotone in
-each stage time, so the chain optimum with the lower tables bounds every plan from below and the
-one with the upper tables is a feasible plan (planner.solve.dp.chain_bounds).
+its best recomputation lies between T_c + lower and T_c + upper under the fill-drain form; the
+chain optimum with the upper tables is a start for the exact search (planner.solve.dp.chain_start).
 """
 from __future__ import annotations
 

@@ -179,6 +179,11 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         loose = not tight and best is not None and (best.iteration_s - max(bound, 0.0)) > COARSE_GAP * best.iteration_s
         result = program.solve(cutoff if math.isfinite(cutoff) else None, remaining, backend,
                                gap=COARSE_GAP / 4 if loose else gap / 4)
+        if not result.ran:
+            if best is None:
+                raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
+                                   "enable the warm start")
+            return ScenarioOutcome(best, bound, False)
         if not result.below_cutoff:
             proven = result.optimal and math.isfinite(cutoff)
             return ScenarioOutcome(best, max(bound, cutoff if proven else result.bound_s), proven)

@@ -61,6 +61,7 @@ class ProgramResult:
     bound_s: float  # the solver's proven lower bound over every split (seconds), -inf if none
     optimal: bool  # the program was solved to optimality (or proven to have nothing below the cutoff)
     below_cutoff: bool  # a solution under the cutoff exists
+    ran: bool = True  # False: the solver crashed (no answer at all)
 
 
 class _NoSplit(Exception):
@@ -266,7 +267,7 @@ class Program:
             cutoff = None if cutoff_s is None else cutoff_s * MS - constant
             optimal, bound_ms, ran = _run_highs(self.prob, time_limit, cutoff, gap=gap)
         if not ran:
-            return ProgramResult(None, [], None, -math.inf, False, False)
+            return ProgramResult(None, [], None, -math.inf, False, False, ran=False)
         constant = float(getattr(self.prob.objective, "constant", 0.0) or 0.0)
         bound = -math.inf if bound_ms is None else (bound_ms + constant) / MS
         if self.prob.sol_status == pulp.LpSolutionInfeasible or self.prob.status == pulp.LpStatusInfeasible:

@@ -41,16 +41,9 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
     work_after = ((costs.F + costs.G)[-1] - (costs.F + costs.G))[None, :] / fastest  # W(e, L), columns e
     limit = bound * (1 + 1e-9) + 1e-15
     ok = [np.isfinite(forward) for _ in range(S)]
-    for form in forms:
-        alpha = [form.get(("forward", g), 0) for g in range(S)]
-        beta = [form.get(("backward", g), 0) for g in range(S)]
-        mu = [min(x, y) for x, y in zip(alpha, beta)]
-        for g in range(S):
-            if not (alpha[g] or beta[g]):
-                continue
-            before = min(mu[:g]) if g > 0 else 0
-            after = min(mu[g + 1:]) if g < S - 1 else 0
-            value = ((alpha[g] * forward if alpha[g] else 0.0) + (beta[g] * backward if beta[g] else 0.0)) / speeds[g]
+    for g, conditions in enumerate(_stage_coefficients(forms, S)):
+        for alpha, beta, before, after in conditions:
+            value = ((alpha * forward if alpha else 0.0) + (beta * backward if beta else 0.0)) / speeds[g]
             if before:
                 value = value + before * work_before
             if after:
@@ -64,6 +57,26 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
             if caps[g] is not None:
                 ok[g] &= params + held[g] * least <= caps[g] * (1 + 1e-12)
     return ok
+
+
+def _stage_coefficients(forms: Iterable[Mapping], S: int) -> List[List[Tuple[int, int, int, int]]]:
+    """Per stage, the forms' distinct (alpha, beta, mu_before, mu_after), without those another one
+    covers (larger or equal in every coefficient gives the stronger condition): what is left to test."""
+    per_stage: List[set] = [set() for _ in range(S)]
+    for form in forms:
+        alpha = [form.get(("forward", g), 0) for g in range(S)]
+        beta = [form.get(("backward", g), 0) for g in range(S)]
+        mu = [min(x, y) for x, y in zip(alpha, beta)]
+        for g in range(S):
+            if alpha[g] or beta[g]:
+                per_stage[g].add((alpha[g], beta[g], min(mu[:g]) if g > 0 else 0,
+                                  min(mu[g + 1:]) if g < S - 1 else 0))
+    out = []
+    for found in per_stage:
+        kept = [c for c in found
+                if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in found)]
+        out.append(sorted(kept))
+    return out
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ Plans are judged by the exact model (planner.cost.model: the simulation of the r
 They are chosen by an exact search over a closed form of it, the fill-drain form below; so the
 plan is the closed form's optimum, its simulated time is reported, and the certificate is the
 busy-time bound `busy_bound` (every device shares the micro-batches' work; it holds for every
-replicated plan), a true but loose gap. The closed form:
+replicated plan), a true but loose gap. The exact search's plan with one stage per device is a
+candidate too: a replicated plan is chosen only when its simulated step is shorter. The closed form:
 
 The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
 [a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
@@ -15,8 +16,10 @@ minimising
                                               beyond "has a predecessor / a successor")
     X_g = (ceil(m / r_g) - 1) T_g            E_g = the exchange of P(a_g, e_g) over n = r_g d holders
 
-subject to M_g = P_g beta_g + h_g A_g <= cap (beta_g: static bytes per parameter byte over n = r_g d
-holders), k_g = sum_{h>=g} r_h the devices from stage g to the end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
+subject to M_g = P_g beta_g + h_g A_g + ceil(m / r_g) (in_{a_g} + grad_{e_g}) <= cap (beta_g: static
+bytes per parameter byte over n = r_g d holders; the last term bounds the received activations and
+gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
+end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
 found fits) and again with the smallest (a lower bound, whose plan is taken when it fits the exact
@@ -154,33 +157,39 @@ class ReplicaTables:
                               np.where(finite, params, 0.0),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> M[a, e] without recomputation
-        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> T'[a, e]
+        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
+        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
         cap = rank_caps(opts, profile)[0]  # no cluster: one cap
+        # received activations (gradients) a device holds before its forward (backward) uses them: at
+        # most its ceil(m / r) micro-batches under 'upper' (every plan found fits), none under 'lower'
+        inbox = np.asarray(input_bytes(profile, b) + [0], dtype=float)[:, None]  # rows a = 0..L
+        gradbox = np.asarray([0.0] + [float(profile.cut(k).gradient_bytes(b)) for k in range(1, L)] + [0.0])[None, :]
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
                 held = self.held[r, k] = ceil_div(window, r)
-                if (r, held) not in self.memory:
-                    holders = r * opts.data_parallel
-                    self.memory[r, held] = params * static_factor(opts, profile.dtype, holders) + held * acts
+                key = (held, r)
+                if key not in self.memory:
+                    buffers = ceil_div(self.m, r) * (inbox + gradbox) if held_bound == "upper" else 0.0
+                    static = params * static_factor(opts, profile.dtype, r * opts.data_parallel)
+                    self.memory[key] = static + held * acts + buffers
                     if recompute_bound is not None:
-                        low, high = recompute_range_tables(profile, b, opts, held, holders=holders)
-                        self.fits[r, held] = self.T + (low if recompute_bound == "lower" else high)
+                        low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel)
+                        self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
                     elif cap is None:
-                        self.fits[r, held] = self.T
+                        self.fits[key] = self.T
                     else:
-                        self.fits[r, held] = np.where(self.memory[r, held] <= cap, self.T, np.inf)
+                        self.fits[key] = np.where(self.memory[key] <= cap, self.T, np.inf)
                 if (r, held) not in self._x:
-                    t = self.fits[r, held]
+                    t = self.fits[key]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
                                                 np.where(np.isfinite(t), t, 0.0), np.inf)
 
     def base(self, r: int, k: int) -> np.ndarray:
         """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
-        return self.fits[r, self.held[r, k]]
+        return self.fits[self.held[r, k], r]
 
     def X(self, r: int, k: int) -> np.ndarray:
         return self._x[r, self.held[r, k]]
@@ -230,8 +239,9 @@ class ReplicaTables:
         return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which(r, k), np.inf), np.maximum)
 
     def min_memory(self) -> Tuple[float, Optional[ReplicaSplit]]:
-        """Least max per-device memory of any plan on N devices (caps ignored)."""
-        return self._dp(lambda r, k: self.memory[r, self.held[r, k]], np.maximum)
+        """Least max per-device memory of any plan on N devices under these tables (caps ignored;
+        with the 'upper' buffers a memory in which the plan surely fits)."""
+        return self._dp(lambda r, k: self.memory[self.held[r, k], r], np.maximum)
 
     def values(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
         """(sum T', max X, max E) of a plan, read from the tables."""
@@ -338,8 +348,8 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
                                "with no more replicas than micro-batches each; use fewer --stages or a larger "
                                "--global-batch")
     cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
-    return InfeasibleError(f"no replicated plan on {devices} devices fits {cap} per device; the least any needs "
-                           f"is {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
+    return InfeasibleError(f"the replicated search found no plan on {devices} devices within {cap} per device; "
+                           f"one fits in {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
                            f"{format_bytes(least[0])} ({math.ceil(least[0])} bytes) or use more --stages",
                            min_memory_bytes=least[0])
 
@@ -350,7 +360,7 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
     edges, reps, chosen = [0] + list(plan.boundaries) + [profile.num_units], plan.replicas, []
     for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
         held = tables.held[r, sum(reps[g:])]
-        need = float(tables.memory[r, held][a, e]) - cap
+        need = float(tables.memory[held, r][a, e]) - cap
         if need > 0:
             try:
                 found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=True)
@@ -405,21 +415,33 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
-    if best is None:
+    plain = _unreplicated(profile, scenarios or [opts])
+    if best is None and plain is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
         raise _infeasible(profile, opts, opts.pipeline_ranks, sizes)
-    plan, b, scenario, redo = best.split, best.b, best.scenario, best.recompute
-    chosen = _chosen(scenario, plan)
-    cost = evaluate(profile, plan.boundaries, b, chosen, redo)
+    if best is None or (plain is not None and plain.objective < best.value):
+        chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
+    else:
+        chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
+    cost = evaluate(profile, boundaries, b, chosen, redo)
     bound = min(min(busy_bound(profile, size, other) for other in scenarios or [opts]
                     for size in candidate_micro_batch_sizes(profile, other.global_batch, other)), cost.iteration_s)
     gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
     optimal = gap <= OPTIMALITY_GAP
-    return Solution(boundaries=list(plan.boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
                     cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
                     bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
+
+
+def _unreplicated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solution]:
+    """The exact search's best plan with one stage per device (every r_g = 1), where N <= L: the
+    replicated plan must beat it under the exact model to be chosen."""
+    from planner.solve.search import search_scenarios
+
+    usable = [s.with_(replicas=()) for s in scenarios if s.pipeline_ranks <= profile.num_units]
+    return search_scenarios(profile, usable, "ilp") if usable else None
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -24,14 +24,13 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from planner.cost.model import (candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
-                                shared_parameters)
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_caps, rank_speeds
 from planner.cost.memory import SHARDS
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
 from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
-from planner.solve.diagnose import min_max_partition
+from planner.solve.diagnose import memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
 
@@ -80,18 +79,21 @@ def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> Optional[Lis
 
 
 def _starts(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
-    """Splits worth simulating first: the fill-drain chain optimum (v = 1, no tied weights) and a
-    balanced split."""
-    from planner.solve.dp import chain_bounds
+    """Splits worth simulating first: the fill-drain chain optimum (v = 1, no tied weights), a
+    balanced split and, under memory caps, the split with the least peak memory."""
+    from planner.solve.dp import chain_start
 
     starts = []
-    if opts.virtual_stages == 1 and not shared_parameters(profile):
-        fast = chain_bounds(profile, b, opts)
-        if fast is not None and fast.plan is not None:
-            starts.append(list(fast.plan.boundaries))
+    fast = chain_start(profile, b, opts)
+    if fast is not None:
+        starts.append(list(fast.boundaries))
     balanced = _balanced_split(profile, b, opts)
     if balanced is not None:
         starts.append(balanced)
+    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
+        least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))[1]
+        if least_memory is not None:
+            starts.append(least_memory)
     return starts
 
 
@@ -127,7 +129,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
                      backend: str = "highs", warm_start: bool = True) -> Optional[Solution]:
     """Best plan over the scenarios by `method` ('ilp': exact with a certificate; 'dp': the fast
-    heuristic alone, with the scenarios' lower bounds as its bound); None when nothing fits."""
+    heuristic alone, with the scenarios' lower bounds as its bound, or the exact search where the
+    heuristic finds no plan that fits); None when nothing fits."""
     started = time.perf_counter()
     items = [_Scenario(opts, b, heuristic_plan(profile, b, opts) if warm_start or method == "dp" else None,
                        scenario_lower_bound(profile, b, opts))
@@ -137,9 +140,9 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     for it in items:
         if it.start is not None and (best is None or it.start.iteration_s < best[0].iteration_s):
             best = (it.start, it)
-    if method == "dp":
+    if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
         bound = min((it.lower_bound for it in items), default=math.inf)
-        return None if best is None else _solution(profile, best, bound, False, started, "dp", "python")
+        return _solution(profile, best, bound, False, started, "dp", "python")
     bound, all_proven = math.inf, True
     for it in items:
         if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):

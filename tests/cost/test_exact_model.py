@@ -147,7 +147,7 @@ def test_solver_matches_brute_force_under_the_exact_model(problem):
         assert oracle is None
         return
     assert oracle is not None
-    assert found.status == "optimal" and found.gap == 0.0
+    assert found.status == "optimal" and found.gap <= 1e-6  # the MIP's own tolerance
     assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
     again = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
     assert again.feasible and math.isclose(again.iteration_s, found.objective, rel_tol=1e-12)

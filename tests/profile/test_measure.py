@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from planner.cost.model import profiled_optimizer_step_s
+from planner.cost.ranges import range_costs
 from planner.profile.corunners import CoRunners
 from planner.profile.link import fit_link, measure_link
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
@@ -112,7 +112,8 @@ def test_profile_with_a_co_runner_records_its_conditions():
             if unit.param_bytes else unit.optimizer_s == {}
     assert [u.optimizer_s for u in again.units] == [u.optimizer_s for u in shared.units]
     total = sum(u.optimizer_s.get("adamw", 0.0) for u in shared.units)
-    assert profiled_optimizer_step_s(again, "adam") == pytest.approx(total) and total > 0
+    # what the cost model charges for one rank holding every unit
+    assert range_costs(again, 2, "adam").step(0, again.num_units) == pytest.approx(total) and total > 0
 
 
 def test_split_call_overhead_recovers_a_per_call_cost():
