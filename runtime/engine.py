@@ -405,7 +405,9 @@ class Engine:
 
     # --- end of step ----------------------------------------------------------------------------
     def _optimizer_step(self, step: _Step, action: Action) -> None:
-        self.groups.reduce_gradients(self.rank_model, self.params)
+        # issue 25: a gradient-sharded optimizer reduces the data-parallel gradients itself (runtime/shard.py)
+        sharded = getattr(self.optimizer, "reduces_gradients", False)
+        self.groups.reduce_gradients(self.rank_model, [] if sharded else self.params)
         self.clock.stop("reduce_s", "reduce")
         self.clock.mark()
         for hook in self.before_optimizer:

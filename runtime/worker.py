@@ -34,6 +34,7 @@ from runtime import checkpoint as ckpt
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -152,6 +153,10 @@ def _build(me: _Rank, use_tags: bool) -> None:
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
     me.optimizer = make_optimizer(me.optimizer_name, me.rank_model.parameters(), args.lr)
+    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py)
+    me.optimizer = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.parameters(),
+                                   [param for param, _ in me.rank_model.tied.values()], args.lr,
+                                   me.groups.data_parallel_group) or me.optimizer
 
     def record(kind, i, g, t0, t1):  # wall-clock seconds
         me.events.append([kind, i, g, t0, t1])

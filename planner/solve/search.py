@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from planner.cost.memory import SHARDS
 from planner.cost.model import (boundary_links, candidate_micro_batch_sizes, evaluate, num_micro_batches,
                                 rank_caps, rank_speeds)
 from planner.cost.options import CostOptions
@@ -50,7 +51,8 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
                      ) -> List[CostOptions]:
     """Concrete options: each schedule (interleaved/bfs with v = virtual_stages, default the
     options' own, or each of VIRTUAL_STAGES when several schedules are compared, else 2) and,
-    given `devices` N, each p x d = N."""
+    given `devices` N, each p x d = N; under shard 'auto', each of planner.cost.memory's shardings
+    (only 'none' where d = 1: one holder shards nothing)."""
     if virtual_stages is not None:
         chunk_options = [virtual_stages]
     elif opts.virtual_stages > 1:
@@ -62,10 +64,12 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
         [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and opts.global_batch % d == 0]
     out = []
     for p, d in pairs:
+        shards = [opts.shard] if opts.shard != "auto" else list(SHARDS) if d > 1 else ["none"]
         for schedule in schedules:
             for v in (chunk_options if schedule in MULTI_STAGE_SCHEDULES else [1]):
                 if p * v <= num_units:
-                    out.append(opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v))
+                    out += [opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v,
+                                       shard=shard) for shard in shards]
     return out
 
 
@@ -95,7 +99,7 @@ def _starts(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
     balanced = _balanced_split(profile, b, opts)
     if balanced is not None:
         starts.append(balanced)
-    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts)):
+    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
         least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))[1]
         if least_memory is not None:
             starts.append(least_memory)
