@@ -11,9 +11,10 @@ Bytes per parameter before sharding (`bytes_per_param`, n = 1):
 
 So AdamW holds 16 B (fp32), 18 B (bf16-mixed) and 8 B (bf16) per parameter; SGD (no momentum)
 8, 10 and 4. The bf16-mixed compute copy is the weights autocast casts to bf16 once per autocast
-region and keeps (cached, and saved for backward) until that region ends: one copy per stage when
-the run keeps one region per step, as counted here; a region per micro-batch holds one copy per
-micro-batch in flight (measured on an H200: BENCHMARKS.md, "LLM scale"). Embedding weights are not
+region and keeps (cached, and saved for backward) until that micro-batch's backward: the runtime
+runs each forward in its own region, so the cost model counts it per micro-batch in flight, with the
+saved activations (`ParamBytes.static` leaves it out; measured on an H200: 1.58 B per parameter per
+micro-batch, BENCHMARKS.md, "LLM scale"). Embedding weights are not
 cast (embedding runs in fp32 under autocast): the count is 2 B high for them. 4 + 2 + 4 + 8 = 18 B is
 also what Megatron-LM holds in bf16 (2 B bf16 weights, 4 B fp32 main weights, 4 B fp32 gradients,
 8 B Adam moments); the difference is which part ZeRO-1 can shard: here the fp32 weights are the
@@ -67,8 +68,8 @@ _PRECISION_BYTES = {
 COMPUTE_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
-COMPUTE_COPY_NOTE = ("bf16-mixed counts one bf16 copy of the weights per stage: the runtime keeps one autocast "
-                     "region per step, so the cast weights are cached and shared by its micro-batches")
+COMPUTE_COPY_NOTE = ("bf16-mixed counts a bf16 copy of a stage's weights per micro-batch in flight: the runtime "
+                     "runs each forward in its own autocast region, whose cast weights are saved for backward")
 
 GIB = 2 ** 30
 # Default reserve per device kind (bytes). GPUs: what a process holds outside PyTorch's allocator,
@@ -92,6 +93,12 @@ class ParamBytes:
     @property
     def total(self) -> float:
         return self.params + self.compute_copy + self.grads + self.master + self.optimizer
+
+    @property
+    def static(self) -> float:
+        """What the holder keeps for the whole step: all but the compute copy, which the runtime
+        makes per micro-batch (one autocast region per forward) and holds while it is in flight."""
+        return self.params + self.grads + self.master + self.optimizer
 
     def to_json(self) -> Dict[str, float]:
         return dict(asdict(self), total=self.total)
