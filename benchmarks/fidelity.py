@@ -234,7 +234,7 @@ def calibrate_rows(rows, plans, runs, passes, stage_counts=STAGES, points=CALIBR
             calibrated = calibrations[row["stages"]]
             # re-planned as `planner solve` plans from a calibrated profile
             replanned = plan_fixed(calibrated, plans[(row["stages"], row["m"], row["b"])], link_options(calibrated))
-            row.setdefault("calibrated_runs_s", []).append(replanned["predicted_iteration_s"])
+            row.setdefault("calibrated_runs_s", []).append(replanned.predicted_iteration_s)
     for row in rows:
         row["calibrated_s"] = statistics.median(row["calibrated_runs_s"])
     return calibrations

@@ -13,6 +13,7 @@ from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_ato
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
+from runtime.shard import check_runnable
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.options import add_training_options, forwarded
 
@@ -69,6 +70,9 @@ def execute(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
     _check_run_options(args)
+    refusal = check_runnable(plan.shard)  # issue 25: ZeRO-3 is planned, not run (runtime/shard.py)
+    if refusal:
+        raise UsageError(refusal)
     topology = plan.topology()
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     optimizer = args.optimizer or plan.optimizer

@@ -124,7 +124,7 @@ class Engine:
         self.before_optimizer: List[Callable[[], None]] = []  # e.g. gradient clipping
         self.buckets: Optional[GradientBuckets] = None
         self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
-        if groups.data_parallel_group is not None:
+        if groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
             tied = {id(param) for param, _ in rank_model.tied.values()}
             self.buckets = GradientBuckets([p for p in self.params if id(p) not in tied], groups.data_parallel_group)
             self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
@@ -330,6 +330,8 @@ class Engine:
 
     # --- end of step ----------------------------------------------------------------------------
     def _optimizer_step(self, step: _Step, action: Action) -> None:
+        # a gradient-sharded optimizer (issue 25, runtime/shard.py) reduces the data-parallel gradients
+        # itself: then there are no buckets here
         self.groups.reduce_gradients(self.rank_model, self.buckets)
         self.clock.stop("reduce_s", "reduce")
         self.clock.mark()

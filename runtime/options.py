@@ -15,7 +15,7 @@ class TrainOptions:
     optimizer: str = "sgd"
     lr: float = 0.01
     momentum: float = 0.0  # SGD
-    weight_decay: float = 0.0  # SGD's L2 term, AdamW's decoupled decay
+    weight_decay: Optional[float] = None  # SGD's L2 term, AdamW's decoupled decay; None: torch's default
     betas: Tuple[float, float] = (0.9, 0.999)  # AdamW
     schedule: str = "constant"
     warmup_steps: int = 0
@@ -30,7 +30,7 @@ class TrainOptions:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
         if not self.lr > 0:
             raise ValueError("--lr must be positive")
-        if self.momentum < 0 or self.weight_decay < 0:
+        if self.momentum < 0 or (self.weight_decay or 0) < 0:
             raise ValueError("--momentum and --weight-decay must be 0 or more")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError("--betas must be two numbers in [0, 1), e.g. 0.9,0.95")
@@ -44,6 +44,13 @@ class TrainOptions:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}")
 
     @property
+    def decay(self) -> float:
+        """The weight decay the optimizer gets: the option, else torch's default for it."""
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return 0.01 if self.optimizer == "adamw" else 0.0
+
+    @property
     def autocast_dtype(self) -> Any:
         """torch.autocast's dtype, or None (fp32)."""
         import torch
@@ -54,7 +61,8 @@ class TrainOptions:
 # (flag, argparse keywords); every one is forwarded from `runtime execute` to the ranks
 _OPTIONS = [
     ("--momentum", dict(type=float, default=0.0, help="SGD momentum (default 0)")),
-    ("--weight-decay", dict(type=float, default=0.0, help="SGD L2 penalty / AdamW decoupled decay (default 0)")),
+    ("--weight-decay", dict(type=float, default=None,
+                            help="SGD L2 penalty / AdamW decoupled decay (default: torch's, 0 and 0.01)")),
     ("--betas", dict(default="0.9,0.999", metavar="B1,B2", help="AdamW betas (default 0.9,0.999)")),
     ("--lr-schedule", dict(choices=SCHEDULES, default="constant",
                            help="constant, or cosine from --lr down to --min-lr at the last step (default constant)")),

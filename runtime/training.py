@@ -27,8 +27,8 @@ def make_optimizer(options: TrainOptions, params: List[torch.nn.Parameter]) -> A
     if not params:
         return bare(options.optimizer, params, options.lr)  # a rank without parameters
     if options.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, weight_decay=options.weight_decay)
-    return torch.optim.AdamW(params, lr=options.lr, betas=options.betas, weight_decay=options.weight_decay)
+        return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, weight_decay=options.decay)
+    return torch.optim.AdamW(params, lr=options.lr, betas=options.betas, weight_decay=options.decay)
 
 
 def lr_at(options: TrainOptions, step: int) -> float:
@@ -43,7 +43,9 @@ def lr_at(options: TrainOptions, step: int) -> float:
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
-    for group in getattr(optimizer, "param_groups", []):
+    """Every parameter group's rate (a sharded optimizer's inner one too: runtime/shard.py)."""
+    inner = getattr(optimizer, "zero", None) or getattr(optimizer, "local", None) or optimizer
+    for group in getattr(inner, "param_groups", []):
         group["lr"] = lr
 
 

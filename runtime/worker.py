@@ -37,6 +37,7 @@ from runtime.initstate import InitState
 from runtime.options import add_training_options, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -176,6 +177,15 @@ def _build(me: _Rank, use_tags: bool) -> None:
         me.optimizer_name = "adamw"
     me.options = training_options(args, me.optimizer_name, plan)
     me.optimizer = make_optimizer(me.options, me.rank_model.parameters())
+    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py;
+    # torch's defaults: momentum, betas and weight decay apply to the unsharded optimizer only)
+    sharded = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.parameters(),
+                              [param for param, _ in me.rank_model.tied.values()], args.lr,
+                              me.groups.data_parallel_group)
+    if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
+        raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
+                         "only its share of the gradients; re-plan without --shard gradients or drop the clipping")
+    me.optimizer = sharded or me.optimizer
 
     def record(kind, i, g, t0, t1):  # wall-clock seconds
         me.events.append([kind, i, g, t0, t1])

@@ -40,6 +40,16 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cost/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
+    s.add_argument("--precision", default=None, choices=["fp32", "bf16-mixed", "bf16"],
+                   help="dtypes of parameters, gradients, optimizer state and compute (docs/memory.md; default: "
+                        "bf16-mixed for a bfloat16/float16 profile, else fp32); runtime execute must run the same")
+    s.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients", "parameters", "auto"],
+                   help="shard optimizer state / + gradients / + parameters across each stage's data-parallel "
+                        "replicas (ZeRO-1/2/3); auto lets the solver choose (default none)")
+    s.add_argument("--reserve", default=None,
+                   help="bytes kept free on every device for what is not tensors (CUDA context, cuBLAS and NCCL "
+                        "buffers), e.g. 2GiB, or 0 (default: 2.5GiB on GPUs and analytic GPU profiles, 0 on CPU; "
+                        "docs/memory.md)")
     s.add_argument("--backend", default=None, choices=["highs", "cbc"],
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
                         "with a note, where highspy cannot be imported)")
@@ -49,6 +59,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
 def problem_from_args(args: argparse.Namespace):
     """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
     from planner.cost.cluster import load_cluster
+    from planner.cost.memory import default_precision
     from planner.cost.options import CostOptions
     from planner.profile.profile import load_profile
 
@@ -94,12 +105,22 @@ def problem_from_args(args: argparse.Namespace):
         virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,
         cluster=cluster,
         recompute=args.recompute,
+        precision=args.precision or default_precision(profile.dtype),
+        shard=args.shard,
+        reserve_bytes=_reserve_bytes(args.reserve),
     )
     if args.schedule in MULTI_STAGE_SCHEDULES:
         opts = opts.with_(schedule=args.schedule)
     if cluster is not None and args.devices is not None:
         raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")
     return profile, opts, args.devices, schedules
+
+
+def _reserve_bytes(text: Optional[str]) -> Optional[float]:
+    """--reserve: a size, or 0 for none; None: the profile's device default (planner.cost.memory)."""
+    if text is None:
+        return None
+    return 0.0 if text.strip() in ("0", "0B", "0b") else parse_bytes(text, "--reserve")
 
 
 def ilp_backend(requested: Optional[str]) -> str:

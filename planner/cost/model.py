@@ -18,8 +18,9 @@ on rank i at speed sigma_i (planner.cost.ranges):
     message        a fixed cost per message on each side (`message_s`)
     tie t          2 (n - 1) / n * bytes_t / bandwidth: all-reduce of tied weight t over the n ranks
                    (all replicas) holding a use of it, when its uses span several ranks
-    lanes g        2 (n - 1) / n * P_g / dp_bandwidth, n = r_g d: a replicated stage's all-reduce
-    reduce i       2 (d - 1) / d * P_i / dp_bandwidth: rank i's all-reduce over the replicas
+    lanes g        the same over n = r_g d holders: a replicated stage's exchange
+    reduce i       the data-parallel exchange of rank i's P_i over the replicas / dp_bandwidth: an
+                   all-reduce, 2 (d - 1) / d P_i, or the sharded exchanges (planner.cost.memory)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
     iteration = step time of the lists + step_overhead (a constant, e.g. from `planner calibrate`)
@@ -30,17 +31,24 @@ a maximum of sums of these durations; the solvers optimise exactly that (planner
 
 Memory of rank i (bytes): static + the peak, along its list, of what it holds for its stages:
 
-    M_i = sum_{g on i} P_g (2 + opt) + max over the list's moments of
+    M_i = sum_{g on i} P_g beta_g + F + max over the list's moments of
           sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g} ]
     A_g = sum_{l in g} (in_l if l in R else s_l)
 
 live_g: micro-batches of stage g forwarded and not yet backwarded; inbox_g / gradbox_g: activations
 (gradients) received and not yet used (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
-cut l (in_0 = 0); opt: optimizer-state bytes per parameter byte. A plan is feasible iff M_i <= cap_i.
-Interleaved needs m to be a multiple of p (Megatron's rule).
+cut l (in_0 = 0). beta_g (`static_factor`): bytes held per parameter byte of the profile —
+parameters, compute copy, gradients, master weights and optimizer state in the precision's dtypes,
+sharded over the stage's n_g = r_g d holders (planner.cost.memory). F (`fixed_bytes`): the
+per-device reserve plus, under `parameters` sharding, two gathered units. A plan is feasible iff
+M_i <= cap_i. Interleaved needs m to be a multiple of p (Megatron's rule).
+
+Precision. Activations and cut messages are counted in the precision's compute dtype: a profile of
+another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
@@ -48,11 +56,104 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, stage_devices, stage_in_flight, step_graph
-from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE, Profile
+from planner.cost import memory as memory_model
+from planner.profile.profile import CutProfile, CutValue, Profile
 
-def optimizer_factor(optimizer: str) -> float:
-    """opt: optimizer-state bytes per parameter byte."""
-    return float(OPTIMIZER_STATE_PER_PARAM_BYTE[optimizer])
+
+def precision_of(opts: CostOptions, dtype: str) -> str:
+    """The precision a plan of a profile of this dtype runs at: the options', else the dtype's default."""
+    return opts.precision or memory_model.default_precision(dtype)
+
+
+def static_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
+    """beta: bytes a device keeps per parameter byte of a `dtype` profile (parameters, gradients,
+    master weights, optimizer state) for a stage of n holders (default the d replicas)."""
+    n = opts.data_parallel if holders is None else holders
+    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
+    return held.static / memory_model.param_itemsize(dtype)
+
+
+def copy_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
+    """Bytes of the compute copy of the weights per parameter byte, held per micro-batch in flight."""
+    n = opts.data_parallel if holders is None else holders
+    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
+    return held.compute_copy / memory_model.param_itemsize(dtype)
+
+
+def sync_time(param_bytes: float, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> float:
+    """Seconds of the data-parallel exchange of `param_bytes` (profile bytes) over n holders
+    (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory)."""
+    n = opts.data_parallel if holders is None else holders
+    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
+    per_param = memory_model.sync_bytes_per_param(precision_of(opts, dtype), _shard(opts), n, m)
+    return per_param * param_bytes / memory_model.param_itemsize(dtype) / bandwidth
+
+
+def reserve_of(profile: Profile, opts: CostOptions) -> float:
+    """Bytes kept free on every device: the options', else the profile's device default."""
+    if opts.reserve_bytes is not None:
+        return float(opts.reserve_bytes)
+    spec = (profile.extra.get("analytic") or {}).get("device_spec")
+    return memory_model.default_reserve(profile.device, spec if isinstance(spec, dict) else None)
+
+
+def fixed_bytes(profile: Profile, opts: CostOptions) -> float:
+    """F: bytes every device holds whatever its stages: the reserve, and under `parameters`
+    sharding with several holders the two largest gathered units (the running one and the
+    prefetched one; the profile's largest unit, twice, whatever the split: a bound)."""
+    gathered = 0.0
+    if _shard(opts) == "parameters" and (opts.data_parallel > 1 or opts.replicated):
+        largest = max((u.param_bytes for u in profile.units), default=0)
+        per_param = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
+        gathered = 2 * largest * per_param / memory_model.param_itemsize(profile.dtype)
+    return reserve_of(profile, opts) + gathered
+
+
+def _shard(opts: CostOptions) -> str:
+    if opts.shard == "auto":
+        raise ValueError("shard 'auto' is the solver's choice: cost a plan with a concrete shard "
+                         f"({', '.join(memory_model.SHARDS)})")
+    return opts.shard
+
+
+_CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}
+
+
+def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
+    """The profile with its byte counts in the precision's compute dtype (parameters, saved
+    activations, outputs and cut tensors scaled by the ratio of the dtypes' sizes; times as
+    measured); the profile itself when the dtypes agree. Autocast keeps a few tensors in fp32
+    (softmax and normalisation statistics): a measured fp32 profile planned at bf16 undercounts them."""
+    target = memory_model.COMPUTE_DTYPE[precision_of(opts, profile.dtype)]
+    ratio = memory_model.DTYPE_BYTES[target] / memory_model.param_itemsize(profile.dtype)
+    if ratio == 1:
+        return profile
+    key = (id(profile), target)
+    hit = _CONVERTED.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+
+    def scale(table: Dict[int, int]) -> Dict[int, int]:
+        return {b: int(round(v * ratio)) for b, v in table.items()}
+
+    def value(v: CutValue) -> CutValue:
+        if v.kind != "tensor" or v.dtype != profile.dtype:  # integer tensors (token ids) keep their size
+            return v
+        return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
+
+    units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)), saved_bytes=scale(u.saved_bytes),
+                                 output_bytes=scale(u.output_bytes)) for u in profile.units]
+    cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
+    ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and
+            isinstance(e.get("bytes"), (int, float)) else e for e in profile.extra.get("shared_parameters", []) or []]
+    extra = dict(profile.extra, computed_from_dtype=profile.dtype)
+    if "shared_parameters" in extra:
+        extra["shared_parameters"] = ties
+    converted = dataclasses.replace(profile, units=units, cuts=cuts, dtype=target, extra=extra)
+    _CONVERTED[key] = (profile, converted)
+    if len(_CONVERTED) > 16:
+        _CONVERTED.pop(next(iter(_CONVERTED)))
+    return converted
 
 
 def num_micro_batches(opts: CostOptions, b: int) -> int:
@@ -84,9 +185,10 @@ def rank_speeds(opts: CostOptions) -> List[float]:
     return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(opts.pipeline_ranks)]
 
 
-def rank_caps(opts: CostOptions) -> List[Optional[float]]:
-    return [opts.memory_cap if opts.cluster is None else opts.cluster.memory(i, opts.memory_cap)
-            for i in range(opts.pipeline_ranks)]
+def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
+    """What each rank's stages may hold: its cap less the fixed bytes F (`fixed_bytes`); None: no cap."""
+    fixed = fixed_bytes(profile, opts)
+    return [None if cap is None else cap - fixed for cap in _device_caps(opts, opts.pipeline_ranks)]
 
 
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
@@ -125,13 +227,6 @@ def stage_call_s(profile: Profile, b: int) -> float:
 def input_bytes(profile: Profile, b: int) -> List[int]:
     """in_l: bytes crossing cut l (what a recomputed unit keeps); in_0 = 0."""
     return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
-
-
-def allreduce_time(param_bytes: float, opts: CostOptions, holders: Optional[int] = None) -> float:
-    """Ring all-reduce of a rank's gradients over n holders (default the d replicas): 2 (n - 1)/n * P / dp_bandwidth."""
-    d = opts.data_parallel if holders is None else holders
-    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
-    return 2.0 * (d - 1) / d * param_bytes / bandwidth
 
 
 def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
@@ -190,12 +285,14 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     """Cost of cutting the profile at `boundaries` (S - 1 cuts) with micro-batch size b and the
     units in `recompute` recomputed in backward: the simulated step of the plan's lists."""
     validate_boundaries(profile, boundaries, b, opts)
+    profile = compute_profile(profile, opts)
     L, S = profile.num_units, opts.num_stages
     redo: FrozenSet[int] = frozenset(recompute)
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
     m = num_micro_batches(opts, b)
-    split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [L]), redo)
+    split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [L]), redo,
+                  profile.dtype, fixed_bytes(profile, opts))
     ties = shared_parameters(profile)
     shape = step_shape(opts, m, step_collectives(ties, split.edges, opts))
     value = step_durations(split, opts, shape, ties)
@@ -234,6 +331,8 @@ class Split:
     costs: RangeCosts
     edges: Tuple[int, ...]
     redo: FrozenSet[int]
+    dtype: str = "float32"  # the profile's (planner.cost.memory: bytes per parameter byte)
+    fixed: float = 0.0  # F: bytes every device holds besides its stages (`fixed_bytes`)
 
     def units(self, g: int) -> Tuple[int, int]:
         return self.edges[g], self.edges[g + 1]
@@ -291,8 +390,9 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             params[i] += costs.params(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
+    m = shape.num_micro_batches
     for i in range(devices):
-        value[("reduce", i)] = allreduce_time(params[i], opts) if lanes[i] == 1 else 0.0
+        value[("reduce", i)] = sync_time(params[i], opts, split.dtype, m) if lanes[i] == 1 else 0.0
         value[("step", i)] = steps[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:
@@ -300,7 +400,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             value[term] = tie_time(sizes[term[1]], len(members) * opts.data_parallel, opts)
         else:
             g = term[1]
-            value[term] = allreduce_time(costs.params(*split.units(g)), opts, len(members) * opts.data_parallel)
+            holders = len(members) * opts.data_parallel
+            value[term] = sync_time(costs.params(*split.units(g)), opts, split.dtype, m, holders)
     return value
 
 
@@ -308,9 +409,10 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
     """Bytes per held item of each kind (planner.pipeline.stepgraph.held_peaks' terms)."""
     costs, S = split.costs, opts.num_stages
     out: Dict[Tuple, float] = {}
+    copy = copy_factor(opts, split.dtype)  # bf16-mixed: the forward's cast weights, saved for backward
     for g in range(S):
         a, e = split.units(g)
-        out[("live", g)] = costs.saved(a, e, split.redo)
+        out[("live", g)] = costs.saved(a, e, split.redo) + copy * costs.params(a, e)
         out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
         out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
     return out
@@ -318,34 +420,45 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
 
 def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[float]:
     """M_i per device: static bytes of its stages + the peak of what its list holds (module docstring)."""
-    costs, opt = split.costs, optimizer_factor(opts.optimizer)
+    costs = split.costs
     held = held_bytes(split, opts)
-    memory = []
+    out = []
     for i, peaks in enumerate(rank_peaks(shape)):
-        static = sum(costs.params(*split.units(g)) for g in range(opts.num_stages) if i in _devices_of(shape, g))
+        static = sum(costs.params(*split.units(g)) * _stage_factor(split, opts, shape, g)
+                     for g in range(opts.num_stages) if i in _devices_of(shape, g))
         activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
-        memory.append(static * (2 + opt) + activations)
-    return memory
+        out.append(static + split.fixed + activations)
+    return out
+
+
+def _stage_factor(split: Split, opts: CostOptions, shape: StepShape, g: int) -> float:
+    """beta_g: static bytes per parameter byte of stage g, sharded over its r_g d holders."""
+    return static_factor(opts, split.dtype, len(_devices_of(shape, g)) * opts.data_parallel)
 
 
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float]) -> List[StageCost]:
     """Per-stage figures for tables and the plan file (on the stage's first device)."""
-    costs, S, opt = split.costs, opts.num_stages, optimizer_factor(opts.optimizer)
+    costs, S = split.costs, opts.num_stages
     held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
+    precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
     stages = []
     for g in range(S):
         (a, e), device = split.units(g), shape.rank_of(g)
         comm = (value[("act", g - 1)] + value[("grad", g - 1)] if g > 0 else 0.0) + \
                (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
         params = costs.params(a, e)
+        count = params / itemsize
+        holders = len(_devices_of(shape, g)) * opts.data_parallel
+        per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         activations = in_flight[g] * held[("live", g)]
         collective = sum(value[term] for term, members in shape.collectives if device in members)
         stages.append(StageCost(
             first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
             backward_s=value[("backward", g)], comm_s=comm,
             time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
-            param_bytes=int(params), grad_bytes=int(params), optimizer_bytes=params * opt,
-            activation_bytes=int(activations), memory_bytes=params * (2 + opt) + activations,
+            param_bytes=int(count * per.params), grad_bytes=int(count * per.grads),
+            optimizer_bytes=count * (per.master + per.optimizer),
+            activation_bytes=int(activations), memory_bytes=count * per.static + activations,
             extra_s=value[("reduce", device)] + collective,
             recompute=sorted(l for l in split.redo if a <= l < e), replicas=len(_devices_of(shape, g))))
     return stages

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from planner.cost.cluster import Cluster
+from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
-from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE
 
 RECOMPUTE_MODES = ("none", "all", "auto")
+SHARD_CHOICES = SHARDS + ("auto",)  # auto: the solver chooses (a scenario dimension)
 DEFAULT_BANDWIDTH = 5e9  # bytes/s between pipeline ranks when nothing better is known
 
 
@@ -34,6 +35,12 @@ class CostOptions:
     step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
     message_s: float = 0.0  # what the runtime pays per message on each side, besides the transfer
     replicas: Tuple[int, ...] = ()  # r_g per stage (S of them, adding up to p); () = one rank per stage
+    # planner.cost.memory: the dtypes of parameters, gradients and state (None: the profile's
+    # default, bf16-mixed for a half-precision profile, else fp32), how the data-parallel holders of
+    # a stage shard them, and the bytes kept free on every device (None: the profile's device default)
+    precision: Optional[str] = None
+    shard: str = "none"
+    reserve_bytes: Optional[float] = None
 
     @property
     def replicated(self) -> bool:
@@ -71,9 +78,14 @@ class CostOptions:
             raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
         if self.memory_cap is not None and not self.memory_cap > 0:
             raise ValueError(f"memory per device must be positive bytes (got {self.memory_cap})")
-        if self.optimizer not in OPTIMIZER_STATE_PER_PARAM_BYTE:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
-                             f"{', '.join(sorted(OPTIMIZER_STATE_PER_PARAM_BYTE))}")
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(sorted(OPTIMIZER_MOMENTS))}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if self.shard not in SHARD_CHOICES:
+            raise ValueError(f"unknown shard {self.shard!r}; use one of {', '.join(SHARD_CHOICES)}")
+        if self.reserve_bytes is not None and not self.reserve_bytes >= 0:
+            raise ValueError(f"the reserve must be >= 0 bytes per device (got {self.reserve_bytes})")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
         if self.replicas:

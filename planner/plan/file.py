@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from planner.cost.memory import PRECISIONS, SHARDS
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline.schedule import SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
@@ -97,6 +98,11 @@ class Plan:
     profile: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # which profile, measured under what
     schedule: str = _key(_TEXT, default="1f1b")
     optimizer: str = _key(_TEXT, default="sgd")
+    # planner.cost.memory: the dtypes parameters, gradients and state are kept in, how the stages'
+    # data-parallel holders shard them (ZeRO), and the bytes kept free on every device
+    precision: str = _key(_TEXT, required=False, default="fp32")
+    shard: str = _key(_TEXT, required=False, default="none")
+    reserve_bytes: float = _key(_NUMBER, required=False, default=0.0)
     global_batch: int = _key(_INT, default=1)
     data_parallel: int = _key(_INT, required=False, default=1)
     pipeline_stages: int = _key(_INT, required=False, default=0)  # 0 in code: derive from the stages
@@ -152,6 +158,14 @@ class Plan:
         value, collectives = self.step_terms()
         return simulate(self.instruction_lists(), value, self.topology().rank_running, collectives)
 
+    def precision_mismatch(self, precision: str) -> Optional[str]:
+        """The one-line refusal when a run asks another precision than the plan was made for (its
+        memory would not be the planned one), else None."""
+        if precision == self.precision:
+            return None
+        return (f"the plan was made for precision {self.precision} but the run asks {precision}: run with "
+                f"--precision {self.precision}, or re-plan with `planner solve --precision {precision}`")
+
     def digest(self) -> str:
         """sha256 of the plan's JSON (keys sorted): ranks compare it, checkpoints record it."""
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
@@ -189,6 +203,11 @@ class Plan:
                 raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
         if self.schedule not in SCHEDULES:
             raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
+        for name, value, known in (("precision", self.precision, PRECISIONS), ("shard", self.shard, SHARDS)):
+            if value not in known:
+                raise JsonFileError(f"{where} has {name} {value!r}, not one of {', '.join(known)}; {_REMAKE}")
+        if not 0 <= self.reserve_bytes < float("inf"):
+            raise JsonFileError(f"{where} has reserve_bytes {self.reserve_bytes!r}: bytes >= 0; {_REMAKE}")
         try:
             topology = self.topology()
         except TopologyError as e:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from planner.cost.model import evaluate
+from planner.cost.model import evaluate, fixed_bytes, precision_of, reserve_of
 from planner.cost.options import CostOptions
 from planner.plan.file import Plan, PlanStage
 from planner.profile.profile import Profile
@@ -42,6 +42,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     pipeline_s = cost.iteration_s - opts.step_overhead_s  # the simulated step
     rank_work = [sum(st.forward_s + st.backward_s for st in cost.stages if st.device == i) for i in range(p)]
     replicated = any(st.replicas > 1 for st in cost.stages)
+    fixed = fixed_bytes(profile, opts)  # the reserve (+ gathered units under parameters sharding), per device
     stages: List[PlanStage] = []
     for index, st in enumerate(cost.stages):
         if replicated:  # per replica device: in_flight, memory_bytes; busy for ceil(m / r) micro-batches
@@ -54,7 +55,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
             forward_s=st.forward_s, backward_s=st.backward_s, comm_s=st.comm_s, time_s=st.time_s,
             extra_s=st.extra_s, in_flight=st.in_flight,
             memory_bytes={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
-                          "activations": st.activation_bytes, "total": st.memory_bytes,
+                          "activations": st.activation_bytes, "total": st.memory_bytes, "fixed": fixed,
                           "device_total": cost.device_memory[st.device]},
             memory_cap_bytes=cost.device_caps[st.device],
             bubble_fraction=max(0.0, 1.0 - busy / pipeline_s) if pipeline_s > 0 else 0.0,
@@ -67,7 +68,8 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         profile={"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
                  "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype,
                  "host_kernel_s": profile.host_kernel.get("mean_s")},
-        schedule=cost.schedule, optimizer=opts.optimizer, global_batch=opts.global_batch,
+        schedule=cost.schedule, optimizer=opts.optimizer, precision=precision_of(opts, profile.dtype),
+        shard=opts.shard, reserve_bytes=reserve_of(profile, opts), global_batch=opts.global_batch,
         data_parallel=cost.data_parallel, pipeline_stages=p, virtual_stages=cost.virtual_stages,
         micro_batch_size=b, num_micro_batches=m, memory_per_device_bytes=opts.memory_cap,
         bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, step_overhead_s=opts.step_overhead_s,

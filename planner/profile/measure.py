@@ -29,6 +29,7 @@ from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kern
 from planner.profile.optim import OPTIMIZERS
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.profile.timing import UnitCall, UnitTiming, measure_optimizer_steps, measure_units, split_call_overhead
+from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
@@ -328,7 +329,7 @@ def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes
         extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
                "inplace_merges": [{"unit": m.kept, "absorbed": m.absorbed, "writes": m.writes}
                                   for m in captured.merges],
-               "measured_under": measured_under},
+               "measured_under": measured_under, "attention": attention_of(run.spec.module)},
         stage_overhead_s=run.stage_overhead,
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from planner.cost.model import compute_profile
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend  # noqa: F401  (re-exported)
@@ -38,6 +39,7 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     imported; planner.solve.backends.choose_backend).
     """
     opts.validate()
+    profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     if method not in METHODS:
         raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
     backend, _ = choose_backend(backend)

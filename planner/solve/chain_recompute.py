@@ -19,11 +19,11 @@ chain optimum with the upper tables is a start for the exact search (planner.sol
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import held_counts, num_micro_batches, optimizer_factor, rank_caps, rank_speeds
+from planner.cost.model import held_counts, num_micro_batches, rank_caps, rank_speeds, static_factor
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
@@ -47,36 +47,37 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
     m = num_micro_batches(opts, b)
     f, g, P, A, order = _unit_arrays(profile, b)
     n = order.size
-    speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
-    opt = optimizer_factor(opts.optimizer)
+    speeds, caps, held = rank_speeds(opts), rank_caps(opts, profile), held_counts(opts, m)
+    beta = static_factor(opts, profile.dtype)
     ends = np.arange(L + 1)
     cache = {}
     lower, upper = [], []
     for c in range(C):
         key = (held[c], speeds[c % p], caps[c % p])
         if key not in cache:
-            cache[key] = _tables(L, n, order, f, g, P, A, opt, *key, ends)
+            cache[key] = _tables(L, n, order, f, g, P, A, beta, *key, ends)
         lower.append(cache[key][0])
         upper.append(cache[key][1])
     return lower, upper
 
 
-def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0
-                           ) -> Tuple[np.ndarray, np.ndarray]:
+def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0,
+                           holders: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
-    of this speed and opts.memory_cap (planner.solve.replicas: one table per held count)."""
+    of this speed and the rank's cap, its stage on n holders (default d; planner.solve.replicas:
+    one table per held count)."""
     L = profile.num_units
     f, g, P, A, order = _unit_arrays(profile, b)
-    return _tables(L, order.size, order, f, g, P, A, optimizer_factor(opts.optimizer), held, speed,
-                   opts.memory_cap, np.arange(L + 1))
+    return _tables(L, order.size, order, f, g, P, A, static_factor(opts, profile.dtype, holders), held, speed,
+                   rank_caps(opts, profile)[0], np.arange(L + 1))
 
 
-def _tables(L, n, order, f, g, P, A, opt, h, sigma, cap, ends):
+def _tables(L, n, order, f, g, P, A, beta, h, sigma, cap, ends):
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
-        need = (P[e] - P[a]) * (2 + opt) + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
+        need = (P[e] - P[a]) * beta + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
         fits = need <= 0
         low[a, e[fits]] = 0.0
         high[a, e[fits]] = 0.0

@@ -28,7 +28,7 @@ def chain_start(profile: Profile, b: int, opts: CostOptions) -> Optional[Split]:
     """
     if opts.virtual_stages != 1 or shared_parameters(profile):
         return None
-    auto = opts.recompute == "auto" and any(cap is not None for cap in rank_caps(opts))
+    auto = opts.recompute == "auto" and any(cap is not None for cap in rank_caps(opts, profile))
     if not auto:
         found = solve_chain(profile, b, opts)
         redo = list(range(profile.num_units)) if opts.recompute == "all" else []

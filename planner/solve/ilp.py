@@ -25,7 +25,7 @@ rank j to rank i through tied weight t's all-reduce exists only when both hold a
 T >= form - M (2 - h[t][j] - h[t][i]). Memory: for rank i and each of its list's peak vectors P
 (planner.pipeline.stepgraph.held_peaks),
 
-    sum_{g on i} sum_l x[l][g] P_l (2 + opt)  +  sum_{g on i} [ P_live,g (sum_l x[l][g] s_l - sum_l rho[l][g] (s_l - in_l))
+    sum_{g on i} sum_l x[l][g] P_l beta  +  sum_{g on i} [ P_live,g (sum_l x[l][g] s_l - sum_l rho[l][g] (s_l - in_l))
         + P_inbox,g sum_k e[k][g-1] act_k + P_gradbox,g sum_k e[k][g] grad_k ]  <=  cap_i
 
 With only some paths known, T is a lower bound of the step time of the split the program picks;
@@ -40,8 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pulp
 
-from planner.cost.model import (allreduce_time, boundary_links, num_micro_batches, optimizer_factor, rank_caps,
-                                rank_speeds, shared_parameters, step_shape, tie_time)
+from planner.cost.model import (boundary_links, copy_factor, num_micro_batches, rank_caps, rank_speeds,
+                                shared_parameters, static_factor, step_shape, sync_time, tie_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -138,7 +138,7 @@ class Program:
     def _recompute_vars(self) -> None:
         c, opts = self.costs, self.opts
         self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
-        if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts)):
+        if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
         for l in range(self.L):
             if c.s[l] > c.inputs[l]:
@@ -174,7 +174,7 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = range(i, S, p)
-            reduce = pulp.lpSum(allreduce_time(c.p[l], opts) * MS * self.x(l, g)
+            reduce = pulp.lpSum(sync_time(c.p[l], opts, self.profile.dtype, self.m) * MS * self.x(l, g)
                                 for g in stages for l in range(L) if self.may(l, g) and c.p[l])
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
@@ -206,12 +206,13 @@ class Program:
     # --- memory ---------------------------------------------------------------------------------
     def _memory(self) -> None:
         c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
-        caps = rank_caps(opts)
+        caps = rank_caps(opts, self.profile)
         if all(cap is None for cap in caps):
             return
-        per_param = 2 + optimizer_factor(opts.optimizer)
+        per_param = static_factor(opts, self.profile.dtype)
         redo_all = opts.recompute == "all"
-        saved = [c.inputs[l] if redo_all else c.s[l] for l in range(L)]
+        copy = copy_factor(opts, self.profile.dtype)  # bf16-mixed: cast weights held per micro-batch
+        saved = [(c.inputs[l] if redo_all else c.s[l]) + copy * c.p[l] for l in range(L)]
         peaks = rank_peaks(step_shape(opts, self.m))
         for i in range(p):
             if caps[i] is None:
@@ -292,6 +293,6 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     links = boundary_links(opts) or [(opts.bandwidth, opts.latency)]
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.data_parallel, opts) for _, _, size in shared_parameters(profile))
-    reduce = allreduce_time(float(c.P[-1]), opts) + float(c.O[-1]) / slowest
+    reduce = sync_time(float(c.P[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
 

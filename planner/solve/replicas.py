@@ -14,10 +14,11 @@ minimising
     F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
     T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
                                               beyond "has a predecessor / a successor")
-    X_g = (ceil(m / r_g) - 1) T_g            E_g = 2 (n - 1)/n P(a_g, e_g) / dp_bw,  n = r_g d
+    X_g = (ceil(m / r_g) - 1) T_g            E_g = the exchange of P(a_g, e_g) over n = r_g d holders
 
-subject to M_g = P_g (2 + opt) + h_g A_g + ceil(m / r_g) (in_{a_g} + grad_{e_g}) <= cap (the last
-term bounds the received activations and gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
+subject to M_g = P_g beta_g + h_g A_g + ceil(m / r_g) (in_{a_g} + grad_{e_g}) <= cap (beta_g: static
+bytes per parameter byte over n = r_g d holders; the last term bounds the received activations and
+gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
 end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
@@ -63,8 +64,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate,
-                                num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, copy_factor, cut_times, evaluate,
+                                fixed_bytes, num_micro_batches, rank_caps, shared_parameters, stage_call_s,
+                                static_factor, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs, range_matrix
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
@@ -142,16 +144,17 @@ class ReplicaTables:
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
         params = range_matrix(costs.P)
-        acts = range_matrix(costs.saved_prefix(redo_all))
+        acts = range_matrix(costs.saved_prefix(redo_all) + copy_factor(opts, profile.dtype) * costs.P)
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
-        self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
+        self.E = {r: np.where(finite, sync_time(1.0, opts, profile.dtype, self.m, r * opts.data_parallel) *
+                              np.where(finite, params, 0.0),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
         self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
         self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
-        static = params * (2 + optimizer_factor(opts.optimizer))
+        cap = rank_caps(opts, profile)[0]  # no cluster: one cap
         # received activations (gradients) a device holds before its forward (backward) uses them: at
         # most its ceil(m / r) micro-batches under 'upper' (every plan found fits), none under 'lower'
         inbox, gradbox = costs.act[:, None], costs.grad[None, :]  # rows a, columns e = 0..L
@@ -163,14 +166,15 @@ class ReplicaTables:
                 key = (held, r)
                 if key not in self.memory:
                     buffers = ceil_div(self.m, r) * (inbox + gradbox) if held_bound == "upper" else 0.0
+                    static = params * static_factor(opts, profile.dtype, r * opts.data_parallel)
                     self.memory[key] = static + held * acts + buffers
                     if recompute_bound is not None:
-                        low, high = recompute_range_tables(profile, b, opts, held)
+                        low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel)
                         self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
-                    elif opts.memory_cap is None:
+                    elif cap is None:
                         self.fits[key] = self.T
                     else:
-                        self.fits[key] = np.where(self.memory[key] <= opts.memory_cap, self.T, np.inf)
+                        self.fits[key] = np.where(self.memory[key] <= cap, self.T, np.inf)
                 if (r, held) not in self._x:
                     t = self.fits[key]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
@@ -331,7 +335,7 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
     for b in sizes:
         value, plan = ReplicaTables(profile, b, opts, devices).min_memory()
         if plan is not None and (least is None or value < least[0]):
-            least = (value, b)
+            least = (value + fixed_bytes(profile, opts), b)
     if least is None:
         return InfeasibleError(f"no replicated plan fills {devices} devices: at most {profile.num_units} stages "
                                "with no more replicas than micro-batches each; use fewer --stages or a larger "
@@ -367,6 +371,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
     what it does not model, InfeasibleError when nothing fits."""
     started = time.perf_counter()
+    profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     best: Optional[_Found] = None
     searched = []  # (scenario, b) under auto recomputation with a cap
     for scenario in scenarios or [opts]:
@@ -383,7 +388,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             searched += [(scenario, b, auto)] if bounded else []
             if search.best is None:
                 continue
-            redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
+            redo = _cheapest_recompute(profile, tables, search.best, b, rank_caps(scenario, profile)[0]) if auto else \
                 (list(range(profile.num_units)) if scenario.recompute == "all" else [])
             plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
             value = plain.iteration_s

@@ -12,7 +12,10 @@ and a lower bound that holds for every split under the exact model:
             before it and before the last micro-batch's backward crosses them again; between the
             forward and the backward of the first micro-batch it backwards, that micro-batch
             crosses every later stage and back, while the rank has at most m - 1 other forwards
-            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition)
+            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition).
+            The crossings count too: each boundary before g (after g) costs at least its cheapest
+            message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
+            forward and last backward (the cost per message of each) can fill the wait: the larger counts
     v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
@@ -29,7 +32,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from planner.cost.model import candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_caps, rank_speeds
+from planner.cost.memory import SHARDS
+from planner.cost.model import (boundary_links, candidate_micro_batch_sizes, evaluate, num_micro_batches,
+                                rank_caps, rank_speeds)
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
 from planner.cost.ranges import range_costs
@@ -46,7 +51,8 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
                      ) -> List[CostOptions]:
     """Concrete options: each schedule (interleaved/bfs with v = virtual_stages, default the
     options' own, or each of VIRTUAL_STAGES when several schedules are compared, else 2) and,
-    given `devices` N, each p x d = N."""
+    given `devices` N, each p x d = N; under shard 'auto', each of planner.cost.memory's shardings
+    (only 'none' where d = 1: one holder shards nothing)."""
     if virtual_stages is not None:
         chunk_options = [virtual_stages]
     elif opts.virtual_stages > 1:
@@ -58,10 +64,12 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
         [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and opts.global_batch % d == 0]
     out = []
     for p, d in pairs:
+        shards = [opts.shard] if opts.shard != "auto" else list(SHARDS) if d > 1 else ["none"]
         for schedule in schedules:
             for v in (chunk_options if schedule in MULTI_STAGE_SCHEDULES else [1]):
                 if p * v <= num_units:
-                    out.append(opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v))
+                    out += [opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v,
+                                       shard=shard) for shard in shards]
     return out
 
 
@@ -91,7 +99,7 @@ def _starts(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
     balanced = _balanced_split(profile, b, opts)
     if balanced is not None:
         starts.append(balanced)
-    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts)):
+    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
         least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))[1]
         if least_memory is not None:
             starts.append(least_memory)
@@ -119,14 +127,30 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     call = costs.call_forward + costs.call_backward
     total = float(prefix[-1]) + S * call
     if opts.virtual_stages == 1:
+        L = profile.num_units
         work = costs.matrix(prefix) + call
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
+        # crossing boundary j at cut position c: both messages' transfers and the cost per message
+        links = boundary_links(opts)
+        crossing = [np.array([costs.message_s(c, link) + costs.message_s(c, link, gradient=True) if 0 < c < L
+                              else np.inf for c in range(L + 1)]) + 2 * opts.message_s for link in links]
+        # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
+        fill = np.zeros((S, L + 1))
+        drain = np.zeros((S, L + 1))
+        for j, times in enumerate(crossing):
+            fill[j + 1:] += np.minimum.accumulate(times)
+            drain[:j + 1] += np.minimum.accumulate(times[::-1])[::-1]
+        fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
         before = prefix[:, None] / fastest
         after = (prefix[-1] - prefix)[None, :] / fastest
 
         def stage(g: int) -> np.ndarray:
-            return before + m * work / speeds[g] + np.maximum(0.0, after - (m - 1) * forward / speeds[g])
+            # the rank's own batches between its first forward and its last backward (every message
+            # but its first receive and its last send) may lie in the wait: the larger counts
+            inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
+            return before + fill[g][:, None] + m * work / speeds[g] + \
+                np.maximum(inside, after + drain[g][None, :] - (m - 1) * forward / speeds[g])
 
         value = min_max_partition(profile.num_units, S, stage)[0]
     else:

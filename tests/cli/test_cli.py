@@ -338,7 +338,7 @@ def test_solve_without_highspy_falls_back_to_cbc(tmp_path):
     assert run_cli(["planner.cli", "solve", profile, *problem, "-o", str(with_highs)]).returncode == 0
     result = _without_highspy(["solve", profile, *problem, "-o", str(without)])
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines() == [f"note: highspy cannot be imported here (it comes with pipeplanner: "
+    assert result.stderr.splitlines() == ["note: highspy cannot be imported here (it comes with pipeplanner: "
                                           "reinstall, or pip install highspy), so the integer program runs on CBC, "
                                           "pulp's bundled solver, which is slower"]
     plans = [json.load(open(p)) for p in (with_highs, without)]

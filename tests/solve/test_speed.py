@@ -42,7 +42,7 @@ def test_long_chains_get_an_honest_certificate_in_time():
 
 def _fill_drain(profile, b, opts, boundaries):
     """The chain solver's objective (planner.solve.chain's docstring), written out for one split."""
-    from planner.cost.model import allreduce_time, cut_time
+    from planner.cost.model import cut_time, sync_time
 
     L, m = profile.num_units, opts.global_batch // (opts.data_parallel * b)
     edges = [0] + list(boundaries) + [L]
@@ -53,7 +53,7 @@ def _fill_drain(profile, b, opts, boundaries):
         T.append(work + (call + cut_time(profile, a, b, opts) if a > 0 else call) +
                  (cut_time(profile, e, b, opts) if e < L else 0.0))
         params = sum(u.param_bytes for u in profile.units[a:e])
-        E.append(allreduce_time(params, opts) if opts.data_parallel > 1 else 0.0)
+        E.append(sync_time(params, opts, profile.dtype, m) if opts.data_parallel > 1 else 0.0)
     return sum(T) + (m - 1) * max(T) + max(E)
 
 

@@ -108,9 +108,9 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
 
     options = TrainOptions(optimizer=optimizer, lr=lr, total_steps=steps, **(training or {}))
     if optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=options.weight_decay)
+        opt = torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=options.decay)
     else:
-        opt = torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.weight_decay)
+        opt = torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.decay)
     autocast = (torch.autocast("cpu", dtype=options.autocast_dtype) if options.autocast_dtype is not None
                 else contextlib.nullcontext())
     g, b = plan.global_batch, plan.micro_batch_size
