@@ -69,7 +69,7 @@ def execute(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     lists = check_plan(plan)
-    _check_run_options(args)
+    _check_run_options(args, plan)
     refusal = check_runnable(plan.shard)  # issue 25: ZeRO-3 is planned, not run (runtime/shard.py)
     if refusal:
         raise UsageError(refusal)
@@ -98,7 +98,7 @@ def execute(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_run_options(args: argparse.Namespace) -> None:
+def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -107,7 +107,7 @@ def _check_run_options(args: argparse.Namespace) -> None:
         raise UsageError("--resume needs --checkpoint-dir")
     from runtime.options import training_options
 
-    training_options(args, args.optimizer or "sgd", None)  # each option checked here, once, in one line
+    training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line
     if args.init_state:
         from runtime.initstate import InitState
 

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
 SCHEDULES = ("constant", "cosine")
 
 
@@ -55,7 +55,7 @@ class TrainOptions:
         """torch.autocast's dtype, or None (fp32)."""
         import torch
 
-        return {"fp32": None, "bf16": torch.bfloat16}[self.precision]
+        return {"fp32": None, "bf16-mixed": torch.bfloat16}[self.precision]
 
 
 # (flag, argparse keywords); every one is forwarded from `runtime execute` to the ranks
@@ -71,8 +71,8 @@ _OPTIONS = [
     ("--clip-grad-norm", dict(type=float, default=None, metavar="MAX",
                               help="scale gradients so their global norm (all stages and replicas) is at most MAX")),
     ("--precision", dict(choices=PRECISIONS, default=None,
-                         help="fp32, or bf16: torch.autocast(bfloat16) around forwards and losses, fp32 parameters "
-                              "(default: the plan's precision, else fp32)")),
+                         help="fp32, or bf16-mixed: torch.autocast(bfloat16) around forwards and losses, fp32 "
+                              "parameters (default: the plan's precision; another than the plan's is refused)")),
 ]
 
 
@@ -99,9 +99,15 @@ def training_options(args: argparse.Namespace, optimizer: str, plan: Any) -> Tra
         raise ValueError(f"--betas {args.betas!r}: write two numbers, e.g. 0.9,0.95") from None
     if len(betas) != 2:
         raise ValueError(f"--betas {args.betas!r}: write two numbers, e.g. 0.9,0.95")
+    planned = getattr(plan, "precision", None) or "fp32"
+    if planned not in PRECISIONS:
+        raise ValueError(f"the plan is for precision {planned}, which this runtime does not run (it runs "
+                         f"{' and '.join(PRECISIONS)}); re-plan with `planner solve --precision bf16-mixed`")
+    if args.precision is not None and hasattr(plan, "precision_mismatch") and plan.precision_mismatch(args.precision):
+        raise ValueError(plan.precision_mismatch(args.precision))
     options = TrainOptions(optimizer=optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                            betas=betas, schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
                            total_steps=args.steps, clip_grad_norm=args.clip_grad_norm,
-                           precision=args.precision or getattr(plan, "precision", None) or "fp32")
+                           precision=args.precision or planned)
     options.check()
     return options

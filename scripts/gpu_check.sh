@@ -84,8 +84,10 @@ part solve 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --global
     --output "$OUT/plan.json"
 part execute 75 "$PY" -m runtime.cli execute "$OUT/plan.json" --steps 12 --report "$OUT/report.json" \
     --timeout 60
-# the same plan under bf16 autocast (fp32 parameters)
-part execute-bf16 75 "$PY" -m runtime.cli execute "$OUT/plan.json" --steps 12 --precision bf16 \
+# planned and run under bf16 autocast (fp32 parameters): precision bf16-mixed
+part solve-bf16 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --global-batch 16 \
+    --precision bf16-mixed --output "$OUT/plan-bf16.json"
+part execute-bf16 75 "$PY" -m runtime.cli execute "$OUT/plan-bf16.json" --steps 12 \
     --report "$OUT/report-bf16.json" --timeout 60
 # two stages on the one GPU (interleaved, v = 2: handed over in memory): the multi-stage engine on CUDA
 part solve-2stages 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --schedule interleaved \

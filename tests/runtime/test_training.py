@@ -1,6 +1,8 @@
 """Training options against one process with torch's own tools: SGD momentum and weight decay,
 AdamW's betas and decay, a warm-up + cosine schedule, clipping by the global norm (tied weights,
 replicated stages and data-parallel replicas counted once), and bf16 autocast."""
+import dataclasses
+
 import pytest
 
 from planner.plan.file import save_plan
@@ -38,10 +40,11 @@ def test_bf16_autocast_matches_one_bf16_process(tmp_path, schedule):
                      "1f1b")
     if schedule == "interleaved":
         plan = reshape_plan(plan, virtual_stages=2, schedule="interleaved")
-    state = execute(plan, tmp_path, steps=3, lr=1.0, extra=["--precision", "bf16"])
+    plan = dataclasses.replace(plan, precision="bf16-mixed")  # as `planner solve --precision bf16-mixed` plans it
+    state = execute(plan, tmp_path, steps=3, lr=1.0)  # the plan's precision
     # the same autocast in one process: the same bf16 kernels on the same values
     losses, fp32_losses = [], []
-    bf16 = max_abs_diff(state, reference_state(plan, lr=1.0, losses=losses, training={"precision": "bf16"}))
+    bf16 = max_abs_diff(state, reference_state(plan, lr=1.0, losses=losses, training={"precision": "bf16-mixed"}))
     fp32 = max_abs_diff(state, reference_state(plan, lr=1.0, losses=fp32_losses))
     print(f"bf16 run against one bf16 process {bf16:.3g}, against fp32 {fp32:.3g}")
     assert bf16 <= 1e-5 < fp32
@@ -59,3 +62,22 @@ def test_bad_training_options_fail_in_one_line(tmp_path):
         result = run_cli(["runtime.cli", "execute", path, *flags])
         assert result.returncode == 2 and words in result.stderr and len(result.stderr.splitlines()) == 1, \
             (flags, result.stderr)
+
+
+def test_a_run_in_another_precision_than_the_plan_is_refused(tmp_path):
+    """The plan's memory is that of its precision: a run asking another is refused in one line."""
+    import subprocess
+    import sys
+
+    from planner.plan.file import save_plan
+    from tests.support.runs import ROOT
+
+    plan = plan_with(profile_of("builtin:mlp"), [2], 2, 4, "1f1b")
+    path = str(tmp_path / "plan.json")
+    save_plan(plan, path)
+    for extra, needle in ((["--precision", "bf16-mixed"], "re-plan with `planner solve --precision bf16-mixed`"),
+                          (["--precision", "bf16"], "invalid choice")):
+        result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", path, "--steps", "1", *extra],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
