@@ -21,7 +21,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity import measured_run  # noqa: E402
 
-from planner.cost.model import profiled_optimizer_step_s  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
@@ -55,7 +54,7 @@ def main():
         print(f"link {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us", flush=True)
     print(f"{entry} {model_args}, 2 stages, micro-batch {args.micro_batch} x {args.micro_batches}", flush=True)
     opts = CostOptions(pipeline_ranks=2, global_batch=args.micro_batch * args.micro_batches, schedule="1f1b",
-                       optimizer_step_total_s=profiled_optimizer_step_s(profile, "sgd"), **link)
+                       **link)
     plans = {}
     for method in METHODS:
         solution = solve(profile, opts, method=method)

@@ -194,8 +194,8 @@ def our_step_fn(plan, rank: int):
     """This runtime's Engine on this rank, built as runtime/worker.py builds it (for the in-process A/B)."""
     import torch
 
-    from runtime.comm import PointToPoint
-    from runtime.engine import Engine, Groups
+    from runtime.engine import Engine
+    from runtime.groups import Groups
     from runtime.stage import build_rank
 
     topology = plan.topology()
@@ -205,7 +205,7 @@ def our_step_fn(plan, rank: int):
     optimizer = torch.optim.SGD(rank_model.parameters(), lr=LR)
     device = torch.device("cpu")
     engine = Engine(rank_model, actions, topology, rank, plan.global_batch, m, optimizer, device,
-                    PointToPoint(device, use_tags=True), Groups(topology, rank, rank_model.tied_groups))
+                    Groups(topology, rank, rank_model.tied_groups), use_tags=True)
     return lambda k: engine.run_step(k).loss
 
 

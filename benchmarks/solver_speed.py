@@ -1,6 +1,10 @@
-"""Solve time of the ILP: random chains (L <= 130, S <= 16 and S = 32) and the PipeDream profiles.
+"""Solve time and gap of the exact search: random chains (L <= 130, p <= 16; G = 32, or 4 p for interleaved)
+and the PipeDream profiles.
 
     .venv/bin/python benchmarks/solver_speed.py [--samples 20] [--backends highs,cbc] [--skip-pipedream]
+        [--schedules 1f1b,interleaved] [--time-limit 60]
+
+Each row: p95 and max solve seconds, the largest gap at the end, and how many were proven optimal.
 
 PipeDream graphs are read from ../shared/external/pipedream-profiles/ (skipped with a message if
 missing), imported at batch size 64, planned with G = 64 x 2 x S.
@@ -40,24 +44,28 @@ def main():
     ap.add_argument("--backends", default="highs,cbc")
     ap.add_argument("--skip-pipedream", action="store_true")
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--schedules", default="1f1b,interleaved")
     args = ap.parse_args()
     backends = args.backends.split(",")
-    rng = random.Random(0)
-    for label, stages in (("S <= 16", None), ("S = 32", 32)) if args.samples > 0 else ():
+    for schedule in args.schedules.split(",") if args.samples > 0 else ():
+        rng = random.Random(0)
+        v = 2 if schedule in ("interleaved", "bfs") else 1
         problems = []
         for _ in range(args.samples):
-            L = rng.randint(stages or 2, 130)
-            S = stages or rng.randint(1, min(16, L))
-            problems.append((chain(rng, L), CostOptions(pipeline_ranks=S, global_batch=32, latency=1e-5)))
+            L = rng.randint(2 * v, 130)
+            S = rng.randint(1, min(16, L // v))
+            opts = CostOptions(pipeline_ranks=S, global_batch=4 * S if v > 1 else 32, latency=1e-5,
+                               schedule=schedule, virtual_stages=v)
+            problems.append((chain(rng, L), opts))
         for backend in backends:
-            times, gaps, methods = [], [], set()
+            times, gaps, proven = [], [], 0
             for p, opts in problems:
                 found = solve(p, opts, backend=backend, time_limit=args.time_limit)
                 times.append(found.seconds)
                 gaps.append(found.gap)
-                methods.add(found.method)
-            print(f"chains L <= 130, {label}, {backend}: p95 {p95(times):.2f} s, max {max(times):.2f} s, "
-                  f"max gap {max(gaps):.2e} ({len(problems)} samples, method {'/'.join(sorted(methods))})", flush=True)
+                proven += found.status == "optimal"
+            print(f"chains L <= 130, p <= 16, {schedule} (v = {v}), {backend}: p95 {p95(times):.2f} s, "
+                  f"max {max(times):.2f} s, max gap {max(gaps):.2%}, proven {proven}/{len(problems)}", flush=True)
     if args.skip_pipedream:
         return
     if not os.path.isdir(PIPEDREAM):

@@ -1,9 +1,14 @@
-"""Checkpoints: each rank saves its stages' parameters, buffers and optimizer state atomically;
-rank 0 then marks the step complete. `--resume` continues from the last complete step.
+"""Checkpoints: each rank saves its stages' parameters, buffers, optimizer state and random
+number generators' states atomically and durably (written, fsynced, renamed, directory fsynced);
+once every rank has, rank 0 marks the step complete the same way. `--resume`: rank 0 reads the
+marker, chooses the step and tells the others (a broadcast), so all ranks resume the same step
+even if they read the directory at different moments; each then loads its own file.
 
     DIR/step-000004/rank0.pt ... rank{W-1}.pt   (torch.save of tensors and plain values only)
     DIR/latest.json                             {"schema_version", "completed_steps", "plan_hash", "world_size"}
 
+DIR must be one directory every rank sees (a shared filesystem across machines: NFS, Lustre, a
+mounted bucket with close-to-open consistency), since rank 0 marks a step complete for all.
 A step directory without a matching latest.json (a crash mid-save) is ignored on resume.
 Files are read back with `torch.load(weights_only=True)`: nothing is unpickled.
 """
@@ -27,18 +32,50 @@ def _step_dir(directory: str, completed_steps: int) -> str:
     return os.path.join(directory, f"step-{completed_steps:06d}")
 
 
+def _fsync(path: str) -> None:
+    """Make `path` (a file or a directory's entries) durable before anything depends on it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> Dict[str, Any]:
+    """The random number generators a step draws from (dropout): the CPU's and every GPU's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def save_rank(directory: str, completed_steps: int, rank: int, stages_state: Dict[str, Any],
               optimizer_state: Dict[str, Any]) -> None:
-    path = os.path.join(_step_dir(directory, completed_steps), f"rank{rank}.pt")
+    step_dir = _step_dir(directory, completed_steps)
+    path = os.path.join(step_dir, f"rank{rank}.pt")
     with atomic_path(path) as tmp:
         # "chunks": the stages' states by index (the file's key since its first version)
-        torch.save({"completed_steps": completed_steps, "chunks": stages_state, "optimizer": optimizer_state}, tmp)
+        torch.save({"completed_steps": completed_steps, "chunks": stages_state, "optimizer": optimizer_state,
+                    "rng": rng_state()}, tmp)
+        _fsync(tmp)
+    _fsync(step_dir)
 
 
 def mark_complete(directory: str, completed_steps: int, plan_hash: str, world_size: int) -> None:
-    write_json_atomic(os.path.join(directory, "latest.json"), {
+    """After every rank's save_rank returned: the step is complete (fsynced before and after)."""
+    _fsync(_step_dir(directory, completed_steps))
+    path = os.path.join(directory, "latest.json")
+    write_json_atomic(path, {
         "schema_version": CHECKPOINT_SCHEMA_VERSION, "completed_steps": completed_steps,
         "plan_hash": plan_hash, "world_size": world_size})
+    _fsync(path)
+    _fsync(directory)
 
 
 def latest(directory: str, plan_hash: str, world_size: int) -> Optional[int]:

@@ -13,7 +13,9 @@ from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_ato
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
+from runtime.shard import check_runnable
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.options import add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
@@ -67,7 +69,10 @@ def execute(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     lists = check_plan(plan)
-    _check_run_options(args)
+    _check_run_options(args, plan)
+    refusal = check_runnable(plan.shard)  # issue 25: ZeRO-3 is planned, not run (runtime/shard.py)
+    if refusal:
+        raise UsageError(refusal)
     topology = plan.topology()
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     optimizer = args.optimizer or plan.optimizer
@@ -93,15 +98,20 @@ def execute(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_run_options(args: argparse.Namespace) -> None:
+def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
-    if args.recv_ahead < 0:
-        raise UsageError("--recv-ahead must be 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    from runtime.options import training_options
+
+    training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line
+    if args.init_state:
+        from runtime.initstate import InitState
+
+        InitState(args.init_state)  # readable, a state_dict: one line now rather than from every rank
 
 
 def _shape(topology) -> str:
@@ -117,9 +127,11 @@ def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer
     """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
-                   "--recv-ahead", str(args.recv_ahead)]
+                   *forwarded(args)]
     if args.save_state:
         worker_args.append("--save-state")
+    if args.init_state:
+        worker_args += ["--init-state", os.path.abspath(args.init_state)]
     if args.trace or args.timeline:
         worker_args.append("--trace")
     if args.checkpoint_dir:
@@ -142,7 +154,6 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.
         print(f"wrote report {args.report}")
     if args.trace or args.timeline:
         from planner.fidelity.timeline import timeline_png
-        from planner.pipeline.simulate import simulate
         from runtime import trace
 
         events = {r: read_json(os.path.join(out_dir, f"rank{r}.trace.json")) for r in range(topology.world_size)}
@@ -150,16 +161,34 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.
             trace.chrome_trace(events, args.trace)
             print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
         if args.timeline:
-            _, predicted = simulate(lists, plan.stage_costs())
+            _, predicted = plan.simulate_step()
             replica0 = {r: e for r, e in events.items() if topology.replica_of(r) == 0}
             timeline_png(replica0, predicted, step=len(report["steps"]) - 1, path=args.timeline)
             print(f"wrote timeline {args.timeline}")
+
+
+def _list_text(actions: List[sched.Action]) -> str:
+    """The list in its text form, each batch of communication actions in brackets."""
+    from runtime.program import COMMUNICATION, batches
+
+    words = []
+    for group in batches(actions):
+        text = " ".join(str(actions[k]) for k in group)
+        words.append(f"[{text}]" if actions[group[0]].kind in COMMUNICATION else text)
+    return " ".join(words)
 
 
 def show(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
     topology = plan.topology()
+    if args.json:
+        import json
+
+        from runtime.program import actions_json
+
+        print(json.dumps(actions_json(lists)))
+        return 0
     for r, actions in enumerate(lists):
         stages = topology.stages_of(r)
         units = [u for g in stages for u in plan.stages[g].units]
@@ -167,8 +196,9 @@ def show(args: argparse.Namespace) -> int:
                 if topology.replicas_of(stages[0]) > 1 else "")
         print(f"rank {r} (stages {','.join(map(str, stages))}: {units[0]} .. {units[-1]}{lane}), at most "
               f"{sched.max_in_flight(actions)} micro-batches held:")
-        print("  " + " ".join(str(a) for a in actions))
-    print("checked: every send has its receive, and no rank can wait forever")
+        print("  " + _list_text(actions))
+    print("checked: every send has its receive, and no rank can wait forever (batches in brackets are posted "
+          "together)")
     return 0
 
 
@@ -178,17 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("execute", help="run a plan: one process per stage on this machine")
     ex.add_argument("plan", help="plan JSON from `planner solve`")
     ex.add_argument("--steps", type=int, default=3, help="training steps in all (a resumed run continues to it; default 3)")
-    ex.add_argument("--lr", type=float, default=0.01, help="SGD learning rate, no momentum (default 0.01)")
+    ex.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    add_training_options(ex)
     ex.add_argument("--save-state", metavar="PATH", help="write the trained model's full state_dict here")
+    ex.add_argument("--init-state", metavar="PATH",
+                    help="start from this state_dict instead of the seed's weights: a .pt file (torch.save; read "
+                         "with weights_only and mmap), .safetensors, or a save_pretrained directory; each rank "
+                         "materialises only its stages")
     ex.add_argument("--report", metavar="PATH", help="write the measured-vs-predicted report JSON here")
     ex.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: as profiled)")
     ex.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
-                    help="optimizer (default: the plan's; SGD without momentum, AdamW with torch defaults)")
+                    help="optimizer (default: the plan's; options below)")
     ex.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
                     help=f"seconds a rank may wait on another before giving up (default {RANK_TIMEOUT_S:g})")
-    ex.add_argument("--recv-ahead", type=int, default=2, metavar="K",
-                    help="on gloo, post each receive K receive actions before it runs, so data moves while "
-                         "the rank computes (default 2; 0 posts it when needed)")
     ex.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's actions")
     ex.add_argument("--timeline", metavar="PNG", help="draw the last step's timeline beside the predicted one")
     ex.add_argument("--checkpoint-dir", metavar="DIR", help="save each rank's parameters and optimizer state here")
@@ -197,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=execute)
     sh = sub.add_parser("show", help="print and check each rank's instruction list")
     sh.add_argument("plan")
+    sh.add_argument("--json", action="store_true",
+                    help='print every rank\'s list as JSON: {"ranks": [{"rank", "actions": [{"kind", "micro_batch", '
+                         '"stage", "batch" (communication actions posted together share it)}]}]}')
     sh.set_defaults(func=show)
     return parser
 

@@ -1,17 +1,22 @@
-"""Point-to-point transport between neighbouring stages on torch.distributed.
+"""Point-to-point messages between ranks, posted in batches.
 
-Sends are non-blocking (the engine waits for them before the optimizer step, and keeps the
-tensors alive until then). Receives can be posted ahead of the action that needs them
-(`post_recv`, then `recv(..., posted=)`): gloo's TCP transport is a rendezvous protocol, a
-send's payload leaves only once the receiver has posted the matching receive, so a receive
-posted at the moment its data is needed pays a round trip of two background-thread wake-ups on
-the critical path (BENCHMARKS.md: what it costs on a loaded host). Each message carries a tag derived from
-the micro-batch, the direction and the tensor's position, so messages cannot be mismatched.
+A *message* is what one communication action moves: the tensors crossing a cut for one
+micro-batch (activations forward, the gradients of those that need them back). It travels as ONE
+tensor whatever its tensor count (a message pays one operation): its only tensor, or else one
+byte buffer holding them all, each at a 16-byte-aligned offset. Both ends derive the layout from
+the same plan values (`MessageLayout`), so nothing describing the message travels with it.
+
+A *batch* is the operations a rank posts together: `exchange` posts them all with
+`torch.distributed.batch_isend_irecv` and then waits for every one of them, sends and receives,
+before it returns. A send's buffer is free once its batch has returned: NCCL completes a send
+only with its matching receive, and on gloo the wait covers the send too. Tags (gloo matches on
+them; NCCL ignores them and matches a pair's operations in issue order) make every message of a
+step distinct.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,7 @@ _DTYPES: Dict[str, torch.dtype] = {
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
     "bool": torch.bool,
 }
+_ALIGN = 16  # bytes: every dtype's view of the byte buffer starts aligned
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -32,54 +38,144 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"tensor dtype {name!r} cannot be sent between stages") from None
 
 
-def message_tag(micro_batch: int, direction: int, position: int) -> int:
-    return (micro_batch * 2 + direction) * 1024 + position
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def message_tag(receiving_stage: int, micro_batch: int, direction: int, num_micro_batches: int) -> int:
+    """A tag unique per message within a step: (receiving stage, micro-batch, direction)."""
+    return (receiving_stage * num_micro_batches + micro_batch) * 2 + direction
+
+
+class MessageError(RuntimeError):
+    """A stage produced tensors other than the plan says cross its cut."""
+
+
+class MessageLayout:
+    """The tensors of one message ((shape, dtype) each, in the plan's order) and how they sit in
+    the one tensor that travels."""
+
+    def __init__(self, tensors: Sequence[Tuple[Tuple[int, ...], torch.dtype]], what: str):
+        self.tensors = [(tuple(shape), dtype) for shape, dtype in tensors]
+        self.what = what
+        self.offsets: List[int] = []
+        total = 0
+        for shape, dtype in self.tensors:
+            total = -(-total // _ALIGN) * _ALIGN
+            self.offsets.append(total)
+            total += _numel(shape) * _itemsize(dtype)
+        self.nbytes = total if len(self.tensors) > 1 else (
+            _numel(self.tensors[0][0]) * _itemsize(self.tensors[0][1]) if self.tensors else 0)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The tensor that travels: the one tensor itself (no copy when contiguous), else a byte
+        buffer holding all of them."""
+        for t, (shape, dtype) in zip(tensors, self.tensors):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise MessageError(f"{self.what}: a tensor of shape {tuple(t.shape)} and dtype {dtype_name(t.dtype)} "
+                                   f"where the plan has {shape}, {dtype_name(dtype)}; re-run `planner profile` and "
+                                   "`planner solve` for this model")
+        if len(tensors) != len(self.tensors):
+            raise MessageError(f"{self.what}: {len(tensors)} tensors where the plan has {len(self.tensors)}")
+        if len(tensors) == 1:
+            return tensors[0].detach().contiguous()
+        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for t, view in zip(tensors, self.unpack(flat)):
+            view.copy_(t.detach())
+        return flat
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        """A buffer to receive the message into."""
+        if len(self.tensors) == 1:
+            shape, dtype = self.tensors[0]
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def unpack(self, wire: torch.Tensor) -> List[torch.Tensor]:
+        """The message's tensors: views of the buffer that travelled (they share its storage)."""
+        if len(self.tensors) == 1:
+            return [wire]
+        return [wire[offset:offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                for offset, (shape, dtype) in zip(self.offsets, self.tensors)]
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
-class PostedRecv:
-    """Receives posted for one action: the buffers they fill and their pending works."""
+class Operation:
+    """One point-to-point operation of a batch: send `tensor` to `peer`, or receive into it."""
 
-    buffers: List[torch.Tensor]
-    works: List[dist.Work]
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int
 
 
-class PointToPoint:
-    def __init__(self, device: torch.device, use_tags: bool = True):
-        self.device = device
-        self.use_tags = use_tags  # NCCL ignores tags; gloo matches on them
-        self.pending: List[dist.Work] = []
-        self._keep_alive: List[torch.Tensor] = []
+def exchange(operations: Sequence[Operation], use_tags: bool) -> None:
+    """Post every operation together (batch_isend_irecv) and wait for all of them."""
+    if not operations:
+        return
+    ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, tag=op.tag if use_tags else 0)
+           for op in operations]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
-    def send(self, tensors: Sequence[torch.Tensor], dst: int, micro_batch: int, direction: int) -> None:
-        for position, tensor in enumerate(tensors):
-            tensor = tensor.detach().contiguous()
-            tag = message_tag(micro_batch, direction, position) if self.use_tags else 0
-            self.pending.append(dist.isend(tensor, dst, tag=tag))
-            self._keep_alive.append(tensor)
 
-    def post_recv(self, specs: Sequence[dict], src: int, micro_batch: int, direction: int) -> PostedRecv:
-        """Post one receive per spec ({'shape', 'dtype'}) from `src`; returns at once."""
-        posted = PostedRecv([], [])
-        for position, spec in enumerate(specs):
-            buffer = torch.empty(spec["shape"], dtype=torch_dtype(spec["dtype"]), device=self.device)
-            tag = message_tag(micro_batch, direction, position) if self.use_tags else 0
-            posted.works.append(dist.irecv(buffer, src, tag=tag))
-            posted.buffers.append(buffer)
-        return posted
+_CODES = list(_DTYPES.values())
 
-    def recv(self, specs: Sequence[dict], src: int, micro_batch: int, direction: int,
-             posted: Optional[PostedRecv] = None) -> List[torch.Tensor]:
-        """The tensors of one message, blocking until all arrive (posting the receives first unless
-        `posted` holds them from an earlier `post_recv` with the same arguments)."""
-        if posted is None:
-            posted = self.post_recv(specs, src, micro_batch, direction)
-        for work in posted.works:
-            work.wait()
-        return posted.buffers
 
-    def wait_sends(self) -> None:
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
-        self._keep_alive.clear()
+class DescribedLayout:
+    """A message that says its own tensors' dtypes: the first one between two ranks under
+    autocast, whose activations' dtypes the plan (profiled without it) cannot know. One byte
+    buffer: a 16-byte-aligned header of one dtype code per tensor, then each tensor at the offset
+    its widest dtype (the plan's, or 8 bytes per element where that is narrower) would take, so
+    the receiver can size the buffer from the plan alone. Both ends then know the dtypes, and
+    the pair's later messages use the exact `MessageLayout`."""
+
+    def __init__(self, planned: MessageLayout):
+        self.planned = planned
+        self.shapes = [shape for shape, _ in planned.tensors]
+        header = -(-len(self.shapes) // _ALIGN) * _ALIGN
+        self.offsets: List[int] = []
+        total = header
+        for shape in self.shapes:
+            total = -(-total // _ALIGN) * _ALIGN
+            self.offsets.append(total)
+            total += _numel(shape) * 8
+        self.nbytes = total
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        for t, shape in zip(tensors, self.shapes):
+            if tuple(t.shape) != shape or t.dtype not in _CODES:
+                raise MessageError(f"{self.planned.what}: a tensor of shape {tuple(t.shape)} and dtype "
+                                   f"{dtype_name(t.dtype)} where the plan has {shape}; re-run `planner profile` and "
+                                   "`planner solve` for this model")
+        flat = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        flat[:len(tensors)] = torch.tensor([_CODES.index(t.dtype) for t in tensors], dtype=torch.uint8)
+        for t, offset in zip(tensors, self.offsets):
+            size = t.numel() * t.element_size()
+            flat[offset:offset + size].view(t.dtype).view(t.shape).copy_(t.detach())
+        return flat
+
+    def unpack(self, wire: torch.Tensor) -> Tuple[List[torch.Tensor], MessageLayout]:
+        """The tensors (views of the buffer) and the exact layout of the pair's later messages."""
+        codes = wire[:len(self.shapes)].cpu().tolist()
+        dtypes = [_CODES[c] for c in codes]
+        tensors = [wire[offset:offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                   for offset, shape, dtype in zip(self.offsets, self.shapes, dtypes)]
+        return tensors, MessageLayout(list(zip(self.shapes, dtypes)), self.planned.what)

@@ -1,58 +1,51 @@
 """Execute one rank's instruction list, step after step.
 
 A step: `inputs, target = batch(G, step)`; replica r of d takes samples [r·G/d, (r+1)·G/d) and
-splits them into m equal micro-batches along dim 0. The last stage's loss for micro-batch i is
-`loss(output_i, target_i) / (d·m)`, so after the gradient all-reduce (a sum over replicas) every
-parameter holds the gradient of the mean micro-batch loss, exactly as single-device gradient
-accumulation over the same d·m micro-batches computes it. A replicated stage's replicas each
-run their share of the micro-batches (round-robin) and sum gradients the same way. Tied weights
-used on several ranks get their gradients summed across all their holders. One optimizer step
-per rank ends the step.
+splits them into m equal micro-batches along dim 0 (each a tensor of its own, not a view of the
+batch). The last stage's loss for micro-batch i is `loss(output_i, target_i) / (d·m)`, so after
+the gradient all-reduce (a sum over replicas) every parameter holds the gradient of the mean
+micro-batch loss, exactly as single-device gradient accumulation over the same d·m micro-batches
+computes it. A replicated stage's replicas each run their share of the micro-batches
+(round-robin) and sum gradients the same way. Tied weights used on several ranks get their
+gradients summed across all their holders. One optimizer step per rank ends the step.
+
+Communication runs in batches (runtime.program): a batch's sends and receives are posted together
+and waited for entirely before the next action. Stages on the same rank hand values over in
+memory: the forward of stage g + 1 takes stage g's outputs of that micro-batch (as leaves sharing
+their storage), the backward of stage g takes the gradients stage g + 1's backward left on them.
+
+What the engine holds per micro-batch in flight on a stage (the memory the plan models):
+- from its forward to its backward, what autograd saved for backward (each storage once,
+  parameters excluded: "live");
+- a received activation from its receive until its forward ("inbox") and a received gradient from
+  its receive until its backward ("gradbox");
+- nothing else of size: a sent message's buffer is freed when its batch completes; the stage's
+  outputs and received inputs stay only as autograd endpoints, their storage dropped (replaced by
+  a zero-stride view of one element, Megatron's deallocate_output_tensor idea) unless autograd
+  saved that storage for backward, in which case it is already counted as live; outputs handed to
+  a stage on the same rank are dropped once that stage's forward has used them; the gradient of a
+  stage's inputs lives from its backward until its send's batch completes (or the previous stage's
+  backward on this rank takes it). Stages with recomputed units keep their inputs and outputs
+  (recomputation reads them again).
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from planner.model.spec import to_device
-from planner.pipeline.schedule import Action, ActionKind
+from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import ACTIVATION, GRADIENT, PointToPoint, PostedRecv
-from runtime.stage import RankModel, RankStage
-
-
-class BatchError(ValueError):
-    """The model's batch function does not produce what the plan needs."""
-
-
-def split_micro_batches(obj: Any, total: int, parts: int, what: str) -> List[Any]:
-    """Split every tensor in `obj` (tensor, tuple, list, dict) into `parts` equal parts along dim 0."""
-    size = total // parts
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] != total:
-            raise BatchError(f"{what} has shape {tuple(obj.shape)}; every batch tensor needs the batch "
-                             f"({total}) on dim 0")
-        return [obj.narrow(0, i * size, size) for i in range(parts)]
-    if isinstance(obj, (tuple, list)):
-        split = [split_micro_batches(o, total, parts, f"{what}[{j}]") for j, o in enumerate(obj)]
-        return [type(obj)(p[i] for p in split) for i in range(parts)]
-    if isinstance(obj, dict):
-        split = {k: split_micro_batches(v, total, parts, f"{what}[{k!r}]") for k, v in obj.items()}
-        return [{k: split[k][i] for k in obj} for i in range(parts)]
-    return [obj] * parts  # non-tensor values (flags) go to every part
-
-
-def _constant(value: Any) -> Any:
-    """Constants arrive as JSON lists; sizes were tuples in the model."""
-    if isinstance(value, list):
-        return tuple(_constant(v) for v in value)
-    return value
+from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
+from runtime.groups import GradientBuckets, Groups, last_backwards
+from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
+from runtime.runner import StageRunner
+from runtime.program import COMMUNICATION, batches
+from runtime.stage import RankModel
+from runtime.timing import StepClock
 
 
 @dataclass
@@ -61,10 +54,10 @@ class StepStats:
     time_s: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
-    recv_wait_s: float = 0.0
-    send_wait_s: float = 0.0
+    wait_s: float = 0.0  # in batches of messages: posting, transfer and waiting for the peers
     reduce_s: float = 0.0
     optimizer_s: float = 0.0
+    messages: int = 0  # point-to-point operations this rank posted
     loss: Optional[float] = None  # mean over the micro-batches whose loss this rank computed
     loss_count: int = 0
 
@@ -73,23 +66,12 @@ class StepStats:
 class _State:
     """One micro-batch on one stage."""
 
-    received: List[Any] = field(default_factory=list)
-    outputs: Any = None
-    grads: List[torch.Tensor] = field(default_factory=list)
+    received: List[Any] = field(default_factory=list)  # the stage's inputs from the previous stage
+    outputs: Any = None  # what it sends on (a tuple), until its backward
+    grads: List[torch.Tensor] = field(default_factory=list)  # gradients of those outputs, until backward
+    input_grads: List[torch.Tensor] = field(default_factory=list)  # of the inputs, until sent or taken
     loss: Optional[torch.Tensor] = None
     saved_bytes: int = 0  # held for backward by this micro-batch's forward
-
-
-class _StageRunner:
-    """Per-stage bookkeeping: which sent/received values are tensors and which carry gradients."""
-
-    def __init__(self, stage: RankStage):
-        self.stage = stage
-        self.send_tensors = [i for i, v in enumerate(stage.send) if v["kind"] == "tensor"]
-        self.send_grads = [i for i in self.send_tensors if stage.send[i].get("requires_grad")]
-        self.recv_tensors = [i for i, v in enumerate(stage.recv) if v["kind"] == "tensor"]
-        self.recv_grads = [i for i in self.recv_tensors if stage.recv[i].get("requires_grad")]
-        self.wanted_inputs = [stage.model_inputs.index(n) for n in stage.io.inputs]
 
 
 @dataclass
@@ -99,55 +81,67 @@ class _Step:
     stats: StepStats
     inputs: List[Any]  # per micro-batch, aligned with the graph's placeholders
     targets: List[Any]
-    receives: "_ReceivesAhead"
     states: Dict[Tuple[int, int], _State] = field(default_factory=dict)  # (stage, micro-batch) -> state
-    losses: List[float] = field(default_factory=list)
+    loss_sum: Optional[torch.Tensor] = None  # on the device: one read per step
+    loss_count: int = 0
 
 
 TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
 
 
 class Engine:
-    """Runs one rank's instruction list, step after step: each action by its kind's handler."""
+    """Runs one rank's instruction list, step after step: each compute action by its kind's
+    handler, each batch of communication actions posted together."""
 
     def __init__(self, rank_model: RankModel, actions: List[Action], topology: Topology, rank: int,
                  global_batch: int, num_micro_batches: int, optimizer: Any, device: torch.device,
-                 comm: Optional[PointToPoint], groups: "Groups", trace: Optional[TraceHook] = None,
-                 recv_ahead: int = 2):
+                 groups: Groups, use_tags: bool = True, trace: Optional[TraceHook] = None,
+                 autocast: Optional[torch.dtype] = None):
         self.spec = rank_model.spec
         self.rank_model = rank_model
-        self.runners = {st.index: _StageRunner(st) for st in rank_model.stages}
+        self.runners = {st.index: StageRunner(st) for st in rank_model.stages}
         self.actions = actions
+        self.program = batches(actions)
         self.topology = topology
         self.replica = topology.replica_of(rank)
+        self.pipeline_rank = topology.pipeline_rank_of(rank)
         self.global_batch = global_batch
         self.m = num_micro_batches
         self.optimizer = optimizer
         self.device = device
-        self.comm = comm
+        self.use_tags = use_tags  # gloo matches messages by tag; NCCL by order
         self.groups = groups
         self.trace = trace
+        self.autocast = autocast  # torch.autocast's dtype for forwards and losses, or None
+        self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
+        self.clock = StepClock(device)
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
         # Saved-tensor hooks cost a Python call per saved tensor in forward and in backward (the
         # profile times units without them). Every step holds the same tensors, so the first step
         # this engine runs counts them and the later ones run bare.
         self.count_saved = True
-        # Receives posted ahead, in action order. Only where messages are matched by tag (gloo):
-        # NCCL runs a pair's sends and receives in issue order on one stream, so a receive posted
-        # early could sit in front of the send its sender is waiting for.
-        self.recv_ahead = recv_ahead if comm is not None and comm.use_tags else 0
-        self.receive_actions = [k for k, a in enumerate(actions)
-                                if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)]
-        self.handlers: Dict[ActionKind, Callable[[_Step, int, Action], None]] = {
-            ActionKind.RECV_ACT: self._receive_activations, ActionKind.FORWARD: self._forward,
-            ActionKind.SEND_ACT: self._send_activations, ActionKind.RECV_GRAD: self._receive_gradients,
-            ActionKind.BACKWARD: self._backward, ActionKind.SEND_GRAD: self._send_gradients,
+        self.before_optimizer: List[Callable[[], None]] = []  # e.g. gradient clipping
+        self.buckets: Optional[GradientBuckets] = None
+        self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
+        if groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
+            tied = {id(param) for param, _ in rank_model.tied.values()}
+            self.buckets = GradientBuckets([p for p in self.params if id(p) not in tied], groups.data_parallel_group)
+            self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
+        self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
+            ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
             ActionKind.OPTIMIZER_STEP: self._optimizer_step}
+        # communication: (operation to post, what to do with the received buffer once the batch is done)
+        self.messages: Dict[ActionKind, Callable[[_Step, Action], Tuple[Operation, Optional[Callable]]]] = {
+            ActionKind.SEND_ACT: self._send_activations, ActionKind.RECV_ACT: self._receive_activations,
+            ActionKind.SEND_GRAD: self._send_gradients, ActionKind.RECV_GRAD: self._receive_gradients}
 
     def _peer(self, stage: int, micro_batch: int) -> int:
         """The global rank running `micro_batch` through `stage` in this data-parallel replica."""
         return self.topology.global_rank(self.replica, self.topology.rank_running(stage, micro_batch))
+
+    def _here(self, stage: int, micro_batch: int) -> bool:
+        return stage in self.runners and self.topology.rank_running(stage, micro_batch) == self.pipeline_rank
 
     # --- one step ---------------------------------------------------------------------------
     def _micro_batches(self, step: int) -> Tuple[List[Any], List[Any]]:
@@ -163,198 +157,185 @@ class Engine:
         return micro_inputs, micro_targets
 
     def run_step(self, step: int) -> StepStats:
-        start = time.perf_counter()
         micro_inputs, micro_targets = self._micro_batches(step)
-        receives = _ReceivesAhead(self.receive_actions, self.recv_ahead,
-                                  lambda k: self.comm.post_recv(*self.message_of(self.actions[k])))
-        current = _Step(StepStats(step=step), micro_inputs, micro_targets, receives)
-        for index, action in enumerate(self.actions):
-            t0 = time.perf_counter()
-            self.handlers[action.kind](current, index, action)
-            if self.trace is not None:
-                self.trace(action.kind.value, action.micro_batch, action.stage, t0, time.perf_counter())
+        current = _Step(StepStats(step=step), micro_inputs, micro_targets)
+        if self.buckets is not None:
+            self.buckets.begin_step()
+        clock = self.clock
+        clock.start()
+        for group in self.program:
+            first = self.actions[group[0]]
+            clock.mark()
+            if first.kind in COMMUNICATION:
+                batch = [self.actions[k] for k in group]
+                self._run_batch(current, batch)
+                clock.stop("wait_s", batch)
+            else:
+                self.handlers[first.kind](current, first)
+                key = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s"}.get(first.kind)
+                clock.stop(key or "optimizer_s", first)
+        totals, spans, step_s = clock.finish()
         self.count_saved = False
         stats = current.stats
-        if current.losses:
-            stats.loss = sum(current.losses) / len(current.losses)
-            stats.loss_count = len(current.losses)
-        stats.time_s = time.perf_counter() - start
+        for key, seconds in totals.items():
+            setattr(stats, key, getattr(stats, key) + seconds)
+        stats.time_s = step_s
+        if self.trace is not None:
+            for label, t0, t1 in spans:  # an action, a batch's actions (one span), or a name
+                for action in (label if isinstance(label, list) else [label]):
+                    if isinstance(action, Action):
+                        self.trace(action.kind.value, action.micro_batch, action.stage, t0, t1)
+                    else:
+                        self.trace(action, -1, -1, t0, t1)
+        if current.loss_count:
+            stats.loss = float(current.loss_sum) / current.loss_count
+            stats.loss_count = current.loss_count
         return stats
 
-    # --- the handlers, one per action kind -------------------------------------------------------
-    def _receive_activations(self, step: _Step, index: int, action: Action) -> None:
-        t0 = time.perf_counter()
-        g, i = action.stage, action.micro_batch
-        tensors = self.comm.recv(*self.message_of(action), posted=step.receives.take(index))
-        step.states.setdefault((g, i), _State()).received = self._assemble(self.runners[g].stage, tensors)
-        step.stats.recv_wait_s += time.perf_counter() - t0
-
-    def _forward(self, step: _Step, index: int, action: Action) -> None:
-        t0 = time.perf_counter()
+    # --- compute ----------------------------------------------------------------------------
+    def _forward(self, step: _Step, action: Action) -> None:
         g, i = action.stage, action.micro_batch
         runner, state = self.runners[g], step.states.setdefault((g, i), _State())
-        args = to_device([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
-        with self.saved.counting() if self.count_saved else contextlib.nullcontext():
+        if g > 0 and self._here(g - 1, i):  # handed over in memory by the previous stage
+            before = step.states[(g - 1, i)]
+            state.received = assemble(runner.stage, [before.outputs[j].detach() for j in
+                                                           self.runners[g - 1].send_tensors])
+        args = own_copy([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
+        counting = self.count_saved
+        with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
             out = runner.stage.module(*args, *state.received)
             if runner.stage.is_last:
-                state.loss = self.spec.loss(out, to_device(step.targets[i], self.device)) / \
-                    (self.m * self.topology.data_parallel)
+                loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
+                state.loss = loss / (self.m * self.topology.data_parallel)
             else:
                 state.outputs = out
-        state.saved_bytes = self.saved.finish() if self.count_saved else 0
+        if counting:
+            saved = self.saved.saved_storages()
+            state.saved_bytes = self.saved.finish()
+            runner.learn_kept(state, saved)
         if state.loss is not None:
-            step.losses.append(float(state.loss.detach()) * self.m * self.topology.data_parallel)
-        step.stats.forward_s += time.perf_counter() - t0
+            detached = state.loss.detach().float() * (self.m * self.topology.data_parallel)
+            step.loss_sum = detached if step.loss_sum is None else step.loss_sum + detached
+            step.loss_count += 1
+        runner.drop_inputs(state)
+        if g > 0 and self._here(g - 1, i):
+            self.runners[g - 1].drop_outputs(step.states[(g - 1, i)])
 
-    def _send_activations(self, step: _Step, index: int, action: Action) -> None:
-        g, i = action.stage, action.micro_batch
-        runner, outputs = self.runners[g], step.states[(g, i)].outputs
-        self.comm.send([outputs[j] for j in runner.send_tensors], self._peer(g + 1, i), self._tag(g + 1, i),
-                       ACTIVATION)
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _receive_gradients(self, step: _Step, index: int, action: Action) -> None:
-        t0 = time.perf_counter()
-        state = step.states[(action.stage, action.micro_batch)]
-        state.grads = self.comm.recv(*self.message_of(action), posted=step.receives.take(index))
-        step.stats.recv_wait_s += time.perf_counter() - t0
-
-    def _backward(self, step: _Step, index: int, action: Action) -> None:
-        t0 = time.perf_counter()
+    def _backward(self, step: _Step, action: Action) -> None:
         g, i = action.stage, action.micro_batch
         runner, state = self.runners[g], step.states[(g, i)]
+        if (g, i) in self.arming:
+            self.buckets.arm(self.arming[(g, i)])
         if runner.stage.is_last:
             state.loss.backward()
             state.loss = None
         else:
+            if self._here(g + 1, i):  # the next stage's backward left them here
+                state.grads = step.states.pop((g + 1, i)).input_grads
             pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
                      if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [grad for _, grad in pairs])
             state.outputs, state.grads = None, []
         self.saved.release(state.saved_bytes)
-        step.stats.backward_s += time.perf_counter() - t0
-        if g == 0:  # nothing to send back: free the micro-batch now
+        if g == 0:  # nothing to send back: the micro-batch is done here
             step.states.pop((g, i), None)
+            return
+        state.input_grads = [state.received[j].grad if state.received[j].grad is not None
+                             else torch.zeros(state.received[j].shape, dtype=state.received[j].dtype,
+                                              device=self.device)
+                             for j in runner.recv_grads]
+        state.received = []
 
-    def _send_gradients(self, step: _Step, index: int, action: Action) -> None:
+    # --- communication ---------------------------------------------------------------------------
+    def _run_batch(self, step: _Step, actions: List[Action]) -> None:
+        """Post the batch's operations together, wait for all, then use what arrived."""
+        operations, after = [], []
+        for action in actions:
+            operation, done = self.messages[action.kind](step, action)
+            operations.append(operation)
+            after.append(done)
+        exchange(operations, self.use_tags)
+        step.stats.messages += len(operations)
+        for done, operation in zip(after, operations):
+            if done is not None:
+                done(operation.tensor)
+
+    def _tag(self, receiving_stage: int, micro_batch: int, direction: int) -> int:
+        return message_tag(receiving_stage, micro_batch, direction, self.m)
+
+    # Under autocast the plan's dtypes (profiled without it) are not the activations': the first
+    # activation message between two ranks describes itself (comm.DescribedLayout) and later ones
+    # use the dtypes it carried; gradients have the dtypes of the tensors they belong to.
+    def _layout(self, planned: MessageLayout, key: Tuple, tensors: Optional[List[torch.Tensor]] = None):
+        if self.autocast is None:
+            return planned
+        if key not in self.layouts:
+            if tensors is None:
+                return None
+            self.layouts[key] = MessageLayout([(tuple(t.shape), t.dtype) for t in tensors], planned.what)
+        return self.layouts[key]
+
+    def _send_activations(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
-        runner, received = self.runners[g], step.states.pop((g, i)).received
-        grads = [received[j].grad if received[j].grad is not None else torch.zeros_like(received[j])
-                 for j in runner.recv_grads]
-        self.comm.send(grads, self._peer(g - 1, i), self._tag(g - 1, i), GRADIENT)
+        runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
+        tensors = [state.outputs[j] for j in runner.send_tensors]
+        layout = self._layout(runner.act_out, ("act out", g, peer))
+        if layout is None:  # the first to this peer: it says its dtypes
+            wire = DescribedLayout(runner.act_out).pack(tensors, self.device)
+            self._layout(runner.act_out, ("act out", g, peer), tensors)
+        else:
+            wire = layout.pack(tensors, self.device)
+        return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
+                lambda _: runner.drop_outputs(state))
 
-    def _optimizer_step(self, step: _Step, index: int, action: Action) -> None:
-        t0 = time.perf_counter()
-        if self.comm is not None:
-            self.comm.wait_sends()
-        t1 = time.perf_counter()
-        step.stats.send_wait_s += t1 - t0
-        self.groups.reduce_gradients(self.rank_model, self.params)
-        t2 = time.perf_counter()
-        step.stats.reduce_s += t2 - t1
+    def _receive_activations(self, step: _Step, action: Action):
+        g, i = action.stage, action.micro_batch
+        runner, peer = self.runners[g], self._peer(g - 1, i)
+        layout = self._layout(runner.act_in, ("act in", g, peer))
+        described = DescribedLayout(runner.act_in) if layout is None else None
+
+        def arrived(wire: torch.Tensor) -> None:
+            if described is not None:
+                tensors, self.layouts[("act in", g, peer)] = described.unpack(wire)
+            else:
+                tensors = layout.unpack(wire)
+            step.states.setdefault((g, i), _State()).received = assemble(runner.stage, tensors)
+
+        buffer = (described or layout).empty(self.device)
+        return Operation(False, buffer, peer, self._tag(g, i, ACTIVATION)), arrived
+
+    def _send_gradients(self, step: _Step, action: Action):
+        g, i = action.stage, action.micro_batch
+        runner, state, peer = self.runners[g], step.states.pop((g, i)), self._peer(g - 1, i)
+        layout = self._layout(runner.grad_out, ("grad out", g, peer), state.input_grads)
+        wire = layout.pack(state.input_grads, self.device)
+        return Operation(True, wire, peer, self._tag(g - 1, i, GRADIENT)), None
+
+    def _receive_gradients(self, step: _Step, action: Action):
+        g, i = action.stage, action.micro_batch
+        runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
+        outputs = [state.outputs[j] for j in runner.send_grads]  # the gradients take their dtypes
+        layout = self._layout(runner.grad_in, ("grad in", g, peer), outputs)
+
+        def arrived(wire: torch.Tensor) -> None:
+            state.grads = layout.unpack(wire)
+
+        return Operation(False, layout.empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
+
+    # --- end of step ----------------------------------------------------------------------------
+    def _optimizer_step(self, step: _Step, action: Action) -> None:
+        # a gradient-sharded optimizer (issue 25, runtime/shard.py) reduces the data-parallel gradients
+        # itself: then there are no buckets here
+        self.groups.reduce_gradients(self.rank_model, self.buckets)
+        self.clock.stop("reduce_s", "reduce")
+        self.clock.mark()
+        for hook in self.before_optimizer:
+            hook()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        step.stats.optimizer_s += time.perf_counter() - t2
-
-    def message_of(self, action: Action) -> Tuple[List[dict], int, int, int]:
-        """(tensor specs, source rank, tag, direction) of the message a receive action waits for."""
-        runner, i, g = self.runners[action.stage], action.micro_batch, action.stage
-        if action.kind is ActionKind.RECV_ACT:
-            return [runner.stage.recv[j] for j in runner.recv_tensors], self._peer(g - 1, i), self._tag(g, i), ACTIVATION
-        return [runner.stage.send[j] for j in runner.send_grads], self._peer(g + 1, i), self._tag(g, i), GRADIENT
-
-    def _tag(self, receiving_stage: int, micro_batch: int) -> int:
-        """A message tag unique per (receiving stage, micro-batch) within a step."""
-        return receiving_stage * self.m + micro_batch
-
-    def _assemble(self, stage: RankStage, tensors: List[torch.Tensor]) -> List[Any]:
-        """Received tensors and injected constants, in the stage's input order."""
-        values: List[Any] = []
-        it = iter(tensors)
-        for spec in stage.recv:
-            if spec["kind"] == "tensor":
-                t = next(it)
-                if spec.get("requires_grad"):
-                    t.requires_grad_(True)
-                values.append(t)
-            else:
-                values.append(_constant(spec["value"]))
-        return values
-
-
-class _ReceivesAhead:
-    """One step's receives, each posted `ahead` receive actions before it runs (in action order),
-    so its data can move while this rank computes. `post(k)` posts action k's receive;
-    `take(k)` hands over what was posted for it (None when nothing was posted ahead: the action
-    posts and waits itself)."""
-
-    def __init__(self, order: Sequence[int], ahead: int, post: Callable[[int], PostedRecv]):
-        self.order, self.ahead, self.post = list(order), ahead, post
-        self.rank_in_order = {k: n for n, k in enumerate(self.order)}
-        self.posted: Dict[int, PostedRecv] = {}
-        self.next = 0  # index into `order` of the next receive to post
-        self._top_up(0)
-
-    def _top_up(self, consumed: int) -> None:
-        while self.next < len(self.order) and self.next < consumed + self.ahead:
-            k = self.order[self.next]
-            self.posted[k] = self.post(k)
-            self.next += 1
-
-    def take(self, action_index: int) -> Optional[PostedRecv]:
-        if not self.ahead:
-            return None
-        posted = self.posted.pop(action_index)
-        self._top_up(self.rank_in_order[action_index] + 1)
-        return posted
-
-
-class Groups:
-    """Process groups for gradient reductions, created by every rank in the same order, as
-    torch.distributed requires:
-
-    - holders of the same stages (a stage's lanes, in every data-parallel replica): their
-      gradients are summed in one flat all-reduce;
-    - tied weights used by stages on several pipeline ranks: one group of every rank holding a use,
-      in every replica, whose sum is the whole gradient (so tied parameters skip the first).
-    """
-
-    def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]]):
-        self.topology = topology
-        self.tie_groups: Dict[str, Any] = {}
-        self.data_parallel_group = None  # the holders of this rank's stages, when more than one
-        if not dist.is_initialized():
-            return
-        made = set()
-        for position in range(topology.pipeline_ranks):
-            ranks = tuple(topology.data_parallel_group(position))
-            if len(ranks) > 1 and ranks not in made:
-                made.add(ranks)
-                group = dist.new_group(list(ranks))
-                if rank in ranks:
-                    self.data_parallel_group = group
-        for name, positions in tied_groups:
-            ranks = [topology.global_rank(r, q) for r in range(topology.data_parallel) for q in positions]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.tie_groups[name] = group
-
-    def reduce_gradients(self, rank_model: RankModel, params: List[torch.nn.Parameter]) -> None:
-        tied = set()
-        for name, (param, _) in rank_model.tied.items():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.tie_groups[name])
-            tied.add(id(param))
-        if self.data_parallel_group is not None:
-            own = [p for p in params if id(p) not in tied]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in own]
-            for p, g in zip(own, grads):
-                p.grad = g
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.data_parallel_group)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()

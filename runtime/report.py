@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_slowdown, host_speed_lines
 
-MEASURED_KEYS = ("forward_s", "backward_s", "recv_wait_s", "send_wait_s", "reduce_s", "optimizer_s", "time_s")
+MEASURED_KEYS = ("forward_s", "backward_s", "wait_s", "reduce_s", "optimizer_s", "time_s")
 
 
 def _steady(values: List[float]) -> List[float]:
@@ -55,7 +55,12 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "threads": r.get("threads"),
             "host_kernel_s": r.get("host_kernel_s"),
             "device": r.get("device"),
-            "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "peak_memory_bytes": r.get("peak_memory_bytes"),  # the CUDA allocator's peak (None on the CPU)
+            "peak_rss_bytes": r.get("peak_rss_bytes"),  # the process's peak resident memory
+            "start_rss_bytes": r.get("start_rss_bytes"),  # ... before it built anything
+            # the plan's memory of this rank's device (its stages' device_total)
+            "predicted_memory_bytes": float(plan_stages[0].memory_bytes.get(
+                "device_total", sum(float(st.memory_bytes.get("total", 0)) for st in plan_stages))) if plan_stages else None,
             "peak_saved_bytes": r.get("peak_saved_bytes"),
             "param_bytes": r.get("param_bytes"),
             "predicted_activation_bytes": sum(float(st.memory_bytes.get("activations", 0)) for st in plan_stages),
@@ -94,9 +99,13 @@ def format_report(report: Dict[str, Any]) -> str:
             span = f"stages {','.join(map(str, s['chunks']))}: {span}"
         lines.append(f"{s['rank']:>4}  {me['forward_s'] * 1e3:>10.2f} {pr['forward_s'] * 1e3:>10.2f}  "
                      f"{me['backward_s'] * 1e3:>10.2f} {pr['backward_s'] * 1e3:>10.2f}  "
-                     f"{(me['recv_wait_s'] + me['send_wait_s']) * 1e3:>10.2f}  "
+                     f"{me['wait_s'] * 1e3:>10.2f}  "
                      f"{(s.get('peak_saved_bytes') or 0) / 2**20:>10.2f} {s.get('predicted_activation_bytes', 0) / 2**20:>10.2f}"
                      f"  {span}")
+    for s in report["stages"]:
+        if s.get("peak_memory_bytes") is not None:
+            lines.append(f"rank {s['rank']} device memory: peak {s['peak_memory_bytes'] / 2**20:.1f} MiB (CUDA allocator), "
+                         f"planned {(s.get('predicted_memory_bytes') or 0) / 2**20:.1f} MiB")
     p, m = report["predicted_iteration_s"], report["measured_iteration_s"]
     err = report.get("relative_error")
     lines.append(f"iteration: measured {m * 1e3:.2f} ms (median of steady steps), predicted {p * 1e3:.2f} ms"

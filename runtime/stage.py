@@ -18,11 +18,13 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from planner.model.capture import CapturedModel, StageIO, capture
+from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, StageIO, capture
 from planner.model.entry import build_spec
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
+from runtime.initstate import (InitState, materialise, meta_example, model_names, parameters_on_meta, release,
+                               to_meta)
 
 
 class PlanMismatchError(RuntimeError):
@@ -178,10 +180,24 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     return segments
 
 
-def build_rank(plan: Plan, topology: Topology, pipeline_rank: int) -> RankModel:
+def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch.device = torch.device("cpu"),
+               init_state: Optional[InitState] = None) -> RankModel:
+    """This rank's stages, their nodes placed on `device` (the parameters are moved by the caller).
+    With `init_state` the model is built and captured on meta and only this rank's stages get
+    storage, on `device`, from the file (runtime.initstate)."""
     model = plan.model
-    spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
-    captured = capture(spec.module)
+    device = torch.device(device)
+    if init_state is None:
+        spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+        captured = capture(spec.module)
+    else:
+        with parameters_on_meta():
+            spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+        real_buffers = to_meta(spec.module)
+        names = model_names(spec.module)
+        captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))
+    if device.type != "cpu" or init_state is not None:
+        captured.place_nodes(device)
     _check_units(plan, captured)
     captured.check_batch_size(plan.micro_batch_size, f"plan with micro-batch size {captured.fixed_batch}")
     stages = plan.stages
@@ -231,20 +247,32 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int) -> RankModel:
                               recv=list(plan_stage.recv), send=list(plan_stage.send),
                               state_sources={k: source for k, (holder, source) in sources.items() if holder == g},
                             model_inputs=list(captured.placeholders), recompute=recompute))
+    if init_state is not None:
+        materialise([st.module for st in mine], [spec.module], names, init_state, real_buffers, device)
     held = {id(p): p for st in mine for p in st.module.parameters()}
     by_name = dict(spec.module.named_parameters(remove_duplicate=False))
     tied = {name: (by_name[name], ranks) for name, ranks in tied_groups
             if pipeline_rank in ranks and id(by_name[name]) in held}
+    # Other ranks' stages were built too (the whole model is seeded and captured everywhere): keep
+    # none of their tensors. Entries no stage uses stay (stage 0 saves them at their initial value).
+    own = {id(t) for st in mine for t in st.module.state_dict(keep_vars=True).values()}
+    used = {id(t) for module in modules for t in module.state_dict(keep_vars=True).values()}
+    release([spec.module, captured.gm, *modules], used - own)
     return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups,
                      input_values=captured.input_values)
 
 
-def stage_state(stage: RankStage, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+def stage_state(stage: RankStage, spec: ModelSpec, init_state: Optional[InitState] = None) -> Dict[str, torch.Tensor]:
     """The model state entries this stage saves, under the model's names (every name of an aliased
     parameter), on the CPU."""
     own = {}
     for key, value in stage.module.state_dict().items():
         own[key.split("parts.", 1)[-1].split(".", 1)[-1] if key.startswith("parts.") else key] = value
     full = spec.module.state_dict()  # entries no stage uses keep their initial values
-    return {k: (own[source] if source is not None else full[k]).detach().cpu().clone()
+
+    def initial(key: str) -> torch.Tensor:
+        value = full[key]
+        return init_state.get(key) if value.device.type == "meta" and init_state is not None else value
+
+    return {k: (own[source] if source is not None else initial(k)).detach().cpu().clone()
             for k, source in stage.state_sources.items()}

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -23,16 +23,21 @@ import torch
 import torch.distributed as dist
 
 from planner.jsonio import atomic_path, write_json_atomic
+from planner.pipeline.check import check_schedule
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan, load_plan
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.link import fit_link, ping_pong
-from planner.profile.optim import OPTIMIZERS, make_optimizer
+from planner.profile.optim import OPTIMIZERS
 from runtime import checkpoint as ckpt
-from runtime.comm import PointToPoint
-from runtime.engine import Engine, Groups
+from runtime.engine import Engine
+from runtime.groups import Groups
+from runtime.initstate import InitState
+from runtime.options import add_training_options, training_options
+from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -42,7 +47,10 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: the plan's optimizer")
+    add_training_options(p)
     p.add_argument("--save-state", action="store_true")
+    p.add_argument("--init-state", default=None, help="start from this state_dict (.pt, .safetensors or a "
+                   "save_pretrained directory); only this rank's stages are materialised")
     p.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
                    help=f"seconds a rank may wait on another (default {RANK_TIMEOUT_S:g})")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: as profiled)")
@@ -51,14 +59,21 @@ def _parse(argv):
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--recv-ahead", type=int, default=2,
-                   help="receives posted ahead of the action that needs them (gloo; 0: post when needed)")
     p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
     return p.parse_args(argv)
 
 
+def _current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _check_same_plan(digest: str, rank: int, world: int) -> None:
     """Refuse to start if any rank read a different plan than rank 0 (e.g. a stale copy on one machine)."""
+    # int64 on the CPU: the collective goes through gloo (the group is cpu:gloo,cuda:nccl on GPUs)
     mine = torch.tensor([int(digest[i:i + 8], 16) for i in range(0, 64, 8)], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
@@ -89,8 +104,12 @@ class _Rank:
     rank_model: Optional[RankModel] = None
     optimizer: Any = None
     optimizer_name: str = ""
+    options: Optional[TrainOptions] = None
     groups: Optional[Groups] = None
     engine: Optional[Engine] = None
+    init_state: Optional[InitState] = None
+    resumed_rng: Optional[Dict[str, Any]] = None
+    start_rss: int = 0  # resident bytes before building anything (the interpreter, torch)
     events: List[List[Any]] = field(default_factory=list)  # trace: [kind, micro-batch, stage, start, end]
 
     @property
@@ -102,15 +121,21 @@ def run(args) -> None:
     """One rank's whole run: join the group, build, train, write what it measured."""
     retain_freed_memory()  # as the profile did: no page faults for every micro-batch's buffers
     me = _start(args)
-    backend = "nccl" if me.device.type == "cuda" else "gloo"
+    me.start_rss = _current_rss()
+    # On GPUs NCCL moves CUDA tensors; gloo serves the few CPU ones (plan hash, losses).
+    backend = "cpu:gloo,cuda:nccl" if me.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=me.rank, world_size=me.world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=me.device if me.device.type == "cuda" else None)
     try:
+        if me.device.type == "cuda":
+            # every rank joins the NCCL communicator now: a batch_isend_irecv must not be its first use
+            dist.all_reduce(torch.zeros(1, device=me.device))
         me.digest = me.plan.digest()
         _check_same_plan(me.digest, me.rank, me.world)
-        _build(me, use_tags=backend == "gloo")
+        _build(me, use_tags=me.device.type != "cuda")
         first_step = _resume(me)
-        link = _measure_link(me.plan, me.topology, me.rank) if args.measure_link else None
+        link = _measure_link(me.plan, me.topology, me.rank, me.device) if args.measure_link else None
         host_kernel = [_time_host(me.device)]
         steps = _train(me, first_step)
         host_kernel.append(_time_host(me.device))
@@ -128,11 +153,11 @@ def _start(args) -> _Rank:
     os.makedirs(args.out_dir, exist_ok=True)
     plan = load_plan(args.plan)
     topology = plan.topology()
+    # the lists `runtime execute` checks before starting; a torchrun launch checks them here
+    check_schedule(plan.instruction_lists(), plan.num_micro_batches, placement=topology.rank_running)
     if world != topology.world_size:
         raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
                            f"{topology.data_parallel} data-parallel) but {world} were started")
-    if args.recv_ahead < 0:
-        raise ValueError("--recv-ahead must be 0 or more")
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
     return _Rank(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
@@ -141,7 +166,8 @@ def _start(args) -> _Rank:
 def _build(me: _Rank, use_tags: bool) -> None:
     """This rank's stages, process groups, optimizer and engine."""
     plan, topology, args = me.plan, me.topology, me.args
-    me.rank_model = build_rank(plan, topology, me.pipeline_rank)
+    me.init_state = InitState(args.init_state) if args.init_state else None
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state)
     for stage in me.rank_model.stages:
         stage.module.to(me.device)
     me.groups = Groups(topology, me.rank, me.rank_model.tied_groups)
@@ -149,33 +175,69 @@ def _build(me: _Rank, use_tags: bool) -> None:
     me.optimizer_name = args.optimizer or plan.optimizer
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
-    me.optimizer = make_optimizer(me.optimizer_name, me.rank_model.parameters(), args.lr)
-    comm = PointToPoint(me.device, use_tags=use_tags) if topology.pipeline_ranks > 1 else None
-    clock_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by all ranks
+    me.options = training_options(args, me.optimizer_name, plan)
+    me.optimizer = make_optimizer(me.options, me.rank_model.parameters())
+    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py;
+    # torch's defaults: momentum, betas and weight decay apply to the unsharded optimizer only)
+    sharded = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.parameters(),
+                              [param for param, _ in me.rank_model.tied.values()], args.lr,
+                              me.groups.data_parallel_group)
+    if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
+        raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
+                         "only its share of the gradients; re-plan without --shard gradients or drop the clipping")
+    me.optimizer = sharded or me.optimizer
 
-    def record(kind, i, g, t0, t1):
-        me.events.append([kind, i, g, t0 + clock_offset, t1 + clock_offset])
+    def record(kind, i, g, t0, t1):  # wall-clock seconds
+        me.events.append([kind, i, g, t0, t1])
 
     me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
-                       me.optimizer, me.device, comm, me.groups, trace=record if args.trace else None,
-                       recv_ahead=args.recv_ahead)
+                       me.optimizer, me.device, me.groups, use_tags=use_tags,
+                       trace=record if args.trace else None, autocast=me.options.autocast_dtype)
+    if me.options.clip_grad_norm is not None:
+        me.engine.before_optimizer.append(_clipper(me))
 
 
 def _resume(me: _Rank) -> int:
-    """The first step to run: 0, or the last complete checkpoint's step with its state loaded."""
+    """The first step to run: 0, or the last complete checkpoint's step with its state loaded.
+    Rank 0 reads the marker and tells the others which step (-1: none; -2: it failed)."""
     args = me.args
     if not args.resume:
         return 0
     if not args.checkpoint_dir:
         raise RuntimeError("--resume needs --checkpoint-dir")
-    done = ckpt.latest(args.checkpoint_dir, me.digest, me.world)
-    if done is None:
+    chosen = torch.tensor([-1], dtype=torch.int64)  # on the CPU: gloo carries it (cpu:gloo,cuda:nccl on GPUs)
+    failure: Optional[BaseException] = None
+    if me.rank == 0:
+        try:
+            done = ckpt.latest(args.checkpoint_dir, me.digest, me.world)
+            chosen[0] = -1 if done is None else done
+        except BaseException as e:  # tell the others before failing
+            chosen[0], failure = -2, e
+    dist.broadcast(chosen, src=0)
+    if failure is not None:
+        raise failure
+    done = int(chosen[0])
+    if done == -2:
+        raise RuntimeError("rank 0 could not read the checkpoint marker (its error says why)")
+    if done < 0:
         return 0
     saved = ckpt.load_rank(args.checkpoint_dir, done, me.rank)
     for stage in me.rank_model.stages:
         stage.module.load_state_dict(saved["chunks"][str(stage.index)])
     me.optimizer.load_state_dict(saved["optimizer"])
+    me.resumed_rng = saved.get("rng")  # set just before the first step (timing the host draws numbers too)
     return done
+
+
+def _clipper(me: _Rank) -> GlobalNormClip:
+    """Clipping by the global norm: this rank counts the gradients no other rank counts too."""
+    topology = me.topology
+    first = topology.replica_of(me.rank) == 0 and topology.lane_of(me.pipeline_rank) == 0
+    tied_elsewhere = {id(param) for param, positions in me.rank_model.tied.values()
+                      if min(positions) != me.pipeline_rank}
+    params = me.rank_model.parameters()
+    return GlobalNormClip(me.options.clip_grad_norm, params, [first and id(p) not in tied_elsewhere for p in params],
+                          me.device, distributed=me.world > 1)
 
 
 def _time_host(device: torch.device) -> Optional[float]:
@@ -194,7 +256,10 @@ def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
         dist.barrier()  # every rank timed the host before any starts its steps
     is_reporter = me.pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
     steps = []
+    if me.resumed_rng is not None:
+        ckpt.set_rng_state(me.resumed_rng)
     for step in range(first_step, args.steps):
+        set_lr(me.optimizer, lr_at(me.options, step))
         stats = me.engine.run_step(step)
         if me.groups.data_parallel_group is not None and me.rank_model.stages[-1].is_last:
             stats.loss = _mean_over_holders(stats, me.groups)
@@ -217,18 +282,20 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     args, topology, rank, m = me.args, me.topology, me.rank, me.plan.num_micro_batches
     pipeline_rank, stages = me.pipeline_rank, me.rank_model.stages
     peak = torch.cuda.max_memory_allocated(me.device) if me.device.type == "cuda" else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     static = sum(p.numel() * p.element_size() for p in me.rank_model.parameters())  # each parameter once
     result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
               "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
                                 for st in stages}, "threads": me.threads, "device": str(me.device),
-              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak,
+              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
+              "start_rss_bytes": me.start_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
         state: Dict[str, torch.Tensor] = {}
         for stage in stages:
-            state.update(stage_state(stage, me.rank_model.spec))
+            state.update(stage_state(stage, me.rank_model.spec, me.init_state))
         with atomic_path(os.path.join(args.out_dir, f"rank{rank}.pt")) as tmp:
             torch.save(state, tmp)
     if args.trace:
@@ -236,14 +303,14 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
 
 
-def _measure_link(plan: Plan, topology, rank: int, repeats: int = 10):
+def _measure_link(plan: Plan, topology, rank: int, device: torch.device, repeats: int = 10):
     """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
     4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
     take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
     sizes = sorted({8, 4 << 20} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
-    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30)
+    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device)
     try:
         fit = fit_link(samples)
     except ValueError:  # time did not grow with size in this noisy sample: report no link

@@ -190,3 +190,51 @@ def killed(kill_step: int = 1) -> ModelSpec:
         return loss_fn(output, target)
 
     return ModelSpec(module=spec.module, batch=spec.batch, loss=loss)
+
+
+class Tables(nn.Module):
+    """Large parameters, little compute: each layer adds the mean of a few rows of its own table
+    (rows x dim), so the bytes crossing a cut do not depend on `rows`."""
+
+    def __init__(self, rows: int, dim: int, layers: int):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(rows, dim) for _ in range(layers))
+
+    def forward(self, x, ids):
+        for table in self.tables:
+            x = torch.tanh(x + table(ids).mean(1))
+        return x
+
+
+def tables(rows: int = 1000, dim: int = 32, layers: int = 4) -> ModelSpec:
+    """`tables(rows=2**21)`: 4 x 256 MiB of parameters (tests/runtime/test_init_state.py's peak RSS)."""
+    module = Tables(rows, dim, layers)
+
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, dim, generator=g), torch.randint(0, rows, (n, 4), generator=g)), \
+            torch.randn(n, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+
+
+class DropoutChain(nn.Module):
+    def __init__(self, dim: int, layers: int, p: float):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Dropout(p)) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3) -> ModelSpec:
+    """Dropout after every layer: a resumed run is exact only if the random generators resume too."""
+    module = DropoutChain(dim, layers, p)
+
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))

@@ -20,7 +20,7 @@ def _analytic(args: argparse.Namespace, model_args, sizes, progress):
     print(f"analytic profile of {args.model} {model_args or ''} for {device.name} at micro-batch sizes "
           f"{','.join(map(str, sizes))} (meta device, roofline)", flush=True)
     return analytic_profile(args.model, model_args, sizes, device, seed=args.seed, dtype=args.dtype,
-                            progress=progress)
+                            progress=progress, attention=args.attention or "flash")
 
 
 def _link(args: argparse.Namespace, profile, sizes) -> None:
@@ -37,9 +37,9 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
     link = measure_link(cut_bytes, threads=args.threads)
     profile.extra["link"] = link
     print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us, "
-          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s ({len(link['samples'])} message sizes, "
-          f"median of {link['repeats']} round trips); planner solve uses it unless --bandwidth/--latency are given",
-          flush=True)
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "
+          f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips); planner solve uses it "
+          "unless --bandwidth/--latency/--message-cost are given", flush=True)
 
 
 def _check_measure_options(args: argparse.Namespace) -> None:
@@ -58,6 +58,9 @@ def _check_measure_options(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.micro_batch_sizes)
+    if args.attention and not args.analytic:
+        raise UsageError("--attention is for analytic profiles (measured ones run the model's own attention; "
+                         "Hugging Face models: --model-arg attn_implementation=eager|sdpa)")
     if args.device_spec and not args.analytic:
         raise UsageError("--device-spec is for analytic profiles: add --analytic")
     if not args.analytic:
@@ -133,5 +136,9 @@ def register(sub) -> None:
                    "cpu-calibrated (measured here now) or a path to your own JSON spec")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="with --analytic: cast the model to this dtype first (e.g. bfloat16 for large models)")
+    p.add_argument("--attention", choices=["flash", "as-built"],
+                   help="with --analytic: cost scaled_dot_product_attention as the memory-efficient kernel GPUs run "
+                        "(flash, default: no S x S tensor saved) or as the meta device runs the model's code "
+                        "(as-built); Hugging Face models call it unless built with attn_implementation=eager")
     p.set_defaults(func=cmd_profile)
 

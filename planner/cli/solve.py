@@ -34,9 +34,22 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--latency", type=float, default=None,
                    help="seconds per message between stages (default: the profile's calibration, else the "
                         "measured link's, else 0)")
+    s.add_argument("--message-cost", type=float, default=None,
+                   help="seconds the runtime pays per message on each side, besides latency and transfer "
+                        "(default: the profile's calibration, else the measured link's, else 0)")
     s.add_argument("--cluster", default=None, help="heterogeneous cluster JSON (see planner/cost/cluster.py)")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                    help="optimizer whose state the memory model counts (default sgd)")
+    s.add_argument("--precision", default=None, choices=["fp32", "bf16-mixed", "bf16"],
+                   help="dtypes of parameters, gradients, optimizer state and compute (docs/memory.md; default: "
+                        "bf16-mixed for a bfloat16/float16 profile, else fp32); runtime execute must run the same")
+    s.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients", "parameters", "auto"],
+                   help="shard optimizer state / + gradients / + parameters across each stage's data-parallel "
+                        "replicas (ZeRO-1/2/3); auto lets the solver choose (default none)")
+    s.add_argument("--reserve", default=None,
+                   help="bytes kept free on every device for what is not tensors (CUDA context, cuBLAS and NCCL "
+                        "buffers), e.g. 2GiB, or 0 (default: 2.5GiB on GPUs and analytic GPU profiles, 0 on CPU; "
+                        "docs/memory.md)")
     s.add_argument("--backend", default=None, choices=["highs", "cbc"],
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
                         "with a note, where highspy cannot be imported)")
@@ -46,6 +59,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
 def problem_from_args(args: argparse.Namespace):
     """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
     from planner.cost.cluster import load_cluster
+    from planner.cost.memory import default_precision
     from planner.cost.options import CostOptions
     from planner.profile.profile import load_profile
 
@@ -69,16 +83,13 @@ def problem_from_args(args: argparse.Namespace):
         schedules: List[str] = list(SCHEDULES)
     else:
         schedules = [args.schedule]
-    from planner.cost.model import profiled_optimizer_step_s
-
     from planner.fidelity.calibrate import solve_link
 
-    bandwidth, latency, overhead, note = solve_link(
-        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency)
-    optimizer_step = profiled_optimizer_step_s(profile, args.optimizer)
-    if optimizer_step > 0:
-        step_note = f"charged the profiled {args.optimizer} step ({optimizer_step * 1e3:.3g} ms over all units)"
-        note = f"{note}; {step_note}" if note else step_note
+    if args.message_cost is not None and not args.message_cost >= 0:
+        raise UsageError(f"--message-cost must be >= 0 seconds (got {args.message_cost})")
+    bandwidth, latency, overhead, note, message_s = solve_link(
+        profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency,
+        args.message_cost)
     args.calibration_note = note
     opts = CostOptions(
         pipeline_ranks=stages if args.devices is None else 1,
@@ -87,19 +98,29 @@ def problem_from_args(args: argparse.Namespace):
         bandwidth=bandwidth,
         latency=latency,
         step_overhead_s=overhead,
-        optimizer_step_total_s=optimizer_step,
+        message_s=message_s,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
         dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
         virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,
         cluster=cluster,
         recompute=args.recompute,
+        precision=args.precision or default_precision(profile.dtype),
+        shard=args.shard,
+        reserve_bytes=_reserve_bytes(args.reserve),
     )
     if args.schedule in MULTI_STAGE_SCHEDULES:
         opts = opts.with_(schedule=args.schedule)
     if cluster is not None and args.devices is not None:
         raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")
     return profile, opts, args.devices, schedules
+
+
+def _reserve_bytes(text: Optional[str]) -> Optional[float]:
+    """--reserve: a size, or 0 for none; None: the profile's device default (planner.cost.memory)."""
+    if text is None:
+        return None
+    return 0.0 if text.strip() in ("0", "0B", "0b") else parse_bytes(text, "--reserve")
 
 
 def ilp_backend(requested: Optional[str]) -> str:
@@ -171,11 +192,12 @@ def register(sub) -> None:
                                    "iteration time under each device's memory.")
     add_problem_options(s)
     s.add_argument("--method", default="ilp", choices=["ilp", "dp", "brute", "uniform", "params", "block"],
-                   help="solver: ilp (default, proven optimal), dp (exact chain DP), brute (tiny profiles), "
+                   help="solver: ilp (default: the exact search, proven optimal or stopped with its gap), dp "
+                        "(its fast starts and local search alone, with a lower bound), brute (tiny profiles), "
                         "or a baseline: uniform, params (DeepSpeed), block (torchgpipe)")
     s.add_argument("--replicate", action="store_true",
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
                         "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
-                        "exact, but with --recompute auto under a memory cap the gap says how close)")
+                        "chosen on a closed form, timed by the simulation, with a busy-time bound as its gap)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

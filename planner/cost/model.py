@@ -1,88 +1,159 @@
-"""The pipeline cost model: what a plan costs, in time and memory. The single source of truth.
+"""The cost model: what a plan costs, in time and memory — those of the lists the runtime executes.
 
-Notation. The profile has L ordered units. A plan has p pipeline ranks (devices per replica), d
-data-parallel replicas, v model stages per rank (v = 1 except for `interleaved`/`bfs`), and
-C = p * v stages, stage c holding units [a_c, e_c) and running on rank c % p. The C - 1
-boundaries are the cuts e_0 < ... < e_{C-2}. A global batch of G samples is G = d * m * b: each
-replica runs m micro-batches of size b. R is the set of recomputed units.
+Notation. The profile has L ordered units. A plan has p pipeline ranks per data-parallel replica, d
+replicas, v stages per rank (v = 1 except for `interleaved`/`bfs`) and S = p v stages, stage g holding
+units [a_g, e_g) and running on rank g mod p (looping placement). The S - 1 boundaries are the cuts
+e_0 < ... < e_{S-2}. A global batch of G samples is G = d m b: each replica runs m micro-batches of
+size b. R is the set of recomputed units. Replicated stages (PipeDream-style, v = 1): stage g runs
+on r_g devices, micro-batch i on its replica i mod r_g (planner.pipeline.topology).
 
-Time per micro-batch of stage c on rank i = c % p (speed sigma_i, 1 without a cluster):
+Time. The plan's step is the event simulation of its lists (planner.pipeline.stepgraph: the
+runtime's semantics; planner.pipeline.messages: where messages go) with these durations, stage g
+on rank i at speed sigma_i (planner.cost.ranges):
 
-    F_c = (k^f + sum_{l in c} f_l) / sigma_i          B_c = (k^b + sum_{l in c} (g_l + [l in R] f_l)) / sigma_i
-    (k^f, k^b: the profile's stage_overhead_s at b, what a stage pays per micro-batch whatever its
-    units: one call's fixed cost; 0 for analytic and imported profiles. A recomputed unit runs as
-    its own checkpointed call, whose fixed cost, up to k^f per unit in R, is not charged: an
-    approximation, small beside f_l, that keeps every solver's stage time the same sum)
-    t_k^j = (act_k + grad_k) / bw_j + lat_j * [act_k > 0] * (1 + [grad_k > 0])
-            (cut k used as boundary j, between ranks j % p and (j + 1) % p of the path bw_j, lat_j)
-    T_c = F_c + B_c + t_{a_c}^{c-1} [c > 0] + t_{e_c}^{c} [c < C - 1]
+    forward g      (k^f + sum_{l in g} f_l) / sigma_i
+    backward g     (k^b + sum_{l in g} g_l + sum_{l in g, l in R} f_l) / sigma_i
+    act g, grad g  latency + bytes / bandwidth of the activations (gradients) across boundary g
+                   (the link between the two stages' ranks; 0 for a stage handing over on its rank)
+    message        a fixed cost per message on each side (`message_s`)
+    tie t          2 (n - 1) / n * bytes_t / bandwidth: all-reduce of tied weight t over the n ranks
+                   (all replicas) holding a use of it, when its uses span several ranks
+    lanes g        the same over n = r_g d holders: a replicated stage's exchange
+    reduce i       the data-parallel exchange of rank i's P_i over the replicas / dp_bandwidth: an
+                   all-reduce, 2 (d - 1) / d P_i, or the sharded exchanges (planner.cost.memory)
+    step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
-Per-iteration extra time of rank i (gradient traffic, once per iteration):
+    iteration = step time of the lists + step_overhead (a constant, e.g. from `planner calibrate`)
 
-    E_i = 2 (d - 1) / d * P_i / dp_bandwidth  +  sum_{c on i} tie_c
-    tie_c = sum over shared parameters t used in stage c: 2 (n_t - 1) bytes_t / bandwidth
-            (n_t: number of stages holding a use of t; nothing when n_t = 1)
+(k^f, k^b: the profile's per-stage call cost; a recomputed unit re-runs as its own checkpointed
+call, whose fixed cost is not charged.) The step time is the longest path through the lists' graph,
+a maximum of sums of these durations; the solvers optimise exactly that (planner.solve.exact).
 
-Iteration time (D_i = sum_{c on i} T_c, the rank's work per micro-batch):
+Memory of rank i (bytes): static + the peak, along its list, of what it holds for its stages:
 
-    iteration = (1/v) sum_c T_c + (m - 1/v) max_i D_i + max_i E_i + step_overhead + (1/p) sum_l o_l
+    M_i = sum_{g on i} P_g beta_g + F + max over the list's moments of
+          sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g} ]
+    A_g = sum_{l in g} (in_l if l in R else s_l)
 
-(step_overhead: a constant per iteration, e.g. from `planner calibrate`; o_l: one optimizer step
-over unit l's parameters, as profiled. Each rank steps its own units' parameters once per
-iteration, after its last backward; the model charges the average rank's step, (1/p) sum_l o_l,
-a constant for given p: like step_overhead it moves no argmin of a fixed p but is part of every
-predicted time and every bound (`CostOptions.per_step_s`). Charging max_i O_i instead would make
-it a third max term in every solver; the ranks' steps differ by a few per cent of an iteration.)
+live_g: micro-batches of stage g forwarded and not yet backwarded; inbox_g / gradbox_g: activations
+(gradients) received and not yet used (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
+cut l (in_0 = 0). beta_g (`static_factor`): bytes held per parameter byte of the profile —
+parameters, compute copy, gradients, master weights and optimizer state in the precision's dtypes,
+sharded over the stage's n_g = r_g d holders (planner.cost.memory). F (`fixed_bytes`): the
+per-device reserve plus, under `parameters` sharding, two gathered units. A plan is feasible iff
+M_i <= cap_i. Interleaved needs m to be a multiple of p (Megatron's rule).
 
-For v = 1 this is the classic fill-drain bound sum_s T_s + (m - 1) max_s T_s (GPipe and 1F1B);
-with equal stages of time t it is m v t + (p - 1) t: Megatron's interleaved bubble (p - 1)/(v m).
-`bfs` (looped breadth-first) uses the same closed form: every stage pass streams m >= 1
-micro-batches, so the fill costs one stage-row of time, (1/v) sum_c T_c, like interleaving.
-
-Memory of rank i (bytes): M_i = sum_{c on i} [ P_c (2 + opt) + h_c A_c ] with
-A_c = sum_{l in c} (in_l if l in R else s_l) (in_l: bytes crossing cut l, in_0 = 0) and h_c the
-micro-batches whose activations stage c holds at once:
-
-    gpipe: m      1f1b: min(p - c, m)      bfs: m (all micro-batches of every stage)
-    interleaved (Megatron's 1F1B with v stages): rank i runs W_i = min(2 (p - i - 1) + (v - 1) p, m v)
-    warm-up forwards then one more before its first backward; forward k goes to local stage
-    (k // p) % v, so h_c = #{k < min(W_i + 1, m v) : (k // p) % v = c // p}.
-
-Interleaved needs m to be a multiple of p (Megatron's rule). A plan is feasible iff M_i <= cap_i.
-
-Replicated stages (PipeDream-style; v = 1, gpipe or 1f1b, no cluster, no tied parameters).
-Stage g of S gets r_g >= 1 devices, N = sum_g r_g devices per data-parallel replica (the plan's
-pipeline_stages; world size d N). Stage g runs on devices o_g .. o_g + r_g - 1, o_g = sum_{h<g} r_h,
-and micro-batch i of stage g on replica i mod r_g, so one replica device processes at most
-n_g = ceil(m / r_g) micro-batches; m >= max_g r_g. T_g is as above (compute + transfers). Then
-
-    iteration = sum_g T_g + max_g (n_g - 1) T_g + max_g E_g + step_overhead + (1/N) sum_l o_l
-    E_g = 2 (n - 1) / n * P_g / dp_bandwidth,  n = r_g d   (one ring over every holder of stage g)
-    held per replica device:  gpipe: ceil(m / r_g)     1f1b: ceil(min(w_g + 1, m) / r_g)
-    with the 1f1b warm-up of the unreplicated order that each replica filters to its micro-batches
-    (planner.pipeline.schedule.one_f_one_b_warmups): w_last = r_last - 1, w_g = min(w_{g+1} + max(r_g, r_{g+1}), m)
-    (r = 1 everywhere: min(p - g, m) as above).
-
-M_g (per replica device) = P_g (2 + opt) + h_g A_g. With every r_g = 1 this is the v = 1 model
-above: n_g = m and (m - 1) max_g T_g. The closed form assumes each replica streams its n_g
-micro-batches; tests/solve/test_replicas.py checks it against the event simulation of the
-runtime's lists (BENCHMARKS.md: how close). The warm-up grows by max(r_g, r_{g+1}) so that a wide
-stage behind a narrow one does not serialise (planner.pipeline.schedule.warmup_before).
-(planner/cost/replicas.py.)
+Precision. Activations and cut messages are counted in the precision's compute dtype: a profile of
+another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from planner.cost.options import CostOptions
-from planner.cost.replicas import replica_in_flight, replicated_plan_cost
-from planner.cost.result import PlanCost, StageCost
-from planner.pipeline.schedule import interleaved_warmup, one_f_one_b_warmups
-from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE, Profile
+from planner.cost.ranges import RangeCosts, range_costs
+from planner.cost.result import PathForm, PlanCost, StageCost
+from planner.cost.step import StepShape, rank_peaks, stage_devices, stage_in_flight, step_graph
+from planner.cost import memory as memory_model
+from planner.profile.profile import CutProfile, CutValue, Profile
 
-def optimizer_factor(optimizer: str) -> float:
-    """opt: optimizer-state bytes per parameter byte."""
-    return float(OPTIMIZER_STATE_PER_PARAM_BYTE[optimizer])
+
+def precision_of(opts: CostOptions, dtype: str) -> str:
+    """The precision a plan of a profile of this dtype runs at: the options', else the dtype's default."""
+    return opts.precision or memory_model.default_precision(dtype)
+
+
+def static_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
+    """beta: bytes a device keeps per parameter byte of a `dtype` profile (parameters, gradients,
+    master weights, optimizer state) for a stage of n holders (default the d replicas)."""
+    n = opts.data_parallel if holders is None else holders
+    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
+    return held.static / memory_model.param_itemsize(dtype)
+
+
+def copy_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
+    """Bytes of the compute copy of the weights per parameter byte, held per micro-batch in flight."""
+    n = opts.data_parallel if holders is None else holders
+    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
+    return held.compute_copy / memory_model.param_itemsize(dtype)
+
+
+def sync_time(param_bytes: float, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> float:
+    """Seconds of the data-parallel exchange of `param_bytes` (profile bytes) over n holders
+    (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory)."""
+    n = opts.data_parallel if holders is None else holders
+    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
+    per_param = memory_model.sync_bytes_per_param(precision_of(opts, dtype), _shard(opts), n, m)
+    return per_param * param_bytes / memory_model.param_itemsize(dtype) / bandwidth
+
+
+def reserve_of(profile: Profile, opts: CostOptions) -> float:
+    """Bytes kept free on every device: the options', else the profile's device default."""
+    if opts.reserve_bytes is not None:
+        return float(opts.reserve_bytes)
+    spec = (profile.extra.get("analytic") or {}).get("device_spec")
+    return memory_model.default_reserve(profile.device, spec if isinstance(spec, dict) else None)
+
+
+def fixed_bytes(profile: Profile, opts: CostOptions) -> float:
+    """F: bytes every device holds whatever its stages: the reserve, and under `parameters`
+    sharding with several holders the two largest gathered units (the running one and the
+    prefetched one; the profile's largest unit, twice, whatever the split: a bound)."""
+    gathered = 0.0
+    if _shard(opts) == "parameters" and (opts.data_parallel > 1 or opts.replicated):
+        largest = max((u.param_bytes for u in profile.units), default=0)
+        per_param = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
+        gathered = 2 * largest * per_param / memory_model.param_itemsize(profile.dtype)
+    return reserve_of(profile, opts) + gathered
+
+
+def _shard(opts: CostOptions) -> str:
+    if opts.shard == "auto":
+        raise ValueError("shard 'auto' is the solver's choice: cost a plan with a concrete shard "
+                         f"({', '.join(memory_model.SHARDS)})")
+    return opts.shard
+
+
+_CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}
+
+
+def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
+    """The profile with its byte counts in the precision's compute dtype (parameters, saved
+    activations, outputs and cut tensors scaled by the ratio of the dtypes' sizes; times as
+    measured); the profile itself when the dtypes agree. Autocast keeps a few tensors in fp32
+    (softmax and normalisation statistics): a measured fp32 profile planned at bf16 undercounts them."""
+    target = memory_model.COMPUTE_DTYPE[precision_of(opts, profile.dtype)]
+    ratio = memory_model.DTYPE_BYTES[target] / memory_model.param_itemsize(profile.dtype)
+    if ratio == 1:
+        return profile
+    key = (id(profile), target)
+    hit = _CONVERTED.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+
+    def scale(table: Dict[int, int]) -> Dict[int, int]:
+        return {b: int(round(v * ratio)) for b, v in table.items()}
+
+    def value(v: CutValue) -> CutValue:
+        if v.kind != "tensor" or v.dtype != profile.dtype:  # integer tensors (token ids) keep their size
+            return v
+        return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
+
+    units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)), saved_bytes=scale(u.saved_bytes),
+                                 output_bytes=scale(u.output_bytes)) for u in profile.units]
+    cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
+    ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and
+            isinstance(e.get("bytes"), (int, float)) else e for e in profile.extra.get("shared_parameters", []) or []]
+    extra = dict(profile.extra, computed_from_dtype=profile.dtype)
+    if "shared_parameters" in extra:
+        extra["shared_parameters"] = ties
+    converted = dataclasses.replace(profile, units=units, cuts=cuts, dtype=target, extra=extra)
+    _CONVERTED[key] = (profile, converted)
+    if len(_CONVERTED) > 16:
+        _CONVERTED.pop(next(iter(_CONVERTED)))
+    return converted
 
 
 def num_micro_batches(opts: CostOptions, b: int) -> int:
@@ -99,33 +170,29 @@ def candidate_micro_batch_sizes(profile: Profile, global_batch: int, opts: Optio
     return sizes
 
 
-def in_flight(stage: int, pipeline_ranks: int, m: int, schedule: str, virtual_stages: int = 1) -> int:
-    """h_c: micro-batches whose activations stage c holds at once (module docstring)."""
-    p, v = pipeline_ranks, virtual_stages
-    if schedule in ("gpipe", "bfs"):
-        return m
-    if schedule == "1f1b":
-        return min(one_f_one_b_warmups([1] * p, m)[stage] + 1, m)
-    rank, local = stage % p, stage // p
-    warmup = interleaved_warmup(rank, p, v, m)
-    return sum(1 for k in range(min(warmup + 1, m * v)) if (k // p) % v == local)
+def step_shape(opts: CostOptions, m: int, collectives=()) -> StepShape:
+    """The shape of the lists a plan of these options runs with m micro-batches."""
+    return StepShape(opts.schedule, opts.num_stages, m, opts.virtual_stages,
+                     tuple(opts.replicas) if opts.replicated else (), tuple(collectives))
 
 
 def held_counts(opts: CostOptions, m: int) -> List[int]:
-    return [in_flight(c, opts.pipeline_ranks, m, opts.schedule, opts.virtual_stages) for c in range(opts.num_stages)]
+    """h_g per stage: the most micro-batches stage g holds for backward at once, from its lists."""
+    return stage_in_flight(step_shape(opts, m))
 
 
 def rank_speeds(opts: CostOptions) -> List[float]:
     return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(opts.pipeline_ranks)]
 
 
-def rank_caps(opts: CostOptions) -> List[Optional[float]]:
-    return [opts.memory_cap if opts.cluster is None else opts.cluster.memory(i, opts.memory_cap)
-            for i in range(opts.pipeline_ranks)]
+def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
+    """What each rank's stages may hold: its cap less the fixed bytes F (`fixed_bytes`); None: no cap."""
+    fixed = fixed_bytes(profile, opts)
+    return [None if cap is None else cap - fixed for cap in _device_caps(opts, opts.pipeline_ranks)]
 
 
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
-    """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. C - 2."""
+    """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. S - 2."""
     p = opts.pipeline_ranks
     links = []
     for j in range(opts.num_stages - 1):
@@ -157,23 +224,9 @@ def stage_call_s(profile: Profile, b: int) -> float:
     return forward + backward
 
 
-def profiled_optimizer_step_s(profile: Profile, optimizer: str) -> float:
-    """sum_l o_l: seconds of one `optimizer` step over every unit's parameters, as `planner profile`
-    measured them (0 for units without a measurement: analytic and imported profiles)."""
-    name = "adamw" if optimizer in ("adam", "adamw") else optimizer
-    return sum(float(u.optimizer_s.get(name, 0.0)) for u in profile.units)
-
-
 def input_bytes(profile: Profile, b: int) -> List[int]:
     """in_l: bytes crossing cut l (what a recomputed unit keeps); in_0 = 0."""
     return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
-
-
-def allreduce_time(param_bytes: float, opts: CostOptions, holders: Optional[int] = None) -> float:
-    """Ring all-reduce of a rank's gradients over n holders (default the d replicas): 2 (n - 1)/n * P / dp_bandwidth."""
-    d = opts.data_parallel if holders is None else holders
-    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
-    return 2.0 * (d - 1) / d * param_bytes / bandwidth
 
 
 def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
@@ -193,8 +246,8 @@ def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
 
 
 def tie_time(bytes_: int, holders: int, opts: CostOptions) -> float:
-    """Per holding stage: 2 (n - 1) bytes / bandwidth (n = stages holding a use; 0 when n = 1)."""
-    return 2.0 * (holders - 1) * bytes_ / opts.bandwidth
+    """All-reduce of a tied weight over n holding ranks: 2 (n - 1) / n bytes / bandwidth (0 when n = 1)."""
+    return 2.0 * (holders - 1) / holders * bytes_ / opts.bandwidth if holders > 1 else 0.0
 
 
 def validate_boundaries(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOptions) -> None:
@@ -229,61 +282,183 @@ def validate_boundaries(profile: Profile, boundaries: Sequence[int], b: int, opt
 
 def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOptions,
              recompute: Iterable[int] = ()) -> PlanCost:
-    """Cost of cutting the profile at `boundaries` (C - 1 cuts) with micro-batch size b and the
-    units in `recompute` recomputed in backward."""
+    """Cost of cutting the profile at `boundaries` (S - 1 cuts) with micro-batch size b and the
+    units in `recompute` recomputed in backward: the simulated step of the plan's lists."""
     validate_boundaries(profile, boundaries, b, opts)
-    L, C, p, v = profile.num_units, opts.num_stages, opts.pipeline_ranks, opts.virtual_stages
+    profile = compute_profile(profile, opts)
+    L, S = profile.num_units, opts.num_stages
     redo: FrozenSet[int] = frozenset(recompute)
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
     m = num_micro_batches(opts, b)
-    opt = optimizer_factor(opts.optimizer)
-    edges = [0] + list(boundaries) + [L]
-    links = boundary_links(opts)
-    speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
-    reps = list(opts.replicas) if opts.replicated else [1] * C
-    if opts.replicated:  # stage g on devices offset_g .. offset_g + r_g - 1, each holding h_g
-        held = [replica_in_flight(g, reps, m, opts.schedule) for g in range(C)]
-        offsets = [sum(reps[:g]) for g in range(C)]
-    inputs = input_bytes(profile, b)
-    stage_of = [c for c in range(C) for _ in range(edges[c], edges[c + 1])]
-    ties: Dict[int, float] = {}
-    for _, units, size in shared_parameters(profile):
-        holders = sorted({stage_of[l] for l in units})
-        for c in holders:
-            ties[c] = ties.get(c, 0.0) + tie_time(size, len(holders), opts)
-    call_forward, call_backward = profile.stage_overhead(b)
-    stages: List[StageCost] = []
-    for c in range(C):
-        first, end, rank = edges[c], edges[c + 1], c % p
-        device = offsets[c] if opts.replicated else rank
-        units = profile.units[first:end]
-        forward = (call_forward + sum(u.forward_s[b] for u in units)) / speeds[rank]
-        backward = (call_backward + sum(u.backward_s[b] + (u.forward_s[b] if first + i in redo else 0.0)
-                                        for i, u in enumerate(units))) / speeds[rank]
-        comm = (cut_time(profile, first, b, opts, links[c - 1]) if c > 0 else 0.0) + \
-               (cut_time(profile, end, b, opts, links[c]) if c < C - 1 else 0.0)
-        params = sum(u.param_bytes for u in units)
-        saved = sum(inputs[first + i] if first + i in redo else u.saved_bytes[b] for i, u in enumerate(units))
+    split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [L]), redo,
+                  profile.dtype, fixed_bytes(profile, opts))
+    ties = shared_parameters(profile)
+    shape = step_shape(opts, m, step_collectives(ties, split.edges, opts))
+    value = step_durations(split, opts, shape, ties)
+    timeline = step_graph(shape).run(value)
+    memory = device_memory(split, opts, shape)
+    devices = shape.pipeline_ranks
+    caps = _device_caps(opts, devices)
+    busy = [0.0] * devices
+    for g in range(S):
+        lanes = _devices_of(shape, g)
+        for lane in lanes:  # a stage's replica runs every r_g-th micro-batch
+            share = len(range(lanes.index(lane), m, len(lanes)))
+            busy[lane] += share * (value[("forward", g)] + value[("backward", g)])
+    step = timeline.step_s
+    bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
+    end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
+    return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=_stage_costs(split, opts, shape, value),
+                    iteration_s=step + opts.step_overhead_s, bottleneck_s=max(busy) / m,
+                    bubble_fraction=max(0.0, bubble),
+                    feasible=all(cap is None or mem <= cap for mem, cap in zip(memory, caps)),
+                    device_memory=memory, device_caps=caps, extra_s=max(end_work), schedule=opts.schedule,
+                    pipeline_ranks=devices, virtual_stages=opts.virtual_stages, data_parallel=opts.data_parallel,
+                    critical_path=path_form(timeline), durations=value, collectives=shape.collectives)
+
+
+def path_form(timeline) -> PathForm:
+    """The longest path of a simulated step as a PathForm (tied-weight crossings named by weight)."""
+    return PathForm(counts=tuple(sorted(timeline.critical.items(), key=repr)),
+                    crossings=tuple((term[1], j, i) for term, j, i in timeline.crossings if term[0] == "tie"))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A plan's units per stage: stage g holds units [edges[g], edges[g + 1]); `redo` is recomputed."""
+
+    costs: RangeCosts
+    edges: Tuple[int, ...]
+    redo: FrozenSet[int]
+    dtype: str = "float32"  # the profile's (planner.cost.memory: bytes per parameter byte)
+    fixed: float = 0.0  # F: bytes every device holds besides its stages (`fixed_bytes`)
+
+    def units(self, g: int) -> Tuple[int, int]:
+        return self.edges[g], self.edges[g + 1]
+
+
+def _device_speeds(opts: CostOptions, devices: int) -> List[float]:
+    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(devices)]
+
+
+def _device_caps(opts: CostOptions, devices: int) -> List[Optional[float]]:
+    return [opts.memory_cap if opts.cluster is None else opts.cluster.memory(i, opts.memory_cap)
+            for i in range(devices)]
+
+
+def _devices_of(shape: StepShape, g: int) -> Tuple[int, ...]:
+    """The devices running stage g (one, or a replicated stage's r_g)."""
+    return stage_devices(shape)[g]
+
+
+def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence[int], opts: CostOptions
+                     ) -> List[Tuple[Tuple, Tuple[int, ...]]]:
+    """The step's collectives in run order: the tied weights whose uses span ranks (by name), then
+    each replicated stage's all-reduce over its replicas."""
+    S, p = opts.num_stages, opts.pipeline_ranks
+    stage_of = [g for g in range(S) for _ in range(edges[g], edges[g + 1])]
+    out = []
+    for name, units, _ in sorted(ties):
+        holders = tuple(sorted({stage_of[l] % p for l in units}))
+        if len(holders) > 1:
+            out.append((("tie", name), holders))
+    for g, r in enumerate(opts.replicas if opts.replicated else ()):
+        if r > 1:
+            first = sum(opts.replicas[:g])
+            out.append((("lanes", g), tuple(range(first, first + r))))
+    return out
+
+
+def step_durations(split: Split, opts: CostOptions, shape: StepShape,
+                   ties: Sequence[Tuple[str, List[int], int]] = ()) -> Dict[Tuple, float]:
+    """Every duration term of the step graph for this split (module docstring)."""
+    costs, S, devices = split.costs, opts.num_stages, shape.pipeline_ranks
+    speeds, links = _device_speeds(opts, devices), boundary_links(opts)
+    value: Dict[Tuple, float] = {("message",): opts.message_s}
+    for g in range(S):
+        (a, e), speed = split.units(g), speeds[shape.rank_of(g)]
+        value[("forward", g)] = costs.forward(a, e, speed)
+        value[("backward", g)] = costs.backward(a, e, speed, split.redo)
+        if g < S - 1:
+            value[("act", g)] = costs.message_s(e, links[g])
+            value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
+    params, steps = [0.0] * devices, [0.0] * devices
+    lanes = [0] * devices  # devices of the stage a device runs (replicated stages: r_g)
+    for g in range(S):
+        for i in _devices_of(shape, g):
+            params[i] += costs.params(*split.units(g))
+            steps[i] += costs.step(*split.units(g), speed=speeds[i])
+            lanes[i] = len(_devices_of(shape, g))
+    m = shape.num_micro_batches
+    for i in range(devices):
+        value[("reduce", i)] = sync_time(params[i], opts, split.dtype, m) if lanes[i] == 1 else 0.0
+        value[("step", i)] = steps[i]
+    sizes = {name: size for name, _, size in ties}
+    for term, members in shape.collectives:
+        if term[0] == "tie":
+            value[term] = tie_time(sizes[term[1]], len(members) * opts.data_parallel, opts)
+        else:
+            g = term[1]
+            holders = len(members) * opts.data_parallel
+            value[term] = sync_time(costs.params(*split.units(g)), opts, split.dtype, m, holders)
+    return value
+
+
+def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
+    """Bytes per held item of each kind (planner.pipeline.stepgraph.held_peaks' terms)."""
+    costs, S = split.costs, opts.num_stages
+    out: Dict[Tuple, float] = {}
+    copy = copy_factor(opts, split.dtype)  # bf16-mixed: the forward's cast weights, saved for backward
+    for g in range(S):
+        a, e = split.units(g)
+        out[("live", g)] = costs.saved(a, e, split.redo) + copy * costs.params(a, e)
+        out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
+        out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
+    return out
+
+
+def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[float]:
+    """M_i per device: static bytes of its stages + the peak of what its list holds (module docstring)."""
+    costs = split.costs
+    held = held_bytes(split, opts)
+    out = []
+    for i, peaks in enumerate(rank_peaks(shape)):
+        static = sum(costs.params(*split.units(g)) * _stage_factor(split, opts, shape, g)
+                     for g in range(opts.num_stages) if i in _devices_of(shape, g))
+        activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
+        out.append(static + split.fixed + activations)
+    return out
+
+
+def _stage_factor(split: Split, opts: CostOptions, shape: StepShape, g: int) -> float:
+    """beta_g: static bytes per parameter byte of stage g, sharded over its r_g d holders."""
+    return static_factor(opts, split.dtype, len(_devices_of(shape, g)) * opts.data_parallel)
+
+
+def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float]) -> List[StageCost]:
+    """Per-stage figures for tables and the plan file (on the stage's first device)."""
+    costs, S = split.costs, opts.num_stages
+    held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
+    precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
+    stages = []
+    for g in range(S):
+        (a, e), device = split.units(g), shape.rank_of(g)
+        comm = (value[("act", g - 1)] + value[("grad", g - 1)] if g > 0 else 0.0) + \
+               (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
+        params = costs.params(a, e)
+        count = params / itemsize
+        holders = len(_devices_of(shape, g)) * opts.data_parallel
+        per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
+        activations = in_flight[g] * held[("live", g)]
+        collective = sum(value[term] for term, members in shape.collectives if device in members)
         stages.append(StageCost(
-            first_unit=first, end_unit=end, device=device, forward_s=forward, backward_s=backward, comm_s=comm,
-            time_s=forward + backward + comm, in_flight=held[c], param_bytes=params, grad_bytes=params,
-            optimizer_bytes=params * opt, activation_bytes=held[c] * saved,
-            memory_bytes=params * (2 + opt) + held[c] * saved,
-            extra_s=allreduce_time(params, opts, reps[c] * opts.data_parallel) + ties.get(c, 0.0),
-            recompute=sorted(l for l in redo if first <= l < end), replicas=reps[c]))
-    if opts.replicated:
-        return replicated_plan_cost(stages, b, m, opts, caps[0])
-    work = [sum(st.time_s for st in stages if st.device == i) for i in range(p)]
-    extra = [sum(st.extra_s for st in stages if st.device == i) for i in range(p)]
-    memory = [sum(st.memory_bytes for st in stages if st.device == i) for i in range(p)]
-    total = sum(st.time_s for st in stages)
-    bottleneck = max(work)
-    pipeline = total / v + (m - 1.0 / v) * bottleneck
-    iteration = pipeline + max(extra) + opts.per_step_s
-    bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
-    feasible = all(cap is None or mem <= cap for mem, cap in zip(memory, caps))
-    return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=stages, iteration_s=iteration,
-                    bottleneck_s=bottleneck, bubble_fraction=max(0.0, bubble), feasible=feasible,
-                    device_memory=memory, device_caps=caps, extra_s=max(extra), schedule=opts.schedule,
-                    pipeline_ranks=p, virtual_stages=v, data_parallel=opts.data_parallel)
+            first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
+            backward_s=value[("backward", g)], comm_s=comm,
+            time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
+            param_bytes=int(count * per.params), grad_bytes=int(count * per.grads),
+            optimizer_bytes=count * (per.master + per.optimizer),
+            activation_bytes=int(activations), memory_bytes=count * per.static + activations,
+            extra_s=value[("reduce", device)] + collective,
+            recompute=sorted(l for l in split.redo if a <= l < e), replicas=len(_devices_of(shape, g))))
+    return stages

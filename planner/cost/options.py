@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from planner.cost.cluster import Cluster
+from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
-from planner.profile.profile import OPTIMIZER_STATE_PER_PARAM_BYTE
 
 RECOMPUTE_MODES = ("none", "all", "auto")
+SHARD_CHOICES = SHARDS + ("auto",)  # auto: the solver chooses (a scenario dimension)
 DEFAULT_BANDWIDTH = 5e9  # bytes/s between pipeline ranks when nothing better is known
 
 
@@ -32,17 +33,14 @@ class CostOptions:
     cluster: Optional[Cluster] = None
     recompute: str = "none"  # what solvers may choose: none | all | auto
     step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
-    # sum_l o_l: one optimizer step over every unit's parameters, as profiled (profiled_optimizer_step_s)
-    optimizer_step_total_s: float = 0.0
+    message_s: float = 0.0  # what the runtime pays per message on each side, besides the transfer
     replicas: Tuple[int, ...] = ()  # r_g per stage (S of them, adding up to p); () = one rank per stage
-
-    @property
-    def per_step_s(self) -> float:
-        """Time charged once per iteration whatever the split: the step overhead plus the optimizer
-        step of an average device, sum_l o_l / p (p = sum_g r_g with replicated stages, whose
-        replicas' steps overlap; a replicated stage's parameters count once, so that p, the
-        solver's budget, keeps it a constant of the search)."""
-        return self.step_overhead_s + self.optimizer_step_total_s / self.pipeline_ranks
+    # planner.cost.memory: the dtypes of parameters, gradients and state (None: the profile's
+    # default, bf16-mixed for a half-precision profile, else fp32), how the data-parallel holders of
+    # a stage shard them, and the bytes kept free on every device (None: the profile's device default)
+    precision: Optional[str] = None
+    shard: str = "none"
+    reserve_bytes: Optional[float] = None
 
     @property
     def replicated(self) -> bool:
@@ -74,15 +72,20 @@ class CostOptions:
                 raise ValueError(f"{name} must be positive bytes/s (got {value})")
         if not self.step_overhead_s >= 0:
             raise ValueError(f"the step overhead must be >= 0 seconds (got {self.step_overhead_s})")
-        if not self.optimizer_step_total_s >= 0:
-            raise ValueError(f"the optimizer step must be >= 0 seconds (got {self.optimizer_step_total_s})")
+        if not self.message_s >= 0:
+            raise ValueError(f"the per-message cost must be >= 0 seconds (got {self.message_s})")
         if self.latency < 0:
             raise ValueError(f"latency must be >= 0 seconds (got {self.latency})")
         if self.memory_cap is not None and not self.memory_cap > 0:
             raise ValueError(f"memory per device must be positive bytes (got {self.memory_cap})")
-        if self.optimizer not in OPTIMIZER_STATE_PER_PARAM_BYTE:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
-                             f"{', '.join(sorted(OPTIMIZER_STATE_PER_PARAM_BYTE))}")
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(sorted(OPTIMIZER_MOMENTS))}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if self.shard not in SHARD_CHOICES:
+            raise ValueError(f"unknown shard {self.shard!r}; use one of {', '.join(SHARD_CHOICES)}")
+        if self.reserve_bytes is not None and not self.reserve_bytes >= 0:
+            raise ValueError(f"the reserve must be >= 0 bytes per device (got {self.reserve_bytes})")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
         if self.replicas:

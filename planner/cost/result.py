@@ -2,7 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class PathForm:
+    """A path through a step's graph: how many times each duration term lies on it, and the tied
+    weights' all-reduces through which it passes from one rank to another ((tie name, from, to)).
+    Its value under any split's durations is a lower bound of that split's step time."""
+
+    counts: Tuple[Tuple[Tuple, int], ...]
+    crossings: Tuple[Tuple[str, int, int], ...] = ()
+
+    def count(self) -> Dict[Tuple, int]:
+        return dict(self.counts)
 
 
 @dataclass
@@ -14,15 +27,15 @@ class StageCost:
     device: int  # pipeline rank = stage index % p
     forward_s: float
     backward_s: float  # includes recomputed forwards
-    comm_s: float  # transfer time charged to this stage (receive + send, both directions)
-    time_s: float  # T_c
-    in_flight: int  # h_c
+    comm_s: float  # its messages' transfer times (received and sent, both directions): for tables
+    time_s: float  # forward + backward + comm_s: for tables
+    in_flight: int  # the most micro-batches it holds for backward at once (its rank's list)
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: float
-    activation_bytes: int  # h_c * A_c
-    memory_bytes: float  # this stage's params + grads + optimizer + activations
-    extra_s: float  # per-iteration: this stage's share of all-reduce + tied-parameter exchange
+    activation_bytes: int  # in_flight x its bytes held per micro-batch
+    memory_bytes: float  # this stage's params + grads + optimizer + activations (its rank's: PlanCost)
+    extra_s: float  # once per step on its rank: all-reduce + the collectives it takes part in
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
     replicas: int = 1  # r_g: devices running this stage (device .. device + r_g - 1)
 
@@ -32,14 +45,17 @@ class PlanCost:
     micro_batch_size: int
     num_micro_batches: int  # m, per replica
     stages: List[StageCost]
-    iteration_s: float
-    bottleneck_s: float  # max_i D_i: the busiest rank's time per micro-batch (replicated: max_g n_g T_g / m)
-    bubble_fraction: float  # 1 - m sum_c T_c / (p * pipeline time): idle share of the ranks
+    iteration_s: float  # the simulated step of the plan's lists + the step overhead
+    bottleneck_s: float  # the busiest rank's forward and backward time per micro-batch
+    bubble_fraction: float  # 1 - the ranks' forward and backward time / (ranks x step): their idle share
     feasible: bool  # every rank's memory fits its cap
     device_memory: List[float] = field(default_factory=list)  # M_i, one per device (replicas included)
     device_caps: List[Optional[float]] = field(default_factory=list)
-    extra_s: float = 0.0  # max_i E_i
+    extra_s: float = 0.0  # the most a rank spends once per step after its list (all-reduce, optimizer step)
     schedule: str = "1f1b"
     pipeline_ranks: int = 1  # p (sum_g r_g with replicated stages)
     virtual_stages: int = 1
     data_parallel: int = 1
+    critical_path: Optional[PathForm] = None  # the step's longest path
+    durations: Dict[Tuple, float] = field(default_factory=dict)  # every duration term of the step graph
+    collectives: Tuple = ()  # ((term, member ranks), ...) in the order every rank runs them

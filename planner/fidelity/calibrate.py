@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from planner.cost.model import evaluate, profiled_optimizer_step_s
+from planner.cost.model import evaluate
 from planner.cost.options import DEFAULT_BANDWIDTH, CostOptions
 from planner.cost.result import PlanCost
 from planner.plan.file import Plan
@@ -40,7 +40,7 @@ def _evaluate_plan(profile: Profile, plan: Plan, bandwidth: float, latency: floa
                        schedule=plan.schedule, bandwidth=bandwidth, latency=latency, optimizer=plan.optimizer,
                        data_parallel=plan.data_parallel, virtual_stages=plan.virtual_stages,
                        replicas=replicas if any(r != 1 for r in replicas) else (),
-                       optimizer_step_total_s=profiled_optimizer_step_s(profile, plan.optimizer))
+                       message_s=plan.message_s)
     return evaluate(profile, boundaries, plan.micro_batch_size, opts, recompute)
 
 
@@ -172,19 +172,31 @@ def factor_range(calibration: Dict[str, Any], kind: str) -> Tuple[float, float]:
     return (min(values), max(values)) if values else (1.0, 1.0)
 
 
-def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Optional[float] = None
-               ) -> Tuple[float, float, float, Optional[str]]:
-    """(bandwidth, latency, step overhead, note) a solve uses: the given values first (the user's
-    --bandwidth/--latency), then the profile's calibration (profile.extra['calibration']), then
-    the link `planner profile` measured (profile.extra['link']), then the defaults (5 GB/s, 0, 0).
-    The note says what the profile supplied (None when it supplied nothing)."""
+class LinkChoice(NamedTuple):
+    bandwidth: float
+    latency: float
+    step_overhead_s: float
+    note: Optional[str]
+    message_s: float
+
+
+def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Optional[float] = None,
+               message_s: Optional[float] = None) -> LinkChoice:
+    """(bandwidth, latency, step overhead, note, per-message cost) a solve uses: the given values
+    first (the user's --bandwidth/--latency/--message-cost), then the profile's calibration
+    (profile.extra['calibration']), then the link `planner profile` measured
+    (profile.extra['link']), then the defaults (5 GB/s, 0, 0, 0). The note says what the profile
+    supplied (None when it supplied nothing)."""
     calibration = profile.extra.get("calibration") or {}
     overhead = 0.0
 
     def fill(source: Dict[str, Any]) -> List[str]:
         """Take what is still unset from `source`; say what was taken."""
-        nonlocal bandwidth, latency
+        nonlocal bandwidth, latency, message_s
         taken = []
+        if message_s is None and source.get("message_s") is not None:
+            message_s = float(source["message_s"])
+            taken.append(f"{message_s * 1e6:.3g} us per message")
         if bandwidth is None and source.get("bandwidth_bytes_per_s"):
             bandwidth = float(source["bandwidth_bytes_per_s"])
             taken.append(f"bandwidth {bandwidth / 1e9:.3g} GB/s")
@@ -200,5 +212,5 @@ def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Opt
         used.append(f"step overhead {overhead * 1e3:.3g} ms")
     notes = ([f"applied the profile's calibration: {', '.join(used)}"] if used else []) + \
         ([f"used the profile's measured link: {', '.join(measured)}"] if measured else [])
-    return (DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, 0.0 if latency is None else latency, overhead,
-            "; ".join(notes) if notes else None)
+    return LinkChoice(DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, 0.0 if latency is None else latency,
+                      overhead, "; ".join(notes) if notes else None, 0.0 if message_s is None else message_s)

@@ -35,7 +35,7 @@ def check_report(plan: Plan, report: Dict[str, Any]) -> Dict[str, Any]:
         ranks.append({"rank": r["rank"], "chunks": r.get("chunks", [r["rank"]]),
                       "forward": (me["forward_s"], pr["forward_s"], _rel(me["forward_s"], pr["forward_s"])),
                       "backward": (me["backward_s"], pr["backward_s"], _rel(me["backward_s"], pr["backward_s"])),
-                      "waiting_s": me.get("recv_wait_s", 0.0) + me.get("send_wait_s", 0.0)})
+                      "waiting_s": me.get("wait_s", me.get("recv_wait_s", 0.0) + me.get("send_wait_s", 0.0))})
     measured, predicted = report["measured_iteration_s"], plan.predicted_iteration_s
     return {"ranks": ranks, "iteration": (measured, predicted, _rel(measured, predicted)),
             "host_slowdown": report.get("host_slowdown")}

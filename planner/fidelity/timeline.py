@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Sequence
 from planner.jsonio import atomic_path
 
 _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recv_act": "#cccccc", "recv_grad": "#cccccc",
-            "send_act": "#55a868", "send_grad": "#55a868", "optimizer_step": "#8172b3"}
+            "send_act": "#55a868", "send_grad": "#55a868", "batch": "#55a868", "reduce": "#c44e52",
+            "optimizer_step": "#8172b3"}
 
 
 def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[Any], step: int, path: str) -> None:
@@ -39,8 +40,8 @@ def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[An
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
     axes[-1].set_xlabel("ms")
-    fig.legend(handles=[Patch(color=_COLOURS[k], label=k.replace("_", " ")) for k in
-                        ("forward", "backward", "send_act", "recv_act", "optimizer_step")],
+    fig.legend(handles=[Patch(color=_COLOURS[k], label="messages" if k == "batch" else k.replace("_", " ")) for k in
+                        ("forward", "backward", "batch", "reduce", "optimizer_step")],
                loc="upper right", fontsize=7, ncol=5)
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -65,4 +66,6 @@ def _measured_rows(rank_events: Dict[int, List[List[Any]]], step: int):
 
 
 def _predicted_rows(predicted: Sequence[Any]):
-    return [(e.rank, e.kind.value, e.micro_batch, e.start, e.end) for e in predicted]
+    """Simulated events (planner.pipeline.simulate.SimEvent): a batch of messages is drawn as one bar."""
+    return [(e.rank, "batch" if e.kind.startswith("batch") else e.kind, e.micro_batch, e.start, e.end)
+            for e in predicted]

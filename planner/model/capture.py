@@ -201,6 +201,31 @@ class CapturedModel:
                 f"torch.export fixed {type(self.module).__name__}'s batch size at {self.fixed_batch} (the model's code "
                 f"depends on it, e.g. a Python loop over the samples), so micro-batch size {size} cannot run; {fix}")
 
+    def to(self, device: torch.device) -> "CapturedModel":
+        """Move the graph to `device`: its parameters and buffers, and the devices its nodes were
+        captured with (torch.export records `arange(..., device=cpu)` and the like: on a GPU they
+        would make tensors on the host). Stages cut afterwards run on `device`."""
+        self.gm.to(device)
+        return self.place_nodes(device)
+
+    def place_nodes(self, device: torch.device) -> "CapturedModel":
+        """Only the devices the graph's nodes name (its parameters stay where they are): a rank
+        moves just its own stages' parameters."""
+        device = torch.device(device)
+
+        def moved(value: Any) -> Any:
+            if isinstance(value, torch.device):
+                return device
+            if isinstance(value, (tuple, list)):
+                return type(value)(moved(v) for v in value)
+            return value
+
+        for node in self.gm.graph.nodes:
+            node.args = moved(node.args)
+            node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+        self.gm.recompile()
+        return self
+
     def input_values(self, inputs: Any) -> List[Any]:
         """A batch's `inputs` (positional, optionally ending in a keyword dict) as a list aligned
         with `placeholders`: what the graph's forward takes."""

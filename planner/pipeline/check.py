@@ -1,10 +1,12 @@
 """Checking instruction lists before anything runs: complete, placed where the topology says, and
-unable to deadlock."""
+unable to deadlock under NCCL's rules (planner.pipeline.stepgraph: batches posted together and
+waited for entirely, a send done only with its receive, a pair's messages matched in order)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from planner.pipeline.schedule import Action, ActionKind
+from planner.pipeline.actions import SENDS, Action, ActionKind, message_of, peer_stage
+from planner.pipeline.stepgraph import StepGraph
 
 Placement = Callable[[int, int], int]  # (stage, micro-batch) -> the pipeline rank running it
 
@@ -14,15 +16,17 @@ def check_schedule(lists: List[List[Action]], num_micro_batches: int, placement:
 
     Every stage must forward and backward each micro-batch exactly once, forward first, on one
     rank (with `placement`, the rank `placement(stage, micro_batch)` that peers send to), and each
-    rank must end with its optimizer step. Then all ranks are simulated: a send completes at
-    once (non-blocking); a receive proceeds only once the matching send has been issued. If no
-    rank can move while some have work left, the lists deadlock.
+    rank must end with its optimizer step. Then NCCL's rules: each pair of ranks posts its messages
+    in the same order on both sides, and the lists compile into a step graph (every batch of
+    messages meets its peers' batches) rather than stopping with ranks waiting on each other.
     """
     owner = _forward_owners(lists)
     _check_every_micro_batch_forwarded(owner, num_micro_batches)
     for r, actions in enumerate(lists):
         _check_rank(r, actions, owner, placement)
-    _check_no_deadlock(lists)
+    runs = placement if placement is not None else (lambda g, i: owner[(g, i)])
+    check_pair_order(lists, runs)
+    StepGraph(lists, runs)  # DeadlockError (a ValueError) says where the ranks wait
 
 
 def _forward_owners(lists: List[List[Action]]) -> Dict[Tuple[int, int], int]:
@@ -79,29 +83,21 @@ def _check_rank(r: int, actions: List[Action], owner: Dict[Tuple[int, int], int]
                              f"{placement(wrong[0].stage, wrong[0].micro_batch)}")
 
 
-# A receive waits for the send of the same message: (the receive's kind, receiving stage, micro-batch)
-_SENT_BY = {ActionKind.SEND_ACT: (ActionKind.RECV_ACT, +1), ActionKind.SEND_GRAD: (ActionKind.RECV_GRAD, -1)}
-
-
-def _check_no_deadlock(lists: List[List[Action]]) -> None:
-    """Run every rank's list as far as it can go (sends never block); fail if all are stuck."""
-    sent: Set[Tuple[ActionKind, int, int]] = set()
-    cursor = [0] * len(lists)
-    while True:
-        moved = False
-        for r, actions in enumerate(lists):
-            while cursor[r] < len(actions):
-                a = actions[cursor[r]]
-                if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD) and \
-                        (a.kind, a.stage, a.micro_batch) not in sent:
-                    break
-                if a.kind in _SENT_BY:
-                    receive, step = _SENT_BY[a.kind]
-                    sent.add((receive, a.stage + step, a.micro_batch))
-                cursor[r] += 1
-                moved = True
-        if all(cursor[r] == len(actions) for r, actions in enumerate(lists)):
-            return
-        if not moved:
-            stuck = {r: str(lists[r][cursor[r]]) for r in range(len(lists)) if cursor[r] < len(lists[r])}
-            raise ValueError(f"schedule deadlocks: ranks wait at {stuck}")
+def check_pair_order(lists: List[List[Action]], placement: Placement) -> None:
+    """Raise ValueError unless every rank posts its sends to a peer in the order the peer posts the
+    matching receives (NCCL matches a pair's messages by order, not by tag)."""
+    sent: Dict[Tuple[int, int], List[Tuple[str, int, int]]] = {}
+    received: Dict[Tuple[int, int], List[Tuple[str, int, int]]] = {}
+    for r, actions in enumerate(lists):
+        for a in actions:
+            if a.kind in SENDS:
+                sent.setdefault((r, placement(peer_stage(a), a.micro_batch)), []).append(message_of(a))
+            elif a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
+                received.setdefault((placement(peer_stage(a), a.micro_batch), r), []).append(message_of(a))
+    for pair in sorted(set(sent) | set(received)):
+        mine, theirs = sent.get(pair, []), received.get(pair, [])
+        if mine != theirs:
+            k = next((k for k, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+            raise ValueError(f"ranks {pair[0]} -> {pair[1]}: message {k} is {mine[k] if k < len(mine) else 'none'} "
+                             f"on the sender and {theirs[k] if k < len(theirs) else 'none'} on the receiver; "
+                             "a pair's messages must be posted in the same order on both sides")

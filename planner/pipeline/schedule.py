@@ -1,19 +1,16 @@
 """Pipeline schedules as data: one instruction list per pipeline rank, built by pure functions.
 
-An `Action` names one thing a rank does for one micro-batch of one stage. The engine executes
-the list in order; sends are non-blocking and receives block, so a list is deadlock-free when
-every receive's matching send comes earlier in the sender's list than anything that waits on
-the receiver (planner.pipeline.check verifies this by simulating the lists).
-
-Names: a *stage* is one entry of the plan's stages (index g, S of them in model order); a
-*pipeline rank* runs v stages (S = p·v), or, replicated, one stage with r_g ranks ("lanes").
+A schedule decides the order of each rank's forwards and backwards (the builders below);
+planner.pipeline.messages adds the messages between ranks, one rule for every schedule, so that
+the lists cannot deadlock under NCCL's rules (planner.pipeline.check proves it for each plan).
+The engine executes the lists in order; planner.pipeline.stepgraph says what that costs.
 """
 from __future__ import annotations
 
-import enum
-import re
-from dataclasses import dataclass
 from typing import List, Sequence
+
+from planner.pipeline.actions import Action, ActionKind  # noqa: F401  (the lists' vocabulary, re-exported)
+from planner.pipeline.messages import place_messages
 
 # The schedules, the one list every command and check uses. One stage per pipeline rank (v = 1;
 # also the ones replicated stages run with), then several ("multi-stage", v >= 2).
@@ -22,76 +19,12 @@ MULTI_STAGE_SCHEDULES = ("interleaved", "bfs")
 SCHEDULES = ONE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 
 
-class ActionKind(enum.Enum):
-    """What an action does. The value is the name traces and timelines record; `code` is the
-    letter or word of the compact text form (`Action.__str__`)."""
-
-    RECV_ACT = "recv_act"  # receive the activations a stage's forward needs
-    FORWARD = "forward"
-    SEND_ACT = "send_act"  # send them on to the next stage
-    RECV_GRAD = "recv_grad"  # receive the gradients of the stage's outputs
-    BACKWARD = "backward"
-    SEND_GRAD = "send_grad"  # send the gradients of its inputs back
-    OPTIMIZER_STEP = "optimizer_step"  # once per step, after the rank's last backward
-
-    @property
-    def code(self) -> str:
-        return _CODES[self]
-
-
-_CODES = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "SEND_F",
-          ActionKind.RECV_ACT: "RECV_F", ActionKind.SEND_GRAD: "SEND_B", ActionKind.RECV_GRAD: "RECV_B",
-          ActionKind.OPTIMIZER_STEP: "STEP"}
-_KINDS = {code: kind for kind, code in _CODES.items()}
-_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One instruction: what to do, for which micro-batch, of which stage.
-
-    Text form: stage, code, micro-batch: "2F5" is stage 2's forward of micro-batch 5, "2B5" its
-    backward, "2SEND_F5"/"2RECV_F5" the activations' send/receive, "2SEND_B5"/"2RECV_B5" the
-    gradients'; "STEP" the optimizer step. `Action.parse(str(a)) == a`."""
-
-    kind: ActionKind
-    micro_batch: int = -1  # -1: not about one micro-batch (the optimizer step)
-    stage: int = 0
-
-    def __str__(self) -> str:
-        if self.kind is ActionKind.OPTIMIZER_STEP:
-            return self.kind.code
-        return f"{self.stage}{self.kind.code}{self.micro_batch}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        """The action `text` names (the form `str` writes); ValueError otherwise."""
-        if text == ActionKind.OPTIMIZER_STEP.code:
-            return cls(ActionKind.OPTIMIZER_STEP)
-        match = _TEXT.fullmatch(text)
-        if match is None:
-            raise ValueError(f"{text!r} is not an action: write STAGE CODE MICRO_BATCH (e.g. 2F5, 0SEND_B3) or STEP")
-        return cls(_KINDS[match.group(2)], int(match.group(3)), int(match.group(1)))
-
-
 def _forward(stage: int, num_stages: int, i: int) -> List[Action]:
-    actions = []
-    if stage > 0:
-        actions.append(Action(ActionKind.RECV_ACT, i, stage))
-    actions.append(Action(ActionKind.FORWARD, i, stage))
-    if stage < num_stages - 1:
-        actions.append(Action(ActionKind.SEND_ACT, i, stage))
-    return actions
+    return [Action(ActionKind.FORWARD, i, stage)]
 
 
 def _backward(stage: int, num_stages: int, i: int) -> List[Action]:
-    actions = []
-    if stage < num_stages - 1:
-        actions.append(Action(ActionKind.RECV_GRAD, i, stage))
-    actions.append(Action(ActionKind.BACKWARD, i, stage))
-    if stage > 0:
-        actions.append(Action(ActionKind.SEND_GRAD, i, stage))
-    return actions
+    return [Action(ActionKind.BACKWARD, i, stage)]
 
 
 def breadth_first(stages: List[int], num_stages: int, num_micro_batches: int) -> List[Action]:
@@ -105,7 +38,7 @@ def breadth_first(stages: List[int], num_stages: int, num_micro_batches: int) ->
     for g in reversed(stages):
         for i in range(num_micro_batches):
             actions += _backward(g, num_stages, i)
-    return actions + [Action(ActionKind.OPTIMIZER_STEP)]
+    return actions
 
 
 def one_f_one_b(stages: List[int], num_stages: int, num_micro_batches: int,
@@ -124,7 +57,7 @@ def one_f_one_b(stages: List[int], num_stages: int, num_micro_batches: int,
         actions += _backward(g, num_stages, i)
     for i in range(m - warmup, m):
         actions += _backward(g, num_stages, i)
-    return actions + [Action(ActionKind.OPTIMIZER_STEP)]
+    return actions
 
 
 def interleaved(stages: List[int], num_stages: int, num_micro_batches: int) -> List[Action]:
@@ -156,7 +89,7 @@ def interleaved(stages: List[int], num_stages: int, num_micro_batches: int) -> L
         actions += backward_op(k)
     for k in range(total - warmup, total):
         actions += backward_op(k)
-    return actions + [Action(ActionKind.OPTIMIZER_STEP)]
+    return actions
 
 
 def last_stage_warmup(replicas: int) -> int:
@@ -220,9 +153,10 @@ def replicated(name: str, replicas: Sequence[int], num_micro_batches: int) -> Li
 def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_stages: int = 1,
                    stage_rank: "tuple | None" = None,
                    stage_replicas: "Sequence[int] | None" = None) -> List[List[Action]]:
-    """One instruction list per pipeline rank. `stage_rank[g]` is the pipeline rank running stage g
-    (default: looping placement g mod p, with p = num_stages / virtual_stages); with
-    `stage_replicas` (r_g ranks for stage g), one list per rank of `replicated`."""
+    """One instruction list per pipeline rank: the schedule's compute order with the messages placed
+    (planner.pipeline.messages) and the optimizer step last. `stage_rank[g]` is the pipeline rank
+    running stage g (default: looping placement g mod p, with p = num_stages / virtual_stages);
+    with `stage_replicas` (r_g ranks for stage g), one list per rank of `replicated`."""
     if num_stages < 1 or num_micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"need at least one stage and one micro-batch (got {num_stages}, {num_micro_batches})")
     if stage_replicas is not None and any(r != 1 for r in stage_replicas):
@@ -231,7 +165,9 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
         if max(stage_replicas) > num_micro_batches or min(stage_replicas) < 1:
             raise ValueError(f"stage replicas {list(stage_replicas)} need 1 <= r <= {num_micro_batches} "
                              "(the micro-batch count)")
-        return replicated(name, stage_replicas, num_micro_batches)
+        offsets = [sum(stage_replicas[:g]) for g in range(num_stages)]
+        return place_messages(replicated(name, stage_replicas, num_micro_batches), num_stages,
+                              lambda g, i: offsets[g] + i % stage_replicas[g])
     if num_stages % virtual_stages:
         raise ValueError(f"{num_stages} stages do not divide into {virtual_stages} virtual stages per device")
     p = num_stages // virtual_stages
@@ -253,7 +189,8 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
         builder = interleaved
     else:
         raise ValueError(f"unknown schedule {name!r}; this runtime runs {', '.join(SCHEDULES)}")
-    return [builder(stages, num_stages, num_micro_batches) for stages in per_rank]
+    orders = [builder(stages, num_stages, num_micro_batches) for stages in per_rank]
+    return place_messages(orders, num_stages, lambda g, i: ranks[g])
 
 
 def max_in_flight(actions: List[Action]) -> int:

@@ -15,13 +15,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from planner.cost.options import DEFAULT_BANDWIDTH
+from planner.cost.memory import PRECISIONS, SHARDS
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline.schedule import SCHEDULES, Action
-from planner.pipeline.simulate import StageCosts
+from planner.pipeline.simulate import SimEvent, simulate
+from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
 
-PLAN_SCHEMA_VERSION = 1
+# 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
+# (1 had a closed form, `per_step_s` and no durations)
+PLAN_SCHEMA_VERSION = 2
+_PER_INDEX = ("forward", "backward", "act", "grad", "reduce", "step")  # step_durations' per-index lists
 _REMAKE = "re-create it with `planner solve PROFILE`"
 
 # What a field's JSON value must be: (check, what the message says was expected)
@@ -94,6 +98,11 @@ class Plan:
     profile: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # which profile, measured under what
     schedule: str = _key(_TEXT, default="1f1b")
     optimizer: str = _key(_TEXT, default="sgd")
+    # planner.cost.memory: the dtypes parameters, gradients and state are kept in, how the stages'
+    # data-parallel holders shard them (ZeRO), and the bytes kept free on every device
+    precision: str = _key(_TEXT, required=False, default="fp32")
+    shard: str = _key(_TEXT, required=False, default="none")
+    reserve_bytes: float = _key(_NUMBER, required=False, default=0.0)
     global_batch: int = _key(_INT, default=1)
     data_parallel: int = _key(_INT, required=False, default=1)
     pipeline_stages: int = _key(_INT, required=False, default=0)  # 0 in code: derive from the stages
@@ -103,7 +112,12 @@ class Plan:
     memory_per_device_bytes: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
     bandwidth_bytes_per_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
     latency_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
-    per_step_s: float = _key(_NUMBER, required=False, default=0.0)  # charged once per step whatever the split
+    step_overhead_s: float = _key(_NUMBER, required=False, default=0.0)  # added to the simulated step
+    message_s: float = _key(_NUMBER, required=False, default=0.0)  # the engine's cost per message, each side
+    # every duration of the step graph (planner.cost.model): {"forward": [s per stage], "backward": [...],
+    # "act": [s per boundary], "grad": [...], "message": s, "reduce": [s per pipeline rank], "step": [...],
+    # "collectives": [{"term": [...], "ranks": [...], "seconds": s}]}
+    step_durations: Dict[str, Any] = _key(_OBJECT, default_factory=dict)
     stages: List[PlanStage] = _key(None, default_factory=list)
     predicted_iteration_s: float = _key(_NUMBER, default=0.0)
     bubble_fraction: float = _key(_NUMBER, default=0.0)
@@ -124,19 +138,33 @@ class Plan:
         """Every pipeline rank's instruction list, as the runtime executes them."""
         return instruction_lists(self.topology(), self.schedule, self.num_micro_batches)
 
-    def stage_costs(self) -> Dict[int, StageCosts]:
-        """Per-stage costs as the plan predicts them (per micro-batch), for the event simulation."""
-        bandwidth = float(self.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH)
-        latency = float(self.latency_s or 0.0)
+    def step_terms(self) -> Tuple[Dict[Term, float], List[Tuple[Term, Tuple[int, ...]]]]:
+        """(duration per term, collectives in run order) of the step the planner predicted."""
+        raw = self.step_durations
+        value: Dict[Term, float] = {("message",): float(raw.get("message", 0.0))}
+        for kind in _PER_INDEX:
+            for i, seconds in enumerate(raw.get(kind, [])):
+                value[(kind, i)] = float(seconds)
+        collectives = []
+        for entry in raw.get("collectives", []):
+            term = tuple(entry["term"])
+            value[term] = float(entry["seconds"])
+            collectives.append((term, tuple(int(r) for r in entry["ranks"])))
+        return value, collectives
 
-        def transfer(size: int) -> float:
-            return size / bandwidth + (latency if size else 0.0)
+    def simulate_step(self) -> Tuple[Timeline, List[SimEvent]]:
+        """The plan's lists simulated with its durations: the predicted step, without the overhead
+        (predicted_iteration_s = its step time + step_overhead_s)."""
+        value, collectives = self.step_terms()
+        return simulate(self.instruction_lists(), value, self.topology().rank_running, collectives)
 
-        return {g: StageCosts(forward_s=float(st.forward_s), backward_s=float(st.backward_s),
-                              send_act_s=transfer(st.activation_bytes_sent()),
-                              send_grad_s=transfer(st.gradient_bytes_sent()),
-                              optimizer_s=float(st.extra_s or 0.0))  # the once-per-step exchanges
-                for g, st in enumerate(self.stages)}
+    def precision_mismatch(self, precision: str) -> Optional[str]:
+        """The one-line refusal when a run asks another precision than the plan was made for (its
+        memory would not be the planned one), else None."""
+        if precision == self.precision:
+            return None
+        return (f"the plan was made for precision {self.precision} but the run asks {precision}: run with "
+                f"--precision {self.precision}, or re-plan with `planner solve --precision {precision}`")
 
     def digest(self) -> str:
         """sha256 of the plan's JSON (keys sorted): ranks compare it, checkpoints record it."""
@@ -175,6 +203,11 @@ class Plan:
                 raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
         if self.schedule not in SCHEDULES:
             raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
+        for name, value, known in (("precision", self.precision, PRECISIONS), ("shard", self.shard, SHARDS)):
+            if value not in known:
+                raise JsonFileError(f"{where} has {name} {value!r}, not one of {', '.join(known)}; {_REMAKE}")
+        if not 0 <= self.reserve_bytes < float("inf"):
+            raise JsonFileError(f"{where} has reserve_bytes {self.reserve_bytes!r}: bytes >= 0; {_REMAKE}")
         try:
             topology = self.topology()
         except TopologyError as e:
@@ -183,6 +216,12 @@ class Plan:
         if min(m, b) < 1 or d * m * b != self.global_batch:
             raise JsonFileError(f"{where}: the global batch {self.global_batch} is not {d} replica(s) x {m} "
                                 f"micro-batches x micro-batch size {b}; {_REMAKE}")
+        try:
+            value, collectives = self.step_terms()
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise JsonFileError(f"{where} has malformed step_durations; {_REMAKE}") from None
+        if any(not 0 <= x < float("inf") for x in value.values()):
+            raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
         for st, device in zip(self.stages, topology.stage_rank):

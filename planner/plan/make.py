@@ -1,13 +1,28 @@
 """Making a plan: the plan of a solver's solution (`make_plan`), or of a chosen split (`plan_for_split`)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from planner.cost.model import evaluate
+from planner.cost.model import evaluate, fixed_bytes, precision_of, reserve_of
 from planner.cost.options import CostOptions
 from planner.plan.file import Plan, PlanStage
 from planner.profile.profile import Profile
 from planner.solve.solution import Solution
+
+
+_PER_INDEX = ("forward", "backward", "act", "grad", "reduce", "step")
+
+
+def durations_json(durations: Dict[Tuple, float], collectives) -> Dict[str, Any]:
+    """The plan file's `step_durations` from the cost model's duration terms (planner.plan.file.Plan)."""
+    out: Dict[str, Any] = {}
+    for kind in _PER_INDEX:
+        indices = sorted(term[1] for term in durations if term[0] == kind)
+        out[kind] = [float(durations[(kind, i)]) for i in indices]
+    out["message"] = float(durations.get(("message",), 0.0))
+    out["collectives"] = [{"term": list(term), "ranks": list(ranks), "seconds": float(durations[term])}
+                          for term, ranks in collectives]
+    return out
 
 
 def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_path: str) -> Plan:
@@ -24,13 +39,14 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     cost = solution.cost
     last = len(cost.stages) - 1
     m, p = cost.num_micro_batches, cost.pipeline_ranks
-    pipeline_s = cost.iteration_s - cost.extra_s
-    rank_work = [sum(st.time_s for st in cost.stages if st.device == i) for i in range(p)]
+    pipeline_s = cost.iteration_s - opts.step_overhead_s  # the simulated step
+    rank_work = [sum(st.forward_s + st.backward_s for st in cost.stages if st.device == i) for i in range(p)]
     replicated = any(st.replicas > 1 for st in cost.stages)
+    fixed = fixed_bytes(profile, opts)  # the reserve (+ gathered units under parameters sharding), per device
     stages: List[PlanStage] = []
     for index, st in enumerate(cost.stages):
         if replicated:  # per replica device: in_flight, memory_bytes; busy for ceil(m / r) micro-batches
-            busy = -(-m // st.replicas) * st.time_s
+            busy = -(-m // st.replicas) * (st.forward_s + st.backward_s)
         else:
             busy = m * rank_work[st.device]
         stages.append(PlanStage(
@@ -39,7 +55,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
             forward_s=st.forward_s, backward_s=st.backward_s, comm_s=st.comm_s, time_s=st.time_s,
             extra_s=st.extra_s, in_flight=st.in_flight,
             memory_bytes={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
-                          "activations": st.activation_bytes, "total": st.memory_bytes,
+                          "activations": st.activation_bytes, "total": st.memory_bytes, "fixed": fixed,
                           "device_total": cost.device_memory[st.device]},
             memory_cap_bytes=cost.device_caps[st.device],
             bubble_fraction=max(0.0, 1.0 - busy / pipeline_s) if pipeline_s > 0 else 0.0,
@@ -52,10 +68,12 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         profile={"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
                  "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype,
                  "host_kernel_s": profile.host_kernel.get("mean_s")},
-        schedule=cost.schedule, optimizer=opts.optimizer, global_batch=opts.global_batch,
+        schedule=cost.schedule, optimizer=opts.optimizer, precision=precision_of(opts, profile.dtype),
+        shard=opts.shard, reserve_bytes=reserve_of(profile, opts), global_batch=opts.global_batch,
         data_parallel=cost.data_parallel, pipeline_stages=p, virtual_stages=cost.virtual_stages,
         micro_batch_size=b, num_micro_batches=m, memory_per_device_bytes=opts.memory_cap,
-        bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, per_step_s=opts.per_step_s,
+        bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, step_overhead_s=opts.step_overhead_s,
+        message_s=opts.message_s, step_durations=durations_json(cost.durations, cost.collectives),
         stages=stages, predicted_iteration_s=cost.iteration_s, bubble_fraction=cost.bubble_fraction,
         solver={"method": solution.method, "backend": solution.backend, "status": solution.status,
                 "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -149,6 +149,21 @@ class CostCounter(TorchDispatchMode):
         self.device = device
         self.costs = OpCosts()
 
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def add(self, flops: float, moved: float, dtype: str, name: str) -> None:
+        """Count one operation's FLOPs and bytes and its roofline time."""
+        seconds = self.device.op_seconds(flops, moved, dtype)
+        c = self.costs
+        c.flops, c.bytes, c.seconds = c.flops + flops, c.bytes + moved, c.seconds + seconds
+        c.by_op[name] = c.by_op.get(name, 0.0) + seconds
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -157,12 +172,19 @@ class CostCounter(TorchDispatchMode):
         moved = 0 if func.is_view or packet in _FREE else _bytes((args, kwargs)) + _bytes(out)
         self.costs.ops += 1
         if flops or moved:
-            seconds = self.device.op_seconds(flops, moved, _dtype_of(args))
-            c = self.costs
-            c.flops, c.bytes, c.seconds = c.flops + flops, c.bytes + moved, c.seconds + seconds
-            name = str(packet).split(".")[-1]
-            c.by_op[name] = c.by_op.get(name, 0.0) + seconds
+            self.add(flops, moved, _dtype_of(args), str(packet).split(".")[-1])
         return out
+
+
+_ACTIVE: List[CostCounter] = []  # the counters entered, innermost last
+
+
+def charge(flops: float, moved: float, dtype: torch.dtype, name: str = "attention") -> None:
+    """Count an operation the dispatcher does not see (a kernel costed by formula, e.g.
+    planner.profile.attention) on the innermost active CostCounter, as one operation."""
+    if _ACTIVE:
+        _ACTIVE[-1].costs.ops += 1
+        _ACTIVE[-1].add(flops, moved, str(dtype).replace("torch.", ""), name)
 
 
 # Metadata-only ops: no memory traffic (views are detected by `is_view`).

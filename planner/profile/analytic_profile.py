@@ -18,6 +18,7 @@ from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, ru
 from planner.model.entry import build_spec
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
+from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
 from planner.profile.measure import record_cut_values, shared_parameters_json
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 
@@ -66,8 +67,13 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
 
 def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: Sequence[int],
                      device: DeviceSpec, seed: int = 0, dtype: Optional[str] = None,
-                     progress: Optional[Callable[[str], None]] = None) -> Profile:
-    """Capture on the meta device and cost every unit with `device`'s roofline (nothing written)."""
+                     progress: Optional[Callable[[str], None]] = None, attention: str = "flash") -> Profile:
+    """Capture on the meta device and cost every unit with `device`'s roofline (nothing written).
+
+    attention: "flash" costs every scaled_dot_product_attention call as the memory-efficient kernel
+    GPUs run (planner.profile.attention); "as-built" as the meta device runs the model's code."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
     say = progress or (lambda msg: None)
     start = time.perf_counter()
     with torch.device("meta"):
@@ -83,6 +89,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
 
     captured: CapturedModel = capture(spec.module, example_inputs=meta_batch(EXAMPLE_BATCH_SIZE)[0])
     L = len(captured.units)
+    kernels = use_memory_efficient(captured.gm.graph) if attention == "flash" else 0
+    runs = "memory-efficient" if kernels else attention_of(spec.module)  # what the profile's attention costs
     say(f"captured {type(spec.module).__name__} on the meta device with "
         f"{'torch.fx' if captured.method == 'fx' else 'torch.export'}: {L} units in {time.perf_counter() - start:.1f} s")
     stages = [captured.stage_module(k, k + 1) for k in range(L)]
@@ -127,5 +135,5 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         dtype=str(next((p.dtype for p in spec.module.parameters()), torch.float32)).replace("torch.", ""),
         torch_version=torch.__version__, capture=captured.method, repeats=0,
         extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
-               "analytic": {"device_spec": device_spec_json(device)}},
+               "analytic": {"device_spec": device_spec_json(device)}, "attention": runs},
     )

@@ -53,22 +53,26 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
                             timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
     try:
         samples = ping_pong(rank == 0, 1 - rank, config["sizes"], int(config["repeats"]), int(config["warmup"]))
+        batches = batch_exchange(1 - rank, BATCH_COUNTS, int(config["repeats"]), int(config["warmup"]))
         dist.barrier()
         if rank == 0:
-            print(json.dumps(samples), flush=True)
+            print(json.dumps({"samples": samples, "batches": batches}), flush=True)
     finally:
         dist.destroy_process_group()
 
 
 def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
-              tag: int = 0) -> List[List[float]]:
+              tag: int = 0, device: Optional[torch.device] = None) -> List[List[float]]:
     """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
     and `peer` in the default process group (the leader sends first; the peer runs the same call
     with leader=False). Sizes are interleaved round after round, so a burst of noise on the host
-    hits every size alike."""
+    hits every size alike. On a CUDA `device` the buffers live there (NCCL) and each round trip
+    ends with a synchronisation."""
     import torch.distributed as dist
 
-    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32) for n in message_bytes]
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device) for n in message_bytes]
     times: List[List[float]] = [[] for _ in buffers]
     for i in range(warmup + max(repeats, 1)):
         for k, buffer in enumerate(buffers):
@@ -79,9 +83,46 @@ def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: in
             else:
                 dist.recv(buffer, peer, tag=tag)
                 dist.send(buffer, peer, tag=tag)
+            sync()
             if i >= warmup:
                 times[k].append((time.perf_counter() - t0) / 2)
     return [[buffer.numel() * buffer.element_size(), statistics.median(t)] for buffer, t in zip(buffers, times)]
+
+
+BATCH_COUNTS = (1, 8)  # messages each way in one batch, for the per-message cost
+
+
+def batch_exchange(peer: int, counts: Sequence[int], repeats: int, warmup: int,
+                   device: Optional[torch.device] = None) -> List[List[float]]:
+    """[[messages each way, seconds], ...]: both ranks post k tiny sends and k receives to each
+    other as one batch (`batch_isend_irecv`, as the runtime posts a batch) and wait for all of it;
+    the median time of each k, counts interleaved round after round."""
+    import torch.distributed as dist
+
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: List[List[float]] = [[] for _ in counts]
+    for i in range(warmup + max(repeats, 1)):
+        for j, k in enumerate(counts):
+            out = [torch.zeros(1, device=device) for _ in range(k)]
+            into = [torch.empty(1, device=device) for _ in range(k)]
+            ops = [dist.P2POp(dist.isend, t, peer) for t in out] + [dist.P2POp(dist.irecv, t, peer) for t in into]
+            t0 = time.perf_counter()
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            sync()
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [[k, statistics.median(t)] for k, t in zip(counts, times)]
+
+
+def fit_message_cost(batches: Sequence[Sequence[float]]) -> float:
+    """Seconds per operation in a batch (each side posts 2k operations for k messages each way),
+    from the batch times at the smallest and largest k; >= 0."""
+    (k0, t0), (k1, t1) = min(batches), max(batches)
+    if k1 <= k0:
+        raise ValueError("fitting the per-message cost needs batches of at least two sizes")
+    return max(0.0, (t1 - t0) / (2 * (k1 - k0)))
 
 
 def _free_port() -> int:
@@ -98,7 +139,10 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
     plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
     each size's one-way time is the median of its round trips / 2.
-    Returns {"latency_s", "bandwidth_bytes_per_s", "samples": [[bytes, one-way s], ...], ...}."""
+    Then batches of 1 and 8 tiny messages each way posted together give the cost per message in a
+    batch (`message_s`: what the engine pays per operation besides latency and transfer).
+    Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
+    "batches": [[messages, s], ...], ...}."""
     import json
     import subprocess
 
@@ -122,7 +166,9 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    samples = json.loads(outputs[0])
+    measured = json.loads(outputs[0])
+    samples = measured["samples"]
     fit = fit_link(samples)
-    return dict(fit, backend="gloo", between="two processes on this host (loopback)", threads=threads,
-                repeats=repeats, samples=samples)
+    return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
+                between="two processes on this host (loopback)", threads=threads, repeats=repeats,
+                samples=samples, batches=measured["batches"])

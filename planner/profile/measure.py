@@ -29,6 +29,7 @@ from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kern
 from planner.profile.optim import OPTIMIZERS
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.profile.timing import UnitCall, UnitTiming, measure_optimizer_steps, measure_units, split_call_overhead
+from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
@@ -190,7 +191,7 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
              say: Callable[[str], None]) -> Tuple[ModelSpec, CapturedModel]:
     spec: ModelSpec = build_spec(entry, model_args, seed)
     captured: CapturedModel = capture(spec.module)
-    captured.gm.to(dev)
+    captured.to(dev)
     L = len(captured.units)
     if captured.fallback_reason:
         say(f"torch.fx failed ({captured.fallback_reason}); used torch.export")
@@ -328,7 +329,7 @@ def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes
         extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
                "inplace_merges": [{"unit": m.kept, "absorbed": m.absorbed, "writes": m.writes}
                                   for m in captured.merges],
-               "measured_under": measured_under},
+               "measured_under": measured_under, "attention": attention_of(run.spec.module)},
         stage_overhead_s=run.stage_overhead,
     )
 

@@ -351,7 +351,7 @@ def _check_extra(read: _Reader, d: Dict[str, Any], unit_names: set) -> None:
             where = f"{part}.bandwidth_bytes_per_s"
             if not read.number(fields["bandwidth_bytes_per_s"], where, "a bandwidth is finite and > 0") > 0:
                 raise read.error(where, "is 0: a bandwidth is finite and > 0")
-        for key in ("latency_s", "step_overhead_s"):
+        for key in ("latency_s", "step_overhead_s", "message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
 

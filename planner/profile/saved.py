@@ -41,6 +41,10 @@ class SavedBytes:
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def saved_storages(self) -> set:
+        """Data pointers of the storages the last counted forward saved (parameters excluded)."""
+        return set(self._storages)
+
     def finish(self) -> int:
         """The bytes the last counted forward saved; they are held from now on."""
         held = sum(self._storages.values())

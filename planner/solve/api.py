@@ -1,9 +1,11 @@
-"""`solve`: the best plan by a chosen method — the integer program (proven optimal), the exact chain
-DP, the brute-force oracle, or a baseline other tools use — all judged by planner.cost.model."""
+"""`solve`: the best plan by a chosen method — the exact search (integer program over the lists'
+paths, proven optimal), its fast heuristic alone ('dp'), the brute-force oracle, or a baseline
+other tools use — all judged by planner.cost.model."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from planner.cost.model import compute_profile
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend  # noqa: F401  (re-exported)
@@ -37,6 +39,7 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     imported; planner.solve.backends.choose_backend).
     """
     opts.validate()
+    profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     if method not in METHODS:
         raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
     backend, _ = choose_backend(backend)
@@ -47,10 +50,6 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
         scenario.validate()
     found: Optional[Solution] = None
     if method in ("ilp", "dp"):
-        if method == "dp":
-            from planner.solve.dp import check_dp_scope
-            for scenario in scenarios:
-                check_dp_scope(profile, scenario)
         found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend, warm_start=warm_start)
     elif method == "brute":
         best = None

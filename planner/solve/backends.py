@@ -88,7 +88,8 @@ def _parse_cbc_log(text: str) -> Tuple[Optional[str], Optional[float], Optional[
 CBC_ATTEMPTS = 3  # the bundled CBC 2.10.3 sometimes segfaults when its time limit strikes mid-phase
 
 
-def _run_cbc(prob: pulp.LpProblem, time_limit: Optional[float], warm: bool) -> Tuple[bool, Optional[float], bool]:
+def _run_cbc(prob: pulp.LpProblem, time_limit: Optional[float], warm: bool, gap: float = 1e-10
+             ) -> Tuple[bool, Optional[float], bool]:
     """Solve with CBC; (proven optimal, best bound in model units or None, solver ran).
 
     A crashed run (pulp raises PulpSolverError) is retried with 1.5x the time limit, since the
@@ -101,7 +102,7 @@ def _run_cbc(prob: pulp.LpProblem, time_limit: Optional[float], warm: bool) -> T
             log_path = os.path.join(scratch, "cbc.log")
             with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC; it is what we ship with
                 warnings.simplefilter("ignore", DeprecationWarning)
-                solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, logPath=log_path, gapRel=1e-10,
+                solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, logPath=log_path, gapRel=gap,
                                            warmStart=warm)
             solver.tmpDir = scratch  # MPS/solution files land here and go away even after a crash
             try:
@@ -133,8 +134,8 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Optional[float] = None
-               ) -> Tuple[bool, Optional[float], bool]:
+def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Optional[float] = None,
+               gap: float = 1e-10               ) -> Tuple[bool, Optional[float], bool]:
     """Solve with HiGHS through highspy; (proven optimal, MIP dual bound in model units or None, True).
 
     One thread (the machine is shared). Feasibility tolerances are 1e-9 rather than 1e-7: a memory
@@ -145,7 +146,7 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
     params = dict(mip_feasibility_tolerance=1e-9, primal_feasibility_tolerance=1e-9)
     if cutoff is not None and math.isfinite(cutoff):
         params["objective_bound"] = float(cutoff)
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-10, gapAbs=1e-9, threads=1, **params)
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, gapAbs=1e-9, threads=1, **params)
     if not solver.available():  # choose_backend never picks highs then
         raise RuntimeError("the highs backend needs highspy: pip install highspy, or use the cbc backend")
     try:
@@ -163,10 +164,10 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
         return True, float(cutoff), True
     bound = float(getattr(info, "mip_dual_bound", float("nan")))
     optimal = prob.sol_status == pulp.LpSolutionOptimal and status == highspy.HighsModelStatus.kOptimal
-    if optimal:  # proven within gapRel = 1e-10; a pure LP (all integers fixed) reports no MIP bound
+    if optimal:  # proven within gapRel; a pure LP (all integers fixed) reports no MIP bound
         objective = float(getattr(info, "objective_function_value", float("nan")))
         if math.isfinite(objective):
-            proven = objective - abs(objective) * 1e-9
+            proven = objective - abs(objective) * max(gap, 1e-9)
             bound = proven if not math.isfinite(bound) else max(bound, proven)
     if "objective_bound" in params and math.isfinite(bound):
         bound = min(bound, float(cutoff))  # nodes were pruned against the cutoff: only this much is proven

@@ -24,7 +24,7 @@ def _recompute_sets(profile: Profile, b: int, opts: CostOptions) -> List[List[in
     L = profile.num_units
     if opts.recompute == "all":
         return [list(range(L))]
-    if opts.recompute == "none" or all(cap is None for cap in rank_caps(opts)):
+    if opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
         return [[]]
     inputs = input_bytes(profile, b)
     shrinkable = [l for l, u in enumerate(profile.units) if u.saved_bytes[b] > inputs[l]]

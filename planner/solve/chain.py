@@ -5,7 +5,7 @@ For a micro-batch size b, stage c (on rank c, speed sigma_c) holding units [a, e
     T_c(a, e) = (W_e - W_a) / sigma_c + tin_c(a) + tout_c(e)       (W: prefix sums of f + g,
     E_c(a, e) = ar (P_e - P_a)                                       plus f under 'all'; tin_c
                                                                      holds the stage's own cost k / sigma_c)
-    M_c(a, e) = (P_e - P_a)(2 + opt) + h_c (A_e - A_a) <= cap_c      (else the entry is +inf)
+    M_c(a, e) = (P_e - P_a) beta + h_c (A_e - A_a) <= cap_c      (else the entry is +inf)
 
 and the objective of a split is  F = sum_c T_c + (m - 1) max_c T_c + max_c E_c (plus the
 constant step overhead, added to the result).
@@ -35,9 +35,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                                num_micro_batches, optimizer_factor, rank_caps, rank_speeds, stage_call_s)
+from planner.cost.model import (boundary_links, copy_factor, cut_times, held_counts, num_micro_batches, rank_caps,
+                                rank_speeds, stage_call_s, static_factor, sync_time)
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 
 TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far below the reported gap)
@@ -54,30 +55,26 @@ class ChainResult:
     evaluations: int
 
 
-def _prefix(values) -> np.ndarray:
-    return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
-
-
 class ChainScenario:
     """Prefix sums and banded stage tables for (profile, b, opts); `caps=False` drops memory caps."""
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, caps: bool = True,
                  added: Optional[List[np.ndarray]] = None) -> None:
-        units = profile.units
+        costs = range_costs(profile, b)
         self.added = added  # per stage, [a, e]: extra time >= 0 (recomputation), +inf where nothing fits
         self.L, self.C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
         self.m = num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
-        self.W = _prefix([u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if redo_all else 0.0) for u in units])
+        self.W = costs.work_prefix(redo_all)
         self.monotone = bool(np.all(np.diff(self.W) >= 0))
-        self.P = _prefix([u.param_bytes for u in units])
-        self.A = _prefix(input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units])
+        self.P = costs.P
+        self.A = costs.saved_prefix(redo_all) + copy_factor(opts, profile.dtype) * costs.P  # + cast weights
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[c % p] for c in range(self.C)]
-        self.caps = [rank_caps(opts)[c % p] if caps else None for c in range(self.C)]
+        self.caps = [rank_caps(opts, profile)[c % p] if caps else None for c in range(self.C)]
         self.held = held
-        self.opt = optimizer_factor(opts.optimizer)
-        self.ar = allreduce_time(1.0, opts) if opts.data_parallel > 1 else 0.0
+        self.beta = static_factor(opts, profile.dtype)  # static bytes per parameter byte
+        self.ar = sync_time(1.0, opts, profile.dtype, self.m) if opts.data_parallel > 1 else 0.0
         cache: Dict[tuple, np.ndarray] = {}
         call = stage_call_s(profile, b)  # a stage's own cost per micro-batch, charged with its input
 
@@ -124,7 +121,7 @@ class ChainScenario:
             if full not in base:
                 t = self.raw[key]
                 if self.caps[c] is not None:
-                    t = np.where(dP * (2 + self.opt) + self.held[c] * dA <= self.caps[c], t, np.inf)
+                    t = np.where(dP * self.beta + self.held[c] * dA <= self.caps[c], t, np.inf)
                 base[full] = t
             self.tables.append(base[full])
         self.extra = np.where(valid, self.ar * dP, np.inf)
@@ -285,7 +282,7 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
         inner(None)
     else:
         _outer(chain, inner, lambda: best[0], g_lb, tau_star, m)
-    return ChainResult(objective=best[0] + opts.per_step_s, boundaries=best[1], min_max=tau_star, min_sum=g_lb,
+    return ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=best[1], min_max=tau_star, min_sum=g_lb,
                        evaluations=evaluations[0])
 
 

@@ -14,18 +14,18 @@ with h_c F_k >= need:
     upper: T_k                                          (greedy whole units: feasible)
 
 both divided by sigma, +inf when even all of [a, e) does not free enough. Every stage time with
-its best recomputation lies between T_c + lower and T_c + upper, and the objective is monotone in
-each stage time, so the chain optimum with the lower tables bounds every plan from below and the
-one with the upper tables is a feasible plan (planner.solve.dp.chain_bounds).
+its best recomputation lies between T_c + lower and T_c + upper under the fill-drain form; the
+chain optimum with the upper tables is a start for the exact search (planner.solve.dp.chain_start).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import held_counts, input_bytes, num_micro_batches, optimizer_factor, rank_caps, rank_speeds
+from planner.cost.model import held_counts, num_micro_batches, rank_caps, rank_speeds, static_factor
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
@@ -34,12 +34,8 @@ MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profil
 def _unit_arrays(profile: Profile, b: int):
     """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P
     and saved bytes A; the units worth recomputing, cheapest time per byte first."""
-    units, L = profile.units, profile.num_units
-    inputs = input_bytes(profile, b)
-    f = np.array([u.forward_s[b] for u in units], dtype=float)
-    g = np.array([u.saved_bytes[b] - inputs[l] for l, u in enumerate(units)], dtype=float)
-    P = np.concatenate([[0.0], np.cumsum([u.param_bytes for u in units])])
-    A = np.concatenate([[0.0], np.cumsum([u.saved_bytes[b] for u in units])])
+    costs, L = range_costs(profile, b), profile.num_units
+    f, g, P, A = costs.f, costs.s - costs.inputs, costs.P, costs.S
     items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
     order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
     return f, g, P, A, order
@@ -51,36 +47,37 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
     m = num_micro_batches(opts, b)
     f, g, P, A, order = _unit_arrays(profile, b)
     n = order.size
-    speeds, caps, held = rank_speeds(opts), rank_caps(opts), held_counts(opts, m)
-    opt = optimizer_factor(opts.optimizer)
+    speeds, caps, held = rank_speeds(opts), rank_caps(opts, profile), held_counts(opts, m)
+    beta = static_factor(opts, profile.dtype)
     ends = np.arange(L + 1)
     cache = {}
     lower, upper = [], []
     for c in range(C):
         key = (held[c], speeds[c % p], caps[c % p])
         if key not in cache:
-            cache[key] = _tables(L, n, order, f, g, P, A, opt, *key, ends)
+            cache[key] = _tables(L, n, order, f, g, P, A, beta, *key, ends)
         lower.append(cache[key][0])
         upper.append(cache[key][1])
     return lower, upper
 
 
-def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0
-                           ) -> Tuple[np.ndarray, np.ndarray]:
+def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0,
+                           holders: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
-    of this speed and opts.memory_cap (planner.solve.replicas: one table per held count)."""
+    of this speed and the rank's cap, its stage on n holders (default d; planner.solve.replicas:
+    one table per held count)."""
     L = profile.num_units
     f, g, P, A, order = _unit_arrays(profile, b)
-    return _tables(L, order.size, order, f, g, P, A, optimizer_factor(opts.optimizer), held, speed,
-                   opts.memory_cap, np.arange(L + 1))
+    return _tables(L, order.size, order, f, g, P, A, static_factor(opts, profile.dtype, holders), held, speed,
+                   rank_caps(opts, profile)[0], np.arange(L + 1))
 
 
-def _tables(L, n, order, f, g, P, A, opt, h, sigma, cap, ends):
+def _tables(L, n, order, f, g, P, A, beta, h, sigma, cap, ends):
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
-        need = (P[e] - P[a]) * (2 + opt) + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
+        need = (P[e] - P[a]) * beta + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
         fits = need <= 0
         low[a, e[fits]] = 0.0
         high[a, e[fits]] = 0.0

@@ -17,9 +17,11 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, evaluate, in_flight, num_micro_batches,
-                                optimizer_factor)
+from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, num_micro_batches,
+                                copy_factor, static_factor, step_shape)
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
+from planner.cost.step import rank_peaks
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 
@@ -69,13 +71,28 @@ def _upper_triangle(values: np.ndarray) -> np.ndarray:
 
 
 def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMatrix:
-    """s -> M_s[a, e] = (P[e] - P[a]) (2 + opt) + inflight_s (A[e] - A[a]) using prefix sums."""
-    params = np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in profile.units])])
-    saved = np.concatenate([[0.0], np.cumsum([float(u.saved_bytes[b]) for u in profile.units])])
-    static = (params[None, :] - params[:, None]) * (2 + optimizer_factor(opts.optimizer))
-    per_micro_batch = saved[None, :] - saved[:, None]
-    m = num_micro_batches(opts, b)
-    return lambda s: _upper_triangle(static + in_flight(s, opts.pipeline_ranks, m, opts.schedule) * per_micro_batch)
+    """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank): its parameters'
+    static bytes, the fixed bytes every device holds and the largest of its list's held peaks
+    (planner.cost.model), from prefix sums."""
+    costs = range_costs(profile, b, opts.optimizer)
+    static = costs.matrix(costs.P) * static_factor(opts, profile.dtype) + fixed_bytes(profile, opts)
+    saved = costs.matrix(costs.S + copy_factor(opts, profile.dtype) * costs.P)  # + cast weights (bf16-mixed)
+    finite = np.isfinite(saved)
+    peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
+    S = opts.num_stages
+
+    def stage(s: int) -> np.ndarray:
+        held = np.zeros_like(static)
+        for peak in peaks[s % opts.pipeline_ranks]:
+            value = peak.get(("live", s), 0) * np.where(finite, saved, 0.0)
+            if s > 0:
+                value = value + peak.get(("inbox", s), 0) * costs.act[:, None]
+            if s < S - 1:
+                value = value + peak.get(("gradbox", s), 0) * costs.grad[None, :]
+            held = np.maximum(held, value)
+        return _upper_triangle(static + held)
+
+    return stage
 
 
 @dataclass
@@ -95,7 +112,7 @@ def min_memory_plan(profile: Profile, opts: CostOptions) -> Optional[MemoryFloor
         if boundaries is None:
             continue
         # Report exactly what the cost model computes for this split (the DP sums in another order).
-        peak = max(st.memory_bytes for st in evaluate(profile, boundaries, b, opts).stages)
+        peak = max(evaluate(profile, boundaries, b, opts).device_memory)
         if best is None or peak < best.memory_bytes:
             best = MemoryFloor(peak, b, boundaries)
     return best
@@ -116,7 +133,8 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
     sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
     if cap is None:
         return 1 if sizes else None
-    # memory_matrices(s) uses inflight(s, S, ...): with S = L, stage L-1-j holds min(j + 1, m).
+    # memory_matrices(s) of the L-stage lists: stage L-1-j holds min(j + 1, m) micro-batches (1F1B);
+    # conservative: a first stage is charged the received activations a middle one holds
     tables = [memory_matrices(profile, b, opts.with_(pipeline_ranks=L, cluster=None)) for b in sizes]
     reach = [None] * len(sizes)
     for j in range(L):
@@ -162,12 +180,13 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
     if cap is None or floor.memory_bytes <= cap:
         return f"a plan fits: the smallest memory per device for {S} stages is {format_bytes(floor.memory_bytes)}"
     cost = evaluate(profile, floor.boundaries, floor.micro_batch_size, opts)
-    worst = max(range(S), key=lambda s: cost.stages[s].memory_bytes)
+    worst = max(range(S), key=lambda s: cost.device_memory[s])
     stage = cost.stages[worst]
     first_line = (f"no plan fits {format_bytes(cap)} per device with {S} stage{'s' if S != 1 else ''}: even the split that needs "
                   f"the least memory (micro-batch size {floor.micro_batch_size}) puts "
-                  f"{format_bytes(stage.memory_bytes)} on stage {worst} ({_units_text(profile, stage.first_unit, stage.end_unit)}), "
-                  f"{format_bytes(stage.memory_bytes - cap)} over the cap")
+                  f"{format_bytes(cost.device_memory[worst])} on stage {worst} "
+                  f"({_units_text(profile, stage.first_unit, stage.end_unit)}), "
+                  f"{format_bytes(cost.device_memory[worst] - cap)} over the cap")
     fit_stages = smallest_fitting_stages(profile, opts)
     fix = (f"fix: allow at least {format_bytes(floor.memory_bytes)} ({floor.memory_bytes:.0f} bytes) per device"
            + (f", or use {fit_stages} stages" if fit_stages is not None else

@@ -1,321 +1,298 @@
-"""The integer program for one scenario (p, d, v, schedule, micro-batch size b): boundaries and
-recomputation chosen jointly, optimality proven. planner.solve.search enumerates the scenarios.
+"""The integer program of one scenario (schedule, p, d, v, micro-batch size b) over the exact model.
 
-Prefix (staircase) form over C = p v stages: z[l][c] = 1 iff unit l is in a stage <= c, with
+Split (staircase over S = p v stages): z[l][g] = 1 iff unit l is in a stage <= g, with
 
-    z[l][C-1] = 1;  z[l][c] = 1 for c >= l;  z[l][c] = 0 for c < C - L + l   (stages are non-empty)
-    z[l][c] >= z[l+1][c]     (contiguity)        z[l][c] <= z[l][c+1]    (prefix)
-    z[l][c] <= z[l+1][c+1]   (stage c+1 non-empty)
-    x[l][c] = z[l][c] - z[l][c-1]  (unit l in stage c);  e[k][c] = z[k-1][c] - z[k][c] (cut k ends c)
+    z[l][S-1] = 1;  z[l][g] >= z[l+1][g] (contiguity);  z[l][g] <= z[l][g+1];  z[l][g] <= z[l+1][g+1]
+    x[l][g] = z[l][g] - z[l][g-1]   (unit l in stage g)      e[k][g] = z[k-1][g] - z[k][g]   (cut k ends g)
 
-Variable fixing by prefix sums. With an incumbent of value U, any better plan has
-max_i D_i <= tau = (U - G / v) / (m - 1/v) (G: a lower bound on sum_c T_c: total work over the fastest rank,
-or the DP's unconstrained min sum when v = 1),
-and every stage time T_c <= tau. Units 0..l in stages <= c need W(0, l+1) <= (c+1) tau sigma_max,
-so z[l][c] = 0 otherwise; units l..L-1 in stages > c need W(l, L) <= (C-1-c) tau sigma_max, so
-z[l][c] = 1 otherwise. On balanced chains this leaves each unit one or two possible stages.
+and variables outside each unit's stage range (planner.solve.reach) fixed. Recomputation under
+'auto' with a cap: rho[l][g] <= x[l][g]. The step graph's durations are linear in these
+(planner.cost.model, stage g on rank i = g mod p at speed sigma_i):
 
-Recomputation ('auto', with a memory cap): rho[l][c] <= x[l][c] for units with s_l > in_l;
-stage c's time gains f_l / sigma rho[l][c] and its memory loses h_c (s_l - in_l) rho[l][c].
+    F_g = (k^f + sum_l f_l x[l][g]) / sigma_i       B_g = (k^b + sum_l g_l x[l][g] + sum_l f_l rho[l][g]) / sigma_i
+    A_g = sum_k e[k][g] (lat + act_k / bw_g)        G_g = sum_k e[k][g] (lat + grad_k / bw_g)      (when > 0)
+    R_i = sum_{g on i} sum_l ar_l x[l][g]           O_i = sum_{g on i} sum_l o_l / sigma_i x[l][g]
+    tau_t = sum_n y[t][n] tie(bytes_t, n d),   sum_n y[t][n] = 1,   sum_n n y[t][n] = sum_i h[t][i],
+    h[t][i] >= x[u][g] for each use u of tied weight t and stage g on rank i
 
-    T_c   = k / sigma_c + sum_l x[l][c] w_l / sigma_c + sum_l rho[l][c] f_l / sigma_c   (k: a stage's own cost)
-            + sum_k e[k][c-1] t_k^{c-1} [c > 0] + sum_k e[k][c] t_k^c [c < C-1]
-    Dmax >= sum_{c on i} T_c (each rank i);   Dmax >= LB (exact min-max DP value when v = 1)
-    M_i   = sum_{c on i} sum_l x[l][c] (P_l (2 + opt) + h_c s_l) - rho terms  <= cap_i
-    Emax >= sum_{c on i} (sum_l x[l][c] ar_l + tie_c)           (ar_l: all-reduce of P_l over d)
-    tied parameter t with uses u_1 < ... < u_n: sep_j >= sum_c e[k][c] for cuts u_j < k <= u_{j+1},
-    hold_c >= x[u][c], tie_c >= 2 bytes_t / bw (sum_j sep_j - (n - 1)(1 - hold_c)), tie_c >= 0
-    minimise (1/v) sum_c T_c + (m - 1/v) Dmax + Emax + step_overhead   (a constant)
+The step time is the longest path of the lists' graph, the largest of its paths' sums; each known
+path k (a critical-path form: counts c_k of duration terms) gives a row
 
+    T >= sum_terms c_k(term) duration(term)                         minimise T + step_overhead
+
+which holds for every split (the path exists whatever the durations). A path that crosses from
+rank j to rank i through tied weight t's all-reduce exists only when both hold a use of t:
+T >= form - M (2 - h[t][j] - h[t][i]). Memory: for rank i and each of its list's peak vectors P
+(planner.pipeline.stepgraph.held_peaks),
+
+    sum_{g on i} sum_l x[l][g] P_l beta  +  sum_{g on i} [ P_live,g (sum_l x[l][g] s_l - sum_l rho[l][g] (s_l - in_l))
+        + P_inbox,g sum_k e[k][g-1] act_k + P_gradbox,g sum_k e[k][g] grad_k ]  <=  cap_i
+
+With only some paths known, T is a lower bound of the step time of the split the program picks;
+planner.solve.exact adds the picked split's own critical path until the two agree.
 Times are in milliseconds and memory in MiB inside the model.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import pulp
 
-from planner.cost.model import (allreduce_time, boundary_links, cut_times, held_counts, input_bytes,
-                                num_micro_batches, optimizer_factor, rank_caps, rank_speeds, shared_parameters,
-                                stage_call_s)
+from planner.cost.model import (boundary_links, copy_factor, num_micro_batches, rank_caps, rank_speeds,
+                                shared_parameters, static_factor, step_shape, sync_time, tie_time)
 from planner.cost.options import CostOptions
+from planner.cost.result import PathForm
+from planner.cost.ranges import range_costs
+from planner.cost.step import rank_peaks
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
-from planner.solve.solution import Split
 
 MS = 1e3  # seconds -> milliseconds
 MIB = float(2 ** 20)  # bytes -> MiB
+
+
 @dataclass
-class ScenarioResult:
-    """What the solver said about one scenario: its plan (boundaries None: none) and a proven lower bound."""
-
+class ProgramResult:
     boundaries: Optional[List[int]]
-    recompute: List[int]  # units recomputed in backward
-    bound_s: float
-    optimal: bool
+    recompute: List[int]
+    value_s: Optional[float]  # T at the program's solution (a lower bound of that split's step)
+    bound_s: float  # the solver's proven lower bound over every split (seconds), -inf if none
+    optimal: bool  # the program was solved to optimality (or proven to have nothing below the cutoff)
+    below_cutoff: bool  # a solution under the cutoff exists
+    ran: bool = True  # False: the solver crashed (no answer at all)
 
 
-def _no_plan(bound_s: float, optimal: bool) -> ScenarioResult:
-    return ScenarioResult(boundaries=None, recompute=[], bound_s=bound_s, optimal=optimal)
+class _NoSplit(Exception):
+    """Fixed variables contradict each other: no split is left."""
 
 
-class _NoPlanUnderBound(Exception):
-    """Fixed variables contradict each other: no split has every stage time under the bound."""
-
-
-def _var(prob: pulp.LpProblem, name: str, binary: bool = False) -> pulp.LpVariable:
-    low, high, cat = (0, 1, pulp.LpInteger) if binary else (0.0, None, pulp.LpContinuous)
-    if hasattr(prob, "add_variable"):
+def _var(prob: pulp.LpProblem, name: str, binary: bool = False, low: float = 0.0) -> pulp.LpVariable:
+    high, cat = (1, pulp.LpInteger) if binary else (None, pulp.LpContinuous)
+    if hasattr(prob, "add_variable"):  # PuLP >= 3.3: variables attached to their problem
         return prob.add_variable(name, low, high, cat=cat)
     return pulp.LpVariable(name, low, high, cat=cat)
 
 
-def _fixings(profile: Profile, b: int, opts: CostOptions, tau: float) -> Tuple[List[int], List[int]]:
-    """For each unit l: the lowest and highest stage it may occupy given max stage time tau (s)."""
-    L, C = profile.num_units, opts.num_stages
-    fastest = max(rank_speeds(opts))
-    work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])]) / fastest
-    slack = tau * (1 + 1e-9) + 1e-15
-    low, high = [], []
-    for l in range(L):
-        lo = max(0, l - (L - C), math.ceil(work[l + 1] / slack - 1 - 1e-12))  # W(0,l+1) <= (c+1) tau
-        hi = min(C - 1, l, C - 1 - math.ceil((work[L] - work[l]) / slack - 1e-12) + 1)  # W(l,L) <= (C-c) tau
-        low.append(min(lo, C - 1))
-        high.append(max(hi, 0))
-    return low, high
+class Program:
+    """The program for one scenario; rows for path forms are added before each solve."""
 
-
-class _Program:
-    """The integer program of one scenario at one micro-batch size (module docstring), built piece
-    by piece in a fixed order (the order of variables and rows is the solvers' input)."""
-
-    def __init__(self, profile: Profile, b: int, opts: CostOptions, low: List[int], high: List[int]):
-        self.profile, self.b, self.opts, self.low, self.high = profile, b, opts, low, high
-        self.L, self.C, self.p = profile.num_units, opts.num_stages, opts.pipeline_ranks
-        self.units = profile.units
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, low: Sequence[int], high: Sequence[int]):
+        self.profile, self.b, self.opts = profile, b, opts
+        self.costs = range_costs(profile, b, opts.optimizer)
+        L, S, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
+        self.L, self.S, self.p = L, S, p
+        self.m = num_micro_batches(opts, b)
+        self.low, self.high = list(low), list(high)
         self.prob = pulp.LpProblem("pipeline_plan", pulp.LpMinimize)
-        self.z: List[List[object]] = []  # z[l][c] = 1 iff unit l is in a stage <= c (a constant where fixed)
-        for l in range(self.L):
-            row: List[object] = []
-            for c in range(self.C):
-                if c >= high[l]:
-                    row.append(1)  # unit l sits in a stage <= high[l] <= c
-                elif c < low[l]:
-                    row.append(0)
-                else:
-                    row.append(_var(self.prob, f"z_{l}_{c}", binary=True))
-            self.z.append(row)
-        self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}  # (unit, stage): recomputed there
+        self.z = [[self._z(l, g) for g in range(S)] for l in range(L)]
+        self._staircase()
+        self._recompute_vars()
+        self._durations()
+        self._ties()
+        self._memory()
+        self.T = _var(self.prob, "T")
+        self.prob += self.T + opts.step_overhead_s * MS
+        self.forms: List[PathForm] = []
 
-    def add(self, constraint: object, name: str) -> None:
+    # --- split ----------------------------------------------------------------------------------
+    def _z(self, l: int, g: int):
+        if g >= self.high[l] or g == self.S - 1:
+            return 1
+        if g < self.low[l]:
+            return 0
+        return _var(self.prob, f"z_{l}_{g}", binary=True)
+
+    def add(self, constraint, name: str) -> None:
         if isinstance(constraint, pulp.LpConstraint) and len(constraint) > 0:
             self.prob.addConstraint(constraint, name)
         elif (isinstance(constraint, bool) and not constraint) or \
                 (isinstance(constraint, pulp.LpConstraint) and not constraint.valid(1e-9)):
-            raise _NoPlanUnderBound(name)  # constants alone violate it: no plan in this scenario
+            raise _NoSplit(name)
 
-    def x(self, l: int, c: int) -> object:
-        """1 iff unit l is in stage c."""
-        return self.z[l][c] - (self.z[l][c - 1] if c > 0 else 0)
+    def _staircase(self) -> None:
+        z, L, S = self.z, self.L, self.S
+        for l in range(L):
+            for g in range(S):
+                if l + 1 < L:
+                    self.add(z[l][g] >= z[l + 1][g], f"contiguous_{l}_{g}")
+                if g + 1 < S:
+                    self.add(z[l][g] <= z[l][g + 1], f"prefix_{l}_{g}")
+                if l + 1 < L and g + 1 < S:
+                    self.add(z[l][g] <= z[l + 1][g + 1], f"nonempty_{l}_{g}")
 
-    def ends(self, k: int, c: int) -> object:
-        """1 iff cut k ends stage c."""
-        return self.z[k - 1][c] - self.z[k][c]
+    def x(self, l: int, g: int):
+        return self.z[l][g] - (self.z[l][g - 1] if g > 0 else 0)
 
-    def may(self, l: int, c: int) -> bool:
-        return self.low[l] <= c <= self.high[l]
+    def may(self, l: int, g: int) -> bool:
+        return self.low[l] <= g <= self.high[l]
 
-    def cut_may_end(self, k: int, c: int) -> bool:  # cut k can end stage c: unit k-1 in c, unit k in c+1
-        return self.may(k - 1, c) and self.may(k, c + 1)
+    def ends(self, k: int, g: int):
+        """1 iff cut k ends stage g (unit k - 1 in g, unit k in g + 1)."""
+        return self.z[k - 1][g] - self.z[k][g]
 
-    def add_staircase(self) -> None:
+    def cut_may_end(self, k: int, g: int) -> bool:
+        return self.may(k - 1, g) and self.may(k, g + 1)
+
+    def _recompute_vars(self) -> None:
+        c, opts = self.costs, self.opts
+        self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
+        if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
+            return
         for l in range(self.L):
-            for c in range(self.C):
-                if l + 1 < self.L:
-                    self.add(self.z[l][c] >= self.z[l + 1][c], f"contiguous_{l}_{c}")
-                if c + 1 < self.C:
-                    self.add(self.z[l][c] <= self.z[l][c + 1], f"prefix_{l}_{c}")
-                if l + 1 < self.L and c + 1 < self.C:
-                    self.add(self.z[l][c] <= self.z[l + 1][c + 1], f"nonempty_{l}_{c}")
+            if c.s[l] > c.inputs[l]:
+                for g in range(self.low[l], self.high[l] + 1):
+                    self.rho[l, g] = _var(self.prob, f"r_{l}_{g}", binary=True)
+                    self.add(self.rho[l, g] <= self.x(l, g), f"recompute_in_stage_{l}_{g}")
 
-    def add_recomputation(self, candidates: List[int]) -> None:
-        """rho[l][c] <= x[l][c] for each unit that recomputation would shrink."""
-        for l in candidates:
-            for c in range(self.low[l], self.high[l] + 1):
-                self.rho[l, c] = _var(self.prob, f"r_{l}_{c}", binary=True)
-                self.add(self.rho[l, c] <= self.x(l, c), f"recompute_in_stage_{l}_{c}")
+    # --- durations (ms) -------------------------------------------------------------------------
+    def _define(self, name: str, expression) -> pulp.LpVariable:
+        v = _var(self.prob, name)
+        self.add(v == expression, f"define_{name}")
+        return v
 
-    def stage_times(self, work: List[float], speeds: List[float], links) -> List[object]:
-        """T_c (ms) of every stage: its own cost, its units' work and recomputation, its transfers."""
-        b, L, C, p = self.b, self.L, self.C, self.p
-        cut_ms = [[t * MS for t in cut_times(self.profile, b, self.opts, link)] for link in links]
-        call_ms = stage_call_s(self.profile, b) * MS
-        times = []
-        for c in range(C):
-            sigma = speeds[c % p]
-            t = call_ms / sigma + pulp.lpSum(work[l] / sigma * self.x(l, c) for l in range(L) if self.may(l, c))
-            t += pulp.lpSum(self.units[l].forward_s[b] * MS / sigma * r for (l, cc), r in self.rho.items() if cc == c)
-            if c > 0:
-                t += pulp.lpSum(cut_ms[c - 1][k] * self.ends(k, c - 1) for k in range(1, L)
-                                if cut_ms[c - 1][k] and self.cut_may_end(k, c - 1))
-            if c < C - 1:
-                t += pulp.lpSum(cut_ms[c][k] * self.ends(k, c) for k in range(1, L)
-                                if cut_ms[c][k] and self.cut_may_end(k, c))
-            times.append(t)
-        return times
+    def _durations(self) -> None:
+        c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
+        speeds, links = rank_speeds(opts), boundary_links(opts)
+        redo_all = opts.recompute == "all"
+        self.term: Dict[Tuple, object] = {("message",): opts.message_s * MS}
+        for g in range(S):
+            sigma = speeds[g % p]
+            units = [l for l in range(L) if self.may(l, g)]
+            forward = c.call_forward * MS / sigma + pulp.lpSum(c.f[l] * MS / sigma * self.x(l, g) for l in units)
+            backward = c.call_backward * MS / sigma + pulp.lpSum(
+                (c.g[l] + (c.f[l] if redo_all else 0.0)) * MS / sigma * self.x(l, g) for l in units)
+            backward += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+            self.term[("forward", g)] = self._define(f"F_{g}", forward)
+            self.term[("backward", g)] = self._define(f"B_{g}", backward)
+            if g < S - 1:
+                cuts = [k for k in range(1, L) if self.cut_may_end(k, g)]
+                for kind, gradient in (("act", False), ("grad", True)):
+                    expr = pulp.lpSum(c.message_s(k, links[g], gradient) * MS * self.ends(k, g) for k in cuts
+                                      if c.message_s(k, links[g], gradient))
+                    self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
+        for i in range(p):
+            stages = range(i, S, p)
+            reduce = pulp.lpSum(sync_time(c.p[l], opts, self.profile.dtype, self.m) * MS * self.x(l, g)
+                                for g in stages for l in range(L) if self.may(l, g) and c.p[l])
+            step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
+                              for g in stages for l in range(L) if self.may(l, g) and c.o[l])
+            self.term[("reduce", i)] = self._define(f"R_{i}", reduce)
+            self.term[("step", i)] = self._define(f"O_{i}", step)
 
-    def add_busiest_rank(self, stage_time: List[object], floor_s: float) -> object:
-        """Dmax >= every rank's work per micro-batch, and >= the proven floor."""
-        dmax = _var(self.prob, "dmax")
-        for i in range(self.p):
-            self.add(dmax >= pulp.lpSum(stage_time[c] for c in range(i, self.C, self.p)), f"busiest_rank_{i}")
-        self.add(dmax >= floor_s * MS * (1 - 1e-9), "busiest_rank_floor")
-        return dmax
+    def _ties(self) -> None:
+        """h[t][i]: tied weight t has a use on rank i; tau_t its all-reduce (one-hot over holder counts)."""
+        opts, S, p = self.opts, self.S, self.p
+        self.hold: Dict[Tuple[str, int], object] = {}
+        for name, uses, size in shared_parameters(self.profile):
+            ranks = sorted({g % p for u in uses for g in range(S) if self.may(u, g)})
+            for i in ranks:
+                h = _var(self.prob, f"hold_{name}_{i}")
+                self.add(h <= 1, f"hold_cap_{name}_{i}")
+                for u in uses:
+                    for g in range(i, S, p):
+                        if self.may(u, g):
+                            self.add(h >= self.x(u, g), f"hold_{name}_{i}_{u}_{g}")
+                self.hold[name, i] = h
+            counts = range(1, min(len(uses), len(ranks)) + 1)
+            y = {n: _var(self.prob, f"holders_{name}_{n}", binary=True) for n in counts}
+            self.add(pulp.lpSum(y.values()) == 1, f"holders_one_{name}")
+            self.add(pulp.lpSum(n * v for n, v in y.items()) == pulp.lpSum(self.hold[name, i] for i in ranks),
+                     f"holders_count_{name}")
+            self.term[("tie", name)] = self._define(
+                f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.data_parallel, opts) * MS * v for n, v in y.items()))
 
-    def add_memory(self, caps: List[Optional[float]], held: List[int], saved: List[float], inputs: List[int]) -> None:
-        """M_i <= cap_i on every capped rank."""
-        b, L, C, p = self.b, self.L, self.C, self.p
-        opt = optimizer_factor(self.opts.optimizer)
+    # --- memory ---------------------------------------------------------------------------------
+    def _memory(self) -> None:
+        c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
+        caps = rank_caps(opts, self.profile)
+        if all(cap is None for cap in caps):
+            return
+        per_param = static_factor(opts, self.profile.dtype)
+        redo_all = opts.recompute == "all"
+        copy = copy_factor(opts, self.profile.dtype)  # bf16-mixed: cast weights held per micro-batch
+        saved = [(c.inputs[l] if redo_all else c.s[l]) + copy * c.p[l] for l in range(L)]
+        peaks = rank_peaks(step_shape(opts, self.m))
         for i in range(p):
             if caps[i] is None:
                 continue
-            memory = pulp.lpSum((self.units[l].param_bytes * (2 + opt) + held[c] * saved[l]) / MIB * self.x(l, c)
-                                for c in range(i, C, p) for l in range(L) if self.may(l, c))
-            memory -= pulp.lpSum(held[c] * (self.units[l].saved_bytes[b] - inputs[l]) / MIB * r
-                                 for (l, c), r in self.rho.items() if c % p == i)
-            cap = math.floor(caps[i]) if opt.is_integer() else caps[i]
-            self.add(memory <= cap / MIB, f"memory_rank_{i}")
+            static = pulp.lpSum(c.p[l] * per_param / MIB * self.x(l, g)
+                                for g in range(i, S, p) for l in range(L) if self.may(l, g))
+            for n, peak in enumerate(peaks[i]):
+                held = 0
+                for (kind, g), count in peak.items():
+                    if kind == "live":
+                        held += pulp.lpSum(count * saved[l] / MIB * self.x(l, g) for l in range(L) if self.may(l, g))
+                        held -= pulp.lpSum(count * (c.s[l] - c.inputs[l]) / MIB * r
+                                           for (l, gg), r in self.rho.items() if gg == g)
+                    elif kind == "inbox" and g > 0:
+                        held += pulp.lpSum(count * c.act[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
+                                           if c.act[k] and self.cut_may_end(k, g - 1))
+                    elif kind == "gradbox" and g < S - 1:
+                        held += pulp.lpSum(count * c.grad[k] / MIB * self.ends(k, g) for k in range(1, L)
+                                           if c.grad[k] and self.cut_may_end(k, g))
+                cap = math.floor(caps[i]) if per_param.is_integer() else caps[i]
+                self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
 
-    def set_objective(self, stage_time: List[object], dmax: object, m: int) -> None:
-        """(1/v) sum_c T_c + (m - 1/v) Dmax + Emax + the per-step constant."""
-        opts, v = self.opts, self.opts.virtual_stages
-        extra_terms = _extra_terms(self.prob, self.profile, opts, self.x, self.ends, self.may, self.add)
-        objective = pulp.lpSum(stage_time) * (1.0 / v) + (m - 1.0 / v) * dmax + opts.per_step_s * MS
-        if extra_terms is not None:
-            emax = _var(self.prob, "emax")
-            for i in range(self.p):
-                self.add(emax >= pulp.lpSum(extra_terms[c] for c in range(i, self.C, self.p)), f"extra_rank_{i}")
-            objective += emax
-        self.prob += objective
+    # --- paths ----------------------------------------------------------------------------------
+    def add_form(self, form: PathForm, big_m_ms: float) -> None:
+        counts = form.count()
+        value = pulp.lpSum(n * self.term[t] for t, n in counts.items() if t in self.term)
+        guard = 0
+        for name, j, i in form.crossings:
+            guard += (1 - self.hold.get((name, j), 0)) + (1 - self.hold.get((name, i), 0))
+        n = len(self.forms)
+        if form.crossings:
+            self.add(self.T >= value - big_m_ms * guard, f"path_{n}")
+        else:
+            self.add(self.T >= value, f"path_{n}")
+        self.forms.append(form)
 
-    def warm_start(self, incumbent: Split) -> None:
-        edges = list(incumbent.boundaries) + [self.L]
+    def warm_start(self, boundaries: Sequence[int], recompute: Sequence[int]) -> None:
+        edges = list(boundaries) + [self.L]
         for l in range(self.L):
-            for c in range(self.C):
-                if isinstance(self.z[l][c], pulp.LpVariable):
-                    self.z[l][c].setInitialValue(1 if l < edges[c] else 0)
-        for (l, c), r in self.rho.items():
-            r.setInitialValue(1 if l in incumbent.recompute and (c == 0 or edges[c - 1] <= l) and l < edges[c] else 0)
+            for g in range(self.S):
+                if isinstance(self.z[l][g], pulp.LpVariable):
+                    self.z[l][g].setInitialValue(1 if l < edges[g] else 0)
+        for (l, g), r in self.rho.items():
+            r.setInitialValue(1 if l in recompute and (g == 0 or edges[g - 1] <= l) and l < edges[g] else 0)
 
-    def read_plan(self, redo_all: bool) -> Optional[Tuple[List[int], List[int]]]:
-        """(boundaries, recomputed units) of the solver's solution, None without one."""
+    def solve(self, cutoff_s: Optional[float], time_limit: Optional[float], backend: str, gap: float = 1e-10
+              ) -> ProgramResult:
+        """Solve to a relative `gap`; cutoff_s: only splits whose T is below it are wanted (an incumbent's)."""
+        if backend == "cbc":
+            optimal, bound_ms, ran = _run_cbc(self.prob, time_limit, warm=False, gap=gap)
+        else:
+            constant = float(getattr(self.prob.objective, "constant", 0.0) or 0.0)
+            cutoff = None if cutoff_s is None else cutoff_s * MS - constant
+            optimal, bound_ms, ran = _run_highs(self.prob, time_limit, cutoff, gap=gap)
+        if not ran:
+            return ProgramResult(None, [], None, -math.inf, False, False, ran=False)
+        constant = float(getattr(self.prob.objective, "constant", 0.0) or 0.0)
+        bound = -math.inf if bound_ms is None else (bound_ms + constant) / MS
+        if self.prob.sol_status == pulp.LpSolutionInfeasible or self.prob.status == pulp.LpStatusInfeasible:
+            return ProgramResult(None, [], None, cutoff_s if cutoff_s is not None else math.inf, True, False)
         if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return None
+            return ProgramResult(None, [], None, bound, optimal, False)
         value = lambda t: float(t) if isinstance(t, (int, float)) else float(pulp.value(t) or 0.0)
-        boundaries = [sum(1 for l in range(self.L) if value(self.z[l][c]) > 0.5) for c in range(self.C - 1)]
-        chosen = sorted({l for (l, c), r in self.rho.items() if value(r) > 0.5 and value(self.x(l, c)) > 0.5})
-        return boundaries, list(range(self.L)) if redo_all else chosen
+        boundaries = [sum(1 for l in range(self.L) if value(self.z[l][g]) > 0.5) for g in range(self.S - 1)]
+        if self.opts.recompute == "all":
+            chosen = list(range(self.L))
+        else:
+            chosen = sorted({l for (l, g), r in self.rho.items() if value(r) > 0.5 and value(self.x(l, g)) > 0.5})
+        return ProgramResult(boundaries, chosen, value(self.T) / MS + self.opts.step_overhead_s, bound, optimal, True)
 
 
-def build_and_solve(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split], dmax_floor_s: float,
-                    total_floor_s: float, time_limit: Optional[float], backend: str, warm_start: bool
-                    ) -> ScenarioResult:
-    """Solve the scenario's program; the incumbent bounds it (variable fixing, cutoff) and warm-starts it."""
-    L, C, v = profile.num_units, opts.num_stages, opts.virtual_stages
-    m = num_micro_batches(opts, b)
-    speeds, caps, held, links = rank_speeds(opts), rank_caps(opts), held_counts(opts, m), boundary_links(opts)
-    redo_all = opts.recompute == "all"
-    work = [(u.forward_s[b] + u.backward_s[b] + (u.forward_s[b] if redo_all else 0.0)) * MS for u in profile.units]
-    inputs = input_bytes(profile, b)
-    saved = [inputs[l] if redo_all else u.saved_bytes[b] for l, u in enumerate(profile.units)]
-    total_work = max((sum(work) / MS + C * stage_call_s(profile, b)) / max(speeds), total_floor_s)  # sum_c T_c >= this
-    tau = math.inf
-    if incumbent is not None:
-        beat = incumbent.iteration_s - opts.per_step_s
-        tau = beat if m * v == 1 else min(beat, (beat - total_work / v) / (m - 1.0 / v))
-    low, high = _fixings(profile, b, opts, tau) if math.isfinite(tau) else ([max(0, l - (L - C)) for l in range(L)],
-                                                                            [min(C - 1, l) for l in range(L)])
-    beaten = incumbent.iteration_s if incumbent else math.inf  # what "nothing here beats the incumbent" proves
-    if any(lo > hi for lo, hi in zip(low, high)):
-        return _no_plan(beaten, optimal=True)
-    program = _Program(profile, b, opts, low, high)
-    try:
-        program.add_staircase()
-        program.add_recomputation([l for l, u in enumerate(profile.units) if u.saved_bytes[b] > inputs[l]]
-                                  if opts.recompute == "auto" and any(cap is not None for cap in caps) else [])
-        stage_time = program.stage_times(work, speeds, links)
-        dmax = program.add_busiest_rank(stage_time, dmax_floor_s)
-        program.add_memory(caps, held, saved, inputs)
-        program.set_objective(stage_time, dmax, m)
-    except _NoPlanUnderBound:  # fixings or constants leave no plan: nothing beats the incumbent here
-        return _no_plan(beaten, optimal=True)
-    warm = warm_start and incumbent is not None
-    if warm:
-        program.warm_start(incumbent)
-    return _run(program, backend, time_limit, incumbent if warm else None, warm_start, redo_all, beaten)
+def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> float:
+    """An upper bound (ms) of a form's value over all splits: every stage as slow as the whole model."""
+    c = range_costs(profile, b, opts.optimizer)
+    slowest = min(rank_speeds(opts))
+    whole = (c.call_forward + c.call_backward + float(c.F[-1] + 2 * c.F[-1] + c.G[-1])) / slowest
+    message = max(float(c.act.max(initial=0.0)), float(c.grad.max(initial=0.0)))
+    links = boundary_links(opts) or [(opts.bandwidth, opts.latency)]
+    per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
+    ties = sum(tie_time(size, opts.pipeline_ranks * opts.data_parallel, opts) for _, _, size in shared_parameters(profile))
+    reduce = sync_time(float(c.P[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + float(c.O[-1]) / slowest
+    return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
 
-
-def _run(program: _Program, backend: str, time_limit: Optional[float], incumbent: Optional[Split],
-         warm_start: bool, redo_all: bool, beaten: float) -> ScenarioResult:
-    """Run the MIP backend (warm-started from, and cut off at, `incumbent` when given) and read its answer."""
-    prob = program.prob
-    constant = float(getattr(prob.objective, "constant", 0.0) or 0.0)
-    if backend == "cbc":
-        optimal, bound_ms, ran = _run_cbc(prob, time_limit, warm=incumbent is not None)
-    else:  # only plans beating the incumbent matter
-        cutoff = incumbent.iteration_s * MS - constant if incumbent is not None else None
-        optimal, bound_ms, ran = _run_highs(prob, time_limit, cutoff)
-    if not ran:
-        if not warm_start:
-            raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
-                               "enable the warm start")
-        return _no_plan(-math.inf, optimal=False)
-    if prob.sol_status == pulp.LpSolutionInfeasible or prob.status == pulp.LpStatusInfeasible:
-        # Infeasible with fixings derived from the incumbent: nothing beats the incumbent here.
-        return _no_plan(beaten, optimal=True)
-    plan = program.read_plan(redo_all)
-    if plan is None and not warm_start:
-        raise RuntimeError(f"the {backend} solver returned no plan (status {pulp.LpStatus[prob.status]}); "
-                           "give it more time or enable the warm start")
-    if bound_ms is not None:  # solvers report the bound without the objective's constant term
-        bound_ms += constant
-    bound = -math.inf if bound_ms is None else bound_ms / MS  # search() takes the max with its analytic bound
-    return ScenarioResult(boundaries=plan[0] if plan else None, recompute=plan[1] if plan else [], bound_s=bound,
-                          optimal=optimal)
-
-
-def _extra_terms(prob, profile: Profile, opts: CostOptions, x, ends, may, add) -> Optional[List[object]]:
-    """Per-stage per-iteration time (ms): all-reduce of its parameters over d, plus tied exchange."""
-    C = opts.num_stages
-    ties = shared_parameters(profile)
-    if opts.data_parallel == 1 and not ties:
-        return None
-    terms: List[object] = []
-    for c in range(C):
-        terms.append(pulp.lpSum(allreduce_time(u.param_bytes, opts) * MS * x(l, c)
-                                for l, u in enumerate(profile.units) if may(l, c) and u.param_bytes))
-    for t_index, (_, uses, size) in enumerate(ties):
-        if len(uses) < 2:
-            continue
-        kappa = 2.0 * size / opts.bandwidth * MS
-        seps = []
-        for j in range(len(uses) - 1):
-            sep = _var(prob, f"tie_sep_{t_index}_{j}")
-            for k in range(uses[j] + 1, uses[j + 1] + 1):
-                add(sep >= pulp.lpSum(ends(k, c) for c in range(C - 1) if may(k - 1, c) and may(k, c + 1)),
-                    f"tie_sep_{t_index}_{j}_{k}")
-            seps.append(sep)
-        for c in range(C):
-            if not any(may(u, c) for u in uses):
-                continue
-            hold = _var(prob, f"tie_hold_{t_index}_{c}")
-            for u in uses:
-                if may(u, c):
-                    add(hold >= x(u, c), f"tie_hold_{t_index}_{c}_{u}")
-            share = _var(prob, f"tie_share_{t_index}_{c}")
-            add(share >= kappa * (pulp.lpSum(seps) - (len(uses) - 1) * (1 - hold)), f"tie_share_{t_index}_{c}")
-            terms[c] = terms[c] + share
-    return terms

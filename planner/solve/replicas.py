@@ -1,15 +1,24 @@
-"""Replicated stages (PipeDream-style): `planner solve --stages N --replicate`. Exact.
+"""Replicated stages (PipeDream-style): `planner solve --stages N --replicate`.
+
+Plans are judged by the exact model (planner.cost.model: the simulation of the replicated lists).
+They are chosen by an exact search over a closed form of it, the fill-drain form below; so the
+plan is the closed form's optimum, its simulated time is reported, and the certificate is the
+busy-time bound `busy_bound` (every device shares the micro-batches' work; it holds for every
+replicated plan), a true but loose gap. The exact search's plan with one stage per device is a
+candidate too: a replicated plan is chosen only when its simulated step is shorter. The closed form:
 
 The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
 [a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
-minimising (planner.cost.model, "Replicated stages")
+minimising
 
     F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
     T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
                                               beyond "has a predecessor / a successor")
-    X_g = (ceil(m / r_g) - 1) T_g            E_g = 2 (n - 1)/n P(a_g, e_g) / dp_bw,  n = r_g d
+    X_g = (ceil(m / r_g) - 1) T_g            E_g = the exchange of P(a_g, e_g) over n = r_g d holders
 
-subject to M_g = P_g (2 + opt) + h_g A_g <= cap, k_g = sum_{h>=g} r_h the devices from stage g to the
+subject to M_g = P_g beta_g + h_g A_g + ceil(m / r_g) (in_{a_g} + grad_{e_g}) <= cap (beta_g: static
+bytes per parameter byte over n = r_g d holders; the last term bounds the received activations and
+gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
 end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
 under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
@@ -55,17 +64,18 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (allreduce_time, candidate_micro_batch_sizes, cut_times, evaluate, input_bytes,
-                                num_micro_batches, optimizer_factor, shared_parameters, stage_call_s)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, copy_factor, cut_times, evaluate,
+                                fixed_bytes, num_micro_batches, rank_caps, shared_parameters, stage_call_s,
+                                static_factor, sync_time)
 from planner.cost.options import CostOptions
-from planner.cost.replicas import ceil_div
+from planner.cost.ranges import range_costs, range_matrix
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.solution import OPTIMALITY_GAP, Solution
-from planner.solve.tables import cheapest_recompute
+from planner.solve.recompute import cheapest_recompute
 
 TOL = 1e-12  # relative tolerance of every prune
 
@@ -87,11 +97,6 @@ class _Found:
     b: int
     scenario: CostOptions
     recompute: List[int]
-
-
-def _span(prefix: np.ndarray) -> np.ndarray:
-    n = prefix.shape[0]
-    return np.where(np.triu(np.ones((n, n), dtype=bool), 1), prefix[None, :] - prefix[:, None], np.inf)
 
 
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
@@ -130,49 +135,54 @@ class ReplicaTables:
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
                  recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
-        units, L = profile.units, profile.num_units
+        costs, L = range_costs(profile, b), profile.num_units
         self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
-        work = _span(np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] +
-                                                       (u.forward_s[b] if redo_all else 0.0) for u in units])]))
+        work = range_matrix(costs.work_prefix(redo_all))
         cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
         ends = np.arange(L + 1)
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
-        params = _span(np.concatenate([[0.0], np.cumsum([float(u.param_bytes) for u in units])]))
-        saved = input_bytes(profile, b) if redo_all else [u.saved_bytes[b] for u in units]
-        acts = _span(np.concatenate([[0.0], np.cumsum(np.asarray(saved, dtype=float))]))
+        params = range_matrix(costs.P)
+        acts = range_matrix(costs.saved_prefix(redo_all) + copy_factor(opts, profile.dtype) * costs.P)
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
-        self.E = {r: np.where(finite, allreduce_time(1.0, opts, r * opts.data_parallel) * np.where(finite, params, 0.0),
+        self.E = {r: np.where(finite, sync_time(1.0, opts, profile.dtype, self.m, r * opts.data_parallel) *
+                              np.where(finite, params, 0.0),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[int, np.ndarray] = {}  # held -> M[a, e] without recomputation
-        self.fits: Dict[int, np.ndarray] = {}  # held -> T'[a, e]
+        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
+        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
-        static = params * (2 + optimizer_factor(opts.optimizer))
+        cap = rank_caps(opts, profile)[0]  # no cluster: one cap
+        # received activations (gradients) a device holds before its forward (backward) uses them: at
+        # most its ceil(m / r) micro-batches under 'upper' (every plan found fits), none under 'lower'
+        inbox, gradbox = costs.act[:, None], costs.grad[None, :]  # rows a, columns e = 0..L
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
                 held = self.held[r, k] = ceil_div(window, r)
-                if held not in self.memory:
-                    self.memory[held] = static + held * acts
+                key = (held, r)
+                if key not in self.memory:
+                    buffers = ceil_div(self.m, r) * (inbox + gradbox) if held_bound == "upper" else 0.0
+                    static = params * static_factor(opts, profile.dtype, r * opts.data_parallel)
+                    self.memory[key] = static + held * acts + buffers
                     if recompute_bound is not None:
-                        low, high = recompute_range_tables(profile, b, opts, held)
-                        self.fits[held] = self.T + (low if recompute_bound == "lower" else high)
-                    elif opts.memory_cap is None:
-                        self.fits[held] = self.T
+                        low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel)
+                        self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
+                    elif cap is None:
+                        self.fits[key] = self.T
                     else:
-                        self.fits[held] = np.where(self.memory[held] <= opts.memory_cap, self.T, np.inf)
+                        self.fits[key] = np.where(self.memory[key] <= cap, self.T, np.inf)
                 if (r, held) not in self._x:
-                    t = self.fits[held]
+                    t = self.fits[key]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
                                                 np.where(np.isfinite(t), t, 0.0), np.inf)
 
     def base(self, r: int, k: int) -> np.ndarray:
         """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
-        return self.fits[self.held[r, k]]
+        return self.fits[self.held[r, k], r]
 
     def X(self, r: int, k: int) -> np.ndarray:
         return self._x[r, self.held[r, k]]
@@ -222,8 +232,9 @@ class ReplicaTables:
         return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which(r, k), np.inf), np.maximum)
 
     def min_memory(self) -> Tuple[float, Optional[ReplicaSplit]]:
-        """Least max per-device memory of any plan on N devices (caps ignored)."""
-        return self._dp(lambda r, k: self.memory[self.held[r, k]], np.maximum)
+        """Least max per-device memory of any plan on N devices under these tables (caps ignored;
+        with the 'upper' buffers a memory in which the plan surely fits)."""
+        return self._dp(lambda r, k: self.memory[self.held[r, k], r], np.maximum)
 
     def values(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
         """(sum T', max X, max E) of a plan, read from the tables."""
@@ -324,14 +335,14 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
     for b in sizes:
         value, plan = ReplicaTables(profile, b, opts, devices).min_memory()
         if plan is not None and (least is None or value < least[0]):
-            least = (value, b)
+            least = (value + fixed_bytes(profile, opts), b)
     if least is None:
         return InfeasibleError(f"no replicated plan fills {devices} devices: at most {profile.num_units} stages "
                                "with no more replicas than micro-batches each; use fewer --stages or a larger "
                                "--global-batch")
     cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
-    return InfeasibleError(f"no replicated plan on {devices} devices fits {cap} per device; the least any needs "
-                           f"is {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
+    return InfeasibleError(f"the replicated search found no plan on {devices} devices within {cap} per device; "
+                           f"one fits in {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
                            f"{format_bytes(least[0])} ({math.ceil(least[0])} bytes) or use more --stages",
                            min_memory_bytes=least[0])
 
@@ -342,7 +353,7 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
     edges, reps, chosen = [0] + list(plan.boundaries) + [profile.num_units], plan.replicas, []
     for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
         held = tables.held[r, sum(reps[g:])]
-        need = float(tables.memory[held][a, e]) - cap
+        need = float(tables.memory[held, r][a, e]) - cap
         if need > 0:
             try:
                 found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=True)
@@ -360,6 +371,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
     what it does not model, InfeasibleError when nothing fits."""
     started = time.perf_counter()
+    profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     best: Optional[_Found] = None
     searched = []  # (scenario, b) under auto recomputation with a cap
     for scenario in scenarios or [opts]:
@@ -376,40 +388,65 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             searched += [(scenario, b, auto)] if bounded else []
             if search.best is None:
                 continue
-            redo = _cheapest_recompute(profile, tables, search.best, b, scenario.memory_cap) if auto else \
+            redo = _cheapest_recompute(profile, tables, search.best, b, rank_caps(scenario, profile)[0]) if auto else \
                 (list(range(profile.num_units)) if scenario.recompute == "all" else [])
-            value = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo).iteration_s - \
-                scenario.per_step_s
-            if best is None or value < best.value:
+            plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
+            value = plain.iteration_s
+            if plain.feasible and (best is None or value < best.value):
                 best = _Found(value, search.best, b, scenario, redo)
-    bound = best.value if best is not None else math.inf
+    closed_bound = best.value if best is not None else math.inf
     for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
         lower = _Search(ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
-                                      held_bound="lower"), bound)
+                                      held_bound="lower"), closed_bound)
         lower.run()
-        bound = min(bound, lower.U)
+        closed_bound = min(closed_bound, lower.U)
         if not auto and lower.best is not None:
             # the relaxation's plan may fit after all (the upper tables assumed the worst suffix):
             # then it beats every plan, time not depending on the held counts
             redo = list(range(profile.num_units)) if other.recompute == "all" else []
             cost = evaluate(profile, lower.best.boundaries, size, _chosen(other, lower.best), redo)
-            value = cost.iteration_s - other.per_step_s
+            value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
-    if best is None:
+    plain = _unreplicated(profile, scenarios or [opts])
+    if best is None and plain is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
         raise _infeasible(profile, opts, opts.pipeline_ranks, sizes)
-    plan, b, scenario, redo = best.split, best.b, best.scenario, best.recompute
-    chosen = _chosen(scenario, plan)
-    cost = evaluate(profile, plan.boundaries, b, chosen, redo)
-    bound = min(bound + scenario.per_step_s, cost.iteration_s)
+    if best is None or (plain is not None and plain.objective < best.value):
+        chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
+    else:
+        chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
+    cost = evaluate(profile, boundaries, b, chosen, redo)
+    bound = min(min(busy_bound(profile, size, other) for other in scenarios or [opts]
+                    for size in candidate_micro_batch_sizes(profile, other.global_batch, other)), cost.iteration_s)
     gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
     optimal = gap <= OPTIMALITY_GAP
-    return Solution(boundaries=list(plan.boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
                     cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
                     bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
+
+
+def _unreplicated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solution]:
+    """The exact search's best plan with one stage per device (every r_g = 1), where N <= L: the
+    replicated plan must beat it under the exact model to be chosen."""
+    from planner.solve.search import search_scenarios
+
+    usable = [s.with_(replicas=()) for s in scenarios if s.pipeline_ranks <= profile.num_units]
+    return search_scenarios(profile, usable, "ilp") if usable else None
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def busy_bound(profile: Profile, b: int, opts: CostOptions) -> float:
+    """A lower bound of every replicated plan's step under the exact model: N devices share the m
+    micro-batches' work, and one micro-batch crosses every unit forward and back."""
+    work = float(range_costs(profile, b).work_prefix(opts.recompute == "all")[-1])
+    m = num_micro_batches(opts, b)
+    return max(m * work / opts.pipeline_ranks, work) + opts.step_overhead_s
 
 
 def _chosen(scenario: CostOptions, plan: ReplicaSplit) -> CostOptions:

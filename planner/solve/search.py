@@ -1,15 +1,27 @@
 """The outer search: every scenario (pipeline depth p, data-parallel d, schedule, v, micro-batch b),
-each solved by the chosen method, with the global certificate.
+each solved under the exact model (planner.solve.exact), with the global certificate.
 
-The decisions that change the shape of the program (p, d, schedule, v, b) are enumerated; the
-boundaries and recomputation are solved inside each scenario. A scenario whose lower bound
+The decisions that change the shape of the lists (p, d, schedule, v, b) are enumerated; the
+boundaries and recomputation are solved inside each scenario. Each scenario first gets a good plan
+fast (the fill-drain chain optimum and a balanced split, simulated, then improved by local search)
+and a lower bound that holds for every split under the exact model:
 
-    LB = G / v + (m - 1/v) D_lb      (G: total compute over the fastest rank, or the unconstrained
-                                      min-sum DP when v = 1; D_lb: exact min-max stage time
-                                                  when v = 1, else max(W / (p sigma_max), max_l w_l))
+    v = 1:  min over splits of max_g  W(0, a_g) / sigma_max + m (k + W(a_g, e_g)) / sigma_g
+                                      + max(0, W(e_g, L) / sigma_max - (m - 1) F_g)
+            (stage g's rank runs m forwards and backwards, after micro-batch 0 crossed the stages
+            before it and before the last micro-batch's backward crosses them again; between the
+            forward and the backward of the first micro-batch it backwards, that micro-batch
+            crosses every later stage and back, while the rank has at most m - 1 other forwards
+            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition).
+            The crossings count too: each boundary before g (after g) costs at least its cheapest
+            message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
+            forward and last backward (the cost per message of each) can fill the wait: the larger counts
+    v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
-is not below the incumbent is skipped; the global bound is the minimum over scenarios of their
-proven bounds (a skipped scenario contributes its LB), so the reported gap is a true gap.
+plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
+'all'). Scenarios are solved from the most promising; one whose bound is not below the best plan
+found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
+skipped scenario contributes its bound), so the reported gap is a true gap.
 """
 from __future__ import annotations
 
@@ -20,173 +32,179 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, evaluate, num_micro_batches, rank_speeds,
-                                shared_parameters, stage_call_s)
+from planner.cost.memory import SHARDS
+from planner.cost.model import (boundary_links, candidate_micro_batch_sizes, evaluate, num_micro_batches,
+                                rank_caps, rank_speeds)
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
-from planner.solve.diagnose import min_max_partition
-from planner.solve.dp import _min_sum, chain_bounds, dp_for_size
-from planner.solve.ilp import build_and_solve
+from planner.solve.diagnose import memory_matrices, min_max_partition
+from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
-from planner.solve.tables import stage_tables
+
+VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
+
 
 def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] = None,
                      schedules: Optional[Sequence[str]] = None, virtual_stages: Optional[int] = None
                      ) -> List[CostOptions]:
     """Concrete options: each schedule (interleaved/bfs with v = virtual_stages, default the
-    options' own or 2) and, given `devices` N, each p x d = N."""
-    multi_v = virtual_stages if virtual_stages is not None else max(2, opts.virtual_stages)
+    options' own, or each of VIRTUAL_STAGES when several schedules are compared, else 2) and,
+    given `devices` N, each p x d = N; under shard 'auto', each of planner.cost.memory's shardings
+    (only 'none' where d = 1: one holder shards nothing)."""
+    if virtual_stages is not None:
+        chunk_options = [virtual_stages]
+    elif opts.virtual_stages > 1:
+        chunk_options = [opts.virtual_stages]
+    else:
+        chunk_options = list(VIRTUAL_STAGES) if schedules and len(schedules) > 1 else [2]
     schedules = list(schedules) if schedules else [opts.schedule]
     pairs = [(opts.pipeline_ranks, opts.data_parallel)] if devices is None else \
         [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and opts.global_batch % d == 0]
     out = []
     for p, d in pairs:
+        shards = [opts.shard] if opts.shard != "auto" else list(SHARDS) if d > 1 else ["none"]
         for schedule in schedules:
-            v = multi_v if schedule in MULTI_STAGE_SCHEDULES else 1
-            if p * v <= num_units:
-                out.append(opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v))
+            for v in (chunk_options if schedule in MULTI_STAGE_SCHEDULES else [1]):
+                if p * v <= num_units:
+                    out += [opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v,
+                                       shard=shard) for shard in shards]
     return out
 
 
 @dataclass
-class _Candidate:
+class _Scenario:
     opts: CostOptions
     b: int
-    heuristic: Optional[Split]
-    lower_bound: float
-    floor: float  # D_lb (s)
-    total: float  # lower bound on sum_c T_c (s)
-    exact: bool = False  # heuristic is proven optimal for this (scenario, b): no ILP needed
+    start: Optional[Split]  # a good plan found fast (None: none found)
+    lower_bound: float  # on every plan of the scenario (seconds)
 
 
-def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> List[int]:
-    work = np.concatenate([[0.0], np.cumsum([u.forward_s[b] + u.backward_s[b] for u in profile.units])])
-    n = len(work)
-    table = np.where(np.triu(np.ones((n, n), dtype=bool), 1), work[None, :] - work[:, None], np.inf)
-    return min_max_partition(profile.num_units, opts.num_stages, lambda c: table)[1]
+def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
+    costs = range_costs(profile, b)
+    table = costs.matrix(costs.F + costs.G)
+    return min_max_partition(profile.num_units, opts.num_stages, lambda g: table)[1]
 
 
-def heuristic_plan(profile: Profile, b: int, opts: CostOptions) -> Optional[Split]:
-    """A good feasible plan fast: the chain solver's (v = 1), else a balanced split."""
-    if opts.virtual_stages == 1 and not shared_parameters(profile):
-        fast = chain_bounds(profile, b, opts)
-        if fast is not None:
-            return fast.plan
-    bounds = _balanced_split(profile, b, opts)
-    for redo in ([], [l for l in range(profile.num_units)]) if opts.recompute == "auto" else \
-            ([list(range(profile.num_units))] if opts.recompute == "all" else [[]]):
-        cost = evaluate(profile, bounds, b, opts, redo)
-        if cost.feasible:
-            return Split(cost.iteration_s, bounds, redo)
-    return None
+def _starts(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
+    """Splits worth simulating first: the fill-drain chain optimum (v = 1, no tied weights), a
+    balanced split and, under memory caps, the split with the least peak memory."""
+    from planner.solve.dp import chain_start
+
+    starts = []
+    fast = chain_start(profile, b, opts)
+    if fast is not None:
+        starts.append(list(fast.boundaries))
+    balanced = _balanced_split(profile, b, opts)
+    if balanced is not None:
+        starts.append(balanced)
+    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
+        least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))[1]
+        if least_memory is not None:
+            starts.append(least_memory)
+    return starts
 
 
-def _candidate(profile: Profile, opts: CostOptions, b: int, use_heuristic: bool) -> _Candidate:
-    m, v, p = num_micro_batches(opts, b), opts.virtual_stages, opts.pipeline_ranks
-    fastest = max(rank_speeds(opts))
-    w = [(u.forward_s[b] + u.backward_s[b]) / fastest for u in profile.units]
-    call = stage_call_s(profile, b) / fastest  # every one of the C stages pays it
-    total = sum(w) + opts.num_stages * call
-    floor = max(total / p, max(w) + v * call)  # the rank holding the largest unit runs v stages
-    if use_heuristic and v == 1:
-        fast = chain_bounds(profile, b, opts)
-        if fast is not None:  # exact, or bounds and an incumbent for the ILP
-            floor, total = max(floor, fast.floor), max(total, fast.total)
-            lower = fast.plan.iteration_s if fast.exact and fast.plan is not None else \
-                max(fast.lower_bound, total + (m - 1) * floor + opts.per_step_s)
-            return _Candidate(opts, b, fast.plan, lower, floor, total, exact=fast.exact)
-    if v == 1:
-        tables = stage_tables(profile, b, opts.with_(recompute="none"))
-        floor = max(floor, min_max_partition(profile.num_units, opts.num_stages, lambda c: tables.time[c])[0])
-        total = max(total, _min_sum(tables.time, profile.num_units)[0])  # sum_c T_c >= g_min
-    lower = total / v + (m - 1.0 / v) * floor + opts.per_step_s
-    heuristic = heuristic_plan(profile, b, opts) if use_heuristic else None
-    return _Candidate(opts, b, heuristic, lower, floor, total)
+def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None) -> Optional[Split]:
+    """A good feasible plan fast: the best simulated start, improved by local search."""
+    forms = set() if forms is None else forms
+    best: Optional[Split] = None
+    for boundaries in _starts(profile, b, opts):
+        found = _evaluate(profile, boundaries, b, opts, None, forms)
+        if found is not None and (best is None or found.iteration_s < best.iteration_s):
+            best = found
+    return local_search(profile, b, opts, best, forms) if best is not None else None
 
 
-def _candidates(profile: Profile, scenarios: List[CostOptions], use_heuristic: bool) -> List[_Candidate]:
-    return [_candidate(profile, opts, b, use_heuristic) for opts in scenarios
-            for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)]
+def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
+    """A lower bound of every plan's iteration time in the scenario (module docstring)."""
+    costs = range_costs(profile, b, opts.optimizer)
+    m, S, p = num_micro_batches(opts, b), opts.num_stages, opts.pipeline_ranks
+    speeds = rank_speeds(opts)
+    fastest = max(speeds)
+    prefix = costs.F + costs.G + (costs.F if opts.recompute == "all" else 0.0)
+    call = costs.call_forward + costs.call_backward
+    total = float(prefix[-1]) + S * call
+    if opts.virtual_stages == 1:
+        L = profile.num_units
+        work = costs.matrix(prefix) + call
+        forward = costs.matrix(costs.F) + costs.call_forward
+        forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
+        # crossing boundary j at cut position c: both messages' transfers and the cost per message
+        links = boundary_links(opts)
+        crossing = [np.array([costs.message_s(c, link) + costs.message_s(c, link, gradient=True) if 0 < c < L
+                              else np.inf for c in range(L + 1)]) + 2 * opts.message_s for link in links]
+        # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
+        fill = np.zeros((S, L + 1))
+        drain = np.zeros((S, L + 1))
+        for j, times in enumerate(crossing):
+            fill[j + 1:] += np.minimum.accumulate(times)
+            drain[:j + 1] += np.minimum.accumulate(times[::-1])[::-1]
+        fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
+        before = prefix[:, None] / fastest
+        after = (prefix[-1] - prefix)[None, :] / fastest
 
+        def stage(g: int) -> np.ndarray:
+            # the rank's own batches between its first forward and its last backward (every message
+            # but its first receive and its last send) may lie in the wait: the larger counts
+            inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
+            return before + fill[g][:, None] + m * work / speeds[g] + \
+                np.maximum(inside, after + drain[g][None, :] - (m - 1) * forward / speeds[g])
 
-@dataclass
-class _Best:
-    """The best plan found so far: its split, micro-batch size and scenario."""
-
-    split: Split
-    b: int
-    opts: CostOptions
+        value = min_max_partition(profile.num_units, S, stage)[0]
+    else:
+        value = max(m * total / (p * fastest), total / fastest)
+    return value + opts.step_overhead_s
 
 
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
-                     backend: str = "cbc", warm_start: bool = True) -> Optional[Solution]:
-    """Best plan over the scenarios by `method` ('ilp' or 'dp'); None when nothing fits."""
+                     backend: str = "highs", warm_start: bool = True) -> Optional[Solution]:
+    """Best plan over the scenarios by `method` ('ilp': exact with a certificate; 'dp': the fast
+    heuristic alone, with the scenarios' lower bounds as its bound, or the exact search where the
+    heuristic finds no plan that fits); None when nothing fits."""
     started = time.perf_counter()
-    if method == "dp":
-        best = _best_by_dp(profile, scenarios)
-        return None if best is None else _solution(profile, best, best.split.iteration_s, True, started, "dp", "python")
-    candidates = sorted(_candidates(profile, scenarios, warm_start),
-                        key=lambda c: (c.heuristic.iteration_s if c.heuristic else math.inf, c.lower_bound))
-    best: Optional[_Best] = None
-    for c in candidates:
-        if c.heuristic and (best is None or c.heuristic.iteration_s < best.split.iteration_s):
-            best = _Best(c.heuristic, c.b, c.opts)
-    bound, all_optimal, ran_ilp = math.inf, True, False
-    for c in candidates:
-        if c.exact or (best is not None and c.lower_bound >= best.split.iteration_s * (1 - 1e-12)):
-            bound = min(bound, c.lower_bound)
+    items = [_Scenario(opts, b, heuristic_plan(profile, b, opts) if warm_start or method == "dp" else None,
+                       scenario_lower_bound(profile, b, opts))
+             for opts in scenarios for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)]
+    items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
+    best = None  # (Split, _Scenario)
+    for it in items:
+        if it.start is not None and (best is None or it.start.iteration_s < best[0].iteration_s):
+            best = (it.start, it)
+    if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
+        bound = min((it.lower_bound for it in items), default=math.inf)
+        return _solution(profile, best, bound, False, started, "dp", "python")
+    bound, all_proven = math.inf, True
+    for it in items:
+        if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):
+            bound = min(bound, it.lower_bound)
             continue
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
-        incumbent = _incumbent(profile, c, best) if warm_start and best is not None else None
-        ran_ilp = True
-        result = build_and_solve(profile, c.b, c.opts, incumbent, c.floor, c.total, remaining, backend, warm_start)
-        all_optimal = all_optimal and result.optimal
-        if result.boundaries is not None:
-            try:
-                cost = evaluate(profile, result.boundaries, c.b, c.opts, result.recompute)
-            except ValueError:
-                cost = None
-            if cost is not None and cost.feasible and (best is None or cost.iteration_s < best.split.iteration_s):
-                best = _Best(Split(cost.iteration_s, result.boundaries, result.recompute), c.b, c.opts)
-        bound = min(bound, max(result.bound_s, c.lower_bound))
+        outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=OPTIMALITY_GAP / 2,
+                                 target_s=best[0].iteration_s if best is not None and warm_start else None)
+        all_proven = all_proven and outcome.optimal
+        if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
+            best = (outcome.best, it)
+        bound = min(bound, max(outcome.bound_s, it.lower_bound))
     if best is None:
         return None
-    if not ran_ilp:  # every scenario was settled by the exact chain solver or its bound
-        return _solution(profile, best, bound, True, started, "dp", "python")
-    return _solution(profile, best, bound, all_optimal, started, "ilp", backend)
+    return _solution(profile, best, bound, all_proven, started, "ilp", backend)
 
 
-def _best_by_dp(profile: Profile, scenarios: List[CostOptions]) -> Optional[_Best]:
-    best: Optional[_Best] = None
-    for opts in scenarios:
-        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-            found = dp_for_size(profile, b, opts)
-            if found is not None and (best is None or found.iteration_s < best.split.iteration_s):
-                best = _Best(found, b, opts)
-    return best
-
-
-def _incumbent(profile: Profile, c: _Candidate, best: _Best) -> Split:
-    """What a scenario's program starts from: the best value so far, and as the warm start this
-    scenario's own heuristic split (a balanced split when it has none of its shape)."""
-    h = c.heuristic
-    if h is None or len(h.boundaries) != c.opts.num_stages - 1:
-        return Split(best.split.iteration_s, _balanced_split(profile, c.b, c.opts), [])
-    return Split(best.split.iteration_s, h.boundaries, h.recompute)
-
-
-def _solution(profile: Profile, best: _Best, bound: float, solver_optimal: bool, started: float, method: str,
+def _solution(profile: Profile, best, bound: float, proven: bool, started: float, method: str,
               backend: str) -> Solution:
-    iteration, boundaries, redo, b, opts = (best.split.iteration_s, best.split.boundaries, best.split.recompute,
-                                            best.b, best.opts)
-    cost = evaluate(profile, boundaries, b, opts, redo)
+    candidate, it = best
+    cost = evaluate(profile, candidate.boundaries, it.b, it.opts, candidate.recompute)
+    iteration = cost.iteration_s
+    if abs(iteration - candidate.iteration_s) > 1e-9 * max(1.0, iteration):
+        raise AssertionError("the solver's objective differs from the simulation of its plan")
     bound = min(bound, iteration)
     gap = max(0.0, (iteration - bound) / iteration) if iteration > 0 else 0.0
-    if solver_optimal and gap <= OPTIMALITY_GAP:
+    if proven and gap <= OPTIMALITY_GAP:
         bound, gap = iteration, 0.0
     status = "optimal" if gap <= OPTIMALITY_GAP else "feasible"
-    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
-                    cost=cost, status=status, objective=iteration, bound=bound, gap=gap,
-                    seconds=time.perf_counter() - started, method=method, backend=backend,
-                    recompute=list(redo), options=opts)
+    return Solution(boundaries=list(candidate.boundaries), micro_batch_size=it.b,
+                    num_micro_batches=cost.num_micro_batches, cost=cost, status=status, objective=iteration,
+                    bound=bound, gap=gap, seconds=time.perf_counter() - started, method=method, backend=backend,
+                    recompute=list(candidate.recompute), options=it.opts)

@@ -151,7 +151,7 @@ def test_solve_replicate(gpt_profile, tmp_path):
     result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
                       "-o", str(plan_path)])
     assert result.returncode == 0, result.stderr
-    assert "proven optimal" in result.stdout and "[replicas/python" in result.stdout
+    assert ("proven optimal" in result.stdout or "best found, gap" in result.stdout) and "[replicas/python" in result.stdout
     with open(plan_path) as f:
         plan = json.load(f)
     replicas = [st.get("replicas", 1) for st in plan["stages"]]
@@ -276,6 +276,7 @@ BAD_PROFILES = [
     (_set(["shared_parameters", 0, "units"], ["u0", "head"]), "shared_parameters[0].units is [\"u0\", \"head\"]"),
     (_set(["link", "bandwidth_bytes_per_s"], -1e9), "link.bandwidth_bytes_per_s is -1000000000.0"),
     (_set(["link", "latency_s"], -1e-4), "link.latency_s is -0.0001"),
+    (_set(["link", "message_s"], -1e-6), "link.message_s is -1e-06"),
 ]
 
 
@@ -337,7 +338,7 @@ def test_solve_without_highspy_falls_back_to_cbc(tmp_path):
     assert run_cli(["planner.cli", "solve", profile, *problem, "-o", str(with_highs)]).returncode == 0
     result = _without_highspy(["solve", profile, *problem, "-o", str(without)])
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines() == [f"note: highspy cannot be imported here (it comes with pipeplanner: "
+    assert result.stderr.splitlines() == ["note: highspy cannot be imported here (it comes with pipeplanner: "
                                           "reinstall, or pip install highspy), so the integer program runs on CBC, "
                                           "pulp's bundled solver, which is slower"]
     plans = [json.load(open(p)) for p in (with_highs, without)]
@@ -360,3 +361,25 @@ def test_a_plain_install_brings_the_default_solver():
         project = tomllib.load(f)["project"]
     names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]]
     assert "highspy" in names and "pulp" in names  # HiGHS is the default backend: not an extra
+
+
+def test_the_measured_per_message_cost_reaches_the_plan(tmp_path):
+    """A profile's measured link carries `message_s`; the plan charges it on every message (each
+    batch waits that long per operation) unless --message-cost overrides it."""
+    from planner.plan.file import load_plan
+
+    def profile_with_link(data):
+        data["link"] = {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9, "message_s": 2e-4}
+
+    profile = _profile_json(tmp_path, profile_with_link)
+    plans = {}
+    for name, extra in (("measured", []), ("none", ["--message-cost", "0"])):
+        out = tmp_path / f"{name}.json"
+        result = run_cli(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "4", "-o", str(out)]
+                         + extra)
+        assert result.returncode == 0, result.stderr
+        plans[name] = load_plan(str(out))
+    assert plans["measured"].message_s == 2e-4 and plans["none"].message_s == 0.0
+    assert plans["measured"].predicted_iteration_s > plans["none"].predicted_iteration_s
+    bad = run_cli(["planner.cli", "solve", profile, "--message-cost", "-1", "-o", str(tmp_path / "x.json")])
+    assert bad.returncode == 2 and "--message-cost" in bad.stderr

@@ -23,27 +23,41 @@ def test_candidate_sizes_divide_the_global_batch():
 
 
 def test_two_stages_1f1b_by_hand():
+    """The step is the replay of the lists below with blocking batches (a batch's operations complete
+    at max(post, peer's post) + transfer), checked by hand:
+
+        rank 0: 0F0 [send F0] 0F1 [send F1] [recv B0] 0B0 0F2 [send F2, recv B1] 0B1 ... 0B3
+        rank 1: [recv F0] 1F0 [recv F1] 1B0 [send B0] 1F1 1B1 [recv F2, send B1] ... 1B3 [send B3]
+    """
+    from planner.pipeline.schedule import build_schedule
+
     p = three_units()
     opts = CostOptions(pipeline_ranks=2, global_batch=8, bandwidth=1e6, latency=1e-4)
     cost = evaluate(p, [1], 2, opts)  # b = 2, m = 4
     assert cost.num_micro_batches == 4
-    # cut 1 at b=2: 2000 B forward + 2000 B gradient at 1 MB/s, two messages of 0.1 ms
-    c1 = 4000 / 1e6 + 2 * 1e-4
-    assert math.isclose(cut_time(p, 1, 2, opts), c1)
+    assert [" ".join(map(str, actions)) for actions in build_schedule("1f1b", 2, 4)] == [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0F3 0SEND_F3 0RECV_B2 0B2 0RECV_B3 0B3 STEP",
+        "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1RECV_F2 1SEND_B1 1F2 1B2 1RECV_F3 1SEND_B2 1F3 1B3 1SEND_B3 "
+        "STEP"]
+    # cut 1 at b=2: 2000 B each way at 1 MB/s plus 0.1 ms latency per message
+    c = 2000 / 1e6 + 1e-4
+    assert math.isclose(cut_time(p, 1, 2, opts), 2 * c)
     s0, s1 = cost.stages
     assert (s0.first_unit, s0.end_unit, s1.first_unit, s1.end_unit) == (0, 1, 1, 3)
-    assert math.isclose(s0.forward_s, 0.002) and math.isclose(s0.backward_s, 0.004)
-    assert math.isclose(s1.forward_s, 0.010) and math.isclose(s1.backward_s, 0.020)
-    assert math.isclose(s0.comm_s, c1) and math.isclose(s1.comm_s, c1)  # charged to both sides
-    t0, t1 = 0.006 + c1, 0.030 + c1
-    assert math.isclose(s0.time_s, t0) and math.isclose(s1.time_s, t1)
-    iteration = t0 + t1 + 3 * t1
-    assert math.isclose(cost.iteration_s, iteration) and math.isclose(cost.bottleneck_s, t1)
-    assert math.isclose(cost.bubble_fraction, 1 - 4 * (t0 + t1) / (2 * iteration))
-    # memory, SGD: params + grads, plus in-flight activations: stage 0 holds min(2, 4) = 2, stage 1 holds 1
+    f0, b0, f1, b1 = 0.002, 0.004, 0.010, 0.020
+    assert math.isclose(s0.forward_s, f0) and math.isclose(s0.backward_s, b0)
+    assert math.isclose(s1.forward_s, f1) and math.isclose(s1.backward_s, b1)
+    assert math.isclose(s0.comm_s, 2 * c) and math.isclose(s1.comm_s, 2 * c)  # both directions, both sides
+    # rank 1 starts F0 once F0 arrived, receives F1 alone (it was sent while F0 ran), sends B0 alone;
+    # then three rounds of F, B and a batch whose two messages cross at once; rank 0 ends with B3
+    step = (f0 + c) + f1 + c + b1 + c + 3 * (f1 + b1 + c) + b0
+    assert math.isclose(cost.iteration_s, step)
+    assert math.isclose(cost.bubble_fraction, 1 - 4 * (f0 + b0 + f1 + b1) / (2 * step))
+    # memory, SGD: params + grads + the peak of what each list holds. Rank 0 holds two micro-batches'
+    # saved bytes (20 B each at b=2) and B0's received gradient (2000 B); rank 1 a received F1
+    # (2000 B) while F0's saved bytes (40 + 60 B) wait for B0.
     assert (s0.in_flight, s1.in_flight) == (2, 1)
-    assert s0.memory_bytes == 100 * 2 + 2 * 20
-    assert s1.memory_bytes == 500 * 2 + 1 * (40 + 60)
+    assert cost.device_memory == [100 * 2 + 2 * 20 + 2000, 500 * 2 + 2000 + (40 + 60)]
     assert cost.feasible
 
 
@@ -51,10 +65,11 @@ def test_gpipe_holds_every_micro_batch():
     p = three_units()
     cost = evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, schedule="gpipe"))
     assert [s.in_flight for s in cost.stages] == [4, 4]
-    assert [s.memory_bytes for s in cost.stages] == [200 + 4 * 20, 1000 + 4 * 100]
-    # iteration formula is the same for both schedules
-    c = evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8)).iteration_s
-    assert math.isclose(cost.iteration_s, c)
+    # rank 0: 4 micro-batches + a received gradient; rank 1: the larger of 3 micro-batches + the
+    # received fourth input, and 4 micro-batches
+    assert cost.device_memory == [200 + 4 * 20 + 2000, 1000 + max(3 * 100 + 2000, 4 * 100)]
+    one_f_one_b = evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8))
+    assert cost.device_memory[0] > one_f_one_b.device_memory[0]
 
 
 def test_in_flight_capped_by_micro_batches_and_adam_state():
@@ -63,18 +78,19 @@ def test_in_flight_capped_by_micro_batches_and_adam_state():
     cost = evaluate(p, [1, 2], 2, opts)  # m = 1
     assert [s.in_flight for s in cost.stages] == [1, 1, 1]
     assert cost.stages[0].optimizer_bytes == 200
-    assert cost.stages[0].memory_bytes == 100 * 4 + 20
-    assert cost.stages[2].memory_bytes == 300 * 4 + 60
-    # m = 1: iteration = sum of stage times, no bubble term
-    assert math.isclose(cost.iteration_s, sum(s.time_s for s in cost.stages))
+    # a received activation is held until its forward consumes it, a received gradient until backward
+    assert cost.device_memory == [100 * 4 + 20 + 2000, 200 * 4 + 40 + 4000, 300 * 4 + max(4000, 60)]
+    # m = 1: iteration = every compute and every message once, nothing overlaps
+    work = sum(s.forward_s + s.backward_s for s in cost.stages)
+    assert math.isclose(cost.iteration_s, work + cut_time(p, 1, 2, opts) + cut_time(p, 2, 2, opts))
     opts = CostOptions(pipeline_ranks=3, global_batch=16)
     assert [s.in_flight for s in evaluate(p, [1, 2], 1, opts).stages] == [3, 2, 1]
 
 
 def test_memory_cap_is_inclusive():
     p = three_units()
-    assert evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=1100)).feasible
-    assert not evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=1099)).feasible
+    assert evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=3100)).feasible
+    assert not evaluate(p, [1], 2, CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=3099)).feasible
 
 
 def test_latency_counts_messages():

@@ -1,4 +1,4 @@
-"""Simulator vs the solver's closed form, predicted vs measured, and calibration."""
+"""The simulation as the prediction, predicted vs measured, and calibration."""
 import json
 import random
 
@@ -25,31 +25,42 @@ def _plan(times, m, schedule, b=1):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_simulation_and_closed_form(seed):
+def test_prediction_is_the_simulation_and_meets_the_closed_forms_where_they_are_exact(seed):
     rng = random.Random(seed)
     p, m = rng.randint(1, 6), rng.randint(1, 10)
     times = [rng.uniform(0.5, 2.0) for _ in range(p)]
+    closed = lambda ts: sum(3 * t for t in ts) + (m - 1) * max(3 * t for t in ts)
     gpipe = _plan(times, m, "gpipe")
-    # GPipe: the closed form sum_s T_s + (m - 1) max_s T_s is exact (a flow shop of identical jobs)
-    assert simulate_plan(gpipe).iteration_s == pytest.approx(gpipe.predicted_iteration_s, rel=1e-9)
-    # 1F1B: the closed form is an upper bound of the simulated schedule, exact for equal stages
+    assert simulate_plan(gpipe).iteration_s == pytest.approx(gpipe.predicted_iteration_s, rel=1e-12)
+    # GPipe with free messages: the flow shop of identical jobs, sum_s T_s + (m - 1) max_s T_s
+    assert gpipe.predicted_iteration_s == pytest.approx(closed(times), rel=1e-9)
+    # 1F1B: never slower than GPipe here, and the same for equal stages
     one = _plan(times, m, "1f1b")
-    assert simulate_plan(one).iteration_s <= one.predicted_iteration_s * (1 + 1e-9)
+    assert simulate_plan(one).iteration_s == pytest.approx(one.predicted_iteration_s, rel=1e-12)
+    assert one.predicted_iteration_s <= closed(times) * (1 + 1e-9)
     equal = _plan([times[0]] * p, m, "1f1b")
-    assert simulate_plan(equal).iteration_s == pytest.approx(equal.predicted_iteration_s, rel=1e-9)
+    assert equal.predicted_iteration_s == pytest.approx(closed([times[0]] * p), rel=1e-9)
 
 
-def test_the_optimizer_step_is_charged_once_per_iteration_by_model_and_simulation():
-    profile = synthetic_profile(forward=[{1: 1.0}, {1: 2.0}], backward=[{1: 2.0}, {1: 4.0}], params=[0, 0],
-                                saved=[{1: 0}] * 2, cut_act=[{1: 0}], sizes=(1,))
+def test_each_rank_steps_its_own_units_at_the_end_of_its_list():
+    def two_units(steps):
+        profile = synthetic_profile(forward=[{1: 1.0}, {1: 2.0}], backward=[{1: 2.0}, {1: 4.0}], params=[10, 10],
+                                    saved=[{1: 0}] * 2, cut_act=[{1: 0}], sizes=(1,))
+        for unit, step in zip(profile.units, steps):
+            unit.optimizer_s = {"sgd": step}
+        return profile
+
     base = CostOptions(pipeline_ranks=2, global_batch=4, schedule="gpipe")
-    plain = evaluate(profile, [1], 1, base).iteration_s
-    charged = evaluate(profile, [1], 1, base.with_(optimizer_step_total_s=0.5, step_overhead_s=0.1)).iteration_s
-    assert charged == pytest.approx(plain + 0.5 / 2 + 0.1)  # the average rank's step, sum_l o_l / p
-    solution = solve(profile, base.with_(optimizer_step_total_s=0.5), method="ilp")
-    assert solution.objective == pytest.approx(plain + 0.25)
-    plan = make_plan(profile, solution, base.with_(optimizer_step_total_s=0.5), "p.json")
-    assert plan.per_step_s == pytest.approx(0.25)
+    plain = evaluate(two_units([0.0, 0.0]), [1], 1, base).iteration_s
+    profile = two_units([0.2, 0.3])
+    # rank 0 ends the step (its last backward comes after rank 1's): its own 0.2 s step is on the
+    # path; rank 1's 0.3 s step runs while rank 0 still computes
+    charged = evaluate(profile, [1], 1, base.with_(step_overhead_s=0.1))
+    assert charged.iteration_s == pytest.approx(plain + 0.2 + 0.1)
+    assert charged.durations[("step", 0)] == pytest.approx(0.2) and charged.durations[("step", 1)] == 0.3
+    solution = solve(profile, base, method="ilp")
+    assert solution.objective == pytest.approx(plain + 0.2)
+    plan = make_plan(profile, solution, base, "p.json")
     assert simulate_plan(plan).iteration_s == pytest.approx(plan.predicted_iteration_s, rel=1e-9)
 
 
@@ -215,7 +226,8 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     save_profile(profile, profile_path)
     save_plan(plan, plan_path)
     report_path = str(tmp_path / "report.json")
-    assert report_of(tmp_path)["link"]["bandwidth_bytes_per_s"] > 0
+    link = report_of(tmp_path)["link"]  # None when a loaded host's ping-pong times did not grow with size
+    assert link is None or link["bandwidth_bytes_per_s"] > 0
     checked = run_cli(["planner.cli", "check", plan_path, report_path])
     assert checked.returncode == 0, checked.stderr
     assert "iteration: measured" in checked.stdout

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from planner.cost.model import profiled_optimizer_step_s
+from planner.cost.ranges import range_costs
 from planner.profile.corunners import CoRunners
 from planner.profile.link import fit_link, measure_link
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
@@ -52,6 +52,19 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     assert all(t > 0 for _, t in link["samples"])
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0
     assert link["backend"] == "gloo" and link["repeats"] == 3
+    # batches of 1 and 8 tiny messages each way: the per-operation cost of a batch
+    assert [k for k, _ in link["batches"]] == [1, 8] and all(t > 0 for _, t in link["batches"])
+    assert link["message_s"] >= 0
+
+
+def test_the_per_message_cost_is_the_slope_of_batch_time():
+    from planner.profile.link import fit_message_cost
+
+    # 1 message each way (2 operations per side) in 100 us, 8 each way (16) in 240 us: 10 us each
+    assert fit_message_cost([[1, 100e-6], [8, 240e-6]]) == pytest.approx(10e-6)
+    assert fit_message_cost([[8, 90e-6], [1, 100e-6]]) == 0.0  # noise never makes it negative
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_message_cost([[4, 1e-4], [4, 2e-4]])
 
 
 # --- round-robin unit timing -----------------------------------------------------------------
@@ -112,7 +125,8 @@ def test_profile_with_a_co_runner_records_its_conditions():
             if unit.param_bytes else unit.optimizer_s == {}
     assert [u.optimizer_s for u in again.units] == [u.optimizer_s for u in shared.units]
     total = sum(u.optimizer_s.get("adamw", 0.0) for u in shared.units)
-    assert profiled_optimizer_step_s(again, "adam") == pytest.approx(total) and total > 0
+    # what the cost model charges for one rank holding every unit
+    assert range_costs(again, 2, "adam").step(0, again.num_units) == pytest.approx(total) and total > 0
 
 
 def test_split_call_overhead_recovers_a_per_call_cost():
@@ -241,8 +255,12 @@ def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_l
                                 cut_act=[{1: 8}], sizes=(1,))
     assert solve_link(profile)[:3] == (5e9, 0.0, 0.0)  # nothing measured: the defaults
     profile.extra["link"] = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9}
-    bandwidth, latency, _, note = solve_link(profile)
+    bandwidth, latency, _, note, _ = solve_link(profile)
     assert (bandwidth, latency) == (2e9, 1e-4) and "measured link" in note
     profile.extra["calibration"] = {"latency_s": 5e-4, "bandwidth_bytes_per_s": 1e9, "step_overhead_s": 0.002}
     assert solve_link(profile)[:3] == (1e9, 5e-4, 0.002)  # a run's calibration beats the ping-pong
     assert solve_link(profile, 3e9, 0.0)[:2] == (3e9, 0.0)  # the user's options beat both
+    assert solve_link(profile).message_s == 0.0
+    profile.extra["link"]["message_s"] = 3e-5
+    assert solve_link(profile).message_s == 3e-5 and "per message" in solve_link(profile).note
+    assert solve_link(profile, message_s=1e-6).message_s == 1e-6

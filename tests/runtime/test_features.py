@@ -17,13 +17,12 @@ def _gpt_plan(cuts, b=2, g=8, schedule="1f1b"):
     return plan_with(profile_of("builtin:gpt", {"layers": 6}), cuts, b, g, schedule)
 
 
-@pytest.mark.parametrize("schedule, ahead", [("interleaved", "0"), ("bfs", "7")])
-def test_multi_stage_schedules(tmp_path, schedule, ahead):
+@pytest.mark.parametrize("schedule", ["interleaved", "bfs"])
+def test_multi_stage_schedules(tmp_path, schedule):
     # 4 stages on 2 ranks, looping placement: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3;
-    # each rank receives both directions from the same peer: receives posted when needed, or
-    # 7 ahead (other tests run the default, 2)
+    # each rank receives both directions from the same peer, in batches
     plan = reshape_plan(_gpt_plan([2, 5, 7], b=2, g=8), virtual_stages=2, schedule=schedule)
-    state = execute(plan, tmp_path, extra=["--recv-ahead", ahead])
+    state = execute(plan, tmp_path)
     assert max_abs_diff(state, reference_state(plan)) <= 1e-5
     assert [s["chunks"] for s in report_of(tmp_path)["stages"]] == [[0, 2], [1, 3]]
 
@@ -194,3 +193,24 @@ def test_show_prints_checked_lists_and_bad_plans_fail_before_starting(tmp_path):
             result = run_cli(command)
             assert result.returncode == 2, (command, result.stdout, result.stderr)
             assert "Traceback" not in result.stderr and "error:" in result.stderr
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "bfs"])
+def test_stages_on_one_rank_hand_over_in_memory(tmp_path, schedule):
+    # 3 stages on one rank: no messages; each forward takes the previous stage's outputs, each
+    # backward the gradients the next stage's backward left
+    plan = reshape_plan(_gpt_plan([2, 5]), virtual_stages=3, schedule=schedule)
+    state = execute(plan, tmp_path)
+    assert max_abs_diff(state, reference_state(plan)) <= 1e-5
+
+
+def test_resume_with_dropout_is_exact(tmp_path):
+    # the random generators are part of the checkpoint: the masks after resuming are the uninterrupted run's
+    plan = plan_with(profile_of("tests.models:dropout_mlp", sizes=(2,)), [2], 2, 8, "1f1b")
+    straight = execute(plan, tmp_path / "a", steps=4)
+    straight_losses = [s["loss"] for s in report_of(tmp_path / "a")["steps"]]
+    ckpt = str(tmp_path / "ckpt")
+    execute(plan, tmp_path / "b", steps=2, extra=["--checkpoint-dir", ckpt, "--checkpoint-every", "2"])
+    resumed = execute(plan, tmp_path / "c", steps=4, extra=["--checkpoint-dir", ckpt, "--resume"])
+    assert [s["loss"] for s in report_of(tmp_path / "c")["steps"]] == straight_losses[2:]
+    assert max_abs_diff(resumed, straight) == 0

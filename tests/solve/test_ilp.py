@@ -45,7 +45,10 @@ def problems(draw, max_units=7, max_stages=4):
     optimizer = draw(st.sampled_from(["sgd", "adamw"]))
     base = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([8, 16])), schedule=schedule,
                        bandwidth=rng.choice([1e8, 1e9, 1e10]), latency=rng.choice([0.0, 1e-4]),
-                       optimizer=optimizer, optimizer_step_total_s=rng.choice([0.0, 3e-3]))
+                       optimizer=optimizer, message_s=rng.choice([0.0, 5e-5]))
+    step = rng.choice([0.0, 3e-3])
+    for unit in profile.units:  # the optimizer step at the end of each rank's list
+        unit.optimizer_s = {"sgd": step / L, "adamw": 2 * step / L}
     # cap between the memory floor (t = 0) and the peak of the unconstrained optimum (t = 1):
     # t < 0 is infeasible, 0 <= t < 1 usually binds, None is no cap
     t = draw(st.one_of(st.none(), st.floats(-0.1, 1.1)))
@@ -53,7 +56,7 @@ def problems(draw, max_units=7, max_stages=4):
         return profile, base
     floor = min_memory_plan(profile, base).memory_bytes
     free = solve_brute(profile, base)
-    peak = max(s.memory_bytes for s in free.cost.stages)
+    peak = max(free.cost.device_memory)
     return profile, CostOptions(**{**base.__dict__, "memory_cap": max(1.0, floor + t * (peak - floor))})
 
 
@@ -100,7 +103,7 @@ def brute_memory_floor(profile, opts):
     for boundaries in itertools.combinations(range(1, profile.num_units), opts.pipeline_ranks - 1):
         for b in candidate_micro_batch_sizes(profile, opts.global_batch):
             cost = evaluate(profile, list(boundaries), b, opts)
-            best = min(best, max(s.memory_bytes for s in cost.stages))
+            best = min(best, max(cost.device_memory))
     return best
 
 
@@ -112,7 +115,7 @@ def test_infeasible_diagnosis_is_tight(problem):
     assert min_memory_plan(profile, opts).memory_bytes == floor
     tight = CostOptions(**{**opts.__dict__, "memory_cap": floor})
     solved = solve(profile, tight)
-    assert max(s.memory_bytes for s in solved.cost.stages) <= floor
+    assert max(solved.cost.device_memory) <= floor
     short = CostOptions(**{**opts.__dict__, "memory_cap": floor * 0.999})
     assert solve_brute(profile, short) is None
     with pytest.raises(InfeasibleError) as info:

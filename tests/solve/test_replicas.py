@@ -1,5 +1,5 @@
-"""Replicated stages: the cost model by hand and against an event simulation of the runtime's
-schedule contract, the exact solver against brute force, and what it refuses."""
+"""Replicated stages: the cost model by hand and against the simulation of the runtime's lists, the
+solver against brute force (its plan's time is simulated, its bound must hold), and what it refuses."""
 import math
 import random
 
@@ -7,16 +7,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost.model import evaluate, in_flight
+from planner.cost.model import evaluate
 from planner.cost.options import CostOptions
-from planner.cost.replicas import replica_in_flight, replicated_plan_cost
+from planner.fidelity.simulation import simulate_plan
 from planner.pipeline import schedule as sched
-from planner.pipeline.simulate import simulate
 from planner.plan.make import make_plan
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute, solve_brute_replicated
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
+from planner.solve.solution import Solution
 from tests.support.synthetic import synthetic_profile
 
 
@@ -25,30 +25,43 @@ def three_units():
                              saved=[10, 20, 30], cut_act=[1000, 2000], sizes=(1, 2, 4, 8))
 
 
+def _plan(profile, boundaries, b, opts):
+    cost = evaluate(profile, boundaries, b, opts)
+    solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+                        cost=cost, status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0,
+                        seconds=0.0, method="fixed", backend="none", options=opts)
+    return cost, make_plan(profile, solution, opts, "")
+
+
 def test_replicated_stage_by_hand():
     p = three_units()
     opts = CostOptions(pipeline_ranks=4, global_batch=8, bandwidth=1e6, dp_bandwidth=1e5, replicas=(1, 2, 1))
-    cost = evaluate(p, [1, 2], 1, opts)  # b = 1, m = 8
+    cost, plan = _plan(p, [1, 2], 1, opts)  # b = 1, m = 8
     t = [0.003 + 2000 / 1e6, 0.030 + 2000 / 1e6 + 4000 / 1e6, 0.003 + 4000 / 1e6]
     assert [st.time_s for st in cost.stages] == pytest.approx(t)
     assert [st.device for st in cost.stages] == [0, 1, 3] and [st.replicas for st in cost.stages] == [1, 2, 1]
     # 1f1b warm-up w_2 = r_2 - 1 = 0, w_g = w_{g+1} + max(r_g, r_{g+1}): 2, 4;
     # held ceil(min(w + 1, m) / r) = 5, ceil(3 / 2) = 2, 1
     assert [st.in_flight for st in cost.stages] == [5, 2, 1]
-    assert cost.device_memory == [200 + 5 * 10, 400 + 2 * 20, 400 + 2 * 20, 600 + 30]
+    # what each list holds at its fullest (1 kB / 2 kB cross the cuts at b = 1): device 0 five
+    # micro-batches and a received gradient; device 1 a received input, two micro-batches and a
+    # received gradient; device 2 two micro-batches and a gradient; the last device three inputs
+    # received from both replicas before its forward uses them
+    assert cost.device_memory == [200 + 5 * 10 + 1000, 400 + 1000 + 2 * 20 + 2000, 400 + 2 * 20 + 2000,
+                                  600 + 3 * 2000]
     assert cost.pipeline_ranks == 4
     # stage 1's gradients: a ring over its 2 replicas, 2 (1/2) 200 B / 1e5 B/s
     assert cost.stages[1].extra_s == pytest.approx(200 / 1e5) and cost.stages[0].extra_s == 0.0
-    # n = ceil(8 / r) = 8, 4, 8 micro-batches per device
-    pipeline = sum(t) + max(7 * t[0], 3 * t[1], 7 * t[2])
-    assert cost.iteration_s == pytest.approx(pipeline + 200 / 1e5)
+    assert cost.iteration_s == pytest.approx(simulate_plan(plan).iteration_s, rel=1e-12)
+    # every device runs its share of micro-batches: the step is at least the busiest device's work
+    assert cost.iteration_s >= max(8 * t[0], 4 * t[1], 8 * t[2])
     gpipe = evaluate(p, [1, 2], 1, opts.with_(schedule="gpipe"))
     assert [st.in_flight for st in gpipe.stages] == [8, 4, 8]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_formula_with_every_r_1_is_the_unreplicated_model(schedule, m):
+def test_every_r_1_is_the_unreplicated_plan(schedule, m):
     rng = random.Random(m)
     L = 5
     p = synthetic_profile([rng.uniform(1e-3, 1e-2) for _ in range(L)], [rng.uniform(1e-3, 2e-2) for _ in range(L)],
@@ -56,42 +69,26 @@ def test_formula_with_every_r_1_is_the_unreplicated_model(schedule, m):
                           [rng.randint(0, 5000) for _ in range(L - 1)], sizes=(1,))
     opts = CostOptions(pipeline_ranks=4, global_batch=m, schedule=schedule, data_parallel=1, bandwidth=1e6)
     plain = evaluate(p, [1, 2, 4], 1, opts)
-    replicated = replicated_plan_cost(plain.stages, 1, m, opts, None)
-    assert replicated.iteration_s == pytest.approx(plain.iteration_s, rel=1e-14)
-    assert replicated.bubble_fraction == pytest.approx(plain.bubble_fraction, rel=1e-12)
-    assert [replica_in_flight(g, [1] * 4, m, schedule) for g in range(4)] == \
-        [in_flight(g, 4, m, schedule) for g in range(4)]
-
-
-def simulated_pipeline_s(profile, boundaries, b, opts):
-    """(closed-form pipeline time, simulated step time, held counts per stage (its busiest replica
-    device) in the simulated lists and in the model)."""
-    cost = evaluate(profile, boundaries, b, opts)
-    from planner.solve.solution import Solution
-    solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
-                        cost=cost, status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0,
-                        seconds=0.0, method="fixed", backend="none", options=opts)
-    plan = make_plan(profile, solution, opts, "")
-    reps = list(opts.replicas) or [1] * opts.num_stages
-    lists = sched.replicated(opts.schedule, reps, cost.num_micro_batches)  # what the runtime runs
-    total, _ = simulate(lists, plan.stage_costs())
-    devices = [sched.max_in_flight(lst) for lst in lists]
-    offsets = [st.device for st in cost.stages]
-    held = [max(devices[o:o + st.replicas]) for o, st in zip(offsets, cost.stages)]  # the busiest replica
-    return cost.iteration_s - cost.extra_s, total, held, [st.in_flight for st in cost.stages]
+    ones = evaluate(p, [1, 2, 4], 1, opts.with_(replicas=(1, 1, 1, 1)))
+    assert ones.iteration_s == pytest.approx(plain.iteration_s, rel=1e-14)
+    assert ones.device_memory == pytest.approx(plain.device_memory, rel=1e-14)
+    assert [[str(a) for a in actions] for actions in sched.build_schedule(schedule, 4, m, stage_replicas=[1] * 4)] == \
+        [[str(a) for a in actions] for actions in sched.build_schedule(schedule, 4, m)]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("replicas,bounds,m", [((1, 2, 1), [1, 2], 8), ((2, 1), [2], 6), ((1, 3), [1], 7),
                                                ((3,), [], 5), ((1, 1, 1), [1, 2], 4), ((2, 2), [1], 8)])
-def test_closed_form_against_event_simulation(schedule, replicas, bounds, m):
+def test_prediction_is_the_simulation_and_held_counts_the_lists(schedule, replicas, bounds, m):
     p = three_units()
     opts = CostOptions(pipeline_ranks=sum(replicas), global_batch=m, schedule=schedule, bandwidth=1e8,
                        replicas=replicas if max(replicas) > 1 else ())
-    closed, simulated, held, model = simulated_pipeline_s(p, bounds, 1, opts)
-    assert held == model  # the memory model holds what the schedule holds on each stage's busiest replica
-    # the closed form charges both transfers to both stages and assumes a steady bottleneck; within 15 %
-    assert simulated == pytest.approx(closed, rel=0.15)
+    cost, plan = _plan(p, bounds, 1, opts)
+    assert cost.iteration_s == pytest.approx(simulate_plan(plan).iteration_s, rel=1e-12)
+    lists = sched.build_schedule(schedule, len(replicas), m, stage_replicas=list(replicas))  # what runs
+    devices = [sched.max_in_flight(lst) for lst in lists]
+    held = [max(devices[st.device:st.device + st.replicas]) for st in cost.stages]  # the busiest replica
+    assert held == [st.in_flight for st in cost.stages]
 
 
 @st.composite
@@ -110,7 +107,7 @@ def problems(draw):
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), data_parallel=draw(st.sampled_from([1, 2])),
                        dp_bandwidth=rng.choice([None, 1e8]), recompute=draw(st.sampled_from(["none", "all", "auto"])),
-                       step_overhead_s=rng.choice([0.0, 1e-3]), optimizer_step_total_s=rng.choice([0.0, 2e-3]))
+                       step_overhead_s=rng.choice([0.0, 1e-3]), message_s=rng.choice([0.0, 5e-5]))
     if draw(st.booleans()):
         opts = opts.with_(memory_cap=rng.uniform(5e6, 6e7))
     return profile, opts
@@ -125,13 +122,18 @@ def test_solver_equals_brute_force(problem):
         with pytest.raises(InfeasibleError):
             solve_replicated(profile, opts)
         return
-    found = solve_replicated(profile, opts)
-    if found.status == "optimal":  # always, except under a cap (recompute auto, 1f1b's held counts)
-        assert found.objective == pytest.approx(oracle.objective, rel=1e-9) and found.gap == 0.0
-    else:  # when the upper and lower tables' bounds differ
-        assert opts.memory_cap is not None and (opts.recompute == "auto" or opts.schedule == "1f1b")
-        assert found.bound <= oracle.objective * (1 + 1e-9) <= found.objective * (1 + 2e-9)
-        assert found.gap == pytest.approx((found.objective - found.bound) / found.objective)
+    try:
+        found = solve_replicated(profile, opts)
+    except InfeasibleError as error:  # the search bounds received buffers from above: it may miss a tight fit
+        assert opts.memory_cap is not None and "found no plan" in str(error)
+        return
+    # the plan optimises the fill-drain form and reports its simulated time: never better than the
+    # oracle, never worse than the exact one-stage-per-device plan, and the busy-time bound holds
+    assert found.objective >= oracle.objective * (1 - 1e-9)
+    if opts.pipeline_ranks <= profile.num_units:
+        assert found.objective <= solve(profile, opts).objective * (1 + 1e-9)
+    assert found.bound <= oracle.objective * (1 + 1e-9)
+    assert found.gap == pytest.approx((found.objective - found.bound) / found.objective) or found.gap == 0.0
     cost = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
     assert cost.feasible and cost.iteration_s == pytest.approx(found.objective, rel=1e-12)
     assert cost.pipeline_ranks == opts.pipeline_ranks
@@ -180,7 +182,7 @@ def test_auto_recomputation_under_a_cap():
     oracle = solve_brute_replicated(p, opts)
     assert found.cost.feasible and found.recompute == [1] == oracle.recompute
     assert found.objective == pytest.approx(oracle.objective, rel=1e-12)  # the plan is the optimum here,
-    assert found.status == "feasible" and 0 < found.gap < 0.05  # but the fractional bound cannot prove it
+    assert found.status == "feasible" and found.gap > 0  # but the busy-time bound cannot prove it
     assert found.bound <= oracle.objective
 
 
@@ -202,32 +204,20 @@ def test_infeasible_says_the_least_memory():
     assert math.isfinite(fits.objective)
 
 
-def test_in_flight_is_what_the_runtime_lists_hold():
-    from itertools import product
-    for schedule, m in product(("1f1b", "gpipe"), range(1, 9)):
-        for S in range(1, 4):
-            for replicas in product(range(1, 4), repeat=S):
-                if max(replicas) > m:
-                    continue
-                lists = sched.replicated(schedule, replicas, m)
-                for g, r in enumerate(replicas):
-                    offset = sum(replicas[:g])
-                    peak = max(sched.max_in_flight(lists[offset + j]) for j in range(r))
-                    assert peak == replica_in_flight(g, replicas, m, schedule), (schedule, m, replicas, g)
-
-
 def test_1f1b_does_not_serialise_a_wide_stage_behind_a_narrow_one():
     """VGG-16's shape (a light input stage, six replicas of the convolutions, a light head). With
-    the warm-up w_g = sum_{h>=g} r_h - 1 the filtered 1f1b order ran close to twice the closed form
-    (VGG-16 on 8 devices: 2.10 s closed form, 4.05 s simulated); the runtime's rule
-    w_g = w_{g+1} + max(r_g, r_{g+1}) keeps both schedules at the closed form."""
+    the warm-up w_g = sum_{h>=g} r_h - 1 the filtered 1f1b order ran close to twice the fill-drain
+    form; the runtime's rule w_g = w_{g+1} + max(r_g, r_{g+1}) keeps both well below that."""
     p = synthetic_profile(forward=[1e-4, 0.100, 0.005], backward=[2e-4, 0.200, 0.010], params=[0, 0, 0],
                           saved=[1, 1, 1], cut_act=[1000, 1000], sizes=(1,))
     for schedule in ("gpipe", "1f1b"):
         opts = CostOptions(pipeline_ranks=8, global_batch=16, schedule=schedule, bandwidth=1e9, replicas=(1, 6, 1))
-        closed, simulated, held, model = simulated_pipeline_s(p, [1, 2], 1, opts)
-        assert held == model
-        assert simulated == pytest.approx(closed, rel=0.08), schedule
+        cost, _ = _plan(p, [1, 2], 1, opts)
+        t = [st.time_s for st in cost.stages]
+        fill_drain = sum(t) + max((math.ceil(16 / r) - 1) * x for r, x in zip((1, 6, 1), t))
+        # gpipe stays near it; 1f1b's blocking batches (a replica posts its next receive only after
+        # its previous compute) cost it more, but far from the 2x of a serialised order
+        assert cost.iteration_s <= fill_drain * (1.08 if schedule == "gpipe" else 1.5), schedule
 
 
 def test_devices_choose_the_data_parallel_degree_too():

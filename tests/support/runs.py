@@ -19,7 +19,7 @@ from planner.plan.file import Plan, save_plan
 from planner.plan.make import plan_for_split
 from planner.profile.measure import profile_model
 from planner.profile.profile import Profile
-from runtime.engine import split_micro_batches
+from runtime.microbatch import split_micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
@@ -89,7 +89,8 @@ def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, sc
 
 def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
                     losses: Optional[List[float]] = None, first_step: int = 0,
-                    buffers_of_replica: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                    buffers_of_replica: Optional[int] = None, init_state: Optional[str] = None,
+                    training: Optional[Dict[str, object]] = None) -> Dict[str, torch.Tensor]:
     """Single-process training on the same micro-batches: the ground truth, parameters and buffers.
     All d·m micro-batches of a step (the replicas' slices in order) contribute loss / (d·m) to one
     accumulated gradient. With `buffers_of_replica` = r, only replica r's micro-batches update the
@@ -97,8 +98,21 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
     torch.set_num_threads(1)
     model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+    if init_state is not None:  # a state_dict file (torch.save)
+        spec.module.load_state_dict(torch.load(init_state, weights_only=True))
     params = list(spec.module.parameters())
-    opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    # `training`: runtime.options.TrainOptions fields (momentum, weight_decay, betas, schedule,
+    # warmup_steps, min_lr, clip_grad_norm, precision), applied with torch's own tools
+    from runtime.options import TrainOptions
+    from runtime.training import lr_at
+
+    options = TrainOptions(optimizer=optimizer, lr=lr, total_steps=steps, **(training or {}))
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=options.decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.decay)
+    autocast = (torch.autocast("cpu", dtype=options.autocast_dtype) if options.autocast_dtype is not None
+                else contextlib.nullcontext())
     g, b = plan.global_batch, plan.micro_batch_size
     m = g // b
     for step in range(steps):
@@ -110,7 +124,8 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
         for i in range(m):
             other = buffers_of_replica is not None and i // per_replica != buffers_of_replica
             kept = [(t, t.detach().clone()) for t in spec.module.buffers()] if other else []
-            loss = spec.loss(call_model(spec.module, micro_inputs[i]), micro_targets[i]) / m
+            with autocast:
+                loss = spec.loss(call_model(spec.module, micro_inputs[i]), micro_targets[i]) / m
             loss.backward()
             total += float(loss.detach()) * m
             with torch.no_grad():
@@ -118,6 +133,10 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
                     t.copy_(value)
         if losses is not None:
             losses.append(total / m)
+        if options.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, options.clip_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(options, first_step + step)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in spec.module.state_dict().items()}

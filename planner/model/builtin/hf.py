@@ -3,8 +3,9 @@
 The model is built from its config class with random weights (nothing is downloaded):
 every `--model-arg` except the batch arguments below overrides a config field
 (`num_hidden_layers=4`, `hidden_size=256`, `tie_word_embeddings=True` ...). Caching and
-dropout are switched off and attention is "eager", so a pipeline trains exactly like one
-process. Batches are synthetic token ids; the loss is the family's usual one, from logits:
+dropout are switched off, so a pipeline trains exactly like one process. Attention is the
+implementation Hugging Face picks by default: "sdpa" where the class supports it, else "eager";
+`--model-arg attn_implementation=eager` chooses (profiles record it as `attention`). Batches are synthetic token ids; the loss is the family's usual one, from logits:
 
 - causal LM (`...ForCausalLM`, `...LMHeadModel`): next-token cross-entropy (shifted);
 - masked LM (`...ForMaskedLM`): cross-entropy on a deterministic ~1/7 of the positions,
@@ -66,18 +67,29 @@ def _sub_configs(config) -> list:
     return [config] + [c for sub in nested for c in _sub_configs(sub)]
 
 
-def make_config(cls, overrides: Dict[str, Any]):
+def default_attention(cls) -> str:
+    """Hugging Face's own default: sdpa where the class supports it, else eager."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
-    no dropout, eager attention (in nested configs too)."""
-    config = cls.config_class()
-    unknown = []
+    no dropout, `attention` (default: `default_attention`; in nested configs too)."""
+    defaults = cls.config_class()
+    top = {key: value for key, value in overrides.items() if "__" not in key}
+    unknown = [key for key in top if not hasattr(defaults, key)]
+    # top-level fields go to the constructor, which derives the fields that depend on them
+    # (Llama's head_dim from hidden_size / num_attention_heads): set afterwards they would go stale
+    config = cls.config_class(**top) if not unknown else defaults
     for key, value in overrides.items():
         target, _, field = key.rpartition("__")
-        owner = getattr(config, target, None) if target else config
-        if owner is None or not hasattr(owner, field or key):
+        if not target:
+            continue
+        owner = getattr(config, target, None)
+        if owner is None or not hasattr(owner, field):
             unknown.append(key)
             continue
-        setattr(owner, field or key, value)
+        setattr(owner, field, value)
     if unknown:
         raise ModelEntryError(f"hf:{cls.__name__}: {cls.config_class.__name__} has no field(s) {', '.join(unknown)}; "
                               "batch arguments are seq_len and target_len, nested fields are SUBCONFIG__FIELD")
@@ -86,7 +98,7 @@ def make_config(cls, overrides: Dict[str, Any]):
         for key, value in part.to_dict().items():
             if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
                 setattr(part, key, 0.0)
-        part._attn_implementation = "eager"
+        part._attn_implementation = attention or default_attention(cls)
     return config
 
 
@@ -107,8 +119,11 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
     cls = _model_class(name)
     family = _family(name)
 
-    def build(seq_len: int = 16, target_len: int = 0, **overrides: Any) -> ModelSpec:
-        config = make_config(cls, overrides)
+    def build(seq_len: int = 16, target_len: int = 0, attn_implementation: str = "", **overrides: Any) -> ModelSpec:
+        if attn_implementation not in ("", "eager", "sdpa"):
+            raise ModelEntryError(f"hf:{name}: attn_implementation {attn_implementation!r} is not one this runtime "
+                                  "runs on any device; use eager or sdpa")
+        config = make_config(cls, overrides, attn_implementation)
         kind = "image-text" if family == "seq2seq" and _image_text(config) else family
         if kind == "image-text":  # the image token: the text vocabulary's last id, never drawn as text
             config.image_token_id = int(config.text_config.vocab_size) - 1

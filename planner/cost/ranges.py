@@ -1,0 +1,112 @@
+"""What a range of units costs: the one place stage costs come from (the cost model and every solver).
+
+For a micro-batch size b, with L units and prefix sums over them, a stage holding units [a, e)
+run at speed sigma costs per micro-batch
+
+    forward(a, e)  = (k^f + sum_{a<=l<e} f_l) / sigma
+    backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
+    saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
+    params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
+    step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
+
+(k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l, in_0 = 0;
+o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
+bytes of gradients backward; a message of n bytes over a link (bandwidth, latency) takes
+latency + n / bandwidth. Arrays are numpy so that solvers read whole matrices at once.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Tuple
+
+import numpy as np
+
+from planner.profile.profile import Profile
+
+
+def prefix_sums(values) -> np.ndarray:
+    """[0, v_0, v_0 + v_1, ...]: the sum over units [a, e) is prefix[e] - prefix[a]."""
+    return np.concatenate([[0.0], np.cumsum(np.asarray(list(values), dtype=float))])
+
+
+def range_matrix(prefix: np.ndarray) -> np.ndarray:
+    """M[a, e] = prefix[e] - prefix[a] for every range a < e (+inf elsewhere)."""
+    n = prefix.shape[0]
+    out = prefix[None, :] - prefix[:, None]
+    return np.where(np.triu(np.ones((n, n), dtype=bool), k=1), out, np.inf)
+
+
+class RangeCosts:
+    """Prefix sums of one profile at one micro-batch size (speed 1; divide times by sigma)."""
+
+    def __init__(self, profile: Profile, b: int, optimizer: str = "sgd"):
+        units = profile.units
+        self.num_units = len(units)
+        self.b = b
+        self.call_forward, self.call_backward = profile.stage_overhead(b)
+        self.f = np.array([u.forward_s[b] for u in units], dtype=float)
+        self.g = np.array([u.backward_s[b] for u in units], dtype=float)
+        self.s = np.array([u.saved_bytes[b] for u in units], dtype=float)
+        self.p = np.array([u.param_bytes for u in units], dtype=float)
+        name = "adamw" if optimizer in ("adam", "adamw") else optimizer
+        self.o = np.array([float(u.optimizer_s.get(name, 0.0)) for u in units], dtype=float)
+        cuts = [profile.cut(k) for k in range(1, self.num_units)]
+        # act[k], grad[k]: bytes crossing cut k, k = 0 .. L (0 at both ends: nothing crosses them)
+        self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
+        self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
+        self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
+        self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
+
+    # --- one range -------------------------------------------------------------------------
+    def forward(self, a: int, e: int, speed: float = 1.0) -> float:
+        return float(self.call_forward + self.F[e] - self.F[a]) / speed
+
+    def backward(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
+        redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
+        return float(self.call_backward + self.G[e] - self.G[a] + redo) / speed
+
+    def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
+        swap = sum(float(self.inputs[l] - self.s[l]) for l in recompute if a <= l < e)
+        return float(self.S[e] - self.S[a]) + swap
+
+    def params(self, a: int, e: int) -> float:
+        return float(self.P[e] - self.P[a])
+
+    def step(self, a: int, e: int, speed: float = 1.0) -> float:
+        return float(self.O[e] - self.O[a]) / speed
+
+    def message_s(self, k: int, link: Tuple[float, float], gradient: bool = False) -> float:
+        """Seconds of cut k's activation (or gradient) message over link (bandwidth, latency); 0 if empty."""
+        size = float(self.grad[k] if gradient else self.act[k])
+        bandwidth, latency = link
+        return latency + size / bandwidth if size > 0 else 0.0
+
+    # --- matrices over all ranges [a, e) (+inf where e <= a) ------------------------------------
+    def matrix(self, prefix: np.ndarray) -> np.ndarray:
+        return range_matrix(prefix)
+
+    def work_prefix(self, recompute_all: bool = False) -> np.ndarray:
+        """Prefix sums of f + g per unit (plus f again when every unit is recomputed)."""
+        return self.F + self.G + (self.F if recompute_all else 0.0)
+
+    def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
+        """Prefix sums of the bytes each unit holds for backward (its input when recomputed)."""
+        return prefix_sums(self.inputs) if recompute_all else self.S
+
+
+_CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()
+
+
+def range_costs(profile: Profile, b: int, optimizer: str = "sgd") -> RangeCosts:
+    """RangeCosts of (profile, b), built once per profile object (profiles are not changed in place)."""
+    key = (id(profile), b, optimizer)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is profile:
+        _CACHE.move_to_end(key)
+        return hit[1]
+    costs = RangeCosts(profile, b, optimizer)
+    _CACHE[key] = (profile, costs)
+    while len(_CACHE) > 64:
+        _CACHE.popitem(last=False)
+    return costs
+

@@ -1,0 +1,222 @@
+"""One training step as a graph of the lists the runtime executes: its time, and what each rank holds.
+
+Semantics (the runtime's own, the same on gloo and NCCL):
+
+- Each pipeline rank runs its list in order. A forward or backward of stage g takes
+  `forward[g]` / `backward[g]` seconds.
+- Communication actions with the same batch id are one batch (they stand together in a list). A
+  rank that reaches a batch posts all of its operations at once and waits until every one is done.
+  An operation is done once the peer has posted the matching operation too and the message has
+  crossed: done = max(post, peer's post) + transfer. The batch ends when its last operation is
+  done, plus `message` seconds per operation (what the engine pays per message).
+- After its list a rank synchronises: the collectives it takes part in, in one order on every rank
+  (the tied weights' all-reduces by name, then a replicated stage's all-reduce over its replicas:
+  each starts when its last member is ready), the all-reduce of its own gradients over the
+  data-parallel replicas (all alike, so it waits for no one), then its optimizer step.
+
+The step time is when the last rank finishes. Each node's end is the latest of its predecessors'
+ends (plus an edge's transfer) plus its own duration, so the step time is the longest path through
+a graph fixed by the lists alone, and its length is a sum of durations. `Timeline.critical` counts
+the duration terms on that path: a linear function of the durations that equals the step time here
+and, the path existing whatever the durations, bounds the step time from below for any others.
+
+Duration terms: ("forward", g), ("backward", g), ("act", g) and ("grad", g) (a message across
+boundary g, between stages g and g + 1), ("message",), a collective's own term (("tie", name), ("lanes", g)), ("reduce", rank),
+("step", rank).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from planner.pipeline.actions import COMM_KINDS, SENDS, Action, ActionKind, message_of
+
+Term = Tuple
+Position = Callable[[int, int], int]  # (stage, micro-batch) -> pipeline rank
+
+
+
+class DeadlockError(ValueError):
+    pass
+
+
+@dataclass
+class _Node:
+    preds: List[Tuple[int, Optional[Term]]]  # (node whose end this waits for, -1 = time 0; edge term or None)
+    terms: List[Term]  # own duration: the sum of these
+    rank: int  # -1 for a collective of several ranks
+    label: str
+    action: Optional[Action] = None  # the list's action (a batch's first) this node stands for
+
+
+@dataclass
+class Timeline:
+    step_s: float
+    rank_end_s: List[float]
+    critical: Counter  # term -> how many times it lies on the longest path
+    # collectives the longest path passes through from one rank to another: (term, from, to)
+    crossings: List[Tuple[Term, int, int]] = field(default_factory=list)
+    node_end_s: List[float] = field(default_factory=list)
+
+
+def batches_of(actions: Sequence[Action]) -> List[object]:
+    """The list with each batch of communication actions as one tuple, without the optimizer step."""
+    out: List[object] = []
+    for a in actions:
+        if a.kind in COMM_KINDS:
+            if out and isinstance(out[-1], tuple) and out[-1][0].batch == a.batch:
+                out[-1] = out[-1] + (a,)
+            else:
+                out.append((a,))
+        elif a.kind != ActionKind.OPTIMIZER_STEP:
+            out.append(a)
+    return out
+
+
+class StepGraph:
+    """The lists compiled into nodes (computes, batches, collectives, end-of-step work) in an order
+    where every node comes after its predecessors. `position(stage, micro_batch)` is the rank running
+    an action (to find a message's peer); `collectives` are (term, member ranks) in the order every
+    rank runs them. Raises DeadlockError when the lists cannot all finish, naming where they wait."""
+
+    def __init__(self, lists: Sequence[Sequence[Action]], position: Position,
+                 collectives: Sequence[Tuple[Term, Sequence[int]]] = ()):
+        self.nodes: List[_Node] = []
+        self.ranks = len(lists)
+        items = [batches_of(actions) for actions in lists]
+        cursor = [0] * self.ranks
+        last = [-1] * self.ranks
+        posted: Dict[Tuple[Tuple[str, int, int], bool], int] = {}  # (message, is send) -> node before the post
+        progress = True
+        while progress:
+            progress = False
+            for r in range(self.ranks):
+                while cursor[r] < len(items[r]):
+                    item = items[r][cursor[r]]
+                    if isinstance(item, tuple):
+                        node = self._batch(r, item, last[r], posted, position)
+                        if node is None:
+                            break
+                    else:
+                        node = self._add([(last[r], None)], [(item.kind.value, item.stage)], r, str(item), item)
+                    last[r] = node
+                    cursor[r] += 1
+                    progress = True
+        waiting = {r: items[r][cursor[r]] for r in range(self.ranks) if cursor[r] < len(items[r])}
+        if waiting:
+            raise DeadlockError("the lists deadlock: " + "; ".join(
+                f"rank {r} waits at batch [{', '.join(str(a) for a in item)}]" for r, item in waiting.items()))
+        for term, members in collectives:
+            node = self._add([(last[r], None) for r in members], [term], -1, str(term))
+            for r in members:
+                last[r] = node
+        self.rank_last: List[int] = []
+        for r in range(self.ranks):
+            node = self._add([(last[r], None)], [("reduce", r)], r, "reduce")
+            self.rank_last.append(self._add([(node, None)], [("step", r)], r, ActionKind.OPTIMIZER_STEP.value))
+
+    def _add(self, preds, terms, rank: int, label: str, action: Optional[Action] = None) -> int:
+        self.nodes.append(_Node(preds, terms, rank, label, action))
+        return len(self.nodes) - 1
+
+    def _batch(self, r: int, batch: Tuple[Action, ...], before: int, posted, position: Position
+               ) -> Optional[int]:
+        """The node of a batch once every operation's peer has posted; None while one has not."""
+        for a in batch:
+            posted.setdefault((message_of(a), a.kind in SENDS), before)
+        preds: List[Tuple[int, Optional[Term]]] = []
+        for a in batch:
+            message = message_of(a)
+            peer = posted.get((message, a.kind not in SENDS))
+            if peer is None:
+                return None
+            transfer = message[:2]
+            preds += [(before, transfer), (peer, transfer)]
+        return self._add(preds, [("message",)] * len(batch), r, "batch " + ", ".join(str(a) for a in batch), batch[0])
+
+    def _compiled(self):
+        """The nodes as integer arrays (term indices; -1: none), built once: `run` is a tight loop."""
+        if getattr(self, "_flat", None) is None:
+            index: Dict[Term, int] = {}
+            preds = [tuple((p, index.setdefault(term, len(index)) if term is not None else -1)
+                           for p, term in node.preds) for node in self.nodes]
+            own = [tuple(index.setdefault(term, len(index)) for term in node.terms) for node in self.nodes]
+            self._flat = (list(index), preds, own)
+        return self._flat
+
+    def run(self, value: Mapping[Term, float]) -> Timeline:
+        """Every node's end for one set of durations (`value[term]`, 0 where absent)."""
+        terms, all_preds, all_own = self._compiled()
+        val = [float(value.get(term, 0.0)) for term in terms] + [0.0]  # index -1: no term
+        end = [0.0] * (len(self.nodes) + 1)  # end[-1] = 0: the start of the step
+        via: List[Tuple[int, int]] = [(-1, -1)] * len(self.nodes)
+        for n in range(len(self.nodes)):
+            best, arg = 0.0, (-1, -1)
+            for p, t in all_preds[n]:
+                x = end[p] + val[t]
+                if x > best:
+                    best, arg = x, (p, t)
+            for t in all_own[n]:
+                best += val[t]
+            end[n], via[n] = best, arg
+        end.pop()
+        rank_end = [end[n] for n in self.rank_last]
+        n = max(self.rank_last, key=lambda k: end[k])
+        critical: Counter = Counter()
+        crossings: List[Tuple[Term, int, int]] = []
+        after = -1  # the rank of the path's node after n
+        while n >= 0:
+            node = self.nodes[n]
+            critical.update(node.terms)
+            p, t = via[n]
+            if t >= 0:
+                critical[terms[t]] += 1
+            if node.rank < 0 and p >= 0 and self.nodes[p].rank != after:
+                crossings.append((node.terms[0], self.nodes[p].rank, after))
+            after = node.rank if node.rank >= 0 else after
+            n = p
+        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=critical, crossings=crossings,
+                        node_end_s=end)
+
+
+def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
+    """What one rank's list holds at its fullest moments, as counts per stage (Pareto-maximal over
+    the list's positions: no returned vector is covered by another):
+
+    ("live", g)   micro-batches of stage g forwarded and not yet backwarded (their saved tensors);
+    ("inbox", g)  activations received for stage g and not yet consumed by its forward;
+    ("gradbox", g) gradients received for stage g and not yet consumed by its backward.
+
+    Memory at a moment is the sum of count x bytes per micro-batch of each term, so the peak memory
+    of any sizes is the largest of these vectors' sums."""
+    counts: Counter = Counter()
+    peaks: List[Dict[Term, int]] = []
+
+    def record() -> None:
+        snapshot = {k: v for k, v in counts.items() if v}
+        if any(all(p.get(k, 0) >= v for k, v in snapshot.items()) for p in peaks):
+            return
+        peaks[:] = [p for p in peaks if not all(snapshot.get(k, 0) >= v for k, v in p.items())]
+        peaks.append(snapshot)
+
+    for a in actions:
+        g = a.stage
+        if a.kind == ActionKind.RECV_ACT:
+            counts[("inbox", g)] += 1
+        elif a.kind == ActionKind.RECV_GRAD:
+            counts[("gradbox", g)] += 1
+        elif a.kind == ActionKind.FORWARD:
+            counts[("live", g)] += 1
+            if counts[("inbox", g)]:
+                counts[("inbox", g)] -= 1
+        elif a.kind == ActionKind.BACKWARD:
+            record()  # the backward runs while all of it is held
+            counts[("live", g)] -= 1
+            if counts[("gradbox", g)]:
+                counts[("gradbox", g)] -= 1
+            continue
+        else:
+            continue
+        record()
+    return peaks

@@ -1,0 +1,209 @@
+"""The best split of one scenario under the exact model, with a proven bound.
+
+The step time of a split is the longest path through its lists' graph (planner.cost.model); each
+path is a linear form in the split's durations that bounds the step time of every split from
+below. The program of planner.solve.ilp minimises T over the paths known so far, so its optimum is
+a lower bound over all splits; the split it picks is simulated, and when its step time exceeds
+T, the simulation's own longest path (and those of its neighbours) is added and the program solved
+again. It stops when the picked split's simulated step equals T (that split is optimal), when no
+split can beat the incumbent by more than `gap` (fixings or the program's cutoff say so), or at
+the time limit (the program's bound is reported).
+
+Forms to start from: the longest paths of the scenario's graph when one stage is much slower than
+the others (at several ratios) or all are nearly equal, and those of the incumbent and of its
+local search (every boundary moved by one unit while that improves the simulated step).
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Set
+
+import numpy as np
+
+from planner.cost.model import copy_factor, evaluate, num_micro_batches, rank_caps, rank_speeds, static_factor, step_shape
+from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
+from planner.cost.result import PathForm, PlanCost
+from planner.cost.step import stage_in_flight, step_graph
+from planner.profile.profile import Profile
+from planner.solve.ilp import Program, _NoSplit, big_m_ms
+from planner.solve.recompute import recompute_for
+from planner.solve.reach import stage_conditions, unit_ranges
+from planner.solve.solution import Split
+
+LOCAL_SEARCH_ROUNDS = 50
+COARSE_GAP = 1e-3  # programs solved to this gap while the incumbent is further than it from the bound
+
+
+@dataclass
+class ScenarioOutcome:
+    best: Optional[Split]
+    bound_s: float  # no plan of the scenario is faster (seconds)
+    optimal: bool  # the solver finished (bound_s is the optimum or the cutoff it proved)
+
+
+def _form(cost: PlanCost) -> PathForm:
+    return cost.critical_path
+
+
+def structural_forms(profile: Profile, b: int, opts: CostOptions) -> Set[PathForm]:
+    """Longest paths of the scenario's graph (no tied-weight collectives) under made-up durations:
+    one stage slower than the rest at several ratios, and all nearly equal."""
+    S = opts.num_stages
+    m = num_micro_batches(opts, b)
+    graph = step_graph(step_shape(opts, m))
+    costs = range_costs(profile, b, opts.optimizer)
+    ratio = float(costs.G[-1] / costs.F[-1]) if costs.F[-1] > 0 else 2.0
+    forms: Set[PathForm] = set()
+
+    def add(forward: List[float]) -> None:
+        value = {("forward", g): f for g, f in enumerate(forward)}
+        value.update({("backward", g): f * ratio for g, f in enumerate(forward)})
+        timeline = graph.run(value)
+        forms.add(PathForm(tuple(sorted(timeline.critical.items(), key=repr))))
+
+    for g in range(S):
+        for level in (0.0, 0.5, 0.9):
+            add([1.0 if h == g else level for h in range(S)])
+    rng = random.Random(S * 1000 + m)
+    for _ in range(8):
+        add([1.0 + rng.uniform(-0.05, 0.05) for _ in range(S)])
+    return forms
+
+
+def _neighbours(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
+    for j in range(len(boundaries)):
+        for step in (-1, 1):
+            moved = list(boundaries)
+            moved[j] += step
+            low = moved[j - 1] if j > 0 else 0
+            high = moved[j + 1] if j + 1 < len(moved) else num_units
+            if low < moved[j] < high:
+                yield moved
+
+
+def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
+              forms: Set[PathForm]) -> Optional[Split]:
+    """The candidate if the split is feasible (recording its longest path either way)."""
+    redo = recompute if recompute is not None else recompute_for(profile, boundaries, b, opts, exact=False)
+    if redo is None:
+        redo = list(range(profile.num_units)) if opts.recompute != "none" else []
+    try:
+        cost = evaluate(profile, boundaries, b, opts, redo)
+    except ValueError:
+        return None
+    forms.add(_form(cost))
+    return Split(cost.iteration_s, list(boundaries), list(redo)) if cost.feasible else None
+
+
+def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm]) -> Split:
+    """Move one boundary by one unit while that lowers the simulated step (recomputation re-chosen)."""
+    best = start
+    for _ in range(LOCAL_SEARCH_ROUNDS):
+        improved = False
+        for moved in _neighbours(best.boundaries, profile.num_units):
+            found = _evaluate(profile, moved, b, opts, None if opts.recompute == "auto" else best.recompute, forms)
+            if found is not None and found.iteration_s < best.iteration_s * (1 - 1e-12):
+                best, improved = found, True
+        if not improved:
+            break
+    return best
+
+
+PERTURBATIONS = 200
+
+
+def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm]) -> Split:
+    """Simulate splits near `start` (a few boundaries moved by one or two units): their longest paths
+    are the forms the program needs near the optimum; a better split found on the way is kept."""
+    rng = random.Random(len(start.boundaries) * 7919 + b)
+    L, best = profile.num_units, start
+    for _ in range(PERTURBATIONS):
+        moved = list(start.boundaries)
+        for j in rng.sample(range(len(moved)), k=min(len(moved), rng.randint(1, 3))):
+            moved[j] += rng.choice((-2, -1, 1, 2))
+        if all(0 < x < L for x in moved) and all(x < y for x, y in zip(moved, moved[1:])):
+            found = _evaluate(profile, moved, b, opts, None if opts.recompute == "auto" else start.recompute, forms)
+            if found is not None and found.iteration_s < best.iteration_s:
+                best = found
+    return best
+
+
+def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float):
+    costs = range_costs(profile, b, opts.optimizer)
+    S, p = opts.num_stages, opts.pipeline_ranks
+    speeds = [rank_speeds(opts)[g % p] for g in range(S)]
+    caps = [rank_caps(opts, profile)[g % p] for g in range(S)]
+    memory = None
+    if any(cap is not None for cap in caps):
+        held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
+        least = {"none": costs.s, "all": costs.inputs, "auto": np.minimum(costs.s, costs.inputs)}[opts.recompute] \
+            + copy_factor(opts, profile.dtype) * costs.p  # bf16-mixed: cast weights per micro-batch
+        memory = (caps, held, static_factor(opts, profile.dtype), least)
+    forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
+    ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,
+                          recompute_all=opts.recompute == "all", memory=memory)
+    return unit_ranges(ok)
+
+
+def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
+                   time_limit: Optional[float], backend: str, gap: float = 1e-6,
+                   forms: Optional[Set[PathForm]] = None, target_s: Optional[float] = None) -> ScenarioOutcome:
+    """The best split of (scenario, b), or a proof that none is faster than `incumbent` (a plan of
+    this scenario) or `target_s` (the best plan of any scenario) by more than `gap`."""
+    started = time.perf_counter()
+    forms = set(forms or ()) | structural_forms(profile, b, opts)
+    best = incumbent
+    if best is not None:
+        forms.add(_form(evaluate(profile, best.boundaries, b, opts, best.recompute)))
+        best = _perturbations(profile, b, opts, best, forms)
+    bound = -math.inf
+    tight = False  # solve the next program to `gap` (a loose one found nothing new)
+    while True:
+        cutoff = min(best.iteration_s if best is not None else math.inf,
+                     target_s if target_s is not None else math.inf) * (1 - gap)
+        ranges = _fixings(profile, b, opts, forms, cutoff - opts.step_overhead_s)
+        if ranges is None or any(lo > hi for lo, hi in zip(*ranges)):
+            return ScenarioOutcome(best, cutoff, True)
+        try:
+            program = Program(profile, b, opts, *ranges)
+            for form in forms:
+                program.add_form(form, big_m_ms(profile, b, opts, form))
+        except _NoSplit:
+            return ScenarioOutcome(best, cutoff, True)
+        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        # far from the incumbent, a loose program finds good splits (tightening the fixings) sooner
+        loose = not tight and best is not None and (best.iteration_s - max(bound, 0.0)) > COARSE_GAP * best.iteration_s
+        result = program.solve(cutoff if math.isfinite(cutoff) else None, remaining, backend,
+                               gap=COARSE_GAP / 4 if loose else gap / 4)
+        if not result.ran:
+            if best is None:
+                raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
+                                   "enable the warm start")
+            return ScenarioOutcome(best, bound, False)
+        if not result.below_cutoff:
+            proven = result.optimal and math.isfinite(cutoff)
+            return ScenarioOutcome(best, max(bound, cutoff if proven else result.bound_s), proven)
+        bound = max(bound, result.bound_s)
+        before = len(forms)
+        found = _evaluate(profile, result.boundaries, b, opts, result.recompute, forms)
+        if found is not None and (best is None or found.iteration_s < best.iteration_s):
+            best = found
+        if found is not None and result.optimal and not loose and \
+                found.iteration_s * (1 - gap) <= max(bound, result.bound_s):
+            return ScenarioOutcome(best, max(bound, result.bound_s), True)
+        for moved in _neighbours(result.boundaries, profile.num_units):
+            near = _evaluate(profile, moved, b, opts, None if opts.recompute == "auto" else result.recompute, forms)
+            if near is not None and (best is None or near.iteration_s < best.iteration_s):
+                best = near
+        if len(forms) == before and loose:
+            tight = True
+            continue
+        if len(forms) == before and found is not None:
+            # the split's own path was known and still the program undervalues it: numerical noise
+            return ScenarioOutcome(best, max(bound, min(result.value_s, best.iteration_s)), result.optimal)
+        if time_limit is not None and time.perf_counter() - started >= time_limit:
+            return ScenarioOutcome(best, bound, False)

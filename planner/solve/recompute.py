@@ -1,0 +1,80 @@
+"""Which units to recompute so that a split fits: a covering knapsack per stage.
+
+Recomputing unit l in its stage's backward costs its forward f_l again and lowers what a held
+micro-batch keeps from s_l (its saved bytes) to in_l (its input), so stage g holding h_g
+micro-batches frees h_g (s_l - in_l). The cheapest choice for a stage over its cap by `need`
+bytes is the least sum_{l in R} f_l / sigma with h_g sum_{l in R} (s_l - in_l) >= need; it only
+ever lowers memory and raises time, so the best plan recomputes the least that fits, stage by stage.
+The exact model's memory (planner.cost.model) also holds received buffers, which recomputation
+does not change; `recompute_for` aims at the over-cap bytes and the plan is evaluated again after.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import List, Optional, Tuple
+
+from planner.cost.model import evaluate, held_counts, input_bytes, rank_speeds
+from planner.cost.options import CostOptions
+from planner.profile.profile import Profile
+
+EXACT_KNAPSACK_UNITS = 16  # recompute 'auto' in the DP/brute: enumerate subsets of at most this many units
+
+
+def cheapest_recompute(profile: Profile, b: int, first: int, end: int, need_bytes: float, held: int,
+                       speed: float, exact: bool = True) -> Optional[Tuple[float, List[int]]]:
+    """Least extra time (and the units) freeing >= need_bytes of held * (s_l - in_l); None if impossible.
+
+    exact: enumerate subsets (ValueError beyond EXACT_KNAPSACK_UNITS candidates); otherwise greedy by
+    time per byte freed (a feasible, not always optimal, choice — used for warm starts only).
+    """
+    if need_bytes <= 0:
+        return 0.0, []
+    inputs = input_bytes(profile, b)
+    items = [(profile.units[l].forward_s[b] / speed, held * (profile.units[l].saved_bytes[b] - inputs[l]), l)
+             for l in range(first, end) if profile.units[l].saved_bytes[b] > inputs[l]]
+    if sum(freed for _, freed, _ in items) < need_bytes:
+        return None
+    if not exact:
+        chosen, freed, cost = [], 0.0, 0.0
+        for t, f, l in sorted(items, key=lambda it: it[0] / it[1]):
+            chosen.append(l)
+            freed += f
+            cost += t
+            if freed >= need_bytes:
+                break
+        return cost, sorted(chosen)
+    if len(items) > EXACT_KNAPSACK_UNITS:
+        raise ValueError(f"exact recomputation choice over {len(items)} units of one stage is too large for "
+                         f"the dp/brute methods (limit {EXACT_KNAPSACK_UNITS}); use --method ilp")
+    best: Optional[Tuple[float, List[int]]] = None
+    for r in range(1, len(items) + 1):
+        for combo in itertools.combinations(items, r):
+            if sum(f for _, f, _ in combo) >= need_bytes:
+                cost = sum(t for t, _, _ in combo)
+                if best is None or cost < best[0]:
+                    best = (cost, sorted(l for _, _, l in combo))
+    return best
+
+
+def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, exact: bool = True
+                  ) -> Optional[List[int]]:
+    """The cheapest recomputation set making every stage of this split fit (None: impossible)."""
+    L = profile.num_units
+    if opts.recompute == "all":
+        return list(range(L))
+    plain = evaluate(profile, boundaries, b, opts)
+    if opts.recompute == "none" or plain.feasible:
+        return [] if plain.feasible else None
+    if opts.virtual_stages != 1:
+        return None
+    speeds, held, chosen = rank_speeds(opts), held_counts(opts, plain.num_micro_batches), []
+    for c, st in enumerate(plain.stages):
+        cap = plain.device_caps[c]
+        if cap is None or plain.device_memory[c] <= cap:
+            continue
+        found = cheapest_recompute(profile, b, st.first_unit, st.end_unit, plain.device_memory[c] - cap, held[c],
+                                   speeds[c], exact)
+        if found is None:
+            return None
+        chosen += found[1]
+    return chosen

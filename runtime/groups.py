@@ -1,0 +1,155 @@
+"""Process groups for the gradient reductions at the end of a step, and the reductions themselves."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from planner.pipeline.actions import Action, ActionKind
+from planner.pipeline.topology import Topology
+from runtime.stage import RankModel
+
+
+class Groups:
+    """Process groups for gradient reductions, created by every rank in the same order, as
+    torch.distributed requires:
+
+    - holders of the same stages (a stage's lanes, in every data-parallel replica): their
+      gradients are summed in buckets (GradientBuckets);
+    - tied weights used by stages on several pipeline ranks: one group of every rank holding a use,
+      in every replica, whose sum is the whole gradient (so tied parameters skip the first).
+    """
+
+    def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]]):
+        self.topology = topology
+        self.tie_groups: Dict[str, Any] = {}
+        self.data_parallel_group = None  # the holders of this rank's stages, when more than one
+        if not dist.is_initialized():
+            return
+        made = set()
+        for position in range(topology.pipeline_ranks):
+            ranks = tuple(topology.data_parallel_group(position))
+            if len(ranks) > 1 and ranks not in made:
+                made.add(ranks)
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    self.data_parallel_group = group
+        for name, positions in tied_groups:
+            ranks = [topology.global_rank(r, q) for r in range(topology.data_parallel) for q in positions]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.tie_groups[name] = group
+
+    def reduce_gradients(self, rank_model: RankModel, buckets: Optional["GradientBuckets"]) -> None:
+        """Sum the tied weights' gradients over their holders, then finish the data-parallel
+        buckets (those the last backward did not already start)."""
+        for name, (param, _) in rank_model.tied.items():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self.tie_groups[name])
+        if buckets is not None:
+            buckets.finish()
+
+
+class GradientBuckets:
+    """The data-parallel all-reduce, bucketed and overlapped with the last backward.
+
+    Each parameter's gradient is a view of a flat bucket (about `bucket_bytes`, parameters in
+    reverse order, as backward produces them), so no gradient is copied. `begin_step` zeroes the
+    buckets and points the gradients at them; `arm(params)` before a stage's last backward of the
+    step makes each parameter's post-accumulate hook count it done, and a bucket whose parameters
+    are all done starts its all-reduce at once, asynchronously, while the backward goes on.
+    `finish` starts the rest (parameters without a gradient this step) in bucket order and waits
+    for all. Every holder runs the same graphs, so the buckets start in the same order everywhere.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], group: Any, bucket_bytes: int = 25 << 20):
+        self.group = group
+        self.buckets: List[torch.Tensor] = []
+        self.members: List[List[Tuple[torch.nn.Parameter, torch.Tensor]]] = []
+        self.bucket_of: Dict[int, int] = {}
+        current: List[torch.nn.Parameter] = []
+        for p in reversed(params):
+            if current and (p.dtype != current[0].dtype or p.device != current[0].device or
+                            sum(q.numel() * q.element_size() for q in current) >= bucket_bytes):
+                self._add(current)
+                current = []
+            current.append(p)
+        if current:
+            self._add(current)
+        self.pending: List[int] = []
+        self.works: List[Any] = []
+        self.armed: set = set()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _add(self, params: List[torch.nn.Parameter]) -> None:
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for p in params:
+            views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+            self.bucket_of[id(p)] = len(self.buckets)
+            offset += p.numel()
+        self.buckets.append(flat)
+        self.members.append(views)
+
+    def begin_step(self) -> None:
+        for flat, views in zip(self.buckets, self.members):
+            flat.zero_()
+            for p, view in views:
+                p.grad = view
+        self.pending = [len(views) for views in self.members]
+        self.works = [None] * len(self.buckets)
+        self.armed.clear()
+
+    def arm(self, params: List[torch.nn.Parameter]) -> None:
+        self.armed.update(id(p) for p in params)
+
+    def _accumulated(self, p: torch.nn.Parameter) -> None:
+        if id(p) not in self.armed:
+            return
+        self.armed.discard(id(p))
+        k = self.bucket_of[id(p)]
+        self.pending[k] -= 1
+        if self.pending[k] == 0:
+            self._start(k)
+
+    def _start(self, k: int) -> None:
+        for p, view in self.members[k]:  # autograd may have replaced a gradient: put it back in the bucket
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        self.works[k] = dist.all_reduce(self.buckets[k], group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        for k in range(len(self.buckets)):
+            if self.works[k] is None:
+                self._start(k)
+        for work in self.works:
+            work.wait()
+
+
+def last_backwards(actions: List[Action], stages: Dict[int, Any], tied: Set[int]
+               ) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
+    """For the data-parallel buckets: (stage, micro-batch) of each backward after which a
+    parameter gets no more gradient this step (the last backward of the last stage here using it)."""
+    last: Dict[int, Tuple[int, int]] = {}  # stage -> its last backward's position and micro-batch
+    for k, a in enumerate(actions):
+        if a.kind is ActionKind.BACKWARD:
+            last[a.stage] = (k, a.micro_batch)
+    final: Dict[int, Tuple[int, int, int]] = {}  # parameter -> (position, stage, micro-batch)
+    params: Dict[int, torch.nn.Parameter] = {}
+    for g, stage in stages.items():
+        if g not in last:
+            continue
+        for p in stage.module.parameters():
+            if id(p) in tied:
+                continue
+            params[id(p)] = p
+            candidate = (last[g][0], g, last[g][1])
+            final[id(p)] = max(final.get(id(p), candidate), candidate)
+    arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}
+    for pid, (_, g, i) in final.items():
+        arming.setdefault((g, i), []).append(params[pid])
+    return arming

@@ -1,0 +1,64 @@
+"""A step's micro-batches, and the values a stage receives, as the engine hands them to a stage."""
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+
+from runtime.stage import RankStage
+
+
+class BatchError(ValueError):
+    """The model's batch function does not produce what the plan needs."""
+
+
+def split_micro_batches(obj: Any, total: int, parts: int, what: str) -> List[Any]:
+    """Split every tensor in `obj` (tensor, tuple, list, dict) into `parts` equal parts along dim 0."""
+    size = total // parts
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] != total:
+            raise BatchError(f"{what} has shape {tuple(obj.shape)}; every batch tensor needs the batch "
+                             f"({total}) on dim 0")
+        return [obj.narrow(0, i * size, size) for i in range(parts)]
+    if isinstance(obj, (tuple, list)):
+        split = [split_micro_batches(o, total, parts, f"{what}[{j}]") for j, o in enumerate(obj)]
+        return [type(obj)(p[i] for p in split) for i in range(parts)]
+    if isinstance(obj, dict):
+        split = {k: split_micro_batches(v, total, parts, f"{what}[{k!r}]") for k, v in obj.items()}
+        return [{k: split[k][i] for k in obj} for i in range(parts)]
+    return [obj] * parts  # non-tensor values (flags) go to every part
+
+
+def own_copy(obj: Any, device: torch.device) -> Any:
+    """`obj` on `device` with every tensor in storage of its own (a micro-batch that is a view of
+    the whole batch would keep the whole batch alive, and be counted so, while saved for backward)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, copy=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(own_copy(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: own_copy(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _constant(value: Any) -> Any:
+    """Constants arrive as JSON lists; sizes were tuples in the model."""
+    if isinstance(value, list):
+        return tuple(_constant(v) for v in value)
+    return value
+
+
+def assemble(stage: RankStage, tensors: List[torch.Tensor]) -> List[Any]:
+    """Received tensors and injected constants, in the stage's input order (leaves needing a
+    gradient where the plan says the value carries one)."""
+    values: List[Any] = []
+    it = iter(tensors)
+    for spec in stage.recv:
+        if spec["kind"] == "tensor":
+            t = next(it)
+            if spec.get("requires_grad"):
+                t.requires_grad_(True)
+            values.append(t)
+        else:
+            values.append(_constant(spec["value"]))
+    return values

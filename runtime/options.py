@@ -1,0 +1,113 @@
+"""The training options `runtime execute` and the worker share: declared once, forwarded to every
+rank as the same flags."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class TrainOptions:
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0  # SGD
+    weight_decay: Optional[float] = None  # SGD's L2 term, AdamW's decoupled decay; None: torch's default
+    betas: Tuple[float, float] = (0.9, 0.999)  # AdamW
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    total_steps: int = 1
+    clip_grad_norm: Optional[float] = None
+    precision: str = "fp32"
+
+    def check(self) -> None:
+        """ValueError (one line) for options that cannot run."""
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
+        if not self.lr > 0:
+            raise ValueError("--lr must be positive")
+        if self.momentum < 0 or (self.weight_decay or 0) < 0:
+            raise ValueError("--momentum and --weight-decay must be 0 or more")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError("--betas must be two numbers in [0, 1), e.g. 0.9,0.95")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0 or self.min_lr < 0:
+            raise ValueError("--warmup-steps and --min-lr must be 0 or more")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError("--clip-grad-norm must be positive")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}")
+
+    @property
+    def decay(self) -> float:
+        """The weight decay the optimizer gets: the option, else torch's default for it."""
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return 0.01 if self.optimizer == "adamw" else 0.0
+
+    @property
+    def autocast_dtype(self) -> Any:
+        """torch.autocast's dtype, or None (fp32)."""
+        import torch
+
+        return {"fp32": None, "bf16-mixed": torch.bfloat16}[self.precision]
+
+
+# (flag, argparse keywords); every one is forwarded from `runtime execute` to the ranks
+_OPTIONS = [
+    ("--momentum", dict(type=float, default=0.0, help="SGD momentum (default 0)")),
+    ("--weight-decay", dict(type=float, default=None,
+                            help="SGD L2 penalty / AdamW decoupled decay (default: torch's, 0 and 0.01)")),
+    ("--betas", dict(default="0.9,0.999", metavar="B1,B2", help="AdamW betas (default 0.9,0.999)")),
+    ("--lr-schedule", dict(choices=SCHEDULES, default="constant",
+                           help="constant, or cosine from --lr down to --min-lr at the last step (default constant)")),
+    ("--warmup-steps", dict(type=int, default=0, help="linear warm-up steps from lr/N to lr (default 0)")),
+    ("--min-lr", dict(type=float, default=0.0, help="the cosine schedule's final rate (default 0)")),
+    ("--clip-grad-norm", dict(type=float, default=None, metavar="MAX",
+                              help="scale gradients so their global norm (all stages and replicas) is at most MAX")),
+    ("--precision", dict(choices=PRECISIONS, default=None,
+                         help="fp32, or bf16-mixed: torch.autocast(bfloat16) around forwards and losses, fp32 "
+                              "parameters (default: the plan's precision; another than the plan's is refused)")),
+]
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    for flag, keywords in _OPTIONS:
+        parser.add_argument(flag, **keywords)
+
+
+def forwarded(args: argparse.Namespace) -> List[str]:
+    """The flags a rank gets for the options given to `runtime execute`."""
+    out: List[str] = []
+    for flag, _ in _OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def training_options(args: argparse.Namespace, optimizer: str, plan: Any) -> TrainOptions:
+    """The options of a run, checked (ValueError in one line)."""
+    try:
+        betas = tuple(float(b) for b in str(args.betas).split(","))
+    except ValueError:
+        raise ValueError(f"--betas {args.betas!r}: write two numbers, e.g. 0.9,0.95") from None
+    if len(betas) != 2:
+        raise ValueError(f"--betas {args.betas!r}: write two numbers, e.g. 0.9,0.95")
+    planned = getattr(plan, "precision", None) or "fp32"
+    if planned not in PRECISIONS:
+        raise ValueError(f"the plan is for precision {planned}, which this runtime does not run (it runs "
+                         f"{' and '.join(PRECISIONS)}); re-plan with `planner solve --precision bf16-mixed`")
+    if args.precision is not None and hasattr(plan, "precision_mismatch") and plan.precision_mismatch(args.precision):
+        raise ValueError(plan.precision_mismatch(args.precision))
+    options = TrainOptions(optimizer=optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                           betas=betas, schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+                           total_steps=args.steps, clip_grad_norm=args.clip_grad_norm,
+                           precision=args.precision or planned)
+    options.check()
+    return options

@@ -1,0 +1,71 @@
+"""`planner solve --precision --shard --reserve` (issue 25): the plan states them, bad values fail in one line,
+and a run at another precision is refused."""
+import json
+
+import pytest
+
+from planner.cli.main import main
+from planner.jsonio import JsonFileError
+from planner.plan.file import Plan, load_plan
+from planner.profile.profile import save_profile
+from tests.support.synthetic import synthetic_profile
+
+
+@pytest.fixture()
+def profile_path(tmp_path):
+    profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=[4000, 8000, 8000, 4000],
+                                saved=[400] * 4, cut_act=[80] * 3, sizes=(1, 2))
+    path = str(tmp_path / "profile.json")
+    save_profile(profile, path)
+    return path
+
+
+def test_plan_states_precision_shard_and_reserve(profile_path, tmp_path, capsys):
+    out = str(tmp_path / "plan.json")
+    code = main(["solve", profile_path, "--devices", "4", "--global-batch", "8", "--optimizer", "adamw",
+                 "--precision", "bf16-mixed", "--shard", "auto", "--reserve", "1KiB",
+                 "--memory-per-device", "60000", "-o", out])
+    assert code == 0, capsys.readouterr().err
+    plan = load_plan(out)
+    assert plan.precision == "bf16-mixed" and plan.reserve_bytes == 1024
+    assert plan.shard in ("none", "optimizer", "gradients", "parameters")
+    if plan.data_parallel == 1:
+        assert plan.shard == "none"
+    for st in plan.stages:
+        assert st.memory_bytes["fixed"] >= 1024 and st.memory_bytes["device_total"] <= 60000
+    with open(out) as f:
+        raw = json.load(f)
+    assert {"precision", "shard", "reserve_bytes"} <= set(raw)
+
+
+def test_defaults_from_the_profile(profile_path, tmp_path, capsys):
+    out = str(tmp_path / "plan.json")
+    assert main(["solve", profile_path, "--stages", "2", "--global-batch", "4", "-o", out]) == 0
+    plan = load_plan(out)
+    assert (plan.precision, plan.shard, plan.reserve_bytes) == ("fp32", "none", 0.0)  # a CPU fp32 profile
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--reserve", "lots"], "--reserve 'lots' is not a size"),
+    (["--reserve=-1GiB"], "--reserve"),
+])
+def test_bad_values_fail_in_one_line(profile_path, tmp_path, capsys, extra, needle):
+    out = tmp_path / "plan.json"
+    code = main(["solve", profile_path, "--stages", "2", "--global-batch", "4", "-o", str(out), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_run_at_another_precision_is_refused(profile_path, tmp_path):
+    out = str(tmp_path / "plan.json")
+    assert main(["solve", profile_path, "--stages", "2", "--global-batch", "4", "--precision", "bf16-mixed",
+                 "-o", out]) == 0
+    plan = load_plan(out)
+    assert plan.precision_mismatch("bf16-mixed") is None
+    message = plan.precision_mismatch("fp32")
+    assert "made for precision bf16-mixed" in message and "\n" not in message
+    raw = plan.to_json()
+    raw["precision"] = "fp8"
+    with pytest.raises(JsonFileError, match="precision 'fp8'"):
+        Plan.from_json(raw)

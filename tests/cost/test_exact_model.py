@@ -1,0 +1,193 @@
+"""One model: the plan's time and memory are those of the lists the runtime executes, and the
+solver optimises exactly that (issue 18).
+
+- predicted iteration == the simulation of the runtime's own lists (instruction_lists of the plan
+  file), for random profiles and every schedule;
+- planned activation memory per rank == the peak along the runtime's list, counted here by a
+  plain walk (not planner.pipeline.stepgraph.held_peaks);
+- the solver's plan == brute force over every split under the exact model (L <= 8).
+"""
+import math
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
+from planner.fidelity.simulation import simulate_plan
+from planner.pipeline.schedule import ActionKind
+from planner.plan.make import make_plan
+from planner.solve.api import solve
+from planner.solve.brute import solve_brute
+from planner.solve.diagnose import InfeasibleError
+from planner.solve.solution import Solution
+from tests.support.synthetic import synthetic_profile
+
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("bfs", 2), ("interleaved", 3), ("bfs", 3)]
+
+
+@st.composite
+def problems(draw, max_units=8):
+    L = draw(st.integers(3, max_units))
+    unit = st.floats(1e-4, 4e-3)
+    profile = synthetic_profile(
+        forward=draw(st.lists(unit, min_size=L, max_size=L)),
+        backward=draw(st.lists(unit, min_size=L, max_size=L)),
+        params=draw(st.lists(st.integers(0, 5000), min_size=L, max_size=L)),
+        saved=draw(st.lists(st.integers(0, 500), min_size=L, max_size=L)),
+        cut_act=draw(st.lists(st.integers(0, 800), min_size=L - 1, max_size=L - 1)),
+        sizes=(1, 2, 4),
+        stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
+    for u in profile.units:
+        u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
+    if draw(st.booleans()) and L >= 3:
+        profile.extra["shared_parameters"] = [{"name": "tied", "units": [profile.units[0].name,
+                                                                           profile.units[-1].name], "bytes": 800}]
+    schedule, v = draw(st.sampled_from(SCHEDULES))
+    p = draw(st.integers(1, max(1, min(3, L // v))))
+    d = draw(st.sampled_from([1, 1, 2]))
+    m_unit = p if schedule == "interleaved" else 1
+    global_batch = d * 4 * m_unit * draw(st.sampled_from([1, 2]))
+    opts = CostOptions(pipeline_ranks=p, global_batch=global_batch, schedule=schedule, virtual_stages=v,
+                       data_parallel=d, bandwidth=draw(st.sampled_from([2e5, 1e6, 1e8])),
+                       latency=draw(st.sampled_from([0.0, 5e-5])), message_s=draw(st.sampled_from([0.0, 2e-5])),
+                       optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+                       memory_cap=draw(st.sampled_from([None, None, 6000.0, 12000.0, 30000.0])),
+                       recompute=draw(st.sampled_from(["none", "none", "auto", "all"])),
+                       step_overhead_s=draw(st.sampled_from([0.0, 1e-3])))
+    return profile, opts
+
+
+def _plan_of(profile, opts, boundaries, b, recompute=()):
+    cost = evaluate(profile, boundaries, b, opts, recompute)
+    solution = Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+                        cost=cost, status="feasible", objective=cost.iteration_s, bound=0.0, gap=1.0, seconds=0.0,
+                        method="test", backend="python", recompute=list(recompute), options=opts)
+    return cost, make_plan(profile, solution, opts, "p.json")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.randoms(use_true_random=False))
+def test_prediction_is_the_simulation_of_the_runtime_lists(problem, rng):
+    profile, opts = problem
+    L, S = profile.num_units, opts.num_stages
+    boundaries = sorted(rng.sample(range(1, L), S - 1))
+    b = rng.choice([b for b in (1, 2, 4) if opts.global_batch % (opts.data_parallel * b) == 0
+                    and (opts.schedule != "interleaved" or (opts.global_batch // (opts.data_parallel * b))
+                         % opts.pipeline_ranks == 0)])
+    cost, plan = _plan_of(profile, opts.with_(memory_cap=None), boundaries, b)
+    simulated = simulate_plan(plan)
+    assert math.isclose(simulated.iteration_s, cost.iteration_s, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(plan.predicted_iteration_s, cost.iteration_s, rel_tol=1e-12)
+
+
+def _walk_peak(actions, held_bytes):
+    """Most bytes held at once along one rank's list: saved tensors of the micro-batches forwarded and
+    not yet backwarded, received activations not yet forwarded, received gradients not yet used."""
+    live, peak = 0.0, 0.0
+    for a in actions:
+        g = a.stage
+        if a.kind == ActionKind.RECV_ACT:
+            live += held_bytes[("inbox", g)]
+        elif a.kind == ActionKind.RECV_GRAD:
+            live += held_bytes[("gradbox", g)]
+        elif a.kind == ActionKind.FORWARD:
+            live += held_bytes[("live", g)] - (held_bytes[("inbox", g)] if g > 0 and _was_received(actions, a) else 0)
+        elif a.kind == ActionKind.BACKWARD:
+            peak = max(peak, live)
+            live -= held_bytes[("live", g)] + (held_bytes[("gradbox", g)] if _grad_received(actions, a) else 0)
+        peak = max(peak, live)
+    return peak
+
+
+def _was_received(actions, forward):
+    return any(a.kind == ActionKind.RECV_ACT and a.stage == forward.stage and a.micro_batch == forward.micro_batch
+               for a in actions)
+
+
+def _grad_received(actions, backward):
+    return any(a.kind == ActionKind.RECV_GRAD and a.stage == backward.stage and a.micro_batch == backward.micro_batch
+               for a in actions)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.randoms(use_true_random=False))
+def test_planned_memory_is_the_peak_along_the_runtime_lists(problem, rng):
+    from planner.cost.model import held_bytes, Split
+    from planner.cost.ranges import range_costs
+
+    profile, opts = problem
+    opts = opts.with_(memory_cap=None)
+    L, S = profile.num_units, opts.num_stages
+    boundaries = sorted(rng.sample(range(1, L), S - 1))
+    b = 1
+    cost, plan = _plan_of(profile, opts, boundaries, b)
+    split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + boundaries + [L]), frozenset())
+    per_item = held_bytes(split, opts)
+    topology = plan.topology()
+    opt = {"sgd": 0.0, "adamw": 2.0, "adam": 2.0}[opts.optimizer]
+    for rank, actions in enumerate(plan.instruction_lists()):
+        stages = sorted({a.stage for a in actions if a.kind == ActionKind.FORWARD})
+        static = sum(split.costs.params(*split.units(g)) for g in stages) * (2 + opt)
+        assert all(topology.rank_running(g, 0) == rank for g in stages)
+        assert math.isclose(cost.device_memory[rank], static + _walk_peak(actions, per_item), rel_tol=1e-12,
+                            abs_tol=1e-6)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=7))
+def test_solver_matches_brute_force_under_the_exact_model(problem):
+    profile, opts = problem
+    try:
+        oracle = solve_brute(profile, opts)
+    except ValueError:
+        return  # too many plans to enumerate
+    try:
+        found = solve(profile, opts)
+    except InfeasibleError:
+        assert oracle is None
+        return
+    assert oracle is not None
+    assert found.status == "optimal" and found.gap <= 1e-6  # the MIP's own tolerance
+    assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
+    again = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
+    assert again.feasible and math.isclose(again.iteration_s, found.objective, rel_tol=1e-12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=7))
+def test_the_scenario_bound_holds_for_every_plan(problem):
+    """The search skips scenarios and certifies gaps with scenario_lower_bound: no split may beat it."""
+    import itertools
+
+    from planner.cost.model import candidate_micro_batch_sizes
+    from planner.solve.search import scenario_lower_bound
+
+    profile, opts = problem
+    opts = opts.with_(memory_cap=None)
+    L, S = profile.num_units, opts.num_stages
+    redo = list(range(L)) if opts.recompute == "all" else []
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        bound = scenario_lower_bound(profile, b, opts)
+        best = min(evaluate(profile, list(split), b, opts, redo).iteration_s
+                   for split in itertools.combinations(range(1, L), S - 1))
+        assert bound <= best * (1 + 1e-12), (b, bound, best)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=6))
+def test_solver_matches_brute_force_in_mixed_precision(problem):
+    """bf16-mixed: 16 B per parameter for the step, the forward's bf16 weights held per micro-batch
+    in flight (planner.cost.memory): the solver's memory rows and the evaluation agree."""
+    profile, opts = problem
+    opts = opts.with_(precision="bf16-mixed")
+    try:
+        oracle = solve_brute(profile, opts)
+    except ValueError:
+        return
+    try:
+        found = solve(profile, opts)
+    except InfeasibleError:
+        assert oracle is None
+        return
+    assert oracle is not None and found.status == "optimal"
+    assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)

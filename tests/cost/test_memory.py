@@ -1,0 +1,154 @@
+"""Memory by precision, optimizer and sharding (issue 25): bytes per parameter against a hand count,
+the data-parallel traffic, the reserve, and the cost model and solvers using them."""
+import dataclasses
+
+import pytest
+
+from planner.cost.memory import bytes_per_param, default_reserve, sync_bytes_per_param
+from planner.cost.model import compute_profile, evaluate
+from planner.cost.options import CostOptions
+from planner.solve.api import solve
+from planner.solve.diagnose import InfeasibleError
+from planner.solve.search import expand_scenarios
+from tests.support.synthetic import synthetic_profile
+
+# Bytes per parameter on each of 4 holders, counted by hand: (params + bf16 copy) + grads + optimizer
+# (AdamW: two moments; SGD: none), the optimizer state / 4 from ZeRO-1, gradients / 4 from ZeRO-2,
+# parameters / 4 (copy made per gathered unit) from ZeRO-3.
+HAND = {
+    ("fp32", "adamw"): {"none": 4 + 4 + 8, "optimizer": 4 + 4 + 2, "gradients": 4 + 1 + 2, "parameters": 1 + 1 + 2},
+    ("bf16-mixed", "adamw"): {"none": 4 + 2 + 4 + 8, "optimizer": 4 + 2 + 4 + 2, "gradients": 4 + 2 + 1 + 2,
+                              "parameters": 1 + 1 + 2},
+    ("bf16", "adamw"): {"none": 2 + 2 + 4, "optimizer": 2 + 2 + 1, "gradients": 2 + 0.5 + 1,
+                        "parameters": 0.5 + 0.5 + 1},
+    ("fp32", "sgd"): {"none": 8, "optimizer": 8, "gradients": 4 + 1, "parameters": 1 + 1},
+    ("bf16-mixed", "sgd"): {"none": 10, "optimizer": 10, "gradients": 4 + 2 + 1, "parameters": 1 + 1},
+    ("bf16", "sgd"): {"none": 4, "optimizer": 4, "gradients": 2 + 0.5, "parameters": 0.5 + 0.5},
+}
+
+
+@pytest.mark.parametrize("precision,optimizer", sorted(HAND))
+def test_bytes_per_param_match_a_hand_count(precision, optimizer):
+    for shard, expected in HAND[precision, optimizer].items():
+        assert bytes_per_param(precision, optimizer, shard, holders=4).total == expected, shard
+        # one holder shards nothing
+        assert bytes_per_param(precision, optimizer, shard, holders=1).total == HAND[precision, optimizer]["none"]
+    assert bytes_per_param(precision, "adam").total == bytes_per_param(precision, "adamw").total
+
+
+def test_sync_bytes_per_shard():
+    # fp32, 4 holders, 8 micro-batches: ring all-reduce 2 (n-1)/n g; ZeRO-1 reduce-scatter + all-gather
+    # (the same bytes); ZeRO-2 a reduce-scatter per micro-batch; ZeRO-3 also two gathers per micro-batch
+    assert sync_bytes_per_param("fp32", "none", 4, 8) == 2 * 0.75 * 4
+    assert sync_bytes_per_param("fp32", "optimizer", 4, 8) == 0.75 * (4 + 4)
+    assert sync_bytes_per_param("fp32", "gradients", 4, 8) == 0.75 * (8 * 4 + 4)
+    assert sync_bytes_per_param("fp32", "parameters", 4, 8) == 0.75 * 8 * (4 + 2 * 4)
+    assert sync_bytes_per_param("bf16", "none", 4, 8) == 2 * 0.75 * 2
+    assert sync_bytes_per_param("fp32", "gradients", 1, 8) == 0.0
+
+
+def test_unknown_words_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="unknown precision 'fp16'"):
+        bytes_per_param("fp16", "adamw")
+    with pytest.raises(ValueError, match="unknown shard"):
+        CostOptions(pipeline_ranks=1, global_batch=1, shard="zero9").validate()
+    with pytest.raises(ValueError, match="unknown precision"):
+        CostOptions(pipeline_ranks=1, global_batch=1, precision="half").validate()
+
+
+def test_default_reserve_by_device():
+    assert default_reserve("cpu") == 0
+    assert default_reserve("cuda:0") == 2.5 * 2 ** 30
+    assert default_reserve("analytic", {"name": "h100"}) == 2.5 * 2 ** 30
+    assert default_reserve("analytic", {"name": "h100", "reserve_bytes": 123}) == 123
+    assert default_reserve("analytic", {"name": "cpu-calibrated"}) == 0
+
+
+PARAMS = [4000, 8000, 8000, 4000]  # bytes, fp32: 1000, 2000, 2000, 1000 parameters
+
+
+def _profile(dtype="float32"):
+    profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=PARAMS, saved=[400] * 4,
+                                cut_act=[80] * 3, sizes=(1, 2))
+    if dtype != "float32":  # the same model profiled in half precision: every byte count halved
+        profile = dataclasses.replace(profile, dtype="float32")
+        profile = compute_profile(profile, CostOptions(1, 1, precision="bf16"))
+    return profile
+
+
+def _opts(**kw):
+    base = dict(pipeline_ranks=2, global_batch=8, data_parallel=2, optimizer="adamw", dp_bandwidth=1e6)
+    base.update(kw)
+    return CostOptions(**base)
+
+
+def test_device_memory_counts_the_precision_and_shard():
+    profile = _profile()
+    none = evaluate(profile, [2], 2, _opts(precision="fp32"))
+    # stage 0: 3000 parameters, fp32 AdamW 16 B each
+    st = none.stages[0]
+    assert (st.param_bytes, st.grad_bytes, st.optimizer_bytes) == (12000, 12000, 24000)
+    held = none.device_memory[0] - 3000 * 16  # activations and received messages: the list's peak
+    assert held >= st.activation_bytes > 0
+    for shard, per in (("optimizer", 4 + 4 + 4), ("gradients", 4 + 2 + 4), ("parameters", 2 + 2 + 4)):
+        cost = evaluate(profile, [2], 2, _opts(precision="fp32", shard=shard))
+        gathered = 2 * 2000 * 4 if shard == "parameters" else 0  # two of the largest unit, gathered
+        assert cost.device_memory[0] == 3000 * per + gathered + held, shard
+    mixed = evaluate(profile, [2], 2, _opts(precision="bf16-mixed"))
+    # 16 B per parameter for the step, and each micro-batch in flight holds its forward's bf16 copy
+    # of the weights (2 B each, saved for backward) beside its activations; activations and messages
+    # computed in bf16: half the fp32 profile's
+    in_flight = mixed.stages[0].in_flight
+    assert in_flight == 2
+    assert mixed.device_memory[0] == 3000 * 16 + held / 2 + in_flight * 3000 * 2
+    assert mixed.stages[0].param_bytes == 3000 * 4
+
+
+def test_a_half_precision_profile_defaults_to_bf16_mixed():
+    half = _profile("bfloat16")
+    assert half.dtype == "bfloat16" and half.units[0].param_bytes == 2000
+    cost = evaluate(half, [2], 2, _opts())
+    same = evaluate(_profile(), [2], 2, _opts(precision="bf16-mixed"))
+    assert cost.device_memory == same.device_memory and cost.stages[0].param_bytes == 3000 * 4
+
+
+def test_sharded_exchange_is_charged():
+    profile = _profile()
+    m = 2  # micro-batches per replica at b = 2, G = 8, d = 2
+    for shard, per in (("none", 2 * 0.5 * 4), ("optimizer", 0.5 * 8), ("gradients", 0.5 * (m * 4 + 4))):
+        cost = evaluate(profile, [2], 2, _opts(precision="fp32", shard=shard))
+        assert cost.durations[("reduce", 0)] == pytest.approx(3000 * per / 1e6), shard
+
+
+def test_reserve_is_kept_free():
+    profile = _profile()
+    cost = evaluate(profile, [2], 2, _opts(precision="fp32", reserve_bytes=1000))
+    plain = evaluate(profile, [2], 2, _opts(precision="fp32"))
+    assert cost.device_memory[0] == plain.device_memory[0] + 1000
+    cap = plain.device_memory[0] + 500
+    assert evaluate(profile, [2], 2, _opts(precision="fp32", memory_cap=cap)).feasible
+    assert not evaluate(profile, [2], 2, _opts(precision="fp32", memory_cap=cap, reserve_bytes=1000)).feasible
+
+
+@pytest.mark.parametrize("method", ["ilp", "dp", "brute"])
+def test_solvers_respect_static_memory_and_choose_the_shard(method):
+    profile = _profile()
+    need = evaluate(profile, [2], 1, _opts(precision="fp32", recompute="none")).device_memory
+    cap = max(need) - 1  # unsharded, no split of these 2 stages fits (stage halves are the smallest)
+    opts = _opts(precision="fp32", memory_cap=cap, recompute="none")
+    with pytest.raises(InfeasibleError):
+        solve(profile, opts, method=method)
+    found = solve(profile, opts.with_(shard="auto"), method=method)
+    assert found.options.shard != "none" and found.cost.feasible
+    assert max(found.cost.device_memory) <= cap
+    fixed = solve(profile, opts.with_(shard="optimizer"), method=method)
+    assert fixed.options.shard == "optimizer" and max(fixed.cost.device_memory) <= cap
+
+
+def test_auto_shard_enumerates_shards_only_with_replicas():
+    opts = _opts(shard="auto")
+    shards = {(o.data_parallel, o.shard) for o in expand_scenarios(opts, 4, devices=4)}
+    assert (1, "none") in shards and not any(d == 1 and s != "none" for d, s in shards)
+    assert {s for d, s in shards if d == 2} == {"none", "optimizer", "gradients", "parameters"}
+    with pytest.raises(ValueError, match="concrete shard"):
+        evaluate(_profile(), [2], 2, opts)

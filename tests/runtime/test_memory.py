@@ -1,0 +1,69 @@
+"""What the engine holds per micro-batch in flight: what autograd saved, counted per storage, and
+nothing of a stage's sent outputs but the autograd endpoints."""
+import torch
+
+from planner.pipeline.actions import Action, ActionKind
+from planner.profile.optim import make_optimizer
+from runtime.engine import Engine, StepStats, _Step
+from runtime.groups import Groups
+from runtime.stage import build_rank
+from tests.support.runs import plan_with, profile_of
+
+
+def _engine(plan, rank=0):
+    topology = plan.topology()
+    model = build_rank(plan, topology, rank)
+    return Engine(model, plan.instruction_lists()[rank], topology, rank, plan.global_batch, plan.num_micro_batches,
+                  make_optimizer("sgd", model.parameters(), 0.01), torch.device("cpu"),
+                  Groups(topology, rank, model.tied_groups))
+
+
+def test_held_bytes_are_micro_batches_not_the_batch():
+    # one stage, GPipe: all m micro-batches are held at once, each what one micro-batch's forward saves;
+    # a micro-batch that is a view of the whole batch counted the batch's storage (m times its input)
+    plan = plan_with(profile_of("builtin:mlp"), [], 4, 16, "gpipe")
+    engine = _engine(plan)
+    engine.run_step(0)
+    one = _engine(plan_with(profile_of("builtin:mlp"), [], 4, 4, "gpipe"))
+    one.run_step(0)
+    assert engine.saved.peak == 4 * one.saved.peak > 0
+
+
+def test_sent_outputs_keep_only_their_graph():
+    plan = plan_with(profile_of("builtin:mlp"), [3], 4, 8, "1f1b")
+    engine = _engine(plan)
+    micro_inputs, targets = engine._micro_batches(0)
+    step = _Step(StepStats(step=0), micro_inputs, targets)
+    engine._forward(step, Action(ActionKind.FORWARD, 0, 0))
+    runner, state = engine.runners[0], step.states[(0, 0)]
+    outputs = [state.outputs[j] for j in runner.send_tensors]
+    assert runner.kept_outputs is not None
+    dropped = [o for n, o in enumerate(outputs) if n not in runner.kept_outputs and o.requires_grad]
+    assert dropped and all(o.untyped_storage().nbytes() > o.element_size() for o in dropped)
+    expected = [o.detach().clone() for o in outputs]
+    runner.drop_outputs(state)  # what a send's completion does
+    assert all(o.untyped_storage().nbytes() <= o.element_size() for o in dropped)
+    for n, o in enumerate(outputs):
+        if n in runner.kept_outputs:
+            assert torch.equal(o, expected[n])
+    # the backward still runs through the dropped outputs: the gradients are the undropped ones'
+    state.grads = [torch.ones_like(e) for e in expected]
+    engine._backward(step, Action(ActionKind.BACKWARD, 0, 0))
+    reference = _engine(plan)
+    ref_step = _Step(StepStats(step=0), micro_inputs, targets)
+    reference._forward(ref_step, Action(ActionKind.FORWARD, 0, 0))
+    ref_step.states[(0, 0)].grads = [torch.ones_like(e) for e in expected]
+    reference._backward(ref_step, Action(ActionKind.BACKWARD, 0, 0))
+    for p, q in zip(engine.params, reference.params):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_rank_keeps_no_other_stage():
+    # every rank builds and captures the whole model; afterwards it holds only its stages' tensors
+    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [3], 2, 8, "1f1b")
+    for rank in (0, 1):
+        model = build_rank(plan, plan.topology(), rank)
+        own = {id(p) for p in model.parameters()}
+        others = [p for p in model.spec.module.parameters() if id(p) not in own]
+        assert others and all(p.device.type == "meta" for p in others)
+        assert all(p.device.type == "cpu" for p in model.parameters())

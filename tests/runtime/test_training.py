@@ -1,0 +1,83 @@
+"""Training options against one process with torch's own tools: SGD momentum and weight decay,
+AdamW's betas and decay, a warm-up + cosine schedule, clipping by the global norm (tied weights,
+replicated stages and data-parallel replicas counted once), and bf16 autocast."""
+import dataclasses
+
+import pytest
+
+from planner.plan.file import save_plan
+from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan,
+                                run_cli)
+
+SCHEDULE = {"schedule": "cosine", "warmup_steps": 1, "min_lr": 0.001}
+FLAGS = ["--lr-schedule", "cosine", "--warmup-steps", "1", "--min-lr", "0.001"]
+
+
+def test_sgd_momentum_decay_schedule_and_clipping_with_ties_and_replicas(tmp_path):
+    # the embedding (rank 0) and the head (rank 1) share a weight; 2 data-parallel replicas: 4 ranks
+    plan = reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [2], 2, 4, "1f1b"), data_parallel=2)
+    training = dict(momentum=0.9, weight_decay=0.01, clip_grad_norm=0.05, **SCHEDULE)
+    state = execute(plan, tmp_path, steps=4, lr=0.1,
+                    extra=["--momentum", "0.9", "--weight-decay", "0.01", "--clip-grad-norm", "0.05", *FLAGS])
+    assert max_abs_diff(state, reference_state(plan, steps=4, lr=0.1, training=training)) <= 1e-5
+    unclipped = dict(training, clip_grad_norm=None)  # the clipping did something
+    assert max_abs_diff(state, reference_state(plan, steps=4, lr=0.1, training=unclipped)) > 1e-4
+
+
+def test_adamw_options_and_clipping_with_a_replicated_stage(tmp_path):
+    plan = reshape_plan(plan_with(profile_of("builtin:gpt", {"layers": 4}), [3], 1, 8, "1f1b"), replicas=[1, 2])
+    training = dict(betas=(0.8, 0.95), weight_decay=0.1, clip_grad_norm=0.5, **SCHEDULE)
+    state = execute(plan, tmp_path, steps=3, lr=1e-3,
+                    extra=["--optimizer", "adamw", "--betas", "0.8,0.95", "--weight-decay", "0.1",
+                           "--clip-grad-norm", "0.5", *FLAGS])
+    reference = reference_state(plan, steps=3, lr=1e-3, optimizer="adamw", training=training)
+    assert max_abs_diff(state, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_bf16_autocast_matches_one_bf16_process(tmp_path, schedule):
+    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [1, 2, 3] if schedule == "interleaved" else [2], 2, 8,
+                     "1f1b")
+    if schedule == "interleaved":
+        plan = reshape_plan(plan, virtual_stages=2, schedule="interleaved")
+    plan = dataclasses.replace(plan, precision="bf16-mixed")  # as `planner solve --precision bf16-mixed` plans it
+    state = execute(plan, tmp_path, steps=3, lr=1.0)  # the plan's precision
+    # the same autocast in one process: the same bf16 kernels on the same values
+    losses, fp32_losses = [], []
+    bf16 = max_abs_diff(state, reference_state(plan, lr=1.0, losses=losses, training={"precision": "bf16-mixed"}))
+    fp32 = max_abs_diff(state, reference_state(plan, lr=1.0, losses=fp32_losses))
+    print(f"bf16 run against one bf16 process {bf16:.3g}, against fp32 {fp32:.3g}")
+    assert bf16 <= 1e-5 < fp32
+    measured = [s["loss"] for s in report_of(tmp_path)["steps"]]
+    assert measured == pytest.approx(losses, rel=1e-6)
+    assert max(abs(a - b) for a, b in zip(measured, fp32_losses)) > 1e-5
+
+
+def test_bad_training_options_fail_in_one_line(tmp_path):
+    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [2], 2, 8, "1f1b")
+    path = str(tmp_path / "plan.json")
+    save_plan(plan, path)
+    for flags, words in [(["--betas", "0.9"], "two numbers"), (["--clip-grad-norm", "0"], "positive"),
+                         (["--momentum", "-1"], "0 or more"), (["--lr", "0"], "positive")]:
+        result = run_cli(["runtime.cli", "execute", path, *flags])
+        assert result.returncode == 2 and words in result.stderr and len(result.stderr.splitlines()) == 1, \
+            (flags, result.stderr)
+
+
+def test_a_run_in_another_precision_than_the_plan_is_refused(tmp_path):
+    """The plan's memory is that of its precision: a run asking another is refused in one line."""
+    import subprocess
+    import sys
+
+    from planner.plan.file import save_plan
+    from tests.support.runs import ROOT
+
+    plan = plan_with(profile_of("builtin:mlp"), [2], 2, 4, "1f1b")
+    path = str(tmp_path / "plan.json")
+    save_plan(plan, path)
+    for extra, needle in ((["--precision", "bf16-mixed"], "re-plan with `planner solve --precision bf16-mixed`"),
+                          (["--precision", "bf16"], "invalid choice")):
+        result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", path, "--steps", "1", *extra],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

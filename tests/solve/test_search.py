@@ -1,0 +1,82 @@
+"""The search on random chains: the exact search against brute force (small chains) and against its
+own fast heuristic (larger chains), under caps, recomputation, replicas and a per-stage call cost."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
+from planner.solve.api import solve
+from planner.solve.brute import solve_brute
+from planner.solve.diagnose import InfeasibleError
+from tests.support.synthetic import synthetic_profile
+
+
+@st.composite
+def chains(draw, max_units=14, max_stages=5, with_cap=True):
+    L = draw(st.integers(2, max_units))
+    S = draw(st.integers(1, min(max_stages, L)))
+    sizes = tuple(sorted(draw(st.sets(st.sampled_from((1, 2, 4)), min_size=1, max_size=3))))
+    rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
+    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
+    profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
+                                [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
+                                [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
+                                stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
+                                if rng.random() < 0.5 else None)
+    opts = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([4, 8, 16])),
+                       schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
+                       latency=rng.choice([0.0, 1e-4]), message_s=rng.choice([0.0, 5e-5]),
+                       optimizer=rng.choice(["sgd", "adamw"]))
+    step = rng.choice([0.0, 3e-3])
+    for unit in profile.units:  # the optimizer step, on the path at the end of the step
+        unit.optimizer_s = {"sgd": step / L, "adamw": 2 * step / L}
+    if with_cap and draw(st.booleans()):
+        free = solve(profile, opts, method="dp")  # a feasible plan's memory, to scale the cap
+        peak = max(free.cost.device_memory)
+        opts = opts.with_(memory_cap=peak * draw(st.floats(0.6, 1.0)))
+    return profile, opts
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_the_heuristic_is_feasible_and_never_beats_the_exact_search(problem):
+    profile, opts = problem
+    try:
+        exact = solve(profile, opts)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve(profile, opts, method="dp")
+        return
+    assert exact.status == "optimal" and exact.gap <= 1e-6
+    fast = solve(profile, opts, method="dp")  # the starts and local search alone, with the scenarios' bound
+    assert fast.cost.feasible and fast.objective >= exact.objective * (1 - 1e-9)
+    assert fast.bound <= exact.objective * (1 + 1e-9)
+    for found in (exact, fast):
+        cost = evaluate(profile, found.boundaries, found.micro_batch_size, opts, found.recompute)
+        assert cost.feasible and cost.iteration_s == pytest.approx(found.objective, rel=1e-12)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(max_units=7, max_stages=4), st.sampled_from(["none", "all", "auto"]), st.sampled_from([1, 2]))
+def test_exact_search_equals_brute_force(problem, recompute, replicas):
+    profile, opts = problem
+    opts = opts.with_(recompute=recompute, data_parallel=replicas)
+    oracle = solve_brute(profile, opts)
+    if oracle is None:
+        with pytest.raises(InfeasibleError):
+            solve(profile, opts)
+        return
+    found = solve(profile, opts)
+    assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
+    assert found.status == "optimal"
+
+
+def test_the_heuristic_plans_interleaved_too():
+    p = synthetic_profile([0.01] * 8, [0.02] * 8, [1] * 8, [1] * 8, [1] * 7)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2)
+    fast, exact = solve(p, opts, method="dp"), solve(p, opts)
+    assert fast.bound <= exact.objective <= fast.objective
+    assert evaluate(p, fast.boundaries, fast.micro_batch_size, opts).iteration_s == pytest.approx(fast.objective)
