@@ -192,7 +192,7 @@ class CapturedModel:
                 f"{first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
                 "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
         self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
-        return exported.gm
+        return _without_metadata_asserts(exported.gm)
 
     def check_batch_size(self, size: int, fix: str) -> None:
         """Refuse a micro-batch size the graph cannot run (export fixed another one); `fix` says what to do."""
@@ -220,10 +220,13 @@ class CapturedModel:
                 return type(value)(moved(v) for v in value)
             return value
 
-        for node in self.gm.graph.nodes:
-            node.args = moved(node.args)
-            node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
-        self.gm.recompile()
+        # the graph and the graphs nested in it (torch.export's higher-order operations, such as
+        # wrap_with_set_grad_enabled around a rotary embedding, keep their body as a submodule)
+        for graph_module in [m for m in self.gm.modules() if isinstance(m, torch.fx.GraphModule)]:
+            for node in graph_module.graph.nodes:
+                node.args = moved(node.args)
+                node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+            graph_module.recompile()
         return self
 
     def input_values(self, inputs: Any) -> List[Any]:
@@ -419,6 +422,19 @@ def remember_batch(module: nn.Module, batch: Callable) -> None:
 def example_batch(module: nn.Module) -> Any:
     batch = _EXAMPLE_BATCHES.get(module)
     return batch(EXAMPLE_BATCH_SIZE, 0)[0] if batch is not None else None
+
+
+def _without_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """torch.export checks each traced tensor's dtype and device as it was traced
+    (`aten._assert_tensor_metadata`); a run under autocast (bf16-mixed) or on another device
+    legitimately differs, so the checks go (they compute nothing)."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for graph_module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        for node in [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is check]:
+            if not node.users:
+                graph_module.graph.erase_node(node)
+        graph_module.recompile()
+    return gm
 
 
 def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto") -> CapturedModel:
