@@ -30,6 +30,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
         })
     measured = statistics.median(_steady([s["time_s"] for s in steps])) if steps else 0.0
     ranks = []
+    lists = plan.instruction_lists()
     for r in rank_results:
         stages = r.get("chunks", [r["rank"]])  # the rank's stages ("chunks" in the rank and report files)
         plan_stages = [plan.stages[g] for g in stages]
@@ -63,7 +64,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
                 "device_total", sum(float(st.memory_bytes.get("total", 0)) for st in plan_stages))) if plan_stages else None,
             "peak_saved_bytes": r.get("peak_saved_bytes"),
             "param_bytes": r.get("param_bytes"),
-            "predicted_activation_bytes": sum(float(st.memory_bytes.get("activations", 0)) for st in plan_stages),
+            "predicted_activation_bytes": _planned_live_peak(plan, lists, r.get("pipeline_rank", r["rank"]), stages),
         })
     predicted = float(plan.predicted_iteration_s)
     return {
@@ -112,3 +113,18 @@ def format_report(report: Dict[str, Any]) -> str:
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
     lines += host_speed_lines(report.get("host_slowdown"), p, m)
     return "\n".join(lines)
+
+
+def _planned_live_peak(plan, lists, pipeline_rank: int, stages) -> float:
+    """The most bytes the plan has this rank's stages hold for backward at once: the peak, along
+    the rank's list, of each stage's micro-batches in flight times its saved bytes per micro-batch
+    (what the saved-tensor hooks measure; received buffers are not saved tensors). Summing each
+    stage's own peak would count stages that peak at different moments twice."""
+    from planner.pipeline.stepgraph import held_peaks
+
+    per_micro_batch = {g: float(plan.stages[g].memory_bytes.get("activations", 0)) / plan.stages[g].in_flight
+                       for g in stages if plan.stages[g].in_flight}
+    if not 0 <= pipeline_rank < len(lists):
+        return sum(float(plan.stages[g].memory_bytes.get("activations", 0)) for g in stages)
+    return max((sum(n * per_micro_batch.get(g, 0.0) for (kind, g), n in peak.items() if kind == "live")
+                for peak in held_peaks(lists[pipeline_rank])), default=0.0)
