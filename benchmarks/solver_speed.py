@@ -20,17 +20,13 @@ sys.path.insert(0, ROOT)
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.profile.pipedream import import_pipedream  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
-from tests.support.synthetic import synthetic_profile  # noqa: E402
+from tests.support.synthetic import random_chain  # noqa: E402
 
 PIPEDREAM = os.path.join(ROOT, "..", "shared", "external", "pipedream-profiles")
 
 
 def chain(rng, L):
-    sizes = (1, 2, 4, 8)
-    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
-    return synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
-                             [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
-                             [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
+    return random_chain(rng, L, sizes=(1, 2, 4, 8))
 
 
 def p95(xs):

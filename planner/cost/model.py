@@ -181,8 +181,10 @@ def held_counts(opts: CostOptions, m: int) -> List[int]:
     return stage_in_flight(step_shape(opts, m))
 
 
-def rank_speeds(opts: CostOptions) -> List[float]:
-    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(opts.pipeline_ranks)]
+def rank_speeds(opts: CostOptions, devices: Optional[int] = None) -> List[float]:
+    """sigma_i of each of the first `devices` devices (default the pipeline ranks)."""
+    count = opts.pipeline_ranks if devices is None else devices
+    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(count)]
 
 
 def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
@@ -338,10 +340,6 @@ class Split:
         return self.edges[g], self.edges[g + 1]
 
 
-def _device_speeds(opts: CostOptions, devices: int) -> List[float]:
-    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(devices)]
-
-
 def _device_caps(opts: CostOptions, devices: int) -> List[Optional[float]]:
     return [opts.memory_cap if opts.cluster is None else opts.cluster.memory(i, opts.memory_cap)
             for i in range(devices)]
@@ -374,7 +372,7 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
                    ties: Sequence[Tuple[str, List[int], int]] = ()) -> Dict[Tuple, float]:
     """Every duration term of the step graph for this split (module docstring)."""
     costs, S, devices = split.costs, opts.num_stages, shape.pipeline_ranks
-    speeds, links = _device_speeds(opts, devices), boundary_links(opts)
+    speeds, links = rank_speeds(opts, devices), boundary_links(opts)
     value: Dict[Tuple, float] = {("message",): opts.message_s}
     for g in range(S):
         (a, e), speed = split.units(g), speeds[shape.rank_of(g)]

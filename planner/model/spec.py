@@ -52,3 +52,20 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     return obj
+
+
+def image_classification(model: torch.nn.Module, image: int, classes: int, seed: int) -> ModelSpec:
+    """A spec for a model of (N, 3, image, image) images to `classes` logits: random images and
+    labels deterministic per step (`seed` keeps models' streams apart), cross-entropy loss."""
+    import torch.nn.functional as F
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7919 * step + seed)
+        images = torch.randn(batch_size, 3, image, image, generator=g)
+        labels = torch.randint(0, classes, (batch_size,), generator=g)
+        return (images,), labels
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)
+
+    return ModelSpec(module=model, batch=batch, loss=loss)

@@ -115,6 +115,12 @@ class StepGraph:
         for r in range(self.ranks):
             node = self._add([(last[r], None)], [("reduce", r)], r, "reduce")
             self.rank_last.append(self._add([(node, None)], [("step", r)], r, ActionKind.OPTIMIZER_STEP.value))
+        # the nodes as integer arrays (term indices; -1: none): `run` is a tight loop over them
+        index: Dict[Term, int] = {}
+        self._preds = [tuple((p, index.setdefault(term, len(index)) if term is not None else -1)
+                             for p, term in node.preds) for node in self.nodes]
+        self._own = [tuple(index.setdefault(term, len(index)) for term in node.terms) for node in self.nodes]
+        self._terms = list(index)
 
     def _add(self, preds, terms, rank: int, label: str, action: Optional[Action] = None) -> int:
         self.nodes.append(_Node(preds, terms, rank, label, action))
@@ -135,19 +141,9 @@ class StepGraph:
             preds += [(before, transfer), (peer, transfer)]
         return self._add(preds, [("message",)] * len(batch), r, "batch " + ", ".join(str(a) for a in batch), batch[0])
 
-    def _compiled(self):
-        """The nodes as integer arrays (term indices; -1: none), built once: `run` is a tight loop."""
-        if getattr(self, "_flat", None) is None:
-            index: Dict[Term, int] = {}
-            preds = [tuple((p, index.setdefault(term, len(index)) if term is not None else -1)
-                           for p, term in node.preds) for node in self.nodes]
-            own = [tuple(index.setdefault(term, len(index)) for term in node.terms) for node in self.nodes]
-            self._flat = (list(index), preds, own)
-        return self._flat
-
     def run(self, value: Mapping[Term, float]) -> Timeline:
         """Every node's end for one set of durations (`value[term]`, 0 where absent)."""
-        terms, all_preds, all_own = self._compiled()
+        terms, all_preds, all_own = self._terms, self._preds, self._own
         val = [float(value.get(term, 0.0)) for term in terms] + [0.0]  # index -1: no term
         end = [0.0] * (len(self.nodes) + 1)  # end[-1] = 0: the start of the step
         via: List[Tuple[int, int]] = [(-1, -1)] * len(self.nodes)

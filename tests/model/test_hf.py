@@ -8,7 +8,7 @@ from planner.model.capture import capture  # noqa: E402
 from planner.model.entry import build_spec  # noqa: E402
 from planner.model.spec import ModelEntryError, call_model  # noqa: E402
 from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state  # noqa: E402
-from tests.support.runs import run_stages  # noqa: E402
+from tests.support.runs import assert_trains_like_one_process, run_stages  # noqa: E402
 
 LLAMA = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "seq_len": 8}
@@ -21,12 +21,7 @@ BERT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidd
 def assert_pipeline_exact(entry, args, cuts, tmp_path, b=2, g=4, schedule="1f1b"):
     profile = profile_of(entry, args, sizes=(1, 2))
     assert profile.capture == "export"
-    plan = plan_with(profile, cuts, b, g, schedule)
-    state = execute(plan, tmp_path, steps=3)
-    reference = reference_state(plan, steps=3)
-    assert max_abs_diff(state, reference) <= 1e-5
-    initial = build_spec(entry, args, 0).module.state_dict()
-    assert max_abs_diff(state, {k: v.clone() for k, v in initial.items()}) > 1e-4
+    assert_trains_like_one_process(plan_with(profile, cuts, b, g, schedule), tmp_path, entry, args)
     return profile
 
 

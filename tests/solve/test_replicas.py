@@ -17,7 +17,7 @@ from planner.solve.brute import solve_brute, solve_brute_replicated
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.replicas import solve_replicated
 from planner.solve.solution import Solution
-from tests.support.synthetic import synthetic_profile
+from tests.support.synthetic import random_chain, synthetic_profile
 
 
 def three_units():
@@ -97,12 +97,7 @@ def problems(draw):
     N = draw(st.integers(1, 5))
     sizes = tuple(sorted(draw(st.sets(st.sampled_from((1, 2, 4)), min_size=1, max_size=3))))
     rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
-    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
-    profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
-                                [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
-                                [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
-                                stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
-                                if rng.random() < 0.5 else None)
+    profile = random_chain(rng, L, sizes, stage_overhead=True)
     opts = CostOptions(pipeline_ranks=N, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), data_parallel=draw(st.sampled_from([1, 2])),

@@ -11,7 +11,7 @@ from planner.cost.options import CostOptions
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError
-from tests.support.synthetic import synthetic_profile
+from tests.support.synthetic import random_chain, synthetic_profile
 
 
 @st.composite
@@ -20,12 +20,7 @@ def chains(draw, max_units=14, max_stages=5, with_cap=True):
     S = draw(st.integers(1, min(max_stages, L)))
     sizes = tuple(sorted(draw(st.sets(st.sampled_from((1, 2, 4)), min_size=1, max_size=3))))
     rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
-    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
-    profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
-                                [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
-                                [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
-                                stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
-                                if rng.random() < 0.5 else None)
+    profile = random_chain(rng, L, sizes, stage_overhead=True)
     opts = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), message_s=rng.choice([0.0, 5e-5]),

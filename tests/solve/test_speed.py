@@ -12,15 +12,11 @@ from planner.cost.options import CostOptions
 from planner.profile.profile import save_profile
 from planner.solve.api import solve
 from planner.solve.chain import solve_chain
-from tests.support.synthetic import synthetic_profile
+from tests.support.synthetic import random_chain
 
 
 def _chain(L, seed=0, sizes=(1, 2)):
-    rng = random.Random(seed)
-    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}
-    return synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
-                             [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
-                             [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes)
+    return random_chain(random.Random(seed), L, sizes)
 
 
 @pytest.mark.skipif(bool(os.environ.get("PLANNER_SKIP_SLOW")), reason="PLANNER_SKIP_SLOW is set")

@@ -149,6 +149,17 @@ def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
 
 
+def assert_trains_like_one_process(plan: Plan, tmp_path, entry: str, args: Optional[dict] = None,
+                                   steps: int = 3) -> Dict[str, torch.Tensor]:
+    """Run the plan; its final state equals single-process training on the same micro-batches
+    (1e-5), and training moved the weights (a runtime that skipped the update would not)."""
+    state = execute(plan, tmp_path, steps=steps)
+    assert max_abs_diff(state, reference_state(plan, steps=steps)) <= 1e-5
+    initial = build_spec(entry, args or {}, 0).module.state_dict()
+    assert max_abs_diff(state, {k: v.clone() for k, v in initial.items()}) > 1e-4
+    return state
+
+
 def report_of(tmp_path) -> dict:
     with open(os.path.join(str(tmp_path), "report.json")) as f:
         return json.load(f)

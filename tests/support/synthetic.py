@@ -57,3 +57,14 @@ def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], p
                    micro_batch_sizes=list(sizes), units=units, cuts=cuts, device="cpu",
                    device_name="synthetic", threads=1, dtype="float32", torch_version="test",
                    stage_overhead_s=dict(stage_overhead or {}))
+
+
+def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: bool = False) -> Profile:
+    """A random chain of L units (times growing with b, random parameter, saved and cut bytes);
+    with `stage_overhead`, half of them also charge every stage a random call cost per micro-batch."""
+    per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}  # noqa: E731
+    return synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
+                             [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
+                             [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
+                             stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
+                             if stage_overhead and rng.random() < 0.5 else None)

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import List, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from planner.model.spec import ModelSpec
+from planner.model.spec import ModelSpec, image_classification
 
 
 class ConvNormAct(nn.Sequential):
@@ -95,15 +94,4 @@ def build(blocks: int = 6, width: float = 0.5, image: int = 32, classes: int = 1
     (at least 16: BatchNorm after the last stride needs more than one value per channel)."""
     if not 1 <= blocks <= len(_BLOCKS):
         raise ValueError(f"mobilenet: blocks must be 1..{len(_BLOCKS)} (got {blocks})")
-    model = MobileNet(blocks, width, classes)
-
-    def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(7919 * step + 11)
-        images = torch.randn(batch_size, 3, image, image, generator=g)
-        labels = torch.randint(0, classes, (batch_size,), generator=g)
-        return (images,), labels
-
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, labels)
-
-    return ModelSpec(module=model, batch=batch, loss=loss)
+    return image_classification(MobileNet(blocks, width, classes), image, classes, seed=11)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.model.spec import ModelSpec
+from planner.model.spec import ModelSpec, image_classification
 
 
 class ResidualBlock(nn.Module):
@@ -63,15 +63,4 @@ def build(width: int = 8, blocks: int = 4, image: int = 16, classes: int = 10, b
     """GroupNorm by default: per-sample normalisation, so micro-batching does not change the maths.
     `batchnorm=True` uses BatchNorm2d (running statistics are buffers, updated micro-batch by micro-batch).
     `inplace=True`: in-place activations and residual adds, as torchvision writes them."""
-    model = ResNet(width, blocks, classes, batchnorm, inplace)
-
-    def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(7919 * step + 3)
-        images = torch.randn(batch_size, 3, image, image, generator=g)
-        labels = torch.randint(0, classes, (batch_size,), generator=g)
-        return (images,), labels
-
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, labels)
-
-    return ModelSpec(module=model, batch=batch, loss=loss)
+    return image_classification(ResNet(width, blocks, classes, batchnorm, inplace), image, classes, seed=3)
