@@ -320,6 +320,32 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     critical_path=path_form(timeline), durations=value, collectives=shape.collectives)
 
 
+def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
+                    opts: CostOptions) -> List[Optional[Tuple[float, PathForm]]]:
+    """(iteration seconds, longest path) of each split (boundaries, recomputed units), exactly as
+    `evaluate` gives them, the step graph run for all of them at once (StepGraph.run_many); no
+    memory, so a search screens many splits with it and evaluates the ones it keeps. None for a
+    split that is not valid."""
+    profile = compute_profile(profile, opts)
+    L = profile.num_units
+    m = num_micro_batches(opts, b)
+    costs, ties, fixed = range_costs(profile, b, opts.optimizer), shared_parameters(profile), fixed_bytes(profile, opts)
+    groups: Dict[StepShape, List[Tuple[int, Dict[Tuple, float]]]] = {}
+    for k, (boundaries, recompute) in enumerate(splits):
+        try:
+            validate_boundaries(profile, boundaries, b, opts)
+        except ValueError:
+            continue
+        split = Split(costs, tuple([0] + list(boundaries) + [L]), frozenset(recompute), profile.dtype, fixed)
+        shape = step_shape(opts, m, step_collectives(ties, split.edges, opts))
+        groups.setdefault(shape, []).append((k, step_durations(split, opts, shape, ties)))
+    out: List[Optional[Tuple[float, PathForm]]] = [None] * len(splits)
+    for shape, members in groups.items():
+        for (k, _), timeline in zip(members, step_graph(shape).run_many([value for _, value in members])):
+            out[k] = (timeline.step_s + opts.step_overhead_s, path_form(timeline))
+    return out
+
+
 def path_form(timeline) -> PathForm:
     """The longest path of a simulated step as a PathForm (tied-weight crossings named by weight)."""
     return PathForm(counts=tuple(sorted(timeline.critical.items(), key=repr)),
@@ -421,9 +447,11 @@ def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[flo
     costs = split.costs
     held = held_bytes(split, opts)
     out = []
+    devices = stage_devices(shape)
+    factors = [_stage_factor(split, opts, shape, g) for g in range(opts.num_stages)]
+    params = [costs.params(*split.units(g)) for g in range(opts.num_stages)]
     for i, peaks in enumerate(rank_peaks(shape)):
-        static = sum(costs.params(*split.units(g)) * _stage_factor(split, opts, shape, g)
-                     for g in range(opts.num_stages) if i in _devices_of(shape, g))
+        static = sum(params[g] * factors[g] for g in range(opts.num_stages) if i in devices[g])
         activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
         out.append(static + split.fixed + activations)
     return out

@@ -39,6 +39,7 @@ class StepShape:
 
 
 @lru_cache(maxsize=256)
+@lru_cache(maxsize=256)
 def stage_devices(shape: StepShape) -> Tuple[Tuple[int, ...], ...]:
     """The devices running each stage (one, or a replicated stage's r_g)."""
     return tuple(tuple(sorted({shape.rank_of(g, i) for i in range(shape.num_micro_batches)}))
