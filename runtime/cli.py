@@ -82,6 +82,9 @@ def execute(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"running {args.plan}: {_shape(topology)}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
           f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
+    if plan.emulated_boundaries:
+        print(f"emulating the cluster's slow link at stage boundaries {plan.emulated_boundaries}: each message "
+              "crossing it is held for its planned transfer time (runtime/emulation.py)", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
     result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,

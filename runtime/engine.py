@@ -40,6 +40,7 @@ from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
+from runtime.emulation import hold
 from runtime.groups import GradientBuckets, Groups, last_backwards
 from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
 from runtime.runner import StageRunner
@@ -114,6 +115,7 @@ class Engine:
         self.trace = trace
         self.autocast = autocast  # torch.autocast's dtype for forwards and losses, or None
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
+        self.emulated_links: Dict[Tuple[str, int], float] = {}  # runtime.emulation: seconds per crossing
         self.clock = StepClock(device)
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
@@ -261,6 +263,7 @@ class Engine:
             operations.append(operation)
             after.append(done)
         exchange(operations, self.use_tags)
+        hold(actions, self.emulated_links)
         step.stats.messages += len(operations)
         for done, operation in zip(after, operations):
             if done is not None:

@@ -55,7 +55,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
-from planner.cost.step import StepShape, rank_peaks, stage_devices, stage_in_flight, step_graph
+from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
 
@@ -323,7 +323,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
 def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
                     opts: CostOptions) -> List[Optional[Tuple[float, PathForm]]]:
     """(iteration seconds, longest path) of each split (boundaries, recomputed units), exactly as
-    `evaluate` gives them, the step graph run for all of them at once (StepGraph.run_many); no
+    `evaluate` gives them, the step graph run for all of them at once (planner.cost.step.run_many); no
     memory, so a search screens many splits with it and evaluates the ones it keeps. None for a
     split that is not valid."""
     profile = compute_profile(profile, opts)
@@ -341,7 +341,7 @@ def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iter
         groups.setdefault(shape, []).append((k, step_durations(split, opts, shape, ties)))
     out: List[Optional[Tuple[float, PathForm]]] = [None] * len(splits)
     for shape, members in groups.items():
-        for (k, _), timeline in zip(members, step_graph(shape).run_many([value for _, value in members])):
+        for (k, _), timeline in zip(members, run_many(step_graph(shape), [value for _, value in members])):
             out[k] = (timeline.step_s + opts.step_overhead_s, path_form(timeline))
     return out
 

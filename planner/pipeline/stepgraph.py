@@ -30,8 +30,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
-
 from planner.pipeline.actions import COMM_KINDS, SENDS, Action, ActionKind, message_of
 
 Term = Tuple
@@ -123,7 +121,6 @@ class StepGraph:
                              for p, term in node.preds) for node in self.nodes]
         self._own = [tuple(index.setdefault(term, len(index)) for term in node.terms) for node in self.nodes]
         self._terms = list(index)
-        self._levels: Optional[List[Tuple[np.ndarray, ...]]] = None  # run_many's arrays, made on first use
 
     def _add(self, preds, terms, rank: int, label: str, action: Optional[Action] = None) -> int:
         self.nodes.append(_Node(preds, terms, rank, label, action))
@@ -144,70 +141,6 @@ class StepGraph:
             preds += [(before, transfer), (peer, transfer)]
         return self._add(preds, [("message",)] * len(batch), r, "batch " + ", ".join(str(a) for a in batch), batch[0])
 
-    def _level_arrays(self) -> List[Tuple[np.ndarray, ...]]:
-        """The nodes grouped by depth (every predecessor in an earlier group), each group as arrays:
-        node ids, predecessors and edge terms (column 0 and padding: the step's start, no term), own
-        terms (padding: no term). Index N (nodes) and T (terms) stand for 0."""
-        if self._levels is None:
-            N, T = len(self.nodes), len(self._terms)
-            depth = [0] * N
-            groups: Dict[int, List[int]] = {}
-            for n in range(N):
-                depth[n] = 1 + max((depth[p] for p, _ in self._preds[n] if p >= 0), default=-1)
-                groups.setdefault(depth[n], []).append(n)
-            self._levels = []
-            for d in sorted(groups):
-                nodes = groups[d]
-                width = 1 + max(len(self._preds[n]) for n in nodes)
-                preds, edges = np.full((len(nodes), width), N), np.full((len(nodes), width), T)
-                own = np.full((len(nodes), max(1, max(len(self._own[n]) for n in nodes))), T)
-                for i, n in enumerate(nodes):
-                    for j, (p, t) in enumerate(self._preds[n]):
-                        preds[i, j + 1], edges[i, j + 1] = (p if p >= 0 else N), (t if t >= 0 else T)
-                    own[i, :len(self._own[n])] = self._own[n]
-                self._levels.append((np.array(nodes), preds, edges, own))
-        return self._levels
-
-    def run_many(self, values: Sequence[Mapping[Term, float]]) -> List[Timeline]:
-        """`run` for several sets of durations at once, vectorised over the sets: the same rule in the
-        same floating-point order, so each Timeline (step, rank ends, longest path, crossings) is
-        the one `run` gives; node ends are left out. For searches that simulate many splits."""
-        K, N, T = len(values), len(self.nodes), len(self._terms)
-        if K == 0:
-            return []
-        val = np.zeros((T + 1, K))
-        for k, value in enumerate(values):
-            val[:T, k] = [float(value.get(term, 0.0)) for term in self._terms]
-        end = np.zeros((N + 1, K))
-        via = np.zeros((N, K), dtype=np.int64)
-        for nodes, preds, edges, own in self._level_arrays():
-            candidates = end[preds] + val[edges]  # (nodes, predecessors, sets)
-            arg = candidates.argmax(axis=1)  # the first largest, as run's strict '>' keeps
-            best = np.take_along_axis(candidates, arg[:, None, :], axis=1)[:, 0, :]
-            for j in range(own.shape[1]):
-                best = best + val[own[:, j]]
-            end[nodes], via[nodes] = best, arg
-        out = []
-        for k in range(K):
-            rank_end = [float(end[n, k]) for n in self.rank_last]
-            n = max(self.rank_last, key=lambda q: end[q, k])
-            critical: Counter = Counter()
-            crossings: List[Tuple[Term, int, int]] = []
-            after = -1
-            while n >= 0:
-                node = self.nodes[n]
-                critical.update(node.terms)
-                column = int(via[n, k])
-                p, t = self._preds[n][column - 1] if column > 0 else (-1, -1)
-                if t >= 0:
-                    critical[self._terms[t]] += 1
-                if node.rank < 0 and p >= 0 and self.nodes[p].rank != after:
-                    crossings.append((node.terms[0], self.nodes[p].rank, after))
-                after = node.rank if node.rank >= 0 else after
-                n = p
-            out.append(Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=critical, crossings=crossings))
-        return out
-
     def run(self, value: Mapping[Term, float]) -> Timeline:
         """Every node's end for one set of durations (`value[term]`, 0 where absent)."""
         terms, all_preds, all_own = self._terms, self._preds, self._own
@@ -224,7 +157,29 @@ class StepGraph:
                 best += val[t]
             end[n], via[n] = best, arg
         end.pop()
-        rank_end = [end[n] for n in self.rank_last]
+        timeline = self.timeline([end[n] for n in range(len(self.nodes))], via.__getitem__)
+        timeline.node_end_s = end
+        return timeline
+
+    # The compiled graph, read by planner.cost.step's vectorised runner: per node, its predecessors
+    # as (node or -1, edge term index or -1) and its own term indices; the terms by index.
+    @property
+    def predecessors(self) -> List[Tuple[Tuple[int, int], ...]]:
+        return self._preds
+
+    @property
+    def own_terms(self) -> List[Tuple[int, ...]]:
+        return self._own
+
+    @property
+    def terms(self) -> List[Term]:
+        return self._terms
+
+    def timeline(self, end: Sequence[float], via: Callable[[int], Tuple[int, int]]) -> Timeline:
+        """The Timeline of node ends `end` (no node ends) whose longest path enters node n from
+        `via(n)` = (predecessor or -1, edge term index or -1): the step, each rank's end, and the
+        path's term counts and collective crossings, traced back from the last rank to finish."""
+        rank_end = [float(end[n]) for n in self.rank_last]
         n = max(self.rank_last, key=lambda k: end[k])
         critical: Counter = Counter()
         crossings: List[Tuple[Term, int, int]] = []
@@ -232,15 +187,14 @@ class StepGraph:
         while n >= 0:
             node = self.nodes[n]
             critical.update(node.terms)
-            p, t = via[n]
+            p, t = via(n)
             if t >= 0:
-                critical[terms[t]] += 1
+                critical[self._terms[t]] += 1
             if node.rank < 0 and p >= 0 and self.nodes[p].rank != after:
                 crossings.append((node.terms[0], self.nodes[p].rank, after))
             after = node.rank if node.rank >= 0 else after
             n = p
-        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=critical, crossings=crossings,
-                        node_end_s=end)
+        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=critical, crossings=crossings)
 
 
 def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:

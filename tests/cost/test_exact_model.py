@@ -83,7 +83,7 @@ def test_prediction_is_the_simulation_of_the_runtime_lists(problem, rng):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.randoms(use_true_random=False))
 def test_screening_many_splits_at_once_is_evaluate(problem, rng):
-    # the search simulates many splits in one vectorised run (StepGraph.run_many): the same step,
+    # the search simulates many splits in one vectorised run (planner.cost.step.run_many): the same step,
     # to the bit, and the same longest path as evaluate, split by split (ties, collectives included)
     from planner.cost.model import simulate_splits
 
