@@ -181,20 +181,20 @@ class StepGraph:
         path's term counts and collective crossings, traced back from the last rank to finish."""
         rank_end = [float(end[n]) for n in self.rank_last]
         n = max(self.rank_last, key=lambda k: end[k])
-        critical: Counter = Counter()
+        on_path: List[Term] = []
         crossings: List[Tuple[Term, int, int]] = []
         after = -1  # the rank of the path's node after n
         while n >= 0:
             node = self.nodes[n]
-            critical.update(node.terms)
+            on_path += node.terms
             p, t = via(n)
             if t >= 0:
-                critical[self._terms[t]] += 1
+                on_path.append(self._terms[t])
             if node.rank < 0 and p >= 0 and self.nodes[p].rank != after:
                 crossings.append((node.terms[0], self.nodes[p].rank, after))
             after = node.rank if node.rank >= 0 else after
             n = p
-        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=critical, crossings=crossings)
+        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=Counter(on_path), crossings=crossings)
 
 
 def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
