@@ -17,12 +17,12 @@ only while forwards and backwards run (not during the optimizer step, whose temp
 add to, nor in checkpoints), it costs the same one cast per weight per step, and nothing outside
 the step ever sees a parameter that is not the model's own.
 
-A weight tied across places (an embedding and an LM head) gets a copy per place it sits in: the
-runtime's stage modules are cut from the captured graph, each holding the weights its units read
-(a tie used by two stages sits in each), so the gradients of the uses in different stages reach
-the master in fp32 and are summed there, on one rank or across the ranks holding the tie, the same
-for any placement; one process training the model as written (its two attributes) does the same.
-The cost: a tied weight used by two stages on one rank is copied twice.
+A weight tied across places (an embedding and an LM head) gets a copy per place it sits in (a
+module attribute): the runtime's stage modules are cut from the captured graph and keep the model's
+layers, each holding the weights it reads, so the gradients of the two uses reach the master in
+fp32 and are summed there, whether the uses are in one stage, in two stages of one rank or on two
+ranks (then summed by the tie's all-reduce); one process training the model as written (its two
+attributes) does the same. The cost: a tied weight is copied once per use.
 
 Which parameters get a copy: floating-point ones of two or more dimensions (the weights of linear,
 convolution and embedding layers: the matrices autocast runs in bf16, and the embedding tables, so
