@@ -70,14 +70,7 @@ def static_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) 
     master weights, optimizer state) for a stage of n holders (default the d replicas)."""
     n = opts.data_parallel if holders is None else holders
     held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
-    return held.static / memory_model.param_itemsize(dtype)
-
-
-def copy_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
-    """Bytes of the compute copy of the weights per parameter byte, held per micro-batch in flight."""
-    n = opts.data_parallel if holders is None else holders
-    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
-    return held.compute_copy / memory_model.param_itemsize(dtype)
+    return held.total / memory_model.param_itemsize(dtype)
 
 
 def sync_time(param_bytes: float, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> float:
@@ -433,10 +426,9 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
     """Bytes per held item of each kind (planner.pipeline.stepgraph.held_peaks' terms)."""
     costs, S = split.costs, opts.num_stages
     out: Dict[Tuple, float] = {}
-    copy = copy_factor(opts, split.dtype)  # bf16-mixed: the forward's cast weights, saved for backward
     for g in range(S):
         a, e = split.units(g)
-        out[("live", g)] = costs.saved(a, e, split.redo) + copy * costs.params(a, e)
+        out[("live", g)] = costs.saved(a, e, split.redo)
         out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
         out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
     return out
@@ -482,9 +474,9 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
             first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
             backward_s=value[("backward", g)], comm_s=comm,
             time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
-            param_bytes=int(count * per.params), grad_bytes=int(count * per.grads),
+            param_bytes=int(count * (per.params + per.compute_copy)), grad_bytes=int(count * per.grads),
             optimizer_bytes=count * (per.master + per.optimizer),
-            activation_bytes=int(activations), memory_bytes=count * per.static + activations,
+            activation_bytes=int(activations), memory_bytes=count * per.total + activations,
             extra_s=value[("reduce", device)] + collective,
             recompute=sorted(l for l in split.redo if a <= l < e), replicas=len(_devices_of(shape, g))))
     return stages

@@ -198,8 +198,8 @@ def test_the_scenario_bound_holds_for_every_plan(problem):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=6))
 def test_solver_matches_brute_force_in_mixed_precision(problem):
-    """bf16-mixed: 16 B per parameter for the step, the forward's bf16 weights held per micro-batch
-    in flight (planner.cost.memory): the solver's memory rows and the evaluation agree."""
+    """bf16-mixed: 18 B per parameter for the step, the bf16 compute copy once per stage
+    (planner.cost.memory): the solver's memory rows and the evaluation agree."""
     profile, opts = problem
     opts = opts.with_(precision="bf16-mixed")
     try:
