@@ -12,7 +12,7 @@ from planner.solve.solution import Solution
 from runtime.emulation import crossing, link_delays
 from tests.support.runs import execute, max_abs_diff, profile_of, reference_state, report_of
 
-SLOW = {"groups": [{"devices": 1}, {"devices": 1}], "links": [{"bandwidth": "100MB", "latency": 0.05, "emulate": True}]}
+SLOW = {"groups": [{"devices": 1}, {"devices": 1}], "links": [{"bandwidth": "100MB", "latency": 0.1, "emulate": True}]}
 
 
 def _plan(cluster_json, boundaries=(2,), b=2, g=8):
@@ -32,7 +32,7 @@ def test_the_plan_names_the_boundaries_crossing_an_emulated_link():
     with pytest.raises(ValueError, match="emulate"):
         cluster_from_json(dict(SLOW, links=[dict(SLOW["links"][0], emulate="yes")]))
     delays = link_delays(_plan(SLOW))
-    assert set(delays) == {("act", 0), ("grad", 0)} and delays[("act", 0)] >= 0.05
+    assert set(delays) == {("act", 0), ("grad", 0)} and delays[("act", 0)] >= 0.1
     # a message's boundary: stage g sends activations over g and gradients over g - 1
     assert crossing(Action(ActionKind.SEND_ACT, 0, 0)) == ("act", 0)
     assert crossing(Action(ActionKind.RECV_ACT, 0, 1)) == ("act", 0)
@@ -42,10 +42,10 @@ def test_the_plan_names_the_boundaries_crossing_an_emulated_link():
 
 def test_a_run_over_an_emulated_slow_link_is_predicted(tmp_path):
     plan = _plan(SLOW)
-    state = execute(plan, tmp_path, steps=4)
+    state = execute(plan, tmp_path, steps=3)
     report = report_of(tmp_path)
     predicted, measured = report["predicted_iteration_s"], report["measured_iteration_s"]
-    # 50 ms per message dominate: 1F1B with m = 4 crosses the link on its critical path many times
-    assert predicted > 0.25
+    # 100 ms per message dominate (a loaded host's slower compute stays a small share): 1F1B with m = 4 crosses the link on its critical path many times
+    assert predicted > 0.5
     assert abs(measured - predicted) / predicted < 0.15, (measured, predicted)
-    assert max_abs_diff(state, reference_state(plan, steps=4)) <= 1e-5
+    assert max_abs_diff(state, reference_state(plan, steps=3)) <= 1e-5
