@@ -20,6 +20,11 @@ also what Megatron-LM holds in bf16 (2 B bf16 weights, 4 B fp32 main weights, 4 
 8 B Adam moments); the difference is which part ZeRO-1 can shard: here the fp32 weights are the
 model's own parameters (the forward reads them), so only the optimizer state shards.
 
+Frozen parameters (requires_grad=False: a fine-tune's base weights) have no gradient, no master
+weights and no optimizer state: a device keeps the `params` column (and the compute copy) for every
+parameter, the other three for trainable ones only (`ParamBytes.weights`, `ParamBytes.training`).
+A LoRA fine-tune of an fp32 model under AdamW holds 4 B per frozen parameter, 16 B per adapter one.
+
 Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's stages:
 
     none        nothing sharded
@@ -29,7 +34,8 @@ Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's 
                 it is gathered; each device also holds the gathered parameters of two units
                 (the one running and the one prefetched): `gathered_bytes`
 
-Data-parallel traffic per iteration, bytes each holder sends per parameter on a ring
+Data-parallel traffic per iteration, bytes each holder sends per trainable parameter on a ring
+(frozen parameters have nothing to exchange: the profile's trainable bytes are what is sent)
 (`sync_bytes_per_param`; (n - 1)/n of a tensor per reduce-scatter or all-gather, twice that for
 an all-reduce; g: gradient bytes, w: parameter bytes, m micro-batches per replica):
 
@@ -95,6 +101,16 @@ class ParamBytes:
         return self.params + self.compute_copy + self.grads + self.master + self.optimizer
 
     @property
+    def weights(self) -> float:
+        """What every parameter costs its holder for the whole step, frozen or not."""
+        return self.params
+
+    @property
+    def training(self) -> float:
+        """What a trainable parameter costs on top of `weights`: gradient, master weight, optimizer state."""
+        return self.grads + self.master + self.optimizer
+
+    @property
     def static(self) -> float:
         """What the holder keeps for the whole step: all but the compute copy, which the runtime
         makes per micro-batch (one autocast region per forward) and holds while it is in flight."""
@@ -145,6 +161,17 @@ def sync_bytes_per_param(precision: str, shard: str, holders: int, micro_batches
     if shard == "gradients":
         return share * (m * g + w)
     return share * m * (g + 2 * w)
+
+
+def frozen_sync_bytes_per_param(precision: str, shard: str, holders: int, micro_batches: int) -> float:
+    """Bytes each holder sends per frozen parameter per iteration: none (no gradient to exchange,
+    the weights never change) except under `parameters` sharding, whose every micro-batch gathers
+    them for its forward and its backward, 2 m (n - 1)/n w."""
+    check_words(precision, shard, "sgd")
+    n, m = holders, micro_batches
+    if n <= 1 or shard != "parameters":
+        return 0.0
+    return 2 * (n - 1) / n * m * _PRECISION_BYTES[precision][0]
 
 
 def gathered_bytes_per_param(precision: str, shard: str) -> float:
