@@ -238,3 +238,12 @@ def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3) -> ModelSpec:
         return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+
+
+def frozen_tied_lm(layers: int = 3) -> ModelSpec:
+    """tied_lm fine-tuned: the embedding (tied to the head) and the first block frozen
+    (requires_grad=False), the other blocks trained."""
+    spec = tied_lm(layers=layers)
+    spec.module.emb.weight.requires_grad_(False)
+    spec.module.blocks[0].requires_grad_(False)
+    return spec
