@@ -38,7 +38,8 @@ def check_adapters_target(plan: Plan, directory: str) -> None:
         raise UsageError(f"--save-adapters {directory!r} exists and is not an empty directory; name a new one")
     if not is_peft_model(_build(plan, on_meta=True).module):
         raise UsageError(f"--save-adapters: the plan's model {plan.model.get('entry')} has no peft adapters; build "
-                         "it with LoRA settings (e.g. --model-arg lora_rank=8) or save the whole state with --save-state")
+                         "it with LoRA settings (e.g. --model-arg lora_rank=8) or save the whole state with "
+                         "--save-state")
 
 
 def write_adapters(plan: Plan, state: Dict[str, Any], directory: str) -> None:

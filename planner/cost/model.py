@@ -162,8 +162,9 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
         return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
 
     units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)),
-                                 trainable_bytes=int(round(u.trainable_bytes * ratio)), saved_bytes=scale(u.saved_bytes),
-                                 output_bytes=scale(u.output_bytes)) for u in profile.units]
+                                 trainable_bytes=int(round(u.trainable_bytes * ratio)),
+                                 saved_bytes=scale(u.saved_bytes), output_bytes=scale(u.output_bytes))
+             for u in profile.units]
     cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
     ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and
             isinstance(e.get("bytes"), (int, float)) else e for e in profile.extra.get("shared_parameters", []) or []]

@@ -23,7 +23,8 @@ from typing import Iterable, List, Optional, Set
 
 import numpy as np
 
-from planner.cost.model import copy_factor, evaluate, num_micro_batches, rank_caps, rank_speeds, static_bytes, step_shape
+from planner.cost.model import (copy_factor, evaluate, num_micro_batches, rank_caps, rank_speeds, static_bytes,
+                                step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.result import PathForm, PlanCost

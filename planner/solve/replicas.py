@@ -148,8 +148,8 @@ class ReplicaTables:
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
         exchanged = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
-        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel), np.inf)
-                  for r in range(1, self.max_r + 1)}
+        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
+                              np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
         self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
         self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
