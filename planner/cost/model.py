@@ -56,6 +56,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, stage_devices, stage_in_flight, step_graph
+from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
 
@@ -201,7 +202,8 @@ def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
         if opts.cluster is None:
             links.append((opts.bandwidth, opts.latency))
         else:
-            links.append(opts.cluster.path(j % p, (j + 1) % p, opts.bandwidth, opts.latency))
+            links.append(opts.cluster.path(opts.rank_of_stage(j), opts.rank_of_stage(j + 1), opts.bandwidth,
+                                           opts.latency))
     return links
 
 
@@ -307,7 +309,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
         lanes = _devices_of(shape, g)
         for lane in lanes:  # a stage's replica runs every r_g-th micro-batch
             share = len(range(lanes.index(lane), m, len(lanes)))
-            busy[lane] += share * (value[("forward", g)] + value[("backward", g)])
+            busy[lane] += share * (value[("forward", g)] + backward_work(value, opts.schedule, g))
     step = timeline.step_s
     bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
     end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
@@ -318,6 +320,14 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     device_memory=memory, device_caps=caps, extra_s=max(end_work), schedule=opts.schedule,
                     pipeline_ranks=devices, virtual_stages=opts.virtual_stages, data_parallel=opts.data_parallel,
                     critical_path=path_form(timeline), durations=value, collectives=shape.collectives)
+
+
+def backward_work(value: Dict[Tuple, float], schedule: str, g: int) -> float:
+    """Seconds of stage g's backward of one micro-batch in this schedule's lists (split in two parts
+    under the zero-bubble schedules)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return value[("backward_input", g)] + value[("backward_weight", g)]
+    return value[("backward", g)]
 
 
 def path_form(timeline) -> PathForm:
@@ -354,11 +364,11 @@ def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence
                      ) -> List[Tuple[Tuple, Tuple[int, ...]]]:
     """The step's collectives in run order: the tied weights whose uses span ranks (by name), then
     each replicated stage's all-reduce over its replicas."""
-    S, p = opts.num_stages, opts.pipeline_ranks
+    S = opts.num_stages
     stage_of = [g for g in range(S) for _ in range(edges[g], edges[g + 1])]
     out = []
     for name, units, _ in sorted(ties):
-        holders = tuple(sorted({stage_of[l] % p for l in units}))
+        holders = tuple(sorted({opts.rank_of_stage(stage_of[l]) for l in units}))
         if len(holders) > 1:
             out.append((("tie", name), holders))
     for g, r in enumerate(opts.replicas if opts.replicated else ()):
@@ -378,6 +388,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         (a, e), speed = split.units(g), speeds[shape.rank_of(g)]
         value[("forward", g)] = costs.forward(a, e, speed)
         value[("backward", g)] = costs.backward(a, e, speed, split.redo)
+        value[("backward_input", g)] = costs.backward_input(a, e, speed, split.redo)
+        value[("backward_weight", g)] = costs.backward_weight(a, e, speed, split.redo)
         if g < S - 1:
             value[("act", g)] = costs.message_s(e, links[g])
             value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
@@ -413,6 +425,8 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
         out[("live", g)] = costs.saved(a, e, split.redo) + copy * costs.params(a, e)
         out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
         out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
+        # between its input and weight backwards: what the weight gradients read (and the cast weights)
+        out[("weight", g)] = costs.weight_held(a, e, split.redo) + copy * costs.params(a, e)
     return out
 
 
@@ -450,10 +464,13 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         activations = in_flight[g] * held[("live", g)]
         collective = sum(value[term] for term, members in shape.collectives if device in members)
+        backward = backward_work(value, opts.schedule, g)
+        parts = opts.schedule in ZERO_BUBBLE_SCHEDULES
         stages.append(StageCost(
             first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
-            backward_s=value[("backward", g)], comm_s=comm,
-            time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
+            backward_s=backward, comm_s=comm, time_s=value[("forward", g)] + backward + comm, in_flight=in_flight[g],
+            backward_input_s=value[("backward_input", g)] if parts else None,
+            backward_weight_s=value[("backward_weight", g)] if parts else None,
             param_bytes=int(count * per.params), grad_bytes=int(count * per.grads),
             optimizer_bytes=count * (per.master + per.optimizer),
             activation_bytes=int(activations), memory_bytes=count * per.static + activations,

@@ -5,7 +5,8 @@ data-parallel replicas of the whole pipeline:
 
     world size       = d · p
     global rank      = replica · p + pipeline rank
-    stage g          runs on pipeline rank  stage_rank[g] = the plan stage's "device" (default g mod p)
+    stage g          runs on pipeline rank  stage_rank[g] = the plan stage's "device" (default g mod p;
+                     zb-v: the V, planner.pipeline.zerobubble.v_placement)
     local stage c    of a pipeline rank = its c-th stage in model order (looping placement: g = c · p + rank)
 
 Replicated stages (v = 1 only): stage g may have r_g = "replicas" > 1 pipeline ranks, its lanes:
@@ -111,7 +112,8 @@ def topology_of(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence
     if p < 1 or v < 1 or p * v != num_stages:
         raise TopologyError(f"the plan has {num_stages} stages but pipeline_stages={p} x virtual_stages={v}; "
                             "re-run `planner solve`")
-    devices = tuple(g % p if dev is None else dev for g, dev in enumerate(stage_devices))
+    default = sched.stage_placement(schedule, num_stages, v)
+    devices = tuple(default[g] if dev is None else dev for g, dev in enumerate(stage_devices))
     for g, dev in enumerate(devices):
         if not 0 <= dev < p:
             raise TopologyError(f"plan stage {g} is placed on device {dev}, outside 0..{p - 1}")

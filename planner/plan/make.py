@@ -10,7 +10,7 @@ from planner.profile.profile import Profile
 from planner.solve.solution import Solution
 
 
-_PER_INDEX = ("forward", "backward", "act", "grad", "reduce", "step")
+_PER_INDEX = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
 def durations_json(durations: Dict[Tuple, float], collectives) -> Dict[str, Any]:
@@ -29,7 +29,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     """The plan for `solution` (as produced by planner.solve) of `profile`.
 
     `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
-    `stages` lists the p v stages in model order; stage c runs on pipeline rank `device` = c % p.
+    `stages` lists the p v stages in model order; stage c runs on pipeline rank `device` (c % p; zb-v: the V).
     Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
     (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
     and `bubble_fraction` are per replica device.
@@ -53,6 +53,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
             index=index, device=st.device, units=[u.name for u in profile.units[st.first_unit:st.end_unit]],
             first_unit=st.first_unit, end_unit=st.end_unit, recompute=[profile.units[l].name for l in st.recompute],
             forward_s=st.forward_s, backward_s=st.backward_s, comm_s=st.comm_s, time_s=st.time_s,
+            backward_input_s=st.backward_input_s, backward_weight_s=st.backward_weight_s,
             extra_s=st.extra_s, in_flight=st.in_flight,
             memory_bytes={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
                           "activations": st.activation_bytes, "total": st.memory_bytes, "fixed": fixed,

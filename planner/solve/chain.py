@@ -70,8 +70,8 @@ class ChainScenario:
         self.P = costs.P
         self.A = costs.saved_prefix(redo_all) + copy_factor(opts, profile.dtype) * costs.P  # + cast weights
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
-        self.sigma = [speeds[c % p] for c in range(self.C)]
-        self.caps = [rank_caps(opts, profile)[c % p] if caps else None for c in range(self.C)]
+        self.sigma = [speeds[opts.rank_of_stage(c)] for c in range(self.C)]
+        self.caps = [rank_caps(opts, profile)[opts.rank_of_stage(c)] if caps else None for c in range(self.C)]
         self.held = held
         self.beta = static_factor(opts, profile.dtype)  # static bytes per parameter byte
         self.ar = sync_time(1.0, opts, profile.dtype, self.m) if opts.data_parallel > 1 else 0.0

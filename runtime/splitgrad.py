@@ -1,0 +1,161 @@
+"""A stage's backward in two parts: the input gradients now, the weight gradients later (zero-bubble
+schedules' `backward_input` and `backward_weight`), with no autograd node run twice for one output.
+
+The backward graph of one micro-batch, from the stage's outputs (or its loss) down to its inputs
+and parameters, splits at the *frontier*: the nodes that lie on a path to an input (so the input
+backward runs them) and from which a parameter is reached through nodes that do not. Rules:
+
+- `backward_input` runs autograd towards the inputs only (each node computes just the outputs a
+  path to an input needs: a matmul's input gradient, not its weight gradient), sets each input's
+  `.grad`, and keeps the gradients that arrived at every frontier node, plus each output that
+  reaches no input at all (a first stage's outputs, a branch off the inputs) with its gradient.
+- `backward_weight` runs autograd from those kept gradients to the parameters and accumulates the
+  result into their `.grad` as a whole backward would (post-accumulate hooks included), freeing the
+  graph. A frontier node runs again there for its parameter-side
+  outputs only; a frontier node below another frontier node takes its kept gradient, not the sum
+  (a pre-hook replaces what arrives), so nothing is counted twice.
+- Between the two, the micro-batch holds what the frontier's subgraph saved (a matmul's input,
+  say); the rest of its graph is released once nothing references it.
+- A checkpointed (recomputed) region recomputes its forward in each part that reads what it saved:
+  a frontier node unpacks all its saved tensors in the input backward, and torch's checkpoint lets
+  each saved tensor be unpacked once per recomputation, so the weight backward recomputes again
+  (the cost model charges a recomputed unit's forward to both parts).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node_of(tensor: torch.Tensor) -> Optional[Node]:
+    """The autograd node a tensor's gradient enters: its grad_fn, or a leaf's gradient accumulator."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    if tensor.requires_grad:  # a leaf: its accumulator, reached through a throwaway view
+        return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+    return None
+
+
+def _consumers(roots: Sequence[Node]) -> Dict[Node, List[Node]]:
+    """Reverse edges of the graph below `roots`: node -> the nodes whose backward feeds it."""
+    consumers: Dict[Node, List[Node]] = collections.defaultdict(list)
+    seen: Set[Node] = set(roots)
+    queue = collections.deque(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            consumers[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return consumers
+
+
+def _above(starts: Sequence[Node], consumers: Dict[Node, List[Node]], stop: Set[Node]
+           ) -> Tuple[Set[Node], Set[Node]]:
+    """(nodes passed, nodes of `stop` met) walking up from `starts` (which count as passed); the
+    walk does not go on past a node of `stop`."""
+    found: Set[Node] = set()
+    seen: Set[Node] = set(starts)
+    queue = collections.deque(starts)
+    while queue:
+        node = queue.popleft()
+        for parent in consumers.get(node, ()):
+            if parent in seen:
+                continue
+            seen.add(parent)
+            if parent in stop:
+                found.add(parent)
+            else:
+                queue.append(parent)
+    return seen - found, found
+
+
+@dataclass
+class PendingWeights:
+    """What a micro-batch keeps from its input backward for its weight backward."""
+
+    params: List[torch.Tensor]
+    frontier: List[Node] = field(default_factory=list)
+    kept: Dict[Node, tuple] = field(default_factory=dict)  # frontier node -> the gradients it received
+    seeds: List[torch.Tensor] = field(default_factory=list)  # outputs reaching no input ...
+    seed_grads: List[torch.Tensor] = field(default_factory=list)  # ... and their gradients
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> PendingWeights:
+    """Gradients of `inputs` (added to their `.grad`) from `outputs` with `grads` (None: ones, for a
+    loss); returns what `backward_weight` needs for `params` (module docstring)."""
+    pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(outputs, grads)
+             if t.requires_grad and t.grad_fn is not None]
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    roots = [t.grad_fn for t, _ in pairs]
+    consumers = _consumers(roots)
+    trainable = [p for p in params if p.requires_grad and _node_of(p) in consumers]  # those this graph uses
+    pending = PendingWeights(params=trainable)
+    input_nodes = [n for n in (_node_of(t) for t in wanted) if n is not None and n in consumers]
+    # the nodes the input backward runs: every node from which an input is reached
+    on_input_path, _ = _above(input_nodes, consumers, stop=set())
+    param_nodes = [_node_of(p) for p in trainable]
+    _, frontier = _above(param_nodes, consumers, stop=on_input_path)
+    pending.frontier = sorted(frontier, key=id)
+    for t, g in pairs:
+        if t.grad_fn not in on_input_path:
+            pending.seeds.append(t)
+            pending.seed_grads.append(g)
+    reached = [t for t in wanted if _node_of(t) in on_input_path]
+    if not reached:
+        return pending
+    handles = []
+
+    def keep(node: Node):
+        def hook(grad_outputs):
+            pending.kept[node] = tuple(grad_outputs)
+        return hook
+
+    try:
+        for node in pending.frontier:
+            handles.append(node.register_prehook(keep(node)))
+        found = torch.autograd.grad([t for t, _ in pairs if t.grad_fn in on_input_path],
+                                    reached, [g for t, g in pairs if t.grad_fn in on_input_path],
+                                    retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for t, grad in zip(reached, found):
+        if grad is not None:
+            t.grad = grad if t.grad is None else t.grad + grad
+    return pending
+
+
+def backward_weight(pending: PendingWeights) -> None:
+    """The parameters' gradients of one micro-batch from what `backward_input` kept, added to
+    their `.grad`; the micro-batch's graph is freed."""
+    edges: List[object] = list(pending.seeds)
+    grads: List[torch.Tensor] = list(pending.seed_grads)
+    for node in pending.frontier:
+        for k, grad in enumerate(pending.kept.get(node, ())):
+            if grad is not None:
+                edges.append(GradientEdge(node, k))
+                grads.append(grad)
+    if not edges or not pending.params:
+        pending.kept.clear()
+        return
+    kept = dict(pending.kept)
+    handles = [node.register_prehook(lambda _, saved=kept[node]: saved) for node in pending.frontier if node in kept]
+    try:
+        # accumulates as a whole backward does (in place, post-accumulate hooks run)
+        torch.autograd.backward(edges, grads, inputs=pending.params)
+    finally:
+        for handle in handles:
+            handle.remove()
+    pending.kept.clear()
+    pending.seeds.clear()
+    pending.seed_grads.clear()
+    pending.frontier.clear()
