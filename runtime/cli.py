@@ -83,7 +83,7 @@ def execute(args: argparse.Namespace) -> int:
     print(f"running {args.plan}: {_shape(topology)}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
           f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
-    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
+    reporter = topology.global_rank(0, topology.reporting_rank())
     result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,
                           args.timeout, progress_rank=reporter)
     if not result.ok:

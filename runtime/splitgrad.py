@@ -92,8 +92,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> PendingWeights:
     """Gradients of `inputs` (added to their `.grad`) from `outputs` with `grads` (None: ones, for a
     loss); returns what `backward_weight` needs for `params` (module docstring)."""
-    pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(outputs, grads)
-             if t.requires_grad and t.grad_fn is not None]
+    pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(outputs, grads) if t.requires_grad]
+    for t, g in pairs:  # an input passed on unchanged (a skip crossing this stage): its gradient as is
+        if t.grad_fn is None:
+            t.grad = g if t.grad is None else t.grad + g
+    pairs = [(t, g) for t, g in pairs if t.grad_fn is not None]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     roots = [t.grad_fn for t, _ in pairs]
     consumers = _consumers(roots)

@@ -80,6 +80,11 @@ class Topology:
         r, lane = self.replicas_of(stage), pipeline_rank - self.stage_rank[stage]
         return [i for i in range(num_micro_batches) if i % r == lane]
 
+    def reporting_rank(self) -> int:
+        """The pipeline rank that prints progress: the last one running the last stage (which
+        computes the loss; rank p - 1, except under zb-v's V, where it is rank 0)."""
+        return self.ranks_of(self.num_stages - 1)[-1]
+
     def data_parallel_group(self, pipeline_rank: int) -> List[int]:
         """All global ranks holding the same stages as this pipeline rank: its stage's lanes in
         every data-parallel replica. Their gradients are all-reduced before the optimizer step."""

@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from planner.cost.model import evaluate, fixed_bytes, precision_of, reserve_of
 from planner.cost.options import CostOptions
+from planner.pipeline.schedule import schedule_virtual_stages
 from planner.plan.file import Plan, PlanStage
 from planner.profile.profile import Profile
 from planner.solve.solution import Solution
@@ -85,9 +86,14 @@ def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: in
                    schedule: str = "1f1b", profile_path: str = "",
                    replicas: Optional[Sequence[int]] = None) -> Plan:
     """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
-    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1)."""
-    opts = CostOptions(pipeline_ranks=sum(replicas) if replicas else len(boundaries) + 1, global_batch=global_batch,
-                       schedule=schedule, replicas=tuple(replicas) if replicas else ())
+    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1).
+    A schedule with its own stages per device (zb-v: 2) puts that many on each device."""
+    v = schedule_virtual_stages(schedule) or 1
+    stages = len(boundaries) + 1
+    if stages % v:
+        raise ValueError(f"{schedule} runs {v} stages per device: {stages} stages do not divide")
+    opts = CostOptions(pipeline_ranks=sum(replicas) if replicas else stages // v, global_batch=global_batch,
+                       schedule=schedule, virtual_stages=v, replicas=tuple(replicas) if replicas else ())
     cost = evaluate(profile, boundaries, micro_batch_size, opts)
     solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
                         num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",
