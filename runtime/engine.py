@@ -43,7 +43,7 @@ from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, O
 from runtime.groups import GradientBuckets, Groups, last_backwards
 from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
 from runtime.runner import StageRunner
-from runtime.splitgrad import PendingWeights, backward_input, backward_weight
+from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel
 from runtime.timing import StepClock

@@ -4,7 +4,8 @@ For each micro-batch size b the whole model runs once to obtain every unit's rea
 then each unit runs on its own, as the stage module the runtime would build for it, all units
 round-robin (planner.profile.timing.measure_units): forward and backward time (median of at least
 `repeats` rounds and `min_time_s` seconds after `warmup_s` seconds of warm-up, synchronised on
-CUDA; optionally with co-runner processes loading the other cores as other ranks on the host
+CUDA; the backward's input and weight parts timed apart as well, planner.profile.splitgrad, their
+measured shares splitting the unit's backward time, and the bytes held between them; optionally with co-runner processes loading the other cores as other ranks on the host
 would, `CoRunners`), bytes saved for backward (planner.profile.saved), parameter bytes, and the
 bytes of every value crossing each cut. The last unit's forward includes the loss, as on the
 runtime's last stage. The link between two ranks is planner.profile.link.
@@ -28,6 +29,7 @@ from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from planner.profile.optim import OPTIMIZERS
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.splitgrad import measure_backward_parts
 from planner.profile.timing import UnitCall, UnitTiming, measure_optimizer_steps, measure_units, split_call_overhead
 from planner.profile.attention import attention_of
 
@@ -243,10 +245,17 @@ def _measure_size(run: _Run, b: int) -> None:
     if run.co is not None:
         run.co.load(b)
     measured = _time_units(run, work, values, target, b)
+    parts = measure_backward_parts(work, run.spec.loss, target, dev, run.repeats)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
+        # the two parts share the unit's backward (its call cost kept apart, above) as they were measured
+        both = parts[k].input_s + parts[k].weight_s
+        share = parts[k].weight_s / both if both > 0 else 0.0
+        unit.backward_input_s[b] = timing.backward_s * (1 - share)
+        unit.backward_weight_s[b] = timing.backward_s * share
+        unit.weight_held_bytes[b] = parts[k].held_bytes
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "

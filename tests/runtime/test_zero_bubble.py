@@ -1,5 +1,5 @@
 """Zero-bubble schedules train exactly like one process (max abs diff <= 1e-5, fp32): input
-gradients first, weight gradients later (runtime/splitgrad.py), with a skip crossing stages, the V
+gradients first, weight gradients later (planner/profile/splitgrad.py), with a skip crossing stages, the V
 placement, data parallelism (the last weight backward completes a gradient bucket), tied weights
 and recomputation."""
 import dataclasses

@@ -24,11 +24,16 @@ backward runs them) and from which a parameter is reached through nodes that do 
 from __future__ import annotations
 
 import collections
+import statistics
+import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from planner.profile.timing import UnitCall, _closures, _InputRestore, sync
 
 
 def _node_of(tensor: torch.Tensor) -> Optional[Node]:
@@ -162,3 +167,101 @@ def backward_weight(pending: PendingWeights) -> None:
     pending.seeds.clear()
     pending.seed_grads.clear()
     pending.frontier.clear()
+
+
+@dataclass
+class BackwardParts:
+    """A unit's backward in two parts, medians: seconds of each, and the bytes held between them
+    (what the weight part's saved tensors and kept gradients occupy, parameters excluded)."""
+
+    input_s: float
+    weight_s: float
+    held_bytes: int
+
+
+class _Holder:
+    """What a saved-tensor hook packs: alive exactly as long as autograd keeps the tensor."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[object], PendingWeights],
+                           params: Sequence[torch.Tensor], key: Callable[[torch.Tensor], int] = _storage_key
+                           ) -> Tuple[PendingWeights, int]:
+    """Run `forward()` and `first_part(its result)`, then drop the result: (what the weight part
+    needs, the bytes held until it runs: the saved tensors autograd still references and the kept
+    gradients, each storage once, parameters excluded). `key` names a storage (meta tensors have
+    no data pointer)."""
+    refs: List[weakref.ref] = []
+
+    def pack(tensor: torch.Tensor) -> _Holder:
+        holder = _Holder(tensor)
+        refs.append(weakref.ref(holder))
+        return holder
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor):
+        out = forward()
+    pending = first_part(out)
+    del out
+    parameters = {key(p) for p in params}
+    storages: Dict[int, int] = {}
+    alive = [ref() for ref in refs]
+    kept = [g for grads in pending.kept.values() for g in grads if g is not None] + list(pending.seed_grads)
+    for tensor in [h.tensor for h in alive if h is not None] + kept:
+        k = key(tensor)
+        if k and k not in parameters:
+            storages[k] = tensor.untyped_storage().nbytes()
+    return pending, sum(storages.values())
+
+
+def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, repeats: int,
+                           warmup: int = 1) -> List[BackwardParts]:
+    """Each unit's input and weight backward (`backward_input`, `backward_weight`) timed apart,
+    round-robin over the units as planner.profile.timing.measure_units times the whole backward
+    (seeded with ones, the loss for the last unit), and the bytes held between the two parts."""
+    held: List[int] = []
+    for call in units:  # the held bytes, once
+        forward, _ = _closures(call, loss_fn, target)
+        pending, size = forward_and_input_part(forward, lambda out, call=call: first_part(call, out),
+                                               list(call.module.parameters()))
+        held.append(size)
+        backward_weight(pending)
+        _InputRestore(call)()
+    times: List[List[Tuple[float, float]]] = [[] for _ in units]
+    steps = [(_closures(call, loss_fn, target)[0], _InputRestore(call)) for call in units]
+    for round_ in range(warmup + max(repeats, 1)):
+        for k, (call, (forward, restore)) in enumerate(zip(units, steps)):
+            out = forward()
+            sync(device)
+            t0 = time.perf_counter()
+            pending = first_part(call, out)
+            sync(device)
+            t1 = time.perf_counter()
+            del out
+            backward_weight(pending)
+            sync(device)
+            t2 = time.perf_counter()
+            restore()
+            if round_ >= warmup:
+                times[k].append((t1 - t0, t2 - t1))
+    for call in units:
+        call.module.zero_grad(set_to_none=True)
+    return [BackwardParts(statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts), h)
+            for ts, h in zip(times, held)]
+
+
+def first_part(call: UnitCall, out) -> PendingWeights:
+    """The input backward of one unit's forward result, seeded as measure_units seeds the whole one."""
+    inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad]
+    params = list(call.module.parameters())
+    if call.is_last:
+        return backward_input([out], [None], inputs, params)
+    tensors = [out[i] for i in call.produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
+    return backward_input(tensors, [torch.ones_like(t) for t in tensors], inputs, params)
