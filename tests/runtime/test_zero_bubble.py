@@ -34,3 +34,11 @@ def test_zb_h1_data_parallel_tied_weights_and_recomputation(tmp_path):
     state = execute(plan, tmp_path)
     assert max_abs_diff(state, reference_state(plan)) <= 1e-5
     assert torch.equal(state["emb.weight"], state["head.weight"])
+
+
+def test_show_json_names_the_split_backward():
+    from planner.pipeline.schedule import build_schedule
+    from runtime.program import actions_json
+
+    kinds = {a["kind"] for rank in actions_json(build_schedule("zb-v", 4, 4, 2))["ranks"] for a in rank["actions"]}
+    assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
