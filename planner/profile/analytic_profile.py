@@ -81,7 +81,7 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
         backward_weight(pending)
     stage.zero_grad(set_to_none=True)
     return (forward.costs.seconds, backward.costs.seconds, sum(saved.values()),
-            BackwardParts(first["s"], second.costs.seconds, held))
+            BackwardParts(first["s"], second.costs.seconds, 0.0, held))
 
 
 def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: Sequence[int],
@@ -141,8 +141,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
             fwd, bwd, saved, parts = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
             unit = units[k]
             unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
-            share = parts.weight_s / (parts.input_s + parts.weight_s) if parts.input_s + parts.weight_s > 0 else 0.0
-            unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * (1 - share), bwd * share
+            input_share, weight_share = parts.shares()  # of the ops' costs: the parts' sum is the backward's
+            unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
             unit.weight_held_bytes[b] = parts.held_bytes
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))

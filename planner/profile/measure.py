@@ -4,8 +4,9 @@ For each micro-batch size b the whole model runs once to obtain every unit's rea
 then each unit runs on its own, as the stage module the runtime would build for it, all units
 round-robin (planner.profile.timing.measure_units): forward and backward time (median of at least
 `repeats` rounds and `min_time_s` seconds after `warmup_s` seconds of warm-up, synchronised on
-CUDA; the backward's input and weight parts timed apart as well, planner.profile.splitgrad, their
-measured shares splitting the unit's backward time, and the bytes held between them; optionally with co-runner processes loading the other cores as other ranks on the host
+CUDA; the backward's input and weight parts timed apart as well (planner.profile.splitgrad), each
+charged its measured ratio to the whole backward timed in the same rounds (the split's own overhead
+included), and the bytes held between them; optionally with co-runner processes loading the other cores as other ranks on the host
 would, `CoRunners`), bytes saved for backward (planner.profile.saved), parameter bytes, and the
 bytes of every value crossing each cut. The last unit's forward includes the loss, as on the
 runtime's last stage. The link between two ranks is planner.profile.link.
@@ -250,11 +251,10 @@ def _measure_size(run: _Run, b: int) -> None:
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
-        # the two parts share the unit's backward (its call cost kept apart, above) as they were measured
-        both = parts[k].input_s + parts[k].weight_s
-        share = parts[k].weight_s / both if both > 0 else 0.0
-        unit.backward_input_s[b] = timing.backward_s * (1 - share)
-        unit.backward_weight_s[b] = timing.backward_s * share
+        # the parts in proportion to the whole backward timed beside them (their own overhead included)
+        input_share, weight_share = parts[k].shares()
+        unit.backward_input_s[b] = timing.backward_s * input_share
+        unit.backward_weight_s[b] = timing.backward_s * weight_share
         unit.weight_held_bytes[b] = parts[k].held_bytes
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))

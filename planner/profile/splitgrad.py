@@ -83,14 +83,70 @@ def _above(starts: Sequence[Node], consumers: Dict[Node, List[Node]], stop: Set[
 
 
 @dataclass
+class _Group:
+    """Parameters whose weight backward starts from the same kept gradients: one autograd call,
+    which runs nothing outside their own subgraph."""
+
+    params: List[torch.Tensor] = field(default_factory=list)
+    frontier: List[Node] = field(default_factory=list)
+    seeds: List[torch.Tensor] = field(default_factory=list)  # outputs reaching no input ...
+    seed_grads: List[torch.Tensor] = field(default_factory=list)  # ... and their gradients
+
+
+@dataclass
 class PendingWeights:
     """What a micro-batch keeps from its input backward for its weight backward."""
 
-    params: List[torch.Tensor]
-    frontier: List[Node] = field(default_factory=list)
+    groups: List[_Group] = field(default_factory=list)
     kept: Dict[Node, tuple] = field(default_factory=dict)  # frontier node -> the gradients it received
-    seeds: List[torch.Tensor] = field(default_factory=list)  # outputs reaching no input ...
-    seed_grads: List[torch.Tensor] = field(default_factory=list)  # ... and their gradients
+
+    def kept_gradients(self) -> List[torch.Tensor]:
+        return [g for grads in self.kept.values() for g in grads if g is not None] + \
+            [g for group in self.groups for g in group.seed_grads]
+
+
+def _groups(params: Sequence[torch.Tensor], consumers: Dict[Node, List[Node]], on_input_path: Set[Node],
+            seeds: Dict[Node, Tuple[torch.Tensor, torch.Tensor]]) -> List[_Group]:
+    """The parameters grouped by the subgraphs above them up to the input path (one walk up from all
+    of them: a node reached from two parameters joins their groups), with each group's frontier
+    nodes and seed outputs."""
+    leader = list(range(len(params)))
+
+    def find(i: int) -> int:
+        while leader[i] != i:
+            leader[i] = leader[leader[i]]
+            i = leader[i]
+        return i
+
+    owner: Dict[Node, int] = {}
+    queue: collections.deque = collections.deque()
+    for i, p in enumerate(params):
+        node = _node_of(p)
+        if node in owner:
+            leader[find(i)] = find(owner[node])
+        else:
+            owner[node] = i
+            queue.append(node)
+    while queue:
+        node = queue.popleft()
+        for parent in consumers.get(node, ()):
+            if parent in owner:
+                leader[find(owner[node])] = find(owner[parent])
+                continue
+            owner[parent] = owner[node]
+            if parent not in on_input_path:
+                queue.append(parent)
+    groups: Dict[int, _Group] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(find(i), _Group()).params.append(p)
+    for node, i in sorted(owner.items(), key=lambda item: item[1]):
+        if node in on_input_path:
+            groups[find(i)].frontier.append(node)
+        elif node in seeds:
+            tensor, grad = seeds[node]
+            groups[find(i)].seeds.append(tensor)
+            groups[find(i)].seed_grads.append(grad)
+    return list(groups.values())
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
@@ -103,20 +159,19 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
             t.grad = g if t.grad is None else t.grad + g
     pairs = [(t, g) for t, g in pairs if t.grad_fn is not None]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    roots = [t.grad_fn for t, _ in pairs]
-    consumers = _consumers(roots)
+    consumers = _consumers([t.grad_fn for t, _ in pairs])
     trainable = [p for p in params if p.requires_grad and _node_of(p) in consumers]  # those this graph uses
-    pending = PendingWeights(params=trainable)
     input_nodes = [n for n in (_node_of(t) for t in wanted) if n is not None and n in consumers]
     # the nodes the input backward runs: every node from which an input is reached
     on_input_path, _ = _above(input_nodes, consumers, stop=set())
-    param_nodes = [_node_of(p) for p in trainable]
-    _, frontier = _above(param_nodes, consumers, stop=on_input_path)
-    pending.frontier = sorted(frontier, key=id)
+    seeds: Dict[Node, Tuple[torch.Tensor, torch.Tensor]] = {}
     for t, g in pairs:
         if t.grad_fn not in on_input_path:
-            pending.seeds.append(t)
-            pending.seed_grads.append(g)
+            if t.grad_fn in seeds:  # one output twice: its gradients add up
+                seeds[t.grad_fn] = (t, seeds[t.grad_fn][1] + g)
+            else:
+                seeds[t.grad_fn] = (t, g)
+    pending = PendingWeights(groups=_groups(trainable, consumers, on_input_path, seeds))
     reached = [t for t in wanted if _node_of(t) in on_input_path]
     if not reached:
         return pending
@@ -128,8 +183,9 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
         return hook
 
     try:
-        for node in pending.frontier:
-            handles.append(node.register_prehook(keep(node)))
+        for group in pending.groups:
+            for node in group.frontier:
+                handles.append(node.register_prehook(keep(node)))
         found = torch.autograd.grad([t for t, _ in pairs if t.grad_fn in on_input_path],
                                     reached, [g for t, g in pairs if t.grad_fn in on_input_path],
                                     retain_graph=True, allow_unused=True)
@@ -143,40 +199,50 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
 
 
 def backward_weight(pending: PendingWeights) -> None:
-    """The parameters' gradients of one micro-batch from what `backward_input` kept, added to
-    their `.grad`; the micro-batch's graph is freed."""
-    edges: List[object] = list(pending.seeds)
-    grads: List[torch.Tensor] = list(pending.seed_grads)
-    for node in pending.frontier:
-        for k, grad in enumerate(pending.kept.get(node, ())):
-            if grad is not None:
-                edges.append(GradientEdge(node, k))
-                grads.append(grad)
-    if not edges or not pending.params:
-        pending.kept.clear()
-        return
-    kept = dict(pending.kept)
-    handles = [node.register_prehook(lambda _, saved=kept[node]: saved) for node in pending.frontier if node in kept]
-    try:
-        # accumulates as a whole backward does (in place, post-accumulate hooks run)
-        torch.autograd.backward(edges, grads, inputs=pending.params)
-    finally:
-        for handle in handles:
-            handle.remove()
+    """The parameters' gradients of one micro-batch from what `backward_input` kept, accumulated
+    into their `.grad` as a whole backward does (in place, post-accumulate hooks run), one autograd
+    call per group; the micro-batch's graph is freed."""
+    calls = []
+    for group in pending.groups:
+        edges: List[object] = list(group.seeds)
+        grads: List[torch.Tensor] = list(group.seed_grads)
+        for node in group.frontier:
+            for k, grad in enumerate(pending.kept.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, k))
+                    grads.append(grad)
+        if edges:
+            calls.append((group, edges, grads))
+    for n, (group, edges, grads) in enumerate(calls):
+        handles = [node.register_prehook(lambda _, kept=pending.kept[node]: kept)
+                   for node in group.frontier if node in pending.kept]
+        try:
+            torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=n < len(calls) - 1)
+        finally:
+            for handle in handles:
+                handle.remove()
     pending.kept.clear()
-    pending.seeds.clear()
-    pending.seed_grads.clear()
-    pending.frontier.clear()
+    pending.groups.clear()
 
 
 @dataclass
 class BackwardParts:
-    """A unit's backward in two parts, medians: seconds of each, and the bytes held between them
-    (what the weight part's saved tensors and kept gradients occupy, parameters excluded)."""
+    """A unit's backward in two parts, medians: seconds of each, of the whole backward in the same
+    rounds, and the bytes held between the parts (what the weight part's saved tensors and kept
+    gradients occupy, parameters excluded)."""
 
     input_s: float
     weight_s: float
+    whole_s: float
     held_bytes: int
+
+    def shares(self) -> Tuple[float, float]:
+        """(input part, weight part) per second of the whole backward: the parts' own overhead
+        (graph walks, one autograd call per parameter group) included."""
+        if self.whole_s > 0:
+            return self.input_s / self.whole_s, self.weight_s / self.whole_s
+        both = self.input_s + self.weight_s
+        return (self.input_s / both, self.weight_s / both) if both > 0 else (1.0, 0.0)
 
 
 class _Holder:
@@ -213,8 +279,7 @@ def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[
     parameters = {key(p) for p in params}
     storages: Dict[int, int] = {}
     alive = [ref() for ref in refs]
-    kept = [g for grads in pending.kept.values() for g in grads if g is not None] + list(pending.seed_grads)
-    for tensor in [h.tensor for h in alive if h is not None] + kept:
+    for tensor in [h.tensor for h in alive if h is not None] + pending.kept_gradients():
         k = key(tensor)
         if k and k not in parameters:
             storages[k] = tensor.untyped_storage().nbytes()
@@ -224,8 +289,9 @@ def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[
 def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, repeats: int,
                            warmup: int = 1) -> List[BackwardParts]:
     """Each unit's input and weight backward (`backward_input`, `backward_weight`) timed apart,
-    round-robin over the units as planner.profile.timing.measure_units times the whole backward
-    (seeded with ones, the loss for the last unit), and the bytes held between the two parts."""
+    round-robin over the units, each round also timing the unit's whole backward as
+    planner.profile.timing.measure_units does (seeded with ones, the loss for the last unit), and
+    the bytes held between the two parts."""
     held: List[int] = []
     for call in units:  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
@@ -234,26 +300,33 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
         held.append(size)
         backward_weight(pending)
         _InputRestore(call)()
-    times: List[List[Tuple[float, float]]] = [[] for _ in units]
-    steps = [(_closures(call, loss_fn, target)[0], _InputRestore(call)) for call in units]
+    times: List[List[Tuple[float, float, float]]] = [[] for _ in units]
+    steps = [_closures(call, loss_fn, target) + (_InputRestore(call),) for call in units]
     for round_ in range(warmup + max(repeats, 1)):
-        for k, (call, (forward, restore)) in enumerate(zip(units, steps)):
+        for k, (call, (forward, whole, restore)) in enumerate(zip(units, steps)):
             out = forward()
             sync(device)
             t0 = time.perf_counter()
-            pending = first_part(call, out)
+            whole(out)
             sync(device)
             t1 = time.perf_counter()
+            restore()
+            out = forward()
+            sync(device)
+            t2 = time.perf_counter()
+            pending = first_part(call, out)
+            sync(device)
+            t3 = time.perf_counter()
             del out
             backward_weight(pending)
             sync(device)
-            t2 = time.perf_counter()
+            t4 = time.perf_counter()
             restore()
             if round_ >= warmup:
-                times[k].append((t1 - t0, t2 - t1))
+                times[k].append((t3 - t2, t4 - t3, t1 - t0))
     for call in units:
         call.module.zero_grad(set_to_none=True)
-    return [BackwardParts(statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts), h)
+    return [BackwardParts(*(statistics.median(t[j] for t in ts) for j in range(3)), held_bytes=h)
             for ts, h in zip(times, held)]
 
 
