@@ -2,7 +2,7 @@
 
 Notation. The profile has L ordered units. A plan has p pipeline ranks per data-parallel replica, d
 replicas, v stages per rank (v = 1 except for `interleaved`/`bfs`) and S = p v stages, stage g holding
-units [a_g, e_g) and running on rank g mod p (looping placement). The S - 1 boundaries are the cuts
+units [a_g, e_g) and running on rank g mod p (looping placement; zb-v: the V, rank g for g < p, 2p - 1 - g after). The S - 1 boundaries are the cuts
 e_0 < ... < e_{S-2}. A global batch of G samples is G = d m b: each replica runs m micro-batches of
 size b. R is the set of recomputed units. Replicated stages (PipeDream-style, v = 1): stage g runs
 on r_g devices, micro-batch i on its replica i mod r_g (planner.pipeline.topology).
@@ -23,6 +23,10 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    all-reduce, 2 (d - 1) / d P_i, or the sharded exchanges (planner.cost.memory)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
+    backward_input g, backward_weight g   (zero-bubble schedules) the backward's two parts,
+                   (k^b + sum gi_l + sum_{l in R} f_l) / sigma_i and (sum gw_l + sum_{l in R} f_l) / sigma_i
+                   (planner.cost.ranges: a recomputed unit recomputes in both)
+
     iteration = step time of the lists + step_overhead (a constant, e.g. from `planner calibrate`)
 
 (k^f, k^b: the profile's per-stage call cost; a recomputed unit re-runs as its own checkpointed
@@ -35,8 +39,10 @@ Memory of rank i (bytes): static + the peak, along its list, of what it holds fo
           sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g} ]
     A_g = sum_{l in g} (in_l if l in R else s_l)
 
-live_g: micro-batches of stage g forwarded and not yet backwarded; inbox_g / gradbox_g: activations
-(gradients) received and not yet used (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
+and, under zero-bubble schedules, + weight_g H_g with H_g = sum_{l in g} (in_l if l in R else h_l) (+ the
+compute copy of the weights): the bytes held from a micro-batch's input backward to its weight backward.
+live_g: micro-batches of stage g forwarded and not yet (input-)backwarded; weight_g: those between the two
+parts; inbox_g / gradbox_g: activations (gradients) received and not yet used (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
 cut l (in_0 = 0). beta_g (`static_factor`): bytes held per parameter byte of the profile —
 parameters, compute copy, gradients, master weights and optimizer state in the precision's dtypes,
 sharded over the stage's n_g = r_g d holders (planner.cost.memory). F (`fixed_bytes`): the

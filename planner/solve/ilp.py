@@ -7,9 +7,10 @@ Split (staircase over S = p v stages): z[l][g] = 1 iff unit l is in a stage <= g
 
 and variables outside each unit's stage range (planner.solve.reach) fixed. Recomputation under
 'auto' with a cap: rho[l][g] <= x[l][g]. The step graph's durations are linear in these
-(planner.cost.model, stage g on rank i = g mod p at speed sigma_i):
+(planner.cost.model, stage g on rank i = the schedule's placement of g at speed sigma_i):
 
     F_g = (k^f + sum_l f_l x[l][g]) / sigma_i       B_g = (k^b + sum_l g_l x[l][g] + sum_l f_l rho[l][g]) / sigma_i
+    (zero-bubble: BI_g, BW_g the same with gi_l (and k^b), gw_l; the 'weight' memory term with h_l)
     A_g = sum_k e[k][g] (lat + act_k / bw_g)        G_g = sum_k e[k][g] (lat + grad_k / bw_g)      (when > 0)
     R_i = sum_{g on i} sum_l ar_l x[l][g]           O_i = sum_{g on i} sum_l o_l / sigma_i x[l][g]
     tau_t = sum_n y[t][n] tie(bytes_t, n d),   sum_n y[t][n] = 1,   sum_n n y[t][n] = sum_i h[t][i],
