@@ -468,7 +468,10 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         count = params / itemsize
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
-        activations = in_flight[g] * held[("live", g)]
+        # the most its own micro-batches hold at once along its rank's list (zero-bubble: with the
+        # bytes kept for the weight part)
+        activations = max((p.get(("live", g), 0) * held[("live", g)] + p.get(("weight", g), 0) * held[("weight", g)]
+                           for p in rank_peaks(shape)[device]), default=0.0)
         collective = sum(value[term] for term, members in shape.collectives if device in members)
         backward = backward_work(value, opts.schedule, g)
         parts = opts.schedule in ZERO_BUBBLE_SCHEDULES

@@ -33,7 +33,7 @@ class StageCost:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: float
-    activation_bytes: int  # in_flight x its bytes held per micro-batch
+    activation_bytes: int  # the most its micro-batches hold at once (in_flight x bytes each; zero-bubble: + weight parts)
     memory_bytes: float  # this stage's params + grads + optimizer + activations (its rank's: PlanCost)
     extra_s: float  # once per step on its rank: all-reduce + the collectives it takes part in
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward

@@ -20,8 +20,9 @@ and a lower bound that holds for every split under the exact model:
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
 'all'). Zero-bubble schedules: W counts both backward parts (and a recomputed forward in each), while
-the crossings before and after a stage and the one micro-batch of v > 1 count forward and input
-backward only (nothing waits for a weight backward). Scenarios are solved from the most promising; one whose bound is not below the best plan
+the crossing after a stage and the one micro-batch of v > 1 count forward and input backward only
+(nothing waits for a weight backward), the one before it forwards only (its last weight backwards
+may overlap the input backwards upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
 found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
 skipped scenario contributes its bound), so the reported gap is a true gap.
 """
@@ -131,8 +132,10 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # recomputed forwards run in both backward parts
         chain = costs.F + prefix_sums(costs.gi) + redo  # what one micro-batch's crossing waits for
         prefix = chain + prefix_sums(costs.gw) + redo  # all the work
+        lead = costs.F  # before a rank's first forward; its last W's may overlap the I's upstream
     else:
         prefix = chain = costs.F + costs.G + redo
+        lead = prefix
     call = costs.call_forward + costs.call_backward
     total = float(prefix[-1]) + S * call
     if opts.virtual_stages == 1:
@@ -151,7 +154,7 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
             fill[j + 1:] += np.minimum.accumulate(times)
             drain[:j + 1] += np.minimum.accumulate(times[::-1])[::-1]
         fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
-        before = chain[:, None] / fastest
+        before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest
 
         def stage(g: int) -> np.ndarray:
