@@ -50,10 +50,34 @@ def plans():
     blocks = [i for i, n in enumerate(names) if n.startswith("blocks.")]
     quarters = [blocks[2], blocks[4], blocks[6]]  # chunk k starts at block 2k (k >= 1)
     return {
+        "profile": profile,
         "1f1b": plan_for_split(profile, [quarters[1]], MICRO_BATCH, GLOBAL_BATCH, "1f1b", "benchmark"),
         "zb-h1": plan_for_split(profile, [quarters[1]], MICRO_BATCH, GLOBAL_BATCH, "zb-h1", "benchmark"),
         "zb-v": plan_for_split(profile, quarters, MICRO_BATCH, GLOBAL_BATCH, "zb-v", "benchmark"),
     }
+
+
+def unit_time_table() -> None:
+    """The bubble of each schedule's lists at forward = input backward = weight backward = 1 unit
+    (1F1B's whole backward 2; v stages per rank split the work evenly), messages free: the
+    simulation the planner predicts with (planner.pipeline.simulate), no measurement."""
+    from planner.pipeline import schedule as sched
+    from planner.pipeline.simulate import simulate
+
+    print("| p | m | 1f1b | zb-h1 | zb-v | interleaved (v = 2) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for p, m in ((2, 4), (4, 8), (4, 16), (8, 16), (8, 32)):
+        row = []
+        for name, v in (("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved", 2)):
+            S = p * v
+            value = {}
+            for g in range(S):
+                value.update({("forward", g): 1 / v, ("backward", g): 2 / v, ("backward_input", g): 1 / v,
+                              ("backward_weight", g): 1 / v})
+            ranks = sched.stage_placement(name, S, v)
+            timeline, _ = simulate(sched.build_schedule(name, S, m, v), value, lambda g, i: ranks[g])
+            row.append(f"{timeline.step_s - 3 * m:g}")
+        print(f"| {p} | {m} | " + " | ".join(row) + " |")
 
 
 def main(argv=None) -> int:
@@ -61,9 +85,20 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument("--simulated-only", action="store_true", help="print the unit-time bubbles and stop")
     args = parser.parse_args(argv)
+    print("bubble (units of one forward) at equal forward, input and weight backward times:")
+    unit_time_table()
+    if args.simulated_only:
+        return 0
     started = time.perf_counter()
     made = plans()
+    profile = made["profile"]
+    whole = sum(u.backward_s[MICRO_BATCH] for u in profile.units)
+    parts = sum(u.backward_input_s[MICRO_BATCH] + u.backward_weight_s[MICRO_BATCH] for u in profile.units)
+    weight = sum(u.backward_weight_s[MICRO_BATCH] for u in profile.units)
+    print(f"\nprofile: backward {whole * 1e3:.2f} ms per micro-batch (all units), split in two parts "
+          f"{parts * 1e3:.2f} ms ({parts / whole:.2f}x), of which the weight part {weight * 1e3:.2f} ms")
     runs = {s: [] for s in SCHEDULES}
     for rep in range(args.reps):
         order = SCHEDULES if rep % 2 == 0 else tuple(reversed(SCHEDULES))

@@ -4,9 +4,9 @@ For each micro-batch size b the whole model runs once to obtain every unit's rea
 then each unit runs on its own, as the stage module the runtime would build for it, all units
 round-robin (planner.profile.timing.measure_units): forward and backward time (median of at least
 `repeats` rounds and `min_time_s` seconds after `warmup_s` seconds of warm-up, synchronised on
-CUDA; the backward's input and weight parts timed apart as well (planner.profile.splitgrad), each
-charged its measured ratio to the whole backward timed in the same rounds (the split's own overhead
-included), and the bytes held between them; optionally with co-runner processes loading the other cores as other ranks on the host
+CUDA; the backward's input and weight parts timed apart as well (planner.profile.splitgrad), in their
+measured proportion and with what splitting costs a stage (`_time_parts`), and the bytes held between
+them; optionally with co-runner processes loading the other cores as other ranks on the host
 would, `CoRunners`), bytes saved for backward (planner.profile.saved), parameter bytes, and the
 bytes of every value crossing each cut. The last unit's forward includes the loss, as on the
 runtime's last stage. The link between two ranks is planner.profile.link.
@@ -246,16 +246,14 @@ def _measure_size(run: _Run, b: int) -> None:
     if run.co is not None:
         run.co.load(b)
     measured = _time_units(run, work, values, target, b)
-    parts = measure_backward_parts(work, run.spec.loss, target, dev, run.repeats)
+    parts = _time_parts(run, work, values, target, b)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
-        # the parts in proportion to the whole backward timed beside them (their own overhead included)
-        input_share, weight_share = parts[k].shares()
+        (input_share, weight_share), unit.weight_held_bytes[b] = parts[k]
         unit.backward_input_s[b] = timing.backward_s * input_share
         unit.backward_weight_s[b] = timing.backward_s * weight_share
-        unit.weight_held_bytes[b] = parts[k].held_bytes
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
@@ -264,6 +262,30 @@ def _measure_size(run: _Run, b: int) -> None:
         call_f, call_b = run.stage_overhead[b]
         run.say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "
                 f"forward {call_f * 1e3:.3f} ms  backward {call_b * 1e3:.3f} ms")
+
+
+def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int):
+    """Per unit, (input part, weight part) per second of its backward, and the bytes between them
+    (in `held`): each unit's parts in their measured proportion, times what splitting costs a
+    stage -- the whole model's parts over its whole backward, timed together (a unit timed alone
+    pays the split's fixed costs, one autograd call and graph walk, that a stage pays once) -- or,
+    where the whole model is not timed, each unit's own ratio."""
+    whole = _whole_model_item(run.captured, values, run.dev) if run.whole_model else None
+    items = work + ([whole] if whole is not None else [])
+    try:
+        parts = measure_backward_parts(items, run.spec.loss, target, run.dev, run.repeats)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        whole, parts = None, measure_backward_parts(work, run.spec.loss, target, run.dev, run.repeats)
+    if whole is None:
+        return [(p.shares(), p.held_bytes) for p in parts]
+    stage = sum(parts[-1].shares())
+    out = []
+    for p in parts[:-1]:
+        both = p.input_s + p.weight_s
+        input_share = p.input_s / both if both > 0 else 1.0
+        out.append(((input_share * stage, (1 - input_share) * stage), p.held_bytes))
+    return out
 
 
 def _time_units(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int) -> List[UnitTiming]:
