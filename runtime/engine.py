@@ -19,6 +19,9 @@ What the engine holds per micro-batch in flight on a stage (the memory the plan 
   parameters excluded: "live");
 - a received activation from its receive until its forward ("inbox") and a received gradient from
   its receive until its backward ("gradbox");
+- under zero-bubble schedules, from its input backward to its weight backward, what the weight gradients
+  still read (the subgraph below the frontier, planner.profile.splitgrad, and the gradients kept there:
+  "weight");
 - nothing else of size: a sent message's buffer is freed when its batch completes; the stage's
   outputs and received inputs stay only as autograd endpoints, their storage dropped (replaced by
   a zero-stride view of one element, Megatron's deallocate_output_tensor idea) unless autograd

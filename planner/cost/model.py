@@ -202,7 +202,6 @@ def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
 
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
     """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. S - 2."""
-    p = opts.pipeline_ranks
     links = []
     for j in range(opts.num_stages - 1):
         if opts.cluster is None:

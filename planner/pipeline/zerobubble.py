@@ -27,7 +27,7 @@ micro-batch. planner.pipeline.check proves every list built.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 from planner.pipeline.actions import Action, ActionKind
 

@@ -136,7 +136,7 @@ def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, fo
 
 def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float):
     costs = range_costs(profile, b, opts.optimizer)
-    S, p = opts.num_stages, opts.pipeline_ranks
+    S = opts.num_stages
     speeds = [rank_speeds(opts)[opts.rank_of_stage(g)] for g in range(S)]
     caps = [rank_caps(opts, profile)[opts.rank_of_stage(g)] for g in range(S)]
     memory = None

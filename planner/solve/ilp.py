@@ -193,7 +193,7 @@ class Program:
 
     def _ties(self) -> None:
         """h[t][i]: tied weight t has a use on rank i; tau_t its all-reduce (one-hot over holder counts)."""
-        opts, S, p = self.opts, self.S, self.p
+        opts, S = self.opts, self.S
         self.hold: Dict[Tuple[str, int], object] = {}
         for name, uses, size in shared_parameters(self.profile):
             ranks = sorted({opts.rank_of_stage(g) for u in uses for g in range(S) if self.may(u, g)})
