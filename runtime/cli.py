@@ -86,7 +86,7 @@ def execute(args: argparse.Namespace) -> int:
         print(f"emulating the cluster's slow link at stage boundaries {plan.emulated_boundaries}: each message "
               "crossing it is held for its planned transfer time (runtime/emulation.py)", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
-    reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
+    reporter = topology.global_rank(0, topology.reporting_rank())
     result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,
                           args.timeout, progress_rank=reporter)
     if not result.ok:

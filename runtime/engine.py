@@ -19,6 +19,9 @@ What the engine holds per micro-batch in flight on a stage (the memory the plan 
   parameters excluded: "live");
 - a received activation from its receive until its forward ("inbox") and a received gradient from
   its receive until its backward ("gradbox");
+- under zero-bubble schedules, from its input backward to its weight backward, what the weight gradients
+  still read (the subgraph below the frontier, planner.profile.splitgrad, and the gradients kept there:
+  "weight");
 - nothing else of size: a sent message's buffer is freed when its batch completes; the stage's
   outputs and received inputs stay only as autograd endpoints, their storage dropped (replaced by
   a zero-stride view of one element, Megatron's deallocate_output_tensor idea) unless autograd
@@ -47,6 +50,7 @@ from runtime.groups import GradientBuckets, Groups, last_backwards
 from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
 from runtime.precision import ComputeCopy
 from runtime.runner import StageRunner
+from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel
 from runtime.timing import StepClock
@@ -88,6 +92,9 @@ class _Step:
     states: Dict[Tuple[int, int], _State] = field(default_factory=dict)  # (stage, micro-batch) -> state
     loss_sum: Optional[torch.Tensor] = None  # on the device: one read per step
     loss_count: int = 0
+    # zero-bubble schedules: (stage, micro-batch) -> what its weight backward needs, its saved bytes
+    weights: Dict[Tuple[int, int], PendingWeights] = field(default_factory=dict)
+    weights_saved: Dict[Tuple[int, int], int] = field(default_factory=dict)
 
 
 TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
@@ -139,6 +146,7 @@ class Engine:
             self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
         self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
             ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
+            ActionKind.BACKWARD_INPUT: self._backward_input, ActionKind.BACKWARD_WEIGHT: self._backward_weight,
             ActionKind.OPTIMIZER_STEP: self._optimizer_step}
         # communication: (operation to post, what to do with the received buffer once the batch is done)
         self.messages: Dict[ActionKind, Callable[[_Step, Action], Tuple[Operation, Optional[Callable]]]] = {
@@ -183,7 +191,8 @@ class Engine:
                 clock.stop("wait_s", batch)
             else:
                 self.handlers[first.kind](current, first)
-                key = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s"}.get(first.kind)
+                key = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s",
+                       ActionKind.BACKWARD_INPUT: "backward_s", ActionKind.BACKWARD_WEIGHT: "backward_s"}.get(first.kind)
                 clock.stop(key or "optimizer_s", first)
         if self.compute_copy is not None:
             self.compute_copy.remove()  # (done before the optimizer step; a list without one ends here)
@@ -240,13 +249,42 @@ class Engine:
         return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _backward(self, step: _Step, action: Action) -> None:
+        """The whole backward of one micro-batch: input and weight gradients together."""
+        def run(outputs, grads, inputs, params) -> None:
+            torch.autograd.backward(outputs, grads)
+
+        if (action.stage, action.micro_batch) in self.arming:
+            self.buckets.arm(self.arming[(action.stage, action.micro_batch)])
+        self._run_backward(step, action, run)
+        self.saved.release(self._done(step, action).saved_bytes)
+
+    def _backward_input(self, step: _Step, action: Action) -> None:
+        """Zero-bubble schedules' first part: the gradients of the stage's inputs only (runtime.splitgrad);
+        what the weight gradients need stays with the micro-batch until its `_backward_weight`."""
+        def run(outputs, grads, inputs, params) -> None:
+            step.weights[(action.stage, action.micro_batch)] = backward_input(outputs, grads, inputs, params)
+
+        self._run_backward(step, action, run)
+        step.weights_saved[(action.stage, action.micro_batch)] = self._done(step, action).saved_bytes
+
+    def _backward_weight(self, step: _Step, action: Action) -> None:
+        """The second part: the stage's weight gradients of one micro-batch; its graph is freed."""
+        key = (action.stage, action.micro_batch)
+        if key in self.arming:  # the last one of the step completes its parameters' gradients
+            self.buckets.arm(self.arming[key])
+        backward_weight(step.weights.pop(key))
+        self.saved.release(step.weights_saved.pop(key))
+
+    def _run_backward(self, step: _Step, action: Action, run: Callable) -> None:
+        """Backward of (stage, micro-batch) by `run(outputs, grads, inputs, params)` (grads None: a
+        loss); then the gradients of the stage's inputs wait for their send (or the previous stage)."""
         g, i = action.stage, action.micro_batch
         runner, state = self.runners[g], step.states[(g, i)]
-        if (g, i) in self.arming:
-            self.buckets.arm(self.arming[(g, i)])
+        inputs = [state.received[j] for j in runner.recv_grads] if g > 0 else []
+        params = list(runner.stage.module.parameters())
         if runner.stage.is_last:
             if state.loss.requires_grad:  # not when nothing before it trains (every weight frozen)
-                state.loss.backward()
+                run([state.loss], [None], inputs, params)
             state.loss = None
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here
@@ -254,17 +292,20 @@ class Engine:
             pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
                      if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
             if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [grad for _, grad in pairs])
+                run([t for t, _ in pairs], [grad for _, grad in pairs], inputs, params)
             state.outputs, state.grads = None, []
-        self.saved.release(state.saved_bytes)
-        if g == 0:  # nothing to send back: the micro-batch is done here
-            step.states.pop((g, i), None)
+        if g == 0:
             return
         state.input_grads = [state.received[j].grad if state.received[j].grad is not None
                              else torch.zeros(state.received[j].shape, dtype=state.received[j].dtype,
                                               device=self.device)
                              for j in runner.recv_grads]
         state.received = []
+
+    def _done(self, step: _Step, action: Action) -> _State:
+        """The state of a backwarded micro-batch; a first stage's is forgotten (nothing to send back)."""
+        key = (action.stage, action.micro_batch)
+        return step.states.pop(key) if action.stage == 0 else step.states[key]
 
     # --- communication ---------------------------------------------------------------------------
     def _run_batch(self, step: _Step, actions: List[Action]) -> None:

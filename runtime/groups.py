@@ -133,11 +133,12 @@ class GradientBuckets:
 def last_backwards(actions: List[Action], stages: Dict[int, Any], tied: Set[int]
                ) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
     """For the data-parallel buckets: (stage, micro-batch) of each backward after which a
-    parameter gets no more gradient this step (the last backward of the last stage here using it);
+    parameter gets no more gradient this step (the last backward of the last stage here using it;
+    under a zero-bubble schedule the last weight backward, which is where parameters' gradients grow);
     frozen parameters (requires_grad=False) get none and are not listed."""
     last: Dict[int, Tuple[int, int]] = {}  # stage -> its last backward's position and micro-batch
     for k, a in enumerate(actions):
-        if a.kind is ActionKind.BACKWARD:
+        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
             last[a.stage] = (k, a.micro_batch)
     final: Dict[int, Tuple[int, int, int]] = {}  # parameter -> (position, stage, micro-batch)
     params: Dict[int, torch.nn.Parameter] = {}

@@ -256,7 +256,7 @@ def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
     args, topology, rank = me.args, me.topology, me.rank
     if me.device.type == "cpu":
         dist.barrier()  # every rank timed the host before any starts its steps
-    is_reporter = me.pipeline_rank == topology.pipeline_ranks - 1 and topology.replica_of(rank) == 0
+    is_reporter = me.pipeline_rank == topology.reporting_rank() and topology.replica_of(rank) == 0
     steps = []
     if me.resumed_rng is not None:
         ckpt.set_rng_state(me.resumed_rng)

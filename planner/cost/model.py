@@ -2,7 +2,7 @@
 
 Notation. The profile has L ordered units. A plan has p pipeline ranks per data-parallel replica, d
 replicas, v stages per rank (v = 1 except for `interleaved`/`bfs`) and S = p v stages, stage g holding
-units [a_g, e_g) and running on rank g mod p (looping placement). The S - 1 boundaries are the cuts
+units [a_g, e_g) and running on rank g mod p (looping placement; zb-v: the V, rank g for g < p, 2p - 1 - g after). The S - 1 boundaries are the cuts
 e_0 < ... < e_{S-2}. A global batch of G samples is G = d m b: each replica runs m micro-batches of
 size b. R is the set of recomputed units. Replicated stages (PipeDream-style, v = 1): stage g runs
 on r_g devices, micro-batch i on its replica i mod r_g (planner.pipeline.topology).
@@ -24,6 +24,10 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    frozen parameters exchange nothing, except their gathers under `parameters`)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
+    backward_input g, backward_weight g   (zero-bubble schedules) the backward's two parts,
+                   (k^b + sum gi_l + sum_{l in R} f_l) / sigma_i and (sum gw_l + sum_{l in R} f_l) / sigma_i
+                   (planner.cost.ranges: a recomputed unit recomputes in both)
+
     iteration = step time of the lists + step_overhead (a constant, e.g. from `planner calibrate`)
 
 (k^f, k^b: the profile's per-stage call cost; a recomputed unit re-runs as its own checkpointed
@@ -36,8 +40,11 @@ Memory of rank i (bytes): static + the peak, along its list, of what it holds fo
           sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g} ]
     A_g = sum_{l in g} (in_l if l in R else s_l)
 
-live_g: micro-batches of stage g forwarded and not yet backwarded; inbox_g / gradbox_g: activations
-(gradients) received and not yet used (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
+and, under zero-bubble schedules, + weight_g H_g with H_g = sum_{l in g} (in_l if l in R else h_l): the
+bytes held from a micro-batch's input backward to its weight backward.
+live_g: micro-batches of stage g forwarded and not yet (input-)backwarded; weight_g: those between the two
+parts; inbox_g / gradbox_g: activations (gradients) received and not yet used
+(planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
 cut l (in_0 = 0). P_g, T_g: stage g's parameter bytes and, of them, the trainable ones (the rest
 are frozen: requires_grad=False). beta^w_g, beta^t_g (`static_factors`): bytes held per parameter
 byte of the profile — the weights for every parameter; gradients, master weights and optimizer
@@ -59,6 +66,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
+from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
 
@@ -210,13 +218,13 @@ def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
 
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
     """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. S - 2."""
-    p = opts.pipeline_ranks
     links = []
     for j in range(opts.num_stages - 1):
         if opts.cluster is None:
             links.append((opts.bandwidth, opts.latency))
         else:
-            links.append(opts.cluster.path(j % p, (j + 1) % p, opts.bandwidth, opts.latency))
+            links.append(opts.cluster.path(opts.rank_of_stage(j), opts.rank_of_stage(j + 1), opts.bandwidth,
+                                           opts.latency))
     return links
 
 
@@ -326,7 +334,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
         lanes = _devices_of(shape, g)
         for lane in lanes:  # a stage's replica runs every r_g-th micro-batch
             share = len(range(lanes.index(lane), m, len(lanes)))
-            busy[lane] += share * (value[("forward", g)] + value[("backward", g)])
+            busy[lane] += share * (value[("forward", g)] + backward_work(value, opts.schedule, g))
     step = timeline.step_s
     bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
     end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
@@ -337,6 +345,14 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     device_memory=memory, device_caps=caps, extra_s=max(end_work), schedule=opts.schedule,
                     pipeline_ranks=devices, virtual_stages=opts.virtual_stages, data_parallel=opts.data_parallel,
                     critical_path=path_form(timeline), durations=value, collectives=shape.collectives)
+
+
+def backward_work(value: Dict[Tuple, float], schedule: str, g: int) -> float:
+    """Seconds of stage g's backward of one micro-batch in this schedule's lists (split in two parts
+    under the zero-bubble schedules)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return value[("backward_input", g)] + value[("backward_weight", g)]
+    return value[("backward", g)]
 
 
 def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
@@ -399,11 +415,11 @@ def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence
                      ) -> List[Tuple[Tuple, Tuple[int, ...]]]:
     """The step's collectives in run order: the tied weights whose uses span ranks (by name), then
     each replicated stage's all-reduce over its replicas."""
-    S, p = opts.num_stages, opts.pipeline_ranks
+    S = opts.num_stages
     stage_of = [g for g in range(S) for _ in range(edges[g], edges[g + 1])]
     out = []
     for name, units, _ in sorted(ties):
-        holders = tuple(sorted({stage_of[l] % p for l in units}))
+        holders = tuple(sorted({opts.rank_of_stage(stage_of[l]) for l in units}))
         if len(holders) > 1:
             out.append((("tie", name), holders))
     for g, r in enumerate(opts.replicas if opts.replicated else ()):
@@ -423,6 +439,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         (a, e), speed = split.units(g), speeds[shape.rank_of(g)]
         value[("forward", g)] = costs.forward(a, e, speed)
         value[("backward", g)] = costs.backward(a, e, speed, split.redo)
+        value[("backward_input", g)] = costs.backward_input(a, e, speed, split.redo)
+        value[("backward_weight", g)] = costs.backward_weight(a, e, speed, split.redo)
         if g < S - 1:
             value[("act", g)] = costs.message_s(e, links[g])
             value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
@@ -459,6 +477,8 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
         out[("live", g)] = costs.saved(a, e, split.redo)
         out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
         out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
+        # between its input and weight backwards: what the weight gradients read
+        out[("weight", g)] = costs.weight_held(a, e, split.redo)
     return out
 
 
@@ -497,12 +517,18 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         trained = costs.trainable(a, e) / itemsize  # frozen parameters: weights only
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
-        activations = in_flight[g] * held[("live", g)]
+        # the most its own micro-batches hold at once along its rank's list (zero-bubble: with the
+        # bytes kept for the weight part)
+        activations = max((p.get(("live", g), 0) * held[("live", g)] + p.get(("weight", g), 0) * held[("weight", g)]
+                           for p in rank_peaks(shape)[device]), default=0.0)
         collective = sum(value[term] for term, members in shape.collectives if device in members)
+        backward = backward_work(value, opts.schedule, g)
+        parts = opts.schedule in ZERO_BUBBLE_SCHEDULES
         stages.append(StageCost(
             first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
-            backward_s=value[("backward", g)], comm_s=comm,
-            time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
+            backward_s=backward, comm_s=comm, time_s=value[("forward", g)] + backward + comm, in_flight=in_flight[g],
+            backward_input_s=value[("backward_input", g)] if parts else None,
+            backward_weight_s=value[("backward_weight", g)] if parts else None,
             param_bytes=int(count * (per.params + per.compute_copy)), grad_bytes=int(trained * per.grads),
             optimizer_bytes=trained * (per.master + per.optimizer),
             activation_bytes=int(activations), memory_bytes=count * per.weights + trained * per.training + activations,

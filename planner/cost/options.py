@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from planner.cost.cluster import Cluster
 from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
-from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
+from planner.pipeline.schedule import (MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES, schedule_virtual_stages,
+                                      stage_placement)
 
 RECOMPUTE_MODES = ("none", "all", "auto")
 SHARD_CHOICES = SHARDS + ("auto",)  # auto: the solver chooses (a scenario dimension)
@@ -51,6 +52,14 @@ class CostOptions:
         """S: the plan's stages (p·v, or one per replicated stage)."""
         return len(self.replicas) if self.replicas else self.pipeline_ranks * self.virtual_stages
 
+    def rank_of_stage(self, g: int) -> int:
+        """The pipeline rank running stage g (unreplicated): the schedule's placement."""
+        return stage_placement(self.schedule, self.num_stages, self.virtual_stages)[g]
+
+    def stages_on(self, rank: int) -> List[int]:
+        """The stages pipeline rank `rank` runs (unreplicated), in model order."""
+        return [g for g in range(self.num_stages) if self.rank_of_stage(g) == rank]
+
     def with_(self, **changes) -> "CostOptions":
         return dataclasses.replace(self, **changes)
 
@@ -63,8 +72,10 @@ class CostOptions:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2:
             raise ValueError(f"schedule {self.schedule} needs --virtual-stages >= 2 (got {self.virtual_stages})")
-        if self.schedule not in MULTI_STAGE_SCHEDULES and self.virtual_stages != 1:
-            raise ValueError(f"--virtual-stages {self.virtual_stages} needs schedule interleaved or bfs")
+        fixed = schedule_virtual_stages(self.schedule)
+        if fixed is not None and self.virtual_stages != fixed:
+            raise ValueError(f"schedule {self.schedule} runs {fixed} stage(s) per device, not --virtual-stages "
+                             f"{self.virtual_stages}" + ("" if fixed == 2 else "; use interleaved or bfs for several"))
         if self.data_parallel < 1:
             raise ValueError(f"the data-parallel degree must be at least 1 (got {self.data_parallel})")
         for name, value in (("bandwidth", self.bandwidth), ("dp bandwidth", self.dp_bandwidth)):

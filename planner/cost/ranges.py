@@ -10,6 +10,17 @@ run at speed sigma costs per micro-batch
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
 
+Zero-bubble schedules split the backward in two parts (recomputed forwards run in both: the
+runtime's weight part reads what the recomputed region saved again, planner.pipeline.zerobubble):
+
+    backward_input(a, e)  = (k^b + sum gi_l + sum_{l in R} f_l) / sigma
+    backward_weight(a, e) = (sum gw_l + sum_{l in R} f_l) / sigma
+    weight_held(a, e)     = sum (in_l if l in R else h_l)      bytes held from the first to the second
+
+gi_l, gw_l, h_l: the unit's profiled parts; a profile without them (older files) gets
+gw_l = WEIGHT_SHARE g_l, gi_l = g_l - gw_l (a matmul's weight gradient costs what its input
+gradient does) and h_l = s_l (everything saved held until the weight part: an upper bound).
+
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l, in_0 = 0;
 o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
 bytes of gradients backward; a message of n bytes over a link (bandwidth, latency) takes
@@ -23,6 +34,8 @@ from typing import Iterable, Tuple
 import numpy as np
 
 from planner.profile.profile import Profile
+
+WEIGHT_SHARE = 0.5  # of a unit's backward, its weight part, where the profile did not time the parts
 
 
 def prefix_sums(values) -> np.ndarray:
@@ -48,6 +61,12 @@ class RangeCosts:
         self.f = np.array([u.forward_s[b] for u in units], dtype=float)
         self.g = np.array([u.backward_s[b] for u in units], dtype=float)
         self.s = np.array([u.saved_bytes[b] for u in units], dtype=float)
+        self.gw = np.array([u.backward_weight_s[b] if u.split_backward else WEIGHT_SHARE * u.backward_s[b]
+                            for u in units], dtype=float)
+        self.gi = np.array([u.backward_input_s[b] if u.split_backward else u.backward_s[b] - self.gw[l]
+                            for l, u in enumerate(units)], dtype=float)
+        self.h = np.array([u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in units],
+                          dtype=float)
         self.p = np.array([u.param_bytes for u in units], dtype=float)
         self.t = np.array([u.trainable_bytes for u in units], dtype=float)  # of p, those that train
         name = "adamw" if optimizer in ("adam", "adamw") else optimizer
@@ -67,6 +86,17 @@ class RangeCosts:
     def backward(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
         redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
         return float(self.call_backward + self.G[e] - self.G[a] + redo) / speed
+
+    def backward_input(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
+        redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
+        return float(self.call_backward + self.gi[a:e].sum() + redo) / speed
+
+    def backward_weight(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
+        redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
+        return float(self.gw[a:e].sum() + redo) / speed
+
+    def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
+        return float(sum(float(self.inputs[l]) if l in recompute else float(self.h[l]) for l in range(a, e)))
 
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         swap = sum(float(self.inputs[l] - self.s[l]) for l in recompute if a <= l < e)

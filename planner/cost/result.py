@@ -26,18 +26,21 @@ class StageCost:
     end_unit: int  # exclusive
     device: int  # pipeline rank = stage index % p
     forward_s: float
-    backward_s: float  # includes recomputed forwards
+    backward_s: float  # includes recomputed forwards (zero-bubble: its two parts' sum)
     comm_s: float  # its messages' transfer times (received and sent, both directions): for tables
     time_s: float  # forward + backward + comm_s: for tables
     in_flight: int  # the most micro-batches it holds for backward at once (its rank's list)
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: float
-    activation_bytes: int  # in_flight x its bytes held per micro-batch
+    activation_bytes: int  # the most its micro-batches hold at once (in_flight x bytes each; zero-bubble: + weight parts)
     memory_bytes: float  # this stage's params + grads + optimizer + activations (its rank's: PlanCost)
     extra_s: float  # once per step on its rank: all-reduce + the collectives it takes part in
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
     replicas: int = 1  # r_g: devices running this stage (device .. device + r_g - 1)
+    # zero-bubble schedules: the backward's two parts (input gradients, weight gradients); None otherwise
+    backward_input_s: Optional[float] = None
+    backward_weight_s: Optional[float] = None
 
 
 @dataclass

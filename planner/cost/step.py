@@ -34,10 +34,11 @@ class StepShape:
         return sum(self.replicas) if self.replicas else self.num_stages // self.virtual_stages
 
     def rank_of(self, stage: int, micro_batch: int = 0) -> int:
-        """The rank running (stage, micro-batch): looping placement g mod p, or a stage's replica."""
+        """The rank running (stage, micro-batch): the schedule's placement (looping g mod p; zb-v's V),
+        or a stage's replica."""
         if self.replicas:
             return sum(self.replicas[:stage]) + micro_batch % self.replicas[stage]
-        return stage % self.pipeline_ranks
+        return sched.stage_placement(self.schedule, self.num_stages, self.virtual_stages)[stage]
 
 
 @lru_cache(maxsize=256)

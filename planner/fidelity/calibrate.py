@@ -103,6 +103,9 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
                 measured = samples.get((unit.name, b, kind))
                 per_size[b] = statistics.median(measured if measured else pooled)
                 times[b] *= per_size[b]
+                if kind == "backward" and unit.split_backward:  # its two parts are shares of it
+                    unit.backward_input_s[b] *= per_size[b]
+                    unit.backward_weight_s[b] *= per_size[b]
             factors.setdefault(unit.name, {})[kind] = {str(b): f for b, f in sorted(per_size.items())}
     # A stage's own cost (profile.stage_overhead_s) is part of every rank's compute: it takes the
     # median of every rank's factor at its size (of all runs' at sizes no run measured).

@@ -6,7 +6,8 @@ from typing import Any, Dict, List, Sequence
 
 from planner.jsonio import atomic_path
 
-_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recv_act": "#cccccc", "recv_grad": "#cccccc",
+_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "backward_input": "#dd8452", "backward_weight": "#937860",
+            "recv_act": "#cccccc", "recv_grad": "#cccccc",
             "send_act": "#55a868", "send_grad": "#55a868", "batch": "#55a868", "reduce": "#c44e52",
             "optimizer_step": "#8172b3"}
 
@@ -33,7 +34,7 @@ def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[An
                 continue
             ax.barh(rank, (end - start) * 1e3, left=start * 1e3, color=_COLOURS.get(kind, "#999999"),
                     edgecolor="white", linewidth=0.4)
-            if kind in ("forward", "backward") and end - start > 0:
+            if kind in ("forward", "backward", "backward_input", "backward_weight") and end - start > 0:
                 ax.text((start + end) / 2 * 1e3, rank, str(i), ha="center", va="center", fontsize=6, color="white")
         ax.set_yticks(ranks)
         ax.set_yticklabels([f"rank {r}" for r in ranks])
@@ -41,8 +42,8 @@ def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[An
         ax.set_title(title, fontsize=9, loc="left")
     axes[-1].set_xlabel("ms")
     fig.legend(handles=[Patch(color=_COLOURS[k], label="messages" if k == "batch" else k.replace("_", " ")) for k in
-                        ("forward", "backward", "batch", "reduce", "optimizer_step")],
-               loc="upper right", fontsize=7, ncol=5)
+                        ("forward", "backward", "backward_weight", "batch", "reduce", "optimizer_step")],
+               loc="upper right", fontsize=7, ncol=6)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120)

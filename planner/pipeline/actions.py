@@ -21,6 +21,10 @@ class ActionKind(enum.Enum):
     SEND_ACT = "send_act"  # send them on to the next stage
     RECV_GRAD = "recv_grad"  # receive the gradients of the stage's outputs
     BACKWARD = "backward"
+    # zero-bubble schedules split a backward in two: the gradients of the stage's inputs (what the
+    # previous stage waits for), then those of its weights (which nothing waits for)
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
     SEND_GRAD = "send_grad"  # send the gradients of its inputs back
     OPTIMIZER_STEP = "optimizer_step"  # once per step, after the rank's last backward
 
@@ -29,11 +33,12 @@ class ActionKind(enum.Enum):
         return _CODES[self]
 
 
-_CODES = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "SEND_F",
+_CODES = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.BACKWARD_INPUT: "I",
+          ActionKind.BACKWARD_WEIGHT: "W", ActionKind.SEND_ACT: "SEND_F",
           ActionKind.RECV_ACT: "RECV_F", ActionKind.SEND_GRAD: "SEND_B", ActionKind.RECV_GRAD: "RECV_B",
           ActionKind.OPTIMIZER_STEP: "STEP"}
 _KINDS = {code: kind for kind, code in _CODES.items()}
-_TEXT = re.compile(r"(\d+)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
+_TEXT = re.compile(r"(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,8 @@ class Action:
     """One instruction: what to do, for which micro-batch, of which stage.
 
     Text form: stage, code, micro-batch: "2F5" is stage 2's forward of micro-batch 5, "2B5" its
-    backward, "2SEND_F5"/"2RECV_F5" the activations' send/receive, "2SEND_B5"/"2RECV_B5" the
+    backward, "2I5"/"2W5" its input and weight backward (torch's codes), "2SEND_F5"/"2RECV_F5" the
+    activations' send/receive, "2SEND_B5"/"2RECV_B5" the
     gradients'; "STEP" the optimizer step. `Action.parse(str(a)) == a`."""
 
     kind: ActionKind
@@ -67,6 +73,9 @@ class Action:
         return cls(_KINDS[match.group(2)], int(match.group(3)), int(match.group(1)))
 
 
+# what runs a micro-batch's backward through a stage: the whole, or its part that the previous stage waits for
+BACKWARD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+COMPUTE_KINDS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 COMM_KINDS = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
 SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
 

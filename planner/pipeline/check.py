@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
 
-from planner.pipeline.actions import SENDS, Action, ActionKind, message_of, peer_stage
+from planner.pipeline.actions import COMPUTE_KINDS, SENDS, Action, ActionKind, message_of, peer_stage
 from planner.pipeline.stepgraph import StepGraph
 
 Placement = Callable[[int, int], int]  # (stage, micro-batch) -> the pipeline rank running it
@@ -57,25 +57,36 @@ def _check_every_micro_batch_forwarded(owner: Dict[Tuple[int, int], int], num_mi
 def _check_rank(r: int, actions: List[Action], owner: Dict[Tuple[int, int], int],
                 placement: Optional[Placement]) -> None:
     """Rank r runs each of its forwards and backwards once, every backward after its forward and
-    only of what it forwarded, and (with `placement`) only what the topology puts on it."""
+    only of what it forwarded, and (with `placement`) only what the topology puts on it. A backward
+    is one `backward`, or (zero-bubble) one `backward_input` and then one `backward_weight`."""
     position: Dict[Tuple[ActionKind, int, int], int] = {}
     for j, a in enumerate(actions):
-        if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+        if a.kind in COMPUTE_KINDS:
             if (a.kind, a.stage, a.micro_batch) in position:
                 raise ValueError(f"rank {r} stage {a.stage}: {a.kind.value}({a.micro_batch}) runs twice")
             position[(a.kind, a.stage, a.micro_batch)] = j
+    whole, split = ActionKind.BACKWARD, (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
     for g in {g for (g, _), rank in owner.items() if rank == r}:
         forwards = sorted(i for (s, i), rank in owner.items() if s == g and rank == r)
-        backwards = sorted(i for kind, s, i in position if kind is ActionKind.BACKWARD and s == g)
-        if backwards != forwards:
-            raise ValueError(f"rank {r} stage {g}: backward runs micro-batches {backwards}, expected "
-                             f"{forwards} (those it forwards)")
+        for kind in (whole,) + split:
+            done = sorted(i for k, s, i in position if k is kind and s == g)
+            if done and done != forwards:
+                raise ValueError(f"rank {r} stage {g}: {kind.value} runs micro-batches {done}, expected "
+                                 f"{forwards} (those it forwards)")
         for i in forwards:
-            if position[(ActionKind.FORWARD, g, i)] > position[(ActionKind.BACKWARD, g, i)]:
-                raise ValueError(f"rank {r} stage {g}: backward({i}) before forward({i})")
-    stray = [k for k in position if k[0] is ActionKind.BACKWARD and owner.get(k[1:]) != r]
+            at = [position.get((k, g, i)) for k in (ActionKind.FORWARD, whole) + split]
+            if at[1] is None and (at[2] is None or at[3] is None):
+                raise ValueError(f"rank {r} stage {g}: micro-batch {i} has no backward (one backward, or "
+                                 "backward_input then backward_weight)")
+            if at[1] is not None and at[2] is not None:
+                raise ValueError(f"rank {r} stage {g}: micro-batch {i} runs both a backward and a backward_input")
+            ordered = [x for x in at if x is not None]
+            if ordered != sorted(ordered):
+                raise ValueError(f"rank {r} stage {g}: micro-batch {i}'s forward, backward_input and "
+                                 "backward_weight run out of order")
+    stray = [k for k in position if k[0] is not ActionKind.FORWARD and owner.get(k[1:]) != r]
     if stray:
-        raise ValueError(f"rank {r} stage {stray[0][1]}: backward({stray[0][2]}) without its forward here")
+        raise ValueError(f"rank {r} stage {stray[0][1]}: {stray[0][0].value}({stray[0][2]}) without its forward here")
     if placement is not None:
         wrong = [a for a in actions if a.micro_batch >= 0 and placement(a.stage, a.micro_batch) != r]
         if wrong:

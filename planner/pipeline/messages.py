@@ -22,19 +22,22 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from planner.pipeline.actions import Action, ActionKind
+from planner.pipeline.actions import BACKWARD_KINDS, Action, ActionKind
 
 Position = Callable[[int, int], int]  # (stage, micro-batch) -> the pipeline rank running it
 
-_REPLAY_COST = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0}
+_REPLAY_COST = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0, ActionKind.BACKWARD_INPUT: 1.0,
+                ActionKind.BACKWARD_WEIGHT: 1.0}
+_BACKWARDS = BACKWARD_KINDS  # those that need and send gradients
 
 
 def needed_message(action: Action, num_stages: int) -> Optional[Tuple[str, int, int]]:
     """The message a compute action consumes: ('act', g - 1, i) for a forward of stage g > 0,
-    ('grad', g, i) for a backward of stage g < S - 1; boundary g lies between stages g and g + 1."""
+    ('grad', g, i) for a backward (or input backward) of stage g < S - 1; a weight backward needs
+    nothing from another stage. Boundary g lies between stages g and g + 1."""
     if action.kind == ActionKind.FORWARD and action.stage > 0:
         return ("act", action.stage - 1, action.micro_batch)
-    if action.kind == ActionKind.BACKWARD and action.stage < num_stages - 1:
+    if action.kind in _BACKWARDS and action.stage < num_stages - 1:
         return ("grad", action.stage, action.micro_batch)
     return None
 
@@ -42,7 +45,7 @@ def needed_message(action: Action, num_stages: int) -> Optional[Tuple[str, int, 
 def produced_message(action: Action, num_stages: int) -> Optional[Tuple[str, int, int]]:
     if action.kind == ActionKind.FORWARD and action.stage < num_stages - 1:
         return ("act", action.stage, action.micro_batch)
-    if action.kind == ActionKind.BACKWARD and action.stage > 0:
+    if action.kind in _BACKWARDS and action.stage > 0:
         return ("grad", action.stage - 1, action.micro_batch)
     return None
 

@@ -11,12 +11,27 @@ from typing import List, Sequence
 
 from planner.pipeline.actions import Action, ActionKind  # noqa: F401  (the lists' vocabulary, re-exported)
 from planner.pipeline.messages import place_messages
+from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES, v_placement, zero_bubble_orders
 
 # The schedules, the one list every command and check uses. One stage per pipeline rank (v = 1;
-# also the ones replicated stages run with), then several ("multi-stage", v >= 2).
+# also the ones replicated stages run with), then several ("multi-stage", any v >= 2), then the
+# zero-bubble ones (planner.pipeline.zerobubble: zb-h1 with v = 1, zb-v with v = 2 in a V).
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 MULTI_STAGE_SCHEDULES = ("interleaved", "bfs")
-SCHEDULES = ONE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+SCHEDULES = ONE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + ZERO_BUBBLE_SCHEDULES
+
+
+def schedule_virtual_stages(name: str) -> "int | None":
+    """The stages per device a schedule runs with, when it fixes them (None: any v >= 2)."""
+    return None if name in MULTI_STAGE_SCHEDULES else 2 if name == "zb-v" else 1
+
+
+def stage_placement(name: str, num_stages: int, virtual_stages: int = 1) -> tuple:
+    """Stage g -> the pipeline rank running it: the V for zb-v, else looping (g mod p)."""
+    if name == "zb-v" and num_stages % 2 == 0:
+        return v_placement(num_stages // 2)
+    p = max(1, num_stages // max(1, virtual_stages))
+    return tuple(g % p for g in range(num_stages))
 
 
 def _forward(stage: int, num_stages: int, i: int) -> List[Action]:
@@ -171,8 +186,16 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
     if num_stages % virtual_stages:
         raise ValueError(f"{num_stages} stages do not divide into {virtual_stages} virtual stages per device")
     p = num_stages // virtual_stages
-    ranks = tuple(stage_rank) if stage_rank is not None else tuple(g % p for g in range(num_stages))
+    ranks = tuple(stage_rank) if stage_rank is not None else stage_placement(name, num_stages, virtual_stages)
     per_rank = [[g for g in range(num_stages) if ranks[g] == r] for r in range(p)]
+    if name in ZERO_BUBBLE_SCHEDULES:
+        if virtual_stages != schedule_virtual_stages(name):
+            raise ValueError(f"{name} runs {schedule_virtual_stages(name)} stage(s) per device, not {virtual_stages}")
+        if ranks != stage_placement(name, num_stages, virtual_stages):
+            raise ValueError(f"{name} needs its own placement: stage g on device "
+                             f"{list(stage_placement(name, num_stages, virtual_stages))}[g]")
+        orders = zero_bubble_orders(name, num_stages, num_micro_batches)
+        return place_messages(orders, num_stages, lambda g, i: ranks[g])
     if name == "gpipe" or name == "bfs":
         builder = breadth_first
     elif name == "1f1b":
@@ -214,12 +237,13 @@ def _replicated_lists(orders: List[List[Action]], stage_replicas: Sequence[int],
 
 
 def max_in_flight(actions: List[Action]) -> int:
-    """Most micro-batches whose forward has run and whose backward has not, at any point."""
+    """Most micro-batches whose forward has run and whose backward (its weight part, when split)
+    has not, at any point."""
     live = peak = 0
     for a in actions:
         if a.kind == ActionKind.FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.kind == ActionKind.BACKWARD:
+        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
             live -= 1
     return peak

@@ -3,7 +3,8 @@
 Semantics (the runtime's own, the same on gloo and NCCL):
 
 - Each pipeline rank runs its list in order. A forward or backward of stage g takes
-  `forward[g]` / `backward[g]` seconds.
+  `forward[g]` / `backward[g]` seconds; zero-bubble lists' input and weight backwards take
+  `backward_input[g]` / `backward_weight[g]`.
 - Communication actions with the same batch id are one batch (they stand together in a list). A
   rank that reaches a batch posts all of its operations at once and waits until every one is done.
   An operation is done once the peer has posted the matching operation too and the message has
@@ -20,7 +21,7 @@ a graph fixed by the lists alone, and its length is a sum of durations. `Timelin
 the duration terms on that path: a linear function of the durations that equals the step time here
 and, the path existing whatever the durations, bounds the step time from below for any others.
 
-Duration terms: ("forward", g), ("backward", g), ("act", g) and ("grad", g) (a message across
+Duration terms: ("forward", g), ("backward", g), ("backward_input", g), ("backward_weight", g), ("act", g) and ("grad", g) (a message across
 boundary g, between stages g and g + 1), ("message",), a collective's own term (("tie", name), ("lanes", g)), ("reduce", rank),
 ("step", rank).
 """
@@ -30,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from planner.pipeline.actions import COMM_KINDS, SENDS, Action, ActionKind, message_of
+from planner.pipeline.actions import BACKWARD_KINDS, COMM_KINDS, SENDS, Action, ActionKind, message_of
 
 Term = Tuple
 Position = Callable[[int, int], int]  # (stage, micro-batch) -> pipeline rank
@@ -203,7 +204,9 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
 
     ("live", g)   micro-batches of stage g forwarded and not yet backwarded (their saved tensors);
     ("inbox", g)  activations received for stage g and not yet consumed by its forward;
-    ("gradbox", g) gradients received for stage g and not yet consumed by its backward.
+    ("gradbox", g) gradients received for stage g and not yet consumed by its backward;
+    ("weight", g) micro-batches of stage g past their input backward and before their weight
+                  backward (what the weight gradients still need).
 
     Memory at a moment is the sum of count x bytes per micro-batch of each term, so the peak memory
     of any sizes is the largest of these vectors' sums."""
@@ -227,11 +230,16 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
             counts[("live", g)] += 1
             if counts[("inbox", g)]:
                 counts[("inbox", g)] -= 1
-        elif a.kind == ActionKind.BACKWARD:
+        elif a.kind in BACKWARD_KINDS:
             record()  # the backward runs while all of it is held
             counts[("live", g)] -= 1
+            if a.kind is ActionKind.BACKWARD_INPUT:
+                counts[("weight", g)] += 1
             if counts[("gradbox", g)]:
                 counts[("gradbox", g)] -= 1
+        elif a.kind is ActionKind.BACKWARD_WEIGHT:
+            record()
+            counts[("weight", g)] -= 1
             continue
         else:
             continue

@@ -5,7 +5,8 @@ data-parallel replicas of the whole pipeline:
 
     world size       = d · p
     global rank      = replica · p + pipeline rank
-    stage g          runs on pipeline rank  stage_rank[g] = the plan stage's "device" (default g mod p)
+    stage g          runs on pipeline rank  stage_rank[g] = the plan stage's "device" (default g mod p;
+                     zb-v: the V, planner.pipeline.zerobubble.v_placement)
     local stage c    of a pipeline rank = its c-th stage in model order (looping placement: g = c · p + rank)
 
 Replicated stages (v = 1 only): stage g may have r_g = "replicas" > 1 pipeline ranks, its lanes:
@@ -79,6 +80,11 @@ class Topology:
         r, lane = self.replicas_of(stage), pipeline_rank - self.stage_rank[stage]
         return [i for i in range(num_micro_batches) if i % r == lane]
 
+    def reporting_rank(self) -> int:
+        """The pipeline rank that prints progress: the last one running the last stage (which
+        computes the loss; rank p - 1, except under zb-v's V, where it is rank 0)."""
+        return self.ranks_of(self.num_stages - 1)[-1]
+
     def data_parallel_group(self, pipeline_rank: int) -> List[int]:
         """All global ranks holding the same stages as this pipeline rank: its stage's lanes in
         every data-parallel replica. Their gradients are all-reduced before the optimizer step."""
@@ -111,7 +117,8 @@ def topology_of(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence
     if p < 1 or v < 1 or p * v != num_stages:
         raise TopologyError(f"the plan has {num_stages} stages but pipeline_stages={p} x virtual_stages={v}; "
                             "re-run `planner solve`")
-    devices = tuple(g % p if dev is None else dev for g, dev in enumerate(stage_devices))
+    default = sched.stage_placement(schedule, num_stages, v)
+    devices = tuple(default[g] if dev is None else dev for g, dev in enumerate(stage_devices))
     for g, dev in enumerate(devices):
         if not 0 <= dev < p:
             raise TopologyError(f"plan stage {g} is placed on device {dev}, outside 0..{p - 1}")

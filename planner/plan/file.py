@@ -25,7 +25,8 @@ from planner.pipeline.topology import Topology, TopologyError, instruction_lists
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
 # (1 had a closed form, `per_step_s` and no durations)
 PLAN_SCHEMA_VERSION = 2
-_PER_INDEX = ("forward", "backward", "act", "grad", "reduce", "step")  # step_durations' per-index lists
+# step_durations' per-index lists
+_PER_INDEX = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 _REMAKE = "re-create it with `planner solve PROFILE`"
 
 # What a field's JSON value must be: (check, what the message says was expected)
@@ -58,6 +59,9 @@ class PlanStage:
     recompute: List[str] = _key(_NAMES, required=False, default_factory=list)  # units run again in backward
     forward_s: float = _key(_NUMBER, default=0.0)
     backward_s: float = _key(_NUMBER, default=0.0)  # recomputed forwards included
+    # zero-bubble schedules only: the backward's input-gradient and weight-gradient parts
+    backward_input_s: Optional[float] = _key(_NUMBER, required=False, default=None)
+    backward_weight_s: Optional[float] = _key(_NUMBER, required=False, default=None)
     comm_s: float = _key(_NUMBER, default=0.0)  # transfers charged to this stage
     time_s: float = _key(_NUMBER, default=0.0)
     extra_s: float = _key(_NUMBER, required=False, default=0.0)  # once per step: all-reduce, tied weights

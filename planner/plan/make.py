@@ -5,12 +5,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from planner.cost.model import evaluate, fixed_bytes, precision_of, reserve_of
 from planner.cost.options import CostOptions
+from planner.pipeline.schedule import schedule_virtual_stages
 from planner.plan.file import Plan, PlanStage
 from planner.profile.profile import Profile
 from planner.solve.solution import Solution
 
 
-_PER_INDEX = ("forward", "backward", "act", "grad", "reduce", "step")
+_PER_INDEX = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
 def durations_json(durations: Dict[Tuple, float], collectives) -> Dict[str, Any]:
@@ -29,7 +30,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
     """The plan for `solution` (as produced by planner.solve) of `profile`.
 
     `solution.options` (the scenario the solver chose: p, d, v, schedule) overrides `opts`.
-    `stages` lists the p v stages in model order; stage c runs on pipeline rank `device` = c % p.
+    `stages` lists the p v stages in model order; stage c runs on pipeline rank `device` (c % p; zb-v: the V).
     Replicated stages (some r_g > 1) add `"replicas": r_g` to every stage, `device` = sum_{h<g} r_h
     (the first of its devices) and `pipeline_stages` = sum_g r_g; their `in_flight`, `memory_bytes`
     and `bubble_fraction` are per replica device.
@@ -53,6 +54,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
             index=index, device=st.device, units=[u.name for u in profile.units[st.first_unit:st.end_unit]],
             first_unit=st.first_unit, end_unit=st.end_unit, recompute=[profile.units[l].name for l in st.recompute],
             forward_s=st.forward_s, backward_s=st.backward_s, comm_s=st.comm_s, time_s=st.time_s,
+            backward_input_s=st.backward_input_s, backward_weight_s=st.backward_weight_s,
             extra_s=st.extra_s, in_flight=st.in_flight,
             memory_bytes={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
                           "activations": st.activation_bytes, "total": st.memory_bytes, "fixed": fixed,
@@ -94,9 +96,14 @@ def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: in
                    schedule: str = "1f1b", profile_path: str = "",
                    replicas: Optional[Sequence[int]] = None) -> Plan:
     """A plan with the given cuts, not solved (status "fixed"): for running a chosen split, as
-    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1)."""
-    opts = CostOptions(pipeline_ranks=sum(replicas) if replicas else len(boundaries) + 1, global_batch=global_batch,
-                       schedule=schedule, replicas=tuple(replicas) if replicas else ())
+    tests and benchmarks do to compare splits on real runs. `replicas`: r_g per stage (default 1).
+    A schedule with its own stages per device (zb-v: 2) puts that many on each device."""
+    v = schedule_virtual_stages(schedule) or 1
+    stages = len(boundaries) + 1
+    if stages % v:
+        raise ValueError(f"{schedule} runs {v} stages per device: {stages} stages do not divide")
+    opts = CostOptions(pipeline_ranks=sum(replicas) if replicas else stages // v, global_batch=global_batch,
+                       schedule=schedule, virtual_stages=v, replicas=tuple(replicas) if replicas else ())
     cost = evaluate(profile, boundaries, micro_batch_size, opts)
     solution = Solution(boundaries=list(boundaries), micro_batch_size=micro_batch_size,
                         num_micro_batches=global_batch // micro_batch_size, cost=cost, status="fixed",

@@ -21,6 +21,8 @@ from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, 
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
 from planner.profile.measure import record_cut_values, shared_parameters_json, unit_parameter_bytes
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
+from planner.profile.timing import UnitCall, _closures
 
 
 def _meta(obj: Any) -> Any:
@@ -39,7 +41,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss_fn, target,
                 device: DeviceSpec):
-    """(forward seconds, backward seconds, bytes saved for backward) of one unit on meta tensors."""
+    """(forward seconds, backward seconds, bytes saved for backward, the backward's two parts) of one
+    unit on meta tensors; the parts' FLOPs: the weight part is the weight-gradient matmuls."""
     params = {saved_key(p) for p in stage.parameters()}
     saved: Dict[int, int] = {}
 
@@ -62,7 +65,23 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
             if tensors:
                 torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
     stage.zero_grad(set_to_none=True)
-    return forward.costs.seconds, backward.costs.seconds, sum(saved.values())
+    # the backward again in its two parts (zero-bubble schedules): their costs and the bytes between
+    call = UnitCall(stage, args, produced, is_last)
+    first: Dict[str, float] = {}
+
+    def input_part(out):
+        with CostCounter(device) as counted:
+            pending = first_part(call, out)
+        first["s"] = counted.costs.seconds
+        return pending
+
+    pending, held = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part,
+                                           list(stage.parameters()), key=saved_key)
+    with CostCounter(device) as second:
+        backward_weight(pending)
+    stage.zero_grad(set_to_none=True)
+    return (forward.costs.seconds, backward.costs.seconds, sum(saved.values()),
+            BackwardParts(first["s"], second.costs.seconds, 0.0, held))
 
 
 def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: Sequence[int],
@@ -121,9 +140,12 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                 args.append(v)
             own = {n.name for n in captured.units[k].nodes}
             produced = [i for i, name in enumerate(io.sent) if name in own]
-            fwd, bwd, saved = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
+            fwd, bwd, saved, parts = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
             unit = units[k]
             unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
+            input_share, weight_share = parts.shares()  # of the ops' costs: the parts' sum is the backward's
+            unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
+            unit.weight_held_bytes[b] = parts.held_bytes
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "

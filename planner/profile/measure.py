@@ -4,7 +4,9 @@ For each micro-batch size b the whole model runs once to obtain every unit's rea
 then each unit runs on its own, as the stage module the runtime would build for it, all units
 round-robin (planner.profile.timing.measure_units): forward and backward time (median of at least
 `repeats` rounds and `min_time_s` seconds after `warmup_s` seconds of warm-up, synchronised on
-CUDA; optionally with co-runner processes loading the other cores as other ranks on the host
+CUDA; the backward's input and weight parts timed apart as well (planner.profile.splitgrad), in their
+measured proportion and with what splitting costs a stage (`_time_parts`), and the bytes held between
+them; optionally with co-runner processes loading the other cores as other ranks on the host
 would, `CoRunners`), bytes saved for backward (planner.profile.saved), parameter bytes, and the
 bytes of every value crossing each cut. The last unit's forward includes the loss, as on the
 runtime's last stage. The link between two ranks is planner.profile.link.
@@ -28,6 +30,7 @@ from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from planner.profile.optim import OPTIMIZERS
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.splitgrad import measure_backward_parts
 from planner.profile.timing import UnitCall, UnitTiming, measure_optimizer_steps, measure_units, split_call_overhead
 from planner.profile.attention import attention_of
 
@@ -251,10 +254,14 @@ def _measure_size(run: _Run, b: int) -> None:
     if run.co is not None:
         run.co.load(b)
     measured = _time_units(run, work, values, target, b)
+    parts = _time_parts(run, work, values, target, b)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
+        (input_share, weight_share), unit.weight_held_bytes[b] = parts[k]
+        unit.backward_input_s[b] = timing.backward_s * input_share
+        unit.backward_weight_s[b] = timing.backward_s * weight_share
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
@@ -263,6 +270,30 @@ def _measure_size(run: _Run, b: int) -> None:
         call_f, call_b = run.stage_overhead[b]
         run.say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "
                 f"forward {call_f * 1e3:.3f} ms  backward {call_b * 1e3:.3f} ms")
+
+
+def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int):
+    """Per unit, (input part, weight part) per second of its backward, and the bytes between them
+    (in `held`): each unit's parts in their measured proportion, times what splitting costs a
+    stage -- the whole model's parts over its whole backward, timed together (a unit timed alone
+    pays the split's fixed costs, one autograd call and graph walk, that a stage pays once) -- or,
+    where the whole model is not timed, each unit's own ratio."""
+    whole = _whole_model_item(run.captured, values, run.dev) if run.whole_model else None
+    items = work + ([whole] if whole is not None else [])
+    try:
+        parts = measure_backward_parts(items, run.spec.loss, target, run.dev, run.repeats)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        whole, parts = None, measure_backward_parts(work, run.spec.loss, target, run.dev, run.repeats)
+    if whole is None:
+        return [(p.shares(), p.held_bytes) for p in parts]
+    stage = sum(parts[-1].shares())
+    out = []
+    for p in parts[:-1]:
+        both = p.input_s + p.weight_s
+        input_share = p.input_s / both if both > 0 else 1.0
+        out.append(((input_share * stage, (1 - input_share) * stage), p.held_bytes))
+    return out
 
 
 def _time_units(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int) -> List[UnitTiming]:

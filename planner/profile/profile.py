@@ -79,6 +79,9 @@ class _Reader:
         return out
 
 
+_SPLIT_BACKWARD = ("backward_input_s", "backward_weight_s", "weight_held_bytes")
+
+
 @dataclass
 class UnitProfile:
     """One partition unit: a contiguous run of graph nodes (e.g. one transformer block)."""
@@ -107,6 +110,17 @@ class UnitProfile:
         """Bytes of parameters that do not train (requires_grad=False): weights only."""
         return self.param_bytes - self.trainable_bytes
 
+    # the backward in two parts (zero-bubble schedules): the input gradients' seconds, the weight
+    # gradients' seconds, and the bytes held from the first to the second, per micro-batch; all
+    # three or none (older profiles: planner.cost.ranges estimates them)
+    backward_input_s: Dict[int, float] = field(default_factory=dict)
+    backward_weight_s: Dict[int, float] = field(default_factory=dict)
+    weight_held_bytes: Dict[int, int] = field(default_factory=dict)
+
+    @property
+    def split_backward(self) -> bool:
+        return bool(self.backward_weight_s)
+
     def to_json(self) -> Dict[str, Any]:
         return {
             "name": self.name,
@@ -118,6 +132,9 @@ class UnitProfile:
             "output_bytes": _str_keys(self.output_bytes),
             "nodes": list(self.nodes),
             **({"optimizer_s": dict(self.optimizer_s)} if self.optimizer_s else {}),
+            **({"backward_input_s": _str_keys(self.backward_input_s),
+                "backward_weight_s": _str_keys(self.backward_weight_s),
+                "weight_held_bytes": _str_keys(self.weight_held_bytes)} if self.split_backward else {}),
         }
 
     @classmethod
@@ -130,6 +147,13 @@ class UnitProfile:
         if trainable > param_bytes:
             raise read.error(f"{where}.trainable_bytes", f"is {trainable}: more than the unit's param_bytes "
                              f"({param_bytes})")
+        split = [k for k in _SPLIT_BACKWARD if k in d]
+        if split and len(split) != len(_SPLIT_BACKWARD):
+            missing = next(k for k in _SPLIT_BACKWARD if k not in d)
+            raise read.error(f"{where}.{missing}", f"is missing: a unit with {split[0]} needs all of "
+                             f"{', '.join(_SPLIT_BACKWARD)}")
+        parts = {"backward_input_s": read.seconds, "backward_weight_s": read.seconds, "weight_held_bytes": read.count}
+        split_values = {k: read.per_size(d[k], f"{where}.{k}", parts[k]) for k in split}
         return cls(
             name=d["name"],
             param_bytes=param_bytes,
@@ -141,6 +165,7 @@ class UnitProfile:
             nodes=list(d.get("nodes", [])),
             optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
+            **split_values,
         )
 
 

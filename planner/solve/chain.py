@@ -70,8 +70,8 @@ class ChainScenario:
         self.P, self.T = costs.P, costs.T  # parameter bytes and, of them, the trainable ones
         self.A = costs.saved_prefix(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
-        self.sigma = [speeds[c % p] for c in range(self.C)]
-        self.caps = [rank_caps(opts, profile)[c % p] if caps else None for c in range(self.C)]
+        self.sigma = [speeds[opts.rank_of_stage(c)] for c in range(self.C)]
+        self.caps = [rank_caps(opts, profile)[opts.rank_of_stage(c)] if caps else None for c in range(self.C)]
         self.held = held
         self.beta_w, self.beta_t = static_factors(opts, profile.dtype)  # static bytes per (trainable) parameter byte
         # all-reduce seconds per trainable and per frozen parameter byte

@@ -53,7 +53,7 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
     cache = {}
     lower, upper = [], []
     for c in range(C):
-        key = (held[c], speeds[c % p], caps[c % p])
+        key = (held[c], speeds[opts.rank_of_stage(c)], caps[opts.rank_of_stage(c)])
         if key not in cache:
             cache[key] = _tables(L, n, order, f, g, static, A, *key, ends)
         lower.append(cache[key][0])

@@ -63,6 +63,8 @@ def structural_forms(profile: Profile, b: int, opts: CostOptions) -> Set[PathFor
     def add(forward: List[float]) -> None:
         value = {("forward", g): f for g, f in enumerate(forward)}
         value.update({("backward", g): f * ratio for g, f in enumerate(forward)})
+        value.update({(part, g): f * ratio / 2 for g, f in enumerate(forward)
+                      for part in ("backward_input", "backward_weight")})
         timeline = graph.run(value)
         forms.add(PathForm(tuple(sorted(timeline.critical.items(), key=repr))))
 
@@ -159,9 +161,9 @@ def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, fo
 
 def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float):
     costs = range_costs(profile, b, opts.optimizer)
-    S, p = opts.num_stages, opts.pipeline_ranks
-    speeds = [rank_speeds(opts)[g % p] for g in range(S)]
-    caps = [rank_caps(opts, profile)[g % p] for g in range(S)]
+    S = opts.num_stages
+    speeds = [rank_speeds(opts)[opts.rank_of_stage(g)] for g in range(S)]
+    caps = [rank_caps(opts, profile)[opts.rank_of_stage(g)] for g in range(S)]
     memory = None
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))

@@ -7,9 +7,10 @@ Split (staircase over S = p v stages): z[l][g] = 1 iff unit l is in a stage <= g
 
 and variables outside each unit's stage range (planner.solve.reach) fixed. Recomputation under
 'auto' with a cap: rho[l][g] <= x[l][g]. The step graph's durations are linear in these
-(planner.cost.model, stage g on rank i = g mod p at speed sigma_i):
+(planner.cost.model, stage g on rank i = the schedule's placement of g at speed sigma_i):
 
     F_g = (k^f + sum_l f_l x[l][g]) / sigma_i       B_g = (k^b + sum_l g_l x[l][g] + sum_l f_l rho[l][g]) / sigma_i
+    (zero-bubble: BI_g, BW_g the same with gi_l (and k^b), gw_l; the 'weight' memory term with h_l)
     A_g = sum_k e[k][g] (lat + act_k / bw_g)        G_g = sum_k e[k][g] (lat + grad_k / bw_g)      (when > 0)
     R_i = sum_{g on i} sum_l ar_l x[l][g]           O_i = sum_{g on i} sum_l o_l / sigma_i x[l][g]
     tau_t = sum_n y[t][n] tie(bytes_t, n d),   sum_n y[t][n] = 1,   sum_n n y[t][n] = sum_i h[t][i],
@@ -46,6 +47,7 @@ from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
 from planner.cost.step import rank_peaks
+from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
 
@@ -158,7 +160,7 @@ class Program:
         redo_all = opts.recompute == "all"
         self.term: Dict[Tuple, object] = {("message",): opts.message_s * MS}
         for g in range(S):
-            sigma = speeds[g % p]
+            sigma = speeds[opts.rank_of_stage(g)]
             units = [l for l in range(L) if self.may(l, g)]
             forward = c.call_forward * MS / sigma + pulp.lpSum(c.f[l] * MS / sigma * self.x(l, g) for l in units)
             backward = c.call_backward * MS / sigma + pulp.lpSum(
@@ -166,6 +168,14 @@ class Program:
             backward += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
             self.term[("forward", g)] = self._define(f"F_{g}", forward)
             self.term[("backward", g)] = self._define(f"B_{g}", backward)
+            if opts.schedule in ZERO_BUBBLE_SCHEDULES:
+                redo = lambda l: c.f[l] if redo_all else 0.0  # noqa: E731  (recomputed in both parts)
+                parts = {"backward_input": (c.gi, c.call_backward), "backward_weight": (c.gw, 0.0)}
+                for name, (per_unit, call) in parts.items():
+                    expr = call * MS / sigma + pulp.lpSum((per_unit[l] + redo(l)) * MS / sigma * self.x(l, g)
+                                                          for l in units)
+                    expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+                    self.term[(name, g)] = self._define(f"{name}_{g}", expr)
             if g < S - 1:
                 cuts = [k for k in range(1, L) if self.cut_may_end(k, g)]
                 for kind, gradient in (("act", False), ("grad", True)):
@@ -173,7 +183,7 @@ class Program:
                                       if c.message_s(k, links[g], gradient))
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
-            stages = range(i, S, p)
+            stages = opts.stages_on(i)
             reduce = pulp.lpSum(sync_time(c.p[l], c.t[l], opts, self.profile.dtype, self.m) * MS * self.x(l, g)
                                 for g in stages for l in range(L) if self.may(l, g) and c.p[l])
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
@@ -183,15 +193,15 @@ class Program:
 
     def _ties(self) -> None:
         """h[t][i]: tied weight t has a use on rank i; tau_t its all-reduce (one-hot over holder counts)."""
-        opts, S, p = self.opts, self.S, self.p
+        opts, S = self.opts, self.S
         self.hold: Dict[Tuple[str, int], object] = {}
         for name, uses, size in shared_parameters(self.profile):
-            ranks = sorted({g % p for u in uses for g in range(S) if self.may(u, g)})
+            ranks = sorted({opts.rank_of_stage(g) for u in uses for g in range(S) if self.may(u, g)})
             for i in ranks:
                 h = _var(self.prob, f"hold_{name}_{i}")
                 self.add(h <= 1, f"hold_cap_{name}_{i}")
                 for u in uses:
-                    for g in range(i, S, p):
+                    for g in opts.stages_on(i):
                         if self.may(u, g):
                             self.add(h >= self.x(u, g), f"hold_{name}_{i}_{u}_{g}")
                 self.hold[name, i] = h
@@ -213,18 +223,24 @@ class Program:
         per_unit = [c.p[l] * beta_w + c.t[l] * beta_t for l in range(L)]  # static bytes of unit l's parameters
         redo_all = opts.recompute == "all"
         saved = [c.inputs[l] if redo_all else c.s[l] for l in range(L)]
+        weight_held = [c.inputs[l] if redo_all else c.h[l] for l in range(L)]
         peaks = rank_peaks(step_shape(opts, self.m))
         for i in range(p):
             if caps[i] is None:
                 continue
             static = pulp.lpSum(per_unit[l] / MIB * self.x(l, g)
-                                for g in range(i, S, p) for l in range(L) if self.may(l, g))
+                                for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
             for n, peak in enumerate(peaks[i]):
                 held = 0
                 for (kind, g), count in peak.items():
                     if kind == "live":
                         held += pulp.lpSum(count * saved[l] / MIB * self.x(l, g) for l in range(L) if self.may(l, g))
                         held -= pulp.lpSum(count * (c.s[l] - c.inputs[l]) / MIB * r
+                                           for (l, gg), r in self.rho.items() if gg == g)
+                    elif kind == "weight":  # between input and weight backward (zero-bubble)
+                        held += pulp.lpSum(count * weight_held[l] / MIB * self.x(l, g) for l in range(L)
+                                           if self.may(l, g))
+                        held -= pulp.lpSum(count * (c.h[l] - c.inputs[l]) / MIB * r
                                            for (l, gg), r in self.rho.items() if gg == g)
                     elif kind == "inbox" and g > 0:
                         held += pulp.lpSum(count * c.act[k] / MIB * self.ends(k, g - 1) for k in range(1, L)

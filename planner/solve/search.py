@@ -19,7 +19,10 @@ and a lower bound that holds for every split under the exact model:
     v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
-'all'). Scenarios are solved from the most promising; one whose bound is not below the best plan
+'all'). Zero-bubble schedules: W counts both backward parts (and a recomputed forward in each), while
+the crossing after a stage and the one micro-batch of v > 1 count forward and input backward only
+(nothing waits for a weight backward), the one before it forwards only (its last weight backwards
+may overlap the input backwards upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
 found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
 skipped scenario contributes its bound), so the reported gap is a true gap.
 """
@@ -36,8 +39,8 @@ from planner.cost.memory import SHARDS
 from planner.cost.model import (boundary_links, candidate_micro_batch_sizes, evaluate, num_micro_batches,
                                 rank_caps, rank_speeds)
 from planner.cost.options import CostOptions
-from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES
-from planner.cost.ranges import range_costs
+from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES, schedule_virtual_stages
+from planner.cost.ranges import prefix_sums, range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
@@ -50,7 +53,8 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
                      schedules: Optional[Sequence[str]] = None, virtual_stages: Optional[int] = None
                      ) -> List[CostOptions]:
     """Concrete options: each schedule (interleaved/bfs with v = virtual_stages, default the
-    options' own, or each of VIRTUAL_STAGES when several schedules are compared, else 2) and,
+    options' own, or each of VIRTUAL_STAGES when several schedules are compared, else 2; zb-v with
+    its 2, the others with 1) and,
     given `devices` N, each p x d = N; under shard 'auto', each of planner.cost.memory's shardings
     (only 'none' where d = 1: one holder shards nothing)."""
     if virtual_stages is not None:
@@ -66,7 +70,8 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
     for p, d in pairs:
         shards = [opts.shard] if opts.shard != "auto" else list(SHARDS) if d > 1 else ["none"]
         for schedule in schedules:
-            for v in (chunk_options if schedule in MULTI_STAGE_SCHEDULES else [1]):
+            fixed = schedule_virtual_stages(schedule)
+            for v in (chunk_options if fixed is None else [fixed]):
                 if p * v <= num_units:
                     out += [opts.with_(pipeline_ranks=p, data_parallel=d, schedule=schedule, virtual_stages=v,
                                        shard=shard) for shard in shards]
@@ -123,7 +128,14 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     m, S, p = num_micro_batches(opts, b), opts.num_stages, opts.pipeline_ranks
     speeds = rank_speeds(opts)
     fastest = max(speeds)
-    prefix = costs.F + costs.G + (costs.F if opts.recompute == "all" else 0.0)
+    redo = costs.F if opts.recompute == "all" else 0.0
+    if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # recomputed forwards run in both backward parts
+        chain = costs.F + prefix_sums(costs.gi) + redo  # what one micro-batch's crossing waits for
+        prefix = chain + prefix_sums(costs.gw) + redo  # all the work
+        lead = costs.F  # before a rank's first forward; its last W's may overlap the I's upstream
+    else:
+        prefix = chain = costs.F + costs.G + redo
+        lead = prefix
     call = costs.call_forward + costs.call_backward
     total = float(prefix[-1]) + S * call
     if opts.virtual_stages == 1:
@@ -142,8 +154,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
             fill[j + 1:] += np.minimum.accumulate(times)
             drain[:j + 1] += np.minimum.accumulate(times[::-1])[::-1]
         fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
-        before = prefix[:, None] / fastest
-        after = (prefix[-1] - prefix)[None, :] / fastest
+        before = lead[:, None] / fastest
+        after = (chain[-1] - chain)[None, :] / fastest
 
         def stage(g: int) -> np.ndarray:
             # the rank's own batches between its first forward and its last backward (every message
@@ -154,7 +166,7 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
 
         value = min_max_partition(profile.num_units, S, stage)[0]
     else:
-        value = max(m * total / (p * fastest), total / fastest)
+        value = max(m * total / (p * fastest), (float(chain[-1]) + S * call) / fastest)
     return value + opts.step_overhead_s
 
 

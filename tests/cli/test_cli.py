@@ -279,6 +279,9 @@ BAD_PROFILES = [
     (_set(["link", "message_s"], -1e-6), "link.message_s is -1e-06"),
     (_set(["link", "allreduce"], {"bandwidth_bytes_per_s": 0}), "link.allreduce.bandwidth_bytes_per_s is 0"),
     (_set(["link", "allreduce"], [1]), "link.allreduce is [1]"),
+    (_set(["units", 0, "backward_weight_s"], {"1": 1e-3, "2": 1e-3}), "units[0].backward_input_s is missing"),
+    (lambda d: d["units"][1].update(backward_input_s={"1": 1e-3, "2": 1e-3}, backward_weight_s={"1": -1e-3, "2": 1e-3},
+                                    weight_held_bytes={"1": 0, "2": 0}), 'units[1].backward_weight_s["1"] is -0.001'),
 ]
 
 

@@ -22,7 +22,8 @@ from planner.solve.diagnose import InfeasibleError
 from planner.solve.solution import Solution
 from tests.support.synthetic import synthetic_profile
 
-SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("bfs", 2), ("interleaved", 3), ("bfs", 3)]
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("bfs", 2), ("interleaved", 3), ("bfs", 3),
+             ("zb-h1", 1), ("zb-v", 2)]
 
 
 @st.composite
@@ -39,6 +40,12 @@ def problems(draw, max_units=8):
         stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
     for u in profile.units:
         u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
+    if draw(st.booleans()):  # the backward timed in two parts (else planner.cost.ranges estimates them)
+        for u in profile.units:
+            share = draw(st.sampled_from([0.2, 0.5, 0.7]))
+            u.backward_input_s = {b: (1 - share) * t for b, t in u.backward_s.items()}
+            u.backward_weight_s = {b: share * t * draw(st.sampled_from([0.8, 1.0])) for b, t in u.backward_s.items()}
+            u.weight_held_bytes = {b: s // draw(st.sampled_from([1, 2, 4])) for b, s in u.saved_bytes.items()}
     if draw(st.booleans()) and L >= 3:
         profile.extra["shared_parameters"] = [{"name": "tied", "units": [profile.units[0].name,
                                                                            profile.units[-1].name], "bytes": 800}]
@@ -104,7 +111,8 @@ def test_screening_many_splits_at_once_is_evaluate(problem, rng):
 
 def _walk_peak(actions, held_bytes):
     """Most bytes held at once along one rank's list: saved tensors of the micro-batches forwarded and
-    not yet backwarded, received activations not yet forwarded, received gradients not yet used."""
+    not yet backwarded, received activations not yet forwarded, received gradients not yet used, and
+    (zero-bubble) what the weight backward reads, from the input backward until it runs."""
     live, peak = 0.0, 0.0
     for a in actions:
         g = a.stage
@@ -114,9 +122,14 @@ def _walk_peak(actions, held_bytes):
             live += held_bytes[("gradbox", g)]
         elif a.kind == ActionKind.FORWARD:
             live += held_bytes[("live", g)] - (held_bytes[("inbox", g)] if g > 0 and _was_received(actions, a) else 0)
-        elif a.kind == ActionKind.BACKWARD:
+        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
             peak = max(peak, live)
             live -= held_bytes[("live", g)] + (held_bytes[("gradbox", g)] if _grad_received(actions, a) else 0)
+            if a.kind == ActionKind.BACKWARD_INPUT:  # what the weight part reads stays until it runs
+                live += held_bytes[("weight", g)]
+        elif a.kind == ActionKind.BACKWARD_WEIGHT:
+            peak = max(peak, live)
+            live -= held_bytes[("weight", g)]
         peak = max(peak, live)
     return peak
 

@@ -1,0 +1,113 @@
+"""planner/profile/splitgrad.py: a backward in two parts gives the whole backward's gradients, computes no
+weight gradient in its first part, and accumulates like backward (hooks included); the data-parallel
+buckets of a zero-bubble list are armed at the last weight backward."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.pipeline.actions import ActionKind
+from planner.pipeline.schedule import build_schedule
+from runtime.groups import last_backwards
+from planner.profile.splitgrad import backward_input, backward_weight
+
+
+class _Stage(nn.Module):
+    """A middle stage: a recomputable block, a branch that no input reaches, an input passed on."""
+
+    def __init__(self, recompute: bool):
+        super().__init__()
+        self.a, self.b, self.c, self.side = nn.Linear(4, 6), nn.Linear(6, 4), nn.Linear(4, 4), nn.Linear(3, 4)
+        self.recompute = recompute
+
+    def forward(self, x, z):
+        block = lambda t: torch.tanh(self.a(t))  # noqa: E731
+        h = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+        y = self.b(h) + self.side(z)
+        return y * 2, self.c(y).relu() + x, x
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_two_parts_give_the_whole_backward(recompute, input_grad):
+    torch.manual_seed(0)
+    split_model = _Stage(recompute)
+    whole_model = copy.deepcopy(split_model)
+    x, z = torch.randn(3, 4), torch.randn(3, 3)
+    grads = [torch.randn(3, 4) for _ in range(3)]
+    hooked = []
+    for p in split_model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: hooked.append(p))
+
+    x1 = x.clone().requires_grad_(input_grad)
+    pending = backward_input(split_model(x1, z), grads, [x1], list(split_model.parameters()))
+    assert all(p.grad is None for p in split_model.parameters())  # no weight gradient yet
+    input_grad_after_first_part = x1.grad
+    backward_weight(pending)
+
+    x2 = x.clone().requires_grad_(input_grad)
+    pairs = [(out, g) for out, g in zip(whole_model(x2, z), grads) if out.requires_grad]
+    torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+    for p, q in zip(split_model.parameters(), whole_model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    assert len(hooked) == len(list(split_model.parameters()))  # as backward: each parameter's hook once
+    if input_grad:
+        assert torch.allclose(input_grad_after_first_part, x2.grad, atol=1e-6)
+
+
+def test_buckets_are_armed_at_the_last_weight_backward():
+    lists = build_schedule("zb-h1", 2, 4)
+    stage = SimpleNamespace(module=nn.Linear(2, 2))  # what last_backwards reads of a stage
+    arming = last_backwards(lists[0], {0: stage}, tied=set())
+    last_w = max(k for k, a in enumerate(lists[0]) if a.kind is ActionKind.BACKWARD_WEIGHT)
+    assert list(arming) == [(0, lists[0][last_w].micro_batch)]
+    assert {id(p) for p in arming[(0, lists[0][last_w].micro_batch)]} == {id(p) for p in stage.module.parameters()}
+
+
+def test_profile_split_fields_round_trip_and_older_profiles_are_estimated():
+    import json
+
+    from planner.cost.ranges import WEIGHT_SHARE, range_costs
+    from planner.profile.profile import Profile
+    from tests.support.synthetic import synthetic_profile
+
+    old = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 4.0], params=[8, 8], saved=[100, 60], cut_act=[8],
+                            sizes=(1,))
+    costs = range_costs(old, 1)
+    assert list(costs.gw) == [2.0 * WEIGHT_SHARE, 4.0 * WEIGHT_SHARE] and list(costs.gi + costs.gw) == [2.0, 4.0]
+    assert list(costs.h) == [100.0, 60.0]  # everything saved held until the weight part: an upper bound
+    unit = old.units[1]
+    unit.backward_input_s, unit.backward_weight_s, unit.weight_held_bytes = {1: 3.0}, {1: 1.0}, {1: 20}
+    again = Profile.from_json(json.loads(json.dumps(old.to_json())))
+    assert again.units[1].backward_weight_s == {1: 1.0} and again.units[1].weight_held_bytes == {1: 20}
+    assert not again.units[0].split_backward and "backward_weight_s" not in again.units[0].to_json()
+    costs = range_costs(again, 1)
+    assert costs.backward_input(1, 2) == 3.0 and costs.backward_weight(1, 2) == 1.0 and costs.weight_held(1, 2) == 20
+
+
+def test_measured_parts():
+    from planner.profile.splitgrad import measure_backward_parts
+    from planner.profile.timing import UnitCall
+
+    class Unit(nn.Module):  # as a profiled unit: its outputs as a tuple
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return (torch.tanh(self.layer(x)),)
+
+    torch.manual_seed(0)
+    first, middle = Unit(), Unit()
+    x = torch.randn(8, 16)
+    h = torch.randn(8, 16, requires_grad=True)
+    parts = measure_backward_parts([UnitCall(first, [x], [0], False), UnitCall(middle, [h], [0], False)],
+                                   None, None, torch.device("cpu"), repeats=2)
+    assert all(p.weight_s > 0 and p.held_bytes > 0 for p in parts)
+    assert parts[1].input_s > 0
+    # the middle unit keeps what its weight gradient reads (its input and the gradient at its matmul),
+    # at least the input's 512 bytes
+    assert parts[1].held_bytes >= 8 * 16 * 4
