@@ -241,8 +241,8 @@ def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3) -> ModelSpec:
 
 
 class TwoOutputs(nn.Module):
-    """Two outputs: the main one, and an auxiliary head computed in the first unit (so it crosses
-    every later cut to reach the output)."""
+    """Two outputs: the main one, and an auxiliary head computed in the second unit (so it crosses
+    every later cut to reach the output); the last unit reads the model's input again."""
 
     def __init__(self, dim: int, layers: int):
         super().__init__()
@@ -256,7 +256,7 @@ class TwoOutputs(nn.Module):
         aux = self.aux_head(h)
         for layer in self.mid:
             h = h + torch.relu(layer(h))
-        return self.out(h), aux
+        return self.out(h) + x, aux
 
 
 def two_outputs(dim: int = 8, layers: int = 3) -> ModelSpec:
