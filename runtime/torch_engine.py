@@ -37,6 +37,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
@@ -136,8 +138,6 @@ class TorchEngine:
 
     def __init__(self, rank_model: RankModel, plan: Any, topology: Topology, rank: int, optimizer: Any,
                  device: torch.device, groups: Groups, trace: Optional[Callable] = None):
-        from torch.distributed import pipelining
-
         self.spec = rank_model.spec
         self.rank_model = rank_model
         self.topology = topology
@@ -168,8 +168,8 @@ class TorchEngine:
             inputs = (torch.empty(b, dtype=torch.int64, device="meta"),) if stage.index == 0 else _meta(stage.recv)
             outputs = _meta(stage.send) if not stage.is_last else (torch.empty((), device="meta", requires_grad=True),)
             module = StageAsTorchModule(stage, self.batch, device, self.spec.loss, scale)
-            self.stages.append(_timed_stage_class()(self, module, stage.index, S, device, input_args=inputs,
-                                                    output_args=outputs, group=self.pipeline_group))
+            self.stages.append(TimedStage(self, module, stage.index, S, device, input_args=inputs,
+                                          output_args=outputs, group=self.pipeline_group))
         schedule_class = getattr(pipelining, TORCH_SCHEDULES[plan.schedule])
 
         def loss_fn(loss: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
@@ -212,7 +212,8 @@ class TorchEngine:
     def run_step(self, step: int) -> StepStats:
         stats = StepStats(step=step)
         self._load_batch(step)
-        samples = torch.arange(self.global_batch // self.topology.data_parallel, device=self.device)
+        # on the host: a stage reads its micro-batch's number from it (no device synchronisation)
+        samples = torch.arange(self.global_batch // self.topology.data_parallel)
         losses: List[torch.Tensor] = []
         clock = self.clock
         clock.start()
@@ -249,33 +250,30 @@ class TorchEngine:
         return stats
 
 
-def _timed_stage_class():
-    """PipelineStage with its compute timed (and, in the first step, what autograd saves counted)."""
-    from torch.distributed.pipelining import PipelineStage
+class TimedStage(PipelineStage):
+    """torch's PipelineStage with its compute timed on the engine's clock (and, in the engine's first
+    step, what autograd saves for backward counted, as the own engine counts it)."""
 
-    class TimedStage(PipelineStage):
-        def __init__(self, engine: TorchEngine, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.engine = engine
+    def __init__(self, engine: "TorchEngine", *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.engine = engine
 
-        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            engine = self.engine
-            engine.clock.mark()
-            if engine.count_saved:
-                with engine.saved.counting():
-                    out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-                engine.held[(self.stage_index, fwd_chunk_id)] = engine.saved.finish()
-            else:
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        engine.clock.mark()
+        if engine.count_saved:
+            with engine.saved.counting():
                 out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            engine.clock.stop("forward_s", Action(ActionKind.FORWARD, fwd_chunk_id, self.stage_index))
-            return out
+            engine.held[(self.stage_index, fwd_chunk_id)] = engine.saved.finish()
+        else:
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        engine.clock.stop("forward_s", Action(ActionKind.FORWARD, fwd_chunk_id, self.stage_index))
+        return out
 
-        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            engine = self.engine
-            engine.clock.mark()
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-            engine.saved.release(engine.held.pop((self.stage_index, bwd_chunk_id), 0))
-            engine.clock.stop("backward_s", Action(ActionKind.BACKWARD, bwd_chunk_id, self.stage_index))
-            return out
-
-    return TimedStage
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        engine.clock.mark()
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        engine.saved.release(engine.held.pop((self.stage_index, bwd_chunk_id), 0))
+        engine.clock.stop("backward_s", Action(ActionKind.BACKWARD, bwd_chunk_id, self.stage_index))
+        return out
