@@ -97,8 +97,9 @@ def plan_fixed(profile, plan, opts_extra=None):
 def link_options(profile):
     """What `planner solve` takes from the profile by default, as cost-model options: its
     calibration, else the measured link (planner profile --link measure) with its per-message cost."""
-    bandwidth, latency, overhead, _, message_s = solve_link(profile)
-    return {"bandwidth": bandwidth, "latency": latency, "step_overhead_s": overhead, "message_s": message_s}
+    bandwidth, latency, overhead, _, message_s, dp_bandwidth = solve_link(profile)
+    return {"bandwidth": bandwidth, "latency": latency, "step_overhead_s": overhead, "message_s": message_s,
+            "dp_bandwidth": dp_bandwidth}
 
 
 def _busy_cpu_s():

@@ -91,6 +91,9 @@ def execute(args: argparse.Namespace) -> int:
           + (", torch.distributed.pipelining" if args.engine == "torch" else ""), flush=True)
     if args.engine == "torch":
         _say_pass_through(plan)
+    if plan.emulated_boundaries:
+        print(f"emulating the cluster's slow link at stage boundaries {plan.emulated_boundaries}: each message "
+              "crossing it is held for its planned transfer time (runtime/emulation.py)", flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     reporter = topology.global_rank(0, topology.pipeline_ranks - 1)
     result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,

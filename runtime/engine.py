@@ -27,6 +27,8 @@ What the engine holds per micro-batch in flight on a stage (the memory the plan 
   stage's inputs lives from its backward until its send's batch completes (or the previous stage's
   backward on this rank takes it). Stages with recomputed units keep their inputs and outputs
   (recomputation reads them again).
+Once per step, not per micro-batch: under bf16-mixed, the bf16 copy of the weights every forward and
+backward of the step computes with (runtime.precision), counted with the parameters, not as live.
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
+from runtime.emulation import hold
 from runtime.groups import GradientBuckets, Groups, last_backwards
 from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
+from runtime.precision import ComputeCopy
 from runtime.runner import StageRunner
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel
@@ -113,7 +117,11 @@ class Engine:
         self.groups = groups
         self.trace = trace
         self.autocast = autocast  # torch.autocast's dtype for forwards and losses, or None
+        # bf16-mixed: one compute copy of the weights per step, fp32 masters (runtime.precision)
+        self.compute_copy = (ComputeCopy([st.module for st in rank_model.stages], autocast)
+                             if autocast is not None else None)
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
+        self.emulated_links: Dict[Tuple[str, int], float] = {}  # runtime.emulation: seconds per crossing
         self.clock = StepClock(device)
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
@@ -163,6 +171,8 @@ class Engine:
             self.buckets.begin_step()
         clock = self.clock
         clock.start()
+        if self.compute_copy is not None:
+            self.saved.exclude(self.compute_copy.install())  # the step's weights, not a micro-batch's
         for group in self.program:
             first = self.actions[group[0]]
             clock.mark()
@@ -174,6 +184,8 @@ class Engine:
                 self.handlers[first.kind](current, first)
                 key = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s"}.get(first.kind)
                 clock.stop(key or "optimizer_s", first)
+        if self.compute_copy is not None:
+            self.compute_copy.remove()  # (done before the optimizer step; a list without one ends here)
         totals, spans, step_s = clock.finish()
         self.count_saved = False
         stats = current.stats
@@ -261,6 +273,7 @@ class Engine:
             operations.append(operation)
             after.append(done)
         exchange(operations, self.use_tags)
+        hold(actions, self.emulated_links)
         step.stats.messages += len(operations)
         for done, operation in zip(after, operations):
             if done is not None:
@@ -332,6 +345,8 @@ class Engine:
     def _optimizer_step(self, step: _Step, action: Action) -> None:
         # a gradient-sharded optimizer (issue 25, runtime/shard.py) reduces the data-parallel gradients
         # itself: then there are no buckets here
+        if self.compute_copy is not None:
+            self.compute_copy.remove()  # every backward is done: the optimizer steps the fp32 masters
         self.groups.reduce_gradients(self.rank_model, self.buckets)
         self.clock.stop("reduce_s", "reduce")
         self.clock.mark()

@@ -71,8 +71,9 @@ _OPTIONS = [
     ("--clip-grad-norm", dict(type=float, default=None, metavar="MAX",
                               help="scale gradients so their global norm (all stages and replicas) is at most MAX")),
     ("--precision", dict(choices=PRECISIONS, default=None,
-                         help="fp32, or bf16-mixed: torch.autocast(bfloat16) around forwards and losses, fp32 "
-                              "parameters (default: the plan's precision; another than the plan's is refused)")),
+                         help="fp32, or bf16-mixed: one bf16 copy of the weights per step, fp32 master "
+                              "parameters and gradients, torch.autocast(bfloat16) around forwards and losses "
+                              "(default: the plan's precision; another than the plan's is refused)")),
 ]
 
 

@@ -67,6 +67,9 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     if any(rank != g % p for g, rank in enumerate(topology.stage_rank)):
         return ("--engine torch places stage g on device g mod p (torch's loop placement) and this plan places its "
                 "stages otherwise; run it with --engine own, or re-plan with the default placement")
+    if getattr(plan, "emulated_boundaries", None):
+        return ("--engine torch cannot hold messages for an emulated slow link (torch posts its own messages); run "
+                "it with --engine own, or re-plan without an emulated link")
     if getattr(plan, "shard", "none") != "none":
         return (f"--engine torch does not shard optimizer state or gradients (the plan's shard is {plan.shard}); "
                 "run it with --engine own, or re-plan with --shard none")

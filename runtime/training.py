@@ -1,10 +1,12 @@
 """What a training run adds to the pipeline: the optimizer and its options, the learning-rate
 schedule, gradient clipping by the global norm, and the precision.
 
-Precision `bf16` is `torch.autocast(bfloat16)` around every forward and loss, with fp32
-parameters, gradients and optimizer state: a single process training under the same autocast is
-the reference (tests: equal to it within 1e-5), and the memory per parameter is fp32's (4 bytes
-of weight, 4 of gradient, the optimizer's state), activations mostly bf16.
+Precision `bf16-mixed` is `torch.autocast(bfloat16)` around every forward and loss, computing with
+one bf16 copy of the weights per step, fp32 master parameters, fp32 gradients accumulated from each
+micro-batch's bf16 ones, fp32 optimizer state (runtime.precision): a single process training the
+same way is the reference (tests: equal to it within 1e-5), and the memory per parameter is fp32's
+(4 bytes of weight, 4 of gradient, the optimizer's state) plus 2 bytes of the bf16 copy,
+activations mostly bf16.
 
 The schedule is a function of the step number alone (warm-up from lr/warmup to lr over `warmup`
 steps, then constant or a cosine down to `min_lr` at the run's last step), so a resumed run sets

@@ -84,7 +84,7 @@ part solve 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --global
     --output "$OUT/plan.json"
 part execute 75 "$PY" -m runtime.cli execute "$OUT/plan.json" --steps 12 --report "$OUT/report.json" \
     --timeout 60
-# planned and run under bf16 autocast (fp32 parameters): precision bf16-mixed
+# planned and run at precision bf16-mixed (one bf16 copy of the weights per step, fp32 masters)
 part solve-bf16 30 "$PY" -m planner.cli solve "$OUT/profile.json" --stages 1 --global-batch 16 \
     --precision bf16-mixed --output "$OUT/plan-bf16.json"
 part execute-bf16 75 "$PY" -m runtime.cli execute "$OUT/plan-bf16.json" --steps 12 \

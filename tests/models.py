@@ -240,6 +240,17 @@ def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
 
 
+def sequential(dim: int = 16, layers: int = 4) -> ModelSpec:
+    """A bare nn.Sequential: its forward's argument is `input`, which fx renames (node `input_1`)."""
+    module = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.ReLU())), nn.Linear(dim, 4))
+
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, dim, generator=g),), torch.randint(0, 4, (n,), generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.cross_entropy)
+
+
 class TwoOutputs(nn.Module):
     """Two outputs: the main one, and an auxiliary head computed in the second unit (so it crosses
     every later cut to reach the output); the last unit reads the model's input again."""

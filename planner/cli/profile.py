@@ -38,8 +38,9 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
     profile.extra["link"] = link
     print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us, "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "
-          f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips); planner solve uses it "
-          "unless --bandwidth/--latency/--message-cost are given", flush=True)
+          f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips), all-reduce "
+          f"{link['allreduce']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s per replica; planner solve uses them unless "
+          "--bandwidth/--latency/--message-cost/--dp-bandwidth are given", flush=True)
 
 
 def _check_measure_options(args: argparse.Namespace) -> None:

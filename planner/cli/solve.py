@@ -30,7 +30,8 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--bandwidth", default=None,
                    help="bytes/s between consecutive stages (default: the profile's calibration, else the link "
                         "planner profile measured, else 5GB)")
-    s.add_argument("--dp-bandwidth", default=None, help="bytes/s of the data-parallel all-reduce (default --bandwidth)")
+    s.add_argument("--dp-bandwidth", default=None, help="bytes/s each replica sends in the data-parallel all-reduce (default: the "
+                        "profile's measured all-reduce, else --bandwidth)")
     s.add_argument("--latency", type=float, default=None,
                    help="seconds per message between stages (default: the profile's calibration, else the "
                         "measured link's, else 0)")
@@ -87,9 +88,9 @@ def problem_from_args(args: argparse.Namespace):
 
     if args.message_cost is not None and not args.message_cost >= 0:
         raise UsageError(f"--message-cost must be >= 0 seconds (got {args.message_cost})")
-    bandwidth, latency, overhead, note, message_s = solve_link(
+    bandwidth, latency, overhead, note, message_s, dp_bandwidth = solve_link(
         profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency,
-        args.message_cost)
+        args.message_cost, parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None)
     args.calibration_note = note
     opts = CostOptions(
         pipeline_ranks=stages if args.devices is None else 1,
@@ -101,7 +102,7 @@ def problem_from_args(args: argparse.Namespace):
         message_s=message_s,
         memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
         optimizer=args.optimizer,
-        dp_bandwidth=parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None,
+        dp_bandwidth=dp_bandwidth,
         virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,
         cluster=cluster,
         recompute=args.recompute,

@@ -8,14 +8,18 @@ JSON schema (`--cluster cluster.json`)::
          "bandwidth": "10GB", "latency": 0.0},
         {"name": "dc2", "devices": 2, "memory": 17179869184, "speed": 0.5}
       ],
-      "links": [{"bandwidth": "100MB", "latency": 0.01}]
+      "links": [{"bandwidth": "100MB", "latency": 0.01, "emulate": true}]
     }
 
 - groups, in pipeline order: `devices` (int >= 1), `memory` (bytes per device, a number or a
   size such as "16GiB"; optional, default: --memory-per-device), `speed` (relative to the
   profiled device; a unit's time is divided by it; default 1), `bandwidth`/`latency` between two
   devices of the group (default: --bandwidth / --latency).
-- links: exactly len(groups) - 1 entries; links[i] joins group i and group i + 1.
+- links: exactly len(groups) - 1 entries; links[i] joins group i and group i + 1. `"emulate": true`
+  marks a link the runtime emulates on one machine: the plan lists the stage boundaries whose
+  messages cross it (`emulated_boundaries`), and `runtime execute` holds both ends of each such
+  message for its planned transfer time after the message has crossed (runtime/engine.py), so a
+  slow link's plan can be checked here against its prediction.
 
 Pipeline rank r runs on the r-th device counting through the groups in order, so the cluster
 must hold exactly `--stages` devices. A transfer between ranks i < j in different groups pays the
@@ -44,6 +48,7 @@ class DeviceGroup:
 class Link:
     bandwidth: float
     latency: float = 0.0
+    emulate: bool = False  # the runtime emulates this link (a delay per message crossing it)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,11 @@ class Cluster:
             return (bandwidth if g.bandwidth is None else g.bandwidth), (latency if g.latency is None else g.latency)
         crossed = self.links[gi:gj]
         return min(link.bandwidth for link in crossed), sum(link.latency for link in crossed)
+
+    def emulated(self, i: int, j: int) -> bool:
+        """Whether a message between ranks i and j crosses a link the runtime emulates."""
+        gi, gj = sorted((self.group_of(i), self.group_of(j)))
+        return any(link.emulate for link in self.links[gi:gj])
 
 
 def _size(value: Any, what: str) -> float:
@@ -118,7 +128,11 @@ def cluster_from_json(d: Any) -> Cluster:
         latency = float(link.get("latency", 0.0))
         if latency < 0:
             raise ValueError(f"cluster link {i} latency must be >= 0")
-        links.append(Link(bandwidth=_size(link["bandwidth"], f"link {i} bandwidth"), latency=latency))
+        emulate = link.get("emulate", False)
+        if not isinstance(emulate, bool):
+            raise ValueError(f"cluster link {i} \"emulate\" must be true or false (got {emulate!r})")
+        links.append(Link(bandwidth=_size(link["bandwidth"], f"link {i} bandwidth"), latency=latency,
+                          emulate=emulate))
     return Cluster(groups=tuple(groups), links=tuple(links))
 
 

@@ -6,19 +6,20 @@ Bytes per parameter before sharding (`bytes_per_param`, n = 1):
     precision    params  compute copy  grads  master  optimizer (per moment; AdamW: 2 moments, SGD: 0)
     fp32            4         0          4      0      4
     bf16-mixed      4         2          4      0      4     fp32 parameters are the master weights;
-                                                           torch.autocast makes the bf16 copy
+                                                           the runtime casts the bf16 copy once a step
     bf16            2         0          2      0      2     pure bf16: state in bf16 too
 
 So AdamW holds 16 B (fp32), 18 B (bf16-mixed) and 8 B (bf16) per parameter; SGD (no momentum)
-8, 10 and 4. The bf16-mixed compute copy is the weights autocast casts to bf16 once per autocast
-region and keeps (cached, and saved for backward) until that micro-batch's backward: the runtime
-runs each forward in its own region, so the cost model counts it per micro-batch in flight, with the
-saved activations (`ParamBytes.static` leaves it out; measured on an H200: 1.58 B per parameter per
-micro-batch, BENCHMARKS.md, "LLM scale"). Embedding weights are not
-cast (embedding runs in fp32 under autocast): the count is 2 B high for them. 4 + 2 + 4 + 8 = 18 B is
-also what Megatron-LM holds in bf16 (2 B bf16 weights, 4 B fp32 main weights, 4 B fp32 gradients,
-8 B Adam moments); the difference is which part ZeRO-1 can shard: here the fp32 weights are the
-model's own parameters (the forward reads them), so only the optimizer state shards.
+8, 10 and 4. The bf16-mixed compute copy is held once per stage, for the whole step, not per
+micro-batch: the runtime casts each weight to bf16 once at the step's start and every forward and
+backward of the step computes with that copy, accumulating each micro-batch's gradient into the fp32
+master's in fp32 (runtime/precision.py; a copy per micro-batch in flight, 1.58 B per parameter per
+micro-batch on an H200, was what one autocast region per forward held: BENCHMARKS.md, "LLM
+scale"). One-dimensional parameters (biases, normalisation weights) are not copied: the count is
+2 B high for them, a negligible share. 4 + 2 + 4 + 8 = 18 B is also what Megatron-LM holds in bf16
+(2 B bf16 weights, 4 B fp32 main weights, 4 B fp32 gradients, 8 B Adam moments); the difference is
+which part ZeRO-1 can shard: here the fp32 weights are the model's own parameters (each holder
+casts its copy from them), so only the optimizer state shards.
 
 Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's stages:
 
@@ -68,9 +69,6 @@ _PRECISION_BYTES = {
 COMPUTE_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
-COMPUTE_COPY_NOTE = ("bf16-mixed counts a bf16 copy of a stage's weights per micro-batch in flight: the runtime "
-                     "runs each forward in its own autocast region, whose cast weights are saved for backward")
-
 GIB = 2 ** 30
 # Default reserve per device kind (bytes). GPUs: what a process holds outside PyTorch's allocator,
 # measured on an H200 (BENCHMARKS.md, "LLM scale"): CUDA context 0.61 GiB, with cuBLAS's workspace
@@ -93,12 +91,6 @@ class ParamBytes:
     @property
     def total(self) -> float:
         return self.params + self.compute_copy + self.grads + self.master + self.optimizer
-
-    @property
-    def static(self) -> float:
-        """What the holder keeps for the whole step: all but the compute copy, which the runtime
-        makes per micro-batch (one autocast region per forward) and holds while it is in flight."""
-        return self.params + self.grads + self.master + self.optimizer
 
     def to_json(self) -> Dict[str, float]:
         return dict(asdict(self), total=self.total)

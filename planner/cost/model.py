@@ -55,7 +55,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
-from planner.cost.step import StepShape, rank_peaks, stage_devices, stage_in_flight, step_graph
+from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
 
@@ -70,14 +70,7 @@ def static_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) 
     master weights, optimizer state) for a stage of n holders (default the d replicas)."""
     n = opts.data_parallel if holders is None else holders
     held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
-    return held.static / memory_model.param_itemsize(dtype)
-
-
-def copy_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
-    """Bytes of the compute copy of the weights per parameter byte, held per micro-batch in flight."""
-    n = opts.data_parallel if holders is None else holders
-    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
-    return held.compute_copy / memory_model.param_itemsize(dtype)
+    return held.total / memory_model.param_itemsize(dtype)
 
 
 def sync_time(param_bytes: float, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> float:
@@ -320,6 +313,32 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
                     critical_path=path_form(timeline), durations=value, collectives=shape.collectives)
 
 
+def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
+                    opts: CostOptions) -> List[Optional[Tuple[float, PathForm]]]:
+    """(iteration seconds, longest path) of each split (boundaries, recomputed units), exactly as
+    `evaluate` gives them, the step graph run for all of them at once (planner.cost.step.run_many); no
+    memory, so a search screens many splits with it and evaluates the ones it keeps. None for a
+    split that is not valid."""
+    profile = compute_profile(profile, opts)
+    L = profile.num_units
+    m = num_micro_batches(opts, b)
+    costs, ties, fixed = range_costs(profile, b, opts.optimizer), shared_parameters(profile), fixed_bytes(profile, opts)
+    groups: Dict[StepShape, List[Tuple[int, Dict[Tuple, float]]]] = {}
+    for k, (boundaries, recompute) in enumerate(splits):
+        try:
+            validate_boundaries(profile, boundaries, b, opts)
+        except ValueError:
+            continue
+        split = Split(costs, tuple([0] + list(boundaries) + [L]), frozenset(recompute), profile.dtype, fixed)
+        shape = step_shape(opts, m, step_collectives(ties, split.edges, opts))
+        groups.setdefault(shape, []).append((k, step_durations(split, opts, shape, ties)))
+    out: List[Optional[Tuple[float, PathForm]]] = [None] * len(splits)
+    for shape, members in groups.items():
+        for (k, _), timeline in zip(members, run_many(step_graph(shape), [value for _, value in members])):
+            out[k] = (timeline.step_s + opts.step_overhead_s, path_form(timeline))
+    return out
+
+
 def path_form(timeline) -> PathForm:
     """The longest path of a simulated step as a PathForm (tied-weight crossings named by weight)."""
     return PathForm(counts=tuple(sorted(timeline.critical.items(), key=repr)),
@@ -407,10 +426,9 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
     """Bytes per held item of each kind (planner.pipeline.stepgraph.held_peaks' terms)."""
     costs, S = split.costs, opts.num_stages
     out: Dict[Tuple, float] = {}
-    copy = copy_factor(opts, split.dtype)  # bf16-mixed: the forward's cast weights, saved for backward
     for g in range(S):
         a, e = split.units(g)
-        out[("live", g)] = costs.saved(a, e, split.redo) + copy * costs.params(a, e)
+        out[("live", g)] = costs.saved(a, e, split.redo)
         out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
         out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
     return out
@@ -421,9 +439,11 @@ def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[flo
     costs = split.costs
     held = held_bytes(split, opts)
     out = []
+    devices = stage_devices(shape)
+    factors = [_stage_factor(split, opts, shape, g) for g in range(opts.num_stages)]
+    params = [costs.params(*split.units(g)) for g in range(opts.num_stages)]
     for i, peaks in enumerate(rank_peaks(shape)):
-        static = sum(costs.params(*split.units(g)) * _stage_factor(split, opts, shape, g)
-                     for g in range(opts.num_stages) if i in _devices_of(shape, g))
+        static = sum(params[g] * factors[g] for g in range(opts.num_stages) if i in devices[g])
         activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
         out.append(static + split.fixed + activations)
     return out
@@ -454,9 +474,9 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
             first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
             backward_s=value[("backward", g)], comm_s=comm,
             time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
-            param_bytes=int(count * per.params), grad_bytes=int(count * per.grads),
+            param_bytes=int(count * (per.params + per.compute_copy)), grad_bytes=int(count * per.grads),
             optimizer_bytes=count * (per.master + per.optimizer),
-            activation_bytes=int(activations), memory_bytes=count * per.static + activations,
+            activation_bytes=int(activations), memory_bytes=count * per.total + activations,
             extra_s=value[("reduce", device)] + collective,
             recompute=sorted(l for l in split.redo if a <= l < e), replicas=len(_devices_of(shape, g))))
     return stages

@@ -178,15 +178,17 @@ class LinkChoice(NamedTuple):
     step_overhead_s: float
     note: Optional[str]
     message_s: float
+    dp_bandwidth: Optional[float] = None  # the data-parallel all-reduce's rate; None: the link's bandwidth
 
 
 def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Optional[float] = None,
-               message_s: Optional[float] = None) -> LinkChoice:
-    """(bandwidth, latency, step overhead, note, per-message cost) a solve uses: the given values
-    first (the user's --bandwidth/--latency/--message-cost), then the profile's calibration
-    (profile.extra['calibration']), then the link `planner profile` measured
-    (profile.extra['link']), then the defaults (5 GB/s, 0, 0, 0). The note says what the profile
-    supplied (None when it supplied nothing)."""
+               message_s: Optional[float] = None, dp_bandwidth: Optional[float] = None) -> LinkChoice:
+    """(bandwidth, latency, step overhead, note, per-message cost, all-reduce rate) a solve uses: the
+    given values first (the user's --bandwidth/--latency/--message-cost/--dp-bandwidth), then the
+    profile's calibration (profile.extra['calibration']), then the link `planner profile` measured
+    (profile.extra['link'], its all-reduce rate in link.allreduce), then the defaults (5 GB/s, 0, 0,
+    0; the all-reduce at the link's bandwidth). The note says what the profile supplied (None when
+    it supplied nothing)."""
     calibration = profile.extra.get("calibration") or {}
     overhead = 0.0
 
@@ -206,11 +208,16 @@ def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Opt
         return taken
 
     used = fill(calibration)
-    measured = fill(profile.extra.get("link") or {})  # measured by `planner profile --link measure`
+    link = profile.extra.get("link") or {}
+    measured = fill(link)  # measured by `planner profile --link measure`
+    if dp_bandwidth is None and (link.get("allreduce") or {}).get("bandwidth_bytes_per_s"):
+        dp_bandwidth = float(link["allreduce"]["bandwidth_bytes_per_s"])
+        measured.append(f"all-reduce {dp_bandwidth / 1e9:.3g} GB/s")
     if calibration.get("step_overhead_s"):
         overhead = max(0.0, float(calibration["step_overhead_s"]))
         used.append(f"step overhead {overhead * 1e3:.3g} ms")
     notes = ([f"applied the profile's calibration: {', '.join(used)}"] if used else []) + \
         ([f"used the profile's measured link: {', '.join(measured)}"] if measured else [])
     return LinkChoice(DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, 0.0 if latency is None else latency,
-                      overhead, "; ".join(notes) if notes else None, 0.0 if message_s is None else message_s)
+                      overhead, "; ".join(notes) if notes else None, 0.0 if message_s is None else message_s,
+                      dp_bandwidth)

@@ -159,6 +159,9 @@ class CapturedModel:
                 self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
                 self.fallback_reason = str(fx_error) if fx_error else ""
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        # the forward's own argument names: fx renames a placeholder that shadows a builtin
+        # (nn.Sequential's `input` becomes node `input_1`), its target keeps the argument's name
+        self._arguments = [str(n.target).lstrip("*") for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.units, self.merges = _keep_writes_with_their_tensors(self.gm, self._group_units(module))
         self._unit_of: Dict[str, int] = {}
         for index, unit in enumerate(self.units):
@@ -238,7 +241,7 @@ class CapturedModel:
         bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
         bound.apply_defaults()
         values = dict(bound.arguments)
-        return [values[name] for name in self.placeholders]
+        return [values[name] for name in self._arguments]
 
     # --- grouping -----------------------------------------------------------------------
     def _group_units(self, root: nn.Module) -> List[Unit]:

@@ -8,8 +8,9 @@ memory: no message.
 The lists must be deadlock-free under the runtime's semantics (NCCL's, used on gloo too): a rank
 posts each batch of adjacent communication actions together and waits for all of them, a send is
 done only when its receive is posted, and a pair of ranks matches messages in the order posted.
-Placement: replay the compute orders with forward 1 and backward 2 time units per stage and free
-messages; a message produced at time t is sent in a batch right after the compute producing it
+Placement: replay the compute orders with forward w_g and backward 2 w_g time units for stage g and
+free messages (w_g = 1, or r_g for a stage replicated on r_g ranks: a stage is replicated because it
+is that much heavier, so each of its ranks takes r_g times as long per micro-batch); a message produced at time t is sent in a batch right after the compute producing it
 and received in the receiver's first batch point at or after t (a point lies after each compute,
 and before a compute the rank had to wait for). Both ends of a message are then posted at the
 same moment of that replay, so no batch waits for a later one of another rank. `check_schedule`
@@ -56,8 +57,9 @@ def _ends(message: Tuple[str, int, int]) -> Tuple[Action, Action, int, int]:
             boundary + 1, boundary)
 
 
-def _replay(orders: Sequence[Sequence[Action]], num_stages: int) -> List[List[Tuple[float, float]]]:
-    """(start, end) of every compute in a replay with free messages, forward 1, backward 2."""
+def _replay(orders: Sequence[Sequence[Action]], num_stages: int,
+            weights: Optional[Sequence[float]] = None) -> List[List[Tuple[float, float]]]:
+    """(start, end) of every compute in a replay with free messages, forward w_g, backward 2 w_g."""
     ranks = len(orders)
     cursor, clock = [0] * ranks, [0.0] * ranks
     ready: Dict[Tuple[str, int, int], float] = {}
@@ -78,7 +80,7 @@ def _replay(orders: Sequence[Sequence[Action]], num_stages: int) -> List[List[Tu
         if best is None:
             raise ValueError("the compute orders cannot finish: a rank waits for a value that is never computed")
         start, r, action = best
-        end = start + _REPLAY_COST[action.kind]
+        end = start + _REPLAY_COST[action.kind] * (weights[action.stage] if weights is not None else 1.0)
         times[r].append((start, end))
         clock[r], cursor[r], left = end, cursor[r] + 1, left - 1
         made = produced_message(action, num_stages)
@@ -88,10 +90,15 @@ def _replay(orders: Sequence[Sequence[Action]], num_stages: int) -> List[List[Tu
 
 
 def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position: Position,
-                   lockstep: bool = False) -> List[List[Action]]:
-    """Complete lists (compute, numbered communication batches, optimizer step) for compute orders."""
+                   lockstep: bool = False, weights: Optional[Sequence[float]] = None,
+                   wait_for_receiver: bool = False) -> List[List[Action]]:
+    """Complete lists (compute, numbered communication batches, optimizer step) for compute orders;
+    `weights[g]`: stage g's relative cost in the replay (default 1 each). `wait_for_receiver`: a
+    message whose receiver, busy in the replay, posts its receive later than the value is made is
+    sent at the sender's first point from that moment on (the receiver then waits for the sender's
+    point, not the sender for the receiver's compute)."""
     ranks = len(orders)
-    times = _replay(orders, num_stages) if not lockstep else _lockstep_times(orders, num_stages)
+    times = _replay(orders, num_stages, weights) if not lockstep else _lockstep_times(orders, num_stages)
     # batch points: (k, 0) before compute k, (k, 1) after it; each holds communication actions
     points: List[Dict[Tuple[int, int], List[Action]]] = [dict() for _ in range(ranks)]
 
@@ -103,6 +110,10 @@ def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position
                 return (k, 1)
         raise ValueError(f"rank {r} receives a message after its last compute")
 
+    def point_time(r: int, point: Tuple[int, int]) -> float:
+        k, side = point
+        return times[r][k][side]
+
     for r, order in enumerate(orders):
         for k, action in enumerate(order):
             made = produced_message(action, num_stages)
@@ -112,8 +123,15 @@ def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position
             dst = position(to_stage, action.micro_batch)
             if dst == r:
                 continue  # handed over in memory
-            points[r].setdefault((k, 1), []).append(send)
-            points[dst].setdefault(receive_point(dst, times[r][k][1]), []).append(receive)
+            at = receive_point(dst, times[r][k][1])
+            # a busy receiver (a replicated stage's rank) posts later than the value is made: the
+            # sender posts at its first point from then on, so it does not stand waiting for it
+            sent = (k, 1)
+            if wait_for_receiver and point_time(dst, at) > times[r][k][1]:
+                last = (len(times[r]) - 1, 1)
+                sent = receive_point(r, point_time(dst, at)) if point_time(dst, at) <= times[r][-1][1] else last
+            points[r].setdefault(sent, []).append(send)
+            points[dst].setdefault(at, []).append(receive)
     lists: List[List[Action]] = []
     batch = 0
     for r, order in enumerate(orders):

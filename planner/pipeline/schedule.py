@@ -166,8 +166,8 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
             raise ValueError(f"stage replicas {list(stage_replicas)} need 1 <= r <= {num_micro_batches} "
                              "(the micro-batch count)")
         offsets = [sum(stage_replicas[:g]) for g in range(num_stages)]
-        return place_messages(replicated(name, stage_replicas, num_micro_batches), num_stages,
-                              lambda g, i: offsets[g] + i % stage_replicas[g])
+        return _replicated_lists(replicated(name, stage_replicas, num_micro_batches), stage_replicas,
+                                 lambda g, i: offsets[g] + i % stage_replicas[g])
     if num_stages % virtual_stages:
         raise ValueError(f"{num_stages} stages do not divide into {virtual_stages} virtual stages per device")
     p = num_stages // virtual_stages
@@ -191,6 +191,26 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
         raise ValueError(f"unknown schedule {name!r}; this runtime runs {', '.join(SCHEDULES)}")
     orders = [builder(stages, num_stages, num_micro_batches) for stages in per_rank]
     return place_messages(orders, num_stages, lambda g, i: ranks[g])
+
+
+def _replicated_lists(orders: List[List[Action]], stage_replicas: Sequence[int], position) -> List[List[Action]]:
+    """Messages placed for replicated stages: a replicated stage's ranks are busy r_g times as long
+    per micro-batch, so the replay weighs stage g by r_g; of the two placements (senders post at once,
+    or wait for the busy receiver's point), the one whose step under those weights and NCCL's rules
+    is shorter (the first on a tie)."""
+    from planner.pipeline.stepgraph import StepGraph
+
+    S = len(stage_replicas)
+    weights = [float(r) for r in stage_replicas]
+    value = {("forward", g): w for g, w in enumerate(weights)}
+    value.update({("backward", g): 2 * w for g, w in enumerate(weights)})
+    best = None
+    for wait in (False, True):
+        lists = place_messages(orders, S, position, weights=weights, wait_for_receiver=wait)
+        step = StepGraph(lists, position).run(value).step_s
+        if best is None or step < best[0] - 1e-9:
+            best = (step, lists)
+    return best[1]
 
 
 def max_in_flight(actions: List[Action]) -> int:

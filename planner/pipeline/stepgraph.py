@@ -157,23 +157,44 @@ class StepGraph:
                 best += val[t]
             end[n], via[n] = best, arg
         end.pop()
-        rank_end = [end[n] for n in self.rank_last]
+        timeline = self.timeline([end[n] for n in range(len(self.nodes))], via.__getitem__)
+        timeline.node_end_s = end
+        return timeline
+
+    # The compiled graph, read by planner.cost.step's vectorised runner: per node, its predecessors
+    # as (node or -1, edge term index or -1) and its own term indices; the terms by index.
+    @property
+    def predecessors(self) -> List[Tuple[Tuple[int, int], ...]]:
+        return self._preds
+
+    @property
+    def own_terms(self) -> List[Tuple[int, ...]]:
+        return self._own
+
+    @property
+    def terms(self) -> List[Term]:
+        return self._terms
+
+    def timeline(self, end: Sequence[float], via: Callable[[int], Tuple[int, int]]) -> Timeline:
+        """The Timeline of node ends `end` (no node ends) whose longest path enters node n from
+        `via(n)` = (predecessor or -1, edge term index or -1): the step, each rank's end, and the
+        path's term counts and collective crossings, traced back from the last rank to finish."""
+        rank_end = [float(end[n]) for n in self.rank_last]
         n = max(self.rank_last, key=lambda k: end[k])
-        critical: Counter = Counter()
+        on_path: List[Term] = []
         crossings: List[Tuple[Term, int, int]] = []
         after = -1  # the rank of the path's node after n
         while n >= 0:
             node = self.nodes[n]
-            critical.update(node.terms)
-            p, t = via[n]
+            on_path += node.terms
+            p, t = via(n)
             if t >= 0:
-                critical[terms[t]] += 1
+                on_path.append(self._terms[t])
             if node.rank < 0 and p >= 0 and self.nodes[p].rank != after:
                 crossings.append((node.terms[0], self.nodes[p].rank, after))
             after = node.rank if node.rank >= 0 else after
             n = p
-        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=critical, crossings=crossings,
-                        node_end_s=end)
+        return Timeline(step_s=max(rank_end), rank_end_s=rank_end, critical=Counter(on_path), crossings=crossings)
 
 
 def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:

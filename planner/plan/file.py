@@ -35,6 +35,7 @@ _NUMBER_OR_NULL = (lambda v: v is None or _NUMBER[0](v), "a number or null")
 _TEXT = (lambda v: isinstance(v, str), "a string")
 _OBJECT = (lambda v: isinstance(v, dict), "an object")
 _NAMES = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names")
+_INTS = (lambda v: isinstance(v, list) and all(_INT[0](x) for x in v), "a list of integers")
 _VALUES = (lambda v: isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) and
                                                  x.get("kind") in ("tensor", "constant") for x in v),
            "a list of values ({name, kind: tensor|constant, ...})")
@@ -118,6 +119,9 @@ class Plan:
     # "act": [s per boundary], "grad": [...], "message": s, "reduce": [s per pipeline rank], "step": [...],
     # "collectives": [{"term": [...], "ranks": [...], "seconds": s}]}
     step_durations: Dict[str, Any] = _key(_OBJECT, default_factory=dict)
+    # stage boundaries (j: between stages j and j + 1) whose messages cross a link the runtime emulates
+    # (planner.cost.cluster: a link with "emulate": true); each message is held for step_durations' time
+    emulated_boundaries: List[int] = _key(_INTS, required=False, default_factory=list)
     stages: List[PlanStage] = _key(None, default_factory=list)
     predicted_iteration_s: float = _key(_NUMBER, default=0.0)
     bubble_fraction: float = _key(_NUMBER, default=0.0)
@@ -222,6 +226,10 @@ class Plan:
             raise JsonFileError(f"{where} has malformed step_durations; {_REMAKE}") from None
         if any(not 0 <= x < float("inf") for x in value.values()):
             raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {_REMAKE}")
+        boundaries = len(self.stages) - 1
+        if any(not 0 <= j < boundaries for j in self.emulated_boundaries):
+            raise JsonFileError(f"{where} has emulated_boundaries {self.emulated_boundaries!r}: stage boundaries "
+                                f"0..{boundaries - 1}; {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
         for st, device in zip(self.stages, topology.stage_rank):

@@ -74,10 +74,20 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         micro_batch_size=b, num_micro_batches=m, memory_per_device_bytes=opts.memory_cap,
         bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, step_overhead_s=opts.step_overhead_s,
         message_s=opts.message_s, step_durations=durations_json(cost.durations, cost.collectives),
+        emulated_boundaries=emulated_boundaries(opts),
         stages=stages, predicted_iteration_s=cost.iteration_s, bubble_fraction=cost.bubble_fraction,
         solver={"method": solution.method, "backend": solution.backend, "status": solution.status,
                 "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,
                 "seconds": solution.seconds})
+
+
+def emulated_boundaries(opts: CostOptions) -> List[int]:
+    """Stage boundaries j whose messages (ranks j mod p and j + 1 mod p) cross a link of the cluster
+    that the runtime emulates (planner.cost.cluster)."""
+    p = opts.pipeline_ranks
+    if opts.cluster is None or opts.replicated:
+        return []
+    return [j for j in range(opts.num_stages - 1) if opts.cluster.emulated(j % p, (j + 1) % p)]
 
 
 def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,

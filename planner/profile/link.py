@@ -1,6 +1,7 @@
 """The link between two ranks on this host: gloo point-to-point messages timed between two
 processes at the cut sizes, fit as latency + bytes / bandwidth (`planner profile --link measure`,
-and every run's ranks 0 and 1)."""
+and every run's ranks 0 and 1); and the data-parallel all-reduce between the same two processes
+at the runtime's gradient bucket size, whose rate is what a plan's gradient exchange runs at."""
 from __future__ import annotations
 
 import os
@@ -54,9 +55,10 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         samples = ping_pong(rank == 0, 1 - rank, config["sizes"], int(config["repeats"]), int(config["warmup"]))
         batches = batch_exchange(1 - rank, BATCH_COUNTS, int(config["repeats"]), int(config["warmup"]))
+        reduced = all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1)
         dist.barrier()
         if rank == 0:
-            print(json.dumps({"samples": samples, "batches": batches}), flush=True)
+            print(json.dumps({"samples": samples, "batches": batches, "allreduce": reduced}), flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -116,6 +118,43 @@ def batch_exchange(peer: int, counts: Sequence[int], repeats: int, warmup: int,
     return [[k, statistics.median(t)] for k, t in zip(counts, times)]
 
 
+# The runtime's gradient bucket (runtime.groups.GradientBuckets' default) and a small one: the
+# gradient exchange of a plan runs as full buckets plus one partial bucket per rank.
+BUCKET_BYTES = 25 << 20
+ALLREDUCE_BYTES = (1 << 20, BUCKET_BYTES)
+
+
+def all_reduce_times(message_bytes: Sequence[int], repeats: int, warmup: int,
+                     device: Optional[torch.device] = None) -> List[List[float]]:
+    """[[bytes, seconds], ...]: the median time of an all-reduce (sum) of each size over the
+    default group, sizes interleaved round after round, each ended by waiting for it."""
+    import torch.distributed as dist
+
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device) for n in message_bytes]
+    times: List[List[float]] = [[] for _ in buffers]
+    for i in range(warmup + max(repeats, 1)):
+        for k, buffer in enumerate(buffers):
+            t0 = time.perf_counter()
+            dist.all_reduce(buffer)
+            sync()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return [[buffer.numel() * buffer.element_size(), statistics.median(t)] for buffer, t in zip(buffers, times)]
+
+
+def all_reduce_rate(samples: Sequence[Sequence[float]]) -> float:
+    """Bytes per second each of two holders moves in an all-reduce at the largest size timed (a
+    full gradient bucket): at n = 2 a ring all-reduce of S bytes sends 2 (n - 1) / n S = S bytes
+    per holder, so the rate is S / t -- the bus bandwidth planner.cost.memory's traffic is divided
+    by. The per-bucket latency is in it, amortised as the runtime's full buckets have it."""
+    size, seconds = max(samples)
+    if not (size > 0 and seconds > 0):
+        raise ValueError("an all-reduce rate needs a positive size and time")
+    return float(size) / float(seconds)
+
+
 def fit_message_cost(batches: Sequence[Sequence[float]]) -> float:
     """Seconds per operation in a batch (each side posts 2k operations for k messages each way),
     from the batch times at the smallest and largest k; >= 0."""
@@ -141,8 +180,10 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     each size's one-way time is the median of its round trips / 2.
     Then batches of 1 and 8 tiny messages each way posted together give the cost per message in a
     batch (`message_s`: what the engine pays per operation besides latency and transfer).
+    Last, all-reduces of 1 MiB and of the runtime's gradient bucket between the two processes:
+    `allreduce.bandwidth_bytes_per_s` is the rate of the data-parallel gradient exchange.
     Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
-    "batches": [[messages, s], ...], ...}."""
+    "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     import json
     import subprocess
 
@@ -152,7 +193,8 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     code = "from planner.profile.link import link_worker_main; link_worker_main()"
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
         {"rank": r, "port": port, "threads": threads, "sizes": sizes, "repeats": repeats, "warmup": warmup,
-         "timeout_s": timeout_s})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+         "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES),
+         "allreduce_repeats": max(3, repeats // 3)})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         for r in range(2)]
     outputs = []
     try:
@@ -169,6 +211,8 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     measured = json.loads(outputs[0])
     samples = measured["samples"]
     fit = fit_link(samples)
+    reduced = measured["allreduce"]
     return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
                 between="two processes on this host (loopback)", threads=threads, repeats=repeats,
-                samples=samples, batches=measured["batches"])
+                samples=samples, batches=measured["batches"],
+                allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2})

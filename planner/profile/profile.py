@@ -354,6 +354,12 @@ def _check_extra(read: _Reader, d: Dict[str, Any], unit_names: set) -> None:
         for key in ("latency_s", "step_overhead_s", "message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
+    reduced = (d.get("link") or {}).get("allreduce")
+    if reduced is not None:
+        read.table(reduced, "link.allreduce")
+        where = "link.allreduce.bandwidth_bytes_per_s"
+        if not read.number(reduced.get("bandwidth_bytes_per_s"), where, "a bandwidth is finite and > 0") > 0:
+            raise read.error(where, "is 0: a bandwidth is finite and > 0")
 
 
 def load_profile(path: str) -> Profile:

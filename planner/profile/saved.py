@@ -19,6 +19,7 @@ class SavedBytes:
 
     def __init__(self, params: Iterable[torch.Tensor]):
         self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.excluded_ptrs: set = set()  # other tensors held for the whole step (`exclude`)
         self.live = 0
         self.peak = 0
         self._storages: Dict[int, int] = {}
@@ -33,9 +34,14 @@ class SavedBytes:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr and ptr not in self.parameter_ptrs:
+        if ptr and ptr not in self.parameter_ptrs and ptr not in self.excluded_ptrs:
             self._storages[ptr] = storage.nbytes()
         return tensor
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count these as parameters too (replacing the last call's): the step's compute copies of
+        the weights (runtime.precision), held once per step, not per micro-batch."""
+        self.excluded_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
 
     @staticmethod
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (boundary_links, copy_factor, cut_times, held_counts, num_micro_batches, rank_caps,
+from planner.cost.model import (boundary_links, cut_times, held_counts, num_micro_batches, rank_caps,
                                 rank_speeds, stage_call_s, static_factor, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
@@ -68,7 +68,7 @@ class ChainScenario:
         self.W = costs.work_prefix(redo_all)
         self.monotone = bool(np.all(np.diff(self.W) >= 0))
         self.P = costs.P
-        self.A = costs.saved_prefix(redo_all) + copy_factor(opts, profile.dtype) * costs.P  # + cast weights
+        self.A = costs.saved_prefix(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[c % p] for c in range(self.C)]
         self.caps = [rank_caps(opts, profile)[c % p] if caps else None for c in range(self.C)]

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, num_micro_batches,
-                                copy_factor, static_factor, step_shape)
+                                static_factor, step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.step import rank_peaks
@@ -76,7 +76,7 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
     (planner.cost.model), from prefix sums."""
     costs = range_costs(profile, b, opts.optimizer)
     static = costs.matrix(costs.P) * static_factor(opts, profile.dtype) + fixed_bytes(profile, opts)
-    saved = costs.matrix(costs.S + copy_factor(opts, profile.dtype) * costs.P)  # + cast weights (bf16-mixed)
+    saved = costs.matrix(costs.S)
     finite = np.isfinite(saved)
     peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
     S = opts.num_stages

@@ -23,7 +23,8 @@ from typing import Iterable, List, Optional, Set
 
 import numpy as np
 
-from planner.cost.model import copy_factor, evaluate, num_micro_batches, rank_caps, rank_speeds, static_factor, step_shape
+from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_speeds, simulate_splits, static_factor,
+                                step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.result import PathForm, PlanCost
@@ -85,12 +86,19 @@ def _neighbours(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
                 yield moved
 
 
-def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
-              forms: Set[PathForm]) -> Optional[Split]:
-    """The candidate if the split is feasible (recording its longest path either way)."""
+def _redo(profile: Profile, boundaries: List[int], b: int, opts: CostOptions,
+          recompute: Optional[List[int]]) -> List[int]:
+    """The units a split recomputes: `recompute`, else the least its memory needs (all when nothing fits)."""
     redo = recompute if recompute is not None else recompute_for(profile, boundaries, b, opts, exact=False)
     if redo is None:
         redo = list(range(profile.num_units)) if opts.recompute != "none" else []
+    return redo
+
+
+def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
+              forms: Set[PathForm]) -> Optional[Split]:
+    """The candidate if the split is feasible (recording its longest path either way)."""
+    redo = _redo(profile, boundaries, b, opts, recompute)
     try:
         cost = evaluate(profile, boundaries, b, opts, redo)
     except ValueError:
@@ -99,17 +107,34 @@ def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions
     return Split(cost.iteration_s, list(boundaries), list(redo)) if cost.feasible else None
 
 
+def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]], recompute: Optional[List[int]],
+             forms: Set[PathForm], below: float) -> Optional[Split]:
+    """The fastest feasible split of `moves` (the first of equals) if it is faster than `below`: all
+    simulated at once (their longest paths join `forms`), then evaluated fastest first until one
+    fits its memory."""
+    redos = [_redo(profile, moved, b, opts, recompute) for moved in moves]
+    screened = simulate_splits(profile, list(zip(moves, redos)), b, opts)
+    forms.update(found[1] for found in screened if found is not None)
+    order = sorted((found[0], k) for k, found in enumerate(screened) if found is not None)
+    for step, k in order:
+        if not step < below:
+            return None
+        kept = _evaluate(profile, moves[k], b, opts, redos[k], forms)
+        if kept is not None:
+            return kept
+    return None
+
+
 def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm]) -> Split:
     """Move one boundary by one unit while that lowers the simulated step (recomputation re-chosen)."""
     best = start
     for _ in range(LOCAL_SEARCH_ROUNDS):
-        improved = False
-        for moved in _neighbours(best.boundaries, profile.num_units):
-            found = _evaluate(profile, moved, b, opts, None if opts.recompute == "auto" else best.recompute, forms)
-            if found is not None and found.iteration_s < best.iteration_s * (1 - 1e-12):
-                best, improved = found, True
-        if not improved:
+        moves = list(_neighbours(best.boundaries, profile.num_units))
+        found = _best_of(profile, b, opts, moves, None if opts.recompute == "auto" else best.recompute, forms,
+                         best.iteration_s * (1 - 1e-12))
+        if found is None:
             break
+        best = found
     return best
 
 
@@ -120,16 +145,16 @@ def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, fo
     """Simulate splits near `start` (a few boundaries moved by one or two units): their longest paths
     are the forms the program needs near the optimum; a better split found on the way is kept."""
     rng = random.Random(len(start.boundaries) * 7919 + b)
-    L, best = profile.num_units, start
+    L, moves = profile.num_units, []
     for _ in range(PERTURBATIONS):
         moved = list(start.boundaries)
         for j in rng.sample(range(len(moved)), k=min(len(moved), rng.randint(1, 3))):
             moved[j] += rng.choice((-2, -1, 1, 2))
         if all(0 < x < L for x in moved) and all(x < y for x, y in zip(moved, moved[1:])):
-            found = _evaluate(profile, moved, b, opts, None if opts.recompute == "auto" else start.recompute, forms)
-            if found is not None and found.iteration_s < best.iteration_s:
-                best = found
-    return best
+            moves.append(moved)
+    found = _best_of(profile, b, opts, moves, None if opts.recompute == "auto" else start.recompute, forms,
+                     start.iteration_s)
+    return found if found is not None else start
 
 
 def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float):
@@ -140,8 +165,7 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     memory = None
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
-        least = {"none": costs.s, "all": costs.inputs, "auto": np.minimum(costs.s, costs.inputs)}[opts.recompute] \
-            + copy_factor(opts, profile.dtype) * costs.p  # bf16-mixed: cast weights per micro-batch
+        least = {"none": costs.s, "all": costs.inputs, "auto": np.minimum(costs.s, costs.inputs)}[opts.recompute]
         memory = (caps, held, static_factor(opts, profile.dtype), least)
     forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
     ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,

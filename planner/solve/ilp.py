@@ -40,8 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pulp
 
-from planner.cost.model import (boundary_links, copy_factor, num_micro_batches, rank_caps, rank_speeds,
-                                shared_parameters, static_factor, step_shape, sync_time, tie_time)
+from planner.cost.model import (boundary_links, num_micro_batches, rank_caps, static_factor, sync_time,
+                                rank_speeds, shared_parameters, step_shape, tie_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -211,8 +211,7 @@ class Program:
             return
         per_param = static_factor(opts, self.profile.dtype)
         redo_all = opts.recompute == "all"
-        copy = copy_factor(opts, self.profile.dtype)  # bf16-mixed: cast weights held per micro-batch
-        saved = [(c.inputs[l] if redo_all else c.s[l]) + copy * c.p[l] for l in range(L)]
+        saved = [c.inputs[l] if redo_all else c.s[l] for l in range(L)]
         peaks = rank_peaks(step_shape(opts, self.m))
         for i in range(p):
             if caps[i] is None:

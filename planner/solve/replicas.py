@@ -64,9 +64,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, copy_factor, cut_times, evaluate,
-                                fixed_bytes, num_micro_batches, rank_caps, shared_parameters, stage_call_s,
-                                static_factor, sync_time)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate, fixed_bytes,
+                                num_micro_batches, rank_caps, shared_parameters, stage_call_s, static_factor,
+                                sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs, range_matrix
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
@@ -144,7 +144,7 @@ class ReplicaTables:
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
         params = range_matrix(costs.P)
-        acts = range_matrix(costs.saved_prefix(redo_all) + copy_factor(opts, profile.dtype) * costs.P)
+        acts = range_matrix(costs.saved_prefix(redo_all))
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
         self.E = {r: np.where(finite, sync_time(1.0, opts, profile.dtype, self.m, r * opts.data_parallel) *

@@ -277,6 +277,8 @@ BAD_PROFILES = [
     (_set(["link", "bandwidth_bytes_per_s"], -1e9), "link.bandwidth_bytes_per_s is -1000000000.0"),
     (_set(["link", "latency_s"], -1e-4), "link.latency_s is -0.0001"),
     (_set(["link", "message_s"], -1e-6), "link.message_s is -1e-06"),
+    (_set(["link", "allreduce"], {"bandwidth_bytes_per_s": 0}), "link.allreduce.bandwidth_bytes_per_s is 0"),
+    (_set(["link", "allreduce"], [1]), "link.allreduce is [1]"),
 ]
 
 

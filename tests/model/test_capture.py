@@ -28,6 +28,14 @@ def test_export_only_model_pipeline_matches_single_process(tmp_path):
     assert (state["blocks.3.norm.running_mean"] - initial["blocks.3.norm.running_mean"]).abs().max() > 1e-4
 
 
+def test_a_bare_sequential_profiles_and_trains_like_one_process(tmp_path):
+    # fx names nn.Sequential's `input` placeholder `input_1`: inputs are bound by the argument's name
+    profile = profile_of("tests.models:sequential", sizes=(2,))
+    assert profile.capture == "fx" and profile.num_units == 9
+    plan = plan_with(profile, [4], 2, 4, "1f1b")
+    assert max_abs_diff(execute(plan, tmp_path, steps=2), reference_state(plan, steps=2)) <= 1e-5
+
+
 def test_keyword_inputs_and_dict_output_through_stages():
     spec = build_spec("tests.models:shape_branch", {"keyword": True}, 0)
     captured = capture(spec.module)

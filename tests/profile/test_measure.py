@@ -55,6 +55,22 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     # batches of 1 and 8 tiny messages each way: the per-operation cost of a batch
     assert [k for k, _ in link["batches"]] == [1, 8] and all(t > 0 for _, t in link["batches"])
     assert link["message_s"] >= 0
+    # all-reduces of 1 MiB and of the runtime's gradient bucket: the rate at the bucket size
+    from runtime.groups import GradientBuckets
+    import inspect
+
+    bucket = inspect.signature(GradientBuckets).parameters["bucket_bytes"].default
+    reduced = link["allreduce"]
+    assert [n for n, _ in reduced["samples"]] == [1 << 20, bucket] and all(t > 0 for _, t in reduced["samples"])
+    assert reduced["bandwidth_bytes_per_s"] == pytest.approx(bucket / reduced["samples"][1][1])
+
+
+def test_the_all_reduce_rate_is_the_full_buckets():
+    from planner.profile.link import all_reduce_rate
+
+    assert all_reduce_rate([[1 << 20, 2e-3], [25 << 20, 10e-3]]) == pytest.approx((25 << 20) / 10e-3)
+    with pytest.raises(ValueError, match="positive"):
+        all_reduce_rate([[1 << 20, 0.0]])
 
 
 def test_the_per_message_cost_is_the_slope_of_batch_time():
@@ -255,7 +271,7 @@ def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_l
                                 cut_act=[{1: 8}], sizes=(1,))
     assert solve_link(profile)[:3] == (5e9, 0.0, 0.0)  # nothing measured: the defaults
     profile.extra["link"] = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9}
-    bandwidth, latency, _, note, _ = solve_link(profile)
+    bandwidth, latency, _, note, _, _ = solve_link(profile)
     assert (bandwidth, latency) == (2e9, 1e-4) and "measured link" in note
     profile.extra["calibration"] = {"latency_s": 5e-4, "bandwidth_bytes_per_s": 1e9, "step_overhead_s": 0.002}
     assert solve_link(profile)[:3] == (1e9, 5e-4, 0.002)  # a run's calibration beats the ping-pong
@@ -264,3 +280,8 @@ def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_l
     profile.extra["link"]["message_s"] = 3e-5
     assert solve_link(profile).message_s == 3e-5 and "per message" in solve_link(profile).note
     assert solve_link(profile, message_s=1e-6).message_s == 1e-6
+    # the data-parallel all-reduce: the measured rate unless --dp-bandwidth is given; none measured: None
+    assert solve_link(profile).dp_bandwidth is None
+    profile.extra["link"]["allreduce"] = {"bandwidth_bytes_per_s": 7e8, "samples": [[1 << 20, 1e-3]]}
+    assert solve_link(profile).dp_bandwidth == 7e8 and "all-reduce" in solve_link(profile).note
+    assert solve_link(profile, dp_bandwidth=1e9).dp_bandwidth == 1e9

@@ -40,6 +40,8 @@ def test_bf16_autocast_matches_one_bf16_process(tmp_path, schedule):
                      "1f1b")
     if schedule == "interleaved":
         plan = reshape_plan(plan, virtual_stages=2, schedule="interleaved")
+    else:  # a recomputed unit runs its forward again in backward, with the step's bf16 weights
+        plan = reshape_plan(plan, recompute={1: ["blocks.1", "head"]})
     plan = dataclasses.replace(plan, precision="bf16-mixed")  # as `planner solve --precision bf16-mixed` plans it
     state = execute(plan, tmp_path, steps=3, lr=1.0)  # the plan's precision
     # the same autocast in one process: the same bf16 kernels on the same values

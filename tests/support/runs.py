@@ -113,6 +113,10 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
         opt = torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.decay)
     autocast = (torch.autocast("cpu", dtype=options.autocast_dtype) if options.autocast_dtype is not None
                 else contextlib.nullcontext())
+    # bf16-mixed: the step's one bf16 copy of the weights, fp32 masters and gradients (runtime.precision)
+    from runtime.precision import ComputeCopy
+
+    copy = ComputeCopy([spec.module], options.autocast_dtype) if options.autocast_dtype is not None else None
     g, b = plan.global_batch, plan.micro_batch_size
     m = g // b
     for step in range(steps):
@@ -121,6 +125,8 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
         micro_targets = split_micro_batches(target, g, m, "target")
         total = 0.0
         per_replica = m // plan.data_parallel
+        if copy is not None:
+            copy.install()
         for i in range(m):
             other = buffers_of_replica is not None and i // per_replica != buffers_of_replica
             kept = [(t, t.detach().clone()) for t in spec.module.buffers()] if other else []
@@ -131,6 +137,8 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
             with torch.no_grad():
                 for t, value in kept:  # another replica's micro-batch: its ranks' buffers, not these
                     t.copy_(value)
+        if copy is not None:
+            copy.remove()
         if losses is not None:
             losses.append(total / m)
         if options.clip_grad_norm is not None:

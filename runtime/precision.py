@@ -1,0 +1,78 @@
+"""bf16-mixed: one bf16 compute copy of the weights per step, fp32 master weights and gradients.
+
+The model's own parameters stay fp32: they are the master weights, the optimizer's parameters, what
+checkpoints and `--save-state` write under the model's names and what `--init-state` loads. At the
+start of a step `ComputeCopy.install` casts each weight to bf16 once (a differentiable cast,
+`master.to(bfloat16)`) and puts the copy where the parameter sits in the stage modules; every
+forward and backward of the step's micro-batches uses that one copy (torch.autocast around the
+forward casts a bf16 tensor to bf16 for free, and caches nothing for a tensor that is not a leaf).
+Each micro-batch's backward produces the bf16 gradient of the copy, and the cast's backward turns
+it into fp32 and accumulates it into the master's `.grad` at once (autograd's AccumulateGrad): fp32
+gradient accumulation, the bf16 gradient freed as soon as it is added. So every gradient path of the
+runtime (data-parallel buckets, ZeRO-2's hand-over, tied-weight sums, clipping) sees fp32 master
+gradients, exactly as in fp32 training. `remove` puts the masters back before the optimizer step.
+
+Why a copy made at the step's start, not bf16 parameters kept between steps: the copy then exists
+only while forwards and backwards run (not during the optimizer step, whose temporaries it would
+add to, nor in checkpoints), it costs the same one cast per weight per step, and nothing outside
+the step ever sees a parameter that is not the model's own.
+
+A weight tied across places (an embedding and an LM head) gets a copy per place it sits in (a
+module attribute): the runtime's stage modules are cut from the captured graph and keep the model's
+layers, each holding the weights it reads, so the gradients of the two uses reach the master in
+fp32 and are summed there, whether the uses are in one stage, in two stages of one rank or on two
+ranks (then summed by the tie's all-reduce); one process training the model as written (its two
+attributes) does the same. The cost: a tied weight is copied once per use.
+
+Which parameters get a copy: floating-point ones of two or more dimensions (the weights of linear,
+convolution and embedding layers: the matrices autocast runs in bf16, and the embedding tables, so
+the residual stream starts in bf16 as in Megatron-LM). One-dimensional ones (biases, normalisation
+scales and shifts) stay fp32 as torch.autocast treats them: normalisations run in fp32 with them
+(BatchNorm needs its weights in its running statistics' dtype), and a bias autocast casts for a
+matrix product is not saved for backward. Those are a negligible share of a model's bytes.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+def gets_compute_copy(param: torch.Tensor) -> bool:
+    """Whether bf16-mixed computes with a bf16 copy of this parameter (module docstring)."""
+    return param.is_floating_point() and param.dim() >= 2
+
+
+class ComputeCopy:
+    """The step's compute copies of the weights of `modules` (module docstring)."""
+
+    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype):
+        self.dtype = dtype
+        # every place a copied parameter sits: (owning module, attribute name, master); each
+        # place gets its own copy (a tied weight: one per place, see the module docstring)
+        self.slots: List[Tuple[nn.Module, str, nn.Parameter]] = []
+        seen = set()
+        for module in modules:
+            for owner in module.modules():
+                for name, param in owner._parameters.items():
+                    if param is not None and gets_compute_copy(param) and (id(owner), name) not in seen:
+                        seen.add((id(owner), name))
+                        self.slots.append((owner, name, param))
+        self.copies: List[torch.Tensor] = []
+
+    def install(self) -> List[torch.Tensor]:
+        """Cast each place's master once and put the copy there; the copies (held until `remove`
+        and the last backward using them)."""
+        with torch.enable_grad():
+            # not register_parameter: the copy is not a leaf, and only for this step
+            self.copies = [master.to(self.dtype) for _, _, master in self.slots]  # an edge to the master
+        for (owner, name, _), copy in zip(self.slots, self.copies):
+            owner._parameters[name] = copy
+        return self.copies
+
+    def remove(self) -> None:
+        """Put the masters back (the optimizer steps them); idempotent."""
+        for owner, name, master in self.slots:
+            owner._parameters[name] = master
+        self.copies = []

@@ -1,0 +1,72 @@
+"""bf16-mixed keeps one bf16 copy of a stage's weights per step (runtime.precision), however many
+micro-batches are in flight; the masters stay the fp32 parameters."""
+import dataclasses
+
+import torch
+
+from planner.profile.optim import make_optimizer
+from runtime.engine import Engine
+from runtime.groups import Groups
+from runtime.stage import build_rank
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, reshape_plan
+
+
+def _bf16_engine(global_batch):
+    # one stage, GPipe: all m micro-batches are in flight at once
+    plan = dataclasses.replace(plan_with(profile_of("builtin:mlp"), [], 4, global_batch, "gpipe"),
+                               precision="bf16-mixed")
+    topology = plan.topology()
+    model = build_rank(plan, topology, 0)
+    return Engine(model, plan.instruction_lists()[0], topology, 0, plan.global_batch, plan.num_micro_batches,
+                  make_optimizer("sgd", model.parameters(), 0.01), torch.device("cpu"),
+                  Groups(topology, 0, model.tied_groups), autocast=torch.bfloat16)
+
+
+def _bf16_weights_saved(engine):
+    """Distinct bf16 storages of a weight's shape that autograd saves during one step."""
+    shapes = {tuple(p.shape) for p in engine.params if p.dim() >= 2}
+    shapes |= {s[::-1] for s in shapes}  # a matrix product may save the transpose (a view)
+    storages = set()
+
+    def pack(tensor):
+        if tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in shapes:
+            storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    engine.count_saved = False  # its own saved-tensor hooks would replace these
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        engine.run_step(1)
+    return len(storages)
+
+
+def test_bf16_weights_held_do_not_grow_with_micro_batches_in_flight():
+    two, eight = _bf16_engine(8), _bf16_engine(32)
+    assert (two.m, eight.m) == (2, 8)
+    for engine in (two, eight):
+        engine.run_step(0)  # counts what each micro-batch holds, compute copies excluded
+    # per-micro-batch autocast regions saved one cast of each weight per micro-batch (8 against 2)
+    saved = _bf16_weights_saved(two)
+    assert 0 < saved == _bf16_weights_saved(eight) <= sum(p.dim() >= 2 for p in two.params)
+    # the held bytes are activations only: m = 8 holds four times what m = 2 holds
+    assert eight.saved.peak == 4 * two.saved.peak > 0
+    # between steps the stages hold their fp32 masters again, with fp32 gradients until zeroed
+    module = two.rank_model.stages[0].module
+    assert [id(p) for p in module.parameters()] == [id(p) for p in two.params]
+    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in two.params)
+
+
+def test_bf16_mixed_with_ties_replicas_zero1_and_clipping_trains_like_one_process(tmp_path):
+    """Tied weights across ranks, the data-parallel buckets, ZeRO-1 and clipping all act on the fp32
+    masters' gradients; the saved state is the masters under the model's names."""
+    plan = reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [2], 2, 4, "1f1b"), data_parallel=2)
+    plan = dataclasses.replace(plan, shard="optimizer", precision="bf16-mixed")
+    training = dict(precision="bf16-mixed", clip_grad_norm=0.5)
+    state = execute(plan, tmp_path, steps=2, lr=1.0, extra=["--clip-grad-norm", "0.5"])
+    assert all(t.dtype == torch.float32 for t in state.values() if t.is_floating_point())
+    # the same bf16 kernels on the same values in one process, the same fp32 accumulation (each
+    # place of the tied weight its own copy): equal (0.0 here), 1e-5 as for fp32 runs, which allows
+    # for the replicas' fp32 sums running in another order
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=1.0, training=training)) <= 1e-5
+    # ... and not what fp32 training gives (bf16 compute changed the result)
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=1.0, training=dict(clip_grad_norm=0.5))) > 1e-4
+    assert torch.equal(state["emb.weight"], state["head.weight"])
