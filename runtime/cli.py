@@ -15,7 +15,7 @@ from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
 from runtime.shard import check_runnable
 from runtime.launch import RANK_TIMEOUT_S
-from runtime.options import add_training_options, forwarded
+from runtime.options import ENGINES, add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint-dir", metavar="DIR", help="save each rank's parameters and optimizer state here")
     ex.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
     ex.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
-    ex.add_argument("--engine", choices=["own", "torch"], default="own",
+    ex.add_argument("--engine", choices=ENGINES, default="own",
                     help="own (default): this runtime's engine; torch: each stage in torch.distributed.pipelining's "
                          "PipelineStage, the plan's schedule run by torch's schedule class (docs/runtime.md)")
     ex.set_defaults(func=execute)

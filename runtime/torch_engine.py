@@ -52,7 +52,6 @@ from runtime.timing import StepClock
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "bfs": "ScheduleLoopedBFS"}
-ENGINES = ("own", "torch")
 
 
 def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:

@@ -35,12 +35,11 @@ from runtime.emulation import link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
-from runtime.options import add_training_options, training_options
+from runtime.options import ENGINES, add_training_options, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
-from runtime.torch_engine import ENGINES, TorchEngine, refusal
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
@@ -162,8 +161,11 @@ def _start(args) -> _Rank:
     if world != topology.world_size:
         raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
                            f"{topology.data_parallel} data-parallel) but {world} were started")
-    if args.engine == "torch" and refusal(plan, args.precision):
-        raise RuntimeError(refusal(plan, args.precision))
+    if args.engine == "torch":
+        from runtime.torch_engine import refusal  # imported only here: torch's pipelining slows every start
+
+        if refusal(plan, args.precision):
+            raise RuntimeError(refusal(plan, args.precision))
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
     return _Rank(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
@@ -197,6 +199,8 @@ def _build(me: _Rank, use_tags: bool) -> None:
         me.events.append([kind, i, g, t0, t1])
 
     if args.engine == "torch":  # torch.distributed.pipelining runs the stages (runtime/torch_engine.py)
+        from runtime.torch_engine import TorchEngine
+
         me.engine = TorchEngine(me.rank_model, plan, topology, me.rank, me.optimizer, me.device, me.groups,
                                 trace=record if args.trace else None)
     else:
