@@ -25,14 +25,14 @@ def check_plan(plan: Plan) -> List[List[sched.Action]]:
     return lists
 
 
-def _merge_states(out_dir: str, ranks: List[int], path: str) -> None:
+def _merge_states(out_dir: str, ranks: List[int]) -> Dict[str, Any]:
+    """The whole model's state_dict from the ranks' files."""
     import torch
 
     state: Dict[str, Any] = {}
     for rank in ranks:
         state.update(torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=True))
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    return state
 
 
 def _warn_conditions(plan: Plan, threads: int, world: int) -> None:
@@ -135,6 +135,10 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         from runtime.initstate import InitState
 
         InitState(args.init_state)  # readable, a state_dict: one line now rather than from every rank
+    if args.save_adapters:
+        from runtime.adapters import check_adapters_target
+
+        check_adapters_target(plan, args.save_adapters)
 
 
 def _shape(topology) -> str:
@@ -151,7 +155,7 @@ def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
                    "--engine", args.engine, *forwarded(args)]
-    if args.save_state:
+    if args.save_state or args.save_adapters:
         worker_args.append("--save-state")
     if args.init_state:
         worker_args += ["--init-state", os.path.abspath(args.init_state)]
@@ -169,9 +173,19 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, lists: List[List[sched.
                    report: Dict[str, Any]) -> None:
     """--save-state, --report, --trace and --timeline, from the ranks' files in out_dir."""
     topology = plan.topology()
+    state = _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_ranks()]) \
+        if args.save_state or args.save_adapters else None
     if args.save_state:
-        _merge_states(out_dir, [topology.global_rank(0, p) for p in topology.primary_ranks()], args.save_state)
+        import torch
+
+        with atomic_path(args.save_state) as tmp:
+            torch.save(state, tmp)
         print(f"saved the trained model's state_dict to {args.save_state}")
+    if args.save_adapters:
+        from runtime.adapters import write_adapters
+
+        write_adapters(plan, state, args.save_adapters)
+        print(f"saved the trained adapters (peft's format) to {args.save_adapters}")
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote report {args.report}")
@@ -234,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     add_training_options(ex)
     ex.add_argument("--save-state", metavar="PATH", help="write the trained model's full state_dict here")
+    ex.add_argument("--save-adapters", metavar="DIR",
+                    help="write a LoRA model's trained adapters alone here, in peft's format "
+                         "(PeftModel.from_pretrained(base, DIR) loads them)")
     ex.add_argument("--init-state", metavar="PATH",
                     help="start from this state_dict instead of the seed's weights: a .pt file (torch.save; read "
                          "with weights_only and mmap), .safetensors, or a save_pretrained directory; each rank "

@@ -134,7 +134,8 @@ class Engine:
         self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
         if groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
             tied = {id(param) for param, _ in rank_model.tied.values()}
-            self.buckets = GradientBuckets([p for p in self.params if id(p) not in tied], groups.data_parallel_group)
+            self.buckets = GradientBuckets([p for p in rank_model.trainable() if id(p) not in tied],
+                                           groups.data_parallel_group)
             self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
         self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
             ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
@@ -244,7 +245,8 @@ class Engine:
         if (g, i) in self.arming:
             self.buckets.arm(self.arming[(g, i)])
         if runner.stage.is_last:
-            state.loss.backward()
+            if state.loss.requires_grad:  # not when nothing before it trains (every weight frozen)
+                state.loss.backward()
             state.loss = None
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here

@@ -133,7 +133,8 @@ class GradientBuckets:
 def last_backwards(actions: List[Action], stages: Dict[int, Any], tied: Set[int]
                ) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
     """For the data-parallel buckets: (stage, micro-batch) of each backward after which a
-    parameter gets no more gradient this step (the last backward of the last stage here using it)."""
+    parameter gets no more gradient this step (the last backward of the last stage here using it);
+    frozen parameters (requires_grad=False) get none and are not listed."""
     last: Dict[int, Tuple[int, int]] = {}  # stage -> its last backward's position and micro-batch
     for k, a in enumerate(actions):
         if a.kind is ActionKind.BACKWARD:
@@ -144,7 +145,7 @@ def last_backwards(actions: List[Action], stages: Dict[int, Any], tied: Set[int]
         if g not in last:
             continue
         for p in stage.module.parameters():
-            if id(p) in tied:
+            if id(p) in tied or not p.requires_grad:
                 continue
             params[id(p)] = p
             candidate = (last[g][0], g, last[g][1])

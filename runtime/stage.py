@@ -135,6 +135,12 @@ class RankModel:
                     params.append(p)
         return params
 
+    def trainable(self) -> List[nn.Parameter]:
+        """This rank's parameters that train (requires_grad), each once: what the optimizer steps,
+        the gradient reductions sum and clipping counts. Frozen ones (a fine-tune's base weights)
+        keep their values and never have a gradient."""
+        return [p for p in self.parameters() if p.requires_grad]
+
 
 def _check_units(plan: Plan, captured: CapturedModel) -> None:
     planned = [name for stage in plan.stages for name in stage.units]
@@ -214,8 +220,10 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
             users.setdefault(id(p), set()).add(g)
     # A tie: stages on different pipeline ranks use one parameter (a replicated stage's lanes are
     # not ties: they hold the same stage, and sum their gradients with the data-parallel group).
+    # A frozen weight has no gradient to sum: used on several ranks, it is no tie.
+    trains = {id(p): p.requires_grad for p in spec.module.parameters()}
     holders = {pid: sorted({q for g in users_of for q in topology.ranks_of(g)}) for pid, users_of in users.items()
-               if len(users_of) > 1}
+               if len(users_of) > 1 and trains.get(pid, True)}
     tied_groups = sorted((canonical[pid], tuple(ranks)) for pid, ranks in holders.items() if len(ranks) > 1)
 
     # Each model state entry is saved by the first stage holding its tensor, read under the stage's

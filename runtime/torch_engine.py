@@ -161,7 +161,7 @@ class TorchEngine:
         self.buckets: Optional[GradientBuckets] = None
         if groups.data_parallel_group is not None:
             tied = {id(param) for param, _ in rank_model.tied.values()}
-            self.buckets = GradientBuckets([p for p in rank_model.parameters() if id(p) not in tied],
+            self.buckets = GradientBuckets([p for p in rank_model.trainable() if id(p) not in tied],
                                            groups.data_parallel_group)
         S, b = topology.num_stages, plan.micro_batch_size
         scale = float(self.m * topology.data_parallel)

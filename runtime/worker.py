@@ -184,10 +184,10 @@ def _build(me: _Rank, use_tags: bool) -> None:
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
     me.options = training_options(args, me.optimizer_name, plan)
-    me.optimizer = make_optimizer(me.options, me.rank_model.parameters())
+    me.optimizer = make_optimizer(me.options, me.rank_model.trainable())
     # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py;
     # torch's defaults: momentum, betas and weight decay apply to the unsharded optimizer only)
-    sharded = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.parameters(),
+    sharded = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.trainable(),
                               [param for param, _ in me.rank_model.tied.values()], args.lr,
                               me.groups.data_parallel_group)
     if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
@@ -250,7 +250,7 @@ def _clipper(me: _Rank) -> GlobalNormClip:
     first = topology.replica_of(me.rank) == 0 and topology.lane_of(me.pipeline_rank) == 0
     tied_elsewhere = {id(param) for param, positions in me.rank_model.tied.values()
                       if min(positions) != me.pipeline_rank}
-    params = me.rank_model.parameters()
+    params = me.rank_model.trainable()
     return GlobalNormClip(me.options.clip_grad_norm, params, [first and id(p) not in tied_elsewhere for p in params],
                           me.device, distributed=me.world > 1)
 

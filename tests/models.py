@@ -251,6 +251,15 @@ def sequential(dim: int = 16, layers: int = 4) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=F.cross_entropy)
 
 
+def frozen_tied_lm(layers: int = 3) -> ModelSpec:
+    """tied_lm fine-tuned: the embedding (tied to the head) and the first block frozen
+    (requires_grad=False), the other blocks trained."""
+    spec = tied_lm(layers=layers)
+    spec.module.emb.weight.requires_grad_(False)
+    spec.module.blocks[0].requires_grad_(False)
+    return spec
+
+
 class TwoOutputs(nn.Module):
     """Two outputs: the main one, and an auxiliary head computed in the second unit (so it crosses
     every later cut to reach the output); the last unit reads the model's input again."""

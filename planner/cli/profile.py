@@ -88,8 +88,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         _link(args, profile, sizes)
     save_profile(profile, output)
     total_params = sum(u.param_bytes for u in profile.units)
+    trainable = sum(u.trainable_bytes for u in profile.units)
+    frozen = f" ({trainable / 2**20:.2f} MiB trainable, the rest frozen)" if trainable < total_params else ""
     shared = profile.extra.get("shared_parameters") or []
-    print(f"wrote {output}: {profile.num_units} units, {total_params / 2**20:.2f} MiB of parameters"
+    print(f"wrote {output}: {profile.num_units} units, {total_params / 2**20:.2f} MiB of parameters{frozen}"
           f"{f' ({len(shared)} shared across units)' if shared else ''}, captured with {profile.capture}, "
           f"in {time.perf_counter() - start:.1f} s")
     return 0

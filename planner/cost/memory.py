@@ -21,6 +21,11 @@ scale"). One-dimensional parameters (biases, normalisation weights) are not copi
 which part ZeRO-1 can shard: here the fp32 weights are the model's own parameters (each holder
 casts its copy from them), so only the optimizer state shards.
 
+Frozen parameters (requires_grad=False: a fine-tune's base weights) have no gradient, no master
+weights and no optimizer state: a device keeps the `params` column (and the compute copy) for every
+parameter, the other three for trainable ones only (`ParamBytes.weights`, `ParamBytes.training`).
+A LoRA fine-tune of an fp32 model under AdamW holds 4 B per frozen parameter, 16 B per adapter one.
+
 Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's stages:
 
     none        nothing sharded
@@ -30,7 +35,8 @@ Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's 
                 it is gathered; each device also holds the gathered parameters of two units
                 (the one running and the one prefetched): `gathered_bytes`
 
-Data-parallel traffic per iteration, bytes each holder sends per parameter on a ring
+Data-parallel traffic per iteration, bytes each holder sends per trainable parameter on a ring
+(frozen parameters have nothing to exchange: the profile's trainable bytes are what is sent)
 (`sync_bytes_per_param`; (n - 1)/n of a tensor per reduce-scatter or all-gather, twice that for
 an all-reduce; g: gradient bytes, w: parameter bytes, m micro-batches per replica):
 
@@ -92,6 +98,17 @@ class ParamBytes:
     def total(self) -> float:
         return self.params + self.compute_copy + self.grads + self.master + self.optimizer
 
+    @property
+    def weights(self) -> float:
+        """What every parameter costs its holder for the whole step, frozen or not: its weight and
+        the step's compute copy (bf16-mixed)."""
+        return self.params + self.compute_copy
+
+    @property
+    def training(self) -> float:
+        """What a trainable parameter costs on top of `weights`: gradient, master weight, optimizer state."""
+        return self.grads + self.master + self.optimizer
+
     def to_json(self) -> Dict[str, float]:
         return dict(asdict(self), total=self.total)
 
@@ -137,6 +154,17 @@ def sync_bytes_per_param(precision: str, shard: str, holders: int, micro_batches
     if shard == "gradients":
         return share * (m * g + w)
     return share * m * (g + 2 * w)
+
+
+def frozen_sync_bytes_per_param(precision: str, shard: str, holders: int, micro_batches: int) -> float:
+    """Bytes each holder sends per frozen parameter per iteration: none (no gradient to exchange,
+    the weights never change) except under `parameters` sharding, whose every micro-batch gathers
+    them for its forward and its backward, 2 m (n - 1)/n w."""
+    check_words(precision, shard, "sgd")
+    n, m = holders, micro_batches
+    if n <= 1 or shard != "parameters":
+        return 0.0
+    return 2 * (n - 1) / n * m * _PRECISION_BYTES[precision][0]
 
 
 def gathered_bytes_per_param(precision: str, shard: str) -> float:

@@ -19,8 +19,9 @@ on rank i at speed sigma_i (planner.cost.ranges):
     tie t          2 (n - 1) / n * bytes_t / bandwidth: all-reduce of tied weight t over the n ranks
                    (all replicas) holding a use of it, when its uses span several ranks
     lanes g        the same over n = r_g d holders: a replicated stage's exchange
-    reduce i       the data-parallel exchange of rank i's P_i over the replicas / dp_bandwidth: an
-                   all-reduce, 2 (d - 1) / d P_i, or the sharded exchanges (planner.cost.memory)
+    reduce i       the data-parallel exchange of rank i's trainable T_i over the replicas / dp_bandwidth:
+                   an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
+                   frozen parameters exchange nothing, except their gathers under `parameters`)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
     iteration = step time of the lists + step_overhead (a constant, e.g. from `planner calibrate`)
@@ -31,15 +32,17 @@ a maximum of sums of these durations; the solvers optimise exactly that (planner
 
 Memory of rank i (bytes): static + the peak, along its list, of what it holds for its stages:
 
-    M_i = sum_{g on i} P_g beta_g + F + max over the list's moments of
+    M_i = sum_{g on i} (P_g beta^w_g + T_g beta^t_g) + F + max over the list's moments of
           sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g} ]
     A_g = sum_{l in g} (in_l if l in R else s_l)
 
 live_g: micro-batches of stage g forwarded and not yet backwarded; inbox_g / gradbox_g: activations
 (gradients) received and not yet used (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
-cut l (in_0 = 0). beta_g (`static_factor`): bytes held per parameter byte of the profile —
-parameters, compute copy, gradients, master weights and optimizer state in the precision's dtypes,
-sharded over the stage's n_g = r_g d holders (planner.cost.memory). F (`fixed_bytes`): the
+cut l (in_0 = 0). P_g, T_g: stage g's parameter bytes and, of them, the trainable ones (the rest
+are frozen: requires_grad=False). beta^w_g, beta^t_g (`static_factors`): bytes held per parameter
+byte of the profile — the weights for every parameter; gradients, master weights and optimizer
+state for a trainable one — in the precision's dtypes, sharded over the stage's n_g = r_g d holders
+(planner.cost.memory). F (`fixed_bytes`): the
 per-device reserve plus, under `parameters` sharding, two gathered units. A plan is feasible iff
 M_i <= cap_i. Interleaved needs m to be a multiple of p (Megatron's rule).
 
@@ -65,21 +68,38 @@ def precision_of(opts: CostOptions, dtype: str) -> str:
     return opts.precision or memory_model.default_precision(dtype)
 
 
-def static_factor(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> float:
-    """beta: bytes a device keeps per parameter byte of a `dtype` profile (parameters, gradients,
-    master weights, optimizer state) for a stage of n holders (default the d replicas)."""
+def static_factors(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> Tuple[float, float]:
+    """(bytes a device keeps per parameter byte, more per trainable parameter byte) of a `dtype`
+    profile for a stage of n holders (default the d replicas): every parameter's weights, and a
+    trainable one's gradient, master weight and optimizer state (planner.cost.memory)."""
     n = opts.data_parallel if holders is None else holders
     held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
-    return held.total / memory_model.param_itemsize(dtype)
+    itemsize = memory_model.param_itemsize(dtype)
+    return held.weights / itemsize, held.training / itemsize
 
 
-def sync_time(param_bytes: float, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> float:
-    """Seconds of the data-parallel exchange of `param_bytes` (profile bytes) over n holders
-    (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory)."""
+def static_bytes(params, trainable, opts: CostOptions, dtype: str, holders: Optional[int] = None):
+    """Bytes a device keeps for the whole step for parameters of `params` profile bytes of which
+    `trainable` train (numbers or numpy arrays of them): beta_w P + beta_t T."""
+    weights, training = static_factors(opts, dtype, holders)
+    return params * weights + trainable * training
+
+
+def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> Tuple[float, float]:
+    """Seconds of the data-parallel exchange per trainable and per frozen profile byte over n
+    holders (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory)."""
     n = opts.data_parallel if holders is None else holders
     bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
-    per_param = memory_model.sync_bytes_per_param(precision_of(opts, dtype), _shard(opts), n, m)
-    return per_param * param_bytes / memory_model.param_itemsize(dtype) / bandwidth
+    precision, scale = precision_of(opts, dtype), memory_model.param_itemsize(dtype) * bandwidth
+    return (memory_model.sync_bytes_per_param(precision, _shard(opts), n, m) / scale,
+            memory_model.frozen_sync_bytes_per_param(precision, _shard(opts), n, m) / scale)
+
+
+def sync_time(param_bytes, trainable_bytes, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None):
+    """Seconds of the data-parallel exchange for parameters of `param_bytes` profile bytes of which
+    `trainable_bytes` train (numbers or numpy arrays): frozen ones have no gradient to exchange."""
+    trainable, frozen = sync_factors(opts, dtype, m, holders)
+    return trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes)
 
 
 def reserve_of(profile: Profile, opts: CostOptions) -> float:
@@ -134,8 +154,10 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
             return v
         return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
 
-    units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)), saved_bytes=scale(u.saved_bytes),
-                                 output_bytes=scale(u.output_bytes)) for u in profile.units]
+    units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)),
+                                 trainable_bytes=int(round(u.trainable_bytes * ratio)),
+                                 saved_bytes=scale(u.saved_bytes), output_bytes=scale(u.output_bytes))
+             for u in profile.units]
     cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
     ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and
             isinstance(e.get("bytes"), (int, float)) else e for e in profile.extra.get("shared_parameters", []) or []]
@@ -225,10 +247,14 @@ def input_bytes(profile: Profile, b: int) -> List[int]:
 
 
 def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
-    """(name, sorted unit indices, bytes) of each tied parameter in profile.extra; ValueError if malformed."""
+    """(name, sorted unit indices, bytes) of each trainable tied parameter in profile.extra, whose
+    gradients are summed across the ranks using it (a frozen one has none: not listed); ValueError
+    if malformed."""
     index = {u.name: i for i, u in enumerate(profile.units)}
     out = []
     for entry in profile.extra.get("shared_parameters", []) or []:
+        if isinstance(entry, dict) and entry.get("trainable", True) is False:
+            continue
         try:
             name, units, size = str(entry["name"]), list(entry["units"]), int(entry["bytes"])
         except (KeyError, TypeError, ValueError):
@@ -400,16 +426,17 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         if g < S - 1:
             value[("act", g)] = costs.message_s(e, links[g])
             value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
-    params, steps = [0.0] * devices, [0.0] * devices
+    params, trainable, steps = [0.0] * devices, [0.0] * devices, [0.0] * devices
     lanes = [0] * devices  # devices of the stage a device runs (replicated stages: r_g)
     for g in range(S):
         for i in _devices_of(shape, g):
             params[i] += costs.params(*split.units(g))
+            trainable[i] += costs.trainable(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
     m = shape.num_micro_batches
     for i in range(devices):
-        value[("reduce", i)] = sync_time(params[i], opts, split.dtype, m) if lanes[i] == 1 else 0.0
+        value[("reduce", i)] = sync_time(params[i], trainable[i], opts, split.dtype, m) if lanes[i] == 1 else 0.0
         value[("step", i)] = steps[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:
@@ -418,7 +445,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         else:
             g = term[1]
             holders = len(members) * opts.data_parallel
-            value[term] = sync_time(costs.params(*split.units(g)), opts, split.dtype, m, holders)
+            value[term] = sync_time(costs.params(*split.units(g)), costs.trainable(*split.units(g)), opts, split.dtype,
+                                    m, holders)
     return value
 
 
@@ -440,18 +468,19 @@ def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[flo
     held = held_bytes(split, opts)
     out = []
     devices = stage_devices(shape)
-    factors = [_stage_factor(split, opts, shape, g) for g in range(opts.num_stages)]
-    params = [costs.params(*split.units(g)) for g in range(opts.num_stages)]
+    statics = [_stage_static(split, opts, shape, g) for g in range(opts.num_stages)]
     for i, peaks in enumerate(rank_peaks(shape)):
-        static = sum(params[g] * factors[g] for g in range(opts.num_stages) if i in devices[g])
+        static = sum(statics[g] for g in range(opts.num_stages) if i in devices[g])
         activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
         out.append(static + split.fixed + activations)
     return out
 
 
-def _stage_factor(split: Split, opts: CostOptions, shape: StepShape, g: int) -> float:
-    """beta_g: static bytes per parameter byte of stage g, sharded over its r_g d holders."""
-    return static_factor(opts, split.dtype, len(_devices_of(shape, g)) * opts.data_parallel)
+def _stage_static(split: Split, opts: CostOptions, shape: StepShape, g: int) -> float:
+    """Static bytes of stage g's parameters, sharded over its r_g d holders."""
+    a, e = split.units(g)
+    return static_bytes(split.costs.params(a, e), split.costs.trainable(a, e), opts, split.dtype,
+                        len(_devices_of(shape, g)) * opts.data_parallel)
 
 
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float]) -> List[StageCost]:
@@ -464,8 +493,8 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         (a, e), device = split.units(g), shape.rank_of(g)
         comm = (value[("act", g - 1)] + value[("grad", g - 1)] if g > 0 else 0.0) + \
                (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
-        params = costs.params(a, e)
-        count = params / itemsize
+        count = costs.params(a, e) / itemsize
+        trained = costs.trainable(a, e) / itemsize  # frozen parameters: weights only
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         activations = in_flight[g] * held[("live", g)]
@@ -474,9 +503,9 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
             first_unit=a, end_unit=e, device=device, forward_s=value[("forward", g)],
             backward_s=value[("backward", g)], comm_s=comm,
             time_s=value[("forward", g)] + value[("backward", g)] + comm, in_flight=in_flight[g],
-            param_bytes=int(count * (per.params + per.compute_copy)), grad_bytes=int(count * per.grads),
-            optimizer_bytes=count * (per.master + per.optimizer),
-            activation_bytes=int(activations), memory_bytes=count * per.total + activations,
+            param_bytes=int(count * (per.params + per.compute_copy)), grad_bytes=int(trained * per.grads),
+            optimizer_bytes=trained * (per.master + per.optimizer),
+            activation_bytes=int(activations), memory_bytes=count * per.weights + trained * per.training + activations,
             extra_s=value[("reduce", device)] + collective,
             recompute=sorted(l for l in split.redo if a <= l < e), replicas=len(_devices_of(shape, g))))
     return stages

@@ -7,6 +7,7 @@ run at speed sigma costs per micro-batch
     backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
+    trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l, in_0 = 0;
@@ -48,6 +49,7 @@ class RangeCosts:
         self.g = np.array([u.backward_s[b] for u in units], dtype=float)
         self.s = np.array([u.saved_bytes[b] for u in units], dtype=float)
         self.p = np.array([u.param_bytes for u in units], dtype=float)
+        self.t = np.array([u.trainable_bytes for u in units], dtype=float)  # of p, those that train
         name = "adamw" if optimizer in ("adam", "adamw") else optimizer
         self.o = np.array([float(u.optimizer_s.get(name, 0.0)) for u in units], dtype=float)
         cuts = [profile.cut(k) for k in range(1, self.num_units)]
@@ -56,6 +58,7 @@ class RangeCosts:
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
+        self.T = prefix_sums(self.t)
 
     # --- one range -------------------------------------------------------------------------
     def forward(self, a: int, e: int, speed: float = 1.0) -> float:
@@ -71,6 +74,9 @@ class RangeCosts:
 
     def params(self, a: int, e: int) -> float:
         return float(self.P[e] - self.P[a])
+
+    def trainable(self, a: int, e: int) -> float:
+        return float(self.T[e] - self.T[a])
 
     def step(self, a: int, e: int, speed: float = 1.0) -> float:
         return float(self.O[e] - self.O[a]) / speed

@@ -128,6 +128,7 @@ class SharedParameter:
     names: List[str]  # every state_dict name of the tensor
     units: List[str]  # units reading it
     bytes: int
+    trainable: bool = True  # requires_grad: a frozen tied weight has no gradient to sum across its holders
 
 
 class CapturedModel:
@@ -389,7 +390,7 @@ class CapturedModel:
                 t = tensors[key]
                 shared.append(SharedParameter(name=names[0] if names else "", names=names,
                                               units=sorted(units, key=self.unit_index),
-                                              bytes=t.numel() * t.element_size()))
+                                              bytes=t.numel() * t.element_size(), trainable=t.requires_grad))
         return shared
 
 

@@ -19,7 +19,7 @@ from planner.model.entry import build_spec
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
-from planner.profile.measure import record_cut_values, shared_parameters_json
+from planner.profile.measure import record_cut_values, shared_parameters_json, unit_parameter_bytes
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 
 
@@ -102,9 +102,11 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         probe = run_all_nodes(captured, inputs0, grad=True)
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
-    units = [UnitProfile(name=u.name, param_bytes=sum(_nbytes(p) for p in stages[k][0].parameters()),
-                         forward_s={}, backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes])
-             for k, u in enumerate(captured.units)]
+    units = []
+    for k, u in enumerate(captured.units):
+        param_bytes, trainable = unit_parameter_bytes(stages[k][0].parameters())
+        units.append(UnitProfile(name=u.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
+                                 backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes]))
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     for b in sizes:
         inputs, target = meta_batch(b)

@@ -93,8 +93,15 @@ def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, g
 
 def shared_parameters_json(captured: CapturedModel) -> List[Dict[str, Any]]:
     """Tied weights for the profile: each unit using one counts its bytes in its param_bytes."""
-    return [{"name": p.name, "names": p.names, "units": p.units, "bytes": p.bytes}
+    return [{"name": p.name, "names": p.names, "units": p.units, "bytes": p.bytes, "trainable": p.trainable}
             for p in captured.shared_parameters()]
+
+
+def unit_parameter_bytes(params: Sequence[torch.Tensor]) -> Tuple[int, int]:
+    """(all, trainable) bytes of a unit's parameters: trainable ones have requires_grad."""
+    params = list(params)
+    return (sum(_tensor_bytes(p) for p in params),
+            sum(_tensor_bytes(p) for p in params if p.requires_grad))
 
 
 @dataclass
@@ -215,10 +222,11 @@ def _prepare(run: _Run, smallest: int) -> None:
             raise model_failure(e, smallest) from e
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
-    run.units = [UnitProfile(name=u.name, param_bytes=sum(_tensor_bytes(p) for p in run.stages[k][0].parameters()),
-                             forward_s={}, backward_s={}, saved_bytes={}, output_bytes={},
-                             nodes=[n.name for n in u.nodes])
-                 for k, u in enumerate(captured.units)]
+    run.units = []
+    for k, u in enumerate(captured.units):
+        param_bytes, trainable = unit_parameter_bytes(run.stages[k][0].parameters())
+        run.units.append(UnitProfile(name=u.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
+                                     backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes]))
     run.cut_values = {k: {} for k in range(1, L)}
 
 

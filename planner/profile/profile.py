@@ -93,11 +93,25 @@ class UnitProfile:
     # seconds of one optimizer step over this unit's parameters, per optimizer ("sgd", "adamw");
     # empty where it was not measured (analytic and imported profiles, older files)
     optimizer_s: Dict[str, float] = field(default_factory=dict)
+    # bytes of the parameters that train (requires_grad): only they have gradients, master weights
+    # and optimizer state; the rest of param_bytes is frozen. None (older files, imported
+    # profiles): every parameter trains
+    trainable_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.trainable_bytes is None:
+            self.trainable_bytes = self.param_bytes
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of parameters that do not train (requires_grad=False): weights only."""
+        return self.param_bytes - self.trainable_bytes
 
     def to_json(self) -> Dict[str, Any]:
         return {
             "name": self.name,
             "param_bytes": self.param_bytes,
+            "trainable_bytes": self.trainable_bytes,
             "forward_s": _str_keys(self.forward_s),
             "backward_s": _str_keys(self.backward_s),
             "saved_bytes": _str_keys(self.saved_bytes),
@@ -111,9 +125,15 @@ class UnitProfile:
         d = read.table(d, where)
         if not isinstance(d.get("name"), str) or not d["name"]:
             raise read.error(f"{where}.name", "is missing: every unit has a name")
+        param_bytes = read.count(d.get("param_bytes"), f"{where}.param_bytes")
+        trainable = read.count(d.get("trainable_bytes", param_bytes), f"{where}.trainable_bytes")
+        if trainable > param_bytes:
+            raise read.error(f"{where}.trainable_bytes", f"is {trainable}: more than the unit's param_bytes "
+                             f"({param_bytes})")
         return cls(
             name=d["name"],
-            param_bytes=read.count(d.get("param_bytes"), f"{where}.param_bytes"),
+            param_bytes=param_bytes,
+            trainable_bytes=trainable,
             forward_s=read.per_size(d.get("forward_s"), f"{where}.forward_s", read.seconds),
             backward_s=read.per_size(d.get("backward_s"), f"{where}.backward_s", read.seconds),
             saved_bytes=read.per_size(d.get("saved_bytes"), f"{where}.saved_bytes", read.count),

@@ -138,14 +138,14 @@ def measure_units(units: Sequence[UnitCall], loss_fn, target, device, repeats: i
 
 def measure_optimizer_steps(unit_params: Sequence[Sequence[torch.Tensor]], device, repeats: int,
                             min_time_s: float = 0.0) -> List[Dict[str, float]]:
-    """Median seconds of one optimizer step over each unit's parameters, per optimizer the
-    runtime runs ({"sgd": s, "adamw": s}; {} for a unit without parameters). Steps copies of the
-    parameters, with gradients set, round-robin over the units after a few untimed rounds (AdamW
-    creates its state in its first step), for at least `repeats` rounds and `min_time_s` seconds
-    per optimizer."""
+    """Median seconds of one optimizer step over each unit's trainable parameters, per optimizer
+    the runtime runs ({"sgd": s, "adamw": s}; {} for a unit without any: frozen weights
+    (requires_grad=False) are not stepped). Steps copies of the parameters, with gradients set,
+    round-robin over the units after a few untimed rounds (AdamW creates its state in its first
+    step), for at least `repeats` rounds and `min_time_s` seconds per optimizer."""
     copies = []
     for params in unit_params:
-        mine = [p.detach().clone().requires_grad_(True) for p in params]
+        mine = [p.detach().clone().requires_grad_(True) for p in params if p.requires_grad]
         for p in mine:
             p.grad = torch.full_like(p, 1e-3)
         copies.append(mine)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from planner.cost.model import (boundary_links, cut_times, held_counts, num_micro_batches, rank_caps,
-                                rank_speeds, stage_call_s, static_factor, sync_time)
+                                rank_speeds, stage_call_s, static_factors, sync_factors)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
@@ -67,14 +67,16 @@ class ChainScenario:
         redo_all = opts.recompute == "all"
         self.W = costs.work_prefix(redo_all)
         self.monotone = bool(np.all(np.diff(self.W) >= 0))
-        self.P = costs.P
+        self.P, self.T = costs.P, costs.T  # parameter bytes and, of them, the trainable ones
         self.A = costs.saved_prefix(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[c % p] for c in range(self.C)]
         self.caps = [rank_caps(opts, profile)[c % p] if caps else None for c in range(self.C)]
         self.held = held
-        self.beta = static_factor(opts, profile.dtype)  # static bytes per parameter byte
-        self.ar = sync_time(1.0, opts, profile.dtype, self.m) if opts.data_parallel > 1 else 0.0
+        self.beta_w, self.beta_t = static_factors(opts, profile.dtype)  # static bytes per (trainable) parameter byte
+        # all-reduce seconds per trainable and per frozen parameter byte
+        self.ar_t, self.ar_f = sync_factors(opts, profile.dtype, self.m) if opts.data_parallel > 1 else (0.0, 0.0)
+        self.ar = self.ar_t + self.ar_f  # 0: no data-parallel exchange
         cache: Dict[tuple, np.ndarray] = {}
         call = stage_call_s(profile, b)  # a stage's own cost per micro-batch, charged with its input
 
@@ -110,6 +112,8 @@ class ChainScenario:
         self.raw: Dict[tuple, np.ndarray] = {}
         dP = self.P[ends][:, None] - self.P[safe]
         dA = self.A[ends][:, None] - self.A[safe]
+        dT = self.T[ends][:, None] - self.T[safe]
+        static = dP * self.beta_w + dT * self.beta_t
         for c in range(self.C):
             key = (self.sigma[c], id(self.tin[c]), id(self.tout[c])) if self.added is None else ("stage", c)
             if key not in self.raw:
@@ -121,10 +125,10 @@ class ChainScenario:
             if full not in base:
                 t = self.raw[key]
                 if self.caps[c] is not None:
-                    t = np.where(dP * self.beta + self.held[c] * dA <= self.caps[c], t, np.inf)
+                    t = np.where(static + self.held[c] * dA <= self.caps[c], t, np.inf)
                 base[full] = t
             self.tables.append(base[full])
-        self.extra = np.where(valid, self.ar * dP, np.inf)
+        self.extra = np.where(valid, self.ar_t * dT + self.ar_f * (dP - dT), np.inf)
 
     # -- dynamic programs on the band ---------------------------------------------------------
     def _masked(self, c: int, tau: float, eps: Optional[float]) -> np.ndarray:
@@ -213,7 +217,7 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
     if not 1 <= C <= L:
         return None
     g_lb = chain.unconstrained_min_sum()
-    eps_lb = chain.ar * chain.P[L] / C
+    eps_lb = (chain.ar_t * chain.T[L] + chain.ar_f * (chain.P[L] - chain.T[L])) / C
     # tau*: the min-max over the band of a guess; a band built for tau holds every split whose
     # max T is <= tau, so the first guess >= the band's own min-max proves it is the true tau*.
     top_t = chain.W[L] / min(chain.sigma) + 2 * max(float(np.max(t)) for t in chain.tin + chain.tout)

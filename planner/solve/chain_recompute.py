@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import held_counts, num_micro_batches, rank_caps, rank_speeds, static_factor
+from planner.cost.model import held_counts, num_micro_batches, rank_caps, rank_speeds, static_bytes
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
@@ -32,30 +32,30 @@ MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profil
 
 
 def _unit_arrays(profile: Profile, b: int):
-    """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P
-    and saved bytes A; the units worth recomputing, cheapest time per byte first."""
+    """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P,
+    of their trainable part T and of saved bytes A; the units worth recomputing, cheapest time per byte first."""
     costs, L = range_costs(profile, b), profile.num_units
-    f, g, P, A = costs.f, costs.s - costs.inputs, costs.P, costs.S
+    f, g, A = costs.f, costs.s - costs.inputs, costs.S
     items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
     order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
-    return f, g, P, A, order
+    return f, g, costs.P, costs.T, A, order
 
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per stage."""
     L, C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
     m = num_micro_batches(opts, b)
-    f, g, P, A, order = _unit_arrays(profile, b)
+    f, g, P, T, A, order = _unit_arrays(profile, b)
     n = order.size
     speeds, caps, held = rank_speeds(opts), rank_caps(opts, profile), held_counts(opts, m)
-    beta = static_factor(opts, profile.dtype)
+    static = static_bytes(P, T, opts, profile.dtype)  # prefix sums of the parameters' static bytes
     ends = np.arange(L + 1)
     cache = {}
     lower, upper = [], []
     for c in range(C):
         key = (held[c], speeds[c % p], caps[c % p])
         if key not in cache:
-            cache[key] = _tables(L, n, order, f, g, P, A, beta, *key, ends)
+            cache[key] = _tables(L, n, order, f, g, static, A, *key, ends)
         lower.append(cache[key][0])
         upper.append(cache[key][1])
     return lower, upper
@@ -67,17 +67,17 @@ def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: in
     of this speed and the rank's cap, its stage on n holders (default d; planner.solve.replicas:
     one table per held count)."""
     L = profile.num_units
-    f, g, P, A, order = _unit_arrays(profile, b)
-    return _tables(L, order.size, order, f, g, P, A, static_factor(opts, profile.dtype, holders), held, speed,
+    f, g, P, T, A, order = _unit_arrays(profile, b)
+    return _tables(L, order.size, order, f, g, static_bytes(P, T, opts, profile.dtype, holders), A, held, speed,
                    rank_caps(opts, profile)[0], np.arange(L + 1))
 
 
-def _tables(L, n, order, f, g, P, A, beta, h, sigma, cap, ends):
+def _tables(L, n, order, f, g, static, A, h, sigma, cap, ends):
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
-        need = (P[e] - P[a]) * beta + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
+        need = (static[e] - static[a]) + h * (A[e] - A[a]) - (np.inf if cap is None else cap)
         fits = need <= 0
         low[a, e[fits]] = 0.0
         high[a, e[fits]] = 0.0

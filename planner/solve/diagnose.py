@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, num_micro_batches,
-                                static_factor, step_shape)
+                                static_bytes, step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.step import rank_peaks
@@ -75,8 +75,8 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
     static bytes, the fixed bytes every device holds and the largest of its list's held peaks
     (planner.cost.model), from prefix sums."""
     costs = range_costs(profile, b, opts.optimizer)
-    static = costs.matrix(costs.P) * static_factor(opts, profile.dtype) + fixed_bytes(profile, opts)
-    saved = costs.matrix(costs.S)
+    static = costs.matrix(static_bytes(costs.P, costs.T, opts, profile.dtype)) + fixed_bytes(profile, opts)
+    saved = costs.matrix(costs.S)  # + cast weights (bf16-mixed)
     finite = np.isfinite(saved)
     peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
     S = opts.num_stages

@@ -23,7 +23,7 @@ from typing import Iterable, List, Optional, Set
 
 import numpy as np
 
-from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_speeds, simulate_splits, static_factor,
+from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_speeds, simulate_splits, static_bytes,
                                 step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
@@ -166,7 +166,7 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
         least = {"none": costs.s, "all": costs.inputs, "auto": np.minimum(costs.s, costs.inputs)}[opts.recompute]
-        memory = (caps, held, static_factor(opts, profile.dtype), least)
+        memory = (caps, held, static_bytes(costs.P, costs.T, opts, profile.dtype), least)
     forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
     ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,
                           recompute_all=opts.recompute == "all", memory=memory)

@@ -40,8 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pulp
 
-from planner.cost.model import (boundary_links, num_micro_batches, rank_caps, static_factor, sync_time,
-                                rank_speeds, shared_parameters, step_shape, tie_time)
+from planner.cost.model import (boundary_links, num_micro_batches, rank_caps, rank_speeds,
+                                shared_parameters, static_factors, step_shape, sync_time, tie_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -174,7 +174,7 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = range(i, S, p)
-            reduce = pulp.lpSum(sync_time(c.p[l], opts, self.profile.dtype, self.m) * MS * self.x(l, g)
+            reduce = pulp.lpSum(sync_time(c.p[l], c.t[l], opts, self.profile.dtype, self.m) * MS * self.x(l, g)
                                 for g in stages for l in range(L) if self.may(l, g) and c.p[l])
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
@@ -209,14 +209,15 @@ class Program:
         caps = rank_caps(opts, self.profile)
         if all(cap is None for cap in caps):
             return
-        per_param = static_factor(opts, self.profile.dtype)
+        beta_w, beta_t = static_factors(opts, self.profile.dtype)
+        per_unit = [c.p[l] * beta_w + c.t[l] * beta_t for l in range(L)]  # static bytes of unit l's parameters
         redo_all = opts.recompute == "all"
         saved = [c.inputs[l] if redo_all else c.s[l] for l in range(L)]
         peaks = rank_peaks(step_shape(opts, self.m))
         for i in range(p):
             if caps[i] is None:
                 continue
-            static = pulp.lpSum(c.p[l] * per_param / MIB * self.x(l, g)
+            static = pulp.lpSum(per_unit[l] / MIB * self.x(l, g)
                                 for g in range(i, S, p) for l in range(L) if self.may(l, g))
             for n, peak in enumerate(peaks[i]):
                 held = 0
@@ -231,7 +232,7 @@ class Program:
                     elif kind == "gradbox" and g < S - 1:
                         held += pulp.lpSum(count * c.grad[k] / MIB * self.ends(k, g) for k in range(1, L)
                                            if c.grad[k] and self.cut_may_end(k, g))
-                cap = math.floor(caps[i]) if per_param.is_integer() else caps[i]
+                cap = math.floor(caps[i]) if beta_w.is_integer() and beta_t.is_integer() else caps[i]
                 self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
 
     # --- paths ----------------------------------------------------------------------------------
@@ -292,6 +293,7 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     links = boundary_links(opts) or [(opts.bandwidth, opts.latency)]
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.data_parallel, opts) for _, _, size in shared_parameters(profile))
-    reduce = sync_time(float(c.P[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + float(c.O[-1]) / slowest
+    reduce = sync_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + \
+        float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
 

@@ -27,12 +27,12 @@ from planner.cost.ranges import RangeCosts, prefix_sums
 
 def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float], forms: Iterable[Mapping],
                      bound: float, recompute_all: bool = False,
-                     memory: Optional[Tuple[Sequence[Optional[float]], Sequence[int], float, np.ndarray]] = None
+                     memory: Optional[Tuple[Sequence[Optional[float]], Sequence[int], np.ndarray, np.ndarray]] = None
                      ) -> List[np.ndarray]:
     """ok[g][a, e]: stage g may hold units [a, e) in a split whose step time is below `bound`.
 
     speeds[g]: the speed of stage g's rank; memory: (cap per stage, micro-batches held per stage,
-    static bytes per parameter byte, the least bytes each unit can hold for backward) or None."""
+    prefix sums of the units' static parameter bytes, the least bytes each unit can hold for backward) or None."""
     S = num_stages
     fastest = max(speeds)
     forward = costs.matrix(costs.F) + costs.call_forward
@@ -50,8 +50,8 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
                 value = value + after * work_after
             ok[g] &= value <= limit
     if memory is not None:
-        caps, held, per_param, least_per_unit = memory
-        params = costs.matrix(costs.P) * per_param
+        caps, held, static_prefix, least_per_unit = memory
+        params = costs.matrix(static_prefix)
         least = costs.matrix(prefix_sums(least_per_unit))
         for g in range(S):
             if caps[g] is not None:

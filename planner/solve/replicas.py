@@ -64,9 +64,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate, fixed_bytes,
-                                num_micro_batches, rank_caps, shared_parameters, stage_call_s, static_factor,
-                                sync_time)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate,
+                                fixed_bytes, num_micro_batches, rank_caps, shared_parameters, stage_call_s,
+                                static_bytes, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs, range_matrix
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
@@ -143,12 +143,12 @@ class ReplicaTables:
         ends = np.arange(L + 1)
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
-        params = range_matrix(costs.P)
+        params, trainable = range_matrix(costs.P), range_matrix(costs.T)
         acts = range_matrix(costs.saved_prefix(redo_all))
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
-        self.E = {r: np.where(finite, sync_time(1.0, opts, profile.dtype, self.m, r * opts.data_parallel) *
-                              np.where(finite, params, 0.0),
+        exchanged = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
+        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
         self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
@@ -166,7 +166,7 @@ class ReplicaTables:
                 key = (held, r)
                 if key not in self.memory:
                     buffers = ceil_div(self.m, r) * (inbox + gradbox) if held_bound == "upper" else 0.0
-                    static = params * static_factor(opts, profile.dtype, r * opts.data_parallel)
+                    static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
                     self.memory[key] = static + held * acts + buffers
                     if recompute_bound is not None:
                         low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel)

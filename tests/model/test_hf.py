@@ -72,7 +72,7 @@ def test_tied_embeddings_are_recorded_as_shared():
     profile = profile_of("hf:LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True), sizes=(1, 2))
     shared = profile.extra["shared_parameters"]
     assert shared == [{"name": "model.embed_tokens.weight", "names": ["model.embed_tokens.weight", "lm_head.weight"],
-                       "units": ["model.embed_tokens", "lm_head"], "bytes": 128 * 32 * 4}]
+                       "units": ["model.embed_tokens", "lm_head"], "bytes": 128 * 32 * 4, "trainable": True}]
     by_name = {u.name: u for u in profile.units}
     assert by_name["model.embed_tokens"].param_bytes == by_name["lm_head"].param_bytes == 128 * 32 * 4
 

@@ -126,7 +126,11 @@ def test_solver_equals_brute_force(problem):
     # oracle, never worse than the exact one-stage-per-device plan, and the busy-time bound holds
     assert found.objective >= oracle.objective * (1 - 1e-9)
     if opts.pipeline_ranks <= profile.num_units:
-        assert found.objective <= solve(profile, opts).objective * (1 + 1e-9)
+        try:  # one stage per device may not fit where replicas (sharing a stage's units) do
+            unreplicated = solve(profile, opts).objective
+        except InfeasibleError:
+            unreplicated = math.inf
+        assert found.objective <= unreplicated * (1 + 1e-9)
     assert found.bound <= oracle.objective * (1 + 1e-9)
     assert found.gap == pytest.approx((found.objective - found.bound) / found.objective) or found.gap == 0.0
     cost = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)

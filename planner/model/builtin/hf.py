@@ -21,7 +21,8 @@ implementation Hugging Face picks by default: "sdpa" where the class supports it
 
 Batch arguments: `seq_len` (default 16) and `target_len` (seq2seq, default seq_len). A field of
 a nested config is `SUBCONFIG__FIELD` (`text_config__num_hidden_layers=2`,
-`vision_config__image_size=32`).
+`vision_config__image_size=32`). LoRA fine-tuning: `lora_rank`, `lora_alpha`, `lora_targets`
+(planner.model.lora) freeze the model's weights and add peft adapters.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.nn.functional as F
 
+from planner.model.lora import add_lora, split_lora_args
 from planner.model.spec import ModelEntryError, ModelSpec
 
 _CAUSAL = ("ForCausalLM", "LMHeadModel")
@@ -123,6 +125,7 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
         if attn_implementation not in ("", "eager", "sdpa"):
             raise ModelEntryError(f"hf:{name}: attn_implementation {attn_implementation!r} is not one this runtime "
                                   "runs on any device; use eager or sdpa")
+        lora = split_lora_args(overrides)
         config = make_config(cls, overrides, attn_implementation)
         kind = "image-text" if family == "seq2seq" and _image_text(config) else family
         if kind == "image-text":  # the image token: the text vocabulary's last id, never drawn as text
@@ -176,7 +179,7 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                                    ignore_index=-100)
 
-        return ModelSpec(module=model, batch=batch, loss=loss)
+        return ModelSpec(module=add_lora(model, lora, f"hf:{name}"), batch=batch, loss=loss)
 
     build.__name__ = name
     return build

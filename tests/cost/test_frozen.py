@@ -1,0 +1,90 @@
+"""Frozen parameters (requires_grad=False) in the profile, the memory model and the solvers: weights
+only, no gradient, master weight or optimizer state, nothing to exchange across replicas."""
+import dataclasses
+import json
+
+import pytest
+
+from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
+from planner.jsonio import JsonFileError
+from planner.profile.profile import Profile
+from planner.solve.api import solve
+from planner.solve.diagnose import InfeasibleError
+from tests.support.synthetic import synthetic_profile
+
+PARAMS = [4000, 8000, 8000, 4000]  # bytes, fp32: 1000, 2000, 2000, 1000 parameters
+TRAINABLE = [0, 800, 800, 4000]  # the embedding frozen, adapters on the middle units, the head trained
+
+
+def _profile(trainable=None):
+    profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=PARAMS, saved=[400] * 4,
+                                cut_act=[80] * 3, sizes=(1, 2))
+    if trainable is None:
+        return profile
+    units = [dataclasses.replace(u, trainable_bytes=t) for u, t in zip(profile.units, trainable)]
+    return dataclasses.replace(profile, units=units)
+
+
+def _opts(**kw):
+    base = dict(pipeline_ranks=2, global_batch=8, data_parallel=2, optimizer="adamw", dp_bandwidth=1e6,
+                precision="fp32")
+    base.update(kw)
+    return CostOptions(**base)
+
+
+def test_frozen_bytes_hold_weights_only():
+    full, tuned = evaluate(_profile(), [2], 2, _opts()), evaluate(_profile(TRAINABLE), [2], 2, _opts())
+    # stage 0: 3000 parameters, 200 of them trainable; fp32 AdamW: 4 B of weight each, 4 + 8 more if trainable
+    st = tuned.stages[0]
+    assert (st.param_bytes, st.grad_bytes, st.optimizer_bytes) == (12000, 800, 1600)
+    assert full.device_memory[0] - tuned.device_memory[0] == 2800 * (4 + 8)
+    assert tuned.stages[1].grad_bytes == 800 + 4000
+    # ZeRO-1 over the 2 replicas: the trainable parameters' optimizer state halves, the weights stay
+    sharded = evaluate(_profile(TRAINABLE), [2], 2, _opts(shard="optimizer"))
+    assert tuned.device_memory[0] - sharded.device_memory[0] == 200 * 8 / 2
+
+
+def test_only_trainable_gradients_are_exchanged():
+    tuned = evaluate(_profile(TRAINABLE), [2], 2, _opts())
+    assert tuned.durations[("reduce", 0)] == pytest.approx(200 * 2 * 0.5 * 4 / 1e6)  # all-reduce of 200 gradients
+    # ZeRO-3 gathers every weight, frozen or not, twice per micro-batch (m = 2)
+    zero3 = evaluate(_profile(TRAINABLE), [2], 2, _opts(shard="parameters"))
+    assert zero3.durations[("reduce", 0)] == pytest.approx((200 * 0.5 * 2 * (4 + 2 * 4) + 2800 * 0.5 * 2 * 2 * 4) / 1e6)
+
+
+@pytest.mark.parametrize("method", ["ilp", "dp", "brute"])
+def test_a_fine_tune_fits_where_full_training_does_not(method):
+    need = max(evaluate(_profile(), [2], 1, _opts(recompute="none")).device_memory)
+    opts = _opts(memory_cap=need - 1, recompute="none")
+    with pytest.raises(InfeasibleError):
+        solve(_profile(), opts, method=method)
+    found = solve(_profile(TRAINABLE), opts, method=method)
+    assert found.cost.feasible and max(found.cost.device_memory) <= need - 1
+    again = evaluate(_profile(TRAINABLE), found.boundaries, found.cost.micro_batch_size, found.options)
+    assert again.device_memory == found.cost.device_memory
+
+
+def test_profile_files_keep_trainable_bytes_and_older_ones_train_everything():
+    tuned = _profile(TRAINABLE)
+    back = Profile.from_json(json.loads(json.dumps(tuned.to_json())))
+    assert [u.trainable_bytes for u in back.units] == TRAINABLE
+    assert [u.frozen_bytes for u in back.units] == [p - t for p, t in zip(PARAMS, TRAINABLE)]
+    old = tuned.to_json()
+    for unit in old["units"]:
+        del unit["trainable_bytes"]
+    assert [u.trainable_bytes for u in Profile.from_json(old).units] == PARAMS
+    bad = tuned.to_json()
+    bad["units"][1]["trainable_bytes"] = 9000
+    with pytest.raises(JsonFileError, match=r"units\[1\]\.trainable_bytes is 9000: more than"):
+        Profile.from_json(bad)
+
+
+def test_a_frozen_tie_is_not_all_reduced():
+    profile = _profile()
+    tie = {"name": "w", "names": ["w"], "units": ["u0", "u3"], "bytes": 4000}
+    trained = dataclasses.replace(profile, extra={"shared_parameters": [tie]})
+    frozen = dataclasses.replace(profile, extra={"shared_parameters": [dict(tie, trainable=False)]})
+    opts = _opts(data_parallel=1, global_batch=4)
+    assert ("tie", "w") in evaluate(trained, [2], 2, opts).durations
+    assert ("tie", "w") not in evaluate(frozen, [2], 2, opts).durations
