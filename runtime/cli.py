@@ -15,7 +15,7 @@ from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
 from runtime.shard import check_runnable
 from runtime.launch import RANK_TIMEOUT_S
-from runtime.options import add_training_options, forwarded
+from runtime.options import ENGINES, add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
@@ -73,6 +73,12 @@ def execute(args: argparse.Namespace) -> int:
     refusal = check_runnable(plan.shard)  # issue 25: ZeRO-3 is planned, not run (runtime/shard.py)
     if refusal:
         raise UsageError(refusal)
+    if args.engine == "torch":
+        from runtime.torch_engine import refusal as torch_refusal
+
+        refusal = torch_refusal(plan, args.precision)
+        if refusal:
+            raise UsageError(refusal)
     topology = plan.topology()
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     optimizer = args.optimizer or plan.optimizer
@@ -81,7 +87,10 @@ def execute(args: argparse.Namespace) -> int:
         print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
               file=sys.stderr)
     print(f"running {args.plan}: {_shape(topology)}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
-          f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}", flush=True)
+          f"{plan.num_micro_batches}, {args.steps} steps, {threads} thread(s) per rank, {optimizer}"
+          + (", torch.distributed.pipelining" if args.engine == "torch" else ""), flush=True)
+    if args.engine == "torch":
+        _say_pass_through(plan)
     if plan.emulated_boundaries:
         print(f"emulating the cluster's slow link at stage boundaries {plan.emulated_boundaries}: each message "
               "crossing it is held for its planned transfer time (runtime/emulation.py)", flush=True)
@@ -99,6 +108,17 @@ def execute(args: argparse.Namespace) -> int:
     _write_outputs(args, plan, lists, out_dir, report)
     shutil.rmtree(out_dir, ignore_errors=True)
     return 0
+
+
+def _say_pass_through(plan: Plan) -> None:
+    """torch's stages pass values to the next stage only: name the bytes skips add to messages."""
+    from runtime.torch_engine import pass_through_bytes
+
+    passed = pass_through_bytes(plan)
+    if any(passed):
+        print("values skipping stages are passed through them (as the own engine's messages carry them): "
+              + ", ".join(f"stage {g} {n / 2**10:.1f} KiB" for g, n in enumerate(passed) if n)
+              + " per micro-batch", flush=True)
 
 
 def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
@@ -134,7 +154,7 @@ def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer
     """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
-                   *forwarded(args)]
+                   "--engine", args.engine, *forwarded(args)]
     if args.save_state or args.save_adapters:
         worker_args.append("--save-state")
     if args.init_state:
@@ -246,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint-dir", metavar="DIR", help="save each rank's parameters and optimizer state here")
     ex.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
     ex.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
+    ex.add_argument("--engine", choices=ENGINES, default="own",
+                    help="own (default): this runtime's engine; torch: each stage in torch.distributed.pipelining's "
+                         "PipelineStage, the plan's schedule run by torch's schedule class (docs/runtime.md)")
     ex.set_defaults(func=execute)
     sh = sub.add_parser("show", help="print and check each rank's instruction list")
     sh.add_argument("plan")

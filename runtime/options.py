@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+ENGINES = ("own", "torch")  # runtime/engine.py, runtime/torch_engine.py (torch.distributed.pipelining)
 PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
 SCHEDULES = ("constant", "cosine")
 

@@ -76,6 +76,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
         "num_micro_batches": m,
         "data_parallel": plan.data_parallel,
         "optimizer": rank_results[0].get("optimizer"),
+        "engine": rank_results[0].get("engine", "own"),
         "steps": steps,
         "stages": ranks,
         "predicted_iteration_s": predicted,

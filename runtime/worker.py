@@ -35,7 +35,7 @@ from runtime.emulation import link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
-from runtime.options import add_training_options, training_options
+from runtime.options import ENGINES, add_training_options, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.shard import shard_optimizer
@@ -61,6 +61,8 @@ def _parse(argv):
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
+    p.add_argument("--engine", choices=ENGINES, default="own",
+                   help="own: this runtime's engine; torch: torch.distributed.pipelining's stages and schedules")
     return p.parse_args(argv)
 
 
@@ -159,6 +161,11 @@ def _start(args) -> _Rank:
     if world != topology.world_size:
         raise RuntimeError(f"the plan needs {topology.world_size} ranks ({topology.pipeline_ranks} pipeline x "
                            f"{topology.data_parallel} data-parallel) but {world} were started")
+    if args.engine == "torch":
+        from runtime.torch_engine import refusal  # imported only here: torch's pipelining slows every start
+
+        if refusal(plan, args.precision):
+            raise RuntimeError(refusal(plan, args.precision))
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
     return _Rank(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
@@ -191,10 +198,16 @@ def _build(me: _Rank, use_tags: bool) -> None:
     def record(kind, i, g, t0, t1):  # wall-clock seconds
         me.events.append([kind, i, g, t0, t1])
 
-    me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
-                       me.optimizer, me.device, me.groups, use_tags=use_tags,
-                       trace=record if args.trace else None, autocast=me.options.autocast_dtype)
-    me.engine.emulated_links = link_delays(plan)
+    if args.engine == "torch":  # torch.distributed.pipelining runs the stages (runtime/torch_engine.py)
+        from runtime.torch_engine import TorchEngine
+
+        me.engine = TorchEngine(me.rank_model, plan, topology, me.rank, me.optimizer, me.device, me.groups,
+                                trace=record if args.trace else None)
+    else:
+        me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
+                           me.optimizer, me.device, me.groups, use_tags=use_tags,
+                           trace=record if args.trace else None, autocast=me.options.autocast_dtype)
+        me.engine.emulated_links = link_delays(plan)
     if me.options.clip_grad_norm is not None:
         me.engine.before_optimizer.append(_clipper(me))
 
@@ -290,7 +303,7 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
                                 for st in stages}, "threads": me.threads, "device": str(me.device),
-              "optimizer": me.optimizer_name, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
+              "optimizer": me.optimizer_name, "engine": args.engine, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
               "start_rss_bytes": me.start_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}

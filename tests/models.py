@@ -258,3 +258,38 @@ def frozen_tied_lm(layers: int = 3) -> ModelSpec:
     spec.module.emb.weight.requires_grad_(False)
     spec.module.blocks[0].requires_grad_(False)
     return spec
+
+
+class TwoOutputs(nn.Module):
+    """Two outputs: the main one, and an auxiliary head computed in the second unit (so it crosses
+    every later cut to reach the output); the last unit reads the model's input again."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.aux_head = nn.Linear(dim, 3)
+        self.mid = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        aux = self.aux_head(h)
+        for layer in self.mid:
+            h = h + torch.relu(layer(h))
+        return self.out(h) + x, aux
+
+
+def two_outputs(dim: int = 8, layers: int = 3) -> ModelSpec:
+    """Two outputs and a target of two tensors (a tuple)."""
+    module = TwoOutputs(dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 11)
+        x = torch.randn(batch_size, dim, generator=g)
+        return (x,), (torch.randn(batch_size, dim, generator=g), torch.randint(0, 3, (batch_size,), generator=g))
+
+    def loss(outputs, target):
+        out, aux = outputs
+        return F.mse_loss(out, target[0]) + F.cross_entropy(aux, target[1])
+
+    return ModelSpec(module=module, batch=batch, loss=loss)

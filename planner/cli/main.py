@@ -5,11 +5,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from planner.cli import compare, fidelity, import_, profile, show, solve
+from planner.cli import compare, export, fidelity, import_, profile, show, solve
 from planner.errors import CaptureError, UsageError, run_subcommand
 from planner.jsonio import JsonFileError
 
-SUBCOMMANDS = [profile, solve, compare, show, import_, fidelity]
+SUBCOMMANDS = [profile, solve, compare, show, export, import_, fidelity]
 
 
 def build_parser() -> argparse.ArgumentParser:

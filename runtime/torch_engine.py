@@ -1,0 +1,281 @@
+"""`runtime execute PLAN --engine torch`: the plan run by torch.distributed.pipelining.
+
+Each rank's stages are the fx GraphModules the own engine runs (runtime.stage.build_rank), each
+wrapped in torch's `PipelineStage` and driven by torch's schedule class for the plan's schedule:
+
+    gpipe -> ScheduleGPipe        1f1b -> Schedule1F1B
+    interleaved -> ScheduleInterleaved1F1B        bfs -> ScheduleLoopedBFS
+
+(the public classes torch users and torchtitan run, rather than torch's private action-list runtime
+fed with this project's lists: what is proven here is then what such users run; torch builds the
+same compute order for these four schedules, but posts its own messages, one batch per action).
+
+Rules (the own engine's, runtime/engine.py, so that both train exactly like one process):
+- Every rank builds the batch itself: torch's schedule splits a tensor of sample indices (the only
+  "input" it sees), and each stage takes its micro-batch's model inputs, and the last stage its
+  target, from this rank's own copy of the batch; model inputs and targets never travel.
+- torch passes values between adjacent stages only. A value crossing several cuts (a skip) is an
+  output of every stage it skips (the captured stage modules already pass it through, as the own
+  engine's messages carry it), so nothing is added; `pass_through_bytes` reports how much of each
+  message such values are.
+- The last stage returns the loss of micro-batch i, `loss_i / (d·m)` (torch's `loss_fn` passes it
+  on, its `scale_grads` is off: one tensor whatever the model's output is); data-parallel
+  replicas sum gradients over their replica group (runtime.groups.GradientBuckets, started after
+  the schedule's last backward), tied weights over their holders, before the optimizer step.
+- torch's metadata inference is static (shapes and dtypes from the plan), so no forward runs on
+  made-up data (which would move BatchNorm's running statistics and the dropout generator).
+
+What torch cannot run is refused before any rank starts (`refusal`). Measured per step: forward
+and backward per micro-batch (timed around torch's `forward_one_chunk` / `backward_one_chunk`),
+the gradient reductions, the optimizer step; `wait_s` is the rest of the step (torch's messages
+and waiting, which it does not expose). Traces have the compute actions, not the messages.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
+
+from planner.pipeline.actions import Action, ActionKind
+from planner.pipeline.topology import Topology
+from planner.profile.saved import SavedBytes
+from runtime.comm import torch_dtype
+from runtime.engine import StepStats
+from runtime.groups import GradientBuckets, Groups
+from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches
+from runtime.stage import RankModel, RankStage
+from runtime.timing import StepClock
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "bfs": "ScheduleLoopedBFS"}
+
+
+def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
+    """Why torch.distributed.pipelining cannot run this plan (one line: cause and fix), or None."""
+    topology = plan.topology()
+    if topology.replicated:
+        return ("--engine torch cannot run replicated stages (a stage on several devices): torch's stages are one "
+                "per device; run it with --engine own, or re-plan without --replicate")
+    if plan.schedule not in TORCH_SCHEDULES:
+        return f"--engine torch has no schedule {plan.schedule!r}; run it with --engine own"
+    p = topology.pipeline_ranks
+    if any(rank != g % p for g, rank in enumerate(topology.stage_rank)):
+        return ("--engine torch places stage g on device g mod p (torch's loop placement) and this plan places its "
+                "stages otherwise; run it with --engine own, or re-plan with the default placement")
+    if getattr(plan, "emulated_boundaries", None):
+        return ("--engine torch cannot hold messages for an emulated slow link (torch posts its own messages); run "
+                "it with --engine own, or re-plan without an emulated link")
+    if getattr(plan, "shard", "none") != "none":
+        return (f"--engine torch does not shard optimizer state or gradients (the plan's shard is {plan.shard}); "
+                "run it with --engine own, or re-plan with --shard none")
+    if (precision or getattr(plan, "precision", "fp32")) != "fp32":
+        return ("--engine torch runs fp32 plans only (torch's stages receive the plan's dtypes, which autocast "
+                "changes); run it with --engine own, or re-plan with --precision fp32")
+    return None
+
+
+def pass_through_bytes(plan: Any) -> List[int]:
+    """Per stage: bytes of the tensors it receives and sends on unchanged (values skipping it)."""
+    out = []
+    for stage in plan.stages:
+        sent = {v["name"] for v in stage.send if v["kind"] == "tensor"}
+        out.append(sum(int(v.get("bytes", 0)) for v in stage.recv if v["kind"] == "tensor" and v["name"] in sent))
+    return out
+
+
+class _Batch:
+    """This step's micro-batches on this rank (its data-parallel replica's share)."""
+
+    def __init__(self) -> None:
+        self.inputs: List[List[Any]] = []  # per micro-batch, aligned with the graph's placeholders
+        self.targets: List[Any] = []
+        self.micro_batch_size = 1
+
+    def index(self, samples: torch.Tensor) -> int:
+        """The micro-batch whose sample indices torch's split handed to a stage."""
+        return int(samples[0]) // self.micro_batch_size
+
+
+class StageAsTorchModule(nn.Module):
+    """A plan stage as torch's stages call it: forward(samples) on the first stage, forward(*received
+    tensors, samples=...) on the others -> the tensors it sends on; the last stage returns the
+    micro-batch's loss / (d·m) (one tensor whatever the model's output; torch's loss_fn passes it on)."""
+
+    def __init__(self, stage: RankStage, batch: _Batch, device: torch.device, loss: Callable[[Any, Any], Any],
+                 scale: float):
+        super().__init__()
+        self.stage_module = stage.module  # registered: its parameters are this module's
+        self.stage = stage
+        self.batch = batch
+        self.device = device
+        self.loss, self.scale = loss, scale
+        self.wanted = [stage.model_inputs.index(n) for n in stage.io.inputs]
+        self.send_tensors = [j for j, v in enumerate(stage.send) if v["kind"] == "tensor"]
+
+    def forward(self, *received: torch.Tensor, samples: Optional[torch.Tensor] = None) -> Any:
+        if self.stage.index == 0:
+            samples, received = received[0], ()
+        i = self.batch.index(samples)
+        inputs = own_copy([self.batch.inputs[i][j] for j in self.wanted], self.device)
+        out = self.stage_module(*inputs, *assemble(self.stage, list(received)))
+        if self.stage.is_last:  # the loss, computed here as the own engine computes it in the forward
+            return self.loss(out, own_copy(self.batch.targets[i], self.device)) / self.scale
+        # gloo sends contiguous tensors only; a contiguous tensor is returned as itself
+        return tuple(out[j].contiguous() for j in self.send_tensors)
+
+
+def _meta(values: List[Dict[str, Any]]) -> tuple:
+    """Meta tensors with the plan's shapes, dtypes and requires_grad (torch's static metadata)."""
+    return tuple(torch.empty(v["shape"], dtype=torch_dtype(v["dtype"]), device="meta")
+                 .requires_grad_(bool(v.get("requires_grad")) and torch_dtype(v["dtype"]).is_floating_point)
+                 for v in values if v["kind"] == "tensor")
+
+
+class TorchEngine:
+    """One rank's stages under torch's schedule: `run_step(step) -> StepStats`, as runtime.engine.Engine."""
+
+    def __init__(self, rank_model: RankModel, plan: Any, topology: Topology, rank: int, optimizer: Any,
+                 device: torch.device, groups: Groups, trace: Optional[Callable] = None):
+        self.spec = rank_model.spec
+        self.rank_model = rank_model
+        self.topology = topology
+        self.replica = topology.replica_of(rank)
+        self.global_batch = plan.global_batch
+        self.m = plan.num_micro_batches
+        self.optimizer = optimizer
+        self.device = device
+        self.groups = groups
+        self.trace = trace
+        self.clock = StepClock(device)
+        self.saved = SavedBytes(rank_model.parameters())
+        self.count_saved = True  # the first step counts what autograd saves (as the own engine)
+        self.held: Dict[tuple, int] = {}
+        self.before_optimizer: List[Callable[[], None]] = []
+        self.batch = _Batch()
+        self.batch.micro_batch_size = plan.micro_batch_size
+        self.pipeline_group = self._pipeline_group(topology, rank)
+        self.buckets: Optional[GradientBuckets] = None
+        if groups.data_parallel_group is not None:
+            tied = {id(param) for param, _ in rank_model.tied.values()}
+            self.buckets = GradientBuckets([p for p in rank_model.trainable() if id(p) not in tied],
+                                           groups.data_parallel_group)
+        S, b = topology.num_stages, plan.micro_batch_size
+        scale = float(self.m * topology.data_parallel)
+        self.stages = []
+        for stage in rank_model.stages:
+            inputs = (torch.empty(b, dtype=torch.int64, device="meta"),) if stage.index == 0 else _meta(stage.recv)
+            outputs = _meta(stage.send) if not stage.is_last else (torch.empty((), device="meta", requires_grad=True),)
+            module = StageAsTorchModule(stage, self.batch, device, self.spec.loss, scale)
+            self.stages.append(TimedStage(self, module, stage.index, S, device, input_args=inputs,
+                                          output_args=outputs, group=self.pipeline_group))
+        schedule_class = getattr(pipelining, TORCH_SCHEDULES[plan.schedule])
+
+        def loss_fn(loss: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+            return loss  # the last stage's output is its loss already
+
+        if plan.schedule in ("gpipe", "1f1b"):
+            (stage,) = self.stages
+            self.schedule = schedule_class(stage, n_microbatches=self.m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule_class(self.stages, n_microbatches=self.m, loss_fn=loss_fn, scale_grads=False)
+        self.first = any(st.index == 0 for st in rank_model.stages)
+        self.last = any(st.is_last for st in rank_model.stages)
+
+    @staticmethod
+    def _pipeline_group(topology: Topology, rank: int) -> Any:
+        """The ranks of this rank's pipeline (all of them when there is one replica); every rank
+        creates every replica's group, in the same order, as torch.distributed requires."""
+        if topology.data_parallel == 1:
+            return None
+        mine = None
+        for replica in range(topology.data_parallel):
+            ranks = [topology.global_rank(replica, q) for q in range(topology.pipeline_ranks)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return mine
+
+    # --- one step -------------------------------------------------------------------------------
+    def _load_batch(self, step: int) -> None:
+        inputs, target = self.spec.batch(self.global_batch, step)
+        if not isinstance(inputs, (tuple, list)):
+            raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
+        d = self.topology.data_parallel
+        flat = self.rank_model.input_values(inputs)
+        mine = split_micro_batches([flat, target], self.global_batch, d, "batch")[self.replica]
+        per_replica = self.global_batch // d
+        self.batch.inputs = split_micro_batches(mine[0], per_replica, self.m, "inputs")
+        self.batch.targets = split_micro_batches(mine[1], per_replica, self.m, "target")
+
+    def run_step(self, step: int) -> StepStats:
+        stats = StepStats(step=step)
+        self._load_batch(step)
+        # on the host: a stage reads its micro-batch's number from it (no device synchronisation)
+        samples = torch.arange(self.global_batch // self.topology.data_parallel)
+        losses: List[torch.Tensor] = []
+        clock = self.clock
+        clock.start()
+        if self.buckets is not None:
+            self.buckets.begin_step()
+        self.schedule.step(*([samples] if self.first else []), target=samples if self.last else None,
+                           losses=losses if self.last else None, return_outputs=False, samples=samples)
+        clock.mark()
+        self.groups.reduce_gradients(self.rank_model, self.buckets)
+        clock.stop("reduce_s", "reduce")
+        clock.mark()
+        for hook in self.before_optimizer:
+            hook()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        clock.stop("optimizer_s", Action(ActionKind.OPTIMIZER_STEP))
+        totals, spans, step_s = clock.finish()
+        self.count_saved = False
+        for key, seconds in totals.items():
+            setattr(stats, key, getattr(stats, key) + seconds)
+        stats.time_s = step_s
+        busy = stats.forward_s + stats.backward_s + stats.reduce_s + stats.optimizer_s
+        stats.wait_s = max(0.0, step_s - busy)  # torch's messages and waiting for peers
+        if self.trace is not None:
+            for label, t0, t1 in spans:
+                if isinstance(label, Action):
+                    self.trace(label.kind.value, label.micro_batch, label.stage, t0, t1)
+                else:
+                    self.trace(label, -1, -1, t0, t1)
+        if losses:
+            scale = self.m * self.topology.data_parallel
+            stats.loss = sum(float(l.detach()) * scale for l in losses) / len(losses)
+            stats.loss_count = len(losses)
+        return stats
+
+
+class TimedStage(PipelineStage):
+    """torch's PipelineStage with its compute timed on the engine's clock (and, in the engine's first
+    step, what autograd saves for backward counted, as the own engine counts it)."""
+
+    def __init__(self, engine: "TorchEngine", *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.engine = engine
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        engine.clock.mark()
+        if engine.count_saved:
+            with engine.saved.counting():
+                out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            engine.held[(self.stage_index, fwd_chunk_id)] = engine.saved.finish()
+        else:
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        engine.clock.stop("forward_s", Action(ActionKind.FORWARD, fwd_chunk_id, self.stage_index))
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        engine.clock.mark()
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        engine.saved.release(engine.held.pop((self.stage_index, bwd_chunk_id), 0))
+        engine.clock.stop("backward_s", Action(ActionKind.BACKWARD, bwd_chunk_id, self.stage_index))
+        return out

@@ -1,0 +1,60 @@
+"""`planner export PLAN --format torchtitan|torch`: torchtitan's pipeline config names every unit of
+the model exactly once, in stage order, with torch's schedule name; the torch script compiles."""
+import os
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+from planner.cli.main import main as planner_main
+from planner.plan.file import save_plan
+from tests.support.runs import plan_with, profile_of, reshape_plan
+
+
+def _export(tmp_path, plan, fmt, capsys):
+    path = os.path.join(str(tmp_path), "plan.json")
+    save_plan(plan, path)
+    code = planner_main(["export", path, "--format", fmt])
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("schedule,v,d", [("1f1b", 1, 2), ("interleaved", 2, 1), ("bfs", 2, 1)])
+def test_torchtitan_config_names_every_module_once(tmp_path, capsys, schedule, v, d):
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    profile = profile_of("builtin:gpt")
+    plan = reshape_plan(plan_with(profile, [1, 3, 6], 2, 8, "gpipe"), virtual_stages=v, data_parallel=d,
+                        schedule=schedule) if v > 1 else reshape_plan(plan_with(profile, [4], 2, 8, "1f1b"),
+                                                                      data_parallel=d)
+    code, out = _export(tmp_path, plan, "torchtitan", capsys)
+    assert code == 0, out.err
+    config = tomllib.loads(out.out)
+    par, training = config["parallelism"], config["training"]
+    parts = par["module_fqns_per_model_part"]
+    assert [name for part in parts for name in part] == [u.name for u in profile.units]
+    assert parts == [st.units for st in plan.stages]
+    assert par["pipeline_parallel_degree"] == plan.pipeline_stages and par["data_parallel_replicate_degree"] == d
+    get_schedule_class(par["pipeline_parallel_schedule"])  # a name torch (and torchtitan) knows
+    assert training["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == plan.num_micro_batches
+
+
+def test_torch_snippet_compiles_and_builds_the_stages(tmp_path, capsys):
+    plan = reshape_plan(plan_with(profile_of("builtin:gpt"), [1, 3, 6], 2, 8, "gpipe"), virtual_stages=2,
+                        schedule="interleaved")
+    code, out = _export(tmp_path, plan, "torch", capsys)
+    assert code == 0, out.err
+    namespace = {"__name__": "snippet"}
+    exec(compile(out.out, "snippet.py", "exec"), namespace)  # defines, runs nothing (not __main__)
+    assert namespace["MODULES_PER_STAGE"] == [st.units for st in plan.stages]
+    assert "ScheduleInterleaved1F1B(stages," in out.out
+
+
+def test_export_refuses_replicated_stages_in_one_line(tmp_path, capsys):
+    plan = reshape_plan(plan_with(profile_of("builtin:gpt"), [4], 2, 8, "1f1b"), replicas=[1, 2])
+    target = os.path.join(str(tmp_path), "out.toml")
+    path = os.path.join(str(tmp_path), "plan.json")
+    save_plan(plan, path)
+    assert planner_main(["export", path, "--format", "torchtitan", "-o", target]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "replicated" in err
+    assert not os.path.exists(target)
