@@ -19,7 +19,7 @@ BERT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidd
 
 
 def assert_pipeline_exact(entry, args, cuts, tmp_path, b=2, g=4, schedule="1f1b"):
-    profile = profile_of(entry, args, sizes=(1, 2))
+    profile = profile_of(entry, args, sizes=(2,))
     assert profile.capture == "export"
     assert_trains_like_one_process(plan_with(profile, cuts, b, g, schedule), tmp_path, entry, args)
     return profile
@@ -33,7 +33,7 @@ def test_causal_lm_pipeline_matches_single_process(tmp_path):
 
 
 def test_seq2seq_encoder_output_reaches_every_decoder_stage(tmp_path):
-    profile = profile_of("hf:T5ForConditionalGeneration", T5, sizes=(1, 2))
+    profile = profile_of("hf:T5ForConditionalGeneration", T5, sizes=(2,))
     names = [u.name for u in profile.units]
     first_block, second_block = names.index("decoder.block.0"), names.index("decoder.block.1")
     cuts = [first_block, second_block]  # the encoder's output is read by both decoder stages
@@ -69,7 +69,7 @@ def test_masked_lm_pipeline_matches_single_process(tmp_path):
 
 
 def test_tied_embeddings_are_recorded_as_shared():
-    profile = profile_of("hf:LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True), sizes=(1, 2))
+    profile = profile_of("hf:LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True), sizes=(2,))
     shared = profile.extra["shared_parameters"]
     assert shared == [{"name": "model.embed_tokens.weight", "names": ["model.embed_tokens.weight", "lm_head.weight"],
                        "units": ["model.embed_tokens", "lm_head"], "bytes": 128 * 32 * 4, "trainable": True}]
@@ -79,7 +79,7 @@ def test_tied_embeddings_are_recorded_as_shared():
 
 def test_tied_embeddings_across_stages(tmp_path):
     args = dict(LLAMA, tie_word_embeddings=True)
-    profile = profile_of("hf:LlamaForCausalLM", args, sizes=(1, 2))
+    profile = profile_of("hf:LlamaForCausalLM", args, sizes=(2,))
     plan = plan_with(profile, [3], 2, 4, "1f1b")  # embedding in stage 0, LM head in stage 1
     state = execute(plan, tmp_path, steps=3)
     reference = reference_state(plan, steps=3)

@@ -1,5 +1,7 @@
 """`runtime execute --init-state`: a run starts from saved weights, each rank materialising only its
 stages (built and captured on the meta device), exactly as one process starting from them."""
+import contextlib
+import io
 import os
 
 import pytest
@@ -67,11 +69,15 @@ def test_bad_init_states_fail_in_one_line(tmp_path):
     save_plan(plan, plan_path)
     (tmp_path / "text.pt").write_text("not a state")
     torch.save([1, 2], str(tmp_path / "list.pt"))
+    from runtime.cli import main as runtime_main
+
     for bad, words in [(tmp_path / "missing.pt", "does not exist"), (tmp_path / "text.pt", "not a state_dict"),
                        (tmp_path / "list.pt", "not a state_dict"), (tmp_path, "without *.safetensors")]:
-        result = run_cli(["runtime.cli", "execute", plan_path, "--init-state", str(bad)])
-        assert result.returncode == 2, result.stderr
-        assert words in result.stderr and "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+        err = io.StringIO()  # refused before any rank starts: the command in this process
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = runtime_main(["execute", plan_path, "--init-state", str(bad)])
+        assert code == 2, err.getvalue()
+        assert words in err.getvalue() and "Traceback" not in err.getvalue() and len(err.getvalue().splitlines()) == 1
     # readable but not this model's: the rank names the entry
     file, state = _state_file(plan, tmp_path / "short")
     state.pop("blocks.0.attn.qkv.weight", None) or state.pop(next(k for k in state if k.endswith("weight")))
