@@ -26,7 +26,6 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 # Nodes that only check what export assumed about the example inputs (device, dtype, guards):
@@ -135,6 +134,10 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
 def _fixed_batch(gm: fx.GraphModule) -> Optional[int]:
     """The batch size export specialised the graph to (a Python loop over the samples, say: the
     graph then holds one branch per sample), or None when dim 0 stayed dynamic in every input."""
+    # imported here: symbolic_shapes imports sympy (a quarter of a second), which fx-captured models
+    # and every rank of a run would otherwise pay
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
     for node in gm.graph.nodes:
         value = node.meta.get("val") if node.op == "placeholder" else None
         if isinstance(value, torch.Tensor) and value.dim() and is_concrete_int(value.shape[0]):

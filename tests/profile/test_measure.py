@@ -1,6 +1,8 @@
 """Profiling the way ranks run: round-robin timing, co-runner load, the measured link, and the
 CLI flags and defaults that carry them into plans. No timing assertions: what is checked is what
 was run, what was recorded and how the recorded numbers are used."""
+import contextlib
+import io
 import json
 
 import pytest
@@ -235,17 +237,20 @@ def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
     link = profile["link"]
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0 and len(link["samples"]) >= 3
     assert profile["measured_under"]["co_runners"] == 1
+    from planner.cli.main import main as planner_main
+
     plan_path = str(tmp_path / "plan.json")
-    solved = run_cli(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "4", "-o", plan_path])
-    assert solved.returncode == 0, solved.stderr
-    assert "measured link" in solved.stdout
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert planner_main(["solve", path, "--stages", "2", "--global-batch", "4", "-o", plan_path]) == 0
+    assert "measured link" in out.getvalue() and "all-reduce" in out.getvalue()
     plan = json.load(open(plan_path))
     assert plan["latency_s"] == pytest.approx(link["latency_s"])
     assert plan["bandwidth_bytes_per_s"] == pytest.approx(link["bandwidth_bytes_per_s"])
     # explicit options still win over the measured link
-    explicit = run_cli(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "4", "--bandwidth", "1GB",
-                        "--latency", "0.001", "-o", plan_path])
-    assert explicit.returncode == 0, explicit.stderr
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert planner_main(["solve", path, "--stages", "2", "--global-batch", "4", "--bandwidth", "1GB",
+                             "--latency", "0.001", "-o", plan_path]) == 0
     plan = json.load(open(plan_path))
     assert plan["latency_s"] == 0.001 and plan["bandwidth_bytes_per_s"] == pytest.approx(1e9)
 
