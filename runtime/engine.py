@@ -111,6 +111,10 @@ class Engine:
         self.spec = rank_model.spec
         self.rank_model = rank_model
         self.runners = {st.index: StageRunner(st) for st in rank_model.stages}
+        # each stage's own parameters, taken before any step: under bf16-mixed the modules hold the
+        # step's compute copies while it runs, and a split backward's weight part must reach the
+        # fp32 masters through them (runtime.precision)
+        self.stage_params = {st.index: list(st.module.parameters()) for st in rank_model.stages}
         self.actions = actions
         self.program = batches(actions)
         self.topology = topology
@@ -281,7 +285,7 @@ class Engine:
         g, i = action.stage, action.micro_batch
         runner, state = self.runners[g], step.states[(g, i)]
         inputs = [state.received[j] for j in runner.recv_grads] if g > 0 else []
-        params = list(runner.stage.module.parameters())
+        params = self.stage_params[g]
         if runner.stage.is_last:
             if state.loss.requires_grad:  # not when nothing before it trains (every weight frozen)
                 run([state.loss], [None], inputs, params)

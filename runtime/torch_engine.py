@@ -51,7 +51,7 @@ from runtime.stage import RankModel, RankStage
 from runtime.timing import StepClock
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "bfs": "ScheduleLoopedBFS"}
+                   "bfs": "ScheduleLoopedBFS", "zb-v": "ScheduleZBVZeroBubble"}
 
 
 def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
@@ -61,11 +61,14 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
         return ("--engine torch cannot run replicated stages (a stage on several devices): torch's stages are one "
                 "per device; run it with --engine own, or re-plan without --replicate")
     if plan.schedule not in TORCH_SCHEDULES:
-        return f"--engine torch has no schedule {plan.schedule!r}; run it with --engine own"
+        return (f"--engine torch has no schedule {plan.schedule!r} (torch has no one-stage-per-device zero-bubble "
+                f"class; it runs {', '.join(TORCH_SCHEDULES)}); run it with --engine own")
     p = topology.pipeline_ranks
-    if any(rank != g % p for g, rank in enumerate(topology.stage_rank)):
-        return ("--engine torch places stage g on device g mod p (torch's loop placement) and this plan places its "
-                "stages otherwise; run it with --engine own, or re-plan with the default placement")
+    # torch's placements: the loop (stage g on device g mod p), and for ZBV the V (device r: stages r, 2p-1-r)
+    torch_rank = (lambda g: g if g < p else 2 * p - 1 - g) if plan.schedule == "zb-v" else (lambda g: g % p)
+    if any(rank != torch_rank(g) for g, rank in enumerate(topology.stage_rank)):
+        return ("--engine torch places stage g on device g mod p (torch's loop placement; the V for zb-v) and this "
+                "plan places its stages otherwise; run it with --engine own, or re-plan with the default placement")
     if getattr(plan, "emulated_boundaries", None):
         return ("--engine torch cannot hold messages for an emulated slow link (torch posts its own messages); run "
                 "it with --engine own, or re-plan without an emulated link")
@@ -278,4 +281,12 @@ class TimedStage(PipelineStage):
         out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         engine.saved.release(engine.held.pop((self.stage_index, bwd_chunk_id), 0))
         engine.clock.stop("backward_s", Action(ActionKind.BACKWARD, bwd_chunk_id, self.stage_index))
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        # zero-bubble schedules: the weight part of a backward whose input part ran before
+        engine = self.engine
+        engine.clock.mark()
+        out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        engine.clock.stop("backward_s", Action(ActionKind.BACKWARD_WEIGHT, bwd_chunk_id, self.stage_index))
         return out

@@ -27,6 +27,10 @@ TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interl
 
 def export_refusal(plan: Plan) -> Optional[str]:
     """Why this plan cannot be exported (one line, cause and fix), or None."""
+    if plan.schedule not in TORCH_SCHEDULE_NAMES:
+        return (f"the plan's schedule {plan.schedule} has no torch/torchtitan name this export can give (torch's "
+                f"zero-bubble schedules order their work otherwise); exportable: {', '.join(TORCH_SCHEDULE_NAMES)}; "
+                "re-plan with one of them")
     if plan.replicated:
         return ("the plan has replicated stages (a stage on several devices), which torch.distributed.pipelining and "
                 "torchtitan cannot run; re-plan without --replicate")

@@ -58,3 +58,9 @@ def test_export_refuses_replicated_stages_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "replicated" in err
     assert not os.path.exists(target)
+
+
+def test_export_refuses_a_zero_bubble_plan_in_one_line(tmp_path, capsys):
+    plan = plan_with(profile_of("builtin:gpt"), [4], 2, 8, "zb-h1")
+    code, out = _export(tmp_path, plan, "torch", capsys)
+    assert code == 2 and len(out.err.strip().splitlines()) == 1 and "zb-h1" in out.err and "Traceback" not in out.err

@@ -4,6 +4,7 @@ the trained ones match single-process training (1e-5, fp32); a peft LoRA Llama's
 in peft's format and load back equal."""
 import os
 
+import pytest
 import torch
 
 from planner.model.entry import build_spec
@@ -41,14 +42,16 @@ LLAMA = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_atte
 LORA = dict(LLAMA, lora_rank=4, lora_alpha=8, lora_targets="q_proj,v_proj")
 
 
-def test_lora_llama_trains_like_one_process_and_saves_its_adapters(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_lora_llama_trains_like_one_process_and_saves_its_adapters(tmp_path, schedule):
+    # zb-h1: the weight part of each backward computes only the adapters' gradients
     from peft import PeftModel
 
     entry = "hf:LlamaForCausalLM"
     profile = profile_of(entry, LORA, sizes=(1,))
     # by hand, per layer: q_proj A 4x32 + B 32x4, v_proj A 4x32 + B 16x4 (2 kv heads of 8) = 448 fp32 parameters
     assert [u.trainable_bytes for u in profile.units] == [0, 0, 448 * 4, 448 * 4, 0, 0]
-    plan = plan_with(profile, [3], 1, 4, "1f1b")
+    plan = plan_with(profile, [3], 1, 4, schedule)
     assert [st.memory_bytes["grads"] for st in plan.stages] == [448 * 4, 448 * 4]  # the trainable bytes
     adapters = os.path.join(str(tmp_path), "adapters")
     state = execute(plan, tmp_path, steps=2, extra=[*ADAMW, "--save-adapters", adapters])

@@ -23,12 +23,14 @@ def _plan(case):
     if case == "interleaved-dp2":  # 4 stages on 2 ranks x 2 replicas; an int tensor crosses cut 1; recomputation
         return reshape_plan(plan_with(profile_of("builtin:gpt"), [1, 3, 6], 2, 8, "gpipe"), virtual_stages=2,
                             data_parallel=2, schedule="interleaved", recompute={1: ["blocks.0"]})
+    if case == "zb-v":  # torch's ScheduleZBVZeroBubble on the V placement: rank 0 runs stages 0 and 3
+        return plan_with(profile_of("builtin:gpt", {"layers": 6}), [2, 5, 7], 2, 8, "zb-v")
     pytest.importorskip("transformers")  # "hf-tied-bfs": the embedding (stage 0) is the LM head (stage 3)
-    profile = profile_of("hf:LlamaForCausalLM", LLAMA_TIED, sizes=(1, 2))  # as tests/model/test_hf.py: one profile
+    profile = profile_of("hf:LlamaForCausalLM", LLAMA_TIED, sizes=(2,))  # as tests/model/test_hf.py: one profile
     return reshape_plan(plan_with(profile, [1, 3, 5], 2, 4, "gpipe"), virtual_stages=2, schedule="bfs")
 
 
-@pytest.mark.parametrize("case", ["two-outputs-skip", "interleaved-dp2", "hf-tied-bfs"])
+@pytest.mark.parametrize("case", ["two-outputs-skip", "interleaved-dp2", "hf-tied-bfs", "zb-v"])
 def test_torch_engine_trains_like_one_process(tmp_path, case):
     plan = _plan(case)
     losses = []

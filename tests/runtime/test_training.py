@@ -34,13 +34,13 @@ def test_adamw_options_and_clipping_with_a_replicated_stage(tmp_path):
     assert max_abs_diff(state, reference) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
 def test_bf16_autocast_matches_one_bf16_process(tmp_path, schedule):
-    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [1, 2, 3] if schedule == "interleaved" else [2], 2, 8,
-                     "1f1b")
-    if schedule == "interleaved":
-        plan = reshape_plan(plan, virtual_stages=2, schedule="interleaved")
-    else:  # a recomputed unit runs its forward again in backward, with the step's bf16 weights
+    # zb-v: two stages per rank, and each backward in two parts, whose weight part must reach the
+    # fp32 masters through the step's bf16 copies
+    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [1, 2, 3] if schedule == "zb-v" else [2], 2, 8,
+                     schedule)
+    if schedule == "1f1b":  # a recomputed unit runs its forward again in backward, with the step's bf16 weights
         plan = reshape_plan(plan, recompute={1: ["blocks.1", "head"]})
     plan = dataclasses.replace(plan, precision="bf16-mixed")  # as `planner solve --precision bf16-mixed` plans it
     state = execute(plan, tmp_path, steps=3, lr=1.0)  # the plan's precision
