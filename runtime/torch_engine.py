@@ -5,6 +5,7 @@ wrapped in torch's `PipelineStage` and driven by torch's schedule class for the 
 
     gpipe -> ScheduleGPipe        1f1b -> Schedule1F1B
     interleaved -> ScheduleInterleaved1F1B        bfs -> ScheduleLoopedBFS
+    zb-v -> ScheduleZBVZeroBubble (the V placement: device r runs stages r and 2p-1-r)
 
 (the public classes torch users and torchtitan run, rather than torch's private action-list runtime
 fed with this project's lists: what is proven here is then what such users run; torch builds the
