@@ -63,15 +63,11 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
         dist.destroy_process_group()
 
 
-def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
-              tag: int = 0, device: Optional[torch.device] = None) -> List[List[float]]:
-    """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
-    and `peer` in the default process group (the leader sends first; the peer runs the same call
-    with leader=False). Sizes are interleaved round after round, so a burst of noise on the host
-    hits every size alike. On a CUDA `device` the buffers live there (NCCL) and each round trip
-    ends with a synchronisation."""
-    import torch.distributed as dist
-
+def _timed_rounds(message_bytes: Sequence[int], repeats: int, warmup: int, device: Optional[torch.device],
+                  exchange, share: float = 1.0) -> List[List[float]]:
+    """[[bytes, seconds], ...]: the median time of `exchange(buffer)` for a buffer of each size, times
+    `share`, sizes interleaved round after round (a burst of noise on the host hits every size
+    alike); on a CUDA `device` the buffers live there and each exchange ends with a synchronisation."""
     device = device or torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device) for n in message_bytes]
@@ -79,16 +75,29 @@ def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: in
     for i in range(warmup + max(repeats, 1)):
         for k, buffer in enumerate(buffers):
             t0 = time.perf_counter()
-            if leader:
-                dist.send(buffer, peer, tag=tag)
-                dist.recv(buffer, peer, tag=tag)
-            else:
-                dist.recv(buffer, peer, tag=tag)
-                dist.send(buffer, peer, tag=tag)
+            exchange(buffer)
             sync()
             if i >= warmup:
-                times[k].append((time.perf_counter() - t0) / 2)
+                times[k].append((time.perf_counter() - t0) * share)
     return [[buffer.numel() * buffer.element_size(), statistics.median(t)] for buffer, t in zip(buffers, times)]
+
+
+def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
+              tag: int = 0, device: Optional[torch.device] = None) -> List[List[float]]:
+    """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
+    and `peer` in the default process group (the leader sends first; the peer runs the same call
+    with leader=False). On a CUDA `device` the buffers live there (NCCL)."""
+    import torch.distributed as dist
+
+    def round_trip(buffer: torch.Tensor) -> None:
+        if leader:
+            dist.send(buffer, peer, tag=tag)
+            dist.recv(buffer, peer, tag=tag)
+        else:
+            dist.recv(buffer, peer, tag=tag)
+            dist.send(buffer, peer, tag=tag)
+
+    return _timed_rounds(message_bytes, repeats, warmup, device, round_trip, share=0.5)
 
 
 BATCH_COUNTS = (1, 8)  # messages each way in one batch, for the per-message cost
@@ -130,18 +139,7 @@ def all_reduce_times(message_bytes: Sequence[int], repeats: int, warmup: int,
     default group, sizes interleaved round after round, each ended by waiting for it."""
     import torch.distributed as dist
 
-    device = device or torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    buffers = [torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device) for n in message_bytes]
-    times: List[List[float]] = [[] for _ in buffers]
-    for i in range(warmup + max(repeats, 1)):
-        for k, buffer in enumerate(buffers):
-            t0 = time.perf_counter()
-            dist.all_reduce(buffer)
-            sync()
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-    return [[buffer.numel() * buffer.element_size(), statistics.median(t)] for buffer, t in zip(buffers, times)]
+    return _timed_rounds(message_bytes, repeats, warmup, device, lambda buffer: dist.all_reduce(buffer))
 
 
 def all_reduce_rate(samples: Sequence[Sequence[float]]) -> float:
