@@ -45,7 +45,7 @@ LORA = dict(LLAMA, lora_rank=4, lora_alpha=8, lora_targets="q_proj,v_proj")
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_lora_llama_trains_like_one_process_and_saves_its_adapters(tmp_path, schedule):
     # zb-h1: the weight part of each backward computes only the adapters' gradients
-    from peft import PeftModel
+    PeftModel = pytest.importorskip("peft").PeftModel
 
     entry = "hf:LlamaForCausalLM"
     profile = profile_of(entry, LORA, sizes=(1,))
