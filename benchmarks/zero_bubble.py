@@ -61,22 +61,13 @@ def unit_time_table() -> None:
     """The bubble of each schedule's lists at forward = input backward = weight backward = 1 unit
     (1F1B's whole backward 2; v stages per rank split the work evenly), messages free: the
     simulation the planner predicts with (planner.pipeline.simulate), no measurement."""
-    from planner.pipeline import schedule as sched
-    from planner.pipeline.simulate import simulate
+    from planner.pipeline.simulate import unit_time_step
 
     print("| p | m | 1f1b | zb-h1 | zb-v | interleaved (v = 2) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for p, m in ((2, 4), (4, 8), (4, 16), (8, 16), (8, 32)):
-        row = []
-        for name, v in (("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved", 2)):
-            S = p * v
-            value = {}
-            for g in range(S):
-                value.update({("forward", g): 1 / v, ("backward", g): 2 / v, ("backward_input", g): 1 / v,
-                              ("backward_weight", g): 1 / v})
-            ranks = sched.stage_placement(name, S, v)
-            timeline, _ = simulate(sched.build_schedule(name, S, m, v), value, lambda g, i: ranks[g])
-            row.append(f"{timeline.step_s - 3 * m:g}")
+        row = [f"{unit_time_step(name, p, m, v) - 3 * m:g}"
+               for name, v in (("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved", 2))]
         print(f"| {p} | {m} | " + " | ".join(row) + " |")
 
 

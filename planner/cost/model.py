@@ -320,11 +320,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
     m = num_micro_batches(opts, b)
-    split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [L]), redo,
-                  profile.dtype, fixed_bytes(profile, opts))
-    ties = shared_parameters(profile)
-    shape = step_shape(opts, m, step_collectives(ties, split.edges, opts))
-    value = step_durations(split, opts, shape, ties)
+    split, shape, value = _step_of(profile, boundaries, redo, b, opts)
     timeline = step_graph(shape).run(value)
     memory = device_memory(split, opts, shape)
     devices = shape.pipeline_ranks
@@ -355,6 +351,16 @@ def backward_work(value: Dict[Tuple, float], schedule: str, g: int) -> float:
     return value[("backward", g)]
 
 
+def _step_of(profile: Profile, boundaries: Sequence[int], redo: FrozenSet[int], b: int, opts: CostOptions
+             ) -> Tuple["Split", StepShape, Dict[Tuple, float]]:
+    """(split, the shape of its lists, every duration term) of a valid split of a compute profile."""
+    split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [profile.num_units]), redo,
+                  profile.dtype, fixed_bytes(profile, opts))
+    ties = shared_parameters(profile)
+    shape = step_shape(opts, num_micro_batches(opts, b), step_collectives(ties, split.edges, opts))
+    return split, shape, step_durations(split, opts, shape, ties)
+
+
 def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
                     opts: CostOptions) -> List[Optional[Tuple[float, PathForm]]]:
     """(iteration seconds, longest path) of each split (boundaries, recomputed units), exactly as
@@ -362,18 +368,14 @@ def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iter
     memory, so a search screens many splits with it and evaluates the ones it keeps. None for a
     split that is not valid."""
     profile = compute_profile(profile, opts)
-    L = profile.num_units
-    m = num_micro_batches(opts, b)
-    costs, ties, fixed = range_costs(profile, b, opts.optimizer), shared_parameters(profile), fixed_bytes(profile, opts)
     groups: Dict[StepShape, List[Tuple[int, Dict[Tuple, float]]]] = {}
     for k, (boundaries, recompute) in enumerate(splits):
         try:
             validate_boundaries(profile, boundaries, b, opts)
         except ValueError:
             continue
-        split = Split(costs, tuple([0] + list(boundaries) + [L]), frozenset(recompute), profile.dtype, fixed)
-        shape = step_shape(opts, m, step_collectives(ties, split.edges, opts))
-        groups.setdefault(shape, []).append((k, step_durations(split, opts, shape, ties)))
+        _, shape, value = _step_of(profile, boundaries, frozenset(recompute), b, opts)
+        groups.setdefault(shape, []).append((k, value))
     out: List[Optional[Tuple[float, PathForm]]] = [None] * len(splits)
     for shape, members in groups.items():
         for (k, _), timeline in zip(members, run_many(step_graph(shape), [value for _, value in members])):

@@ -11,6 +11,7 @@ from typing import List, Sequence
 
 from planner.pipeline.actions import Action, ActionKind  # noqa: F401  (the lists' vocabulary, re-exported)
 from planner.pipeline.messages import place_messages
+from planner.pipeline.stepgraph import StepGraph
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES, v_placement, zero_bubble_orders
 
 # The schedules, the one list every command and check uses. One stage per pipeline rank (v = 1;
@@ -221,8 +222,6 @@ def _replicated_lists(orders: List[List[Action]], stage_replicas: Sequence[int],
     per micro-batch, so the replay weighs stage g by r_g; of the two placements (senders post at once,
     or wait for the busy receiver's point), the one whose step under those weights and NCCL's rules
     is shorter (the first on a tie)."""
-    from planner.pipeline.stepgraph import StepGraph
-
     S = len(stage_replicas)
     weights = [float(r) for r in stage_replicas]
     value = {("forward", g): w for g, w in enumerate(weights)}

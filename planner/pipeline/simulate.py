@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Mapping, Sequence, Tuple
 
+from planner.pipeline import schedule as sched
 from planner.pipeline.actions import Action
 from planner.pipeline.stepgraph import Position, StepGraph, Term, Timeline
 
@@ -40,3 +41,19 @@ def simulate(lists: Sequence[Sequence[Action]], value: Mapping[Term, float], pos
         else:
             events.append(SimEvent(node.rank, node.label, -1, -1, start, end))
     return timeline, events
+
+
+def unit_time_step(schedule: str, pipeline_ranks: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
+    """The simulated step of a schedule's lists at unit times, messages free: a rank's forward, input
+    backward and weight backward take 1 each (a whole backward 2), split evenly over its
+    `virtual_stages` stages. Its excess over 3 m is the schedule's bubble in units of one forward."""
+    from planner.pipeline import schedule as sched
+
+    S, v = pipeline_ranks * virtual_stages, virtual_stages
+    value: dict = {}
+    for g in range(S):
+        value.update({("forward", g): 1 / v, ("backward", g): 2 / v, ("backward_input", g): 1 / v,
+                      ("backward_weight", g): 1 / v})
+    ranks = sched.stage_placement(schedule, S, v)
+    timeline, _ = simulate(sched.build_schedule(schedule, S, num_micro_batches, v), value, lambda g, i: ranks[g])
+    return timeline.step_s

@@ -5,7 +5,7 @@ import pytest
 from planner.pipeline import schedule as sched
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.check import check_schedule
-from planner.pipeline.simulate import simulate
+from planner.pipeline.simulate import unit_time_step
 from planner.pipeline.stepgraph import held_peaks
 from planner.pipeline.zerobubble import held_limits, v_placement
 
@@ -56,26 +56,13 @@ def test_the_checker_refuses_broken_split_backwards():
         sched.build_schedule("zb-v", 4, 4, 1)
 
 
-def _step(name, p, m, v):
-    """Unit times split evenly over a rank's stages: forward 1, input backward 1, weight backward 1
-    (1F1B's whole backward 2); messages free."""
-    S = p * v
-    value = {}
-    for g in range(S):
-        value.update({("forward", g): 1 / v, ("backward", g): 2 / v, ("backward_input", g): 1 / v,
-                      ("backward_weight", g): 1 / v})
-    ranks = sched.stage_placement(name, S, v)
-    timeline, _ = simulate(sched.build_schedule(name, S, m, v), value, lambda g, i: ranks[g])
-    return timeline.step_s
-
-
 @pytest.mark.parametrize("p,m", [(4, 8), (8, 16)])
 def test_zero_bubble_shrinks_the_bubble(p, m):
     ideal = 3.0 * m
-    one_f_one_b = _step("1f1b", p, m, 1) - ideal
+    one_f_one_b = unit_time_step("1f1b", p, m, 1) - ideal
     assert one_f_one_b == pytest.approx(3 * (p - 1))
-    assert _step("zb-h1", p, m, 1) - ideal == pytest.approx(p - 1)  # a third of 1F1B's (the paper's ZB-H1)
-    assert _step("zb-v", p, m, 2) - ideal <= one_f_one_b / 4  # near zero
+    assert unit_time_step("zb-h1", p, m, 1) - ideal == pytest.approx(p - 1)  # a third of 1F1B's (the paper's ZB-H1)
+    assert unit_time_step("zb-v", p, m, 2) - ideal <= one_f_one_b / 4  # near zero
 
 
 def test_held_memory_counts_the_weight_part():
