@@ -129,10 +129,9 @@ def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position
             at = receive_point(dst, times[r][k][1])
             # a busy receiver (a replicated stage's rank) posts later than the value is made: the
             # sender posts at its first point from then on, so it does not stand waiting for it
-            sent = (k, 1)
-            if wait_for_receiver and point_time(dst, at) > times[r][k][1]:
-                last = (len(times[r]) - 1, 1)
-                sent = receive_point(r, point_time(dst, at)) if point_time(dst, at) <= times[r][-1][1] else last
+            posted, sent = point_time(dst, at), (k, 1)
+            if wait_for_receiver and posted > times[r][k][1]:
+                sent = receive_point(r, posted) if posted <= times[r][-1][1] else (len(times[r]) - 1, 1)
             points[r].setdefault(sent, []).append(send)
             points[dst].setdefault(at, []).append(receive)
     lists: List[List[Action]] = []

@@ -158,7 +158,7 @@ class StepGraph:
                 best += val[t]
             end[n], via[n] = best, arg
         end.pop()
-        timeline = self.timeline([end[n] for n in range(len(self.nodes))], via.__getitem__)
+        timeline = self.timeline(end, via.__getitem__)
         timeline.node_end_s = end
         return timeline
 
