@@ -17,18 +17,6 @@ from planner.errors import UsageError
 from planner.plan.file import Plan
 
 
-def _build(plan: Plan, on_meta: bool):
-    from planner.model.entry import build_spec
-
-    model = plan.model
-    if on_meta:
-        from runtime.initstate import parameters_on_meta
-
-        with parameters_on_meta():
-            return build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
-    return build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
-
-
 def check_adapters_target(plan: Plan, directory: str) -> None:
     """Before training: one line (UsageError) unless the plan's model has peft adapters and
     `directory` can receive them (absent or empty)."""
@@ -36,7 +24,9 @@ def check_adapters_target(plan: Plan, directory: str) -> None:
 
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise UsageError(f"--save-adapters {directory!r} exists and is not an empty directory; name a new one")
-    if not is_peft_model(_build(plan, on_meta=True).module):
+    from runtime.stage import plan_spec
+
+    if not is_peft_model(plan_spec(plan, on_meta=True).module):
         raise UsageError(f"--save-adapters: the plan's model {plan.model.get('entry')} has no peft adapters; build "
                          "it with LoRA settings (e.g. --model-arg lora_rank=8) or save the whole state with "
                          "--save-state")
@@ -46,7 +36,9 @@ def write_adapters(plan: Plan, state: Dict[str, Any], directory: str) -> None:
     """The trained adapters of `state` (the whole model's state_dict) into `directory`, peft's format."""
     from planner.model.lora import save_adapters
 
-    module = _build(plan, on_meta=False).module
+    from runtime.stage import plan_spec
+
+    module = plan_spec(plan).module
     module.load_state_dict(state)
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)

@@ -46,8 +46,8 @@ from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
 from runtime.emulation import hold
-from runtime.groups import GradientBuckets, Groups, last_backwards
-from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches  # noqa: F401 (re-exported)
+from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
+from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.precision import ComputeCopy
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
@@ -100,6 +100,11 @@ class _Step:
 TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
 
 
+# the step clock's key for each compute action (others: the optimizer step)
+_TIMER = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s", ActionKind.BACKWARD_INPUT: "backward_s",
+          ActionKind.BACKWARD_WEIGHT: "backward_s"}
+
+
 class Engine:
     """Runs one rank's instruction list, step after step: each compute action by its kind's
     handler, each batch of communication actions posted together."""
@@ -144,9 +149,7 @@ class Engine:
         self.buckets: Optional[GradientBuckets] = None
         self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
         if groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
-            tied = {id(param) for param, _ in rank_model.tied.values()}
-            self.buckets = GradientBuckets([p for p in rank_model.trainable() if id(p) not in tied],
-                                           groups.data_parallel_group)
+            self.buckets, tied = data_parallel_buckets(rank_model, groups.data_parallel_group)
             self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
         self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
             ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
@@ -166,16 +169,8 @@ class Engine:
 
     # --- one step ---------------------------------------------------------------------------
     def _micro_batches(self, step: int) -> Tuple[List[Any], List[Any]]:
-        inputs, target = self.spec.batch(self.global_batch, step)
-        if not isinstance(inputs, (tuple, list)):
-            raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
-        d = self.topology.data_parallel
-        flat = self.rank_model.input_values(inputs)  # aligned with the graph's placeholders
-        mine = split_micro_batches([flat, target], self.global_batch, d, "batch")[self.replica]
-        per_replica = self.global_batch // d
-        micro_inputs = split_micro_batches(mine[0], per_replica, self.m, "inputs")
-        micro_targets = split_micro_batches(mine[1], per_replica, self.m, "target")
-        return micro_inputs, micro_targets
+        return replica_micro_batches(self.spec, self.rank_model, self.global_batch, self.topology.data_parallel,
+                                     self.replica, self.m, step)
 
     def run_step(self, step: int) -> StepStats:
         micro_inputs, micro_targets = self._micro_batches(step)
@@ -195,9 +190,7 @@ class Engine:
                 clock.stop("wait_s", batch)
             else:
                 self.handlers[first.kind](current, first)
-                key = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s",
-                       ActionKind.BACKWARD_INPUT: "backward_s", ActionKind.BACKWARD_WEIGHT: "backward_s"}.get(first.kind)
-                clock.stop(key or "optimizer_s", first)
+                clock.stop(_TIMER.get(first.kind, "optimizer_s"), first)
         if self.compute_copy is not None:
             self.compute_copy.remove()  # (done before the optimizer step; a list without one ends here)
         totals, spans, step_s = clock.finish()

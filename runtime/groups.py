@@ -130,6 +130,13 @@ class GradientBuckets:
             work.wait()
 
 
+def data_parallel_buckets(rank_model: RankModel, group: Any) -> Tuple["GradientBuckets", Set[int]]:
+    """The buckets of a rank's trainable parameters over its data-parallel group, and the ids of its
+    tied parameters, which the ties' own all-reduce sums instead (Groups.reduce_gradients)."""
+    tied = {id(param) for param, _ in rank_model.tied.values()}
+    return GradientBuckets([p for p in rank_model.trainable() if id(p) not in tied], group), tied
+
+
 def last_backwards(actions: List[Action], stages: Dict[int, Any], tied: Set[int]
                ) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
     """For the data-parallel buckets: (stage, micro-batch) of each backward after which a

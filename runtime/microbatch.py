@@ -1,7 +1,7 @@
 """A step's micro-batches, and the values a stage receives, as the engine hands them to a stage."""
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import torch
 
@@ -27,6 +27,21 @@ def split_micro_batches(obj: Any, total: int, parts: int, what: str) -> List[Any
         split = {k: split_micro_batches(v, total, parts, f"{what}[{k!r}]") for k, v in obj.items()}
         return [{k: split[k][i] for k in obj} for i in range(parts)]
     return [obj] * parts  # non-tensor values (flags) go to every part
+
+
+def replica_micro_batches(spec: Any, rank_model: Any, global_batch: int, data_parallel: int, replica: int,
+                          num_micro_batches: int, step: int) -> Tuple[List[Any], List[Any]]:
+    """(inputs, targets) of each of this replica's micro-batches of `step`: the model's batch (every
+    rank builds it), its inputs aligned with the graph's placeholders, split over the replicas and
+    then into micro-batches."""
+    inputs, target = spec.batch(global_batch, step)
+    if not isinstance(inputs, (tuple, list)):
+        raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
+    flat = rank_model.input_values(inputs)
+    mine = split_micro_batches([flat, target], global_batch, data_parallel, "batch")[replica]
+    per_replica = global_batch // data_parallel
+    return (split_micro_batches(mine[0], per_replica, num_micro_batches, "inputs"),
+            split_micro_batches(mine[1], per_replica, num_micro_batches, "target"))
 
 
 def own_copy(obj: Any, device: torch.device) -> Any:

@@ -11,6 +11,8 @@ updated once per micro-batch, as without recomputation), the other units fused i
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -186,19 +188,25 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     return segments
 
 
+def plan_spec(plan: Plan, on_meta: bool = False) -> ModelSpec:
+    """The plan's model built from its entry point, arguments and seed; `on_meta`: its parameters on
+    the meta device (no storage: runtime.initstate fills a rank's stages from a file)."""
+    model = plan.model
+    with parameters_on_meta() if on_meta else contextlib.nullcontext():
+        return build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+
+
 def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch.device = torch.device("cpu"),
                init_state: Optional[InitState] = None) -> RankModel:
     """This rank's stages, their nodes placed on `device` (the parameters are moved by the caller).
     With `init_state` the model is built and captured on meta and only this rank's stages get
     storage, on `device`, from the file (runtime.initstate)."""
-    model = plan.model
     device = torch.device(device)
     if init_state is None:
-        spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+        spec = plan_spec(plan)
         captured = capture(spec.module)
     else:
-        with parameters_on_meta():
-            spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
+        spec = plan_spec(plan, on_meta=True)
         real_buffers = to_meta(spec.module)
         names = model_names(spec.module)
         captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))

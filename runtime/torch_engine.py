@@ -46,8 +46,8 @@ from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
 from runtime.engine import StepStats
-from runtime.groups import GradientBuckets, Groups
-from runtime.microbatch import BatchError, assemble, own_copy, split_micro_batches
+from runtime.groups import GradientBuckets, Groups, data_parallel_buckets
+from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.stage import RankModel, RankStage
 from runtime.timing import StepClock
 
@@ -164,9 +164,7 @@ class TorchEngine:
         self.pipeline_group = self._pipeline_group(topology, rank)
         self.buckets: Optional[GradientBuckets] = None
         if groups.data_parallel_group is not None:
-            tied = {id(param) for param, _ in rank_model.tied.values()}
-            self.buckets = GradientBuckets([p for p in rank_model.trainable() if id(p) not in tied],
-                                           groups.data_parallel_group)
+            self.buckets, _ = data_parallel_buckets(rank_model, groups.data_parallel_group)
         S, b = topology.num_stages, plan.micro_batch_size
         scale = float(self.m * topology.data_parallel)
         self.stages = []
@@ -205,15 +203,8 @@ class TorchEngine:
 
     # --- one step -------------------------------------------------------------------------------
     def _load_batch(self, step: int) -> None:
-        inputs, target = self.spec.batch(self.global_batch, step)
-        if not isinstance(inputs, (tuple, list)):
-            raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
-        d = self.topology.data_parallel
-        flat = self.rank_model.input_values(inputs)
-        mine = split_micro_batches([flat, target], self.global_batch, d, "batch")[self.replica]
-        per_replica = self.global_batch // d
-        self.batch.inputs = split_micro_batches(mine[0], per_replica, self.m, "inputs")
-        self.batch.targets = split_micro_batches(mine[1], per_replica, self.m, "target")
+        self.batch.inputs, self.batch.targets = replica_micro_batches(
+            self.spec, self.rank_model, self.global_batch, self.topology.data_parallel, self.replica, self.m, step)
 
     def run_step(self, step: int) -> StepStats:
         stats = StepStats(step=step)

@@ -486,7 +486,6 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
 
 def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[float]:
     """M_i per device: static bytes of its stages + the peak of what its list holds (module docstring)."""
-    costs = split.costs
     held = held_bytes(split, opts)
     out = []
     devices = stage_devices(shape)
@@ -531,7 +530,7 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
             backward_s=backward, comm_s=comm, time_s=value[("forward", g)] + backward + comm, in_flight=in_flight[g],
             backward_input_s=value[("backward_input", g)] if parts else None,
             backward_weight_s=value[("backward_weight", g)] if parts else None,
-            param_bytes=int(count * (per.params + per.compute_copy)), grad_bytes=int(trained * per.grads),
+            param_bytes=int(count * per.weights), grad_bytes=int(trained * per.grads),
             optimizer_bytes=trained * (per.master + per.optimizer),
             activation_bytes=int(activations), memory_bytes=count * per.weights + trained * per.training + activations,
             extra_s=value[("reduce", device)] + collective,

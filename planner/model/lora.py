@@ -10,8 +10,8 @@
 Rules: the adapters' dropout is 0 (as every dropout of an `hf:` model: a pipeline trains exactly
 like one process) and their bias is none; peft initialises them (B = 0: the wrapped model starts
 equal to the base). The spec's module is then a `peft.PeftModel`: the planner and the runtime treat
-it as any module whose frozen parameters have requires_grad=False. `adapter_state` and
-`save_adapters` write the adapters alone in peft's format.
+it as any module whose frozen parameters have requires_grad=False. `save_adapters` writes the
+adapters alone in peft's format.
 """
 from __future__ import annotations
 
@@ -99,20 +99,11 @@ def is_peft_model(module: torch.nn.Module) -> bool:
     return isinstance(module, peft.PeftModel)
 
 
-def adapter_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapters' tensors under peft's names (what `save_adapters` writes, what
-    `peft.set_peft_model_state_dict` loads)."""
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(module)
-
-
-def save_adapters(module: torch.nn.Module, directory: str) -> List[str]:
+def save_adapters(module: torch.nn.Module, directory: str) -> None:
     """Write the adapters of a peft model in peft's format (adapter_config.json and the weights),
-    loadable by `peft.PeftModel.from_pretrained(base_model, directory)`; the files written."""
+    loadable by `peft.PeftModel.from_pretrained(base_model, directory)`."""
     if not is_peft_model(module):
         raise ValueError("the model has no peft adapters to save (build it with LoRA settings, e.g. "
                          "--model-arg lora_rank=8)")
     os.makedirs(directory, exist_ok=True)
     module.save_pretrained(directory)
-    return sorted(os.listdir(directory))
