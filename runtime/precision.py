@@ -59,20 +59,18 @@ class ComputeCopy:
                     if param is not None and gets_compute_copy(param) and (id(owner), name) not in seen:
                         seen.add((id(owner), name))
                         self.slots.append((owner, name, param))
-        self.copies: List[torch.Tensor] = []
 
     def install(self) -> List[torch.Tensor]:
         """Cast each place's master once and put the copy there; the copies (held until `remove`
         and the last backward using them)."""
         with torch.enable_grad():
             # not register_parameter: the copy is not a leaf, and only for this step
-            self.copies = [master.to(self.dtype) for _, _, master in self.slots]  # an edge to the master
-        for (owner, name, _), copy in zip(self.slots, self.copies):
+            copies = [master.to(self.dtype) for _, _, master in self.slots]  # an edge to the master
+        for (owner, name, _), copy in zip(self.slots, copies):
             owner._parameters[name] = copy
-        return self.copies
+        return copies
 
     def remove(self) -> None:
         """Put the masters back (the optimizer steps them); idempotent."""
         for owner, name, master in self.slots:
             owner._parameters[name] = master
-        self.copies = []

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
+from planner.plan.export import TORCH_SCHEDULE_NAMES
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
 from runtime.engine import StepStats
@@ -51,8 +52,9 @@ from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.stage import RankModel, RankStage
 from runtime.timing import StepClock
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "bfs": "ScheduleLoopedBFS", "zb-v": "ScheduleZBVZeroBubble"}
+# torch's schedule classes: those `planner export` names, and ZBV, which the export does not write
+TORCH_SCHEDULES = {**{name: "Schedule" + torch_name for name, torch_name in TORCH_SCHEDULE_NAMES.items()},
+                   "zb-v": "ScheduleZBVZeroBubble"}
 
 
 def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
