@@ -6,10 +6,11 @@ tensor whatever its tensor count (a message pays one operation): its only tensor
 byte buffer holding them all, each at a 16-byte-aligned offset. Both ends derive the layout from
 the same plan values (`MessageLayout`), so nothing describing the message travels with it.
 
-A *batch* is the operations a rank posts together: `exchange` posts them all with
-`torch.distributed.batch_isend_irecv` and then waits for every one of them, sends and receives,
-before it returns. A send's buffer is free once its batch has returned: NCCL completes a send
-only with its matching receive, and on gloo the wait covers the send too. Tags (gloo matches on
+A *batch* is the operations a rank posts together with `torch.distributed.batch_isend_irecv`:
+`exchange` waits for every one of them, sends and receives, before it returns; a batch of sends
+only is posted and waited for later (runtime.outbox). A send's buffer is free once it has been
+waited for: NCCL completes a send only with its matching receive, and on gloo the wait covers the
+send too. Tags (gloo matches on
 them; NCCL ignores them and matches a pair's operations in issue order) make every message of a
 step distinct.
 """
@@ -123,13 +124,18 @@ class Operation:
     tag: int
 
 
-def exchange(operations: Sequence[Operation], use_tags: bool) -> None:
-    """Post every operation together (batch_isend_irecv) and wait for all of them."""
+def post(operations: Sequence[Operation], use_tags: bool) -> List[object]:
+    """Post every operation together (batch_isend_irecv); their works, to wait for."""
     if not operations:
-        return
+        return []
     ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, tag=op.tag if use_tags else 0)
            for op in operations]
-    for work in dist.batch_isend_irecv(ops):
+    return list(dist.batch_isend_irecv(ops))
+
+
+def exchange(operations: Sequence[Operation], use_tags: bool) -> None:
+    """Post every operation together and wait for all of them."""
+    for work in post(operations, use_tags):
         work.wait()
 
 

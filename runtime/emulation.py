@@ -38,11 +38,17 @@ def crossing(action: Action) -> Optional[Crossing]:
             ActionKind.SEND_GRAD: ("grad", g - 1), ActionKind.RECV_GRAD: ("grad", g)}.get(action.kind)
 
 
-def hold(actions: Iterable[Action], delays: Dict[Crossing, float]) -> float:
-    """Sleep for the longest emulated transfer among a completed batch's messages; the seconds held."""
+def transfer_delay(actions: Iterable[Action], delays: Dict[Crossing, float]) -> float:
+    """The longest emulated transfer among a batch's messages (0 when none crosses a slow link)."""
     if not delays:
         return 0.0
-    longest = max((delays.get(crossing(a), 0.0) for a in actions), default=0.0)
+    return max((delays.get(crossing(a), 0.0) for a in actions), default=0.0)
+
+
+def hold(actions: Iterable[Action], delays: Dict[Crossing, float]) -> float:
+    """Sleep for the longest emulated transfer among a completed batch's messages; the seconds held
+    (a batch of sends only is held when it is waited for: runtime.outbox)."""
+    longest = transfer_delay(actions, delays)
     if longest > 0:
         time.sleep(longest)
     return longest

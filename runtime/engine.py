@@ -10,7 +10,8 @@ computes it. A replicated stage's replicas each run their share of the micro-bat
 gradients summed across all their holders. One optimizer step per rank ends the step.
 
 Communication runs in batches (runtime.program): a batch's sends and receives are posted together
-and waited for entirely before the next action. Stages on the same rank hand values over in
+and waited for entirely before the next action, except a batch of sends only, which is waited for
+before the rank's next batch or the end of its step (runtime.outbox). Stages on the same rank hand values over in
 memory: the forward of stage g + 1 takes stage g's outputs of that micro-batch (as leaves sharing
 their storage), the backward of stage g takes the gradients stage g + 1's backward left on them.
 
@@ -22,7 +23,7 @@ What the engine holds per micro-batch in flight on a stage (the memory the plan 
 - under zero-bubble schedules, from its input backward to its weight backward, what the weight gradients
   still read (the subgraph below the frontier, planner.profile.splitgrad, and the gradients kept there:
   "weight");
-- nothing else of size: a sent message's buffer is freed when its batch completes; the stage's
+- nothing else of size: a sent message's buffer is freed when its send is waited for; the stage's
   outputs and received inputs stay only as autograd endpoints, their storage dropped (replaced by
   a zero-stride view of one element, Megatron's deallocate_output_tensor idea) unless autograd
   saved that storage for backward, in which case it is already counted as live; outputs handed to
@@ -44,10 +45,11 @@ import torch
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
-from runtime.emulation import hold
+from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag, post
+from runtime.emulation import hold, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
+from runtime.outbox import Outbox
 from runtime.precision import ComputeCopy
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
@@ -139,6 +141,7 @@ class Engine:
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
         self.emulated_links: Dict[Tuple[str, int], float] = {}  # runtime.emulation: seconds per crossing
         self.clock = StepClock(device)
+        self.outbox = Outbox()  # sends posted and not yet waited for
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
         # Saved-tensor hooks cost a Python call per saved tensor in forward and in backward (the
@@ -191,8 +194,9 @@ class Engine:
             else:
                 self.handlers[first.kind](current, first)
                 clock.stop(_TIMER.get(first.kind, "optimizer_s"), first)
+        self.outbox.drain()  # (done before the optimizer step; a list without one ends here)
         if self.compute_copy is not None:
-            self.compute_copy.remove()  # (done before the optimizer step; a list without one ends here)
+            self.compute_copy.remove()
         totals, spans, step_s = clock.finish()
         self.count_saved = False
         stats = current.stats
@@ -306,15 +310,23 @@ class Engine:
 
     # --- communication ---------------------------------------------------------------------------
     def _run_batch(self, step: _Step, actions: List[Action]) -> None:
-        """Post the batch's operations together, wait for all, then use what arrived."""
+        """Post the batch's operations together. A batch of sends only is left to complete in the
+        background (runtime.outbox); any other waits for the sends posted before it and then for
+        all of its own, then uses what arrived."""
         operations, after = [], []
         for action in actions:
             operation, done = self.messages[action.kind](step, action)
             operations.append(operation)
             after.append(done)
+        step.stats.messages += len(operations)
+        if all(op.send for op in operations):
+            self.outbox.add(post(operations, self.use_tags),
+                            [None if d is None else (lambda d=d, t=op.tensor: d(t)) for d, op in zip(after, operations)],
+                            transfer_delay(actions, self.emulated_links))
+            return
+        self.outbox.drain()
         exchange(operations, self.use_tags)
         hold(actions, self.emulated_links)
-        step.stats.messages += len(operations)
         for done, operation in zip(after, operations):
             if done is not None:
                 done(operation.tensor)
@@ -383,6 +395,7 @@ class Engine:
 
     # --- end of step ----------------------------------------------------------------------------
     def _optimizer_step(self, step: _Step, action: Action) -> None:
+        self.outbox.drain()
         # a gradient-sharded optimizer (issue 25, runtime/shard.py) reduces the data-parallel gradients
         # itself: then there are no buckets here
         if self.compute_copy is not None:

@@ -1,6 +1,7 @@
 """Checking instruction lists before anything runs: complete, placed where the topology says, and
 unable to deadlock under NCCL's rules (planner.pipeline.stepgraph: batches posted together and
-waited for entirely, a send done only with its receive, a pair's messages matched in order)."""
+waited for entirely, a batch of sends only before the rank's next batch, a send done only with its
+receive, a rank's operations completed in issue order, a pair's messages matched in order)."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple

@@ -6,8 +6,10 @@ or the gradients of its inputs back (gradients). Stages on the same rank hand va
 memory: no message.
 
 The lists must be deadlock-free under the runtime's semantics (NCCL's, used on gloo too): a rank
-posts each batch of adjacent communication actions together and waits for all of them, a send is
-done only when its receive is posted, and a pair of ranks matches messages in the order posted.
+posts each batch of adjacent communication actions together and waits for all of them (a batch of
+sends only, before its next batch: planner.pipeline.stepgraph), a send is done only when its
+receive is posted, a rank's operations complete in the order posted, and a pair of ranks matches
+messages in the order posted.
 Placement: replay the compute orders with forward w_g and backward 2 w_g time units for stage g and
 free messages (w_g = 1, or r_g for a stage replicated on r_g ranks: a stage is replicated because it
 is that much heavier, so each of its ranks takes r_g times as long per micro-batch); a message produced at time t is sent in a batch right after the compute producing it

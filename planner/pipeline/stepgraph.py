@@ -10,6 +10,11 @@ Semantics (the runtime's own, the same on gloo and NCCL):
   An operation is done once the peer has posted the matching operation too and the message has
   crossed: done = max(post, peer's post) + transfer. The batch ends when its last operation is
   done, plus `message` seconds per operation (what the engine pays per message).
+- Except a batch of sends only: the rank pays `message` per send to post it and goes on (its next
+  compute does not need it). Each such send is done at max(post, receiver's post) + transfer, and
+  not before the sends the rank posted earlier (a rank's operations complete in issue order, as
+  on NCCL's stream). The rank's next batch of any other kind, and its end of step, wait for all of
+  them; the operations of that batch count as posted only then.
 - After its list a rank synchronises: the collectives it takes part in, in one order on every rank
   (the tied weights' all-reduces by name, then a replicated stage's all-reduce over its replicas:
   each starts when its last member is ready), the all-reduce of its own gradients over the
@@ -88,15 +93,29 @@ class StepGraph:
         items = [batches_of(actions) for actions in lists]
         cursor = [0] * self.ranks
         last = [-1] * self.ranks
-        posted: Dict[Tuple[Tuple[str, int, int], bool], int] = {}  # (message, is send) -> node before the post
+        # (message, is send) -> the node whose end is when that end is ready to match: its post,
+        # or the completion of what its rank posted before (operations complete in issue order)
+        ready: Dict[Tuple[Tuple[str, int, int], bool], int] = {}
+        # per rank: batches of deferred sends not yet known complete, in posting order: (messages, node before the post)
+        pending: List[List[Tuple[List[Tuple[str, int, int]], int]]] = [[] for _ in range(self.ranks)]
+        done: List[int] = [-1] * self.ranks  # the node where the rank's last resolved sends completed
         progress = True
         while progress:
             progress = False
             for r in range(self.ranks):
+                if self._settle(r, pending[r], ready, done):
+                    progress = True
                 while cursor[r] < len(items[r]):
                     item = items[r][cursor[r]]
-                    if isinstance(item, tuple):
-                        node = self._batch(r, item, last[r], posted, position)
+                    if isinstance(item, tuple) and all(a.kind in SENDS for a in item):
+                        pending[r].append(([message_of(a) for a in item], last[r]))
+                        node = self._add([(last[r], None)], [("message",)] * len(item), r,
+                                         "post " + ", ".join(str(a) for a in item), item[0])
+                        self._settle(r, pending[r], ready, done)
+                    elif pending[r]:
+                        break  # a deferred send's receiver has not posted yet
+                    elif isinstance(item, tuple):
+                        node = self._batch(r, item, self._after(r, last[r], done[r]), ready)
                         if node is None:
                             break
                     else:
@@ -105,9 +124,14 @@ class StepGraph:
                     cursor[r] += 1
                     progress = True
         waiting = {r: items[r][cursor[r]] for r in range(self.ranks) if cursor[r] < len(items[r])}
-        if waiting:
+        unsent = {r: pending[r][0][0][0] for r in range(self.ranks) if pending[r]}
+        if waiting or unsent:
             raise DeadlockError("the lists deadlock: " + "; ".join(
-                f"rank {r} waits at batch [{', '.join(str(a) for a in item)}]" for r, item in waiting.items()))
+                [f"rank {r} waits at batch [{', '.join(str(a) for a in item)}]" if isinstance(item, tuple)
+                 else f"rank {r} waits at {item} for its sends to complete" for r, item in waiting.items()]
+                + [f"rank {r}'s send of {m} is never received" for r, m in unsent.items() if r not in waiting]))
+        for r in range(self.ranks):
+            last[r] = self._after(r, last[r], done[r])
         for term, members in collectives:
             node = self._add([(last[r], None) for r in members], [term], -1, str(term))
             for r in members:
@@ -127,15 +151,41 @@ class StepGraph:
         self.nodes.append(_Node(preds, terms, rank, label, action))
         return len(self.nodes) - 1
 
-    def _batch(self, r: int, batch: Tuple[Action, ...], before: int, posted, position: Position
-               ) -> Optional[int]:
-        """The node of a batch once every operation's peer has posted; None while one has not."""
+    def _after(self, r: int, before: int, completed: int) -> int:
+        """The node where rank r, past `before`, also has every send it posted completed."""
+        if completed < 0 or completed == before:
+            return before
+        return self._add([(before, None), (completed, None)], [], r, "sends complete")
+
+    def _settle(self, r: int, pending, ready, done: List[int]) -> bool:
+        """Resolve rank r's batches of deferred sends in posting order: a batch's sends are ready to
+        match once it is posted and the rank's earlier operations are done; each is done once its
+        receive is posted too and it has crossed. True if one was resolved."""
+        resolved = False
+        while pending:
+            messages, before = pending[0]
+            if (messages[0], True) not in ready:
+                at = self._after(r, before, done[r])
+                for message in messages:
+                    ready[(message, True)] = at
+            peers = [ready.get((message, False)) for message in messages]
+            if any(peer is None for peer in peers):
+                return resolved
+            ends = [self._add([(ready[(message, True)], message[:2]), (peer, message[:2])], [], r, f"sent {message}")
+                    for message, peer in zip(messages, peers)]
+            done[r] = ends[0] if len(ends) == 1 else self._add([(e, None) for e in ends], [], r, "sent")
+            pending.pop(0)
+            resolved = True
+        return resolved
+
+    def _batch(self, r: int, batch: Tuple[Action, ...], before: int, ready) -> Optional[int]:
+        """The node of a batch once every operation's peer is ready; None while one is not."""
         for a in batch:
-            posted.setdefault((message_of(a), a.kind in SENDS), before)
+            ready.setdefault((message_of(a), a.kind in SENDS), before)
         preds: List[Tuple[int, Optional[Term]]] = []
         for a in batch:
             message = message_of(a)
-            peer = posted.get((message, a.kind not in SENDS))
+            peer = ready.get((message, a.kind not in SENDS))
             if peer is None:
                 return None
             transfer = message[:2]

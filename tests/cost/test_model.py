@@ -24,7 +24,8 @@ def test_candidate_sizes_divide_the_global_batch():
 
 def test_two_stages_1f1b_by_hand():
     """The step is the replay of the lists below with blocking batches (a batch's operations complete
-    at max(post, peer's post) + transfer), checked by hand:
+    at max(post, peer's post) + transfer; a batch of sends only is posted and the rank goes on),
+    checked by hand:
 
         rank 0: 0F0 [send F0] 0F1 [send F1] [recv B0] 0B0 0F2 [send F2, recv B1] 0B1 ... 0B3
         rank 1: [recv F0] 1F0 [recv F1] 1B0 [send B0] 1F1 1B1 [recv F2, send B1] ... 1B3 [send B3]
@@ -48,9 +49,10 @@ def test_two_stages_1f1b_by_hand():
     assert math.isclose(s0.forward_s, f0) and math.isclose(s0.backward_s, b0)
     assert math.isclose(s1.forward_s, f1) and math.isclose(s1.backward_s, b1)
     assert math.isclose(s0.comm_s, 2 * c) and math.isclose(s1.comm_s, 2 * c)  # both directions, both sides
-    # rank 1 starts F0 once F0 arrived, receives F1 alone (it was sent while F0 ran), sends B0 alone;
-    # then three rounds of F, B and a batch whose two messages cross at once; rank 0 ends with B3
-    step = (f0 + c) + f1 + c + b1 + c + 3 * (f1 + b1 + c) + b0
+    # rank 1 starts F0 once F0 arrived, receives F1 alone (it was sent while F0 ran), posts B0 alone
+    # and goes on (B0 crosses while F1 runs); then three rounds of F, B and a batch whose two
+    # messages cross at once; rank 0 ends with B3
+    step = (f0 + c) + f1 + c + b1 + 3 * (f1 + b1 + c) + b0
     assert math.isclose(cost.iteration_s, step)
     assert math.isclose(cost.bubble_fraction, 1 - 4 * (f0 + b0 + f1 + b1) / (2 * step))
     # memory, SGD: params + grads + the peak of what each list holds. Rank 0 holds two micro-batches'
