@@ -310,21 +310,21 @@ class Engine:
 
     # --- communication ---------------------------------------------------------------------------
     def _run_batch(self, step: _Step, actions: List[Action]) -> None:
-        """Post the batch's operations together. A batch of sends only is left to complete in the
-        background (runtime.outbox); any other waits for the sends posted before it and then for
-        all of its own, then uses what arrived."""
+        """Wait for the batch of sends posted before (if any), then post this batch's operations
+        together: a batch of sends only is left to complete while the rank computes on
+        (runtime.outbox); any other is waited for whole, then what arrived is used."""
         operations, after = [], []
         for action in actions:
             operation, done = self.messages[action.kind](step, action)
             operations.append(operation)
             after.append(done)
         step.stats.messages += len(operations)
+        self.outbox.drain()
         if all(op.send for op in operations):
             self.outbox.add(post(operations, self.use_tags),
                             [None if d is None else (lambda d=d, t=op.tensor: d(t)) for d, op in zip(after, operations)],
                             transfer_delay(actions, self.emulated_links))
             return
-        self.outbox.drain()
         exchange(operations, self.use_tags)
         hold(actions, self.emulated_links)
         for done, operation in zip(after, operations):
@@ -356,6 +356,9 @@ class Engine:
             self._layout(runner.act_out, ("act out", g, peer), tensors)
         else:
             wire = layout.pack(tensors, self.device)
+        if len(tensors) > 1:  # the wire is a copy: the outputs' storage can go now, not when it is sent
+            runner.drop_outputs(state)
+            return Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)), None
         return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
                 lambda _: runner.drop_outputs(state))
 

@@ -4,9 +4,9 @@ The rule the lists are planned and checked under (planner.pipeline.stepgraph): a
 receive is posted and waited for whole, since the next compute needs what it receives; a batch of
 sends only is posted and left to complete in the background (NCCL completes a send when its
 receive is posted; a rank's operations complete in the order it posted them). The rank waits for
-its posted sends before its next batch of any other kind and before the end-of-step work, so
-later operations never overtake them, and a send's buffer (and the outputs it was packed from)
-is freed only then.
+its posted sends before its next batch (of any kind) and before the end-of-step work, so later
+operations never overtake them and it holds one such batch's buffers at most; a send's buffer
+(and the outputs it was packed from) is freed then.
 
 Emulated slow links (runtime.emulation): a send over such a link counts as done `delay` seconds
 after it completed. Found complete when the rank comes to wait, it completed at some moment since

@@ -59,6 +59,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "peak_memory_bytes": r.get("peak_memory_bytes"),  # the CUDA allocator's peak (None on the CPU)
             "peak_rss_bytes": r.get("peak_rss_bytes"),  # the process's peak resident memory
             "start_rss_bytes": r.get("start_rss_bytes"),  # ... before it built anything
+            "built_rss_bytes": r.get("built_rss_bytes"),  # the peak once its stages were built (no step yet)
             # the plan's memory of this rank's device (its stages' device_total)
             "predicted_memory_bytes": float(plan_stages[0].memory_bytes.get(
                 "device_total", sum(float(st.memory_bytes.get("total", 0)) for st in plan_stages))) if plan_stages else None,

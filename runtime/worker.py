@@ -113,6 +113,7 @@ class _Rank:
     init_state: Optional[InitState] = None
     resumed_rng: Optional[Dict[str, Any]] = None
     start_rss: int = 0  # resident bytes before building anything (the interpreter, torch)
+    built_rss: int = 0  # peak resident bytes once its stages are built, before the first step
     events: List[List[Any]] = field(default_factory=list)  # trace: [kind, micro-batch, stage, start, end]
 
     @property
@@ -137,6 +138,7 @@ def run(args) -> None:
         me.digest = me.plan.digest()
         _check_same_plan(me.digest, me.rank, me.world)
         _build(me, use_tags=me.device.type != "cuda")
+        me.built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         first_step = _resume(me)
         link = _measure_link(me.plan, me.topology, me.rank, me.device) if args.measure_link else None
         host_kernel = [_time_host(me.device)]
@@ -304,7 +306,7 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
                                 for st in stages}, "threads": me.threads, "device": str(me.device),
               "optimizer": me.optimizer_name, "engine": args.engine, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
-              "start_rss_bytes": me.start_rss,
+              "start_rss_bytes": me.start_rss, "built_rss_bytes": me.built_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:

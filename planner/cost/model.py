@@ -37,13 +37,15 @@ a maximum of sums of these durations; the solvers optimise exactly that (planner
 Memory of rank i (bytes): static + the peak, along its list, of what it holds for its stages:
 
     M_i = sum_{g on i} (P_g beta^w_g + T_g beta^t_g) + F + max over the list's moments of
-          sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g} ]
+          sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g}
+                         + sent_act_g in_{e_g} + sent_grad_g grad_{a_g} ]
     A_g = sum_{l in g} (in_l if l in R else s_l)
 
 and, under zero-bubble schedules, + weight_g H_g with H_g = sum_{l in g} (in_l if l in R else h_l): the
 bytes held from a micro-batch's input backward to its weight backward.
 live_g: micro-batches of stage g forwarded and not yet (input-)backwarded; weight_g: those between the two
-parts; inbox_g / gradbox_g: activations (gradients) received and not yet used
+parts; inbox_g / gradbox_g: activations (gradients) received and not yet used; sent_act_g /
+sent_grad_g: outputs (input gradients) posted in a batch of sends only and not yet waited for
 (planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
 cut l (in_0 = 0). P_g, T_g: stage g's parameter bytes and, of them, the trainable ones (the rest
 are frozen: requires_grad=False). beta^w_g, beta^t_g (`static_factors`): bytes held per parameter
@@ -479,6 +481,8 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
         out[("live", g)] = costs.saved(a, e, split.redo)
         out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
         out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
+        out[("sent_act", g)] = float(costs.act[e]) if g < S - 1 else 0.0
+        out[("sent_grad", g)] = float(costs.grad[a]) if g > 0 else 0.0
         # between its input and weight backwards: what the weight gradients read
         out[("weight", g)] = costs.weight_held(a, e, split.redo)
     return out

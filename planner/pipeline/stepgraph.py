@@ -11,10 +11,9 @@ Semantics (the runtime's own, the same on gloo and NCCL):
   crossed: done = max(post, peer's post) + transfer. The batch ends when its last operation is
   done, plus `message` seconds per operation (what the engine pays per message).
 - Except a batch of sends only: the rank pays `message` per send to post it and goes on (its next
-  compute does not need it). Each such send is done at max(post, receiver's post) + transfer, and
-  not before the sends the rank posted earlier (a rank's operations complete in issue order, as
-  on NCCL's stream). The rank's next batch of any other kind, and its end of step, wait for all of
-  them; the operations of that batch count as posted only then.
+  compute does not need it). Each such send is done at max(post, receiver's post) + transfer. The
+  rank's next batch and its end of step wait for them first (so a rank's operations complete in
+  issue order, as on NCCL's stream, and it holds one such batch's buffers at most).
 - After its list a rank synchronises: the collectives it takes part in, in one order on every rank
   (the tied weights' all-reduces by name, then a replicated stage's all-reduce over its replicas:
   each starts when its last member is ready), the all-reduce of its own gradients over the
@@ -96,7 +95,7 @@ class StepGraph:
         # (message, is send) -> the node whose end is when that end is ready to match: its post,
         # or the completion of what its rank posted before (operations complete in issue order)
         ready: Dict[Tuple[Tuple[str, int, int], bool], int] = {}
-        # per rank: batches of deferred sends not yet known complete, in posting order: (messages, node before the post)
+        # per rank: the batch of deferred sends not yet known complete (at most one): (messages, node before the post)
         pending: List[List[Tuple[List[Tuple[str, int, int]], int]]] = [[] for _ in range(self.ranks)]
         done: List[int] = [-1] * self.ranks  # the node where the rank's last resolved sends completed
         progress = True
@@ -107,7 +106,8 @@ class StepGraph:
                     progress = True
                 while cursor[r] < len(items[r]):
                     item = items[r][cursor[r]]
-                    if isinstance(item, tuple) and all(a.kind in SENDS for a in item):
+                    if isinstance(item, tuple) and all(a.kind in SENDS for a in item) and not pending[r]:
+                        last[r] = self._after(r, last[r], done[r])
                         pending[r].append(([message_of(a) for a in item], last[r]))
                         node = self._add([(last[r], None)], [("message",)] * len(item), r,
                                          "post " + ", ".join(str(a) for a in item), item[0])
@@ -256,7 +256,10 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
     ("inbox", g)  activations received for stage g and not yet consumed by its forward;
     ("gradbox", g) gradients received for stage g and not yet consumed by its backward;
     ("weight", g) micro-batches of stage g past their input backward and before their weight
-                  backward (what the weight gradients still need).
+                  backward (what the weight gradients still need);
+    ("sent_act", g) / ("sent_grad", g) stage g's outputs (the gradients of its inputs) posted in a
+                  batch of sends only and not yet waited for: they are held until the rank's next
+                  batch (a send in a batch with receives is done before the next compute).
 
     Memory at a moment is the sum of count x bytes per micro-batch of each term, so the peak memory
     of any sizes is the largest of these vectors' sums."""
@@ -270,28 +273,42 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
         peaks[:] = [p for p in peaks if not all(snapshot.get(k, 0) >= v for k, v in p.items())]
         peaks.append(snapshot)
 
-    for a in actions:
-        g = a.stage
-        if a.kind == ActionKind.RECV_ACT:
-            counts[("inbox", g)] += 1
-        elif a.kind == ActionKind.RECV_GRAD:
-            counts[("gradbox", g)] += 1
-        elif a.kind == ActionKind.FORWARD:
-            counts[("live", g)] += 1
-            if counts[("inbox", g)]:
-                counts[("inbox", g)] -= 1
-        elif a.kind in BACKWARD_KINDS:
-            record()  # the backward runs while all of it is held
-            counts[("live", g)] -= 1
-            if a.kind is ActionKind.BACKWARD_INPUT:
-                counts[("weight", g)] += 1
-            if counts[("gradbox", g)]:
-                counts[("gradbox", g)] -= 1
-        elif a.kind is ActionKind.BACKWARD_WEIGHT:
-            record()
-            counts[("weight", g)] -= 1
-            continue
-        else:
-            continue
-        record()
+    for item in batches_of(actions):
+        if isinstance(item, tuple):
+            for term in [t for t in counts if t[0] in ("sent_act", "sent_grad")]:
+                counts[term] = 0  # the sends of the batch before are waited for first
+            if all(a.kind in SENDS for a in item):
+                for a in item:
+                    counts[("sent_act" if a.kind is ActionKind.SEND_ACT else "sent_grad", a.stage)] += 1
+        for a in (item if isinstance(item, tuple) else (item,)):
+            _hold(a, counts, record)
+        if isinstance(item, tuple):
+            record()  # what arrived and what was posted, held while the next compute starts
     return peaks
+
+
+def _hold(a: Action, counts: Counter, record: Callable[[], None]) -> None:
+    """Count what action `a` makes its rank hold (held_peaks), recording the peaks around it."""
+    g = a.stage
+    if a.kind == ActionKind.RECV_ACT:
+        counts[("inbox", g)] += 1
+    elif a.kind == ActionKind.RECV_GRAD:
+        counts[("gradbox", g)] += 1
+    elif a.kind == ActionKind.FORWARD:
+        counts[("live", g)] += 1
+        if counts[("inbox", g)]:
+            counts[("inbox", g)] -= 1
+    elif a.kind in BACKWARD_KINDS:
+        record()  # the backward runs while all of it is held
+        counts[("live", g)] -= 1
+        if a.kind is ActionKind.BACKWARD_INPUT:
+            counts[("weight", g)] += 1
+        if counts[("gradbox", g)]:
+            counts[("gradbox", g)] -= 1
+    elif a.kind is ActionKind.BACKWARD_WEIGHT:
+        record()
+        counts[("weight", g)] -= 1
+        return
+    else:
+        return
+    record()

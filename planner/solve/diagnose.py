@@ -87,8 +87,10 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
             value = peak.get(("live", s), 0) * np.where(finite, saved, 0.0)
             if s > 0:
                 value = value + peak.get(("inbox", s), 0) * costs.act[:, None]
+                value = value + peak.get(("sent_grad", s), 0) * costs.grad[:, None]
             if s < S - 1:
                 value = value + peak.get(("gradbox", s), 0) * costs.grad[None, :]
+                value = value + peak.get(("sent_act", s), 0) * costs.act[None, :]
             held = np.maximum(held, value)
         return _upper_triangle(static + held)
 

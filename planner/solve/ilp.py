@@ -27,7 +27,8 @@ T >= form - M (2 - h[t][j] - h[t][i]). Memory: for rank i and each of its list's
 (planner.pipeline.stepgraph.held_peaks),
 
     sum_{g on i} sum_l x[l][g] P_l beta  +  sum_{g on i} [ P_live,g (sum_l x[l][g] s_l - sum_l rho[l][g] (s_l - in_l))
-        + P_inbox,g sum_k e[k][g-1] act_k + P_gradbox,g sum_k e[k][g] grad_k ]  <=  cap_i
+        + P_inbox,g sum_k e[k][g-1] act_k + P_gradbox,g sum_k e[k][g] grad_k
+        + P_sent_act,g sum_k e[k][g] act_k + P_sent_grad,g sum_k e[k][g-1] grad_k ]  <=  cap_i
 
 With only some paths known, T is a lower bound of the step time of the split the program picks;
 planner.solve.exact adds the picked split's own critical path until the two agree.
@@ -248,6 +249,12 @@ class Program:
                     elif kind == "gradbox" and g < S - 1:
                         held += pulp.lpSum(count * c.grad[k] / MIB * self.ends(k, g) for k in range(1, L)
                                            if c.grad[k] and self.cut_may_end(k, g))
+                    elif kind == "sent_act" and g < S - 1:
+                        held += pulp.lpSum(count * c.act[k] / MIB * self.ends(k, g) for k in range(1, L)
+                                           if c.act[k] and self.cut_may_end(k, g))
+                    elif kind == "sent_grad" and g > 0:
+                        held += pulp.lpSum(count * c.grad[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
+                                           if c.grad[k] and self.cut_may_end(k, g - 1))
                 cap = math.floor(caps[i]) if beta_w.is_integer() and beta_t.is_integer() else caps[i]
                 self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
 

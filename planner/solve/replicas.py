@@ -155,9 +155,10 @@ class ReplicaTables:
         self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
         cap = rank_caps(opts, profile)[0]  # no cluster: one cap
-        # received activations (gradients) a device holds before its forward (backward) uses them: at
-        # most its ceil(m / r) micro-batches under 'upper' (every plan found fits), none under 'lower'
-        inbox, gradbox = costs.act[:, None], costs.grad[None, :]  # rows a, columns e = 0..L
+        # received activations (gradients) a device holds before its forward (backward) uses them, and
+        # its sent outputs (input gradients) not yet waited for: at most its ceil(m / r) micro-batches
+        # under 'upper' (every plan found fits), none under 'lower'
+        inbox, gradbox = costs.act[:, None] + costs.grad[:, None], costs.grad[None, :] + costs.act[None, :]
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):

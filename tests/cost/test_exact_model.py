@@ -111,11 +111,20 @@ def test_screening_many_splits_at_once_is_evaluate(problem, rng):
 
 def _walk_peak(actions, held_bytes):
     """Most bytes held at once along one rank's list: saved tensors of the micro-batches forwarded and
-    not yet backwarded, received activations not yet forwarded, received gradients not yet used, and
-    (zero-bubble) what the weight backward reads, from the input backward until it runs."""
-    live, peak = 0.0, 0.0
-    for a in actions:
+    not yet backwarded, received activations not yet forwarded, received gradients not yet used,
+    (zero-bubble) what the weight backward reads, from the input backward until it runs, and the
+    messages of a batch of sends only until the rank's next batch begins."""
+    live, peak, unsent = 0.0, 0.0, 0.0
+    comm = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
+    for k, a in enumerate(actions):
         g = a.stage
+        if a.kind in comm and (k == 0 or actions[k - 1].kind not in comm or actions[k - 1].batch != a.batch):
+            live -= unsent  # a new batch: the sends posted before are waited for first
+            batch = [x for x in actions if x.kind in comm and x.batch == a.batch]
+            unsent = sum(held_bytes[("sent_act", x.stage)] if x.kind == ActionKind.SEND_ACT else
+                         held_bytes[("sent_grad", x.stage)] for x in batch) \
+                if all(x.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD) for x in batch) else 0.0
+            live += unsent
         if a.kind == ActionKind.RECV_ACT:
             live += held_bytes[("inbox", g)]
         elif a.kind == ActionKind.RECV_GRAD:
