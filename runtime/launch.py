@@ -3,9 +3,19 @@
 If any rank exits with an error, the others are terminated at once (they would otherwise
 wait in a receive until the process-group timeout), and the failing rank's one-line error is
 returned. Nothing is left running: on Ctrl-C or any exception the children are killed too.
+
+Ranks are forked from a fork server that has imported torch and the worker once (multiprocessing's
+"forkserver": a clean process, no CUDA or threads started, so forking it is safe), not started as
+fresh interpreters that each import torch again: that import is about 2 CPU seconds per rank,
+paid once per command instead of once per rank (and once per test session, for the tests'
+many runs). Each rank gets its environment, its log file as stdout and stderr (the reporting
+rank's stdout goes to a file this process copies to its own stdout as it grows), and runs
+`runtime.worker.main`. `PIPEPLANNER_LAUNCH=subprocess` starts `python -m runtime.worker`
+processes instead.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -13,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, TextIO
 
 # How long a rank may wait on another (the process-group timeout) before it fails: the one default of
 # `runtime execute --timeout` and of `python -m runtime.worker --timeout` (torchrun launches).
@@ -34,39 +44,116 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs: List[subprocess.Popen], grace_s: float = 5.0) -> None:
+class _Rank:
+    """One rank's process, forked from the fork server or started as `python -m runtime.worker`."""
+
+    def __init__(self, argv: List[str], env: Dict[str, str], log_path: str, stdout_path: Optional[str]):
+        self.process = None
+        self.popen = None
+        if os.environ.get("PIPEPLANNER_LAUNCH") != "subprocess" and "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["runtime.worker"])
+            self.process = context.Process(target=_rank_main, args=(argv, env, log_path, stdout_path), daemon=False)
+            self.process.start()
+            return
+        with open(log_path, "w") as log:
+            out = open(stdout_path, "w") if stdout_path else log
+            try:
+                self.popen = subprocess.Popen([sys.executable, "-m", "runtime.worker", *argv], env=dict(os.environ, **env),
+                                              stdout=out, stderr=log, stdin=subprocess.DEVNULL)
+            finally:
+                if out is not log:
+                    out.close()
+
+    def poll(self) -> Optional[int]:
+        if self.popen is not None:
+            return self.popen.poll()
+        return self.process.exitcode
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            (self.popen or self.process).terminate()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            (self.popen or self.process).kill()
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        """True once the process has exited (within `timeout` seconds)."""
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        self.process.join(timeout)
+        return self.process.exitcode is not None
+
+
+def _rank_main(argv: List[str], env: Dict[str, str], log_path: str, stdout_path: Optional[str]) -> None:
+    """A forked rank: its environment and output files, then the worker."""
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stdout_path else log
+    os.dup2(out, 1)
+    os.dup2(log, 2)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    from runtime.worker import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no atexit handlers of the fork server's modules
+
+
+def _stop(procs: List[_Rank], grace_s: float = 5.0) -> None:
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
+        p.terminate()
     deadline = time.monotonic() + grace_s
     for p in procs:
-        if p.poll() is None:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        if p.poll() is None and not p.wait(max(0.0, deadline - time.monotonic())):
+            p.kill()
+            p.wait(None)
+
+
+class _Tail:
+    """Copies what a file gains to a stream (the reporting rank's progress lines)."""
+
+    def __init__(self, path: Optional[str], stream: TextIO):
+        self.path, self.stream, self.offset = path, stream, 0
+
+    def __call__(self) -> None:
+        if self.path is None or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        if text:
+            self.offset += len(text.encode())
+            self.stream.write(text)
+            self.stream.flush()
 
 
 def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads: int,
                  timeout_s: float, progress_rank: Optional[int] = None) -> LaunchResult:
-    """Run `python -m runtime.worker *worker_args` as ranks 0..world_size-1 and wait for all."""
+    """Run the worker with `worker_args` as ranks 0..world_size-1 and wait for all."""
     port = free_port()
-    procs: List[subprocess.Popen] = []
-    logs = []
+    procs: List[_Rank] = []
+    progress = os.path.join(out_dir, "progress.out") if progress_rank is not None else None
+    tail = _Tail(progress, sys.stdout)
     try:
         for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-            log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-            logs.append(log)
-            args = [sys.executable, "-m", "runtime.worker", *worker_args, "--timeout", str(timeout_s)]
-            if rank == progress_rank:
-                args.append("--progress")
-            procs.append(subprocess.Popen(args, env=env, stdout=None if rank == progress_rank else log,
-                                          stderr=log, stdin=subprocess.DEVNULL))
+            argv = [*worker_args, "--timeout", str(timeout_s)] + (["--progress"] if rank == progress_rank else [])
+            procs.append(_Rank(argv, env, os.path.join(out_dir, f"rank{rank}.log"),
+                               progress if rank == progress_rank else None))
         while True:
+            tail()
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -76,14 +163,12 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
                 return LaunchResult(False, rank, _read_error(out_dir, rank, codes[rank]),
                                     os.path.join(out_dir, f"rank{rank}.log"))
             if all(c == 0 for c in codes):
+                tail()
                 return LaunchResult(True)
             time.sleep(0.05)
     except BaseException:
         _stop(procs, grace_s=1.0)
         raise
-    finally:
-        for log in logs:
-            log.close()
 
 
 def _first_cause(out_dir: str, failed: List[int]) -> int:
