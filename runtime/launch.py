@@ -158,7 +158,7 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 # The first rank that wrote an error file is the cause; the others died of its absence.
-                rank = _first_cause(out_dir, failed)
+                rank = _first_cause(out_dir, failed, codes)
                 _stop(procs)
                 return LaunchResult(False, rank, _read_error(out_dir, rank, codes[rank]),
                                     os.path.join(out_dir, f"rank{rank}.log"))
@@ -171,7 +171,12 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
         raise
 
 
-def _first_cause(out_dir: str, failed: List[int]) -> int:
+def _first_cause(out_dir: str, failed: List[int], codes: List[Optional[int]]) -> int:
+    """A rank killed by a signal (nothing here had stopped any yet), else the rank that wrote its
+    error file first: the others failed because it left."""
+    killed = [rank for rank in failed if codes[rank] is not None and codes[rank] < 0]
+    if killed:
+        return killed[0]
     stamped = []
     for rank in failed:
         path = os.path.join(out_dir, f"rank{rank}.error")

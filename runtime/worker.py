@@ -146,6 +146,9 @@ def run(args) -> None:
         host_kernel.append(_time_host(me.device))
         _write_results(me, first_step, steps, link, host_kernel)
         dist.barrier()
+    except BaseException as e:
+        _write_error(args, e)  # before leaving the group: the others fail once it is gone, and the
+        raise                  # launcher names the rank whose error file came first
     finally:
         dist.destroy_process_group()
 
@@ -346,21 +349,28 @@ def _mean_over_holders(stats, groups: Groups):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    rank = os.environ.get("RANK", "?")
     try:
         run(args)
         return 0
     except BaseException as e:  # report once, in one line, for the launcher to print
-        message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        try:
-            os.makedirs(args.out_dir, exist_ok=True)
-            with atomic_path(os.path.join(args.out_dir, f"rank{rank}.error")) as tmp:
-                with open(tmp, "w") as f:
-                    f.write(message + "\n")
-        except OSError:
-            pass
+        _write_error(args, e)
         traceback.print_exc(file=sys.stderr)
         return 1
+
+
+def _write_error(args, error: BaseException) -> None:
+    """OUT_DIR/rank{R}.error: the error in one line (once per rank: the first place it is caught)."""
+    if getattr(error, "_pipeplanner_reported", False):
+        return
+    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with atomic_path(os.path.join(args.out_dir, f"rank{os.environ.get('RANK', '?')}.error")) as tmp:
+            with open(tmp, "w") as f:
+                f.write(message + "\n")
+        error._pipeplanner_reported = True
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":
