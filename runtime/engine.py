@@ -55,7 +55,7 @@ from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel
-from runtime.timing import StepClock
+from runtime.timing import StepClock, close_step
 
 
 @dataclass
@@ -197,19 +197,9 @@ class Engine:
         self.outbox.drain()  # (done before the optimizer step; a list without one ends here)
         if self.compute_copy is not None:
             self.compute_copy.remove()
-        totals, spans, step_s = clock.finish()
         self.count_saved = False
         stats = current.stats
-        for key, seconds in totals.items():
-            setattr(stats, key, getattr(stats, key) + seconds)
-        stats.time_s = step_s
-        if self.trace is not None:
-            for label, t0, t1 in spans:  # an action, a batch's actions (one span), or a name
-                for action in (label if isinstance(label, list) else [label]):
-                    if isinstance(action, Action):
-                        self.trace(action.kind.value, action.micro_batch, action.stage, t0, t1)
-                    else:
-                        self.trace(action, -1, -1, t0, t1)
+        close_step(clock, stats, self.trace)
         if current.loss_count:
             stats.loss = float(current.loss_sum) / current.loss_count
             stats.loss_count = current.loss_count

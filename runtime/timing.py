@@ -10,7 +10,7 @@ host clock's. Either way each span also carries its wall-clock start and end, fo
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -68,3 +68,21 @@ class StepClock:
                 wall.append((label, t0 + self._offset, t1 + self._offset))
             step_s = end - self._step_start
         return totals, wall, step_s
+
+
+def close_step(clock: StepClock, stats: Any, trace: Optional[Callable[[str, int, int, float, float], None]]) -> None:
+    """Both engines' end of a step: the clock read once, its seconds per key added to `stats` (a
+    StepStats), the step's time set, and every span handed to `trace` (an action, a batch's actions,
+    or a name)."""
+    totals, spans, step_s = clock.finish()
+    for key, seconds in totals.items():
+        setattr(stats, key, getattr(stats, key) + seconds)
+    stats.time_s = step_s
+    if trace is None:
+        return
+    for label, t0, t1 in spans:
+        for item in (label if isinstance(label, list) else [label]):
+            if hasattr(item, "kind"):  # an Action
+                trace(item.kind.value, item.micro_batch, item.stage, t0, t1)
+            else:
+                trace(item, -1, -1, t0, t1)

@@ -50,7 +50,7 @@ from runtime.engine import StepStats
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.stage import RankModel, RankStage
-from runtime.timing import StepClock
+from runtime.timing import StepClock, close_step
 
 # torch's schedule classes: those `planner export` names, and ZBV, which the export does not write
 TORCH_SCHEDULES = {**{name: "Schedule" + torch_name for name, torch_name in TORCH_SCHEDULE_NAMES.items()},
@@ -229,19 +229,10 @@ class TorchEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         clock.stop("optimizer_s", Action(ActionKind.OPTIMIZER_STEP))
-        totals, spans, step_s = clock.finish()
         self.count_saved = False
-        for key, seconds in totals.items():
-            setattr(stats, key, getattr(stats, key) + seconds)
-        stats.time_s = step_s
+        close_step(clock, stats, self.trace)
         busy = stats.forward_s + stats.backward_s + stats.reduce_s + stats.optimizer_s
-        stats.wait_s = max(0.0, step_s - busy)  # torch's messages and waiting for peers
-        if self.trace is not None:
-            for label, t0, t1 in spans:
-                if isinstance(label, Action):
-                    self.trace(label.kind.value, label.micro_batch, label.stage, t0, t1)
-                else:
-                    self.trace(label, -1, -1, t0, t1)
+        stats.wait_s = max(0.0, stats.time_s - busy)  # torch's messages and waiting for peers
         if losses:
             scale = self.m * self.topology.data_parallel
             stats.loss = sum(float(l.detach()) * scale for l in losses) / len(losses)
