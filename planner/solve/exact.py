@@ -30,6 +30,7 @@ from planner.cost.ranges import range_costs
 from planner.cost.result import PathForm, PlanCost
 from planner.cost.step import stage_in_flight, step_graph
 from planner.profile.profile import Profile
+from planner.solve.branch import applies, branch_and_bound
 from planner.solve.ilp import Program, _NoSplit, big_m_ms
 from planner.solve.recompute import recompute_for
 from planner.solve.reach import stage_conditions, unit_ranges
@@ -44,6 +45,7 @@ class ScenarioOutcome:
     best: Optional[Split]
     bound_s: float  # no plan of the scenario is faster (seconds)
     optimal: bool  # the solver finished (bound_s is the optimum or the cutoff it proved)
+    engine: str = "mip"  # what settled it: "mip" (the integer program) or "branch" (planner.solve.branch)
 
 
 def _form(cost: PlanCost) -> PathForm:
@@ -186,6 +188,11 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     if best is not None:
         forms.add(_form(evaluate(profile, best.boundaries, b, opts, best.recompute)))
         best = _perturbations(profile, b, opts, best, forms)
+    if applies(profile, opts):  # every term a stage's: branch and bound over the splits (planner.solve.branch)
+        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        found = branch_and_bound(profile, b, opts, best, forms, remaining, gap, target_s)
+        forms |= found.forms
+        return ScenarioOutcome(found.best, found.bound_s, found.optimal, "branch")
     bound = -math.inf
     tight = False  # solve the next program to `gap` (a loose one found nothing new)
     while True:

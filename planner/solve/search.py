@@ -187,7 +187,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
         bound = min((it.lower_bound for it in items), default=math.inf)
         return _solution(profile, best, bound, False, started, "dp", "python")
-    bound, all_proven = math.inf, True
+    bound, all_proven, engines = math.inf, True, set()
     for it in items:
         if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):
             bound = min(bound, it.lower_bound)
@@ -196,12 +196,15 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=OPTIMALITY_GAP / 2,
                                  target_s=best[0].iteration_s if best is not None and warm_start else None)
         all_proven = all_proven and outcome.optimal
+        engines.add(outcome.engine)
         if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
             best = (outcome.best, it)
         bound = min(bound, max(outcome.bound_s, it.lower_bound))
     if best is None:
         return None
-    return _solution(profile, best, bound, all_proven, started, "ilp", backend)
+    # the backend names the integer program's solver; scenarios settled by branch and bound ran none
+    used = backend if "mip" in engines or not engines else "branch-and-bound"
+    return _solution(profile, best, bound, all_proven, started, "ilp", used)
 
 
 def _solution(profile: Profile, best, bound: float, proven: bool, started: float, method: str,

@@ -1,0 +1,285 @@
+"""Branch and bound over the splits of one scenario with one stage per device: the step graph's
+path forms bound every split from below, stage after stage.
+
+A form k (a longest path of some split's graph, planner.pipeline.stepgraph) is a sum of duration
+terms with counts. With one stage per device every term belongs to one stage g -- its forward and
+backward (or their input and weight parts), the two messages across boundary g, its device's
+gradient exchange and optimizer step -- or to none (the cost per message), so for a split
+0 = a_0 < e_0 = a_1 < ... < e_{S-1} = L
+
+    form_k(split) = c_k + sum_g V_kg(a_g, e_g)        and        step(split) >= max_k form_k(split)
+
+(the path exists whatever the durations). The search fixes stages in order. At a node whose first g
+stages are fixed, with prefix P_k = c_k + sum_{h<g} V_kh(a_h, e_h) and next start a, no completion
+is faster than
+
+    max_k ( P_k + D_kg(a) ),     D_kg(a) = min over the splits of [a, L) into stages g..S-1 of sum_{h>=g} V_kh
+
+(each form's own best completion, a dynamic program over (g, a)). A node whose bound does not beat
+the incumbent by more than the gap is cut; a stage that does not fit its device's memory is never
+placed. A complete split is simulated: a faster one becomes the incumbent, and its longest path
+joins the forms when the known ones undervalued it (so the bound tightens as the search learns).
+When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
+is the proven bound.
+
+It applies where every term is a stage's: v = 1, no replicated stages, no tied weights (their
+all-reduce spans the ranks holding a use), recomputation `none` or `all` (fixed per unit).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from planner.cost.model import (boundary_links, evaluate, fixed_bytes, num_micro_batches, rank_caps, rank_speeds,
+                                shared_parameters, static_bytes, step_shape, sync_time)
+from planner.cost.options import CostOptions
+from planner.cost.ranges import prefix_sums, range_costs, range_matrix
+from planner.cost.result import PathForm
+from planner.cost.step import rank_peaks
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
+from planner.profile.profile import Profile
+from planner.solve.reach import stage_conditions
+from planner.solve.solution import Split
+
+REFRESH = 0.05  # re-derive the allowed stages and completions when the target or the forms moved this much
+_STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
+
+
+MAX_UNITS = 400  # beyond, its (L + 1)^2 tables per form and stage cost more than the integer program
+
+
+def applies(profile: Profile, opts: CostOptions) -> bool:
+    """Whether every duration term of this scenario belongs to one stage (module docstring), on a
+    profile small enough for its tables."""
+    return (profile.num_units <= MAX_UNITS and opts.virtual_stages == 1 and not opts.replicated and opts.schedule in ONE_STAGE_SCHEDULES + ("zb-h1",)
+            and opts.recompute in ("none", "all") and not shared_parameters(profile)
+            and opts.num_stages <= profile.num_units)
+
+
+@dataclass
+class BranchOutcome:
+    best: Optional[Split]
+    bound_s: float  # no split of the scenario is faster (seconds, step overhead included)
+    optimal: bool  # the search finished
+    nodes: int
+    forms: Set[PathForm]  # every form used, those learned included
+
+
+class _Terms:
+    """Each stage's duration terms over every range [a, e) (seconds; +inf where e <= a), and where
+    each stage fits its device's memory."""
+
+    def __init__(self, profile: Profile, b: int, opts: CostOptions):
+        costs = range_costs(profile, b, opts.optimizer)
+        L, S = profile.num_units, opts.num_stages
+        self.L, self.S = L, S
+        redo_all = opts.recompute == "all"
+        again = costs.F if redo_all else 0.0
+        speeds, links = rank_speeds(opts, S), boundary_links(opts)
+        m = num_micro_batches(opts, b)
+        forward = range_matrix(costs.F) + costs.call_forward
+        backward = range_matrix(costs.G + again) + costs.call_backward
+        backward_input = range_matrix(prefix_sums(costs.gi) + again) + costs.call_backward
+        backward_weight = range_matrix(prefix_sums(costs.gw) + again)
+        params, trainable = range_matrix(costs.P), range_matrix(costs.T)
+        finite = np.isfinite(params)
+        reduce = np.where(finite, sync_time(np.where(finite, params, 0.0), np.where(finite, trainable, 0.0), opts,
+                                            profile.dtype, m), np.inf)
+        step = range_matrix(costs.O)
+        ends = np.arange(L + 1)
+        self.value: List[Dict[str, np.ndarray]] = []
+        by_speed: Dict[float, Dict[str, np.ndarray]] = {}  # stages of one speed share their matrices
+        for g in range(S):
+            speed = speeds[g]
+            if speed not in by_speed:
+                by_speed[speed] = {"forward": forward / speed, "backward": backward / speed,
+                                   "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
+                                   "reduce": reduce, "step": step / speed}
+            terms = dict(by_speed[speed])
+            if g < S - 1:  # the messages across boundary g, by where stage g ends
+                act = np.array([costs.message_s(e, links[g]) if 0 < e < L else 0.0 for e in ends])
+                grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
+                terms["act"] = np.broadcast_to(act[None, :], forward.shape)
+                terms["grad"] = np.broadcast_to(grad[None, :], forward.shape)
+            self.value.append(terms)
+        self.fits = self._memory(profile, b, opts, costs, redo_all, m)
+        self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
+        self.costs, self.speeds, self.redo_all = costs, [speeds[g] for g in range(S)], redo_all
+
+    def restrict(self, forms: Sequence[PathForm], target: float) -> None:
+        """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
+        step below `target` (planner.solve.reach: a stage too heavy for any split to beat it)."""
+        ok = stage_conditions(self.costs, self.S, self.speeds, [f.count() for f in forms if not f.crossings],
+                              target, recompute_all=self.redo_all)
+        self.allowed = [fits & good for fits, good in zip(self.fits, ok)]
+
+    def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
+        """fits[g][a, e]: stage g = [a, e) fits its device (planner.cost.model.device_memory, one stage)."""
+        L, S = self.L, self.S
+        caps = rank_caps(opts, profile)
+        valid = np.isfinite(range_matrix(costs.P))
+        if all(cap is None for cap in caps[:S]):
+            return [valid] * S
+        static = static_bytes(range_matrix(costs.P), range_matrix(costs.T), opts, profile.dtype) + \
+            fixed_bytes(profile, opts)
+        live = range_matrix(prefix_sums(costs.inputs) if redo_all else costs.S)
+        weight = range_matrix(prefix_sums(costs.inputs if redo_all else costs.h))
+        first, last = costs.act[:L + 1][:, None], costs.act[:L + 1][None, :]  # activations in at a, out at e
+        grad_in, grad_out = costs.grad[:L + 1][:, None], costs.grad[:L + 1][None, :]
+        peaks = rank_peaks(step_shape(opts, m))
+        fits = []
+        for g in range(S):
+            if caps[g] is None:
+                fits.append(valid)
+                continue
+            held = np.zeros_like(static)
+            for peak in peaks[g]:
+                count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
+                value = count("live") * np.where(valid, live, 0.0) + count("weight") * np.where(valid, weight, 0.0)
+                if g > 0:
+                    value = value + count("inbox") * first + count("sent_grad") * grad_in
+                if g < S - 1:
+                    value = value + count("gradbox") * grad_out + count("sent_act") * last
+                held = np.maximum(held, value)
+            fits.append(valid & (static + held <= caps[g]))
+        return fits
+
+
+class _Forms:
+    """The forms as arrays: per stage g a coefficient matrix C_g (forms x terms) and the constants."""
+
+    def __init__(self, terms: _Terms, message_s: float):
+        self.terms, self.message_s = terms, message_s
+        self.constant: List[float] = []
+        self.coefficients: List[List[List[float]]] = []  # form -> stage -> per _STAGE_TERMS
+        self.completion = np.zeros((0, terms.S + 1, terms.L + 1))  # D[k, g, a]
+        self.known: Set[PathForm] = set()
+
+    def __len__(self) -> int:
+        return len(self.constant)
+
+    def add(self, form: PathForm) -> bool:
+        """Take a form (False if known, guarded by a tie, or with a term of no stage)."""
+        if form in self.known or form.crossings:
+            return False
+        S = self.terms.S
+        counts = form.count()
+        per_stage = [[0.0] * len(_STAGE_TERMS) for _ in range(S)]
+        constant = 0.0
+        for term, n in counts.items():
+            if term == ("message",):
+                constant += n * self.message_s
+            elif term[0] in _STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
+                per_stage[term[1]][_STAGE_TERMS.index(term[0])] += n
+            else:
+                return False
+        self.known.add(form)
+        self.constant.append(constant)
+        self.coefficients.append(per_stage)
+        self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
+        return True
+
+    def refresh(self, target: float) -> None:
+        """Re-derive the allowed stages for `target` and every form's completions over them."""
+        self.terms.restrict(self.known, target)
+        self.completion = np.stack([self._completion(c) for c in self.coefficients]) if self.coefficients \
+            else np.zeros((0, self.terms.S + 1, self.terms.L + 1))
+
+    def stage_value(self, k_range: slice, g: int, a: int) -> np.ndarray:
+        """V_kg(a, e) for the forms in k_range and every e: (forms, L + 1)."""
+        coefficients = np.array([c[g] for c in self.coefficients[k_range]]).reshape(-1, len(_STAGE_TERMS))
+        terms = self.terms.value[g]
+        rows = np.stack([terms[name][a] if name in terms else np.zeros(self.terms.L + 1) for name in _STAGE_TERMS])
+        with np.errstate(invalid="ignore"):
+            out = coefficients @ np.where(np.isfinite(rows), rows, 0.0)
+        return np.where(self.terms.allowed[g][a][None, :], out, np.inf)
+
+    def _completion(self, per_stage: List[List[float]]) -> np.ndarray:
+        """D[g, a] for one form: its least sum over the splits of [a, L) into stages g..S-1."""
+        L, S = self.terms.L, self.terms.S
+        D = np.full((S + 1, L + 1), np.inf)
+        D[S, L] = 0.0
+        for g in range(S - 1, -1, -1):
+            terms = self.terms.value[g]
+            V = sum(c * np.where(np.isfinite(terms[name]), terms[name], 0.0)
+                    for c, name in zip(per_stage[g], _STAGE_TERMS) if c and name in terms)
+            V = np.where(self.terms.allowed[g], V if not np.isscalar(V) else np.zeros((L + 1, L + 1)), np.inf)
+            D[g] = (V + D[g + 1][None, :]).min(axis=1)
+        return D
+
+
+def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
+                     forms: Set[PathForm], time_limit: Optional[float], gap: float = 1e-6,
+                     cutoff_s: Optional[float] = None) -> BranchOutcome:
+    """The best split of (scenario, b) with a proof, or the best found and a bound at the time limit.
+    `profile` is the compute profile (planner.cost.model.compute_profile); `forms` seed the bound;
+    only splits faster than `cutoff_s` (a plan of another scenario) are sought."""
+    started = time.perf_counter()
+    terms = _Terms(profile, b, opts)
+    L, S = terms.L, terms.S
+    known = _Forms(terms, opts.message_s)
+    for form in forms:
+        known.add(form)
+    redo = list(range(L)) if opts.recompute == "all" else []
+    overhead = opts.step_overhead_s
+    best = incumbent
+    target = min(best.iteration_s if best is not None else math.inf,
+                 cutoff_s if cutoff_s is not None else math.inf) - overhead
+    refreshed = (target, len(known))
+    if math.isfinite(target):
+        known.refresh(target * (1 - gap))
+    # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
+    stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
+        (-math.inf, 0, 0, (), np.array(known.constant))]
+    nodes = 0
+    while stack:
+        if time_limit is not None and time.perf_counter() - started > time_limit:
+            bound = min(min(node[0] for node in stack), target)
+            return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
+        bound, g, a, cuts, prefix = stack.pop()
+        if bound >= target * (1 - gap):
+            continue
+        nodes += 1
+        if len(prefix) < len(known):  # forms learned since this node was made: their prefix from its cuts
+            prefix = np.concatenate([prefix, _prefix(known, slice(len(prefix), len(known)), cuts)])
+        if g == S - 1:  # the last stage is [a, L): a complete split
+            split = _simulate(profile, list(cuts), b, opts, redo, known)
+            if split is not None and split.iteration_s - overhead < target:
+                best, target = split, split.iteration_s - overhead
+            if target < refreshed[0] * (1 - REFRESH) or len(known) > refreshed[1] * (1 + REFRESH) + 4:
+                refreshed = (target, len(known))
+                known.refresh(target * (1 - gap))  # tighter: nodes made before keep their (valid) bounds
+            continue
+        every = slice(0, len(known))
+        value = known.stage_value(every, g, a)  # (forms, L + 1) over e
+        bounds = (prefix[:, None] + value + known.completion[:, g + 1, :]).max(axis=0, initial=-math.inf)
+        ends = [e for e in np.argsort(bounds, kind="stable")[::-1]
+                if a < e <= L - (S - 1 - g) and bounds[e] < target * (1 - gap)]
+        for e in ends:  # pushed worst first: the most promising is expanded next
+            stack.append((float(bounds[e]), g + 1, int(e), cuts + (int(e),), prefix + value[:, e]))
+    return BranchOutcome(best, target + overhead, True, nodes, known.known)  # nothing left beats the target
+
+
+def _prefix(known: _Forms, forms: slice, cuts: Sequence[int]) -> np.ndarray:
+    """c_k + sum over the fixed stages of V_kh, for the forms in `forms`."""
+    total = np.array(known.constant[forms])
+    a = 0
+    for h, e in enumerate(cuts):
+        total = total + known.stage_value(forms, h, a)[:, e]
+        a = e
+    return total
+
+
+def _simulate(profile: Profile, cuts: List[int], b: int, opts: CostOptions, redo: List[int],
+              known: _Forms) -> Optional[Split]:
+    """The split's cost (its longest path joins the forms); None if it does not fit."""
+    try:
+        cost = evaluate(profile, cuts, b, opts, redo)
+    except ValueError:
+        return None
+    known.add(cost.critical_path)
+    return Split(cost.iteration_s, list(cuts), list(redo)) if cost.feasible else None

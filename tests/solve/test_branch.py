@@ -1,0 +1,82 @@
+"""The branch and bound over splits (planner/solve/branch.py) against every split, one micro-batch
+size at a time: the same optimum (memory caps, recomputation all, d = 2, zero-bubble, cluster speeds),
+and a proven bound that is never above it."""
+import itertools
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
+from planner.cost.options import CostOptions
+from planner.solve.branch import applies, branch_and_bound
+from planner.solve.exact import structural_forms
+from tests.support.synthetic import synthetic_profile
+
+
+@st.composite
+def chains(draw):
+    L = draw(st.integers(3, 9))
+    unit = st.floats(1e-4, 4e-3)
+    profile = synthetic_profile(
+        forward=draw(st.lists(unit, min_size=L, max_size=L)),
+        backward=draw(st.lists(unit, min_size=L, max_size=L)),
+        params=draw(st.lists(st.integers(0, 5000), min_size=L, max_size=L)),
+        saved=draw(st.lists(st.integers(0, 500), min_size=L, max_size=L)),
+        cut_act=draw(st.lists(st.integers(0, 800), min_size=L - 1, max_size=L - 1)),
+        sizes=(1, 2, 4),
+        stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
+    for u in profile.units:
+        u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
+    p = draw(st.integers(1, min(5, L)))
+    d = draw(st.sampled_from([1, 1, 2]))
+    opts = CostOptions(pipeline_ranks=p, global_batch=d * 4 * draw(st.sampled_from([1, 2, 4])),
+                       schedule=draw(st.sampled_from(["1f1b", "1f1b", "gpipe", "zb-h1"])), data_parallel=d,
+                       bandwidth=draw(st.sampled_from([2e5, 1e6, 1e8])), latency=draw(st.sampled_from([0.0, 5e-5])),
+                       message_s=draw(st.sampled_from([0.0, 2e-5])), optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+                       memory_cap=draw(st.sampled_from([None, None, 6000.0, 12000.0, 30000.0])),
+                       recompute=draw(st.sampled_from(["none", "none", "all"])),
+                       step_overhead_s=draw(st.sampled_from([0.0, 1e-3])))
+    return profile, opts
+
+
+def _every_split(profile, b, opts):
+    L, S = profile.num_units, opts.num_stages
+    redo = list(range(L)) if opts.recompute == "all" else []
+    best = math.inf
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        cost = evaluate(profile, list(cuts), b, opts, redo)
+        if cost.feasible:
+            best = min(best, cost.iteration_s)
+    return best
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(), st.booleans())
+def test_branch_and_bound_finds_the_best_split(problem, seeded):
+    profile, opts = problem
+    profile = compute_profile(profile, opts)
+    assert applies(profile, opts)
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        forms = structural_forms(profile, b, opts) if seeded else set()
+        found = branch_and_bound(profile, b, opts, None, forms, time_limit=None)
+        best = _every_split(profile, b, opts)
+        assert found.optimal
+        if math.isinf(best):
+            assert found.best is None
+            continue
+        assert found.best is not None
+        assert math.isclose(found.best.iteration_s, best, rel_tol=1e-9)
+        again = evaluate(profile, found.best.boundaries, b, opts, found.best.recompute)
+        assert again.feasible and math.isclose(again.iteration_s, best, rel_tol=1e-9)
+        assert found.bound_s <= best * (1 + 1e-9)
+
+
+def test_it_does_not_apply_where_a_term_spans_stages():
+    profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=[10] * 4, saved=[10] * 4,
+                                cut_act=[10] * 3, sizes=(1,))
+    assert applies(profile, CostOptions(pipeline_ranks=2, global_batch=4))
+    assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4, schedule="interleaved", virtual_stages=2))
+    assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4, recompute="auto"))
+    profile.extra["shared_parameters"] = [{"name": "tied", "units": ["u0", "u3"], "bytes": 8}]
+    assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4))
