@@ -45,7 +45,7 @@ from planner.profile.profile import Profile
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
-REFRESH = 0.05  # re-derive the allowed stages and completions when the target or the forms moved this much
+REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
@@ -106,6 +106,15 @@ class _Terms:
                 terms["act"] = np.broadcast_to(act[None, :], forward.shape)
                 terms["grad"] = np.broadcast_to(grad[None, :], forward.shape)
             self.value.append(terms)
+        # rows[g][a] = every term of stage g = [a, e) over e, as (terms, L + 1), 0 where not a range
+        self.rows: List[np.ndarray] = []
+        shared: Dict[Tuple[float, bool], np.ndarray] = {}
+        for g, terms in enumerate(self.value):
+            key = (speeds[g], g < S - 1)
+            if key not in shared or g < S - 1:  # the message terms differ by boundary
+                stacked = np.stack([terms[name] if name in terms else np.zeros((L + 1, L + 1)) for name in _STAGE_TERMS])
+                shared[key] = np.ascontiguousarray(np.where(np.isfinite(stacked), stacked, 0.0).transpose(1, 0, 2))
+            self.rows.append(shared[key])
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
         self.costs, self.speeds, self.redo_all = costs, [speeds[g] for g in range(S)], redo_all
@@ -150,12 +159,12 @@ class _Terms:
 
 
 class _Forms:
-    """The forms as arrays: per stage g a coefficient matrix C_g (forms x terms) and the constants."""
+    """The forms as arrays: the constants c_k and per stage g a coefficient matrix (forms x terms)."""
 
     def __init__(self, terms: _Terms, message_s: float):
         self.terms, self.message_s = terms, message_s
-        self.constant: List[float] = []
-        self.coefficients: List[List[List[float]]] = []  # form -> stage -> per _STAGE_TERMS
+        self.constant = np.zeros(0)
+        self.coefficients = np.zeros((terms.S, 0, len(_STAGE_TERMS)))  # [g, k, term]
         self.completion = np.zeros((0, terms.S + 1, terms.L + 1))  # D[k, g, a]
         self.known: Set[PathForm] = set()
 
@@ -167,47 +176,41 @@ class _Forms:
         if form in self.known or form.crossings:
             return False
         S = self.terms.S
-        counts = form.count()
-        per_stage = [[0.0] * len(_STAGE_TERMS) for _ in range(S)]
+        per_stage = np.zeros((S, 1, len(_STAGE_TERMS)))
         constant = 0.0
-        for term, n in counts.items():
+        for term, n in form.count().items():
             if term == ("message",):
                 constant += n * self.message_s
             elif term[0] in _STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
-                per_stage[term[1]][_STAGE_TERMS.index(term[0])] += n
+                per_stage[term[1], 0, _STAGE_TERMS.index(term[0])] += n
             else:
                 return False
         self.known.add(form)
-        self.constant.append(constant)
-        self.coefficients.append(per_stage)
-        self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
+        self.constant = np.append(self.constant, constant)
+        self.coefficients = np.concatenate([self.coefficients, per_stage], axis=1)
+        self.completion = np.concatenate([self.completion, self._completion(per_stage[:, 0, :])[None]])
         return True
 
     def refresh(self, target: float) -> None:
         """Re-derive the allowed stages for `target` and every form's completions over them."""
         self.terms.restrict(self.known, target)
-        self.completion = np.stack([self._completion(c) for c in self.coefficients]) if self.coefficients \
-            else np.zeros((0, self.terms.S + 1, self.terms.L + 1))
+        self.completion = np.stack([self._completion(self.coefficients[:, k, :]) for k in range(len(self))]) \
+            if len(self) else np.zeros((0, self.terms.S + 1, self.terms.L + 1))
 
-    def stage_value(self, k_range: slice, g: int, a: int) -> np.ndarray:
-        """V_kg(a, e) for the forms in k_range and every e: (forms, L + 1)."""
-        coefficients = np.array([c[g] for c in self.coefficients[k_range]]).reshape(-1, len(_STAGE_TERMS))
-        terms = self.terms.value[g]
-        rows = np.stack([terms[name][a] if name in terms else np.zeros(self.terms.L + 1) for name in _STAGE_TERMS])
-        with np.errstate(invalid="ignore"):
-            out = coefficients @ np.where(np.isfinite(rows), rows, 0.0)
+    def stage_value(self, forms: slice, g: int, a: int) -> np.ndarray:
+        """V_kg(a, e) for the forms in `forms` and every e: (forms, L + 1)."""
+        out = self.coefficients[g, forms] @ self.terms.rows[g][a]
         return np.where(self.terms.allowed[g][a][None, :], out, np.inf)
 
-    def _completion(self, per_stage: List[List[float]]) -> np.ndarray:
-        """D[g, a] for one form: its least sum over the splits of [a, L) into stages g..S-1."""
+    def _completion(self, per_stage: np.ndarray) -> np.ndarray:
+        """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
+        splits of [a, L) into stages g..S-1."""
         L, S = self.terms.L, self.terms.S
         D = np.full((S + 1, L + 1), np.inf)
         D[S, L] = 0.0
         for g in range(S - 1, -1, -1):
-            terms = self.terms.value[g]
-            V = sum(c * np.where(np.isfinite(terms[name]), terms[name], 0.0)
-                    for c, name in zip(per_stage[g], _STAGE_TERMS) if c and name in terms)
-            V = np.where(self.terms.allowed[g], V if not np.isscalar(V) else np.zeros((L + 1, L + 1)), np.inf)
+            V = np.where(self.terms.allowed[g], np.einsum("ate,t->ae", self.terms.rows[g], per_stage[g]) if per_stage[g].any() else 0.0,
+                         np.inf)
             D[g] = (V + D[g + 1][None, :]).min(axis=1)
         return D
 
@@ -234,7 +237,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         known.refresh(target * (1 - gap))
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
-        (-math.inf, 0, 0, (), np.array(known.constant))]
+        (-math.inf, 0, 0, (), known.constant.copy())]
     nodes = 0
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
@@ -257,16 +260,16 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         every = slice(0, len(known))
         value = known.stage_value(every, g, a)  # (forms, L + 1) over e
         bounds = (prefix[:, None] + value + known.completion[:, g + 1, :]).max(axis=0, initial=-math.inf)
-        ends = [e for e in np.argsort(bounds, kind="stable")[::-1]
-                if a < e <= L - (S - 1 - g) and bounds[e] < target * (1 - gap)]
-        for e in ends:  # pushed worst first: the most promising is expanded next
+        ends = np.arange(L + 1)
+        ends = ends[(ends > a) & (ends <= L - (S - 1 - g)) & (bounds < target * (1 - gap))]
+        for e in ends[np.argsort(bounds[ends], kind="stable")[::-1]]:  # worst first: the best is expanded next
             stack.append((float(bounds[e]), g + 1, int(e), cuts + (int(e),), prefix + value[:, e]))
     return BranchOutcome(best, target + overhead, True, nodes, known.known)  # nothing left beats the target
 
 
 def _prefix(known: _Forms, forms: slice, cuts: Sequence[int]) -> np.ndarray:
     """c_k + sum over the fixed stages of V_kh, for the forms in `forms`."""
-    total = np.array(known.constant[forms])
+    total = np.array(known.constant[forms], dtype=float)
     a = 0
     for h, e in enumerate(cuts):
         total = total + known.stage_value(forms, h, a)[:, e]

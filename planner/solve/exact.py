@@ -187,12 +187,13 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     best = incumbent
     if best is not None:
         forms.add(_form(evaluate(profile, best.boundaries, b, opts, best.recompute)))
-        best = _perturbations(profile, b, opts, best, forms)
     if applies(profile, opts):  # every term a stage's: branch and bound over the splits (planner.solve.branch)
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
         found = branch_and_bound(profile, b, opts, best, forms, remaining, gap, target_s)
         forms |= found.forms
         return ScenarioOutcome(found.best, found.bound_s, found.optimal, "branch")
+    if best is not None:
+        best = _perturbations(profile, b, opts, best, forms)
     bound = -math.inf
     tight = False  # solve the next program to `gap` (a loose one found nothing new)
     while True:
