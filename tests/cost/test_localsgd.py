@@ -139,6 +139,10 @@ def test_what_local_sgd_cannot_plan_is_refused_in_one_line(tmp_path, capsys):
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (change, err)
     code, err = _cli(capsys, ["show", out])
     assert code == 0
+    target = str(tmp_path / "out.toml")  # the exported configuration would train otherwise
+    code, err = _cli(capsys, ["export", out, "--format", "torchtitan", "-o", target])
+    assert code == 2 and "local SGD" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.toml").exists()
 
 
 def test_local_sgd_options_are_checked():

@@ -54,3 +54,19 @@ def test_what_a_local_sgd_plan_cannot_run_with_is_refused_in_one_line(tmp_path, 
         err = capsys.readouterr().err
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (extra, err)
     assert not os.path.exists(tmp_path / "state.pt")
+
+
+def test_the_averaged_tensors_are_the_trained_parameters_and_floating_point_buffers():
+    from types import SimpleNamespace
+
+    from runtime.localsgd import ModelAverager
+    from runtime.stage import RankModel
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    module[0].bias.requires_grad_(False)  # frozen: equal in every replica
+    averager = ModelAverager(RankModel(spec=None, stages=[SimpleNamespace(module=module)], tied={}, tied_groups=[]),
+                             group=None, replicas=2, every=3)
+    averaged = {id(t) for tensors in averager.groups.values() for t in tensors}
+    bn = module[1]
+    assert averaged == {id(module[0].weight), id(bn.weight), id(bn.bias), id(bn.running_mean), id(bn.running_var)}
+    assert [averager.due(step) for step in range(6)] == [False, False, True, False, False, True]
