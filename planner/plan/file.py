@@ -247,7 +247,6 @@ class Plan:
             if st.device is None:
                 st.device = device
 
-
     def _check_sync(self, where: str) -> None:
         """Local SGD needs replicas to average, each a whole unsharded copy, with no replicated stage."""
         H = self.sync_every
