@@ -6,9 +6,10 @@ batch). The last stage's loss for micro-batch i is `loss(output_i, target_i) / (
 the gradient all-reduce (a sum over replicas) every parameter holds the gradient of the mean
 micro-batch loss, exactly as single-device gradient accumulation over the same d·m micro-batches
 computes it (under local SGD, plan `sync_every` H > 1, runtime.localsgd: `/ m`, no all-reduce, each
-replica a trainer of its own, their models averaged every H steps). A replicated stage's replicas each run their share of the micro-batches
-(round-robin) and sum gradients the same way. Tied weights used on several ranks get their
-gradients summed across all their holders. One optimizer step per rank ends the step.
+replica a trainer of its own, their models averaged every H steps). A replicated stage's replicas
+each run their share of the micro-batches (round-robin) and sum gradients the same way. Tied
+weights used on several ranks get their gradients summed across all their holders (under local
+SGD, those of the replica). One optimizer step per rank ends the step.
 
 Communication runs in batches (runtime.program): a batch's sends and receives are posted together
 and waited for entirely before the next action. Stages on the same rank hand values over in

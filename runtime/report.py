@@ -114,7 +114,8 @@ def format_report(report: Dict[str, Any]) -> str:
                          f"planned {(s.get('predicted_memory_bytes') or 0) / 2**20:.1f} MiB")
     p, m = report["predicted_iteration_s"], report["measured_iteration_s"]
     err = report.get("relative_error")
-    lines.append(f"iteration: measured {m * 1e3:.2f} ms ({report.get('measured_iteration_is', 'median')} of steady steps), predicted {p * 1e3:.2f} ms"
+    summary = report.get("measured_iteration_is", "median")
+    lines.append(f"iteration: measured {m * 1e3:.2f} ms ({summary} of steady steps), predicted {p * 1e3:.2f} ms"
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
     lines += host_speed_lines(report.get("host_slowdown"), p, m)
     return "\n".join(lines)

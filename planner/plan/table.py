@@ -68,7 +68,8 @@ def _summary(plan: Plan, cap) -> List[str]:
         charged = max(plan.step_durations.get("reduce", []), default=0.0)
         out.append(f"local SGD: each replica trains alone and the replicas average their models every "
                    f"{plan.sync_every} steps ({_ms(plan.averaging_s or 0.0)} ms each, {_ms(charged)} ms per step "
-                   "charged: the predicted iteration is the mean step over those steps); no per-step gradient all-reduce")
+                   "charged: the predicted iteration is the mean step over those steps); no per-step gradient "
+                   "all-reduce")
     redo = sum(len(st.recompute) for st in plan.stages)
     out.append(f"predicted iteration time {_ms(plan.predicted_iteration_s)} ms, "
                f"bubble {100 * plan.bubble_fraction:.1f}%"

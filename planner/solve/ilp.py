@@ -308,7 +308,8 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     message = max(float(c.act.max(initial=0.0)), float(c.grad.max(initial=0.0)))
     links = boundary_links(opts) or [(opts.bandwidth, opts.latency)]
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
-    ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts) for _, _, size in shared_parameters(profile))
+    ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
+               for _, _, size in shared_parameters(profile))
     reduce = sync_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
