@@ -187,6 +187,8 @@ class Plan:
     # --- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> Dict[str, Any]:
         out = _fields_to_json(self)
+        if self.sync_every == 1:  # the default: a plan without local SGD reads (and hashes) as before it existed
+            del out["sync_every"]
         out["stages"] = [_fields_to_json(st) for st in self.stages]
         return out
 
