@@ -91,6 +91,13 @@ def execute(args: argparse.Namespace) -> int:
           + (", torch.distributed.pipelining" if args.engine == "torch" else ""), flush=True)
     if args.engine == "torch":
         _say_pass_through(plan)
+    if plan.sync_every > 1:
+        from runtime.localsgd import end_note
+
+        print(f"local SGD: each replica trains alone and the replicas average their models every {plan.sync_every} "
+              "steps", flush=True)
+        if end_note(plan.sync_every, args.steps):
+            print(end_note(plan.sync_every, args.steps), file=sys.stderr)
     if plan.emulated_boundaries:
         print(f"emulating the cluster's slow link at stage boundaries {plan.emulated_boundaries}: each message "
               "crossing it is held for its planned transfer time (runtime/emulation.py)", flush=True)
@@ -130,7 +137,11 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         raise UsageError("--resume needs --checkpoint-dir")
     from runtime.options import training_options
 
-    training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line
+    options = training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line
+    from runtime.localsgd import run_refusal
+
+    if run_refusal(plan.sync_every, options.clip_grad_norm):
+        raise UsageError(run_refusal(plan.sync_every, options.clip_grad_norm))
     if args.init_state:
         from runtime.initstate import InitState
 

@@ -5,9 +5,11 @@ splits them into m equal micro-batches along dim 0 (each a tensor of its own, no
 batch). The last stage's loss for micro-batch i is `loss(output_i, target_i) / (d·m)`, so after
 the gradient all-reduce (a sum over replicas) every parameter holds the gradient of the mean
 micro-batch loss, exactly as single-device gradient accumulation over the same d·m micro-batches
-computes it. A replicated stage's replicas each run their share of the micro-batches
-(round-robin) and sum gradients the same way. Tied weights used on several ranks get their
-gradients summed across all their holders. One optimizer step per rank ends the step.
+computes it (under local SGD, plan `sync_every` H > 1, runtime.localsgd: `/ m`, no all-reduce, each
+replica a trainer of its own, their models averaged every H steps). A replicated stage's replicas
+each run their share of the micro-batches (round-robin) and sum gradients the same way. Tied
+weights used on several ranks get their gradients summed across all their holders (under local
+SGD, those of the replica). One optimizer step per rank ends the step.
 
 Communication runs in batches (runtime.program): a batch's sends and receives are posted together
 and waited for entirely before the next action, except a batch of sends only, which is waited for
@@ -48,6 +50,7 @@ from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag, post
 from runtime.emulation import hold, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
+from runtime.localsgd import ModelAverager
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.outbox import Outbox
 from runtime.precision import ComputeCopy
@@ -114,7 +117,7 @@ class Engine:
     def __init__(self, rank_model: RankModel, actions: List[Action], topology: Topology, rank: int,
                  global_batch: int, num_micro_batches: int, optimizer: Any, device: torch.device,
                  groups: Groups, use_tags: bool = True, trace: Optional[TraceHook] = None,
-                 autocast: Optional[torch.dtype] = None):
+                 autocast: Optional[torch.dtype] = None, sync_every: int = 1):
         self.spec = rank_model.spec
         self.rank_model = rank_model
         self.runners = {st.index: StageRunner(st) for st in rank_model.stages}
@@ -151,7 +154,14 @@ class Engine:
         self.before_optimizer: List[Callable[[], None]] = []  # e.g. gradient clipping
         self.buckets: Optional[GradientBuckets] = None
         self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
-        if groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
+        # local SGD (runtime.localsgd): each replica trains alone (loss / m) and the replicas average
+        # their models every `sync_every` steps, with no gradient all-reduce
+        self.averager: Optional[ModelAverager] = None
+        self.trainers = topology.data_parallel  # the replicas one loss is shared by
+        if sync_every > 1 and groups.data_parallel_group is not None:
+            self.averager = ModelAverager(rank_model, groups.data_parallel_group, topology.data_parallel, sync_every)
+            self.trainers = 1
+        elif groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
             self.buckets, tied = data_parallel_buckets(rank_model, groups.data_parallel_group)
             self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
         self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
@@ -197,6 +207,10 @@ class Engine:
         self.outbox.drain()  # (done before the optimizer step; a list without one ends here)
         if self.compute_copy is not None:
             self.compute_copy.remove()
+        if self.averager is not None and self.averager.due(step):  # after the list's optimizer step
+            clock.mark()
+            self.averager.average()
+            clock.stop("reduce_s", "average")
         self.count_saved = False
         stats = current.stats
         close_step(clock, stats, self.trace)
@@ -219,7 +233,7 @@ class Engine:
             out = runner.stage.module(*args, *state.received)
             if runner.stage.is_last:
                 loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
-                state.loss = loss / (self.m * self.topology.data_parallel)
+                state.loss = loss / (self.m * self.trainers)
             else:
                 state.outputs = out
         if counting:
@@ -227,7 +241,7 @@ class Engine:
             state.saved_bytes = self.saved.finish()
             runner.learn_kept(state, saved)
         if state.loss is not None:
-            detached = state.loss.detach().float() * (self.m * self.topology.data_parallel)
+            detached = state.loss.detach().float() * (self.m * self.trainers)
             step.loss_sum = detached if step.loss_sum is None else step.loss_sum + detached
             step.loss_count += 1
         runner.drop_inputs(state)

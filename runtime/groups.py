@@ -18,10 +18,12 @@ class Groups:
     - holders of the same stages (a stage's lanes, in every data-parallel replica): their
       gradients are summed in buckets (GradientBuckets);
     - tied weights used by stages on several pipeline ranks: one group of every rank holding a use,
-      in every replica, whose sum is the whole gradient (so tied parameters skip the first).
+      in every replica, whose sum is the whole gradient (so tied parameters skip the first); under
+      local SGD (`per_replica`: each replica trains alone, runtime.localsgd) one group per replica.
     """
 
-    def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]]):
+    def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]],
+                 per_replica: bool = False):
         self.topology = topology
         self.tie_groups: Dict[str, Any] = {}
         self.data_parallel_group = None  # the holders of this rank's stages, when more than one
@@ -36,10 +38,13 @@ class Groups:
                 if rank in ranks:
                     self.data_parallel_group = group
         for name, positions in tied_groups:
-            ranks = [topology.global_rank(r, q) for r in range(topology.data_parallel) for q in positions]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.tie_groups[name] = group
+            spans = [range(topology.data_parallel)] if not per_replica else \
+                [[r] for r in range(topology.data_parallel)]
+            for replicas in spans:
+                ranks = [topology.global_rank(r, q) for r in replicas for q in positions]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    self.tie_groups[name] = group
 
     def reduce_gradients(self, rank_model: RankModel, buckets: Optional["GradientBuckets"]) -> None:
         """Sum the tied weights' gradients over their holders, then finish the data-parallel

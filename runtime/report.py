@@ -28,7 +28,10 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             # A step ends when the slowest rank has finished its optimizer step.
             "time_s": max(r["steps"][j]["time_s"] for r in rank_results),
         })
-    measured = statistics.median(_steady([s["time_s"] for s in steps])) if steps else 0.0
+    # local SGD: its prediction is the mean step over the averaging period (planner.cost.localsgd), so
+    # the steps' mean, averaging steps included; else the median (robust to a noisy step)
+    summary = statistics.mean if plan.sync_every > 1 else statistics.median
+    measured = summary(_steady([s["time_s"] for s in steps])) if steps else 0.0
     ranks = []
     lists = plan.instruction_lists()
     for r in rank_results:
@@ -82,6 +85,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
         "stages": ranks,
         "predicted_iteration_s": predicted,
         "measured_iteration_s": measured,
+        "measured_iteration_is": "mean" if plan.sync_every > 1 else "median",
         "relative_error": (measured - predicted) / predicted if predicted > 0 else None,
         "link": next((r["link"] for r in rank_results if r.get("link")), None),
         # the host's speed during the run against the profile's (planner.profile.hostspeed)
@@ -111,7 +115,8 @@ def format_report(report: Dict[str, Any]) -> str:
                          f"planned {(s.get('predicted_memory_bytes') or 0) / 2**20:.1f} MiB")
     p, m = report["predicted_iteration_s"], report["measured_iteration_s"]
     err = report.get("relative_error")
-    lines.append(f"iteration: measured {m * 1e3:.2f} ms (median of steady steps), predicted {p * 1e3:.2f} ms"
+    summary = report.get("measured_iteration_is", "median")
+    lines.append(f"iteration: measured {m * 1e3:.2f} ms ({summary} of steady steps), predicted {p * 1e3:.2f} ms"
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
     lines += host_speed_lines(report.get("host_slowdown"), p, m)
     return "\n".join(lines)

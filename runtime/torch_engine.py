@@ -78,6 +78,9 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     if getattr(plan, "shard", "none") != "none":
         return (f"--engine torch does not shard optimizer state or gradients (the plan's shard is {plan.shard}); "
                 "run it with --engine own, or re-plan with --shard none")
+    if getattr(plan, "sync_every", 1) > 1:
+        return ("--engine torch does not run local SGD (the plan averages its replicas every "
+                f"{plan.sync_every} steps); run it with --engine own, or re-plan with --local-sgd-max 1")
     if (precision or getattr(plan, "precision", "fp32")) != "fp32":
         return ("--engine torch runs fp32 plans only (torch's stages receive the plan's dtypes, which autocast "
                 "changes); run it with --engine own, or re-plan with --precision fp32")

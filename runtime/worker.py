@@ -38,6 +38,7 @@ from runtime.initstate import InitState
 from runtime.options import ENGINES, add_training_options, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
 from runtime.launch import RANK_TIMEOUT_S
+from runtime.localsgd import run_refusal
 from runtime.shard import shard_optimizer
 from runtime.stage import RankModel, build_rank, stage_state
 
@@ -183,12 +184,14 @@ def _build(me: _Rank, use_tags: bool) -> None:
     me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state)
     for stage in me.rank_model.stages:
         stage.module.to(me.device)
-    me.groups = Groups(topology, me.rank, me.rank_model.tied_groups)
+    me.groups = Groups(topology, me.rank, me.rank_model.tied_groups, per_replica=plan.sync_every > 1)
     actions = plan.instruction_lists()[me.pipeline_rank]
     me.optimizer_name = args.optimizer or plan.optimizer
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
     me.options = training_options(args, me.optimizer_name, plan)
+    if run_refusal(plan.sync_every, me.options.clip_grad_norm):
+        raise ValueError(run_refusal(plan.sync_every, me.options.clip_grad_norm))
     me.optimizer = make_optimizer(me.options, me.rank_model.trainable())
     # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py;
     # torch's defaults: momentum, betas and weight decay apply to the unsharded optimizer only)
@@ -211,7 +214,8 @@ def _build(me: _Rank, use_tags: bool) -> None:
     else:
         me.engine = Engine(me.rank_model, actions, topology, me.rank, plan.global_batch, plan.num_micro_batches,
                            me.optimizer, me.device, me.groups, use_tags=use_tags,
-                           trace=record if args.trace else None, autocast=me.options.autocast_dtype)
+                           trace=record if args.trace else None, autocast=me.options.autocast_dtype,
+                           sync_every=plan.sync_every)
         me.engine.emulated_links = link_delays(plan)
     if me.options.clip_grad_norm is not None:
         me.engine.before_optimizer.append(_clipper(me))

@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD
 from planner.errors import UsageError
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.sizes import parse_bytes
@@ -144,15 +145,24 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.table import format_plan_table
     from planner.solve.api import solve
     from planner.solve.diagnose import InfeasibleError
+    from planner.solve.localsgd import solve_local_sgd
 
     profile, opts, devices, schedules = problem_from_args(args)
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)
     if args.method == "ilp" and not args.replicate:
         args.backend = ilp_backend(args.backend)
+    _check_local_sgd(args, opts, devices)
     try:
         if args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
+        elif args.local_sgd_max > 1:
+            def run(options, scenario):  # scenario: on these options' own p, d, schedule and v
+                return solve(profile, options, method=args.method, time_limit=args.time_limit, backend=args.backend,
+                             devices=None if scenario else devices, schedules=[options.schedule] if scenario
+                             else schedules, virtual_stages=options.virtual_stages if scenario else args.virtual_stages)
+
+            solution = solve_local_sgd(profile, opts, args.local_sgd_max, args.sync_overhead, run)
         else:
             solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
                              devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
@@ -166,6 +176,27 @@ def cmd_solve(args: argparse.Namespace) -> int:
     print(format_plan_table(plan))
     print(f"wrote {args.output}")
     return 0
+
+
+def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int]) -> None:
+    """--local-sgd-max and --sync-overhead: one-line refusals of what local SGD cannot plan."""
+    h_max = args.local_sgd_max
+    if h_max < 1:
+        raise UsageError(f"--local-sgd-max must be at least 1 (got {h_max}); 1 all-reduces gradients every step")
+    if not args.sync_overhead > 0:
+        raise UsageError(f"--sync-overhead must be a positive fraction of the step (got {args.sync_overhead}), "
+                         "e.g. 0.05")
+    if h_max == 1:
+        return
+    if devices is None or devices < 2:
+        raise UsageError(f"--local-sgd-max {h_max} averages data-parallel replicas, and this problem has one: "
+                         "give --devices N (the solver chooses p x d = N)")
+    if opts.shard != "none":
+        raise UsageError(f"--local-sgd-max {h_max} needs --shard none (each replica trains a whole copy), "
+                         f"got --shard {opts.shard}")
+    if args.replicate:
+        raise UsageError(f"--local-sgd-max {h_max} does not plan replicated stages (their lanes exchange "
+                         "gradients every step); drop --replicate")
 
 
 def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
@@ -200,5 +231,13 @@ def register(sub) -> None:
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
                         "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
                         "chosen on a closed form, timed by the simulation, with a busy-time bound as its gap)")
+    s.add_argument("--local-sgd-max", type=int, default=1, metavar="H",
+                   help="let data-parallel replicas train alone and average their models every H steps, H <= "
+                        "this bound (local SGD, for a slow data-parallel link; needs --devices and --shard none): "
+                        "the smallest H whose averaging per step is within --sync-overhead of the step's compute, "
+                        "else the bound (default 1: all-reduce gradients every step)")
+    s.add_argument("--sync-overhead", type=float, default=DEFAULT_SYNC_OVERHEAD, metavar="FRACTION",
+                   help="with --local-sgd-max: the share of the step's compute the averaging may add per step "
+                        f"(default {DEFAULT_SYNC_OVERHEAD})")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

@@ -17,11 +17,12 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    (the link between the two stages' ranks; 0 for a stage handing over on its rank)
     message        a fixed cost per message on each side (`message_s`)
     tie t          2 (n - 1) / n * bytes_t / bandwidth: all-reduce of tied weight t over the n ranks
-                   (all replicas) holding a use of it, when its uses span several ranks
+                   (all replicas; one under local SGD) holding a use of it, when its uses span several ranks
     lanes g        the same over n = r_g d holders: a replicated stage's exchange
     reduce i       the data-parallel exchange of rank i's trainable T_i over the replicas / dp_bandwidth:
                    an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
-                   frozen parameters exchange nothing, except their gathers under `parameters`)
+                   frozen parameters exchange nothing, except their gathers under `parameters`);
+                   under local SGD (sync_every H > 1) the model averaging's time / H (planner.cost.localsgd)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
     backward_input g, backward_weight g   (zero-bubble schedules) the backward's two parts,
@@ -64,6 +65,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
+from planner.cost.localsgd import averaging_seconds_per_byte
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
@@ -97,9 +99,12 @@ def static_bytes(params, trainable, opts: CostOptions, dtype: str, holders: Opti
 
 def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> Tuple[float, float]:
     """Seconds of the data-parallel exchange per trainable and per frozen profile byte over n
-    holders (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory)."""
+    holders (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory);
+    under local SGD its model averaging's share of a step (planner.cost.localsgd)."""
     n = opts.data_parallel if holders is None else holders
     bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
+    if opts.local_sgd:  # the model averaging every H steps, charged 1/H per step; frozen: nothing
+        return averaging_seconds_per_byte(precision_of(opts, dtype), n, dtype, bandwidth) / opts.sync_every, 0.0
     precision, scale = precision_of(opts, dtype), memory_model.param_itemsize(dtype) * bandwidth
     return (memory_model.sync_bytes_per_param(precision, _shard(opts), n, m) / scale,
             memory_model.frozen_sync_bytes_per_param(precision, _shard(opts), n, m) / scale)
@@ -463,7 +468,7 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:
         if term[0] == "tie":
-            value[term] = tie_time(sizes[term[1]], len(members) * opts.data_parallel, opts)
+            value[term] = tie_time(sizes[term[1]], len(members) * opts.tie_replicas, opts)
         else:
             g = term[1]
             holders = len(members) * opts.data_parallel

@@ -42,6 +42,9 @@ class CostOptions:
     precision: Optional[str] = None
     shard: str = "none"
     reserve_bytes: Optional[float] = None
+    # H: the data-parallel replicas exchange gradients every step (1), or train alone and average
+    # their models every H > 1 steps: local SGD (planner.cost.localsgd)
+    sync_every: int = 1
 
     @property
     def replicated(self) -> bool:
@@ -51,6 +54,17 @@ class CostOptions:
     def num_stages(self) -> int:
         """S: the plan's stages (p·v, or one per replicated stage)."""
         return len(self.replicas) if self.replicas else self.pipeline_ranks * self.virtual_stages
+
+    @property
+    def local_sgd(self) -> bool:
+        """The replicas average their models every H > 1 steps instead of all-reducing gradients."""
+        return self.sync_every > 1 and self.data_parallel > 1
+
+    @property
+    def tie_replicas(self) -> int:
+        """The replicas a tied weight's gradient all-reduce spans: every one, or, under local SGD,
+        its own alone (each replica trains by itself)."""
+        return 1 if self.local_sgd else self.data_parallel
 
     def rank_of_stage(self, g: int) -> int:
         """The pipeline rank running stage g (unreplicated): the schedule's placement."""
@@ -101,6 +115,14 @@ class CostOptions:
             raise ValueError(f"unknown recompute mode {self.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
         if self.replicas:
             self._validate_replicas()
+        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
+            raise ValueError(f"the model averaging period H must be an integer >= 1 (got {self.sync_every!r})")
+        if self.sync_every > 1 and self.shard != "none":
+            raise ValueError(f"local SGD (averaging every {self.sync_every} steps) needs unsharded replicas: each "
+                             f"trains a whole copy; use --shard none (got {self.shard})")
+        if self.sync_every > 1 and self.replicated:
+            raise ValueError("local SGD does not run with replicated stages (their lanes must exchange gradients "
+                             "every step); solve without --replicate or with --local-sgd-max 1")
         if self.cluster is not None and self.cluster.num_devices != self.pipeline_ranks:
             raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.pipeline_ranks} "
                              "pipeline stages were asked; give --stages equal to the cluster's device count")

@@ -34,6 +34,9 @@ def export_refusal(plan: Plan) -> Optional[str]:
     if plan.replicated:
         return ("the plan has replicated stages (a stage on several devices), which torch.distributed.pipelining and "
                 "torchtitan cannot run; re-plan without --replicate")
+    if plan.sync_every > 1:
+        return (f"the plan's replicas average their models every {plan.sync_every} steps (local SGD), which the "
+                "exported configuration cannot express; re-plan with --local-sgd-max 1")
     topology = plan.topology()
     p = topology.pipeline_ranks
     if any(rank != g % p for g, rank in enumerate(topology.stage_rank)):

@@ -110,6 +110,12 @@ class Plan:
     reserve_bytes: float = _key(_NUMBER, required=False, default=0.0)
     global_batch: int = _key(_INT, default=1)
     data_parallel: int = _key(_INT, required=False, default=1)
+    # H: 1, the replicas all-reduce gradients every step; H > 1, local SGD: each replica trains alone
+    # and they average their models after every H-th step (planner.cost.localsgd); absent: 1
+    sync_every: int = _key(_INT, required=False, default=1)
+    # local SGD only: seconds of one averaging on the slowest rank; step_durations' "reduce" charges
+    # it / sync_every per step
+    averaging_s: Optional[float] = _key(_NUMBER, required=False, default=None)
     pipeline_stages: int = _key(_INT, required=False, default=0)  # 0 in code: derive from the stages
     virtual_stages: int = _key(_INT, required=False, default=1)
     micro_batch_size: int = _key(_INT, default=1)
@@ -181,6 +187,8 @@ class Plan:
     # --- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> Dict[str, Any]:
         out = _fields_to_json(self)
+        if self.sync_every == 1:  # the default: a plan without local SGD reads (and hashes) as before it existed
+            del out["sync_every"]
         out["stages"] = [_fields_to_json(st) for st in self.stages]
         return out
 
@@ -214,6 +222,7 @@ class Plan:
         for name, value, known in (("precision", self.precision, PRECISIONS), ("shard", self.shard, SHARDS)):
             if value not in known:
                 raise JsonFileError(f"{where} has {name} {value!r}, not one of {', '.join(known)}; {_REMAKE}")
+        self._check_sync(where)
         if not 0 <= self.reserve_bytes < float("inf"):
             raise JsonFileError(f"{where} has reserve_bytes {self.reserve_bytes!r}: bytes >= 0; {_REMAKE}")
         try:
@@ -239,6 +248,23 @@ class Plan:
         for st, device in zip(self.stages, topology.stage_rank):
             if st.device is None:
                 st.device = device
+
+    def _check_sync(self, where: str) -> None:
+        """Local SGD needs replicas to average, each a whole unsharded copy, with no replicated stage."""
+        H = self.sync_every
+        if H < 1:
+            raise JsonFileError(f"{where} has sync_every {H}: the averaging period is at least 1 step; {_REMAKE}")
+        if H == 1:
+            return
+        if self.data_parallel < 2:
+            raise JsonFileError(f"{where} has sync_every {H} with one data-parallel replica: local SGD averages "
+                                f"replicas; {_REMAKE} --devices N --local-sgd-max H")
+        if self.shard != "none":
+            raise JsonFileError(f"{where} has sync_every {H} with shard {self.shard}: local SGD needs unsharded "
+                                f"replicas; {_REMAKE} --shard none")
+        if self.replicated:
+            raise JsonFileError(f"{where} has sync_every {H} with replicated stages: local SGD does not run "
+                                f"them; {_REMAKE} without --replicate")
 
 
 def _not_an_object(where: str):

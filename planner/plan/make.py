@@ -8,6 +8,7 @@ from planner.cost.options import CostOptions
 from planner.pipeline.schedule import schedule_virtual_stages
 from planner.plan.file import Plan, PlanStage
 from planner.profile.profile import Profile
+from planner.solve.localsgd import averaging_s
 from planner.solve.solution import Solution
 
 
@@ -72,7 +73,9 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
                  "host_kernel_s": profile.host_kernel.get("mean_s")},
         schedule=cost.schedule, optimizer=opts.optimizer, precision=precision_of(opts, profile.dtype),
         shard=opts.shard, reserve_bytes=reserve_of(profile, opts), global_batch=opts.global_batch,
-        data_parallel=cost.data_parallel, pipeline_stages=p, virtual_stages=cost.virtual_stages,
+        data_parallel=cost.data_parallel, sync_every=opts.sync_every if opts.local_sgd else 1,
+        averaging_s=averaging_s(solution) if opts.local_sgd else None,
+        pipeline_stages=p, virtual_stages=cost.virtual_stages,
         micro_batch_size=b, num_micro_batches=m, memory_per_device_bytes=opts.memory_cap,
         bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, step_overhead_s=opts.step_overhead_s,
         message_s=opts.message_s, step_durations=durations_json(cost.durations, cost.collectives),

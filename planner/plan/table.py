@@ -64,6 +64,12 @@ def _summary(plan: Plan, cap) -> List[str]:
                + (f" x {d} data-parallel replicas" if d > 1 else "")
                + f" (global batch {plan.global_batch}), schedule {plan.schedule}"
                + (f" with {v} stages per device" if v > 1 else "") + f", optimizer {plan.optimizer}")
+    if plan.sync_every > 1:
+        charged = max(plan.step_durations.get("reduce", []), default=0.0)
+        out.append(f"local SGD: each replica trains alone and the replicas average their models every "
+                   f"{plan.sync_every} steps ({_ms(plan.averaging_s or 0.0)} ms each, {_ms(charged)} ms per step "
+                   "charged: the predicted iteration is the mean step over those steps); no per-step gradient "
+                   "all-reduce")
     redo = sum(len(st.recompute) for st in plan.stages)
     out.append(f"predicted iteration time {_ms(plan.predicted_iteration_s)} ms, "
                f"bubble {100 * plan.bubble_fraction:.1f}%"

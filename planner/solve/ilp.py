@@ -212,7 +212,7 @@ class Program:
             self.add(pulp.lpSum(n * v for n, v in y.items()) == pulp.lpSum(self.hold[name, i] for i in ranks),
                      f"holders_count_{name}")
             self.term[("tie", name)] = self._define(
-                f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.data_parallel, opts) * MS * v for n, v in y.items()))
+                f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.tie_replicas, opts) * MS * v for n, v in y.items()))
 
     # --- memory ---------------------------------------------------------------------------------
     def _memory(self) -> None:
@@ -315,7 +315,8 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     message = max(float(c.act.max(initial=0.0)), float(c.grad.max(initial=0.0)))
     links = boundary_links(opts) or [(opts.bandwidth, opts.latency)]
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
-    ties = sum(tie_time(size, opts.pipeline_ranks * opts.data_parallel, opts) for _, _, size in shared_parameters(profile))
+    ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
+               for _, _, size in shared_parameters(profile))
     reduce = sync_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
