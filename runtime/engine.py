@@ -45,7 +45,7 @@ from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag
-from runtime.emulation import hold
+from runtime.emulation import hold, hold_exchange
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.precision import ComputeCopy
@@ -138,6 +138,7 @@ class Engine:
                              if autocast is not None else None)
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
         self.emulated_links: Dict[Tuple[str, int], float] = {}  # runtime.emulation: seconds per crossing
+        self.emulated_exchange_s = 0.0  # runtime.emulation: seconds held after the data-parallel exchange
         self.clock = StepClock(device)
         self.params = rank_model.parameters()
         self.saved = SavedBytes(self.params)
@@ -388,6 +389,7 @@ class Engine:
         if self.compute_copy is not None:
             self.compute_copy.remove()  # every backward is done: the optimizer steps the fp32 masters
         self.groups.reduce_gradients(self.rank_model, self.buckets)
+        hold_exchange(self.emulated_exchange_s)
         self.clock.stop("reduce_s", "reduce")
         self.clock.mark()
         for hook in self.before_optimizer:

@@ -71,7 +71,12 @@ def problem_from_args(args: argparse.Namespace):
             cluster = load_cluster(args.cluster)
         except ValueError as e:
             raise UsageError(f"--cluster {args.cluster}: {e}") from None
-    stages = args.stages if args.stages is not None else (cluster.num_devices if cluster else 2)
+    topology = load_topology_arg(args)
+    if topology is not None and (cluster is not None or args.devices is not None):
+        raise UsageError("--topology gives the devices (the solver chooses p x d and the placement); drop "
+                         "--cluster/--devices")
+    stages = args.stages if args.stages is not None else (cluster.num_devices if cluster else
+                                                          topology.num_devices if topology else 2)
     if stages < 1 or (args.devices is not None and args.devices < 1):
         raise UsageError("--stages/--devices must be at least 1")
     if args.virtual_stages < 2:
@@ -117,6 +122,19 @@ def problem_from_args(args: argparse.Namespace):
     return profile, opts, args.devices, schedules
 
 
+def load_topology_arg(args: argparse.Namespace):
+    """The --topology file (planner.cost.topology_file), checked; None without one."""
+    from planner.cost.topology_file import load_topology
+
+    path = getattr(args, "topology", None)
+    if not path:
+        return None
+    try:
+        return load_topology(path)
+    except ValueError as e:
+        raise UsageError(f"--topology {path}: {e}") from None
+
+
 def _reserve_bytes(text: Optional[str]) -> Optional[float]:
     """--reserve: a size, or 0 for none; None: the profile's device default (planner.cost.memory)."""
     if text is None:
@@ -150,8 +168,17 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(args.calibration_note)
     if args.method == "ilp" and not args.replicate:
         args.backend = ilp_backend(args.backend)
+    topology = load_topology_arg(args)
+    if topology is not None and args.replicate:
+        raise UsageError("--topology places whole stages on devices; drop --replicate")
     try:
-        if args.replicate:
+        if topology is not None:
+            from planner.solve.placed import solve_on_topology
+
+            solution = solve_on_topology(profile, opts, topology, method=args.method, time_limit=args.time_limit,
+                                         backend=args.backend, schedules=schedules,
+                                         virtual_stages=args.virtual_stages, pipeline_ranks=args.stages)
+        elif args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
         else:
             solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
@@ -200,5 +227,8 @@ def register(sub) -> None:
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
                         "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
                         "chosen on a closed form, timed by the simulation, with a busy-time bound as its gap)")
+    s.add_argument("--topology", default=None,
+                   help="devices as levels (sites, hosts, devices) with their links, JSON (docs/solve.md): the "
+                        "solver chooses p x d = its devices and where each replica's ranks run (--stages: only p)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)
