@@ -64,6 +64,9 @@ def _summary(plan: Plan, cap) -> List[str]:
                + (f" x {d} data-parallel replicas" if d > 1 else "")
                + f" (global batch {plan.global_batch}), schedule {plan.schedule}"
                + (f" with {v} stages per device" if v > 1 else "") + f", optimizer {plan.optimizer}")
+    if plan.placement:
+        out.append("placement (device of each pipeline rank): " +
+                   "; ".join(f"replica {r}: {' '.join(map(str, row))}" for r, row in enumerate(plan.placement)))
     redo = sum(len(st.recompute) for st in plan.stages)
     out.append(f"predicted iteration time {_ms(plan.predicted_iteration_s)} ms, "
                f"bubble {100 * plan.bubble_fraction:.1f}%"

@@ -69,6 +69,15 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     assert planner_main(["solve", profile, "--topology", str(bad), "-o", str(plan)]) == 2
     assert planner_main(["solve", profile, "--topology", str(tmp_path / "missing.json"), "-o", str(plan)]) == 2
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"levels": [{"count": 2}]}))
+    good.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "1MB", "latency": 0.01}, {"count": 2}]}))
     assert planner_main(["solve", profile, "--topology", str(good), "--devices", "2", "-o", str(plan)]) == 2
+    assert planner_main(["solve", profile, "--topology", str(good), "--replicate", "-o", str(plan)]) == 2
     assert not plan.exists()
+    capsys.readouterr()
+    # a good file: the plan says where each replica's ranks run
+    assert planner_main(["solve", profile, "--topology", str(good), "--stages", "2", "--global-batch", "4",
+                         "-o", str(plan)]) == 0
+    written = json.loads(plan.read_text())
+    assert written["pipeline_stages"] == 2 and written["data_parallel"] == 2
+    assert sorted(x for row in written["placement"] for x in row) == [0, 1, 2, 3]
+    assert "placement (device of each pipeline rank)" in capsys.readouterr().out
