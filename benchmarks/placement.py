@@ -5,7 +5,7 @@ solve with the site link as fast as the links inside a site), each predicted on 
 measured with `runtime execute` holding every message and exchange that crosses it for its planned
 time (runtime/emulation.py).
 
-    .venv/bin/python benchmarks/placement.py [--models 256x8 512x8] [--steps 6]
+    .venv/bin/python benchmarks/placement.py [--models 1024x4 256x4] [--steps 6]
 """
 import argparse
 import os
@@ -19,11 +19,10 @@ from planner.cost.model import compute_profile, evaluate  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.cost.placement import Placement  # noqa: E402
 from planner.cost.topology_file import topology_from_json  # noqa: E402
-from planner.fidelity.calibrate import solve_link  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
-from planner.profile.link import measure_link  # noqa: E402
 from planner.profile.measure import profile_model  # noqa: E402
 from planner.solve.placed import solve_on_topology  # noqa: E402
+from planner.sizes import parse_bytes  # noqa: E402
 from planner.solve.solution import Solution  # noqa: E402
 
 
@@ -46,18 +45,6 @@ def on_the_link(profile, solution, link_topology):
     return make_plan(profile, placed, opts, "benchmark")
 
 
-def inside_a_site(cut_bytes, tries=3):
-    """The links inside a site: loopback gloo, as the runs have it, measured (a loaded host can
-    spoil a fit: then again, and at last the values it gives when idle)."""
-    for _ in range(tries):
-        try:
-            return measure_link(cut_bytes)
-        except ValueError:
-            continue
-    return {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "message_s": 2e-5,
-            "allreduce": {"bandwidth_bytes_per_s": 5e8}}
-
-
 def describe(plan):
     cuts = [st.end_unit for st in plan.stages[:-1]]
     return (f"p {plan.pipeline_stages} x d {plan.data_parallel}, b {plan.micro_batch_size}, cuts {cuts}, "
@@ -66,28 +53,33 @@ def describe(plan):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["256x8", "512x8"], help="builtin:mlp widths x layers")
-    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--models", nargs="+", default=["1024x4", "256x4"], help="builtin:mlp widths x layers")
+    ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--bandwidth", default="100MB", help="the site link's bandwidth")
     ap.add_argument("--latency", type=float, default=0.02, help="the site link's latency, seconds")
     ap.add_argument("--steps", type=int, default=6)
+    # inside a site: loopback gloo as `planner profile --link measure` finds it on this machine when it is idle
+    # (a loaded host's fit is too noisy to plan with)
+    ap.add_argument("--inside", default="2GB", help="bandwidth between two devices of a site")
+    ap.add_argument("--inside-latency", type=float, default=1e-4)
+    ap.add_argument("--inside-all-reduce", default="1GB", help="the gradient exchange's rate inside a site")
+    ap.add_argument("--message-cost", type=float, default=2e-5, help="seconds per message on each side")
     args = ap.parse_args()
     link = topology(args.bandwidth, args.latency, emulate=True)
-    print(f"site link {args.bandwidth}/s, {args.latency * 1e3:.0f} ms (emulated); global batch {args.global_batch}")
+    print(f"site link {args.bandwidth}/s, {args.latency * 1e3:.0f} ms (emulated); inside a site {args.inside}/s, "
+          f"{args.inside_latency * 1e6:.0f} us, all-reduce {args.inside_all_reduce}/s; global batch {args.global_batch}")
     print("| model | plan | shape | predicted ignoring the link ms | predicted on the link ms | measured ms "
           "(fastest / median step) | error (fastest) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for model in args.models:
         dim, layers = (int(x) for x in model.split("x"))
         model_args = {"dim": dim, "layers": layers}
-        profile = profile_model("builtin:mlp", model_args, [1, 2, 4, 8], repeats=3)
-        cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in profile.micro_batch_sizes} - {0})
-        profile.extra["link"] = inside_a_site(cut_bytes)
-        bandwidth, latency, overhead, _, message_s, dp_bandwidth = solve_link(profile)
-        print(f"<!-- mlp {model}: inside a site (measured loopback) {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us, "
-              f"all-reduce {dp_bandwidth / 1e9:.2f} GB/s -->", flush=True)
-        opts = CostOptions(pipeline_ranks=1, global_batch=args.global_batch, bandwidth=bandwidth, latency=latency,
-                           step_overhead_s=overhead, message_s=message_s, dp_bandwidth=dp_bandwidth)
+        # timed beside a co-runner (`planner profile --ranks-per-host 2`): this host's 2 cores are shared by
+        # the 4 ranks, of which about two compute at a time while the others wait on the link
+        profile = profile_model("builtin:mlp", model_args, [1, 2, 4], repeats=3, co_runners=1)
+        opts = CostOptions(pipeline_ranks=1, global_batch=args.global_batch, bandwidth=parse_bytes(args.inside),
+                           latency=args.inside_latency, message_s=args.message_cost,
+                           dp_bandwidth=parse_bytes(args.inside_all_reduce))
         aware = solve_on_topology(profile, opts, link)
         blind = solve_on_topology(profile, opts, topology(None, None, emulate=False))
         for name, solution in (("solver (knows the link)", aware), ("best ignoring the link", blind)):

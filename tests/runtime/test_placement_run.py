@@ -66,6 +66,8 @@ def test_a_placed_run_over_an_emulated_link_trains_like_one_process_and_is_predi
     with open(trace) as f:
         ran = {(e["tid"], e["args"]["stage"]) for e in json.load(f)["traceEvents"] if e.get("cat") == "forward"}
     assert ran == {(0, 0), (3, 0), (1, 1), (2, 1)}
+    said = (tmp_path / "execute.out").read_text()
+    assert "placement: replica 0 on ranks 0 2; replica 1 on ranks 3 1" in said and "gradient exchange" in said
     report = report_of(tmp_path)
     predicted = report["predicted_iteration_s"]
     measured = min(step["time_s"] for step in report["steps"])  # a loaded host only adds time
