@@ -43,7 +43,7 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
                       backend: Optional[str] = None, schedules: Optional[Sequence[str]] = None,
                       virtual_stages: Optional[int] = None) -> Solution:
     """The best plan over every placement (module docstring); InfeasibleError if none fits.
-    pipeline_ranks: only placements of that depth."""
+    pipeline_ranks: only placements of that depth; time_limit: for each placement's solve."""
     from planner.solve.api import solve
 
     options = candidates(topology, opts, profile.num_units, pipeline_ranks)
