@@ -101,6 +101,12 @@ def execute(args: argparse.Namespace) -> int:
     if plan.emulated_boundaries:
         print(f"emulating the cluster's slow link at stage boundaries {plan.emulated_boundaries}: each message "
               "crossing it is held for its planned transfer time (runtime/emulation.py)", flush=True)
+    if plan.emulated_exchange_s:
+        print("emulating the slow link in the gradient exchange: each pipeline rank holds "
+              f"{', '.join(f'{1e3 * s:.1f}' for s in plan.emulated_exchange_s)} ms after it", flush=True)
+    if topology.placement is not None:
+        print("placement: " + "; ".join(f"replica {r} on ranks {' '.join(map(str, row))}"
+                                        for r, row in enumerate(topology.placement)), flush=True)
     out_dir = tempfile.mkdtemp(prefix="runtime-")
     reporter = topology.global_rank(0, topology.reporting_rank())
     result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,

@@ -9,6 +9,11 @@ after the batch that carried it completed: the cost model's rule for a transfer 
 posted + transfer) with the transfer itself emulated. A batch holding several such messages waits
 for the longest one (the model's messages in a batch cross together). Loopback's own time is not
 subtracted: on a link a hundred times slower than loopback it adds about 1 %.
+
+A plan placed on a leveled topology (planner.cost.placement) whose data-parallel exchange crosses
+an emulated level says how long (`emulated_exchange_s`, per pipeline rank): the share of the
+planned exchange spent on that link. Each rank holds that long after its own exchange (which runs
+over loopback at the speed the in-site links were planned at).
 """
 from __future__ import annotations
 
@@ -52,3 +57,14 @@ def hold(actions: Iterable[Action], delays: Dict[Crossing, float]) -> float:
     if longest > 0:
         time.sleep(longest)
     return longest
+
+
+def exchange_delay(plan: Any, pipeline_rank: int) -> float:
+    """Seconds this pipeline rank holds after its data-parallel exchange (0: none emulated)."""
+    held = plan.emulated_exchange_s or []
+    return float(held[pipeline_rank]) if pipeline_rank < len(held) else 0.0
+
+
+def hold_exchange(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)

@@ -48,7 +48,7 @@ from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
 from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag, post
-from runtime.emulation import hold, transfer_delay
+from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
@@ -143,6 +143,7 @@ class Engine:
                              if autocast is not None else None)
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
         self.emulated_links: Dict[Tuple[str, int], float] = {}  # runtime.emulation: seconds per crossing
+        self.emulated_exchange_s = 0.0  # runtime.emulation: seconds held after the data-parallel exchange
         self.clock = StepClock(device)
         self.outbox = Outbox()  # sends posted and not yet waited for
         self.params = rank_model.parameters()
@@ -408,6 +409,7 @@ class Engine:
         if self.compute_copy is not None:
             self.compute_copy.remove()  # every backward is done: the optimizer steps the fp32 masters
         self.groups.reduce_gradients(self.rank_model, self.buckets)
+        hold_exchange(self.emulated_exchange_s)
         self.clock.stop("reduce_s", "reduce")
         self.clock.mark()
         for hook in self.before_optimizer:

@@ -72,7 +72,10 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     if any(rank != torch_rank(g) for g, rank in enumerate(topology.stage_rank)):
         return ("--engine torch places stage g on device g mod p (torch's loop placement; the V for zb-v) and this "
                 "plan places its stages otherwise; run it with --engine own, or re-plan with the default placement")
-    if getattr(plan, "emulated_boundaries", None):
+    if topology.placement is not None:
+        return ("--engine torch runs replica r's pipeline rank i as rank r p + i (torch orders its groups by rank) and "
+                "this plan places them otherwise; run it with --engine own")
+    if getattr(plan, "emulated_boundaries", None) or getattr(plan, "emulated_exchange_s", None):
         return ("--engine torch cannot hold messages for an emulated slow link (torch posts its own messages); run "
                 "it with --engine own, or re-plan without an emulated link")
     if getattr(plan, "shard", "none") != "none":

@@ -31,7 +31,7 @@ from planner.profile.hostspeed import reference_kernel_s
 from planner.profile.link import fit_link, ping_pong
 from planner.profile.optim import OPTIMIZERS
 from runtime import checkpoint as ckpt
-from runtime.emulation import link_delays
+from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
@@ -217,6 +217,7 @@ def _build(me: _Rank, use_tags: bool) -> None:
                            trace=record if args.trace else None, autocast=me.options.autocast_dtype,
                            sync_every=plan.sync_every)
         me.engine.emulated_links = link_delays(plan)
+        me.engine.emulated_exchange_s = exchange_delay(plan, topology.pipeline_rank_of(me.rank))
     if me.options.clip_grad_norm is not None:
         me.engine.before_optimizer.append(_clipper(me))
 

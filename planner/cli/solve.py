@@ -72,7 +72,12 @@ def problem_from_args(args: argparse.Namespace):
             cluster = load_cluster(args.cluster)
         except ValueError as e:
             raise UsageError(f"--cluster {args.cluster}: {e}") from None
-    stages = args.stages if args.stages is not None else (cluster.num_devices if cluster else 2)
+    topology = load_topology_arg(args)
+    if topology is not None and (cluster is not None or args.devices is not None):
+        raise UsageError("--topology gives the devices (the solver chooses p x d and the placement); drop "
+                         "--cluster/--devices")
+    stages = args.stages if args.stages is not None else (cluster.num_devices if cluster else
+                                                          topology.num_devices if topology else 2)
     if stages < 1 or (args.devices is not None and args.devices < 1):
         raise UsageError("--stages/--devices must be at least 1")
     if args.virtual_stages < 2:
@@ -118,6 +123,19 @@ def problem_from_args(args: argparse.Namespace):
     return profile, opts, args.devices, schedules
 
 
+def load_topology_arg(args: argparse.Namespace):
+    """The --topology file (planner.cost.topology_file), checked; None without one."""
+    from planner.cost.topology_file import load_topology
+
+    path = getattr(args, "topology", None)
+    if not path:
+        return None
+    try:
+        return load_topology(path)
+    except ValueError as e:
+        raise UsageError(f"--topology {path}: {e}") from None
+
+
 def _reserve_bytes(text: Optional[str]) -> Optional[float]:
     """--reserve: a size, or 0 for none; None: the profile's device default (planner.cost.memory)."""
     if text is None:
@@ -152,9 +170,21 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(args.calibration_note)
     if args.method == "ilp" and not args.replicate:
         args.backend = ilp_backend(args.backend)
+    topology = load_topology_arg(args)
+    if topology is not None and args.replicate:
+        raise UsageError("--topology places whole stages on devices; drop --replicate")
+    if topology is not None and args.local_sgd_max > 1:
+        raise UsageError("--local-sgd-max is not planned on a --topology yet (its replicas all-reduce gradients "
+                         "every step, hierarchically); drop one of them")
     _check_local_sgd(args, opts, devices)
     try:
-        if args.replicate:
+        if topology is not None:
+            from planner.solve.placed import solve_on_topology
+
+            solution = solve_on_topology(profile, opts, topology, method=args.method, time_limit=args.time_limit,
+                                         backend=args.backend, schedules=schedules,
+                                         virtual_stages=args.virtual_stages, pipeline_ranks=args.stages)
+        elif args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
         elif args.local_sgd_max > 1:
             def run(options, scenario):  # scenario: on these options' own p, d, schedule and v
@@ -239,5 +269,8 @@ def register(sub) -> None:
     s.add_argument("--sync-overhead", type=float, default=DEFAULT_SYNC_OVERHEAD, metavar="FRACTION",
                    help="with --local-sgd-max: the share of the step's compute the averaging may add per step "
                         f"(default {DEFAULT_SYNC_OVERHEAD})")
+    s.add_argument("--topology", default=None,
+                   help="devices as levels (sites, hosts, devices) with their links, JSON (docs/solve.md): the "
+                        "solver chooses p x d = its devices and where each replica's ranks run (--stages: only p)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

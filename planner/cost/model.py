@@ -97,12 +97,17 @@ def static_bytes(params, trainable, opts: CostOptions, dtype: str, holders: Opti
     return params * weights + trainable * training
 
 
-def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None) -> Tuple[float, float]:
+def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
+                 rank: Optional[int] = None) -> Tuple[float, float]:
     """Seconds of the data-parallel exchange per trainable and per frozen profile byte over n
     holders (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory);
-    under local SGD its model averaging's share of a step (planner.cost.localsgd)."""
+    under local SGD its model averaging's share of a step (planner.cost.localsgd). Under a topology
+    placement, the d replicas of pipeline `rank` exchange hierarchically (planner.cost.placement: its
+    effective bandwidth; rank None: the fastest rank's)."""
     n = opts.data_parallel if holders is None else holders
     bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
+    if opts.placement is not None and holders is None:
+        bandwidth = opts.placement.exchange_bandwidth(rank, bandwidth)
     if opts.local_sgd:  # the model averaging every H steps, charged 1/H per step; frozen: nothing
         return averaging_seconds_per_byte(precision_of(opts, dtype), n, dtype, bandwidth) / opts.sync_every, 0.0
     precision, scale = precision_of(opts, dtype), memory_model.param_itemsize(dtype) * bandwidth
@@ -110,11 +115,20 @@ def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] =
             memory_model.frozen_sync_bytes_per_param(precision, _shard(opts), n, m) / scale)
 
 
-def sync_time(param_bytes, trainable_bytes, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None):
+def sync_time(param_bytes, trainable_bytes, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
+              rank: Optional[int] = None):
     """Seconds of the data-parallel exchange for parameters of `param_bytes` profile bytes of which
     `trainable_bytes` train (numbers or numpy arrays): frozen ones have no gradient to exchange."""
-    trainable, frozen = sync_factors(opts, dtype, m, holders)
+    trainable, frozen = sync_factors(opts, dtype, m, holders, rank)
     return trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes)
+
+
+def exchange_latency(opts: CostOptions, rank: int) -> float:
+    """Seconds of latency of pipeline rank's data-parallel exchange per step: its rings' under a
+    topology placement with d > 1 (planner.cost.placement), else none (bandwidth-bound)."""
+    if opts.placement is None:
+        return 0.0
+    return opts.placement.exchange_latency(rank, opts.latency)
 
 
 def reserve_of(profile: Profile, opts: CostOptions) -> float:
@@ -214,7 +228,8 @@ def held_counts(opts: CostOptions, m: int) -> List[int]:
 def rank_speeds(opts: CostOptions, devices: Optional[int] = None) -> List[float]:
     """sigma_i of each of the first `devices` devices (default the pipeline ranks)."""
     count = opts.pipeline_ranks if devices is None else devices
-    return [1.0 if opts.cluster is None else opts.cluster.speed(i) for i in range(count)]
+    view = opts.device_view
+    return [1.0 if view is None else view.speed(i) for i in range(count)]
 
 
 def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
@@ -225,13 +240,12 @@ def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
 
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
     """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. S - 2."""
-    links = []
+    links, view = [], opts.device_view
     for j in range(opts.num_stages - 1):
-        if opts.cluster is None:
+        if view is None:
             links.append((opts.bandwidth, opts.latency))
         else:
-            links.append(opts.cluster.path(opts.rank_of_stage(j), opts.rank_of_stage(j + 1), opts.bandwidth,
-                                           opts.latency))
+            links.append(view.path(opts.rank_of_stage(j), opts.rank_of_stage(j + 1), opts.bandwidth, opts.latency))
     return links
 
 
@@ -411,8 +425,8 @@ class Split:
 
 
 def _device_caps(opts: CostOptions, devices: int) -> List[Optional[float]]:
-    return [opts.memory_cap if opts.cluster is None else opts.cluster.memory(i, opts.memory_cap)
-            for i in range(devices)]
+    view = opts.device_view
+    return [opts.memory_cap if view is None else view.memory(i, opts.memory_cap) for i in range(devices)]
 
 
 def _devices_of(shape: StepShape, g: int) -> Tuple[int, ...]:
@@ -463,7 +477,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             lanes[i] = len(_devices_of(shape, g))
     m = shape.num_micro_batches
     for i in range(devices):
-        value[("reduce", i)] = sync_time(params[i], trainable[i], opts, split.dtype, m) if lanes[i] == 1 else 0.0
+        value[("reduce", i)] = (sync_time(params[i], trainable[i], opts, split.dtype, m, rank=i) +
+                                exchange_latency(opts, i)) if lanes[i] == 1 else 0.0
         value[("step", i)] = steps[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from planner.cost.cluster import Cluster
+from planner.cost.placement import Placement
 from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
 from planner.pipeline.schedule import (MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES, schedule_virtual_stages,
                                       stage_placement)
@@ -32,6 +33,8 @@ class CostOptions:
     virtual_stages: int = 1  # v
     dp_bandwidth: Optional[float] = None  # all-reduce bandwidth; None = bandwidth
     cluster: Optional[Cluster] = None
+    # replicas and ranks on a leveled topology (planner.cost.placement; --topology); not with a cluster
+    placement: Optional[Placement] = None
     recompute: str = "none"  # what solvers may choose: none | all | auto
     step_overhead_s: float = 0.0  # fixed time added once per iteration (calibration: what the model misses)
     message_s: float = 0.0  # what the runtime pays per message on each side, besides the transfer
@@ -73,6 +76,12 @@ class CostOptions:
     def stages_on(self, rank: int) -> List[int]:
         """The stages pipeline rank `rank` runs (unreplicated), in model order."""
         return [g for g in range(self.num_stages) if self.rank_of_stage(g) == rank]
+
+    @property
+    def device_view(self):
+        """What the cost model reads of the devices per pipeline rank (speed, memory, links): the
+        placement's or the cluster's view, None for identical devices on one link."""
+        return self.placement if self.placement is not None else self.cluster
 
     def with_(self, **changes) -> "CostOptions":
         return dataclasses.replace(self, **changes)
@@ -126,6 +135,8 @@ class CostOptions:
         if self.cluster is not None and self.cluster.num_devices != self.pipeline_ranks:
             raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.pipeline_ranks} "
                              "pipeline stages were asked; give --stages equal to the cluster's device count")
+        if self.placement is not None:
+            self._validate_placement()
 
     def _validate_replicas(self) -> None:
         if any(not isinstance(r, int) or r < 1 for r in self.replicas) or sum(self.replicas) != self.pipeline_ranks:
@@ -133,3 +144,12 @@ class CostOptions:
                              f"pipeline ranks; got {list(self.replicas)}")
         if self.replicated and (self.schedule not in ONE_STAGE_SCHEDULES or self.cluster is not None):
             raise ValueError(f"replicated stages need schedule gpipe or 1f1b (got {self.schedule}) and no --cluster")
+
+    def _validate_placement(self) -> None:
+        placement = self.placement
+        placement.validate()
+        if (placement.pipeline_ranks, placement.data_parallel) != (self.pipeline_ranks, self.data_parallel):
+            raise ValueError(f"the placement has {placement.data_parallel} replica(s) of {placement.pipeline_ranks} "
+                             f"rank(s) but the plan {self.data_parallel} of {self.pipeline_ranks}")
+        if self.cluster is not None or self.replicated:
+            raise ValueError("a topology placement does not combine with --cluster or replicated stages")

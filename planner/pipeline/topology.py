@@ -4,7 +4,9 @@ A plan has S = p·v stages (in model order), p pipeline ranks per data-parallel 
 data-parallel replicas of the whole pipeline:
 
     world size       = d · p
-    global rank      = replica · p + pipeline rank
+    global rank      = replica · p + pipeline rank, or the device a placement gives it:
+                     placement[replica][pipeline rank] (planner.cost.placement; a permutation of the
+                     world's ranks, so the launcher's rank r is the placement's device r)
     stage g          runs on pipeline rank  stage_rank[g] = the plan stage's "device" (default g mod p;
                      zb-v: the V, planner.pipeline.zerobubble.v_placement)
     local stage c    of a pipeline rank = its c-th stage in model order (looping placement: g = c · p + rank)
@@ -17,6 +19,7 @@ Pure functions of the plan's fields: every rank derives the same topology withou
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -35,6 +38,7 @@ class Topology:
     data_parallel: int  # d
     stage_rank: tuple  # stage g -> the (first) pipeline rank running it
     stage_replicas: Optional[tuple] = None  # stage g -> r_g (None: 1 each)
+    placement: Optional[tuple] = None  # [replica][pipeline rank] -> global rank (None: replica · p + rank)
 
     @property
     def world_size(self) -> int:
@@ -49,13 +53,19 @@ class Topology:
 
     def replica_of(self, rank: int) -> int:
         """The data-parallel replica of a global rank."""
+        if self.placement is not None:
+            return next(r for r, row in enumerate(self.placement) if rank in row)
         return rank // self.pipeline_ranks
 
     def pipeline_rank_of(self, rank: int) -> int:
         """The pipeline rank of a global rank within its data-parallel replica."""
+        if self.placement is not None:
+            return self.placement[self.replica_of(rank)].index(rank)
         return rank % self.pipeline_ranks
 
     def global_rank(self, replica: int, pipeline_rank: int) -> int:
+        if self.placement is not None:
+            return self.placement[replica][pipeline_rank]
         return replica * self.pipeline_ranks + pipeline_rank
 
     def ranks_of(self, stage: int) -> List[int]:
@@ -99,10 +109,33 @@ class Topology:
 
 def topology_of(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence[Any], schedule: str,
                 num_micro_batches: int, virtual_stages: int = 1, pipeline_ranks: Optional[int] = None,
-                data_parallel: int = 1) -> Topology:
+                data_parallel: int = 1, placement: Optional[Sequence[Sequence[int]]] = None) -> Topology:
     """The topology of a plan's S stages, from its fields: stage_devices[g] is stage g's "device"
     (None: the default), stage_replicas[g] its "replicas", pipeline_ranks the plan's
-    pipeline_stages (None: S / v, or the sum of the replicas). TopologyError says what does not fit."""
+    pipeline_stages (None: S / v, or the sum of the replicas), placement the plan's (None or
+    empty: the launcher's order). TopologyError says what does not fit."""
+    topology = _stage_topology(stage_devices, stage_replicas, schedule, num_micro_batches, virtual_stages,
+                               pipeline_ranks, data_parallel)
+    if not placement:
+        return topology
+    rows = tuple(tuple(row) for row in placement)
+    p, d = topology.pipeline_ranks, topology.data_parallel
+    if len(rows) != d or any(len(row) != p for row in rows) or \
+            sorted(x for row in rows for x in row) != list(range(p * d)):
+        raise TopologyError(f"the plan's placement {[list(row) for row in rows]} is not {d} replica(s) x {p} "
+                            f"pipeline rank(s) using each rank 0..{p * d - 1} once")
+    if topology.replicated:
+        raise TopologyError("a placement does not combine with replicated stages")
+    return dataclasses.replace(topology, placement=None if rows == _launcher_order(p, d) else rows)
+
+
+def _launcher_order(p: int, d: int) -> tuple:
+    return tuple(tuple(r * p + i for i in range(p)) for r in range(d))
+
+
+def _stage_topology(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence[Any], schedule: str,
+                    num_micro_batches: int, virtual_stages: int, pipeline_ranks: Optional[int],
+                    data_parallel: int) -> Topology:
     num_stages = len(stage_devices)
     v, d = virtual_stages, data_parallel
     replicas = tuple(stage_replicas)

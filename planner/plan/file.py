@@ -37,6 +37,8 @@ _TEXT = (lambda v: isinstance(v, str), "a string")
 _OBJECT = (lambda v: isinstance(v, dict), "an object")
 _NAMES = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names")
 _INTS = (lambda v: isinstance(v, list) and all(_INT[0](x) for x in v), "a list of integers")
+_INT_ROWS = (lambda v: isinstance(v, list) and all(_INTS[0](row) for row in v), "a list of lists of integers")
+_NUMBERS = (lambda v: isinstance(v, list) and all(_NUMBER[0](x) for x in v), "a list of numbers")
 _VALUES = (lambda v: isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) and
                                                  x.get("kind") in ("tensor", "constant") for x in v),
            "a list of values ({name, kind: tensor|constant, ...})")
@@ -132,6 +134,12 @@ class Plan:
     # stage boundaries (j: between stages j and j + 1) whose messages cross a link the runtime emulates
     # (planner.cost.cluster: a link with "emulate": true); each message is held for step_durations' time
     emulated_boundaries: List[int] = _key(_INTS, required=False, default_factory=list)
+    # where each (replica, pipeline rank) runs: placement[replica][pipeline rank] = the global rank
+    # (device index; planner.cost.placement); absent: replica · p + rank
+    placement: Optional[List[List[int]]] = _key(_INT_ROWS, required=False, default=None)
+    # seconds each pipeline rank holds after its data-parallel exchange: the part of it planned over an
+    # emulated link (runtime/emulation.py); absent: none
+    emulated_exchange_s: Optional[List[float]] = _key(_NUMBERS, required=False, default=None)
     stages: List[PlanStage] = _key(None, default_factory=list)
     predicted_iteration_s: float = _key(_NUMBER, default=0.0)
     bubble_fraction: float = _key(_NUMBER, default=0.0)
@@ -146,7 +154,7 @@ class Plan:
         """Where every stage runs (planner.pipeline.topology); TopologyError if inconsistent."""
         return topology_of([st.device for st in self.stages], [st.replica_count for st in self.stages],
                            self.schedule, self.num_micro_batches, self.virtual_stages, self.pipeline_stages or None,
-                           self.data_parallel)
+                           self.data_parallel, self.placement)
 
     def instruction_lists(self) -> List[List[Action]]:
         """Every pipeline rank's instruction list, as the runtime executes them."""
@@ -243,6 +251,10 @@ class Plan:
         if any(not 0 <= j < boundaries for j in self.emulated_boundaries):
             raise JsonFileError(f"{where} has emulated_boundaries {self.emulated_boundaries!r}: stage boundaries "
                                 f"0..{boundaries - 1}; {_REMAKE}")
+        if self.emulated_exchange_s and (len(self.emulated_exchange_s) != topology.pipeline_ranks or
+                                         any(not 0 <= x < float("inf") for x in self.emulated_exchange_s)):
+            raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds >= 0, one "
+                                f"per pipeline rank ({topology.pipeline_ranks}); {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
         for st, device in zip(self.stages, topology.stage_rank):

@@ -80,6 +80,8 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         bandwidth_bytes_per_s=opts.bandwidth, latency_s=opts.latency, step_overhead_s=opts.step_overhead_s,
         message_s=opts.message_s, step_durations=durations_json(cost.durations, cost.collectives),
         emulated_boundaries=emulated_boundaries(opts),
+        placement=[list(row) for row in opts.placement.devices] if opts.placement is not None else None,
+        emulated_exchange_s=emulated_exchange_s(opts, cost.durations),
         stages=stages, predicted_iteration_s=cost.iteration_s, bubble_fraction=cost.bubble_fraction,
         solver={"method": solution.method, "backend": solution.backend, "status": solution.status,
                 "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,
@@ -87,12 +89,23 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
 
 
 def emulated_boundaries(opts: CostOptions) -> List[int]:
-    """Stage boundaries j whose messages (ranks j mod p and j + 1 mod p) cross a link of the cluster
-    that the runtime emulates (planner.cost.cluster)."""
-    p = opts.pipeline_ranks
-    if opts.cluster is None or opts.replicated:
+    """Stage boundaries j whose messages (between the ranks of stages j and j + 1) cross a link of the
+    cluster that the runtime emulates (planner.cost.cluster; under a placement, in any replica:
+    planner.cost.placement prices every replica's boundary at the slowest one's link)."""
+    view = opts.device_view
+    if view is None or opts.replicated:
         return []
-    return [j for j in range(opts.num_stages - 1) if opts.cluster.emulated(j % p, (j + 1) % p)]
+    return [j for j in range(opts.num_stages - 1) if view.emulated(opts.rank_of_stage(j), opts.rank_of_stage(j + 1))]
+
+
+def emulated_exchange_s(opts: CostOptions, durations: Dict[Tuple, float]) -> Optional[List[float]]:
+    """Seconds of each pipeline rank's planned data-parallel exchange spent on emulated links (None:
+    none), which the runtime holds after its own exchange."""
+    if opts.placement is None:
+        return None
+    held = [opts.placement.emulated_exchange(i, durations.get(("reduce", i), 0.0), opts.latency)
+            for i in range(opts.pipeline_ranks)]
+    return held if any(held) else None
 
 
 def plan_for_split(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,

@@ -70,6 +70,9 @@ def _summary(plan: Plan, cap) -> List[str]:
                    f"{plan.sync_every} steps ({_ms(plan.averaging_s or 0.0)} ms each, {_ms(charged)} ms per step "
                    "charged: the predicted iteration is the mean step over those steps); no per-step gradient "
                    "all-reduce")
+    if plan.placement:
+        out.append("placement (device of each pipeline rank): " +
+                   "; ".join(f"replica {r}: {' '.join(map(str, row))}" for r, row in enumerate(plan.placement)))
     redo = sum(len(st.recompute) for st in plan.stages)
     out.append(f"predicted iteration time {_ms(plan.predicted_iteration_s)} ms, "
                f"bubble {100 * plan.bubble_fraction:.1f}%"

@@ -137,7 +137,7 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
         return 1 if sizes else None
     # memory_matrices(s) of the L-stage lists: stage L-1-j holds min(j + 1, m) micro-batches (1F1B);
     # conservative: a first stage is charged the received activations a middle one holds
-    tables = [memory_matrices(profile, b, opts.with_(pipeline_ranks=L, cluster=None)) for b in sizes]
+    tables = [memory_matrices(profile, b, opts.with_(pipeline_ranks=L, cluster=None, placement=None)) for b in sizes]
     reach = [None] * len(sizes)
     for j in range(L):
         for i, memory in enumerate(tables):
@@ -171,7 +171,7 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
         return (f"no profiled micro-batch size divides the global batch {G} (profiled: "
                 f"{', '.join(map(str, sizes))}); use a global batch that is a multiple of one of them, "
                 f"e.g. {suggestion}, or profile more micro-batch sizes")
-    if opts.virtual_stages > 1 or opts.cluster is not None or opts.data_parallel > 1:
+    if opts.virtual_stages > 1 or opts.device_view is not None or opts.data_parallel > 1:
         return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} stages, schedule "
                 f"{opts.schedule}, data-parallel {opts.data_parallel}; fix: allow more memory, more stages, "
                 "fewer virtual stages or --recompute auto")
@@ -200,7 +200,7 @@ def infeasible_error(profile: Profile, opts: CostOptions) -> InfeasibleError:
     """The InfeasibleError for (profile, opts), with the memory floor attached when there is one."""
     message = diagnose(profile, opts)
     floor = None
-    simple = opts.virtual_stages == 1 and opts.cluster is None
+    simple = opts.virtual_stages == 1 and opts.device_view is None
     if simple and opts.num_stages <= profile.num_units and candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         found = min_memory_plan(profile, opts)
         floor = found.memory_bytes if found is not None else None

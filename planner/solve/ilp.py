@@ -43,7 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pulp
 
 from planner.cost.model import (boundary_links, num_micro_batches, rank_caps, rank_speeds,
-                                shared_parameters, static_factors, step_shape, sync_time, tie_time)
+                                shared_parameters, static_factors, step_shape, sync_time, tie_time,
+                                exchange_latency)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -185,8 +186,9 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            reduce = pulp.lpSum(sync_time(c.p[l], c.t[l], opts, self.profile.dtype, self.m) * MS * self.x(l, g)
-                                for g in stages for l in range(L) if self.may(l, g) and c.p[l])
+            reduce = pulp.lpSum(sync_time(c.p[l], c.t[l], opts, self.profile.dtype, self.m, rank=i) * MS * self.x(l, g)
+                                for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
+                exchange_latency(opts, i) * MS
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
             self.term[("reduce", i)] = self._define(f"R_{i}", reduce)
@@ -317,7 +319,8 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
                for _, _, size in shared_parameters(profile))
-    reduce = sync_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b)) + \
+    reduce = max(sync_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b), rank=i) +
+                 exchange_latency(opts, i) for i in range(opts.pipeline_ranks)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
 

@@ -1,0 +1,178 @@
+"""A cluster as levels (devices in hosts in sites): `planner solve --topology topo.json` (issue 22).
+
+JSON schema::
+
+    {
+      "levels": [
+        {"name": "site",   "count": 2, "bandwidth": "100MB", "latency": 0.02, "emulate": true},
+        {"name": "host",   "count": 1, "bandwidth": "10GB",  "latency": 1e-5},
+        {"name": "device", "count": 2}
+      ],
+      "device": {"memory": "16GiB", "speed": 1.0},
+      "devices": {"3": {"speed": 0.5}}
+    }
+
+- levels, outermost first: `count` (int >= 1) of this level inside each one of the level above
+  (the first: in the whole cluster). The cluster has the product of the counts devices, numbered
+  in that nesting (device index = mixed-radix number of its position at each level, the outermost
+  most significant). A level's `bandwidth` (bytes/s, a number or a size such as "100MB") and
+  `latency` (seconds) are those of the link between two devices whose positions first differ at
+  that level: the link of the highest level where they differ. Omitted: the solve's --bandwidth
+  and --latency for pipeline messages, its --dp-bandwidth for the data-parallel exchange (the
+  innermost level usually omits them: its link is what `planner profile` measured).
+  `"emulate": true` marks a level whose link the runtime emulates on one machine
+  (runtime/emulation.py): messages and exchanges crossing it are held for their planned time.
+- device: every device's `memory` (bytes or a size; default --memory-per-device) and `speed`
+  (relative to the profiled device; default 1).
+- devices (optional): overrides by device index ("0" .. N - 1): `memory` and/or `speed`.
+
+Unknown keys are refused (a typo would otherwise be ignored). Placement of stages and replicas on
+the devices: planner.cost.placement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from planner.errors import UsageError
+from planner.jsonio import read_json
+from planner.sizes import parse_bytes
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    count: int
+    bandwidth: Optional[float] = None  # bytes/s of the link between devices differing first here; None: default
+    latency: Optional[float] = None  # seconds; None: default
+    emulate: bool = False  # the runtime emulates this level's link
+
+
+@dataclass(frozen=True)
+class Device:
+    memory: Optional[float] = None  # bytes; None: the global cap
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
+class DeviceTopology:
+    levels: Tuple[Level, ...]
+    devices: Tuple[Device, ...]  # by device index
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def position(self, device: int) -> Tuple[int, ...]:
+        """The device's index at each level, outermost first."""
+        out = []
+        for level in reversed(self.levels):
+            out.append(device % level.count)
+            device //= level.count
+        return tuple(reversed(out))
+
+    def level_between(self, a: int, b: int) -> Optional[int]:
+        """The index of the highest (outermost) level where devices a and b differ; None if a == b."""
+        for index, (x, y) in enumerate(zip(self.position(a), self.position(b))):
+            if x != y:
+                return index
+        return None
+
+    def link(self, a: int, b: int, bandwidth: float, latency: float) -> Tuple[float, float]:
+        """(bandwidth, latency) between devices a and b; the defaults where the level gives none
+        (and between a device and itself: the innermost level's)."""
+        index = self.level_between(a, b)
+        level = self.levels[-1 if index is None else index]
+        return (bandwidth if level.bandwidth is None else level.bandwidth,
+                latency if level.latency is None else level.latency)
+
+    def emulated(self, a: int, b: int) -> bool:
+        index = self.level_between(a, b)
+        return index is not None and self.levels[index].emulate
+
+
+_LEVEL_KEYS = {"name", "count", "bandwidth", "latency", "emulate"}
+_DEVICE_KEYS = {"memory", "speed"}
+
+
+def _size(value: Any, what: str) -> float:
+    if isinstance(value, str):
+        try:
+            number = parse_bytes(value, what)
+        except UsageError as e:
+            raise ValueError(str(e)) from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(f"{what} must be a number or a size such as \"100MB\" (got {value!r})")
+    if not 0 < number < float("inf"):
+        raise ValueError(f"{what} must be positive (got {value!r})")
+    return number
+
+
+def _number(value: Any, what: str, positive: bool) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value == value or \
+            not (value > 0 if positive else value >= 0) or value == float("inf"):
+        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number (got {value!r})")
+    return float(value)
+
+
+def _unknown(d: Dict[str, Any], known: set, where: str) -> None:
+    extra = sorted(set(d) - known)
+    if extra:
+        raise ValueError(f"{where} has unknown key(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
+
+
+def _device(d: Any, where: str, base: Device) -> Device:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object with \"memory\" and/or \"speed\"")
+    _unknown(d, _DEVICE_KEYS, where)
+    memory = base.memory if "memory" not in d else _size(d["memory"], f"{where} memory")
+    speed = base.speed if "speed" not in d else _number(d["speed"], f"{where} speed", positive=True)
+    return Device(memory=memory, speed=speed)
+
+
+def topology_from_json(d: Any) -> DeviceTopology:
+    """Validate and convert the JSON object; a one-line ValueError on bad input."""
+    if not isinstance(d, dict) or not isinstance(d.get("levels"), list) or not d["levels"]:
+        raise ValueError("topology file needs a non-empty \"levels\" list (outermost first, e.g. site, host, device)")
+    _unknown(d, {"levels", "device", "devices"}, "topology file")
+    levels: List[Level] = []
+    for i, raw in enumerate(d["levels"]):
+        where = f"level {i}"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be an object with \"count\"")
+        _unknown(raw, _LEVEL_KEYS, where)
+        count = raw.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"{where} needs \"count\": a positive integer (got {count!r})")
+        emulate = raw.get("emulate", False)
+        if not isinstance(emulate, bool):
+            raise ValueError(f"{where} \"emulate\" must be true or false (got {emulate!r})")
+        levels.append(Level(
+            name=str(raw.get("name", f"level{i}")), count=count,
+            bandwidth=None if raw.get("bandwidth") is None else _size(raw["bandwidth"], f"{where} bandwidth"),
+            latency=None if raw.get("latency") is None else _number(raw["latency"], f"{where} latency", False),
+            emulate=emulate))
+    names = [level.name for level in levels]
+    if len(set(names)) != len(names):
+        raise ValueError(f"topology levels need distinct names (got {names})")
+    total = 1
+    for level in levels:
+        total *= level.count
+    if total > 4096:
+        raise ValueError(f"the topology has {total} devices; at most 4096 are supported")
+    base = _device(d.get("device", {}), "\"device\"", Device())
+    devices = [base] * total
+    overrides = d.get("devices", {})
+    if not isinstance(overrides, dict):
+        raise ValueError("\"devices\" must be an object of overrides by device index, e.g. {\"3\": {\"speed\": 0.5}}")
+    for key, raw in overrides.items():
+        if not key.isdigit() or not int(key) < total:
+            raise ValueError(f"\"devices\" key {key!r} is not a device index 0..{total - 1}")
+        devices[int(key)] = _device(raw, f"device {key}", base)
+    return DeviceTopology(levels=tuple(levels), devices=tuple(devices))
+
+
+def load_topology(path: str) -> DeviceTopology:
+    return topology_from_json(read_json(path, what="topology"))

@@ -1,0 +1,74 @@
+"""The best plan on a leveled topology (`planner solve --topology`, issue 22): the pipeline depth p
+and data-parallel degree d with p d = N devices, the placement of every (replica, pipeline rank) on
+the devices, and the split, by the chosen method per placement.
+
+Every placement is enumerated, one per cost signature (planner.cost.placement.placements: replicas
+are interchangeable, and placements the cost model cannot tell apart are solved once), and each is
+solved exactly like a cluster (planner.solve.api.solve): its pipeline messages priced at the link
+each boundary crosses, its exchange hierarchical. The best over placements is kept; its bound is
+the smallest bound over the placements solved (a placement without a feasible plan bounds
+nothing), so the reported gap stays a true gap. Limits: N <= MAX_SEARCHED_DEVICES (N! / d!
+orders are enumerated) and one solve per distinct placement (for 2 sites x 2 devices: 9 over
+p = 4, 2 and 1).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from planner.cost.options import CostOptions
+from planner.cost.placement import Placement, placements
+from planner.cost.topology_file import DeviceTopology
+from planner.profile.profile import Profile
+from planner.solve.diagnose import InfeasibleError
+from planner.solve.solution import Solution
+
+
+def shapes(topology: DeviceTopology, opts: CostOptions, num_units: int,
+           pipeline_ranks: Optional[int] = None) -> List[Tuple[int, int]]:
+    """(p, d) with p d = N, d dividing the global batch, p at most the units (and = pipeline_ranks if given)."""
+    n = topology.num_devices
+    return [(n // d, d) for d in range(1, n + 1) if n % d == 0 and opts.global_batch % d == 0
+            and n // d <= num_units and (pipeline_ranks is None or n // d == pipeline_ranks)]
+
+
+def candidates(topology: DeviceTopology, opts: CostOptions, num_units: int,
+               pipeline_ranks: Optional[int] = None) -> List[Placement]:
+    """Every distinct placement over every shape."""
+    return [placement for p, d in shapes(topology, opts, num_units, pipeline_ranks)
+            for placement in placements(topology, p, d)]
+
+
+def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopology, method: str = "ilp",
+                      pipeline_ranks: Optional[int] = None, time_limit: Optional[float] = None,
+                      backend: Optional[str] = None, schedules: Optional[Sequence[str]] = None,
+                      virtual_stages: Optional[int] = None) -> Solution:
+    """The best plan over every placement (module docstring); InfeasibleError if none fits.
+    pipeline_ranks: only placements of that depth; time_limit: for each placement's solve."""
+    from planner.solve.api import solve
+
+    options = candidates(topology, opts, profile.num_units, pipeline_ranks)
+    if not options:
+        raise ValueError(f"no pipeline depth p with p x d = the topology's {topology.num_devices} devices fits "
+                         f"(d must divide the global batch {opts.global_batch}, p at most the {profile.num_units} "
+                         "units" + (f", p = --stages {pipeline_ranks}" if pipeline_ranks else "") + ")")
+    best: Optional[Solution] = None
+    bounds: List[float] = []
+    last_error: Optional[InfeasibleError] = None
+    for placement in options:
+        scenario = opts.with_(pipeline_ranks=placement.pipeline_ranks, data_parallel=placement.data_parallel,
+                              placement=placement)
+        try:
+            found = solve(profile, scenario, method=method, time_limit=time_limit, backend=backend,
+                          schedules=schedules, virtual_stages=virtual_stages)
+        except InfeasibleError as e:
+            last_error = e
+            continue
+        bounds.append(found.bound)
+        if best is None or found.objective < best.objective:
+            best = found
+    if best is None:
+        assert last_error is not None
+        raise last_error
+    best.bound = min(bounds)
+    best.gap = (best.objective - best.bound) / best.objective if best.objective > 0 else 0.0
+    return best

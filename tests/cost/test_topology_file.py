@@ -1,0 +1,83 @@
+"""The leveled topology file (planner.cost.topology_file, `planner solve --topology`): devices
+numbered through the levels, the link of the highest level where two devices differ, overrides,
+and one-line errors for bad files."""
+import json
+
+import pytest
+
+from planner.cli.main import main as planner_main
+from planner.cost.topology_file import topology_from_json
+
+THREE = {"levels": [{"name": "site", "count": 2, "bandwidth": "100MB", "latency": 0.02, "emulate": True},
+                    {"name": "host", "count": 2, "bandwidth": "1GB", "latency": 0.001},
+                    {"name": "device", "count": 2}],
+         "device": {"memory": "16GiB"}, "devices": {"5": {"speed": 0.5}, "6": {"memory": 1000}}}
+
+
+def test_devices_links_and_overrides():
+    topo = topology_from_json(THREE)
+    assert topo.num_devices == 8
+    assert topo.position(5) == (1, 0, 1) and topo.position(0) == (0, 0, 0)
+    # the highest level where they differ; the innermost level gives no numbers: the defaults
+    assert topo.link(0, 1, 7e9, 1e-6) == (7e9, 1e-6)
+    assert topo.link(0, 2, 7e9, 1e-6) == (1e9, 0.001)
+    assert topo.link(1, 7, 7e9, 1e-6) == (1e8, 0.02)
+    assert topo.emulated(3, 4) and not topo.emulated(0, 3)
+    assert topo.devices[5].speed == 0.5 and topo.devices[5].memory == 16 * 2 ** 30  # keeps the default memory
+    assert topo.devices[6].memory == 1000 and topo.devices[0].speed == 1.0
+
+
+BAD = [
+    ({}, "non-empty \"levels\""),
+    ({"levels": []}, "non-empty \"levels\""),
+    ({"levels": [{"count": 0}]}, "level 0 needs \"count\""),
+    ({"levels": [{"count": 2.5}]}, "level 0 needs \"count\""),
+    ({"levels": [{"count": 2, "bandwidth": "fast"}]}, "is not a size"),
+    ({"levels": [{"count": 2, "bandwidth": -5}]}, "bandwidth must be positive"),
+    ({"levels": [{"count": 2, "latency": -1}]}, "latency must be a non-negative number"),
+    ({"levels": [{"count": 2, "emulate": "yes"}]}, "\"emulate\" must be true or false"),
+    ({"levels": [{"count": 2, "bandwith": "1GB"}]}, "unknown key\\(s\\) bandwith"),
+    ({"levels": [{"count": 2, "name": "a"}, {"count": 2, "name": "a"}]}, "distinct names"),
+    ({"levels": [{"count": 2}], "device": {"speed": 0}}, "speed must be a positive number"),
+    ({"levels": [{"count": 2}], "devices": {"2": {"speed": 1}}}, "not a device index 0..1"),
+    ({"levels": [{"count": 2}], "devices": {"x": {}}}, "not a device index"),
+    ({"levels": [{"count": 2}], "devices": {"1": 3}}, "device 1 must be an object"),
+    ({"levels": [{"count": 2}], "sites": 2}, "unknown key\\(s\\) sites"),
+    ({"levels": [{"count": 100}, {"count": 100}]}, "at most 4096"),
+]
+
+
+@pytest.mark.parametrize("raw,message", BAD)
+def test_bad_topology_files_are_refused(raw, message):
+    with pytest.raises(ValueError, match=message):
+        topology_from_json(raw)
+
+
+def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    from tests.support.synthetic import synthetic_profile
+    from planner.profile.profile import save_profile
+
+    profile = str(tmp_path / "p.json")
+    save_profile(synthetic_profile([0.01] * 4, [0.02] * 4, [0] * 4, [0] * 4, [1 << 10] * 3, sizes=(1,)), profile)
+    bad = tmp_path / "topo.json"
+    bad.write_text(json.dumps({"levels": [{"count": 2, "latency": "slow"}]}))
+    plan = tmp_path / "plan.json"
+    assert planner_main(["solve", profile, "--topology", str(bad), "-o", str(plan)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "level 0 latency" in err and "Traceback" not in err
+    bad.write_text("{not json")
+    assert planner_main(["solve", profile, "--topology", str(bad), "-o", str(plan)]) == 2
+    assert planner_main(["solve", profile, "--topology", str(tmp_path / "missing.json"), "-o", str(plan)]) == 2
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "1MB", "latency": 0.01}, {"count": 2}]}))
+    assert planner_main(["solve", profile, "--topology", str(good), "--devices", "2", "-o", str(plan)]) == 2
+    assert planner_main(["solve", profile, "--topology", str(good), "--replicate", "-o", str(plan)]) == 2
+    assert not plan.exists()
+    capsys.readouterr()
+    # a good file: the plan says where each replica's ranks run
+    assert planner_main(["solve", profile, "--topology", str(good), "--stages", "2", "--global-batch", "4",
+                         "-o", str(plan)]) == 0
+    written = json.loads(plan.read_text())
+    assert written["pipeline_stages"] == 2 and written["data_parallel"] == 2
+    assert sorted(x for row in written["placement"] for x in row) == [0, 1, 2, 3]
+    assert "placement (device of each pipeline rank)" in capsys.readouterr().out
