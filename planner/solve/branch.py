@@ -34,8 +34,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from planner.cost.model import (boundary_links, evaluate, fixed_bytes, num_micro_batches, rank_caps, rank_speeds,
-                                shared_parameters, static_bytes, step_shape, sync_time)
+from planner.cost.model import (boundary_links, evaluate, exchange_latency, num_micro_batches, rank_caps,
+                                rank_speeds, shared_parameters, static_bytes, step_shape, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
@@ -87,8 +87,7 @@ class _Terms:
         backward_weight = range_matrix(prefix_sums(costs.gw) + again)
         params, trainable = range_matrix(costs.P), range_matrix(costs.T)
         finite = np.isfinite(params)
-        reduce = np.where(finite, sync_time(np.where(finite, params, 0.0), np.where(finite, trainable, 0.0), opts,
-                                            profile.dtype, m), np.inf)
+        params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
         self.value: List[Dict[str, np.ndarray]] = []
@@ -98,8 +97,11 @@ class _Terms:
             if speed not in by_speed:
                 by_speed[speed] = {"forward": forward / speed, "backward": backward / speed,
                                    "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
-                                   "reduce": reduce, "step": step / speed}
+                                   "step": step / speed}
             terms = dict(by_speed[speed])
+            # device g's exchange over its replicas (hierarchical under a placement: per rank)
+            terms["reduce"] = np.where(finite, sync_time(params, trainable, opts, profile.dtype, m, rank=g) +
+                                       exchange_latency(opts, g), np.inf)
             if g < S - 1:  # the messages across boundary g, by where stage g ends
                 act = np.array([costs.message_s(e, links[g]) if 0 < e < L else 0.0 for e in ends])
                 grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
@@ -133,8 +135,7 @@ class _Terms:
         valid = np.isfinite(range_matrix(costs.P))
         if all(cap is None for cap in caps[:S]):
             return [valid] * S
-        static = static_bytes(range_matrix(costs.P), range_matrix(costs.T), opts, profile.dtype) + \
-            fixed_bytes(profile, opts)
+        static = static_bytes(range_matrix(costs.P), range_matrix(costs.T), opts, profile.dtype)  # caps: less F
         live = range_matrix(prefix_sums(costs.inputs) if redo_all else costs.S)
         weight = range_matrix(prefix_sums(costs.inputs if redo_all else costs.h))
         first, last = costs.act[:L + 1][:, None], costs.act[:L + 1][None, :]  # activations in at a, out at e

@@ -36,7 +36,8 @@ def chains(draw):
                        message_s=draw(st.sampled_from([0.0, 2e-5])), optimizer=draw(st.sampled_from(["sgd", "adamw"])),
                        memory_cap=draw(st.sampled_from([None, None, 6000.0, 12000.0, 30000.0])),
                        recompute=draw(st.sampled_from(["none", "none", "all"])),
-                       step_overhead_s=draw(st.sampled_from([0.0, 1e-3])))
+                       step_overhead_s=draw(st.sampled_from([0.0, 1e-3])),
+                       reserve_bytes=draw(st.sampled_from([None, 0.0, 1500.0])))
     return profile, opts
 
 
@@ -80,3 +81,24 @@ def test_it_does_not_apply_where_a_term_spans_stages():
     assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4, recompute="auto"))
     profile.extra["shared_parameters"] = [{"name": "tied", "units": ["u0", "u3"], "bytes": 8}]
     assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_a_cap_the_best_split_meets_exactly_keeps_it(problem):
+    """Caps that bind: the unconstrained best split's own peak becomes every device's cap, so it fits
+    exactly (caps are inclusive) and stays the optimum; the reserve counted once."""
+    profile, opts = problem
+    profile = compute_profile(profile, opts.with_(memory_cap=None))
+    free = opts.with_(memory_cap=None)
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)[:1]:
+        L, S = profile.num_units, opts.num_stages
+        redo = list(range(L)) if opts.recompute == "all" else []
+        costs = {cuts: evaluate(profile, list(cuts), b, free, redo) for cuts in itertools.combinations(range(1, L), S - 1)}
+        cuts, best = min(costs.items(), key=lambda item: item[1].iteration_s)
+        if not max(best.device_memory) > 0:
+            continue  # a cap must be positive
+        capped = opts.with_(memory_cap=max(best.device_memory))
+        expected = min(c.iteration_s for k, c in costs.items() if max(c.device_memory) <= capped.memory_cap)
+        found = branch_and_bound(profile, b, capped, None, set(), time_limit=None)
+        assert found.best is not None and math.isclose(found.best.iteration_s, expected, rel_tol=1e-9)
