@@ -15,7 +15,7 @@ planner/cost/memory.py), trained exactly as one process.
 
 Tied weights (used by stages on several ranks) are summed over every rank holding a use in every
 replica by runtime.engine.Groups before the step, so each holder steps its copy itself (not sharded).
-`parameters` (ZeRO-3) is planned but not run: the runtime refuses it in one line.
+`parameters` (ZeRO-3): runtime/shard_params.py.
 """
 from __future__ import annotations
 
@@ -24,16 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-RUN_SHARDS = ("none", "optimizer", "gradients")
 _OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
-
-
-def check_runnable(shard: str) -> Optional[str]:
-    """The one-line refusal for a shard this runtime does not execute, else None."""
-    if shard in RUN_SHARDS:
-        return None
-    return (f"the plan shards {shard!r} (ZeRO-3), which the runtime does not run; re-plan with "
-            "`planner solve --shard optimizer` or `--shard gradients`")
 
 
 def shard_optimizer(shard: str, name: str, params: List[torch.nn.Parameter], tied: List[torch.nn.Parameter],
@@ -46,7 +37,7 @@ def shard_optimizer(shard: str, name: str, params: List[torch.nn.Parameter], tie
         return _ZeroOne(params, _OPTIMIZER_CLASSES[name], lr, group)
     if shard == "gradients":
         return GradientShardedOptimizer(params, tied, _OPTIMIZER_CLASSES[name], lr, group)
-    raise ValueError(check_runnable(shard))
+    raise ValueError(f"shard {shard!r} is not an optimizer's (parameters: runtime/shard_params.py)")
 
 
 class _ZeroOne:
