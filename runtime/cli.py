@@ -74,8 +74,8 @@ def execute(args: argparse.Namespace) -> int:
         from runtime.shard_params import refusal as parameters_refusal
 
         options = training_options(args, args.optimizer or "sgd", plan)
-        refusal = parameters_refusal(options.precision, plan.schedule, options.clip_grad_norm is not None,
-                                     bool(args.checkpoint_dir))
+        refusal = parameters_refusal(options.precision, plan.schedule, plan.topology().replicated,
+                                     options.clip_grad_norm is not None, bool(args.checkpoint_dir))
         if refusal:
             raise UsageError(refusal)
     if args.engine == "torch":

@@ -25,7 +25,8 @@ replica) and a parameter two stages of this rank share (its gradient is all-redu
 data-parallel group here before the step). Frozen parameters are sharded and gathered like the
 others; they have no gradient to reduce.
 
-Refused in one line (`refusal`): bf16-mixed (runtime.precision's one compute copy per step would
+Refused in one line (`refusal`): replicated stages (a stage's lanes run different micro-batches,
+so their gathers and reduce-scatters would not pair up), bf16-mixed (runtime.precision's one compute copy per step would
 replace the parameters FSDP2 gathers; FSDP2's own mixed precision casts per gather, another
 rounding order than the single-process reference), zero-bubble schedules (their split backward
 reaches the weights after FSDP2 has freed them), gradient clipping (each holder has an n-th of
@@ -43,9 +44,12 @@ from torch import nn
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 
 
-def refusal(precision: str, schedule: str, clipping: bool, checkpointing: bool) -> Optional[str]:
+def refusal(precision: str, schedule: str, replicated: bool, clipping: bool, checkpointing: bool) -> Optional[str]:
     """Why a `shard: parameters` run with these options is not run (one line: cause and fix), or None."""
     fix = "; re-plan with `planner solve --shard gradients`"
+    if replicated:  # a stage's lanes run different micro-batches: their gathers would not pair up
+        return ("a plan sharding parameters across replicated stages (--replicate) is not supported; re-plan "
+                "without --replicate or with `planner solve --shard optimizer`")
     if precision != "fp32":
         return f"--precision {precision} with a plan sharding parameters is not supported (run it in fp32{fix})"
     if schedule in ZERO_BUBBLE_SCHEDULES:
@@ -103,11 +107,7 @@ class ParameterSharding:
         self.local = make([p for p in self.parameters() if p.requires_grad])
         return self
 
-    # --- what runtime.worker and runtime.engine call on an optimizer -------------------------------
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        return self.local.param_groups  # runtime.training.set_lr
-
+    # --- what runtime.worker and runtime.engine call on an optimizer (set_lr sets `local`'s rate) ---
     def step(self) -> None:
         for p in self.shared_here:
             if p.requires_grad:

@@ -36,7 +36,7 @@ from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
 from runtime.options import ENGINES, add_training_options, training_options
-from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
+from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding, refusal as parameters_refusal
@@ -189,8 +189,8 @@ def _build(me: _Rank, use_tags: bool) -> None:
     me.options = training_options(args, me.optimizer_name, plan)
     tied = [param for param, _ in me.rank_model.tied.values()]
     if plan.shard == "parameters" and me.groups.data_parallel_group is not None:
-        refused = parameters_refusal(me.options.precision, plan.schedule, me.options.clip_grad_norm is not None,
-                                     bool(args.checkpoint_dir))
+        refused = parameters_refusal(me.options.precision, plan.schedule, topology.replicated,
+                                     me.options.clip_grad_norm is not None, bool(args.checkpoint_dir))
         if refused:
             raise ValueError(refused)
         me.sharding = ParameterSharding([st.module for st in me.rank_model.stages], tied,
@@ -198,10 +198,9 @@ def _build(me: _Rank, use_tags: bool) -> None:
         me.optimizer = me.sharding.optimizer_for(lambda params: make_optimizer(me.options, params))
     else:
         me.optimizer = make_optimizer(me.options, me.rank_model.trainable())
-    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py;
-    # torch's defaults: momentum, betas and weight decay apply to the unsharded optimizer only)
+    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py)
     sharded = None if me.sharding is not None else shard_optimizer(
-        plan.shard, me.optimizer_name, me.rank_model.trainable(), tied, args.lr, me.groups.data_parallel_group)
+        plan.shard, *optimizer_arguments(me.options), me.rank_model.trainable(), tied, me.groups.data_parallel_group)
     if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
         raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
                          "only its share of the gradients; re-plan without --shard gradients or drop the clipping")

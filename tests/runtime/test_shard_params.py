@@ -51,17 +51,21 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path):
     assert torch.equal(state["blocks.0.weight"], initial["blocks.0.weight"])
 
 
-@pytest.mark.parametrize("schedule, precision, extra, says", [
-    ("1f1b", "bf16-mixed", [], "--precision bf16-mixed"),
-    ("zb-h1", "fp32", [], "zero-bubble"),
-    ("1f1b", "fp32", ["--clip-grad-norm", "1"], "--clip-grad-norm"),
-    ("1f1b", "fp32", ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1"], "--checkpoint-dir"),
+@pytest.mark.parametrize("schedule, precision, replicas, extra, says", [
+    ("1f1b", "bf16-mixed", None, [], "--precision bf16-mixed"),
+    ("zb-h1", "fp32", None, [], "zero-bubble"),
+    ("1f1b", "fp32", [2, 1], [], "replicated stages"),
+    ("1f1b", "fp32", None, ["--clip-grad-norm", "1"], "--clip-grad-norm"),
+    ("1f1b", "fp32", None, ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1"], "--checkpoint-dir"),
 ])
-def test_what_sharded_parameters_do_not_run_with_is_refused_in_one_line(tmp_path, schedule, precision, extra, says):
+def test_what_sharded_parameters_do_not_run_with_is_refused_in_one_line(tmp_path, schedule, precision, replicas,
+                                                                        extra, says):
     path = str(tmp_path / "plan.json")
-    save_plan(dataclasses.replace(_plan("builtin:gpt", {"layers": 4}, [3], schedule=schedule), precision=precision), path)
+    plan = reshape_plan(plan_with(profile_of("builtin:gpt", {"layers": 4}), [3], 2, 4, schedule), data_parallel=2,
+                        replicas=replicas)
+    save_plan(dataclasses.replace(plan, shard="parameters", precision=precision), path)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         code = runtime_main(["execute", path, "--steps", "1", *extra])
     assert code == 2 and "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
-    assert says in err.getvalue() and "--shard gradients" in err.getvalue()
+    assert says in err.getvalue() and "re-plan" in err.getvalue()
