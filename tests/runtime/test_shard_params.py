@@ -51,6 +51,15 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path):
     assert torch.equal(state["blocks.0.weight"], initial["blocks.0.weight"])
 
 
+def test_a_weight_two_units_of_a_rank_read_is_kept_whole(tmp_path):
+    # one stage, 2 replicas: tied_lm's emb and head (one weight) are units of the same rank; the weight
+    # is not sharded, its gradient all-reduced over the replicas before the step
+    plan = dataclasses.replace(reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [], 1, 2), data_parallel=2),
+                               shard="parameters")
+    state = execute(plan, tmp_path, steps=2, extra=["--momentum", "0.9"])
+    assert max_abs_diff(state, reference_state(plan, steps=2, training=dict(momentum=0.9))) <= 1e-5
+
+
 @pytest.mark.parametrize("schedule, precision, replicas, extra, says", [
     ("1f1b", "bf16-mixed", None, [], "--precision bf16-mixed"),
     ("zb-h1", "fp32", None, [], "zero-bubble"),
