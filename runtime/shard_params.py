@@ -139,8 +139,9 @@ class ParameterSharding:
             local = p.to_local() if _is_sharded(p) else p
             storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
         for module in self.units + self.modules:
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in (group.fsdp_params if group is not None else []):
+            # FSDP2's own record of the gathered parameters (private: read defensively)
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", []):
                 gathered = getattr(fsdp_param, "_unsharded_param", None)
                 if gathered is not None and gathered.untyped_storage().nbytes() > 0:
                     storages[gathered.untyped_storage().data_ptr()] = gathered.untyped_storage().nbytes()
