@@ -13,7 +13,6 @@ from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_ato
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
-from runtime.shard import check_runnable
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.options import ENGINES, add_training_options, forwarded
 
@@ -70,9 +69,15 @@ def execute(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
     _check_run_options(args, plan)
-    refusal = check_runnable(plan.shard)  # issue 25: ZeRO-3 is planned, not run (runtime/shard.py)
-    if refusal:
-        raise UsageError(refusal)
+    if plan.shard == "parameters":  # what ZeRO-3 does not run with (runtime/shard_params.py)
+        from runtime.options import training_options
+        from runtime.shard_params import refusal as parameters_refusal
+
+        options = training_options(args, args.optimizer or "sgd", plan)
+        refusal = parameters_refusal(options.precision, plan.schedule, plan.topology().replicated,
+                                     options.clip_grad_norm is not None, bool(args.checkpoint_dir))
+        if refusal:
+            raise UsageError(refusal)
     if args.engine == "torch":
         from runtime.torch_engine import refusal as torch_refusal
 

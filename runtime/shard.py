@@ -15,7 +15,7 @@ planner/cost/memory.py), trained exactly as one process.
 
 Tied weights (used by stages on several ranks) are summed over every rank holding a use in every
 replica by runtime.engine.Groups before the step, so each holder steps its copy itself (not sharded).
-`parameters` (ZeRO-3) is planned but not run: the runtime refuses it in one line.
+`parameters` (ZeRO-3): runtime/shard_params.py.
 """
 from __future__ import annotations
 
@@ -24,29 +24,18 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-RUN_SHARDS = ("none", "optimizer", "gradients")
-_OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
-
-
-def check_runnable(shard: str) -> Optional[str]:
-    """The one-line refusal for a shard this runtime does not execute, else None."""
-    if shard in RUN_SHARDS:
-        return None
-    return (f"the plan shards {shard!r} (ZeRO-3), which the runtime does not run; re-plan with "
-            "`planner solve --shard optimizer` or `--shard gradients`")
-
-
-def shard_optimizer(shard: str, name: str, params: List[torch.nn.Parameter], tied: List[torch.nn.Parameter],
-                    lr: float, group: Any) -> Optional[Any]:
-    """The optimizer for a sharded plan over the data-parallel `group` of this rank's stages;
-    None when nothing is sharded (no sharding asked, one holder, or no parameters)."""
+def shard_optimizer(shard: str, optimizer_class: type, arguments: Dict[str, Any], params: List[torch.nn.Parameter],
+                    tied: List[torch.nn.Parameter], group: Any) -> Optional[Any]:
+    """The optimizer (`optimizer_class(params, **arguments)`, runtime.training.optimizer_arguments)
+    for a sharded plan over the data-parallel `group` of this rank's stages; None when nothing is
+    sharded (no sharding asked, one holder, or no parameters)."""
     if shard == "none" or group is None or not params:
         return None
     if shard == "optimizer":
-        return _ZeroOne(params, _OPTIMIZER_CLASSES[name], lr, group)
+        return _ZeroOne(params, optimizer_class, arguments, group)
     if shard == "gradients":
-        return GradientShardedOptimizer(params, tied, _OPTIMIZER_CLASSES[name], lr, group)
-    raise ValueError(check_runnable(shard))
+        return GradientShardedOptimizer(params, tied, optimizer_class, arguments, group)
+    raise ValueError(f"shard {shard!r} is not an optimizer's (parameters: runtime/shard_params.py)")
 
 
 class _ZeroOne:
@@ -54,10 +43,10 @@ class _ZeroOne:
 
     reduces_gradients = False  # the engine's all-reduce gives every holder the whole gradient
 
-    def __init__(self, params, optimizer_class, lr: float, group: Any):
+    def __init__(self, params, optimizer_class, arguments: Dict[str, Any], group: Any):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        self.zero = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, lr=lr)
+        self.zero = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **arguments)
 
     def step(self) -> None:
         self.zero.step()
@@ -90,7 +79,7 @@ class GradientShardedOptimizer:
     reduces_gradients = True
 
     def __init__(self, params: List[torch.nn.Parameter], tied: List[torch.nn.Parameter], optimizer_class,
-                 lr: float, group: Any):
+                 arguments: Dict[str, Any], group: Any):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.me = self.ranks.index(dist.get_rank())
@@ -99,7 +88,7 @@ class GradientShardedOptimizer:
         self.owners = deal(self.sharded, len(self.ranks))
         mine = [p for p, o in zip(self.sharded, self.owners) if o == self.me]
         own_tied = [p for p in params if id(p) in tied_ids]
-        self.local = optimizer_class(mine + own_tied, lr=lr) if mine or own_tied else None
+        self.local = optimizer_class(mine + own_tied, **arguments) if mine or own_tied else None
         self.params = params
         for p, owner in zip(self.sharded, self.owners):
             p.register_post_accumulate_grad_hook(self._hand_over(self.ranks[owner], owner == self.me))

@@ -163,8 +163,10 @@ def _check_values(where: str, planned: List[Dict[str, Any]], actual: List[str]) 
                                 "re-run `planner profile` and `planner solve`")
 
 
-def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence[str]) -> List[Segment]:
-    """Units [first, end) as segments: each recomputed unit alone, runs of others fused."""
+def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence[str],
+              each_unit: bool = False) -> List[Segment]:
+    """Units [first, end) as segments: each recomputed unit alone, runs of others fused (with
+    `each_unit`, every unit alone)."""
     names = captured.unit_names
     unknown = [u for u in recompute if u not in names[first:end]]
     if unknown:
@@ -177,7 +179,7 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
             k += 1
         else:
             e = k
-            while e < end and names[e] not in recompute:
+            while e < end and names[e] not in recompute and not (each_unit and e > k):
                 e += 1
             bounds.append((k, e, False))
             k = e
@@ -197,10 +199,11 @@ def plan_spec(plan: Plan, on_meta: bool = False) -> ModelSpec:
 
 
 def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch.device = torch.device("cpu"),
-               init_state: Optional[InitState] = None) -> RankModel:
+               init_state: Optional[InitState] = None, unit_segments: bool = False) -> RankModel:
     """This rank's stages, their nodes placed on `device` (the parameters are moved by the caller).
     With `init_state` the model is built and captured on meta and only this rank's stages get
-    storage, on `device`, from the file (runtime.initstate)."""
+    storage, on `device`, from the file (runtime.initstate). With `unit_segments` every stage runs
+    as one segment per unit (sharded parameters are gathered per unit: runtime.shard_params)."""
     device = torch.device(device)
     if init_state is None:
         spec = plan_spec(plan)
@@ -252,8 +255,8 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
         io = captured.stage_io(first, end)
         _check_values(f"stage {g} input", plan_stage.recv, io.received)
         _check_values(f"stage {g} output", plan_stage.send, io.sent)
-        if recompute:
-            module: nn.Module = SegmentedStage(_segments(captured, first, end, recompute), io)
+        if recompute or unit_segments:
+            module: nn.Module = SegmentedStage(_segments(captured, first, end, recompute, unit_segments), io)
         else:
             module = modules[g]
         if topology.replicas_of(g) > 1 and any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in module.modules()):
@@ -278,11 +281,13 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
                      input_values=captured.input_values)
 
 
-def stage_state(stage: RankStage, spec: ModelSpec, init_state: Optional[InitState] = None) -> Dict[str, torch.Tensor]:
+def stage_state(stage: RankStage, spec: ModelSpec, init_state: Optional[InitState] = None,
+                module_state: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """The model state entries this stage saves, under the model's names (every name of an aliased
-    parameter), on the CPU."""
+    parameter), on the CPU; `module_state`: the stage module's state_dict when it is not the
+    module's own (gathered from shards: runtime.shard_params)."""
     own = {}
-    for key, value in stage.module.state_dict().items():
+    for key, value in (stage.module.state_dict() if module_state is None else module_state).items():
         own[key.split("parts.", 1)[-1].split(".", 1)[-1] if key.startswith("parts.") else key] = value
     full = spec.module.state_dict()  # entries no stage uses keep their initial values
 

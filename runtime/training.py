@@ -15,7 +15,7 @@ the same rates without any scheduler state.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,14 +23,21 @@ import torch.distributed as dist
 from runtime.options import TrainOptions
 
 
+def optimizer_arguments(options: TrainOptions) -> Tuple[type, Dict[str, Any]]:
+    """The torch optimizer class and its keyword arguments for these options: every optimizer of a
+    run gets them, unsharded or sharded (runtime/shard.py, runtime/shard_params.py)."""
+    if options.optimizer == "sgd":
+        return torch.optim.SGD, dict(lr=options.lr, momentum=options.momentum, weight_decay=options.decay)
+    return torch.optim.AdamW, dict(lr=options.lr, betas=options.betas, weight_decay=options.decay)
+
+
 def make_optimizer(options: TrainOptions, params: List[torch.nn.Parameter]) -> Any:
     from planner.profile.optim import make_optimizer as bare
 
     if not params:
         return bare(options.optimizer, params, options.lr)  # a rank without parameters
-    if options.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, weight_decay=options.decay)
-    return torch.optim.AdamW(params, lr=options.lr, betas=options.betas, weight_decay=options.decay)
+    optimizer_class, arguments = optimizer_arguments(options)
+    return optimizer_class(params, **arguments)
 
 
 def lr_at(options: TrainOptions, step: int) -> float:

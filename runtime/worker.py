@@ -36,10 +36,11 @@ from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
 from runtime.options import ENGINES, add_training_options, training_options
-from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, set_lr
+from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.launch import RANK_TIMEOUT_S
 from runtime.localsgd import run_refusal
 from runtime.shard import shard_optimizer
+from runtime.shard_params import ParameterSharding, refusal as parameters_refusal
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -111,6 +112,7 @@ class _Rank:
     options: Optional[TrainOptions] = None
     groups: Optional[Groups] = None
     engine: Optional[Engine] = None
+    sharding: Optional[ParameterSharding] = None  # a plan sharding parameters (runtime/shard_params.py)
     init_state: Optional[InitState] = None
     resumed_rng: Optional[Dict[str, Any]] = None
     start_rss: int = 0  # resident bytes before building anything (the interpreter, torch)
@@ -181,7 +183,8 @@ def _build(me: _Rank, use_tags: bool) -> None:
     """This rank's stages, process groups, optimizer and engine."""
     plan, topology, args = me.plan, me.topology, me.args
     me.init_state = InitState(args.init_state) if args.init_state else None
-    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state)
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state,
+                               unit_segments=plan.shard == "parameters")  # gathered per unit
     for stage in me.rank_model.stages:
         stage.module.to(me.device)
     me.groups = Groups(topology, me.rank, me.rank_model.tied_groups, per_replica=plan.sync_every > 1)
@@ -192,12 +195,20 @@ def _build(me: _Rank, use_tags: bool) -> None:
     me.options = training_options(args, me.optimizer_name, plan)
     if run_refusal(plan.sync_every, me.options.clip_grad_norm):
         raise ValueError(run_refusal(plan.sync_every, me.options.clip_grad_norm))
-    me.optimizer = make_optimizer(me.options, me.rank_model.trainable())
-    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py;
-    # torch's defaults: momentum, betas and weight decay apply to the unsharded optimizer only)
-    sharded = shard_optimizer(plan.shard, me.optimizer_name, me.rank_model.trainable(),
-                              [param for param, _ in me.rank_model.tied.values()], args.lr,
-                              me.groups.data_parallel_group)
+    tied = [param for param, _ in me.rank_model.tied.values()]
+    if plan.shard == "parameters" and me.groups.data_parallel_group is not None:
+        refused = parameters_refusal(me.options.precision, plan.schedule, topology.replicated,
+                                     me.options.clip_grad_norm is not None, bool(args.checkpoint_dir))
+        if refused:
+            raise ValueError(refused)
+        me.sharding = ParameterSharding([st.module for st in me.rank_model.stages], tied,
+                                        me.groups.data_parallel_group, me.device)
+        me.optimizer = me.sharding.optimizer_for(lambda params: make_optimizer(me.options, params))
+    else:
+        me.optimizer = make_optimizer(me.options, me.rank_model.trainable())
+    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py)
+    sharded = None if me.sharding is not None else shard_optimizer(
+        plan.shard, *optimizer_arguments(me.options), me.rank_model.trainable(), tied, me.groups.data_parallel_group)
     if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
         raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
                          "only its share of the gradients; re-plan without --shard gradients or drop the clipping")
@@ -218,6 +229,8 @@ def _build(me: _Rank, use_tags: bool) -> None:
                            sync_every=plan.sync_every)
         me.engine.emulated_links = link_delays(plan)
         me.engine.emulated_exchange_s = exchange_delay(plan, topology.pipeline_rank_of(me.rank))
+        if me.sharding is not None:
+            me.sharding.exclude_gathered(me.engine.saved)
     if me.options.clip_grad_norm is not None:
         me.engine.before_optimizer.append(_clipper(me))
 
@@ -308,7 +321,10 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     pipeline_rank, stages = me.pipeline_rank, me.rank_model.stages
     peak = torch.cuda.max_memory_allocated(me.device) if me.device.type == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    static = sum(p.numel() * p.element_size() for p in me.rank_model.parameters())  # each parameter once
+    if me.sharding is not None:  # its shards and whole kept parameters, measured between steps
+        static = me.sharding.resident_param_bytes()
+    else:
+        static = sum(p.numel() * p.element_size() for p in me.rank_model.parameters())  # each parameter once
     result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
               "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
@@ -317,10 +333,12 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "start_rss_bytes": me.start_rss, "built_rss_bytes": me.built_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel}
+    # sharded parameters are gathered by every holder (a collective), saved by one
+    gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
         state: Dict[str, torch.Tensor] = {}
-        for stage in stages:
-            state.update(stage_state(stage, me.rank_model.spec, me.init_state))
+        for stage, module_state in zip(stages, gathered):
+            state.update(stage_state(stage, me.rank_model.spec, me.init_state, module_state))
         with atomic_path(os.path.join(args.out_dir, f"rank{rank}.pt")) as tmp:
             torch.save(state, tmp)
     if args.trace:

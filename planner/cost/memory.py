@@ -33,7 +33,9 @@ Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's 
     gradients   ... and gradients / n                                        (ZeRO-2)
     parameters  ... and parameters / n, the compute copy made per unit when   (ZeRO-3, FSDP)
                 it is gathered; each device also holds the gathered parameters of two units
-                (the one running and the one prefetched): `gathered_bytes`
+                (the one running and the one prefetched) and the whole gradients of the running
+                one until they are reduce-scattered: `gathered_bytes_per_param` (the runtime
+                gathers per unit with FSDP2: runtime/shard_params.py)
 
 Data-parallel traffic per iteration, bytes each holder sends per trainable parameter on a ring
 (frozen parameters have nothing to exchange: the profile's trainable bytes are what is sent)
@@ -59,7 +61,7 @@ buffers, cuBLAS workspaces, the caching allocator's slack). Plans keep it free o
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 SHARDS = ("none", "optimizer", "gradients", "parameters")
@@ -167,13 +169,13 @@ def frozen_sync_bytes_per_param(precision: str, shard: str, holders: int, micro_
     return 2 * (n - 1) / n * m * _PRECISION_BYTES[precision][0]
 
 
-def gathered_bytes_per_param(precision: str, shard: str) -> float:
-    """Bytes per parameter of a gathered unit under `parameters` sharding (its weights and compute
-    copy); 0 otherwise."""
+def gathered_bytes_per_param(precision: str, shard: str) -> Tuple[float, float]:
+    """Bytes per parameter of a gathered unit under `parameters` sharding: its weights and compute
+    copy, and its whole gradient (per trainable parameter, before the reduce-scatter); 0s otherwise."""
     if shard != "parameters":
-        return 0.0
-    params, copy, _, _, _ = _PRECISION_BYTES[precision]
-    return float(params + copy)
+        return 0.0, 0.0
+    params, copy, grads, _, _ = _PRECISION_BYTES[precision]
+    return float(params + copy), float(grads)
 
 
 def param_itemsize(dtype: str) -> int:

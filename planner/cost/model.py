@@ -52,9 +52,8 @@ cut l (in_0 = 0). P_g, T_g: stage g's parameter bytes and, of them, the trainabl
 are frozen: requires_grad=False). beta^w_g, beta^t_g (`static_factors`): bytes held per parameter
 byte of the profile — the weights for every parameter; gradients, master weights and optimizer
 state for a trainable one — in the precision's dtypes, sharded over the stage's n_g = r_g d holders
-(planner.cost.memory). F (`fixed_bytes`): the
-per-device reserve plus, under `parameters` sharding, two gathered units. A plan is feasible iff
-M_i <= cap_i. Interleaved needs m to be a multiple of p (Megatron's rule).
+(planner.cost.memory). F (`fixed_bytes`): the per-device reserve plus, under `parameters`
+sharding, two gathered units and one unit's whole gradients. A plan is feasible iff M_i <= cap_i. Interleaved needs m to be a multiple of p (Megatron's rule).
 
 Precision. Activations and cut messages are counted in the precision's compute dtype: a profile of
 another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured.
@@ -142,12 +141,14 @@ def reserve_of(profile: Profile, opts: CostOptions) -> float:
 def fixed_bytes(profile: Profile, opts: CostOptions) -> float:
     """F: bytes every device holds whatever its stages: the reserve, and under `parameters`
     sharding with several holders the two largest gathered units (the running one and the
-    prefetched one; the profile's largest unit, twice, whatever the split: a bound)."""
+    prefetched one; the profile's largest unit, twice, whatever the split: a bound) and the whole
+    gradients of the largest trainable one (the running unit's, until reduce-scattered)."""
     gathered = 0.0
     if _shard(opts) == "parameters" and (opts.data_parallel > 1 or opts.replicated):
         largest = max((u.param_bytes for u in profile.units), default=0)
-        per_param = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
-        gathered = 2 * largest * per_param / memory_model.param_itemsize(profile.dtype)
+        largest_trainable = max((u.trainable_bytes for u in profile.units), default=0)
+        weights, grads = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
+        gathered = (2 * largest * weights + largest_trainable * grads) / memory_model.param_itemsize(profile.dtype)
     return reserve_of(profile, opts) + gathered
 
 

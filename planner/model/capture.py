@@ -21,7 +21,9 @@ and no stage ever writes into a tensor it received. The fx tracer records `a += 
 Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
 a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
 unit). Model inputs never cross: every rank rebuilds the batch itself. Parameters and buffers
-(`get_attr` nodes) never cross either: each stage reads its own.
+(`get_attr` nodes) never cross either: each stage reads its own. Nor do values computed from
+inputs, buffers and constants alone (an attention mask, position ids, rotary tables): each stage
+reading one computes it again (planner/model/recomputable.py states the rule).
 
 `CapturedModel.stage_module(first, end)` cuts units [first, end) out as an `fx.GraphModule`
 whose forward takes (model inputs used, values crossing cut `first`) and returns the values
@@ -45,6 +47,7 @@ from planner.errors import CaptureError  # noqa: F401  (defined without torch: t
 from planner.model.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.model.failures import NodeRunError, first_line
 from planner.model.inplace import AugmentedProxy, Merge, writes_across_units
+from planner.model.recomputable import needed_inputs, recomputable_nodes
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -168,6 +171,7 @@ class CapturedModel:
         for index, unit in enumerate(self.units):
             for node in unit.nodes:
                 self._unit_of[node.name] = index
+        self.recomputed = recomputable_nodes(self.gm)  # never cross: recomputed where read
         self._crossing = self._compute_crossings()
 
     # --- capture ------------------------------------------------------------------------
@@ -284,7 +288,7 @@ class CapturedModel:
         crossing: List[List[fx.Node]] = [[] for _ in range(L + 1)]
         for node in self.gm.graph.nodes:  # graph order gives a canonical order per cut
             produced = self._unit_of.get(node.name)
-            if produced is None or node not in last_use:
+            if produced is None or node not in last_use or node.name in self.recomputed:
                 continue
             for k in range(produced + 1, last_use[node] + 1):
                 crossing[k].append(node)
@@ -307,10 +311,13 @@ class CapturedModel:
 
     def stage_io(self, first: int, end: int) -> StageIO:
         nodes = [n for u in self.units[first:end] for n in u.nodes]
-        used_inputs = {s.name for n in nodes for s in n.all_input_nodes if s.op == "placeholder"}
         if end == len(self.units):
-            output = next(n for n in self.gm.graph.nodes if n.op == "output")
-            used_inputs |= {s.name for s in output.all_input_nodes if s.op == "placeholder"}
+            nodes.append(next(n for n in self.gm.graph.nodes if n.op == "output"))
+        used_inputs = {s.name for n in nodes for s in n.all_input_nodes if s.op == "placeholder"}
+        # what the stage computes again instead of receiving reads model inputs too
+        inside = {n.name for n in nodes}
+        again = {s for n in nodes for s in n.all_input_nodes if s.name in self.recomputed and s.name not in inside}
+        used_inputs |= needed_inputs(self.gm, self.recomputed, again)
         return StageIO(
             inputs=[p for p in self.placeholders if p in used_inputs],
             received=[n.name for n in self._crossing[first]] if first > 0 else [],
@@ -331,9 +338,14 @@ class CapturedModel:
 
         def lookup(node: fx.Node) -> fx.Node:
             if node not in env:
-                if node.op != "get_attr":
+                if node.name in self.recomputed:  # computed again here from inputs and buffers
+                    for source in node.all_input_nodes:
+                        lookup(source)
+                    env[node] = graph.node_copy(node, lookup)
+                elif node.op != "get_attr":
                     raise CaptureError(f"stage [{first}, {end}) needs {node.name!r}, which does not reach it")
-                env[node] = graph.node_copy(node)  # parameters and buffers are read where used
+                else:
+                    env[node] = graph.node_copy(node)  # parameters and buffers are read where used
             return env[node]
 
         for unit in self.units[first:end]:

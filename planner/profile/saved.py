@@ -18,7 +18,9 @@ class SavedBytes:
     now held (`live`; `peak` is the most held at once) until `release(those bytes)`."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
-        self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        # a sharded parameter (a DTensor: runtime/shard_params.py) is the storage of its local shard
+        self.parameter_ptrs = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                               for p in params}
         self.excluded_ptrs: set = set()  # other tensors held for the whole step (`exclude`)
         self.live = 0
         self.peak = 0

@@ -92,7 +92,8 @@ def test_device_memory_counts_the_precision_and_shard():
     assert held >= st.activation_bytes > 0
     for shard, per in (("optimizer", 4 + 4 + 4), ("gradients", 4 + 2 + 4), ("parameters", 2 + 2 + 4)):
         cost = evaluate(profile, [2], 2, _opts(precision="fp32", shard=shard))
-        gathered = 2 * 2000 * 4 if shard == "parameters" else 0  # two of the largest unit, gathered
+        # two of the largest unit gathered, and its whole gradients until reduce-scattered
+        gathered = 2 * 2000 * 4 + 2000 * 4 if shard == "parameters" else 0
         assert cost.device_memory[0] == 3000 * per + gathered + held, shard
     mixed = evaluate(profile, [2], 2, _opts(precision="bf16-mixed"))
     # 18 B per parameter; activations and messages computed in bf16: half the fp32 profile's

@@ -30,6 +30,11 @@ def test_causal_lm_pipeline_matches_single_process(tmp_path):
     assert [u.name for u in profile.units] == ["model.embed_tokens", "model.rotary_emb", "model.layers.0",
                                                "model.layers.1", "model.norm", "lm_head"]
     assert profile.extra["shared_parameters"] == []
+    # the causal mask (B x 1 x S x S), position ids and rotary tables are computed again by each
+    # stage (planner/model/recomputable.py): every cut carries the hidden states alone, B S H fp32
+    for k in range(1, len(profile.units)):
+        assert [v.kind for v in profile.cut(k).values] == ["tensor"], k
+        assert profile.cut(k).activation_bytes(2) == 2 * 8 * 32 * 4, k
 
 
 def test_seq2seq_encoder_output_reaches_every_decoder_stage(tmp_path):

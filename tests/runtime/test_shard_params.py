@@ -1,0 +1,80 @@
+"""Sharded parameters (ZeRO-3, runtime/shard_params.py: FSDP2 over each stage's data-parallel holders)
+train exactly like one process (issue 25): 2 replicas x 2 stages, parameters within 1e-5 (fp32); each
+rank holds about half of its stages' parameters between steps; what is not run is refused in one line."""
+import dataclasses
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from planner.model.entry import build_spec
+from planner.plan.file import save_plan
+from runtime.cli import main as runtime_main
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, reshape_plan
+
+
+def _plan(entry, args, boundaries, micro_batch_size=2, global_batch=4, schedule="1f1b", recompute=None):
+    plan = reshape_plan(plan_with(profile_of(entry, args), boundaries, micro_batch_size, global_batch, schedule),
+                        data_parallel=2, recompute=recompute)  # 4 ranks
+    return dataclasses.replace(plan, shard="parameters")
+
+
+def test_sharded_parameters_train_like_one_process_holding_half(tmp_path):
+    # tied_lm, SGD with momentum (state in the shards), 2 micro-batches per replica, each
+    # reduce-scattered; the tie (emb and head, on the two ranks) is kept whole, summed by its all-reduce
+    plan = _plan("tests.models:tied_lm", {}, [2], 1, 2)
+    state = execute(plan, tmp_path, steps=2, extra=["--momentum", "0.9"])
+    assert max_abs_diff(state, reference_state(plan, steps=2, training=dict(momentum=0.9))) <= 1e-5
+    assert torch.equal(state["emb.weight"], state["head.weight"])
+    # measured between steps: each rank holds half of each sharded unit (its dims are even: no
+    # padding) and the whole tie, the gathered parameters freed
+    tie = 64 * 16 * 4
+    block = (16 * 16 + 16) * 4
+    held = {0: tie + 1 * block / 2, 1: 2 * block / 2 + tie}  # stage 0: emb, blocks.0; 1: blocks.1-2, head
+    for entry in json.load(open(tmp_path / "report.json"))["stages"]:
+        assert entry["param_bytes"] == held[entry["chunks"][0]], entry
+
+
+def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path):
+    # frozen_tied_lm: emb (read again by the head on the other rank) and blocks.0 frozen, sharded and
+    # gathered like the others; blocks.1 trains next to them; blocks.2 recomputed in its backward
+    # (its unit gathered again by FSDP2). AdamW with decay: a frozen weight given a gradient would move.
+    entry = "tests.models:frozen_tied_lm"
+    plan = _plan(entry, {}, [3], 1, 2, recompute={1: ["blocks.2"]})
+    state = execute(plan, tmp_path, steps=2, extra=["--optimizer", "adamw", "--weight-decay", "0.1"])
+    assert max_abs_diff(state, reference_state(plan, steps=2, optimizer="adamw",
+                                               training=dict(weight_decay=0.1))) <= 1e-5
+    initial = build_spec(entry, {}, 0).module.state_dict()
+    assert torch.equal(state["emb.weight"], initial["emb.weight"])
+    assert torch.equal(state["blocks.0.weight"], initial["blocks.0.weight"])
+
+
+def test_a_weight_two_units_of_a_rank_read_is_kept_whole(tmp_path):
+    # one stage, 2 replicas: tied_lm's emb and head (one weight) are units of the same rank; the weight
+    # is not sharded, its gradient all-reduced over the replicas before the step
+    plan = dataclasses.replace(reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [], 1, 2), data_parallel=2),
+                               shard="parameters")
+    state = execute(plan, tmp_path, steps=2, extra=["--momentum", "0.9"])
+    assert max_abs_diff(state, reference_state(plan, steps=2, training=dict(momentum=0.9))) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule, precision, replicas, extra, says", [
+    ("1f1b", "bf16-mixed", None, [], "--precision bf16-mixed"),
+    ("zb-h1", "fp32", None, [], "zero-bubble"),
+    ("1f1b", "fp32", [2, 1], [], "replicated stages"),
+    ("1f1b", "fp32", None, ["--clip-grad-norm", "1"], "--clip-grad-norm"),
+    ("1f1b", "fp32", None, ["--checkpoint-dir", "ckpt", "--checkpoint-every", "1"], "--checkpoint-dir"),
+])
+def test_what_sharded_parameters_do_not_run_with_is_refused_in_one_line(tmp_path, schedule, precision, replicas,
+                                                                        extra, says):
+    path = str(tmp_path / "plan.json")
+    plan = reshape_plan(plan_with(profile_of("builtin:gpt", {"layers": 4}), [3], 2, 4, schedule), data_parallel=2,
+                        replicas=replicas)
+    save_plan(dataclasses.replace(plan, shard="parameters", precision=precision), path)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = runtime_main(["execute", path, "--steps", "1", *extra])
+    assert code == 2 and "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
+    assert says in err.getvalue() and "re-plan" in err.getvalue()
