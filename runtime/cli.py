@@ -13,8 +13,7 @@ from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_ato
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
-from runtime.launch import RANK_TIMEOUT_S
-from runtime.options import ENGINES, add_training_options, forwarded
+from runtime.options import ENGINES, RANK_TIMEOUT_S, add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when

@@ -25,9 +25,6 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, TextIO
 
-# How long a rank may wait on another (the process-group timeout) before it fails: the one default of
-# `runtime execute --timeout` and of `python -m runtime.worker --timeout` (torchrun launches).
-RANK_TIMEOUT_S = 60.0
 
 
 @dataclass

@@ -6,6 +6,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+# How long a rank may wait on another (the process-group timeout) before it fails: the one default of
+# `runtime execute --timeout` and of `python -m runtime.worker --timeout` (torchrun launches).
+RANK_TIMEOUT_S = 60.0
+
 ENGINES = ("own", "torch")  # runtime/engine.py, runtime/torch_engine.py (torch.distributed.pipelining)
 PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
 SCHEDULES = ("constant", "cosine")

@@ -35,9 +35,8 @@ from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
-from runtime.options import ENGINES, add_training_options, training_options
+from runtime.options import ENGINES, RANK_TIMEOUT_S, add_training_options, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
-from runtime.launch import RANK_TIMEOUT_S
 from runtime.localsgd import run_refusal
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding, refusal as parameters_refusal

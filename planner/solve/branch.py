@@ -22,8 +22,13 @@ joins the forms when the known ones undervalued it (so the bound tightens as the
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
 is the proven bound.
 
-It applies where every term is a stage's: v = 1, no replicated stages, no tied weights (their
-all-reduce spans the ranks holding a use), recomputation `none` or `all` (fixed per unit).
+Terms of a device with several stages (v > 1) split over them: its gradient exchange and its
+optimizer step are sums over its stages' parameters (linear in the bytes), the exchange's latency
+a constant; a device's memory is not a sum of its stages' (the peak of its list), so a stage is
+placed only where it fits alone (a necessary condition) and a complete split is kept only if
+`evaluate` finds it fits. It applies to every schedule without replicated stages, without tied
+weights (their all-reduce spans the ranks holding a use) and with recomputation `none` or `all`
+(fixed per unit).
 """
 from __future__ import annotations
 
@@ -40,7 +45,6 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.cost.step import rank_peaks
-from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
@@ -55,9 +59,8 @@ MAX_UNITS = 400  # beyond, its (L + 1)^2 tables per form and stage cost more tha
 def applies(profile: Profile, opts: CostOptions) -> bool:
     """Whether every duration term of this scenario belongs to one stage (module docstring), on a
     profile small enough for its tables."""
-    return (profile.num_units <= MAX_UNITS and opts.virtual_stages == 1 and not opts.replicated and opts.schedule in ONE_STAGE_SCHEDULES + ("zb-h1",)
-            and opts.recompute in ("none", "all") and not shared_parameters(profile)
-            and opts.num_stages <= profile.num_units)
+    return (profile.num_units <= MAX_UNITS and not opts.replicated and opts.recompute in ("none", "all")
+            and not shared_parameters(profile) and opts.num_stages <= profile.num_units)
 
 
 @dataclass
@@ -79,7 +82,9 @@ class _Terms:
         self.L, self.S = L, S
         redo_all = opts.recompute == "all"
         again = costs.F if redo_all else 0.0
-        speeds, links = rank_speeds(opts, S), boundary_links(opts)
+        ranks = [opts.rank_of_stage(g) for g in range(S)]
+        device_speeds, links = rank_speeds(opts), boundary_links(opts)
+        speeds = [device_speeds[ranks[g]] for g in range(S)]
         m = num_micro_batches(opts, b)
         forward = range_matrix(costs.F) + costs.call_forward
         backward = range_matrix(costs.G + again) + costs.call_backward
@@ -99,9 +104,10 @@ class _Terms:
                                    "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
                                    "step": step / speed}
             terms = dict(by_speed[speed])
-            # device g's exchange over its replicas (hierarchical under a placement: per rank)
-            terms["reduce"] = np.where(finite, sync_time(params, trainable, opts, profile.dtype, m, rank=g) +
-                                       exchange_latency(opts, g), np.inf)
+            # the stage's share of its device's exchange over the replicas (hierarchical under a
+            # placement: per rank; its latency is the form's constant)
+            terms["reduce"] = np.where(finite, sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g]),
+                                       np.inf)
             if g < S - 1:  # the messages across boundary g, by where stage g ends
                 act = np.array([costs.message_s(e, links[g]) if 0 < e < L else 0.0 for e in ends])
                 grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
@@ -112,14 +118,15 @@ class _Terms:
         self.rows: List[np.ndarray] = []
         shared: Dict[Tuple[float, bool], np.ndarray] = {}
         for g, terms in enumerate(self.value):
-            key = (speeds[g], g < S - 1)
+            key = (speeds[g], ranks[g], g < S - 1)
             if key not in shared or g < S - 1:  # the message terms differ by boundary
                 stacked = np.stack([terms[name] if name in terms else np.zeros((L + 1, L + 1)) for name in _STAGE_TERMS])
                 shared[key] = np.ascontiguousarray(np.where(np.isfinite(stacked), stacked, 0.0).transpose(1, 0, 2))
             self.rows.append(shared[key])
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
-        self.costs, self.speeds, self.redo_all = costs, [speeds[g] for g in range(S)], redo_all
+        self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
+        self.latency = [exchange_latency(opts, i) for i in range(opts.pipeline_ranks)]
 
     def restrict(self, forms: Sequence[PathForm], target: float) -> None:
         """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
@@ -129,11 +136,13 @@ class _Terms:
         self.allowed = [fits & good for fits, good in zip(self.fits, ok)]
 
     def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
-        """fits[g][a, e]: stage g = [a, e) fits its device (planner.cost.model.device_memory, one stage)."""
+        """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
+        (planner.cost.model.device_memory; exact with one stage per device)."""
         L, S = self.L, self.S
-        caps = rank_caps(opts, profile)
+        ranks = [opts.rank_of_stage(g) for g in range(S)]
+        caps = [rank_caps(opts, profile)[ranks[g]] for g in range(S)]
         valid = np.isfinite(range_matrix(costs.P))
-        if all(cap is None for cap in caps[:S]):
+        if all(cap is None for cap in caps):
             return [valid] * S
         static = static_bytes(range_matrix(costs.P), range_matrix(costs.T), opts, profile.dtype)  # caps: less F
         live = range_matrix(prefix_sums(costs.inputs) if redo_all else costs.S)
@@ -147,7 +156,7 @@ class _Terms:
                 fits.append(valid)
                 continue
             held = np.zeros_like(static)
-            for peak in peaks[g]:
+            for peak in peaks[ranks[g]]:
                 count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
                 value = count("live") * np.where(valid, live, 0.0) + count("weight") * np.where(valid, weight, 0.0)
                 if g > 0:
@@ -179,9 +188,17 @@ class _Forms:
         S = self.terms.S
         per_stage = np.zeros((S, 1, len(_STAGE_TERMS)))
         constant = 0.0
+        on_rank: Dict[int, List[int]] = {}
+        for g, rank in enumerate(self.terms.ranks):
+            on_rank.setdefault(rank, []).append(g)
         for term, n in form.count().items():
             if term == ("message",):
                 constant += n * self.message_s
+            elif term[0] in ("reduce", "step") and term[1] in on_rank:  # a device's: the sum over its stages
+                for g in on_rank[term[1]]:
+                    per_stage[g, 0, _STAGE_TERMS.index(term[0])] += n
+                if term[0] == "reduce":
+                    constant += n * self.terms.latency[term[1]]
             elif term[0] in _STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
                 per_stage[term[1], 0, _STAGE_TERMS.index(term[0])] += n
             else:

@@ -200,7 +200,7 @@ def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(cap
 def test_rank_timeout_has_one_default():
     # runtime execute passes its --timeout to every rank; a torchrun-launched worker gets the same default
     from runtime.cli import build_parser
-    from runtime.launch import RANK_TIMEOUT_S
+    from runtime.options import RANK_TIMEOUT_S
     from runtime.worker import _parse
 
     execute_default = build_parser().parse_args(["execute", "plan.json"]).timeout

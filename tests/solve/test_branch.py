@@ -1,6 +1,6 @@
 """The branch and bound over splits (planner/solve/branch.py) against every split, one micro-batch
-size at a time: the same optimum (memory caps, recomputation all, d = 2, zero-bubble, cluster speeds),
-and a proven bound that is never above it."""
+size at a time: the same optimum (every schedule, v = 1 and 2, memory caps, recomputation all, d = 2,
+reserves), and a proven bound that is never above it."""
 import itertools
 import math
 
@@ -28,10 +28,12 @@ def chains(draw):
         stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
     for u in profile.units:
         u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
-    p = draw(st.integers(1, min(5, L)))
+    schedule, v = draw(st.sampled_from([("1f1b", 1), ("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2),
+                                        ("bfs", 2), ("zb-v", 2)]))
+    p = draw(st.integers(1, max(1, min(5 if v == 1 else 3, L // v))))
     d = draw(st.sampled_from([1, 1, 2]))
-    opts = CostOptions(pipeline_ranks=p, global_batch=d * 4 * draw(st.sampled_from([1, 2, 4])),
-                       schedule=draw(st.sampled_from(["1f1b", "1f1b", "gpipe", "zb-h1"])), data_parallel=d,
+    opts = CostOptions(pipeline_ranks=p, global_batch=d * 4 * p * draw(st.sampled_from([1, 2])),
+                       schedule=schedule, virtual_stages=v, data_parallel=d,
                        bandwidth=draw(st.sampled_from([2e5, 1e6, 1e8])), latency=draw(st.sampled_from([0.0, 5e-5])),
                        message_s=draw(st.sampled_from([0.0, 2e-5])), optimizer=draw(st.sampled_from(["sgd", "adamw"])),
                        memory_cap=draw(st.sampled_from([None, None, 6000.0, 12000.0, 30000.0])),
@@ -77,7 +79,8 @@ def test_it_does_not_apply_where_a_term_spans_stages():
     profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=[10] * 4, saved=[10] * 4,
                                 cut_act=[10] * 3, sizes=(1,))
     assert applies(profile, CostOptions(pipeline_ranks=2, global_batch=4))
-    assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4, schedule="interleaved", virtual_stages=2))
+    assert applies(profile, CostOptions(pipeline_ranks=2, global_batch=4, schedule="interleaved", virtual_stages=2))
+    assert not applies(profile, CostOptions(pipeline_ranks=3, global_batch=4, replicas=(1, 2)))
     assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4, recompute="auto"))
     profile.extra["shared_parameters"] = [{"name": "tied", "units": ["u0", "u3"], "bytes": 8}]
     assert not applies(profile, CostOptions(pipeline_ranks=2, global_batch=4))

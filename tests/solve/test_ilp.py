@@ -213,8 +213,9 @@ def test_solver_crash_falls_back_to_the_warm_start(monkeypatch):
         raise pulp.PulpSolverError("simulated CBC crash")
 
     p = big_profile(L=12)
-    # interleaved: a scenario the integer program settles (one stage per device goes to branch and bound)
-    opts = CostOptions(pipeline_ranks=3, global_batch=12, schedule="interleaved", virtual_stages=2)
+    # a tied weight: a scenario the integer program settles (planner.solve.branch does not apply)
+    p.extra["shared_parameters"] = [{"name": "tied", "units": [p.units[0].name, p.units[-1].name], "bytes": 4096}]
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, memory_cap=60e6)
     expected = solve_brute(p, opts)
     monkeypatch.setattr(pulp.LpProblem, "solve", crash)
     found = solve_ilp(p, opts, time_limit=1.0)
