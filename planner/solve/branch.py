@@ -53,7 +53,7 @@ REFRESH = 0.01  # re-derive the allowed stages and completions when the target o
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
-MAX_UNITS = 400  # beyond, its (L + 1)^2 tables per form and stage cost more than the integer program
+MAX_UNITS = 200  # beyond, near-equal splits multiply and the integer program's bound closes sooner (BENCHMARKS.md)
 
 
 def applies(profile: Profile, opts: CostOptions) -> bool:
