@@ -259,7 +259,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     nodes = 0
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
-            bound = min(min(node[0] for node in stack), target)
+            bound = min(_open_bound(known, stack, target * (1 - gap)), target)
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -283,6 +283,26 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         for e in ends[np.argsort(bounds[ends], kind="stable")[::-1]]:  # worst first: the best is expanded next
             stack.append((float(bounds[e]), g + 1, int(e), cuts + (int(e),), prefix + value[:, e]))
     return BranchOutcome(best, target + overhead, True, nodes, known.known)  # nothing left beats the target
+
+
+OPEN_NODES_RECHECKED = 20_000  # at the time limit, open nodes re-bounded with every form learned
+
+
+def _open_bound(known: _Forms, stack, target: float) -> float:
+    """The least bound of the nodes left open: each re-bounded with every form known now and the
+    completions for the final target (a node's bound was computed when it was made, with fewer forms:
+    the shallow ones, made first, are the weakest)."""
+    if not stack:
+        return math.inf
+    if len(stack) > OPEN_NODES_RECHECKED:
+        return min(node[0] for node in stack)
+    known.refresh(target)
+    every = slice(0, len(known))
+    least = math.inf
+    for bound, g, a, cuts, _ in stack:
+        redone = float((_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf))
+        least = min(least, max(bound, redone))
+    return least
 
 
 def _prefix(known: _Forms, forms: slice, cuts: Sequence[int]) -> np.ndarray:
