@@ -36,6 +36,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# ranks started as this process's own children, so that its CPU accounting (RUSAGE_CHILDREN) counts
+# them and "other processes" means other jobs (forked from runtime.launch's fork server they would not be)
+os.environ.setdefault("PIPEPLANNER_LAUNCH", "subprocess")
 from common import run_plan  # noqa: E402
 
 from planner.cost.model import evaluate  # noqa: E402

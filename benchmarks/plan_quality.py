@@ -19,6 +19,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# ranks started as this process's own children, so that its CPU accounting (RUSAGE_CHILDREN) counts
+# them and "other processes" means other jobs (forked from runtime.launch's fork server they would not be)
+os.environ.setdefault("PIPEPLANNER_LAUNCH", "subprocess")
 from fidelity import measured_run  # noqa: E402
 
 from planner.cost.options import CostOptions  # noqa: E402
