@@ -20,7 +20,7 @@ from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.solution import Solution
-from tests.support.synthetic import synthetic_profile
+from tests.support.synthetic import drawn_chain
 
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("bfs", 2), ("interleaved", 3), ("bfs", 3),
              ("zb-h1", 1), ("zb-v", 2)]
@@ -29,17 +29,7 @@ SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("bfs", 2), ("interl
 @st.composite
 def problems(draw, max_units=8):
     L = draw(st.integers(3, max_units))
-    unit = st.floats(1e-4, 4e-3)
-    profile = synthetic_profile(
-        forward=draw(st.lists(unit, min_size=L, max_size=L)),
-        backward=draw(st.lists(unit, min_size=L, max_size=L)),
-        params=draw(st.lists(st.integers(0, 5000), min_size=L, max_size=L)),
-        saved=draw(st.lists(st.integers(0, 500), min_size=L, max_size=L)),
-        cut_act=draw(st.lists(st.integers(0, 800), min_size=L - 1, max_size=L - 1)),
-        sizes=(1, 2, 4),
-        stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
-    for u in profile.units:
-        u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
+    profile = drawn_chain(draw, L)
     if draw(st.booleans()):  # the backward timed in two parts (else planner.cost.ranges estimates them)
         for u in profile.units:
             share = draw(st.sampled_from([0.2, 0.5, 0.7]))

@@ -11,23 +11,13 @@ from planner.cost.model import candidate_micro_batch_sizes, compute_profile, eva
 from planner.cost.options import CostOptions
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.exact import structural_forms
-from tests.support.synthetic import synthetic_profile
+from tests.support.synthetic import drawn_chain, synthetic_profile
 
 
 @st.composite
 def chains(draw):
     L = draw(st.integers(3, 9))
-    unit = st.floats(1e-4, 4e-3)
-    profile = synthetic_profile(
-        forward=draw(st.lists(unit, min_size=L, max_size=L)),
-        backward=draw(st.lists(unit, min_size=L, max_size=L)),
-        params=draw(st.lists(st.integers(0, 5000), min_size=L, max_size=L)),
-        saved=draw(st.lists(st.integers(0, 500), min_size=L, max_size=L)),
-        cut_act=draw(st.lists(st.integers(0, 800), min_size=L - 1, max_size=L - 1)),
-        sizes=(1, 2, 4),
-        stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
-    for u in profile.units:
-        u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
+    profile = drawn_chain(draw, L)
     schedule, v = draw(st.sampled_from([("1f1b", 1), ("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2),
                                         ("bfs", 2), ("zb-v", 2)]))
     p = draw(st.integers(1, max(1, min(5 if v == 1 else 3, L // v))))

@@ -68,3 +68,22 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
                              [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
                              stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
                              if stage_overhead and rng.random() < 0.5 else None)
+
+
+def drawn_chain(draw, L: int) -> Profile:
+    """A hypothesis-drawn profile of L units at b in (1, 2, 4) (`draw` of an st.composite): unit
+    times, parameters, saved and cut bytes, the stage call cost and the optimizer steps all drawn."""
+    from hypothesis import strategies as st
+
+    unit = st.floats(1e-4, 4e-3)
+    profile = synthetic_profile(
+        forward=draw(st.lists(unit, min_size=L, max_size=L)),
+        backward=draw(st.lists(unit, min_size=L, max_size=L)),
+        params=draw(st.lists(st.integers(0, 5000), min_size=L, max_size=L)),
+        saved=draw(st.lists(st.integers(0, 500), min_size=L, max_size=L)),
+        cut_act=draw(st.lists(st.integers(0, 800), min_size=L - 1, max_size=L - 1)),
+        sizes=(1, 2, 4),
+        stage_overhead={b: (draw(st.sampled_from([0.0, 1e-4])), draw(st.sampled_from([0.0, 2e-4]))) for b in (1, 2, 4)})
+    for u in profile.units:
+        u.optimizer_s = {"sgd": draw(st.sampled_from([0.0, 1e-4])), "adamw": 3e-4}
+    return profile
