@@ -1,10 +1,11 @@
-"""Branch and bound over the splits of one scenario with one stage per device: the step graph's
-path forms bound every split from below, stage after stage.
+"""Branch and bound over the splits of one scenario: the step graph's path forms bound every split
+from below, stage after stage.
 
 A form k (a longest path of some split's graph, planner.pipeline.stepgraph) is a sum of duration
-terms with counts. With one stage per device every term belongs to one stage g -- its forward and
-backward (or their input and weight parts), the two messages across boundary g, its device's
-gradient exchange and optimizer step -- or to none (the cost per message), so for a split
+terms with counts. Without tied weights or replicated stages every term belongs to one stage g --
+its forward and backward (or their input and weight parts), the two messages across boundary g, its
+share of its device's gradient exchange and optimizer step -- or is a constant (the cost per
+message, an exchange's latency), so for a split
 0 = a_0 < e_0 = a_1 < ... < e_{S-1} = L
 
     form_k(split) = c_k + sum_g V_kg(a_g, e_g)        and        step(split) >= max_k form_k(split)
@@ -20,11 +21,10 @@ the incumbent by more than the gap is cut; a stage that does not fit its device'
 placed. A complete split is simulated: a faster one becomes the incumbent, and its longest path
 joins the forms when the known ones undervalued it (so the bound tightens as the search learns).
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
-is the proven bound.
+(re-bounded with every form learned) is the proven bound.
 
-Terms of a device with several stages (v > 1) split over them: its gradient exchange and its
-optimizer step are sums over its stages' parameters (linear in the bytes), the exchange's latency
-a constant; a device's memory is not a sum of its stages' (the peak of its list), so a stage is
+A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
+its stages' parameters (linear in the bytes), so each stage carries its share; a device's memory is not a sum of its stages' (the peak of its list), so a stage is
 placed only where it fits alone (a necessary condition) and a complete split is kept only if
 `evaluate` finds it fits. It applies to every schedule without replicated stages, without tied
 weights (their all-reduce spans the ranks holding a use) and with recomputation `none` or `all`
