@@ -97,9 +97,8 @@ class _Step:
     states: Dict[Tuple[int, int], _State] = field(default_factory=dict)  # (stage, micro-batch) -> state
     loss_sum: Optional[torch.Tensor] = None  # on the device: one read per step
     loss_count: int = 0
-    # zero-bubble schedules: (stage, micro-batch) -> what its weight backward needs, its saved bytes
-    weights: Dict[Tuple[int, int], PendingWeights] = field(default_factory=dict)
-    weights_saved: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    # zero-bubble schedules: (stage, micro-batch) -> (what its weight backward needs, the bytes it still holds)
+    weights: Dict[Tuple[int, int], Tuple[PendingWeights, int]] = field(default_factory=dict)
 
 
 TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
@@ -267,19 +266,22 @@ class Engine:
     def _backward_input(self, step: _Step, action: Action) -> None:
         """Zero-bubble schedules' first part: the gradients of the stage's inputs only (runtime.splitgrad);
         what the weight gradients need stays with the micro-batch until its `_backward_weight`."""
+        pending: List[PendingWeights] = []
+
         def run(outputs, grads, inputs, params) -> None:
-            step.weights[(action.stage, action.micro_batch)] = backward_input(outputs, grads, inputs, params)
+            pending.append(backward_input(outputs, grads, inputs, params))
 
         self._run_backward(step, action, run)
-        step.weights_saved[(action.stage, action.micro_batch)] = self._done(step, action).saved_bytes
+        step.weights[(action.stage, action.micro_batch)] = (pending[0], self._done(step, action).saved_bytes)
 
     def _backward_weight(self, step: _Step, action: Action) -> None:
         """The second part: the stage's weight gradients of one micro-batch; its graph is freed."""
         key = (action.stage, action.micro_batch)
         if key in self.arming:  # the last one of the step completes its parameters' gradients
             self.buckets.arm(self.arming[key])
-        backward_weight(step.weights.pop(key))
-        self.saved.release(step.weights_saved.pop(key))
+        pending, held = step.weights.pop(key)
+        backward_weight(pending)
+        self.saved.release(held)
 
     def _run_backward(self, step: _Step, action: Action, run: Callable) -> None:
         """Backward of (stage, micro-batch) by `run(outputs, grads, inputs, params)` (grads None: a
