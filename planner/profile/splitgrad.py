@@ -105,11 +105,11 @@ class PendingWeights:
             [g for group in self.groups for g in group.seed_grads]
 
 
-def _groups(params: Sequence[torch.Tensor], consumers: Dict[Node, List[Node]], on_input_path: Set[Node],
+def _groups(params: Sequence[Tuple[torch.Tensor, Node]], consumers: Dict[Node, List[Node]], on_input_path: Set[Node],
             seeds: Dict[Node, Tuple[torch.Tensor, torch.Tensor]]) -> List[_Group]:
-    """The parameters grouped by the subgraphs above them up to the input path (one walk up from all
-    of them: a node reached from two parameters joins their groups), with each group's frontier
-    nodes and seed outputs."""
+    """The parameters (each with the node its gradient enters) grouped by the subgraphs above them up
+    to the input path (one walk up from all of them: a node reached from two parameters joins their
+    groups), with each group's frontier nodes and seed outputs."""
     leader = list(range(len(params)))
 
     def find(i: int) -> int:
@@ -120,8 +120,7 @@ def _groups(params: Sequence[torch.Tensor], consumers: Dict[Node, List[Node]], o
 
     owner: Dict[Node, int] = {}
     queue: collections.deque = collections.deque()
-    for i, p in enumerate(params):
-        node = _node_of(p)
+    for i, (_, node) in enumerate(params):
         if node in owner:
             leader[find(i)] = find(owner[node])
         else:
@@ -137,7 +136,7 @@ def _groups(params: Sequence[torch.Tensor], consumers: Dict[Node, List[Node]], o
             if parent not in on_input_path:
                 queue.append(parent)
     groups: Dict[int, _Group] = {}
-    for i, p in enumerate(params):
+    for i, (p, _) in enumerate(params):
         groups.setdefault(find(i), _Group()).params.append(p)
     for node, i in sorted(owner.items(), key=lambda item: item[1]):
         if node in on_input_path:
@@ -160,7 +159,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     pairs = [(t, g) for t, g in pairs if t.grad_fn is not None]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     consumers = _consumers([t.grad_fn for t, _ in pairs])
-    trainable = [p for p in params if p.requires_grad and _node_of(p) in consumers]  # those this graph uses
+    trainable = [(p, node) for p, node in ((p, _node_of(p)) for p in params if p.requires_grad)
+                 if node in consumers]  # those this graph uses, with the node each one's gradient enters
     input_nodes = [n for n in (_node_of(t) for t in wanted) if n is not None and n in consumers]
     # the nodes the input backward runs: every node from which an input is reached
     on_input_path, _ = _above(input_nodes, consumers, stop=set())
