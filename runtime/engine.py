@@ -320,15 +320,15 @@ class Engine:
         """Wait for the batch of sends posted before (if any), then post this batch's operations
         together: a batch of sends only is left to complete while the rank computes on
         (runtime.outbox); any other is waited for whole, then what arrived is used."""
+        self.outbox.drain()  # first: the sent buffers go before this batch's are made (as the plan counts)
         operations, after = [], []
         for action in actions:
             operation, done = self.messages[action.kind](step, action)
             operations.append(operation)
             after.append(done)
         step.stats.messages += len(operations)
-        self.outbox.drain()
         if all(op.send for op in operations):
-            self.outbox.add(post(operations, self.use_tags),
+            self.outbox.add(post(operations, self.use_tags), [op.tensor for op in operations],
                             [None if d is None else (lambda d=d, t=op.tensor: d(t)) for d, op in zip(after, operations)],
                             transfer_delay(actions, self.emulated_links))
             return

@@ -50,7 +50,8 @@ class _Rank:
         if os.environ.get("PIPEPLANNER_LAUNCH") != "subprocess" and "forkserver" in multiprocessing.get_all_start_methods():
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(["runtime.worker"])
-            self.process = context.Process(target=_rank_main, args=(argv, env, log_path, stdout_path), daemon=False)
+            self.process = context.Process(target=_rank_main, args=(argv, dict(os.environ, **env), log_path, stdout_path),
+                                           daemon=False)
             self.process.start()
             return
         with open(log_path, "w") as log:
@@ -88,7 +89,9 @@ class _Rank:
 
 
 def _rank_main(argv: List[str], env: Dict[str, str], log_path: str, stdout_path: Optional[str]) -> None:
-    """A forked rank: its environment and output files, then the worker."""
+    """A forked rank: its environment (the launcher's now, not the fork server's when it started) and
+    output files, then the worker."""
+    os.environ.clear()
     os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     out = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stdout_path else log
@@ -125,12 +128,13 @@ class _Tail:
     def __call__(self) -> None:
         if self.path is None or not os.path.exists(self.path):
             return
-        with open(self.path) as f:
+        with open(self.path, "rb") as f:
             f.seek(self.offset)
-            text = f.read()
-        if text:
-            self.offset += len(text.encode())
-            self.stream.write(text)
+            data = f.read()
+        whole = data.rfind(b"\n") + 1  # whole lines only: never half a character
+        if whole:
+            self.offset += whole
+            self.stream.write(data[:whole].decode("utf-8", errors="replace"))
             self.stream.flush()
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence
 @dataclass
 class _Posted:
     works: Sequence[Any]  # torch.distributed Work objects of one batch of sends
+    buffers: List[Any]  # the tensors they send: kept alive here until waited for, whatever the backend keeps
     done: List[Optional[Callable[[], None]]]  # run once the sends completed (free what they sent)
     posted_at: float
     delay: float  # emulated transfer seconds of the batch's slowest message
@@ -35,8 +36,9 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._posted)
 
-    def add(self, works: Sequence[Any], done: List[Optional[Callable[[], None]]], delay: float = 0.0) -> None:
-        self._posted.append(_Posted(list(works), done, time.perf_counter(), delay))
+    def add(self, works: Sequence[Any], buffers: List[Any], done: List[Optional[Callable[[], None]]],
+            delay: float = 0.0) -> None:
+        self._posted.append(_Posted(list(works), list(buffers), done, time.perf_counter(), delay))
 
     def drain(self) -> None:
         """Wait for every posted send, in posting order, then free what each sent."""

@@ -88,6 +88,7 @@ class StepGraph:
     def __init__(self, lists: Sequence[Sequence[Action]], position: Position,
                  collectives: Sequence[Tuple[Term, Sequence[int]]] = ()):
         self.nodes: List[_Node] = []
+        self._joined: Dict[Tuple[int, int], int] = {}  # (node, sends' completion) -> the node after both
         self.ranks = len(lists)
         items = [batches_of(actions) for actions in lists]
         cursor = [0] * self.ranks
@@ -152,10 +153,14 @@ class StepGraph:
         return len(self.nodes) - 1
 
     def _after(self, r: int, before: int, completed: int) -> int:
-        """The node where rank r, past `before`, also has every send it posted completed."""
+        """The node where rank r, past `before`, also has every send it posted completed (made once:
+        a batch that waits for its peers asks again)."""
         if completed < 0 or completed == before:
             return before
-        return self._add([(before, None), (completed, None)], [], r, "sends complete")
+        key = (before, completed)
+        if key not in self._joined:
+            self._joined[key] = self._add([(before, None), (completed, None)], [], r, "sends complete")
+        return self._joined[key]
 
     def _settle(self, r: int, pending, ready, done: List[int]) -> bool:
         """Resolve rank r's batches of deferred sends in posting order: a batch's sends are ready to
@@ -276,7 +281,8 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
     for item in batches_of(actions):
         if isinstance(item, tuple):
             for term in [t for t in counts if t[0] in ("sent_act", "sent_grad")]:
-                counts[term] = 0  # the sends of the batch before are waited for first
+                counts[term] = 0  # the sends of the batch before are waited for first (runtime.engine drains them
+                # before it makes this batch's buffers)
             if all(a.kind in SENDS for a in item):
                 for a in item:
                     counts[("sent_act" if a.kind is ActionKind.SEND_ACT else "sent_grad", a.stage)] += 1

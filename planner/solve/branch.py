@@ -259,7 +259,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     nodes = 0
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
-            bound = min(_open_bound(known, stack, target * (1 - gap)), target)
+            bound = min(_open_bound(known, stack, target * (1 - gap)), target * (1 - gap))
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -282,7 +282,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         ends = ends[(ends > a) & (ends <= L - (S - 1 - g)) & (bounds < target * (1 - gap))]
         for e in ends[np.argsort(bounds[ends], kind="stable")[::-1]]:  # worst first: the best is expanded next
             stack.append((float(bounds[e]), g + 1, int(e), cuts + (int(e),), prefix + value[:, e]))
-    return BranchOutcome(best, target + overhead, True, nodes, known.known)  # nothing left beats the target
+    # nothing left beats the target by more than the gap
+    return BranchOutcome(best, target * (1 - gap) + overhead, True, nodes, known.known)
 
 
 OPEN_NODES_RECHECKED = 20_000  # at the time limit, open nodes re-bounded with every form learned
