@@ -254,30 +254,35 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.engine = engine
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        engine = self.engine
-        engine.clock.mark()
-        if engine.count_saved:
-            with engine.saved.counting():
-                out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            engine.held[(self.stage_index, fwd_chunk_id)] = engine.saved.finish()
-        else:
-            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        engine.clock.stop("forward_s", Action(ActionKind.FORWARD, fwd_chunk_id, self.stage_index))
+    def _timed(self, key: str, kind: ActionKind, chunk: int, run: Callable[[], Any]) -> Any:
+        """`run()` on the engine's clock, as the action (kind, chunk) of this stage."""
+        self.engine.clock.mark()
+        out = run()
+        self.engine.clock.stop(key, Action(kind, chunk, self.stage_index))
         return out
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
-        engine.clock.mark()
-        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        engine.saved.release(engine.held.pop((self.stage_index, bwd_chunk_id), 0))
-        engine.clock.stop("backward_s", Action(ActionKind.BACKWARD, bwd_chunk_id, self.stage_index))
-        return out
+
+        def run() -> Any:
+            if not engine.count_saved:
+                return super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            with engine.saved.counting():
+                out = super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            engine.held[(self.stage_index, fwd_chunk_id)] = engine.saved.finish()
+            return out
+
+        return self._timed("forward_s", ActionKind.FORWARD, fwd_chunk_id, run)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        def run() -> Any:
+            out = super(TimedStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
+            return out
+
+        return self._timed("backward_s", ActionKind.BACKWARD, bwd_chunk_id, run)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         # zero-bubble schedules: the weight part of a backward whose input part ran before
-        engine = self.engine
-        engine.clock.mark()
-        out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-        engine.clock.stop("backward_s", Action(ActionKind.BACKWARD_WEIGHT, bwd_chunk_id, self.stage_index))
-        return out
+        return self._timed("backward_s", ActionKind.BACKWARD_WEIGHT, bwd_chunk_id,
+                           lambda: super(TimedStage, self).backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs))

@@ -96,24 +96,26 @@ class StepGraph:
         # (message, is send) -> the node whose end is when that end is ready to match: its post,
         # or the completion of what its rank posted before (operations complete in issue order)
         ready: Dict[Tuple[Tuple[str, int, int], bool], int] = {}
-        # per rank: the batch of deferred sends not yet known complete (at most one): (messages, node before the post)
-        pending: List[List[Tuple[List[Tuple[str, int, int]], int]]] = [[] for _ in range(self.ranks)]
+        # per rank: the messages of its batch of deferred sends not yet known complete (one at most)
+        pending: List[Optional[List[Tuple[str, int, int]]]] = [None] * self.ranks
         done: List[int] = [-1] * self.ranks  # the node where the rank's last resolved sends completed
         progress = True
         while progress:
             progress = False
             for r in range(self.ranks):
-                if self._settle(r, pending[r], ready, done):
+                if self._settle(r, pending, ready, done):
                     progress = True
                 while cursor[r] < len(items[r]):
                     item = items[r][cursor[r]]
-                    if isinstance(item, tuple) and all(a.kind in SENDS for a in item) and not pending[r]:
-                        last[r] = self._after(r, last[r], done[r])
-                        pending[r].append(([message_of(a) for a in item], last[r]))
+                    if isinstance(item, tuple) and all(a.kind in SENDS for a in item) and pending[r] is None:
+                        last[r] = self._after(r, last[r], done[r])  # posted once the sends before completed
+                        pending[r] = [message_of(a) for a in item]
+                        for message in pending[r]:
+                            ready[(message, True)] = last[r]
                         node = self._add([(last[r], None)], [("message",)] * len(item), r,
                                          "post " + ", ".join(str(a) for a in item), item[0])
-                        self._settle(r, pending[r], ready, done)
-                    elif pending[r]:
+                        self._settle(r, pending, ready, done)
+                    elif pending[r] is not None:
                         break  # a deferred send's receiver has not posted yet
                     elif isinstance(item, tuple):
                         node = self._batch(r, item, self._after(r, last[r], done[r]), ready)
@@ -125,7 +127,7 @@ class StepGraph:
                     cursor[r] += 1
                     progress = True
         waiting = {r: items[r][cursor[r]] for r in range(self.ranks) if cursor[r] < len(items[r])}
-        unsent = {r: pending[r][0][0][0] for r in range(self.ranks) if pending[r]}
+        unsent = {r: pending[r][0] for r in range(self.ranks) if pending[r] is not None}
         if waiting or unsent:
             raise DeadlockError("the lists deadlock: " + "; ".join(
                 [f"rank {r} waits at batch [{', '.join(str(a) for a in item)}]" if isinstance(item, tuple)
@@ -163,25 +165,19 @@ class StepGraph:
         return self._joined[key]
 
     def _settle(self, r: int, pending, ready, done: List[int]) -> bool:
-        """Resolve rank r's batches of deferred sends in posting order: a batch's sends are ready to
-        match once it is posted and the rank's earlier operations are done; each is done once its
-        receive is posted too and it has crossed. True if one was resolved."""
-        resolved = False
-        while pending:
-            messages, before = pending[0]
-            if (messages[0], True) not in ready:
-                at = self._after(r, before, done[r])
-                for message in messages:
-                    ready[(message, True)] = at
-            peers = [ready.get((message, False)) for message in messages]
-            if any(peer is None for peer in peers):
-                return resolved
-            ends = [self._add([(ready[(message, True)], message[:2]), (peer, message[:2])], [], r, f"sent {message}")
-                    for message, peer in zip(messages, peers)]
-            done[r] = ends[0] if len(ends) == 1 else self._add([(e, None) for e in ends], [], r, "sent")
-            pending.pop(0)
-            resolved = True
-        return resolved
+        """Rank r's deferred sends, once every receive is posted: each is done when its receive is
+        posted too and it has crossed; `done[r]` then stands for all of them. True if resolved now."""
+        messages = pending[r]
+        if messages is None:
+            return False
+        peers = [ready.get((message, False)) for message in messages]
+        if any(peer is None for peer in peers):
+            return False
+        ends = [self._add([(ready[(message, True)], message[:2]), (peer, message[:2])], [], r, f"sent {message}")
+                for message, peer in zip(messages, peers)]
+        done[r] = ends[0] if len(ends) == 1 else self._add([(e, None) for e in ends], [], r, "sent")
+        pending[r] = None
+        return True
 
     def _batch(self, r: int, batch: Tuple[Action, ...], before: int, ready) -> Optional[int]:
         """The node of a batch once every operation's peer is ready; None while one is not."""

@@ -95,34 +95,22 @@ class _Terms:
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
-        self.value: List[Dict[str, np.ndarray]] = []
-        by_speed: Dict[float, Dict[str, np.ndarray]] = {}  # stages of one speed share their matrices
+        zero = np.zeros((L + 1, L + 1))
+        # rows[g][a] = every term of stage g = [a, e) over e, as (terms, L + 1), 0 where not a range
+        self.rows: List[np.ndarray] = []
         for g in range(S):
             speed = speeds[g]
-            if speed not in by_speed:
-                by_speed[speed] = {"forward": forward / speed, "backward": backward / speed,
-                                   "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
-                                   "step": step / speed}
-            terms = dict(by_speed[speed])
-            # the stage's share of its device's exchange over the replicas (hierarchical under a
-            # placement: per rank; its latency is the form's constant)
-            terms["reduce"] = np.where(finite, sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g]),
-                                       np.inf)
+            terms = {"forward": forward / speed, "backward": backward / speed, "backward_input": backward_input / speed,
+                     "backward_weight": backward_weight / speed, "step": step / speed,
+                     # the stage's share of its device's exchange over the replicas (hierarchical under
+                     # a placement: per rank; its latency is the form's constant)
+                     "reduce": sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])}
             if g < S - 1:  # the messages across boundary g, by where stage g ends
                 act = np.array([costs.message_s(e, links[g]) if 0 < e < L else 0.0 for e in ends])
                 grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
-                terms["act"] = np.broadcast_to(act[None, :], forward.shape)
-                terms["grad"] = np.broadcast_to(grad[None, :], forward.shape)
-            self.value.append(terms)
-        # rows[g][a] = every term of stage g = [a, e) over e, as (terms, L + 1), 0 where not a range
-        self.rows: List[np.ndarray] = []
-        shared: Dict[Tuple[float, bool], np.ndarray] = {}
-        for g, terms in enumerate(self.value):
-            key = (speeds[g], ranks[g], g < S - 1)
-            if key not in shared or g < S - 1:  # the message terms differ by boundary
-                stacked = np.stack([terms[name] if name in terms else np.zeros((L + 1, L + 1)) for name in _STAGE_TERMS])
-                shared[key] = np.ascontiguousarray(np.where(np.isfinite(stacked), stacked, 0.0).transpose(1, 0, 2))
-            self.rows.append(shared[key])
+                terms["act"], terms["grad"] = np.broadcast_to(act, zero.shape), np.broadcast_to(grad, zero.shape)
+            stacked = np.stack([terms.get(name, zero) for name in _STAGE_TERMS])
+            self.rows.append(np.ascontiguousarray(np.where(finite & np.isfinite(stacked), stacked, 0.0).transpose(1, 0, 2)))
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
