@@ -35,7 +35,7 @@ hold).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -147,9 +147,10 @@ class ParameterSharding:
                     storages[gathered.untyped_storage().data_ptr()] = gathered.untyped_storage().nbytes()
         return sum(storages.values())
 
-    def exclude_gathered(self, saved: Any) -> None:
+    def exclude_gathered(self, saved: Any, counting: Callable[[], bool]) -> None:
         """Have runtime's SavedBytes count the gathered parameters as parameters, not as saved
-        activations: each forward gathers them anew (new storage), so the exclusion is set then."""
+        activations: each forward gathers them anew (new storage), so the exclusion is set then --
+        while `counting()` (the engine counts saved bytes in its first step only)."""
         for module in self.units or self.modules:
             # FSDP2's pre-forward hook is prepended: this one runs after it, on the gathered parameters
-            module.register_forward_pre_hook(lambda m, args: saved.exclude(m.parameters()))
+            module.register_forward_pre_hook(lambda m, args: saved.exclude(m.parameters()) if counting() else None)

@@ -229,7 +229,7 @@ def _build(me: _Rank, use_tags: bool) -> None:
         me.engine.emulated_links = link_delays(plan)
         me.engine.emulated_exchange_s = exchange_delay(plan, topology.pipeline_rank_of(me.rank))
         if me.sharding is not None:
-            me.sharding.exclude_gathered(me.engine.saved)
+            me.sharding.exclude_gathered(me.engine.saved, lambda engine=me.engine: engine.count_saved)
     if me.options.clip_grad_norm is not None:
         me.engine.before_optimizer.append(_clipper(me))
 

@@ -7,6 +7,8 @@ The engine executes the lists in order; planner.pipeline.stepgraph says what tha
 """
 from __future__ import annotations
 
+import functools
+
 from typing import List, Sequence
 
 from planner.pipeline.actions import Action, ActionKind  # noqa: F401  (the lists' vocabulary, re-exported)
@@ -27,6 +29,7 @@ def schedule_virtual_stages(name: str) -> "int | None":
     return None if name in MULTI_STAGE_SCHEDULES else 2 if name == "zb-v" else 1
 
 
+@functools.lru_cache(maxsize=256)  # asked per action and per stage by the cost model's hot paths
 def stage_placement(name: str, num_stages: int, virtual_stages: int = 1) -> tuple:
     """Stage g -> the pipeline rank running it: the V for zb-v, else looping (g mod p)."""
     if name == "zb-v" and num_stages % 2 == 0:

@@ -26,7 +26,7 @@ from planner.pipeline.topology import Topology, TopologyError, instruction_lists
 # (1 had a closed form, `per_step_s` and no durations)
 PLAN_SCHEMA_VERSION = 2
 # step_durations' per-index lists
-_PER_INDEX = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
+PER_INDEX_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 _REMAKE = "re-create it with `planner solve PROFILE`"
 
 # What a field's JSON value must be: (check, what the message says was expected)
@@ -164,7 +164,7 @@ class Plan:
         """(duration per term, collectives in run order) of the step the planner predicted."""
         raw = self.step_durations
         value: Dict[Term, float] = {("message",): float(raw.get("message", 0.0))}
-        for kind in _PER_INDEX:
+        for kind in PER_INDEX_TERMS:
             for i, seconds in enumerate(raw.get(kind, [])):
                 value[(kind, i)] = float(seconds)
         collectives = []

@@ -6,19 +6,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from planner.cost.model import evaluate, fixed_bytes, precision_of, reserve_of
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import schedule_virtual_stages
-from planner.plan.file import Plan, PlanStage
+from planner.plan.file import PER_INDEX_TERMS, Plan, PlanStage
 from planner.profile.profile import Profile
 from planner.solve.localsgd import averaging_s
 from planner.solve.solution import Solution
 
 
-_PER_INDEX = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
 def durations_json(durations: Dict[Tuple, float], collectives) -> Dict[str, Any]:
     """The plan file's `step_durations` from the cost model's duration terms (planner.plan.file.Plan)."""
     out: Dict[str, Any] = {}
-    for kind in _PER_INDEX:
+    for kind in PER_INDEX_TERMS:
         indices = sorted(term[1] for term in durations if term[0] == kind)
         out[kind] = [float(durations[(kind, i)]) for i in indices]
     out["message"] = float(durations.get(("message",), 0.0))

@@ -75,8 +75,7 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
         first["s"] = counted.costs.seconds
         return pending
 
-    pending, held = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part,
-                                           list(stage.parameters()), key=saved_key)
+    pending, held = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part, list(stage.parameters()))
     with CostCounter(device) as second:
         backward_weight(pending)
     stage.zero_grad(set_to_none=True)

@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from planner.profile.analytic import saved_key
 from planner.profile.timing import UnitCall, _closures, _InputRestore, sync
 
 
@@ -254,17 +255,13 @@ class _Holder:
         self.tensor = tensor
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
 def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[object], PendingWeights],
-                           params: Sequence[torch.Tensor], key: Callable[[torch.Tensor], int] = _storage_key
-                           ) -> Tuple[PendingWeights, int]:
+                           params: Sequence[torch.Tensor]) -> Tuple[PendingWeights, int]:
     """Run `forward()` and `first_part(its result)`, then drop the result: (what the weight part
     needs, the bytes held until it runs: the saved tensors autograd still references and the kept
-    gradients, each storage once, parameters excluded). `key` names a storage (meta tensors have
-    no data pointer)."""
+    gradients, each storage once, parameters excluded; storages named by planner.profile.analytic's
+    `saved_key`, which also names meta tensors')."""
+    key = saved_key
     refs: List[weakref.ref] = []
 
     def pack(tensor: torch.Tensor) -> _Holder:

@@ -62,7 +62,7 @@ class ChainScenario:
                  added: Optional[List[np.ndarray]] = None) -> None:
         costs = range_costs(profile, b)
         self.added = added  # per stage, [a, e]: extra time >= 0 (recomputation), +inf where nothing fits
-        self.L, self.C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
+        self.L, self.C = profile.num_units, opts.num_stages
         self.m = num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
         self.W = costs.work_prefix(redo_all)
@@ -71,7 +71,8 @@ class ChainScenario:
         self.A = costs.saved_prefix(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[opts.rank_of_stage(c)] for c in range(self.C)]
-        self.caps = [rank_caps(opts, profile)[opts.rank_of_stage(c)] if caps else None for c in range(self.C)]
+        device_caps = rank_caps(opts, profile)
+        self.caps = [device_caps[opts.rank_of_stage(c)] if caps else None for c in range(self.C)]
         self.held = held
         self.beta_w, self.beta_t = static_factors(opts, profile.dtype)  # static bytes per (trainable) parameter byte
         # all-reduce seconds per trainable and per frozen parameter byte

@@ -29,7 +29,7 @@ def solve_local_sgd(profile: Profile, opts: CostOptions, h_max: int, tolerance: 
     if h_max < 1:
         raise ValueError(f"--local-sgd-max must be at least 1 (got {h_max})")
     first = solve(opts.with_(sync_every=h_max), False)
-    chosen = first.options or opts.with_(sync_every=h_max)
+    chosen = first.options  # every solver states the options it solved
     if h_max == 1 or chosen.data_parallel == 1:
         return _with_options(first, chosen.with_(sync_every=1))
     sync_every = choose_sync_every(averaging_s(first), compute_s(profile, first, chosen), h_max, tolerance)

@@ -77,6 +77,7 @@ def test_the_smallest_h_within_the_tolerance(averaging, compute, h_max, expected
 def test_solve_chooses_h_by_the_rule_and_the_plan_states_it(tmp_path):
     profile = _profile()
     opts = _opts(global_batch=16)
+    averaged = []
     for h_max, tolerance in ((64, 0.05), (64, 0.5), (3, 0.05)):
         def run(options, scenario):
             return solve(profile, options, method="ilp", devices=None if scenario else 4)
@@ -87,6 +88,7 @@ def test_solve_chooses_h_by_the_rule_and_the_plan_states_it(tmp_path):
             assert chosen.sync_every == 1
             continue
         H = chosen.sync_every
+        averaged.append(H)
         A, C = averaging_s(solution) if H > 1 else 0.0, compute_s(profile, solution, chosen)
         if H > 1:  # the rule: the smallest H whose averaging per step is within the tolerance, else the bound
             assert A / H <= tolerance * C or H == h_max
