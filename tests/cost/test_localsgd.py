@@ -101,6 +101,7 @@ def test_solve_chooses_h_by_the_rule_and_the_plan_states_it(tmp_path):
         path = str(tmp_path / "plan.json")
         save_plan(plan, path)
         assert load_plan(path).to_json() == plan.to_json()
+    assert any(H > 1 for H in averaged), averaged  # the rule was checked, not skipped
     # a slow data-parallel link: averaging rarely is what fits the tolerance
     slow = solve_local_sgd(profile, _opts(global_batch=16, dp_bandwidth=1e4), 64, 0.05,
                            lambda options, scenario: solve(profile, options, method="ilp"))
