@@ -33,6 +33,7 @@ and waiting, which it does not expose). Traces have the compute actions, not the
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -44,6 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.plan.export import TORCH_SCHEDULE_NAMES
+from planner.pipeline.schedule import stage_placement
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
 from runtime.engine import StepStats
@@ -66,10 +68,9 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     if plan.schedule not in TORCH_SCHEDULES:
         return (f"--engine torch has no schedule {plan.schedule!r} (torch has no one-stage-per-device zero-bubble "
                 f"class; it runs {', '.join(TORCH_SCHEDULES)}); run it with --engine own")
-    p = topology.pipeline_ranks
     # torch's placements: the loop (stage g on device g mod p), and for ZBV the V (device r: stages r, 2p-1-r)
-    torch_rank = (lambda g: g if g < p else 2 * p - 1 - g) if plan.schedule == "zb-v" else (lambda g: g % p)
-    if any(rank != torch_rank(g) for g, rank in enumerate(topology.stage_rank)):
+    torch_ranks = stage_placement(plan.schedule, len(topology.stage_rank), plan.virtual_stages)
+    if tuple(topology.stage_rank) != tuple(torch_ranks):
         return ("--engine torch places stage g on device g mod p (torch's loop placement; the V for zb-v) and this "
                 "plan places its stages otherwise; run it with --engine own, or re-plan with the default placement")
     if topology.placement is not None:
@@ -254,35 +255,36 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.engine = engine
 
-    def _timed(self, key: str, kind: ActionKind, chunk: int, run: Callable[[], Any]) -> Any:
-        """`run()` on the engine's clock, as the action (kind, chunk) of this stage."""
+    @contextlib.contextmanager
+    def _timed(self, key: str, kind: ActionKind, chunk: int):
+        """The block's time on the engine's clock, as the action (kind, chunk) of this stage."""
         self.engine.clock.mark()
-        out = run()
+        yield
         self.engine.clock.stop(key, Action(kind, chunk, self.stage_index))
-        return out
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
-
-        def run() -> Any:
+        with self._timed("forward_s", ActionKind.FORWARD, fwd_chunk_id):
             if not engine.count_saved:
-                return super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             with engine.saved.counting():
-                out = super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+                out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             engine.held[(self.stage_index, fwd_chunk_id)] = engine.saved.finish()
-            return out
-
-        return self._timed("forward_s", ActionKind.FORWARD, fwd_chunk_id, run)
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        def run() -> Any:
-            out = super(TimedStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-            self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
-            return out
-
-        return self._timed("backward_s", ActionKind.BACKWARD, bwd_chunk_id, run)
+        # zero-bubble schedules call it for the input part alone (full_backward=False): what the weight
+        # part reads stays held until backward_weight_one_chunk, as the own engine counts it
+        whole = kwargs.get("full_backward", True)
+        with self._timed("backward_s", ActionKind.BACKWARD if whole else ActionKind.BACKWARD_INPUT, bwd_chunk_id):
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            if whole:
+                self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
+        return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         # zero-bubble schedules: the weight part of a backward whose input part ran before
-        return self._timed("backward_s", ActionKind.BACKWARD_WEIGHT, bwd_chunk_id,
-                           lambda: super(TimedStage, self).backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs))
+        with self._timed("backward_s", ActionKind.BACKWARD_WEIGHT, bwd_chunk_id):
+            out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
+        return out

@@ -41,6 +41,12 @@ def export_refusal(plan: Plan) -> Optional[str]:
     p = topology.pipeline_ranks
     if any(rank != g % p for g, rank in enumerate(topology.stage_rank)):
         return "the plan places stage g elsewhere than on rank g mod p (torch's placement); re-plan with the default"
+    if topology.placement is not None:
+        return ("the plan places its replicas' ranks on chosen devices (--topology), which the exported configuration "
+                "cannot express (torch orders its groups by rank); re-plan without --topology")
+    if plan.shard != "none":
+        return (f"the plan shards {plan.shard} across its replicas, which this export does not write (it writes no "
+                "sharding: data_parallel_shard_degree 1); re-plan with --shard none")
     if any(st.recompute for st in plan.stages):
         return ("the plan recomputes chosen units, which the export cannot express (torchtitan checkpoints whole "
                 "layers by its own rules); re-plan without recomputation")

@@ -20,7 +20,7 @@ import numpy as np
 from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, num_micro_batches,
                                 static_bytes, step_shape)
 from planner.cost.options import CostOptions
-from planner.cost.ranges import range_costs
+from planner.cost.ranges import prefix_sums, range_costs
 from planner.cost.step import rank_peaks
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
@@ -76,15 +76,17 @@ def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMat
     (planner.cost.model), from prefix sums."""
     costs = range_costs(profile, b, opts.optimizer)
     static = costs.matrix(static_bytes(costs.P, costs.T, opts, profile.dtype)) + fixed_bytes(profile, opts)
-    saved = costs.matrix(costs.S)  # + cast weights (bf16-mixed)
+    saved = costs.matrix(costs.S)
+    weight = costs.matrix(prefix_sums(costs.h))  # zero-bubble: held from the input to the weight backward
     finite = np.isfinite(saved)
     peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
     S = opts.num_stages
 
     def stage(s: int) -> np.ndarray:
         held = np.zeros_like(static)
-        for peak in peaks[s % opts.pipeline_ranks]:
-            value = peak.get(("live", s), 0) * np.where(finite, saved, 0.0)
+        for peak in peaks[opts.rank_of_stage(s)]:
+            value = peak.get(("live", s), 0) * np.where(finite, saved, 0.0) + \
+                peak.get(("weight", s), 0) * np.where(finite, weight, 0.0)
             if s > 0:
                 value = value + peak.get(("inbox", s), 0) * costs.act[:, None]
                 value = value + peak.get(("sent_grad", s), 0) * costs.grad[:, None]

@@ -13,6 +13,7 @@ p = 4, 2 and 1).
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Sequence, Tuple
 
 from planner.cost.options import CostOptions
@@ -20,7 +21,7 @@ from planner.cost.placement import Placement, placements
 from planner.cost.topology_file import DeviceTopology
 from planner.profile.profile import Profile
 from planner.solve.diagnose import InfeasibleError
-from planner.solve.solution import Solution
+from planner.solve.solution import OPTIMALITY_GAP, Solution
 
 
 def shapes(topology: DeviceTopology, opts: CostOptions, num_units: int,
@@ -54,6 +55,7 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
     best: Optional[Solution] = None
     bounds: List[float] = []
     last_error: Optional[InfeasibleError] = None
+    started = time.perf_counter()
     for placement in options:
         scenario = opts.with_(pipeline_ranks=placement.pipeline_ranks, data_parallel=placement.data_parallel,
                               placement=placement)
@@ -62,6 +64,8 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
                           schedules=schedules, virtual_stages=virtual_stages)
         except InfeasibleError as e:
             last_error = e
+            if time_limit is not None:  # maybe only out of time before a plan: no bound is proven there
+                bounds.append(0.0)
             continue
         bounds.append(found.bound)
         if best is None or found.objective < best.objective:
@@ -69,6 +73,8 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
     if best is None:
         assert last_error is not None
         raise last_error
-    best.bound = min(bounds)
+    best.bound = min(bounds)  # every placement's: the status says what holds over all of them
     best.gap = (best.objective - best.bound) / best.objective if best.objective > 0 else 0.0
+    best.status = "optimal" if best.gap <= OPTIMALITY_GAP else "feasible"
+    best.seconds = time.perf_counter() - started
     return best

@@ -64,3 +64,12 @@ def test_export_refuses_a_zero_bubble_plan_in_one_line(tmp_path, capsys):
     plan = plan_with(profile_of("builtin:gpt"), [4], 2, 8, "zb-h1")
     code, out = _export(tmp_path, plan, "torch", capsys)
     assert code == 2 and len(out.err.strip().splitlines()) == 1 and "zb-h1" in out.err and "Traceback" not in out.err
+
+
+def test_export_refuses_a_sharded_plan_in_one_line(tmp_path, capsys):
+    import dataclasses
+
+    plan = dataclasses.replace(reshape_plan(plan_with(profile_of("builtin:gpt"), [4], 2, 8, "1f1b"), data_parallel=2),
+                               shard="optimizer")
+    code, out = _export(tmp_path, plan, "torchtitan", capsys)
+    assert code == 2 and len(out.err.strip().splitlines()) == 1 and "--shard none" in out.err
