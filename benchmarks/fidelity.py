@@ -50,6 +50,7 @@ from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
 from planner.profile.measure import profile_model, steadiest_profile  # noqa: E402
+from planner.profile.rhythm import rhythm_compute  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
 MODELS = {
@@ -150,7 +151,8 @@ def profiles_for(entry, model_args, args):
             lambda msg: print(f"  profile for {stages} stage(s): {msg}", flush=True))
     if args.link:
         cut_bytes = {c.activation_bytes(b) for c in profiles[min(profiles)].cuts for b in args.size_list}
-        link = measure_link(sorted(cut_bytes))
+        two = profiles.get(2) or profiles[max(profiles)]
+        link = measure_link(sorted(cut_bytes), rhythm=rhythm_compute(two))
         for prof in profiles.values():
             prof.extra["link"] = link
     return profiles

@@ -27,6 +27,7 @@ from fidelity import measured_run  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
+from planner.profile.rhythm import rhythm_compute  # noqa: E402
 from planner.profile.measure import profile_model  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
@@ -52,7 +53,8 @@ def main():
                             min_time_s=1.0, co_runners=1)
     link = {}
     if args.link:
-        measured = measure_link(sorted({c.activation_bytes(args.micro_batch) for c in profile.cuts}))
+        measured = measure_link(sorted({c.activation_bytes(args.micro_batch) for c in profile.cuts}),
+                                rhythm=rhythm_compute(profile))
         link = {"bandwidth": measured["bandwidth_bytes_per_s"], "latency": measured["latency_s"]}
         print(f"link {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us", flush=True)
     print(f"{entry} {model_args}, 2 stages, micro-batch {args.micro_batch} x {args.micro_batches}", flush=True)

@@ -32,15 +32,25 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
         raise UsageError("--link measure times gloo between two processes on this host (CPU runs); for GPUs "
                          "give planner solve --bandwidth/--latency or calibrate from a run")
     from planner.profile.link import measure_link
+    from planner.profile.rhythm import rhythm_compute
 
     cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in sizes} - {0})
-    link = measure_link(cut_bytes, threads=args.threads)
+    link = measure_link(cut_bytes, threads=args.threads, rhythm=rhythm_compute(profile))
     profile.extra["link"] = link
-    print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us, "
+    print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us "
+          f"({_rhythm_note(link)}), "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "
           f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips), all-reduce "
           f"{link['allreduce']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s per replica; planner solve uses them unless "
           "--bandwidth/--latency/--message-cost/--dp-bandwidth are given", flush=True)
+
+
+def _rhythm_note(link) -> str:
+    rhythm = link.get("rhythm")
+    if not rhythm:
+        return "ping-pong"
+    return (f"between computations of {(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms; "
+            f"{link['latency_idle_s'] * 1e6:.0f} us back to back")
 
 
 def _check_measure_options(args: argparse.Namespace) -> None:

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from planner.profile.rhythm import rhythm_steps, summarise
+
 
 def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
     """Fit one-way message time = latency + bytes / bandwidth to [(bytes, seconds), ...] (at least
@@ -56,9 +58,11 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
         samples = ping_pong(rank == 0, 1 - rank, config["sizes"], int(config["repeats"]), int(config["warmup"]))
         batches = batch_exchange(1 - rank, BATCH_COUNTS, int(config["repeats"]), int(config["warmup"]))
         reduced = all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1)
+        rhythm = rhythm_steps(rank, *config["rhythm"]) if config.get("rhythm") else None
         dist.barrier()
         if rank == 0:
-            print(json.dumps({"samples": samples, "batches": batches, "allreduce": reduced}), flush=True)
+            print(json.dumps({"samples": samples, "batches": batches, "allreduce": reduced, "rhythm": rhythm}),
+                  flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -171,7 +175,7 @@ def _free_port() -> int:
 
 
 def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 30, warmup: int = 3,
-                 timeout_s: float = 60.0) -> Dict[str, Any]:
+                 timeout_s: float = 60.0, rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
     """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it:
     gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
     plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
@@ -180,6 +184,10 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     batch (`message_s`: what the engine pays per operation besides latency and transfer).
     Last, all-reduces of 1 MiB and of the runtime's gradient bucket between the two processes:
     `allreduce.bandwidth_bytes_per_s` is the rate of the data-parallel gradient exchange.
+    With `rhythm` = (forward s, backward s) of a stage per micro-batch, the two processes then run
+    a pipeline's steady phase with that much stand-in compute (planner.profile.rhythm), and
+    `latency_s` is the larger of the ping-pong's (kept as `latency_idle_s`) and the rhythm's: what a
+    message costs between a run's computations.
     Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     import json
@@ -192,6 +200,7 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
         {"rank": r, "port": port, "threads": threads, "sizes": sizes, "repeats": repeats, "warmup": warmup,
          "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES),
+         "rhythm": list(rhythm) if rhythm else None,
          "allreduce_repeats": max(3, repeats // 3)})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         for r in range(2)]
     outputs = []
@@ -210,6 +219,10 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     samples = measured["samples"]
     fit = fit_link(samples)
     reduced = measured["allreduce"]
+    if measured.get("rhythm"):
+        paced = summarise(measured["rhythm"], *rhythm)
+        fit = dict(fit, latency_idle_s=fit["latency_s"], latency_s=max(fit["latency_s"], paced["latency_s"]),
+                   rhythm=paced)
     return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
                 between="two processes on this host (loopback)", threads=threads, repeats=repeats,
                 samples=samples, batches=measured["batches"],

@@ -1,0 +1,134 @@
+"""What a message costs in a pipeline's rhythm: two processes on this host run the instruction
+lists of a two-stage 1F1B step (planner.pipeline.schedule, the lists the runtime executes) with
+stand-in compute, and the time the step takes beyond its compute, per message on its critical path,
+is the one-way latency a plan should charge.
+
+Why not the ping-pong's latency: a ping-pong keeps both processes exchanging back to back, while a
+pipeline's ranks compute for milliseconds between messages and each wait begins on a process (and,
+on a virtual machine, a virtual CPU) that has just been busy or idle. On the shared 2-core VM this
+project is developed on, a message after compute costs around a millisecond where the ping-pong
+measures under 100 us (BENCHMARKS.md, "Small micro-batches"); the rhythm measures what the ranks
+meet, whatever the cause.
+
+The lists are run as the runtime runs them: the communication actions of one batch posted together,
+a batch of sends only left in flight until the rank's next batch. With forward F and backward B of
+stand-in compute per stage and micro-batch, m >= 4 micro-batches and a one-way latency lam <= F + B
+per message, planner.cost's step graph of these lists gives
+
+    step = (m + 1)(F + B) + (m + 2) lam
+
+(each steady cycle of the last stage waits for an activation that left one cycle of rank 0 after
+the gradient that released it: one latency per cycle, tests/profile/test_rhythm.py), so
+lam = (step - (m + 1)(F + B)) / (m + 2).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+MICRO_BATCHES = 8
+BUDGET_S = 2.0  # timed seconds at most (the steps are repeated within it, at least MIN_STEPS)
+MIN_STEPS = 5
+WARMUP_STEPS = 2
+MAX_COMPUTE_S = 0.02  # per forward or backward: longer compute is timed at this (the latency is per message)
+
+
+def rhythm_latency(step_s: float, forward_s: float, backward_s: float, micro_batches: int = MICRO_BATCHES) -> float:
+    """lam from a measured step of the lists (module docstring); >= 0."""
+    if micro_batches < 4:
+        raise ValueError("the rhythm needs at least four micro-batches")
+    compute = (micro_batches + 1) * (forward_s + backward_s)
+    return max(0.0, (step_s - compute) / (micro_batches + 2))
+
+
+class _Compute:
+    """Stand-in compute: small matmuls until a deadline (a rank computes on its own thread)."""
+
+    def __init__(self) -> None:
+        self.a, self.b = torch.randn(64, 64), torch.randn(64, 64)
+
+    def __call__(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            torch.mm(self.a, self.b)
+
+
+def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: int = MICRO_BATCHES) -> List[float]:
+    """Seconds per step of the lists, one per timed step, on rank 0 (rank 1 runs the same call and
+    returns []). Both ranks of the default process group (world size 2) must call it together."""
+    import torch.distributed as dist
+
+    from planner.pipeline.actions import ActionKind
+    from planner.pipeline.schedule import build_schedule
+
+    forward_s, backward_s = min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
+    compute = _Compute()
+    peer = 1 - rank
+    actions = build_schedule("1f1b", 2, micro_batches)[rank]
+    cycle = (micro_batches + 1) * (forward_s + backward_s) + 1e-3
+    steps = WARMUP_STEPS + max(MIN_STEPS, min(50, int(BUDGET_S / cycle)))
+    sends = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+    receives = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+    times: List[float] = []
+    for step in range(steps):
+        started = time.perf_counter()
+        in_flight: List = []  # a batch of sends only, posted and not yet waited for
+        batch: List = []
+
+        def post() -> None:
+            nonlocal in_flight, batch
+            if not batch:
+                return
+            for work in in_flight:
+                work.wait()
+            works = [dist.isend(torch.zeros(64), peer) if a.kind in sends else dist.irecv(torch.empty(64), peer)
+                     for a in batch]
+            if all(a.kind in sends for a in batch):
+                in_flight = works
+            else:
+                in_flight = []
+                for work in works:
+                    work.wait()
+            batch = []
+
+        for action in actions:
+            if action.kind in sends or action.kind in receives:
+                if batch and batch[-1].batch != action.batch:
+                    post()
+                batch.append(action)
+                continue
+            post()
+            if action.kind is ActionKind.FORWARD:
+                compute(forward_s)
+            elif action.kind is ActionKind.BACKWARD:
+                compute(backward_s)
+        post()
+        for work in in_flight:
+            work.wait()
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - started)
+    # rank 0 starts its next step when its last backward ends, rank 1 waits for that step's first
+    # activation: steps follow each other with no barrier, as a run's do
+    return times if rank == 0 else []
+
+
+def summarise(times: List[float], forward_s: float, backward_s: float,
+              micro_batches: int = MICRO_BATCHES) -> Dict[str, float]:
+    """The rhythm's record in a profile's link: the stand-in compute, the median step and lam."""
+    forward_s, backward_s = min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
+    step = statistics.median(times)
+    return {"forward_s": forward_s, "backward_s": backward_s, "micro_batches": micro_batches,
+            "steps": len(times), "step_s": step,
+            "latency_s": rhythm_latency(step, forward_s, backward_s, micro_batches)}
+
+
+def rhythm_compute(profile) -> tuple:
+    """(forward s, backward s) of one of two equal stages per micro-batch at the profile's smallest
+    micro-batch size: the compute between a two-stage run's messages."""
+    b = min(profile.micro_batch_sizes)
+    forward = sum(unit.forward_s[b] for unit in profile.units)
+    backward = sum(unit.backward_s[b] for unit in profile.units)
+    return forward / 2, backward / 2
