@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD
+from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD, local_sgd_refusal
 from planner.errors import UsageError
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.sizes import parse_bytes
@@ -173,10 +173,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     topology = load_topology_arg(args)
     if topology is not None and args.replicate:
         raise UsageError("--topology places whole stages on devices; drop --replicate")
-    if topology is not None and args.local_sgd_max > 1:
-        raise UsageError("--local-sgd-max is not planned on a --topology yet (its replicas all-reduce gradients "
-                         "every step, hierarchically); drop one of them")
-    _check_local_sgd(args, opts, devices)
+    _check_local_sgd(args, opts, devices, topology is not None)
     try:
         if topology is not None:
             from planner.solve.placed import solve_on_topology
@@ -208,7 +205,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int]) -> None:
+def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int], placed: bool) -> None:
     """--local-sgd-max and --sync-overhead: one-line refusals of what local SGD cannot plan."""
     h_max = args.local_sgd_max
     if h_max < 1:
@@ -218,15 +215,12 @@ def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int]) -> 
                          "e.g. 0.05")
     if h_max == 1:
         return
+    refusal = local_sgd_refusal(h_max, opts.shard, bool(args.replicate), placed)
+    if refusal:
+        raise UsageError(refusal)
     if devices is None or devices < 2:
         raise UsageError(f"--local-sgd-max {h_max} averages data-parallel replicas, and this problem has one: "
                          "give --devices N (the solver chooses p x d = N)")
-    if opts.shard != "none":
-        raise UsageError(f"--local-sgd-max {h_max} needs --shard none (each replica trains a whole copy), "
-                         f"got --shard {opts.shard}")
-    if args.replicate:
-        raise UsageError(f"--local-sgd-max {h_max} does not plan replicated stages (their lanes exchange "
-                         "gradients every step); drop --replicate")
 
 
 def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):

@@ -72,6 +72,9 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     good.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "1MB", "latency": 0.01}, {"count": 2}]}))
     assert planner_main(["solve", profile, "--topology", str(good), "--devices", "2", "-o", str(plan)]) == 2
     assert planner_main(["solve", profile, "--topology", str(good), "--replicate", "-o", str(plan)]) == 2
+    capsys.readouterr()
+    assert planner_main(["solve", profile, "--topology", str(good), "--local-sgd-max", "2", "-o", str(plan)]) == 2
+    assert "local SGD is not planned on a --topology" in capsys.readouterr().err
     assert not plan.exists()
     capsys.readouterr()
     # a good file: the plan says where each replica's ranks run
