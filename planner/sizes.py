@@ -1,7 +1,9 @@
 """Byte sizes as people write and read them: '16GiB' in, '1.50 GiB' out."""
 from __future__ import annotations
 
+import math
 import re
+from typing import Any
 
 from planner.errors import UsageError
 
@@ -19,6 +21,23 @@ def parse_bytes(text: str, option: str = "size") -> float:
     if value <= 0:
         raise UsageError(f"{option} must be positive (got {text!r})")
     return value
+
+
+def size_value(value: Any, what: str) -> float:
+    """A size (bytes, bytes/s) read from a file: a positive finite number or a string parse_bytes
+    reads ("100MB"); anything else is a ValueError naming `what`."""
+    if isinstance(value, str):
+        try:
+            number = parse_bytes(value, what)
+        except UsageError as e:  # a file's value, not an option: a plain ValueError
+            raise ValueError(str(e)) from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(f"{what} must be a number or a size such as \"100MB\" (got {value!r})")
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"{what} must be positive (got {value!r})")
+    return number
 
 
 def format_bytes(n: float) -> str:

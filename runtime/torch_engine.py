@@ -44,8 +44,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
-from planner.plan.export import TORCH_SCHEDULE_NAMES
-from planner.pipeline.schedule import stage_placement
+from planner.plan.export import TORCH_SCHEDULE_NAMES, torch_layout_refusal
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
 from runtime.engine import StepStats
@@ -61,30 +60,16 @@ TORCH_SCHEDULES = {**{name: "Schedule" + torch_name for name, torch_name in TORC
 
 def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     """Why torch.distributed.pipelining cannot run this plan (one line: cause and fix), or None."""
-    topology = plan.topology()
-    if topology.replicated:
-        return ("--engine torch cannot run replicated stages (a stage on several devices): torch's stages are one "
-                "per device; run it with --engine own, or re-plan without --replicate")
     if plan.schedule not in TORCH_SCHEDULES:
         return (f"--engine torch has no schedule {plan.schedule!r} (torch has no one-stage-per-device zero-bubble "
                 f"class; it runs {', '.join(TORCH_SCHEDULES)}); run it with --engine own")
-    # torch's placements: the loop (stage g on device g mod p), and for ZBV the V (device r: stages r, 2p-1-r)
-    torch_ranks = stage_placement(plan.schedule, len(topology.stage_rank), plan.virtual_stages)
-    if tuple(topology.stage_rank) != tuple(torch_ranks):
-        return ("--engine torch places stage g on device g mod p (torch's loop placement; the V for zb-v) and this "
-                "plan places its stages otherwise; run it with --engine own, or re-plan with the default placement")
-    if topology.placement is not None:
-        return ("--engine torch runs replica r's pipeline rank i as rank r p + i (torch orders its groups by rank) and "
-                "this plan places them otherwise; run it with --engine own")
+    layout = torch_layout_refusal(plan)
+    if layout:
+        cause, fix = layout
+        return f"--engine torch cannot run a plan with {cause}; run it with --engine own, or {fix}"
     if getattr(plan, "emulated_boundaries", None) or getattr(plan, "emulated_exchange_s", None):
         return ("--engine torch cannot hold messages for an emulated slow link (torch posts its own messages); run "
                 "it with --engine own, or re-plan without an emulated link")
-    if getattr(plan, "shard", "none") != "none":
-        return (f"--engine torch does not shard optimizer state or gradients (the plan's shard is {plan.shard}); "
-                "run it with --engine own, or re-plan with --shard none")
-    if getattr(plan, "sync_every", 1) > 1:
-        return ("--engine torch does not run local SGD (the plan averages its replicas every "
-                f"{plan.sync_every} steps); run it with --engine own, or re-plan with --local-sgd-max 1")
     if (precision or getattr(plan, "precision", "fp32")) != "fp32":
         return ("--engine torch runs fp32 plans only (torch's stages receive the plan's dtypes, which autocast "
                 "changes); run it with --engine own, or re-plan with --precision fp32")

@@ -8,25 +8,22 @@ from planner.errors import UsageError
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from planner.cli.solve import ilp_backend, problem_from_args
-    from planner.solve.api import solve
-    from planner.solve.baselines import solve_baseline
+    from planner.cli.solve import check_plan_flags, ilp_backend, problem_from_args, solve_problem
     from planner.solve.diagnose import InfeasibleError
-    from planner.solve.search import expand_scenarios
 
-    profile, opts, devices, schedules = problem_from_args(args)
+    profile, opts, devices, schedules, topology = problem_from_args(args)
+    check_plan_flags(args, opts, devices, topology)
     backend = ilp_backend(args.backend)
     try:
-        best = solve(profile, opts, method="ilp", time_limit=args.time_limit, backend=backend,
-                     devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+        best = solve_problem(profile, opts, devices, schedules, topology, args, "ilp", backend)
     except InfeasibleError as e:
         best = None
         print(f"ilp: infeasible: {str(e).splitlines()[0]}")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, args.virtual_stages)
     rows = [("method", "iteration ms", "bottleneck ms", "max memory MiB", "feasible", "b x m", "vs ilp")]
-    results = [("ilp", best)] + [(m, solve_baseline(profile, scenarios, m)) for m in ("uniform", "params", "block")]
+    results = [("ilp", best)] + [(m, _baseline(profile, opts, devices, schedules, topology, args, m))
+                                 for m in ("uniform", "params", "block")]
     if args.replicate:
         replicated = _replicated_or_none(profile, opts, devices, schedules, args)
         label = "replicas" if replicated is None else \
@@ -52,6 +49,42 @@ def cmd_compare(args: argparse.Namespace) -> int:
               f"p {best.cost.pipeline_ranks} x d {best.cost.data_parallel}, "
               f"{len(best.recompute)} units recomputed [{best.seconds:.2f} s]")
     return 0
+
+
+def _baseline(profile, opts, devices, schedules, topology, args: argparse.Namespace, method: str):
+    """A baseline's plan for the problem planner solve plans: its split over the same scenarios (every
+    placement on a --topology), with H chosen by the same rule under --local-sgd-max; the fastest
+    infeasible plan where none fits (its row says so), None where it has no plan at all."""
+    from planner.solve.baselines import solve_baseline
+    from planner.solve.localsgd import solve_local_sgd
+    from planner.solve.placed import candidates
+    from planner.solve.search import expand_scenarios
+
+    n, v = profile.num_units, args.virtual_stages
+
+    def run(options, scenario: bool):  # scenario: on these options' own p, d, schedule and v
+        if topology is not None:
+            scenarios = [s for placement in candidates(topology, options, n, args.stages)
+                         for s in expand_scenarios(options.with_(pipeline_ranks=placement.pipeline_ranks,
+                                                                 data_parallel=placement.data_parallel,
+                                                                 placement=placement), n, None, schedules, v)]
+        else:
+            scenarios = [options] if scenario else expand_scenarios(options, n, devices, schedules, v)
+        found = solve_baseline(profile, scenarios, method)
+        if found is None:
+            raise _NoPlan()
+        return found
+
+    try:
+        if args.local_sgd_max > 1:
+            return solve_local_sgd(profile, opts, args.local_sgd_max, args.sync_overhead, run)
+        return run(opts, False)
+    except _NoPlan:
+        return None
+
+
+class _NoPlan(Exception):
+    """A baseline without a single scenario to split."""
 
 
 def _replicated_or_none(profile, opts, devices, schedules, args):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from planner.cli.common import parse_sizes
@@ -37,6 +38,8 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
     cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in sizes} - {0})
     link = measure_link(cut_bytes, threads=args.threads, rhythm=rhythm_compute(profile))
     profile.extra["link"] = link
+    if link.get("warning"):
+        print("warning: " + link["warning"], file=sys.stderr, flush=True)
     print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us "
           f"({_rhythm_note(link)}), "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "

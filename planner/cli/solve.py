@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD
+from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD, local_sgd_refusal
 from planner.errors import UsageError
 from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.sizes import parse_bytes
@@ -56,10 +56,22 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
                         "with a note, where highspy cannot be imported)")
     s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+    s.add_argument("--local-sgd-max", type=int, default=1, metavar="H",
+                   help="let data-parallel replicas train alone and average their models every H steps, H <= "
+                        "this bound (local SGD, for a slow data-parallel link; needs --devices and --shard none): "
+                        "the smallest H whose averaging per step is within --sync-overhead of the step's compute, "
+                        "else the bound (default 1: all-reduce gradients every step)")
+    s.add_argument("--sync-overhead", type=float, default=DEFAULT_SYNC_OVERHEAD, metavar="FRACTION",
+                   help="with --local-sgd-max: the share of the step's compute the averaging may add per step "
+                        f"(default {DEFAULT_SYNC_OVERHEAD})")
+    s.add_argument("--topology", default=None,
+                   help="devices as levels (sites, hosts, devices) with their links, JSON (docs/solve.md): the "
+                        "solver chooses p x d = its devices and where each replica's ranks run (--stages: only p)")
 
 
 def problem_from_args(args: argparse.Namespace):
-    """(profile, CostOptions, devices or None, candidate schedules) from the parsed options."""
+    """(profile, CostOptions, devices or None, candidate schedules, the --topology's DeviceTopology or
+    None) from the parsed options."""
     from planner.cost.cluster import load_cluster
     from planner.cost.memory import default_precision
     from planner.cost.options import CostOptions
@@ -120,7 +132,7 @@ def problem_from_args(args: argparse.Namespace):
         opts = opts.with_(schedule=args.schedule)
     if cluster is not None and args.devices is not None:
         raise UsageError("--cluster describes one pipeline; use --stages (its device count), not --devices")
-    return profile, opts, args.devices, schedules
+    return profile, opts, args.devices, schedules, topology
 
 
 def load_topology_arg(args: argparse.Namespace):
@@ -157,45 +169,54 @@ def ilp_backend(requested: Optional[str]) -> str:
     return backend
 
 
+def check_plan_flags(args: argparse.Namespace, opts, devices: Optional[int], topology) -> None:
+    """--topology, --replicate and --local-sgd-max together: one-line refusals of what cannot be planned."""
+    if topology is not None and getattr(args, "replicate", False):
+        raise UsageError("--topology places whole stages on devices; drop --replicate")
+    _check_local_sgd(args, opts, devices, topology is not None)
+
+
+def solve_problem(profile, opts, devices: Optional[int], schedules: List[str], topology, args: argparse.Namespace,
+                  method: str, backend: Optional[str]):
+    """The best plan by `method` (planner.solve.api.solve's) without replicated stages: over every
+    placement on a --topology, with H chosen under --local-sgd-max, else over the scenarios of
+    --devices/--schedule; InfeasibleError when none fits."""
+    from planner.solve.api import solve
+    from planner.solve.localsgd import solve_local_sgd
+
+    if topology is not None:
+        from planner.solve.placed import solve_on_topology
+
+        return solve_on_topology(profile, opts, topology, method=method, time_limit=args.time_limit, backend=backend,
+                                 schedules=schedules, virtual_stages=args.virtual_stages, pipeline_ranks=args.stages)
+    if args.local_sgd_max > 1:
+        def run(options, scenario):  # scenario: on these options' own p, d, schedule and v
+            return solve(profile, options, method=method, time_limit=args.time_limit, backend=backend,
+                         devices=None if scenario else devices, schedules=[options.schedule] if scenario
+                         else schedules, virtual_stages=options.virtual_stages if scenario else args.virtual_stages)
+
+        return solve_local_sgd(profile, opts, args.local_sgd_max, args.sync_overhead, run)
+    return solve(profile, opts, method=method, time_limit=args.time_limit, backend=backend,
+                 devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.file import save_plan
     from planner.plan.make import make_plan
     from planner.plan.table import format_plan_table
-    from planner.solve.api import solve
     from planner.solve.diagnose import InfeasibleError
-    from planner.solve.localsgd import solve_local_sgd
 
-    profile, opts, devices, schedules = problem_from_args(args)
+    profile, opts, devices, schedules, topology = problem_from_args(args)
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)
     if args.method == "ilp" and not args.replicate:
         args.backend = ilp_backend(args.backend)
-    topology = load_topology_arg(args)
-    if topology is not None and args.replicate:
-        raise UsageError("--topology places whole stages on devices; drop --replicate")
-    if topology is not None and args.local_sgd_max > 1:
-        raise UsageError("--local-sgd-max is not planned on a --topology yet (its replicas all-reduce gradients "
-                         "every step, hierarchically); drop one of them")
-    _check_local_sgd(args, opts, devices)
+    check_plan_flags(args, opts, devices, topology)
     try:
-        if topology is not None:
-            from planner.solve.placed import solve_on_topology
-
-            solution = solve_on_topology(profile, opts, topology, method=args.method, time_limit=args.time_limit,
-                                         backend=args.backend, schedules=schedules,
-                                         virtual_stages=args.virtual_stages, pipeline_ranks=args.stages)
-        elif args.replicate:
+        if args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
-        elif args.local_sgd_max > 1:
-            def run(options, scenario):  # scenario: on these options' own p, d, schedule and v
-                return solve(profile, options, method=args.method, time_limit=args.time_limit, backend=args.backend,
-                             devices=None if scenario else devices, schedules=[options.schedule] if scenario
-                             else schedules, virtual_stages=options.virtual_stages if scenario else args.virtual_stages)
-
-            solution = solve_local_sgd(profile, opts, args.local_sgd_max, args.sync_overhead, run)
         else:
-            solution = solve(profile, opts, method=args.method, time_limit=args.time_limit, backend=args.backend,
-                             devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+            solution = solve_problem(profile, opts, devices, schedules, topology, args, args.method, args.backend)
     except InfeasibleError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 2
@@ -208,7 +229,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int]) -> None:
+def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int], placed: bool) -> None:
     """--local-sgd-max and --sync-overhead: one-line refusals of what local SGD cannot plan."""
     h_max = args.local_sgd_max
     if h_max < 1:
@@ -218,15 +239,12 @@ def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int]) -> 
                          "e.g. 0.05")
     if h_max == 1:
         return
+    refusal = local_sgd_refusal(h_max, opts.shard, bool(args.replicate), placed)
+    if refusal:
+        raise UsageError(refusal)
     if devices is None or devices < 2:
         raise UsageError(f"--local-sgd-max {h_max} averages data-parallel replicas, and this problem has one: "
                          "give --devices N (the solver chooses p x d = N)")
-    if opts.shard != "none":
-        raise UsageError(f"--local-sgd-max {h_max} needs --shard none (each replica trains a whole copy), "
-                         f"got --shard {opts.shard}")
-    if args.replicate:
-        raise UsageError(f"--local-sgd-max {h_max} does not plan replicated stages (their lanes exchange "
-                         "gradients every step); drop --replicate")
 
 
 def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
@@ -261,16 +279,5 @@ def register(sub) -> None:
                    help="let heavy stages run on several devices (PipeDream-style replicas): --stages N is then "
                         "the devices per data-parallel replica, shared by at most N stages (1f1b or gpipe; "
                         "chosen on a closed form, timed by the simulation, with a busy-time bound as its gap)")
-    s.add_argument("--local-sgd-max", type=int, default=1, metavar="H",
-                   help="let data-parallel replicas train alone and average their models every H steps, H <= "
-                        "this bound (local SGD, for a slow data-parallel link; needs --devices and --shard none): "
-                        "the smallest H whose averaging per step is within --sync-overhead of the step's compute, "
-                        "else the bound (default 1: all-reduce gradients every step)")
-    s.add_argument("--sync-overhead", type=float, default=DEFAULT_SYNC_OVERHEAD, metavar="FRACTION",
-                   help="with --local-sgd-max: the share of the step's compute the averaging may add per step "
-                        f"(default {DEFAULT_SYNC_OVERHEAD})")
-    s.add_argument("--topology", default=None,
-                   help="devices as levels (sites, hosts, devices) with their links, JSON (docs/solve.md): the "
-                        "solver chooses p x d = its devices and where each replica's ranks run (--stages: only p)")
     s.add_argument("--output", "-o", default="plan.json", help="plan JSON to write (default plan.json)")
     s.set_defaults(func=cmd_solve)

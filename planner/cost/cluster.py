@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import parse_bytes
+from planner.sizes import size_value
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,6 @@ class Cluster:
         return any(link.emulate for link in self.links[gi:gj])
 
 
-def _size(value: Any, what: str) -> float:
-    number = parse_bytes(value, what) if isinstance(value, str) else float(value)
-    if not number > 0:
-        raise ValueError(f"{what} must be positive (got {value!r})")
-    return number
-
-
 def cluster_from_json(d: Any) -> Cluster:
     """Validate and convert the JSON object; one-line ValueError on bad input."""
     if not isinstance(d, dict) or not isinstance(d.get("groups"), list) or not d["groups"]:
@@ -113,9 +106,9 @@ def cluster_from_json(d: Any) -> Cluster:
             raise ValueError(f"cluster group {i} latency must be >= 0")
         groups.append(DeviceGroup(
             name=str(g.get("name", f"group{i}")), devices=g["devices"],
-            memory=None if g.get("memory") is None else _size(g["memory"], f"group {i} memory"),
+            memory=None if g.get("memory") is None else size_value(g["memory"], f"group {i} memory"),
             speed=speed,
-            bandwidth=None if g.get("bandwidth") is None else _size(g["bandwidth"], f"group {i} bandwidth"),
+            bandwidth=None if g.get("bandwidth") is None else size_value(g["bandwidth"], f"group {i} bandwidth"),
             latency=None if latency is None else float(latency)))
     links_json = d.get("links", [])
     if not isinstance(links_json, list) or len(links_json) != len(groups) - 1:
@@ -131,7 +124,7 @@ def cluster_from_json(d: Any) -> Cluster:
         emulate = link.get("emulate", False)
         if not isinstance(emulate, bool):
             raise ValueError(f"cluster link {i} \"emulate\" must be true or false (got {emulate!r})")
-        links.append(Link(bandwidth=_size(link["bandwidth"], f"link {i} bandwidth"), latency=latency,
+        links.append(Link(bandwidth=size_value(link["bandwidth"], f"link {i} bandwidth"), latency=latency,
                           emulate=emulate))
     return Cluster(groups=tuple(groups), links=tuple(links))
 

@@ -26,10 +26,31 @@ all-reduce, whose time equals A (gradients and weights have the same dtype unsha
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from planner.cost import memory as memory_model
 
 DEFAULT_SYNC_OVERHEAD = 0.05  # the averaging's share of the step's compute that H may leave
+
+
+def local_sgd_refusal(sync_every: int, shard: str, replicated: bool, placed: bool) -> Optional[str]:
+    """Why local SGD averaging every `sync_every` steps cannot be planned or run with these options
+    (one line: cause and fix), or None; the one rule CostOptions, plan files and `planner solve`
+    check. Each replica trains a whole unsharded copy; replicated stages' lanes exchange gradients
+    every step; a topology placement's exchange is planned per step (its ring latencies are charged
+    every step, and the runtime holds its emulated share after every step)."""
+    if sync_every <= 1:
+        return None
+    if shard != "none":
+        return (f"local SGD (averaging every {sync_every} steps) needs --shard none: each replica trains a whole "
+                f"unsharded copy (got --shard {shard})")
+    if replicated:
+        return ("local SGD does not run with replicated stages (their lanes exchange gradients every step); drop "
+                "--replicate or use --local-sgd-max 1")
+    if placed:
+        return ("local SGD is not planned on a --topology placement yet (its replicas' exchange is planned every "
+                "step, hierarchically); drop --topology or use --local-sgd-max 1")
+    return None
 
 
 def averaging_seconds_per_byte(precision: str, replicas: int, dtype: str, bandwidth: float) -> float:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from planner.cost.cluster import Cluster
+from planner.cost.localsgd import local_sgd_refusal
 from planner.cost.placement import Placement
 from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
 from planner.pipeline.schedule import (MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES, schedule_virtual_stages,
@@ -126,12 +127,9 @@ class CostOptions:
             self._validate_replicas()
         if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
             raise ValueError(f"the model averaging period H must be an integer >= 1 (got {self.sync_every!r})")
-        if self.sync_every > 1 and self.shard != "none":
-            raise ValueError(f"local SGD (averaging every {self.sync_every} steps) needs unsharded replicas: each "
-                             f"trains a whole copy; use --shard none (got {self.shard})")
-        if self.sync_every > 1 and self.replicated:
-            raise ValueError("local SGD does not run with replicated stages (their lanes must exchange gradients "
-                             "every step); solve without --replicate or with --local-sgd-max 1")
+        refusal = local_sgd_refusal(self.sync_every, self.shard, self.replicated, self.placement is not None)
+        if refusal:
+            raise ValueError(refusal)
         if self.cluster is not None and self.cluster.num_devices != self.pipeline_ranks:
             raise ValueError(f"the cluster has {self.cluster.num_devices} devices but {self.pipeline_ranks} "
                              "pipeline stages were asked; give --stages equal to the cluster's device count")

@@ -34,9 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from planner.errors import UsageError
 from planner.jsonio import read_json
-from planner.sizes import parse_bytes
+from planner.sizes import size_value
 
 
 @dataclass(frozen=True)
@@ -95,21 +94,6 @@ _LEVEL_KEYS = {"name", "count", "bandwidth", "latency", "emulate"}
 _DEVICE_KEYS = {"memory", "speed"}
 
 
-def _size(value: Any, what: str) -> float:
-    if isinstance(value, str):
-        try:
-            number = parse_bytes(value, what)
-        except UsageError as e:
-            raise ValueError(str(e)) from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    else:
-        raise ValueError(f"{what} must be a number or a size such as \"100MB\" (got {value!r})")
-    if not 0 < number < float("inf"):
-        raise ValueError(f"{what} must be positive (got {value!r})")
-    return number
-
-
 def _number(value: Any, what: str, positive: bool) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value == value or \
             not (value > 0 if positive else value >= 0) or value == float("inf"):
@@ -127,7 +111,7 @@ def _device(d: Any, where: str, base: Device) -> Device:
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be an object with \"memory\" and/or \"speed\"")
     _unknown(d, _DEVICE_KEYS, where)
-    memory = base.memory if "memory" not in d else _size(d["memory"], f"{where} memory")
+    memory = base.memory if "memory" not in d else size_value(d["memory"], f"{where} memory")
     speed = base.speed if "speed" not in d else _number(d["speed"], f"{where} speed", positive=True)
     return Device(memory=memory, speed=speed)
 
@@ -151,7 +135,7 @@ def topology_from_json(d: Any) -> DeviceTopology:
             raise ValueError(f"{where} \"emulate\" must be true or false (got {emulate!r})")
         levels.append(Level(
             name=str(raw.get("name", f"level{i}")), count=count,
-            bandwidth=None if raw.get("bandwidth") is None else _size(raw["bandwidth"], f"{where} bandwidth"),
+            bandwidth=None if raw.get("bandwidth") is None else size_value(raw["bandwidth"], f"{where} bandwidth"),
             latency=None if raw.get("latency") is None else _number(raw["latency"], f"{where} latency", False),
             emulate=emulate))
     names = [level.name for level in levels]

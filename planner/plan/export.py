@@ -10,19 +10,45 @@ module paths), `pipeline_parallel_schedule` (torch's schedule name), `pipeline_p
 micro-batches). Newer torchtitan releases rename some keys (`pipeline_parallel_module_fqns_per_model_part`,
 `num_pp_microbatches`); the output says which release's names it uses.
 
-What neither can express is refused in one line: replicated stages (one stage per device there),
-a placement other than stage g on rank g mod p, recomputation of chosen units (torchtitan applies
-activation checkpointing per layer by its own rules).
+What neither can express is refused in one line: a layout torch.distributed.pipelining cannot run
+(`torch_layout_refusal`, which `runtime execute --engine torch` checks too: replicated stages, a
+placement other than stage g on rank g mod p, placed replicas, sharding, local SGD) and
+recomputation of chosen units (torchtitan applies activation checkpointing per layer by its own rules).
 """
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from planner.pipeline.schedule import stage_placement
 from planner.plan.file import Plan
 
 FORMATS = ("torchtitan", "torch")
 TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "bfs": "LoopedBFS"}
+
+
+def torch_layout_refusal(plan: Plan) -> Optional[Tuple[str, str]]:
+    """What of the plan's layout torch.distributed.pipelining (and so torchtitan) cannot express, as
+    (cause: a noun phrase after "a plan with", the re-planning that removes it), or None. Its layout,
+    the one definition the export and `runtime execute --engine torch` both check: one stage per
+    device; stage g on pipeline rank g mod p (the V for zb-v); replica r's pipeline rank i on rank
+    r p + i; every replica holding whole state (no sharding) and averaging every step (no local SGD)."""
+    topology = plan.topology()
+    if topology.replicated:
+        return ("replicated stages (a stage on several devices; torch's stages are one per device)",
+                "re-plan without --replicate")
+    if tuple(topology.stage_rank) != stage_placement(plan.schedule, len(topology.stage_rank), plan.virtual_stages):
+        return ("stage g placed elsewhere than on pipeline rank g mod p (torch's loop placement; the V for zb-v)",
+                "re-plan with the default placement")
+    if topology.placement is not None:
+        return ("its replicas' ranks placed on chosen devices (--topology; torch orders its groups by rank, replica "
+                "r's pipeline rank i as rank r p + i)", "re-plan without --topology")
+    if plan.shard != "none":
+        return (f"--shard {plan.shard} (torch's stages and this export shard nothing)", "re-plan with --shard none")
+    if plan.sync_every > 1:
+        return (f"local SGD (its replicas average their models every {plan.sync_every} steps)",
+                "re-plan with --local-sgd-max 1")
+    return None
 
 
 def export_refusal(plan: Plan) -> Optional[str]:
@@ -31,22 +57,10 @@ def export_refusal(plan: Plan) -> Optional[str]:
         return (f"the plan's schedule {plan.schedule} has no torch/torchtitan name this export can give (torch's "
                 f"zero-bubble schedules order their work otherwise); exportable: {', '.join(TORCH_SCHEDULE_NAMES)}; "
                 "re-plan with one of them")
-    if plan.replicated:
-        return ("the plan has replicated stages (a stage on several devices), which torch.distributed.pipelining and "
-                "torchtitan cannot run; re-plan without --replicate")
-    if plan.sync_every > 1:
-        return (f"the plan's replicas average their models every {plan.sync_every} steps (local SGD), which the "
-                "exported configuration cannot express; re-plan with --local-sgd-max 1")
-    topology = plan.topology()
-    p = topology.pipeline_ranks
-    if any(rank != g % p for g, rank in enumerate(topology.stage_rank)):
-        return "the plan places stage g elsewhere than on rank g mod p (torch's placement); re-plan with the default"
-    if topology.placement is not None:
-        return ("the plan places its replicas' ranks on chosen devices (--topology), which the exported configuration "
-                "cannot express (torch orders its groups by rank); re-plan without --topology")
-    if plan.shard != "none":
-        return (f"the plan shards {plan.shard} across its replicas, which this export does not write (it writes no "
-                "sharding: data_parallel_shard_degree 1); re-plan with --shard none")
+    layout = torch_layout_refusal(plan)
+    if layout:
+        cause, fix = layout
+        return f"the export cannot write a plan with {cause}; {fix}"
     if any(st.recompute for st in plan.stages):
         return ("the plan recomputes chosen units, which the export cannot express (torchtitan checkpoints whole "
                 "layers by its own rules); re-plan without recomputation")

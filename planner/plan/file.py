@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from planner.cost.localsgd import local_sgd_refusal
 from planner.cost.memory import PRECISIONS, SHARDS
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline.schedule import SCHEDULES, Action
@@ -262,7 +263,7 @@ class Plan:
                 st.device = device
 
     def _check_sync(self, where: str) -> None:
-        """Local SGD needs replicas to average, each a whole unsharded copy, with no replicated stage."""
+        """Local SGD needs replicas to average, and planner.cost.localsgd.local_sgd_refusal's rule."""
         H = self.sync_every
         if H < 1:
             raise JsonFileError(f"{where} has sync_every {H}: the averaging period is at least 1 step; {_REMAKE}")
@@ -271,12 +272,9 @@ class Plan:
         if self.data_parallel < 2:
             raise JsonFileError(f"{where} has sync_every {H} with one data-parallel replica: local SGD averages "
                                 f"replicas; {_REMAKE} --devices N --local-sgd-max H")
-        if self.shard != "none":
-            raise JsonFileError(f"{where} has sync_every {H} with shard {self.shard}: local SGD needs unsharded "
-                                f"replicas; {_REMAKE} --shard none")
-        if self.replicated:
-            raise JsonFileError(f"{where} has sync_every {H} with replicated stages: local SGD does not run "
-                                f"them; {_REMAKE} without --replicate")
+        refusal = local_sgd_refusal(H, self.shard, self.replicated, self.placement is not None)
+        if refusal:
+            raise JsonFileError(f"{where} has sync_every {H}: {refusal}; {_REMAKE}")
 
 
 def _not_an_object(where: str):

@@ -22,7 +22,7 @@ from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memor
 from planner.profile.measure import record_cut_values, shared_parameters_json, unit_parameter_bytes
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
-from planner.profile.timing import UnitCall, _closures
+from planner.profile.timing import UnitCall, _closures, backward_seeds
 
 
 def _meta(obj: Any) -> Any:
@@ -57,16 +57,13 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
             out = stage(*args)
             if is_last:
                 out = loss_fn(out, target)
+    call = UnitCall(stage, args, produced, is_last)
     with CostCounter(device) as backward:
-        if is_last:
-            out.backward()
-        else:
-            tensors = [out[i] for i in produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
-            if tensors:
-                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        tensors, grads = backward_seeds(call, out)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
     stage.zero_grad(set_to_none=True)
     # the backward again in its two parts (zero-bubble schedules): their costs and the bytes between
-    call = UnitCall(stage, args, produced, is_last)
     first: Dict[str, float] = {}
 
     def input_part(out):

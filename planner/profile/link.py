@@ -4,28 +4,30 @@ and every run's ranks 0 and 1); and the data-parallel all-reduce between the sam
 at the runtime's gradient bucket size, whose rate is what a plan's gradient exchange runs at."""
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from planner.profile.rhythm import rhythm_steps, summarise
 
 
+class FlatLinkError(ValueError):
+    """The message times do not grow with size: noise (a loaded host) hid the per-byte cost."""
+
+
 def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
     """Fit one-way message time = latency + bytes / bandwidth to [(bytes, seconds), ...] (at least
-    two distinct sizes), minimising relative residuals (weights 1 / t^2), so the small messages
-    pipeline cuts mostly are fit as well as the large one. Latency is clamped to >= 0 (the
-    bandwidth refit through the origin then); a non-positive slope (time not growing with size)
-    raises ValueError: no bandwidth can be read from such samples."""
-    points = [(float(n), float(t)) for n, t in samples]
-    if len({n for n, _ in points}) < 2:
-        raise ValueError("fitting a link needs messages of at least two sizes")
-    if any(not t > 0 for _, t in points):
-        raise ValueError("message times must be positive")
+    two distinct sizes, finite sizes and positive finite times, else ValueError), minimising
+    relative residuals (weights 1 / t^2), so the small messages pipeline cuts mostly are fit as
+    well as the large one. Latency is clamped to >= 0 (the bandwidth refit through the origin
+    then); a non-positive slope (time not growing with size) raises FlatLinkError: no bandwidth
+    can be read from such samples."""
+    points = _checked_points(samples)
     w = [1.0 / (t * t) for _, t in points]
     sw = sum(w)
     mean_n = sum(wi * n for wi, (n, _) in zip(w, points)) / sw
@@ -37,8 +39,53 @@ def fit_link(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
         latency = 0.0
         slope = sum(wi * n * t for wi, (n, t) in zip(w, points)) / sum(wi * n * n for wi, (n, _) in zip(w, points))
     if not slope > 0:
-        raise ValueError("message time does not grow with size in these samples; measure larger messages")
+        raise FlatLinkError("message time does not grow with size in these samples; measure larger messages")
     return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / slope}
+
+
+def _checked_points(samples: Sequence[Sequence[float]]) -> List[Tuple[float, float]]:
+    """[(bytes, seconds), ...] as floats, or ValueError for samples no fit can take."""
+    points = [(float(n), float(t)) for n, t in samples]
+    if any(not (math.isfinite(n) and math.isfinite(t)) for n, t in points):
+        raise ValueError("message sizes and times must be finite numbers")
+    if len({n for n, _ in points}) < 2:
+        raise ValueError("fitting a link needs messages of at least two sizes")
+    if any(not t > 0 for _, t in points):
+        raise ValueError("message times must be positive")
+    return points
+
+
+def bounding_link_fit(samples: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """The fit when the samples' times do not grow with size: latency = the smallest message's
+    time, bandwidth = the largest message's bytes / its whole time (a floor: its latency counted
+    as transfer): the smallest and the largest message are predicted at or above their own times,
+    a slow link rather than a free one. Invalid samples raise ValueError as in fit_link."""
+    points = _checked_points(samples)
+    latency = min(points)[1]
+    largest, seconds = max(points)
+    return {"latency_s": latency, "bandwidth_bytes_per_s": largest / seconds}
+
+
+def fit_measured_link(measure: Callable[[], Dict[str, Any]],
+                      attempts: int = 3) -> Tuple[Dict[str, Any], Dict[str, float], Optional[str]]:
+    """(measurement, fit, warning): `measure()` ({"samples": [[bytes, s], ...], ...}) fit by
+    fit_link; when its times do not grow with size (one noisy ping-pong on a loaded host) it is
+    measured again, up to `attempts` times in all, and the last one is then fit by
+    bounding_link_fit with a warning saying so (warning None otherwise). Invalid samples still
+    raise ValueError."""
+    attempts = max(int(attempts), 1)
+    for _ in range(attempts):
+        measured = measure()
+        try:
+            return measured, fit_link(measured["samples"]), None
+        except FlatLinkError:
+            pass  # measured again, or bounded below after the last attempt
+    fit = bounding_link_fit(measured["samples"])
+    return measured, fit, (
+        f"the link's message times did not grow with size in {attempts} measurement(s) (a loaded host?); "
+        f"using latency = the smallest message's time ({fit['latency_s'] * 1e6:.0f} us) and bandwidth = the "
+        f"largest message's rate ({fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); measure again on a quiet "
+        "host or give planner solve --bandwidth/--latency")
 
 
 def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
@@ -175,7 +222,8 @@ def _free_port() -> int:
 
 
 def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 30, warmup: int = 3,
-                 timeout_s: float = 60.0, rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
+                 timeout_s: float = 60.0, attempts: int = 3,
+                 rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
     """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it:
     gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
     plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
@@ -184,21 +232,40 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     batch (`message_s`: what the engine pays per operation besides latency and transfer).
     Last, all-reduces of 1 MiB and of the runtime's gradient bucket between the two processes:
     `allreduce.bandwidth_bytes_per_s` is the rate of the data-parallel gradient exchange.
+    Measured again (up to `attempts` in all) when the message times do not grow with size, then
+    fit by bounding_link_fit, with "warning" saying so (fit_measured_link).
     With `rhythm` = (forward s, backward s) of a stage per micro-batch, the two processes then run
-    a pipeline's steady phase with that much stand-in compute (planner.profile.rhythm), and
+    a two-stage step's lists with that much stand-in compute (planner.profile.rhythm), and
     `latency_s` is the larger of the ping-pong's (kept as `latency_idle_s`) and the rhythm's: what a
     message costs between a run's computations.
     Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
+    sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
+    measured, fit, warning = fit_measured_link(
+        lambda: _run_link_workers(sizes, threads, repeats, warmup, timeout_s, rhythm), attempts)
+    reduced = measured["allreduce"]
+    if measured.get("rhythm"):
+        paced = summarise(measured["rhythm"], *rhythm)
+        fit = dict(fit, latency_idle_s=fit["latency_s"], latency_s=max(fit["latency_s"], paced["latency_s"]),
+                   rhythm=paced)
+    return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
+                between="two processes on this host (loopback)", threads=threads, repeats=repeats,
+                samples=measured["samples"], batches=measured["batches"],
+                allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2},
+                **({"warning": warning} if warning else {}))
+
+
+def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: int,
+                      timeout_s: float, rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
+    """One measurement: the two link_worker_main processes, rank 0's printed JSON."""
     import json
     import subprocess
 
-    sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(max(threads, 1)))
     code = "from planner.profile.link import link_worker_main; link_worker_main()"
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
-        {"rank": r, "port": port, "threads": threads, "sizes": sizes, "repeats": repeats, "warmup": warmup,
+        {"rank": r, "port": port, "threads": threads, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,
          "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES),
          "rhythm": list(rhythm) if rhythm else None,
          "allreduce_repeats": max(3, repeats // 3)})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
@@ -215,15 +282,4 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    measured = json.loads(outputs[0])
-    samples = measured["samples"]
-    fit = fit_link(samples)
-    reduced = measured["allreduce"]
-    if measured.get("rhythm"):
-        paced = summarise(measured["rhythm"], *rhythm)
-        fit = dict(fit, latency_idle_s=fit["latency_s"], latency_s=max(fit["latency_s"], paced["latency_s"]),
-                   rhythm=paced)
-    return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
-                between="two processes on this host (loopback)", threads=threads, repeats=repeats,
-                samples=samples, batches=measured["batches"],
-                allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2})
+    return json.loads(outputs[0])

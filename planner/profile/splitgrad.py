@@ -34,7 +34,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from planner.profile.analytic import saved_key
-from planner.profile.timing import UnitCall, _closures, _InputRestore, sync
+from planner.profile.timing import UnitCall, _closures, _InputRestore, backward_seeds, sync
 
 
 def _node_of(tensor: torch.Tensor) -> Optional[Node]:
@@ -331,7 +331,4 @@ def first_part(call: UnitCall, out) -> PendingWeights:
     """The input backward of one unit's forward result, seeded as measure_units seeds the whole one."""
     inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad]
     params = list(call.module.parameters())
-    if call.is_last:
-        return backward_input([out], [None], inputs, params)
-    tensors = [out[i] for i in call.produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
-    return backward_input(tensors, [torch.ones_like(t) for t in tensors], inputs, params)
+    return backward_input(*backward_seeds(call, out), inputs, params)

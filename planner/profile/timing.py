@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -52,15 +52,21 @@ def _closures(call: UnitCall, loss_fn, target) -> "tuple[Callable[[], Any], Call
         return out
 
     def backward(out):
-        if call.is_last:
-            out.backward()
-            return
-        tensors = [out[i] for i in call.produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
+        tensors, grads = backward_seeds(call, out)
         if tensors:
-            grads = [torch.ones_like(t) for t in tensors]
             torch.autograd.backward(tensors, grads)
 
     return forward, backward
+
+
+def backward_seeds(call: UnitCall, out) -> "tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]":
+    """(tensors, their gradients) a unit's backward starts from, the rule every profile times it
+    by: the last unit's loss (gradient None: 1), else each produced output that requires grad,
+    seeded with ones (what later units would send back)."""
+    if call.is_last:
+        return [out], [None]
+    tensors = [out[i] for i in call.produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
+    return tensors, [torch.ones_like(t) for t in tensors]
 
 
 class _InputRestore:

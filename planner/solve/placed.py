@@ -21,15 +21,15 @@ from planner.cost.placement import Placement, placements
 from planner.cost.topology_file import DeviceTopology
 from planner.profile.profile import Profile
 from planner.solve.diagnose import InfeasibleError
+from planner.solve.search import device_splits
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 
 
 def shapes(topology: DeviceTopology, opts: CostOptions, num_units: int,
            pipeline_ranks: Optional[int] = None) -> List[Tuple[int, int]]:
     """(p, d) with p d = N, d dividing the global batch, p at most the units (and = pipeline_ranks if given)."""
-    n = topology.num_devices
-    return [(n // d, d) for d in range(1, n + 1) if n % d == 0 and opts.global_batch % d == 0
-            and n // d <= num_units and (pipeline_ranks is None or n // d == pipeline_ranks)]
+    return [(p, d) for p, d in device_splits(topology.num_devices, opts.global_batch)
+            if p <= num_units and (pipeline_ranks is None or p == pipeline_ranks)]
 
 
 def candidates(topology: DeviceTopology, opts: CostOptions, num_units: int,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,6 +49,12 @@ from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
 
+def device_splits(devices: int, global_batch: int) -> List[Tuple[int, int]]:
+    """(p, d): the pipeline depths and data-parallel degrees with p d = `devices`, d dividing the
+    global batch (each replica takes an equal share), d ascending."""
+    return [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and global_batch % d == 0]
+
+
 def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] = None,
                      schedules: Optional[Sequence[str]] = None, virtual_stages: Optional[int] = None
                      ) -> List[CostOptions]:
@@ -64,8 +70,8 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
     else:
         chunk_options = list(VIRTUAL_STAGES) if schedules and len(schedules) > 1 else [2]
     schedules = list(schedules) if schedules else [opts.schedule]
-    pairs = [(opts.pipeline_ranks, opts.data_parallel)] if devices is None else \
-        [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and opts.global_batch % d == 0]
+    pairs = ([(opts.pipeline_ranks, opts.data_parallel)] if devices is None
+             else device_splits(devices, opts.global_batch))
     out = []
     for p, d in pairs:
         shards = [opts.shard] if opts.shard != "auto" else list(SHARDS) if d > 1 else ["none"]

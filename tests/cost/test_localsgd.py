@@ -139,10 +139,12 @@ def test_what_local_sgd_cannot_plan_is_refused_in_one_line(tmp_path, capsys):
     assert code == 0, err
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["data_parallel"] > 1 and plan["sync_every"] > 1
-    # a plan file asking what cannot run: H > 1 with one replica, or with sharding
+    # a plan file asking what cannot run: H > 1 with one replica, with sharding, or placed on a topology
+    p, d = plan["pipeline_stages"], plan["data_parallel"]
+    swapped = [[(d - 1 - r) * p + i for i in range(p)] for r in range(d)]  # replica r on replica d-1-r's devices
     for change, words in [(dict(data_parallel=1, global_batch=plan["global_batch"] // plan["data_parallel"]),
                            "one data-parallel replica"), (dict(shard="optimizer"), "unsharded"),
-                          (dict(sync_every=0), "at least 1 step")]:
+                          (dict(sync_every=0), "at least 1 step"), (dict(placement=swapped), "--topology")]:
         bad = str(tmp_path / "bad.json")
         with open(bad, "w") as f:
             json.dump(dict(plan, **change), f)
@@ -161,4 +163,14 @@ def test_local_sgd_options_are_checked():
         _opts(sync_every=0).validate()
     with pytest.raises(ValueError, match="--shard none"):
         _opts(sync_every=2, shard="gradients").validate()
+    # a topology placement's exchange is planned per step: local SGD is refused on one
+    from planner.cost.placement import Placement
+    from planner.cost.topology_file import topology_from_json
+
+    sites = topology_from_json({"levels": [{"name": "site", "count": 2, "bandwidth": 1e6, "latency": 0.0},
+                                           {"name": "device", "count": 2, "bandwidth": 1e8, "latency": 0.0}]})
+    placed = _opts(placement=Placement(sites, ((0, 1), (2, 3))))
+    placed.validate()
+    with pytest.raises(ValueError, match="not planned on a --topology"):
+        dataclasses.replace(placed, sync_every=2).validate()
     assert dataclasses.replace(_opts(), sync_every=2).tie_replicas == 1

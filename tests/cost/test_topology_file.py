@@ -72,6 +72,9 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     good.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "1MB", "latency": 0.01}, {"count": 2}]}))
     assert planner_main(["solve", profile, "--topology", str(good), "--devices", "2", "-o", str(plan)]) == 2
     assert planner_main(["solve", profile, "--topology", str(good), "--replicate", "-o", str(plan)]) == 2
+    capsys.readouterr()
+    assert planner_main(["solve", profile, "--topology", str(good), "--local-sgd-max", "2", "-o", str(plan)]) == 2
+    assert "local SGD is not planned on a --topology" in capsys.readouterr().err
     assert not plan.exists()
     capsys.readouterr()
     # a good file: the plan says where each replica's ranks run
@@ -81,3 +84,15 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     assert written["pipeline_stages"] == 2 and written["data_parallel"] == 2
     assert sorted(x for row in written["placement"] for x in row) == [0, 1, 2, 3]
     assert "placement (device of each pipeline rank)" in capsys.readouterr().out
+
+
+def test_the_cluster_file_reads_sizes_by_the_same_rule():
+    from planner.cost.cluster import cluster_from_json
+
+    def with_bandwidth(value):
+        return {"groups": [{"devices": 1}, {"devices": 1}], "links": [{"bandwidth": value, "latency": 0.0}]}
+
+    assert cluster_from_json(with_bandwidth("100MB")).links[0].bandwidth == 1e8
+    for bad in ([1], True, float("inf")):  # a list was a TypeError traceback; true and inf were accepted
+        with pytest.raises(ValueError, match="link 0 bandwidth"):
+            cluster_from_json(with_bandwidth(bad))

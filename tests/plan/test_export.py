@@ -39,7 +39,12 @@ def test_torchtitan_config_names_every_module_once(tmp_path, capsys, schedule, v
 
 
 def test_torch_snippet_compiles_and_builds_the_stages(tmp_path, capsys):
-    plan = reshape_plan(plan_with(profile_of("builtin:gpt"), [1, 3, 6], 2, 8, "gpipe"), virtual_stages=2,
+    import torch
+
+    from planner.model.entry import build_spec
+
+    args = {"layers": 4}  # a chain of units, what the snippet's StagePart calls in order
+    plan = reshape_plan(plan_with(profile_of("builtin:mlp", args), [1, 3, 5], 2, 8, "gpipe"), virtual_stages=2,
                         schedule="interleaved")
     code, out = _export(tmp_path, plan, "torch", capsys)
     assert code == 0, out.err
@@ -47,6 +52,16 @@ def test_torch_snippet_compiles_and_builds_the_stages(tmp_path, capsys):
     exec(compile(out.out, "snippet.py", "exec"), namespace)  # defines, runs nothing (not __main__)
     assert namespace["MODULES_PER_STAGE"] == [st.units for st in plan.stages]
     assert "ScheduleInterleaved1F1B(stages," in out.out
+    # the stages it builds hold every parameter of the model once, and in order they are the model
+    spec = build_spec("builtin:mlp", args, seed=0)
+    parts = [namespace["StagePart"](spec.module, names) for names in namespace["MODULES_PER_STAGE"]]
+    held = [id(q) for part in parts for q in part.parameters()]
+    assert sorted(held) == sorted(id(q) for q in spec.module.parameters())
+    inputs, _ = spec.batch(2, 0)
+    x = inputs[0]
+    for part in parts:
+        x = part(x)
+    torch.testing.assert_close(x, spec.module(*inputs), rtol=0, atol=0)
 
 
 def test_export_refuses_replicated_stages_in_one_line(tmp_path, capsys):

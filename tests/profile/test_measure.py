@@ -10,7 +10,7 @@ import torch
 
 from planner.cost.ranges import range_costs
 from planner.profile.corunners import CoRunners
-from planner.profile.link import fit_link, measure_link
+from planner.profile.link import FlatLinkError, bounding_link_fit, fit_link, fit_measured_link, measure_link
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
 from planner.profile.profile import Profile
 from planner.profile.timing import UnitCall, measure_units, split_call_overhead
@@ -42,10 +42,37 @@ def test_fit_link_clamps_negative_latency_and_rejects_bad_samples():
     assert fit["latency_s"] == 0.0 and fit["bandwidth_bytes_per_s"] > 0
     with pytest.raises(ValueError, match="two sizes"):
         fit_link([(8, 1e-4), (8, 2e-4)])
-    with pytest.raises(ValueError, match="does not grow"):
+    with pytest.raises(FlatLinkError, match="does not grow"):
         fit_link([(8, 2e-4), (4096, 1e-4)])
     with pytest.raises(ValueError, match="positive"):
         fit_link([(8, 0.0), (4096, 1e-4)])
+    with pytest.raises(ValueError, match="finite"):
+        fit_link([(8, 1e-4), (4096, float("inf"))])
+
+
+# a loaded host: the 4 MiB round trip came back faster than the small ones
+NOISY = [[8, 3e-4], [4096, 2.5e-4], [12288, 4e-4], [4 << 20, 2e-4]]
+CLEAN = [[n, 1e-4 + n / 2e9] for n in (8, 4096, 12288, 4 << 20)]
+
+
+def test_a_flat_link_is_measured_again_then_bounded_with_a_warning():
+    measured = iter([{"samples": NOISY, "run": 1}, {"samples": CLEAN, "run": 2}])
+    kept, fit, warning = fit_measured_link(lambda: next(measured), attempts=3)
+    assert kept["run"] == 2 and warning is None  # the second measurement grew with size: fit as usual
+    assert fit == fit_link(CLEAN)
+
+    runs = []
+    kept, fit, warning = fit_measured_link(lambda: runs.append(1) or {"samples": NOISY}, attempts=3)
+    assert len(runs) == 3 and "did not grow with size in 3 measurement(s)" in warning
+    assert fit == bounding_link_fit(NOISY)
+    # latency from the smallest message, bandwidth floored at the largest message's whole time
+    assert fit["latency_s"] == 3e-4 and fit["bandwidth_bytes_per_s"] == pytest.approx((4 << 20) / 2e-4)
+    for n, t in (NOISY[0], NOISY[-1]):
+        assert fit["latency_s"] + n / fit["bandwidth_bytes_per_s"] >= t
+
+    with pytest.raises(ValueError, match="finite"):  # invalid samples are still an error, never retried
+        fit_measured_link(lambda: runs.append(1) or {"samples": [[8, float("nan")], [4096, 1e-4]]}, attempts=3)
+    assert len(runs) == 4
 
 
 def test_measure_link_pings_the_requested_sizes_between_two_processes():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.pipeline.actions import ActionKind
 from planner.pipeline.schedule import build_schedule
@@ -30,6 +31,21 @@ class _Stage(nn.Module):
         return y * 2, self.c(y).relu() + x, x
 
 
+class _Matmuls(TorchDispatchMode):
+    """Counts the multiply-adds of the matrix products run under it (a backward's real work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2], args[-1]
+            self.flops += a.shape[0] * a.shape[1] * b.shape[1]
+        return out
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_two_parts_give_the_whole_backward(recompute, input_grad):
@@ -43,14 +59,24 @@ def test_two_parts_give_the_whole_backward(recompute, input_grad):
         p.register_post_accumulate_grad_hook(lambda p: hooked.append(p))
 
     x1 = x.clone().requires_grad_(input_grad)
-    pending = backward_input(split_model(x1, z), grads, [x1], list(split_model.parameters()))
-    assert all(p.grad is None for p in split_model.parameters())  # no weight gradient yet
+    out = split_model(x1, z)
+    with _Matmuls() as first:
+        pending = backward_input(out, grads, [x1], list(split_model.parameters()))
+    assert all(p.grad is None for p in split_model.parameters()) and not hooked  # nothing accumulated yet
     input_grad_after_first_part = x1.grad
-    backward_weight(pending)
+    with _Matmuls() as second:
+        backward_weight(pending)
 
     x2 = x.clone().requires_grad_(input_grad)
     pairs = [(out, g) for out, g in zip(whole_model(x2, z), grads) if out.requires_grad]
-    torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+    with _Matmuls() as whole:
+        torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+    # no weight gradient computed in the first part (and none twice): the parts' matmuls are the whole's,
+    # plus the checkpointed block's forward where each part recomputes it (splitgrad's docstring)
+    with torch.no_grad(), _Matmuls() as block:
+        split_model.a(x)
+    assert first.flops + second.flops == whole.flops + (block.flops if recompute and input_grad else 0)
+    assert (first.flops > 0) == input_grad
     for p, q in zip(split_model.parameters(), whole_model.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
     assert len(hooked) == len(list(split_model.parameters()))  # as backward: each parameter's hook once

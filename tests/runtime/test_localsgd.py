@@ -49,7 +49,7 @@ def test_what_a_local_sgd_plan_cannot_run_with_is_refused_in_one_line(tmp_path, 
     path = str(tmp_path / "plan.json")
     save_plan(_plan("tests.models:tied_lm", {}, [2]), path)
     for extra, words in [(["--clip-grad-norm", "1"], "--clip-grad-norm with a local-SGD plan"),
-                         (["--engine", "torch"], "--engine torch does not run local SGD")]:
+                         (["--engine", "torch"], "--engine torch cannot run a plan with local SGD")]:
         code = runtime_main(["execute", path, "--steps", "1", *extra])
         err = capsys.readouterr().err
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (extra, err)

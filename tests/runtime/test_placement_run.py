@@ -45,7 +45,7 @@ def test_the_plan_states_the_placement_and_the_runtime_follows_it():
     topology = Plan.from_json(plan.to_json()).topology()
     assert [(topology.replica_of(r), topology.pipeline_rank_of(r)) for r in range(4)] == [(0, 0), (1, 1), (0, 1), (1, 0)]
     assert topology.global_rank(1, 0) == 3 and topology.data_parallel_group(0) == [0, 3]
-    assert "places them otherwise" in refusal(plan)
+    assert "ranks placed on chosen devices" in refusal(plan)
     # the launcher's own order is no placement
     assert _plan(((0, 1), (2, 3))).topology().placement is None
     for bad in ([[0, 2], [3, 3]], [[0, 1, 2, 3]], "0,1"):

@@ -93,3 +93,27 @@ def test_compare_replicate_under_an_unsupported_schedule_keeps_the_table(tmp_pat
     assert "replicas: not available: --replicate needs --schedule 1f1b, gpipe or auto" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.split()}
     assert rows["replicas"][-1] == "-" and rows["ilp"][-1] == "1.000x"
+
+
+def test_compare_plans_what_solve_plans_on_a_topology_and_with_local_sgd(tmp_path, capsys):
+    """compare's ilp row is planner solve's plan for the same flags (--topology, --local-sgd-max),
+    and the baselines are solved on the same problem."""
+    import json
+
+    path = str(tmp_path / "p.json")
+    save_profile(lopsided(), path)
+    topology = tmp_path / "sites.json"
+    topology.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "10MB", "latency": 1e-3}, {"count": 2}]}))
+    plan = str(tmp_path / "plan.json")
+    for flags in (["--topology", str(topology)],
+                  ["--devices", "4", "--local-sgd-max", "8", "--dp-bandwidth", "1MB", "--bandwidth", "1kB"]):
+        assert main(["solve", path, "--global-batch", "8", "-o", plan] + flags) == 0
+        solved = json.loads(open(plan).read())
+        capsys.readouterr()
+        assert main(["compare", path, "--global-batch", "8"] + flags) == 0
+        out = capsys.readouterr().out
+        rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.split()}
+        assert float(rows["ilp"][1]) == pytest.approx(solved["predicted_iteration_s"] * 1e3, abs=1e-3), (flags, out)
+        assert f"p {solved['pipeline_stages']} x d {solved['data_parallel']}" in out
+        for name in ("uniform", "params", "block"):
+            assert rows[name][4] == "yes" and float(rows[name][-1].rstrip("x")) >= 1.0 - 1e-3, (flags, out)
