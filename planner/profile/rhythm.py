@@ -84,8 +84,8 @@ def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: 
                 return
             for work in in_flight:
                 work.wait()
-            works = [dist.isend(torch.zeros(64), peer) if a.kind in sends else dist.irecv(torch.empty(64), peer)
-                     for a in batch]
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if a.kind in sends else dist.irecv,
+                                                       torch.zeros(64), peer) for a in batch])  # as runtime.comm
             if all(a.kind in sends for a in batch):
                 in_flight = works
             else:
