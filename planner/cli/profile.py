@@ -51,9 +51,9 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
 def _rhythm_note(link) -> str:
     rhythm = link.get("rhythm")
     if not rhythm:
-        return "ping-pong"
-    return (f"between computations of {(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms; "
-            f"{link['latency_idle_s'] * 1e6:.0f} us back to back")
+        return "back to back"
+    return (f"back to back; {rhythm['latency_s'] * 1e6:.0f} us between two balanced stages' computations of "
+            f"{(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms, not charged")
 
 
 def _check_measure_options(args: argparse.Namespace) -> None:

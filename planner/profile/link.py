@@ -235,9 +235,10 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     Measured again (up to `attempts` in all) when the message times do not grow with size, then
     fit by bounding_link_fit, with "warning" saying so (fit_measured_link).
     With `rhythm` = (forward s, backward s) of a stage per micro-batch, the two processes then run
-    a two-stage step's lists with that much stand-in compute (planner.profile.rhythm), and
-    `latency_s` is the larger of the ping-pong's (kept as `latency_idle_s`) and the rhythm's: what a
-    message costs between a run's computations.
+    a two-stage step's lists with that much stand-in compute on both (planner.profile.rhythm):
+    `rhythm.latency_s` is what a message cost between two perfectly balanced stages' computations.
+    It is recorded, not charged (`latency_s` stays the ping-pong's): the cost is the balance's, it
+    vanishes when one stage is a third faster (planner/profile/rhythm.py).
     Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
@@ -245,9 +246,7 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
         lambda: _run_link_workers(sizes, threads, repeats, warmup, timeout_s, rhythm), attempts)
     reduced = measured["allreduce"]
     if measured.get("rhythm"):
-        paced = summarise(measured["rhythm"], *rhythm)
-        fit = dict(fit, latency_idle_s=fit["latency_s"], latency_s=max(fit["latency_s"], paced["latency_s"]),
-                   rhythm=paced)
+        fit = dict(fit, rhythm=summarise(measured["rhythm"], *rhythm))
     return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
                 between="two processes on this host (loopback)", threads=threads, repeats=repeats,
                 samples=measured["samples"], batches=measured["batches"],

@@ -1,18 +1,19 @@
 """What a message costs in a pipeline's rhythm: two processes on this host run the instruction
-lists of a two-stage 1F1B step (planner.pipeline.schedule, the lists the runtime executes) with
-stand-in compute, and the time the step takes beyond its compute, per message on its critical path,
-is the one-way latency a plan should charge.
+lists of a two-stage 1F1B step (planner.pipeline.schedule, the lists the runtime executes) with the
+same stand-in compute on both, and the time the step takes beyond its compute, per message on its
+critical path, is the one-way latency the messages met.
 
-Why not the ping-pong's latency: a ping-pong keeps both processes exchanging back to back, while a
-pipeline's ranks compute for milliseconds between messages and each wait begins on a process (and,
-on a virtual machine, a virtual CPU) that has just been busy or idle. On the shared 2-core VM this
-project is developed on, a message after compute costs around a millisecond where the ping-pong
-measures under 100 us (BENCHMARKS.md, "Small micro-batches"); the rhythm measures what the ranks
-meet, whatever the cause.
+Why measure it: a ping-pong keeps both processes exchanging back to back, while a pipeline's ranks
+compute between messages. On the shared 2-core VM this project is developed on, two balanced stages
+pay about a millisecond per message where the ping-pong measures under 100 us, and the same lists
+with one stage a third faster pay nothing measurable (BENCHMARKS.md, "Small micro-batches"): the
+cost comes with exchanges both sides wait on at once. A plan's latency therefore stays the
+ping-pong's; the rhythm's is recorded in the profile (`link.rhythm`) and printed, as the bound of
+what a balanced split of this model may pay per message on this host.
 
-The lists are run as the runtime runs them: the communication actions of one batch posted together,
-a batch of sends only left in flight until the rank's next batch. With forward F and backward B of
-stand-in compute per stage and micro-batch, m >= 4 micro-batches and a one-way latency lam <= F + B
+The lists are run as the runtime runs them: the communication actions of one batch posted together
+(batch_isend_irecv), a batch of sends only left in flight until the rank's next batch. With forward
+F and backward B per stage and micro-batch, m >= 4 micro-batches and a one-way latency lam <= F + B
 per message, planner.cost's step graph of these lists gives
 
     step = (m + 1)(F + B) + (m + 2) lam
