@@ -24,7 +24,8 @@ the crossing after a stage and the one micro-batch of v > 1 count forward and in
 (nothing waits for a weight backward), the one before it forwards only (its last weight backwards
 may overlap the input backwards upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
 found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
-skipped scenario contributes its bound), so the reported gap is a true gap.
+skipped scenario contributes its bound), so the reported gap is a true gap. Under a time limit the
+first scenario solved gets half the time left and each later one at least an equal share of it.
 """
 from __future__ import annotations
 
@@ -188,11 +189,14 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         bound = min((it.lower_bound for it in items), default=math.inf)
         return _solution(profile, best, bound, False, started, "dp", "python")
     bound, all_proven, engines = math.inf, True, set()
-    for it in items:
+    for index, it in enumerate(items):
         if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):
             bound = min(bound, it.lower_bound)
             continue
-        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        # the most promising scenario half the time left, each later one an equal share of it (the
+        # bound is the least of theirs); what one does not use goes to those after it
+        left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        remaining = None if left is None else max(left / 2, left / (len(items) - index))
         outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=OPTIMALITY_GAP / 2,
                                  target_s=best[0].iteration_s if best is not None and warm_start else None)
         all_proven = all_proven and outcome.optimal
