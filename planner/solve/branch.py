@@ -22,8 +22,8 @@ them (planner.solve.dual): for weights lam >= 0 with sum 1, sum_k lam_k form_k i
 plus per-stage terms and at most max_k form_k, so it is one more form, with its own completions. Its
 weights maximise its best split's value min_split sum_k lam_k form_k (the Lagrangian dual; at least
 the best single form's), found by cutting planes at the start and again at each refresh (the splits
-they meet are simulated: candidates, and their paths new forms); with v = 1 the single forms are
-already close and the ascent is skipped. A node whose bound does not beat
+they meet are simulated: candidates, and their paths new forms), once the search has run a while
+(a short search never pays for it); with v = 1 the single forms are already close and it is skipped. A node whose bound does not beat
 the incumbent by more than the gap is cut; a stage that does not fit its device's memory is never
 placed. A complete split is simulated: a faster one becomes the incumbent, and its longest path
 joins the forms when the known ones undervalued it (so the bound tightens as the search learns).
@@ -57,8 +57,10 @@ from planner.solve.dual import Dual, completions
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
-DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 200, 30  # dual ascent steps at the start and at each refresh
-DUAL_SHARE = 0.5  # of the time limit, for the dual ascents (the rest: the search)
+DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the start and at each refresh
+# the dual ascent starts after this many nodes or this share of the time limit (shorter searches never pay for it)
+DUAL_AFTER_NODES, DUAL_AFTER_SHARE = 10_000, 0.2
+DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the search)
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
@@ -261,21 +263,21 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if math.isfinite(target):
             known.refresh(target * (1 - gap))
         single = float((known.constant + known.completion[:, 0, 0]).max(initial=-math.inf))
-        if single >= target * (1 - gap) or opts.virtual_stages == 1:
+        if not dualized or single >= target * (1 - gap) or opts.virtual_stages == 1:
             return
         before = target
-        lam, value = dual.ascend(known, met, dual_until, iterations)
+        lam, value = dual.ascend(known, met, dual_until, iterations, lambda: target * (1 - gap))
         if lam is not None and value > single:
             known.add_combination(lam)
         if target < before:  # a split the ascent met is the new incumbent
             known.refresh(target * (1 - gap))
 
+    nodes, dualized = 0, False
     strengthen(DUAL_ITERATIONS)
     refreshed = (target, len(known))
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
         (-math.inf, 0, 0, (), known.constant.copy())]
-    nodes = 0
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
             bound = min(_open_bound(known, stack, target * (1 - gap)), target * (1 - gap))
@@ -284,6 +286,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if bound >= target * (1 - gap):
             continue
         nodes += 1
+        if not dualized and (nodes >= DUAL_AFTER_NODES or time_limit is not None and
+                             time.perf_counter() - started > DUAL_AFTER_SHARE * time_limit):
+            dualized = True  # a search not over soon: the dual's combination joins the bound
+            strengthen(DUAL_ITERATIONS)
+            refreshed = (target, len(known))
         if len(prefix) < len(known):  # forms learned since this node was made: their prefix from its cuts
             prefix = np.concatenate([prefix, _prefix(known, slice(len(prefix), len(known)), cuts)])
         if g == S - 1:  # the last stage is [a, L): a complete split

@@ -57,9 +57,10 @@ class Dual:
         self.master: Optional[_Master] = None
 
     def ascend(self, forms, found: Callable[[Tuple[int, ...]], None], deadline: float,
-               iterations: int) -> Tuple[Optional[np.ndarray], float]:
+               iterations: int, goal: Callable[[], float] = lambda: np.inf) -> Tuple[Optional[np.ndarray], float]:
         """(lam, h(lam)) for the best weights found over the forms known (None, -inf without forms);
-        `found(ends)` is called with each new split attaining some h (it may add forms)."""
+        `found(ends)` is called with each new split attaining some h (it may add forms); it stops
+        early once h reaches goal() (nothing faster than the incumbent is left to prove)."""
         terms = forms.terms
         self._keep_allowed(terms)
         if not len(forms):
@@ -78,7 +79,8 @@ class Dual:
             h = float(lam @ forms.constant + D[0, 0])
             if h > best_h:
                 best, best_h = lam, h
-            if not np.isfinite(h) or model - best_h <= DUAL_TOL * abs(best_h) or time.perf_counter() > deadline:
+            if not np.isfinite(h) or model - best_h <= DUAL_TOL * abs(best_h) or best_h >= goal() or \
+                    time.perf_counter() > deadline:
                 break
             split, a = [], 0
             for g in range(terms.S):
