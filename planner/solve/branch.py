@@ -23,9 +23,12 @@ plus per-stage terms and at most max_k form_k, so it is one more form, with its 
 weights maximise its best split's value min_split sum_k lam_k form_k (the Lagrangian dual; at least
 the best single form's), found by cutting planes once the search has run a while (a short search
 never pays for it) and again at each refresh; the splits they meet are simulated (candidates, and
-their paths new forms). With v = 1 the single forms are already close and the ascent is skipped. A node whose bound does not beat the incumbent by more than the gap is cut; a stage that
-does not fit its device's memory is never placed. A complete split is simulated: a faster one becomes the incumbent, and its longest path
-joins the forms when the known ones undervalued it (so the bound tightens as the search learns).
+their paths new forms). With v = 1 the single forms are already close and the ascent is skipped.
+
+A node whose bound does not beat the incumbent by more than the gap is cut; a stage that does not
+fit its device's memory is never placed. A complete split is simulated: a faster one becomes the
+incumbent, and its longest path joins the forms when the known ones undervalued it (so the bound
+tightens as the search learns).
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
 (re-bounded with every form learned) is the proven bound.
 

@@ -13,9 +13,11 @@ own best split, so its maximum (the dual) is at least the largest of those. The 
 cutting planes (Kelley): the splits found so far, s_1..s_n, give the model
 min_j lam.f(s_j) >= h(lam); the next lam maximises the model (a small linear program: the weights
 and one level), and the dynamic program there gives h(lam) and the split s_{n+1} attaining it (its
-form values: one more cut). It stops when the model's maximum and the best h agree within DUAL_TOL,
-or when a split repeats (the model is exact there). Each split found is handed to the caller
-(simulated: a candidate plan, and its longest path a new form, a new column of the program).
+form values: one more cut). The first step is the best single form's vertex, so the result is
+never below that form's bound. It stops when the model's maximum and the best h agree within
+DUAL_TOL, when a split repeats (the model is exact there), when h reaches the caller's goal, or at
+the deadline or step limit. Each split found is handed to the caller (simulated: a candidate plan,
+and its longest path a new form, a new column of the program).
 """
 from __future__ import annotations
 
