@@ -28,6 +28,11 @@ import numpy as np
 
 from planner.solve.backends import _quiet_stdout
 
+try:
+    import highspy
+except ImportError:  # a core dependency; without it the search keeps the single forms' bound
+    highspy = None
+
 DUAL_TOL = 1e-4  # relative: the model's maximum this close to the best h ends the ascent
 
 
@@ -65,7 +70,7 @@ class Dual:
         early once h reaches goal() (nothing faster than the incumbent is left to prove)."""
         terms = forms.terms
         self._keep_allowed(terms)
-        if not len(forms):
+        if not len(forms) or highspy is None:
             return None, -np.inf
         start = int(np.argmax(forms.constant + forms.completion[:, 0, 0]))  # the best single form
         best, best_h = None, -np.inf
@@ -147,9 +152,6 @@ class _Master:
     re-solved warm as splits (rows) and forms (columns) are added."""
 
     def __init__(self):
-        import highspy
-
-        self.highspy = highspy
         with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
             self.solver = highspy.Highs()
         self.solver.setOptionValue("output_flag", False)
@@ -168,12 +170,12 @@ class _Master:
     def add_split(self, values: np.ndarray) -> None:
         """A cut t <= lam.values; values: every form at the split."""
         index = np.arange(self.forms + 1, dtype=np.int32)
-        self.solver.addRow(-self.highspy.kHighsInf, 0.0, len(index), index, np.r_[1.0, -values])
+        self.solver.addRow(-highspy.kHighsInf, 0.0, len(index), index, np.r_[1.0, -values])
         self.splits += 1
 
     def solve(self) -> Tuple[Optional[np.ndarray], float]:
         self.solver.run()
-        if self.solver.getModelStatus() != self.highspy.HighsModelStatus.kOptimal:
+        if self.solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None, np.inf
         solution = np.asarray(self.solver.getSolution().col_value)
         lam = np.clip(solution[1:], 0.0, None)
