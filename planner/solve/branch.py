@@ -16,10 +16,19 @@ is faster than
 
     max_k ( P_k + D_kg(a) ),     D_kg(a) = min over the splits of [a, L) into stages g..S-1 of sum_{h>=g} V_kh
 
-(each form's own best completion, a dynamic program over (g, a)). A node whose bound does not beat
-the incumbent by more than the gap is cut; a stage that does not fit its device's memory is never
-placed. A complete split is simulated: a faster one becomes the incumbent, and its longest path
-joins the forms when the known ones undervalued it (so the bound tightens as the search learns).
+(each form's own best completion, a dynamic program over (g, a)). With v > 1 a device's forms spread
+over stages far apart and each form alone dodges by shrinking its own stages, so combinations join
+them (planner.solve.dual): for weights lam >= 0 with sum 1, sum_k lam_k form_k is again a constant
+plus per-stage terms and at most max_k form_k, so it is one more form, with its own completions. Its
+weights maximise its best split's value min_split sum_k lam_k form_k (the Lagrangian dual; at least
+the best single form's), found by cutting planes once the search has run a while (a short search
+never pays for it) and again at each refresh; the splits they meet are simulated (candidates, and
+their paths new forms). With v = 1 the single forms are already close and the ascent is skipped.
+
+A node whose bound does not beat the incumbent by more than the gap is cut; a stage that does not
+fit its device's memory is never placed. A complete split is simulated: a faster one becomes the
+incumbent, and its longest path joins the forms when the known ones undervalued it (so the bound
+tightens as the search learns).
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
 (re-bounded with every form learned) is the proven bound.
 
@@ -46,9 +55,14 @@ from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.cost.step import rank_peaks
 from planner.profile.profile import Profile
+from planner.solve.dual import Dual, completions
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
+DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the start and at each refresh
+# the dual ascent starts after this many nodes or this share of the time limit (shorter searches never pay for it)
+DUAL_AFTER_NODES, DUAL_AFTER_SHARE = 10_000, 0.2
+DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the search)
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
@@ -197,6 +211,14 @@ class _Forms:
         self.completion = np.concatenate([self.completion, self._completion(per_stage[:, 0, :])[None]])
         return True
 
+    def add_combination(self, lam: np.ndarray) -> None:
+        """Take sum_k lam_k form_k (lam >= 0, sum 1: planner.solve.dual) as one more form; it is
+        no path, so it joins the bound and not `known`."""
+        per_stage = np.einsum("k,gkt->gt", lam, self.coefficients)
+        self.constant = np.append(self.constant, float(lam @ self.constant))
+        self.coefficients = np.concatenate([self.coefficients, per_stage[:, None, :]], axis=1)
+        self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
+
     def refresh(self, target: float) -> None:
         """Re-derive the allowed stages for `target` and every form's completions over them."""
         self.terms.restrict(self.known, target)
@@ -211,14 +233,7 @@ class _Forms:
     def _completion(self, per_stage: np.ndarray) -> np.ndarray:
         """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
         splits of [a, L) into stages g..S-1."""
-        L, S = self.terms.L, self.terms.S
-        D = np.full((S + 1, L + 1), np.inf)
-        D[S, L] = 0.0
-        for g in range(S - 1, -1, -1):
-            V = np.where(self.terms.allowed[g], np.einsum("ate,t->ae", self.terms.rows[g], per_stage[g]) if per_stage[g].any() else 0.0,
-                         np.inf)
-            D[g] = (V + D[g + 1][None, :]).min(axis=1)
-        return D
+        return completions(self.terms.rows, self.terms.allowed, per_stage)[0]
 
 
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
@@ -238,13 +253,33 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     best = incumbent
     target = min(best.iteration_s if best is not None else math.inf,
                  cutoff_s if cutoff_s is not None else math.inf) - overhead
+    dual, dual_until = Dual(), math.inf if time_limit is None else started + DUAL_SHARE * time_limit
+
+    def met(ends: Tuple[int, ...]) -> None:  # a split the dual ascent attains: simulated, a candidate
+        nonlocal best, target
+        split = _simulate(profile, list(ends[:-1]), b, opts, redo, known)
+        if split is not None and split.iteration_s - overhead < target:
+            best, target = split, split.iteration_s - overhead
+
+    def strengthen(iterations: int) -> None:  # the allowed stages for the target, then the dual's combination
+        if math.isfinite(target):
+            known.refresh(target * (1 - gap))
+        single = float((known.constant + known.completion[:, 0, 0]).max(initial=-math.inf))
+        if not dualized or single >= target * (1 - gap) or opts.virtual_stages == 1:
+            return
+        before = target
+        lam, value = dual.ascend(known, met, dual_until, iterations, lambda: target * (1 - gap))
+        if lam is not None and value > single:
+            known.add_combination(lam)
+        if target < before:  # a split the ascent met is the new incumbent
+            known.refresh(target * (1 - gap))
+
+    nodes, dualized = 0, False
+    strengthen(DUAL_ITERATIONS)
     refreshed = (target, len(known))
-    if math.isfinite(target):
-        known.refresh(target * (1 - gap))
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
         (-math.inf, 0, 0, (), known.constant.copy())]
-    nodes = 0
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
             bound = min(_open_bound(known, stack, target * (1 - gap)), target * (1 - gap))
@@ -253,6 +288,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if bound >= target * (1 - gap):
             continue
         nodes += 1
+        if not dualized and (nodes >= DUAL_AFTER_NODES or time_limit is not None and
+                             time.perf_counter() - started > DUAL_AFTER_SHARE * time_limit):
+            dualized = True  # a search not over soon: the dual's combination joins the bound
+            strengthen(DUAL_ITERATIONS)
+            refreshed = (target, len(known))
         if len(prefix) < len(known):  # forms learned since this node was made: their prefix from its cuts
             prefix = np.concatenate([prefix, _prefix(known, slice(len(prefix), len(known)), cuts)])
         if g == S - 1:  # the last stage is [a, L): a complete split
@@ -260,8 +300,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             if split is not None and split.iteration_s - overhead < target:
                 best, target = split, split.iteration_s - overhead
             if target < refreshed[0] * (1 - REFRESH) or len(known) > refreshed[1] * (1 + REFRESH) + 4:
+                strengthen(DUAL_REFRESH_ITERATIONS)  # tighter: nodes made before keep their (valid) bounds
                 refreshed = (target, len(known))
-                known.refresh(target * (1 - gap))  # tighter: nodes made before keep their (valid) bounds
             continue
         every = slice(0, len(known))
         value = known.stage_value(every, g, a)  # (forms, L + 1) over e

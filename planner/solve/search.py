@@ -24,7 +24,9 @@ the crossing after a stage and the one micro-batch of v > 1 count forward and in
 (nothing waits for a weight backward), the one before it forwards only (its last weight backwards
 may overlap the input backwards upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
 found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
-skipped scenario contributes its bound), so the reported gap is a true gap.
+skipped scenario contributes its bound), so the reported gap is a true gap. Under a time limit the
+first scenario solved gets half the time left and each later one at least an equal share of it;
+time they leave goes to the unsettled ones again (a scenario keeps the larger of its proven bounds).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from planner.solve.diagnose import memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
 
+RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
 
@@ -193,19 +196,41 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
         bound = min((it.lower_bound for it in items), default=math.inf)
         return _solution(profile, best, bound, False, started, "dp", "python")
-    bound, all_proven, engines = math.inf, True, set()
-    for it in items:
+    skipped, engines = math.inf, set()
+    proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
+    for index, it in enumerate(items):
         if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):
-            bound = min(bound, it.lower_bound)
+            skipped = min(skipped, it.lower_bound)
             continue
-        remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        # the most promising scenario half the time left, each later one an equal share of it (the
+        # bound is the least of theirs); what one does not use goes to those after it
+        left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
+        remaining = None if left is None else max(left / 2, left / (len(items) - index))
         outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=OPTIMALITY_GAP / 2,
                                  target_s=best[0].iteration_s if best is not None and warm_start else None)
-        all_proven = all_proven and outcome.optimal
         engines.add(outcome.engine)
         if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
             best = (outcome.best, it)
-        bound = min(bound, max(outcome.bound_s, it.lower_bound))
+        proven[index] = (max(outcome.bound_s, it.lower_bound), outcome.optimal, outcome.best or it.start)
+    # time left over (scenarios settled early): the unsettled ones again, from their best plans, the
+    # least bound first; each bound proven holds, so a scenario keeps the larger
+    while time_limit is not None and best is not None:
+        left = time_limit - (time.perf_counter() - started)
+        open_ones = [index for index, (_, settled, _) in proven.items() if not settled]
+        if left < RESOLVE_S or not open_ones:
+            break
+        index = min(open_ones, key=lambda i: proven[i][0])
+        it, (before, _, start) = items[index], proven[index]
+        outcome = solve_scenario(profile, it.b, it.opts, start, left, backend, gap=OPTIMALITY_GAP / 2,
+                                 target_s=best[0].iteration_s if warm_start else None)
+        engines.add(outcome.engine)
+        if outcome.best is not None and outcome.best.iteration_s < best[0].iteration_s:
+            best = (outcome.best, it)
+        proven[index] = (max(before, outcome.bound_s), outcome.optimal, outcome.best or start)
+        if not outcome.optimal and outcome.bound_s <= before:
+            break  # more time did not help it
+    bound = min([skipped] + [b for b, _, _ in proven.values()])
+    all_proven = all(settled for _, settled, _ in proven.values())
     if best is None:
         return None
     # the backend names the integer program's solver; scenarios settled by branch and bound ran none

@@ -3,12 +3,14 @@ size at a time: the same optimum (every schedule, v = 1 and 2, memory caps, reco
 reserves), and a proven bound that is never above it."""
 import itertools
 import math
+from unittest import mock
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
 from planner.cost.options import CostOptions
+from planner.solve import branch
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.exact import structural_forms
 from tests.support.synthetic import drawn_chain, synthetic_profile
@@ -45,14 +47,16 @@ def _every_split(profile, b, opts):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains(), st.booleans())
-def test_branch_and_bound_finds_the_best_split(problem, seeded):
+@given(chains(), st.booleans(), st.booleans())
+def test_branch_and_bound_finds_the_best_split(problem, seeded, dual_first):
+    """dual_first: the dual ascent's combination joins the bound from the first node (planner.solve.dual)."""
     profile, opts = problem
     profile = compute_profile(profile, opts)
     assert applies(profile, opts)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         forms = structural_forms(profile, b, opts) if seeded else set()
-        found = branch_and_bound(profile, b, opts, None, forms, time_limit=None)
+        with mock.patch.object(branch, "DUAL_AFTER_NODES", 0 if dual_first else branch.DUAL_AFTER_NODES):
+            found = branch_and_bound(profile, b, opts, None, forms, time_limit=None)
         best = _every_split(profile, b, opts)
         assert found.optimal
         if math.isinf(best):
