@@ -267,7 +267,8 @@ def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: 
         {"rank": r, "port": port, "threads": threads, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,
          "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES),
          "rhythm": list(rhythm) if rhythm else None,
-         "allreduce_repeats": max(3, repeats // 3)})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+         "allreduce_repeats": max(3, repeats // 3)})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         for r in range(2)]
     outputs = []
     try:

@@ -33,9 +33,9 @@ When the search ends the incumbent is optimal; at the time limit the least bound
 (re-bounded with every form learned) is the proven bound.
 
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
-its stages' parameters (linear in the bytes), so each stage carries its share; a device's memory is not a sum of its stages' (the peak of its list), so a stage is
-placed only where it fits alone (a necessary condition) and a complete split is kept only if
-`evaluate` finds it fits. It applies to every schedule without replicated stages, without tied
+its stages' parameters (linear in the bytes), so each stage carries its share; a device's memory
+is not a sum of its stages' (the peak of its list), so a stage is placed only where it fits alone
+(a necessary condition) and a complete split is kept only if `evaluate` finds it fits. It applies to every schedule without replicated stages, without tied
 weights (their all-reduce spans the ranks holding a use) and with recomputation `none` or `all`
 (fixed per unit).
 """
@@ -124,7 +124,8 @@ class _Terms:
                 grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
                 terms["act"], terms["grad"] = np.broadcast_to(act, zero.shape), np.broadcast_to(grad, zero.shape)
             stacked = np.stack([terms.get(name, zero) for name in _STAGE_TERMS])
-            self.rows.append(np.ascontiguousarray(np.where(finite & np.isfinite(stacked), stacked, 0.0).transpose(1, 0, 2)))
+            kept = np.where(finite & np.isfinite(stacked), stacked, 0.0)
+            self.rows.append(np.ascontiguousarray(kept.transpose(1, 0, 2)))
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
