@@ -35,9 +35,9 @@ When the search ends the incumbent is optimal; at the time limit the least bound
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
 its stages' parameters (linear in the bytes), so each stage carries its share; a device's memory
 is not a sum of its stages' (the peak of its list), so a stage is placed only where it fits alone
-(a necessary condition) and a complete split is kept only if `evaluate` finds it fits. It applies to every schedule without replicated stages, without tied
-weights (their all-reduce spans the ranks holding a use) and with recomputation `none` or `all`
-(fixed per unit).
+(a necessary condition) and a complete split is kept only if `evaluate` finds it fits. It applies
+to every schedule without replicated stages, without tied weights (their all-reduce spans the ranks
+holding a use) and with recomputation `none` or `all` (fixed per unit).
 """
 from __future__ import annotations
 
