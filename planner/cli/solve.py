@@ -225,8 +225,36 @@ def cmd_solve(args: argparse.Namespace) -> int:
     plan = make_plan(profile, solution, opts, args.profile)
     save_plan(plan, args.output)
     print(format_plan_table(plan))
+    note = _balanced_rhythm_note(profile, solution, opts, args)
+    if note:
+        print(note)
     print(f"wrote {args.output}")
     return 0
+
+
+def _balanced_rhythm_note(profile, solution, opts, args: argparse.Namespace) -> Optional[str]:
+    """What the plan's step would be if every message cost what `planner profile` measured between
+    two balanced stages' computations (link.rhythm, planner.profile.rhythm): an upper reading for a
+    host where waiting on a message is slow, shown when it differs by 5 % or more. None without a
+    rhythm, with the user's own --latency, or where the plan has no messages."""
+    from planner.cost.model import compute_profile, evaluate
+
+    rhythm = (profile.extra.get("link") or {}).get("rhythm") or {}
+    latency = rhythm.get("latency_s")
+    scenario = solution.options or opts
+    if not isinstance(latency, (int, float)) or getattr(args, "latency", None) is not None or \
+            scenario.num_stages < 2 or latency <= scenario.latency or scenario.placement is not None:
+        return None
+    try:
+        slow = evaluate(compute_profile(profile, scenario), solution.boundaries, solution.micro_batch_size,
+                        scenario.with_(latency=float(latency)), solution.recompute).iteration_s
+    except ValueError:
+        return None
+    if slow < 1.05 * solution.objective:
+        return None
+    return (f"on this host a message between two balanced stages' computations took {latency * 1e6:.0f} us "
+            f"(planner profile's rhythm, not charged): if every message of this plan waited that long its step "
+            f"would take {slow * 1e3:.3f} ms ({100 * (slow / solution.objective - 1):+.0f}%)")
 
 
 def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int], placed: bool) -> None:

@@ -389,3 +389,35 @@ def test_the_measured_per_message_cost_reaches_the_plan(tmp_path):
     assert plans["measured"].predicted_iteration_s > plans["none"].predicted_iteration_s
     bad = run_cli(["planner.cli", "solve", profile, "--message-cost", "-1", "-o", str(tmp_path / "x.json")])
     assert bad.returncode == 2 and "--message-cost" in bad.stderr
+
+
+def test_solve_reads_the_balanced_rhythm_as_an_upper_reading(tmp_path, capsys):
+    """A profile whose link records the rhythm (planner.profile.rhythm) keeps the ping-pong's
+    latency in the plan, and `planner solve` says what the step would take if every message waited
+    the rhythm's latency (the same split evaluated with it: longer the longer the wait). Not with the
+    user's own --latency."""
+    import re
+
+    from planner.cli.main import main
+    from planner.plan.file import load_plan
+
+    def solved(rhythm_latency, extra=()):
+        def with_rhythm(data):
+            data["link"] = {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9, "message_s": 0.0,
+                            "rhythm": {"forward_s": 1e-3, "backward_s": 2e-3, "micro_batches": 8, "steps": 5,
+                                       "step_s": 0.05, "latency_s": rhythm_latency}}
+
+        folder = tmp_path / str(rhythm_latency)
+        profile, out = _profile_json(folder, with_rhythm), folder / "plan.json"
+        assert main(["solve", profile, "--stages", "2", "--global-batch", "4", "-o", str(out), *extra]) == 0
+        lines = [l for l in capsys.readouterr().out.splitlines() if "between two balanced stages" in l]
+        return load_plan(str(out)), lines
+
+    plan, lines = solved(5e-3)
+    assert plan.latency_s == 1e-5 and len(lines) == 1  # recorded, not charged
+    slow, percent = re.search(r"would take ([0-9.]+) ms \(\+([0-9]+)%\)", lines[0]).groups()
+    assert "5000 us" in lines[0] and float(slow) > plan.predicted_iteration_s * 1e3 * 1.05
+    assert int(percent) == round(100 * (float(slow) / (plan.predicted_iteration_s * 1e3) - 1))
+    _, longer = solved(1e-2)
+    assert float(re.search(r"would take ([0-9.]+) ms", longer[0]).group(1)) > float(slow)
+    assert solved(5e-3, ["--latency", "1e-5"])[1] == []
