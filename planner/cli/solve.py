@@ -236,20 +236,18 @@ def _balanced_rhythm_note(profile, solution, opts, args: argparse.Namespace) -> 
     """What the plan's step would be if every message cost what `planner profile` measured between
     two balanced stages' computations (link.rhythm, planner.profile.rhythm): an upper reading for a
     host where waiting on a message is slow, shown when it differs by 5 % or more. None without a
-    rhythm, with the user's own --latency, or where the plan has no messages."""
+    rhythm, with the user's own --latency, with one stage, or under a placement (whose levels have
+    their own latencies)."""
     from planner.cost.model import compute_profile, evaluate
 
-    rhythm = (profile.extra.get("link") or {}).get("rhythm") or {}
-    latency = rhythm.get("latency_s")
+    rhythm = (profile.extra.get("link") or {}).get("rhythm")  # checked by the profile's loader
     scenario = solution.options or opts
-    if not isinstance(latency, (int, float)) or getattr(args, "latency", None) is not None or \
-            scenario.num_stages < 2 or latency <= scenario.latency or scenario.placement is not None:
+    if rhythm is None or args.latency is not None or scenario.num_stages < 2 or \
+            rhythm["latency_s"] <= scenario.latency or scenario.placement is not None:
         return None
-    try:
-        slow = evaluate(compute_profile(profile, scenario), solution.boundaries, solution.micro_batch_size,
-                        scenario.with_(latency=float(latency)), solution.recompute).iteration_s
-    except ValueError:
-        return None
+    latency = float(rhythm["latency_s"])
+    slow = evaluate(compute_profile(profile, scenario), solution.boundaries, solution.micro_batch_size,
+                    scenario.with_(latency=latency), solution.recompute).iteration_s
     if slow < 1.05 * solution.objective:
         return None
     return (f"on this host a message between two balanced stages' computations took {latency * 1e6:.0f} us "

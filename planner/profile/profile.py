@@ -399,6 +399,11 @@ def _check_extra(read: _Reader, d: Dict[str, Any], unit_names: set) -> None:
         for key in ("latency_s", "step_overhead_s", "message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
+    rhythm = (d.get("link") or {}).get("rhythm")
+    if rhythm is not None:  # planner.profile.rhythm's record; planner solve reads its latency
+        read.table(rhythm, "link.rhythm")
+        for key in ("latency_s", "forward_s", "backward_s"):
+            read.seconds(rhythm.get(key), f"link.rhythm.{key}")
     reduced = (d.get("link") or {}).get("allreduce")
     if reduced is not None:
         read.table(reduced, "link.allreduce")

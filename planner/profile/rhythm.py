@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -57,56 +57,42 @@ class _Compute:
             torch.mm(self.a, self.b)
 
 
+def stand_in(forward_s: float, backward_s: float) -> Tuple[float, float]:
+    """The stand-in compute timed for (forward, backward): each capped at MAX_COMPUTE_S."""
+    return min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
+
+
 def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: int = MICRO_BATCHES) -> List[float]:
     """Seconds per step of the lists, one per timed step, on rank 0 (rank 1 runs the same call and
     returns []). Both ranks of the default process group (world size 2) must call it together."""
     import torch.distributed as dist
 
-    from planner.pipeline.actions import ActionKind
+    from planner.pipeline.actions import SENDS, ActionKind
     from planner.pipeline.schedule import build_schedule
+    from planner.pipeline.stepgraph import batches_of
 
-    forward_s, backward_s = min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
+    forward_s, backward_s = stand_in(forward_s, backward_s)
     compute = _Compute()
     peer = 1 - rank
-    actions = build_schedule("1f1b", 2, micro_batches)[rank]
+    items = batches_of(build_schedule("1f1b", 2, micro_batches)[rank])  # computes, and batches as tuples
     cycle = (micro_batches + 1) * (forward_s + backward_s) + 1e-3
     steps = WARMUP_STEPS + max(MIN_STEPS, min(50, int(BUDGET_S / cycle)))
-    sends = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
-    receives = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
     times: List[float] = []
     for step in range(steps):
         started = time.perf_counter()
         in_flight: List = []  # a batch of sends only, posted and not yet waited for
-        batch: List = []
-
-        def post() -> None:
-            nonlocal in_flight, batch
-            if not batch:
-                return
+        for item in items:
+            if not isinstance(item, tuple):
+                compute(forward_s if item.kind is ActionKind.FORWARD else backward_s)
+                continue
             for work in in_flight:
                 work.wait()
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if a.kind in sends else dist.irecv,
-                                                       torch.zeros(64), peer) for a in batch])  # as runtime.comm
-            if all(a.kind in sends for a in batch):
-                in_flight = works
-            else:
-                in_flight = []
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if a.kind in SENDS else dist.irecv,
+                                                       torch.zeros(64), peer) for a in item])  # as runtime.comm
+            in_flight = works if all(a.kind in SENDS for a in item) else []
+            if not in_flight:
                 for work in works:
                     work.wait()
-            batch = []
-
-        for action in actions:
-            if action.kind in sends or action.kind in receives:
-                if batch and batch[-1].batch != action.batch:
-                    post()
-                batch.append(action)
-                continue
-            post()
-            if action.kind is ActionKind.FORWARD:
-                compute(forward_s)
-            elif action.kind is ActionKind.BACKWARD:
-                compute(backward_s)
-        post()
         for work in in_flight:
             work.wait()
         if step >= WARMUP_STEPS:
@@ -119,14 +105,14 @@ def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: 
 def summarise(times: List[float], forward_s: float, backward_s: float,
               micro_batches: int = MICRO_BATCHES) -> Dict[str, float]:
     """The rhythm's record in a profile's link: the stand-in compute, the median step and lam."""
-    forward_s, backward_s = min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
+    forward_s, backward_s = stand_in(forward_s, backward_s)
     step = statistics.median(times)
     return {"forward_s": forward_s, "backward_s": backward_s, "micro_batches": micro_batches,
             "steps": len(times), "step_s": step,
             "latency_s": rhythm_latency(step, forward_s, backward_s, micro_batches)}
 
 
-def rhythm_compute(profile) -> tuple:
+def rhythm_compute(profile) -> Tuple[float, float]:
     """(forward s, backward s) of one of two equal stages per micro-batch at the profile's smallest
     micro-batch size: the compute between a two-stage run's messages."""
     b = min(profile.micro_batch_sizes)
