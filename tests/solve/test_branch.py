@@ -1,6 +1,6 @@
 """The branch and bound over splits (planner/solve/branch.py) against every split, one micro-batch
 size at a time: the same optimum (every schedule, v = 1 and 2, memory caps, recomputation all, d = 2,
-reserves), and a proven bound that is never above it."""
+reserves), and a proven bound that is never above it, also when the search stops at its time limit."""
 import itertools
 import math
 from unittest import mock
@@ -68,6 +68,28 @@ def test_branch_and_bound_finds_the_best_split(problem, seeded, dual_first):
         assert again.feasible and math.isclose(again.iteration_s, best, rel_tol=1e-9)
         assert found.bound_s <= best * (1 + 1e-9)
 
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(), st.sampled_from([0.0, 2.0, 5.0, 20.0, 80.0]))
+def test_a_search_stopped_early_still_proves_a_valid_bound(problem, ticks):
+    """At its time limit the search returns the least bound of the nodes left open, each re-bounded
+    with every form learned by then (_open_bound): never above the best split, and its incumbent a
+    real one. The clock is a counter (each read one tick), so the search stops after a few nodes."""
+    from types import SimpleNamespace
+
+    profile, opts = problem
+    profile = compute_profile(profile, opts)
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        clock = itertools.count()
+        with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))):
+            found = branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
+        best = _every_split(profile, b, opts)
+        assert found.bound_s <= best * (1 + 1e-9) or math.isinf(best)
+        if found.best is not None:
+            assert found.best.iteration_s >= best * (1 - 1e-9)
+        if not found.optimal:
+            assert found.bound_s <= (found.best.iteration_s if found.best else math.inf)
 
 def test_it_does_not_apply_where_a_term_spans_stages():
     profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=[10] * 4, saved=[10] * 4,
