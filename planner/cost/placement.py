@@ -35,6 +35,7 @@ what the runtime holds after its own (loopback) exchange.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -145,7 +146,8 @@ class _Exchange:
     emulated_latency: float = 0.0
 
 
-def _hierarchical(topology: DeviceTopology, group: Sequence[int], bandwidth: float, latency: float) -> _Exchange:
+@functools.lru_cache(maxsize=4096)  # a placement's exchanges are asked for on every evaluation
+def _hierarchical(topology: DeviceTopology, group: Tuple[int, ...], bandwidth: float, latency: float) -> _Exchange:
     """h(G) and lat(G) (module docstring), and their parts over emulated links."""
     if len(group) <= 1:
         return _Exchange()
@@ -177,6 +179,11 @@ def placements(topology: DeviceTopology, pipeline_ranks: int, data_parallel: int
     """Every placement of p ranks x d replicas on the topology's devices, one per signature (the
     first found in lexicographic order, so the launcher's order wins ties). ValueError beyond
     MAX_SEARCHED_DEVICES devices."""
+    return list(_placements(topology, pipeline_ranks, data_parallel))
+
+
+@functools.lru_cache(maxsize=32)  # a solve and each of planner compare's baselines ask for the same ones
+def _placements(topology: DeviceTopology, pipeline_ranks: int, data_parallel: int) -> Tuple[Placement, ...]:
     n, p, d = topology.num_devices, pipeline_ranks, data_parallel
     if p * d != n:
         raise ValueError(f"{p} pipeline ranks x {d} replicas do not fill the topology's {n} devices")
@@ -187,7 +194,7 @@ def placements(topology: DeviceTopology, pipeline_ranks: int, data_parallel: int
     for order in _orders(n, p, d):
         placement = Placement(topology, order)
         seen.setdefault(placement.signature(), placement)
-    return list(seen.values())
+    return tuple(seen.values())
 
 
 def _orders(n: int, p: int, d: int) -> Iterator[Tuple[Tuple[int, ...], ...]]:
