@@ -98,7 +98,7 @@ class _Step:
     loss_sum: Optional[torch.Tensor] = None  # on the device: one read per step
     loss_count: int = 0
     # zero-bubble schedules: (stage, micro-batch) -> (what its weight backward needs, the bytes it still holds)
-    weights: Dict[Tuple[int, int], Tuple[PendingWeights, int]] = field(default_factory=dict)
+    weights: Dict[Tuple[int, int], Tuple[Optional[PendingWeights], int]] = field(default_factory=dict)
 
 
 TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
@@ -266,13 +266,8 @@ class Engine:
     def _backward_input(self, step: _Step, action: Action) -> None:
         """Zero-bubble schedules' first part: the gradients of the stage's inputs only (runtime.splitgrad);
         what the weight gradients need stays with the micro-batch until its `_backward_weight`."""
-        pending: List[PendingWeights] = []
-
-        def run(outputs, grads, inputs, params) -> None:
-            pending.append(backward_input(outputs, grads, inputs, params))
-
-        self._run_backward(step, action, run)
-        step.weights[(action.stage, action.micro_batch)] = (pending[0], self._done(step, action).saved_bytes)
+        pending = self._run_backward(step, action, backward_input)  # None: no gradient reaches the stage
+        step.weights[(action.stage, action.micro_batch)] = (pending, self._done(step, action).saved_bytes)
 
     def _backward_weight(self, step: _Step, action: Action) -> None:
         """The second part: the stage's weight gradients of one micro-batch; its graph is freed."""
@@ -280,19 +275,22 @@ class Engine:
         if key in self.arming:  # the last one of the step completes its parameters' gradients
             self.buckets.arm(self.arming[key])
         pending, held = step.weights.pop(key)
-        backward_weight(pending)
+        if pending is not None:
+            backward_weight(pending)
         self.saved.release(held)
 
-    def _run_backward(self, step: _Step, action: Action, run: Callable) -> None:
+    def _run_backward(self, step: _Step, action: Action, run: Callable) -> Any:
         """Backward of (stage, micro-batch) by `run(outputs, grads, inputs, params)` (grads None: a
-        loss); then the gradients of the stage's inputs wait for their send (or the previous stage)."""
+        loss), returning what it returned (None when no gradient reaches the stage and it is not
+        run); then the gradients of the stage's inputs wait for their send (or the previous stage)."""
         g, i = action.stage, action.micro_batch
+        result = None
         runner, state = self.runners[g], step.states[(g, i)]
         inputs = [state.received[j] for j in runner.recv_grads] if g > 0 else []
         params = self.stage_params[g]
         if runner.stage.is_last:
             if state.loss.requires_grad:  # not when nothing before it trains (every weight frozen)
-                run([state.loss], [None], inputs, params)
+                result = run([state.loss], [None], inputs, params)
             state.loss = None
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here
@@ -300,15 +298,16 @@ class Engine:
             pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
                      if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
             if pairs:
-                run([t for t, _ in pairs], [grad for _, grad in pairs], inputs, params)
+                result = run([t for t, _ in pairs], [grad for _, grad in pairs], inputs, params)
             state.outputs, state.grads = None, []
         if g == 0:
-            return
+            return result
         state.input_grads = [state.received[j].grad if state.received[j].grad is not None
                              else torch.zeros(state.received[j].shape, dtype=state.received[j].dtype,
                                               device=self.device)
                              for j in runner.recv_grads]
         state.received = []
+        return result
 
     def _done(self, step: _Step, action: Action) -> _State:
         """The state of a backwarded micro-batch; a first stage's is forgotten (nothing to send back)."""

@@ -42,3 +42,10 @@ def test_show_json_names_the_split_backward():
 
     kinds = {a["kind"] for rank in actions_json(build_schedule("zb-v", 4, 4, 2))["ranks"] for a in rank["actions"]}
     assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
+
+
+def test_zb_h1_with_a_first_stage_nothing_trains_through(tmp_path):
+    # frozen_tied_lm: the embedding and the first block are frozen, so no gradient reaches stage 0;
+    # its input and weight parts have nothing to do (an IndexError before)
+    plan = plan_with(profile_of("tests.models:frozen_tied_lm"), [2], 1, 4, "zb-h1")
+    assert_trains_like_one_process(plan, tmp_path, "tests.models:frozen_tied_lm")
