@@ -40,6 +40,15 @@ def size_value(value: Any, what: str) -> float:
     return number
 
 
+def number_value(value: Any, what: str, positive: bool) -> float:
+    """A plain number read from a file (a speed, a latency): finite, > 0 when `positive`, else >= 0;
+    anything else is a ValueError naming `what`."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or \
+            not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number (got {value!r})")
+    return float(value)
+
+
 def format_bytes(n: float) -> str:
     """Human units: '512 B', '12.0 KiB', '512.0 MiB', '1.50 GiB'."""
     n = float(n)

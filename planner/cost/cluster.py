@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import size_value
+from planner.sizes import number_value, size_value
 
 
 @dataclass(frozen=True)
@@ -98,18 +98,16 @@ def cluster_from_json(d: Any) -> Cluster:
     for i, g in enumerate(d["groups"]):
         if not isinstance(g, dict) or not isinstance(g.get("devices"), int) or g["devices"] < 1:
             raise ValueError(f"cluster group {i} needs \"devices\": a positive integer")
-        speed = float(g.get("speed", 1.0))
-        if not speed > 0:
-            raise ValueError(f"cluster group {i} speed must be positive (got {speed})")
+        speed = number_value(g.get("speed", 1.0), f"cluster group {i} speed", positive=True)
         latency = g.get("latency")
-        if latency is not None and float(latency) < 0:
-            raise ValueError(f"cluster group {i} latency must be >= 0")
+        if latency is not None:
+            latency = number_value(latency, f"cluster group {i} latency", positive=False)
         groups.append(DeviceGroup(
             name=str(g.get("name", f"group{i}")), devices=g["devices"],
             memory=None if g.get("memory") is None else size_value(g["memory"], f"group {i} memory"),
             speed=speed,
             bandwidth=None if g.get("bandwidth") is None else size_value(g["bandwidth"], f"group {i} bandwidth"),
-            latency=None if latency is None else float(latency)))
+            latency=latency))
     links_json = d.get("links", [])
     if not isinstance(links_json, list) or len(links_json) != len(groups) - 1:
         raise ValueError(f"cluster file needs {len(groups) - 1} links (one between consecutive groups), "
@@ -118,9 +116,7 @@ def cluster_from_json(d: Any) -> Cluster:
     for i, link in enumerate(links_json):
         if not isinstance(link, dict) or "bandwidth" not in link:
             raise ValueError(f"cluster link {i} needs \"bandwidth\"")
-        latency = float(link.get("latency", 0.0))
-        if latency < 0:
-            raise ValueError(f"cluster link {i} latency must be >= 0")
+        latency = number_value(link.get("latency", 0.0), f"cluster link {i} latency", positive=False)
         emulate = link.get("emulate", False)
         if not isinstance(emulate, bool):
             raise ValueError(f"cluster link {i} \"emulate\" must be true or false (got {emulate!r})")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import size_value
+from planner.sizes import number_value, size_value
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,6 @@ _LEVEL_KEYS = {"name", "count", "bandwidth", "latency", "emulate"}
 _DEVICE_KEYS = {"memory", "speed"}
 
 
-def _number(value: Any, what: str, positive: bool) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value == value or \
-            not (value > 0 if positive else value >= 0) or value == float("inf"):
-        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} number (got {value!r})")
-    return float(value)
-
-
 def _unknown(d: Dict[str, Any], known: set, where: str) -> None:
     extra = sorted(set(d) - known)
     if extra:
@@ -112,7 +105,7 @@ def _device(d: Any, where: str, base: Device) -> Device:
         raise ValueError(f"{where} must be an object with \"memory\" and/or \"speed\"")
     _unknown(d, _DEVICE_KEYS, where)
     memory = base.memory if "memory" not in d else size_value(d["memory"], f"{where} memory")
-    speed = base.speed if "speed" not in d else _number(d["speed"], f"{where} speed", positive=True)
+    speed = base.speed if "speed" not in d else number_value(d["speed"], f"{where} speed", positive=True)
     return Device(memory=memory, speed=speed)
 
 
@@ -136,7 +129,7 @@ def topology_from_json(d: Any) -> DeviceTopology:
         levels.append(Level(
             name=str(raw.get("name", f"level{i}")), count=count,
             bandwidth=None if raw.get("bandwidth") is None else size_value(raw["bandwidth"], f"{where} bandwidth"),
-            latency=None if raw.get("latency") is None else _number(raw["latency"], f"{where} latency", False),
+            latency=None if raw.get("latency") is None else number_value(raw["latency"], f"{where} latency", False),
             emulate=emulate))
     names = [level.name for level in levels]
     if len(set(names)) != len(names):

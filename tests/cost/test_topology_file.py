@@ -96,3 +96,22 @@ def test_the_cluster_file_reads_sizes_by_the_same_rule():
     for bad in ([1], True, float("inf")):  # a list was a TypeError traceback; true and inf were accepted
         with pytest.raises(ValueError, match="link 0 bandwidth"):
             cluster_from_json(with_bandwidth(bad))
+
+
+def test_the_cluster_file_reads_speeds_and_latencies_by_the_topology_files_rule():
+    from planner.cost.cluster import cluster_from_json
+
+    def cluster(group=None, link_latency=0.0):
+        return {"groups": [dict({"devices": 1}, **(group or {})), {"devices": 1}],
+                "links": [{"bandwidth": 1e9, "latency": link_latency}]}
+
+    assert cluster_from_json(cluster({"speed": 2, "latency": 1e-4})).groups[0].speed == 2.0
+    # a list was a TypeError traceback, "slow" Python's own message, NaN accepted
+    for bad in ([1], "slow", float("nan"), -1.0, True):
+        with pytest.raises(ValueError, match="cluster group 0 latency must be a non-negative number"):
+            cluster_from_json(cluster({"latency": bad}))
+        with pytest.raises(ValueError, match="cluster link 0 latency must be a non-negative number"):
+            cluster_from_json(cluster(link_latency=bad))
+    for bad in ([1], "fast", float("nan"), 0, True):
+        with pytest.raises(ValueError, match="cluster group 0 speed must be a positive number"):
+            cluster_from_json(cluster({"speed": bad}))
