@@ -8,6 +8,7 @@ time (runtime/emulation.py).
     .venv/bin/python benchmarks/placement.py [--models 1024x4 256x4] [--steps 6]
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -23,7 +24,6 @@ from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.measure import profile_model  # noqa: E402
 from planner.solve.placed import solve_on_topology  # noqa: E402
 from planner.sizes import parse_bytes  # noqa: E402
-from planner.solve.solution import Solution  # noqa: E402
 
 
 def topology(bandwidth, latency, emulate):
@@ -38,10 +38,8 @@ def on_the_link(profile, solution, link_topology):
     opts = solution.options.with_(placement=Placement(link_topology, solution.options.placement.devices))
     cost = evaluate(compute_profile(profile, opts), solution.boundaries, solution.micro_batch_size, opts,
                     solution.recompute)
-    placed = Solution(boundaries=solution.boundaries, micro_batch_size=solution.micro_batch_size,
-                      num_micro_batches=cost.num_micro_batches, cost=cost, status=solution.status,
-                      objective=cost.iteration_s, bound=solution.bound, gap=solution.gap, seconds=solution.seconds,
-                      method=solution.method, backend=solution.backend, recompute=solution.recompute, options=opts)
+    placed = dataclasses.replace(solution, num_micro_batches=cost.num_micro_batches, cost=cost,
+                                 objective=cost.iteration_s, options=opts)
     return make_plan(profile, placed, opts, "benchmark")
 
 

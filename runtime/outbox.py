@@ -33,9 +33,6 @@ class Outbox:
     def __init__(self) -> None:
         self._posted: List[_Posted] = []
 
-    def __len__(self) -> int:
-        return len(self._posted)
-
     def add(self, works: Sequence[Any], buffers: List[Any], done: List[Optional[Callable[[], None]]],
             delay: float = 0.0) -> None:
         self._posted.append(_Posted(list(works), list(buffers), done, time.perf_counter(), delay))

@@ -12,8 +12,6 @@ from planner.solve.localsgd import averaging_s
 from planner.solve.solution import Solution
 
 
-
-
 def durations_json(durations: Dict[Tuple, float], collectives) -> Dict[str, Any]:
     """The plan file's `step_durations` from the cost model's duration terms (planner.plan.file.Plan)."""
     out: Dict[str, Any] = {}

@@ -276,7 +276,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             known.refresh(target * (1 - gap))
 
     nodes, dualized = 0, False
-    strengthen(DUAL_ITERATIONS)
+    if math.isfinite(target):  # the allowed stages for the target (the dual joins later, if at all)
+        known.refresh(target * (1 - gap))
     refreshed = (target, len(known))
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [

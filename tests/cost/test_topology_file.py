@@ -65,14 +65,19 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     assert planner_main(["solve", profile, "--topology", str(bad), "-o", str(plan)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "level 0 latency" in err and "Traceback" not in err
+
+    def refused(*args, says):
+        assert planner_main(["solve", profile, *args, "-o", str(plan)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and says in err and "Traceback" not in err, err
+
     bad.write_text("{not json")
-    assert planner_main(["solve", profile, "--topology", str(bad), "-o", str(plan)]) == 2
-    assert planner_main(["solve", profile, "--topology", str(tmp_path / "missing.json"), "-o", str(plan)]) == 2
+    refused("--topology", str(bad), says="topo.json")
+    refused("--topology", str(tmp_path / "missing.json"), says="missing.json")
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "1MB", "latency": 0.01}, {"count": 2}]}))
-    assert planner_main(["solve", profile, "--topology", str(good), "--devices", "2", "-o", str(plan)]) == 2
-    assert planner_main(["solve", profile, "--topology", str(good), "--replicate", "-o", str(plan)]) == 2
-    capsys.readouterr()
+    refused("--topology", str(good), "--devices", "2", says="--devices")
+    refused("--topology", str(good), "--replicate", says="--replicate")
     assert planner_main(["solve", profile, "--topology", str(good), "--local-sgd-max", "2", "-o", str(plan)]) == 2
     assert "local SGD is not planned on a --topology" in capsys.readouterr().err
     assert not plan.exists()
