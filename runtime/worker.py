@@ -204,14 +204,15 @@ def _build(me: _Rank, use_tags: bool) -> None:
                                         me.groups.data_parallel_group, me.device)
         me.optimizer = me.sharding.optimizer_for(lambda params: make_optimizer(me.options, params))
     else:
-        me.optimizer = make_optimizer(me.options, me.rank_model.trainable())
-    # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py)
-    sharded = None if me.sharding is not None else shard_optimizer(
-        plan.shard, *optimizer_arguments(me.options), me.rank_model.trainable(), tied, me.groups.data_parallel_group)
-    if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
-        raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
-                         "only its share of the gradients; re-plan without --shard gradients or drop the clipping")
-    me.optimizer = sharded or me.optimizer
+        # issue 25: the plan's sharded optimizer state / gradients over this rank's replicas (runtime/shard.py)
+        trainable = me.rank_model.trainable()
+        sharded = shard_optimizer(plan.shard, *optimizer_arguments(me.options), trainable, tied,
+                                  me.groups.data_parallel_group)
+        if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
+            raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
+                             "only its share of the gradients; re-plan without --shard gradients or drop the "
+                             "clipping")
+        me.optimizer = sharded or make_optimizer(me.options, trainable)
 
     def record(kind, i, g, t0, t1):  # wall-clock seconds
         me.events.append([kind, i, g, t0, t1])

@@ -58,6 +58,10 @@ def test_a_weight_two_units_of_a_rank_read_is_kept_whole(tmp_path):
                                shard="parameters")
     state = execute(plan, tmp_path, steps=2, extra=["--momentum", "0.9"])
     assert max_abs_diff(state, reference_state(plan, steps=2, training=dict(momentum=0.9))) <= 1e-5
+    # each replica holds the whole tie and half of each of the three blocks between steps
+    tie, block = 64 * 16 * 4, (16 * 16 + 16) * 4
+    held = [entry["param_bytes"] for entry in json.load(open(tmp_path / "report.json"))["stages"]]
+    assert held == [tie + 3 * block / 2] * 2, held
 
 
 @pytest.mark.parametrize("schedule, precision, replicas, extra, says", [
