@@ -88,7 +88,6 @@ class StepGraph:
     def __init__(self, lists: Sequence[Sequence[Action]], position: Position,
                  collectives: Sequence[Tuple[Term, Sequence[int]]] = ()):
         self.nodes: List[_Node] = []
-        self._joined: Dict[Tuple[int, int], int] = {}  # (node, sends' completion) -> the node after both
         self.ranks = len(lists)
         items = [batches_of(actions) for actions in lists]
         cursor = [0] * self.ranks
@@ -108,7 +107,7 @@ class StepGraph:
                 while cursor[r] < len(items[r]):
                     item = items[r][cursor[r]]
                     if isinstance(item, tuple) and all(a.kind in SENDS for a in item) and pending[r] is None:
-                        last[r] = self._after(r, last[r], done[r])  # posted once the sends before completed
+                        last[r], done[r] = self._after(r, last[r], done[r]), -1  # once the sends before completed
                         pending[r] = [message_of(a) for a in item]
                         for message in pending[r]:
                             ready[(message, True)] = last[r]
@@ -118,7 +117,8 @@ class StepGraph:
                     elif pending[r] is not None:
                         break  # a deferred send's receiver has not posted yet
                     elif isinstance(item, tuple):
-                        node = self._batch(r, item, self._after(r, last[r], done[r]), ready)
+                        last[r], done[r] = self._after(r, last[r], done[r]), -1  # in issue order: sends first
+                        node = self._batch(r, item, last[r], ready)
                         if node is None:
                             break
                     else:
@@ -155,14 +155,11 @@ class StepGraph:
         return len(self.nodes) - 1
 
     def _after(self, r: int, before: int, completed: int) -> int:
-        """The node where rank r, past `before`, also has every send it posted completed (made once:
-        a batch that waits for its peers asks again)."""
+        """The node where rank r, past `before`, also has the sends it posted completed at `completed`
+        (-1: none pending). Its caller then clears `completed`: later nodes follow this one."""
         if completed < 0 or completed == before:
             return before
-        key = (before, completed)
-        if key not in self._joined:
-            self._joined[key] = self._add([(before, None), (completed, None)], [], r, "sends complete")
-        return self._joined[key]
+        return self._add([(before, None), (completed, None)], [], r, "sends complete")
 
     def _settle(self, r: int, pending, ready, done: List[int]) -> bool:
         """Rank r's deferred sends, once every receive is posted: each is done when its receive is
