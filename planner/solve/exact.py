@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Set
 
 import numpy as np
@@ -47,6 +47,7 @@ class ScenarioOutcome:
     bound_s: float  # no plan of the scenario is faster (seconds)
     optimal: bool  # the solver finished (bound_s is the optimum or the cutoff it proved)
     engine: str = "mip"  # what settled it: "mip" (the integer program) or "branch" (planner.solve.branch)
+    forms: Set[PathForm] = field(default_factory=set)  # every path form known at the end: a later solve's seed
 
 
 def _form(cost: PlanCost) -> PathForm:
@@ -189,6 +190,10 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     if best is not None:
         forms.add(_form(evaluate(profile, best.boundaries, b, opts, best.recompute)))
     bound = -math.inf
+
+    def outcome(best_split, bound_s, optimal, engine="mip") -> ScenarioOutcome:
+        return ScenarioOutcome(best_split, bound_s, optimal, engine, forms)
+
     if applies(profile, opts):  # every term a stage's: branch and bound over the splits (planner.solve.branch)
         # with a time limit, half of it: a search that has not finished by then leaves a weak bound (its
         # shallow nodes), and the program, started from what it found and learned, closes it sooner
@@ -196,7 +201,7 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         found = branch_and_bound(profile, b, opts, best, forms, share, gap, target_s)
         forms |= found.forms
         if found.optimal or time_limit is None:
-            return ScenarioOutcome(found.best, found.bound_s, found.optimal, "branch")
+            return outcome(found.best, found.bound_s, found.optimal, "branch")
         best, bound = found.best, found.bound_s
     elif best is not None:
         best = _perturbations(profile, b, opts, best, forms)
@@ -206,13 +211,13 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
                      target_s if target_s is not None else math.inf) * (1 - gap)
         ranges = _fixings(profile, b, opts, forms, cutoff - opts.step_overhead_s)
         if ranges is None or any(lo > hi for lo, hi in zip(*ranges)):
-            return ScenarioOutcome(best, cutoff, True)
+            return outcome(best, cutoff, True)
         try:
             program = Program(profile, b, opts, *ranges)
             for form in forms:
                 program.add_form(form, big_m_ms(profile, b, opts, form))
         except _NoSplit:
-            return ScenarioOutcome(best, cutoff, True)
+            return outcome(best, cutoff, True)
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
         # far from the incumbent, a loose program finds good splits (tightening the fixings) sooner
         loose = not tight and best is not None and (best.iteration_s - max(bound, 0.0)) > COARSE_GAP * best.iteration_s
@@ -222,10 +227,10 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
             if best is None:
                 raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
                                    "enable the warm start")
-            return ScenarioOutcome(best, bound, False)
+            return outcome(best, bound, False)
         if not result.below_cutoff:
             proven = result.optimal and math.isfinite(cutoff)
-            return ScenarioOutcome(best, max(bound, cutoff if proven else result.bound_s), proven)
+            return outcome(best, max(bound, cutoff if proven else result.bound_s), proven)
         bound = max(bound, result.bound_s)
         before = len(forms)
         found = _evaluate(profile, result.boundaries, b, opts, result.recompute, forms)
@@ -233,7 +238,7 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
             best = found
         if found is not None and result.optimal and not loose and \
                 found.iteration_s * (1 - gap) <= max(bound, result.bound_s):
-            return ScenarioOutcome(best, max(bound, result.bound_s), True)
+            return outcome(best, max(bound, result.bound_s), True)
         for moved in _neighbours(result.boundaries, profile.num_units):
             near = _evaluate(profile, moved, b, opts, None if opts.recompute == "auto" else result.recompute, forms)
             if near is not None and (best is None or near.iteration_s < best.iteration_s):
@@ -243,6 +248,6 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
             continue
         if len(forms) == before and found is not None:
             # the split's own path was known and still the program undervalues it: numerical noise
-            return ScenarioOutcome(best, max(bound, min(result.value_s, best.iteration_s)), result.optimal)
+            return outcome(best, max(bound, min(result.value_s, best.iteration_s)), result.optimal)
         if time_limit is not None and time.perf_counter() - started >= time_limit:
-            return ScenarioOutcome(best, bound, False)
+            return outcome(best, bound, False)

@@ -198,6 +198,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         return _solution(profile, best, bound, False, started, "dp", "python")
     skipped, engines = math.inf, set()
     proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
+    learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
     for index, it in enumerate(items):
         if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):
             skipped = min(skipped, it.lower_bound)
@@ -212,6 +213,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
             best = (outcome.best, it)
         proven[index] = (max(outcome.bound_s, it.lower_bound), outcome.optimal, outcome.best or it.start)
+        learned[index] = outcome.forms
     # time left over (scenarios settled early): the unsettled ones again, from their best plans, the
     # least bound first; each bound proven holds, so a scenario keeps the larger
     while time_limit is not None and best is not None:
@@ -222,7 +224,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         index = min(open_ones, key=lambda i: proven[i][0])
         it, (before, _, start) = items[index], proven[index]
         outcome = solve_scenario(profile, it.b, it.opts, start, left, backend, gap=OPTIMALITY_GAP / 2,
-                                 target_s=best[0].iteration_s if warm_start else None)
+                                 forms=learned[index], target_s=best[0].iteration_s if warm_start else None)
+        learned[index] = outcome.forms
         engines.add(outcome.engine)
         if outcome.best is not None and outcome.best.iteration_s < best[0].iteration_s:
             best = (outcome.best, it)
