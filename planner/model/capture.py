@@ -33,6 +33,7 @@ qualified names, so a stage's `state_dict` keys are the model's own.
 from __future__ import annotations
 
 import inspect
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -389,7 +390,7 @@ class CapturedModel:
 
         for node in self.gm.graph.nodes:
             if node.op == "get_attr":
-                value = _resolve(self.gm, node.target)
+                value = operator.attrgetter(node.target)(self.gm)
                 if isinstance(value, nn.Parameter):
                     used(value, list(node.users))
             elif node.op == "call_module":
@@ -416,13 +417,6 @@ def _keep_writes_with_their_tensors(gm: fx.GraphModule, units: List[Unit]) -> Tu
         joined.append(Unit(merge.kept, [n for u in units[merge.first:merge.last + 1] for n in u.nodes]))
         k = merge.last + 1
     return joined + units[k:], merges
-
-
-def _resolve(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 # The batch function of the ModelSpec that built each module (export needs an example batch).

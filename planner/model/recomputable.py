@@ -18,6 +18,7 @@ What it costs: each stage reading such a value runs its operations again once pe
 """
 from __future__ import annotations
 
+import operator
 from typing import Set
 
 from torch import fx, nn
@@ -34,28 +35,21 @@ def _is_random(node: fx.Node) -> bool:
     return any(word in name for word in _RANDOM_WORDS)
 
 
-def _attribute(root: nn.Module, target: str) -> object:
-    value: object = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def recomputable_nodes(gm: fx.GraphModule) -> Set[str]:
     """Names of the computed nodes (call_function / call_method) of `gm` whose values follow the
     module docstring's rule: computed from inputs, buffers and constants alone."""
     roots = storage_roots(gm.graph, gm)
-    written = {roots.get(w, w) for node in gm.graph.nodes if node.op.startswith("call_")
-               for w in written_nodes(node, gm)}
+    writes = {node: written_nodes(node, gm) for node in gm.graph.nodes if node.op.startswith("call_")}
+    written = {roots.get(w, w) for nodes in writes.values() for w in nodes}
     free: Set[fx.Node] = set()  # nodes made of inputs, buffers and constants
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             ok = True
         elif node.op == "get_attr":
-            ok = not isinstance(_attribute(gm, str(node.target)), nn.Parameter)
+            ok = not isinstance(operator.attrgetter(str(node.target))(gm), nn.Parameter)
         elif node.op in ("call_function", "call_method"):
             ok = (all(source in free for source in node.all_input_nodes) and not _is_random(node)
-                  and not written_nodes(node, gm))
+                  and not writes[node])
         else:
             ok = False
         if ok and roots.get(node, node) not in written:
