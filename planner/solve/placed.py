@@ -39,6 +39,12 @@ def candidates(topology: DeviceTopology, opts: CostOptions, num_units: int,
             for placement in placements(topology, p, d)]
 
 
+def scenario_of(opts: CostOptions, placement: Placement) -> CostOptions:
+    """The scenario of one placement: its p and d, and the placement itself."""
+    return opts.with_(pipeline_ranks=placement.pipeline_ranks, data_parallel=placement.data_parallel,
+                      placement=placement)
+
+
 def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopology, method: str = "ilp",
                       pipeline_ranks: Optional[int] = None, time_limit: Optional[float] = None,
                       backend: Optional[str] = None, schedules: Optional[Sequence[str]] = None,
@@ -57,11 +63,9 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
     last_error: Optional[InfeasibleError] = None
     started = time.perf_counter()
     for placement in options:
-        scenario = opts.with_(pipeline_ranks=placement.pipeline_ranks, data_parallel=placement.data_parallel,
-                              placement=placement)
         try:
-            found = solve(profile, scenario, method=method, time_limit=time_limit, backend=backend,
-                          schedules=schedules, virtual_stages=virtual_stages)
+            found = solve(profile, scenario_of(opts, placement), method=method, time_limit=time_limit,
+                          backend=backend, schedules=schedules, virtual_stages=virtual_stages)
         except InfeasibleError as e:
             last_error = e
             if time_limit is not None:  # maybe only out of time before a plan: no bound is proven there
