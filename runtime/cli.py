@@ -68,15 +68,6 @@ def execute(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     lists = check_plan(plan)
     _check_run_options(args, plan)
-    if plan.shard == "parameters":  # what ZeRO-3 does not run with (runtime/shard_params.py)
-        from runtime.options import training_options
-        from runtime.shard_params import refusal as parameters_refusal
-
-        options = training_options(args, args.optimizer or "sgd", plan)
-        refusal = parameters_refusal(options.precision, plan.schedule, plan.topology().replicated,
-                                     options.clip_grad_norm is not None, bool(args.checkpoint_dir))
-        if refusal:
-            raise UsageError(refusal)
     if args.engine == "torch":
         from runtime.torch_engine import refusal as torch_refusal
 
@@ -145,13 +136,12 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
-    from runtime.options import training_options
+    from runtime.options import run_refusal, training_options
 
     options = training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line
-    from runtime.localsgd import run_refusal
-
-    if run_refusal(plan.sync_every, options.clip_grad_norm):
-        raise UsageError(run_refusal(plan.sync_every, options.clip_grad_norm))
+    refused = run_refusal(plan, options, bool(args.checkpoint_dir))  # local SGD's, ZeRO-2's and ZeRO-3's rules
+    if refused:
+        raise UsageError(refused)
     if args.init_state:
         from runtime.initstate import InitState
 

@@ -117,3 +117,21 @@ def training_options(args: argparse.Namespace, optimizer: str, plan: Any) -> Tra
                            precision=args.precision or planned)
     options.check()
     return options
+
+
+def run_refusal(plan: Any, options: TrainOptions, checkpointing: bool) -> Optional[str]:
+    """Why this plan does not run with these options (one line: cause and fix), or None: checked by
+    `runtime execute` before any process starts and by every rank (a torchrun launch)."""
+    from runtime.localsgd import run_refusal as local_sgd_refusal
+
+    clipping = options.clip_grad_norm is not None
+    refused = local_sgd_refusal(plan.sync_every, options.clip_grad_norm)
+    if refused is None and plan.shard == "parameters":
+        from runtime.shard_params import refusal as parameters_refusal
+
+        refused = parameters_refusal(options.precision, plan.schedule, plan.topology().replicated, clipping,
+                                     checkpointing)
+    if refused is None and plan.shard == "gradients" and clipping:
+        refused = ("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps only its "
+                   "share of the gradients; re-plan without --shard gradients or drop the clipping")
+    return refused

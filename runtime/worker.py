@@ -35,11 +35,10 @@ from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
-from runtime.options import ENGINES, RANK_TIMEOUT_S, add_training_options, training_options
+from runtime.options import ENGINES, RANK_TIMEOUT_S, add_training_options, run_refusal, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
-from runtime.localsgd import run_refusal
 from runtime.shard import shard_optimizer
-from runtime.shard_params import ParameterSharding, refusal as parameters_refusal
+from runtime.shard_params import ParameterSharding
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -192,14 +191,11 @@ def _build(me: _Rank, use_tags: bool) -> None:
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
     me.options = training_options(args, me.optimizer_name, plan)
-    if run_refusal(plan.sync_every, me.options.clip_grad_norm):
-        raise ValueError(run_refusal(plan.sync_every, me.options.clip_grad_norm))
+    refused = run_refusal(plan, me.options, bool(args.checkpoint_dir))  # torchrun starts ranks unchecked
+    if refused:
+        raise ValueError(refused)
     tied = [param for param, _ in me.rank_model.tied.values()]
     if plan.shard == "parameters" and me.groups.data_parallel_group is not None:
-        refused = parameters_refusal(me.options.precision, plan.schedule, topology.replicated,
-                                     me.options.clip_grad_norm is not None, bool(args.checkpoint_dir))
-        if refused:
-            raise ValueError(refused)
         me.sharding = ParameterSharding([st.module for st in me.rank_model.stages], tied,
                                         me.groups.data_parallel_group, me.device)
         me.optimizer = me.sharding.optimizer_for(lambda params: make_optimizer(me.options, params))
@@ -208,10 +204,6 @@ def _build(me: _Rank, use_tags: bool) -> None:
         trainable = me.rank_model.trainable()
         sharded = shard_optimizer(plan.shard, *optimizer_arguments(me.options), trainable, tied,
                                   me.groups.data_parallel_group)
-        if sharded is not None and me.options.clip_grad_norm is not None and sharded.reduces_gradients:
-            raise ValueError("--clip-grad-norm with a plan sharding gradients is not supported: each holder keeps "
-                             "only its share of the gradients; re-plan without --shard gradients or drop the "
-                             "clipping")
         me.optimizer = sharded or make_optimizer(me.options, trainable)
 
     def record(kind, i, g, t0, t1):  # wall-clock seconds

@@ -90,3 +90,17 @@ def test_gradient_sharding_keeps_only_the_owned_gradients():
         owner, other = owners[i], 1 - owners[i]
         assert out[other][i] is None  # dropped by the holder that does not own it
         assert torch.allclose(out[owner][i], p.grad, atol=1e-6)
+
+
+def test_clipping_a_plan_that_shards_gradients_is_refused_before_any_rank_starts(tmp_path, capsys):
+    # the rule lived in the ranks alone: each failed after building its model; now runtime execute
+    # refuses it in one line (runtime.options.run_refusal, also asked by every rank)
+    from planner.plan.file import save_plan
+    from runtime.cli import main as runtime_main
+
+    path = str(tmp_path / "plan.json")
+    save_plan(_plan("gradients"), path)
+    assert runtime_main(["execute", path, "--steps", "1", "--clip-grad-norm", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--clip-grad-norm with a plan sharding gradients" in err
+    assert "Traceback" not in err and "rank" not in err
