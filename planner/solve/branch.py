@@ -24,6 +24,10 @@ weights maximise its best split's value min_split sum_k lam_k form_k (the Lagran
 the best single form's), found by cutting planes once the search has run a while (a short search
 never pays for it) and again at each refresh; the splits they meet are simulated (candidates, and
 their paths new forms). With v = 1 the single forms are already close and the ascent is skipped.
+Each form's own best completion still dodges alone; the stage floors (planner.solve.floors) do not:
+H_g(a, e), the least step of a split with stage g = [a, e) under every form, bounds every stage at
+once, so min over splits of max_g H_g (a min-max partition, M) bounds a node too, and a range
+whose floor reaches the incumbent is dropped. The split attaining M is simulated (a candidate).
 
 A node whose bound does not beat the incumbent by more than the gap is cut; a stage that does not
 fit its device's memory is never placed. A complete split is simulated: a faster one becomes the
@@ -55,7 +59,8 @@ from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.cost.step import rank_peaks
 from planner.profile.profile import Profile
-from planner.solve.dual import Dual, completions
+from planner.solve.dual import Dual
+from planner.solve.floors import form_completions, least_largest, split_of, stage_floors
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
@@ -63,6 +68,7 @@ DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the s
 # the dual ascent starts after this many nodes or this share of the time limit (shorter searches never pay for it)
 DUAL_AFTER_NODES, DUAL_AFTER_SHARE = 10_000, 0.2
 DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the search)
+FLOOR_ROUNDS = 2  # floors, then completions over the ranges left: at most this many rounds per refresh
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
@@ -126,6 +132,8 @@ class _Terms:
             stacked = np.stack([terms.get(name, zero) for name in _STAGE_TERMS])
             kept = np.where(finite & np.isfinite(stacked), stacked, 0.0)
             self.rows.append(np.ascontiguousarray(kept.transpose(1, 0, 2)))
+        # the same terms as (terms, (L + 1)^2) matrices: every form's values over every range in one product
+        self.flat_rows = [row.transpose(1, 0, 2).reshape(len(_STAGE_TERMS), -1) for row in self.rows]
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
@@ -180,6 +188,10 @@ class _Forms:
         self.coefficients = np.zeros((terms.S, 0, len(_STAGE_TERMS)))  # [g, k, term]
         self.completion = np.zeros((0, terms.S + 1, terms.L + 1))  # D[k, g, a]
         self.known: Set[PathForm] = set()
+        # the stage floors' bound (planner.solve.floors): H_g(a, e) per stage, M[g, a], and the split attaining M
+        self.floors: Optional[List[np.ndarray]] = None
+        self.least = np.full((terms.S + 1, terms.L + 1), -np.inf)
+        self.least_split: Optional[Tuple[int, ...]] = None
 
     def __len__(self) -> int:
         return len(self.constant)
@@ -221,10 +233,28 @@ class _Forms:
         self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
 
     def refresh(self, target: float) -> None:
-        """Re-derive the allowed stages for `target` and every form's completions over them."""
-        self.terms.restrict(self.known, target)
-        self.completion = np.stack([self._completion(self.coefficients[:, k, :]) for k in range(len(self))]) \
-            if len(self) else np.zeros((0, self.terms.S + 1, self.terms.L + 1))
+        """Re-derive the allowed stages for `target`, every form's completions over them, and the stage
+        floors; a range whose floor reaches the target is dropped and the completions follow (twice at most)."""
+        terms = self.terms
+        terms.restrict(self.known, target)
+        self.completion = form_completions(self.coefficients, terms.flat_rows, terms.allowed)
+        if not len(self):
+            return
+        for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
+            self.floors = stage_floors(self.constant, self.coefficients, terms.flat_rows, terms.allowed, self.completion)
+            kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
+            if all((k == a).all() for k, a in zip(kept, terms.allowed)):
+                break
+            terms.allowed = kept
+            self.completion = form_completions(self.coefficients, terms.flat_rows, terms.allowed)
+        self.least, ends = least_largest(self.floors)
+        self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
+
+    def floor_bound(self, g: int, a: int) -> np.ndarray:
+        """Over e: no split with stage g = [a, e) is faster than max(H_g(a, e), M[g + 1, e])."""
+        if self.floors is None:
+            return self.least[g + 1]
+        return np.maximum(self.floors[g][a], self.least[g + 1])
 
     def stage_value(self, forms: slice, g: int, a: int) -> np.ndarray:
         """V_kg(a, e) for the forms in `forms` and every e: (forms, L + 1)."""
@@ -234,7 +264,7 @@ class _Forms:
     def _completion(self, per_stage: np.ndarray) -> np.ndarray:
         """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
         splits of [a, L) into stages g..S-1."""
-        return completions(self.terms.rows, self.terms.allowed, per_stage)[0]
+        return form_completions(per_stage[:, None, :], self.terms.flat_rows, self.terms.allowed)[0]
 
 
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
@@ -262,9 +292,18 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if split is not None and split.iteration_s - overhead < target:
             best, target = split, split.iteration_s - overhead
 
-    def strengthen(iterations: int) -> None:  # the allowed stages for the target, then the dual's combination
-        if math.isfinite(target):
+    def refresh() -> None:  # the allowed stages, completions and floors for the target; the floors' split is a candidate
+        for _ in range(FLOOR_ROUNDS):
             known.refresh(target * (1 - gap))
+            before = target
+            if known.least_split is not None and known.least_split not in tried:
+                tried.add(known.least_split)
+                met(known.least_split)
+            if target >= before:
+                break
+
+    def strengthen(iterations: int) -> None:  # the allowed stages for the target, then the dual's combination
+        refresh()
         single = float((known.constant + known.completion[:, 0, 0]).max(initial=-math.inf))
         if not dualized or single >= target * (1 - gap) or opts.virtual_stages == 1:
             return
@@ -273,11 +312,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if lam is not None and value > single:
             known.add_combination(lam)
         if target < before:  # a split the ascent met is the new incumbent
-            known.refresh(target * (1 - gap))
+            refresh()
 
     nodes, dualized = 0, False
-    if math.isfinite(target):  # the allowed stages for the target (the dual joins later, if at all)
-        known.refresh(target * (1 - gap))
+    tried: Set[Tuple[int, ...]] = set()  # the floors' splits simulated
+    refresh()  # the allowed stages for the target (the dual joins later, if at all)
     refreshed = (target, len(known))
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
@@ -307,10 +346,12 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             continue
         every = slice(0, len(known))
         value = known.stage_value(every, g, a)  # (forms, L + 1) over e
-        bounds = (prefix[:, None] + value + known.completion[:, g + 1, :]).max(axis=0, initial=-math.inf)
+        own = (prefix[:, None] + value + known.completion[:, g + 1, :]).max(axis=0, initial=-math.inf)
+        bounds = np.maximum(np.maximum(own, known.floor_bound(g, a)), bound)  # the parent's holds for its children
         ends = np.arange(L + 1)
         ends = ends[(ends > a) & (ends <= L - (S - 1 - g)) & (bounds < target * (1 - gap))]
-        for e in ends[np.argsort(bounds[ends], kind="stable")[::-1]]:  # worst first: the best is expanded next
+        # worst first: the best is expanded next (by the bound, then by the forms' own where the floors tie)
+        for e in ends[np.lexsort((own[ends], bounds[ends]))[::-1]]:
             stack.append((float(bounds[e]), g + 1, int(e), cuts + (int(e),), prefix + value[:, e]))
     # nothing left beats the target by more than the gap
     return BranchOutcome(best, target * (1 - gap) + overhead, True, nodes, known.known)
@@ -332,6 +373,7 @@ def _open_bound(known: _Forms, stack, target: float) -> float:
     least = math.inf
     for bound, g, a, cuts, _ in stack:
         redone = float((_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf))
+        redone = max(redone, float(known.least[g, a]))
         least = min(least, max(bound, redone))
     return least
 

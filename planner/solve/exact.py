@@ -37,7 +37,7 @@ from planner.solve.reach import stage_conditions, unit_ranges
 from planner.solve.solution import Split
 
 LOCAL_SEARCH_ROUNDS = 50
-BRANCH_SHARE = 0.5  # of a scenario's time limit, for the branch and bound before the program takes over
+BRANCH_SHARE = 0.9  # of a scenario's time limit, for the branch and bound before the program takes over
 COARSE_GAP = 1e-3  # programs solved to this gap while the incumbent is further than it from the bound
 
 

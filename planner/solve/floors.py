@@ -1,0 +1,98 @@
+"""Stage floors: the least step of any split that gives stage g the range [a, e), and the split whose
+largest floor is least -- the branch and bound's (planner.solve.branch) bound that couples the forms.
+
+Every form k is a constant plus per-stage terms, form_k(split) = c_k + sum_g V_kg(a_g, e_g), and
+step(split) >= max_k form_k(split). Fixing stage g = [a, e) alone, the other stages of form k are
+at least its best prefix into stages 0..g-1 and its best completion from g+1:
+
+    H_g(a, e) = max_k ( c_k + P_kg(a) + V_kg(a, e) + D_k,g+1(e) ),
+    P_k0(0) = 0,  P_k,g+1(e) = min_a P_kg(a) + V_kg(a, e),   D as in branch (the completions)
+
+so step(split) >= H_g(a_g, e_g) for every g, and over the splits of [a, L) into stages g..S-1
+
+    step >= M_g(a) = min_e max( H_g(a, e), M_g+1(e) ),   M_S(L) = -inf
+
+(a min-max partition). The single forms' bound max_k min_split form_k lets each form dodge by
+shrinking its own heavy stage; M does not, because every stage must meet its floor at once: the
+bottleneck of a 1F1B step (m times one stage's work and messages) is bounded as the closed-form
+chain solver bounds it, with every known form's own terms. A range whose floor reaches the target
+lies in no faster split and is dropped from the allowed stages, which raises the completions again.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+FORMS_PER_CHUNK = 32  # forms evaluated together (memory: forms x (L + 1)^2 floats per chunk)
+
+
+def form_completions(coefficients: np.ndarray, flat_rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray]
+                     ) -> np.ndarray:
+    """D[k, g, a]: form k's least sum over the splits of [a, L) into allowed stages g..S-1 of its
+    stage terms (+inf where there is none), every form at once. coefficients[g, k, term];
+    flat_rows[g][term, a (L + 1) + e]: stage g's terms over [a, e)."""
+    S, K, L = len(allowed), coefficients.shape[1], allowed[0].shape[0] - 1
+    D = np.full((K, S + 1, L + 1), np.inf)
+    D[:, S, L] = 0.0
+    masks = [_mask(ok) for ok in allowed]
+    for first in range(0, K, FORMS_PER_CHUNK):
+        chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
+        for g in range(S - 1, -1, -1):
+            value = _values(coefficients[g, chunk], flat_rows[g], masks[g])
+            value += D[chunk, g + 1, None, :]
+            D[chunk, g] = value.min(axis=2)
+    return D
+
+
+def stage_floors(constant: np.ndarray, coefficients: np.ndarray, flat_rows: Sequence[np.ndarray],
+                 allowed: Sequence[np.ndarray], completion: np.ndarray) -> List[np.ndarray]:
+    """H[g][a, e] (module docstring; +inf where stage g = [a, e) is not allowed or cannot be chained
+    from 0 to L, -inf without forms). coefficients[g, k, term], completion[k, g, a]."""
+    S, K, L = len(allowed), len(constant), allowed[0].shape[0] - 1
+    floors = [np.full((L + 1, L + 1), -np.inf) for _ in range(S)]
+    masks = [_mask(ok) for ok in allowed]
+    for first in range(0, K, FORMS_PER_CHUNK):
+        chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
+        prefix = np.full((chunk.stop - chunk.start, L + 1), np.inf)
+        prefix[:, 0] = 0.0
+        for g in range(S):
+            through = _values(coefficients[g, chunk], flat_rows[g], masks[g])
+            through += prefix[:, :, None]  # P_kg(a) + V_kg(a, e)
+            prefix = through.min(axis=1)
+            through += completion[chunk, g + 1, None, :] + constant[chunk, None, None]
+            np.maximum(floors[g], through.max(axis=0), out=floors[g])
+    return floors
+
+
+def _mask(allowed: np.ndarray) -> np.ndarray:
+    return np.where(allowed, 0.0, np.inf)
+
+
+def _values(coefficients: np.ndarray, flat_rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """V_kg(a, e) for a chunk of forms, +inf where stage g = [a, e) is not allowed: (forms, L + 1, L + 1)."""
+    value = (coefficients @ flat_rows).reshape(len(coefficients), *mask.shape)
+    value += mask
+    return value
+
+
+def least_largest(floors: Sequence[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """M[g, a] (module docstring) and ends[g, a]: where stage g ends in the split attaining it."""
+    S, L = len(floors), floors[0].shape[0] - 1
+    M = np.full((S + 1, L + 1), np.inf)
+    M[S, L] = -np.inf
+    ends = np.zeros((S, L + 1), dtype=int)
+    for g in range(S - 1, -1, -1):
+        total = np.maximum(floors[g], M[g + 1][None, :])
+        ends[g] = total.argmin(axis=1)
+        M[g] = total[np.arange(L + 1), ends[g]]
+    return M, ends
+
+
+def split_of(ends: np.ndarray) -> Tuple[int, ...]:
+    """The stage ends e_0 .. e_{S-1} = L of the split that `ends` (least_largest's) attains from 0."""
+    split, a = [], 0
+    for g in range(ends.shape[0]):
+        a = int(ends[g, a])
+        split.append(a)
+    return tuple(split)
