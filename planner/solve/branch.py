@@ -73,7 +73,7 @@ REFRESH = 0.01  # re-derive the allowed stages and completions when the target o
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
-MAX_UNITS = 200  # beyond, near-equal splits multiply and the integer program's bound closes sooner (BENCHMARKS.md)
+MAX_UNITS = 1300  # beyond, the tables (terms and floors over every range, (L + 1)^2 each) outgrow memory
 
 
 def applies(profile: Profile, opts: CostOptions) -> bool:
@@ -116,8 +116,9 @@ class _Terms:
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
         zero = np.zeros((L + 1, L + 1))
-        # rows[g][a] = every term of stage g = [a, e) over e, as (terms, L + 1), 0 where not a range
+        # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range
         self.rows: List[np.ndarray] = []
+        distinct: List[np.ndarray] = []
         for g in range(S):
             speed = speeds[g]
             terms = {"forward": forward / speed, "backward": backward / speed, "backward_input": backward_input / speed,
@@ -131,9 +132,10 @@ class _Terms:
                 terms["act"], terms["grad"] = np.broadcast_to(act, zero.shape), np.broadcast_to(grad, zero.shape)
             stacked = np.stack([terms.get(name, zero) for name in _STAGE_TERMS])
             kept = np.where(finite & np.isfinite(stacked), stacked, 0.0)
-            self.rows.append(np.ascontiguousarray(kept.transpose(1, 0, 2)))
-        # the same terms as (terms, (L + 1)^2) matrices: every form's values over every range in one product
-        self.flat_rows = [row.transpose(1, 0, 2).reshape(len(_STAGE_TERMS), -1) for row in self.rows]
+            same = next((row for row in distinct if np.array_equal(row, kept)), None)
+            if same is None:
+                distinct.append(kept)
+            self.rows.append(kept if same is None else same)  # stages on like devices share one table
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
@@ -192,6 +194,7 @@ class _Forms:
         self.floors: Optional[List[np.ndarray]] = None
         self.least = np.full((terms.S + 1, terms.L + 1), -np.inf)
         self.least_split: Optional[Tuple[int, ...]] = None
+        self.refresh_s = 0.0  # how long the last refresh took
 
     def __len__(self) -> int:
         return len(self.constant)
@@ -235,18 +238,23 @@ class _Forms:
     def refresh(self, target: float) -> None:
         """Re-derive the allowed stages for `target`, every form's completions over them, and the stage
         floors; a range whose floor reaches the target is dropped and the completions follow (twice at most)."""
+        started = time.perf_counter()
+        self._refresh(target)
+        self.refresh_s = time.perf_counter() - started
+
+    def _refresh(self, target: float) -> None:
         terms = self.terms
         terms.restrict(self.known, target)
-        self.completion = form_completions(self.coefficients, terms.flat_rows, terms.allowed)
+        self.completion = form_completions(self.coefficients, terms.rows, terms.allowed)
         if not len(self):
             return
         for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
-            self.floors = stage_floors(self.constant, self.coefficients, terms.flat_rows, terms.allowed, self.completion)
+            self.floors = stage_floors(self.constant, self.coefficients, terms.rows, terms.allowed, self.completion)
             kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
             if all((k == a).all() for k, a in zip(kept, terms.allowed)):
                 break
             terms.allowed = kept
-            self.completion = form_completions(self.coefficients, terms.flat_rows, terms.allowed)
+            self.completion = form_completions(self.coefficients, terms.rows, terms.allowed)
         self.least, ends = least_largest(self.floors)
         self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
 
@@ -258,13 +266,13 @@ class _Forms:
 
     def stage_value(self, forms: slice, g: int, a: int) -> np.ndarray:
         """V_kg(a, e) for the forms in `forms` and every e: (forms, L + 1)."""
-        out = self.coefficients[g, forms] @ self.terms.rows[g][a]
+        out = self.coefficients[g, forms] @ self.terms.rows[g][:, a, :]
         return np.where(self.terms.allowed[g][a][None, :], out, np.inf)
 
     def _completion(self, per_stage: np.ndarray) -> np.ndarray:
         """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
         splits of [a, L) into stages g..S-1."""
-        return form_completions(per_stage[:, None, :], self.terms.flat_rows, self.terms.allowed)[0]
+        return form_completions(per_stage[:, None, :], self.terms.rows, self.terms.allowed)[0]
 
 
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
@@ -292,8 +300,13 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if split is not None and split.iteration_s - overhead < target:
             best, target = split, split.iteration_s - overhead
 
+    def affordable() -> bool:  # a refresh ends before the time limit (as long as the last one took)
+        return time_limit is None or time.perf_counter() + known.refresh_s < started + time_limit
+
     def refresh() -> None:  # the allowed stages, completions and floors for the target; the floors' split is a candidate
         for _ in range(FLOOR_ROUNDS):
+            if not affordable():
+                return
             known.refresh(target * (1 - gap))
             before = target
             if known.least_split is not None and known.least_split not in tried:
@@ -323,7 +336,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         (-math.inf, 0, 0, (), known.constant.copy())]
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
-            bound = min(_open_bound(known, stack, target * (1 - gap)), target * (1 - gap))
+            bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < FINAL_REFRESH_SHARE * time_limit), target * (1 - gap))
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -358,17 +371,19 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
 
 
 OPEN_NODES_RECHECKED = 20_000  # at the time limit, open nodes re-bounded with every form learned
+FINAL_REFRESH_SHARE = 0.05  # ... after a last refresh, when one takes less than this share of the time limit
 
 
-def _open_bound(known: _Forms, stack, target: float) -> float:
-    """The least bound of the nodes left open: each re-bounded with every form known now and the
-    completions for the final target (a node's bound was computed when it was made, with fewer forms:
-    the shallow ones, made first, are the weakest)."""
+def _open_bound(known: _Forms, stack, target: float, refresh: bool) -> float:
+    """The least bound of the nodes left open: each re-bounded with every form known now and (with
+    `refresh`) the completions for the final target (a node's bound was computed when it was made, with
+    fewer forms: the shallow ones, made first, are the weakest)."""
     if not stack:
         return math.inf
     if len(stack) > OPEN_NODES_RECHECKED:
         return min(node[0] for node in stack)
-    known.refresh(target)
+    if refresh:
+        known.refresh(target)
     every = slice(0, len(known))
     least = math.inf
     for bound, g, a, cuts, _ in stack:

@@ -39,13 +39,13 @@ DUAL_TOL = 1e-4  # relative: the model's maximum this close to the best h ends t
 def completions(rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray], per_stage: np.ndarray
                 ) -> Tuple[np.ndarray, np.ndarray]:
     """D[g, a]: the least sum over the splits of [a, L) into allowed stages g..S-1 of
-    per_stage[g] . t_g(a, e), and ends[g, a]: where stage g ends in it (rows[g][a]: the terms by e)."""
-    S, L = len(rows), rows[0].shape[0] - 1
+    per_stage[g] . t_g(a, e), and ends[g, a]: where stage g ends in it (rows[g][t, a, e]: term t of [a, e))."""
+    S, L = len(rows), rows[0].shape[1] - 1
     D = np.full((S + 1, L + 1), np.inf)
     D[S, L] = 0.0
     ends = np.zeros((S, L + 1), dtype=int)
     for g in range(S - 1, -1, -1):
-        value = np.einsum("ate,t->ae", rows[g], per_stage[g]) if per_stage[g].any() else 0.0
+        value = np.tensordot(per_stage[g], rows[g], axes=1) if per_stage[g].any() else 0.0
         total = np.where(allowed[g], value, np.inf) + D[g + 1][None, :]
         ends[g] = total.argmin(axis=1)
         D[g] = total[np.arange(L + 1), ends[g]]
@@ -121,7 +121,7 @@ class Dual:
     def _add(self, forms, split: Tuple[int, ...]) -> None:
         a, rows = 0, []
         for g, e in enumerate(split):
-            rows.append(forms.terms.rows[g][a, :, e])
+            rows.append(forms.terms.rows[g][:, a, e])
             a = e
         stage_terms = np.stack(rows)
         value = forms.constant + np.einsum("gkt,gt->k", forms.coefficients, stage_terms)

@@ -37,7 +37,6 @@ from planner.solve.reach import stage_conditions, unit_ranges
 from planner.solve.solution import Split
 
 LOCAL_SEARCH_ROUNDS = 50
-BRANCH_SHARE = 0.9  # of a scenario's time limit, for the branch and bound before the program takes over
 COARSE_GAP = 1e-3  # programs solved to this gap while the incumbent is further than it from the bound
 
 
@@ -195,15 +194,11 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         return ScenarioOutcome(best_split, bound_s, optimal, engine, forms)
 
     if applies(profile, opts):  # every term a stage's: branch and bound over the splits (planner.solve.branch)
-        # with a time limit, half of it: a search that has not finished by then leaves a weak bound (its
-        # shallow nodes), and the program, started from what it found and learned, closes it sooner
-        share = None if time_limit is None else BRANCH_SHARE * max(0.05, time_limit - (time.perf_counter() - started))
-        found = branch_and_bound(profile, b, opts, best, forms, share, gap, target_s)
+        # the whole time: its floors bound a stopped search closer than the program would in what is left
+        found = branch_and_bound(profile, b, opts, best, forms, time_limit, gap, target_s)
         forms |= found.forms
-        if found.optimal or time_limit is None:
-            return outcome(found.best, found.bound_s, found.optimal, "branch")
-        best, bound = found.best, found.bound_s
-    elif best is not None:
+        return outcome(found.best, found.bound_s, found.optimal, "branch")
+    if best is not None:
         best = _perturbations(profile, b, opts, best, forms)
     tight = False  # solve the next program to `gap` (a loose one found nothing new)
     while True:

@@ -27,53 +27,82 @@ import numpy as np
 FORMS_PER_CHUNK = 32  # forms evaluated together (memory: forms x (L + 1)^2 floats per chunk)
 
 
-def form_completions(coefficients: np.ndarray, flat_rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray]
+def form_completions(coefficients: np.ndarray, rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray]
                      ) -> np.ndarray:
     """D[k, g, a]: form k's least sum over the splits of [a, L) into allowed stages g..S-1 of its
     stage terms (+inf where there is none), every form at once. coefficients[g, k, term];
-    flat_rows[g][term, a (L + 1) + e]: stage g's terms over [a, e)."""
+    rows[g][term, a, e]: stage g's terms over [a, e)."""
     S, K, L = len(allowed), coefficients.shape[1], allowed[0].shape[0] - 1
     D = np.full((K, S + 1, L + 1), np.inf)
     D[:, S, L] = 0.0
-    masks = [_mask(ok) for ok in allowed]
+    blocks = [_blocks(ok) for ok in allowed]
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         for g in range(S - 1, -1, -1):
-            value = _values(coefficients[g, chunk], flat_rows[g], masks[g])
-            value += D[chunk, g + 1, None, :]
-            D[chunk, g] = value.min(axis=2)
+            for block in blocks[g]:
+                value = block.values(coefficients[g, chunk], rows[g])
+                value += D[chunk, g + 1, None, block.e]
+                D[chunk, g, block.a] = value.min(axis=2)
     return D
 
 
-def stage_floors(constant: np.ndarray, coefficients: np.ndarray, flat_rows: Sequence[np.ndarray],
+def stage_floors(constant: np.ndarray, coefficients: np.ndarray, rows: Sequence[np.ndarray],
                  allowed: Sequence[np.ndarray], completion: np.ndarray) -> List[np.ndarray]:
     """H[g][a, e] (module docstring; +inf where stage g = [a, e) is not allowed or cannot be chained
     from 0 to L, -inf without forms). coefficients[g, k, term], completion[k, g, a]."""
     S, K, L = len(allowed), len(constant), allowed[0].shape[0] - 1
-    floors = [np.full((L + 1, L + 1), -np.inf) for _ in range(S)]
-    masks = [_mask(ok) for ok in allowed]
+    blocks = [_blocks(ok) for ok in allowed]
+    floors = []
+    for stage_blocks in blocks:
+        floor = np.full((L + 1, L + 1), np.inf if K else -np.inf)  # no form: no bound
+        for block in stage_blocks if K else ():
+            floor[block.a, block.e] = -np.inf
+        floors.append(floor)
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         prefix = np.full((chunk.stop - chunk.start, L + 1), np.inf)
         prefix[:, 0] = 0.0
         for g in range(S):
-            through = _values(coefficients[g, chunk], flat_rows[g], masks[g])
-            through += prefix[:, :, None]  # P_kg(a) + V_kg(a, e)
-            prefix = through.min(axis=1)
-            through += completion[chunk, g + 1, None, :] + constant[chunk, None, None]
-            np.maximum(floors[g], through.max(axis=0), out=floors[g])
+            after = np.full_like(prefix, np.inf)
+            for block in blocks[g]:
+                through = block.values(coefficients[g, chunk], rows[g])
+                through += prefix[:, block.a, None]  # P_kg(a) + V_kg(a, e)
+                np.minimum(after[:, block.e], through.min(axis=1), out=after[:, block.e])
+                through += completion[chunk, g + 1, None, block.e] + constant[chunk, None, None]
+                np.maximum(floors[g][block.a, block.e], through.max(axis=0), out=floors[g][block.a, block.e])
+            prefix = after
     return floors
 
 
-def _mask(allowed: np.ndarray) -> np.ndarray:
-    return np.where(allowed, 0.0, np.inf)
+BLOCK_ROWS = 32  # starts per block: a stage's allowed ranges form a band, each block of starts covers its part
 
 
-def _values(coefficients: np.ndarray, flat_rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """V_kg(a, e) for a chunk of forms, +inf where stage g = [a, e) is not allowed: (forms, L + 1, L + 1)."""
-    value = (coefficients @ flat_rows).reshape(len(coefficients), *mask.shape)
-    value += mask
-    return value
+class _Block:
+    """A rectangle of (a, e) holding the allowed ranges of a stage starting in a's rows."""
+
+    def __init__(self, allowed: np.ndarray, a: slice):
+        ends = np.flatnonzero(allowed[a].any(axis=0))
+        self.a, self.e = a, slice(int(ends[0]), int(ends[-1]) + 1)
+        self.mask = np.where(allowed[self.a, self.e], 0.0, np.inf)
+
+    def values(self, coefficients: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """V_kg(a, e) over the block for a chunk of forms, +inf where the range is not allowed."""
+        value = np.tensordot(coefficients, rows[:, self.a, self.e], axes=1)
+        value += self.mask
+        return value
+
+
+def _blocks(allowed: np.ndarray) -> List[_Block]:
+    """The blocks covering a stage's allowed ranges (none where no range is allowed)."""
+    starts = np.flatnonzero(allowed.any(axis=1))
+    if starts.size == 0:
+        return []
+    out = []
+    for first in range(int(starts[0]), int(starts[-1]) + 1, BLOCK_ROWS):
+        rows = slice(first, min(int(starts[-1]) + 1, first + BLOCK_ROWS))
+        if allowed[rows].any():
+            out.append(_Block(allowed, rows))
+    return out
 
 
 def least_largest(floors: Sequence[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:

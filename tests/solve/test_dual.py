@@ -78,7 +78,7 @@ def test_the_dynamic_program_finds_the_least_split():
     """completions' D and ends against every split of a small random table."""
     rng = np.random.default_rng(0)
     L, S, T = 7, 3, 2
-    rows = [rng.uniform(0, 1, size=(L + 1, T, L + 1)) for _ in range(S)]
+    rows = [rng.uniform(0, 1, size=(T, L + 1, L + 1)) for _ in range(S)]
     allowed = [np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1) & (rng.uniform(size=(L + 1, L + 1)) < 0.8)
                for _ in range(S)]
     per_stage = rng.uniform(0, 1, size=(S, T))
@@ -88,7 +88,7 @@ def test_the_dynamic_program_finds_the_least_split():
         split = cuts + (L,)
         starts = (0,) + cuts
         if all(allowed[g][a, e] for g, (a, e) in enumerate(zip(starts, split))):
-            value = sum(per_stage[g] @ rows[g][a, :, e] for g, (a, e) in enumerate(zip(starts, split)))
+            value = sum(per_stage[g] @ rows[g][:, a, e] for g, (a, e) in enumerate(zip(starts, split)))
             if value < best:
                 best, best_split = value, split
     assert math.isclose(D[0, 0], best, rel_tol=1e-12)
