@@ -185,8 +185,8 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            reduce = pulp.lpSum(sync_time(c.p[l], c.t[l], opts, self.profile.dtype, self.m, rank=i) * MS * self.x(l, g)
-                                for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
+            exchange = sync_time(c.p, c.t, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
+            reduce = pulp.lpSum(exchange[l] * self.x(l, g) for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
                 exchange_latency(opts, i) * MS
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
