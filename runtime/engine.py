@@ -358,11 +358,11 @@ class Engine:
         tensors = [state.outputs[j] for j in runner.send_tensors]
         layout = self._layout(runner.act_out, ("act out", g, peer))
         if layout is None:  # the first to this peer: it says its dtypes
-            wire = DescribedLayout(runner.act_out).pack(tensors, self.device)
+            wire, copied = DescribedLayout(runner.act_out).pack(tensors, self.device)
             self._layout(runner.act_out, ("act out", g, peer), tensors)
         else:
-            wire = layout.pack(tensors, self.device)
-        if len(tensors) > 1:  # the wire is a copy: the outputs' storage can go now, not when it is sent
+            wire, copied = layout.pack(tensors, self.device)
+        if copied:  # the outputs' storage can go now, not when the wire is sent
             runner.drop_outputs(state)
             return Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)), None
         return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
@@ -388,7 +388,7 @@ class Engine:
         g, i = action.stage, action.micro_batch
         runner, state, peer = self.runners[g], step.states.pop((g, i)), self._peer(g - 1, i)
         layout = self._layout(runner.grad_out, ("grad out", g, peer), state.input_grads)
-        wire = layout.pack(state.input_grads, self.device)
+        wire, _ = layout.pack(state.input_grads, self.device)
         return Operation(True, wire, peer, self._tag(g - 1, i, GRADIENT)), None
 
     def _receive_gradients(self, step: _Step, action: Action):
