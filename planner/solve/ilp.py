@@ -186,7 +186,8 @@ class Program:
         for i in range(p):
             stages = opts.stages_on(i)
             exchange = sync_time(c.p, c.t, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
-            reduce = pulp.lpSum(exchange[l] * self.x(l, g) for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
+            reduce = pulp.lpSum(exchange[l] * self.x(l, g)
+                                for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
                 exchange_latency(opts, i) * MS
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
