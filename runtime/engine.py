@@ -52,7 +52,7 @@ from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
-from runtime.outbox import Outbox
+from runtime.outbox import Outbox, completed
 from runtime.precision import ComputeCopy
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
@@ -327,15 +327,12 @@ class Engine:
             after.append(done)
         step.stats.messages += len(operations)
         if all(op.send for op in operations):
-            self.outbox.add(post(operations, self.use_tags), [op.tensor for op in operations],
-                            [None if d is None else (lambda d=d, t=op.tensor: d(t)) for d, op in zip(after, operations)],
+            self.outbox.add(post(operations, self.use_tags), operations, after,
                             transfer_delay(actions, self.emulated_links))
             return
         exchange(operations, self.use_tags)
         hold(actions, self.emulated_links)
-        for done, operation in zip(after, operations):
-            if done is not None:
-                done(operation.tensor)
+        completed(operations, after)
 
     def _tag(self, receiving_stage: int, micro_batch: int, direction: int) -> int:
         return message_tag(receiving_stage, micro_batch, direction, self.m)
