@@ -113,7 +113,9 @@ def test_a_flat_ping_pong_is_measured_again_alone(tmp_path):
 
 
 def test_measure_link_pings_the_requested_sizes_between_two_processes():
-    link = measure_link([12288, 4096], repeats=3, warmup=1)
+    from planner.profile.rhythm import rhythm_latency
+
+    link = measure_link([12288, 4096], repeats=3, warmup=1, rhythm=(2e-4, 4e-4))
     assert [n for n, _ in link["samples"]] == [8, 4096, 12288, 4 << 20]
     assert all(t > 0 for _, t in link["samples"])
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0
@@ -129,6 +131,13 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     reduced = link["allreduce"]
     assert [n for n, _ in reduced["samples"]] == [1 << 20, bucket] and all(t > 0 for _, t in reduced["samples"])
     assert reduced["bandwidth_bytes_per_s"] == pytest.approx(bucket / reduced["samples"][1][1])
+    # the rhythm of a two-stage step's lists, recorded beside the ping-pong (planner.profile.rhythm)
+    rhythm = link["rhythm"]
+    assert rhythm["forward_s"] == 2e-4 and rhythm["backward_s"] == 4e-4 and rhythm["steps"] >= 5
+    assert rhythm["step_s"] >= 9 * 6e-4  # (m + 1)(F + B) of compute at least
+    # recorded, not charged: the plan's latency is the ping-pong's fit
+    assert link["latency_s"] == pytest.approx(fit_link(link["samples"])["latency_s"])
+    assert rhythm["latency_s"] == pytest.approx(rhythm_latency(rhythm["step_s"], 2e-4, 4e-4, rhythm["micro_batches"]))
 
 
 def test_the_all_reduce_rate_is_the_full_buckets():
