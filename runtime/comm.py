@@ -71,9 +71,10 @@ class MessageLayout:
     def __len__(self) -> int:
         return len(self.tensors)
 
-    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, bool]:
         """The tensor that travels: the one tensor itself (no copy when contiguous), else a byte
-        buffer holding all of them."""
+        buffer holding all of them; and whether it is a copy (then the tensors' storage may go
+        before the send completes)."""
         for t, (shape, dtype) in zip(tensors, self.tensors):
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise MessageError(f"{self.what}: a tensor of shape {tuple(t.shape)} and dtype {dtype_name(t.dtype)} "
@@ -82,11 +83,11 @@ class MessageLayout:
         if len(tensors) != len(self.tensors):
             raise MessageError(f"{self.what}: {len(tensors)} tensors where the plan has {len(self.tensors)}")
         if len(tensors) == 1:
-            return tensors[0].detach().contiguous()
+            return tensors[0].detach().contiguous(), not tensors[0].is_contiguous()
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         for t, view in zip(tensors, self.unpack(flat)):
             view.copy_(t.detach())
-        return flat
+        return flat, True
 
     def empty(self, device: torch.device) -> torch.Tensor:
         """A buffer to receive the message into."""
@@ -165,7 +166,8 @@ class DescribedLayout:
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
-    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, bool]:
+        """The byte buffer that travels, and True: it is always a copy (MessageLayout.pack)."""
         for t, shape in zip(tensors, self.shapes):
             if tuple(t.shape) != shape or t.dtype not in _CODES:
                 raise MessageError(f"{self.planned.what}: a tensor of shape {tuple(t.shape)} and dtype "
@@ -176,7 +178,7 @@ class DescribedLayout:
         for t, offset in zip(tensors, self.offsets):
             size = t.numel() * t.element_size()
             flat[offset:offset + size].view(t.dtype).view(t.shape).copy_(t.detach())
-        return flat
+        return flat, True
 
     def unpack(self, wire: torch.Tensor) -> Tuple[List[torch.Tensor], MessageLayout]:
         """The tensors (views of the buffer) and the exact layout of the pair's later messages."""

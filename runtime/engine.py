@@ -52,7 +52,7 @@ from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
-from runtime.outbox import Outbox
+from runtime.outbox import Outbox, completed
 from runtime.precision import ComputeCopy
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
@@ -327,15 +327,12 @@ class Engine:
             after.append(done)
         step.stats.messages += len(operations)
         if all(op.send for op in operations):
-            self.outbox.add(post(operations, self.use_tags), [op.tensor for op in operations],
-                            [None if d is None else (lambda d=d, t=op.tensor: d(t)) for d, op in zip(after, operations)],
+            self.outbox.add(post(operations, self.use_tags), operations, after,
                             transfer_delay(actions, self.emulated_links))
             return
         exchange(operations, self.use_tags)
         hold(actions, self.emulated_links)
-        for done, operation in zip(after, operations):
-            if done is not None:
-                done(operation.tensor)
+        completed(operations, after)
 
     def _tag(self, receiving_stage: int, micro_batch: int, direction: int) -> int:
         return message_tag(receiving_stage, micro_batch, direction, self.m)
@@ -358,11 +355,11 @@ class Engine:
         tensors = [state.outputs[j] for j in runner.send_tensors]
         layout = self._layout(runner.act_out, ("act out", g, peer))
         if layout is None:  # the first to this peer: it says its dtypes
-            wire = DescribedLayout(runner.act_out).pack(tensors, self.device)
+            wire, copied = DescribedLayout(runner.act_out).pack(tensors, self.device)
             self._layout(runner.act_out, ("act out", g, peer), tensors)
         else:
-            wire = layout.pack(tensors, self.device)
-        if len(tensors) > 1:  # the wire is a copy: the outputs' storage can go now, not when it is sent
+            wire, copied = layout.pack(tensors, self.device)
+        if copied:  # the outputs' storage can go now, not when the wire is sent
             runner.drop_outputs(state)
             return Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)), None
         return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
@@ -388,7 +385,7 @@ class Engine:
         g, i = action.stage, action.micro_batch
         runner, state, peer = self.runners[g], step.states.pop((g, i)), self._peer(g - 1, i)
         layout = self._layout(runner.grad_out, ("grad out", g, peer), state.input_grads)
-        wire = layout.pack(state.input_grads, self.device)
+        wire, _ = layout.pack(state.input_grads, self.device)
         return Operation(True, wire, peer, self._tag(g - 1, i, GRADIENT)), None
 
     def _receive_gradients(self, step: _Step, action: Action):

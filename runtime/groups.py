@@ -19,12 +19,13 @@ class Groups:
       gradients are summed in buckets (GradientBuckets);
     - tied weights used by stages on several pipeline ranks: one group of every rank holding a use,
       in every replica, whose sum is the whole gradient (so tied parameters skip the first); under
-      local SGD (`per_replica`: each replica trains alone, runtime.localsgd) one group per replica.
+      local SGD (`per_replica`: each replica trains alone, runtime.localsgd) one group per replica;
+    - on request (`pipeline_group`, torch's pipelining engine), each replica's pipeline.
     """
 
     def __init__(self, topology: Topology, rank: int, tied_groups: List[Tuple[str, Tuple[int, ...]]],
                  per_replica: bool = False):
-        self.topology = topology
+        self.topology, self.rank = topology, rank
         self.tie_groups: Dict[str, Any] = {}
         self.data_parallel_group = None  # the holders of this rank's stages, when more than one
         if not dist.is_initialized():
@@ -46,15 +47,35 @@ class Groups:
                 if rank in ranks:
                     self.tie_groups[name] = group
 
+    def pipeline_group(self) -> Any:
+        """The ranks of this rank's pipeline (None: all of them, with one replica). Every rank asks
+        once, at the same point: each creates every replica's group, in the same order, as
+        torch.distributed requires."""
+        topology, mine = self.topology, None
+        if topology.data_parallel == 1:
+            return None
+        for replica in range(topology.data_parallel):
+            ranks = [topology.global_rank(replica, q) for q in range(topology.pipeline_ranks)]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def reduce_gradients(self, rank_model: RankModel, buckets: Optional["GradientBuckets"]) -> None:
         """Sum the tied weights' gradients over their holders, then finish the data-parallel
         buckets (those the last backward did not already start)."""
         for name, (param, _) in rank_model.tied.items():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.tie_groups[name])
+            sum_gradient(param, self.tie_groups[name])
         if buckets is not None:
             buckets.finish()
+
+
+def sum_gradient(param: torch.nn.Parameter, group: Any) -> None:
+    """Sum a parameter's gradient over `group` in place; one that got none this step joins with
+    zeros (every member must take part)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    dist.all_reduce(param.grad, group=group)
 
 
 class GradientBuckets:

@@ -19,26 +19,37 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
+import torch
+
+from runtime.comm import Operation
+
 
 @dataclass
 class _Posted:
     works: Sequence[Any]  # torch.distributed Work objects of one batch of sends
-    buffers: List[Any]  # the tensors they send: kept alive here until waited for, whatever the backend keeps
-    done: List[Optional[Callable[[], None]]]  # run once the sends completed (free what they sent)
+    operations: List[Operation]  # the sends: their tensors kept alive here until waited for
+    after: List[Optional[Callable[[torch.Tensor], None]]]  # per send: run on its tensor once it completed
     posted_at: float
     delay: float  # emulated transfer seconds of the batch's slowest message
+
+
+def completed(operations: Sequence[Operation], after: Sequence[Optional[Callable[[torch.Tensor], None]]]) -> None:
+    """Each completed operation's follow-up, on its tensor (what a send sent, what a receive received)."""
+    for operation, done in zip(operations, after):
+        if done is not None:
+            done(operation.tensor)
 
 
 class Outbox:
     def __init__(self) -> None:
         self._posted: List[_Posted] = []
 
-    def add(self, works: Sequence[Any], buffers: List[Any], done: List[Optional[Callable[[], None]]],
-            delay: float = 0.0) -> None:
-        self._posted.append(_Posted(list(works), list(buffers), done, time.perf_counter(), delay))
+    def add(self, works: Sequence[Any], operations: Sequence[Operation],
+            after: Sequence[Optional[Callable[[torch.Tensor], None]]], delay: float = 0.0) -> None:
+        self._posted.append(_Posted(list(works), list(operations), list(after), time.perf_counter(), delay))
 
     def drain(self) -> None:
-        """Wait for every posted send, in posting order, then free what each sent."""
+        """Wait for every posted send, in posting order, then run what follows each (free what it sent)."""
         for posted in self._posted:
             finished = posted.delay > 0 and all(w.is_completed() for w in posted.works)
             for work in posted.works:
@@ -47,7 +58,5 @@ class Outbox:
                 left = posted.posted_at + posted.delay - time.perf_counter() if finished else posted.delay
                 if left > 0:
                     time.sleep(left)
-            for done in posted.done:
-                if done is not None:
-                    done()
+            completed(posted.operations, posted.after)
         self._posted.clear()

@@ -38,10 +38,10 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
+from planner.profile.saved import local_tensor
 
 
 def refusal(precision: str, schedule: str, replicated: bool, clipping: bool, checkpointing: bool) -> Optional[str]:
@@ -109,11 +109,11 @@ class ParameterSharding:
 
     # --- what runtime.worker and runtime.engine call on an optimizer (set_lr sets `local`'s rate) ---
     def step(self) -> None:
+        from runtime.groups import sum_gradient  # here: runtime.options reads `refusal` without the stages
+
         for p in self.shared_here:
             if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.group)
+                sum_gradient(p, self.group)
         self.local.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -136,7 +136,7 @@ class ParameterSharding:
         any gathered parameters not freed (none between steps)."""
         storages: Dict[int, int] = {}
         for p in self.parameters():
-            local = p.to_local() if _is_sharded(p) else p
+            local = local_tensor(p)
             storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
         for module in self.units + self.modules:
             # FSDP2's own record of the gathered parameters (private: read defensively)

@@ -37,7 +37,6 @@ import contextlib
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
@@ -155,7 +154,7 @@ class TorchEngine:
         self.before_optimizer: List[Callable[[], None]] = []
         self.batch = _Batch()
         self.batch.micro_batch_size = plan.micro_batch_size
-        self.pipeline_group = self._pipeline_group(topology, rank)
+        self.pipeline_group = groups.pipeline_group()
         self.buckets: Optional[GradientBuckets] = None
         if groups.data_parallel_group is not None:
             self.buckets, _ = data_parallel_buckets(rank_model, groups.data_parallel_group)
@@ -180,20 +179,6 @@ class TorchEngine:
             self.schedule = schedule_class(self.stages, n_microbatches=self.m, loss_fn=loss_fn, scale_grads=False)
         self.first = any(st.index == 0 for st in rank_model.stages)
         self.last = any(st.is_last for st in rank_model.stages)
-
-    @staticmethod
-    def _pipeline_group(topology: Topology, rank: int) -> Any:
-        """The ranks of this rank's pipeline (all of them when there is one replica); every rank
-        creates every replica's group, in the same order, as torch.distributed requires."""
-        if topology.data_parallel == 1:
-            return None
-        mine = None
-        for replica in range(topology.data_parallel):
-            ranks = [topology.global_rank(replica, q) for q in range(topology.pipeline_ranks)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = group
-        return mine
 
     # --- one step -------------------------------------------------------------------------------
     def _load_batch(self, step: int) -> None:

@@ -57,15 +57,14 @@ def _baseline(profile, opts, devices, schedules, topology, args: argparse.Namesp
     infeasible plan where none fits (its row says so), None where it has no plan at all."""
     from planner.solve.baselines import solve_baseline
     from planner.solve.localsgd import solve_local_sgd
-    from planner.solve.placed import candidates, scenario_of
+    from planner.solve.placed import topology_scenarios
     from planner.solve.search import expand_scenarios
 
     n, v = profile.num_units, args.virtual_stages
 
     def run(options, scenario: bool):  # scenario: on these options' own p, d, schedule and v
         if topology is not None:
-            scenarios = [s for placement in candidates(topology, options, n, args.stages)
-                         for s in expand_scenarios(scenario_of(options, placement), n, None, schedules, v)]
+            scenarios = topology_scenarios(options, topology, n, args.stages, schedules, v)
         else:
             scenarios = [options] if scenario else expand_scenarios(options, n, devices, schedules, v)
         found = solve_baseline(profile, scenarios, method)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from planner.cost.topology_file import DeviceTopology
+from planner.pipeline.topology import is_placement, launcher_order
 
 MAX_SEARCHED_DEVICES = 8  # the search enumerates N! / d! placements
 
@@ -60,10 +61,9 @@ class Placement:
         return len(self.devices[0])
 
     def validate(self) -> None:
-        n = self.topology.num_devices
-        flat = [dev for row in self.devices for dev in row]
-        if not self.devices or any(len(row) != len(self.devices[0]) for row in self.devices) or \
-                sorted(flat) != list(range(n)):
+        n, d = self.topology.num_devices, len(self.devices)
+        p = len(self.devices[0]) if self.devices else 0
+        if p * d != n or not is_placement(self.devices, p, d):
             raise ValueError(f"a placement must use each of the topology's {n} devices once, as d rows of p "
                              f"(got {[list(row) for row in self.devices]})")
 
@@ -171,8 +171,7 @@ def _shape(topology: DeviceTopology, group: Sequence[int]) -> Tuple:
 
 def identity_placement(topology: DeviceTopology, pipeline_ranks: int, data_parallel: int) -> Placement:
     """Replica r, rank i on device r p + i: the launcher's order."""
-    p = pipeline_ranks
-    return Placement(topology, tuple(tuple(r * p + i for i in range(p)) for r in range(data_parallel)))
+    return Placement(topology, launcher_order(pipeline_ranks, data_parallel))
 
 
 def placements(topology: DeviceTopology, pipeline_ranks: int, data_parallel: int) -> List[Placement]:

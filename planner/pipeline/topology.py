@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from planner.pipeline import schedule as sched
 
@@ -120,17 +120,26 @@ def topology_of(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence
         return topology
     rows = tuple(tuple(row) for row in placement)
     p, d = topology.pipeline_ranks, topology.data_parallel
-    if len(rows) != d or any(len(row) != p for row in rows) or \
-            sorted(x for row in rows for x in row) != list(range(p * d)):
+    if not is_placement(rows, p, d):
         raise TopologyError(f"the plan's placement {[list(row) for row in rows]} is not {d} replica(s) x {p} "
                             f"pipeline rank(s) using each rank 0..{p * d - 1} once")
     if topology.replicated:
         raise TopologyError("a placement does not combine with replicated stages")
-    return dataclasses.replace(topology, placement=None if rows == _launcher_order(p, d) else rows)
+    return dataclasses.replace(topology, placement=None if rows == launcher_order(p, d) else rows)
 
 
-def _launcher_order(p: int, d: int) -> tuple:
-    return tuple(tuple(r * p + i for i in range(p)) for r in range(d))
+def is_placement(rows: Sequence[Sequence[int]], pipeline_ranks: int, data_parallel: int) -> bool:
+    """Whether `rows` places p pipeline ranks x d replicas: d rows of p, each of 0 .. p d - 1 once
+    (global ranks here, a topology's devices in planner.cost.placement)."""
+    p, d = pipeline_ranks, data_parallel
+    return len(rows) == d and all(len(row) == p for row in rows) and \
+        sorted(x for row in rows for x in row) == list(range(p * d))
+
+
+def launcher_order(pipeline_ranks: int, data_parallel: int) -> Tuple[Tuple[int, ...], ...]:
+    """The placement of the launcher's order: replica r's pipeline rank i on r p + i."""
+    p = pipeline_ranks
+    return tuple(tuple(r * p + i for i in range(p)) for r in range(data_parallel))
 
 
 def _stage_topology(stage_devices: Sequence[Optional[int]], stage_replicas: Sequence[Any], schedule: str,

@@ -89,8 +89,8 @@ def fit_measured_link(measure: Callable[[], Dict[str, Any]],
 
 
 def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
-    """One side of `measure_link`: rank 0 ping-pongs each size with rank 1 over gloo and prints
-    [[bytes, one-way seconds (median of round trips / 2)], ...] as JSON."""
+    """One side of `measure_link`: the pair's measurement (`measure_pair`) over gloo; rank 0 prints
+    it as JSON."""
     import datetime
     import json
 
@@ -102,16 +102,39 @@ def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
     try:
-        samples = ping_pong(rank == 0, 1 - rank, config["sizes"], int(config["repeats"]), int(config["warmup"]))
-        batches = batch_exchange(1 - rank, BATCH_COUNTS, int(config["repeats"]), int(config["warmup"]))
-        reduced = all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1)
-        rhythm = rhythm_steps(rank, *config["rhythm"]) if config.get("rhythm") else None
+        measured = measure_pair(rank, config)
         dist.barrier()
         if rank == 0:
-            print(json.dumps({"samples": samples, "batches": batches, "allreduce": reduced, "rhythm": rhythm}),
-                  flush=True)
+            print(json.dumps(measured), flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def measure_pair(rank: int, config: Dict[str, Any],
+                 ping: Optional[Callable[[], List[List[float]]]] = None) -> Dict[str, Any]:
+    """Both ranks of the pair (the default process group), each calling it: the ping-pong (`ping`,
+    default ping_pong at the config's sizes: [[bytes, one-way seconds], ...]), measured again while
+    its times do not grow with size (fit_measured_link, up to the config's "attempts": both ranks
+    decide on rank 0's samples), then once each the batches, the all-reduces and the rhythm.
+    {"samples", "fit", "warning", "ping_pongs" (how many ran), "batches", "allreduce", "rhythm"}."""
+    import torch.distributed as dist
+
+    repeats, warmup = int(config["repeats"]), int(config["warmup"])
+    if ping is None:
+        ping = lambda: ping_pong(rank == 0, 1 - rank, config["sizes"], repeats, warmup)  # noqa: E731
+    pings = []
+
+    def agreed() -> Dict[str, Any]:
+        shared = [ping()]
+        dist.broadcast_object_list(shared, src=0)  # rank 0's round trips: both ranks retry alike
+        pings.append(1)
+        return {"samples": shared[0]}
+
+    measured, fit, warning = fit_measured_link(agreed, int(config.get("attempts", 1)))
+    return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": len(pings),
+            "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup),
+            "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1),
+            "rhythm": rhythm_steps(rank, *config["rhythm"]) if config.get("rhythm") else None}
 
 
 def _timed_rounds(message_bytes: Sequence[int], repeats: int, warmup: int, device: Optional[torch.device],
@@ -232,8 +255,9 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     batch (`message_s`: what the engine pays per operation besides latency and transfer).
     Last, all-reduces of 1 MiB and of the runtime's gradient bucket between the two processes:
     `allreduce.bandwidth_bytes_per_s` is the rate of the data-parallel gradient exchange.
-    Measured again (up to `attempts` in all) when the message times do not grow with size, then
-    fit by bounding_link_fit, with "warning" saying so (fit_measured_link).
+    The ping-pong alone is measured again (up to `attempts` in all, in the same two processes) when
+    its times do not grow with size, then fit by bounding_link_fit, with "warning" saying so
+    (fit_measured_link, measure_pair).
     With `rhythm` = (forward s, backward s) of a stage per micro-batch, the two processes then run
     a two-stage step's lists with that much stand-in compute on both (planner.profile.rhythm):
     `rhythm.latency_s` is what a message cost between two perfectly balanced stages' computations.
@@ -242,8 +266,8 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
-    measured, fit, warning = fit_measured_link(
-        lambda: _run_link_workers(sizes, threads, repeats, warmup, timeout_s, rhythm), attempts)
+    measured = _run_link_workers(sizes, threads, repeats, warmup, timeout_s, attempts, rhythm)
+    fit, warning = measured["fit"], measured["warning"]
     reduced = measured["allreduce"]
     if measured.get("rhythm"):
         fit = dict(fit, rhythm=summarise(measured["rhythm"], *rhythm))
@@ -254,9 +278,9 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
                 **({"warning": warning} if warning else {}))
 
 
-def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: int,
-                      timeout_s: float, rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
-    """One measurement: the two link_worker_main processes, rank 0's printed JSON."""
+def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: int, timeout_s: float,
+                      attempts: int, rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
+    """The two link_worker_main processes: rank 0's printed JSON (measure_pair's)."""
     import json
     import subprocess
 
@@ -265,7 +289,7 @@ def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: 
     code = "from planner.profile.link import link_worker_main; link_worker_main()"
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
         {"rank": r, "port": port, "threads": threads, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,
-         "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES),
+         "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES), "attempts": attempts,
          "rhythm": list(rhythm) if rhythm else None,
          "allreduce_repeats": max(3, repeats // 3)})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)

@@ -13,14 +13,18 @@ from typing import Dict, Iterable, Iterator
 import torch
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What holds a tensor's storage on this process: a sharded parameter's (a DTensor,
+    runtime/shard_params.py) local shard, else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class SavedBytes:
     """`with counter.counting(): forward()` then `counter.finish()`: the bytes that forward saved,
     now held (`live`; `peak` is the most held at once) until `release(those bytes)`."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
-        # a sharded parameter (a DTensor: runtime/shard_params.py) is the storage of its local shard
-        self.parameter_ptrs = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                               for p in params}
+        self.parameter_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in params}
         self.excluded_ptrs: set = set()  # other tensors held for the whole step (`exclude`)
         self.live = 0
         self.peak = 0

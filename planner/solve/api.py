@@ -39,13 +39,24 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     imported; planner.solve.backends.choose_backend).
     """
     opts.validate()
+    if devices is not None and devices < 1:
+        raise ValueError(f"--devices must be at least 1 (got {devices})")
+    scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
+    return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend,
+                           warm_start=warm_start)
+
+
+def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOptions], method: str = "ilp",
+                    time_limit: Optional[float] = None, backend: Optional[str] = None,
+                    warm_start: bool = True) -> Solution:
+    """The best plan over these concrete scenarios of `opts` by `method` (solve's rules), as ONE
+    search: time_limit bounds the whole search and the certificate (bound, gap, status) holds over
+    every scenario; raises InfeasibleError when none has a plan."""
     profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     if method not in METHODS:
         raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
     backend, _ = choose_backend(backend)
-    if devices is not None and devices < 1:
-        raise ValueError(f"--devices must be at least 1 (got {devices})")
-    scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
+    scenarios = list(scenarios)
     for scenario in scenarios:
         scenario.validate()
     found: Optional[Solution] = None

@@ -151,34 +151,12 @@ class _Terms:
     def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
         """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
         (planner.cost.model.device_memory; exact with one stage per device)."""
-        L, S = self.L, self.S
-        ranks = [opts.rank_of_stage(g) for g in range(S)]
-        caps = [rank_caps(opts, profile)[ranks[g]] for g in range(S)]
+        from planner.cost.stage_memory import StageMemory
+
+        memory = StageMemory(profile, b, opts, redo_all)
         valid = np.isfinite(range_matrix(costs.P))
-        if all(cap is None for cap in caps):
-            return [valid] * S
-        static = static_bytes(range_matrix(costs.P), range_matrix(costs.T), opts, profile.dtype)  # caps: less F
-        live = range_matrix(prefix_sums(costs.inputs) if redo_all else costs.S)
-        weight = range_matrix(prefix_sums(costs.inputs if redo_all else costs.h))
-        first, last = costs.act[:L + 1][:, None], costs.act[:L + 1][None, :]  # activations in at a, out at e
-        grad_in, grad_out = costs.grad[:L + 1][:, None], costs.grad[:L + 1][None, :]
-        peaks = rank_peaks(step_shape(opts, m))
-        fits = []
-        for g in range(S):
-            if caps[g] is None:
-                fits.append(valid)
-                continue
-            held = np.zeros_like(static)
-            for peak in peaks[ranks[g]]:
-                count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
-                value = count("live") * np.where(valid, live, 0.0) + count("weight") * np.where(valid, weight, 0.0)
-                if g > 0:
-                    value = value + count("inbox") * first + count("sent_grad") * grad_in
-                if g < S - 1:
-                    value = value + count("gradbox") * grad_out + count("sent_act") * last
-                held = np.maximum(held, value)
-            fits.append(valid & (static + held <= caps[g]))
-        return fits
+        return [valid if memory.cap(g) is None else valid & (memory.matrix(g) <= memory.cap(g))
+                for g in range(self.S)]
 
 
 class _Forms:

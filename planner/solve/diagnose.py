@@ -17,11 +17,9 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, num_micro_batches,
-                                static_bytes, step_shape)
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, fixed_bytes
 from planner.cost.options import CostOptions
-from planner.cost.ranges import prefix_sums, range_costs
-from planner.cost.step import rank_peaks
+from planner.cost.stage_memory import StageMemory
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 
@@ -63,40 +61,12 @@ def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatr
     return value, sorted(boundaries)
 
 
-def _upper_triangle(values: np.ndarray) -> np.ndarray:
-    """Keep entries [a, e] with a < e, set the rest to +inf."""
-    n = values.shape[0]
-    mask = np.triu(np.ones((n, n), dtype=bool), k=1)
-    return np.where(mask, values, np.inf)
-
-
 def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMatrix:
-    """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank): its parameters'
-    static bytes, the fixed bytes every device holds and the largest of its list's held peaks
-    (planner.cost.model), from prefix sums."""
-    costs = range_costs(profile, b, opts.optimizer)
-    static = costs.matrix(static_bytes(costs.P, costs.T, opts, profile.dtype)) + fixed_bytes(profile, opts)
-    saved = costs.matrix(costs.S)
-    weight = costs.matrix(prefix_sums(costs.h))  # zero-bubble: held from the input to the weight backward
-    finite = np.isfinite(saved)
-    peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
-    S = opts.num_stages
-
-    def stage(s: int) -> np.ndarray:
-        held = np.zeros_like(static)
-        for peak in peaks[opts.rank_of_stage(s)]:
-            value = peak.get(("live", s), 0) * np.where(finite, saved, 0.0) + \
-                peak.get(("weight", s), 0) * np.where(finite, weight, 0.0)
-            if s > 0:
-                value = value + peak.get(("inbox", s), 0) * costs.act[:, None]
-                value = value + peak.get(("sent_grad", s), 0) * costs.grad[:, None]
-            if s < S - 1:
-                value = value + peak.get(("gradbox", s), 0) * costs.grad[None, :]
-                value = value + peak.get(("sent_act", s), 0) * costs.act[None, :]
-            held = np.maximum(held, value)
-        return _upper_triangle(static + held)
-
-    return stage
+    """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank, nothing
+    recomputed): planner.cost.stage_memory's, plus the fixed bytes every device holds."""
+    memory = StageMemory(profile, b, opts, recompute_all=False)
+    fixed = fixed_bytes(profile, opts)
+    return lambda s: memory.matrix(s) + fixed
 
 
 @dataclass

@@ -23,8 +23,8 @@ path k (a critical-path form: counts c_k of duration terms) gives a row
 
 which holds for every split (the path exists whatever the durations). A path that crosses from
 rank j to rank i through tied weight t's all-reduce exists only when both hold a use of t:
-T >= form - M (2 - h[t][j] - h[t][i]). Memory: for rank i and each of its list's peak vectors P
-(planner.pipeline.stepgraph.held_peaks),
+T >= form - M (2 - h[t][j] - h[t][i]). Memory (the terms of planner.cost.stage_memory): for rank i and
+each of its list's peak vectors P (planner.pipeline.stepgraph.held_peaks),
 
     sum_{g on i} sum_l x[l][g] P_l beta  +  sum_{g on i} [ P_live,g (sum_l x[l][g] s_l - sum_l rho[l][g] (s_l - in_l))
         + P_inbox,g sum_k e[k][g-1] act_k + P_gradbox,g sum_k e[k][g] grad_k
@@ -42,13 +42,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pulp
 
-from planner.cost.model import (boundary_links, num_micro_batches, rank_caps, rank_speeds,
-                                shared_parameters, static_factors, step_shape, sync_time, tie_time,
-                                exchange_latency)
+from planner.cost.model import (boundary_links, exchange_latency, num_micro_batches, rank_caps, rank_speeds,
+                                shared_parameters, sync_time, tie_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
-from planner.cost.step import rank_peaks
+from planner.cost.stage_memory import StageMemory
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
@@ -186,7 +185,8 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            reduce = pulp.lpSum(sync_time(c.p[l], c.t[l], opts, self.profile.dtype, self.m, rank=i) * MS * self.x(l, g)
+            exchange = sync_time(c.p, c.t, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
+            reduce = pulp.lpSum(exchange[l] * self.x(l, g)
                                 for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
                 exchange_latency(opts, i) * MS
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
@@ -218,46 +218,31 @@ class Program:
 
     # --- memory ---------------------------------------------------------------------------------
     def _memory(self) -> None:
-        c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
-        caps = rank_caps(opts, self.profile)
-        if all(cap is None for cap in caps):
+        opts, L = self.opts, self.L
+        memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
+        if all(cap is None for cap in memory.caps):
             return
-        beta_w, beta_t = static_factors(opts, self.profile.dtype)
-        per_unit = [c.p[l] * beta_w + c.t[l] * beta_t for l in range(L)]  # static bytes of unit l's parameters
-        redo_all = opts.recompute == "all"
-        saved = [c.inputs[l] if redo_all else c.s[l] for l in range(L)]
-        weight_held = [c.inputs[l] if redo_all else c.h[l] for l in range(L)]
-        peaks = rank_peaks(step_shape(opts, self.m))
-        for i in range(p):
-            if caps[i] is None:
+        beta_w, beta_t = memory.factors
+        for i in range(self.p):
+            if memory.caps[i] is None:
                 continue
-            static = pulp.lpSum(per_unit[l] / MIB * self.x(l, g)
+            static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)
                                 for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
-            for n, peak in enumerate(peaks[i]):
+            for n, peak in enumerate(memory.peaks[i]):
                 held = 0
-                for (kind, g), count in peak.items():
-                    if kind == "live":
-                        held += pulp.lpSum(count * saved[l] / MIB * self.x(l, g) for l in range(L) if self.may(l, g))
-                        held -= pulp.lpSum(count * (c.s[l] - c.inputs[l]) / MIB * r
-                                           for (l, gg), r in self.rho.items() if gg == g)
-                    elif kind == "weight":  # between input and weight backward (zero-bubble)
-                        held += pulp.lpSum(count * weight_held[l] / MIB * self.x(l, g) for l in range(L)
-                                           if self.may(l, g))
-                        held -= pulp.lpSum(count * (c.h[l] - c.inputs[l]) / MIB * r
-                                           for (l, gg), r in self.rho.items() if gg == g)
-                    elif kind == "inbox" and g > 0:
-                        held += pulp.lpSum(count * c.act[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
-                                           if c.act[k] and self.cut_may_end(k, g - 1))
-                    elif kind == "gradbox" and g < S - 1:
-                        held += pulp.lpSum(count * c.grad[k] / MIB * self.ends(k, g) for k in range(1, L)
-                                           if c.grad[k] and self.cut_may_end(k, g))
-                    elif kind == "sent_act" and g < S - 1:
-                        held += pulp.lpSum(count * c.act[k] / MIB * self.ends(k, g) for k in range(1, L)
-                                           if c.act[k] and self.cut_may_end(k, g))
-                    elif kind == "sent_grad" and g > 0:
-                        held += pulp.lpSum(count * c.grad[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
-                                           if c.grad[k] and self.cut_may_end(k, g - 1))
-                cap = math.floor(caps[i]) if beta_w.is_integer() and beta_t.is_integer() else caps[i]
+                for g in opts.stages_on(i):
+                    terms = memory.held(peak, g)
+                    held += pulp.lpSum(terms.per_unit[l] / MIB * self.x(l, g) for l in range(L)
+                                       if terms.per_unit[l] and self.may(l, g))
+                    held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
+                                       for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
+                    if g > 0:  # the cut the stage starts at ends stage g - 1
+                        held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
+                                           if terms.at_start[k] and self.cut_may_end(k, g - 1))
+                    held += pulp.lpSum(terms.at_end[k] / MIB * self.ends(k, g) for k in range(1, L)
+                                       if terms.at_end[k] and self.cut_may_end(k, g))
+                cap = memory.caps[i]
+                cap = math.floor(cap) if beta_w.is_integer() and beta_t.is_integer() else cap
                 self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
 
     # --- paths ----------------------------------------------------------------------------------

@@ -75,8 +75,47 @@ def test_a_flat_link_is_measured_again_then_bounded_with_a_warning():
     assert len(runs) == 4
 
 
+def _noisy_first_pair(rank, port, out):
+    """One rank of test_a_flat_ping_pong_is_measured_again_alone: its first ping-pong comes back flat."""
+    import datetime
+
+    import torch.distributed as dist
+    from planner.profile.link import measure_pair, ping_pong
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    pings = []
+
+    def ping():
+        pings.append(1)
+        return NOISY if len(pings) == 1 else ping_pong(rank == 0, 1 - rank, [8, 4 << 20], 2, 1)
+
+    config = {"repeats": 2, "warmup": 0, "attempts": 3, "allreduce_sizes": [1024], "allreduce_repeats": 1}
+    measured = measure_pair(rank, config, ping)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(measured, pings_here=len(pings)), f)
+    dist.destroy_process_group()
+
+
+def test_a_flat_ping_pong_is_measured_again_alone(tmp_path):
+    # in the same two processes, the ping-pong alone again (a flat one had re-run the whole
+    # measurement, all-reduces and rhythm included, in two new processes)
+    import torch.multiprocessing as mp
+    from planner.profile.link import _free_port
+
+    out = tmp_path / "pair.json"
+    mp.spawn(_noisy_first_pair, args=(_free_port(), str(out)), nprocs=2)
+    measured = json.loads(out.read_text())
+    assert measured["ping_pongs"] == measured["pings_here"] == 2 and measured["warning"] is None
+    assert [n for n, _ in measured["samples"]] == [8, 4 << 20] and measured["fit"] == fit_link(measured["samples"])
+    assert [k for k, _ in measured["batches"]] == [1, 8] and [n for n, _ in measured["allreduce"]] == [1024]
+
+
 def test_measure_link_pings_the_requested_sizes_between_two_processes():
-    link = measure_link([12288, 4096], repeats=3, warmup=1)
+    from planner.profile.rhythm import rhythm_latency
+
+    link = measure_link([12288, 4096], repeats=3, warmup=1, rhythm=(2e-4, 4e-4))
     assert [n for n, _ in link["samples"]] == [8, 4096, 12288, 4 << 20]
     assert all(t > 0 for _, t in link["samples"])
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0
@@ -92,6 +131,13 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     reduced = link["allreduce"]
     assert [n for n, _ in reduced["samples"]] == [1 << 20, bucket] and all(t > 0 for _, t in reduced["samples"])
     assert reduced["bandwidth_bytes_per_s"] == pytest.approx(bucket / reduced["samples"][1][1])
+    # the rhythm of a two-stage step's lists, recorded beside the ping-pong (planner.profile.rhythm)
+    rhythm = link["rhythm"]
+    assert rhythm["forward_s"] == 2e-4 and rhythm["backward_s"] == 4e-4 and rhythm["steps"] >= 5
+    assert rhythm["step_s"] >= 9 * 6e-4  # (m + 1)(F + B) of compute at least
+    # recorded, not charged: the plan's latency is the ping-pong's fit
+    assert link["latency_s"] == pytest.approx(fit_link(link["samples"])["latency_s"])
+    assert rhythm["latency_s"] == pytest.approx(rhythm_latency(rhythm["step_s"], 2e-4, 4e-4, rhythm["micro_batches"]))
 
 
 def test_the_all_reduce_rate_is_the_full_buckets():

@@ -1,10 +1,9 @@
-"""The rhythm's latency: its formula is the step graph's for the same lists, and a live measurement
-records it beside the ping-pong's."""
+"""The rhythm's latency: its formula is the step graph's for the same lists (a live measurement
+records it beside the ping-pong's: tests/profile/test_measure.py, one run of both)."""
 import pytest
 
 from planner.cost.model import evaluate
 from planner.cost.options import CostOptions
-from planner.profile.link import measure_link
 from planner.profile.rhythm import MAX_COMPUTE_S, rhythm_latency, summarise
 from tests.support.synthetic import synthetic_profile
 
@@ -31,14 +30,3 @@ def test_the_latency_is_never_negative_and_needs_two_micro_batches():
     # compute longer than MAX_COMPUTE_S is timed at it, and the record says so
     record = summarise([1.0, 1.0, 1.0], 1.0, 1.0)
     assert record["forward_s"] == MAX_COMPUTE_S and record["steps"] == 3
-
-
-def test_measure_link_records_the_rhythm_beside_the_ping_pong():
-    link = measure_link([4096], repeats=3, warmup=1, rhythm=(2e-4, 4e-4))
-    rhythm = link["rhythm"]
-    assert rhythm["forward_s"] == 2e-4 and rhythm["backward_s"] == 4e-4 and rhythm["steps"] >= 5
-    assert rhythm["step_s"] >= 9 * 6e-4  # (m + 1)(F + B) of compute at least
-    # recorded, not charged: the plan's latency is the ping-pong's fit
-    from planner.profile.link import fit_link
-    assert link["latency_s"] == pytest.approx(fit_link(link["samples"])["latency_s"])
-    assert rhythm["latency_s"] == pytest.approx(rhythm_latency(rhythm["step_s"], 2e-4, 4e-4, rhythm["micro_batches"]))

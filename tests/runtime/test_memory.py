@@ -59,6 +59,38 @@ def test_sent_outputs_keep_only_their_graph():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_a_sent_copy_frees_the_outputs_at_once():
+    # pack says when the wire is a copy (several tensors, a non-contiguous one, autocast's first
+    # message, which describes its dtypes): the outputs' storage then goes at once, not at the send
+    from runtime.comm import DescribedLayout, MessageLayout
+
+    one = MessageLayout([((2, 3), torch.float32)], "test")
+    contiguous, strided = torch.ones(2, 3), torch.ones(3, 2).t()
+    wire, copied = one.pack([contiguous], torch.device("cpu"))
+    assert not copied and wire.data_ptr() == contiguous.data_ptr()
+    wire, copied = one.pack([strided], torch.device("cpu"))
+    assert copied and torch.equal(wire, strided)
+    assert DescribedLayout(one).pack([contiguous], torch.device("cpu"))[1]
+    plan = plan_with(profile_of("builtin:mlp"), [3], 4, 8, "1f1b")
+    for autocast in (None, torch.bfloat16):
+        topology = plan.topology()
+        model = build_rank(plan, topology, 0)
+        engine = Engine(model, plan.instruction_lists()[0], topology, 0, plan.global_batch, plan.num_micro_batches,
+                        make_optimizer("sgd", model.parameters(), 0.01), torch.device("cpu"),
+                        Groups(topology, 0, model.tied_groups), autocast=autocast)
+        step = _Step(StepStats(step=0), *engine._micro_batches(0))
+        engine._forward(step, Action(ActionKind.FORWARD, 0, 0))
+        runner, state = engine.runners[0], step.states[(0, 0)]
+        assert len(runner.send_tensors) == 1
+        output = state.outputs[runner.send_tensors[0]]
+        operation, after = engine._send_activations(step, Action(ActionKind.SEND_ACT, 0, 0))
+        if autocast is None:  # the wire is the output itself: kept until the send completes
+            assert after is not None and operation.tensor.data_ptr() == output.data_ptr()
+            assert output.untyped_storage().nbytes() > output.element_size()
+        else:
+            assert after is None and output.untyped_storage().nbytes() <= output.element_size()
+
+
 def test_a_rank_keeps_no_other_stage():
     # every rank builds and captures the whole model; afterwards it holds only its stages' tensors
     plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [3], 2, 8, "1f1b")

@@ -10,7 +10,7 @@ from planner.cost.model import evaluate
 from planner.cost.options import CostOptions
 from planner.cost.placement import Placement
 from planner.cost.topology_file import topology_from_json
-from planner.solve.placed import shapes, solve_on_topology
+from planner.solve.placed import candidates, shapes, solve_on_topology
 from tests.support.synthetic import synthetic_profile
 
 SITES = {"levels": [{"name": "site", "count": 2, "bandwidth": "1MB", "latency": 0.01},
@@ -73,3 +73,36 @@ def test_heavy_gradients_keep_the_exchange_inside_the_sites():
     assert all(placement.exchange_latency(i, 0.0) == 0 and placement.exchange_bandwidth(i, 1.0) > 1e9 for i in range(2))
     assert placement.path(0, 1, 1.0, 0.0)[0] == 1e8  # its pipeline crosses sites instead
     assert found.bound <= found.objective
+
+
+def test_the_time_limit_bounds_the_whole_placement_search(monkeypatch):
+    # every scenario solve "uses all the time it is given" on a clock the search reads: 7 placements
+    # solved one by one, each under the whole limit, would take several limits; one search takes one
+    import planner.solve.search as search
+
+    clock = {"now": 0.0}
+    solve_scenario = search.solve_scenario
+
+    def using_its_time(profile, b, opts, start, time_limit, *args, **kwargs):
+        outcome = solve_scenario(profile, b, opts, start, time_limit, *args, **kwargs)
+        clock["now"] += time_limit
+        return outcome
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return clock["now"]
+
+    monkeypatch.setattr(search, "solve_scenario", using_its_time)
+    monkeypatch.setattr(search, "time", Clock)
+    L, limit = 6, 10.0
+    profile = synthetic_profile([0.001 * (1 + u % 3) for u in range(L)], [0.002] * L, [1 << 20] * L, [0] * L,
+                                [1 << 20, 4 << 20, 1 << 10, 2 << 20, 1 << 20], sizes=(1, 2))
+    topology = topology_from_json(SITES)
+    opts = CostOptions(pipeline_ranks=1, global_batch=8, bandwidth=1e10, dp_bandwidth=1e10)
+    found = solve_on_topology(profile, opts, topology, time_limit=limit)
+    scenarios = len(candidates(topology, opts, L)) * len(profile.micro_batch_sizes)  # one per placement and b
+    assert clock["now"] <= limit + 0.05 * scenarios  # each scenario past the limit gets at most 0.05 s
+    assert clock["now"] > 0  # the search did solve scenarios under the limit
+    assert found.objective == pytest.approx(brute(profile, opts, topology)[0], rel=1e-9)
+    assert found.status == "optimal" and found.bound <= found.objective

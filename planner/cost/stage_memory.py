@@ -1,0 +1,82 @@
+"""A stage's memory as a function of where it starts and ends: the one definition the integer
+program's memory rows (planner.solve.ilp), the branch and bound's fitting stages (planner.solve.branch)
+and the memory floor of an infeasible request (planner.solve.diagnose) are written from.
+
+Stage g holding units [a, e), under one of its rank's held-count vectors P (planner.cost.step.rank_peaks:
+how many of each kind its list holds at one moment; planner.cost.model.held_bytes prices the same
+kinds for one split), holds
+
+    static(a, e)                                       its parameters' bytes (planner.cost.model.static_bytes)
+    + sum_{a<=l<e} (P_live,g saved_l + P_weight,g weight_l)          per unit
+    + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a)           at the cut it starts at
+    + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
+
+saved_l (weight_l): what unit l keeps for its backward (until its weight backward), its input in_l
+alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
+P_live,g (s_l - in_l) + P_weight,g (h_l - in_l). A rank's peak is the largest over its vectors; with
+several stages on a rank the sum over them per vector. The fixed bytes every device holds are not
+in it: compare with planner.cost.model.rank_caps (the caps less those).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from planner.cost.model import num_micro_batches, rank_caps, static_factors, step_shape
+from planner.cost.options import CostOptions
+from planner.cost.ranges import prefix_sums, range_costs, range_matrix
+from planner.cost.step import rank_peaks
+from planner.profile.profile import Profile
+
+
+@dataclass(frozen=True)
+class HeldTerms:
+    """Stage g's held bytes under one count vector, linear in the split (module docstring)."""
+
+    per_unit: np.ndarray  # [l]: bytes unit l adds when in the stage
+    at_start: np.ndarray  # [k]: bytes when the stage starts at cut k (0 for the first stage)
+    at_end: np.ndarray  # [k]: bytes when the stage ends at cut k (0 for the last stage)
+    recompute_saves: np.ndarray  # [l]: bytes recomputing unit l saves (recompute 'auto')
+
+
+class StageMemory:
+    """Every stage's memory terms of one scenario at micro-batch size b (module docstring)."""
+
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, recompute_all: bool):
+        costs = range_costs(profile, b, opts.optimizer)
+        self.costs, self.S = costs, opts.num_stages
+        self.factors: Tuple[float, float] = static_factors(opts, profile.dtype)
+        beta_w, beta_t = self.factors
+        self.static_per_unit = costs.p * beta_w + costs.t * beta_t
+        self.saved = costs.inputs if recompute_all else costs.s
+        self.weight = costs.inputs if recompute_all else costs.h
+        self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
+        self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
+        self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
+
+    def cap(self, g: int) -> Optional[float]:
+        """What stage g's rank may hold besides the fixed bytes (None: no cap)."""
+        return self.caps[self.ranks[g]]
+
+    def held(self, peak: Dict, g: int) -> HeldTerms:
+        """Stage g's terms under the count vector `peak` of its rank."""
+        c = self.costs
+        count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
+        zero = np.zeros_like(c.act)
+        start = count("inbox") * c.act + count("sent_grad") * c.grad if g > 0 else zero
+        end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
+        saves = count("live") * (c.s - c.inputs) + count("weight") * (c.h - c.inputs)
+        return HeldTerms(count("live") * self.saved + count("weight") * self.weight, start, end, saves)
+
+    def matrix(self, g: int) -> np.ndarray:
+        """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""
+        static = range_matrix(prefix_sums(self.static_per_unit))
+        valid = np.isfinite(static)
+        held = np.zeros_like(static)
+        for peak in self.peaks[self.ranks[g]]:
+            terms = self.held(peak, g)
+            value = np.where(valid, range_matrix(prefix_sums(terms.per_unit)), 0.0)
+            held = np.maximum(held, value + terms.at_start[:, None] + terms.at_end[None, :])
+        return static + held
