@@ -52,12 +52,11 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from planner.cost.model import (boundary_links, evaluate, exchange_latency, num_micro_batches, rank_caps,
-                                rank_speeds, shared_parameters, static_bytes, step_shape, sync_time)
+from planner.cost.model import (boundary_links, evaluate, exchange_latency, num_micro_batches, rank_speeds,
+                                shared_parameters, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
-from planner.cost.step import rank_peaks
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
 from planner.solve.floors import form_completions, least_largest, split_of, stage_floors

@@ -95,31 +95,31 @@ def min_memory_plan(profile: Profile, opts: CostOptions) -> Optional[MemoryFloor
 def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int]:
     """The least S' <= L for which some split and candidate b fit opts.memory_cap, or None.
 
-    Counted from the last stage, stage S'-1-j holds min(j + 1, m) micro-batches under 1F1B (m under
-    GPipe) whatever S' is, so one backward DP answers every S' at once:
+    Counted from the last stage, a middle stage S'-1-j holds what stage L-1-j of the L-stage lists
+    holds whatever S' is (min(j + 1, m) micro-batches under 1F1B, m under GPipe, and their
+    messages), so one backward DP answers every S' at once:
 
         R_0(a) = [M^(0)(a, L) <= cap]
         R_j(a) = OR_{e > a} [M^(j)(a, e) <= cap] AND R_{j-1}(e)      (units [a, L) in j + 1 stages)
 
-    and S' = j + 1 fits iff R_j(0). Cost O(L^3) per b, vectorised over (a, e).
+    A first stage holds its own pattern (no received activations, but its sends' buffers at other
+    moments), so S' = j + 1 fits iff OR_e [F^(j)(0, e) <= cap] AND R_{j-1}(e), with F^(j) the first
+    stage of the (j + 1)-stage lists. Cost O(L^3) per b, vectorised over (a, e).
     """
     L, cap = profile.num_units, opts.memory_cap
     sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
     if cap is None:
         return 1 if sizes else None
-    # memory_matrices(s) of the L-stage lists: stage L-1-j holds min(j + 1, m) micro-batches (1F1B);
-    # conservative: a first stage is charged the received activations a middle one holds
-    tables = [memory_matrices(profile, b, opts.with_(pipeline_ranks=L, cluster=None, placement=None)) for b in sizes]
+    lists = lambda stages: opts.with_(pipeline_ranks=stages, cluster=None, placement=None)  # noqa: E731
+    middles = [memory_matrices(profile, b, lists(L)) for b in sizes]  # M^(j): stage L-1-j
     reach = [None] * len(sizes)
     for j in range(L):
-        for i, memory in enumerate(tables):
-            fits = memory(L - 1 - j) <= cap  # [a, e]
-            if j == 0:
-                reach[i] = fits[:, L].copy()
-            else:
-                reach[i] = np.any(fits & reach[i][None, :], axis=1)
-            if reach[i][0]:
+        for i, b in enumerate(sizes):
+            first = memory_matrices(profile, b, lists(j + 1))(0)[0] <= cap  # F^(j)(0, e) over e
+            if (first[L] if j == 0 else np.any(first & reach[i])):
                 return j + 1
+            fits = middles[i](L - 1 - j) <= cap  # [a, e]
+            reach[i] = fits[:, L].copy() if j == 0 else np.any(fits & reach[i][None, :], axis=1)
     return None
 
 

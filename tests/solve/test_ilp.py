@@ -202,7 +202,7 @@ def test_cbc_log_parsing():
     assert _parse_cbc_log(optimal) == ("Optimal solution found", 12.5, None)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=6), st.floats(0.3, 1.2))
 def test_smallest_fitting_stage_count(problem, scale):
     from planner.solve.diagnose import smallest_fitting_stages
