@@ -47,8 +47,6 @@ def unit_time_step(schedule: str, pipeline_ranks: int, num_micro_batches: int, v
     """The simulated step of a schedule's lists at unit times, messages free: a rank's forward, input
     backward and weight backward take 1 each (a whole backward 2), split evenly over its
     `virtual_stages` stages. Its excess over 3 m is the schedule's bubble in units of one forward."""
-    from planner.pipeline import schedule as sched
-
     S, v = pipeline_ranks * virtual_stages, virtual_stages
     value: dict = {}
     for g in range(S):

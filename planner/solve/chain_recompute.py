@@ -43,7 +43,7 @@ def _unit_arrays(profile: Profile, b: int):
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per stage."""
-    L, C, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
+    L, C = profile.num_units, opts.num_stages
     m = num_micro_batches(opts, b)
     f, g, P, T, A, order = _unit_arrays(profile, b)
     n = order.size
