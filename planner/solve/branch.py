@@ -59,7 +59,7 @@ from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
-from planner.solve.floors import form_completions, least_largest, split_of, stage_floors
+from planner.solve.floors import Band, form_completions, least_largest, split_of, stage_floors
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
@@ -117,26 +117,30 @@ class _Terms:
         zero = np.zeros((L + 1, L + 1))
         # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range
         self.rows: List[np.ndarray] = []
-        distinct: List[np.ndarray] = []
+        distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # stages on like devices share one table
         for g in range(S):
             speed = speeds[g]
-            terms = {"forward": forward / speed, "backward": backward / speed, "backward_input": backward_input / speed,
-                     "backward_weight": backward_weight / speed, "step": step / speed,
-                     # the stage's share of its device's exchange over the replicas (hierarchical under
-                     # a placement: per rank; its latency is the form's constant)
-                     "reduce": sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])}
-            if g < S - 1:  # the messages across boundary g, by where stage g ends
-                act = np.array([costs.message_s(e, links[g]) if 0 < e < L else 0.0 for e in ends])
-                grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
-                terms["act"], terms["grad"] = np.broadcast_to(act, zero.shape), np.broadcast_to(grad, zero.shape)
-            stacked = np.stack([terms.get(name, zero) for name in _STAGE_TERMS])
-            kept = np.where(finite & np.isfinite(stacked), stacked, 0.0)
-            same = next((row for row in distinct if np.array_equal(row, kept)), None)
+            # the stage's share of its device's exchange over the replicas (hierarchical under a placement:
+            # per rank; its latency is the form's constant)
+            reduce = sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])
+            act = np.array([costs.message_s(e, links[g]) if 0 < e < L and g < S - 1 else 0.0 for e in ends])
+            grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L and g < S - 1 else 0.0
+                             for e in ends])  # the messages across boundary g, by where stage g ends
+            same = next((table for (v, a, d, r, table) in distinct if v == speed and np.array_equal(a, act)
+                         and np.array_equal(d, grad) and np.array_equal(r, reduce)), None)
             if same is None:
-                distinct.append(kept)
-            self.rows.append(kept if same is None else same)  # stages on like devices share one table
+                terms = {"forward": forward / speed, "backward": backward / speed,
+                         "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
+                         "step": step / speed, "reduce": reduce, "act": np.broadcast_to(act, zero.shape),
+                         "grad": np.broadcast_to(grad, zero.shape)}
+                stacked = np.stack([terms[name] for name in _STAGE_TERMS])
+                same = np.where(finite & np.isfinite(stacked), stacked, 0.0)
+                distinct.append((speed, act, grad, reduce, same))
+            self.rows.append(same)
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
-        self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
+        self.allowed: List[np.ndarray] = []  # fits, and may lie in a split faster than the target (restrict)
+        self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
+        self.allow(list(self.fits))
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
         self.latency = [exchange_latency(opts, i) for i in range(opts.pipeline_ranks)]
 
@@ -145,7 +149,10 @@ class _Terms:
         step below `target` (planner.solve.reach: a stage too heavy for any split to beat it)."""
         ok = stage_conditions(self.costs, self.S, self.speeds, [f.count() for f in forms if not f.crossings],
                               target, recompute_all=self.redo_all)
-        self.allowed = [fits & good for fits, good in zip(self.fits, ok)]
+        self.allow([fits & good for fits, good in zip(self.fits, ok)])
+
+    def allow(self, allowed: List[np.ndarray]) -> None:
+        self.allowed, self.band = allowed, Band(self.rows, allowed)
 
     def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
         """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
@@ -176,8 +183,9 @@ class _Forms:
     def __len__(self) -> int:
         return len(self.constant)
 
-    def add(self, form: PathForm) -> bool:
-        """Take a form (False if known, guarded by a tie, or with a term of no stage)."""
+    def add(self, form: PathForm, complete: bool = True) -> bool:
+        """Take a form (False if known, guarded by a tie, or with a term of no stage); without
+        `complete`, its completions wait for the next refresh (-inf until then: no bound)."""
         if form in self.known or form.crossings:
             return False
         S = self.terms.S
@@ -201,7 +209,8 @@ class _Forms:
         self.known.add(form)
         self.constant = np.append(self.constant, constant)
         self.coefficients = np.concatenate([self.coefficients, per_stage], axis=1)
-        self.completion = np.concatenate([self.completion, self._completion(per_stage[:, 0, :])[None]])
+        completion = self._completion(per_stage[:, 0, :]) if complete else np.full(self.completion.shape[1:], -np.inf)
+        self.completion = np.concatenate([self.completion, completion[None]])
         return True
 
     def add_combination(self, lam: np.ndarray) -> None:
@@ -222,16 +231,16 @@ class _Forms:
     def _refresh(self, target: float) -> None:
         terms = self.terms
         terms.restrict(self.known, target)
-        self.completion = form_completions(self.coefficients, terms.rows, terms.allowed)
+        self.completion = form_completions(self.coefficients, terms.band)
         if not len(self):
             return
         for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
-            self.floors = stage_floors(self.constant, self.coefficients, terms.rows, terms.allowed, self.completion)
+            self.floors = stage_floors(self.constant, self.coefficients, terms.band, self.completion)
             kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
             if all((k == a).all() for k, a in zip(kept, terms.allowed)):
                 break
-            terms.allowed = kept
-            self.completion = form_completions(self.coefficients, terms.rows, terms.allowed)
+            terms.allow(kept)
+            self.completion = form_completions(self.coefficients, terms.band)
         self.least, ends = least_largest(self.floors)
         self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
 
@@ -249,7 +258,7 @@ class _Forms:
     def _completion(self, per_stage: np.ndarray) -> np.ndarray:
         """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
         splits of [a, L) into stages g..S-1."""
-        return form_completions(per_stage[:, None, :], self.terms.rows, self.terms.allowed)[0]
+        return form_completions(per_stage[:, None, :], self.terms.band)[0]
 
 
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
@@ -263,7 +272,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     L, S = terms.L, terms.S
     known = _Forms(terms, opts.message_s)
     for form in forms:
-        known.add(form)
+        known.add(form, complete=False)  # the first refresh completes them all at once
     redo = list(range(L)) if opts.recompute == "all" else []
     overhead = opts.step_overhead_s
     best = incumbent

@@ -24,38 +24,79 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-FORMS_PER_CHUNK = 32  # forms evaluated together (memory: forms x (L + 1)^2 floats per chunk)
+FORMS_PER_CHUNK = 32  # forms evaluated together (memory: forms x a block's ranges per chunk)
+BLOCK_ROWS = 32  # starts per block: a stage's allowed ranges form a band, each block of starts covers its part
+BAND_BYTES = 256 << 20  # blocks keep their terms gathered up to this many bytes in all (the rest gather per use)
 
 
-def form_completions(coefficients: np.ndarray, rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray]
-                     ) -> np.ndarray:
+class Band:
+    """Where each stage's allowed ranges lie: per stage, blocks of starts, each a rectangle of
+    (a, e) holding the allowed ranges of those starts, with the terms over it (rows[g][term, a, e])."""
+
+    def __init__(self, rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray], budget: int = BAND_BYTES):
+        self.S, self.L = len(allowed), allowed[0].shape[0] - 1
+        self.blocks: List[List[_Block]] = []
+        for g, ok in enumerate(allowed):
+            starts = np.flatnonzero(ok.any(axis=1))
+            stage = []
+            for first in range(int(starts[0]), int(starts[-1]) + 1, BLOCK_ROWS) if starts.size else ():
+                a = slice(first, min(int(starts[-1]) + 1, first + BLOCK_ROWS))
+                if ok[a].any():
+                    stage.append(_Block(rows[g], ok, a))
+                    budget -= stage[-1].keep(budget)
+            self.blocks.append(stage)
+
+
+class _Block:
+    """The allowed ranges of one stage starting in rows `a`: e in `e`, +inf in `mask` where not allowed."""
+
+    def __init__(self, rows: np.ndarray, allowed: np.ndarray, a: slice):
+        ends = np.flatnonzero(allowed[a].any(axis=0))
+        self.rows, self.a, self.e = rows, a, slice(int(ends[0]), int(ends[-1]) + 1)
+        self.mask = np.where(allowed[self.a, self.e], 0.0, np.inf)
+        self.terms: np.ndarray = None  # (term, a e) gathered, when kept
+
+    def keep(self, budget: int) -> int:
+        """Gather the terms once if they fit the budget; the bytes taken."""
+        size = self.rows.shape[0] * self.mask.size * 8
+        if size > budget:
+            return 0
+        self.terms = np.ascontiguousarray(self.rows[:, self.a, self.e]).reshape(self.rows.shape[0], -1)
+        return size
+
+    def values(self, coefficients: np.ndarray) -> np.ndarray:
+        """V_kg(a, e) over the block for a chunk of forms (coefficients[k, term]), +inf where not allowed."""
+        terms = self.terms if self.terms is not None else self.rows[:, self.a, self.e].reshape(self.rows.shape[0], -1)
+        value = (coefficients @ terms).reshape(len(coefficients), *self.mask.shape)
+        value += self.mask
+        return value
+
+
+def form_completions(coefficients: np.ndarray, band: Band) -> np.ndarray:
     """D[k, g, a]: form k's least sum over the splits of [a, L) into allowed stages g..S-1 of its
-    stage terms (+inf where there is none), every form at once. coefficients[g, k, term];
-    rows[g][term, a, e]: stage g's terms over [a, e)."""
-    S, K, L = len(allowed), coefficients.shape[1], allowed[0].shape[0] - 1
+    stage terms (+inf where there is none), every form at once. coefficients[g, k, term]."""
+    S, K, L = band.S, coefficients.shape[1], band.L
     D = np.full((K, S + 1, L + 1), np.inf)
     D[:, S, L] = 0.0
-    blocks = [_blocks(ok) for ok in allowed]
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         for g in range(S - 1, -1, -1):
-            for block in blocks[g]:
-                value = block.values(coefficients[g, chunk], rows[g])
+            for block in band.blocks[g]:
+                value = block.values(coefficients[g, chunk])
                 value += D[chunk, g + 1, None, block.e]
                 D[chunk, g, block.a] = value.min(axis=2)
     return D
 
 
-def stage_floors(constant: np.ndarray, coefficients: np.ndarray, rows: Sequence[np.ndarray],
-                 allowed: Sequence[np.ndarray], completion: np.ndarray) -> List[np.ndarray]:
+def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, completion: np.ndarray
+                 ) -> List[np.ndarray]:
     """H[g][a, e] (module docstring; +inf where stage g = [a, e) is not allowed or cannot be chained
     from 0 to L, -inf without forms). coefficients[g, k, term], completion[k, g, a]."""
-    S, K, L = len(allowed), len(constant), allowed[0].shape[0] - 1
-    blocks = [_blocks(ok) for ok in allowed]
+    S, K, L = band.S, len(constant), band.L
     floors = []
-    for stage_blocks in blocks:
+    for blocks in band.blocks:
         floor = np.full((L + 1, L + 1), np.inf if K else -np.inf)  # no form: no bound
-        for block in stage_blocks if K else ():
+        for block in blocks if K else ():
             floor[block.a, block.e] = -np.inf
         floors.append(floor)
     for first in range(0, K, FORMS_PER_CHUNK):
@@ -64,45 +105,14 @@ def stage_floors(constant: np.ndarray, coefficients: np.ndarray, rows: Sequence[
         prefix[:, 0] = 0.0
         for g in range(S):
             after = np.full_like(prefix, np.inf)
-            for block in blocks[g]:
-                through = block.values(coefficients[g, chunk], rows[g])
+            for block in band.blocks[g]:
+                through = block.values(coefficients[g, chunk])
                 through += prefix[:, block.a, None]  # P_kg(a) + V_kg(a, e)
                 np.minimum(after[:, block.e], through.min(axis=1), out=after[:, block.e])
                 through += completion[chunk, g + 1, None, block.e] + constant[chunk, None, None]
                 np.maximum(floors[g][block.a, block.e], through.max(axis=0), out=floors[g][block.a, block.e])
             prefix = after
     return floors
-
-
-BLOCK_ROWS = 32  # starts per block: a stage's allowed ranges form a band, each block of starts covers its part
-
-
-class _Block:
-    """A rectangle of (a, e) holding the allowed ranges of a stage starting in a's rows."""
-
-    def __init__(self, allowed: np.ndarray, a: slice):
-        ends = np.flatnonzero(allowed[a].any(axis=0))
-        self.a, self.e = a, slice(int(ends[0]), int(ends[-1]) + 1)
-        self.mask = np.where(allowed[self.a, self.e], 0.0, np.inf)
-
-    def values(self, coefficients: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """V_kg(a, e) over the block for a chunk of forms, +inf where the range is not allowed."""
-        value = np.tensordot(coefficients, rows[:, self.a, self.e], axes=1)
-        value += self.mask
-        return value
-
-
-def _blocks(allowed: np.ndarray) -> List[_Block]:
-    """The blocks covering a stage's allowed ranges (none where no range is allowed)."""
-    starts = np.flatnonzero(allowed.any(axis=1))
-    if starts.size == 0:
-        return []
-    out = []
-    for first in range(int(starts[0]), int(starts[-1]) + 1, BLOCK_ROWS):
-        rows = slice(first, min(int(starts[-1]) + 1, first + BLOCK_ROWS))
-        if allowed[rows].any():
-            out.append(_Block(allowed, rows))
-    return out
 
 
 def least_largest(floors: Sequence[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
