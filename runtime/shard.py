@@ -2,7 +2,7 @@
 planner/cost/memory.py), trained exactly as one process.
 
 - `optimizer` (ZeRO-1): torch.distributed.optim.ZeroRedundancyOptimizer over the holders of this
-  rank's stages. The gradients are all-reduced as without sharding (runtime.engine.Groups); each
+  rank's stages. The gradients are all-reduced as without sharding (runtime.groups.Groups); each
   holder keeps the optimizer state of its share of the parameters, steps them, and broadcasts them
   to the others.
 - `gradients` (ZeRO-2): `GradientShardedOptimizer`. Each parameter has one owner among the n
@@ -14,7 +14,7 @@ planner/cost/memory.py), trained exactly as one process.
   broadcasts it. gloo has no reduce-scatter: reduces to the owners move the same bytes.
 
 Tied weights (used by stages on several ranks) are summed over every rank holding a use in every
-replica by runtime.engine.Groups before the step, so each holder steps its copy itself (not sharded).
+replica by runtime.groups.Groups before the step, so each holder steps its copy itself (not sharded).
 `parameters` (ZeRO-3): runtime/shard_params.py.
 """
 from __future__ import annotations

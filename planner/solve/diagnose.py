@@ -62,9 +62,10 @@ def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatr
 
 
 def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMatrix:
-    """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank, nothing
-    recomputed): planner.cost.stage_memory's, plus the fixed bytes every device holds."""
-    memory = StageMemory(profile, b, opts, recompute_all=False)
+    """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank, every unit
+    recomputed under --recompute all, none otherwise): planner.cost.stage_memory's, plus the fixed
+    bytes every device holds."""
+    memory = StageMemory(profile, b, opts, recompute_all=opts.recompute == "all")
     fixed = fixed_bytes(profile, opts)
     return lambda s: memory.matrix(s) + fixed
 
@@ -86,10 +87,16 @@ def min_memory_plan(profile: Profile, opts: CostOptions) -> Optional[MemoryFloor
         if boundaries is None:
             continue
         # Report exactly what the cost model computes for this split (the DP sums in another order).
-        peak = max(evaluate(profile, boundaries, b, opts).device_memory)
+        peak = max(evaluate(profile, boundaries, b, opts, _recomputed(profile, opts)).device_memory)
         if best is None or peak < best.memory_bytes:
             best = MemoryFloor(peak, b, boundaries)
     return best
+
+
+def _recomputed(profile: Profile, opts: CostOptions) -> List[int]:
+    """The units the plan recomputes whatever its split: all under --recompute all, else none (under
+    auto the floor is still counted without recomputation: an upper reading of it)."""
+    return list(range(profile.num_units)) if opts.recompute == "all" else []
 
 
 def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int]:
@@ -153,7 +160,7 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
         return f"no split of {L} units into {S} stages exists"
     if cap is None or floor.memory_bytes <= cap:
         return f"a plan fits: the smallest memory per device for {S} stages is {format_bytes(floor.memory_bytes)}"
-    cost = evaluate(profile, floor.boundaries, floor.micro_batch_size, opts)
+    cost = evaluate(profile, floor.boundaries, floor.micro_batch_size, opts, _recomputed(profile, opts))
     worst = max(range(S), key=lambda s: cost.device_memory[s])
     stage = cost.stages[worst]
     first_line = (f"no plan fits {format_bytes(cap)} per device with {S} stage{'s' if S != 1 else ''}: even the split that needs "

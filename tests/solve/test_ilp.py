@@ -109,19 +109,21 @@ def test_highs_agrees_with_cbc(problem):
 
 
 def brute_memory_floor(profile, opts):
-    """min over b and splits of max_s M_s, by enumeration."""
+    """min over b and splits of max_s M_s, by enumeration (every unit recomputed under --recompute all)."""
     best = math.inf
+    redo = list(range(profile.num_units)) if opts.recompute == "all" else []
     for boundaries in itertools.combinations(range(1, profile.num_units), opts.pipeline_ranks - 1):
         for b in candidate_micro_batch_sizes(profile, opts.global_batch):
-            cost = evaluate(profile, list(boundaries), b, opts)
+            cost = evaluate(profile, list(boundaries), b, opts, redo)
             best = min(best, max(cost.device_memory))
     return best
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_infeasible_diagnosis_is_tight(problem):
+@given(problems(), st.sampled_from(["none", "all"]))
+def test_infeasible_diagnosis_is_tight(problem, recompute):
     profile, opts = problem
+    opts = opts.with_(recompute=recompute)
     floor = brute_memory_floor(profile, opts)
     assert min_memory_plan(profile, opts).memory_bytes == floor
     tight = CostOptions(**{**opts.__dict__, "memory_cap": floor})
