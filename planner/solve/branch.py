@@ -72,14 +72,23 @@ REFRESH = 0.01  # re-derive the allowed stages and completions when the target o
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
 
-MAX_UNITS = 1300  # beyond, the tables (terms and floors over every range, (L + 1)^2 each) outgrow memory
+TABLE_BYTES = 2 << 30  # beyond, the integer program (BENCHMARKS.md: 0.74 GB at 1,251 units and 16 like stages)
 
 
 def applies(profile: Profile, opts: CostOptions) -> bool:
     """Whether every duration term of this scenario belongs to one stage (module docstring), on a
     profile small enough for its tables."""
-    return (profile.num_units <= MAX_UNITS and not opts.replicated and opts.recompute in ("none", "all")
-            and not shared_parameters(profile) and opts.num_stages <= profile.num_units)
+    return (table_bytes(profile.num_units, opts) <= TABLE_BYTES and not opts.replicated
+            and opts.recompute in ("none", "all") and not shared_parameters(profile)
+            and opts.num_stages <= profile.num_units)
+
+
+def table_bytes(num_units: int, opts: CostOptions) -> int:
+    """What the search's tables over every range take: the stage terms (one table per kind of
+    device, at most one per stage where devices differ), the floors and the allowed ranges per stage."""
+    S, cells = opts.num_stages, (num_units + 1) ** 2
+    tables = S if opts.device_view is not None else 2  # like devices: inner stages and the last one
+    return (tables * len(_STAGE_TERMS) * 8 + S * (8 + 3)) * cells
 
 
 @dataclass

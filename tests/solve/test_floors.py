@@ -101,3 +101,29 @@ def test_the_floors_couple_the_stages():
     assert known.least[0, 0] <= best * (1 + 1e-9)
     assert known.least[0, 0] > 1.5 * single
     assert known.least_split == (3, 6)
+
+
+def test_the_table_estimate_covers_the_tables():
+    """branch.table_bytes (which decides whether the search runs or the integer program) is at least
+    what the search's tables take: like devices, and four devices of four speeds."""
+    import random
+
+    from planner.cost.cluster import Cluster, DeviceGroup, Link
+    from planner.solve.branch import table_bytes
+    from tests.support.synthetic import random_chain
+
+    profile = random_chain(random.Random(3), 40, sizes=(2,))
+    cluster = Cluster(groups=tuple(DeviceGroup(f"g{i}", 1, speed=1.0 + i / 4) for i in range(4)),
+                      links=(Link(1e9, 1e-5),) * 3)
+    for opts in (CostOptions(pipeline_ranks=4, global_batch=16), CostOptions(pipeline_ranks=4, global_batch=16,
+                                                                               cluster=cluster)):
+        known = _Forms(_Terms(profile, 2, opts), opts.message_s)
+        for form in structural_forms(profile, 2, opts):
+            known.add(form)
+        known.refresh(math.inf)
+        terms = known.terms
+        tables = {id(row): row.nbytes for row in terms.rows}
+        taken = sum(tables.values()) + sum(f.nbytes for f in known.floors) + \
+            sum(a.nbytes for a in terms.allowed) + sum(f.nbytes for f in terms.fits)
+        assert taken <= table_bytes(profile.num_units, opts)
+        assert len(tables) == (2 if opts.cluster is None else 4)
