@@ -59,7 +59,7 @@ from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
-from planner.solve.floors import Band, form_completions, least_largest, split_of, stage_floors
+from planner.solve.floors import Band, OutOfTime, form_completions, least_largest, split_of, stage_floors
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
@@ -188,6 +188,7 @@ class _Forms:
         self.least = np.full((terms.S + 1, terms.L + 1), -np.inf)
         self.least_split: Optional[Tuple[int, ...]] = None
         self.refresh_s = 0.0  # how long the last refresh took
+        self.deadline: Optional[float] = None  # a refresh past it gives up (time.perf_counter())
 
     def __len__(self) -> int:
         return len(self.constant)
@@ -234,22 +235,27 @@ class _Forms:
         """Re-derive the allowed stages for `target`, every form's completions over them, and the stage
         floors; a range whose floor reaches the target is dropped and the completions follow (twice at most)."""
         started = time.perf_counter()
-        self._refresh(target)
+        try:
+            self._refresh(target)
+        except OutOfTime:  # past the deadline: no completions and no floors (no bound is a valid one)
+            self.completion = np.full((len(self), self.terms.S + 1, self.terms.L + 1), -np.inf)
+            self.floors, self.least_split = None, None
+            self.least = np.full((self.terms.S + 1, self.terms.L + 1), -np.inf)
         self.refresh_s = time.perf_counter() - started
 
     def _refresh(self, target: float) -> None:
-        terms = self.terms
+        terms, deadline = self.terms, self.deadline
         terms.restrict(self.known, target)
-        self.completion = form_completions(self.coefficients, terms.band)
+        self.completion = form_completions(self.coefficients, terms.band, deadline)
         if not len(self):
             return
         for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
-            self.floors = stage_floors(self.constant, self.coefficients, terms.band, self.completion)
+            self.floors = stage_floors(self.constant, self.coefficients, terms.band, self.completion, deadline)
             kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
             if all((k == a).all() for k, a in zip(kept, terms.allowed)):
                 break
             terms.allow(kept)
-            self.completion = form_completions(self.coefficients, terms.band)
+            self.completion = form_completions(self.coefficients, terms.band, deadline)
         self.least, ends = least_largest(self.floors)
         self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
 
@@ -280,6 +286,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     terms = _Terms(profile, b, opts)
     L, S = terms.L, terms.S
     known = _Forms(terms, opts.message_s)
+    known.deadline = None if time_limit is None else started + time_limit
     for form in forms:
         known.add(form, complete=False)  # the first refresh completes them all at once
     redo = list(range(L)) if opts.recompute == "all" else []
@@ -377,7 +384,8 @@ def _open_bound(known: _Forms, stack, target: float, refresh: bool) -> float:
         return math.inf
     if len(stack) > OPEN_NODES_RECHECKED:
         return min(node[0] for node in stack)
-    if refresh:
+    if refresh:  # cheap (the caller's judgement): past the search's deadline, but let it finish
+        known.deadline = None
         known.refresh(target)
     every = slice(0, len(known))
     least = math.inf

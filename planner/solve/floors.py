@@ -20,13 +20,23 @@ lies in no faster split and is dropped from the allowed stages, which raises the
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import time
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 FORMS_PER_CHUNK = 32  # forms evaluated together (memory: forms x a block's ranges per chunk)
 BLOCK_ROWS = 32  # starts per block: a stage's allowed ranges form a band, each block of starts covers its part
 BAND_BYTES = 256 << 20  # blocks keep their terms gathered up to this many bytes in all (the rest gather per use)
+
+
+class OutOfTime(Exception):
+    """The deadline passed before the tables were done (what was computed is incomplete: discard it)."""
+
+
+def _check(deadline: Optional[float]) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise OutOfTime
 
 
 class Band:
@@ -72,15 +82,17 @@ class _Block:
         return value
 
 
-def form_completions(coefficients: np.ndarray, band: Band) -> np.ndarray:
+def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[float] = None) -> np.ndarray:
     """D[k, g, a]: form k's least sum over the splits of [a, L) into allowed stages g..S-1 of its
-    stage terms (+inf where there is none), every form at once. coefficients[g, k, term]."""
+    stage terms (+inf where there is none), every form at once. coefficients[g, k, term]; OutOfTime
+    past the deadline."""
     S, K, L = band.S, coefficients.shape[1], band.L
     D = np.full((K, S + 1, L + 1), np.inf)
     D[:, S, L] = 0.0
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         for g in range(S - 1, -1, -1):
+            _check(deadline)
             for block in band.blocks[g]:
                 value = block.values(coefficients[g, chunk])
                 value += D[chunk, g + 1, None, block.e]
@@ -88,10 +100,11 @@ def form_completions(coefficients: np.ndarray, band: Band) -> np.ndarray:
     return D
 
 
-def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, completion: np.ndarray
-                 ) -> List[np.ndarray]:
+def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, completion: np.ndarray,
+                 deadline: Optional[float] = None) -> List[np.ndarray]:
     """H[g][a, e] (module docstring; +inf where stage g = [a, e) is not allowed or cannot be chained
-    from 0 to L, -inf without forms). coefficients[g, k, term], completion[k, g, a]."""
+    from 0 to L, -inf without forms). coefficients[g, k, term], completion[k, g, a]; OutOfTime past
+    the deadline."""
     S, K, L = band.S, len(constant), band.L
     floors = []
     for blocks in band.blocks:
@@ -104,6 +117,7 @@ def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, com
         prefix = np.full((chunk.stop - chunk.start, L + 1), np.inf)
         prefix[:, 0] = 0.0
         for g in range(S):
+            _check(deadline)
             after = np.full_like(prefix, np.inf)
             for block in band.blocks[g]:
                 through = block.values(coefficients[g, chunk])

@@ -6,6 +6,7 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -127,3 +128,28 @@ def test_the_table_estimate_covers_the_tables():
             sum(a.nbytes for a in terms.allowed) + sum(f.nbytes for f in terms.fits)
         assert taken <= table_bytes(profile.num_units, opts)
         assert len(tables) == (2 if opts.cluster is None else 4)
+
+
+def test_a_refresh_past_its_deadline_leaves_no_bound_rather_than_a_wrong_one():
+    """A refresh that runs out of time (the search's time limit) keeps no half-done table: every
+    completion is -inf (no bound), no floors, and the search's bound still holds for every split."""
+    import random
+    import time
+
+    from planner.solve.branch import branch_and_bound
+    from planner.solve.floors import OutOfTime, form_completions
+    from tests.support.synthetic import random_chain
+
+    profile = random_chain(random.Random(5), 12, sizes=(2,))
+    opts = CostOptions(pipeline_ranks=3, global_batch=16)
+    known = _Forms(_Terms(profile, 2, opts), opts.message_s)
+    for form in structural_forms(profile, 2, opts):
+        known.add(form)
+    with pytest.raises(OutOfTime):
+        form_completions(known.coefficients, known.terms.band, deadline=time.perf_counter() - 1)
+    known.deadline = time.perf_counter() - 1
+    known.refresh(math.inf)
+    assert np.all(known.completion == -np.inf) and known.floors is None and known.least_split is None
+    best = min(evaluate(profile, list(cuts), 2, opts).iteration_s for cuts in itertools.combinations(range(1, 12), 2))
+    found = branch_and_bound(profile, 2, opts, None, structural_forms(profile, 2, opts), time_limit=1e-9)
+    assert found.bound_s <= best * (1 + 1e-9)
