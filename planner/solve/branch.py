@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -278,10 +278,12 @@ class _Forms:
 
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
                      forms: Set[PathForm], time_limit: Optional[float], gap: float = 1e-6,
-                     cutoff_s: Optional[float] = None) -> BranchOutcome:
+                     cutoff_s: Optional[float] = None,
+                     improve: Optional[Callable[[Split], Split]] = None) -> BranchOutcome:
     """The best split of (scenario, b) with a proof, or the best found and a bound at the time limit.
     `profile` is the compute profile (planner.cost.model.compute_profile); `forms` seed the bound;
-    only splits faster than `cutoff_s` (a plan of another scenario) are sought."""
+    only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
+    search) is given each new incumbent at a refresh."""
     started = time.perf_counter()
     terms = _Terms(profile, b, opts)
     L, S = terms.L, terms.S
@@ -306,6 +308,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         return time_limit is None or time.perf_counter() + known.refresh_s < started + time_limit
 
     def refresh() -> None:  # the allowed stages, completions and floors for the target; the floors' split is a candidate
+        nonlocal best, target
         for _ in range(FLOOR_ROUNDS):
             if not affordable():
                 return
@@ -314,6 +317,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             if known.least_split is not None and known.least_split not in tried:
                 tried.add(known.least_split)
                 met(known.least_split)
+            if improve is not None and best is not None and tuple(best.boundaries) not in improved and affordable():
+                improved.add(tuple(best.boundaries))
+                better = improve(best)
+                if better.iteration_s - overhead < target:
+                    best, target = better, better.iteration_s - overhead
             if target >= before:
                 break
 
@@ -331,6 +339,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
 
     nodes, dualized = 0, False
     tried: Set[Tuple[int, ...]] = set()  # the floors' splits simulated
+    improved: Set[Tuple[int, ...]] = set()  # the incumbents given to `improve`
     refresh()  # the allowed stages for the target (the dual joins later, if at all)
     refreshed = (target, len(known))
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)

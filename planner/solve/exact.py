@@ -130,10 +130,14 @@ def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]]
     return None
 
 
-def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm]) -> Split:
-    """Move one boundary by one unit while that lowers the simulated step (recomputation re-chosen)."""
+def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm],
+                 deadline: Optional[float] = None) -> Split:
+    """Move one boundary by one unit while that lowers the simulated step (recomputation re-chosen),
+    round after round until none does or the deadline (time.perf_counter()) passed."""
     best = start
     for _ in range(LOCAL_SEARCH_ROUNDS):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         moves = list(_neighbours(best.boundaries, profile.num_units))
         found = _best_of(profile, b, opts, moves, None if opts.recompute == "auto" else best.recompute, forms,
                          best.iteration_s * (1 - 1e-12))
@@ -193,9 +197,11 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     def outcome(best_split, bound_s, optimal, engine="mip") -> ScenarioOutcome:
         return ScenarioOutcome(best_split, bound_s, optimal, engine, forms)
 
+    deadline = None if time_limit is None else started + time_limit
     if applies(profile, opts):  # every term a stage's: branch and bound over the splits (planner.solve.branch)
         # the whole time: its floors bound a stopped search closer than the program would in what is left
-        found = branch_and_bound(profile, b, opts, best, forms, time_limit, gap, target_s)
+        found = branch_and_bound(profile, b, opts, best, forms, time_limit, gap, target_s,
+                                 improve=lambda split: local_search(profile, b, opts, split, forms, deadline))
         forms |= found.forms
         return outcome(found.best, found.bound_s, found.optimal, "branch")
     if best is not None:
