@@ -21,7 +21,8 @@ on rank i at speed sigma_i (planner.cost.ranges):
     lanes g        the same over n = r_g d holders: a replicated stage's exchange
     reduce i       the data-parallel exchange of rank i's trainable T_i over the replicas / dp_bandwidth:
                    an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
-                   frozen parameters exchange nothing, except their gathers under `parameters`);
+                   frozen parameters exchange nothing, except their gathers under `parameters`),
+                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`);
                    under local SGD (sync_every H > 1) the model averaging's time / H (planner.cost.localsgd)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
@@ -123,11 +124,21 @@ def sync_time(param_bytes, trainable_bytes, opts: CostOptions, dtype: str, m: in
 
 
 def exchange_latency(opts: CostOptions, rank: int) -> float:
-    """Seconds of latency of pipeline rank's data-parallel exchange per step: its rings' under a
-    topology placement with d > 1 (planner.cost.placement), else none (bandwidth-bound)."""
+    """Seconds of latency of pipeline rank's data-parallel exchange per step when it exchanges
+    anything: its rings' under a topology placement with d > 1 (planner.cost.placement), else none
+    (bandwidth-bound)."""
     if opts.placement is None:
         return 0.0
     return opts.placement.exchange_latency(rank, opts.latency)
+
+
+def reduce_time(param_bytes: float, trainable_bytes: float, opts: CostOptions, dtype: str, m: int,
+                rank: int) -> float:
+    """Seconds of pipeline rank's data-parallel exchange per step: its bytes (`sync_time`) and, only
+    when it moves any, its rings' latency. A rank with nothing to exchange (every parameter frozen,
+    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer)."""
+    seconds = sync_time(param_bytes, trainable_bytes, opts, dtype, m, rank=rank)
+    return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
 
 
 def reserve_of(profile: Profile, opts: CostOptions) -> float:
@@ -478,8 +489,7 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             lanes[i] = len(_devices_of(shape, g))
     m = shape.num_micro_batches
     for i in range(devices):
-        value[("reduce", i)] = (sync_time(params[i], trainable[i], opts, split.dtype, m, rank=i) +
-                                exchange_latency(opts, i)) if lanes[i] == 1 else 0.0
+        value[("reduce", i)] = reduce_time(params[i], trainable[i], opts, split.dtype, m, i) if lanes[i] == 1 else 0.0
         value[("step", i)] = steps[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:

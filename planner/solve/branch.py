@@ -4,8 +4,8 @@ from below, stage after stage.
 A form k (a longest path of some split's graph, planner.pipeline.stepgraph) is a sum of duration
 terms with counts. Without tied weights or replicated stages every term belongs to one stage g --
 its forward and backward (or their input and weight parts), the two messages across boundary g, its
-share of its device's gradient exchange and optimizer step -- or is a constant (the cost per
-message, an exchange's latency), so for a split
+share of its device's gradient exchange (its rings' latency with it, when the stage exchanges
+any bytes) and optimizer step -- or is a constant (the cost per message), so for a split
 0 = a_0 < e_0 = a_1 < ... < e_{S-1} = L
 
     form_k(split) = c_k + sum_g V_kg(a_g, e_g)        and        step(split) >= max_k form_k(split)
@@ -37,7 +37,8 @@ When the search ends the incumbent is optimal; at the time limit the least bound
 (re-bounded with every form learned) is the proven bound.
 
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
-its stages' parameters (linear in the bytes), so each stage carries its share; a device's memory
+its stages' parameters (linear in the bytes), so each stage carries its share (of the latency,
+paid once when any stage exchanges: 1/v per such stage, at most what the split pays); a device's memory
 is not a sum of its stages' (the peak of its list), so a stage is placed only where it fits alone
 (a necessary condition) and a complete split is kept only if `evaluate` finds it fits. It applies
 to every schedule without replicated stages, without tied weights (their all-reduce spans the ranks
@@ -120,11 +121,15 @@ class _Terms:
         distinct: List[np.ndarray] = []
         for g in range(S):
             speed = speeds[g]
+            exchange = sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])
+            # the device's rings' latency is paid when any of its v stages exchanges bytes: each such
+            # stage carries 1/v of it (exact for v = 1; at most the latency, so a bound, for v > 1)
+            latency = exchange_latency(opts, ranks[g]) / len(opts.stages_on(ranks[g]))
             terms = {"forward": forward / speed, "backward": backward / speed, "backward_input": backward_input / speed,
                      "backward_weight": backward_weight / speed, "step": step / speed,
                      # the stage's share of its device's exchange over the replicas (hierarchical under
-                     # a placement: per rank; its latency is the form's constant)
-                     "reduce": sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])}
+                     # a placement: per rank)
+                     "reduce": exchange + np.where(exchange > 0, latency, 0.0)}
             if g < S - 1:  # the messages across boundary g, by where stage g ends
                 act = np.array([costs.message_s(e, links[g]) if 0 < e < L else 0.0 for e in ends])
                 grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L else 0.0 for e in ends])
@@ -138,7 +143,6 @@ class _Terms:
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed = list(self.fits)  # fits, and may lie in a split faster than the target (restrict)
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
-        self.latency = [exchange_latency(opts, i) for i in range(opts.pipeline_ranks)]
 
     def restrict(self, forms: Sequence[PathForm], target: float) -> None:
         """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
@@ -192,8 +196,6 @@ class _Forms:
             elif term[0] in ("reduce", "step") and term[1] in on_rank:  # a device's: the sum over its stages
                 for g in on_rank[term[1]]:
                     per_stage[g, 0, _STAGE_TERMS.index(term[0])] += n
-                if term[0] == "reduce":
-                    constant += n * self.terms.latency[term[1]]
             elif term[0] in _STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
                 per_stage[term[1], 0, _STAGE_TERMS.index(term[0])] += n
             else:
