@@ -110,9 +110,10 @@ class _Terms:
         backward = range_matrix(costs.G + again) + costs.call_backward
         backward_input = range_matrix(prefix_sums(costs.gi) + again) + costs.call_backward
         backward_weight = range_matrix(prefix_sums(costs.gw) + again)
-        params, trainable = range_matrix(costs.P), range_matrix(costs.T)
+        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
         finite = np.isfinite(params)
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
+        regathered = np.where(finite, regathered, 0.0)
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
         zero = np.zeros((L + 1, L + 1))
@@ -121,7 +122,7 @@ class _Terms:
         distinct: List[np.ndarray] = []
         for g in range(S):
             speed = speeds[g]
-            exchange = sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])
+            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g])
             # the device's rings' latency is paid when any of its v stages exchanges bytes: each such
             # stage carries 1/v of it (exact for v = 1; at most the latency, so a bound, for v > 1)
             latency = exchange_latency(opts, ranks[g]) / len(opts.stages_on(ranks[g]))

@@ -187,7 +187,7 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            exchange = sync_time(c.p, c.t, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
+            exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
             moving = [(l, g) for g in stages for l in range(L) if self.may(l, g) and exchange[l] > 0]
             reduce = pulp.lpSum(exchange[l] * self.x(l, g) for l, g in moving)
             latency = exchange_latency(opts, i) * MS
@@ -311,7 +311,8 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
                for _, _, size in shared_parameters(profile))
-    reduce = max(reduce_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b), i)
+    reduce = max(reduce_time(float(c.P[-1]), float(c.T[-1]), float(c.FB[-1]), opts, profile.dtype,
+                             num_micro_batches(opts, b), i)
                  for i in range(opts.pipeline_ranks)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0

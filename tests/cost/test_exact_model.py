@@ -228,15 +228,17 @@ def test_solver_matches_brute_force_in_mixed_precision(problem):
 
 def test_solver_matches_brute_force_with_a_frozen_only_rank_on_two_sites():
     """p = 2 x d = 2 placed across two sites, the front units frozen: a rank holding only frozen units
-    exchanges nothing and pays no rings' latency. The branch and bound and the integer program (its
-    binary 'rank exchanges anything') find brute force's optimum."""
+    exchanges nothing and pays no rings' latency (but for ZeRO-3's gathers). The branch and bound and
+    the integer program (its binary 'rank exchanges anything') find brute force's optimum."""
     from unittest import mock
 
     from tests.solve.test_branch import frozen_front_on_two_sites
 
     profile, base = frozen_front_on_two_sites()
-    for schedule, v in (("1f1b", 1), ("zb-v", 2), ("interleaved", 2)):
-        opts = base.with_(schedule=schedule, virtual_stages=v)
+    for schedule, v, shard in (("1f1b", 1, "none"), ("zb-v", 2, "none"), ("interleaved", 2, "none"),
+                               ("1f1b", 1, "parameters"), ("interleaved", 2, "parameters")):
+        # ZeRO-3: the frozen front's forwards gather, its backwards neither run nor gather
+        opts = base.with_(schedule=schedule, virtual_stages=v, shard=shard)
         oracle = solve_brute(profile, opts)
         for program in (False, True):
             with mock.patch("planner.solve.exact.applies", return_value=False) if program else mock.MagicMock():
@@ -255,8 +257,8 @@ def test_the_integer_program_values_every_path_of_a_frozen_only_rank_as_the_mode
     from tests.solve.test_branch import frozen_front_on_two_sites
 
     profile, base = frozen_front_on_two_sites()
-    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
-        opts = base.with_(schedule=schedule, virtual_stages=v)
+    for schedule, v, shard in (("1f1b", 1, "none"), ("interleaved", 2, "none"), ("1f1b", 1, "parameters")):
+        opts = base.with_(schedule=schedule, virtual_stages=v, shard=shard)
         profile = compute_profile(profile, opts)
         L, S = profile.num_units, opts.num_stages
         splits = list(itertools.combinations(range(1, L), S - 1))

@@ -111,7 +111,8 @@ def test_a_rank_holding_only_frozen_units_pays_no_exchange_latency():
     from planner.plan.make import emulated_exchange_s
 
     topo = topology_from_json(TWO_BY_TWO)
-    profile = _profile()
+    profile = synthetic_profile([0.001] * 4, [0.002] * 4, [PARAMS] * 4, [0] * 4, [1 << 10] * 3,
+                                cut_grad=[0, 0, 1 << 10], sizes=(1,))  # no gradient crosses the frozen front
     profile = dataclasses.replace(profile, units=[dataclasses.replace(u, trainable_bytes=0 if k < 2 else PARAMS)
                                                   for k, u in enumerate(profile.units)])
     opts = CostOptions(pipeline_ranks=2, global_batch=8, data_parallel=2, placement=Placement(topo, ((0, 1), (2, 3))))
@@ -124,4 +125,4 @@ def test_a_rank_holding_only_frozen_units_pays_no_exchange_latency():
     # one trainable unit on the rank: the whole latency
     assert evaluate(profile, [3], 1, opts).durations[("reduce", 0)] == pytest.approx(2 * 0.5 * PARAMS / OUT + RING)
     gathered = evaluate(profile, [2], 1, opts.with_(shard="parameters")).durations[("reduce", 0)]
-    assert gathered == pytest.approx(2 * 0.5 * 4 * 2 * PARAMS / OUT + RING)  # 2 m (n-1)/n w, m = 4
+    assert gathered == pytest.approx(0.5 * 4 * 2 * PARAMS / OUT + RING)  # m (n-1)/n w for the forwards, m = 4

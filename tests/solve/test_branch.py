@@ -134,7 +134,8 @@ def frozen_front_on_two_sites(L=6, frozen=4):
     topology = topology_from_json({"levels": [{"name": "site", "count": 2, "bandwidth": 1e8, "latency": 0.02},
                                               {"name": "device", "count": 2, "bandwidth": 1e9}]})
     profile = synthetic_profile(forward=[1e-3] * L, backward=[2e-3] * L, params=[1 << 16] * L, saved=[100] * L,
-                                cut_act=[1 << 10] * (L - 1), sizes=(1,))
+                                cut_act=[1 << 10] * (L - 1), cut_grad=[0] * frozen + [1 << 10] * (L - 1 - frozen),
+                                sizes=(1,))  # no gradient crosses the frozen front
     profile = dataclasses.replace(profile, units=[dataclasses.replace(u, trainable_bytes=0 if k < frozen else
                                                                       u.param_bytes)
                                                   for k, u in enumerate(profile.units)])
