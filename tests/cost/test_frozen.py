@@ -63,27 +63,6 @@ def test_only_trainable_gradients_are_exchanged():
     assert frozen.durations[("reduce", 0)] == pytest.approx(3000 * 0.5 * 2 * 4 / 1e6)
 
 
-def test_the_model_gathers_for_a_backward_where_the_runtime_runs_one():
-    """ZeRO-3: the units the cost model charges a backward gather (planner.cost.ranges `runs`) are
-    those whose backward the runtime runs and gathers for (runtime.shard_params.backward_runs), on a
-    fine-tune whose embedding and first block are frozen (their backward never runs)."""
-    from planner.cost.ranges import range_costs
-    from runtime.shard_params import backward_runs
-    from runtime.stage import build_rank
-    from tests.support.runs import plan_with, profile_of
-
-    profile = profile_of("tests.models:frozen_tied_lm")  # shared with tests/runtime/test_shard_params.py
-    runs = list(range_costs(profile, 1).runs)
-    assert runs == [False, False, True, True, True]  # emb, blocks.0 frozen; blocks.1-2 train; the head reads them
-    for boundaries in ([1], [2], [3]):
-        plan = plan_with(profile, boundaries, 1, 2)
-        topology = plan.topology()
-        for rank in range(2):
-            for stage in build_rank(plan, topology, rank, unit_segments=True).stages:
-                first = plan.stages[stage.index].first_unit
-                assert backward_runs(stage) == runs[first:first + len(stage.module.segments)], (boundaries, rank)
-
-
 @pytest.mark.parametrize("method", ["ilp", "dp", "brute"])
 def test_a_fine_tune_fits_where_full_training_does_not(method):
     need = max(evaluate(_profile(), [2], 1, _opts(recompute="none")).device_memory)
