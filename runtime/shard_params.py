@@ -9,7 +9,10 @@ rest:
   (reshard_after_forward);
 - before each backward (whose recomputation, runtime.stage's checkpointed segments, runs inside
   it), they are gathered again; after it they are freed and the micro-batch's gradients are
-  reduce-scattered, each holder adding its shard to its sharded gradient. So a holder keeps an
+  reduce-scattered, each holder adding its shard to its sharded gradient. A unit whose backward
+  does not run (`backward_runs`: nothing in it trains and nothing it reads carries a gradient, e.g.
+  a frozen embedding) is not gathered for it: autograd never reaches it, and the unit after it
+  prefetches it only when it runs (FSDP2's own prefetch would gather it anyway, for nothing); So a holder keeps an
   n-th of the gradients between micro-batches, as planner/cost/memory.py counts for `parameters`,
   and sends per micro-batch (n - 1)/n (2 w + g) per parameter (two gathers and one
   reduce-scatter), the traffic it charges. Why not accumulate whole gradients over the step's
@@ -67,17 +70,45 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def backward_runs(stage: Any) -> List[bool]:
+    """Per unit segment of a RankStage (runtime.stage): whether its backward runs -- it holds a
+    trainable parameter, or reads a value carrying a gradient (one the stage receives with a gradient,
+    or one a unit whose backward runs produced). The rule planner.cost.ranges charges gathers by."""
+    carrying = {name for name, value in zip(stage.io.received, stage.recv) if value.get("requires_grad")}
+    runs = []
+    for segment in stage.module.segments:
+        reads = segment.io.inputs + segment.io.received
+        here = any(p.requires_grad for p in segment.module.parameters()) or any(n in carrying for n in reads)
+        if here:
+            carrying.update(segment.io.sent)
+        runs.append(here)
+    return runs
+
+
+def _prefetch_where_backward_runs(stage: Any) -> None:
+    """Each unit's backward prefetches the unit before it only if that one's backward runs. An
+    explicit list replaces FSDP2's implicit prefetch of the previous unit forwarded, which gathers
+    a unit autograd never reaches; a unit that should prefetch nothing lists itself (gathered
+    already when the list is read: no collective)."""
+    segments = getattr(stage.module, "segments", [])
+    runs = backward_runs(stage) if segments else []
+    for k, segment in enumerate(segments):
+        previous = segments[k - 1].module if k > 0 and runs[k - 1] else segment.module
+        segment.module.set_modules_to_backward_prefetch([previous])
+
+
 class ParameterSharding:
     """This rank's stage modules sharded over `group` (module docstring), and their optimizer:
     `optimizer_for` gives what runtime.worker steps."""
 
     reduces_gradients = True  # the engine skips its data-parallel buckets: FSDP2 reduce-scatters
 
-    def __init__(self, modules: List[nn.Module], tied: List[nn.Parameter], group: Any, device: torch.device):
+    def __init__(self, stages: List[Any], tied: List[nn.Parameter], group: Any, device: torch.device):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         self.group = group
+        modules = [stage.module for stage in stages]
         self.modules = modules
         # one FSDP2 unit per plan unit (runtime.stage's unit segments), then the stage around them
         self.units = [seg.module for m in modules for seg in getattr(m, "segments", [])]
@@ -96,6 +127,8 @@ class ParameterSharding:
                         ignored_params={p for p in module.parameters() if id(p) in whole} or None)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+        for stage in stages:
+            _prefetch_where_backward_runs(stage)
         self.local: Any = None
 
     def parameters(self) -> List[nn.Parameter]:

@@ -196,7 +196,7 @@ def _build(me: _Rank, use_tags: bool) -> None:
         raise ValueError(refused)
     tied = [param for param, _ in me.rank_model.tied.values()]
     if plan.shard == "parameters" and me.groups.data_parallel_group is not None:
-        me.sharding = ParameterSharding([st.module for st in me.rank_model.stages], tied,
+        me.sharding = ParameterSharding(me.rank_model.stages, tied,
                                         me.groups.data_parallel_group, me.device)
         me.optimizer = me.sharding.optimizer_for(lambda params: make_optimizer(me.options, params))
     else:

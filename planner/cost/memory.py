@@ -38,7 +38,9 @@ Sharding across the n holders of a stage (its d data-parallel replicas), ZeRO's 
                 gathers per unit with FSDP2: runtime/shard_params.py)
 
 Data-parallel traffic per iteration, bytes each holder sends per trainable parameter on a ring
-(frozen parameters have nothing to exchange: the profile's trainable bytes are what is sent)
+(frozen parameters have nothing to exchange: the profile's trainable bytes are what is sent;
+under `parameters` they are gathered, m (n - 1)/n w for the forwards and as much again for the
+backwards of units whose backward runs: `frozen_gather_bytes_per_param`)
 (`sync_bytes_per_param`; (n - 1)/n of a tensor per reduce-scatter or all-gather, twice that for
 an all-reduce; g: gradient bytes, w: parameter bytes, m micro-batches per replica):
 
@@ -158,15 +160,16 @@ def sync_bytes_per_param(precision: str, shard: str, holders: int, micro_batches
     return share * m * (g + 2 * w)
 
 
-def frozen_sync_bytes_per_param(precision: str, shard: str, holders: int, micro_batches: int) -> float:
-    """Bytes each holder sends per frozen parameter per iteration: none (no gradient to exchange,
-    the weights never change) except under `parameters` sharding, whose every micro-batch gathers
-    them for its forward and its backward, 2 m (n - 1)/n w."""
+def frozen_gather_bytes_per_param(precision: str, shard: str, holders: int, micro_batches: int) -> float:
+    """Bytes each holder sends per frozen parameter per iteration and pass: none (no gradient to
+    exchange, the weights never change) except under `parameters` sharding, whose every micro-batch
+    gathers them for its forward, m (n - 1)/n w, and again for its backward where the unit's
+    backward runs (planner.cost.ranges: `frozen_backward`; runtime/shard_params.py)."""
     check_words(precision, shard, "sgd")
     n, m = holders, micro_batches
     if n <= 1 or shard != "parameters":
         return 0.0
-    return 2 * (n - 1) / n * m * _PRECISION_BYTES[precision][0]
+    return (n - 1) / n * m * _PRECISION_BYTES[precision][0]
 
 
 def gathered_bytes_per_param(precision: str, shard: str) -> Tuple[float, float]:

@@ -21,7 +21,9 @@ on rank i at speed sigma_i (planner.cost.ranges):
     lanes g        the same over n = r_g d holders: a replicated stage's exchange
     reduce i       the data-parallel exchange of rank i's trainable T_i over the replicas / dp_bandwidth:
                    an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
-                   frozen parameters exchange nothing, except their gathers under `parameters`);
+                   frozen parameters exchange nothing, except their gathers under `parameters`: for
+                   every forward, and for the backwards of units whose backward runs, planner.cost.ranges),
+                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`);
                    under local SGD (sync_every H > 1) the model averaging's time / H (planner.cost.localsgd)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
@@ -98,7 +100,8 @@ def static_bytes(params, trainable, opts: CostOptions, dtype: str, holders: Opti
 
 def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
                  rank: Optional[int] = None) -> Tuple[float, float]:
-    """Seconds of the data-parallel exchange per trainable and per frozen profile byte over n
+    """Seconds of the data-parallel exchange per trainable and per frozen profile byte (per pass of
+    gathers: forwards, and backwards where they run) over n
     holders (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory);
     under local SGD its model averaging's share of a step (planner.cost.localsgd). Under a topology
     placement, the d replicas of pipeline `rank` exchange hierarchically (planner.cost.placement: its
@@ -111,23 +114,35 @@ def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] =
         return averaging_seconds_per_byte(precision_of(opts, dtype), n, dtype, bandwidth) / opts.sync_every, 0.0
     precision, scale = precision_of(opts, dtype), memory_model.param_itemsize(dtype) * bandwidth
     return (memory_model.sync_bytes_per_param(precision, _shard(opts), n, m) / scale,
-            memory_model.frozen_sync_bytes_per_param(precision, _shard(opts), n, m) / scale)
+            memory_model.frozen_gather_bytes_per_param(precision, _shard(opts), n, m) / scale)
 
 
-def sync_time(param_bytes, trainable_bytes, opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
-              rank: Optional[int] = None):
+def sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts: CostOptions, dtype: str, m: int,
+              holders: Optional[int] = None, rank: Optional[int] = None):
     """Seconds of the data-parallel exchange for parameters of `param_bytes` profile bytes of which
-    `trainable_bytes` train (numbers or numpy arrays): frozen ones have no gradient to exchange."""
+    `trainable_bytes` train and, of the frozen ones, `frozen_backward_bytes` belong to units whose
+    backward runs (numbers or numpy arrays; planner.cost.ranges): frozen ones have no gradient to
+    exchange; under ZeRO-3 every one is gathered for the forwards, those for the backwards again."""
     trainable, frozen = sync_factors(opts, dtype, m, holders, rank)
-    return trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes)
+    return trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes + frozen_backward_bytes)
 
 
 def exchange_latency(opts: CostOptions, rank: int) -> float:
-    """Seconds of latency of pipeline rank's data-parallel exchange per step: its rings' under a
-    topology placement with d > 1 (planner.cost.placement), else none (bandwidth-bound)."""
+    """Seconds of latency of pipeline rank's data-parallel exchange per step when it exchanges
+    anything: its rings' under a topology placement with d > 1 (planner.cost.placement), else none
+    (bandwidth-bound)."""
     if opts.placement is None:
         return 0.0
     return opts.placement.exchange_latency(rank, opts.latency)
+
+
+def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_bytes: float, opts: CostOptions,
+                dtype: str, m: int, rank: int) -> float:
+    """Seconds of pipeline rank's data-parallel exchange per step: its bytes (`sync_time`) and, only
+    when it moves any, its rings' latency. A rank with nothing to exchange (every parameter frozen,
+    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer)."""
+    seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank)
+    return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
 
 
 def reserve_of(profile: Profile, opts: CostOptions) -> float:
@@ -469,17 +484,19 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             value[("act", g)] = costs.message_s(e, links[g])
             value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
     params, trainable, steps = [0.0] * devices, [0.0] * devices, [0.0] * devices
+    frozen_backward = [0.0] * devices
     lanes = [0] * devices  # devices of the stage a device runs (replicated stages: r_g)
     for g in range(S):
         for i in _devices_of(shape, g):
             params[i] += costs.params(*split.units(g))
             trainable[i] += costs.trainable(*split.units(g))
+            frozen_backward[i] += costs.frozen_backward(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
     m = shape.num_micro_batches
     for i in range(devices):
-        value[("reduce", i)] = (sync_time(params[i], trainable[i], opts, split.dtype, m, rank=i) +
-                                exchange_latency(opts, i)) if lanes[i] == 1 else 0.0
+        value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i)
+                                if lanes[i] == 1 else 0.0)
         value[("step", i)] = steps[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:
@@ -488,8 +505,8 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         else:
             g = term[1]
             holders = len(members) * opts.data_parallel
-            value[term] = sync_time(costs.params(*split.units(g)), costs.trainable(*split.units(g)), opts, split.dtype,
-                                    m, holders)
+            value[term] = sync_time(costs.params(*split.units(g)), costs.trainable(*split.units(g)),
+                                    costs.frozen_backward(*split.units(g)), opts, split.dtype, m, holders)
     return value
 
 

@@ -26,7 +26,8 @@ so a group inside one site exchanges at the site's inner links only, and one spr
 sends 1/k of the bytes across. Unequal parts: the slowest part and the smallest k (a bound). The
 cost model charges the bytes as a flat exchange over d at the effective bandwidth
 (d - 1)/d / h(G_i), which is exactly h(G_i) K, plus the rings' latency once per step (whenever
-d > 1):
+d > 1 and the rank exchanges any bytes: one holding only frozen parameters runs no collective,
+planner.cost.model.reduce_time):
 
     lat(G) = lat(part) + 2 (s - 1) latency_l       (a reduce-scatter and an all-gather ring of s steps)
 
@@ -104,7 +105,7 @@ class Placement:
     def emulated_exchange(self, i: int, seconds: float, latency: float) -> float:
         """Of `seconds`, rank i's planned exchange (its latency included, `latency` the default),
         the seconds spent on emulated links."""
-        if self.data_parallel == 1:
+        if self.data_parallel == 1 or seconds <= 0:  # no exchange planned (nothing to exchange): none held
             return 0.0
         x = _hierarchical(self.topology, self.holders(i), 1.0, latency)
         share = x.emulated_seconds / x.seconds if x.seconds > 0 else 0.0

@@ -78,6 +78,11 @@ class RangeCosts:
         self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
+        # of a unit's frozen bytes, those its backward needs (gathered again for it under ZeRO-3): the
+        # backward runs where the unit trains or its input cut carries a gradient (runtime.shard_params)
+        self.runs = (self.t > 0) | (self.grad[:-1] > 0)
+        self.fb = np.where(self.runs, self.p - self.t, 0.0)
+        self.FB = prefix_sums(self.fb)
 
     # --- one range -------------------------------------------------------------------------
     def forward(self, a: int, e: int, speed: float = 1.0) -> float:
@@ -107,6 +112,10 @@ class RangeCosts:
 
     def trainable(self, a: int, e: int) -> float:
         return float(self.T[e] - self.T[a])
+
+    def frozen_backward(self, a: int, e: int) -> float:
+        """Frozen bytes of units [a, e) whose backward runs (`fb`)."""
+        return float(self.FB[e] - self.FB[a])
 
     def step(self, a: int, e: int, speed: float = 1.0) -> float:
         return float(self.O[e] - self.O[a]) / speed

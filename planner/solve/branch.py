@@ -4,8 +4,8 @@ from below, stage after stage.
 A form k (a longest path of some split's graph, planner.pipeline.stepgraph) is a sum of duration
 terms with counts. Without tied weights or replicated stages every term belongs to one stage g --
 its forward and backward (or their input and weight parts), the two messages across boundary g, its
-share of its device's gradient exchange and optimizer step -- or is a constant (the cost per
-message, an exchange's latency), so for a split
+share of its device's gradient exchange (its rings' latency with it, when the stage exchanges
+any bytes) and optimizer step -- or is a constant (the cost per message), so for a split
 0 = a_0 < e_0 = a_1 < ... < e_{S-1} = L
 
     form_k(split) = c_k + sum_g V_kg(a_g, e_g)        and        step(split) >= max_k form_k(split)
@@ -37,7 +37,8 @@ When the search ends the incumbent is optimal; at the time limit the least bound
 (re-bounded with every form learned) is the proven bound.
 
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
-its stages' parameters (linear in the bytes), so each stage carries its share; a device's memory
+its stages' parameters (linear in the bytes), so each stage carries its share (of the latency,
+paid once when any stage exchanges: 1/v per such stage, at most what the split pays); a device's memory
 is not a sum of its stages' (the peak of its list), so a stage is placed only where it fits alone
 (a necessary condition) and a complete split is kept only if `evaluate` finds it fits. It applies
 to every schedule without replicated stages, without tied weights (their all-reduce spans the ranks
@@ -118,9 +119,10 @@ class _Terms:
         backward = range_matrix(costs.G + again) + costs.call_backward
         backward_input = range_matrix(prefix_sums(costs.gi) + again) + costs.call_backward
         backward_weight = range_matrix(prefix_sums(costs.gw) + again)
-        params, trainable = range_matrix(costs.P), range_matrix(costs.T)
+        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
         finite = np.isfinite(params)
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
+        regathered = np.where(finite, regathered, 0.0)
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
         zero = np.zeros((L + 1, L + 1))
@@ -129,9 +131,12 @@ class _Terms:
         distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # stages on like devices share one table
         for g in range(S):
             speed = speeds[g]
+            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g])
             # the stage's share of its device's exchange over the replicas (hierarchical under a placement:
-            # per rank; its latency is the form's constant)
-            reduce = sync_time(params, trainable, opts, profile.dtype, m, rank=ranks[g])
+            # per rank); the device's rings' latency is paid when any of its v stages exchanges bytes: each
+            # such stage carries 1/v of it (exact for v = 1; at most the latency, so a bound, for v > 1)
+            latency = exchange_latency(opts, ranks[g]) / len(opts.stages_on(ranks[g]))
+            reduce = exchange + np.where(exchange > 0, latency, 0.0)
             act = np.array([costs.message_s(e, links[g]) if 0 < e < L and g < S - 1 else 0.0 for e in ends])
             grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L and g < S - 1 else 0.0
                              for e in ends])  # the messages across boundary g, by where stage g ends
@@ -151,7 +156,6 @@ class _Terms:
         self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
         self.allow(list(self.fits))
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
-        self.latency = [exchange_latency(opts, i) for i in range(opts.pipeline_ranks)]
 
     def restrict(self, forms: Sequence[PathForm], target: float) -> None:
         """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
@@ -210,8 +214,6 @@ class _Forms:
             elif term[0] in ("reduce", "step") and term[1] in on_rank:  # a device's: the sum over its stages
                 for g in on_rank[term[1]]:
                     per_stage[g, 0, _STAGE_TERMS.index(term[0])] += n
-                if term[0] == "reduce":
-                    constant += n * self.terms.latency[term[1]]
             elif term[0] in _STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
                 per_stage[term[1], 0, _STAGE_TERMS.index(term[0])] += n
             else:

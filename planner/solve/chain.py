@@ -68,6 +68,7 @@ class ChainScenario:
         self.W = costs.work_prefix(redo_all)
         self.monotone = bool(np.all(np.diff(self.W) >= 0))
         self.P, self.T = costs.P, costs.T  # parameter bytes and, of them, the trainable ones
+        self.FB = costs.FB  # ... and of the frozen ones, those gathered again for a backward (ZeRO-3)
         self.A = costs.saved_prefix(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[opts.rank_of_stage(c)] for c in range(self.C)]
@@ -75,7 +76,7 @@ class ChainScenario:
         self.caps = [device_caps[opts.rank_of_stage(c)] if caps else None for c in range(self.C)]
         self.held = held
         self.beta_w, self.beta_t = static_factors(opts, profile.dtype)  # static bytes per (trainable) parameter byte
-        # all-reduce seconds per trainable and per frozen parameter byte
+        # all-reduce seconds per trainable and per frozen parameter byte (per pass of gathers)
         self.ar_t, self.ar_f = sync_factors(opts, profile.dtype, self.m) if opts.data_parallel > 1 else (0.0, 0.0)
         self.ar = self.ar_t + self.ar_f  # 0: no data-parallel exchange
         cache: Dict[tuple, np.ndarray] = {}
@@ -114,6 +115,7 @@ class ChainScenario:
         dP = self.P[ends][:, None] - self.P[safe]
         dA = self.A[ends][:, None] - self.A[safe]
         dT = self.T[ends][:, None] - self.T[safe]
+        dFB = self.FB[ends][:, None] - self.FB[safe]
         static = dP * self.beta_w + dT * self.beta_t
         for c in range(self.C):
             key = (self.sigma[c], id(self.tin[c]), id(self.tout[c])) if self.added is None else ("stage", c)
@@ -129,7 +131,7 @@ class ChainScenario:
                     t = np.where(static + self.held[c] * dA <= self.caps[c], t, np.inf)
                 base[full] = t
             self.tables.append(base[full])
-        self.extra = np.where(valid, self.ar_t * dT + self.ar_f * (dP - dT), np.inf)
+        self.extra = np.where(valid, self.ar_t * dT + self.ar_f * (dP - dT + dFB), np.inf)
 
     # -- dynamic programs on the band ---------------------------------------------------------
     def _masked(self, c: int, tau: float, eps: Optional[float]) -> np.ndarray:
@@ -218,7 +220,7 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
     if not 1 <= C <= L:
         return None
     g_lb = chain.unconstrained_min_sum()
-    eps_lb = (chain.ar_t * chain.T[L] + chain.ar_f * (chain.P[L] - chain.T[L])) / C
+    eps_lb = (chain.ar_t * chain.T[L] + chain.ar_f * (chain.P[L] - chain.T[L] + chain.FB[L])) / C
     # tau*: the min-max over the band of a guess; a band built for tau holds every split whose
     # max T is <= tau, so the first guess >= the band's own min-max proves it is the true tau*.
     top_t = chain.W[L] / min(chain.sigma) + 2 * max(float(np.max(t)) for t in chain.tin + chain.tout)

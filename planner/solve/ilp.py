@@ -12,7 +12,9 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
     F_g = (k^f + sum_l f_l x[l][g]) / sigma_i       B_g = (k^b + sum_l g_l x[l][g] + sum_l f_l rho[l][g]) / sigma_i
     (zero-bubble: BI_g, BW_g the same with gi_l (and k^b), gw_l; the 'weight' memory term with h_l)
     A_g = sum_k e[k][g] (lat + act_k / bw_g)        G_g = sum_k e[k][g] (lat + grad_k / bw_g)      (when > 0)
-    R_i = sum_{g on i} sum_l ar_l x[l][g]           O_i = sum_{g on i} sum_l o_l / sigma_i x[l][g]
+    R_i = sum_{g on i} sum_l ar_l x[l][g] + lat_i w_i,   w_i >= x[l][g] for ar_l > 0 (w_i binary: the rank
+          exchanges anything; its rings' latency lat_i under a placement)
+    O_i = sum_{g on i} sum_l o_l / sigma_i x[l][g]
     tau_t = sum_n y[t][n] tie(bytes_t, n d),   sum_n y[t][n] = 1,   sum_n n y[t][n] = sum_i h[t][i],
     h[t][i] >= x[u][g] for each use u of tied weight t and stage g on rank i
 
@@ -43,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pulp
 
 from planner.cost.model import (boundary_links, exchange_latency, num_micro_batches, rank_caps, rank_speeds,
-                                shared_parameters, sync_time, tie_time)
+                                reduce_time, shared_parameters, sync_time, tie_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -185,10 +187,15 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            exchange = sync_time(c.p, c.t, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
-            reduce = pulp.lpSum(exchange[l] * self.x(l, g)
-                                for g in stages for l in range(L) if self.may(l, g) and c.p[l]) + \
-                exchange_latency(opts, i) * MS
+            exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
+            moving = [(l, g) for g in stages for l in range(L) if self.may(l, g) and exchange[l] > 0]
+            reduce = pulp.lpSum(exchange[l] * self.x(l, g) for l, g in moving)
+            latency = exchange_latency(opts, i) * MS
+            if latency > 0 and moving:  # charged only when the rank exchanges anything (w_i)
+                w = _var(self.prob, f"exchanges_{i}", binary=True)
+                for l, g in moving:
+                    self.add(w >= self.x(l, g), f"exchanges_{i}_{l}_{g}")
+                reduce += latency * w
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
             self.term[("reduce", i)] = self._define(f"R_{i}", reduce)
@@ -304,8 +311,9 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     per_message = max(lat + message / bw for bw, lat in links) + opts.message_s
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
                for _, _, size in shared_parameters(profile))
-    reduce = max(sync_time(float(c.P[-1]), float(c.T[-1]), opts, profile.dtype, num_micro_batches(opts, b), rank=i) +
-                 exchange_latency(opts, i) for i in range(opts.pipeline_ranks)) + \
+    reduce = max(reduce_time(float(c.P[-1]), float(c.T[-1]), float(c.FB[-1]), opts, profile.dtype,
+                             num_micro_batches(opts, b), i)
+                 for i in range(opts.pipeline_ranks)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
 

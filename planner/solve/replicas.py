@@ -143,11 +143,11 @@ class ReplicaTables:
         ends = np.arange(L + 1)
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
-        params, trainable = range_matrix(costs.P), range_matrix(costs.T)
+        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
         acts = range_matrix(costs.saved_prefix(redo_all))
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
-        exchanged = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
+        exchanged = tuple(np.where(finite, x, 0.0) for x in (params, trainable, regathered))
         self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
                               np.inf) for r in range(1, self.max_r + 1)}
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device

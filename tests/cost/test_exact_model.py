@@ -9,6 +9,7 @@ solver optimises exactly that (issue 18).
 """
 import math
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from planner.cost.model import evaluate
@@ -223,3 +224,48 @@ def test_solver_matches_brute_force_in_mixed_precision(problem):
         return
     assert oracle is not None and found.status == "optimal"
     assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
+
+
+def test_solver_matches_brute_force_with_a_frozen_only_rank_on_two_sites():
+    """p = 2 x d = 2 placed across two sites, the front units frozen: a rank holding only frozen units
+    exchanges nothing and pays no rings' latency (but for ZeRO-3's gathers). The branch and bound and
+    the integer program (its binary 'rank exchanges anything') find brute force's optimum."""
+    from unittest import mock
+
+    from tests.solve.test_branch import frozen_front_on_two_sites
+
+    profile, base = frozen_front_on_two_sites()
+    for schedule, v, shard in (("1f1b", 1, "none"), ("zb-v", 2, "none"), ("interleaved", 2, "none"),
+                               ("1f1b", 1, "parameters"), ("interleaved", 2, "parameters")):
+        # ZeRO-3: the frozen front's forwards gather, its backwards neither run nor gather
+        opts = base.with_(schedule=schedule, virtual_stages=v, shard=shard)
+        oracle = solve_brute(profile, opts)
+        for program in (False, True):
+            with mock.patch("planner.solve.exact.applies", return_value=False) if program else mock.MagicMock():
+                found = solve(profile, opts)
+            assert found.status == "optimal", (schedule, program)
+            assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9), (schedule, program)
+
+
+def test_the_integer_program_values_every_path_of_a_frozen_only_rank_as_the_model():
+    """Each split fixed, with every split's longest path as a row: the program's step is the split's
+    own (each path is at most it), a frozen-only rank's path through its exchange included."""
+    import itertools
+
+    from planner.cost.model import compute_profile
+    from planner.solve.ilp import Program
+    from tests.solve.test_branch import frozen_front_on_two_sites
+
+    profile, base = frozen_front_on_two_sites()
+    for schedule, v, shard in (("1f1b", 1, "none"), ("interleaved", 2, "none"), ("1f1b", 1, "parameters")):
+        opts = base.with_(schedule=schedule, virtual_stages=v, shard=shard)
+        profile = compute_profile(profile, opts)
+        L, S = profile.num_units, opts.num_stages
+        splits = list(itertools.combinations(range(1, L), S - 1))
+        costs = {cuts: evaluate(profile, list(cuts), 1, opts) for cuts in splits}
+        for cuts, cost in costs.items():
+            stage = [sum(1 for k in cuts if k <= l) for l in range(L)]
+            program = Program(profile, 1, opts, stage, stage)
+            for other in costs.values():
+                program.add_form(other.critical_path, 1e9)
+            assert program.solve(None, None, "highs").value_s == pytest.approx(cost.iteration_s, rel=1e-9), cuts

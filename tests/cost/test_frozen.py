@@ -48,9 +48,19 @@ def test_frozen_bytes_hold_weights_only():
 def test_only_trainable_gradients_are_exchanged():
     tuned = evaluate(_profile(TRAINABLE), [2], 2, _opts())
     assert tuned.durations[("reduce", 0)] == pytest.approx(200 * 2 * 0.5 * 4 / 1e6)  # all-reduce of 200 gradients
-    # ZeRO-3 gathers every weight, frozen or not, twice per micro-batch (m = 2)
+    # ZeRO-3 gathers every weight for each micro-batch's forward (m = 2), and again for its backward
+    # where that runs: not the frozen embedding's (unit 0: nothing trains, its input has no gradient)
     zero3 = evaluate(_profile(TRAINABLE), [2], 2, _opts(shard="parameters"))
-    assert zero3.durations[("reduce", 0)] == pytest.approx((200 * 0.5 * 2 * (4 + 2 * 4) + 2800 * 0.5 * 2 * 2 * 4) / 1e6)
+    frozen_gathers = (1000 * 1 + 1800 * 2) * 0.5 * 2 * 4  # unit 0's 1000 frozen parameters once, unit 1's 1800 twice
+    assert zero3.durations[("reduce", 0)] == pytest.approx((200 * 0.5 * 2 * (4 + 2 * 4) + frozen_gathers) / 1e6)
+    # every unit frozen up to the cut (no gradient crosses cuts 1 and 2): the stage's backward never
+    # runs, one gather per forward
+    head = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=PARAMS, saved=[400] * 4,
+                             cut_act=[80] * 3, cut_grad=[0, 0, 80], sizes=(1, 2))
+    head = dataclasses.replace(head, units=[dataclasses.replace(u, trainable_bytes=t)
+                                            for u, t in zip(head.units, [0, 0, 800, 4000])])
+    frozen = evaluate(head, [2], 2, _opts(shard="parameters"))
+    assert frozen.durations[("reduce", 0)] == pytest.approx(3000 * 0.5 * 2 * 4 / 1e6)
 
 
 @pytest.mark.parametrize("method", ["ilp", "dp", "brute"])

@@ -100,3 +100,29 @@ def test_placements_are_enumerated_once_per_signature():
                     placement=Placement(topo, ((0, 1), (1, 3)))).validate()
     with pytest.raises(ValueError, match="the placement has 2 replica"):
         CostOptions(pipeline_ranks=4, global_batch=4, placement=Placement(topo, ((0, 1), (2, 3)))).validate()
+
+
+def test_a_rank_holding_only_frozen_units_pays_no_exchange_latency():
+    """The runtime runs no collective for a rank with nothing trainable (runtime.groups: no bucket;
+    runtime.shard: no sharded optimizer), so neither its rings' latency nor an emulated hold is
+    charged -- except under ZeRO-3, whose gathers of the frozen weights are an exchange."""
+    import dataclasses
+
+    from planner.plan.make import emulated_exchange_s
+
+    topo = topology_from_json(TWO_BY_TWO)
+    profile = synthetic_profile([0.001] * 4, [0.002] * 4, [PARAMS] * 4, [0] * 4, [1 << 10] * 3,
+                                cut_grad=[0, 0, 1 << 10], sizes=(1,))  # no gradient crosses the frozen front
+    profile = dataclasses.replace(profile, units=[dataclasses.replace(u, trainable_bytes=0 if k < 2 else PARAMS)
+                                                  for k, u in enumerate(profile.units)])
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, data_parallel=2, placement=Placement(topo, ((0, 1), (2, 3))))
+    RING = 2 * 0.02  # each rank's two holders sit in different sites
+    cost = evaluate(profile, [2], 1, opts)  # rank 0: the two frozen units
+    assert cost.durations[("reduce", 0)] == 0.0
+    assert cost.durations[("reduce", 1)] == pytest.approx(2 * 0.5 * 2 * PARAMS / OUT + RING)
+    assert emulated_exchange_s(opts, cost.durations)[0] == 0.0
+    assert evaluate(profile, [1], 1, opts).durations[("reduce", 0)] == 0.0
+    # one trainable unit on the rank: the whole latency
+    assert evaluate(profile, [3], 1, opts).durations[("reduce", 0)] == pytest.approx(2 * 0.5 * PARAMS / OUT + RING)
+    gathered = evaluate(profile, [2], 1, opts.with_(shard="parameters")).durations[("reduce", 0)]
+    assert gathered == pytest.approx(0.5 * 4 * 2 * PARAMS / OUT + RING)  # m (n-1)/n w for the forwards, m = 4

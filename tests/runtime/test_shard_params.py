@@ -1,14 +1,18 @@
 """Sharded parameters (ZeRO-3, runtime/shard_params.py: FSDP2 over each stage's data-parallel holders)
 train exactly like one process (issue 25): 2 replicas x 2 stages, parameters within 1e-5 (fp32); each
 rank holds about half of its stages' parameters between steps; what is not run is refused in one line."""
-import dataclasses
+import collections
 import contextlib
+import dataclasses
+import glob
 import io
 import json
+import os
 
 import pytest
 import torch
 
+from planner.cost.ranges import range_costs
 from planner.model.entry import build_spec
 from planner.plan.file import save_plan
 from runtime.cli import main as runtime_main
@@ -37,13 +41,32 @@ def test_sharded_parameters_train_like_one_process_holding_half(tmp_path):
         assert entry["param_bytes"] == held[entry["chunks"][0]], entry
 
 
-def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path):
+def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monkeypatch):
     # frozen_tied_lm: emb (read again by the head on the other rank) and blocks.0 frozen, sharded and
     # gathered like the others; blocks.1 trains next to them; blocks.2 recomputed in its backward
     # (its unit gathered again by FSDP2). AdamW with decay: a frozen weight given a gradient would move.
     entry = "tests.models:frozen_tied_lm"
     plan = _plan(entry, {}, [3], 1, 2, recompute={1: ["blocks.2"]})
+    # the ranks' gathers, counted (tests/support/gather_spy): what planner.cost charges
+    spy = os.path.join(os.path.dirname(__file__), os.pardir, "support", "gather_spy")
+    monkeypatch.setenv("PIPEPLANNER_LAUNCH", "subprocess")
+    monkeypatch.setenv("PYTHONPATH", os.path.abspath(spy) + os.pathsep + os.environ["PYTHONPATH"])
+    monkeypatch.setenv("PIPEPLANNER_GATHER_LOG", str(tmp_path))
     state = execute(plan, tmp_path, steps=2, extra=["--optimizer", "adamw", "--weight-decay", "0.1"])
+    gathers = collections.Counter(tuple(line.split()) for path in glob.glob(str(tmp_path / "*.log"))
+                                  for line in open(path))
+    # each unit gathered for each micro-batch's forward, and for its backward only where the cost model
+    # charges one (its backward runs): not for the frozen emb and blocks.0 (FSDP2's own prefetch
+    # gathered blocks.0 for the backward of blocks.1)
+    runs, topology, passes = range_costs(profile_of(entry), 1).runs, plan.topology(), 2 * 2  # steps x m
+    expected = collections.Counter()
+    for rank in range(4):
+        for g in topology.stages_of(topology.pipeline_rank_of(rank)):
+            for k, unit in enumerate(range(plan.stages[g].first_unit, plan.stages[g].end_unit)):
+                expected[(str(rank), f"parts.{k}", "FORWARD")] = passes
+                if runs[unit]:
+                    expected[(str(rank), f"parts.{k}", "PRE_BACKWARD")] = passes
+    assert +gathers == expected
     assert max_abs_diff(state, reference_state(plan, steps=2, optimizer="adamw",
                                                training=dict(weight_decay=0.1))) <= 1e-5
     initial = build_spec(entry, {}, 0).module.state_dict()

@@ -120,3 +120,52 @@ def test_a_cap_the_best_split_meets_exactly_keeps_it(problem):
     expected = min(c.iteration_s for k, c in costs.items() if max(c.device_memory) <= capped.memory_cap)
     found = branch_and_bound(profile, b, capped, None, set(), time_limit=None)
     assert found.best is not None and math.isclose(found.best.iteration_s, expected, rel_tol=1e-9)
+
+
+def frozen_front_on_two_sites(L=6, frozen=4):
+    """(profile, options): the first `frozen` of L units frozen, p = 2 x d = 2 placed so that each
+    rank's exchange crosses a site link of 0.02 s latency (40 ms of rings, paid only by a rank that
+    exchanges anything: planner.cost.model.reduce_time)."""
+    import dataclasses
+
+    from planner.cost.placement import Placement
+    from planner.cost.topology_file import topology_from_json
+
+    topology = topology_from_json({"levels": [{"name": "site", "count": 2, "bandwidth": 1e8, "latency": 0.02},
+                                              {"name": "device", "count": 2, "bandwidth": 1e9}]})
+    profile = synthetic_profile(forward=[1e-3] * L, backward=[2e-3] * L, params=[1 << 16] * L, saved=[100] * L,
+                                cut_act=[1 << 10] * (L - 1), cut_grad=[0] * frozen + [1 << 10] * (L - 1 - frozen),
+                                sizes=(1,))  # no gradient crosses the frozen front
+    profile = dataclasses.replace(profile, units=[dataclasses.replace(u, trainable_bytes=0 if k < frozen else
+                                                                      u.param_bytes)
+                                                  for k, u in enumerate(profile.units)])
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, data_parallel=2,
+                       placement=Placement(topology, ((0, 1), (2, 3))))
+    return profile, opts
+
+
+def test_a_rank_of_frozen_units_only_is_found_and_bounded_exactly():
+    """A rank with nothing to exchange pays no rings' latency: the stage's reduce row carries it only
+    where the stage exchanges bytes (1/v of it for v > 1, a bound), so the best split -- one rank
+    holding only frozen units -- is found and the proven bound stays below it."""
+    from planner.cost.model import evaluate as cost_of
+
+    base_profile, base = frozen_front_on_two_sites()
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb-v", 2)):
+        opts = base.with_(schedule=schedule, virtual_stages=v)
+        profile = compute_profile(base_profile, opts)
+        best = _every_split(profile, 1, opts)
+        for forms in (set(), structural_forms(profile, 1, opts)):
+            found = branch_and_bound(profile, 1, opts, None, forms, time_limit=None)
+            assert found.optimal and math.isclose(found.best.iteration_s, best, rel_tol=1e-9), schedule
+            assert found.bound_s <= best * (1 + 1e-9)
+        # every form learned, as the search values it, is at most every split's step (a valid bound)
+        known = branch._Forms(branch._Terms(profile, 1, opts), opts.message_s)
+        for form in found.forms:
+            known.add(form)
+        for cuts in itertools.combinations(range(1, profile.num_units), opts.num_stages - 1):
+            values = branch._prefix(known, slice(0, len(known)), list(cuts) + [profile.num_units])
+            assert values.max() <= cost_of(profile, list(cuts), 1, opts).iteration_s * (1 + 1e-12), (schedule, cuts)
+        if schedule != "interleaved":  # there, one crossing less beats it by 0.6 ms
+            reduces = cost_of(profile, found.best.boundaries, 1, opts).durations
+            assert min(reduces[("reduce", i)] for i in range(2)) == 0.0, schedule  # the optimum: a frozen-only rank

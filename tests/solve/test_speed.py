@@ -49,7 +49,7 @@ def _fill_drain(profile, b, opts, boundaries):
         T.append(work + (call + cut_time(profile, a, b, opts) if a > 0 else call) +
                  (cut_time(profile, e, b, opts) if e < L else 0.0))
         params = sum(u.param_bytes for u in profile.units[a:e])
-        E.append(sync_time(params, params, opts, profile.dtype, m) if opts.data_parallel > 1 else 0.0)
+        E.append(sync_time(params, params, 0.0, opts, profile.dtype, m) if opts.data_parallel > 1 else 0.0)
     return sum(T) + (m - 1) * max(T) + max(E)
 
 
