@@ -12,7 +12,7 @@ rest:
   reduce-scattered, each holder adding its shard to its sharded gradient. A unit whose backward
   does not run (`backward_runs`: nothing in it trains and nothing it reads carries a gradient, e.g.
   a frozen embedding) is not gathered for it: autograd never reaches it, and the unit after it
-  prefetches it only when it runs (FSDP2's own prefetch would gather it anyway, for nothing); So a holder keeps an
+  prefetches it only when it runs (FSDP2's own prefetch would gather it anyway, for nothing). So a holder keeps an
   n-th of the gradients between micro-batches, as planner/cost/memory.py counts for `parameters`,
   and sends per micro-batch (n - 1)/n (2 w + g) per parameter (two gathers and one
   reduce-scatter), the traffic it charges. Why not accumulate whole gradients over the step's
