@@ -199,7 +199,8 @@ class _Forms:
 
     def add(self, form: PathForm, complete: bool = True) -> bool:
         """Take a form (False if known, guarded by a tie, or with a term of no stage); without
-        `complete`, its completions wait for the next refresh (-inf until then: no bound)."""
+        `complete`, its completions wait for the next refresh (0 until then: every term is a
+        duration, so no completion is below 0)."""
         if form in self.known or form.crossings:
             return False
         S = self.terms.S
@@ -221,7 +222,7 @@ class _Forms:
         self.known.add(form)
         self.constant = np.append(self.constant, constant)
         self.coefficients = np.concatenate([self.coefficients, per_stage], axis=1)
-        completion = self._completion(per_stage[:, 0, :]) if complete else np.full(self.completion.shape[1:], -np.inf)
+        completion = self._completion(per_stage[:, 0, :]) if complete else np.zeros(self.completion.shape[1:])
         self.completion = np.concatenate([self.completion, completion[None]])
         return True
 
@@ -239,8 +240,8 @@ class _Forms:
         started = time.perf_counter()
         try:
             self._refresh(target)
-        except OutOfTime:  # past the deadline: no completions and no floors (no bound is a valid one)
-            self.completion = np.full((len(self), self.terms.S + 1, self.terms.L + 1), -np.inf)
+        except OutOfTime:  # past the deadline: completions 0 (durations: a valid bound) and no floors
+            self.completion = np.zeros((len(self), self.terms.S + 1, self.terms.L + 1))
             self.floors, self.least_split = None, None
             self.least = np.full((self.terms.S + 1, self.terms.L + 1), -np.inf)
         self.refresh_s = time.perf_counter() - started

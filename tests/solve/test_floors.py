@@ -132,7 +132,7 @@ def test_the_table_estimate_covers_the_tables():
 
 def test_a_refresh_past_its_deadline_leaves_no_bound_rather_than_a_wrong_one():
     """A refresh that runs out of time (the search's time limit) keeps no half-done table: every
-    completion is -inf (no bound), no floors, and the search's bound still holds for every split."""
+    completion is 0 (every term is a duration), no floors, and the search's bound still holds."""
     import random
     import time
 
@@ -149,7 +149,7 @@ def test_a_refresh_past_its_deadline_leaves_no_bound_rather_than_a_wrong_one():
         form_completions(known.coefficients, known.terms.band, deadline=time.perf_counter() - 1)
     known.deadline = time.perf_counter() - 1
     known.refresh(math.inf)
-    assert np.all(known.completion == -np.inf) and known.floors is None and known.least_split is None
+    assert np.all(known.completion == 0.0) and known.floors is None and known.least_split is None
     best = min(evaluate(profile, list(cuts), 2, opts).iteration_s for cuts in itertools.combinations(range(1, 12), 2))
     found = branch_and_bound(profile, 2, opts, None, structural_forms(profile, 2, opts), time_limit=1e-9)
     assert found.bound_s <= best * (1 + 1e-9)
