@@ -86,7 +86,8 @@ def applies(profile: Profile, opts: CostOptions) -> bool:
 
 def table_bytes(num_units: int, opts: CostOptions) -> int:
     """What the search's tables over every range take: the stage terms (one table per kind of
-    device, at most one per stage where devices differ), the floors and the allowed ranges per stage."""
+    device, at most one per stage where devices differ), the floors and the allowed ranges per stage
+    (the band's gathered terms, at most floors.BAND_BYTES, come on top)."""
     S, cells = opts.num_stages, (num_units + 1) ** 2
     tables = S if opts.device_view is not None else 2  # like devices: inner stages and the last one
     return (tables * len(_STAGE_TERMS) * 8 + S * (8 + 3)) * cells
