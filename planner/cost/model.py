@@ -27,6 +27,10 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    under local SGD (sync_every H > 1) the model averaging's time / H (planner.cost.localsgd)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
+    (A unit's bytes and step include the tied weights it uses; rank i holds one copy of each: its
+    exchange, step and static memory take off the copies its units count beyond it, and the exchange
+    that copy too where the tie spans ranks, its all-reduce being the tie term: planner.cost.ties.)
+
     backward_input g, backward_weight g   (zero-bubble schedules) the backward's two parts,
                    (k^b + sum gi_l + sum_{l in R} f_l) / sigma_i and (sum gw_l + sum_{l in R} f_l) / sigma_i
                    (planner.cost.ranges: a recomputed unit recomputes in both)
@@ -71,6 +75,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
+from planner.cost.ties import Surplus, surplus, tie_copies
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
@@ -359,7 +364,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     m = num_micro_batches(opts, b)
     split, shape, value = _step_of(profile, boundaries, redo, b, opts)
     timeline = step_graph(shape).run(value)
-    memory = device_memory(split, opts, shape)
+    memory = device_memory(split, opts, shape, shared_parameters(profile))
     devices = shape.pipeline_ranks
     caps = _device_caps(opts, devices)
     busy = [0.0] * devices
@@ -371,7 +376,8 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     step = timeline.step_s
     bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
     end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
-    return PlanCost(micro_batch_size=b, num_micro_batches=m, stages=_stage_costs(split, opts, shape, value),
+    return PlanCost(micro_batch_size=b, num_micro_batches=m,
+                    stages=_stage_costs(split, opts, shape, value, shared_parameters(profile)),
                     iteration_s=step + opts.step_overhead_s, bottleneck_s=max(busy) / m,
                     bubble_fraction=max(0.0, bubble),
                     feasible=all(cap is None or mem <= cap for mem, cap in zip(memory, caps)),
@@ -493,11 +499,13 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             frozen_backward[i] += costs.frozen_backward(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
-    m = shape.num_micro_batches
-    for i in range(devices):
+    m, extra = shape.num_micro_batches, tie_surplus(split, shape, ties, opts.local_sgd)
+    for i in range(devices):  # a tied weight's extra uses on a rank are one copy (planner.cost.ties)
+        params[i] -= extra.exchanged[i]
+        trainable[i] -= extra.exchanged[i]
         value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i)
                                 if lanes[i] == 1 else 0.0)
-        value[("step", i)] = steps[i]
+        value[("step", i)] = steps[i] - extra.step_s[i] / speeds[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:
         if term[0] == "tie":
@@ -526,14 +534,28 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
     return out
 
 
-def device_memory(split: Split, opts: CostOptions, shape: StepShape) -> List[float]:
-    """M_i per device: static bytes of its stages + the peak of what its list holds (module docstring)."""
+def tie_surplus(split: Split, shape: StepShape, ties: Sequence[Tuple[str, List[int], int]],
+                averaged: bool = False) -> Surplus:
+    """What the per-unit sums of each device count beyond the one copy of each tied weight it holds
+    (planner.cost.ties; tied weights come without replicated stages: one device per stage);
+    averaged: under local SGD."""
+    stage_of = [g for g in range(len(split.edges) - 1) for _ in range(*split.units(g))]
+    return surplus(tie_copies(ties, split.costs), [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
+                   averaged)
+
+
+def device_memory(split: Split, opts: CostOptions, shape: StepShape,
+                  ties: Sequence[Tuple[str, List[int], int]] = ()) -> List[float]:
+    """M_i per device: static bytes of its stages, less the extra copies of tied weights it holds
+    once, + the peak of what its list holds (module docstring)."""
     held = held_bytes(split, opts)
     out = []
     devices = stage_devices(shape)
     statics = [_stage_static(split, opts, shape, g) for g in range(opts.num_stages)]
+    extra = tie_surplus(split, shape, ties).held
     for i, peaks in enumerate(rank_peaks(shape)):
         static = sum(statics[g] for g in range(opts.num_stages) if i in devices[g])
+        static -= static_bytes(extra[i], extra[i], opts, split.dtype) if extra[i] else 0.0
         activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
         out.append(static + split.fixed + activations)
     return out
@@ -546,9 +568,13 @@ def _stage_static(split: Split, opts: CostOptions, shape: StepShape, g: int) -> 
                         len(_devices_of(shape, g)) * opts.data_parallel)
 
 
-def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float]) -> List[StageCost]:
-    """Per-stage figures for tables and the plan file (on the stage's first device)."""
+def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float],
+                 ties: Sequence[Tuple[str, List[int], int]] = ()) -> List[StageCost]:
+    """Per-stage figures for tables and the plan file (on the stage's first device); a tied weight
+    used more than once in a stage counted once in its parameters."""
     costs, S = split.costs, opts.num_stages
+    stage_of = [g for g in range(S) for _ in range(*split.units(g))]
+    extra = surplus(tie_copies(ties, costs), stage_of, S).held
     held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
     precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
     stages = []
@@ -556,8 +582,8 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         (a, e), device = split.units(g), shape.rank_of(g)
         comm = (value[("act", g - 1)] + value[("grad", g - 1)] if g > 0 else 0.0) + \
                (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
-        count = costs.params(a, e) / itemsize
-        trained = costs.trainable(a, e) / itemsize  # frozen parameters: weights only
+        count = (costs.params(a, e) - extra[g]) / itemsize
+        trained = (costs.trainable(a, e) - extra[g]) / itemsize  # frozen parameters: weights only
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         # the most its own micro-batches hold at once along its rank's list (zero-bubble: with the

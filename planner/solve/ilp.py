@@ -16,7 +16,12 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
           exchanges anything; its rings' latency lat_i under a placement)
     O_i = sum_{g on i} sum_l o_l / sigma_i x[l][g]
     tau_t = sum_n y[t][n] tie(bytes_t, n d),   sum_n y[t][n] = 1,   sum_n n y[t][n] = sum_i h[t][i],
-    h[t][i] >= x[u][g] for each use u of tied weight t and stage g on rank i
+    h[t][i] >= x[u][g] for each use u of tied weight t and stage g on rank i,  h[t][i] <= k[t][i]
+    k[t][i] = sum_{u, g on i} x[u][g] (t's uses on rank i),   q[t][i] = h[t][i] y[t][1] (i holds t alone)
+    R_i -= sum_t ar_t (k[t][i] - q[t][i]),  O_i -= sum_t o_t / sigma_i (k[t][i] - h[t][i]), static bytes of
+    rank i -= sum_t (beta^w + beta^t) c_t (k[t][i] - h[t][i]): one copy c_t of a tied weight per rank
+    (planner.cost.ties; under local SGD the exchange takes off k - h); w_i >= q[t][i] for the ties, and
+    not for a unit whose exchange is its ties' alone
 
 The step time is the longest path of the lists' graph, the largest of its paths' sums; each known
 path k (a critical-path form: counts c_k of duration terms) gives a row
@@ -50,6 +55,7 @@ from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
 from planner.cost.stage_memory import StageMemory
+from planner.cost.ties import tie_copies
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
@@ -94,8 +100,8 @@ class Program:
         self.z = [[self._z(l, g) for g in range(S)] for l in range(L)]
         self._staircase()
         self._recompute_vars()
-        self._durations()
         self._ties()
+        self._durations()
         self._memory()
         self.T = _var(self.prob, "T")
         self.prob += self.T + opts.step_overhead_s * MS
@@ -161,7 +167,7 @@ class Program:
         c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
         speeds, links = rank_speeds(opts), boundary_links(opts)
         redo_all = opts.recompute == "all"
-        self.term: Dict[Tuple, object] = {("message",): opts.message_s * MS}
+        self.term.update({("message",): opts.message_s * MS})
         for g in range(S):
             sigma = speeds[opts.rank_of_stage(g)]
             units = [l for l in range(L) if self.may(l, g)]
@@ -190,38 +196,82 @@ class Program:
             exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
             moving = [(l, g) for g in stages for l in range(L) if self.may(l, g) and exchange[l] > 0]
             reduce = pulp.lpSum(exchange[l] * self.x(l, g) for l, g in moving)
+            per_copy = {tie.name: sync_time(tie.bytes_, tie.bytes_, 0.0, opts, self.profile.dtype, self.m, rank=i) * MS
+                        for tie in self.ties}
+            reduce -= pulp.lpSum(per_copy[tie.name] * self.tie_exchanged(tie, i) for tie in self.ties)
             latency = exchange_latency(opts, i) * MS
             if latency > 0 and moving:  # charged only when the rank exchanges anything (w_i)
                 w = _var(self.prob, f"exchanges_{i}", binary=True)
                 for l, g in moving:
+                    if l in self.rest_moves and not self.rest_moves[l]:  # only its ties' copies move: below
+                        continue
                     self.add(w >= self.x(l, g), f"exchanges_{i}_{l}_{g}")
+                for tie in self.ties:  # a tie not spanning ranks is exchanged in its rank's buckets
+                    if (tie.name, i) in self.alone and per_copy[tie.name] > 0:
+                        held = self.hold if opts.local_sgd else self.alone  # local SGD: averaged wherever held
+                        self.add(w >= held[tie.name, i], f"exchanges_{i}_{tie.name}")
                 reduce += latency * w
             step = pulp.lpSum(c.o[l] * MS / speeds[i] * self.x(l, g)
                               for g in stages for l in range(L) if self.may(l, g) and c.o[l])
+            step -= pulp.lpSum(tie.step_s * MS / speeds[i] * self.tie_held(tie, i) for tie in self.ties)
             self.term[("reduce", i)] = self._define(f"R_{i}", reduce)
             self.term[("step", i)] = self._define(f"O_{i}", step)
 
     def _ties(self) -> None:
-        """h[t][i]: tied weight t has a use on rank i; tau_t its all-reduce (one-hot over holder counts)."""
-        opts, S = self.opts, self.S
+        """h[t][i]: tied weight t has a use on rank i (k[t][i] of them); tau_t its all-reduce
+        (one-hot y over holder counts); q[t][i] = h[t][i] y[t][1]: rank i is t's only holder."""
+        opts, S, c = self.opts, self.S, self.costs
         self.hold: Dict[Tuple[str, int], object] = {}
-        for name, uses, size in shared_parameters(self.profile):
+        self.uses: Dict[Tuple[str, int], object] = {}
+        self.alone: Dict[Tuple[str, int], object] = {}
+        self.term: Dict[Tuple, object] = {}
+        ties = shared_parameters(self.profile)
+        self.ties = tie_copies(ties, c)
+        for name, uses, size in ties:
             ranks = sorted({opts.rank_of_stage(g) for u in uses for g in range(S) if self.may(u, g)})
             for i in ranks:
                 h = _var(self.prob, f"hold_{name}_{i}")
                 self.add(h <= 1, f"hold_cap_{name}_{i}")
+                k = pulp.lpSum(self.x(u, g) for u in uses for g in opts.stages_on(i) if self.may(u, g))
                 for u in uses:
                     for g in opts.stages_on(i):
                         if self.may(u, g):
                             self.add(h >= self.x(u, g), f"hold_{name}_{i}_{u}_{g}")
-                self.hold[name, i] = h
+                self.add(h <= k, f"hold_only_{name}_{i}")  # with h >= each use: h = [k >= 1]
+                self.hold[name, i], self.uses[name, i] = h, k
             counts = range(1, min(len(uses), len(ranks)) + 1)
             y = {n: _var(self.prob, f"holders_{name}_{n}", binary=True) for n in counts}
             self.add(pulp.lpSum(y.values()) == 1, f"holders_one_{name}")
             self.add(pulp.lpSum(n * v for n, v in y.items()) == pulp.lpSum(self.hold[name, i] for i in ranks),
                      f"holders_count_{name}")
+            for i in ranks:
+                q = _var(self.prob, f"alone_{name}_{i}")
+                self.add(q <= self.hold[name, i], f"alone_holds_{name}_{i}")
+                self.add(q <= y[1], f"alone_one_{name}_{i}")
+                self.add(q >= self.hold[name, i] + y[1] - 1, f"alone_both_{name}_{i}")
+                self.alone[name, i] = q
             self.term[("tie", name)] = self._define(
                 f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.tie_replicas, opts) * MS * v for n, v in y.items()))
+        # units whose exchange is only their ties' copies (nothing else moves when those ties span)
+        self.rest_moves: Dict[int, bool] = {}
+        for l in {u for tie in self.ties for u in tie.uses}:
+            own = sum(tie.bytes_ for tie in self.ties if l in tie.uses)
+            self.rest_moves[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], opts, self.profile.dtype, self.m) > 0
+
+    def tie_held(self, tie, i: int):
+        """Copies of `tie` the per-unit sums of rank i count beyond the one it holds: k - h."""
+        if (tie.name, i) not in self.hold:
+            return 0
+        return self.uses[tie.name, i] - self.hold[tie.name, i]
+
+    def tie_exchanged(self, tie, i: int):
+        """Copies of `tie` rank i does not exchange in its buckets: k - q (all k when it spans ranks);
+        under local SGD k - h (the averaging covers the copy it holds)."""
+        if (tie.name, i) not in self.hold:
+            return 0
+        if self.opts.local_sgd:
+            return self.tie_held(tie, i)
+        return self.uses[tie.name, i] - self.alone[tie.name, i]
 
     # --- memory ---------------------------------------------------------------------------------
     def _memory(self) -> None:
@@ -235,6 +285,7 @@ class Program:
                 continue
             static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)
                                 for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
+            static -= pulp.lpSum((beta_w + beta_t) * tie.bytes_ / MIB * self.tie_held(tie, i) for tie in self.ties)
             for n, peak in enumerate(memory.peaks[i]):
                 held = 0
                 for g in opts.stages_on(i):

@@ -1,0 +1,87 @@
+"""Tied weights held once per rank: the copies that the per-unit sums count too many times.
+
+A captured unit's parameter and trainable bytes include every tied weight it uses
+(planner.profile.measure, planner.profile.analytic_profile), so a sum over the units a rank holds
+counts tied weight t once per use. The runtime holds one copy per rank (runtime.stage), and a tie
+whose uses span ranks leaves the data-parallel exchange: its gradients are summed in its own
+all-reduce over every holder (runtime.groups; the ("tie", t) collective). So with k_i uses of t
+on rank i, the model takes off
+
+    memory, optimizer step          (k_i - 1) copies   (when k_i >= 1)
+    data-parallel exchange          k_i copies when t spans ranks, else k_i - 1; under local SGD
+                                    k_i - 1 (the model averaging covers every parameter a rank holds,
+                                    runtime.localsgd)
+
+A copy is c_t = min(bytes_t, T_u over t's uses u): a use's unit holds the tie (a profile whose
+units do not hold it whole takes off no more than they hold). Its optimizer step is the smallest
+of its uses' steps in proportion, o_u c_t / T_u (the profile times each unit's step, not each
+parameter's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from planner.cost.ranges import RangeCosts
+
+Tie = Tuple[str, List[int], int]  # (name, sorted unit indices, bytes): planner.cost.model.shared_parameters
+
+
+@dataclass(frozen=True)
+class TieCopy:
+    """What one copy of tied weight `name` is in the per-unit sums: `bytes_` trainable (and parameter)
+    bytes and `step_s` seconds of optimizer step at speed 1; `uses`: its units."""
+
+    name: str
+    uses: Tuple[int, ...]
+    bytes_: float
+    step_s: float
+
+
+def tie_copies(ties: Sequence[Tie], costs: RangeCosts) -> List[TieCopy]:
+    """One TieCopy per tied weight (module docstring: c_t and its step)."""
+    out = []
+    for name, uses, size in ties:
+        held = min([float(size)] + [float(costs.t[u]) for u in uses])
+        steps = [float(costs.o[u]) * held / float(costs.t[u]) for u in uses if costs.t[u] > 0]
+        out.append(TieCopy(name, tuple(uses), max(held, 0.0), min(steps, default=0.0)))
+    return out
+
+
+@dataclass(frozen=True)
+class Surplus:
+    """Per device, what the per-unit sums count beyond what it holds: `held` bytes (memory and
+    optimizer step), `exchanged` bytes (data-parallel exchange) and `step_s` (at speed 1)."""
+
+    held: List[float]
+    exchanged: List[float]
+    step_s: List[float]
+
+
+def surplus(copies: Sequence[TieCopy], unit_device: Sequence[int], devices: int, averaged: bool = False) -> Surplus:
+    """The surplus of each device given the device of every unit (module docstring); averaged:
+    under local SGD (the exchange averages each held copy, spanning or not)."""
+    held, exchanged, step = [0.0] * devices, [0.0] * devices, [0.0] * devices
+    for tie in copies:
+        uses = [0] * devices
+        for u in tie.uses:
+            uses[unit_device[u]] += 1
+        spans = sum(1 for k in uses if k) > 1 and not averaged
+        for i, k in enumerate(uses):
+            if k:
+                held[i] += (k - 1) * tie.bytes_
+                step[i] += (k - 1) * tie.step_s
+                exchanged[i] += (k if spans else k - 1) * tie.bytes_
+    return Surplus(held, exchanged, step)
+
+
+def later_uses_bytes(copies: Sequence[TieCopy], num_units: int) -> np.ndarray:
+    """Per unit, the copies of ties it uses other than their first use: taken off every unit's
+    bytes, a range's sum is at most what any rank holding it keeps (a lower bound per stage)."""
+    out = np.zeros(num_units)
+    for tie in copies:
+        for u in tie.uses[1:]:
+            out[u] += tie.bytes_
+    return out

@@ -1,0 +1,85 @@
+"""A tied weight costs one copy per rank (planner.cost.ties), on a real capture whose units both count it."""
+import dataclasses
+import functools
+
+import pytest
+
+from planner.cost.model import evaluate, static_bytes, sync_time
+from planner.cost.options import CostOptions
+from planner.profile.analytic import DeviceSpec
+from planner.profile.analytic_profile import analytic_profile
+
+FLAT = DeviceSpec(name="test", peak_flops={"float32": 1e12}, memory_bandwidth=1e11, efficiency=0.5)
+TIE = 64 * 16 * 4  # tied_lm's embedding (vocab 64 x dim 16, fp32), also its head's weight
+BLOCK = 1088  # one of its three blocks
+
+
+@functools.lru_cache(maxsize=1)
+def tied_profile():
+    """tests.models:tied_lm captured on the meta device, each unit's optimizer step timed at 1 ms per KiB."""
+    profile = analytic_profile("tests.models:tied_lm", {}, [1], FLAT)
+    units = [dataclasses.replace(u, optimizer_s={"sgd": u.trainable_bytes / 1024 * 1e-3}) for u in profile.units]
+    return dataclasses.replace(profile, units=units)
+
+
+def untied(profile):
+    return dataclasses.replace(profile, extra=dict(profile.extra, shared_parameters=[]))
+
+
+def options(p=1, d=1, schedule="1f1b", v=1):
+    return CostOptions(pipeline_ranks=p, data_parallel=d, global_batch=4 * d, schedule=schedule, virtual_stages=v,
+                       reserve_bytes=0)
+
+
+def test_the_capture_counts_the_tie_in_both_units_it_uses():
+    profile = tied_profile()
+    assert [(u.name, u.trainable_bytes) for u in profile.units] == \
+        [("emb", TIE), ("blocks.0", BLOCK), ("blocks.1", BLOCK), ("blocks.2", BLOCK), ("head", TIE)]
+    assert profile.extra["shared_parameters"][0]["units"] == ["emb", "head"]
+    assert profile.extra["shared_parameters"][0]["bytes"] == TIE
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_one_rank_holds_and_steps_one_copy_and_exchanges_it_once(d):
+    # before the fix: static memory of 2 TIE + 3 BLOCK (28676 bytes at d = 1 against 20484), the
+    # exchange and the step of both copies
+    profile, opts = tied_profile(), options(d=d)
+    cost, counted = evaluate(profile, [], 1, opts), evaluate(untied(profile), [], 1, opts)
+    unique = TIE + 3 * BLOCK
+    assert cost.device_memory[0] == counted.device_memory[0] - static_bytes(TIE, TIE, opts, profile.dtype)
+    assert cost.durations[("reduce", 0)] == pytest.approx(sync_time(unique, unique, 0, opts, profile.dtype, 4))
+    assert cost.durations[("step", 0)] == pytest.approx(unique / 1024 * 1e-3)
+    assert cost.collectives == ()
+    assert cost.stages[0].param_bytes == cost.stages[0].grad_bytes == unique  # the plan file's stage figures
+
+
+def test_a_tie_spanning_ranks_leaves_the_data_parallel_exchange():
+    # before the fix: each rank exchanged its copy of the tie on top of the tie's own all-reduce
+    profile, opts = tied_profile(), options(p=2, d=2)
+    cost, counted = evaluate(profile, [2], 1, opts), evaluate(untied(profile), [2], 1, opts)
+    assert cost.device_memory == counted.device_memory  # one copy on each rank: nothing counted twice
+    for i, own in enumerate([BLOCK, 2 * BLOCK]):  # emb, blocks.0 | blocks.1, blocks.2, head
+        assert cost.durations[("reduce", i)] == pytest.approx(sync_time(own, own, 0, opts, profile.dtype, 4))
+    assert cost.durations[("step", 0)] == pytest.approx((TIE + BLOCK) / 1024 * 1e-3)
+    assert [term for term, _ in cost.collectives] == [("tie", "emb.weight")]
+
+
+def test_zb_v_holds_one_copy_where_the_first_and_last_stages_share_a_rank():
+    profile, opts = tied_profile(), options(p=2, d=2, schedule="zb-v", v=2)
+    cost, counted = evaluate(profile, [1, 2, 4], 1, opts), evaluate(untied(profile), [1, 2, 4], 1, opts)
+    assert cost.device_memory[0] == counted.device_memory[0] - static_bytes(TIE, TIE, opts, profile.dtype)
+    assert cost.device_memory[1] == counted.device_memory[1]
+    own = TIE  # rank 0 runs stages 0 (emb) and 3 (head): one copy, not spanning, exchanged in its buckets
+    assert cost.durations[("reduce", 0)] == pytest.approx(sync_time(own, own, 0, opts, profile.dtype, 4))
+    assert cost.durations[("step", 0)] == pytest.approx(own / 1024 * 1e-3)
+    assert cost.collectives == ()
+
+
+def test_local_sgd_averages_the_copy_each_rank_holds_even_where_the_tie_spans_ranks():
+    # the model averaging covers every trainable parameter a rank holds (runtime.localsgd), tie or not
+    profile = tied_profile()
+    opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=8, sync_every=3, reserve_bytes=0)
+    cost = evaluate(profile, [2], 1, opts)
+    for i, own in enumerate([TIE + BLOCK, 2 * BLOCK + TIE]):
+        assert cost.durations[("reduce", i)] == pytest.approx(sync_time(own, own, 0, opts, profile.dtype, 4))
+    assert [term for term, _ in cost.collectives] == [("tie", "emb.weight")]

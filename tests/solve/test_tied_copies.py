@@ -1,0 +1,115 @@
+"""The integer program counts a tied weight once per rank, as the cost model does (planner.cost.ties):
+its answers agree with brute force where the one copy decides (memory, exchange, its latency)."""
+import pulp
+import pytest
+
+from planner.cost.model import compute_profile, evaluate
+from planner.cost.options import CostOptions
+from planner.cost.placement import Placement
+from planner.cost.topology_file import topology_from_json
+from planner.solve.api import solve
+from planner.solve.ilp import MS, Program, _NoSplit, big_m_ms
+from tests.support.synthetic import synthetic_profile
+
+TIE = 4 << 20  # the tied embedding: in the first unit and in the head, as a capture counts it
+BLOCK = 1 << 20
+
+
+def tied_chain(blocks=(BLOCK, BLOCK, BLOCK), trainable_blocks=True):
+    params = [TIE, *blocks, TIE]
+    L = len(params)
+    profile = synthetic_profile([0.002 + 0.0005 * (i % 3) for i in range(L)], [0.004 + 0.001 * (i % 2) for i in range(L)],
+                                params, [1 << 20] * L, [1 << 16] * (L - 1), sizes=(1, 2),
+                                names=["embed"] + [f"b{i}" for i in range(len(blocks))] + ["head"])
+    for u in profile.units:
+        u.optimizer_s = {"sgd": u.param_bytes / BLOCK * 1e-4}
+        if not trainable_blocks and u.name.startswith("b"):
+            u.trainable_bytes = 0
+    profile.extra["shared_parameters"] = [{"name": "wte", "units": ["embed", "head"], "bytes": TIE}]
+    return profile
+
+
+def same_as_brute(profile, opts):
+    ilp = solve(profile, opts)
+    brute = solve(profile, opts, method="brute")
+    assert ilp.objective == pytest.approx(brute.objective, rel=1e-6) and ilp.status == "optimal"
+    assert ilp.bound <= brute.objective * (1 + 1e-9)  # the program's bound is a valid one
+    assert evaluate(profile, ilp.boundaries, ilp.micro_batch_size, opts, ilp.recompute).iteration_s == \
+        pytest.approx(ilp.objective, rel=1e-9)
+    return ilp
+
+
+TOPOLOGY = {"levels": [{"name": "site", "count": 2, "bandwidth": 1e7, "latency": 0.02},
+                       {"name": "device", "count": 2, "bandwidth": 1e9, "latency": 0.0}]}
+ACROSS_SITES = Placement(topology_from_json(TOPOLOGY), ((0, 1), (2, 3)))  # each rank's replicas on both sites
+
+
+@pytest.mark.parametrize("frozen_blocks, boundaries, options", [
+    (False, [], dict(pipeline_ranks=1)),
+    (False, [2], dict(pipeline_ranks=2)),
+    (False, [1, 2, 4], dict(pipeline_ranks=2, schedule="zb-v", virtual_stages=2)),
+    (False, [2], dict(pipeline_ranks=2, sync_every=3)),  # local SGD: the averaging covers each held copy
+    (True, [2], dict(pipeline_ranks=2, latency=0.02, placement=ACROSS_SITES)),
+    (True, [1, 2, 4], dict(pipeline_ranks=2, schedule="zb-v", virtual_stages=2, latency=0.02,
+                           placement=ACROSS_SITES)),
+])
+def test_the_program_at_a_split_is_the_model_there(frozen_blocks, boundaries, options):
+    """Every split fixed: the program's exchange, step, tie and memory are the cost model's."""
+    profile = compute_profile(tied_chain(trainable_blocks=not frozen_blocks), CostOptions(1, 8))
+    opts = CostOptions(data_parallel=2, global_batch=8 * options["pipeline_ranks"], dp_bandwidth=2e8, **options)
+    cost = evaluate(profile, boundaries, 1, opts)
+    edges = [0, *boundaries, profile.num_units]
+    stage = [g for g in range(len(edges) - 1) for _ in range(edges[g], edges[g + 1])]
+    for cap, fits in ((max(cost.device_memory), True), (max(cost.device_memory) - 2 ** 14, False)):
+        try:
+            program = Program(profile, 1, opts.with_(memory_cap=cap), stage, stage)
+        except _NoSplit:  # a rank without tie variables over its cap: its row is a constant
+            assert not fits
+            continue
+        program.add_form(cost.critical_path, big_m_ms(profile, 1, opts, cost.critical_path))
+        found = program.solve(None, None, "highs")
+        assert found.below_cutoff == fits
+        if fits:
+            assert found.value_s == pytest.approx(cost.iteration_s, rel=1e-9)
+            for term, seconds in cost.durations.items():
+                if term[0] in ("reduce", "step", "tie"):
+                    assert pulp.value(program.term[term]) == pytest.approx(seconds * MS, rel=1e-9, abs=1e-9), term
+
+
+def test_one_rank_fits_where_it_holds_one_copy_of_the_tie():
+    # before the fix both copies were counted: no plan fitted this cap (InfeasibleError)
+    profile = tied_chain()
+    unique = tied_chain()  # what the runtime holds: the head's weight is the embedding's
+    unique.units[-1].param_bytes = unique.units[-1].trainable_bytes = 0
+    unique.extra["shared_parameters"] = []
+    opts = CostOptions(pipeline_ranks=1, data_parallel=2, global_batch=8, dp_bandwidth=1e9)
+    cap = evaluate(unique, [], 2, opts).device_memory[0]
+    found = same_as_brute(profile, opts.with_(memory_cap=cap))
+    assert evaluate(profile, [], 2, opts).device_memory == [cap] and found.cost.device_memory[0] <= cap
+
+
+@pytest.mark.parametrize("schedule, v, p", [("1f1b", 1, 2), ("1f1b", 1, 3), ("zb-v", 2, 2), ("interleaved", 2, 2)])
+def test_solver_matches_brute_force_where_the_tie_spans_ranks_or_not(schedule, v, p):
+    profile = tied_chain(blocks=(BLOCK, 2 * BLOCK, BLOCK, BLOCK))
+    opts = CostOptions(pipeline_ranks=p, data_parallel=2, global_batch=8 * p, schedule=schedule, virtual_stages=v,
+                       dp_bandwidth=2e8, bandwidth=1e9)
+    free = same_as_brute(profile, opts)
+    cap = sorted(max(evaluate(profile, boundaries, 1, opts).device_memory) for boundaries in _splits(profile, opts))[1]
+    same_as_brute(profile, opts.with_(memory_cap=cap))  # the cap rules out the split of least memory but one
+    assert free.objective > 0
+
+
+def _splits(profile, opts):
+    import itertools
+    S, L = opts.num_stages, profile.num_units
+    return [list(c) for c in itertools.combinations(range(1, L), S - 1)]
+
+
+def test_a_rank_whose_only_trained_weight_is_a_spanning_tie_exchanges_nothing():
+    # frozen blocks: a rank holding the embedding (or the head) alone, the tie spanning ranks, runs
+    # no data-parallel collective and pays no ring latency
+    profile = tied_chain(trainable_blocks=False)
+    opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=8, latency=0.02, placement=ACROSS_SITES)
+    cost = evaluate(profile, [2], 1, opts)
+    assert cost.durations[("reduce", 0)] == 0.0 and cost.durations[("reduce", 1)] == 0.0
+    same_as_brute(profile, opts)
