@@ -17,9 +17,12 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import candidate_micro_batch_sizes, evaluate, fixed_bytes
+from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, shared_parameters,
+                                static_bytes)
+from planner.cost.ranges import range_costs
 from planner.cost.options import CostOptions
 from planner.cost.stage_memory import StageMemory
+from planner.cost.ties import tie_copies
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 
@@ -63,11 +66,25 @@ def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatr
 
 def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMatrix:
     """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank, every unit
-    recomputed under --recompute all, none otherwise): planner.cost.stage_memory's, plus the fixed
+    recomputed under --recompute all, none otherwise): planner.cost.stage_memory's, less the
+    copies of a tied weight beyond the one the stage holds (planner.cost.ties), plus the fixed
     bytes every device holds."""
     memory = StageMemory(profile, b, opts, recompute_all=opts.recompute == "all")
-    fixed = fixed_bytes(profile, opts)
+    fixed = fixed_bytes(profile, opts) - _extra_tie_copies(profile, b, opts)
     return lambda s: memory.matrix(s) + fixed
+
+
+def _extra_tie_copies(profile: Profile, b: int, opts: CostOptions) -> np.ndarray:
+    """[a, e]: the static bytes of the tied weights' uses in [a, e) beyond one copy each."""
+    L = profile.num_units
+    extra = np.zeros((L + 1, L + 1))
+    for tie in tie_copies(shared_parameters(profile), range_costs(profile, b, opts.optimizer)):
+        before = np.zeros(L + 1)  # uses of the tie among the first a units
+        for u in tie.uses:
+            before[u + 1:] += 1
+        uses = before[None, :] - before[:, None]  # in [a, e)
+        extra += np.maximum(uses - 1, 0) * static_bytes(tie.bytes_, tie.bytes_, opts, profile.dtype)
+    return extra
 
 
 @dataclass

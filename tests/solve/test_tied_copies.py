@@ -113,3 +113,28 @@ def test_a_rank_whose_only_trained_weight_is_a_spanning_tie_exchanges_nothing():
     cost = evaluate(profile, [2], 1, opts)
     assert cost.durations[("reduce", 0)] == 0.0 and cost.durations[("reduce", 1)] == 0.0
     same_as_brute(profile, opts)
+
+
+def test_the_memory_floor_counts_a_tie_once_per_stage():
+    """The diagnosis' least memory per device (planner.solve.diagnose.min_memory_plan) is the least
+    over every split and micro-batch size of the model's peak, which holds one copy of a tie per
+    rank. Units of 2, 4, 4 and 1 MiB, the two middle ones one tied weight, two stages: the least is
+    the split that keeps the tie together (4 + 1); counting both copies (as the diagnosis did) made
+    it pick 2 + 4 | 4 + 1 instead, and report that split's larger peak."""
+    import itertools
+
+    from planner.cost.model import candidate_micro_batch_sizes
+    from planner.solve.diagnose import min_memory_plan
+
+    params = [2 * BLOCK, 4 * BLOCK, 4 * BLOCK, BLOCK]
+    profile = synthetic_profile([0.002] * 4, [0.004] * 4, params, [1 << 10] * 4, [1 << 10] * 3, sizes=(1, 2),
+                                names=["a", "t1", "t2", "d"])
+    profile.extra["shared_parameters"] = [{"name": "w", "units": ["t1", "t2"], "bytes": 4 * BLOCK}]
+    opts = CostOptions(pipeline_ranks=2, global_batch=4, optimizer="sgd")
+    profile = compute_profile(profile, opts)
+    peaks = {(cut, b): max(evaluate(profile, [cut], b, opts).device_memory)
+             for (cut,) in itertools.combinations(range(1, 4), 1)
+             for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)}
+    best = min(peaks.values())
+    floor = min_memory_plan(profile, opts)
+    assert floor.boundaries == [1] and floor.memory_bytes == pytest.approx(best, rel=1e-12)
