@@ -129,7 +129,8 @@ class _Terms:
         zero = np.zeros((L + 1, L + 1))
         # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range
         self.rows: List[np.ndarray] = []
-        distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # stages on like devices share one table
+        # stages on like devices share one table: (speed, act, grad, reduce, table) of each kind
+        distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for g in range(S):
             speed = speeds[g]
             exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g])
@@ -302,17 +303,18 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
                  cutoff_s if cutoff_s is not None else math.inf) - overhead
     dual, dual_until = Dual(), math.inf if time_limit is None else started + DUAL_SHARE * time_limit
 
-    def met(ends: Tuple[int, ...]) -> None:  # a split the dual ascent attains: simulated, a candidate
+    def offer(split: Optional[Split]) -> None:  # a candidate: the incumbent if faster
         nonlocal best, target
-        split = _simulate(profile, list(ends[:-1]), b, opts, redo, known)
         if split is not None and split.iteration_s - overhead < target:
             best, target = split, split.iteration_s - overhead
+
+    def met(ends: Tuple[int, ...]) -> None:  # a split the dual ascent or the floors attain: simulated, a candidate
+        offer(_simulate(profile, list(ends[:-1]), b, opts, redo, known))
 
     def affordable() -> bool:  # a refresh ends before the time limit (as long as the last one took)
         return time_limit is None or time.perf_counter() + known.refresh_s < started + time_limit
 
-    def refresh() -> None:  # the allowed stages, completions and floors for the target; the floors' split is a candidate
-        nonlocal best, target
+    def refresh() -> None:  # allowed stages, completions and floors for the target; the floors' split a candidate
         for _ in range(FLOOR_ROUNDS):
             if not affordable():
                 return
@@ -321,11 +323,10 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             if known.least_split is not None and known.least_split not in tried:
                 tried.add(known.least_split)
                 met(known.least_split)
-            if improve is not None and best is not None and tuple(best.boundaries) not in improved and affordable():
+            fresh = best is not None and tuple(best.boundaries) not in improved
+            if improve is not None and fresh and affordable():
                 improved.add(tuple(best.boundaries))
-                better = improve(best)
-                if better.iteration_s - overhead < target:
-                    best, target = better, better.iteration_s - overhead
+                offer(improve(best))
             if target >= before:
                 break
 
@@ -351,7 +352,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         (-math.inf, 0, 0, (), known.constant.copy())]
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
-            bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < FINAL_REFRESH_SHARE * time_limit), target * (1 - gap))
+            cheap = known.refresh_s < FINAL_REFRESH_SHARE * time_limit
+            bound = min(_open_bound(known, stack, target * (1 - gap), cheap), target * (1 - gap))
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -365,9 +367,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if len(prefix) < len(known):  # forms learned since this node was made: their prefix from its cuts
             prefix = np.concatenate([prefix, _prefix(known, slice(len(prefix), len(known)), cuts)])
         if g == S - 1:  # the last stage is [a, L): a complete split
-            split = _simulate(profile, list(cuts), b, opts, redo, known)
-            if split is not None and split.iteration_s - overhead < target:
-                best, target = split, split.iteration_s - overhead
+            offer(_simulate(profile, list(cuts), b, opts, redo, known))
             if target < refreshed[0] * (1 - REFRESH) or len(known) > refreshed[1] * (1 + REFRESH) + 4:
                 strengthen(DUAL_REFRESH_ITERATIONS)  # tighter: nodes made before keep their (valid) bounds
                 refreshed = (target, len(known))
