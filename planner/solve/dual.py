@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from planner.solve.backends import _quiet_stdout
+from planner.solve.floors import split_of
 
 try:
     import highspy
@@ -89,16 +90,13 @@ class Dual:
             if not np.isfinite(h) or model - best_h <= DUAL_TOL * abs(best_h) or best_h >= goal() or \
                     time.perf_counter() > deadline:
                 break
-            split, a = [], 0
-            for g in range(terms.S):
-                a = int(ends[g, a])
-                split.append(a)
-            if tuple(split) in self.splits:  # the model is exact at lam: lam is the best over these forms
+            split = split_of(ends)
+            if split in self.splits:  # the model is exact at lam: lam is the best over these forms
                 if it > 0:
                     break
                 continue
-            self._add(forms, tuple(split))
-            found(tuple(split))
+            self._add(forms, split)
+            found(split)
         if best is not None:  # forms learned since it was found weigh 0
             best = np.r_[best, np.zeros(len(forms) - len(best))]
         return best, best_h
