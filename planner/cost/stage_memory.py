@@ -50,6 +50,7 @@ class StageMemory:
         self.factors: Tuple[float, float] = static_factors(opts, profile.dtype)
         beta_w, beta_t = self.factors
         self.static_per_unit = costs.p * beta_w + costs.t * beta_t
+        self._static = prefix_sums(self.static_per_unit)
         self.saved = costs.inputs if recompute_all else costs.s
         self.weight = costs.inputs if recompute_all else costs.h
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
@@ -72,11 +73,24 @@ class StageMemory:
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""
-        static = range_matrix(prefix_sums(self.static_per_unit))
+        static = range_matrix(self._static)
         valid = np.isfinite(static)
         held = np.zeros_like(static)
         for peak in self.peaks[self.ranks[g]]:
             terms = self.held(peak, g)
             value = np.where(valid, range_matrix(prefix_sums(terms.per_unit)), 0.0)
             held = np.maximum(held, value + terms.at_start[:, None] + terms.at_end[None, :])
+        return static + held
+
+    def row(self, g: int, a: int) -> np.ndarray:
+        """M_g[a, e] over e: one row of `matrix` (+inf where e <= a), without the whole table."""
+        ends = np.arange(len(self._static))
+        valid = ends > a
+        static = np.where(valid, self._static - self._static[a], np.inf)
+        held = np.zeros_like(static)
+        for peak in self.peaks[self.ranks[g]]:
+            terms = self.held(peak, g)
+            bytes_ = prefix_sums(terms.per_unit)
+            value = np.where(valid, bytes_ - bytes_[a], 0.0)
+            held = np.maximum(held, value + terms.at_start[a] + terms.at_end)
         return static + held

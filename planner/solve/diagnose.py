@@ -136,10 +136,17 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
         return 1 if sizes else None
     lists = lambda stages: opts.with_(pipeline_ranks=stages, cluster=None, placement=None)  # noqa: E731
     middles = [memory_matrices(profile, b, lists(L)) for b in sizes]  # M^(j): stage L-1-j
+    # F^(j)(0, e) needs only its row: the fixed bytes less the ties' extra copies in [0, e), per b
+    fixed = [fixed_bytes(profile, opts) - _extra_tie_copies(profile, b, opts)[0] for b in sizes]
+    recompute_all = opts.recompute == "all"
     reach = [None] * len(sizes)
     for j in range(L):
+        if j > 0 and not any(r.any() for r in reach):
+            return None  # no stage after the first fits anywhere: nor with more stages (R_j needs R_j-1)
         for i, b in enumerate(sizes):
-            first = memory_matrices(profile, b, lists(j + 1))(0)[0] <= cap  # F^(j)(0, e) over e
+            if j > 0 and not reach[i].any():
+                continue
+            first = StageMemory(profile, b, lists(j + 1), recompute_all).row(0, 0) + fixed[i] <= cap
             if (first[L] if j == 0 else np.any(first & reach[i])):
                 return j + 1
             fits = middles[i](L - 1 - j) <= cap  # [a, e]
