@@ -1,14 +1,15 @@
 """Process groups for the gradient reductions at the end of a step, and the reductions themselves."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
-from runtime.stage import RankModel
+if TYPE_CHECKING:  # annotations only: runtime.shard_params imports this module without the stages
+    from runtime.stage import RankModel
 
 
 class Groups:

@@ -45,6 +45,7 @@ from torch import nn
 
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.profile.saved import local_tensor
+from runtime.groups import sum_gradient
 
 
 def refusal(precision: str, schedule: str, replicated: bool, clipping: bool, checkpointing: bool) -> Optional[str]:
@@ -142,8 +143,6 @@ class ParameterSharding:
 
     # --- what runtime.worker and runtime.engine call on an optimizer (set_lr sets `local`'s rate) ---
     def step(self) -> None:
-        from runtime.groups import sum_gradient  # here: runtime.options reads `refusal` without the stages
-
         for p in self.shared_here:
             if p.requires_grad:
                 sum_gradient(p, self.group)

@@ -238,7 +238,7 @@ def _balanced_rhythm_note(profile, solution, opts, args: argparse.Namespace) -> 
     host where waiting on a message is slow, shown when it differs by 5 % or more. None without a
     rhythm, with the user's own --latency, with one stage, or under a placement (whose levels have
     their own latencies)."""
-    from planner.cost.model import compute_profile, evaluate
+    from planner.cost.model import evaluate
 
     rhythm = (profile.extra.get("link") or {}).get("rhythm")  # checked by the profile's loader
     scenario = solution.options or opts
@@ -246,7 +246,7 @@ def _balanced_rhythm_note(profile, solution, opts, args: argparse.Namespace) -> 
             rhythm["latency_s"] <= scenario.latency or scenario.placement is not None:
         return None
     latency = float(rhythm["latency_s"])
-    slow = evaluate(compute_profile(profile, scenario), solution.boundaries, solution.micro_batch_size,
+    slow = evaluate(profile, solution.boundaries, solution.micro_batch_size,
                     scenario.with_(latency=latency), solution.recompute).iteration_s
     if slow < 1.05 * solution.objective:
         return None

@@ -539,6 +539,9 @@ def tie_surplus(split: Split, shape: StepShape, ties: Sequence[Tuple[str, List[i
     """What the per-unit sums of each device count beyond the one copy of each tied weight it holds
     (planner.cost.ties; tied weights come without replicated stages: one device per stage);
     averaged: under local SGD."""
+    if not ties:  # every split a search screens: nothing to take off
+        zero = [0.0] * shape.pipeline_ranks
+        return Surplus(zero, zero, zero)
     stage_of = [g for g in range(len(split.edges) - 1) for _ in range(*split.units(g))]
     return surplus(tie_copies(ties, split.costs), [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
                    averaged)

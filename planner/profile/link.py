@@ -297,7 +297,7 @@ def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: 
     outputs = []
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=timeout_s + 30)
+            out, err = proc.communicate(timeout=attempts * timeout_s + 30)  # each try of the ping-pong its own time
             if proc.returncode != 0:
                 raise RuntimeError(f"measuring the link failed: {(err.strip().splitlines() or ['?'])[-1]}")
             outputs.append(out)

@@ -100,6 +100,7 @@ class Program:
         self.z = [[self._z(l, g) for g in range(S)] for l in range(L)]
         self._staircase()
         self._recompute_vars()
+        self.term: Dict[Tuple, object] = {("message",): opts.message_s * MS}  # every duration term's variable
         self._ties()
         self._durations()
         self._memory()
@@ -167,7 +168,6 @@ class Program:
         c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
         speeds, links = rank_speeds(opts), boundary_links(opts)
         redo_all = opts.recompute == "all"
-        self.term.update({("message",): opts.message_s * MS})
         for g in range(S):
             sigma = speeds[opts.rank_of_stage(g)]
             units = [l for l in range(L) if self.may(l, g)]
@@ -224,7 +224,6 @@ class Program:
         self.hold: Dict[Tuple[str, int], object] = {}
         self.uses: Dict[Tuple[str, int], object] = {}
         self.alone: Dict[Tuple[str, int], object] = {}
-        self.term: Dict[Tuple, object] = {}
         ties = shared_parameters(self.profile)
         self.ties = tie_copies(ties, c)
         for name, uses, size in ties:
