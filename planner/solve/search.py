@@ -21,8 +21,9 @@ and a lower bound that holds for every split under the exact model:
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
 'all'). Zero-bubble schedules: W counts both backward parts (and a recomputed forward in each), while
 the crossing after a stage and the one micro-batch of v > 1 count forward and input backward only
-(nothing waits for a weight backward), the one before it forwards only (its last weight backwards
-may overlap the input backwards upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
+(nothing waits for a weight backward), the one before it forwards only, with only the activation
+messages of the boundaries before it (its last weight backwards may overlap the input backwards
+and the gradient messages upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
 found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
 skipped scenario contributes its bound), so the reported gap is a true gap. Under a time limit the
 first scenario solved gets half the time left and each later one at least an equal share of it;
@@ -152,16 +153,21 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
         work = costs.matrix(prefix) + call
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
-        # crossing boundary j at cut position c: both messages' transfers and the cost per message
+        # crossing boundary j at cut position c: both messages' transfers and the cost per message;
+        # under zero bubble only the activation's precedes the rank (the gradients going back up may
+        # overlap its own weight backwards, as `lead` says)
         links = boundary_links(opts)
-        crossing = [np.array([costs.message_s(c, link) + costs.message_s(c, link, gradient=True) if 0 < c < L
-                              else np.inf for c in range(L + 1)]) + 2 * opts.message_s for link in links]
+        zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
+
+        def crossing(link, both: bool) -> np.ndarray:
+            return np.array([costs.message_s(c, link) + both * costs.message_s(c, link, gradient=True)
+                             if 0 < c < L else np.inf for c in range(L + 1)]) + (1 + both) * opts.message_s
         # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
         fill = np.zeros((S, L + 1))
         drain = np.zeros((S, L + 1))
-        for j, times in enumerate(crossing):
-            fill[j + 1:] += np.minimum.accumulate(times)
-            drain[:j + 1] += np.minimum.accumulate(times[::-1])[::-1]
+        for j, link in enumerate(links):
+            fill[j + 1:] += np.minimum.accumulate(crossing(link, not zero_bubble))
+            drain[:j + 1] += np.minimum.accumulate(crossing(link, True)[::-1])[::-1]
         fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest

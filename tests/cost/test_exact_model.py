@@ -213,6 +213,25 @@ def test_the_scenario_bound_holds_for_every_plan(problem):
         assert bound <= best * (1 + 1e-12), (b, bound, best)
 
 
+def test_the_zero_bubble_scenario_bound_counts_only_activations_before_a_rank():
+    """zb-h1, one micro-batch through 3 stages: the last rank waits for the activations crossing
+    the boundaries before it, not for the gradients going back (they overlap its weight backwards);
+    the bound once charged both and exceeded the best split."""
+    import itertools
+
+    from planner.solve.search import scenario_lower_bound
+    from tests.support.synthetic import synthetic_profile
+
+    f = {1: 0.00390625, 2: 0.0078125, 4: 0.015625}
+    g_end = {b: t / 2 for b, t in f.items()}
+    profile = synthetic_profile([f] * 5, [g_end, f, f, f, g_end], [0] * 5, [0] * 5, [1, 1, 0, 0])
+    opts = CostOptions(pipeline_ranks=3, global_batch=4, schedule="zb-h1", bandwidth=2e5, optimizer="sgd")
+    best = min(evaluate(profile, list(split), 4, opts).iteration_s for split in itertools.combinations(range(1, 5), 2))
+    bound = scenario_lower_bound(profile, 4, opts)
+    assert bound <= best * (1 + 1e-12)
+    assert bound >= best * (1 - 1e-3)  # and still tight here
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=6))
 def test_solver_matches_brute_force_in_mixed_precision(problem):
