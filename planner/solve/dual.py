@@ -8,7 +8,7 @@ lam >= 0 with sum 1, every split satisfies
     step(split) >= max_k form_k(split) >= sum_k lam_k form_k(split) = lam.c + sum_g (lam.C_g) . t_g(a_g, e_g)
 
 whose least value over the allowed splits, h(lam), is one dynamic program over (stage, first unit)
-(`completions`): a bound of every allowed split. h is concave; at a vertex lam = e_k it is form k's
+(planner.solve.floors.form_completions): a bound of every allowed split. h is concave; at a vertex lam = e_k it is form k's
 own best split, so its maximum (the dual) is at least the largest of those. The maximum is found by
 cutting planes (Kelley): the splits found so far, s_1..s_n, give the model
 min_j lam.f(s_j) >= h(lam); the next lam maximises the model (a small linear program: the weights
@@ -22,12 +22,12 @@ and its longest path a new form, a new column of the program).
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
 from planner.solve.backends import _quiet_stdout
-from planner.solve.floors import split_of
+from planner.solve.floors import form_completions, split_of
 
 try:
     import highspy
@@ -35,22 +35,6 @@ except ImportError:  # a core dependency; without it the search keeps the single
     highspy = None
 
 DUAL_TOL = 1e-4  # relative: the model's maximum this close to the best h ends the ascent
-
-
-def completions(rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray], per_stage: np.ndarray
-                ) -> Tuple[np.ndarray, np.ndarray]:
-    """D[g, a]: the least sum over the splits of [a, L) into allowed stages g..S-1 of
-    per_stage[g] . t_g(a, e), and ends[g, a]: where stage g ends in it (rows[g][t, a, e]: term t of [a, e))."""
-    S, L = len(rows), rows[0].shape[1] - 1
-    D = np.full((S + 1, L + 1), np.inf)
-    D[S, L] = 0.0
-    ends = np.zeros((S, L + 1), dtype=int)
-    for g in range(S - 1, -1, -1):
-        value = np.tensordot(per_stage[g], rows[g], axes=1) if per_stage[g].any() else 0.0
-        total = np.where(allowed[g], value, np.inf) + D[g + 1][None, :]
-        ends[g] = total.argmin(axis=1)
-        D[g] = total[np.arange(L + 1), ends[g]]
-    return D, ends
 
 
 class Dual:
@@ -83,14 +67,15 @@ class Dual:
                 lam, model = self.master.solve()
                 if lam is None:  # the program failed: keep the best found
                     break
-            D, ends = completions(terms.rows, terms.allowed, np.einsum("k,gkt->gt", lam, forms.coefficients))
-            h = float(lam @ forms.constant + D[0, 0])
+            per_stage = np.einsum("k,gkt->gt", lam, forms.coefficients)
+            D, ends = form_completions(per_stage[:, None, :], terms.band, with_ends=True)
+            h = float(lam @ forms.constant + D[0, 0, 0])
             if h > best_h:
                 best, best_h = lam, h
             if not np.isfinite(h) or model - best_h <= DUAL_TOL * abs(best_h) or best_h >= goal() or \
                     time.perf_counter() > deadline:
                 break
-            split = split_of(ends)
+            split = split_of(ends[0])
             if split in self.splits:  # the model is exact at lam: lam is the best over these forms
                 if it > 0:
                     break

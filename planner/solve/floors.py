@@ -82,13 +82,15 @@ class _Block:
         return value
 
 
-def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[float] = None) -> np.ndarray:
+def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[float] = None,
+                     with_ends: bool = False):
     """D[k, g, a]: form k's least sum over the splits of [a, L) into allowed stages g..S-1 of its
     stage terms (+inf where there is none), every form at once. coefficients[g, k, term]; OutOfTime
-    past the deadline."""
+    past the deadline. With `with_ends`, also ends[k, g, a]: where stage g ends in that split."""
     S, K, L = band.S, coefficients.shape[1], band.L
     D = np.full((K, S + 1, L + 1), np.inf)
     D[:, S, L] = 0.0
+    ends = np.zeros((K, S, L + 1), dtype=int) if with_ends else None
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         for g in range(S - 1, -1, -1):
@@ -96,8 +98,13 @@ def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[fl
             for block in band.blocks[g]:
                 value = block.values(coefficients[g, chunk])
                 value += D[chunk, g + 1, None, block.e]
-                D[chunk, g, block.a] = value.min(axis=2)
-    return D
+                if with_ends:
+                    best = value.argmin(axis=2)
+                    ends[chunk, g, block.a] = best + block.e.start
+                    D[chunk, g, block.a] = np.take_along_axis(value, best[..., None], axis=2)[..., 0]
+                else:
+                    D[chunk, g, block.a] = value.min(axis=2)
+    return (D, ends) if with_ends else D
 
 
 def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, completion: np.ndarray,

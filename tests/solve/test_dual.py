@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
 from planner.cost.options import CostOptions
 from planner.solve.branch import _Forms, _Terms, _prefix
-from planner.solve.dual import Dual, completions
+from planner.solve.dual import Dual
+from planner.solve.floors import Band, form_completions
 from planner.solve.exact import structural_forms
 from tests.support.synthetic import drawn_chain
 
@@ -63,7 +64,7 @@ def test_the_dual_bound_holds_and_beats_every_single_form(problem):
         assert value <= min(steps.values()) * (1 + 1e-9)
     # the value is the combination's least split: the dynamic program agrees with every split
     per_stage = np.einsum("k,gkt->gt", lam, known.coefficients)
-    D, _ = completions(known.terms.rows, known.terms.allowed, per_stage)
+    D = form_completions(per_stage[:, None, :], known.terms.band)[0]
     assert math.isclose(float(lam @ known.constant + D[0, 0]), value, rel_tol=1e-9) or not math.isfinite(value)
     for ends in met:  # each split the ascent met is a complete split of the chain
         assert len(ends) == S and ends[-1] == L and all(x < y for x, y in zip((0,) + ends, ends))
@@ -75,25 +76,29 @@ def test_the_dual_bound_holds_and_beats_every_single_form(problem):
 
 
 def test_the_dynamic_program_finds_the_least_split():
-    """completions' D and ends against every split of a small random table."""
+    """form_completions' D and ends against every split of a small random table (two weightings at
+    once: each its own least split)."""
     rng = np.random.default_rng(0)
     L, S, T = 7, 3, 2
     rows = [rng.uniform(0, 1, size=(T, L + 1, L + 1)) for _ in range(S)]
     allowed = [np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1) & (rng.uniform(size=(L + 1, L + 1)) < 0.8)
                for _ in range(S)]
-    per_stage = rng.uniform(0, 1, size=(S, T))
-    D, ends = completions(rows, allowed, per_stage)
-    best, best_split = math.inf, None
-    for cuts in itertools.combinations(range(1, L), S - 1):
-        split = cuts + (L,)
-        starts = (0,) + cuts
-        if all(allowed[g][a, e] for g, (a, e) in enumerate(zip(starts, split))):
-            value = sum(per_stage[g] @ rows[g][:, a, e] for g, (a, e) in enumerate(zip(starts, split)))
-            if value < best:
-                best, best_split = value, split
-    assert math.isclose(D[0, 0], best, rel_tol=1e-12)
-    a, followed = 0, []
-    for g in range(S):
-        a = int(ends[g, a])
-        followed.append(a)
-    assert tuple(followed) == best_split
+    weights = rng.uniform(0, 1, size=(S, 2, T))
+    D, ends = form_completions(weights, Band([np.where(np.isfinite(r), r, 0.0) for r in rows], allowed),
+                               with_ends=True)
+    for k in range(2):
+        per_stage = weights[:, k, :]
+        best, best_split = math.inf, None
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            split = cuts + (L,)
+            starts = (0,) + cuts
+            if all(allowed[g][a, e] for g, (a, e) in enumerate(zip(starts, split))):
+                value = sum(per_stage[g] @ rows[g][:, a, e] for g, (a, e) in enumerate(zip(starts, split)))
+                if value < best:
+                    best, best_split = value, split
+        assert math.isclose(D[k, 0, 0], best, rel_tol=1e-12)
+        a, followed = 0, []
+        for g in range(S):
+            a = int(ends[k, g, a])
+            followed.append(a)
+        assert tuple(followed) == best_split

@@ -14,8 +14,8 @@ from planner.cost.model import candidate_micro_batch_sizes, compute_profile, eva
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import SCHEDULES
 from planner.solve.branch import _Forms, _Terms
-from planner.solve.dual import completions
 from planner.solve.exact import structural_forms
+from planner.solve.floors import form_completions
 from tests.support.synthetic import drawn_chain, synthetic_profile
 
 
@@ -74,9 +74,9 @@ def test_the_floors_hold_for_every_split(problem, learned):
     if known.least_split is not None:
         split = known.least_split
         assert len(split) == S and split[-1] == L and all(x < y for x, y in zip((0,) + split, split))
-    # the vectorised completions are the single-form dynamic program's
+    # the forms completed together are each completed alone
     for k in range(len(known)):
-        D, _ = completions(known.terms.rows, known.terms.allowed, known.coefficients[:, k, :])
+        D = form_completions(known.coefficients[:, k:k + 1, :], known.terms.band)[0]
         finite = np.isfinite(D)
         assert np.array_equal(finite, np.isfinite(known.completion[k]))
         assert np.allclose(D[finite], known.completion[k][finite], rtol=1e-9, atol=1e-15)
