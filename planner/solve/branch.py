@@ -168,6 +168,14 @@ class _Terms:
 
     def allow(self, allowed: List[np.ndarray]) -> None:
         self.allowed, self.band = allowed, Band(self.rows, allowed)
+        # window[g][a] = (first, last + 1): the ends e of stage g = [a, e) that are allowed lie in it (a
+        # node reads only those columns; first = last + 1 = 0 where none is)
+        self.window = []
+        for ok in allowed:
+            any_end = ok.any(axis=1)
+            first = np.where(any_end, ok.argmax(axis=1), 0)
+            stop = np.where(any_end, ok.shape[1] - ok[:, ::-1].argmax(axis=1), 0)
+            self.window.append(np.stack([first, stop], axis=1))
 
     def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
         """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
@@ -270,10 +278,11 @@ class _Forms:
             return self.least[g + 1]
         return np.maximum(self.floors[g][a], self.least[g + 1])
 
-    def stage_value(self, forms: slice, g: int, a: int) -> np.ndarray:
-        """V_kg(a, e) for the forms in `forms` and every e: (forms, L + 1)."""
-        out = self.coefficients[g, forms] @ self.terms.rows[g][:, a, :]
-        return np.where(self.terms.allowed[g][a][None, :], out, np.inf)
+    def stage_value(self, forms: slice, g: int, a: int, ends: slice = slice(None)) -> np.ndarray:
+        """V_kg(a, e) for the forms in `forms` and every e in `ends` (all by default): (forms, ends),
+        +inf where stage g = [a, e) is not allowed."""
+        out = self.coefficients[g, forms] @ self.terms.rows[g][:, a, ends]
+        return np.where(self.terms.allowed[g][a][None, ends], out, np.inf)
 
     def _completion(self, per_stage: np.ndarray) -> np.ndarray:
         """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
@@ -372,15 +381,22 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
                 strengthen(DUAL_REFRESH_ITERATIONS)  # tighter: nodes made before keep their (valid) bounds
                 refreshed = (target, len(known))
             continue
+        # the ends allowed for stage g = [a, e) lie in its window; the later stages need a unit each
+        first, stop = terms.window[g][a]
+        stop = min(int(stop), L - (S - 1 - g) + 1)
+        if first >= stop:
+            continue
+        window = slice(int(first), stop)
         every = slice(0, len(known))
-        value = known.stage_value(every, g, a)  # (forms, L + 1) over e
-        own = (prefix[:, None] + value + known.completion[:, g + 1, :]).max(axis=0, initial=-math.inf)
-        bounds = np.maximum(np.maximum(own, known.floor_bound(g, a)), bound)  # the parent's holds for its children
-        ends = np.arange(L + 1)
-        ends = ends[(ends > a) & (ends <= L - (S - 1 - g)) & (bounds < target * (1 - gap))]
+        value = known.stage_value(every, g, a, window)  # (forms, ends in the window)
+        own = (prefix[:, None] + value + known.completion[:, g + 1, window]).max(axis=0, initial=-math.inf)
+        # the parent's bound holds for its children
+        bounds = np.maximum(np.maximum(own, known.floor_bound(g, a)[window]), bound)
+        ends = np.flatnonzero(bounds < target * (1 - gap))
         # worst first: the best is expanded next (by the bound, then by the forms' own where the floors tie)
-        for e in ends[np.lexsort((own[ends], bounds[ends]))[::-1]]:
-            stack.append((float(bounds[e]), g + 1, int(e), cuts + (int(e),), prefix + value[:, e]))
+        for j in ends[np.lexsort((own[ends], bounds[ends]))[::-1]]:
+            e = int(first) + int(j)
+            stack.append((float(bounds[j]), g + 1, e, cuts + (e,), prefix + value[:, j]))
     # nothing left beats the target by more than the gap
     return BranchOutcome(best, target * (1 - gap) + overhead, True, nodes, known.known)
 
