@@ -45,6 +45,10 @@ class Band:
 
     def __init__(self, rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray], budget: int = BAND_BYTES):
         self.S, self.L = len(allowed), allowed[0].shape[0] - 1
+        # the terms some stage's table holds (a term 0 everywhere, as the step where nothing is timed or
+        # the exchange of one replica, adds nothing to any form: the products skip it)
+        tables = {id(table): table for table in rows}.values()
+        self.nonzero = np.array([any(table[t].any() for table in tables) for t in range(rows[0].shape[0])])
         self.blocks: List[List[_Block]] = []
         for g, ok in enumerate(allowed):
             starts = np.flatnonzero(ok.any(axis=1))
@@ -64,22 +68,34 @@ class _Block:
         ends = np.flatnonzero(allowed[a].any(axis=0))
         self.rows, self.a, self.e = rows, a, slice(int(ends[0]), int(ends[-1]) + 1)
         self.mask = np.where(allowed[self.a, self.e], 0.0, np.inf)
-        self.terms: np.ndarray = None  # (term, a e) gathered, when kept
+        self.kept = False  # whether the terms it reads stay gathered (`keep`)
+        self.terms: Tuple[Tuple[int, ...], np.ndarray] = ((), np.zeros((0, self.mask.size)))
 
     def keep(self, budget: int) -> int:
-        """Gather the terms once if they fit the budget; the bytes taken."""
+        """Keep the terms gathered if every term fits the budget; the bytes taken (at most)."""
         size = self.rows.shape[0] * self.mask.size * 8
         if size > budget:
             return 0
-        self.terms = np.ascontiguousarray(self.rows[:, self.a, self.e]).reshape(self.rows.shape[0], -1)
+        self.kept = True
         return size
 
-    def values(self, coefficients: np.ndarray) -> np.ndarray:
-        """V_kg(a, e) over the block for a chunk of forms (coefficients[k, term]), +inf where not allowed."""
-        terms = self.terms if self.terms is not None else self.rows[:, self.a, self.e].reshape(self.rows.shape[0], -1)
+    def values(self, coefficients: np.ndarray, used: Tuple[int, ...]) -> np.ndarray:
+        """V_kg(a, e) over the block for a chunk of forms (coefficients[k, term] of the terms `used`),
+        +inf where not allowed."""
+        if self.terms[0] == used:
+            terms = self.terms[1]
+        else:
+            terms = self.rows[list(used), self.a, self.e].reshape(len(used), -1)
+            if self.kept:
+                self.terms = (used, terms)
         value = (coefficients @ terms).reshape(len(coefficients), *self.mask.shape)
         value += self.mask
         return value
+
+
+def _used(coefficients: np.ndarray, band: Band) -> Tuple[int, ...]:
+    """The terms that some form counts and some stage's table holds (the products need no others)."""
+    return tuple(int(t) for t in np.flatnonzero(coefficients.any(axis=(0, 1)) & band.nonzero))
 
 
 def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[float] = None,
@@ -91,12 +107,13 @@ def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[fl
     D = np.full((K, S + 1, L + 1), np.inf)
     D[:, S, L] = 0.0
     ends = np.zeros((K, S, L + 1), dtype=int) if with_ends else None
+    used = _used(coefficients, band)
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         for g in range(S - 1, -1, -1):
             _check(deadline)
             for block in band.blocks[g]:
-                value = block.values(coefficients[g, chunk])
+                value = block.values(coefficients[g, chunk][:, used], used)
                 value += D[chunk, g + 1, None, block.e]
                 if with_ends:
                     best = value.argmin(axis=2)
@@ -119,6 +136,7 @@ def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, com
         for block in blocks if K else ():
             floor[block.a, block.e] = -np.inf
         floors.append(floor)
+    used = _used(coefficients, band)
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         prefix = np.full((chunk.stop - chunk.start, L + 1), np.inf)
@@ -127,7 +145,7 @@ def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, com
             _check(deadline)
             after = np.full_like(prefix, np.inf)
             for block in band.blocks[g]:
-                through = block.values(coefficients[g, chunk])
+                through = block.values(coefficients[g, chunk][:, used], used)
                 through += prefix[:, block.a, None]  # P_kg(a) + V_kg(a, e)
                 np.minimum(after[:, block.e], through.min(axis=1), out=after[:, block.e])
                 through += completion[chunk, g + 1, None, block.e] + constant[chunk, None, None]
