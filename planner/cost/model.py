@@ -75,7 +75,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
-from planner.cost.ties import Surplus, surplus, tie_copies
+from planner.cost.ties import Surplus, copy_static, static_surplus, surplus, tie_copies
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
@@ -555,10 +555,13 @@ def device_memory(split: Split, opts: CostOptions, shape: StepShape,
     out = []
     devices = stage_devices(shape)
     statics = [_stage_static(split, opts, shape, g) for g in range(opts.num_stages)]
-    extra = tie_surplus(split, shape, ties).held
+    copies = tie_copies(ties, split.costs)
+    stage_of = [g for g in range(opts.num_stages) for _ in range(*split.units(g))]
+    extra = static_surplus(copies, copy_static(copies, static_factors(opts, split.dtype)),
+                           [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks)
     for i, peaks in enumerate(rank_peaks(shape)):
         static = sum(statics[g] for g in range(opts.num_stages) if i in devices[g])
-        static -= static_bytes(extra[i], extra[i], opts, split.dtype) if extra[i] else 0.0
+        static -= extra[i]
         activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
         out.append(static + split.fixed + activations)
     return out

@@ -11,6 +11,10 @@ kinds for one split), holds
     + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a)           at the cut it starts at
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
 
+less, for the tied weights (planner.cost.ties), the static bytes of the copies its units count beyond
+the one its rank holds: `tie_static` per copy, `range_static_surplus` for a stage alone on its rank
+(in `matrix` and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer program).
+
 saved_l (weight_l): what unit l keeps for its backward (until its weight backward), its input in_l
 alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
 P_live,g (s_l - in_l) + P_weight,g (h_l - in_l). A rank's peak is the largest over its vectors; with
@@ -24,10 +28,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import num_micro_batches, rank_caps, static_factors, step_shape
+from planner.cost.model import num_micro_batches, rank_caps, shared_parameters, static_factors, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.step import rank_peaks
+from planner.cost.ties import copy_static, range_static_surplus, tie_copies
 from planner.profile.profile import Profile
 
 
@@ -56,6 +61,8 @@ class StageMemory:
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
+        self.ties = tie_copies(shared_parameters(profile), costs)
+        self.tie_static = copy_static(self.ties, self.factors)  # one copy's static bytes, per tie
 
     def cap(self, g: int) -> Optional[float]:
         """What stage g's rank may hold besides the fixed bytes (None: no cap)."""
@@ -80,6 +87,8 @@ class StageMemory:
             terms = self.held(peak, g)
             value = np.where(valid, range_matrix(prefix_sums(terms.per_unit)), 0.0)
             held = np.maximum(held, value + terms.at_start[:, None] + terms.at_end[None, :])
+        if self.ties:
+            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units)
         return static + held
 
     def row(self, g: int, a: int) -> np.ndarray:
@@ -93,4 +102,6 @@ class StageMemory:
             bytes_ = prefix_sums(terms.per_unit)
             value = np.where(valid, bytes_ - bytes_[a], 0.0)
             held = np.maximum(held, value + terms.at_start[a] + terms.at_end)
+        if self.ties:
+            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, [a])[0]
         return static + held

@@ -20,7 +20,7 @@ parameter's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -75,6 +75,44 @@ def surplus(copies: Sequence[TieCopy], unit_device: Sequence[int], devices: int,
                 step[i] += (k - 1) * tie.step_s
                 exchanged[i] += (k if spans else k - 1) * tie.bytes_
     return Surplus(held, exchanged, step)
+
+
+def copy_static(copies: Sequence[TieCopy], factors: Tuple[float, float]) -> np.ndarray:
+    """Per tie, the static bytes of one copy as the per-unit sums count it: beta_w c_t + beta_t c_t
+    (`factors`: planner.cost.model.static_factors, the bytes held per parameter and trainable byte)."""
+    weights, training = factors
+    return np.array([weights * tie.bytes_ + training * tie.bytes_ for tie in copies], dtype=float)
+
+
+def static_surplus(copies: Sequence[TieCopy], statics: Sequence[float], unit_device: Sequence[int],
+                   devices: int) -> List[float]:
+    """Per device, the static bytes the per-unit sums count beyond the one copy of each tie it holds:
+    (k_i - 1) copies (`statics`: `copy_static`)."""
+    out = [0.0] * devices
+    for tie, static in zip(copies, statics):
+        uses = [0] * devices
+        for u in tie.uses:
+            uses[unit_device[u]] += 1
+        for i, k in enumerate(uses):
+            if k:
+                out[i] += (k - 1) * static
+    return out
+
+
+def range_static_surplus(copies: Sequence[TieCopy], statics: Sequence[float], num_units: int,
+                         starts: Optional[Sequence[int]] = None) -> np.ndarray:
+    """[a, e]: `static_surplus` of a device holding units [a, e) alone (the copies of each tie's uses
+    in [a, e) beyond one), for a in `starts` (default every cut 0..L)."""
+    L = num_units
+    first = np.arange(L + 1) if starts is None else np.asarray(starts)
+    out = np.zeros((len(first), L + 1))
+    for tie, static in zip(copies, statics):
+        before = np.zeros(L + 1)  # uses among the first a units
+        for u in tie.uses:
+            before[u + 1:] += 1
+        uses = before[None, :] - before[first][:, None]  # in [a, e)
+        out += np.maximum(uses - 1, 0) * static
+    return out
 
 
 def later_uses_bytes(copies: Sequence[TieCopy], num_units: int) -> np.ndarray:

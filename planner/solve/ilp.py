@@ -284,7 +284,7 @@ class Program:
                 continue
             static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)
                                 for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
-            static -= pulp.lpSum((beta_w + beta_t) * tie.bytes_ / MIB * self.tie_held(tie, i) for tie in self.ties)
+            static -= pulp.lpSum(copy / MIB * self.tie_held(tie, i) for tie, copy in zip(memory.ties, memory.tie_static))
             for n, peak in enumerate(memory.peaks[i]):
                 held = 0
                 for g in opts.stages_on(i):
