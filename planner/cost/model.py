@@ -75,7 +75,8 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
-from planner.cost.ties import Surplus, copy_static, static_surplus, surplus, tie_copies
+from planner.cost.ties import (Surplus, copy_static, shared_parameters, static_surplus, surplus, tie_copies,  # noqa: F401
+                               TiedWeight, tied_weights)
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
@@ -296,26 +297,6 @@ def input_bytes(profile: Profile, b: int) -> List[int]:
     return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
 
 
-def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
-    """(name, sorted unit indices, bytes) of each trainable tied parameter in profile.extra, whose
-    gradients are summed across the ranks using it (a frozen one has none: not listed); ValueError
-    if malformed."""
-    index = {u.name: i for i, u in enumerate(profile.units)}
-    out = []
-    for entry in profile.extra.get("shared_parameters", []) or []:
-        if isinstance(entry, dict) and entry.get("trainable", True) is False:
-            continue
-        try:
-            name, units, size = str(entry["name"]), list(entry["units"]), int(entry["bytes"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"malformed shared_parameters entry {entry!r}: needs name, units, bytes") from None
-        missing = [u for u in units if u not in index]
-        if missing:
-            raise ValueError(f"shared parameter {name!r} names unknown units {missing}")
-        out.append((name, sorted({index[u] for u in units}), size))
-    return out
-
-
 def tie_time(bytes_: int, holders: int, opts: CostOptions) -> float:
     """All-reduce of a tied weight over n holding ranks: 2 (n - 1) / n bytes / bandwidth (0 when n = 1)."""
     return 2.0 * (holders - 1) / holders * bytes_ / opts.bandwidth if holders > 1 else 0.0
@@ -364,7 +345,8 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     m = num_micro_batches(opts, b)
     split, shape, value = _step_of(profile, boundaries, redo, b, opts)
     timeline = step_graph(shape).run(value)
-    memory = device_memory(split, opts, shape, shared_parameters(profile))
+    held_ties = tied_weights(profile)
+    memory = device_memory(split, opts, shape, held_ties)
     devices = shape.pipeline_ranks
     caps = _device_caps(opts, devices)
     busy = [0.0] * devices
@@ -377,7 +359,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
     end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
     return PlanCost(micro_batch_size=b, num_micro_batches=m,
-                    stages=_stage_costs(split, opts, shape, value, shared_parameters(profile)),
+                    stages=_stage_costs(split, opts, shape, value, held_ties),
                     iteration_s=step + opts.step_overhead_s, bottleneck_s=max(busy) / m,
                     bubble_fraction=max(0.0, bubble),
                     feasible=all(cap is None or mem <= cap for mem, cap in zip(memory, caps)),
@@ -541,16 +523,15 @@ def tie_surplus(split: Split, shape: StepShape, ties: Sequence[Tuple[str, List[i
     averaged: under local SGD."""
     if not ties:  # every split a search screens: nothing to take off
         zero = [0.0] * shape.pipeline_ranks
-        return Surplus(zero, zero, zero)
+        return Surplus(zero, zero, zero, zero)
     stage_of = [g for g in range(len(split.edges) - 1) for _ in range(*split.units(g))]
     return surplus(tie_copies(ties, split.costs), [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
                    averaged)
 
 
-def device_memory(split: Split, opts: CostOptions, shape: StepShape,
-                  ties: Sequence[Tuple[str, List[int], int]] = ()) -> List[float]:
-    """M_i per device: static bytes of its stages, less the extra copies of tied weights it holds
-    once, + the peak of what its list holds (module docstring)."""
+def device_memory(split: Split, opts: CostOptions, shape: StepShape, ties: Sequence[TiedWeight] = ()) -> List[float]:
+    """M_i per device: static bytes of its stages, less the extra copies of tied weights (frozen or
+    not: planner.cost.ties.tied_weights) it holds once, + the peak of what its list holds (module docstring)."""
     held = held_bytes(split, opts)
     out = []
     devices = stage_devices(shape)
@@ -575,12 +556,12 @@ def _stage_static(split: Split, opts: CostOptions, shape: StepShape, g: int) -> 
 
 
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float],
-                 ties: Sequence[Tuple[str, List[int], int]] = ()) -> List[StageCost]:
+                 ties: Sequence[TiedWeight] = ()) -> List[StageCost]:
     """Per-stage figures for tables and the plan file (on the stage's first device); a tied weight
     used more than once in a stage counted once in its parameters."""
     costs, S = split.costs, opts.num_stages
     stage_of = [g for g in range(S) for _ in range(*split.units(g))]
-    extra = surplus(tie_copies(ties, costs), stage_of, S).held
+    extra = surplus(tie_copies(ties, costs), stage_of, S)
     held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
     precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
     stages = []
@@ -588,8 +569,8 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         (a, e), device = split.units(g), shape.rank_of(g)
         comm = (value[("act", g - 1)] + value[("grad", g - 1)] if g > 0 else 0.0) + \
                (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
-        count = (costs.params(a, e) - extra[g]) / itemsize
-        trained = (costs.trainable(a, e) - extra[g]) / itemsize  # frozen parameters: weights only
+        count = (costs.params(a, e) - extra.held[g]) / itemsize
+        trained = (costs.trainable(a, e) - extra.held_trained[g]) / itemsize  # frozen parameters: weights only
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         # the most its own micro-batches hold at once along its rank's list (zero-bubble: with the

@@ -28,11 +28,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import num_micro_batches, rank_caps, shared_parameters, static_factors, step_shape
+from planner.cost.model import num_micro_batches, rank_caps, static_factors, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.step import rank_peaks
-from planner.cost.ties import copy_static, range_static_surplus, tie_copies
+from planner.cost.ties import copy_static, range_static_surplus, tie_copies, tied_weights
 from planner.profile.profile import Profile
 
 
@@ -61,7 +61,7 @@ class StageMemory:
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
-        self.ties = tie_copies(shared_parameters(profile), costs)
+        self.ties = tie_copies(tied_weights(profile), costs)  # frozen ones too
         self.tie_static = copy_static(self.ties, self.factors)  # one copy's static bytes, per tie
 
     def cap(self, g: int) -> Optional[float]:

@@ -20,7 +20,8 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
     k[t][i] = sum_{u, g on i} x[u][g] (t's uses on rank i),   q[t][i] = h[t][i] y[t][1] (i holds t alone)
     R_i -= sum_t ar_t (k[t][i] - q[t][i]),  O_i -= sum_t o_t / sigma_i (k[t][i] - h[t][i]), static bytes of
     rank i -= sum_t (beta^w + beta^t) c_t (k[t][i] - h[t][i]): one copy c_t of a tied weight per rank
-    (planner.cost.ties; under local SGD the exchange takes off k - h); w_i >= q[t][i] for the ties, and
+    (planner.cost.ties; beta^w c_t and no tau_t, R_i, O_i terms for a frozen one; under local SGD the
+    exchange takes off k - h); w_i >= q[t][i] for the ties, and
     not for a unit whose exchange is its ties' alone
 
 The step time is the longest path of the lists' graph, the largest of its paths' sums; each known
@@ -55,7 +56,7 @@ from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
 from planner.cost.stage_memory import StageMemory
-from planner.cost.ties import tie_copies
+from planner.cost.ties import tie_copies, tied_weights
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
@@ -224,9 +225,9 @@ class Program:
         self.hold: Dict[Tuple[str, int], object] = {}
         self.uses: Dict[Tuple[str, int], object] = {}
         self.alone: Dict[Tuple[str, int], object] = {}
-        ties = shared_parameters(self.profile)
-        self.ties = tie_copies(ties, c)
-        for name, uses, size in ties:
+        weights = tied_weights(self.profile)
+        self.ties = tie_copies([t for t in weights if t.trainable], c)  # exchanged and stepped: trainable ones
+        for name, uses, size, trainable in weights:  # held once per rank: frozen ones too
             ranks = sorted({opts.rank_of_stage(g) for u in uses for g in range(S) if self.may(u, g)})
             for i in ranks:
                 h = _var(self.prob, f"hold_{name}_{i}")
@@ -238,6 +239,8 @@ class Program:
                             self.add(h >= self.x(u, g), f"hold_{name}_{i}_{u}_{g}")
                 self.add(h <= k, f"hold_only_{name}_{i}")  # with h >= each use: h = [k >= 1]
                 self.hold[name, i], self.uses[name, i] = h, k
+            if not trainable:  # no gradient: no all-reduce
+                continue
             counts = range(1, min(len(uses), len(ranks)) + 1)
             y = {n: _var(self.prob, f"holders_{name}_{n}", binary=True) for n in counts}
             self.add(pulp.lpSum(y.values()) == 1, f"holders_one_{name}")
