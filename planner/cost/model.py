@@ -539,7 +539,8 @@ def device_memory(split: Split, opts: CostOptions, shape: StepShape, ties: Seque
     copies = tie_copies(ties, split.costs)
     stage_of = [g for g in range(opts.num_stages) for _ in range(*split.units(g))]
     extra = static_surplus(copies, copy_static(copies, static_factors(opts, split.dtype)),
-                           [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks)
+                           [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
+                           copy_static(copies, static_factors(opts, split.dtype, 1)), _shard(opts))
     for i, peaks in enumerate(rank_peaks(shape)):
         static = sum(statics[g] for g in range(opts.num_stages) if i in devices[g])
         static -= extra[i]

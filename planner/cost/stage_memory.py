@@ -12,8 +12,9 @@ kinds for one split), holds
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
 
 less, for the tied weights (planner.cost.ties), the static bytes of the copies its units count beyond
-the one its rank holds: `tie_static` per copy, `range_static_surplus` for a stage alone on its rank
-(in `matrix` and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer program).
+the one its rank holds (`tie_static` per copy; plus `tie_whole` - `tie_static` where the rank keeps it
+whole under ZeRO, ties.kept_whole): `range_static_surplus` for a stage alone on its rank (in `matrix`
+and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer program).
 
 saved_l (weight_l): what unit l keeps for its backward (until its weight backward), its input in_l
 alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
@@ -63,6 +64,8 @@ class StageMemory:
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
         self.ties = tie_copies(tied_weights(profile), costs)  # frozen ones too
         self.tie_static = copy_static(self.ties, self.factors)  # one copy's static bytes, per tie
+        self.tie_whole = copy_static(self.ties, static_factors(opts, profile.dtype, 1))  # kept whole (kept_whole)
+        self.shard = opts.shard
 
     def cap(self, g: int) -> Optional[float]:
         """What stage g's rank may hold besides the fixed bytes (None: no cap)."""
@@ -88,7 +91,8 @@ class StageMemory:
             value = np.where(valid, range_matrix(prefix_sums(terms.per_unit)), 0.0)
             held = np.maximum(held, value + terms.at_start[:, None] + terms.at_end[None, :])
         if self.ties:
-            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units)
+            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, None,
+                                                        self.tie_whole, self.shard)
         return static + held
 
     def row(self, g: int, a: int) -> np.ndarray:
@@ -103,5 +107,6 @@ class StageMemory:
             value = np.where(valid, bytes_ - bytes_[a], 0.0)
             held = np.maximum(held, value + terms.at_start[a] + terms.at_end)
         if self.ties:
-            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, [a])[0]
+            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, [a],
+                                                           self.tie_whole, self.shard)[0]
         return static + held

@@ -132,34 +132,55 @@ def copy_static(copies: Sequence[TieCopy], factors: Tuple[float, float]) -> np.n
     return np.array([weights * tie.bytes_ + training * tie.trained_bytes for tie in copies], dtype=float)
 
 
+def kept_whole(shard: str, trainable: bool, spans: bool, uses_here: int) -> bool:
+    """Whether a rank keeps its copy of a tied weight whole (unsharded) under this ZeRO stage, as the
+    runtime does: `gradients` keeps a tie spanning ranks out of its owners' shares (runtime.shard:
+    every holder steps it), `parameters` keeps it out of FSDP2's shards, and also any weight two of
+    the rank's units read (runtime.shard_params), frozen or not; `optimizer` shards it with the rest
+    (ZeroRedundancyOptimizer over every trainable parameter)."""
+    if shard == "gradients":
+        return trainable and spans
+    if shard == "parameters":
+        return (trainable and spans) or uses_here >= 2
+    return False
+
+
 def static_surplus(copies: Sequence[TieCopy], statics: Sequence[float], unit_device: Sequence[int],
-                   devices: int) -> List[float]:
+                   devices: int, wholes: Optional[Sequence[float]] = None, shard: str = "none") -> List[float]:
     """Per device, the static bytes the per-unit sums count beyond the one copy of each tie it holds:
-    (k_i - 1) copies (`statics`: `copy_static`)."""
+    (k_i - 1) copies (`statics`: `copy_static`), less what a copy kept whole holds beyond a sharded
+    one (`wholes`: `copy_static` unsharded; `kept_whole`)."""
     out = [0.0] * devices
-    for tie, static in zip(copies, statics):
+    for t, (tie, static) in enumerate(zip(copies, statics)):
         uses = [0] * devices
         for u in tie.uses:
             uses[unit_device[u]] += 1
+        spans = sum(1 for k in uses if k) > 1
         for i, k in enumerate(uses):
             if k:
                 out[i] += (k - 1) * static
+                if wholes is not None and kept_whole(shard, tie.trainable, spans, k):
+                    out[i] -= wholes[t] - static
     return out
 
 
 def range_static_surplus(copies: Sequence[TieCopy], statics: Sequence[float], num_units: int,
-                         starts: Optional[Sequence[int]] = None) -> np.ndarray:
+                         starts: Optional[Sequence[int]] = None, wholes: Optional[Sequence[float]] = None,
+                         shard: str = "none") -> np.ndarray:
     """[a, e]: `static_surplus` of a device holding units [a, e) alone (the copies of each tie's uses
-    in [a, e) beyond one), for a in `starts` (default every cut 0..L)."""
+    in [a, e) beyond one, less a whole copy's excess), for a in `starts` (default every cut 0..L)."""
     L = num_units
     first = np.arange(L + 1) if starts is None else np.asarray(starts)
     out = np.zeros((len(first), L + 1))
-    for tie, static in zip(copies, statics):
+    for t, (tie, static) in enumerate(zip(copies, statics)):
         before = np.zeros(L + 1)  # uses among the first a units
         for u in tie.uses:
             before[u + 1:] += 1
         uses = before[None, :] - before[first][:, None]  # in [a, e)
         out += np.maximum(uses - 1, 0) * static
+        if wholes is not None and wholes[t] != static:
+            whole = np.vectorize(lambda k: k >= 1 and kept_whole(shard, tie.trainable, k < len(tie.uses), int(k)))
+            out -= np.where(whole(uses), wholes[t] - static, 0.0)
     return out
 
 

@@ -21,7 +21,8 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
     R_i -= sum_t ar_t (k[t][i] - q[t][i]),  O_i -= sum_t o_t / sigma_i (k[t][i] - h[t][i]), static bytes of
     rank i -= sum_t (beta^w + beta^t) c_t (k[t][i] - h[t][i]): one copy c_t of a tied weight per rank
     (planner.cost.ties; beta^w c_t and no tau_t, R_i, O_i terms for a frozen one; under local SGD the
-    exchange takes off k - h); w_i >= q[t][i] for the ties, and
+    exchange takes off k - h); + (W_t - C_t) whole[t][i] where rank i keeps its copy whole under ZeRO
+    (W_t, C_t: a copy's static bytes unsharded and sharded; `tie_whole`); w_i >= q[t][i] for the ties, and
     not for a unit whose exchange is its ties' alone
 
 The step time is the longest path of the lists' graph, the largest of its paths' sums; each known
@@ -275,6 +276,25 @@ class Program:
             return self.tie_held(tie, i)
         return self.uses[tie.name, i] - self.alone[tie.name, i]
 
+    def tie_whole(self, tie, i: int, shard: str):
+        """1 where rank i keeps its copy of `tie` whole (planner.cost.ties.kept_whole): under `gradients`
+        h - q (held, spanning ranks); under `parameters` at least that (a trainable tie) and at least
+        [k >= 2] (a binary the uses force), which the memory rows never want larger."""
+        if (tie.name, i) not in self.hold or shard not in ("gradients", "parameters"):
+            return 0
+        spans = self.hold[tie.name, i] - self.alone[tie.name, i] if tie.trainable else 0
+        if shard == "gradients":
+            return spans
+        whole = _var(self.prob, f"whole_{tie.name}_{i}")
+        if tie.trainable:
+            self.add(whole >= spans, f"whole_spans_{tie.name}_{i}")
+        if len(tie.uses) >= 2:
+            two = _var(self.prob, f"twice_{tie.name}_{i}", binary=True)
+            self.add((len(tie.uses) - 1) * two >= self.uses[tie.name, i] - self.hold[tie.name, i],
+                     f"twice_{tie.name}_{i}")
+            self.add(whole >= two, f"whole_twice_{tie.name}_{i}")
+        return whole
+
     # --- memory ---------------------------------------------------------------------------------
     def _memory(self) -> None:
         opts, L = self.opts, self.L
@@ -288,6 +308,9 @@ class Program:
             static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)
                                 for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
             static -= pulp.lpSum(copy / MIB * self.tie_held(tie, i) for tie, copy in zip(memory.ties, memory.tie_static))
+            static += pulp.lpSum((whole - copy) / MIB * self.tie_whole(tie, i, memory.shard)
+                                 for tie, copy, whole in zip(memory.ties, memory.tie_static, memory.tie_whole)
+                                 if whole != copy)
             for n, peak in enumerate(memory.peaks[i]):
                 held = 0
                 for g in opts.stages_on(i):

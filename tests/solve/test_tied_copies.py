@@ -165,3 +165,16 @@ def test_a_frozen_tie_is_held_once_per_rank():
     assert ("tie", "wte") not in evaluate(profile, [2], 1, spread).durations  # nothing to all-reduce
     caps = sorted(max(evaluate(profile, list(c), 1, spread).device_memory) for c in _splits(profile, spread))
     same_as_brute(profile, spread.with_(memory_cap=caps[1]))
+
+
+@pytest.mark.parametrize("shard, p, schedule, v", [("gradients", 2, "1f1b", 1), ("parameters", 2, "1f1b", 1),
+                                                   ("parameters", 2, "interleaved", 2), ("gradients", 3, "1f1b", 1)])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_solver_matches_brute_force_where_zero_keeps_a_tie_whole(shard, p, schedule, v, frozen):
+    profile = frozen_tie_chain() if frozen else tied_chain()
+    profile.units[2].param_bytes = profile.units[2].trainable_bytes = 2 * BLOCK
+    opts = CostOptions(pipeline_ranks=p, data_parallel=2, global_batch=8 * p, schedule=schedule, virtual_stages=v,
+                       dp_bandwidth=2e8, bandwidth=1e9, shard=shard)
+    peaks = sorted({max(evaluate(profile, c, 1, opts).device_memory) for c in _splits(profile, opts)})
+    for cap in peaks[1:3]:  # caps that rule out some splits
+        same_as_brute(profile, opts.with_(memory_cap=cap))
