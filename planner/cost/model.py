@@ -67,6 +67,7 @@ another dtype is scaled by the ratio of their sizes (`compute_profile`), its tim
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
@@ -75,8 +76,8 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, range_costs
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
-from planner.cost.ties import (Surplus, copy_static, shared_parameters, static_surplus, surplus, tie_copies,  # noqa: F401
-                               TiedWeight, tied_weights)
+from planner.cost.ties import (Surplus, TieCopy, copy_static, shared_parameters, static_surplus,  # noqa: F401
+                               surplus, tie_copies, tied_weights, uses_per_device)
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.profile.profile import CutProfile, CutValue, Profile
@@ -343,10 +344,9 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
     m = num_micro_batches(opts, b)
-    split, shape, value = _step_of(profile, boundaries, redo, b, opts)
+    split, shape, value, copies = _step_of(profile, boundaries, redo, b, opts)
     timeline = step_graph(shape).run(value)
-    held_ties = tied_weights(profile)
-    memory = device_memory(split, opts, shape, held_ties)
+    memory = device_memory(split, opts, shape, copies)
     devices = shape.pipeline_ranks
     caps = _device_caps(opts, devices)
     busy = [0.0] * devices
@@ -359,7 +359,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
     end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
     return PlanCost(micro_batch_size=b, num_micro_batches=m,
-                    stages=_stage_costs(split, opts, shape, value, held_ties),
+                    stages=_stage_costs(split, opts, shape, value, copies),
                     iteration_s=step + opts.step_overhead_s, bottleneck_s=max(busy) / m,
                     bubble_fraction=max(0.0, bubble),
                     feasible=all(cap is None or mem <= cap for mem, cap in zip(memory, caps)),
@@ -377,13 +377,14 @@ def backward_work(value: Dict[Tuple, float], schedule: str, g: int) -> float:
 
 
 def _step_of(profile: Profile, boundaries: Sequence[int], redo: FrozenSet[int], b: int, opts: CostOptions
-             ) -> Tuple["Split", StepShape, Dict[Tuple, float]]:
-    """(split, the shape of its lists, every duration term) of a valid split of a compute profile."""
+             ) -> Tuple["Split", StepShape, Dict[Tuple, float], List[TieCopy]]:
+    """(split, the shape of its lists, every duration term, its tied weights' copies, frozen ones too)
+    of a valid split of a compute profile."""
     split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [profile.num_units]), redo,
                   profile.dtype, fixed_bytes(profile, opts))
-    ties = shared_parameters(profile)
-    shape = step_shape(opts, num_micro_batches(opts, b), step_collectives(ties, split.edges, opts))
-    return split, shape, step_durations(split, opts, shape, ties)
+    copies = tie_copies(tied_weights(profile), split.costs)
+    shape = step_shape(opts, num_micro_batches(opts, b), step_collectives(copies, split, opts))
+    return split, shape, step_durations(split, opts, shape, copies), copies
 
 
 def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
@@ -399,7 +400,7 @@ def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iter
             validate_boundaries(profile, boundaries, b, opts)
         except ValueError:
             continue
-        _, shape, value = _step_of(profile, boundaries, frozenset(recompute), b, opts)
+        _, shape, value, _ = _step_of(profile, boundaries, frozenset(recompute), b, opts)
         groups.setdefault(shape, []).append((k, value))
     out: List[Optional[Tuple[float, PathForm]]] = [None] * len(splits)
     for shape, members in groups.items():
@@ -427,6 +428,11 @@ class Split:
     def units(self, g: int) -> Tuple[int, int]:
         return self.edges[g], self.edges[g + 1]
 
+    @functools.cached_property
+    def stage_of(self) -> Tuple[int, ...]:
+        """The stage of each unit."""
+        return tuple(g for g in range(len(self.edges) - 1) for _ in range(*self.units(g)))
+
 
 def _device_caps(opts: CostOptions, devices: int) -> List[Optional[float]]:
     view = opts.device_view
@@ -438,17 +444,15 @@ def _devices_of(shape: StepShape, g: int) -> Tuple[int, ...]:
     return stage_devices(shape)[g]
 
 
-def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence[int], opts: CostOptions
-                     ) -> List[Tuple[Tuple, Tuple[int, ...]]]:
-    """The step's collectives in run order: the tied weights whose uses span ranks (by name), then
-    each replicated stage's all-reduce over its replicas."""
-    S = opts.num_stages
-    stage_of = [g for g in range(S) for _ in range(edges[g], edges[g + 1])]
+def step_collectives(ties: Sequence[TieCopy], split: "Split", opts: CostOptions) -> List[Tuple[Tuple, Tuple[int, ...]]]:
+    """The step's collectives in run order: the trainable tied weights whose uses span ranks (by
+    name), then each replicated stage's all-reduce over its replicas."""
+    ranks = [opts.rank_of_stage(g) for g in split.stage_of]
     out = []
-    for name, units, _ in sorted(ties):
-        holders = tuple(sorted({opts.rank_of_stage(stage_of[l]) for l in units}))
+    for tie in sorted((t for t in ties if t.trainable), key=lambda t: t.name):
+        holders = tuple(sorted(uses_per_device(tie, ranks)))
         if len(holders) > 1:
-            out.append((("tie", name), holders))
+            out.append((("tie", tie.name), holders))
     for g, r in enumerate(opts.replicas if opts.replicated else ()):
         if r > 1:
             first = sum(opts.replicas[:g])
@@ -456,8 +460,7 @@ def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence
     return out
 
 
-def step_durations(split: Split, opts: CostOptions, shape: StepShape,
-                   ties: Sequence[Tuple[str, List[int], int]] = ()) -> Dict[Tuple, float]:
+def step_durations(split: Split, opts: CostOptions, shape: StepShape, ties: Sequence[TieCopy] = ()) -> Dict[Tuple, float]:
     """Every duration term of the step graph for this split (module docstring)."""
     costs, S, devices = split.costs, opts.num_stages, shape.pipeline_ranks
     speeds, links = rank_speeds(opts, devices), boundary_links(opts)
@@ -488,7 +491,7 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i)
                                 if lanes[i] == 1 else 0.0)
         value[("step", i)] = steps[i] - extra.step_s[i] / speeds[i]
-    sizes = {name: size for name, _, size in ties}
+    sizes = {tie.name: tie.size for tie in ties}
     for term, members in shape.collectives:
         if term[0] == "tie":
             value[term] = tie_time(sizes[term[1]], len(members) * opts.tie_replicas, opts)
@@ -516,31 +519,26 @@ def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
     return out
 
 
-def tie_surplus(split: Split, shape: StepShape, ties: Sequence[Tuple[str, List[int], int]],
-                averaged: bool = False) -> Surplus:
+def tie_surplus(split: Split, shape: StepShape, ties: Sequence[TieCopy], averaged: bool = False) -> Surplus:
     """What the per-unit sums of each device count beyond the one copy of each tied weight it holds
     (planner.cost.ties; tied weights come without replicated stages: one device per stage);
     averaged: under local SGD."""
     if not ties:  # every split a search screens: nothing to take off
         zero = [0.0] * shape.pipeline_ranks
         return Surplus(zero, zero, zero, zero)
-    stage_of = [g for g in range(len(split.edges) - 1) for _ in range(*split.units(g))]
-    return surplus(tie_copies(ties, split.costs), [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
-                   averaged)
+    return surplus(ties, [shape.rank_of(g) for g in split.stage_of], shape.pipeline_ranks, averaged)
 
 
-def device_memory(split: Split, opts: CostOptions, shape: StepShape, ties: Sequence[TiedWeight] = ()) -> List[float]:
+def device_memory(split: Split, opts: CostOptions, shape: StepShape, ties: Sequence[TieCopy] = ()) -> List[float]:
     """M_i per device: static bytes of its stages, less the extra copies of tied weights (frozen or
     not: planner.cost.ties.tied_weights) it holds once, + the peak of what its list holds (module docstring)."""
     held = held_bytes(split, opts)
     out = []
     devices = stage_devices(shape)
     statics = [_stage_static(split, opts, shape, g) for g in range(opts.num_stages)]
-    copies = tie_copies(ties, split.costs)
-    stage_of = [g for g in range(opts.num_stages) for _ in range(*split.units(g))]
-    extra = static_surplus(copies, copy_static(copies, static_factors(opts, split.dtype)),
-                           [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
-                           copy_static(copies, static_factors(opts, split.dtype, 1)), _shard(opts))
+    extra = static_surplus(ties, copy_static(ties, static_factors(opts, split.dtype)),
+                           [shape.rank_of(g) for g in split.stage_of], shape.pipeline_ranks,
+                           copy_static(ties, static_factors(opts, split.dtype, 1)), _shard(opts))
     for i, peaks in enumerate(rank_peaks(shape)):
         static = sum(statics[g] for g in range(opts.num_stages) if i in devices[g])
         static -= extra[i]
@@ -557,12 +555,11 @@ def _stage_static(split: Split, opts: CostOptions, shape: StepShape, g: int) -> 
 
 
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float],
-                 ties: Sequence[TiedWeight] = ()) -> List[StageCost]:
+                 ties: Sequence[TieCopy] = ()) -> List[StageCost]:
     """Per-stage figures for tables and the plan file (on the stage's first device); a tied weight
     used more than once in a stage counted once in its parameters."""
     costs, S = split.costs, opts.num_stages
-    stage_of = [g for g in range(S) for _ in range(*split.units(g))]
-    extra = surplus(tie_copies(ties, costs), stage_of, S)
+    extra = surplus(ties, split.stage_of, S)
     held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
     precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
     stages = []

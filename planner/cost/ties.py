@@ -22,7 +22,7 @@ proportion, o_u c_t / T_u (the profile times each unit's step, not each paramete
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -73,6 +73,7 @@ class TieCopy:
     bytes_: float
     step_s: float
     trainable: bool = True
+    size: float = 0.0  # the tied weight's own bytes (its all-reduce's)
 
     @property
     def trained_bytes(self) -> float:
@@ -89,7 +90,7 @@ def tie_copies(ties: Sequence, costs: RangeCosts) -> List[TieCopy]:
         counted = costs.t if trainable else costs.p
         held = min([float(size)] + [float(counted[u]) for u in uses])
         steps = [float(costs.o[u]) * held / float(costs.t[u]) for u in uses if costs.t[u] > 0] if trainable else []
-        out.append(TieCopy(name, tuple(uses), max(held, 0.0), min(steps, default=0.0), trainable))
+        out.append(TieCopy(name, tuple(uses), max(held, 0.0), min(steps, default=0.0), trainable, float(size)))
     return out
 
 
@@ -104,23 +105,29 @@ class Surplus:
     step_s: List[float]
 
 
+def uses_per_device(tie: TieCopy, unit_device: Sequence[int]) -> Dict[int, int]:
+    """device -> how many of the tie's uses it holds (the devices holding it; it spans devices when
+    there are several)."""
+    uses: Dict[int, int] = {}
+    for u in tie.uses:
+        uses[unit_device[u]] = uses.get(unit_device[u], 0) + 1
+    return uses
+
+
 def surplus(copies: Sequence[TieCopy], unit_device: Sequence[int], devices: int, averaged: bool = False) -> Surplus:
     """The surplus of each device given the device of every unit (module docstring); averaged:
     under local SGD (the exchange averages each held copy, spanning or not)."""
     held, trained = [0.0] * devices, [0.0] * devices
     exchanged, step = [0.0] * devices, [0.0] * devices
     for tie in copies:
-        uses = [0] * devices
-        for u in tie.uses:
-            uses[unit_device[u]] += 1
-        spans = sum(1 for k in uses if k) > 1 and not averaged
-        for i, k in enumerate(uses):
-            if k:
-                held[i] += (k - 1) * tie.bytes_
-                trained[i] += (k - 1) * tie.trained_bytes
-                if tie.trainable:  # a frozen tie exchanges and steps nothing
-                    step[i] += (k - 1) * tie.step_s
-                    exchanged[i] += (k if spans else k - 1) * tie.bytes_
+        uses = uses_per_device(tie, unit_device)
+        spans = len(uses) > 1 and not averaged
+        for i, k in uses.items():
+            held[i] += (k - 1) * tie.bytes_
+            trained[i] += (k - 1) * tie.trained_bytes
+            if tie.trainable:  # a frozen tie exchanges and steps nothing
+                step[i] += (k - 1) * tie.step_s
+                exchanged[i] += (k if spans else k - 1) * tie.bytes_
     return Surplus(held, trained, exchanged, step)
 
 
@@ -152,15 +159,11 @@ def static_surplus(copies: Sequence[TieCopy], statics: Sequence[float], unit_dev
     one (`wholes`: `copy_static` unsharded; `kept_whole`)."""
     out = [0.0] * devices
     for t, (tie, static) in enumerate(zip(copies, statics)):
-        uses = [0] * devices
-        for u in tie.uses:
-            uses[unit_device[u]] += 1
-        spans = sum(1 for k in uses if k) > 1
-        for i, k in enumerate(uses):
-            if k:
-                out[i] += (k - 1) * static
-                if wholes is not None and kept_whole(shard, tie.trainable, spans, k):
-                    out[i] -= wholes[t] - static
+        uses = uses_per_device(tie, unit_device)
+        for i, k in uses.items():
+            out[i] += (k - 1) * static
+            if wholes is not None and kept_whole(shard, tie.trainable, len(uses) > 1, k):
+                out[i] -= wholes[t] - static
     return out
 
 

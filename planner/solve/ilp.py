@@ -204,8 +204,9 @@ class Program:
             latency = exchange_latency(opts, i) * MS
             if latency > 0 and moving:  # charged only when the rank exchanges anything (w_i)
                 w = _var(self.prob, f"exchanges_{i}", binary=True)
+                rest_moves = self._rest_moves()
                 for l, g in moving:
-                    if l in self.rest_moves and not self.rest_moves[l]:  # only its ties' copies move: below
+                    if not rest_moves.get(l, True):  # only its ties' copies move: below
                         continue
                     self.add(w >= self.x(l, g), f"exchanges_{i}_{l}_{g}")
                 for tie in self.ties:  # a tie not spanning ranks is exchanged in its rank's buckets
@@ -255,11 +256,15 @@ class Program:
                 self.alone[name, i] = q
             self.term[("tie", name)] = self._define(
                 f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.tie_replicas, opts) * MS * v for n, v in y.items()))
-        # units whose exchange is only their ties' copies (nothing else moves when those ties span)
-        self.rest_moves: Dict[int, bool] = {}
+
+    def _rest_moves(self) -> Dict[int, bool]:
+        """Per unit using a tie: whether anything but its ties' copies moves in its exchange (what
+        the placement's latency rows ask of a tie's units)."""
+        c, out = self.costs, {}
         for l in {u for tie in self.ties for u in tie.uses}:
             own = sum(tie.bytes_ for tie in self.ties if l in tie.uses)
-            self.rest_moves[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], opts, self.profile.dtype, self.m) > 0
+            out[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], self.opts, self.profile.dtype, self.m) > 0
+        return out
 
     def tie_held(self, tie, i: int):
         """Copies of `tie` the per-unit sums of rank i count beyond the one it holds: k - h."""
