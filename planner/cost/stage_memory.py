@@ -3,7 +3,7 @@ program's memory rows (planner.solve.ilp), the branch and bound's fitting stages
 and the memory floor of an infeasible request (planner.solve.diagnose) are written from.
 
 Stage g holding units [a, e), under one of its rank's held-count vectors P (planner.cost.step.rank_peaks:
-how many of each kind its list holds at one moment; planner.cost.model.held_bytes prices the same
+how many of each kind its list holds at one moment; planner.cost.rank_memory.held_bytes prices the same
 kinds for one split), holds
 
     static(a, e)                                       its parameters' bytes (planner.cost.model.static_bytes)
@@ -29,7 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import num_micro_batches, rank_caps, static_factors, step_shape
+from planner.cost.model import num_micro_batches, step_shape
+from planner.cost.rank_memory import rank_caps, static_factors
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.step import rank_peaks
