@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
-from planner.profile.saved import local_tensor
+from planner.profile.saved import is_sharded, local_tensor
 from runtime.groups import sum_gradient
 
 
@@ -63,12 +63,6 @@ def refusal(precision: str, schedule: str, replicated: bool, clipping: bool, che
     if checkpointing:
         return f"--checkpoint-dir with a plan sharding parameters is not supported (drop it{fix})"
     return None
-
-
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 def backward_runs(stage: Any) -> List[bool]:
@@ -160,7 +154,7 @@ class ParameterSharding:
     # --- state and measurements --------------------------------------------------------------------
     def full_states(self) -> List[Dict[str, torch.Tensor]]:
         """Each stage module's state_dict with whole tensors: a collective, every holder calls it."""
-        return [{key: (value.full_tensor() if _is_sharded(value) else value).detach()
+        return [{key: (value.full_tensor() if is_sharded(value) else value).detach()
                  for key, value in module.state_dict().items()} for module in self.modules]
 
     def resident_param_bytes(self) -> int:

@@ -41,25 +41,8 @@ on rank i at speed sigma_i (planner.cost.ranges):
 call, whose fixed cost is not charged.) The step time is the longest path through the lists' graph,
 a maximum of sums of these durations; the solvers optimise exactly that (planner.solve.exact).
 
-Memory of rank i (bytes): static + the peak, along its list, of what it holds for its stages:
-
-    M_i = sum_{g on i} (P_g beta^w_g + T_g beta^t_g) + F + max over the list's moments of
-          sum_{g on i} [ live_g A_g + inbox_g in_{a_g} + gradbox_g grad_{e_g}
-                         + sent_act_g in_{e_g} + sent_grad_g grad_{a_g} ]
-    A_g = sum_{l in g} (in_l if l in R else s_l)
-
-and, under zero-bubble schedules, + weight_g H_g with H_g = sum_{l in g} (in_l if l in R else h_l): the
-bytes held from a micro-batch's input backward to its weight backward.
-live_g: micro-batches of stage g forwarded and not yet (input-)backwarded; weight_g: those between the two
-parts; inbox_g / gradbox_g: activations (gradients) received and not yet used; sent_act_g /
-sent_grad_g: outputs (input gradients) posted in a batch of sends only and not yet waited for
-(planner.pipeline.stepgraph.held_peaks); in_l: bytes crossing
-cut l (in_0 = 0). P_g, T_g: stage g's parameter bytes and, of them, the trainable ones (the rest
-are frozen: requires_grad=False). beta^w_g, beta^t_g (`static_factors`): bytes held per parameter
-byte of the profile — the weights for every parameter; gradients, master weights and optimizer
-state for a trainable one — in the precision's dtypes, sharded over the stage's n_g = r_g d holders
-(planner.cost.memory). F (`fixed_bytes`): the per-device reserve plus, under `parameters`
-sharding, two gathered units and one unit's whole gradients. A plan is feasible iff M_i <= cap_i. Interleaved needs m to be a multiple of p (Megatron's rule).
+Memory of rank i: planner.cost.rank_memory (static bytes, the peak of what its list holds, the caps).
+Interleaved needs m to be a multiple of p (Megatron's rule).
 
 Precision. Activations and cut messages are counted in the precision's compute dtype: a profile of
 another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured.
@@ -67,40 +50,20 @@ another dtype is scaled by the ratio of their sizes (`compute_profile`), its tim
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from planner.cost.localsgd import averaging_seconds_per_byte
 from planner.cost.options import CostOptions
-from planner.cost.ranges import RangeCosts, range_costs
+from planner.cost.ranges import Split, range_costs  # noqa: F401  (Split: importable from here too)
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
-from planner.cost.ties import Surplus, surplus, tie_copies
+from planner.cost.ties import (Surplus, TieCopy, shared_parameters, surplus, tie_copies,  # noqa: F401
+                               tied_weights, uses_per_device)
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
+from planner.cost.rank_memory import (_device_caps, _shard, device_memory, fixed_bytes, held_bytes,  # noqa: F401
+                                      precision_of, rank_caps, reserve_of, static_bytes, static_factors)
 from planner.profile.profile import CutProfile, CutValue, Profile
-
-
-def precision_of(opts: CostOptions, dtype: str) -> str:
-    """The precision a plan of a profile of this dtype runs at: the options', else the dtype's default."""
-    return opts.precision or memory_model.default_precision(dtype)
-
-
-def static_factors(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> Tuple[float, float]:
-    """(bytes a device keeps per parameter byte, more per trainable parameter byte) of a `dtype`
-    profile for a stage of n holders (default the d replicas): every parameter's weights, and a
-    trainable one's gradient, master weight and optimizer state (planner.cost.memory)."""
-    n = opts.data_parallel if holders is None else holders
-    held = memory_model.bytes_per_param(precision_of(opts, dtype), opts.optimizer, _shard(opts), n)
-    itemsize = memory_model.param_itemsize(dtype)
-    return held.weights / itemsize, held.training / itemsize
-
-
-def static_bytes(params, trainable, opts: CostOptions, dtype: str, holders: Optional[int] = None):
-    """Bytes a device keeps for the whole step for parameters of `params` profile bytes of which
-    `trainable` train (numbers or numpy arrays of them): beta_w P + beta_t T."""
-    weights, training = static_factors(opts, dtype, holders)
-    return params * weights + trainable * training
 
 
 def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
@@ -148,35 +111,6 @@ def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_byte
     no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer)."""
     seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank)
     return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
-
-
-def reserve_of(profile: Profile, opts: CostOptions) -> float:
-    """Bytes kept free on every device: the options', else the profile's device default."""
-    if opts.reserve_bytes is not None:
-        return float(opts.reserve_bytes)
-    spec = (profile.extra.get("analytic") or {}).get("device_spec")
-    return memory_model.default_reserve(profile.device, spec if isinstance(spec, dict) else None)
-
-
-def fixed_bytes(profile: Profile, opts: CostOptions) -> float:
-    """F: bytes every device holds whatever its stages: the reserve, and under `parameters`
-    sharding with several holders the two largest gathered units (the running one and the
-    prefetched one; the profile's largest unit, twice, whatever the split: a bound) and the whole
-    gradients of the largest trainable one (the running unit's, until reduce-scattered)."""
-    gathered = 0.0
-    if _shard(opts) == "parameters" and (opts.data_parallel > 1 or opts.replicated):
-        largest = max((u.param_bytes for u in profile.units), default=0)
-        largest_trainable = max((u.trainable_bytes for u in profile.units), default=0)
-        weights, grads = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
-        gathered = (2 * largest * weights + largest_trainable * grads) / memory_model.param_itemsize(profile.dtype)
-    return reserve_of(profile, opts) + gathered
-
-
-def _shard(opts: CostOptions) -> str:
-    if opts.shard == "auto":
-        raise ValueError("shard 'auto' is the solver's choice: cost a plan with a concrete shard "
-                         f"({', '.join(memory_model.SHARDS)})")
-    return opts.shard
 
 
 _CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}
@@ -253,12 +187,6 @@ def rank_speeds(opts: CostOptions, devices: Optional[int] = None) -> List[float]
     return [1.0 if view is None else view.speed(i) for i in range(count)]
 
 
-def rank_caps(opts: CostOptions, profile: Profile) -> List[Optional[float]]:
-    """What each rank's stages may hold: its cap less the fixed bytes F (`fixed_bytes`); None: no cap."""
-    fixed = fixed_bytes(profile, opts)
-    return [None if cap is None else cap - fixed for cap in _device_caps(opts, opts.pipeline_ranks)]
-
-
 def boundary_links(opts: CostOptions) -> List[Tuple[float, float]]:
     """(bandwidth, latency) of boundary j (between stage j and j + 1), j = 0 .. S - 2."""
     links, view = [], opts.device_view
@@ -294,26 +222,6 @@ def stage_call_s(profile: Profile, b: int) -> float:
 def input_bytes(profile: Profile, b: int) -> List[int]:
     """in_l: bytes crossing cut l (what a recomputed unit keeps); in_0 = 0."""
     return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
-
-
-def shared_parameters(profile: Profile) -> List[Tuple[str, List[int], int]]:
-    """(name, sorted unit indices, bytes) of each trainable tied parameter in profile.extra, whose
-    gradients are summed across the ranks using it (a frozen one has none: not listed); ValueError
-    if malformed."""
-    index = {u.name: i for i, u in enumerate(profile.units)}
-    out = []
-    for entry in profile.extra.get("shared_parameters", []) or []:
-        if isinstance(entry, dict) and entry.get("trainable", True) is False:
-            continue
-        try:
-            name, units, size = str(entry["name"]), list(entry["units"]), int(entry["bytes"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"malformed shared_parameters entry {entry!r}: needs name, units, bytes") from None
-        missing = [u for u in units if u not in index]
-        if missing:
-            raise ValueError(f"shared parameter {name!r} names unknown units {missing}")
-        out.append((name, sorted({index[u] for u in units}), size))
-    return out
 
 
 def tie_time(bytes_: int, holders: int, opts: CostOptions) -> float:
@@ -362,9 +270,9 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
     m = num_micro_batches(opts, b)
-    split, shape, value = _step_of(profile, boundaries, redo, b, opts)
+    split, shape, value, copies = _step_of(profile, boundaries, redo, b, opts)
     timeline = step_graph(shape).run(value)
-    memory = device_memory(split, opts, shape, shared_parameters(profile))
+    memory = device_memory(split, opts, shape, copies)
     devices = shape.pipeline_ranks
     caps = _device_caps(opts, devices)
     busy = [0.0] * devices
@@ -377,7 +285,7 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     bubble = 1.0 - sum(busy) / (devices * step) if step > 0 else 0.0
     end_work = [value[("reduce", i)] + value[("step", i)] for i in range(devices)]
     return PlanCost(micro_batch_size=b, num_micro_batches=m,
-                    stages=_stage_costs(split, opts, shape, value, shared_parameters(profile)),
+                    stages=_stage_costs(split, opts, shape, value, copies),
                     iteration_s=step + opts.step_overhead_s, bottleneck_s=max(busy) / m,
                     bubble_fraction=max(0.0, bubble),
                     feasible=all(cap is None or mem <= cap for mem, cap in zip(memory, caps)),
@@ -395,13 +303,14 @@ def backward_work(value: Dict[Tuple, float], schedule: str, g: int) -> float:
 
 
 def _step_of(profile: Profile, boundaries: Sequence[int], redo: FrozenSet[int], b: int, opts: CostOptions
-             ) -> Tuple["Split", StepShape, Dict[Tuple, float]]:
-    """(split, the shape of its lists, every duration term) of a valid split of a compute profile."""
+             ) -> Tuple["Split", StepShape, Dict[Tuple, float], List[TieCopy]]:
+    """(split, the shape of its lists, every duration term, its tied weights' copies, frozen ones too)
+    of a valid split of a compute profile."""
     split = Split(range_costs(profile, b, opts.optimizer), tuple([0] + list(boundaries) + [profile.num_units]), redo,
                   profile.dtype, fixed_bytes(profile, opts))
-    ties = shared_parameters(profile)
-    shape = step_shape(opts, num_micro_batches(opts, b), step_collectives(ties, split.edges, opts))
-    return split, shape, step_durations(split, opts, shape, ties)
+    copies = tie_copies(tied_weights(profile), split.costs)
+    shape = step_shape(opts, num_micro_batches(opts, b), step_collectives(copies, split, opts))
+    return split, shape, step_durations(split, opts, shape, copies), copies
 
 
 def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iterable[int]]], b: int,
@@ -417,7 +326,7 @@ def simulate_splits(profile: Profile, splits: Sequence[Tuple[Sequence[int], Iter
             validate_boundaries(profile, boundaries, b, opts)
         except ValueError:
             continue
-        _, shape, value = _step_of(profile, boundaries, frozenset(recompute), b, opts)
+        _, shape, value, _ = _step_of(profile, boundaries, frozenset(recompute), b, opts)
         groups.setdefault(shape, []).append((k, value))
     out: List[Optional[Tuple[float, PathForm]]] = [None] * len(splits)
     for shape, members in groups.items():
@@ -432,41 +341,20 @@ def path_form(timeline) -> PathForm:
                     crossings=tuple((term[1], j, i) for term, j, i in timeline.crossings if term[0] == "tie"))
 
 
-@dataclass(frozen=True)
-class Split:
-    """A plan's units per stage: stage g holds units [edges[g], edges[g + 1]); `redo` is recomputed."""
-
-    costs: RangeCosts
-    edges: Tuple[int, ...]
-    redo: FrozenSet[int]
-    dtype: str = "float32"  # the profile's (planner.cost.memory: bytes per parameter byte)
-    fixed: float = 0.0  # F: bytes every device holds besides its stages (`fixed_bytes`)
-
-    def units(self, g: int) -> Tuple[int, int]:
-        return self.edges[g], self.edges[g + 1]
-
-
-def _device_caps(opts: CostOptions, devices: int) -> List[Optional[float]]:
-    view = opts.device_view
-    return [opts.memory_cap if view is None else view.memory(i, opts.memory_cap) for i in range(devices)]
-
-
 def _devices_of(shape: StepShape, g: int) -> Tuple[int, ...]:
     """The devices running stage g (one, or a replicated stage's r_g)."""
     return stage_devices(shape)[g]
 
 
-def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence[int], opts: CostOptions
-                     ) -> List[Tuple[Tuple, Tuple[int, ...]]]:
-    """The step's collectives in run order: the tied weights whose uses span ranks (by name), then
-    each replicated stage's all-reduce over its replicas."""
-    S = opts.num_stages
-    stage_of = [g for g in range(S) for _ in range(edges[g], edges[g + 1])]
+def step_collectives(ties: Sequence[TieCopy], split: "Split", opts: CostOptions) -> List[Tuple[Tuple, Tuple[int, ...]]]:
+    """The step's collectives in run order: the trainable tied weights whose uses span ranks (by
+    name), then each replicated stage's all-reduce over its replicas."""
+    ranks = [opts.rank_of_stage(g) for g in split.stage_of]
     out = []
-    for name, units, _ in sorted(ties):
-        holders = tuple(sorted({opts.rank_of_stage(stage_of[l]) for l in units}))
+    for tie in sorted((t for t in ties if t.trainable), key=lambda t: t.name):
+        holders = tuple(sorted(uses_per_device(tie, ranks)))
         if len(holders) > 1:
-            out.append((("tie", name), holders))
+            out.append((("tie", tie.name), holders))
     for g, r in enumerate(opts.replicas if opts.replicated else ()):
         if r > 1:
             first = sum(opts.replicas[:g])
@@ -474,8 +362,7 @@ def step_collectives(ties: Sequence[Tuple[str, List[int], int]], edges: Sequence
     return out
 
 
-def step_durations(split: Split, opts: CostOptions, shape: StepShape,
-                   ties: Sequence[Tuple[str, List[int], int]] = ()) -> Dict[Tuple, float]:
+def step_durations(split: Split, opts: CostOptions, shape: StepShape, ties: Sequence[TieCopy] = ()) -> Dict[Tuple, float]:
     """Every duration term of the step graph for this split (module docstring)."""
     costs, S, devices = split.costs, opts.num_stages, shape.pipeline_ranks
     speeds, links = rank_speeds(opts, devices), boundary_links(opts)
@@ -506,7 +393,7 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
         value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i)
                                 if lanes[i] == 1 else 0.0)
         value[("step", i)] = steps[i] - extra.step_s[i] / speeds[i]
-    sizes = {name: size for name, _, size in ties}
+    sizes = {tie.name: tie.size for tie in ties}
     for term, members in shape.collectives:
         if term[0] == "tie":
             value[term] = tie_time(sizes[term[1]], len(members) * opts.tie_replicas, opts)
@@ -518,66 +405,22 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
     return value
 
 
-def held_bytes(split: Split, opts: CostOptions) -> Dict[Tuple, float]:
-    """Bytes per held item of each kind (planner.pipeline.stepgraph.held_peaks' terms)."""
-    costs, S = split.costs, opts.num_stages
-    out: Dict[Tuple, float] = {}
-    for g in range(S):
-        a, e = split.units(g)
-        out[("live", g)] = costs.saved(a, e, split.redo)
-        out[("inbox", g)] = float(costs.act[a]) if g > 0 else 0.0
-        out[("gradbox", g)] = float(costs.grad[e]) if g < S - 1 else 0.0
-        out[("sent_act", g)] = float(costs.act[e]) if g < S - 1 else 0.0
-        out[("sent_grad", g)] = float(costs.grad[a]) if g > 0 else 0.0
-        # between its input and weight backwards: what the weight gradients read
-        out[("weight", g)] = costs.weight_held(a, e, split.redo)
-    return out
-
-
-def tie_surplus(split: Split, shape: StepShape, ties: Sequence[Tuple[str, List[int], int]],
-                averaged: bool = False) -> Surplus:
+def tie_surplus(split: Split, shape: StepShape, ties: Sequence[TieCopy], averaged: bool = False) -> Surplus:
     """What the per-unit sums of each device count beyond the one copy of each tied weight it holds
     (planner.cost.ties; tied weights come without replicated stages: one device per stage);
     averaged: under local SGD."""
     if not ties:  # every split a search screens: nothing to take off
         zero = [0.0] * shape.pipeline_ranks
-        return Surplus(zero, zero, zero)
-    stage_of = [g for g in range(len(split.edges) - 1) for _ in range(*split.units(g))]
-    return surplus(tie_copies(ties, split.costs), [shape.rank_of(g) for g in stage_of], shape.pipeline_ranks,
-                   averaged)
-
-
-def device_memory(split: Split, opts: CostOptions, shape: StepShape,
-                  ties: Sequence[Tuple[str, List[int], int]] = ()) -> List[float]:
-    """M_i per device: static bytes of its stages, less the extra copies of tied weights it holds
-    once, + the peak of what its list holds (module docstring)."""
-    held = held_bytes(split, opts)
-    out = []
-    devices = stage_devices(shape)
-    statics = [_stage_static(split, opts, shape, g) for g in range(opts.num_stages)]
-    extra = tie_surplus(split, shape, ties).held
-    for i, peaks in enumerate(rank_peaks(shape)):
-        static = sum(statics[g] for g in range(opts.num_stages) if i in devices[g])
-        static -= static_bytes(extra[i], extra[i], opts, split.dtype) if extra[i] else 0.0
-        activations = max((sum(n * held[term] for term, n in peak.items()) for peak in peaks), default=0.0)
-        out.append(static + split.fixed + activations)
-    return out
-
-
-def _stage_static(split: Split, opts: CostOptions, shape: StepShape, g: int) -> float:
-    """Static bytes of stage g's parameters, sharded over its r_g d holders."""
-    a, e = split.units(g)
-    return static_bytes(split.costs.params(a, e), split.costs.trainable(a, e), opts, split.dtype,
-                        len(_devices_of(shape, g)) * opts.data_parallel)
+        return Surplus(zero, zero, zero, zero)
+    return surplus(ties, [shape.rank_of(g) for g in split.stage_of], shape.pipeline_ranks, averaged)
 
 
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float],
-                 ties: Sequence[Tuple[str, List[int], int]] = ()) -> List[StageCost]:
+                 ties: Sequence[TieCopy] = ()) -> List[StageCost]:
     """Per-stage figures for tables and the plan file (on the stage's first device); a tied weight
     used more than once in a stage counted once in its parameters."""
     costs, S = split.costs, opts.num_stages
-    stage_of = [g for g in range(S) for _ in range(*split.units(g))]
-    extra = surplus(tie_copies(ties, costs), stage_of, S).held
+    extra = surplus(ties, split.stage_of, S)
     held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
     precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
     stages = []
@@ -585,8 +428,8 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         (a, e), device = split.units(g), shape.rank_of(g)
         comm = (value[("act", g - 1)] + value[("grad", g - 1)] if g > 0 else 0.0) + \
                (value[("act", g)] + value[("grad", g)] if g < S - 1 else 0.0)
-        count = (costs.params(a, e) - extra[g]) / itemsize
-        trained = (costs.trainable(a, e) - extra[g]) / itemsize  # frozen parameters: weights only
+        count = (costs.params(a, e) - extra.held[g]) / itemsize
+        trained = (costs.trainable(a, e) - extra.held_trained[g]) / itemsize  # frozen parameters: weights only
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
         # the most its own micro-batches hold at once along its rank's list (zero-bubble: with the

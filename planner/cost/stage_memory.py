@@ -3,13 +3,18 @@ program's memory rows (planner.solve.ilp), the branch and bound's fitting stages
 and the memory floor of an infeasible request (planner.solve.diagnose) are written from.
 
 Stage g holding units [a, e), under one of its rank's held-count vectors P (planner.cost.step.rank_peaks:
-how many of each kind its list holds at one moment; planner.cost.model.held_bytes prices the same
+how many of each kind its list holds at one moment; planner.cost.rank_memory.held_bytes prices the same
 kinds for one split), holds
 
     static(a, e)                                       its parameters' bytes (planner.cost.model.static_bytes)
     + sum_{a<=l<e} (P_live,g saved_l + P_weight,g weight_l)          per unit
     + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a)           at the cut it starts at
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
+
+less, for the tied weights (planner.cost.ties), the static bytes of the copies its units count beyond
+the one its rank holds (`tie_static` per copy; plus `tie_whole` - `tie_static` where the rank keeps it
+whole under ZeRO, ties.kept_whole): `range_static_surplus` for a stage alone on its rank (in `matrix`
+and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer program).
 
 saved_l (weight_l): what unit l keeps for its backward (until its weight backward), its input in_l
 alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
@@ -24,10 +29,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import num_micro_batches, rank_caps, static_factors, step_shape
+from planner.cost.model import num_micro_batches, step_shape
+from planner.cost.rank_memory import rank_caps, static_factors
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.step import rank_peaks
+from planner.cost.ties import copy_static, range_static_surplus, tie_copies, tied_weights
 from planner.profile.profile import Profile
 
 
@@ -56,6 +63,10 @@ class StageMemory:
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
+        self.ties = tie_copies(tied_weights(profile), costs)  # frozen ones too
+        self.tie_static = copy_static(self.ties, self.factors)  # one copy's static bytes, per tie
+        self.tie_whole = copy_static(self.ties, static_factors(opts, profile.dtype, 1))  # kept whole (kept_whole)
+        self.shard = opts.shard
 
     def cap(self, g: int) -> Optional[float]:
         """What stage g's rank may hold besides the fixed bytes (None: no cap)."""
@@ -80,6 +91,9 @@ class StageMemory:
             terms = self.held(peak, g)
             value = np.where(valid, range_matrix(prefix_sums(terms.per_unit)), 0.0)
             held = np.maximum(held, value + terms.at_start[:, None] + terms.at_end[None, :])
+        if self.ties:
+            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, None,
+                                                        self.tie_whole, self.shard)
         return static + held
 
     def row(self, g: int, a: int) -> np.ndarray:
@@ -93,4 +107,7 @@ class StageMemory:
             bytes_ = prefix_sums(terms.per_unit)
             value = np.where(valid, bytes_ - bytes_[a], 0.0)
             held = np.maximum(held, value + terms.at_start[a] + terms.at_end)
+        if self.ties:
+            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, [a],
+                                                           self.tie_whole, self.shard)[0]
         return static + held

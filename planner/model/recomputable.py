@@ -23,7 +23,7 @@ from typing import Set
 
 from torch import fx, nn
 
-from planner.model.inplace import operation_name, storage_roots, written_nodes
+from planner.model.inplace import operation_name, storage_roots, writes
 
 # names of operations whose result is a random draw (aten names and torch functions alike)
 _RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential",
@@ -39,8 +39,9 @@ def recomputable_nodes(gm: fx.GraphModule) -> Set[str]:
     """Names of the computed nodes (call_function / call_method) of `gm` whose values follow the
     module docstring's rule: computed from inputs, buffers and constants alone."""
     roots = storage_roots(gm.graph, gm)
-    writes = {node: written_nodes(node, gm) for node in gm.graph.nodes if node.op.startswith("call_")}
-    written = {roots.get(w, w) for nodes in writes.values() for w in nodes}
+    every = writes(gm.graph, gm)
+    writers = {write.node for write in every}
+    written = {roots.get(write.written, write.written) for write in every}
     free: Set[fx.Node] = set()  # nodes made of inputs, buffers and constants
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -49,7 +50,7 @@ def recomputable_nodes(gm: fx.GraphModule) -> Set[str]:
             ok = not isinstance(operator.attrgetter(str(node.target))(gm), nn.Parameter)
         elif node.op in ("call_function", "call_method"):
             ok = (all(source in free for source in node.all_input_nodes) and not _is_random(node)
-                  and not writes[node])
+                  and node not in writers)
         else:
             ok = False
         if ok and roots.get(node, node) not in written:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from planner.profile.rhythm import rhythm_steps, summarise
+from planner.profile.rhythm import rhythm_steps, stand_in, summarise
 
 
 class FlatLinkError(ValueError):
@@ -122,16 +122,17 @@ def measure_pair(rank: int, config: Dict[str, Any],
     repeats, warmup = int(config["repeats"]), int(config["warmup"])
     if ping is None:
         ping = lambda: ping_pong(rank == 0, 1 - rank, config["sizes"], repeats, warmup)  # noqa: E731
-    pings = []
+    pings = 0
 
     def agreed() -> Dict[str, Any]:
+        nonlocal pings
         shared = [ping()]
         dist.broadcast_object_list(shared, src=0)  # rank 0's round trips: both ranks retry alike
-        pings.append(1)
+        pings += 1
         return {"samples": shared[0]}
 
     measured, fit, warning = fit_measured_link(agreed, int(config.get("attempts", 1)))
-    return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": len(pings),
+    return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": pings,
             "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup),
             "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1),
             "rhythm": rhythm_steps(rank, *config["rhythm"]) if config.get("rhythm") else None}
@@ -266,6 +267,7 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
+    rhythm = stand_in(*rhythm) if rhythm else None  # the compute the workers time (capped once, here)
     measured = _run_link_workers(sizes, threads, repeats, warmup, timeout_s, attempts, rhythm)
     fit, warning = measured["fit"], measured["warning"]
     reduced = measured["allreduce"]

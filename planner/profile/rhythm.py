@@ -63,7 +63,8 @@ def stand_in(forward_s: float, backward_s: float) -> Tuple[float, float]:
 
 
 def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: int = MICRO_BATCHES) -> List[float]:
-    """Seconds per step of the lists, one per timed step, on rank 0 (rank 1 runs the same call and
+    """Seconds per step of the lists with (forward_s, backward_s) of compute (`stand_in`'s, capped by
+    the caller), one per timed step, on rank 0 (rank 1 runs the same call and
     returns []). Both ranks of the default process group (world size 2) must call it together."""
     import torch.distributed as dist
 
@@ -71,7 +72,6 @@ def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: 
     from planner.pipeline.schedule import build_schedule
     from planner.pipeline.stepgraph import batches_of
 
-    forward_s, backward_s = stand_in(forward_s, backward_s)
     compute = _Compute()
     peer = 1 - rank
     items = batches_of(build_schedule("1f1b", 2, micro_batches)[rank])  # computes, and batches as tuples
@@ -104,8 +104,8 @@ def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: 
 
 def summarise(times: List[float], forward_s: float, backward_s: float,
               micro_batches: int = MICRO_BATCHES) -> Dict[str, float]:
-    """The rhythm's record in a profile's link: the stand-in compute, the median step and lam."""
-    forward_s, backward_s = stand_in(forward_s, backward_s)
+    """The rhythm's record in a profile's link: the stand-in compute timed (`stand_in`'s), the median
+    step and lam."""
     step = statistics.median(times)
     return {"forward_s": forward_s, "backward_s": backward_s, "micro_batches": micro_batches,
             "steps": len(times), "step_s": step,

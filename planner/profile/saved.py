@@ -13,10 +13,15 @@ from typing import Dict, Iterable, Iterator
 import torch
 
 
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether a tensor is a sharded parameter (a DTensor, runtime/shard_params.py): it has a local shard."""
+    return hasattr(tensor, "to_local")
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """What holds a tensor's storage on this process: a sharded parameter's (a DTensor,
-    runtime/shard_params.py) local shard, else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """What holds a tensor's storage on this process: a sharded parameter's local shard, else the
+    tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 class SavedBytes:

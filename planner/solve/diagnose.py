@@ -17,12 +17,9 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, evaluate, fixed_bytes, shared_parameters,
-                                static_bytes)
-from planner.cost.ranges import range_costs
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, fixed_bytes
 from planner.cost.options import CostOptions
 from planner.cost.stage_memory import StageMemory
-from planner.cost.ties import tie_copies
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 
@@ -66,25 +63,11 @@ def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatr
 
 def memory_matrices(profile: Profile, b: int, opts: CostOptions) -> StageCostMatrix:
     """s -> M_s[a, e]: stage s's memory holding units [a, e) (one stage per rank, every unit
-    recomputed under --recompute all, none otherwise): planner.cost.stage_memory's, less the
-    copies of a tied weight beyond the one the stage holds (planner.cost.ties), plus the fixed
-    bytes every device holds."""
+    recomputed under --recompute all, none otherwise): planner.cost.stage_memory's (one copy of a
+    tied weight per stage), plus the fixed bytes every device holds."""
     memory = StageMemory(profile, b, opts, recompute_all=opts.recompute == "all")
-    fixed = fixed_bytes(profile, opts) - _extra_tie_copies(profile, b, opts)
+    fixed = fixed_bytes(profile, opts)
     return lambda s: memory.matrix(s) + fixed
-
-
-def _extra_tie_copies(profile: Profile, b: int, opts: CostOptions) -> np.ndarray:
-    """[a, e]: the static bytes of the tied weights' uses in [a, e) beyond one copy each."""
-    L = profile.num_units
-    extra = np.zeros((L + 1, L + 1))
-    for tie in tie_copies(shared_parameters(profile), range_costs(profile, b, opts.optimizer)):
-        before = np.zeros(L + 1)  # uses of the tie among the first a units
-        for u in tie.uses:
-            before[u + 1:] += 1
-        uses = before[None, :] - before[:, None]  # in [a, e)
-        extra += np.maximum(uses - 1, 0) * static_bytes(tie.bytes_, tie.bytes_, opts, profile.dtype)
-    return extra
 
 
 @dataclass
@@ -136,8 +119,7 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
         return 1 if sizes else None
     lists = lambda stages: opts.with_(pipeline_ranks=stages, cluster=None, placement=None)  # noqa: E731
     middles = [memory_matrices(profile, b, lists(L)) for b in sizes]  # M^(j): stage L-1-j
-    # F^(j)(0, e) needs only its row: the fixed bytes less the ties' extra copies in [0, e), per b
-    fixed = [fixed_bytes(profile, opts) - _extra_tie_copies(profile, b, opts)[0] for b in sizes]
+    fixed = fixed_bytes(profile, opts)
     recompute_all = opts.recompute == "all"
     reach = [None] * len(sizes)
     for j in range(L):
@@ -146,7 +128,7 @@ def smallest_fitting_stages(profile: Profile, opts: CostOptions) -> Optional[int
         for i, b in enumerate(sizes):
             if j > 0 and not reach[i].any():
                 continue
-            first = StageMemory(profile, b, lists(j + 1), recompute_all).row(0, 0) + fixed[i] <= cap
+            first = StageMemory(profile, b, lists(j + 1), recompute_all).row(0, 0) + fixed <= cap
             if (first[L] if j == 0 else np.any(first & reach[i])):
                 return j + 1
             fits = middles[i](L - 1 - j) <= cap  # [a, e]

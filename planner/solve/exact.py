@@ -23,13 +23,13 @@ from typing import Iterable, List, Optional, Set
 
 import numpy as np
 
-from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_speeds, shared_parameters,
+from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_speeds,
                                 simulate_splits, static_bytes, step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs
 from planner.cost.result import PathForm, PlanCost
 from planner.cost.step import stage_in_flight, step_graph
-from planner.cost.ties import later_uses_bytes, tie_copies
+from planner.cost.ties import later_uses_bytes, tie_copies, tied_weights
 from planner.profile.profile import Profile
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.ilp import Program, _NoSplit, big_m_ms
@@ -177,8 +177,9 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
         least = {"none": costs.s, "all": costs.inputs, "auto": np.minimum(costs.s, costs.inputs)}[opts.recompute]
         # a tie's later uses taken off: no rank holding a stage keeps less (planner.cost.ties)
-        later = prefix_sums(later_uses_bytes(tie_copies(shared_parameters(profile), costs), profile.num_units))
-        memory = (caps, held, static_bytes(costs.P - later, costs.T - later, opts, profile.dtype), least)
+        copies = tie_copies(tied_weights(profile), costs)
+        later = [prefix_sums(later_uses_bytes(copies, profile.num_units, trained)) for trained in (False, True)]
+        memory = (caps, held, static_bytes(costs.P - later[0], costs.T - later[1], opts, profile.dtype), least)
     forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
     ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,
                           recompute_all=opts.recompute == "all", memory=memory)

@@ -20,7 +20,9 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
     k[t][i] = sum_{u, g on i} x[u][g] (t's uses on rank i),   q[t][i] = h[t][i] y[t][1] (i holds t alone)
     R_i -= sum_t ar_t (k[t][i] - q[t][i]),  O_i -= sum_t o_t / sigma_i (k[t][i] - h[t][i]), static bytes of
     rank i -= sum_t (beta^w + beta^t) c_t (k[t][i] - h[t][i]): one copy c_t of a tied weight per rank
-    (planner.cost.ties; under local SGD the exchange takes off k - h); w_i >= q[t][i] for the ties, and
+    (planner.cost.ties; beta^w c_t and no tau_t, R_i, O_i terms for a frozen one; under local SGD the
+    exchange takes off k - h); + (W_t - C_t) whole[t][i] where rank i keeps its copy whole under ZeRO
+    (W_t, C_t: a copy's static bytes unsharded and sharded; `tie_whole`); w_i >= q[t][i] for the ties, and
     not for a unit whose exchange is its ties' alone
 
 The step time is the longest path of the lists' graph, the largest of its paths' sums; each known
@@ -55,7 +57,7 @@ from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
 from planner.cost.stage_memory import StageMemory
-from planner.cost.ties import tie_copies
+from planner.cost.ties import tie_copies, tied_weights
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
@@ -202,8 +204,9 @@ class Program:
             latency = exchange_latency(opts, i) * MS
             if latency > 0 and moving:  # charged only when the rank exchanges anything (w_i)
                 w = _var(self.prob, f"exchanges_{i}", binary=True)
+                rest_moves = self._rest_moves()
                 for l, g in moving:
-                    if l in self.rest_moves and not self.rest_moves[l]:  # only its ties' copies move: below
+                    if not rest_moves.get(l, True):  # only its ties' copies move: below
                         continue
                     self.add(w >= self.x(l, g), f"exchanges_{i}_{l}_{g}")
                 for tie in self.ties:  # a tie not spanning ranks is exchanged in its rank's buckets
@@ -224,9 +227,9 @@ class Program:
         self.hold: Dict[Tuple[str, int], object] = {}
         self.uses: Dict[Tuple[str, int], object] = {}
         self.alone: Dict[Tuple[str, int], object] = {}
-        ties = shared_parameters(self.profile)
-        self.ties = tie_copies(ties, c)
-        for name, uses, size in ties:
+        weights = tied_weights(self.profile)
+        self.ties = tie_copies([t for t in weights if t.trainable], c)  # exchanged and stepped: trainable ones
+        for name, uses, size, trainable in weights:  # held once per rank: frozen ones too
             ranks = sorted({opts.rank_of_stage(g) for u in uses for g in range(S) if self.may(u, g)})
             for i in ranks:
                 h = _var(self.prob, f"hold_{name}_{i}")
@@ -238,6 +241,8 @@ class Program:
                             self.add(h >= self.x(u, g), f"hold_{name}_{i}_{u}_{g}")
                 self.add(h <= k, f"hold_only_{name}_{i}")  # with h >= each use: h = [k >= 1]
                 self.hold[name, i], self.uses[name, i] = h, k
+            if not trainable:  # no gradient: no all-reduce
+                continue
             counts = range(1, min(len(uses), len(ranks)) + 1)
             y = {n: _var(self.prob, f"holders_{name}_{n}", binary=True) for n in counts}
             self.add(pulp.lpSum(y.values()) == 1, f"holders_one_{name}")
@@ -251,11 +256,15 @@ class Program:
                 self.alone[name, i] = q
             self.term[("tie", name)] = self._define(
                 f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.tie_replicas, opts) * MS * v for n, v in y.items()))
-        # units whose exchange is only their ties' copies (nothing else moves when those ties span)
-        self.rest_moves: Dict[int, bool] = {}
+
+    def _rest_moves(self) -> Dict[int, bool]:
+        """Per unit using a tie: whether anything but its ties' copies moves in its exchange (what
+        the placement's latency rows ask of a tie's units)."""
+        c, out = self.costs, {}
         for l in {u for tie in self.ties for u in tie.uses}:
             own = sum(tie.bytes_ for tie in self.ties if l in tie.uses)
-            self.rest_moves[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], opts, self.profile.dtype, self.m) > 0
+            out[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], self.opts, self.profile.dtype, self.m) > 0
+        return out
 
     def tie_held(self, tie, i: int):
         """Copies of `tie` the per-unit sums of rank i count beyond the one it holds: k - h."""
@@ -272,6 +281,25 @@ class Program:
             return self.tie_held(tie, i)
         return self.uses[tie.name, i] - self.alone[tie.name, i]
 
+    def tie_whole(self, tie, i: int, shard: str):
+        """1 where rank i keeps its copy of `tie` whole (planner.cost.ties.kept_whole): under `gradients`
+        h - q (held, spanning ranks); under `parameters` at least that (a trainable tie) and at least
+        [k >= 2] (a binary the uses force), which the memory rows never want larger."""
+        if (tie.name, i) not in self.hold or shard not in ("gradients", "parameters"):
+            return 0
+        spans = self.hold[tie.name, i] - self.alone[tie.name, i] if tie.trainable else 0
+        if shard == "gradients":
+            return spans
+        whole = _var(self.prob, f"whole_{tie.name}_{i}")
+        if tie.trainable:
+            self.add(whole >= spans, f"whole_spans_{tie.name}_{i}")
+        if len(tie.uses) >= 2:
+            two = _var(self.prob, f"twice_{tie.name}_{i}", binary=True)
+            self.add((len(tie.uses) - 1) * two >= self.uses[tie.name, i] - self.hold[tie.name, i],
+                     f"twice_{tie.name}_{i}")
+            self.add(whole >= two, f"whole_twice_{tie.name}_{i}")
+        return whole
+
     # --- memory ---------------------------------------------------------------------------------
     def _memory(self) -> None:
         opts, L = self.opts, self.L
@@ -284,7 +312,10 @@ class Program:
                 continue
             static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)
                                 for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
-            static -= pulp.lpSum((beta_w + beta_t) * tie.bytes_ / MIB * self.tie_held(tie, i) for tie in self.ties)
+            static -= pulp.lpSum(copy / MIB * self.tie_held(tie, i) for tie, copy in zip(memory.ties, memory.tie_static))
+            static += pulp.lpSum((whole - copy) / MIB * self.tie_whole(tie, i, memory.shard)
+                                 for tie, copy, whole in zip(memory.ties, memory.tie_static, memory.tie_whole)
+                                 if whole != copy)
             for n, peak in enumerate(memory.peaks[i]):
                 held = 0
                 for g in opts.stages_on(i):

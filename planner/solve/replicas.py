@@ -65,10 +65,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate,
-                                fixed_bytes, num_micro_batches, rank_caps, shared_parameters, stage_call_s,
+                                fixed_bytes, num_micro_batches, rank_caps, stage_call_s,
                                 static_bytes, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs, range_matrix
+from planner.cost.ties import tied_weights
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
@@ -121,7 +122,7 @@ def check_replicable(profile: Profile, opts: CostOptions) -> None:
         raise ValueError(f"--replicate needs --schedule 1f1b or gpipe (got {opts.schedule})")
     if opts.cluster is not None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
-    if shared_parameters(profile):
+    if tied_weights(profile):  # frozen ones too: each rank holds one copy
         raise ValueError("--replicate does not model tied (shared) parameters; solve this profile without --replicate")
 
 

@@ -39,11 +39,13 @@ def problems(draw, max_units=8):
             u.backward_weight_s = {b: share * t * draw(st.sampled_from([0.8, 1.0])) for b, t in u.backward_s.items()}
             u.weight_held_bytes = {b: s // draw(st.sampled_from([1, 2, 4])) for b, s in u.saved_bytes.items()}
     if draw(st.booleans()) and L >= 3:
+        trainable = draw(st.sampled_from([True, True, False]))  # a frozen tie: held once, never all-reduced
         profile.extra["shared_parameters"] = [{"name": "tied", "units": [profile.units[0].name,
-                                                                           profile.units[-1].name], "bytes": TIE}]
+                                                                           profile.units[-1].name], "bytes": TIE,
+                                               "trainable": trainable}]
         for u in (profile.units[0], profile.units[-1]):  # as a capture counts it: in each unit using it
             u.param_bytes += TIE
-            u.trainable_bytes += TIE
+            u.trainable_bytes += TIE if trainable else 0
     schedule, v = draw(st.sampled_from(SCHEDULES))
     p = draw(st.integers(1, max(1, min(3, L // v))))
     d = draw(st.sampled_from([1, 1, 2]))
@@ -164,10 +166,13 @@ def test_planned_memory_is_the_peak_along_the_runtime_lists(problem, rng):
     opt = {"sgd": 0.0, "adamw": 2.0, "adam": 2.0}[opts.optimizer]
     for rank, actions in enumerate(plan.instruction_lists()):
         stages = sorted({a.stage for a in actions if a.kind == ActionKind.FORWARD})
-        static = sum(split.costs.params(*split.units(g)) for g in stages) * (2 + opt)
+        # fp32 SGD/AdamW: a parameter byte holds its weight, a trainable one its gradient and state too
+        static = sum(split.costs.params(*split.units(g)) + split.costs.trainable(*split.units(g)) * (1 + opt)
+                     for g in stages)
         if profile.extra.get("shared_parameters"):  # the rank holds one copy of the tie, however many uses
             uses = sum(1 for g in stages for l in (0, L - 1) if split.units(g)[0] <= l < split.units(g)[1])
-            static -= max(uses - 1, 0) * TIE * (2 + opt)
+            trains = profile.extra["shared_parameters"][0]["trainable"]
+            static -= max(uses - 1, 0) * TIE * (1 + ((1 + opt) if trains else 0))
         assert all(topology.rank_running(g, 0) == rank for g in stages)
         assert math.isclose(cost.device_memory[rank], static + _walk_peak(actions, per_item), rel_tol=1e-12,
                             abs_tol=1e-6)

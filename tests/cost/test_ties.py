@@ -83,3 +83,24 @@ def test_local_sgd_averages_the_copy_each_rank_holds_even_where_the_tie_spans_ra
     for i, own in enumerate([TIE + BLOCK, 2 * BLOCK + TIE]):
         assert cost.durations[("reduce", i)] == pytest.approx(sync_time(own, own, 0, opts, profile.dtype, 4))
     assert [term for term, _ in cost.collectives] == [("tie", "emb.weight")]
+
+
+@pytest.mark.parametrize("shard, boundaries, whole", [
+    ("optimizer", [2], [False, False]),  # ZeroRedundancyOptimizer shards the tie's state with the rest
+    ("gradients", [2], [True, True]),  # spanning: kept out of the owners' shares, every holder steps it
+    ("gradients", [], [False]),  # on one rank: one parameter among the others, sharded
+    ("parameters", [2], [True, True]),  # spanning: kept out of FSDP2's shards
+    ("parameters", [], [True]),  # two units of the rank read it: kept whole too (runtime.shard_params)
+])
+def test_a_tie_the_runtime_keeps_whole_under_zero_is_counted_whole(shard, boundaries, whole):
+    # before the fix every copy was counted sharded over the d = 2 replicas (runtime/shard.py,
+    # runtime/shard_params.py keep these whole: tests/runtime/test_shard_params.py measures it)
+    profile = tied_profile()
+    opts = dataclasses.replace(options(p=len(boundaries) + 1, d=2), shard=shard, optimizer="adamw")
+    cost, counted = evaluate(profile, boundaries, 1, opts), evaluate(untied(profile), boundaries, 1, opts)
+    excess = static_bytes(TIE, TIE, opts, profile.dtype, 1) - static_bytes(TIE, TIE, opts, profile.dtype)
+    assert excess > 0
+    extra = [static_bytes(TIE, TIE, opts, profile.dtype)] if not boundaries else [0.0, 0.0]  # one rank: 2 uses
+    for i, kept in enumerate(whole):
+        assert cost.device_memory[i] == pytest.approx(counted.device_memory[i] - extra[i] + (excess if kept else 0.0),
+                                                      rel=1e-12)

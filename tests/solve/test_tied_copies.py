@@ -138,3 +138,43 @@ def test_the_memory_floor_counts_a_tie_once_per_stage():
     best = min(peaks.values())
     floor = min_memory_plan(profile, opts)
     assert floor.boundaries == [1] and floor.memory_bytes == pytest.approx(best, rel=1e-12)
+
+
+def frozen_tie_chain():
+    """tied_chain with the tied embedding frozen: in both units' parameters, in neither's trainable bytes."""
+    profile = tied_chain()
+    for u in (profile.units[0], profile.units[-1]):
+        u.trainable_bytes -= TIE
+    profile.extra["shared_parameters"] = [dict(profile.extra["shared_parameters"][0], trainable=False)]
+    return profile
+
+
+def test_a_frozen_tie_is_held_once_per_rank():
+    # before the fix a frozen tie was no tie to the model: one rank holding both uses was charged two
+    # copies (runtime.stage holds one parameter object), and no plan fitted the cap below
+    profile = frozen_tie_chain()
+    unique = frozen_tie_chain()  # what the runtime holds: the head's weight is the embedding's
+    unique.units[-1].param_bytes = unique.units[-1].trainable_bytes = 0
+    unique.extra["shared_parameters"] = []
+    opts = CostOptions(pipeline_ranks=1, data_parallel=2, global_batch=8, dp_bandwidth=1e9)
+    cap = evaluate(unique, [], 2, opts).device_memory[0]
+    assert evaluate(profile, [], 2, opts).device_memory == [cap]
+    assert evaluate(profile, [], 2, opts).stages[0].param_bytes == evaluate(unique, [], 2, opts).stages[0].param_bytes
+    same_as_brute(profile, opts.with_(memory_cap=cap))
+    spread = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=16, dp_bandwidth=2e8, bandwidth=1e9)
+    assert ("tie", "wte") not in evaluate(profile, [2], 1, spread).durations  # nothing to all-reduce
+    caps = sorted(max(evaluate(profile, list(c), 1, spread).device_memory) for c in _splits(profile, spread))
+    same_as_brute(profile, spread.with_(memory_cap=caps[1]))
+
+
+@pytest.mark.parametrize("shard, p, schedule, v", [("gradients", 2, "1f1b", 1), ("parameters", 2, "1f1b", 1),
+                                                   ("parameters", 2, "interleaved", 2), ("gradients", 3, "1f1b", 1)])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_solver_matches_brute_force_where_zero_keeps_a_tie_whole(shard, p, schedule, v, frozen):
+    profile = frozen_tie_chain() if frozen else tied_chain()
+    profile.units[2].param_bytes = profile.units[2].trainable_bytes = 2 * BLOCK
+    opts = CostOptions(pipeline_ranks=p, data_parallel=2, global_batch=8 * p, schedule=schedule, virtual_stages=v,
+                       dp_bandwidth=2e8, bandwidth=1e9, shard=shard)
+    peaks = sorted({max(evaluate(profile, c, 1, opts).device_memory) for c in _splits(profile, opts)})
+    for cap in peaks[1:3]:  # caps that rule out some splits
+        same_as_brute(profile, opts.with_(memory_cap=cap))
