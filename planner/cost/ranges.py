@@ -79,7 +79,11 @@ class RangeCosts:
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # of a unit's frozen bytes, those its backward needs (gathered again for it under ZeRO-3): the
-        # backward runs where the unit trains or its input cut carries a gradient (runtime.shard_params)
+        # backward runs where the unit trains or its input cut carries a gradient (runtime.shard_params).
+        # The input cut, not what the unit's nodes read: the runtime's unit segments take in and hand on
+        # every value crossing their cut, so a gradient-carrying skip that passes a frozen unit by is
+        # one of its outputs, and FSDP2's pre-backward hook on it gathers the unit (measured:
+        # tests/runtime/test_shard_params.py, frozen_tied_lm's `side` unit)
         self.runs = (self.t > 0) | (self.grad[:-1] > 0)
         self.fb = np.where(self.runs, self.p - self.t, 0.0)
         self.FB = prefix_sums(self.fb)
