@@ -23,7 +23,8 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
                    frozen parameters exchange nothing, except their gathers under `parameters`: for
                    every forward, and for the backwards of units whose backward runs, planner.cost.ranges),
-                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`);
+                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`;
+                   under `parameters` one ring's per gather and reduce-scatter the runtime issues);
                    under local SGD (sync_every H > 1) the model averaging's time / H (planner.cost.localsgd)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
@@ -135,18 +136,30 @@ def sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts: CostOpt
 def exchange_latency(opts: CostOptions, rank: int) -> float:
     """Seconds of latency of pipeline rank's data-parallel exchange per step when it exchanges
     anything: its rings' under a topology placement with d > 1 (planner.cost.placement), else none
-    (bandwidth-bound)."""
-    if opts.placement is None:
+    (bandwidth-bound); under ZeRO-3 none (its collectives' latency is per collective: `reduce_time`)."""
+    if opts.placement is None or opts.shard == "parameters":
         return 0.0
     return opts.placement.exchange_latency(rank, opts.latency)
 
 
+def collective_latency(opts: CostOptions, rank: int) -> float:
+    """Seconds of latency of one ZeRO-3 collective (an all-gather or a reduce-scatter) of pipeline
+    rank's holders under a topology placement: one of the two rings of its exchange's latency
+    (planner.cost.placement); 0 elsewhere."""
+    if opts.placement is None or opts.shard != "parameters":
+        return 0.0
+    return opts.placement.exchange_latency(rank, opts.latency) / 2
+
+
 def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_bytes: float, opts: CostOptions,
-                dtype: str, m: int, rank: int) -> float:
+                dtype: str, m: int, rank: int, collectives: float = 0.0) -> float:
     """Seconds of pipeline rank's data-parallel exchange per step: its bytes (`sync_time`) and, only
     when it moves any, its rings' latency. A rank with nothing to exchange (every parameter frozen,
-    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer)."""
+    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer). Under
+    ZeRO-3 the latency is per collective the runtime issues: `collectives` per micro-batch (its units'
+    planner.cost.ranges `sharded_collectives`), m micro-batches a step."""
     seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank)
+    seconds += m * collectives * collective_latency(opts, rank)
     return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
 
 
@@ -490,21 +503,22 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape,
             value[("act", g)] = costs.message_s(e, links[g])
             value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
     params, trainable, steps = [0.0] * devices, [0.0] * devices, [0.0] * devices
-    frozen_backward = [0.0] * devices
+    frozen_backward, collectives = [0.0] * devices, [0.0] * devices
     lanes = [0] * devices  # devices of the stage a device runs (replicated stages: r_g)
     for g in range(S):
         for i in _devices_of(shape, g):
             params[i] += costs.params(*split.units(g))
             trainable[i] += costs.trainable(*split.units(g))
             frozen_backward[i] += costs.frozen_backward(*split.units(g))
+            collectives[i] += costs.sharded_collectives(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
     m, extra = shape.num_micro_batches, tie_surplus(split, shape, ties, opts.local_sgd)
     for i in range(devices):  # a tied weight's extra uses on a rank are one copy (planner.cost.ties)
         params[i] -= extra.exchanged[i]
         trainable[i] -= extra.exchanged[i]
-        value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i)
-                                if lanes[i] == 1 else 0.0)
+        value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i,
+                                            collectives[i]) if lanes[i] == 1 else 0.0)
         value[("step", i)] = steps[i] - extra.step_s[i] / speeds[i]
     sizes = {name: size for name, _, size in ties}
     for term, members in shape.collectives:

@@ -87,6 +87,11 @@ class RangeCosts:
         self.runs = (self.t > 0) | (self.grad[:-1] > 0)
         self.fb = np.where(self.runs, self.p - self.t, 0.0)
         self.FB = prefix_sums(self.fb)
+        # ZeRO-3's collectives per micro-batch of each unit (runtime.shard_params: one FSDP2 unit per
+        # plan unit): a unit holding parameters gathers them for its forward and again for its
+        # backward where that runs, and reduce-scatters its gradients where it trains
+        self.collectives = (self.p > 0) * (1.0 + self.runs) + (self.t > 0)
+        self.COLL = prefix_sums(self.collectives)
 
     # --- one range -------------------------------------------------------------------------
     def forward(self, a: int, e: int, speed: float = 1.0) -> float:
@@ -120,6 +125,10 @@ class RangeCosts:
     def frozen_backward(self, a: int, e: int) -> float:
         """Frozen bytes of units [a, e) whose backward runs (`fb`)."""
         return float(self.FB[e] - self.FB[a])
+
+    def sharded_collectives(self, a: int, e: int) -> float:
+        """ZeRO-3's gathers and reduce-scatters per micro-batch of units [a, e) (`collectives`)."""
+        return float(self.COLL[e] - self.COLL[a])
 
     def step(self, a: int, e: int, speed: float = 1.0) -> float:
         return float(self.O[e] - self.O[a]) / speed

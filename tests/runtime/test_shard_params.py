@@ -49,7 +49,7 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monk
     # gradient would move.
     entry, args = "tests.models:frozen_tied_lm", {"side": True}
     plan = _plan(entry, args, [3], 1, 2, recompute={1: ["blocks.2"]})
-    # the ranks' gathers, counted (tests/support/gather_spy): what planner.cost charges
+    # the ranks' gathers and reduce-scatters, counted (tests/support/gather_spy): what planner.cost charges
     spy = os.path.join(os.path.dirname(__file__), os.pardir, "support", "gather_spy")
     monkeypatch.setenv("PIPEPLANNER_LAUNCH", "subprocess")
     monkeypatch.setenv("PYTHONPATH", os.path.abspath(spy) + os.pathsep + os.environ["PYTHONPATH"])
@@ -58,9 +58,10 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monk
     gathers = collections.Counter(tuple(line.split()) for path in glob.glob(str(tmp_path / "*.log"))
                                   for line in open(path))
     # each unit gathered for each micro-batch's forward, and for its backward only where the cost model
-    # charges one (its backward runs): not for the frozen emb and blocks.0 (FSDP2's own prefetch
+    # charges one (its backward runs), its gradients reduce-scattered where it trains: not for the frozen emb and blocks.0 (FSDP2's own prefetch
     # gathered blocks.0 for the backward of blocks.1)
-    runs, topology, passes = range_costs(profile_of(entry, args), 1).runs, plan.topology(), 2 * 2  # steps x m
+    costs, topology, passes = range_costs(profile_of(entry, args), 1), plan.topology(), 2 * 2  # steps x m
+    runs = costs.runs
     expected = collections.Counter()
     for rank in range(4):
         for g in topology.stages_of(topology.pipeline_rank_of(rank)):
@@ -68,7 +69,14 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monk
                 expected[(str(rank), f"parts.{k}", "FORWARD")] = passes
                 if runs[unit]:
                     expected[(str(rank), f"parts.{k}", "PRE_BACKWARD")] = passes
+                if costs.t[unit] > 0:
+                    expected[(str(rank), f"parts.{k}", "REDUCE_SCATTER")] = passes
     assert +gathers == expected
+    # the collectives whose latency a placement charges: per micro-batch, the units' sharded_collectives
+    for rank in range(4):
+        stage = plan.stages[topology.stages_of(topology.pipeline_rank_of(rank))[0]]
+        issued = sum(n for (r, _, _), n in gathers.items() if r == str(rank))
+        assert issued == passes * costs.sharded_collectives(stage.first_unit, stage.end_unit), rank
     # the side unit (stage 1's parts.0) is gathered for its backward although nothing it reads carries a
     # gradient: its segment hands on blocks.1's output, and FSDP2 hooks that output (planner.cost.ranges)
     assert plan.stages[1].units[0] == "side" and runs[3] and gathers[("1", "parts.0", "PRE_BACKWARD")] == passes
