@@ -78,6 +78,9 @@ class RangeCosts:
         self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
+        # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
+        self.buf = np.array([u.buffer_bytes or 0 for u in units], dtype=float)
+        self.BUF = prefix_sums(self.buf)
         # of a unit's frozen bytes, those its backward needs (gathered again for it under ZeRO-3): the
         # backward runs where the unit trains or its input cut carries a gradient (runtime.shard_params).
         # The input cut, not what the unit's nodes read: the runtime's unit segments take in and hand on
@@ -121,6 +124,10 @@ class RangeCosts:
 
     def trainable(self, a: int, e: int) -> float:
         return float(self.T[e] - self.T[a])
+
+    def buffers(self, a: int, e: int) -> float:
+        """Floating-point buffer bytes of units [a, e) (`buf`)."""
+        return float(self.BUF[e] - self.BUF[a])
 
     def frozen_backward(self, a: int, e: int) -> float:
         """Frozen bytes of units [a, e) whose backward runs (`fb`)."""

@@ -125,6 +125,7 @@ class _Terms:
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
         regathered = np.where(finite, regathered, 0.0)
         collectives = np.where(finite, range_matrix(costs.COLL), 0.0)
+        buffers = np.where(finite, range_matrix(costs.BUF), 0.0)  # averaged under local SGD
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
         zero = np.zeros((L + 1, L + 1))
@@ -134,7 +135,8 @@ class _Terms:
         distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for g in range(S):
             speed = speeds[g]
-            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g])
+            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g],
+                                 buffer_bytes=buffers)
             # ZeRO-3 under a placement: one ring's latency per gather and reduce-scatter (planner.cost.model)
             exchange = exchange + m * collectives * collective_latency(opts, ranks[g])
             # the stage's share of its device's exchange over the replicas (hierarchical under a placement:

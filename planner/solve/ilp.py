@@ -193,7 +193,8 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
+            exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i,
+                                 buffer_bytes=c.buf) * MS  # per unit, on rank i
             exchange = exchange + self.m * c.collectives * collective_latency(opts, i) * MS  # ZeRO-3 placed
             moving = [(l, g) for g in stages for l in range(L) if self.may(l, g) and exchange[l] > 0]
             reduce = pulp.lpSum(exchange[l] * self.x(l, g) for l, g in moving)
@@ -256,7 +257,8 @@ class Program:
         self.rest_moves: Dict[int, bool] = {}
         for l in {u for tie in self.ties for u in tie.uses}:
             own = sum(tie.bytes_ for tie in self.ties if l in tie.uses)
-            self.rest_moves[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], opts, self.profile.dtype, self.m) > 0
+            self.rest_moves[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], opts, self.profile.dtype, self.m,
+                                           buffer_bytes=c.buf[l]) > 0
 
     def tie_held(self, tie, i: int):
         """Copies of `tie` the per-unit sums of rank i count beyond the one it holds: k - h."""
@@ -363,7 +365,7 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
                for _, _, size in shared_parameters(profile))
     reduce = max(reduce_time(float(c.P[-1]), float(c.T[-1]), float(c.FB[-1]), opts, profile.dtype,
-                             num_micro_batches(opts, b), i, float(c.COLL[-1]))
+                             num_micro_batches(opts, b), i, float(c.COLL[-1]), float(c.BUF[-1]))
                  for i in range(opts.pipeline_ranks)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0
