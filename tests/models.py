@@ -258,8 +258,8 @@ def sequential(dim: int = 16, layers: int = 4) -> ModelSpec:
 
 def frozen_tied_lm(layers: int = 3, side: bool = False) -> ModelSpec:
     """tied_lm fine-tuned: the embedding (tied to the head) and the first block frozen
-    (requires_grad=False), the other blocks trained. With `side`, a frozen unit before the last block reads the embedding (no gradient) while the blocks' output, which carries
-    one, passes it by."""
+    (requires_grad=False), the other blocks trained. With `side`, a frozen unit before the last block
+    reads the embedding (no gradient) while the blocks' output, which carries one, passes it by."""
     spec = tied_lm(layers=layers, side=side)
     spec.module.emb.weight.requires_grad_(False)
     spec.module.blocks[0].requires_grad_(False)

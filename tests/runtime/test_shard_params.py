@@ -58,8 +58,8 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monk
     gathers = collections.Counter(tuple(line.split()) for path in glob.glob(str(tmp_path / "*.log"))
                                   for line in open(path))
     # each unit gathered for each micro-batch's forward, and for its backward only where the cost model
-    # charges one (its backward runs), its gradients reduce-scattered where it trains: not for the frozen emb and blocks.0 (FSDP2's own prefetch
-    # gathered blocks.0 for the backward of blocks.1)
+    # charges one (its backward runs): not for the frozen emb and blocks.0 (FSDP2's own prefetch
+    # gathered blocks.0 for the backward of blocks.1); its gradients reduce-scattered where it trains
     costs, topology, passes = range_costs(profile_of(entry, args), 1), plan.topology(), 2 * 2  # steps x m
     runs = costs.runs
     expected = collections.Counter()
