@@ -141,10 +141,11 @@ class TiedLM(nn.Module):
     the head's bias is also the model's `bias`: one Parameter under two names, which the graph reads
     under one of them (as Hugging Face BERT's `cls.predictions.bias` and `...decoder.bias`)."""
 
-    def __init__(self, vocab: int, dim: int, layers: int, aliased_bias: bool = False):
+    def __init__(self, vocab: int, dim: int, layers: int, aliased_bias: bool = False, side: bool = False):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.side = nn.Linear(dim, dim) if side else None  # before the last block, reading the embedding
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight
         if aliased_bias:
@@ -152,14 +153,18 @@ class TiedLM(nn.Module):
             self.head.bias = self.bias
 
     def forward(self, idx):
-        h = self.emb(idx)
-        for block in self.blocks:
+        h = first = self.emb(idx)
+        aside = None
+        for k, block in enumerate(self.blocks):
+            if self.side is not None and k == len(self.blocks) - 1:
+                aside = self.side(first)  # a unit of its own, before the last block
             h = h + torch.tanh(block(h))
-        return self.head(h)
+        return self.head(h if aside is None else h + aside)
 
 
-def tied_lm(vocab: int = 64, dim: int = 16, layers: int = 3, seq: int = 8, aliased_bias: bool = False) -> ModelSpec:
-    module = TiedLM(vocab, dim, layers, aliased_bias)
+def tied_lm(vocab: int = 64, dim: int = 16, layers: int = 3, seq: int = 8, aliased_bias: bool = False,
+            side: bool = False) -> ModelSpec:
+    module = TiedLM(vocab, dim, layers, aliased_bias, side)
 
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step + 5)
@@ -251,12 +256,15 @@ def sequential(dim: int = 16, layers: int = 4) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=F.cross_entropy)
 
 
-def frozen_tied_lm(layers: int = 3) -> ModelSpec:
+def frozen_tied_lm(layers: int = 3, side: bool = False) -> ModelSpec:
     """tied_lm fine-tuned: the embedding (tied to the head) and the first block frozen
-    (requires_grad=False), the other blocks trained."""
-    spec = tied_lm(layers=layers)
+    (requires_grad=False), the other blocks trained. With `side`, a frozen unit before the last block
+    reads the embedding (no gradient) while the blocks' output, which carries one, passes it by."""
+    spec = tied_lm(layers=layers, side=side)
     spec.module.emb.weight.requires_grad_(False)
     spec.module.blocks[0].requires_grad_(False)
+    if side:
+        spec.module.side.requires_grad_(False)
     return spec
 
 

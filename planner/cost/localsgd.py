@@ -12,9 +12,10 @@ Cost. One averaging all-reduces each rank's trainable parameters in their stored
     A_i = 2 (d - 1) / d * w * T_i / itemsize / dp_bandwidth   (w: bytes per parameter, memory's table)
 
 and the model charges it as rank i's ("reduce", i) term at A_i / H per step, with no gradient
-all-reduce: the predicted iteration time is the mean step time over H steps. Buffers (BatchNorm's
-running statistics) are averaged too but not charged: profiles do not count them, and they are a
-few values per channel beside the channel's weights. Tied weights' gradient all-reduce spans the
+all-reduce: the predicted iteration time is the mean step time over H steps. Floating-point buffers
+(BatchNorm's running statistics) are averaged too, in their own dtype: 2 (d - 1) / d * B_i /
+dp_bandwidth more (B_i: the profile's buffer_bytes of rank i's units; older profiles do not count
+them). Tied weights' gradient all-reduce spans the
 holders of one replica only (CostOptions.tie_replicas).
 
 Choosing H (`choose_sync_every`): a larger H is always cheaper in time and drifts further from the
@@ -60,6 +61,11 @@ def averaging_seconds_per_byte(precision: str, replicas: int, dtype: str, bandwi
         return 0.0
     stored = memory_model.bytes_per_param(precision, "sgd").params  # unsharded: what each replica holds
     return 2.0 * (replicas - 1) / replicas * stored / memory_model.param_itemsize(dtype) / bandwidth
+
+
+def buffer_averaging_seconds_per_byte(replicas: int, bandwidth: float) -> float:
+    """Seconds one averaging takes per floating-point buffer byte over d replicas: an all-reduce."""
+    return 2.0 * (replicas - 1) / replicas / bandwidth if replicas > 1 else 0.0
 
 
 def choose_sync_every(averaging_s: float, compute_s: float, h_max: int, tolerance: float) -> int:

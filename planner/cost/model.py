@@ -23,8 +23,10 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
                    frozen parameters exchange nothing, except their gathers under `parameters`: for
                    every forward, and for the backwards of units whose backward runs, planner.cost.ranges),
-                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`);
-                   under local SGD (sync_every H > 1) the model averaging's time / H (planner.cost.localsgd)
+                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`;
+                   under `parameters` one ring's per gather and reduce-scatter the runtime issues);
+                   under local SGD (sync_every H > 1) the model averaging's time / H, its trainable
+                   parameters and floating-point buffers (planner.cost.localsgd)
     step i         sum_{l on i} o_l / sigma_i: rank i's optimizer step over its units
 
     (A unit's bytes and step include the tied weights it uses; rank i holds one copy of each: its
@@ -52,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from planner.cost.localsgd import averaging_seconds_per_byte
+from planner.cost.localsgd import averaging_seconds_per_byte, buffer_averaging_seconds_per_byte
 from planner.cost.options import CostOptions
 from planner.cost.ranges import Split, range_costs  # noqa: F401  (Split: importable from here too)
 from planner.cost.result import PathForm, PlanCost, StageCost
@@ -74,10 +76,7 @@ def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] =
     under local SGD its model averaging's share of a step (planner.cost.localsgd). Under a topology
     placement, the d replicas of pipeline `rank` exchange hierarchically (planner.cost.placement: its
     effective bandwidth; rank None: the fastest rank's)."""
-    n = opts.data_parallel if holders is None else holders
-    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
-    if opts.placement is not None and holders is None:
-        bandwidth = opts.placement.exchange_bandwidth(rank, bandwidth)
+    n, bandwidth = _exchange_link(opts, holders, rank)
     if opts.local_sgd:  # the model averaging every H steps, charged 1/H per step; frozen: nothing
         return averaging_seconds_per_byte(precision_of(opts, dtype), n, dtype, bandwidth) / opts.sync_every, 0.0
     precision, scale = precision_of(opts, dtype), memory_model.param_itemsize(dtype) * bandwidth
@@ -85,31 +84,59 @@ def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] =
             memory_model.frozen_gather_bytes_per_param(precision, _shard(opts), n, m) / scale)
 
 
+def _exchange_link(opts: CostOptions, holders: Optional[int], rank: Optional[int]) -> Tuple[int, float]:
+    """(n holders, bandwidth) of a data-parallel exchange (`sync_factors`)."""
+    n = opts.data_parallel if holders is None else holders
+    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
+    if opts.placement is not None and holders is None:
+        bandwidth = opts.placement.exchange_bandwidth(rank, bandwidth)
+    return n, bandwidth
+
+
 def sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts: CostOptions, dtype: str, m: int,
-              holders: Optional[int] = None, rank: Optional[int] = None):
+              holders: Optional[int] = None, rank: Optional[int] = None, buffer_bytes=0.0):
     """Seconds of the data-parallel exchange for parameters of `param_bytes` profile bytes of which
     `trainable_bytes` train and, of the frozen ones, `frozen_backward_bytes` belong to units whose
     backward runs (numbers or numpy arrays; planner.cost.ranges): frozen ones have no gradient to
-    exchange; under ZeRO-3 every one is gathered for the forwards, those for the backwards again."""
+    exchange; under ZeRO-3 every one is gathered for the forwards, those for the backwards again.
+    Under local SGD the averaging also all-reduces the `buffer_bytes` of floating-point buffers."""
     trainable, frozen = sync_factors(opts, dtype, m, holders, rank)
-    return trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes + frozen_backward_bytes)
+    seconds = trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes + frozen_backward_bytes)
+    if opts.local_sgd:
+        n, bandwidth = _exchange_link(opts, holders, rank)
+        seconds = seconds + buffer_averaging_seconds_per_byte(n, bandwidth) / opts.sync_every * buffer_bytes
+    return seconds
 
 
 def exchange_latency(opts: CostOptions, rank: int) -> float:
     """Seconds of latency of pipeline rank's data-parallel exchange per step when it exchanges
     anything: its rings' under a topology placement with d > 1 (planner.cost.placement), else none
-    (bandwidth-bound)."""
-    if opts.placement is None:
+    (bandwidth-bound); under ZeRO-3 none (its collectives' latency is per collective: `reduce_time`)."""
+    if opts.placement is None or opts.shard == "parameters":
         return 0.0
     return opts.placement.exchange_latency(rank, opts.latency)
 
 
+def collective_latency(opts: CostOptions, rank: int) -> float:
+    """Seconds of latency of one ZeRO-3 collective (an all-gather or a reduce-scatter) of pipeline
+    rank's holders under a topology placement: one of the two rings of its exchange's latency
+    (planner.cost.placement); 0 elsewhere."""
+    if opts.placement is None or opts.shard != "parameters":
+        return 0.0
+    return opts.placement.exchange_latency(rank, opts.latency) / 2
+
+
 def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_bytes: float, opts: CostOptions,
-                dtype: str, m: int, rank: int) -> float:
+                dtype: str, m: int, rank: int, collectives: float = 0.0, buffer_bytes: float = 0.0) -> float:
     """Seconds of pipeline rank's data-parallel exchange per step: its bytes (`sync_time`) and, only
     when it moves any, its rings' latency. A rank with nothing to exchange (every parameter frozen,
-    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer)."""
-    seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank)
+    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer). Under
+    ZeRO-3 the latency is per collective the runtime issues: `collectives` per micro-batch (its units'
+    planner.cost.ranges `sharded_collectives`), m micro-batches a step. `buffer_bytes`: its units'
+    floating-point buffers, which local SGD averages."""
+    seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank,
+                        buffer_bytes=buffer_bytes)
+    seconds += m * collectives * collective_latency(opts, rank)
     return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
 
 
@@ -377,21 +404,23 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape, ties: Sequ
             value[("act", g)] = costs.message_s(e, links[g])
             value[("grad", g)] = costs.message_s(e, links[g], gradient=True)
     params, trainable, steps = [0.0] * devices, [0.0] * devices, [0.0] * devices
-    frozen_backward = [0.0] * devices
+    frozen_backward, collectives, buffers = [0.0] * devices, [0.0] * devices, [0.0] * devices
     lanes = [0] * devices  # devices of the stage a device runs (replicated stages: r_g)
     for g in range(S):
         for i in _devices_of(shape, g):
             params[i] += costs.params(*split.units(g))
             trainable[i] += costs.trainable(*split.units(g))
             frozen_backward[i] += costs.frozen_backward(*split.units(g))
+            collectives[i] += costs.sharded_collectives(*split.units(g))
+            buffers[i] += costs.buffers(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
     m, extra = shape.num_micro_batches, tie_surplus(split, shape, ties, opts.local_sgd)
     for i in range(devices):  # a tied weight's extra uses on a rank are one copy (planner.cost.ties)
         params[i] -= extra.exchanged[i]
         trainable[i] -= extra.exchanged[i]
-        value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i)
-                                if lanes[i] == 1 else 0.0)
+        value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i,
+                                            collectives[i], buffers[i]) if lanes[i] == 1 else 0.0)
         value[("step", i)] = steps[i] - extra.step_s[i] / speeds[i]
     sizes = {tie.name: tie.size for tie in ties}
     for term, members in shape.collectives:

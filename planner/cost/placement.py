@@ -27,7 +27,7 @@ sends 1/k of the bytes across. Unequal parts: the slowest part and the smallest 
 cost model charges the bytes as a flat exchange over d at the effective bandwidth
 (d - 1)/d / h(G_i), which is exactly h(G_i) K, plus the rings' latency once per step (whenever
 d > 1 and the rank exchanges any bytes: one holding only frozen parameters runs no collective,
-planner.cost.model.reduce_time):
+planner.cost.model.reduce_time; under ZeRO-3 one ring's, lat(G) / 2, per gather and reduce-scatter):
 
     lat(G) = lat(part) + 2 (s - 1) latency_l       (a reduce-scatter and an all-gather ring of s steps)
 
@@ -102,14 +102,15 @@ class Placement:
             return 0.0
         return _hierarchical(self.topology, self.holders(i), 1.0, latency).latency
 
-    def emulated_exchange(self, i: int, seconds: float, latency: float) -> float:
+    def emulated_exchange(self, i: int, seconds: float, latency: float, rings: float = 2.0) -> float:
         """Of `seconds`, rank i's planned exchange (its latency included, `latency` the default),
-        the seconds spent on emulated links."""
+        the seconds spent on emulated links; `rings`: how many rings' latency (half of lat(G) each) it
+        holds -- an all-reduce's two, or ZeRO-3's one per collective."""
         if self.data_parallel == 1 or seconds <= 0:  # no exchange planned (nothing to exchange): none held
             return 0.0
         x = _hierarchical(self.topology, self.holders(i), 1.0, latency)
         share = x.emulated_seconds / x.seconds if x.seconds > 0 else 0.0
-        return max(0.0, seconds - x.latency) * share + x.emulated_latency
+        return max(0.0, seconds - rings / 2 * x.latency) * share + rings / 2 * x.emulated_latency
 
     def signature(self) -> Tuple:
         """Everything the cost model reads of the placement, as level indices and devices: two

@@ -80,11 +80,23 @@ class RangeCosts:
         self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
+        # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
+        self.buf = np.array([u.buffer_bytes or 0 for u in units], dtype=float)
+        self.BUF = prefix_sums(self.buf)
         # of a unit's frozen bytes, those its backward needs (gathered again for it under ZeRO-3): the
-        # backward runs where the unit trains or its input cut carries a gradient (runtime.shard_params)
+        # backward runs where the unit trains or its input cut carries a gradient (runtime.shard_params).
+        # The input cut, not what the unit's nodes read: the runtime's unit segments take in and hand on
+        # every value crossing their cut, so a gradient-carrying skip that passes a frozen unit by is
+        # one of its outputs, and FSDP2's pre-backward hook on it gathers the unit (measured:
+        # tests/runtime/test_shard_params.py, frozen_tied_lm's `side` unit)
         self.runs = (self.t > 0) | (self.grad[:-1] > 0)
         self.fb = np.where(self.runs, self.p - self.t, 0.0)
         self.FB = prefix_sums(self.fb)
+        # ZeRO-3's collectives per micro-batch of each unit (runtime.shard_params: one FSDP2 unit per
+        # plan unit): a unit holding parameters gathers them for its forward and again for its
+        # backward where that runs, and reduce-scatters its gradients where it trains
+        self.collectives = (self.p > 0) * (1.0 + self.runs) + (self.t > 0)
+        self.COLL = prefix_sums(self.collectives)
 
     # --- one range -------------------------------------------------------------------------
     def forward(self, a: int, e: int, speed: float = 1.0) -> float:
@@ -115,9 +127,17 @@ class RangeCosts:
     def trainable(self, a: int, e: int) -> float:
         return float(self.T[e] - self.T[a])
 
+    def buffers(self, a: int, e: int) -> float:
+        """Floating-point buffer bytes of units [a, e) (`buf`)."""
+        return float(self.BUF[e] - self.BUF[a])
+
     def frozen_backward(self, a: int, e: int) -> float:
         """Frozen bytes of units [a, e) whose backward runs (`fb`)."""
         return float(self.FB[e] - self.FB[a])
+
+    def sharded_collectives(self, a: int, e: int) -> float:
+        """ZeRO-3's gathers and reduce-scatters per micro-batch of units [a, e) (`collectives`)."""
+        return float(self.COLL[e] - self.COLL[a])
 
     def step(self, a: int, e: int, speed: float = 1.0) -> float:
         return float(self.O[e] - self.O[a]) / speed

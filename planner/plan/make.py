@@ -5,6 +5,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from planner.cost.model import evaluate, fixed_bytes, precision_of, reserve_of
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
+from planner.cost.result import PlanCost
 from planner.pipeline.schedule import schedule_virtual_stages
 from planner.plan.file import PER_INDEX_TERMS, Plan, PlanStage
 from planner.profile.profile import Profile
@@ -78,11 +80,21 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         message_s=opts.message_s, step_durations=durations_json(cost.durations, cost.collectives),
         emulated_boundaries=emulated_boundaries(opts),
         placement=[list(row) for row in opts.placement.devices] if opts.placement is not None else None,
-        emulated_exchange_s=emulated_exchange_s(opts, cost.durations),
+        emulated_exchange_s=emulated_exchange_s(opts, cost.durations, _sharded_rings(profile, cost, opts)),
         stages=stages, predicted_iteration_s=cost.iteration_s, bubble_fraction=cost.bubble_fraction,
         solver={"method": solution.method, "backend": solution.backend, "status": solution.status,
                 "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,
                 "seconds": solution.seconds})
+
+
+def _sharded_rings(profile: Profile, cost: PlanCost, opts: CostOptions) -> Optional[List[float]]:
+    """Per pipeline rank, ZeRO-3's collectives of a step (m per micro-batch of its units'
+    planner.cost.ranges `sharded_collectives`); None for the other shard modes."""
+    if opts.shard != "parameters":
+        return None
+    costs = range_costs(profile, cost.micro_batch_size, opts.optimizer)
+    return [cost.num_micro_batches * sum(costs.sharded_collectives(st.first_unit, st.end_unit)
+                                         for st in cost.stages if st.device == i) for i in range(cost.pipeline_ranks)]
 
 
 def emulated_boundaries(opts: CostOptions) -> List[int]:
@@ -95,12 +107,15 @@ def emulated_boundaries(opts: CostOptions) -> List[int]:
     return [j for j in range(opts.num_stages - 1) if view.emulated(opts.rank_of_stage(j), opts.rank_of_stage(j + 1))]
 
 
-def emulated_exchange_s(opts: CostOptions, durations: Dict[Tuple, float]) -> Optional[List[float]]:
+def emulated_exchange_s(opts: CostOptions, durations: Dict[Tuple, float],
+                        rings: Optional[Sequence[float]] = None) -> Optional[List[float]]:
     """Seconds of each pipeline rank's planned data-parallel exchange spent on emulated links (None:
-    none), which the runtime holds after its own exchange."""
+    none), which the runtime holds after its own exchange; `rings`: per rank, the rings' latencies
+    its exchange holds (default an all-reduce's two; ZeRO-3: one per collective of the step)."""
     if opts.placement is None:
         return None
-    held = [opts.placement.emulated_exchange(i, durations.get(("reduce", i), 0.0), opts.latency)
+    held = [opts.placement.emulated_exchange(i, durations.get(("reduce", i), 0.0), opts.latency,
+                                             2.0 if rings is None else rings[i])
             for i in range(opts.pipeline_ranks)]
     return held if any(held) else None
 

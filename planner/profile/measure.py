@@ -228,8 +228,10 @@ def _prepare(run: _Run, smallest: int) -> None:
     run.units = []
     for k, u in enumerate(captured.units):
         param_bytes, trainable = unit_parameter_bytes(run.stages[k][0].parameters())
+        buffers = sum(_tensor_bytes(b) for b in run.stages[k][0].buffers() if b.is_floating_point())
         run.units.append(UnitProfile(name=u.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
-                                     backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes]))
+                                     backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes],
+                                     buffer_bytes=buffers))
     run.cut_values = {k: {} for k in range(1, L)}
 
 

@@ -101,6 +101,11 @@ class UnitProfile:
     # profiles): every parameter trains
     trainable_bytes: Optional[int] = None
 
+    # bytes of the unit's floating-point buffers (BatchNorm's running statistics): what local SGD's
+    # averaging exchanges besides the trainable parameters (runtime.localsgd), in their own dtype.
+    # None (older files, analytic and imported profiles): not counted
+    buffer_bytes: Optional[int] = None
+
     def __post_init__(self) -> None:
         if self.trainable_bytes is None:
             self.trainable_bytes = self.param_bytes
@@ -132,6 +137,7 @@ class UnitProfile:
             "output_bytes": _str_keys(self.output_bytes),
             "nodes": list(self.nodes),
             **({"optimizer_s": dict(self.optimizer_s)} if self.optimizer_s else {}),
+            **({"buffer_bytes": self.buffer_bytes} if self.buffer_bytes is not None else {}),
             **({"backward_input_s": _str_keys(self.backward_input_s),
                 "backward_weight_s": _str_keys(self.backward_weight_s),
                 "weight_held_bytes": _str_keys(self.weight_held_bytes)} if self.split_backward else {}),
@@ -165,6 +171,7 @@ class UnitProfile:
             nodes=list(d.get("nodes", [])),
             optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
+            buffer_bytes=read.count(d["buffer_bytes"], f"{where}.buffer_bytes") if "buffer_bytes" in d else None,
             **split_values,
         )
 

@@ -53,8 +53,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from planner.cost.model import (boundary_links, evaluate, exchange_latency, num_micro_batches, rank_speeds,
-                                shared_parameters, sync_time)
+from planner.cost.model import (boundary_links, collective_latency, evaluate, exchange_latency, num_micro_batches,
+                                rank_speeds, shared_parameters, sync_time)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
@@ -124,6 +124,8 @@ class _Terms:
         finite = np.isfinite(params)
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
         regathered = np.where(finite, regathered, 0.0)
+        collectives = np.where(finite, range_matrix(costs.COLL), 0.0)
+        buffers = np.where(finite, range_matrix(costs.BUF), 0.0)  # averaged under local SGD
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
         zero = np.zeros((L + 1, L + 1))
@@ -133,7 +135,10 @@ class _Terms:
         distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for g in range(S):
             speed = speeds[g]
-            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g])
+            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g],
+                                 buffer_bytes=buffers)
+            # ZeRO-3 under a placement: one ring's latency per gather and reduce-scatter (planner.cost.model)
+            exchange = exchange + m * collectives * collective_latency(opts, ranks[g])
             # the stage's share of its device's exchange over the replicas (hierarchical under a placement:
             # per rank); the device's rings' latency is paid when any of its v stages exchanges bytes: each
             # such stage carries 1/v of it (exact for v = 1; at most the latency, so a bound, for v > 1)

@@ -175,7 +175,11 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
                   f"({_units_text(profile, stage.first_unit, stage.end_unit)}), "
                   f"{format_bytes(cost.device_memory[worst] - cap)} over the cap")
     fit_stages = smallest_fitting_stages(profile, opts)
-    fix = (f"fix: allow at least {format_bytes(floor.memory_bytes)} ({floor.memory_bytes:.0f} bytes) per device"
+    # under auto the floor is counted without recomputation (`_recomputed`): enough, perhaps not needed
+    need = ("at least " if opts.recompute != "auto" else "") + \
+        f"{format_bytes(floor.memory_bytes)} ({floor.memory_bytes:.0f} bytes) per device" + \
+        (" (what fits without recomputation; recomputing units may fit in less)" if opts.recompute == "auto" else "")
+    fix = (f"fix: allow {need}"
            + (f", or use {fit_stages} stages" if fit_stages is not None else
               f"; no number of stages up to {L} fits under {format_bytes(cap)}"))
     return first_line + "\n" + fix

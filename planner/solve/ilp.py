@@ -51,8 +51,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pulp
 
-from planner.cost.model import (boundary_links, exchange_latency, num_micro_batches, rank_caps, rank_speeds,
-                                reduce_time, shared_parameters, sync_time, tie_time)
+from planner.cost.model import (boundary_links, collective_latency, exchange_latency, num_micro_batches, rank_caps,
+                                rank_speeds, reduce_time, shared_parameters, sync_time, tie_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -195,7 +195,9 @@ class Program:
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
         for i in range(p):
             stages = opts.stages_on(i)
-            exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i) * MS  # per unit, on rank i
+            exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i,
+                                 buffer_bytes=c.buf) * MS  # per unit, on rank i
+            exchange = exchange + self.m * c.collectives * collective_latency(opts, i) * MS  # ZeRO-3 placed
             moving = [(l, g) for g in stages for l in range(L) if self.may(l, g) and exchange[l] > 0]
             reduce = pulp.lpSum(exchange[l] * self.x(l, g) for l, g in moving)
             per_copy = {tie.name: sync_time(tie.bytes_, tie.bytes_, 0.0, opts, self.profile.dtype, self.m, rank=i) * MS
@@ -263,7 +265,8 @@ class Program:
         c, out = self.costs, {}
         for l in {u for tie in self.ties for u in tie.uses}:
             own = sum(tie.bytes_ for tie in self.ties if l in tie.uses)
-            out[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], self.opts, self.profile.dtype, self.m) > 0
+            out[l] = sync_time(c.p[l] - own, c.t[l] - own, c.fb[l], self.opts, self.profile.dtype, self.m,
+                               buffer_bytes=c.buf[l]) > 0
         return out
 
     def tie_held(self, tie, i: int):
@@ -393,7 +396,7 @@ def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> flo
     ties = sum(tie_time(size, opts.pipeline_ranks * opts.tie_replicas, opts)
                for _, _, size in shared_parameters(profile))
     reduce = max(reduce_time(float(c.P[-1]), float(c.T[-1]), float(c.FB[-1]), opts, profile.dtype,
-                             num_micro_batches(opts, b), i)
+                             num_micro_batches(opts, b), i, float(c.COLL[-1]), float(c.BUF[-1]))
                  for i in range(opts.pipeline_ranks)) + \
         float(c.O[-1]) / slowest
     return (sum(form.count().values()) * (whole + per_message) + ties + reduce) * MS * 2 + 1.0

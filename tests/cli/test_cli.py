@@ -84,7 +84,9 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     assert "stage" in message and "MiB" in message
     # the diagnosis names a memory that fits; solving with it succeeds
     import re
-    smallest = re.search(r"allow at least [0-9.]+ [KMG]iB \(([0-9]+) bytes\)", message)
+    # (--recompute auto: the floor without recomputation, which fits, says so)
+    smallest = re.search(r"allow [0-9.]+ [KMG]iB \(([0-9]+) bytes\) per device \(what fits without recomputation",
+                         message)
     assert smallest, message
     fits = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
                     "--memory-per-device", smallest.group(1), "-o", str(plan_path)])

@@ -278,6 +278,26 @@ def test_solver_matches_brute_force_with_a_frozen_only_rank_on_two_sites():
             assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9), (schedule, program)
 
 
+def test_solver_matches_brute_force_with_zero3_rings_per_collective_on_two_sites():
+    """ZeRO-3 placed across two sites: each gather and reduce-scatter waits a ring's latency (units
+    with 1, 2 or 3 collectives per micro-batch: a frozen unit without, a frozen unit with a gradient
+    crossing its input, a trained unit). The branch and bound and the integer program find brute
+    force's optimum."""
+    from unittest import mock
+
+    from tests.solve.test_branch import frozen_front_on_two_sites
+
+    profile, base = frozen_front_on_two_sites(L=6, frozen=4, gradient_from=2)
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        opts = base.with_(schedule=schedule, virtual_stages=v, shard="parameters")
+        oracle = solve_brute(profile, opts)
+        for program in (False, True):
+            with mock.patch("planner.solve.exact.applies", return_value=False) if program else mock.MagicMock():
+                found = solve(profile, opts)
+            assert found.status == "optimal", (schedule, program)
+            assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9), (schedule, program)
+
+
 def test_the_integer_program_values_every_path_of_a_frozen_only_rank_as_the_model():
     """Each split fixed, with every split's longest path as a row: the program's step is the split's
     own (each path is at most it), a frozen-only rank's path through its exchange included."""
@@ -287,8 +307,10 @@ def test_the_integer_program_values_every_path_of_a_frozen_only_rank_as_the_mode
     from planner.solve.ilp import Program
     from tests.solve.test_branch import frozen_front_on_two_sites
 
-    profile, base = frozen_front_on_two_sites()
-    for schedule, v, shard in (("1f1b", 1, "none"), ("interleaved", 2, "none"), ("1f1b", 1, "parameters")):
+    front, _ = frozen_front_on_two_sites()
+    crossed, base = frozen_front_on_two_sites(gradient_from=2)  # ZeRO-3: 1, 2 and 3 collectives per unit
+    for schedule, v, shard, profile in (("1f1b", 1, "none", front), ("interleaved", 2, "none", front),
+                                        ("1f1b", 1, "parameters", front), ("1f1b", 1, "parameters", crossed)):
         opts = base.with_(schedule=schedule, virtual_stages=v, shard=shard)
         profile = compute_profile(profile, opts)
         L, S = profile.num_units, opts.num_stages

@@ -48,6 +48,51 @@ def test_the_averaging_is_charged_once_every_h_steps():
     assert evaluate(profile, [2], 4, _opts(data_parallel=1, sync_every=4)).durations[("reduce", 0)] == 0.0
 
 
+BUFFERS = [0, 512, 0, 2048]  # floating-point buffer bytes per unit (BatchNorm's running statistics)
+
+
+def _with_buffers(profile, buffers=BUFFERS):
+    return dataclasses.replace(profile, units=[dataclasses.replace(u, buffer_bytes=n)
+                                               for u, n in zip(profile.units, buffers)])
+
+
+def test_the_averaging_counts_the_buffers_it_averages_and_solvers_agree():
+    """runtime.localsgd averages floating-point buffers with the trainable parameters: charged, in their
+    own dtype (not the compute dtype's), / H; the branch and bound and the integer program find brute
+    force's optimum with them; a profile without buffer_bytes (older files) charges none."""
+    import math
+    from unittest import mock
+
+    from planner.profile.profile import Profile
+    from planner.solve.brute import solve_brute
+
+    profile = _with_buffers(_profile())
+    plain = evaluate(_profile(), [2], 2, _opts(sync_every=4)).durations
+    for precision in ("fp32", "bf16-mixed"):
+        local = evaluate(profile, [2], 2, _opts(sync_every=4, precision=precision)).durations
+        without = evaluate(_profile(), [2], 2, _opts(sync_every=4, precision=precision)).durations
+        for rank, buffers in enumerate((512, 2048)):
+            assert local[("reduce", rank)] - without[("reduce", rank)] == pytest.approx(
+                2 * (2 - 1) / 2 * buffers / 1e6 / 4)
+    back = Profile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert [u.buffer_bytes for u in back.units] == BUFFERS
+    old = profile.to_json()
+    for unit in old["units"]:
+        del unit["buffer_bytes"]
+    assert evaluate(Profile.from_json(old), [2], 2, _opts(sync_every=4)).durations == plain
+    # buffers heavy enough to move the best split: solvers == brute force
+    heavy = _with_buffers(synthetic_profile(forward=[1e-3] * 6, backward=[2e-3] * 6, params=[4000] * 6,
+                                            saved=[100] * 6, cut_act=[64] * 5, sizes=(1, 2)),
+                          [40000, 0, 0, 0, 0, 40000])
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        opts = _opts(sync_every=2, schedule=schedule, virtual_stages=v)
+        oracle = solve_brute(heavy, opts)
+        for program in (False, True):
+            with mock.patch("planner.solve.exact.applies", return_value=False) if program else mock.MagicMock():
+                found = solve(heavy, opts)
+            assert found.status == "optimal" and math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
+
+
 def test_a_tie_is_reduced_within_one_replica_and_the_integer_program_agrees():
     profile = _profile(tie=True)
     per_step = evaluate(profile, [2], 2, _opts()).durations[("tie", "w")]

@@ -124,5 +124,40 @@ def test_a_rank_holding_only_frozen_units_pays_no_exchange_latency():
     assert evaluate(profile, [1], 1, opts).durations[("reduce", 0)] == 0.0
     # one trainable unit on the rank: the whole latency
     assert evaluate(profile, [3], 1, opts).durations[("reduce", 0)] == pytest.approx(2 * 0.5 * PARAMS / OUT + RING)
-    gathered = evaluate(profile, [2], 1, opts.with_(shard="parameters")).durations[("reduce", 0)]
-    assert gathered == pytest.approx(0.5 * 4 * 2 * PARAMS / OUT + RING)  # m (n-1)/n w for the forwards, m = 4
+    zero3 = evaluate(profile, [2], 1, opts.with_(shard="parameters")).durations
+    # m (n-1)/n w for the forwards, m = 4, and one ring's latency per gather: each frozen unit's forward
+    assert zero3[("reduce", 0)] == pytest.approx(0.5 * 4 * 2 * PARAMS / OUT + 4 * 2 * RING / 2)
+
+
+def test_zero3_under_a_placement_pays_a_ring_per_collective_the_runtime_issues():
+    """ZeRO-3 gathers each unit per micro-batch for its forward, again for its backward where that runs,
+    and reduce-scatters a trainable unit's gradients (runtime.shard_params; counted by the gather spy in
+    tests/runtime/test_shard_params.py): each of them waits one ring's latency, half the exchange's two."""
+    import dataclasses
+
+    from planner.plan.make import emulated_exchange_s
+
+    topo = topology_from_json(TWO_BY_TWO)
+    profile = synthetic_profile([0.001] * 4, [0.002] * 4, [PARAMS] * 4, [0] * 4, [1 << 10] * 3, sizes=(1,))
+    profile = dataclasses.replace(profile, units=[dataclasses.replace(u, trainable_bytes=0 if k < 2 else PARAMS)
+                                                  for k, u in enumerate(profile.units)])  # gradients cross every cut
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, data_parallel=2, shard="parameters",
+                       placement=Placement(topo, ((0, 1), (2, 3))))
+    ring, m = 0.02, 4  # each holder pair crosses the site link (0.02 s) once per ring
+    durations = evaluate(profile, [2], 1, opts).durations
+    # rank 0: unit 0 frozen, its backward not run (1 gather); unit 1 frozen, its input carries a
+    # gradient (2 gathers); rank 1: units 2, 3 trained (2 gathers and a reduce-scatter each)
+    bytes_0 = 0.5 * (m * 2 * PARAMS + m * PARAMS) / OUT
+    assert durations[("reduce", 0)] == pytest.approx(bytes_0 + m * 3 * ring)
+    bytes_1 = 0.5 * m * 2 * 3 * PARAMS / OUT
+    assert durations[("reduce", 1)] == pytest.approx(bytes_1 + m * 6 * ring)
+    # the runtime holds the emulated site link's share after its exchange, every ring's latency included:
+    # one rank of 4 replicas, two per site (its bytes partly on the emulated site link, partly inside)
+    one = CostOptions(pipeline_ranks=1, global_batch=8, data_parallel=4, shard="parameters",
+                      placement=Placement(topo, ((0,), (1,), (2,), (3,))))
+    seconds, rings = evaluate(profile, [], 1, one).durations[("reduce", 0)], 2 * (1 + 2 + 3 + 3)  # m = 2
+    h = 1 / (2 * IN) + 1 / (4 * OUT)  # seconds per byte of the hierarchical exchange (planner.cost.placement)
+    assert seconds == pytest.approx(rings * PARAMS * h + rings * ring)  # each collective moves a unit's weights
+    bytes_share = 1 / (4 * OUT) / h
+    assert emulated_exchange_s(one, {("reduce", 0): seconds}, [rings])[0] == pytest.approx(
+        (seconds - rings * ring) * bytes_share + rings * ring)

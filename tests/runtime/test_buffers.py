@@ -28,3 +28,14 @@ def test_data_parallel_replicas_keep_their_own_statistics(tmp_path):
     assert max_abs_diff(state, replica0) <= 1e-5
     everyone = reference_state(plan, steps=2)  # all micro-batches update: not what a replica holds
     assert max_abs_diff(_buffers(state), _buffers(everyone)) > 1e-4
+
+
+def test_the_profile_counts_the_buffers_local_sgd_averages():
+    """Each unit's floating-point buffer bytes, recorded at capture: what runtime.localsgd averages
+    besides the trainable parameters (the integer batch counts are not averaged, nor counted)."""
+    from planner.model.entry import build_spec
+
+    profile = profile_of(*RESNET_BN, sizes=(2,))
+    module = build_spec(*RESNET_BN, 0).module
+    floating = sum(b.numel() * b.element_size() for b in module.buffers() if b.is_floating_point())
+    assert floating > 0 and sum(u.buffer_bytes for u in profile.units) == floating

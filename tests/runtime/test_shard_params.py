@@ -44,10 +44,12 @@ def test_sharded_parameters_train_like_one_process_holding_half(tmp_path):
 def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monkeypatch):
     # frozen_tied_lm: emb (read again by the head on the other rank) and blocks.0 frozen, sharded and
     # gathered like the others; blocks.1 trains next to them; blocks.2 recomputed in its backward
-    # (its unit gathered again by FSDP2). AdamW with decay: a frozen weight given a gradient would move.
-    entry = "tests.models:frozen_tied_lm"
-    plan = _plan(entry, {}, [3], 1, 2, recompute={1: ["blocks.2"]})
-    # the ranks' gathers, counted (tests/support/gather_spy): what planner.cost charges
+    # (its unit gathered again by FSDP2); the frozen `side` unit before it reads emb only, while
+    # blocks.1's output (carrying a gradient) passes it by. AdamW with decay: a frozen weight given a
+    # gradient would move.
+    entry, args = "tests.models:frozen_tied_lm", {"side": True}
+    plan = _plan(entry, args, [3], 1, 2, recompute={1: ["blocks.2"]})
+    # the ranks' gathers and reduce-scatters, counted (tests/support/gather_spy): what planner.cost charges
     spy = os.path.join(os.path.dirname(__file__), os.pardir, "support", "gather_spy")
     monkeypatch.setenv("PIPEPLANNER_LAUNCH", "subprocess")
     monkeypatch.setenv("PYTHONPATH", os.path.abspath(spy) + os.pathsep + os.environ["PYTHONPATH"])
@@ -57,8 +59,9 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monk
                                   for line in open(path))
     # each unit gathered for each micro-batch's forward, and for its backward only where the cost model
     # charges one (its backward runs): not for the frozen emb and blocks.0 (FSDP2's own prefetch
-    # gathered blocks.0 for the backward of blocks.1)
-    runs, topology, passes = range_costs(profile_of(entry), 1).runs, plan.topology(), 2 * 2  # steps x m
+    # gathered blocks.0 for the backward of blocks.1); its gradients reduce-scattered where it trains
+    costs, topology, passes = range_costs(profile_of(entry, args), 1), plan.topology(), 2 * 2  # steps x m
+    runs = costs.runs
     expected = collections.Counter()
     for rank in range(4):
         for g in topology.stages_of(topology.pipeline_rank_of(rank)):
@@ -66,12 +69,23 @@ def test_sharded_parameters_with_frozen_weights_and_recomputation(tmp_path, monk
                 expected[(str(rank), f"parts.{k}", "FORWARD")] = passes
                 if runs[unit]:
                     expected[(str(rank), f"parts.{k}", "PRE_BACKWARD")] = passes
+                if costs.t[unit] > 0:
+                    expected[(str(rank), f"parts.{k}", "REDUCE_SCATTER")] = passes
     assert +gathers == expected
+    # the collectives whose latency a placement charges: per micro-batch, the units' sharded_collectives
+    for rank in range(4):
+        stage = plan.stages[topology.stages_of(topology.pipeline_rank_of(rank))[0]]
+        issued = sum(n for (r, _, _), n in gathers.items() if r == str(rank))
+        assert issued == passes * costs.sharded_collectives(stage.first_unit, stage.end_unit), rank
+    # the side unit (stage 1's parts.0) is gathered for its backward although nothing it reads carries a
+    # gradient: its segment hands on blocks.1's output, and FSDP2 hooks that output (planner.cost.ranges)
+    assert plan.stages[1].units[0] == "side" and runs[3] and gathers[("1", "parts.0", "PRE_BACKWARD")] == passes
     assert max_abs_diff(state, reference_state(plan, steps=2, optimizer="adamw",
                                                training=dict(weight_decay=0.1))) <= 1e-5
-    initial = build_spec(entry, {}, 0).module.state_dict()
+    initial = build_spec(entry, args, 0).module.state_dict()
     assert torch.equal(state["emb.weight"], initial["emb.weight"])
     assert torch.equal(state["blocks.0.weight"], initial["blocks.0.weight"])
+    assert torch.equal(state["side.weight"], initial["side.weight"])
 
 
 def test_a_weight_two_units_of_a_rank_read_is_kept_whole(tmp_path):

@@ -122,20 +122,22 @@ def test_a_cap_the_best_split_meets_exactly_keeps_it(problem):
     assert found.best is not None and math.isclose(found.best.iteration_s, expected, rel_tol=1e-9)
 
 
-def frozen_front_on_two_sites(L=6, frozen=4):
+def frozen_front_on_two_sites(L=6, frozen=4, gradient_from=None):
     """(profile, options): the first `frozen` of L units frozen, p = 2 x d = 2 placed so that each
     rank's exchange crosses a site link of 0.02 s latency (40 ms of rings, paid only by a rank that
-    exchanges anything: planner.cost.model.reduce_time)."""
+    exchanges anything: planner.cost.model.reduce_time). Gradients cross the cuts from cut
+    `gradient_from` + 1 on (default: none crosses the frozen front)."""
     import dataclasses
 
     from planner.cost.placement import Placement
     from planner.cost.topology_file import topology_from_json
 
+    start = frozen if gradient_from is None else gradient_from
     topology = topology_from_json({"levels": [{"name": "site", "count": 2, "bandwidth": 1e8, "latency": 0.02},
                                               {"name": "device", "count": 2, "bandwidth": 1e9}]})
     profile = synthetic_profile(forward=[1e-3] * L, backward=[2e-3] * L, params=[1 << 16] * L, saved=[100] * L,
-                                cut_act=[1 << 10] * (L - 1), cut_grad=[0] * frozen + [1 << 10] * (L - 1 - frozen),
-                                sizes=(1,))  # no gradient crosses the frozen front
+                                cut_act=[1 << 10] * (L - 1), cut_grad=[0] * start + [1 << 10] * (L - 1 - start),
+                                sizes=(1,))
     profile = dataclasses.replace(profile, units=[dataclasses.replace(u, trainable_bytes=0 if k < frozen else
                                                                       u.param_bytes)
                                                   for k, u in enumerate(profile.units)])

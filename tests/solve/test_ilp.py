@@ -140,6 +140,17 @@ def test_infeasible_diagnosis_is_tight(problem, recompute):
     assert len(message.splitlines()) <= 2
 
 
+def test_the_floor_under_recompute_auto_says_it_counts_no_recomputation():
+    """Under --recompute auto the diagnosis's floor is the split that needs least without recomputation:
+    enough, but recomputation may need less, so it does not say 'at least' (under none it is exact)."""
+    p = synthetic_profile([0.01] * 4, [0.02] * 4, [1 << 20] * 4, [8 << 20] * 4, [1000] * 3)
+    for recompute, says in (("none", "allow at least"), ("auto", "what fits without recomputation")):
+        with pytest.raises(InfeasibleError) as info:
+            solve(p, CostOptions(pipeline_ranks=2, global_batch=4, memory_cap=1 << 20, recompute=recompute))
+        assert says in str(info.value), recompute
+        assert ("at least" in str(info.value)) == (recompute == "none")
+
+
 def test_infeasible_message_names_stage_and_stage_count():
     # one huge unit at the end: 4 units, stage memories dominated by unit 3
     p = synthetic_profile([0.01] * 4, [0.02] * 4, [1 << 20, 1 << 20, 1 << 20, 64 << 20], [0] * 4, [1000] * 3,
