@@ -99,7 +99,8 @@ def _run(args: List[str]) -> str:
     if result.returncode == 2 and len(err) == 1 and "Traceback" not in result.stderr:
         raise Refused(f"{args[1]}: {err[0]}")
     if result.returncode != 0:
-        last = err[-1] if err else result.stdout.strip().splitlines()[-1:] or ["?"]
+        said = [line for line in err if line.startswith("error:")]  # runtime execute: "error: rank 0 failed: ..."
+        last = (said or err or result.stdout.strip().splitlines() or ["?"])[-1]
         raise Failed(f"{args[1]} exit {result.returncode}: {last}" + (" (traceback)" if "Traceback" in result.stderr else ""))
     return result.stdout
 
@@ -192,7 +193,7 @@ def table(cells: List[Dict[str, Any]]) -> str:
             return f"{c['diff']:.0e}"
         if c["result"] == "NOT EXACT":
             return f"**{c['diff']:.1e}**"
-        return f"{c['result']}¹" if c["result"] == "refused" else "**FAILED**"
+        return "refused" if c["result"] == "refused" else "**FAILED**"
 
     lines = ["| option | " + " | ".join(models) + " |", "|---|" + "---:|" * len(models)]
     for o in options:
@@ -206,7 +207,15 @@ def main() -> None:
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(MODELS)}")
     parser.add_argument("--options", default="", help=f"comma-separated subset of {','.join(OPTIONS)}")
     parser.add_argument("--json", default=None, help="also append the cells as JSON lines here")
+    parser.add_argument("--table", default=None, metavar="JSONL",
+                        help="print the table of a --json file (runs in chunks: each cell's last run) and stop")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            last = {(c["model"], c["option"]): c for c in map(json.loads, f)}
+        order = {name: k for k, name in enumerate([*MODELS, *OPTIONS])}
+        print(table(sorted(last.values(), key=lambda c: (order.get(c["model"], 99), order.get(c["option"], 99)))))
+        return
     names = [n for n in args.only.split(",") if n] or list(MODELS)
     options = [o for o in args.options.split(",") if o] or list(OPTIONS)
     unknown = [n for n in names if n not in MODELS] + [o for o in options if o not in OPTIONS]
