@@ -30,10 +30,17 @@ the residual stream starts in bf16 as in Megatron-LM). One-dimensional ones (bia
 scales and shifts) stay fp32 as torch.autocast treats them: normalisations run in fp32 with them
 (BatchNorm needs its weights in its running statistics' dtype), and a bias autocast casts for a
 matrix product is not saved for backward. Those are a negligible share of a model's bytes.
+
+Custom operators (`torch.library.custom_op`, outside aten: transformers' MoE experts call
+`transformers::grouped_mm_fallback`) are opaque to autocast. The model's code casts their input to
+its weights' dtype itself (`input.to(weight.dtype)`), but the graph was captured with fp32 weights,
+where that cast is nothing and is not recorded; so, under bf16-mixed, each custom operator in a
+stage's graph gets autocast's rule (`torch.library.register_autocast`: floating inputs cast to the
+compute dtype), which is what the model's cast does with the bf16 copy in one process.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -42,6 +49,30 @@ from torch import nn
 def gets_compute_copy(param: torch.Tensor) -> bool:
     """Whether bf16-mixed computes with a bf16 copy of this parameter (module docstring)."""
     return param.is_floating_point() and param.dim() >= 2
+
+
+_AUTOCAST_REGISTERED: Set[str] = set()  # custom operators given autocast's rule in this process
+
+
+def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> List[str]:
+    """Give every custom operator (namespace other than aten and prims) called in the graphs of
+    `modules` autocast's rule, floating inputs cast to `dtype` (module docstring); their names."""
+    names = []
+    for module in modules:
+        for graph_module in module.modules():
+            if not isinstance(graph_module, torch.fx.GraphModule):
+                continue
+            for node in graph_module.graph.nodes:
+                op = node.target
+                if node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
+                        op.namespace not in ("aten", "prims"):
+                    name = op._schema.name
+                    if name not in _AUTOCAST_REGISTERED:
+                        for device_type in ("cpu", "cuda"):
+                            torch.library.register_autocast(name, device_type, dtype)
+                        _AUTOCAST_REGISTERED.add(name)
+                    names.append(name)
+    return names
 
 
 class ComputeCopy:
@@ -59,6 +90,7 @@ class ComputeCopy:
                     if param is not None and gets_compute_copy(param) and (id(owner), name) not in seen:
                         seen.add((id(owner), name))
                         self.slots.append((owner, name, param))
+        autocast_custom_ops(modules, dtype)
 
     def install(self) -> List[torch.Tensor]:
         """Cast each place's master once and put the copy there; the copies (held until `remove`

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, StageIO, capture
 from planner.model.entry import build_spec
+from planner.model.running_stats import keeps_running_statistics
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
@@ -259,7 +260,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
             module: nn.Module = SegmentedStage(_segments(captured, first, end, recompute, unit_segments), io)
         else:
             module = modules[g]
-        if topology.replicas_of(g) > 1 and any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in module.modules()):
+        if topology.replicas_of(g) > 1 and keeps_running_statistics(module):
             raise PlanMismatchError(f"stage {g} has BatchNorm: its {topology.replicas_of(g)} replicas would keep "
                                     "different running statistics; do not replicate this stage")
         mine.append(RankStage(index=g, num_stages=len(stages), module=module, io=io,

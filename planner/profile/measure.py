@@ -25,6 +25,7 @@ from planner.model.capture import CaptureError, CapturedModel, capture, run_all_
 from planner.model.entry import build_spec
 from planner.model.failures import NodeRunError, UnitRunError, first_line, model_failure, unit_failure
 from planner.model.spec import ModelSpec, to_device
+from planner.model.running_stats import keeps_running_statistics
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
@@ -231,7 +232,8 @@ def _prepare(run: _Run, smallest: int) -> None:
         buffers = sum(_tensor_bytes(b) for b in run.stages[k][0].buffers() if b.is_floating_point())
         run.units.append(UnitProfile(name=u.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
                                      backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes],
-                                     buffer_bytes=buffers))
+                                     buffer_bytes=buffers,
+                                     running_stats=keeps_running_statistics(run.stages[k][0])))
     run.cut_values = {k: {} for k in range(1, L)}
 
 

@@ -15,6 +15,7 @@ from typing import List, Optional
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
+from planner.solve.replicas import replicates_running_stats
 from planner.solve.solution import Solution
 
 MAX_COMBINATIONS = 200_000
@@ -90,6 +91,8 @@ def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solu
                 scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
                 for boundaries, redo in itertools.product(itertools.combinations(range(1, L), S - 1),
                                                           _recompute_sets(profile, b, opts)):
+                    if replicates_running_stats(profile, list(boundaries), reps):
+                        continue
                     cost = evaluate(profile, list(boundaries), b, scenario, redo)
                     if cost.feasible and (best is None or cost.iteration_s < best[0]):
                         best = (cost.iteration_s, cost, list(boundaries), b, scenario, redo)

@@ -116,6 +116,14 @@ def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]
     return table
 
 
+def replicates_running_stats(profile: Profile, boundaries: List[int], replicas: Tuple[int, ...]) -> bool:
+    """Whether a stage with more than one replica holds a unit with running statistics
+    (planner.model.running_stats: such a stage is never replicated)."""
+    ends = [0, *boundaries, profile.num_units]
+    return any(r > 1 and any(u.running_stats for u in profile.units[a:e])
+               for r, a, e in zip(replicas, ends, ends[1:]))
+
+
 def check_replicable(profile: Profile, opts: CostOptions) -> None:
     """ValueError (saying what to do) unless replicated stages can be solved for these options."""
     if opts.schedule not in ONE_STAGE_SCHEDULES or opts.virtual_stages != 1:
@@ -161,6 +169,7 @@ class ReplicaTables:
         # under 'upper' (every plan found fits), none under 'lower'
         inbox, gradbox = costs.act[:, None] + costs.grad[:, None], costs.grad[None, :] + costs.act[None, :]
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
+        unreplicable = range_matrix(np.concatenate([[0.0], np.cumsum([u.running_stats for u in profile.units])])) > 0
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
@@ -177,6 +186,8 @@ class ReplicaTables:
                         self.fits[key] = self.T
                     else:
                         self.fits[key] = np.where(self.memory[key] <= cap, self.T, np.inf)
+                    if r > 1:  # a range with running statistics is never replicated (planner.model.running_stats)
+                        self.fits[key] = np.where(unreplicable, np.inf, self.fits[key])
                 if (r, held) not in self._x:
                     t = self.fits[key]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *

@@ -363,3 +363,25 @@ def test_solve_link_defaults_prefer_options_then_calibration_then_the_measured_l
     profile.extra["link"]["allreduce"] = {"bandwidth_bytes_per_s": 7e8, "samples": [[1 << 20, 1e-3]]}
     assert solve_link(profile).dp_bandwidth == 7e8 and "all-reduce" in solve_link(profile).note
     assert solve_link(profile, dp_bandwidth=1e9).dp_bandwidth == 1e9
+
+
+def test_units_holding_batchnorm_are_marked_and_the_mark_round_trips():
+    """planner.model.running_stats: the profile marks the units whose forward updates running
+    statistics (the solver never replicates their stages: the runtime refuses that); the mark
+    survives the file, older files read as unmarked, and a bad value is refused in one line."""
+    from planner.jsonio import JsonFileError
+    from tests.support.runs import profile_of
+
+    marked = profile_of("builtin:resnet", {"inplace": True, "batchnorm": True}, sizes=(2,))  # test_buffers' profile
+    # the stem is a bare convolution, the residual blocks hold BatchNorm, the head is a Linear
+    assert [(u.name, u.running_stats) for u in marked.units] == [
+        ("stem", False), ("layers.0", True), ("layers.1", True), ("layers.2", True), ("layers.3", True),
+        ("fc", False)]
+    data = json.loads(json.dumps(marked.to_json()))
+    assert [u.running_stats for u in Profile.from_json(data).units] == [u.running_stats for u in marked.units]
+    assert "running_stats" not in data["units"][0]  # written only where true
+    del data["units"][1]["running_stats"]
+    assert not Profile.from_json(data).units[1].running_stats
+    data["units"][1]["running_stats"] = "yes"
+    with pytest.raises(JsonFileError, match=r"units\[1\]\.running_stats"):
+        Profile.from_json(data)

@@ -229,3 +229,21 @@ def test_devices_choose_the_data_parallel_degree_too():
     oracle = min((solve_brute_replicated(p, s) for s in scenarios), key=lambda sol: sol.objective)
     assert found.objective == pytest.approx(oracle.objective, rel=1e-12)
     assert found.options.data_parallel == oracle.options.data_parallel
+
+
+def test_a_unit_with_running_statistics_is_never_replicated():
+    """BatchNorm's running statistics (the profile's running_stats): replicas of its stage would
+    each keep their own, and the runtime refuses such a plan, so the solver and its oracle never
+    make one; the heavy unit that replication would speed up stays on one device."""
+    from planner.solve.replicas import replicates_running_stats
+
+    p = heavy_middle()
+    p.units[2].running_stats = True
+    opts = CostOptions(pipeline_ranks=4, global_batch=8, bandwidth=1e9)
+    found, oracle = solve_replicated(p, opts), solve_brute_replicated(p, opts)
+    for plan in (found, oracle):
+        assert not replicates_running_stats(p, plan.boundaries, plan.options.replicas or (1,) * len(plan.cost.stages))
+    assert found.objective >= oracle.objective * (1 - 1e-9)
+    p.units[2].running_stats = False  # the light units may still be replicated
+    p.units[0].running_stats = True
+    assert solve_replicated(p, opts).options.replicas == (1, 2, 1)
