@@ -76,14 +76,19 @@ def test_the_program_at_a_split_is_the_model_there(frozen_blocks, boundaries, op
                     assert pulp.value(program.term[term]) == pytest.approx(seconds * MS, rel=1e-9, abs=1e-9), term
 
 
-def test_one_rank_fits_where_it_holds_one_copy_of_the_tie():
-    # before the fix both copies were counted: no plan fitted this cap (InfeasibleError)
-    profile = tied_chain()
-    unique = tied_chain()  # what the runtime holds: the head's weight is the embedding's
+def _one_rank_holding_both_uses(chain):
+    """The tied `chain()` on one rank (d = 2), the same chain as the runtime holds it (the head's
+    weight is the embedding's: no second copy), and the memory of the latter: the cap that fits."""
+    profile, unique = chain(), chain()
     unique.units[-1].param_bytes = unique.units[-1].trainable_bytes = 0
     unique.extra["shared_parameters"] = []
     opts = CostOptions(pipeline_ranks=1, data_parallel=2, global_batch=8, dp_bandwidth=1e9)
-    cap = evaluate(unique, [], 2, opts).device_memory[0]
+    return profile, unique, opts, evaluate(unique, [], 2, opts).device_memory[0]
+
+
+def test_one_rank_fits_where_it_holds_one_copy_of_the_tie():
+    # before the fix both copies were counted: no plan fitted this cap (InfeasibleError)
+    profile, unique, opts, cap = _one_rank_holding_both_uses(tied_chain)
     found = same_as_brute(profile, opts.with_(memory_cap=cap))
     assert evaluate(profile, [], 2, opts).device_memory == [cap] and found.cost.device_memory[0] <= cap
 
@@ -152,12 +157,7 @@ def frozen_tie_chain():
 def test_a_frozen_tie_is_held_once_per_rank():
     # before the fix a frozen tie was no tie to the model: one rank holding both uses was charged two
     # copies (runtime.stage holds one parameter object), and no plan fitted the cap below
-    profile = frozen_tie_chain()
-    unique = frozen_tie_chain()  # what the runtime holds: the head's weight is the embedding's
-    unique.units[-1].param_bytes = unique.units[-1].trainable_bytes = 0
-    unique.extra["shared_parameters"] = []
-    opts = CostOptions(pipeline_ranks=1, data_parallel=2, global_batch=8, dp_bandwidth=1e9)
-    cap = evaluate(unique, [], 2, opts).device_memory[0]
+    profile, unique, opts, cap = _one_rank_holding_both_uses(frozen_tie_chain)
     assert evaluate(profile, [], 2, opts).device_memory == [cap]
     assert evaluate(profile, [], 2, opts).stages[0].param_bytes == evaluate(unique, [], 2, opts).stages[0].param_bytes
     same_as_brute(profile, opts.with_(memory_cap=cap))
