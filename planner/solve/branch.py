@@ -60,7 +60,8 @@ from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
-from planner.solve.floors import Band, OutOfTime, form_completions, least_largest, split_of, stage_floors
+from planner.solve.floors import (Band, OutOfTime, form_completions, least_largest, nonzero_terms, split_of,
+                                  stage_floors)
 from planner.solve.reach import stage_conditions
 from planner.solve.solution import Split
 
@@ -158,6 +159,7 @@ class _Terms:
                 same = np.where(finite & np.isfinite(stacked), stacked, 0.0)
                 distinct.append((speed, act, grad, reduce, same))
             self.rows.append(same)
+        self.nonzero = nonzero_terms(self.rows)
         self.fits = self._memory(profile, b, opts, costs, redo_all, m)
         self.allowed: List[np.ndarray] = []  # fits, and may lie in a split faster than the target (restrict)
         self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
@@ -172,7 +174,7 @@ class _Terms:
         self.allow([fits & good for fits, good in zip(self.fits, ok)])
 
     def allow(self, allowed: List[np.ndarray]) -> None:
-        self.allowed, self.band = allowed, Band(self.rows, allowed)
+        self.allowed, self.band = allowed, Band(self.rows, allowed, nonzero=self.nonzero)
         # window[g][a] = (first, last + 1): the ends e of stage g = [a, e) that are allowed lie in it (a
         # node reads only those columns; first = last + 1 = 0 where none is)
         self.window = []

@@ -8,8 +8,8 @@ lam >= 0 with sum 1, every split satisfies
     step(split) >= max_k form_k(split) >= sum_k lam_k form_k(split) = lam.c + sum_g (lam.C_g) . t_g(a_g, e_g)
 
 whose least value over the allowed splits, h(lam), is one dynamic program over (stage, first unit)
-(planner.solve.floors.form_completions): a bound of every allowed split. h is concave; at a vertex lam = e_k it is form k's
-own best split, so its maximum (the dual) is at least the largest of those. The maximum is found by
+(planner.solve.floors.form_completions): a bound of every allowed split. h is concave; at a vertex
+lam = e_k it is form k's own best split, so its maximum (the dual) is at least the largest of those. The maximum is found by
 cutting planes (Kelley): the splits found so far, s_1..s_n, give the model
 min_j lam.f(s_j) >= h(lam); the next lam maximises the model (a small linear program: the weights
 and one level), and the dynamic program there gives h(lam) and the split s_{n+1} attaining it (its

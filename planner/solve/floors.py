@@ -43,12 +43,11 @@ class Band:
     """Where each stage's allowed ranges lie: per stage, blocks of starts, each a rectangle of
     (a, e) holding the allowed ranges of those starts, with the terms over it (rows[g][term, a, e])."""
 
-    def __init__(self, rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray], budget: int = BAND_BYTES):
+    def __init__(self, rows: Sequence[np.ndarray], allowed: Sequence[np.ndarray], budget: int = BAND_BYTES,
+                 nonzero: Optional[np.ndarray] = None):
         self.S, self.L = len(allowed), allowed[0].shape[0] - 1
-        # the terms some stage's table holds (a term 0 everywhere, as the step where nothing is timed or
-        # the exchange of one replica, adds nothing to any form: the products skip it)
-        tables = {id(table): table for table in rows}.values()
-        self.nonzero = np.array([any(table[t].any() for table in tables) for t in range(rows[0].shape[0])])
+        # the terms some stage's table holds (`nonzero_terms`; the caller's, as the rows never change)
+        self.nonzero = nonzero_terms(rows) if nonzero is None else nonzero
         self.blocks: List[List[_Block]] = []
         for g, ok in enumerate(allowed):
             starts = np.flatnonzero(ok.any(axis=1))
@@ -59,6 +58,13 @@ class Band:
                     stage.append(_Block(rows[g], ok, a))
                     budget -= stage[-1].keep(budget)
             self.blocks.append(stage)
+
+
+def nonzero_terms(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """Per term, whether some stage's table holds it (a term 0 everywhere, as the step where nothing
+    is timed or the exchange of one replica, adds nothing to any form: the products skip it)."""
+    tables = {id(table): table for table in rows}.values()
+    return np.array([any(table[t].any() for table in tables) for t in range(rows[0].shape[0])])
 
 
 class _Block:

@@ -23,11 +23,12 @@ plus the step overhead (W: the units' forward and backward work, with the recomp
 the crossing after a stage and the one micro-batch of v > 1 count forward and input backward only
 (nothing waits for a weight backward), the one before it forwards only, with only the activation
 messages of the boundaries before it (its last weight backwards may overlap the input backwards
-and the gradient messages upstream). Scenarios are solved from the most promising; one whose bound is not below the best plan
-found is skipped, and the global bound is the minimum over scenarios of their proven bounds (a
-skipped scenario contributes its bound), so the reported gap is a true gap. Under a time limit the
-first scenario solved gets half the time left and each later one at least an equal share of it;
-time they leave goes to the unsettled ones again (a scenario keeps the larger of its proven bounds).
+and the gradient messages upstream). Scenarios are solved from the most promising; one whose bound
+is not below the best plan found is skipped, and the global bound is the minimum over scenarios of
+their proven bounds (a skipped scenario contributes its bound), so the reported gap is a true gap.
+Under a time limit the first scenario solved gets half the time left and each later one at least an
+equal share of it; time they leave goes to the unsettled ones again (a scenario keeps the larger of
+its proven bounds).
 """
 from __future__ import annotations
 
