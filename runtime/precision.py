@@ -54,10 +54,9 @@ def gets_compute_copy(param: torch.Tensor) -> bool:
 _AUTOCAST_REGISTERED: Set[str] = set()  # custom operators given autocast's rule in this process
 
 
-def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> List[str]:
+def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
     """Give every custom operator (namespace other than aten and prims) called in the graphs of
-    `modules` autocast's rule, floating inputs cast to `dtype` (module docstring); their names."""
-    names = []
+    `modules` autocast's rule, floating inputs cast to `dtype` (module docstring), once per process."""
     for module in modules:
         for graph_module in module.modules():
             if not isinstance(graph_module, torch.fx.GraphModule):
@@ -71,8 +70,6 @@ def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> Lis
                         for device_type in ("cpu", "cuda"):
                             torch.library.register_autocast(name, device_type, dtype)
                         _AUTOCAST_REGISTERED.add(name)
-                    names.append(name)
-    return names
 
 
 class ComputeCopy:

@@ -86,7 +86,9 @@ def _prefetch_where_backward_runs(stage: Any) -> None:
     a unit autograd never reaches; a unit that should prefetch nothing lists itself (gathered
     already when the list is read: no collective)."""
     segments = getattr(stage.module, "segments", [])
-    runs = backward_runs(stage) if segments else []
+    if not segments:
+        return
+    runs = backward_runs(stage)
     for k, segment in enumerate(segments):
         previous = segments[k - 1].module if k > 0 and runs[k - 1] else segment.module
         segment.module.set_modules_to_backward_prefetch([previous])

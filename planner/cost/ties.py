@@ -80,13 +80,11 @@ class TieCopy:
         return self.bytes_ if self.trainable else 0.0
 
 
-def tie_copies(ties: Sequence, costs: RangeCosts) -> List[TieCopy]:
-    """One TieCopy per tied weight (module docstring: c_t and its step): TiedWeights, or `Tie`s
-    (trainable)."""
+def tie_copies(ties: Sequence[TiedWeight], costs: RangeCosts) -> List[TieCopy]:
+    """One TieCopy per tied weight (module docstring: c_t and its step)."""
     out = []
     for tie in ties:
-        name, uses, size = tie[:3]
-        trainable = tie[3] if len(tie) > 3 else True
+        name, uses, size, trainable = tie.name, tie.units, tie.bytes_, tie.trainable
         counted = costs.t if trainable else costs.p
         held = min([float(size)] + [float(counted[u]) for u in uses])
         steps = [float(costs.o[u]) * held / float(costs.t[u]) for u in uses if costs.t[u] > 0] if trainable else []

@@ -89,10 +89,9 @@ def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solu
         for S in range(1, min(N, L) + 1):
             for reps in compositions(N, S, m):
                 scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
-                for boundaries, redo in itertools.product(itertools.combinations(range(1, L), S - 1),
-                                                          _recompute_sets(profile, b, opts)):
-                    if replicates_running_stats(profile, list(boundaries), reps):
-                        continue
+                splits = [c for c in itertools.combinations(range(1, L), S - 1)
+                          if not replicates_running_stats(profile, list(c), reps)]
+                for boundaries, redo in itertools.product(splits, _recompute_sets(profile, b, opts)):
                     cost = evaluate(profile, list(boundaries), b, scenario, redo)
                     if cost.feasible and (best is None or cost.iteration_s < best[0]):
                         best = (cost.iteration_s, cost, list(boundaries), b, scenario, redo)

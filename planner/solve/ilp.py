@@ -193,6 +193,7 @@ class Program:
                     expr = pulp.lpSum(c.message_s(k, links[g], gradient) * MS * self.ends(k, g) for k in cuts
                                       if c.message_s(k, links[g], gradient))
                     self.term[(kind, g)] = self._define(f"{kind}_{g}", expr)
+        rest_moves: Optional[Dict[int, bool]] = None  # the same for every rank: made once, where needed
         for i in range(p):
             stages = opts.stages_on(i)
             exchange = sync_time(c.p, c.t, c.fb, opts, self.profile.dtype, self.m, rank=i,
@@ -206,7 +207,7 @@ class Program:
             latency = exchange_latency(opts, i) * MS
             if latency > 0 and moving:  # charged only when the rank exchanges anything (w_i)
                 w = _var(self.prob, f"exchanges_{i}", binary=True)
-                rest_moves = self._rest_moves()
+                rest_moves = self._rest_moves() if rest_moves is None else rest_moves
                 for l, g in moving:
                     if not rest_moves.get(l, True):  # only its ties' copies move: below
                         continue

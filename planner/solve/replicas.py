@@ -68,7 +68,7 @@ from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cu
                                 fixed_bytes, num_micro_batches, rank_caps, stage_call_s,
                                 static_bytes, sync_time)
 from planner.cost.options import CostOptions
-from planner.cost.ranges import range_costs, range_matrix
+from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.ties import tied_weights
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
 from planner.profile.profile import Profile
@@ -169,7 +169,7 @@ class ReplicaTables:
         # under 'upper' (every plan found fits), none under 'lower'
         inbox, gradbox = costs.act[:, None] + costs.grad[:, None], costs.grad[None, :] + costs.act[None, :]
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
-        unreplicable = range_matrix(np.concatenate([[0.0], np.cumsum([u.running_stats for u in profile.units])])) > 0
+        unreplicable = range_matrix(prefix_sums(u.running_stats for u in profile.units)) > 0
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)

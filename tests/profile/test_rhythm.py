@@ -30,5 +30,5 @@ def test_the_latency_is_never_negative_and_needs_two_micro_batches():
     # compute longer than MAX_COMPUTE_S is timed at it (planner.profile.link.measure_link caps it once),
     # and the record says what was timed
     assert stand_in(1.0, 1e-3) == (MAX_COMPUTE_S, 1e-3)
-    record = summarise([1.0, 1.0, 1.0], *stand_in(1.0, 1.0))
-    assert record["forward_s"] == MAX_COMPUTE_S and record["steps"] == 3
+    record = summarise([1.0, 1.0, 1.0], MAX_COMPUTE_S, 1e-3)
+    assert record["forward_s"] == MAX_COMPUTE_S and record["backward_s"] == 1e-3 and record["steps"] == 3
