@@ -25,6 +25,7 @@ in it: compare with planner.cost.model.rank_caps (the caps less those).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -84,30 +85,32 @@ class StageMemory:
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""
-        static = range_matrix(self._static)
-        valid = np.isfinite(static)
-        held = np.zeros_like(static)
-        for peak in self.peaks[self.ranks[g]]:
-            terms = self.held(peak, g)
-            value = np.where(valid, range_matrix(prefix_sums(terms.per_unit)), 0.0)
-            held = np.maximum(held, value + terms.at_start[:, None] + terms.at_end[None, :])
-        if self.ties:
-            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, None,
-                                                        self.tie_whole, self.shard)
-        return static + held
+        return self._rows(g, None)
 
     def row(self, g: int, a: int) -> np.ndarray:
         """M_g[a, e] over e: one row of `matrix` (+inf where e <= a), without the whole table."""
-        ends = np.arange(len(self._static))
-        valid = ends > a
-        static = np.where(valid, self._static - self._static[a], np.inf)
+        return self._rows(g, [a])[0]
+
+    def _rows(self, g: int, starts: Optional[List[int]]) -> np.ndarray:
+        """The rows of `matrix` for the starts a in `starts` (every cut 0..L for None)."""
+        first = np.arange(len(self._static)) if starts is None else np.asarray(starts)
+        valid = np.arange(len(self._static))[None, :] > first[:, None]
+        static = np.where(valid, self._static[None, :] - self._static[first][:, None], np.inf)
         held = np.zeros_like(static)
         for peak in self.peaks[self.ranks[g]]:
             terms = self.held(peak, g)
             bytes_ = prefix_sums(terms.per_unit)
-            value = np.where(valid, bytes_ - bytes_[a], 0.0)
-            held = np.maximum(held, value + terms.at_start[a] + terms.at_end)
+            value = np.where(valid, bytes_[None, :] - bytes_[first][:, None], 0.0)
+            held = np.maximum(held, value + terms.at_start[first][:, None] + terms.at_end[None, :])
         if self.ties:
-            static = static - range_static_surplus(self.ties, self.tie_static, self.costs.num_units, [a],
-                                                           self.tie_whole, self.shard)[0]
+            static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))
         return static + held
+
+    def _tie_rows(self, starts: Optional[List[int]]) -> np.ndarray:
+        return range_static_surplus(self.ties, self.tie_static, self.costs.num_units, starts, self.tie_whole,
+                                    self.shard)
+
+    @cached_property
+    def _tie_surplus(self) -> np.ndarray:
+        """The ties' surplus over every range: the same for every stage, so made once."""
+        return self._tie_rows(None)

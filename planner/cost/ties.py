@@ -180,8 +180,9 @@ def range_static_surplus(copies: Sequence[TieCopy], statics: Sequence[float], nu
         uses = before[None, :] - before[first][:, None]  # in [a, e)
         out += np.maximum(uses - 1, 0) * static
         if wholes is not None and wholes[t] != static:
-            whole = np.vectorize(lambda k: k >= 1 and kept_whole(shard, tie.trainable, k < len(tie.uses), int(k)))
-            out -= np.where(whole(uses), wholes[t] - static, 0.0)
+            n = len(tie.uses)  # whether k uses on one device keep the tie whole, per k
+            whole = np.array([k >= 1 and kept_whole(shard, tie.trainable, k < n, k) for k in range(n + 1)])
+            out -= np.where(whole[np.clip(uses, 0, n).astype(int)], wholes[t] - static, 0.0)
     return out
 
 
