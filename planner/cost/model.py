@@ -60,7 +60,7 @@ from planner.cost.ranges import Split, range_costs  # noqa: F401  (Split: import
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
 from planner.cost.ties import (Surplus, TieCopy, shared_parameters, surplus, tie_copies,  # noqa: F401
-                               tied_weights, uses_per_device)
+                               kept_whole, tied_weights, uses_per_device)
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.cost import memory as memory_model
 from planner.cost.rank_memory import (_device_caps, _shard, device_memory, fixed_bytes, held_bytes,  # noqa: F401
@@ -447,9 +447,11 @@ def tie_surplus(split: Split, shape: StepShape, ties: Sequence[TieCopy], average
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float],
                  ties: Sequence[TieCopy] = ()) -> List[StageCost]:
     """Per-stage figures for tables and the plan file (on the stage's first device); a tied weight
-    used more than once in a stage counted once in its parameters."""
+    used more than once in a stage counted once in its parameters, whole where its rank keeps it
+    whole under ZeRO (planner.cost.ties.kept_whole, as device_memory counts it)."""
     costs, S = split.costs, opts.num_stages
     extra = surplus(ties, split.stage_of, S)
+    whole, whole_trained = _whole_tie_bytes(split, shape, ties, _shard(opts), S)
     held, in_flight = held_bytes(split, opts), stage_in_flight(shape)
     precision, itemsize = precision_of(opts, split.dtype), memory_model.param_itemsize(split.dtype)
     stages = []
@@ -461,6 +463,12 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
         trained = (costs.trainable(a, e) - extra.held_trained[g]) / itemsize  # frozen parameters: weights only
         holders = len(_devices_of(shape, g)) * opts.data_parallel
         per = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, holders)
+        # the copies its rank keeps whole under ZeRO: unsharded bytes per parameter (as device_memory)
+        one = memory_model.bytes_per_param(precision, opts.optimizer, opts.shard, 1)
+        weights = (count - whole[g]) * per.weights + whole[g] * one.weights
+        grads = (trained - whole_trained[g]) * per.grads + whole_trained[g] * one.grads
+        state = (trained - whole_trained[g]) * (per.master + per.optimizer) + \
+            whole_trained[g] * (one.master + one.optimizer)
         # the most its own micro-batches hold at once along its rank's list (zero-bubble: with the
         # bytes kept for the weight part)
         activations = max((p.get(("live", g), 0) * held[("live", g)] + p.get(("weight", g), 0) * held[("weight", g)]
@@ -473,9 +481,23 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
             backward_s=backward, comm_s=comm, time_s=value[("forward", g)] + backward + comm, in_flight=in_flight[g],
             backward_input_s=value[("backward_input", g)] if parts else None,
             backward_weight_s=value[("backward_weight", g)] if parts else None,
-            param_bytes=int(count * per.weights), grad_bytes=int(trained * per.grads),
-            optimizer_bytes=trained * (per.master + per.optimizer),
-            activation_bytes=int(activations), memory_bytes=count * per.weights + trained * per.training + activations,
+            param_bytes=int(weights), grad_bytes=int(grads), optimizer_bytes=state,
+            activation_bytes=int(activations), memory_bytes=weights + grads + state + activations,
             extra_s=value[("reduce", device)] + collective,
             recompute=sorted(l for l in split.redo if a <= l < e), replicas=len(_devices_of(shape, g))))
     return stages
+
+
+def _whole_tie_bytes(split: Split, shape: StepShape, ties: Sequence[TieCopy], shard: str,
+                     S: int) -> Tuple[List[float], List[float]]:
+    """Per stage, the parameter elements (of them trainable) of the tie copies it counts that its rank
+    keeps whole under ZeRO (planner.cost.ties.kept_whole, decided per rank as device_memory does)."""
+    params, trained = [0.0] * S, [0.0] * S
+    itemsize, unit_rank = memory_model.param_itemsize(split.dtype), [shape.rank_of(g) for g in split.stage_of]
+    for tie in ties:
+        ranks = uses_per_device(tie, unit_rank)
+        for g in uses_per_device(tie, split.stage_of):
+            if kept_whole(shard, tie.trainable, len(ranks) > 1, ranks[shape.rank_of(g)]):
+                params[g] += tie.bytes_ / itemsize
+                trained[g] += tie.trained_bytes / itemsize
+    return params, trained

@@ -4,7 +4,8 @@ import functools
 
 import pytest
 
-from planner.cost.model import evaluate, static_bytes, sync_time
+from planner.cost import memory as memory_model
+from planner.cost.model import evaluate, precision_of, static_bytes, sync_time
 from planner.cost.options import CostOptions
 from planner.profile.analytic import DeviceSpec
 from planner.profile.analytic_profile import analytic_profile
@@ -104,3 +105,33 @@ def test_a_tie_the_runtime_keeps_whole_under_zero_is_counted_whole(shard, bounda
     for i, kept in enumerate(whole):
         assert cost.device_memory[i] == pytest.approx(counted.device_memory[i] - extra[i] + (excess if kept else 0.0),
                                                       rel=1e-12)
+
+
+@pytest.mark.parametrize("shard, boundaries, whole", [
+    ("none", [2], [False, False]),
+    ("none", [], [False]),
+    ("optimizer", [], [False]),
+    ("gradients", [2], [True, True]),
+    ("parameters", [2], [True, True]),
+    ("parameters", [], [True]),
+])
+def test_the_plan_files_stage_figures_count_a_tie_kept_whole_as_the_rank_does(shard, boundaries, whole):
+    # before the fix the per-stage figures (planner.plan.make writes them) counted the copy sharded
+    # where device_memory counts it whole: 8192 bytes short at parameters, d = 2, one rank
+    profile = tied_profile()
+    opts = dataclasses.replace(options(p=len(boundaries) + 1, d=2), shard=shard, optimizer="adamw")
+    cost, counted = evaluate(profile, boundaries, 1, opts), evaluate(untied(profile), boundaries, 1, opts)
+    itemsize = memory_model.param_itemsize(profile.dtype)
+    sharded, kept = (memory_model.bytes_per_param(precision_of(opts, profile.dtype), "adamw", shard, n)
+                     for n in (2, 1))
+    extra = 1 if not boundaries else 0  # one rank: its two uses counted, one held
+    for g, (stage, untied_stage) in enumerate(zip(cost.stages, counted.stages)):
+        assert stage.memory_bytes - untied_stage.memory_bytes == pytest.approx(
+            cost.device_memory[g] - counted.device_memory[g], abs=1e-6)  # one stage per rank
+        excess = kept if whole[g] else sharded  # the held copy's bytes per parameter
+        for figure, per in [("param_bytes", "weights"), ("grad_bytes", "grads")]:
+            want = getattr(untied_stage, figure) + TIE / itemsize * (
+                getattr(excess, per) - (1 + extra) * getattr(sharded, per))
+            assert getattr(stage, figure) == pytest.approx(want, abs=1), figure
+        assert stage.optimizer_bytes == pytest.approx(untied_stage.optimizer_bytes + TIE / itemsize * (
+            excess.master + excess.optimizer - (1 + extra) * (sharded.master + sharded.optimizer)), rel=1e-12)
