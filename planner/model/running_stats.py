@@ -1,4 +1,5 @@
-"""Modules that update buffers in their training forward: BatchNorm's running statistics.
+"""Modules that update buffers in their training forward: the running statistics of BatchNorm and
+of InstanceNorm built with `track_running_stats=True` (without it neither holds any).
 
 Rule: a stage holding one cannot be replicated (PipeDream-style stage replicas, `planner solve
 --replicate`): each replica would see only its own micro-batches and keep its own statistics, so no
@@ -13,5 +14,6 @@ from torch import nn
 
 
 def keeps_running_statistics(module: nn.Module) -> bool:
-    """Whether `module` or a submodule is a BatchNorm (any dimension, SyncBatchNorm included)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    """Whether `module` or a submodule is a normalisation that tracks running statistics (BatchNorm
+    and InstanceNorm of any dimension, SyncBatchNorm included)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules())
