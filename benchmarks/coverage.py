@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from typing import Any, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from tests.support.runs import run_cli  # noqa: E402
 
 _TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, seq_len=8)
@@ -61,8 +62,7 @@ STEPS, LR, EXACT = 3, 0.05, 1e-5
 
 
 def _run(args: List[str]) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    result = run_cli(args, timeout=None)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:2])} failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
     return result.stdout
@@ -70,6 +70,20 @@ def _run(args: List[str]) -> str:
 
 def _model_args(args: Dict[str, Any]) -> List[str]:
     return [a for k, v in args.items() for a in ("--model-arg", f"{k}={v}")]
+
+
+def profile_command(entry: str, model_args: Dict[str, Any], sizes: str, path: str) -> List[str]:
+    """`planner profile` of a model, short (one timed round, no warm-up, no link measurement)."""
+    return ["planner.cli", "profile", entry, *_model_args(model_args), "--micro-batch-sizes", sizes, "--repeats",
+            "1", "--min-time", "0", "--warmup", "0", "--retries", "0", "--link", "none", "--quiet", "-o", path]
+
+
+def worst_entries(state: Dict[str, Any], reference: Dict[str, Any], n: int = 3) -> List[str]:
+    """The n entries of a saved state furthest from the reference, beyond EXACT ("name diff")."""
+    from tests.support.runs import max_abs_diff
+
+    worst = sorted(((max_abs_diff({k: state[k]}, {k: reference[k]}), k) for k in reference), reverse=True)
+    return [f"{k} {d:.1e}" for d, k in worst[:n] if d > EXACT]
 
 
 def cover(name: str, global_batch: int, tmp: str) -> Dict[str, Any]:
@@ -83,9 +97,7 @@ def cover(name: str, global_batch: int, tmp: str) -> Dict[str, Any]:
     entry, model_args, what = MODELS[name]
     profile_path = os.path.join(tmp, f"{name}.json")
     start = time.perf_counter()
-    out = _run(["planner.cli", "profile", entry, *_model_args(model_args), "--micro-batch-sizes",
-                SIZES.get(name, "1,2"), "--repeats", "1", "--min-time", "0", "--warmup", "0", "--retries", "0",
-                "--link", "none", "--quiet", "-o", profile_path])
+    out = _run(profile_command(entry, model_args, SIZES.get(name, "1,2"), profile_path))
     wall = time.perf_counter() - start
     profile = load_profile(profile_path)
     seconds = re.search(r"in ([0-9.]+) s$", out.strip())
@@ -101,8 +113,7 @@ def cover(name: str, global_batch: int, tmp: str) -> Dict[str, Any]:
         state = torch.load(state_path, weights_only=True)
         reference = reference_state(plan, steps=STEPS, lr=LR)
         diff = max_abs_diff(state, reference)
-        worst = sorted(((max_abs_diff({k: state[k]}, {k: reference[k]}), k) for k in reference), reverse=True)
-        row[f"inexact_{stages}"] = [f"{k} {d:.1e}" for d, k in worst[:3] if d > EXACT]
+        row[f"inexact_{stages}"] = worst_entries(state, reference)
         cuts = [s.first_unit for s in plan.stages[1:]]
         row[f"plan_{stages}"] = (f"{plan.schedule} {plan.micro_batch_size}x{plan.num_micro_batches}, "
                                  f"cuts {','.join(map(str, cuts))}")

@@ -33,7 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.coverage import MODELS as COVERED, SIZES, _model_args  # noqa: E402
+from benchmarks.coverage import MODELS as COVERED, SIZES, profile_command, worst_entries  # noqa: E402
+from tests.support.runs import run_cli  # noqa: E402
 
 _LLAMA = COVERED["llama"][1]
 MODELS: Dict[str, Tuple[str, Dict[str, Any], str]] = {
@@ -89,10 +90,8 @@ class Failed(Exception):
 
 
 def _run(args: List[str]) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     try:
-        result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=TIMEOUT)
+        result = run_cli(args, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         raise Failed(f"{' '.join(args[:2])} hung ({TIMEOUT} s)") from None
     err = result.stderr.strip().splitlines()
@@ -106,12 +105,10 @@ def _run(args: List[str]) -> str:
 
 
 def _profile(name: str, sizes: Optional[str], tmp: str) -> str:
-    entry, model_args, _ = MODELS[name]
     sizes = sizes or SIZES.get(name, "1,2,4")
     path = os.path.join(tmp, f"{name}-{sizes.replace(',', '_')}.json")
     if not os.path.exists(path):
-        _run(["planner.cli", "profile", entry, *_model_args(model_args), "--micro-batch-sizes", sizes, "--repeats",
-              "1", "--min-time", "0", "--warmup", "0", "--retries", "0", "--link", "none", "--quiet", "-o", path])
+        _run(profile_command(*MODELS[name][:2], sizes, path))
     return path
 
 
@@ -168,8 +165,7 @@ def sweep_cell(name: str, option: str, tmp: str) -> Dict[str, Any]:
         diff = max_abs_diff(state, reference)
         cell["diff"] = diff
         if diff > EXACT:
-            worst = sorted(((max_abs_diff({k: state[k]}, {k: reference[k]}), k) for k in reference), reverse=True)
-            cell["worst"] = [f"{k} {d:.1e}" for d, k in worst[:3] if d > EXACT]
+            cell["worst"] = worst_entries(state, reference)
         cell["result"] = "exact" if diff <= EXACT else "NOT EXACT"
     except Refused as e:
         cell["result"], cell["why"] = "refused", str(e)
