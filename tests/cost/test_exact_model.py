@@ -21,6 +21,7 @@ from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError
 from planner.solve.solution import Solution
+from tests.support.solvers import both_solvers_match_brute_force
 from tests.support.synthetic import drawn_chain
 
 TIE = 800  # bytes of the tied weight some problems share between their first and last units
@@ -257,19 +258,6 @@ def test_solver_matches_brute_force_in_mixed_precision(problem):
     assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
 
 
-def _both_solvers_match_brute_force(profile, opts):
-    """The branch and bound and the integer program (the search forced off the branch and bound)
-    both prove brute force's optimum."""
-    from unittest import mock
-
-    oracle = solve_brute(profile, opts)
-    for program in (False, True):
-        with mock.patch("planner.solve.exact.applies", return_value=False) if program else mock.MagicMock():
-            found = solve(profile, opts)
-        assert found.status == "optimal", (opts.schedule, program)
-        assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9), (opts.schedule, program)
-
-
 def test_solver_matches_brute_force_with_a_frozen_only_rank_on_two_sites():
     """p = 2 x d = 2 placed across two sites, the front units frozen: a rank holding only frozen units
     exchanges nothing and pays no rings' latency (but for ZeRO-3's gathers). The branch and bound and
@@ -281,7 +269,7 @@ def test_solver_matches_brute_force_with_a_frozen_only_rank_on_two_sites():
                                ("1f1b", 1, "parameters"), ("interleaved", 2, "parameters")):
         # ZeRO-3: the frozen front's forwards gather, its backwards neither run nor gather
         opts = base.with_(schedule=schedule, virtual_stages=v, shard=shard)
-        _both_solvers_match_brute_force(profile, opts)
+        both_solvers_match_brute_force(profile, opts)
 
 
 def test_solver_matches_brute_force_with_zero3_rings_per_collective_on_two_sites():
@@ -294,7 +282,7 @@ def test_solver_matches_brute_force_with_zero3_rings_per_collective_on_two_sites
     profile, base = frozen_front_on_two_sites(L=6, frozen=4, gradient_from=2)
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
         opts = base.with_(schedule=schedule, virtual_stages=v, shard="parameters")
-        _both_solvers_match_brute_force(profile, opts)
+        both_solvers_match_brute_force(profile, opts)
 
 
 def test_the_integer_program_values_every_path_of_a_frozen_only_rank_as_the_model():

@@ -60,11 +60,8 @@ def test_the_averaging_counts_the_buffers_it_averages_and_solvers_agree():
     """runtime.localsgd averages floating-point buffers with the trainable parameters: charged, in their
     own dtype (not the compute dtype's), / H; the branch and bound and the integer program find brute
     force's optimum with them; a profile without buffer_bytes (older files) charges none."""
-    import math
-    from unittest import mock
-
     from planner.profile.profile import Profile
-    from planner.solve.brute import solve_brute
+    from tests.support.solvers import both_solvers_match_brute_force
 
     profile = _with_buffers(_profile())
     plain = evaluate(_profile(), [2], 2, _opts(sync_every=4)).durations
@@ -86,11 +83,7 @@ def test_the_averaging_counts_the_buffers_it_averages_and_solvers_agree():
                           [40000, 0, 0, 0, 0, 40000])
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
         opts = _opts(sync_every=2, schedule=schedule, virtual_stages=v)
-        oracle = solve_brute(heavy, opts)
-        for program in (False, True):
-            with mock.patch("planner.solve.exact.applies", return_value=False) if program else mock.MagicMock():
-                found = solve(heavy, opts)
-            assert found.status == "optimal" and math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
+        both_solvers_match_brute_force(heavy, opts)
 
 
 def test_a_tie_is_reduced_within_one_replica_and_the_integer_program_agrees():

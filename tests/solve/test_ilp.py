@@ -14,6 +14,7 @@ from planner.solve.api import solve, solve_ilp
 from planner.solve.backends import _parse_cbc_log
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError, min_memory_plan
+from tests.support.solvers import program_only
 from tests.support.synthetic import synthetic_profile
 
 SIZES = (1, 2, 4, 8)
@@ -74,14 +75,6 @@ def assert_matches_oracle(profile, opts, **kwargs):
     assert found.status == "optimal" and found.gap <= 1e-6
     assert found.num_micro_batches * found.micro_batch_size == opts.global_batch
     return found
-
-
-def program_only():
-    """The integer program settles every scenario: without this, scenarios the branch and bound
-    applies to (these tests' profiles all) never build it (planner.solve.exact)."""
-    from unittest import mock
-
-    return mock.patch("planner.solve.exact.applies", lambda *args: False)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
