@@ -57,10 +57,8 @@ def local_sgd_refusal(sync_every: int, shard: str, replicated: bool, placed: boo
 def averaging_seconds_per_byte(precision: str, replicas: int, dtype: str, bandwidth: float) -> float:
     """Seconds one averaging takes per trainable profile byte (a `dtype` profile) over d replicas:
     the all-reduce of the stored parameters, 2 (d - 1) / d w bytes each, at `bandwidth`."""
-    if replicas <= 1:
-        return 0.0
     stored = memory_model.bytes_per_param(precision, "sgd").params  # unsharded: what each replica holds
-    return 2.0 * (replicas - 1) / replicas * stored / memory_model.param_itemsize(dtype) / bandwidth
+    return buffer_averaging_seconds_per_byte(replicas, bandwidth) * stored / memory_model.param_itemsize(dtype)
 
 
 def buffer_averaging_seconds_per_byte(replicas: int, bandwidth: float) -> float:

@@ -17,11 +17,10 @@ import torch
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
 from planner.model.spec import ModelSpec
-from planner.model.running_stats import keeps_running_statistics
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
-from planner.profile.measure import record_cut_values, shared_parameters_json, unit_parameter_bytes
-from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.measure import blank_unit, record_cut_values, shared_parameters_json
+from planner.profile.profile import CutProfile, CutValue, Profile
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, backward_seeds
 
@@ -118,12 +117,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         probe = run_all_nodes(captured, inputs0, grad=True)
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
-    units = []
-    for k, u in enumerate(captured.units):
-        param_bytes, trainable = unit_parameter_bytes(stages[k][0].parameters())
-        units.append(UnitProfile(name=u.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
-                                 backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes],
-                                 running_stats=keeps_running_statistics(stages[k][0])))
+    units = [blank_unit(u, stages[k][0], buffers=False) for k, u in enumerate(captured.units)]
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     for b in sizes:
         inputs, target = meta_batch(b)

@@ -108,6 +108,17 @@ def unit_parameter_bytes(params: Sequence[torch.Tensor]) -> Tuple[int, int]:
             sum(_tensor_bytes(p) for p in params if p.requires_grad))
 
 
+def blank_unit(unit, module: torch.nn.Module, buffers: bool = True) -> UnitProfile:
+    """A captured unit's profile entry before any timing: its parameter bytes (trainable ones too),
+    its floating-point buffers' bytes (with `buffers`), whether it keeps running statistics."""
+    param_bytes, trainable = unit_parameter_bytes(module.parameters())
+    return UnitProfile(name=unit.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
+                       backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in unit.nodes],
+                       buffer_bytes=sum(_tensor_bytes(b) for b in module.buffers() if b.is_floating_point())
+                       if buffers else None,
+                       running_stats=keeps_running_statistics(module))
+
+
 @dataclass
 class _Run:
     """One profiling run: the model, its captured units and what has been measured so far."""
@@ -226,14 +237,7 @@ def _prepare(run: _Run, smallest: int) -> None:
             raise model_failure(e, smallest) from e
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
-    run.units = []
-    for k, u in enumerate(captured.units):
-        param_bytes, trainable = unit_parameter_bytes(run.stages[k][0].parameters())
-        buffers = sum(_tensor_bytes(b) for b in run.stages[k][0].buffers() if b.is_floating_point())
-        run.units.append(UnitProfile(name=u.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
-                                     backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in u.nodes],
-                                     buffer_bytes=buffers,
-                                     running_stats=keeps_running_statistics(run.stages[k][0])))
+    run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}
 
 
