@@ -4,7 +4,10 @@ A *message* is what one communication action moves: the tensors crossing a cut f
 micro-batch (activations forward, the gradients of those that need them back). It travels as ONE
 tensor whatever its tensor count (a message pays one operation): its only tensor, or else one
 byte buffer holding them all, each at a 16-byte-aligned offset. Both ends derive the layout from
-the same plan values (`MessageLayout`), so nothing describing the message travels with it.
+the same plan values (`MessageLayout`), so nothing describing the message travels with it, but for
+the first message of a kind between two ranks: under autocast the first activation message says its
+dtypes (`DescribedLayout`), and the first gradient message says which tensors have a gradient
+(`PresenceLayout`).
 
 A *batch* is the operations a rank posts together with `torch.distributed.batch_isend_irecv`:
 `exchange` waits for every one of them, sends and receives, before it returns; a batch of sends
@@ -71,10 +74,8 @@ class MessageLayout:
     def __len__(self) -> int:
         return len(self.tensors)
 
-    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, bool]:
-        """The tensor that travels: the one tensor itself (no copy when contiguous), else a byte
-        buffer holding all of them; and whether it is a copy (then the tensors' storage may go
-        before the send completes)."""
+    def check(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The tensors are those the plan says cross (MessageError if not)."""
         for t, (shape, dtype) in zip(tensors, self.tensors):
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise MessageError(f"{self.what}: a tensor of shape {tuple(t.shape)} and dtype {dtype_name(t.dtype)} "
@@ -82,6 +83,12 @@ class MessageLayout:
                                    "`planner solve` for this model")
         if len(tensors) != len(self.tensors):
             raise MessageError(f"{self.what}: {len(tensors)} tensors where the plan has {len(self.tensors)}")
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, bool]:
+        """The tensor that travels: the one tensor itself (no copy when contiguous), else a byte
+        buffer holding all of them; and whether it is a copy (then the tensors' storage may go
+        before the send completes)."""
+        self.check(tensors)
         if len(tensors) == 1:
             return tensors[0].detach().contiguous(), not tensors[0].is_contiguous()
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
@@ -102,6 +109,44 @@ class MessageLayout:
             return [wire]
         return [wire[offset:offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
                 for offset, (shape, dtype) in zip(self.offsets, self.tensors)]
+
+
+class PresenceLayout:
+    """A gradient message that says which of its tensors got a gradient: the first one for a stage's
+    cut between two ranks. A tensor that reached no loss (used only through a comparison, say) has
+    none, and single-process training leaves the weights behind it without one (an optimizer skips
+    them: no decay, no moments), where a zero gradient would move them. One byte buffer: a
+    16-byte-aligned header of one flag per tensor (1: a gradient), then the message as `layout`
+    lays it out (zeros where there is none), so the receiver sizes it from the plan alone. Both ends
+    then know the flags (a captured graph is the same for every micro-batch) and the pair's later
+    messages are the plain layout."""
+
+    def __init__(self, layout: MessageLayout):
+        self.layout = layout
+        self.header = -(-len(layout) // _ALIGN) * _ALIGN
+        self.nbytes = self.header + layout.nbytes
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def pack(self, tensors: Sequence[torch.Tensor], present: Sequence[bool], device: torch.device) -> torch.Tensor:
+        """The byte buffer that travels (always a copy); `tensors` as the layout's pack takes them."""
+        self.layout.check(tensors)
+        flat = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        flat[:len(present)] = torch.tensor([int(bool(p)) for p in present], dtype=torch.uint8)
+        for t, view, p in zip(tensors, self._views(flat), present):
+            if p:
+                view.copy_(t.detach())
+        return flat
+
+    def unpack(self, wire: torch.Tensor) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
+        """The tensors (views of the buffer) and which of them are gradients."""
+        present = tuple(bool(f) for f in wire[:len(self.layout)].cpu().tolist())
+        return self._views(wire), present
+
+    def _views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[self.header + offset:self.header + offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                for offset, (shape, dtype) in zip(self.layout.offsets, self.layout.tensors)]
 
 
 def _numel(shape: Tuple[int, ...]) -> int:

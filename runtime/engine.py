@@ -47,7 +47,8 @@ import torch
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import ACTIVATION, GRADIENT, DescribedLayout, MessageLayout, Operation, exchange, message_tag, post
+from runtime.comm import (ACTIVATION, GRADIENT, DescribedLayout, MessageError, MessageLayout, Operation, PresenceLayout,
+                          exchange, message_tag, post)
 from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
@@ -81,8 +82,11 @@ class _State:
 
     received: List[Any] = field(default_factory=list)  # the stage's inputs from the previous stage
     outputs: Any = None  # what it sends on (a tuple), until its backward
-    grads: List[torch.Tensor] = field(default_factory=list)  # gradients of those outputs, until backward
-    input_grads: List[torch.Tensor] = field(default_factory=list)  # of the inputs, until sent or taken
+    # gradients of those outputs, until backward (None: the output reached no loss, so it has none)
+    grads: List[Optional[torch.Tensor]] = field(default_factory=list)
+    # of the inputs, until sent or taken (zeros where an input got none; `input_present` says which did)
+    input_grads: List[torch.Tensor] = field(default_factory=list)
+    input_present: Tuple[bool, ...] = ()
     loss: Optional[torch.Tensor] = None
     saved_bytes: int = 0  # held for backward by this micro-batch's forward
 
@@ -141,6 +145,9 @@ class Engine:
         self.compute_copy = (ComputeCopy([st.module for st in rank_model.stages], autocast)
                              if autocast is not None else None)
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known
+        # which tensors of a gradient message have a gradient, by (direction, stage, peer): said by the
+        # pair's first message (comm.PresenceLayout)
+        self.presence: Dict[Tuple, Optional[Tuple[bool, ...]]] = {}
         self.emulated_links: Dict[Tuple[str, int], float] = {}  # runtime.emulation: seconds per crossing
         self.emulated_exchange_s = 0.0  # runtime.emulation: seconds held after the data-parallel exchange
         self.clock = StepClock(device)
@@ -294,18 +301,19 @@ class Engine:
             state.loss = None
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here
-                state.grads = step.states.pop((g + 1, i)).input_grads
+                after = step.states.pop((g + 1, i))
+                state.grads = [grad if present else None for grad, present in zip(after.input_grads, after.input_present)]
             pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
-                     if isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
+                     if grad is not None and isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
             if pairs:
                 result = run([t for t, _ in pairs], [grad for _, grad in pairs], inputs, params)
             state.outputs, state.grads = None, []
         if g == 0:
             return result
-        state.input_grads = [state.received[j].grad if state.received[j].grad is not None
-                             else torch.zeros(state.received[j].shape, dtype=state.received[j].dtype,
-                                              device=self.device)
-                             for j in runner.recv_grads]
+        received = [state.received[j] for j in runner.recv_grads]
+        state.input_present = tuple(t.grad is not None for t in received)
+        state.input_grads = [t.grad if t.grad is not None else torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+                             for t in received]
         state.received = []
         return result
 
@@ -384,18 +392,39 @@ class Engine:
     def _send_gradients(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
         runner, state, peer = self.runners[g], step.states.pop((g, i)), self._peer(g - 1, i)
-        layout = self._layout(runner.grad_out, ("grad out", g, peer), state.input_grads)
-        wire, _ = layout.pack(state.input_grads, self.device)
+        key = ("grad out", g, peer)
+        layout = self._layout(runner.grad_out, key, state.input_grads)
+        known = self.presence.get(key)
+        if known is None:  # the first to this peer says which inputs got a gradient (comm.PresenceLayout)
+            self.presence[key] = state.input_present
+            wire = PresenceLayout(layout).pack(state.input_grads, state.input_present, self.device)
+        else:
+            if state.input_present != known:
+                raise MessageError(
+                    f"the gradient of stage {g}'s input: micro-batch {i} has a gradient for inputs "
+                    f"{_which(state.input_present)} where the first had one for {_which(known)}; the runtime needs "
+                    "the same graph for every micro-batch (as a captured model has)")
+            wire, _ = layout.pack(state.input_grads, self.device)
         return Operation(True, wire, peer, self._tag(g - 1, i, GRADIENT)), None
 
     def _receive_gradients(self, step: _Step, action: Action):
         g, i = action.stage, action.micro_batch
         runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
         outputs = [state.outputs[j] for j in runner.send_grads]  # the gradients take their dtypes
-        layout = self._layout(runner.grad_in, ("grad in", g, peer), outputs)
+        key = ("grad in", g, peer)
+        layout = self._layout(runner.grad_in, key, outputs)
+        if key not in self.presence:  # the first from this peer: it says which outputs got a gradient
+            framed = PresenceLayout(layout)
+            self.presence[key] = None  # (known once it arrives; later receives are posted after that)
+
+            def described(wire: torch.Tensor) -> None:
+                grads, self.presence[key] = framed.unpack(wire)
+                state.grads = [grad if present else None for grad, present in zip(grads, self.presence[key])]
+
+            return Operation(False, framed.empty(self.device), peer, self._tag(g, i, GRADIENT)), described
 
         def arrived(wire: torch.Tensor) -> None:
-            state.grads = layout.unpack(wire)
+            state.grads = [grad if present else None for grad, present in zip(layout.unpack(wire), self.presence[key])]
 
         return Operation(False, layout.empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
 
@@ -414,3 +443,7 @@ class Engine:
             hook()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _which(present: Tuple[bool, ...]) -> str:
+    return "[" + ", ".join(str(j) for j, p in enumerate(present) if p) + "]"

@@ -88,7 +88,9 @@ class GradientBuckets:
     step makes each parameter's post-accumulate hook count it done, and a bucket whose parameters
     are all done starts its all-reduce at once, asynchronously, while the backward goes on.
     `finish` starts the rest (parameters without a gradient this step) in bucket order and waits
-    for all. Every holder runs the same graphs, so the buckets start in the same order everywhere.
+    for all. Every holder runs the same graphs, so the buckets start in the same order everywhere,
+    and a parameter no backward reached on one holder was reached on none: its gradient is None
+    again after `finish`, as single-process training leaves it (an optimizer skips it).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group: Any, bucket_bytes: int = 25 << 20):
@@ -108,6 +110,7 @@ class GradientBuckets:
         self.pending: List[int] = []
         self.works: List[Any] = []
         self.armed: set = set()
+        self.reached: Set[int] = set()  # the parameters some backward gave a gradient this step
         for p in params:
             p.register_post_accumulate_grad_hook(self._accumulated)
 
@@ -129,11 +132,13 @@ class GradientBuckets:
         self.pending = [len(views) for views in self.members]
         self.works = [None] * len(self.buckets)
         self.armed.clear()
+        self.reached.clear()
 
     def arm(self, params: List[torch.nn.Parameter]) -> None:
         self.armed.update(id(p) for p in params)
 
     def _accumulated(self, p: torch.nn.Parameter) -> None:
+        self.reached.add(id(p))
         if id(p) not in self.armed:
             return
         self.armed.discard(id(p))
@@ -155,6 +160,10 @@ class GradientBuckets:
                 self._start(k)
         for work in self.works:
             work.wait()
+        for views in self.members:
+            for p, _ in views:
+                if id(p) not in self.reached:
+                    p.grad = None
 
 
 def data_parallel_buckets(rank_model: RankModel, group: Any) -> Tuple["GradientBuckets", Set[int]]:

@@ -26,6 +26,11 @@ Rules (the own engine's, runtime/engine.py, so that both train exactly like one 
 - torch's metadata inference is static (shapes and dtypes from the plan), so no forward runs on
   made-up data (which would move BatchNorm's running statistics and the dropout generator).
 
+One difference stays: where a stage's input gets no gradient (it reaches the loss only through a
+comparison, say), torch sends zeros in its place, so the weights behind it get zero gradients where one
+process leaves them None, and weight decay or momentum moves them; the own engine's first gradient
+message says which tensors have none (runtime.comm.PresenceLayout; tests/runtime/test_unreached.py).
+
 What torch cannot run is refused before any rank starts (`refusal`). Measured per step: forward
 and backward per micro-batch (timed around torch's `forward_one_chunk` / `backward_one_chunk`),
 the gradient reductions, the optimizer step; `wait_s` is the rest of the step (torch's messages

@@ -301,3 +301,33 @@ def two_outputs(dim: int = 8, layers: int = 3) -> ModelSpec:
         return F.mse_loss(out, target[0]) + F.cross_entropy(aux, target[1])
 
     return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+class GatedBranch(nn.Module):
+    """A layer whose output reaches the loss only through a comparison (`gate`: no gradient, so
+    single-process training leaves its weight's gradient None), crossing the cuts after it beside
+    the hidden state, which does carry one."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+        self.mid = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        g = self.gate(h)
+        for layer in self.mid:
+            h = h + torch.relu(layer(h))
+        return self.out(h * (g > 0).to(h.dtype))
+
+
+def gated_branch(dim: int = 8, layers: int = 3) -> ModelSpec:
+    module = GatedBranch(dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 5)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
