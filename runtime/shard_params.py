@@ -22,6 +22,11 @@ rest:
   pre-multiplied sum): the engine's loss is already divided by d·m (runtime.engine);
 - each holder's optimizer steps its shards (its optimizer state is an n-th too).
 
+One difference from one process: a weight whose output reaches no loss gets a zero gradient where one
+process leaves None (so weight decay moves it): FSDP2 passes a unit's inputs through an autograd
+function for its post-backward hook, and autograd hands such a function zeros for the gradient an
+input did not get.
+
 Kept whole (not sharded, as `optimizer` and `gradients` sharding keep them): tied weights used on
 several pipeline ranks (their gradients are summed over every holder by runtime.groups, in every
 replica) and a parameter two stages of this rank share (its gradient is all-reduced over the
