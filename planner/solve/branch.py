@@ -27,7 +27,11 @@ their paths new forms). With v = 1 the single forms are already close and the as
 Each form's own best completion still dodges alone; the stage floors (planner.solve.floors) do not:
 H_g(a, e), the least step of a split with stage g = [a, e) under every form, bounds every stage at
 once, so min over splits of max_g H_g (a min-max partition, M) bounds a node too, and a range
-whose floor reaches the incumbent is dropped. The split attaining M is simulated (a candidate).
+whose floor reaches the incumbent is dropped. The split attaining M is simulated (a candidate), and
+its longest path, when no known form has it, joins the forms: the floors are derived again and the
+new M's split simulated, round after round while that teaches a new form (cutting planes; at most
+a share of the time limit, as each round costs a refresh) -- the splits the relaxation favours are
+those whose paths it lacks, and a better plan is often among them.
 
 A node whose bound does not beat the incumbent by more than the gap is cut; a stage that does not
 fit its device's memory is never placed. A complete split is simulated: a faster one becomes the
@@ -70,6 +74,8 @@ DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the s
 DUAL_AFTER_NODES, DUAL_AFTER_SHARE = 10_000, 0.2
 DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the search)
 FLOOR_ROUNDS = 2  # floors, then completions over the ranges left: at most this many rounds per refresh
+CUT_ROUNDS = 50  # refreshes in a row while the floors' split teaches a new form (or beats the incumbent)
+CUT_SHARE = 0.3  # of the time limit, at most, for the rounds only a new form asked for
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 _STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 
@@ -331,11 +337,18 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         return time_limit is None or time.perf_counter() + known.refresh_s < started + time_limit
 
     def refresh() -> None:  # allowed stages, completions and floors for the target; the floors' split a candidate
-        for _ in range(FLOOR_ROUNDS):
+        # cutting planes: the split attaining M is simulated, and its longest path, when new, is a form
+        # the next floors count at that split -- again until it is known (or it beat the incumbent)
+        nonlocal cutting_s
+        for round_ in range(CUT_ROUNDS):
             if not affordable():
                 return
+            cutting = round_ > 0 and target >= before  # a round only for the last round's new form
+            if cutting and time_limit is not None and cutting_s >= CUT_SHARE * time_limit:
+                return
+            round_started = time.perf_counter()
             known.refresh(target * (1 - gap))
-            before = target
+            before, forms_before = target, len(known)
             if known.least_split is not None and known.least_split not in tried:
                 tried.add(known.least_split)
                 met(known.least_split)
@@ -343,7 +356,9 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             if improve is not None and fresh and affordable():
                 improved.add(tuple(best.boundaries))
                 offer(improve(best))
-            if target >= before:
+            if cutting:
+                cutting_s += time.perf_counter() - round_started
+            if target >= before and len(known) == forms_before:
                 break
 
     def strengthen(iterations: int) -> None:  # the allowed stages for the target, then the dual's combination
@@ -358,7 +373,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if target < before:  # a split the ascent met is the new incumbent
             refresh()
 
-    nodes, dualized = 0, False
+    nodes, dualized, cutting_s = 0, False, 0.0
     tried: Set[Tuple[int, ...]] = set()  # the floors' splits simulated
     improved: Set[Tuple[int, ...]] = set()  # the incumbents given to `improve`
     refresh()  # the allowed stages for the target (the dual joins later, if at all)
