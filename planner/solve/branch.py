@@ -384,7 +384,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
             cheap = known.refresh_s < FINAL_REFRESH_SHARE * time_limit
-            bound = min(_open_bound(known, stack, target * (1 - gap), cheap), target * (1 - gap))
+            bound = min(_open_bound(known, stack, target * (1 - gap), cheap, FINAL_REFRESH_SHARE * time_limit),
+                        target * (1 - gap))
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -423,24 +424,29 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     return BranchOutcome(best, target * (1 - gap) + overhead, True, nodes, known.known)
 
 
-OPEN_NODES_RECHECKED = 20_000  # at the time limit, open nodes re-bounded with every form learned
-FINAL_REFRESH_SHARE = 0.05  # ... after a last refresh, when one takes less than this share of the time limit
+FINAL_REFRESH_SHARE = 0.05  # at the time limit, a last refresh when one takes less than this share of it, and
+# at most this share again to re-bound the open nodes with every form learned
 
 
-def _open_bound(known: _Forms, stack, target: float, refresh: bool) -> float:
+def _open_bound(known: _Forms, stack, target: float, refresh: bool, budget_s: Optional[float] = None) -> float:
     """The least bound of the nodes left open: each re-bounded with every form known now and (with
     `refresh`) the completions for the final target (a node's bound was computed when it was made, with
-    fewer forms: the shallow ones, made first, are the weakest)."""
+    fewer forms: the shallow ones, made first, are the weakest). Nodes go least bound first, so the
+    walk stops at the first whose own bound reaches the least found (no later one can be below it)
+    or after `budget_s` seconds (the next node's own bound then stands for the rest)."""
     if not stack:
         return math.inf
-    if len(stack) > OPEN_NODES_RECHECKED:
-        return min(node[0] for node in stack)
     if refresh:  # cheap (the caller's judgement): past the search's deadline, but let it finish
         known.deadline = None
         known.refresh(target)
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     every = slice(0, len(known))
     least = math.inf
-    for bound, g, a, cuts, _ in stack:
+    for bound, g, a, cuts, _ in sorted(stack, key=lambda node: node[0]):
+        if least <= bound:
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            return min(least, bound)
         redone = float((_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf))
         redone = max(redone, float(known.least[g, a]))
         least = min(least, max(bound, redone))
