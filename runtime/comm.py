@@ -92,7 +92,7 @@ class MessageLayout:
         if len(tensors) == 1:
             return tensors[0].detach().contiguous(), not tensors[0].is_contiguous()
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        for t, view in zip(tensors, self.unpack(flat)):
+        for t, view in zip(tensors, self.views(flat)):
             view.copy_(t.detach())
         return flat, True
 
@@ -107,7 +107,11 @@ class MessageLayout:
         """The message's tensors: views of the buffer that travelled (they share its storage)."""
         if len(self.tensors) == 1:
             return [wire]
-        return [wire[offset:offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+        return self.views(wire)
+
+    def views(self, flat: torch.Tensor, start: int = 0) -> List[torch.Tensor]:
+        """The tensors as views of a byte buffer holding the message from byte `start` on."""
+        return [flat[start + offset:start + offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
                 for offset, (shape, dtype) in zip(self.offsets, self.tensors)]
 
 
@@ -134,7 +138,7 @@ class PresenceLayout:
         self.layout.check(tensors)
         flat = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         flat[:len(present)] = torch.tensor([int(bool(p)) for p in present], dtype=torch.uint8)
-        for t, view, p in zip(tensors, self._views(flat), present):
+        for t, view, p in zip(tensors, self.layout.views(flat, self.header), present):
             if p:
                 view.copy_(t.detach())
         return flat
@@ -142,11 +146,7 @@ class PresenceLayout:
     def unpack(self, wire: torch.Tensor) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
         """The tensors (views of the buffer) and which of them are gradients."""
         present = tuple(bool(f) for f in wire[:len(self.layout)].cpu().tolist())
-        return self._views(wire), present
-
-    def _views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        return [flat[self.header + offset:self.header + offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
-                for offset, (shape, dtype) in zip(self.layout.offsets, self.layout.tensors)]
+        return self.layout.views(wire, self.header), present
 
 
 def _numel(shape: Tuple[int, ...]) -> int:

@@ -413,20 +413,20 @@ class Engine:
         outputs = [state.outputs[j] for j in runner.send_grads]  # the gradients take their dtypes
         key = ("grad in", g, peer)
         layout = self._layout(runner.grad_in, key, outputs)
-        if key not in self.presence:  # the first from this peer: it says which outputs got a gradient
-            framed = PresenceLayout(layout)
-            self.presence[key] = None  # (known once it arrives; later receives are posted after that)
-
-            def described(wire: torch.Tensor) -> None:
-                grads, self.presence[key] = framed.unpack(wire)
-                state.grads = [grad if present else None for grad, present in zip(grads, self.presence[key])]
-
-            return Operation(False, framed.empty(self.device), peer, self._tag(g, i, GRADIENT)), described
+        # the first from this peer says which outputs got a gradient; a later receive of the same batch
+        # reads the flags in its callback, which runs after this one's (runtime.outbox.completed)
+        framed = PresenceLayout(layout) if key not in self.presence else None
+        if framed is not None:
+            self.presence[key] = None
 
         def arrived(wire: torch.Tensor) -> None:
-            state.grads = [grad if present else None for grad, present in zip(layout.unpack(wire), self.presence[key])]
+            if framed is not None:
+                grads, self.presence[key] = framed.unpack(wire)
+            else:
+                grads = layout.unpack(wire)
+            state.grads = [grad if present else None for grad, present in zip(grads, self.presence[key])]
 
-        return Operation(False, layout.empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
+        return Operation(False, (framed or layout).empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
 
     # --- end of step ----------------------------------------------------------------------------
     def _optimizer_step(self, step: _Step, action: Action) -> None:

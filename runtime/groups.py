@@ -28,6 +28,7 @@ class Groups:
                  per_replica: bool = False):
         self.topology, self.rank = topology, rank
         self.tie_groups: Dict[str, Any] = {}
+        self.tie_reached: Dict[str, bool] = {}  # whether some holder's backward reaches the tie
         self.data_parallel_group = None  # the holders of this rank's stages, when more than one
         if not dist.is_initialized():
             return
@@ -66,7 +67,14 @@ class Groups:
         """Sum the tied weights' gradients over their holders, then finish the data-parallel
         buckets (those the last backward did not already start)."""
         for name, (param, _) in rank_model.tied.items():
-            sum_gradient(param, self.tie_groups[name])
+            group = self.tie_groups[name]
+            if name not in self.tie_reached:  # asked once: every step runs the same graphs
+                flag = torch.tensor([float(param.grad is not None)], device=param.device)
+                dist.all_reduce(flag, group=group)
+                self.tie_reached[name] = bool(flag.item() > 0)
+            sum_gradient(param, group)
+            if not self.tie_reached[name]:  # no holder's backward reached it: None, as in one process
+                param.grad = None
         if buckets is not None:
             buckets.finish()
 

@@ -306,13 +306,17 @@ def two_outputs(dim: int = 8, layers: int = 3) -> ModelSpec:
 class GatedBranch(nn.Module):
     """A layer whose output reaches the loss only through a comparison (`gate`: no gradient, so
     single-process training leaves its weight's gradient None), crossing the cuts after it beside
-    the hidden state, which does carry one."""
+    the hidden state, which does carry one. With `tied`, a second such gate after the middle layers
+    shares its weight (a tie no gradient reaches)."""
 
-    def __init__(self, dim: int, layers: int):
+    def __init__(self, dim: int, layers: int, tied: bool = False):
         super().__init__()
         self.inp = nn.Linear(dim, dim)
         self.gate = nn.Linear(dim, dim)
         self.mid = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.gate2 = nn.Linear(dim, dim, bias=False) if tied else None
+        if tied:
+            self.gate2.weight = self.gate.weight
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x):
@@ -320,11 +324,13 @@ class GatedBranch(nn.Module):
         g = self.gate(h)
         for layer in self.mid:
             h = h + torch.relu(layer(h))
+        if self.gate2 is not None:
+            h = h * (self.gate2(h) > 0).to(h.dtype)
         return self.out(h * (g > 0).to(h.dtype))
 
 
-def gated_branch(dim: int = 8, layers: int = 3) -> ModelSpec:
-    module = GatedBranch(dim, layers)
+def gated_branch(dim: int = 8, layers: int = 3, tied: bool = False) -> ModelSpec:
+    module = GatedBranch(dim, layers, tied)
 
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step + 5)

@@ -340,15 +340,12 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         # cutting planes: the split attaining M is simulated, and its longest path, when new, is a form
         # the next floors count at that split -- again until it is known (or it beat the incumbent)
         nonlocal cutting_s
-        for round_ in range(CUT_ROUNDS):
-            if not affordable():
+        cutting = False  # this round runs only for the last round's new form
+        for _ in range(CUT_ROUNDS):
+            if not affordable() or cutting and time_limit is not None and cutting_s >= CUT_SHARE * time_limit:
                 return
-            cutting = round_ > 0 and target >= before  # a round only for the last round's new form
-            if cutting and time_limit is not None and cutting_s >= CUT_SHARE * time_limit:
-                return
-            round_started = time.perf_counter()
+            round_started, before, forms_before = time.perf_counter(), target, len(known)
             known.refresh(target * (1 - gap))
-            before, forms_before = target, len(known)
             if known.least_split is not None and known.least_split not in tried:
                 tried.add(known.least_split)
                 met(known.least_split)
@@ -358,7 +355,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
                 offer(improve(best))
             if cutting:
                 cutting_s += time.perf_counter() - round_started
-            if target >= before and len(known) == forms_before:
+            if target < before:
+                cutting = False
+            elif len(known) > forms_before:
+                cutting = True
+            else:
                 break
 
     def strengthen(iterations: int) -> None:  # the allowed stages for the target, then the dual's combination
@@ -383,8 +384,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         (-math.inf, 0, 0, (), known.constant.copy())]
     while stack:
         if time_limit is not None and time.perf_counter() - started > time_limit:
-            cheap = known.refresh_s < FINAL_REFRESH_SHARE * time_limit
-            bound = min(_open_bound(known, stack, target * (1 - gap), cheap, FINAL_REFRESH_SHARE * time_limit),
+            share = FINAL_REFRESH_SHARE * time_limit
+            bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
                         target * (1 - gap))
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
@@ -428,7 +429,7 @@ FINAL_REFRESH_SHARE = 0.05  # at the time limit, a last refresh when one takes l
 # at most this share again to re-bound the open nodes with every form learned
 
 
-def _open_bound(known: _Forms, stack, target: float, refresh: bool, budget_s: Optional[float] = None) -> float:
+def _open_bound(known: _Forms, stack, target: float, refresh: bool, budget_s: float = math.inf) -> float:
     """The least bound of the nodes left open: each re-bounded with every form known now and (with
     `refresh`) the completions for the final target (a node's bound was computed when it was made, with
     fewer forms: the shallow ones, made first, are the weakest). Nodes go least bound first, so the
@@ -439,13 +440,13 @@ def _open_bound(known: _Forms, stack, target: float, refresh: bool, budget_s: Op
     if refresh:  # cheap (the caller's judgement): past the search's deadline, but let it finish
         known.deadline = None
         known.refresh(target)
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    deadline = time.perf_counter() + budget_s
     every = slice(0, len(known))
     least = math.inf
     for bound, g, a, cuts, _ in sorted(stack, key=lambda node: node[0]):
         if least <= bound:
             break
-        if deadline is not None and time.perf_counter() > deadline:
+        if time.perf_counter() > deadline:
             return min(least, bound)
         redone = float((_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf))
         redone = max(redone, float(known.least[g, a]))

@@ -44,6 +44,24 @@ def test_unreached_weight_between_stages_on_one_rank(tmp_path):
     _trains_like_one_process(plan, tmp_path)
 
 
+def test_unreached_weight_under_replicated_stages(tmp_path):
+    # the last stage on two devices: two peers for stage 0's gradients, each pair's first message framed
+    plan = reshape_plan(plan_with(profile_of(ENTRY), [2], 1, 4), replicas=[1, 2])
+    _trains_like_one_process(plan, tmp_path)
+
+
+def test_unreached_tie_across_ranks(tmp_path):
+    # gate (stage 0) and gate2 (stage 1) share a weight no gradient reaches: the tie's all-reduce over
+    # its holders leaves it None when no holder's backward reached it
+    profile = profile_of(ENTRY, {"tied": True})
+    assert profile.extra["shared_parameters"] and "gate2" in [u.name for u in profile.units[2:]]
+    state = execute(plan_with(profile, [2], 1, 4), tmp_path, steps=2, lr=1e-3, extra=ADAMW)
+    plan = plan_with(profile, [2], 1, 4)
+    reference = reference_state(plan, steps=2, lr=1e-3, optimizer="adamw", training=dict(weight_decay=0.1))
+    assert max_abs_diff(state, reference) <= 1e-5
+    assert torch.equal(state["gate.weight"], build_spec(ENTRY, {"tied": True}, 0).module.state_dict()["gate.weight"])
+
+
 def test_presence_layout_round_trip():
     layout = MessageLayout([((2, 3), torch.float32), ((4,), torch.bfloat16)], "the gradient of stage 1's output")
     framed = PresenceLayout(layout)

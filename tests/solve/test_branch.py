@@ -91,6 +91,35 @@ def test_a_search_stopped_early_still_proves_a_valid_bound(problem, ticks):
         if not found.optimal:
             assert found.bound_s <= (found.best.iteration_s if found.best else math.inf)
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(), st.sampled_from([2.0, 5.0, 20.0]))
+def test_the_open_nodes_least_bound_first_walk_stops_exactly(problem, ticks):
+    """_open_bound walks the open nodes least stored bound first and stops at the first whose own
+    bound reaches the least re-bounded value: what every node re-bounded gives (no budget here)."""
+    from types import SimpleNamespace
+
+    profile, opts = problem
+    profile = compute_profile(profile, opts)
+    calls = []
+
+    def walked(known, stack, target, refresh, budget_s=math.inf):
+        got = _open_bound(known, stack, target, refresh)
+        every = slice(0, len(known))
+        each = [max(bound, float((branch._prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf)),
+                    float(known.least[g, a])) for bound, g, a, cuts, _ in stack]
+        assert got == min(each, default=math.inf)
+        calls.append(len(stack))
+        return got
+
+    _open_bound = branch._open_bound
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        clock = itertools.count()
+        with mock.patch.object(branch, "_open_bound", walked), \
+                mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))):
+            branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
+    assume(calls)  # some search stopped at its limit with nodes open
+
+
 def test_it_does_not_apply_where_a_term_spans_stages():
     profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=[10] * 4, saved=[10] * 4,
                                 cut_act=[10] * 3, sizes=(1,))

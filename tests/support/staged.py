@@ -56,7 +56,8 @@ def run_in_process(plan: Plan, steps: int = 3, lr: float = 0.05) -> Dict[str, to
             for s in reversed(range(len(engines))):
                 if s < len(engines) - 1:
                     done = steps_of[s + 1].states.pop((s + 1, i))  # its backward left the gradients
-                    steps_of[s].states[(s, i)].grads = [grad.clone() for grad in done.input_grads]
+                    steps_of[s].states[(s, i)].grads = [grad.clone() if present else None for grad, present
+                                                        in zip(done.input_grads, done.input_present)]
                 engines[s]._backward(steps_of[s], Action(ActionKind.BACKWARD, i, s))
         for engine in engines:
             engine.optimizer.step()
