@@ -31,7 +31,13 @@ on rank i at speed sigma_i (planner.cost.ranges):
 
     (A unit's bytes and step include the tied weights it uses; rank i holds one copy of each: its
     exchange, step and static memory take off the copies its units count beyond it, and the exchange
-    that copy too where the tie spans ranks, its all-reduce being the tie term: planner.cost.ties.)
+    that copy too where the tie spans ranks, its all-reduce being the tie term: planner.cost.ties.
+    Under ZeRO-3 a copy the rank keeps whole is never gathered: the exchange takes off every copy of
+    it, frozen or not, and all-reduces a trainable one on this rank alone once per step, bandwidth
+    only. The collective counts are the units' as planner.cost.ranges counts them: a unit whose only
+    parameters are kept whole is still charged its gathers' latency under a placement, an
+    over-charge where such a unit exists, kept for one rule shared by the model, the solvers and
+    the plan's emulated rings.)
 
     backward_input g, backward_weight g   (zero-bubble schedules) the backward's two parts,
                    (k^b + sum gi_l + sum_{l in R} f_l) / sigma_i and (sum gw_l + sum_{l in R} f_l) / sigma_i
@@ -126,16 +132,29 @@ def collective_latency(opts: CostOptions, rank: int) -> float:
     return opts.placement.exchange_latency(rank, opts.latency) / 2
 
 
+def whole_reduce_time(whole_bytes, opts: CostOptions, dtype: str, rank: Optional[int] = None):
+    """Seconds of the all-reduce, once per step over pipeline rank's d replicas, of `whole_bytes`
+    trainable profile bytes that ZeRO-3 keeps whole (planner.cost.ties: a tie two of the rank's
+    units use), 2 (d - 1)/d of the gradient, as the plain exchange sends (numbers or numpy arrays)."""
+    n, bandwidth = _exchange_link(opts, None, rank)
+    per_byte = memory_model.sync_bytes_per_param(precision_of(opts, dtype), "none", n, 1)
+    return per_byte / (memory_model.param_itemsize(dtype) * bandwidth) * whole_bytes
+
+
 def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_bytes: float, opts: CostOptions,
-                dtype: str, m: int, rank: int, collectives: float = 0.0, buffer_bytes: float = 0.0) -> float:
+                dtype: str, m: int, rank: int, collectives: float = 0.0, buffer_bytes: float = 0.0,
+                whole_bytes: float = 0.0) -> float:
     """Seconds of pipeline rank's data-parallel exchange per step: its bytes (`sync_time`) and, only
     when it moves any, its rings' latency. A rank with nothing to exchange (every parameter frozen,
     no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer). Under
     ZeRO-3 the latency is per collective the runtime issues: `collectives` per micro-batch (its units'
-    planner.cost.ranges `sharded_collectives`), m micro-batches a step. `buffer_bytes`: its units'
-    floating-point buffers, which local SGD averages."""
+    planner.cost.ranges `sharded_collectives`), m micro-batches a step; `whole_bytes`: the trainable
+    bytes it keeps whole, all-reduced once a step (`whole_reduce_time`; bandwidth only). `buffer_bytes`:
+    its units' floating-point buffers, which local SGD averages."""
     seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank,
                         buffer_bytes=buffer_bytes)
+    if whole_bytes:
+        seconds += whole_reduce_time(whole_bytes, opts, dtype, rank)
     seconds += m * collectives * collective_latency(opts, rank)
     return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
 
@@ -415,12 +434,14 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape, ties: Sequ
             buffers[i] += costs.buffers(*split.units(g))
             steps[i] += costs.step(*split.units(g), speed=speeds[i])
             lanes[i] = len(_devices_of(shape, g))
-    m, extra = shape.num_micro_batches, tie_surplus(split, shape, ties, opts.local_sgd)
+    m, extra = shape.num_micro_batches, tie_surplus(split, shape, ties, opts.local_sgd, opts.shard)
     for i in range(devices):  # a tied weight's extra uses on a rank are one copy (planner.cost.ties)
-        params[i] -= extra.exchanged[i]
+        params[i] -= extra.exchanged[i] + extra.ungathered[i]
         trainable[i] -= extra.exchanged[i]
+        frozen_backward[i] -= extra.ungathered_backward[i]
         value[("reduce", i)] = (reduce_time(params[i], trainable[i], frozen_backward[i], opts, split.dtype, m, i,
-                                            collectives[i], buffers[i]) if lanes[i] == 1 else 0.0)
+                                            collectives[i], buffers[i], extra.whole_reduced[i])
+                                if lanes[i] == 1 else 0.0)
         value[("step", i)] = steps[i] - extra.step_s[i] / speeds[i]
     sizes = {tie.name: tie.size for tie in ties}
     for term, members in shape.collectives:
@@ -434,14 +455,14 @@ def step_durations(split: Split, opts: CostOptions, shape: StepShape, ties: Sequ
     return value
 
 
-def tie_surplus(split: Split, shape: StepShape, ties: Sequence[TieCopy], averaged: bool = False) -> Surplus:
-    """What the per-unit sums of each device count beyond the one copy of each tied weight it holds
-    (planner.cost.ties; tied weights come without replicated stages: one device per stage);
-    averaged: under local SGD."""
+def tie_surplus(split: Split, shape: StepShape, ties: Sequence[TieCopy], averaged: bool = False,
+                shard: str = "none") -> Surplus:
+    """What the per-unit sums of each device count beyond the one copy of each tied weight it holds,
+    and what ZeRO-3 keeps whole (planner.cost.ties; tied weights come without replicated stages: one
+    device per stage); averaged: under local SGD."""
     if not ties:  # every split a search screens: nothing to take off
-        zero = [0.0] * shape.pipeline_ranks
-        return Surplus(zero, zero, zero, zero)
-    return surplus(ties, [shape.rank_of(g) for g in split.stage_of], shape.pipeline_ranks, averaged)
+        return Surplus.zero(shape.pipeline_ranks)
+    return surplus(ties, [shape.rank_of(g) for g in split.stage_of], shape.pipeline_ranks, averaged, shard)
 
 
 def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[Tuple, float],

@@ -14,6 +14,15 @@ k_i uses of t on rank i, the model takes off
                                     k_i - 1 (the model averaging covers every parameter a rank holds,
                                     runtime.localsgd); trainable ties only
 
+Under ZeRO-3 (`parameters`) a rank keeps its copy whole (`kept_whole`: t spans ranks and trains, or
+k_i >= 2) and FSDP2 never gathers or reduce-scatters it (runtime.shard_params: ignored parameters),
+so the sharded exchange takes off all k_i copies, frozen ties too (their forward gathers, and the
+backward gathers of the uses whose backward runs: `TieCopy.regathered`), and a trainable tie on
+this rank alone is all-reduced whole once per step over the data-parallel group instead
+(`ParameterSharding.step`; `Surplus.whole_reduced`; a spanning one has its own all-reduce). A rank
+with k_i = 1 of a tie on it alone, or of a frozen tie spanning ranks, shards and gathers it as
+any other parameter.
+
 A copy is c_t = min(bytes_t, B_u over t's uses u), B_u the unit's trainable bytes (its parameter
 bytes for a frozen tie): a use's unit holds the tie (a profile whose units do not hold it whole
 takes off no more than they hold). Its optimizer step is the smallest of its uses' steps in
@@ -74,6 +83,9 @@ class TieCopy:
     step_s: float
     trainable: bool = True
     size: float = 0.0  # the tied weight's own bytes (its all-reduce's)
+    # per use, the copy's bytes ZeRO-3 gathers again for that unit's backward (a frozen tie's, where
+    # the unit's backward runs: planner.cost.ranges `fb`; a trainable tie's gradients are exchanged)
+    regathered: Tuple[float, ...] = ()
 
     @property
     def trained_bytes(self) -> float:
@@ -88,19 +100,31 @@ def tie_copies(ties: Sequence[TiedWeight], costs: RangeCosts) -> List[TieCopy]:
         counted = costs.t if trainable else costs.p
         held = min([float(size)] + [float(counted[u]) for u in uses])
         steps = [float(costs.o[u]) * held / float(costs.t[u]) for u in uses if costs.t[u] > 0] if trainable else []
-        out.append(TieCopy(name, tuple(uses), max(held, 0.0), min(steps, default=0.0), trainable, float(size)))
+        held = max(held, 0.0)
+        again = tuple(0.0 if trainable else min(held, float(costs.fb[u])) for u in uses)
+        out.append(TieCopy(name, tuple(uses), held, min(steps, default=0.0), trainable, float(size), again))
     return out
 
 
 @dataclass(frozen=True)
 class Surplus:
     """Per device, what the per-unit sums count beyond what it holds: `held` parameter bytes (of them
-    `held_trained` trainable), `exchanged` bytes (data-parallel exchange) and `step_s` (at speed 1)."""
+    `held_trained` trainable), `exchanged` trainable bytes (data-parallel exchange) and `step_s` (at
+    speed 1); under ZeRO-3 also the frozen bytes it keeps whole, `ungathered` (of them
+    `ungathered_backward` in units whose backward runs), and what it exchanges instead:
+    `whole_reduced` trainable bytes all-reduced whole once per step (module docstring)."""
 
     held: List[float]
     held_trained: List[float]
     exchanged: List[float]
     step_s: List[float]
+    ungathered: List[float]
+    ungathered_backward: List[float]
+    whole_reduced: List[float]
+
+    @staticmethod
+    def zero(devices: int) -> "Surplus":
+        return Surplus(*([0.0] * devices for _ in range(7)))
 
 
 def uses_per_device(tie: TieCopy, unit_device: Sequence[int]) -> Dict[int, int]:
@@ -112,21 +136,28 @@ def uses_per_device(tie: TieCopy, unit_device: Sequence[int]) -> Dict[int, int]:
     return uses
 
 
-def surplus(copies: Sequence[TieCopy], unit_device: Sequence[int], devices: int, averaged: bool = False) -> Surplus:
+def surplus(copies: Sequence[TieCopy], unit_device: Sequence[int], devices: int, averaged: bool = False,
+            shard: str = "none") -> Surplus:
     """The surplus of each device given the device of every unit (module docstring); averaged:
-    under local SGD (the exchange averages each held copy, spanning or not)."""
-    held, trained = [0.0] * devices, [0.0] * devices
-    exchanged, step = [0.0] * devices, [0.0] * devices
+    under local SGD (the exchange averages each held copy, spanning or not); shard: the ZeRO stage
+    (only `parameters` changes the exchange)."""
+    held, trained, exchanged, step, ungathered, again, whole = ([0.0] * devices for _ in range(7))
     for tie in copies:
         uses = uses_per_device(tie, unit_device)
         spans = len(uses) > 1 and not averaged
         for i, k in uses.items():
             held[i] += (k - 1) * tie.bytes_
             trained[i] += (k - 1) * tie.trained_bytes
+            zero3_whole = shard == "parameters" and not averaged and kept_whole(shard, tie.trainable, spans, k)
             if tie.trainable:  # a frozen tie exchanges and steps nothing
                 step[i] += (k - 1) * tie.step_s
-                exchanged[i] += (k if spans else k - 1) * tie.bytes_
-    return Surplus(held, trained, exchanged, step)
+                exchanged[i] += (k if spans or zero3_whole else k - 1) * tie.bytes_
+                if zero3_whole and not spans:  # all-reduced here whole, once per step
+                    whole[i] += tie.bytes_
+            elif zero3_whole:  # never gathered on this device
+                ungathered[i] += k * tie.bytes_
+                again[i] += sum(r for u, r in zip(tie.uses, tie.regathered) if unit_device[u] == i)
+    return Surplus(held, trained, exchanged, step, ungathered, again, whole)
 
 
 def copy_static(copies: Sequence[TieCopy], factors: Tuple[float, float]) -> np.ndarray:

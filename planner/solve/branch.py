@@ -46,7 +46,8 @@ paid once when any stage exchanges: 1/v per such stage, at most what the split p
 is not a sum of its stages' (the peak of its list), so a stage is placed only where it fits alone
 (a necessary condition) and a complete split is kept only if `evaluate` finds it fits. It applies
 to every schedule without replicated stages, without tied weights (their all-reduce spans the ranks
-holding a use) and with recomputation `none` or `all` (fixed per unit).
+holding a use; under ZeRO-3 a frozen one's gathers, too, depend on whether one rank holds two of its
+uses: planner.cost.ties) and with recomputation `none` or `all` (fixed per unit).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ from planner.cost.model import (boundary_links, collective_latency, evaluate, ex
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.result import PathForm
+from planner.cost.ties import tied_weights
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
 from planner.solve.floors import (Band, OutOfTime, form_completions, least_largest, nonzero_terms, split_of,
@@ -88,6 +90,7 @@ def applies(profile: Profile, opts: CostOptions) -> bool:
     profile small enough for its tables."""
     return (table_bytes(profile.num_units, opts) <= TABLE_BYTES and not opts.replicated
             and opts.recompute in ("none", "all") and not shared_parameters(profile)
+            and not (opts.shard == "parameters" and opts.data_parallel > 1 and tied_weights(profile))
             and opts.num_stages <= profile.num_units)
 
 

@@ -23,7 +23,11 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
     (planner.cost.ties; beta^w c_t and no tau_t, R_i, O_i terms for a frozen one; under local SGD the
     exchange takes off k - h); + (W_t - C_t) whole[t][i] where rank i keeps its copy whole under ZeRO
     (W_t, C_t: a copy's static bytes unsharded and sharded; `tie_whole`); w_i >= q[t][i] for the ties, and
-    not for a unit whose exchange is its ties' alone
+    not for a unit whose exchange is its ties' alone. Under ZeRO-3 (d > 1) with two[t][i] = [k[t][i] >= 2]
+    (binary: (n_t - 1) two >= k - h >= two): R_i += (N_t - ar_t) a[t][i], a = q two (a trainable tie
+    on rank i alone, kept whole: all-reduced once a step, N_t, not sharded), and R_i -= two[t][i]
+    sum_{u, g on i} gz_u x[u][g] for a frozen one (its gathers gz_u, none when kept whole), each
+    product linearised exactly (`_kept_whole_exchange`)
 
 The step time is the longest path of the lists' graph, the largest of its paths' sums; each known
 path k (a critical-path form: counts c_k of duration terms) gives a row
@@ -52,7 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pulp
 
 from planner.cost.model import (boundary_links, collective_latency, exchange_latency, num_micro_batches, rank_caps,
-                                rank_speeds, reduce_time, shared_parameters, sync_time, tie_time)
+                                rank_speeds, reduce_time, shared_parameters, sync_time, tie_time, whole_reduce_time)
 from planner.cost.options import CostOptions
 from planner.cost.result import PathForm
 from planner.cost.ranges import range_costs
@@ -204,6 +208,7 @@ class Program:
             per_copy = {tie.name: sync_time(tie.bytes_, tie.bytes_, 0.0, opts, self.profile.dtype, self.m, rank=i) * MS
                         for tie in self.ties}
             reduce -= pulp.lpSum(per_copy[tie.name] * self.tie_exchanged(tie, i) for tie in self.ties)
+            reduce += self._kept_whole_exchange(i, per_copy)
             latency = exchange_latency(opts, i) * MS
             if latency > 0 and moving:  # charged only when the rank exchanges anything (w_i)
                 w = _var(self.prob, f"exchanges_{i}", binary=True)
@@ -231,7 +236,9 @@ class Program:
         self.uses: Dict[Tuple[str, int], object] = {}
         self.alone: Dict[Tuple[str, int], object] = {}
         weights = tied_weights(self.profile)
-        self.ties = tie_copies([t for t in weights if t.trainable], c)  # exchanged and stepped: trainable ones
+        self.copies = tie_copies(weights, c)
+        self.ties = [tie for tie in self.copies if tie.trainable]  # exchanged and stepped: trainable ones
+        self.twice: Dict[Tuple[str, int], object] = {}  # [k[t][i] >= 2] under `parameters`
         for name, uses, size, trainable in weights:  # held once per rank: frozen ones too
             ranks = sorted({opts.rank_of_stage(g) for u in uses for g in range(S) if self.may(u, g)})
             for i in ranks:
@@ -244,6 +251,11 @@ class Program:
                             self.add(h >= self.x(u, g), f"hold_{name}_{i}_{u}_{g}")
                 self.add(h <= k, f"hold_only_{name}_{i}")  # with h >= each use: h = [k >= 1]
                 self.hold[name, i], self.uses[name, i] = h, k
+                if opts.shard == "parameters" and len(uses) >= 2:  # two = [k - h >= 1] = [k >= 2]
+                    two = _var(self.prob, f"twice_{name}_{i}", binary=True)
+                    self.add((len(uses) - 1) * two >= k - h, f"twice_{name}_{i}")
+                    self.add(two <= k - h, f"twice_only_{name}_{i}")
+                    self.twice[name, i] = two
             if not trainable:  # no gradient: no all-reduce
                 continue
             counts = range(1, min(len(uses), len(ranks)) + 1)
@@ -259,6 +271,40 @@ class Program:
                 self.alone[name, i] = q
             self.term[("tie", name)] = self._define(
                 f"tie_{name}", pulp.lpSum(tie_time(size, n * opts.tie_replicas, opts) * MS * v for n, v in y.items()))
+
+    def _kept_whole_exchange(self, i: int, per_copy: Dict[str, float]):
+        """What ZeRO-3 keeping a tie whole on rank i changes in its exchange (planner.cost.ties), in ms:
+        a trainable tie on rank i alone with two uses there (a = q [k >= 2]) is all-reduced whole
+        once a step instead of sharded, N - Z per copy; a frozen one with two uses there (twice) is
+        gathered for none of them: each use's gathers come off, twice * sum_u Z_u x_u (`frozen_whole`)."""
+        opts, dtype, out = self.opts, self.profile.dtype, 0
+        if opts.shard != "parameters" or opts.local_sgd or opts.data_parallel <= 1:
+            return out
+        for tie in self.copies:
+            if (tie.name, i) not in self.twice:
+                continue
+            two = self.twice[tie.name, i]
+            if tie.trainable:
+                whole = whole_reduce_time(tie.bytes_, opts, dtype, i) * MS - per_copy[tie.name]
+                a = _var(self.prob, f"alone_twice_{tie.name}_{i}")
+                q = self.alone[tie.name, i]
+                self.add(a <= q, f"alone_twice_q_{tie.name}_{i}")
+                self.add(a <= two, f"alone_twice_two_{tie.name}_{i}")
+                self.add(a >= q + two - 1, f"alone_twice_both_{tie.name}_{i}")
+                out += whole * a
+                continue
+            gathers = [(sync_time(tie.bytes_, 0.0, again, opts, dtype, self.m, rank=i) * MS, u)
+                       for u, again in zip(tie.uses, tie.regathered)]
+            here = pulp.lpSum(z * self.x(u, g) for z, u in gathers for g in opts.stages_on(i) if self.may(u, g) and z)
+            most = sum(z for z, _ in gathers)
+            if most <= 0:
+                continue
+            saved = _var(self.prob, f"frozen_whole_{tie.name}_{i}")  # = twice * here, exactly
+            self.add(saved <= here, f"frozen_whole_here_{tie.name}_{i}")
+            self.add(saved <= most * two, f"frozen_whole_twice_{tie.name}_{i}")
+            self.add(saved >= here - most * (1 - two), f"frozen_whole_both_{tie.name}_{i}")
+            out -= saved
+        return out
 
     def _rest_moves(self) -> Dict[int, bool]:
         """Per unit using a tie: whether anything but its ties' copies moves in its exchange (what
@@ -288,7 +334,7 @@ class Program:
     def tie_whole(self, tie, i: int, shard: str):
         """1 where rank i keeps its copy of `tie` whole (planner.cost.ties.kept_whole): under `gradients`
         h - q (held, spanning ranks); under `parameters` at least that (a trainable tie) and at least
-        [k >= 2] (a binary the uses force), which the memory rows never want larger."""
+        [k >= 2] (`twice`, a binary the uses force), which the memory rows never want larger."""
         if (tie.name, i) not in self.hold or shard not in ("gradients", "parameters"):
             return 0
         spans = self.hold[tie.name, i] - self.alone[tie.name, i] if tie.trainable else 0
@@ -297,11 +343,8 @@ class Program:
         whole = _var(self.prob, f"whole_{tie.name}_{i}")
         if tie.trainable:
             self.add(whole >= spans, f"whole_spans_{tie.name}_{i}")
-        if len(tie.uses) >= 2:
-            two = _var(self.prob, f"twice_{tie.name}_{i}", binary=True)
-            self.add((len(tie.uses) - 1) * two >= self.uses[tie.name, i] - self.hold[tie.name, i],
-                     f"twice_{tie.name}_{i}")
-            self.add(whole >= two, f"whole_twice_{tie.name}_{i}")
+        if (tie.name, i) in self.twice:
+            self.add(whole >= self.twice[tie.name, i], f"whole_twice_{tie.name}_{i}")
         return whole
 
     # --- memory ---------------------------------------------------------------------------------

@@ -135,3 +135,35 @@ def test_the_plan_files_stage_figures_count_a_tie_kept_whole_as_the_rank_does(sh
             assert getattr(stage, figure) == pytest.approx(want, abs=1), figure
         assert stage.optimizer_bytes == pytest.approx(untied_stage.optimizer_bytes + TIE / itemsize * (
             excess.master + excess.optimizer - (1 + extra) * (sharded.master + sharded.optimizer)), rel=1e-12)
+
+
+@functools.lru_cache(maxsize=1)
+def frozen_tied_profile():
+    """tests.models:frozen_tied_lm (the tied embedding and blocks.0 frozen) captured on the meta device."""
+    return analytic_profile("tests.models:frozen_tied_lm", {}, [1], FLAT)
+
+
+def test_zero3_all_reduces_a_tie_its_rank_keeps_whole_once_a_step_and_gathers_none_of_it():
+    # One rank, d = 2, m = 4, fp32 (g = w = 4 B a parameter), 1 MB/s: the runtime keeps the tie whole
+    # (runtime.shard_params: two of the rank's units read it) and all-reduces its gradient once a step,
+    # 2 (d - 1)/d g = 4 B a parameter = 1 per byte; each block is gathered for every forward and
+    # backward and reduce-scattered, m (d - 1)/d (g + 2 w) = 24 B a parameter = 6 per byte.
+    # Before the fix: one copy of the tie was charged as gathered, 6 (3 BLOCK + TIE) = 44160 us.
+    opts = options(d=2).with_(shard="parameters", dp_bandwidth=1e6)
+    cost = evaluate(tied_profile(), [], 1, opts)
+    assert cost.durations[("reduce", 0)] == pytest.approx((6 * 3 * BLOCK + TIE) / 1e6)
+    # frozen: emb (the tie) and blocks.0 frozen, neither's backward runs: blocks.0 gathered for its
+    # forwards, m (d - 1)/d w = 2 per byte; the tie never. Before: its forward gathers in emb and head
+    # and head's backward gathers, 6 TIE more (39808 us)
+    cost = evaluate(frozen_tied_profile(), [], 1, opts)
+    assert cost.durations[("reduce", 0)] == pytest.approx((2 * BLOCK + 6 * 2 * BLOCK) / 1e6)
+
+
+def test_zero3_still_gathers_a_frozen_tie_with_one_use_per_rank():
+    # p = 2: emb, blocks.0 | blocks.1, blocks.2, head. Each rank holds one use of the frozen tie and
+    # shards it (runtime.stage: a frozen weight is no tie): rank 0 gathers emb and blocks.0 for its
+    # forwards (2 per byte, m = 4), rank 1 the head for its forwards and backwards too (4 per byte)
+    opts = options(p=2, d=2).with_(global_batch=8, shard="parameters", dp_bandwidth=1e6)
+    cost = evaluate(frozen_tied_profile(), [2], 1, opts)
+    assert cost.durations[("reduce", 0)] == pytest.approx(2 * (TIE + BLOCK) / 1e6)
+    assert cost.durations[("reduce", 1)] == pytest.approx((6 * 2 * BLOCK + 4 * TIE) / 1e6)

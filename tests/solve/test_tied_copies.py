@@ -55,7 +55,11 @@ ACROSS_SITES = Placement(topology_from_json(TOPOLOGY), ((0, 1), (2, 3)))  # each
 ])
 def test_the_program_at_a_split_is_the_model_there(frozen_blocks, boundaries, options):
     """Every split fixed: the program's exchange, step, tie and memory are the cost model's."""
-    profile = compute_profile(tied_chain(trainable_blocks=not frozen_blocks), CostOptions(1, 8))
+    program_is_the_model(tied_chain(trainable_blocks=not frozen_blocks), boundaries, options)
+
+
+def program_is_the_model(profile, boundaries, options):
+    profile = compute_profile(profile, CostOptions(1, 8))
     opts = CostOptions(data_parallel=2, global_batch=8 * options["pipeline_ranks"], dp_bandwidth=2e8, **options)
     cost = evaluate(profile, boundaries, 1, opts)
     edges = [0, *boundaries, profile.num_units]
@@ -74,6 +78,19 @@ def test_the_program_at_a_split_is_the_model_there(frozen_blocks, boundaries, op
             for term, seconds in cost.durations.items():
                 if term[0] in ("reduce", "step", "tie"):
                     assert pulp.value(program.term[term]) == pytest.approx(seconds * MS, rel=1e-9, abs=1e-9), term
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("boundaries, options", [
+    ([], dict(pipeline_ranks=1)),  # both uses on the rank: kept whole, never gathered
+    ([2], dict(pipeline_ranks=2)),  # one use a rank: spanning (trainable) or sharded (frozen)
+    ([1, 2, 4], dict(pipeline_ranks=2, schedule="zb-v", virtual_stages=2)),  # both on rank 0 (the V)
+    ([2], dict(pipeline_ranks=2, latency=0.02, placement=ACROSS_SITES)),
+])
+def test_the_program_at_a_split_is_the_model_there_under_zero3(frozen, boundaries, options):
+    # before the fix the program charged a tie its rank keeps whole as sharded, as the model did
+    program_is_the_model(frozen_tie_chain() if frozen else tied_chain(), boundaries,
+                         dict(options, shard="parameters"))
 
 
 def _one_rank_holding_both_uses(chain):
@@ -178,3 +195,12 @@ def test_solver_matches_brute_force_where_zero_keeps_a_tie_whole(shard, p, sched
     peaks = sorted({max(evaluate(profile, c, 1, opts).device_memory) for c in _splits(profile, opts)})
     for cap in peaks[1:3]:  # caps that rule out some splits
         same_as_brute(profile, opts.with_(memory_cap=cap))
+
+
+def test_zero3_ties_go_to_the_program_not_the_branch_and_bound():
+    # the branch and bound's stage terms charge every use's gathers; under ZeRO-3 a frozen tie two of
+    # a rank's units use is gathered for none (planner.cost.ties): a split-dependent term it cannot bound
+    from planner.solve.branch import applies
+    opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=16)
+    assert applies(frozen_tie_chain(), opts) and applies(frozen_tie_chain(), opts.with_(shard="gradients"))
+    assert not applies(frozen_tie_chain(), opts.with_(shard="parameters"))
