@@ -177,9 +177,11 @@ class _Terms:
 
     def restrict(self, forms: Sequence[PathForm], target: float) -> None:
         """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
-        step below `target` (planner.solve.reach: a stage too heavy for any split to beat it)."""
+        step below `target` (planner.solve.reach: a stage too heavy for any split to beat it). Only the
+        ranges allowed now are tested: the target only falls and the forms only grow, so no other range
+        can come back (and one the floors dropped stays dropped: they only rise)."""
         ok = stage_conditions(self.costs, self.S, self.speeds, [f.count() for f in forms if not f.crossings],
-                              target, recompute_all=self.redo_all)
+                              target, recompute_all=self.redo_all, within=self.allowed)
         self.allow([fits & good for fits, good in zip(self.fits, ok)])
 
     def allow(self, allowed: List[np.ndarray]) -> None:

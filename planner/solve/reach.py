@@ -27,28 +27,36 @@ from planner.cost.ranges import RangeCosts, prefix_sums
 
 def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float], forms: Iterable[Mapping],
                      bound: float, recompute_all: bool = False,
-                     memory: Optional[Tuple[Sequence[Optional[float]], Sequence[int], np.ndarray, np.ndarray]] = None
-                     ) -> List[np.ndarray]:
+                     memory: Optional[Tuple[Sequence[Optional[float]], Sequence[int], np.ndarray, np.ndarray]] = None,
+                     within: Optional[Sequence[np.ndarray]] = None) -> List[np.ndarray]:
     """ok[g][a, e]: stage g may hold units [a, e) in a split whose step time is below `bound`.
 
     speeds[g]: the speed of stage g's rank; memory: (cap per stage, micro-batches held per stage,
-    prefix sums of the units' static parameter bytes, the least bytes each unit can hold for backward) or None."""
+    prefix sums of the units' static parameter bytes, the least bytes each unit can hold for backward) or None;
+    within[g]: only these ranges are tested (the rest are not ok) -- the ranges a caller already knows to
+    be the only candidates, as a search whose bound only falls and whose forms only grow does."""
     S = num_stages
     fastest = max(speeds)
-    forward = costs.matrix(costs.F) + costs.call_forward
-    backward = costs.matrix(costs.G + (costs.F if recompute_all else 0.0)) + costs.call_backward
-    work_before = (costs.F + costs.G)[:, None] / fastest  # W(0, a), rows a
-    work_after = ((costs.F + costs.G)[-1] - (costs.F + costs.G))[None, :] / fastest  # W(e, L), columns e
+    work = (costs.F + costs.G) / fastest
+    redo = costs.F if recompute_all else 0.0
     limit = bound * (1 + 1e-9) + 1e-15
-    ok = [np.isfinite(forward) for _ in range(S)]
+    valid = np.isfinite(costs.matrix(costs.F))
+    ok = [valid.copy() if within is None else valid & within[g] for g in range(S)]
     for g, conditions in enumerate(_stage_coefficients(forms, S)):
+        if not conditions:
+            continue
+        a, e = np.nonzero(ok[g])  # tested where still possible: a band of a large profile's ranges
+        forward = costs.F[e] - costs.F[a] + costs.call_forward
+        backward = (costs.G + redo)[e] - (costs.G + redo)[a] + costs.call_backward
+        keep = np.ones(a.size, dtype=bool)
         for alpha, beta, before, after in conditions:
             value = ((alpha * forward if alpha else 0.0) + (beta * backward if beta else 0.0)) / speeds[g]
             if before:
-                value = value + before * work_before
+                value = value + before * work[a]  # W(0, a)
             if after:
-                value = value + after * work_after
-            ok[g] &= value <= limit
+                value = value + after * (work[-1] - work[e])  # W(e, L)
+            keep &= value <= limit
+        ok[g][a[~keep], e[~keep]] = False
     if memory is not None:
         caps, held, static_prefix, least_per_unit = memory
         params = costs.matrix(static_prefix)
