@@ -1,0 +1,39 @@
+"""The per-stage conditions (planner.solve.reach.stage_conditions): every stage of a split faster than
+the bound passes them, and testing only the ranges `within` gives the full test's answer there."""
+import itertools
+import random
+
+import numpy as np
+
+from planner.cost.model import compute_profile, evaluate
+from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
+from planner.solve.reach import stage_conditions
+from tests.support.synthetic import random_chain
+
+
+def test_conditions_keep_every_faster_split_and_within_only_narrows():
+    for seed in range(6):
+        rng = random.Random(seed)
+        L, S = rng.randint(5, 8), rng.choice([2, 3])
+        opts = CostOptions(pipeline_ranks=S, global_batch=8, schedule=rng.choice(["1f1b", "gpipe"]))
+        profile = compute_profile(random_chain(rng, L, sizes=(2,)), opts)
+        splits = [list(c) for c in itertools.combinations(range(1, L), S - 1)]
+        steps = {tuple(c): evaluate(profile, c, 2, opts) for c in splits}
+        forms = [cost.critical_path.count() for cost in list(steps.values())[::3]]
+        bound = float(np.median([cost.iteration_s for cost in steps.values()]))
+        costs = range_costs(profile, 2, opts.optimizer)
+        ok = stage_conditions(costs, S, [1.0] * S, forms, bound)
+        for cuts, cost in steps.items():
+            if cost.iteration_s < bound:
+                ends = list(cuts) + [L]
+                assert all(ok[g][a, e] for g, (a, e) in enumerate(zip([0] + list(cuts), ends)))
+        assert sum(int(o.sum()) for o in ok) < S * L * (L + 1) // 2  # the bound excludes some ranges
+        within = [rng_mask(rng, L) for _ in range(S)]
+        narrowed = stage_conditions(costs, S, [1.0] * S, forms, bound, within=within)
+        for g in range(S):
+            assert np.array_equal(narrowed[g], ok[g] & within[g])
+
+
+def rng_mask(rng, L):
+    return np.array([[rng.random() < 0.6 for _ in range(L + 1)] for _ in range(L + 1)])
