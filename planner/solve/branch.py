@@ -217,6 +217,7 @@ class _Forms:
         self.known: Set[PathForm] = set()
         # the stage floors' bound (planner.solve.floors): H_g(a, e) per stage, M[g, a], and the split attaining M
         self.floors: Optional[List[np.ndarray]] = None
+        self.floored = 0  # the forms the floors count (the first ones)
         self.least = np.full((terms.S + 1, terms.L + 1), -np.inf)
         self.least_split: Optional[Tuple[int, ...]] = None
         self.refresh_s = 0.0  # how long the last refresh took
@@ -268,11 +269,42 @@ class _Forms:
         started = time.perf_counter()
         try:
             self._refresh(target)
-        except OutOfTime:  # past the deadline: completions 0 (durations: a valid bound) and no floors
-            self.completion = np.zeros((len(self), self.terms.S + 1, self.terms.L + 1))
-            self.floors, self.least_split = None, None
-            self.least = np.full((self.terms.S + 1, self.terms.L + 1), -np.inf)
+        except OutOfTime:
+            self._out_of_time()
         self.refresh_s = time.perf_counter() - started
+
+    def _out_of_time(self) -> None:  # past the deadline: completions 0 (durations: a valid bound) and no floors
+        self.completion = np.zeros((len(self), self.terms.S + 1, self.terms.L + 1))
+        self.floors, self.least_split = None, None
+        self.least = np.full((self.terms.S + 1, self.terms.L + 1), -np.inf)
+
+    def _least(self) -> None:  # M and the split attaining it, from the floors of every form counted so far
+        self.floored = len(self)
+        self.least, ends = least_largest(self.floors)
+        self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
+
+    def extend(self, target: float) -> None:
+        """The floors for the same target with the forms added since the last refresh: their floors
+        joined to the kept ones, which still hold (taken over a superset of the ranges allowed now, with
+        fewer forms), the ranges whose floor reaches the target dropped, M again. A refresh where there
+        are no floors to extend. Its time is not the next refresh's estimate (`refresh_s` stays)."""
+        if self.floors is None:
+            self.refresh(target)
+            return
+        try:
+            terms, new = self.terms, slice(self.floored, len(self))
+            terms.restrict(self.known, target)
+            if new.start < new.stop:
+                fresh = stage_floors(self.constant[new], self.coefficients[:, new], terms.band,
+                                     self.completion[new], self.deadline)
+                self.floors = [np.maximum(old, floor) for old, floor in zip(self.floors, fresh)]
+            self.floors = [np.where(allowed, floor, np.inf) for allowed, floor in zip(terms.allowed, self.floors)]
+            kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
+            if not all((k == a).all() for k, a in zip(kept, terms.allowed)):
+                terms.allow(kept)
+            self._least()
+        except OutOfTime:
+            self._out_of_time()
 
     def _refresh(self, target: float) -> None:
         terms, deadline = self.terms, self.deadline
@@ -287,8 +319,7 @@ class _Forms:
                 break
             terms.allow(kept)
             self.completion = form_completions(self.coefficients, terms.band, deadline)
-        self.least, ends = least_largest(self.floors)
-        self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
+        self._least()
 
     def floor_bound(self, g: int, a: int) -> np.ndarray:
         """Over e: no split with stage g = [a, e) is faster than max(H_g(a, e), M[g + 1, e])."""
@@ -350,7 +381,10 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             if not affordable() or cutting and time_limit is not None and cutting_s >= CUT_SHARE * time_limit:
                 return
             round_started, before, forms_before = time.perf_counter(), target, len(known)
-            known.refresh(target * (1 - gap))
+            if cutting:  # the same target: the new forms' floors joined to the others
+                known.extend(target * (1 - gap))
+            else:
+                known.refresh(target * (1 - gap))
             if known.least_split is not None and known.least_split not in tried:
                 tried.add(known.least_split)
                 met(known.least_split)
