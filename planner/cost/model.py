@@ -67,7 +67,7 @@ from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
 from planner.cost.ties import (Surplus, TieCopy, shared_parameters, surplus, tie_copies,  # noqa: F401
                                kept_whole, tied_weights, uses_per_device)
-from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
+from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES, stage_placement
 from planner.cost import memory as memory_model
 from planner.cost.rank_memory import (_device_caps, _shard, device_memory, fixed_bytes, held_bytes,  # noqa: F401
                                       precision_of, rank_caps, reserve_of, static_bytes, static_factors)
@@ -395,9 +395,11 @@ def _devices_of(shape: StepShape, g: int) -> Tuple[int, ...]:
 def step_collectives(ties: Sequence[TieCopy], split: "Split", opts: CostOptions) -> List[Tuple[Tuple, Tuple[int, ...]]]:
     """The step's collectives in run order: the trainable tied weights whose uses span ranks (by
     name), then each replicated stage's all-reduce over its replicas."""
-    ranks = [opts.rank_of_stage(g) for g in split.stage_of]
+    trained = sorted((t for t in ties if t.trainable), key=lambda t: t.name)
+    placement = stage_placement(opts.schedule, opts.num_stages, opts.virtual_stages) if trained else ()
+    ranks = [placement[g] for g in split.stage_of] if trained else []  # per unit: only where a tie needs it
     out = []
-    for tie in sorted((t for t in ties if t.trainable), key=lambda t: t.name):
+    for tie in trained:
         holders = tuple(sorted(uses_per_device(tie, ranks)))
         if len(holders) > 1:
             out.append((("tie", tie.name), holders))
