@@ -299,9 +299,7 @@ class _Forms:
                                      self.completion[new], self.deadline)
                 self.floors = [np.maximum(old, floor) for old, floor in zip(self.floors, fresh)]
             self.floors = [np.where(allowed, floor, np.inf) for allowed, floor in zip(terms.allowed, self.floors)]
-            kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
-            if not all((k == a).all() for k, a in zip(kept, terms.allowed)):
-                terms.allow(kept)
+            self._drop_reached(target)
             self._least()
         except OutOfTime:
             self._out_of_time()
@@ -314,12 +312,19 @@ class _Forms:
             return
         for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
             self.floors = stage_floors(self.constant, self.coefficients, terms.band, self.completion, deadline)
-            kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
-            if all((k == a).all() for k, a in zip(kept, terms.allowed)):
+            if not self._drop_reached(target):
                 break
-            terms.allow(kept)
             self.completion = form_completions(self.coefficients, terms.band, deadline)
         self._least()
+
+    def _drop_reached(self, target: float) -> bool:
+        """Drop the allowed ranges whose floor reaches the target; whether any was."""
+        terms = self.terms
+        kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
+        if all((k == a).all() for k, a in zip(kept, terms.allowed)):
+            return False
+        terms.allow(kept)
+        return True
 
     def floor_bound(self, g: int, a: int) -> np.ndarray:
         """Over e: no split with stage g = [a, e) is faster than max(H_g(a, e), M[g + 1, e])."""

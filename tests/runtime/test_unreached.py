@@ -13,11 +13,11 @@ ADAMW = ["--optimizer", "adamw", "--weight-decay", "0.1"]  # decay moves a weigh
 ENTRY = "tests.models:gated_branch"
 
 
-def _trains_like_one_process(plan, tmp_path):
+def _trains_like_one_process(plan, tmp_path, args=None):
     state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=ADAMW)
     reference = reference_state(plan, steps=2, lr=1e-3, optimizer="adamw", training=dict(weight_decay=0.1))
     assert max_abs_diff(state, reference) <= 1e-5
-    initial = build_spec(ENTRY, {}, 0).module.state_dict()
+    initial = build_spec(ENTRY, args or {}, 0).module.state_dict()
     assert torch.equal(state["gate.weight"], initial["gate.weight"])  # no loss reaches it: untouched
     assert (state["inp.weight"] - initial["inp.weight"]).abs().max() > 1e-4
 
@@ -55,11 +55,7 @@ def test_unreached_tie_across_ranks(tmp_path):
     # its holders leaves it None when no holder's backward reached it
     profile = profile_of(ENTRY, {"tied": True})
     assert profile.extra["shared_parameters"] and "gate2" in [u.name for u in profile.units[2:]]
-    state = execute(plan_with(profile, [2], 1, 4), tmp_path, steps=2, lr=1e-3, extra=ADAMW)
-    plan = plan_with(profile, [2], 1, 4)
-    reference = reference_state(plan, steps=2, lr=1e-3, optimizer="adamw", training=dict(weight_decay=0.1))
-    assert max_abs_diff(state, reference) <= 1e-5
-    assert torch.equal(state["gate.weight"], build_spec(ENTRY, {"tied": True}, 0).module.state_dict()["gate.weight"])
+    _trains_like_one_process(plan_with(profile, [2], 1, 4), tmp_path, {"tied": True})
 
 
 def test_presence_layout_round_trip():
