@@ -13,7 +13,7 @@ from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_ato
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
-from runtime.options import ENGINES, RANK_TIMEOUT_S, add_training_options, forwarded
+from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
@@ -165,7 +165,7 @@ def _worker_args(args: argparse.Namespace, out_dir: str, threads: int, optimizer
     """The command line every rank's `python -m runtime.worker` gets."""
     worker_args = [os.path.abspath(args.plan), "--out-dir", out_dir, "--steps", str(args.steps),
                    "--lr", str(args.lr), "--threads", str(threads), "--optimizer", optimizer, "--measure-link",
-                   "--engine", args.engine, *forwarded(args)]
+                   "--engine", args.engine, "--p2p", args.p2p, *forwarded(args)]
     if args.save_state or args.save_adapters:
         worker_args.append("--save-state")
     if args.init_state:
@@ -280,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--engine", choices=ENGINES, default="own",
                     help="own (default): this runtime's engine; torch: each stage in torch.distributed.pipelining's "
                          "PipelineStage, the plan's schedule run by torch's schedule class (docs/runtime.md)")
+    ex.add_argument("--p2p", choices=P2P, default="auto", help=P2P_HELP)
     ex.set_defaults(func=execute)
     sh = sub.add_parser("show", help="print and check each rank's instruction list")
     sh.add_argument("plan")

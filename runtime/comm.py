@@ -170,8 +170,14 @@ class Operation:
     tag: int
 
 
-def post(operations: Sequence[Operation], use_tags: bool) -> List[object]:
-    """Post every operation together (batch_isend_irecv); their works, to wait for."""
+def post(operations: Sequence[Operation], use_tags: bool, local=None) -> List[object]:
+    """Post every operation together; their works, to wait for. The operations with a peer that `local`
+    (runtime.shared_memory.SharedMemoryTransport) reaches go through it, the others through
+    torch.distributed (batch_isend_irecv)."""
+    if local is not None:
+        near = [op for op in operations if local.handles(op.peer)]
+        far = [op for op in operations if not local.handles(op.peer)]
+        return local.post(near) + post(far, use_tags)
     if not operations:
         return []
     ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, tag=op.tag if use_tags else 0)
@@ -179,9 +185,9 @@ def post(operations: Sequence[Operation], use_tags: bool) -> List[object]:
     return list(dist.batch_isend_irecv(ops))
 
 
-def exchange(operations: Sequence[Operation], use_tags: bool) -> None:
+def exchange(operations: Sequence[Operation], use_tags: bool, local=None) -> None:
     """Post every operation together and wait for all of them."""
-    for work in post(operations, use_tags):
+    for work in post(operations, use_tags, local):
         work.wait()
 
 

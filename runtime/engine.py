@@ -138,6 +138,7 @@ class Engine:
         self.optimizer = optimizer
         self.device = device
         self.use_tags = use_tags  # gloo matches messages by tag; NCCL by order
+        self.local = None  # runtime.shared_memory: the peers of this host, on the CPU
         self.groups = groups
         self.trace = trace
         self.autocast = autocast  # torch.autocast's dtype for forwards and losses, or None
@@ -335,10 +336,10 @@ class Engine:
             after.append(done)
         step.stats.messages += len(operations)
         if all(op.send for op in operations):
-            self.outbox.add(post(operations, self.use_tags), operations, after,
+            self.outbox.add(post(operations, self.use_tags, self.local), operations, after,
                             transfer_delay(actions, self.emulated_links))
             return
-        exchange(operations, self.use_tags)
+        exchange(operations, self.use_tags, self.local)
         hold(actions, self.emulated_links)
         completed(operations, after)
 

@@ -22,8 +22,11 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, TextIO
+
+from runtime.shared_memory import RUN_TOKEN, remove_rings
 
 
 
@@ -142,6 +145,7 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
                  timeout_s: float, progress_rank: Optional[int] = None) -> LaunchResult:
     """Run the worker with `worker_args` as ranks 0..world_size-1 and wait for all."""
     port = free_port()
+    token = uuid.uuid4().hex[:16]  # names the run's shared-memory rings (runtime.shared_memory), removed below
     procs: List[_Rank] = []
     progress = os.path.join(out_dir, "progress.out") if progress_rank is not None else None
     tail = _Tail(progress, sys.stdout)
@@ -149,7 +153,7 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
         for rank in range(world_size):
             env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+                       OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RUN_TOKEN: token})
             argv = [*worker_args, "--timeout", str(timeout_s)] + (["--progress"] if rank == progress_rank else [])
             procs.append(_Rank(argv, env, os.path.join(out_dir, f"rank{rank}.log"),
                                progress if rank == progress_rank else None))
@@ -170,6 +174,8 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
     except BaseException:
         _stop(procs, grace_s=1.0)
         raise
+    finally:
+        remove_rings(token)  # what a killed rank left
 
 
 def _first_cause(out_dir: str, failed: List[int], codes: List[Optional[int]]) -> int:

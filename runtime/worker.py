@@ -34,11 +34,13 @@ from runtime import checkpoint as ckpt
 from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
+from runtime.link_probe import poster
 from runtime.initstate import InitState
-from runtime.options import ENGINES, RANK_TIMEOUT_S, add_training_options, run_refusal, training_options
+from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, run_refusal, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
+from runtime.shared_memory import connect
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -63,6 +65,7 @@ def _parse(argv):
     p.add_argument("--measure-link", action="store_true", help="ping-pong once before training: p2p latency and bandwidth")
     p.add_argument("--engine", choices=ENGINES, default="own",
                    help="own: this runtime's engine; torch: torch.distributed.pipelining's stages and schedules")
+    p.add_argument("--p2p", choices=P2P, default="auto", help=P2P_HELP)
     return p.parse_args(argv)
 
 
@@ -139,9 +142,11 @@ def run(args) -> None:
         me.digest = me.plan.digest()
         _check_same_plan(me.digest, me.rank, me.world)
         _build(me, use_tags=me.device.type != "cuda")
+        if args.p2p == "auto" and args.engine == "own" and me.device.type == "cpu":
+            me.engine.local = connect(me.rank, me.world, args.timeout)  # every rank calls it (a collective)
         me.built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         first_step = _resume(me)
-        link = _measure_link(me.plan, me.topology, me.rank, me.device) if args.measure_link else None
+        link = _measure_link(me.plan, me.topology, me.rank, me.device, me.engine) if args.measure_link else None
         host_kernel = [_time_host(me.device)]
         steps = _train(me, first_step)
         host_kernel.append(_time_host(me.device))
@@ -151,6 +156,8 @@ def run(args) -> None:
         _write_error(args, e)  # before leaving the group: the others fail once it is gone, and the
         raise                  # launcher names the rank whose error file came first
     finally:
+        if me.engine is not None and getattr(me.engine, "local", None) is not None:
+            me.engine.local.close()
         dist.destroy_process_group()
 
 
@@ -324,7 +331,10 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "optimizer": me.optimizer_name, "engine": args.engine, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
               "start_rss_bytes": me.start_rss, "built_rss_bytes": me.built_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
-              "host_kernel_s": host_kernel}
+              "host_kernel_s": host_kernel,
+              # the peers this rank's messages reached through shared memory (runtime/shared_memory.py)
+              "shared_memory_peers": sorted(getattr(me.engine, "local", None).peers) if getattr(
+                  me.engine, "local", None) is not None else []}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
@@ -338,14 +348,16 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
 
 
-def _measure_link(plan: Plan, topology, rank: int, device: torch.device, repeats: int = 10):
+def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine, repeats: int = 10):
     """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
     4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
     take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
     sizes = sorted({8, 4 << 20} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
-    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device)
+    local = getattr(engine, "local", None)  # the transport the run's messages take
+    samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device,
+                        post=poster(local) if local is not None else None)
     try:
         fit = fit_link(samples)
     except ValueError:  # time did not grow with size in this noisy sample: report no link

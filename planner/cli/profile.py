@@ -25,22 +25,23 @@ def _analytic(args: argparse.Namespace, model_args, sizes, progress):
 
 
 def _link(args: argparse.Namespace, profile, sizes) -> None:
-    """--link measure: gloo ping-pong between two local processes at the profile's cut sizes."""
+    """--link measure: ping-pong between two local processes at the profile's cut sizes, through the
+    transport `runtime execute --p2p` gives them (shared memory, or gloo with --p2p gloo)."""
     link_mode = args.link or ("measure" if args.device == "cpu" else "none")
     if link_mode == "none":
         return
     if args.device != "cpu":
-        raise UsageError("--link measure times gloo between two processes on this host (CPU runs); for GPUs "
+        raise UsageError("--link measure times two processes on this host (CPU runs); for GPUs "
                          "give planner solve --bandwidth/--latency or calibrate from a run")
     from planner.profile.link import measure_link
     from planner.profile.rhythm import rhythm_compute
 
     cut_bytes = sorted({c.activation_bytes(b) for c in profile.cuts for b in sizes} - {0})
-    link = measure_link(cut_bytes, threads=args.threads, rhythm=rhythm_compute(profile))
+    link = measure_link(cut_bytes, threads=args.threads, rhythm=rhythm_compute(profile), p2p=args.p2p)
     profile.extra["link"] = link
     if link.get("warning"):
         print("warning: " + link["warning"], file=sys.stderr, flush=True)
-    print(f"link (gloo, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us "
+    print(f"link ({link['p2p']}, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us "
           f"({_rhythm_note(link)}), "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "
           f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips), all-reduce "
@@ -140,9 +141,12 @@ def register(sub) -> None:
                         "before and after) drifted by more than 10 %% while measuring; keeps the steadiest attempt "
                         "(CPU; default 2)")
     p.add_argument("--link", choices=["measure", "none"], default=None,
-                   help="measure: time gloo send/recv between two processes on this host at the cut sizes and "
+                   help="measure: time messages between two processes on this host at the cut sizes and "
                         "record latency and bandwidth in the profile, which planner solve then uses by default "
                         "(default on CPU; none on CUDA)")
+    p.add_argument("--p2p", choices=["auto", "gloo"], default="auto",
+                   help="the transport --link measure times, as `runtime execute --p2p` will use it: auto (default), "
+                        "shared memory between processes of this host; gloo: gloo over loopback")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
     p.add_argument("--output", "-o", help="profile JSON to write (default profiles/<model>.json)")
     p.add_argument("--quiet", action="store_true", help="no per-unit progress lines")

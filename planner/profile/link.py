@@ -88,40 +88,33 @@ def fit_measured_link(measure: Callable[[], Dict[str, Any]],
         "host or give planner solve --bandwidth/--latency")
 
 
-def link_worker_main(argv: Optional[Sequence[str]] = None) -> None:
-    """One side of `measure_link`: the pair's measurement (`measure_pair`) over gloo; rank 0 prints
-    it as JSON."""
-    import datetime
-    import json
-
+def dist_post(operations: Sequence[Tuple[bool, torch.Tensor, int, int]]) -> List[Any]:
+    """Post (send?, tensor, peer, tag) operations together through torch.distributed
+    (batch_isend_irecv); their works. The default `post` of the measurements below; a run's
+    transport (runtime.comm.post, shared memory between the ranks of one host) is handed in by
+    runtime.link_probe, the processes `measure_link` starts."""
     import torch.distributed as dist
 
-    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    rank, port = int(config["rank"]), int(config["port"])
-    torch.set_num_threads(max(int(config["threads"]), 1))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
-    try:
-        measured = measure_pair(rank, config)
-        dist.barrier()
-        if rank == 0:
-            print(json.dumps(measured), flush=True)
-    finally:
-        dist.destroy_process_group()
+    return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, tag=tag)
+                                        for send, tensor, peer, tag in operations]))
+
+
+Post = Callable[[Sequence[Tuple[bool, torch.Tensor, int, int]]], List[Any]]
 
 
 def measure_pair(rank: int, config: Dict[str, Any],
-                 ping: Optional[Callable[[], List[List[float]]]] = None) -> Dict[str, Any]:
+                 ping: Optional[Callable[[], List[List[float]]]] = None, post: Optional[Post] = None) -> Dict[str, Any]:
     """Both ranks of the pair (the default process group), each calling it: the ping-pong (`ping`,
     default ping_pong at the config's sizes: [[bytes, one-way seconds], ...]), measured again while
     its times do not grow with size (fit_measured_link, up to the config's "attempts": both ranks
-    decide on rank 0's samples), then once each the batches, the all-reduces and the rhythm.
+    decide on rank 0's samples), then once each the batches, the all-reduces and the rhythm. The
+    point-to-point messages go through `post` (dist_post's signature) when given, as a run's do.
     {"samples", "fit", "warning", "ping_pongs" (how many ran), "batches", "allreduce", "rhythm"}."""
     import torch.distributed as dist
 
     repeats, warmup = int(config["repeats"]), int(config["warmup"])
     if ping is None:
-        ping = lambda: ping_pong(rank == 0, 1 - rank, config["sizes"], repeats, warmup)  # noqa: E731
+        ping = lambda: ping_pong(rank == 0, 1 - rank, config["sizes"], repeats, warmup, post=post)  # noqa: E731
     pings = 0
 
     def agreed() -> Dict[str, Any]:
@@ -133,9 +126,9 @@ def measure_pair(rank: int, config: Dict[str, Any],
 
     measured, fit, warning = fit_measured_link(agreed, int(config.get("attempts", 1)))
     return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": pings,
-            "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup),
+            "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup, post=post or dist_post),
             "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1),
-            "rhythm": rhythm_steps(rank, *config["rhythm"]) if config.get("rhythm") else None}
+            "rhythm": rhythm_steps(rank, *config["rhythm"], post or dist_post) if config.get("rhythm") else None}
 
 
 def _timed_rounds(message_bytes: Sequence[int], repeats: int, warmup: int, device: Optional[torch.device],
@@ -158,14 +151,19 @@ def _timed_rounds(message_bytes: Sequence[int], repeats: int, warmup: int, devic
 
 
 def ping_pong(leader: bool, peer: int, message_bytes: Sequence[int], repeats: int, warmup: int,
-              tag: int = 0, device: Optional[torch.device] = None) -> List[List[float]]:
+              tag: int = 0, device: Optional[torch.device] = None, post: Optional[Post] = None) -> List[List[float]]:
     """[[bytes, one-way seconds], ...]: the median round trip / 2 of each size between this rank
     and `peer` in the default process group (the leader sends first; the peer runs the same call
-    with leader=False). On a CUDA `device` the buffers live there (NCCL)."""
+    with leader=False). On a CUDA `device` the buffers live there (NCCL). Through `post`
+    (dist_post's signature: a run's transport) where given, else torch.distributed's send/recv."""
     import torch.distributed as dist
 
     def round_trip(buffer: torch.Tensor) -> None:
-        if leader:
+        if post is not None:
+            for send in (leader, not leader):
+                for work in post([(send, buffer, peer, tag)]):
+                    work.wait()
+        elif leader:
             dist.send(buffer, peer, tag=tag)
             dist.recv(buffer, peer, tag=tag)
         else:
@@ -179,12 +177,10 @@ BATCH_COUNTS = (1, 8)  # messages each way in one batch, for the per-message cos
 
 
 def batch_exchange(peer: int, counts: Sequence[int], repeats: int, warmup: int,
-                   device: Optional[torch.device] = None) -> List[List[float]]:
+                   device: Optional[torch.device] = None, post: Post = dist_post) -> List[List[float]]:
     """[[messages each way, seconds], ...]: both ranks post k tiny sends and k receives to each
-    other as one batch (`batch_isend_irecv`, as the runtime posts a batch) and wait for all of it;
-    the median time of each k, counts interleaved round after round."""
-    import torch.distributed as dist
-
+    other as one batch (`post`, as the runtime posts a batch) and wait for all of it; the median
+    time of each k, counts interleaved round after round."""
     device = device or torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: List[List[float]] = [[] for _ in counts]
@@ -192,9 +188,9 @@ def batch_exchange(peer: int, counts: Sequence[int], repeats: int, warmup: int,
         for j, k in enumerate(counts):
             out = [torch.zeros(1, device=device) for _ in range(k)]
             into = [torch.empty(1, device=device) for _ in range(k)]
-            ops = [dist.P2POp(dist.isend, t, peer) for t in out] + [dist.P2POp(dist.irecv, t, peer) for t in into]
+            ops = [(True, t, peer, 0) for t in out] + [(False, t, peer, 0) for t in into]
             t0 = time.perf_counter()
-            for work in dist.batch_isend_irecv(ops):
+            for work in post(ops):
                 work.wait()
             sync()
             if i >= warmup:
@@ -247,9 +243,10 @@ def _free_port() -> int:
 
 def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 30, warmup: int = 3,
                  timeout_s: float = 60.0, attempts: int = 3,
-                 rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
-    """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it:
-    gloo send/recv over loopback, ping-pong at each of `message_bytes` (the plan's real cut sizes,
+                 rhythm: Optional[Sequence[float]] = None, p2p: str = "auto") -> Dict[str, Any]:
+    """Point-to-point cost between two processes on this host, as two ranks of a CPU run have it
+    (`p2p` as `runtime execute --p2p`: auto, shared memory where the machine allows it, else gloo
+    over loopback; "p2p" in the result says which), ping-pong at each of `message_bytes` (the plan's real cut sizes,
     plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
     each size's one-way time is the median of its round trips / 2.
     Then batches of 1 and 8 tiny messages each way posted together give the cost per message in a
@@ -268,31 +265,31 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
     rhythm = stand_in(*rhythm) if rhythm else None  # the compute the workers time (capped once, here)
-    measured = _run_link_workers(sizes, threads, repeats, warmup, timeout_s, attempts, rhythm)
+    measured = _run_link_workers(sizes, threads, repeats, warmup, timeout_s, attempts, rhythm, p2p)
     fit, warning = measured["fit"], measured["warning"]
     reduced = measured["allreduce"]
     if measured.get("rhythm"):
         fit = dict(fit, rhythm=summarise(measured["rhythm"], *rhythm))
-    return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo",
-                between="two processes on this host (loopback)", threads=threads, repeats=repeats,
+    return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo", p2p=measured["p2p"],
+                between="two processes on this host", threads=threads, repeats=repeats,
                 samples=measured["samples"], batches=measured["batches"],
                 allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2},
                 **({"warning": warning} if warning else {}))
 
 
 def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: int, timeout_s: float,
-                      attempts: int, rhythm: Optional[Sequence[float]] = None) -> Dict[str, Any]:
-    """The two link_worker_main processes: rank 0's printed JSON (measure_pair's)."""
+                      attempts: int, rhythm: Optional[Sequence[float]] = None, p2p: str = "auto") -> Dict[str, Any]:
+    """The two runtime.link_probe processes: rank 0's printed JSON (measure_pair's, and "p2p")."""
     import json
     import subprocess
 
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(max(threads, 1)))
-    code = "from planner.profile.link import link_worker_main; link_worker_main()"
+    code = "from runtime.link_probe import main; main()"  # the run's transport, measured as a run has it
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
         {"rank": r, "port": port, "threads": threads, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,
          "timeout_s": timeout_s, "allreduce_sizes": list(ALLREDUCE_BYTES), "attempts": attempts,
-         "rhythm": list(rhythm) if rhythm else None,
+         "rhythm": list(rhythm) if rhythm else None, "p2p": p2p,
          "allreduce_repeats": max(3, repeats // 3)})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         for r in range(2)]

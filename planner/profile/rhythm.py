@@ -62,11 +62,12 @@ def stand_in(forward_s: float, backward_s: float) -> Tuple[float, float]:
     return min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
 
 
-def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: int = MICRO_BATCHES) -> List[float]:
+def rhythm_steps(rank: int, forward_s: float, backward_s: float, post, micro_batches: int = MICRO_BATCHES) -> List[float]:
     """Seconds per step of the lists with (forward_s, backward_s) of compute (`stand_in`'s, capped by
     the caller), one per timed step, on rank 0 (rank 1 runs the same call and
-    returns []). Both ranks of the default process group (world size 2) must call it together."""
-    import torch.distributed as dist
+    returns []). Both ranks of the default process group (world size 2) must call it together.
+    Messages go through `post` (planner.profile.link.dist_post or the runtime's transport, which
+    runtime.link_probe hands in)."""
 
     from planner.pipeline.actions import SENDS, ActionKind
     from planner.pipeline.schedule import build_schedule
@@ -87,8 +88,7 @@ def rhythm_steps(rank: int, forward_s: float, backward_s: float, micro_batches: 
                 continue
             for work in in_flight:
                 work.wait()
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if a.kind in SENDS else dist.irecv,
-                                                       torch.zeros(64), peer) for a in item])  # as runtime.comm
+            works = post([(a.kind in SENDS, torch.zeros(64), peer, 0) for a in item])
             in_flight = works if all(a.kind in SENDS for a in item) else []
             if not in_flight:
                 for work in works:

@@ -14,10 +14,13 @@ from planner.profile.link import FlatLinkError, bounding_link_fit, fit_link, fit
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
 from planner.profile.profile import Profile
 from planner.profile.timing import UnitCall, measure_units, split_call_overhead
+from runtime import shared_memory
 from tests.support.runs import run_cli
 
 
 # --- the link fit ----------------------------------------------------------------------------
+_P2P = "shared memory" if shared_memory.available() else "gloo"  # what a CPU run's ranks of one host use
+
 def test_fit_link_recovers_latency_and_bandwidth():
     latency, bandwidth = 1.2e-4, 2.0e9
     samples = [(n, latency + n / bandwidth) for n in (8, 16384, 65536, 1 << 20, 4 << 20)]
@@ -119,7 +122,7 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     assert [n for n, _ in link["samples"]] == [8, 4096, 12288, 4 << 20]
     assert all(t > 0 for _, t in link["samples"])
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0
-    assert link["backend"] == "gloo" and link["repeats"] == 3
+    assert link["p2p"] == _P2P and link["repeats"] == 3  # the transport a CPU run's ranks use
     # batches of 1 and 8 tiny messages each way: the per-operation cost of a batch
     assert [k for k, _ in link["batches"]] == [1, 8] and all(t > 0 for _, t in link["batches"])
     assert link["message_s"] >= 0
@@ -305,7 +308,7 @@ def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
     made = run_cli(["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "2", "--repeats", "1",
                     "--warmup", "0", "--min-time", "0", "--ranks-per-host", "2", "-o", path])
     assert made.returncode == 0, made.stderr
-    assert "co-runner" in made.stdout and "link (gloo" in made.stdout
+    assert "co-runner" in made.stdout and f"link ({_P2P}" in made.stdout
     profile = json.load(open(path))
     link = profile["link"]
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0 and len(link["samples"]) >= 3

@@ -1,0 +1,42 @@
+"""One of the two processes `planner profile --link measure` starts (planner.profile.link.measure_link):
+the pair's measurement (planner.profile.link.measure_pair) over the transport `runtime execute
+--p2p` gives two CPU ranks of one host, so that the profile's latency is the one a run pays;
+rank 0 prints it as JSON, with "p2p" saying which transport it was."""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from planner.profile.link import measure_pair
+from runtime.comm import Operation, post
+from runtime.shared_memory import connect
+
+
+def poster(local):
+    """planner.profile.link's `post` over this runtime's transport (runtime.comm.post with `local`)."""
+    return lambda operations: post([Operation(*op) for op in operations], True, local)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    rank, port = int(config["rank"]), int(config["port"])
+    torch.set_num_threads(max(int(config["threads"]), 1))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
+    local = None
+    try:
+        if config.get("p2p", "auto") == "auto":
+            local = connect(rank, 2, float(config["timeout_s"]))
+        measured = dict(measure_pair(rank, config, post=poster(local)), p2p="shared memory" if local else "gloo")
+        dist.barrier()
+        if rank == 0:
+            print(json.dumps(measured), flush=True)
+    finally:
+        if local is not None:
+            local.close()
+        dist.destroy_process_group()

@@ -1,0 +1,350 @@
+"""Point-to-point messages between the CPU ranks of one host, through shared memory.
+
+Why: gloo's point-to-point wait sleeps in the kernel, and on a busy host a rank woken by a
+message pays for it: two processes exchanging 2 KiB after 2 ms of compute each waited 2 ms at the
+median (20 us back to back), which is what small micro-batches meet on every message
+(BENCHMARKS.md, "Shared-memory messages"). Here the receiver polls a counter in memory the sender
+writes, so a message costs a copy in and a copy out.
+
+Each ordered pair of ranks (sender, receiver) has a ring: a file in /dev/shm, mapped by both, with
+two byte counters (written by the sender, read by the receiver, in separate cache lines) and a data
+area. A message is a 16-byte record header (tag, byte count) followed by its bytes, streamed
+through the ring: a message larger than the free space goes in pieces as the receiver takes them.
+The sender creates its ring at its first send to that peer (sized for two such messages, 1 MiB at
+least: a send completes once its bytes are in, which NCCL's rules never count on) and the receiver
+opens it at its first receive.
+
+The rules are NCCL's (runtime.comm): the operations between two ranks complete in the order they
+were posted, so each ring is first-in first-out, and a receive checks that the record is the one it
+expects (tag and size) instead of searching. Waiting for any operation moves every posted one on,
+so two ranks whose sends both wait for ring space each take the other's bytes meanwhile.
+
+A wait polls and yields the processor (os.sched_yield: a rank sharing a core with its peer lets it
+run), sleeps 50 us between polls once it has waited 20 ms (a peer's long compute), and fails after
+the run's timeout. Ordering: the counters are written after the bytes they publish, which x86's
+memory model (stores seen in program order) makes safe without fences; other machines use gloo.
+
+Which peers: every rank creates a probe file named by the run's token (`runtime execute`'s
+launcher draws it and removes what is left of the run's files at its end; under torchrun rank 0
+draws it); the ranks whose probes
+it can see share its /dev/shm (one host, one container), and only those use rings.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import time
+import uuid
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+
+from runtime.comm import MessageError, Operation
+
+SHM_DIR = "/dev/shm"
+MIN_RING_BYTES = 1 << 20
+HEADER_BYTES = 128  # the two counters, each in its own 64-byte cache line
+RECORD_BYTES = 16  # tag, byte count
+SWITCH = -1  # a record's tag: the sender goes on in a new ring of the record's byte count
+RUN_TOKEN = "PIPEPLANNER_RUN_TOKEN"  # set by `runtime execute`'s launcher, which removes the run's files at its end
+SPIN_S = 0.02  # poll without sleeping this long, then sleep between polls
+SLEEP_S = 50e-6
+
+
+def remove_rings(token: str) -> None:
+    """Remove every file of the run `token` from /dev/shm (a rank killed before its receiver opened
+    its ring leaves that ring behind)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"pipeplanner-{token}-"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+
+
+def available() -> bool:
+    """Whether this machine can use rings: x86 (the ordering above) with a writable /dev/shm."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.access(SHM_DIR, os.W_OK)
+
+
+def _path(token: str, what: str) -> str:
+    return os.path.join(SHM_DIR, f"pipeplanner-{token}-{what}")
+
+
+class _Ring:
+    """One direction between two ranks: the mapping, its two counters and its data area, moved with
+    ctypes (a message costs a few memmoves and counter reads, not tensor operations)."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        if create:
+            tmp = path + ".new"
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, HEADER_BYTES + size)
+        else:
+            fd = os.open(path, os.O_RDWR)
+            size = os.fstat(fd).st_size - HEADER_BYTES
+        try:
+            self._map = mmap.mmap(fd, HEADER_BYTES + size)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self._map)  # exports the mapping: released by close
+        self._written = ctypes.c_int64.from_buffer(self._map, 0)  # bytes the sender has published
+        self._read = ctypes.c_int64.from_buffer(self._map, 64)  # bytes the receiver has released
+        self._data = ctypes.addressof(self._anchor) + HEADER_BYTES
+        self.size = size
+        if create:
+            os.rename(tmp, path)  # the receiver opens only a whole ring
+
+    @property
+    def written(self) -> int:
+        return self._written.value
+
+    @property
+    def read(self) -> int:
+        return self._read.value
+
+    def put(self, address: int, length: int) -> int:
+        """Copy up to `length` bytes from `address` in, as room allows; publish them; how many."""
+        written = self._written.value
+        count = min(length, self.size - (written - self._read.value))
+        if count > 0:
+            self._copy(written, address, count, into_ring=True)
+            self._written.value = written + count  # after the bytes (see the module's note on ordering)
+        return count
+
+    def take(self, address: int, length: int) -> int:
+        """Copy up to `length` published bytes out to `address`; release them; how many."""
+        read = self._read.value
+        count = min(length, self._written.value - read)
+        if count > 0:
+            self._copy(read, address, count, into_ring=False)
+            self._read.value = read + count
+        return count
+
+    def _copy(self, position: int, address: int, count: int, into_ring: bool) -> None:
+        offset = position % self.size
+        first = min(count, self.size - offset)  # the rest wraps around to the start
+        for ring, outside, n in ((self._data + offset, address, first), (self._data, address + first, count - first)):
+            if n > 0:
+                if into_ring:
+                    ctypes.memmove(ring, outside, n)
+                else:
+                    ctypes.memmove(outside, ring, n)
+
+    def close(self) -> None:
+        del self._anchor, self._written, self._read
+        self._map.close()
+
+
+def _ring_bytes(first: "_Pending") -> int:
+    """A new ring's data bytes: two records like `first`, 1 MiB at least, in whole pages."""
+    size = max(MIN_RING_BYTES, 2 * first.record_bytes)
+    return -(-size // 4096) * 4096
+
+
+
+
+class _Pending:
+    """A posted operation: the bytes still to move (the record header, then the tensor's)."""
+
+    def __init__(self, operation: Operation):
+        tensor = operation.tensor
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("a shared-memory message must be one contiguous CPU tensor")
+        self.operation = operation
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.header = (ctypes.c_int64 * 2)(operation.tag, self.nbytes)
+        self.moved = 0  # of header + payload
+        self.done = False
+        self.switch = 0  # a receive: the size of the ring the sender moved to, until it is opened
+
+    @property
+    def record_bytes(self) -> int:
+        return RECORD_BYTES + self.nbytes
+
+    def advance(self, ring: _Ring, peer: int) -> bool:
+        """Move what the ring allows; whether anything moved. A receive that read a switch record
+        (SWITCH) returns with `switch` set and its header to be read again."""
+        move = ring.put if self.operation.send else ring.take
+        moved = False
+        while not self.done:
+            if self.moved < RECORD_BYTES:
+                n = move(ctypes.addressof(self.header) + self.moved, RECORD_BYTES - self.moved)
+                if not self.operation.send and self.moved + n == RECORD_BYTES:
+                    tag, size = self.header
+                    if tag == SWITCH:
+                        self.switch, self.moved = size, 0
+                        return True
+                    self._check(peer)
+            else:
+                part = self.moved - RECORD_BYTES
+                n = move(self.operation.tensor.data_ptr() + part, self.nbytes - part)
+            if n == 0:
+                return moved
+            moved, self.moved = True, self.moved + n
+            self.done = self.moved == self.record_bytes
+        return moved
+
+    def _check(self, peer: int) -> None:
+        tag, size = self.header
+        if tag < 0 or (tag, size) != (self.operation.tag, self.nbytes):
+            raise MessageError(f"rank {peer} sent a message of {size} bytes (tag {tag}) where this rank expected "
+                               f"{self.nbytes} bytes (tag {self.operation.tag}): the ranks run different lists")
+
+
+class SharedMemoryWork:
+    """What post returns per operation, like torch.distributed's Work: wait() and is_completed()."""
+
+    def __init__(self, transport: "SharedMemoryTransport", pending: _Pending):
+        self._transport, self._pending = transport, pending
+
+    def is_completed(self) -> bool:
+        self._transport.progress()
+        return self._pending.done
+
+    def wait(self) -> bool:
+        self._transport.wait_for(self._pending)
+        return True
+
+
+class SharedMemoryTransport:
+    """The rings of this rank with the peers that share its /dev/shm."""
+
+    def __init__(self, token: str, rank: int, peers: Set[int], timeout_s: float):
+        self.token, self.rank, self.peers, self.timeout_s = token, rank, set(peers), timeout_s
+        self._rings: Dict[tuple, _Ring] = {}  # (sender, receiver)
+        self._generation: Dict[tuple, int] = {}  # how many times the pair's ring was replaced by a larger one
+        self._queues: Dict[tuple, List[_Pending]] = {}
+        self._created: List[str] = []
+
+    def handles(self, peer: int) -> bool:
+        return peer in self.peers
+
+    def post(self, operations: Sequence[Operation]) -> List[SharedMemoryWork]:
+        works = []
+        for operation in operations:
+            pending = _Pending(operation)
+            key = (self.rank, operation.peer) if operation.send else (operation.peer, self.rank)
+            self._queues.setdefault(key, []).append(pending)
+            works.append(SharedMemoryWork(self, pending))
+        self.progress()
+        return works
+
+    def progress(self) -> bool:
+        """Move every channel's operations on, oldest first; whether anything moved."""
+        moved = False
+        for key, queue in self._queues.items():
+            while queue:
+                first = queue[0]
+                ring = self._ring(key, first)
+                if ring is None:
+                    break
+                if first.operation.send and first.moved == 0 and first.record_bytes > ring.size:
+                    ring = self._grow(key, ring, first)  # a message larger than the whole ring
+                    if ring is None:
+                        break
+                moved |= first.advance(ring, key[0] if key[1] == self.rank else key[1])
+                if first.switch:
+                    self._rings.pop(key).close()
+                    self._generation[key] = self._generation.get(key, 0) + 1
+                    first.switch = 0
+                    continue  # the receive goes on in the new ring (opened by _ring)
+                if not first.done:
+                    break
+                queue.pop(0)
+        return moved
+
+    def _grow(self, key: tuple, ring: _Ring, first: _Pending) -> Optional[_Ring]:
+        """Replace the ring by one twice `first`'s record: create it, then tell the receiver in
+        the old one (a SWITCH record, once there is room for it). None while there is none."""
+        if ring.size - (ring.written - ring.read) < RECORD_BYTES:
+            return None
+        size = _ring_bytes(first)
+        generation = self._generation.get(key, 0) + 1
+        path = _path(self.token, f"{key[0]}-{key[1]}-{generation}")
+        bigger = _Ring(path, size, create=True)
+        self._created.append(path)
+        switch = (ctypes.c_int64 * 2)(SWITCH, size)
+        ring.put(ctypes.addressof(switch), RECORD_BYTES)
+        ring.close()
+        self._rings[key], self._generation[key] = bigger, generation
+        return bigger
+
+    def wait_for(self, pending: _Pending) -> None:
+        start = time.perf_counter()  # since anything last moved
+        while not pending.done:
+            if self.progress():
+                start = time.perf_counter()
+                continue
+            waited = time.perf_counter() - start
+            if waited > self.timeout_s:
+                peer = pending.operation.peer
+                what = "to take a message" if pending.operation.send else "for a message"
+                raise TimeoutError(f"rank {self.rank} waited {waited:.0f} s for rank {peer} ({what}): rank {peer} "
+                                   "is stuck or gone; raise --timeout if its work takes longer")
+            if waited < SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(SLEEP_S)
+
+    def _ring(self, key: tuple, first: _Pending) -> Optional[_Ring]:
+        ring = self._rings.get(key)
+        if ring is not None:
+            return ring
+        sender, receiver = key
+        path = _path(self.token, f"{sender}-{receiver}-{self._generation.get(key, 0)}")
+        if sender == self.rank:
+            ring = _Ring(path, _ring_bytes(first), create=True)
+            self._created.append(path)
+        else:
+            try:
+                ring = _Ring(path, 0, create=False)
+            except FileNotFoundError:  # the sender has not sent yet
+                return None
+            os.unlink(path)  # both hold it now: nothing is left in /dev/shm if either dies
+            self._created = [p for p in self._created if p != path]
+        self._rings[key] = ring
+        return ring
+
+    def close(self) -> None:
+        """Unmap the rings and remove what this rank created and nobody opened."""
+        for ring in self._rings.values():
+            try:
+                ring.close()
+            except BufferError:  # a tensor still views it: the mapping goes with the process
+                pass
+        self._rings.clear()
+        for path in self._created:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._created.clear()
+
+
+def connect(rank: int, world: int, timeout_s: float) -> Optional[SharedMemoryTransport]:
+    """The transport to the ranks sharing this rank's /dev/shm; a collective over the default group
+    (every rank calls it). None where no other rank shares it or this machine cannot use rings."""
+    import torch.distributed as dist
+
+    usable = torch.tensor([1 if available() else 0], dtype=torch.int64)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    if world == 1 or not int(usable):
+        return None
+    token = [os.environ.get(RUN_TOKEN) or uuid.uuid4().hex[:16] if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = _path(token[0], f"probe-{rank}")
+    open(probe, "w").close()
+    try:
+        dist.barrier()
+        peers = {r for r in range(world) if r != rank and os.path.exists(_path(token[0], f"probe-{r}"))}
+        dist.barrier()
+    finally:
+        os.unlink(probe)
+    return SharedMemoryTransport(token[0], rank, peers, timeout_s) if peers else None

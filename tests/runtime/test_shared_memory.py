@@ -1,0 +1,127 @@
+"""Shared-memory messages (runtime/shared_memory.py): the rings between two transports of one
+process, driven from two threads as two ranks would drive them."""
+import json
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+from runtime import shared_memory
+from runtime.comm import MessageError, Operation, exchange, post
+from runtime.shared_memory import SharedMemoryTransport
+
+pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="rings need x86 and /dev/shm")
+
+
+def _pair(token, timeout_s=20.0):
+    token += uuid.uuid4().hex[:8]  # a run's own token: nothing left by another run is met
+    return SharedMemoryTransport(token, 0, {1}, timeout_s), SharedMemoryTransport(token, 1, {0}, timeout_s)
+
+
+def _left(transport):
+    return [f for f in os.listdir(shared_memory.SHM_DIR) if transport.token in f]
+
+
+def _both(first, second):
+    """Run two callables at once (as two ranks); re-raise the first error."""
+    errors = []
+
+    def run(f):
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+def test_messages_arrive_in_order_through_wrap_around_and_growth(monkeypatch):
+    monkeypatch.setattr(shared_memory, "MIN_RING_BYTES", 4096)  # small rings: wrap-around and growth happen
+    a, b = _pair("t-order")
+    sizes = [7, 1000, 300, 700, 3, 20000, 100, 64]  # floats: 700 wraps the 4 KiB ring; 20,000 outgrow it
+    sent = [torch.randn(n) for n in sizes]
+    got = [torch.empty(n) for n in sizes]
+
+    def sender():
+        for i, t in enumerate(sent):  # sends only, waited for later, as the engine's outbox does
+            works = post([Operation(True, t, 1, i)], True, a)
+            if i % 3 == 2:
+                for w in works:
+                    w.wait()
+        exchange([Operation(True, torch.ones(1), 1, 99)], True, a)
+
+    def receiver():
+        for i, t in enumerate(got):
+            exchange([Operation(False, t, 0, i)], True, b)
+        exchange([Operation(False, torch.empty(1), 0, 99)], True, b)
+
+    _both(sender, receiver)
+    for s, g in zip(sent, got):
+        assert torch.equal(s, g)
+    assert a._generation[(0, 1)] == b._generation[(0, 1)] == 1  # the 80,000-byte message grew the ring once
+    a.close(), b.close()
+    assert _left(a) == []
+
+
+def test_two_ranks_sending_more_than_their_rings_hold_at_once(monkeypatch):
+    # one batch each way of three messages that together overfill a 4 KiB ring: each side's last
+    # send waits for room while the other's does too; waiting on anything moves every posted
+    # operation on, so both take each other's bytes meanwhile
+    monkeypatch.setattr(shared_memory, "MIN_RING_BYTES", 4096)
+    a, b = _pair("t-mutual")
+    _both(lambda: exchange([Operation(True, torch.ones(1), 1, 0), Operation(False, torch.empty(1), 1, 0)], True, a),
+          lambda: exchange([Operation(True, torch.ones(1), 0, 0), Operation(False, torch.empty(1), 0, 0)], True, b))
+    xs, ys = [torch.randn(375) for _ in range(3)], [torch.randn(375) for _ in range(3)]  # 1,500 B each
+    into_a, into_b = [torch.empty(375) for _ in range(3)], [torch.empty(375) for _ in range(3)]
+    _both(lambda: exchange([Operation(True, x, 1, 1) for x in xs] + [Operation(False, t, 1, 1) for t in into_a],
+                           True, a),
+          lambda: exchange([Operation(True, y, 0, 1) for y in ys] + [Operation(False, t, 0, 1) for t in into_b],
+                           True, b))
+    assert all(torch.equal(x, t) for x, t in zip(xs, into_b)) and all(torch.equal(y, t) for y, t in zip(ys, into_a))
+    assert a._rings[(0, 1)].size == 4096  # no ring grew: the messages went through in turns
+    a.close(), b.close()
+    assert _left(a) == []
+
+
+def test_a_message_other_than_the_expected_one_is_refused():
+    a, b = _pair("t-mismatch")
+    post([Operation(True, torch.zeros(4), 1, 3)], True, a)
+    with pytest.raises(MessageError, match="expected 8 bytes"):
+        exchange([Operation(False, torch.empty(2), 0, 3)], True, b)
+    a.close(), b.close()
+
+
+def test_a_wait_for_a_silent_peer_fails_after_the_timeout():
+    a, b = _pair("t-timeout", timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="rank 0 is stuck or gone"):
+        exchange([Operation(False, torch.empty(2), 0, 1)], True, b)
+    a.close(), b.close()
+    assert _left(a) == []
+
+
+def test_only_peers_in_the_transport_go_through_it():
+    a = SharedMemoryTransport("t-peers", 0, {1}, 1.0)
+    assert a.handles(1) and not a.handles(2)
+    a.close()
+
+
+def test_a_run_sends_through_shared_memory_unless_told_gloo(tmp_path):
+    from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state
+
+    plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [2, 4], 2, 8, "1f1b")  # 3 ranks
+    reference = reference_state(plan)
+    for p2p, peers in (("auto", [[1, 2], [0, 2], [0, 1]]), ("gloo", [[], [], []])):
+        state = execute(plan, tmp_path / p2p, extra=["--p2p", p2p])
+        assert max_abs_diff(state, reference) <= 1e-5
+        with open(tmp_path / p2p / "report.json") as f:
+            report = json.load(f)
+        assert [r["shared_memory_peers"] for r in report["stages"]] == peers  # one host: every other rank
+    assert not [f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith("pipeplanner-")]
