@@ -5,11 +5,12 @@ critical path, is the one-way latency the messages met.
 
 Why measure it: a ping-pong keeps both processes exchanging back to back, while a pipeline's ranks
 compute between messages. On the shared 2-core VM this project is developed on, two balanced stages
-pay about a millisecond per message where the ping-pong measures under 100 us, and the same lists
-with one stage a third faster pay nothing measurable (BENCHMARKS.md, "Small micro-batches"): the
-cost comes with exchanges both sides wait on at once. A plan's latency therefore stays the
-ping-pong's; the rhythm's is recorded in the profile (`link.rhythm`) and printed, as the bound of
-what a balanced split of this model may pay per message on this host.
+paid about a millisecond per message over gloo where the ping-pong measured under 100 us, and the
+same lists with one stage a third faster paid nothing measurable (BENCHMARKS.md, "Small
+micro-batches"): the cost came with exchanges both sides wait on at once, a rank sleeping in gloo's
+wait. Through the runtime's shared memory (runtime/shared_memory.py, polled) it is 43 us. A plan's
+latency stays the ping-pong's; the rhythm's is recorded in the profile (`link.rhythm`) and printed,
+as the bound of what a balanced split of this model may pay per message on this host.
 
 The lists are run as the runtime runs them: the communication actions of one batch posted together
 (batch_isend_irecv), a batch of sends only left in flight until the rank's next batch. With forward
