@@ -10,13 +10,13 @@ from typing import Any, List, Optional, Tuple
 # `runtime execute --timeout` and of `python -m runtime.worker --timeout` (torchrun launches).
 RANK_TIMEOUT_S = 60.0
 
-ENGINES = ("own", "torch")
+ENGINES = ("own", "torch")  # runtime/engine.py, runtime/torch_engine.py (torch.distributed.pipelining)
 # auto: the engine's messages between CPU ranks of one host go through shared memory (runtime/shared_memory.py),
 # the others through torch.distributed; gloo: all of them through torch.distributed
 P2P = ("auto", "gloo")
 P2P_HELP = ("auto (default): messages between the CPU ranks of one host go through shared memory, the others "
             "through torch.distributed; gloo: all through torch.distributed (the own engine; the torch engine "
-            "always uses torch.distributed)")  # runtime/engine.py, runtime/torch_engine.py (torch.distributed.pipelining)
+            "always uses torch.distributed)")
 PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
 SCHEDULES = ("constant", "cosine")
 

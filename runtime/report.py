@@ -58,6 +58,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
                           for kind in ("forward_s", "backward_s")},
             "threads": r.get("threads"),
             "shared_memory_peers": r.get("shared_memory_peers", []),  # runtime/shared_memory.py
+            "shared_memory_messages": r.get("shared_memory_messages", 0),
             "host_kernel_s": r.get("host_kernel_s"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),  # the CUDA allocator's peak (None on the CPU)

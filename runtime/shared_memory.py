@@ -10,9 +10,10 @@ Each ordered pair of ranks (sender, receiver) has a ring: a file in /dev/shm, ma
 two byte counters (written by the sender, read by the receiver, in separate cache lines) and a data
 area. A message is a 16-byte record header (tag, byte count) followed by its bytes, streamed
 through the ring: a message larger than the free space goes in pieces as the receiver takes them.
-The sender creates its ring at its first send to that peer (sized for two such messages, 1 MiB at
-least: a send completes once its bytes are in, which NCCL's rules never count on) and the receiver
-opens it at its first receive.
+The sender creates its ring at its first send to that peer (sized for four such messages, 1 MiB at
+least: a send completes once its bytes are in, which NCCL's rules never count on; its pages are
+allocated at once, so a full /dev/shm is a one-line error, not a SIGBUS) and the receiver opens it at
+its first receive. `connect` uses rings only where every rank's /dev/shm has room for the plan's.
 
 The rules are NCCL's (runtime.comm): the operations between two ranks complete in the order they
 were posted, so each ring is first-in first-out, and a receive checks that the record is the one it
@@ -43,9 +44,17 @@ import torch
 
 from runtime.comm import MessageError, Operation
 
+
+class SharedMemoryFull(RuntimeError):
+    """/dev/shm could not give a ring its pages."""
+
+
 SHM_DIR = "/dev/shm"
 MIN_RING_BYTES = 1 << 20
-HEADER_BYTES = 128  # the two counters, each in its own 64-byte cache line
+# Messages a ring holds: a send that finds no room moves only when its rank next posts or waits
+# (nothing moves bytes in the background), so a receiver could wait through the sender's compute.
+RING_RECORDS = 4
+HEADER_BYTES = 128  # the two counters, each in its own 64-byte cache line (and a failure flag)
 RECORD_BYTES = 16  # tag, byte count
 SWITCH = -1  # a record's tag: the sender goes on in a new ring of the record's byte count
 RUN_TOKEN = "PIPEPLANNER_RUN_TOKEN"  # set by `runtime execute`'s launcher, which removes the run's files at its end
@@ -85,7 +94,15 @@ class _Ring:
         if create:
             tmp = path + ".new"
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, HEADER_BYTES + size)
+            try:
+                # the pages now: tmpfs files are sparse, and a page it cannot give later is a SIGBUS
+                os.posix_fallocate(fd, 0, HEADER_BYTES + size)
+            except OSError as e:
+                os.close(fd)
+                os.unlink(tmp)
+                raise SharedMemoryFull(f"{SHM_DIR} has no room for a {(HEADER_BYTES + size) / 2**20:.1f} MiB message "
+                                       f"ring ({e.strerror}): run with --p2p gloo or enlarge {SHM_DIR} (e.g. docker "
+                                       "--shm-size)") from None
         else:
             fd = os.open(path, os.O_RDWR)
             size = os.fstat(fd).st_size - HEADER_BYTES
@@ -96,6 +113,7 @@ class _Ring:
         self._anchor = ctypes.c_char.from_buffer(self._map)  # exports the mapping: released by close
         self._written = ctypes.c_int64.from_buffer(self._map, 0)  # bytes the sender has published
         self._read = ctypes.c_int64.from_buffer(self._map, 64)  # bytes the receiver has released
+        self._failed = ctypes.c_int64.from_buffer(self._map, 16)  # 1 + the rank that stopped with an error
         self._data = ctypes.addressof(self._anchor) + HEADER_BYTES
         self.size = size
         if create:
@@ -137,14 +155,22 @@ class _Ring:
                 else:
                     ctypes.memmove(outside, ring, n)
 
+    @property
+    def failed(self) -> int:
+        """The rank that stopped with an error while holding this ring, or -1."""
+        return self._failed.value - 1
+
+    def fail(self, rank: int) -> None:
+        self._failed.value = rank + 1
+
     def close(self) -> None:
-        del self._anchor, self._written, self._read
+        del self._anchor, self._written, self._read, self._failed
         self._map.close()
 
 
 def _ring_bytes(first: "_Pending") -> int:
-    """A new ring's data bytes: two records like `first`, 1 MiB at least, in whole pages."""
-    size = max(MIN_RING_BYTES, 2 * first.record_bytes)
+    """A new ring's data bytes: RING_RECORDS records like `first`, 1 MiB at least, in whole pages."""
+    size = max(MIN_RING_BYTES, RING_RECORDS * first.record_bytes)
     return -(-size // 4096) * 4096
 
 
@@ -222,6 +248,7 @@ class SharedMemoryTransport:
         self._generation: Dict[tuple, int] = {}  # how many times the pair's ring was replaced by a larger one
         self._queues: Dict[tuple, List[_Pending]] = {}
         self._created: List[str] = []
+        self.messages = 0  # operations completed through the rings (the run's report)
 
     def handles(self, peer: int) -> bool:
         return peer in self.peers
@@ -258,10 +285,11 @@ class SharedMemoryTransport:
                 if not first.done:
                     break
                 queue.pop(0)
+                self.messages += 1
         return moved
 
     def _grow(self, key: tuple, ring: _Ring, first: _Pending) -> Optional[_Ring]:
-        """Replace the ring by one twice `first`'s record: create it, then tell the receiver in
+        """Replace the ring by one of RING_RECORDS times `first`'s record: create it, then tell the receiver in
         the old one (a SWITCH record, once there is room for it). None while there is none."""
         if ring.size - (ring.written - ring.read) < RECORD_BYTES:
             return None
@@ -283,15 +311,23 @@ class SharedMemoryTransport:
                 start = time.perf_counter()
                 continue
             waited = time.perf_counter() - start
+            peer = pending.operation.peer
+            self._check_peer(peer)
             if waited > self.timeout_s:
-                peer = pending.operation.peer
                 what = "to take a message" if pending.operation.send else "for a message"
-                raise TimeoutError(f"rank {self.rank} waited {waited:.0f} s for rank {peer} ({what}): rank {peer} "
+                raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {peer} ({what}): rank {peer} "
                                    "is stuck or gone; raise --timeout if its work takes longer")
             if waited < SPIN_S:
                 os.sched_yield()
             else:
                 time.sleep(SLEEP_S)
+
+    def _check_peer(self, peer: int) -> None:
+        """Stop waiting on a rank that stopped with an error (it flagged its rings on the way out)."""
+        for key in ((self.rank, peer), (peer, self.rank)):
+            ring = self._rings.get(key)
+            if ring is not None and ring.failed >= 0 and ring.failed != self.rank:
+                raise RuntimeError(f"rank {ring.failed} stopped with an error while this rank waited on it")
 
     def _ring(self, key: tuple, first: _Pending) -> Optional[_Ring]:
         ring = self._rings.get(key)
@@ -312,9 +348,12 @@ class SharedMemoryTransport:
         self._rings[key] = ring
         return ring
 
-    def close(self) -> None:
-        """Unmap the rings and remove what this rank created and nobody opened."""
+    def close(self, failed: bool = False) -> None:
+        """Unmap the rings and remove what this rank created and nobody opened; `failed`: this rank
+        stops with an error, which its peers waiting on a ring learn at once."""
         for ring in self._rings.values():
+            if failed:
+                ring.fail(self.rank)
             try:
                 ring.close()
             except BufferError:  # a tensor still views it: the mapping goes with the process
@@ -328,12 +367,23 @@ class SharedMemoryTransport:
         self._created.clear()
 
 
-def connect(rank: int, world: int, timeout_s: float) -> Optional[SharedMemoryTransport]:
+def room_for(ring_bytes: int) -> bool:
+    """Whether /dev/shm has `ring_bytes` free."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize >= ring_bytes
+
+
+def connect(rank: int, world: int, timeout_s: float, ring_bytes: int = 0) -> Optional[SharedMemoryTransport]:
     """The transport to the ranks sharing this rank's /dev/shm; a collective over the default group
-    (every rank calls it). None where no other rank shares it or this machine cannot use rings."""
+    (every rank calls it, with the same `ring_bytes`: what the run's rings may take on one host).
+    None, for every rank, where a rank cannot use rings or its /dev/shm lacks that room, and for a
+    rank no other shares its /dev/shm with."""
     import torch.distributed as dist
 
-    usable = torch.tensor([1 if available() else 0], dtype=torch.int64)
+    usable = torch.tensor([1 if available() and room_for(ring_bytes) else 0], dtype=torch.int64)
     dist.all_reduce(usable, op=dist.ReduceOp.MIN)
     if world == 1 or not int(usable):
         return None

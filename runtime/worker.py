@@ -40,7 +40,7 @@ from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
-from runtime.shared_memory import connect
+from runtime.shared_memory import MIN_RING_BYTES, RING_RECORDS, connect
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -143,7 +143,8 @@ def run(args) -> None:
         _check_same_plan(me.digest, me.rank, me.world)
         _build(me, use_tags=me.device.type != "cuda")
         if args.p2p == "auto" and args.engine == "own" and me.device.type == "cpu":
-            me.engine.local = connect(me.rank, me.world, args.timeout)  # every rank calls it (a collective)
+            # every rank calls it (a collective), with the same bound on what the host's rings may take
+            me.engine.local = connect(me.rank, me.world, args.timeout, ring_bytes(me.plan, me.world))
         me.built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         first_step = _resume(me)
         link = _measure_link(me.plan, me.topology, me.rank, me.device, me.engine) if args.measure_link else None
@@ -154,9 +155,11 @@ def run(args) -> None:
         dist.barrier()
     except BaseException as e:
         _write_error(args, e)  # before leaving the group: the others fail once it is gone, and the
-        raise                  # launcher names the rank whose error file came first
+        if getattr(me.engine, "local", None) is not None:  # launcher names the rank whose error file came first
+            me.engine.local.close(failed=True)  # the peers waiting on its rings stop now, not at the timeout
+        raise
     finally:
-        if me.engine is not None and getattr(me.engine, "local", None) is not None:
+        if getattr(me.engine, "local", None) is not None:
             me.engine.local.close()
         dist.destroy_process_group()
 
@@ -332,9 +335,10 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "start_rss_bytes": me.start_rss, "built_rss_bytes": me.built_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,
               "host_kernel_s": host_kernel,
-              # the peers this rank's messages reached through shared memory (runtime/shared_memory.py)
-              "shared_memory_peers": sorted(getattr(me.engine, "local", None).peers) if getattr(
-                  me.engine, "local", None) is not None else []}
+              # runtime/shared_memory.py: the ranks sharing this rank's /dev/shm (its messages to them went
+              # through rings), and how many messages did
+              "shared_memory_peers": sorted(me.engine.local.peers) if getattr(me.engine, "local", None) else [],
+              "shared_memory_messages": me.engine.local.messages if getattr(me.engine, "local", None) else 0}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
@@ -346,6 +350,14 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     if args.trace:
         write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.trace.json"), me.events)
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
+
+
+def ring_bytes(plan: Plan, world: int) -> int:
+    """A bound on what the run's shared-memory rings take on one host: each rank's rings to two peers,
+    RING_RECORDS of the plan's largest message each, and the two rings of the link measurement's
+    4 MiB ping (`_measure_link`)."""
+    largest = max(stage.activation_bytes_sent() for stage in plan.stages)
+    return world * 2 * max(MIN_RING_BYTES, RING_RECORDS * largest) + 2 * RING_RECORDS * (4 << 20)
 
 
 def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine, repeats: int = 10):

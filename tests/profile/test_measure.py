@@ -115,6 +115,11 @@ def test_a_flat_ping_pong_is_measured_again_alone(tmp_path):
     assert [k for k, _ in measured["batches"]] == [1, 8] and [n for n, _ in measured["allreduce"]] == [1024]
 
 
+def test_measure_link_times_gloo_when_told():
+    link = measure_link([4096], repeats=2, warmup=1, p2p="gloo")  # `runtime execute --p2p gloo`'s transport
+    assert link["p2p"] == "gloo" and [n for n, _ in link["samples"]] == [8, 4096, 4 << 20]
+
+
 def test_measure_link_pings_the_requested_sizes_between_two_processes():
     from planner.profile.rhythm import rhythm_latency
 

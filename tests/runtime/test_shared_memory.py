@@ -1,5 +1,6 @@
 """Shared-memory messages (runtime/shared_memory.py): the rings between two transports of one
 process, driven from two threads as two ranks would drive them."""
+import errno
 import json
 import os
 import threading
@@ -46,7 +47,7 @@ def _both(first, second):
 def test_messages_arrive_in_order_through_wrap_around_and_growth(monkeypatch):
     monkeypatch.setattr(shared_memory, "MIN_RING_BYTES", 4096)  # small rings: wrap-around and growth happen
     a, b = _pair("t-order")
-    sizes = [7, 1000, 300, 700, 3, 20000, 100, 64]  # floats: 700 wraps the 4 KiB ring; 20,000 outgrow it
+    sizes = [7, 1000, 300, 700, 3, 20000, 100, 64]  # floats: 300 wrap around the 4 KiB ring; 20,000 outgrow it
     sent = [torch.randn(n) for n in sizes]
     got = [torch.empty(n) for n in sizes]
 
@@ -91,6 +92,50 @@ def test_two_ranks_sending_more_than_their_rings_hold_at_once(monkeypatch):
     assert _left(a) == []
 
 
+def test_a_record_header_split_by_the_end_of_the_ring(monkeypatch):
+    monkeypatch.setattr(shared_memory, "MIN_RING_BYTES", 4096)
+    a, b = _pair("t-split")
+    # records of 16 + 4 and 16 + 4,054 bytes end 6 bytes before the ring's end: the third header wraps
+    messages = [torch.ones(4, dtype=torch.uint8), torch.arange(4054, dtype=torch.int32).to(torch.uint8),
+                torch.tensor([1.5, -2.5]), torch.empty(0)]  # and a message of no bytes
+    got = [torch.empty_like(t) for t in messages]
+    for i, (t, into) in enumerate(zip(messages, got)):
+        post([Operation(True, t, 1, i)], True, a)  # sends only: room for each as the last was taken
+        exchange([Operation(False, into, 0, i)], True, b)
+    assert all(torch.equal(t, g) for t, g in zip(messages, got))
+    assert a._rings[(0, 1)].written == 20 + 4070 + 24 + 16 and a._rings[(0, 1)].size == 4096
+    a.close(), b.close()
+
+
+def test_a_tensor_that_is_not_one_contiguous_cpu_block_is_refused():
+    a, b = _pair("t-strided")
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        post([Operation(True, torch.zeros(4, 4).t(), 1, 0)], True, a)
+    a.close(), b.close()
+
+
+def test_a_full_dev_shm_is_a_one_line_error_and_leaves_nothing(monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    a, b = _pair("t-full")
+    with pytest.raises(shared_memory.SharedMemoryFull, match="run with --p2p gloo or enlarge /dev/shm"):
+        post([Operation(True, torch.zeros(4), 1, 0)], True, a)
+    assert _left(a) == []
+    a.close(), b.close()
+
+
+def test_a_rank_that_stops_with_an_error_releases_its_waiting_peer():
+    a, b = _pair("t-failed", timeout_s=30.0)
+    exchange([Operation(True, torch.zeros(1), 1, 0)], True, a) or exchange([Operation(False, torch.empty(1), 0, 0)],
+                                                                           True, b)
+    a.close(failed=True)  # rank 0 failed: rank 1, waiting for its next message, stops now, not in 30 s
+    with pytest.raises(RuntimeError, match="rank 0 stopped with an error"):
+        exchange([Operation(False, torch.empty(1), 0, 1)], True, b)
+    b.close()
+
+
 def test_a_message_other_than_the_expected_one_is_refused():
     a, b = _pair("t-mismatch")
     post([Operation(True, torch.zeros(4), 1, 3)], True, a)
@@ -118,10 +163,15 @@ def test_a_run_sends_through_shared_memory_unless_told_gloo(tmp_path):
 
     plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [2, 4], 2, 8, "1f1b")  # 3 ranks
     reference = reference_state(plan)
+    before = set(os.listdir(shared_memory.SHM_DIR))
     for p2p, peers in (("auto", [[1, 2], [0, 2], [0, 1]]), ("gloo", [[], [], []])):
         state = execute(plan, tmp_path / p2p, extra=["--p2p", p2p])
         assert max_abs_diff(state, reference) <= 1e-5
         with open(tmp_path / p2p / "report.json") as f:
             report = json.load(f)
         assert [r["shared_memory_peers"] for r in report["stages"]] == peers  # one host: every other rank
-    assert not [f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith("pipeplanner-")]
+        # 4 micro-batches, 3 steps: 12 activations one way and 12 gradients the other over each cut, and
+        # the link ping-pong of ranks 0 and 1 (3 sizes: 8 B, the cuts', 4 MiB; 12 round trips each)
+        messages = [r["shared_memory_messages"] for r in report["stages"]]
+        assert messages == ([24 + 72, 48 + 72, 24] if p2p == "auto" else [0, 0, 0])
+    assert not [f for f in set(os.listdir(shared_memory.SHM_DIR)) - before if f.startswith("pipeplanner-")]
