@@ -21,14 +21,15 @@ expects (tag and size) instead of searching. Waiting for any operation moves eve
 so two ranks whose sends both wait for ring space each take the other's bytes meanwhile.
 
 A wait polls and yields the processor (os.sched_yield: a rank sharing a core with its peer lets it
-run), sleeps 50 us between polls once it has waited 20 ms (a peer's long compute), and fails after
-the run's timeout. Ordering: the counters are written after the bytes they publish, which x86's
-memory model (stores seen in program order) makes safe without fences; other machines use gloo.
+run), sleeps 50 us between polls once it has waited 20 ms (a peer's long compute), stops at once
+when the peer flagged its rings on leaving with an error, and fails after the run's timeout.
+Ordering: the counters are written after the bytes they publish, which x86's memory model (stores
+seen in program order) makes safe without fences; other machines use gloo.
 
-Which peers: every rank creates a probe file named by the run's token (`runtime execute`'s
-launcher draws it and removes what is left of the run's files at its end; under torchrun rank 0
-draws it); the ranks whose probes
-it can see share its /dev/shm (one host, one container), and only those use rings.
+Which peers: every rank creates a probe file named by the run's token (`runtime execute`'s launcher
+draws it and removes what is left of the run's files at its end; under torchrun rank 0 draws it);
+the ranks whose probes it can see share its /dev/shm (one host, one container), and only those use
+rings.
 """
 from __future__ import annotations
 
@@ -289,8 +290,8 @@ class SharedMemoryTransport:
         return moved
 
     def _grow(self, key: tuple, ring: _Ring, first: _Pending) -> Optional[_Ring]:
-        """Replace the ring by one of RING_RECORDS times `first`'s record: create it, then tell the receiver in
-        the old one (a SWITCH record, once there is room for it). None while there is none."""
+        """Replace the ring by one of RING_RECORDS times `first`'s record: create it, then tell the
+        receiver in the old one (a SWITCH record, once there is room for it). None while there is none."""
         if ring.size - (ring.written - ring.read) < RECORD_BYTES:
             return None
         size = _ring_bytes(first)

@@ -1,7 +1,8 @@
-"""The link between two ranks on this host: gloo point-to-point messages timed between two
-processes at the cut sizes, fit as latency + bytes / bandwidth (`planner profile --link measure`,
-and every run's ranks 0 and 1); and the data-parallel all-reduce between the same two processes
-at the runtime's gradient bucket size, whose rate is what a plan's gradient exchange runs at."""
+"""The link between two ranks on this host: point-to-point messages timed between two processes
+(through the transport a run gives them: shared memory, or gloo with --p2p gloo) at the cut sizes,
+fit as latency + bytes / bandwidth (`planner profile --link measure`, and every run's ranks 0 and
+1); and the data-parallel all-reduce between the same two processes at the runtime's gradient
+bucket size, whose rate is what a plan's gradient exchange runs at."""
 from __future__ import annotations
 
 import math

@@ -63,13 +63,13 @@ def stand_in(forward_s: float, backward_s: float) -> Tuple[float, float]:
     return min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
 
 
-def rhythm_steps(rank: int, forward_s: float, backward_s: float, post, micro_batches: int = MICRO_BATCHES) -> List[float]:
+def rhythm_steps(rank: int, forward_s: float, backward_s: float, post,
+                 micro_batches: int = MICRO_BATCHES) -> List[float]:
     """Seconds per step of the lists with (forward_s, backward_s) of compute (`stand_in`'s, capped by
     the caller), one per timed step, on rank 0 (rank 1 runs the same call and
     returns []). Both ranks of the default process group (world size 2) must call it together.
     Messages go through `post` (planner.profile.link.dist_post or the runtime's transport, which
     runtime.link_probe hands in)."""
-
     from planner.pipeline.actions import SENDS, ActionKind
     from planner.pipeline.schedule import build_schedule
     from planner.pipeline.stepgraph import batches_of
