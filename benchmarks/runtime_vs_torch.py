@@ -191,7 +191,9 @@ def torch_step_fn(plan, rank: int, world: int):
 
 
 def our_step_fn(plan, rank: int):
-    """This runtime's Engine on this rank, built as runtime/worker.py builds it (for the in-process A/B)."""
+    """This runtime's Engine on this rank, built as runtime/worker.py builds it (for the in-process A/B),
+    its messages over gloo as theirs are: `runtime execute` sends through shared memory on one host
+    (runtime/shared_memory.py), which the whole-run comparison measures."""
     import torch
 
     from runtime.engine import Engine
