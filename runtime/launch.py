@@ -29,7 +29,6 @@ from typing import Dict, List, Optional, TextIO
 from runtime.shared_memory import RUN_TOKEN, remove_rings
 
 
-
 @dataclass
 class LaunchResult:
     ok: bool

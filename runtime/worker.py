@@ -34,8 +34,8 @@ from runtime import checkpoint as ckpt
 from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
-from runtime.link_probe import poster
 from runtime.initstate import InitState
+from runtime.link_probe import poster
 from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, run_refusal, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.shard import shard_optimizer
