@@ -374,7 +374,8 @@ def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine,
         fit = fit_link(samples)
     except ValueError:  # time did not grow with size in this noisy sample: report no link
         return None
-    return dict(fit, samples=samples, repeats=repeats)
+    transport = "shared memory" if local is not None else ("nccl" if device.type == "cuda" else "gloo")
+    return dict(fit, samples=samples, repeats=repeats, p2p=transport)
 
 
 def _mean_over_holders(stats, groups: Groups):
