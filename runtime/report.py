@@ -121,7 +121,22 @@ def format_report(report: Dict[str, Any]) -> str:
     lines.append(f"iteration: measured {m * 1e3:.2f} ms ({summary} of steady steps), predicted {p * 1e3:.2f} ms"
                  + (f", error {err * 100:+.1f}%" if err is not None else ""))
     lines += host_speed_lines(report.get("host_slowdown"), p, m)
+    ringed = [s["rank"] for s in report["stages"] if s.get("shared_memory_messages")]
+    if ringed and len(report["stages"]) > 1:  # runtime/shared_memory.py; absent: torch.distributed carried them
+        lines.append(f"messages through shared memory on ranks {_ranges(ringed)}" + (
+            "" if len(ringed) == len(report["stages"]) else ", torch.distributed on the others"))
     return "\n".join(lines)
+
+
+def _ranges(ranks: List[int]) -> str:
+    """0-3, 6 for [0, 1, 2, 3, 6]."""
+    spans: List[List[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def _planned_live_peak(plan, lists, pipeline_rank: int, stages) -> float:

@@ -171,6 +171,8 @@ def test_a_run_sends_through_shared_memory_unless_told_gloo(tmp_path):
             report = json.load(f)
         assert [r["shared_memory_peers"] for r in report["stages"]] == peers  # one host: every other rank
         assert report["link"]["p2p"] == ("shared memory" if p2p == "auto" else "gloo")  # the run's own ping-pong
+        printed = (tmp_path / p2p / "execute.out").read_text()
+        assert ("messages through shared memory on ranks 0-2" in printed) == (p2p == "auto")
         # 4 micro-batches, 3 steps: 12 activations one way and 12 gradients the other over each cut, and
         # the link ping-pong of ranks 0 and 1 (3 sizes: 8 B, the cuts', 4 MiB; 12 round trips each)
         messages = [r["shared_memory_messages"] for r in report["stages"]]
