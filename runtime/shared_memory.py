@@ -21,19 +21,22 @@ expects (tag and size) instead of searching. Waiting for any operation moves eve
 so two ranks whose sends both wait for ring space each take the other's bytes meanwhile.
 
 A wait polls and yields the processor (os.sched_yield: a rank sharing a core with its peer lets it
-run), sleeps 50 us between polls once it has waited 20 ms (a peer's long compute), stops at once
-when the peer flagged its rings on leaving with an error, and fails after the run's timeout.
+run), sleeps 50 us between polls once it has waited 20 ms (a peer's long compute), stops within
+0.1 s of then once the peer's process is gone (each rank holds a lock on its liveness file, which
+the kernel releases however the process ends: error, exit or signal), and fails after the run's
+timeout.
 Ordering: the counters are written after the bytes they publish, which x86's memory model (stores
 seen in program order) makes safe without fences; other machines use gloo.
 
 Which peers: every rank creates a probe file named by the run's token (`runtime execute`'s launcher
-draws it and removes what is left of the run's files at its end; under torchrun rank 0 draws it);
-the ranks whose probes it can see share its /dev/shm (one host, one container), and only those use
-rings.
+draws it and removes what is left of the run's files at its end; under torchrun rank 0 draws it) and
+locks it (its liveness file); the ranks whose probes it can see share its /dev/shm (one host, one
+container), and only those use rings.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import platform
@@ -55,10 +58,11 @@ MIN_RING_BYTES = 1 << 20
 # Messages a ring holds: a send that finds no room moves only when its rank next posts or waits
 # (nothing moves bytes in the background), so a receiver could wait through the sender's compute.
 RING_RECORDS = 4
-HEADER_BYTES = 128  # the two counters, each in its own 64-byte cache line (and a failure flag)
+HEADER_BYTES = 128  # the two counters, each in its own 64-byte cache line
 RECORD_BYTES = 16  # tag, byte count
 SWITCH = -1  # a record's tag: the sender goes on in a new ring of the record's byte count
 RUN_TOKEN = "PIPEPLANNER_RUN_TOKEN"  # set by `runtime execute`'s launcher, which removes the run's files at its end
+ALIVE_EVERY_S = 0.1  # how often a waiting rank checks that its peer's process is still there
 SPIN_S = 0.02  # poll without sleeping this long, then sleep between polls
 SLEEP_S = 50e-6
 
@@ -114,7 +118,7 @@ class _Ring:
         self._anchor = ctypes.c_char.from_buffer(self._map)  # exports the mapping: released by close
         self._written = ctypes.c_int64.from_buffer(self._map, 0)  # bytes the sender has published
         self._read = ctypes.c_int64.from_buffer(self._map, 64)  # bytes the receiver has released
-        self._failed = ctypes.c_int64.from_buffer(self._map, 16)  # 1 + the rank that stopped with an error
+        self.closed = False
         self._data = ctypes.addressof(self._anchor) + HEADER_BYTES
         self.size = size
         if create:
@@ -156,16 +160,11 @@ class _Ring:
                 else:
                     ctypes.memmove(outside, ring, n)
 
-    @property
-    def failed(self) -> int:
-        """The rank that stopped with an error while holding this ring, or -1."""
-        return self._failed.value - 1
-
-    def fail(self, rank: int) -> None:
-        self._failed.value = rank + 1
-
     def close(self) -> None:
-        del self._anchor, self._written, self._read, self._failed
+        if self.closed:
+            return
+        self.closed = True
+        del self._anchor, self._written, self._read
         self._map.close()
 
 
@@ -243,8 +242,11 @@ class SharedMemoryWork:
 class SharedMemoryTransport:
     """The rings of this rank with the peers that share its /dev/shm."""
 
-    def __init__(self, token: str, rank: int, peers: Set[int], timeout_s: float):
+    def __init__(self, token: str, rank: int, peers: Set[int], timeout_s: float,
+                 alive: Optional[Dict[int, int]] = None):
         self.token, self.rank, self.peers, self.timeout_s = token, rank, set(peers), timeout_s
+        self._alive = dict(alive or {})  # rank -> a descriptor of its liveness file (connect); ours is locked
+        self._checked = 0.0
         self._rings: Dict[tuple, _Ring] = {}  # (sender, receiver)
         self._generation: Dict[tuple, int] = {}  # how many times the pair's ring was replaced by a larger one
         self._queues: Dict[tuple, List[_Pending]] = {}
@@ -313,7 +315,8 @@ class SharedMemoryTransport:
                 continue
             waited = time.perf_counter() - start
             peer = pending.operation.peer
-            self._check_peer(peer)
+            if waited >= SPIN_S:
+                self._check_alive(peer)
             if waited > self.timeout_s:
                 what = "to take a message" if pending.operation.send else "for a message"
                 raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {peer} ({what}): rank {peer} "
@@ -323,12 +326,20 @@ class SharedMemoryTransport:
             else:
                 time.sleep(SLEEP_S)
 
-    def _check_peer(self, peer: int) -> None:
-        """Stop waiting on a rank that stopped with an error (it flagged its rings on the way out)."""
-        for key in ((self.rank, peer), (peer, self.rank)):
-            ring = self._rings.get(key)
-            if ring is not None and ring.failed >= 0 and ring.failed != self.rank:
-                raise RuntimeError(f"rank {ring.failed} stopped with an error while this rank waited on it")
+    def _check_alive(self, peer: int) -> None:
+        """Stop waiting on a rank whose process is gone (it exited, failed or was killed): its lock on
+        its liveness file is released then, which a shared lock taken here finds. At most every 0.1 s."""
+        now = time.perf_counter()
+        if peer not in self._alive or now - self._checked < ALIVE_EVERY_S:
+            return
+        self._checked = now
+        try:
+            fcntl.flock(self._alive[peer], fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # still held: the peer's process is there
+        fcntl.flock(self._alive[peer], fcntl.LOCK_UN)
+        raise RuntimeError(f"rank {peer} is gone (it exited, failed or was killed) while rank {self.rank} "
+                           "waited on it")
 
     def _ring(self, key: tuple, first: _Pending) -> Optional[_Ring]:
         ring = self._rings.get(key)
@@ -349,12 +360,10 @@ class SharedMemoryTransport:
         self._rings[key] = ring
         return ring
 
-    def close(self, failed: bool = False) -> None:
-        """Unmap the rings and remove what this rank created and nobody opened; `failed`: this rank
-        stops with an error, which its peers waiting on a ring learn at once."""
+    def close(self) -> None:
+        """Unmap the rings, remove what this rank created and nobody opened, and release the liveness
+        files (ours last: a peer still waiting on this rank learns it is gone). Safe to call twice."""
         for ring in self._rings.values():
-            if failed:
-                ring.fail(self.rank)
             try:
                 ring.close()
             except BufferError:  # a tensor still views it: the mapping goes with the process
@@ -366,6 +375,8 @@ class SharedMemoryTransport:
             except FileNotFoundError:
                 pass
         self._created.clear()
+        for peer in sorted(self._alive, key=lambda r: r == self.rank):
+            os.close(self._alive.pop(peer))
 
 
 def room_for(ring_bytes: int) -> bool:
@@ -390,12 +401,28 @@ def connect(rank: int, world: int, timeout_s: float, ring_bytes: int = 0) -> Opt
         return None
     token = [os.environ.get(RUN_TOKEN) or uuid.uuid4().hex[:16] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
+    # the probe: this rank's liveness file, locked while the process lives (the kernel releases the
+    # lock however it ends); the peers that see it share this /dev/shm and keep a descriptor of it
     probe = _path(token[0], f"probe-{rank}")
-    open(probe, "w").close()
+    alive = {rank: os.open(probe, os.O_CREAT | os.O_RDWR, 0o600)}
     try:
+        fcntl.flock(alive[rank], fcntl.LOCK_EX)
         dist.barrier()
-        peers = {r for r in range(world) if r != rank and os.path.exists(_path(token[0], f"probe-{r}"))}
+        for r in range(world):
+            if r != rank:
+                try:
+                    alive[r] = os.open(_path(token[0], f"probe-{r}"), os.O_RDWR)
+                except FileNotFoundError:  # on another host (or in another container)
+                    pass
         dist.barrier()
+    except BaseException:
+        for fd in alive.values():
+            os.close(fd)
+        raise
     finally:
         os.unlink(probe)
-    return SharedMemoryTransport(token[0], rank, peers, timeout_s) if peers else None
+    peers = set(alive) - {rank}
+    if not peers:
+        os.close(alive[rank])
+        return None
+    return SharedMemoryTransport(token[0], rank, peers, timeout_s, alive)

@@ -40,7 +40,7 @@ from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
-from runtime.shared_memory import MIN_RING_BYTES, RING_RECORDS, connect
+from runtime.shared_memory import MIN_RING_BYTES, RING_RECORDS, available, connect
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -116,6 +116,7 @@ class _Rank:
     sharding: Optional[ParameterSharding] = None  # a plan sharding parameters (runtime/shard_params.py)
     init_state: Optional[InitState] = None
     resumed_rng: Optional[Dict[str, Any]] = None
+    p2p_note: str = ""  # why the run's messages do not go through shared memory, where they could
     start_rss: int = 0  # resident bytes before building anything (the interpreter, torch)
     built_rss: int = 0  # peak resident bytes once its stages are built, before the first step
     events: List[List[Any]] = field(default_factory=list)  # trace: [kind, micro-batch, stage, start, end]
@@ -144,7 +145,12 @@ def run(args) -> None:
         _build(me, use_tags=me.device.type != "cuda")
         if args.p2p == "auto" and args.engine == "own" and me.device.type == "cpu":
             # every rank calls it (a collective), with the same bound on what the host's rings may take
-            me.engine.local = connect(me.rank, me.world, args.timeout, ring_bytes(me.plan, me.world))
+            bound = ring_bytes(me.plan, me.world, args.measure_link and me.topology.pipeline_ranks > 1)
+            me.engine.local = connect(me.rank, me.world, args.timeout, bound)
+            if me.engine.local is None and me.world > 1:
+                why = (f"/dev/shm lacks room for the run's rings ({bound / 2**20:.0f} MiB) on some rank, or no other "
+                       "rank shares it" if available() else "shared memory needs x86 and a writable /dev/shm")
+                me.p2p_note = f"messages through torch.distributed: {why}"
         me.built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         first_step = _resume(me)
         link = _measure_link(me.plan, me.topology, me.rank, me.device, me.engine) if args.measure_link else None
@@ -155,9 +161,7 @@ def run(args) -> None:
         dist.barrier()
     except BaseException as e:
         _write_error(args, e)  # before leaving the group: the others fail once it is gone, and the
-        if getattr(me.engine, "local", None) is not None:  # launcher names the rank whose error file came first
-            me.engine.local.close(failed=True)  # the peers waiting on its rings stop now, not at the timeout
-        raise
+        raise                  # launcher names the rank whose error file came first
     finally:
         if getattr(me.engine, "local", None) is not None:
             me.engine.local.close()
@@ -338,7 +342,8 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               # runtime/shared_memory.py: the ranks sharing this rank's /dev/shm (its messages to them went
               # through rings), and how many messages did
               "shared_memory_peers": sorted(me.engine.local.peers) if getattr(me.engine, "local", None) else [],
-              "shared_memory_messages": me.engine.local.messages if getattr(me.engine, "local", None) else 0}
+              "shared_memory_messages": me.engine.local.messages if getattr(me.engine, "local", None) else 0,
+              "p2p_note": me.p2p_note}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:
@@ -352,12 +357,13 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
 
 
-def ring_bytes(plan: Plan, world: int) -> int:
+def ring_bytes(plan: Plan, world: int, measure_link: bool) -> int:
     """A bound on what the run's shared-memory rings take on one host: each rank's rings to two peers,
-    RING_RECORDS of the plan's largest message each, and the two rings of the link measurement's
-    4 MiB ping (`_measure_link`)."""
+    RING_RECORDS of the plan's largest message each, and with `measure_link` the two rings of the
+    link measurement's 4 MiB ping (`_measure_link`)."""
     largest = max(stage.activation_bytes_sent() for stage in plan.stages)
-    return world * 2 * max(MIN_RING_BYTES, RING_RECORDS * largest) + 2 * RING_RECORDS * (4 << 20)
+    link = 2 * RING_RECORDS * (4 << 20) if measure_link else 0
+    return world * 2 * max(MIN_RING_BYTES, RING_RECORDS * largest) + link
 
 
 def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine, repeats: int = 10):

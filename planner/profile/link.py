@@ -299,13 +299,16 @@ def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: 
          "allreduce_repeats": max(3, repeats // 3)})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         for r in range(2)]
-    outputs = []
+    outputs, errors = [], []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=attempts * timeout_s + 30)  # each try of the ping-pong its own time
-            if proc.returncode != 0:
-                raise RuntimeError(f"measuring the link failed: {(err.strip().splitlines() or ['?'])[-1]}")
             outputs.append(out)
+            if proc.returncode != 0:
+                errors.append((err.strip().splitlines() or ["?"])[-1])
+        if errors:  # the cause, not the other process's finding that its peer is gone
+            cause = next((e for e in errors if "is gone" not in e and "Timeout" not in e), errors[0])
+            raise RuntimeError(f"measuring the link failed: {cause}")
     finally:
         for proc in procs:
             if proc.poll() is None:
