@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from planner.profile.link import measure_pair
 from runtime.comm import Operation, post
-from runtime.shared_memory import MIN_RING_BYTES, RING_RECORDS, connect
+from runtime.shared_memory import connect, ring_size
 
 
 def poster(local):
@@ -31,8 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     local = None
     try:
         if config.get("p2p", "auto") == "auto":  # room for a ring each way of the largest message
-            room = 2 * max(MIN_RING_BYTES, RING_RECORDS * (max(config["sizes"]) + 16))
-            local = connect(rank, 2, float(config["timeout_s"]), room)
+            local = connect(rank, 2, float(config["timeout_s"]), 2 * ring_size(max(config["sizes"])))
         measured = dict(measure_pair(rank, config, post=poster(local)), p2p="shared memory" if local else "gloo")
         dist.barrier()
         if rank == 0:

@@ -168,12 +168,11 @@ class _Ring:
         self._map.close()
 
 
-def _ring_bytes(first: "_Pending") -> int:
-    """A new ring's data bytes: RING_RECORDS records like `first`, 1 MiB at least, in whole pages."""
-    size = max(MIN_RING_BYTES, RING_RECORDS * first.record_bytes)
+def ring_size(message_bytes: int) -> int:
+    """The data bytes of a ring made for messages of `message_bytes`: RING_RECORDS of their records,
+    MIN_RING_BYTES at least, in whole pages (also the bound the callers of `connect` count per ring)."""
+    size = max(MIN_RING_BYTES, RING_RECORDS * (RECORD_BYTES + message_bytes))
     return -(-size // 4096) * 4096
-
-
 
 
 class _Pending:
@@ -188,24 +187,23 @@ class _Pending:
         self.header = (ctypes.c_int64 * 2)(operation.tag, self.nbytes)
         self.moved = 0  # of header + payload
         self.done = False
-        self.switch = 0  # a receive: the size of the ring the sender moved to, until it is opened
+        self.switched = False  # a receive that read a SWITCH record: the sender goes on in a new ring
 
     @property
     def record_bytes(self) -> int:
         return RECORD_BYTES + self.nbytes
 
     def advance(self, ring: _Ring, peer: int) -> bool:
-        """Move what the ring allows; whether anything moved. A receive that read a switch record
-        (SWITCH) returns with `switch` set and its header to be read again."""
+        """Move what the ring allows; whether anything moved. A receive that read a SWITCH record
+        returns with `switched` set and its header to be read again (from the new ring)."""
         move = ring.put if self.operation.send else ring.take
         moved = False
         while not self.done:
             if self.moved < RECORD_BYTES:
                 n = move(ctypes.addressof(self.header) + self.moved, RECORD_BYTES - self.moved)
                 if not self.operation.send and self.moved + n == RECORD_BYTES:
-                    tag, size = self.header
-                    if tag == SWITCH:
-                        self.switch, self.moved = size, 0
+                    if self.header[0] == SWITCH:
+                        self.switched, self.moved = True, 0
                         return True
                     self._check(peer)
             else:
@@ -280,10 +278,10 @@ class SharedMemoryTransport:
                     if ring is None:
                         break
                 moved |= first.advance(ring, key[0] if key[1] == self.rank else key[1])
-                if first.switch:
+                if first.switched:
                     self._rings.pop(key).close()
                     self._generation[key] = self._generation.get(key, 0) + 1
-                    first.switch = 0
+                    first.switched = False
                     continue  # the receive goes on in the new ring (opened by _ring)
                 if not first.done:
                     break
@@ -296,16 +294,20 @@ class SharedMemoryTransport:
         receiver in the old one (a SWITCH record, once there is room for it). None while there is none."""
         if ring.size - (ring.written - ring.read) < RECORD_BYTES:
             return None
-        size = _ring_bytes(first)
         generation = self._generation.get(key, 0) + 1
-        path = _path(self.token, f"{key[0]}-{key[1]}-{generation}")
-        bigger = _Ring(path, size, create=True)
-        self._created.append(path)
-        switch = (ctypes.c_int64 * 2)(SWITCH, size)
+        bigger = self._create(key, generation, first)
+        switch = (ctypes.c_int64 * 2)(SWITCH, bigger.size)
         ring.put(ctypes.addressof(switch), RECORD_BYTES)
         ring.close()
         self._rings[key], self._generation[key] = bigger, generation
         return bigger
+
+    def _create(self, key: tuple, generation: int, first: _Pending) -> _Ring:
+        """A new ring of this rank's to the receiver of `key`, sized for `first`'s message."""
+        path = _path(self.token, f"{key[0]}-{key[1]}-{generation}")
+        ring = _Ring(path, ring_size(first.nbytes), create=True)
+        self._created.append(path)  # removed at close unless the receiver opened (and removed) it
+        return ring
 
     def wait_for(self, pending: _Pending) -> None:
         start = time.perf_counter()  # since anything last moved
@@ -345,18 +347,16 @@ class SharedMemoryTransport:
         ring = self._rings.get(key)
         if ring is not None:
             return ring
-        sender, receiver = key
-        path = _path(self.token, f"{sender}-{receiver}-{self._generation.get(key, 0)}")
-        if sender == self.rank:
-            ring = _Ring(path, _ring_bytes(first), create=True)
-            self._created.append(path)
+        generation = self._generation.get(key, 0)
+        if key[0] == self.rank:
+            ring = self._create(key, generation, first)
         else:
+            path = _path(self.token, f"{key[0]}-{key[1]}-{generation}")
             try:
                 ring = _Ring(path, 0, create=False)
             except FileNotFoundError:  # the sender has not sent yet
                 return None
             os.unlink(path)  # both hold it now: nothing is left in /dev/shm if either dies
-            self._created = [p for p in self._created if p != path]
         self._rings[key] = ring
         return ring
 

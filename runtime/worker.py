@@ -40,7 +40,7 @@ from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
-from runtime.shared_memory import MIN_RING_BYTES, RING_RECORDS, available, connect
+from runtime.shared_memory import available, connect, ring_size
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -163,8 +163,8 @@ def run(args) -> None:
         _write_error(args, e)  # before leaving the group: the others fail once it is gone, and the
         raise                  # launcher names the rank whose error file came first
     finally:
-        if getattr(me.engine, "local", None) is not None:
-            me.engine.local.close()
+        if _local(me) is not None:
+            _local(me).close()
         dist.destroy_process_group()
 
 
@@ -341,8 +341,8 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               "host_kernel_s": host_kernel,
               # runtime/shared_memory.py: the ranks sharing this rank's /dev/shm (its messages to them went
               # through rings), and how many messages did
-              "shared_memory_peers": sorted(me.engine.local.peers) if getattr(me.engine, "local", None) else [],
-              "shared_memory_messages": me.engine.local.messages if getattr(me.engine, "local", None) else 0,
+              "shared_memory_peers": sorted(_local(me).peers) if _local(me) else [],
+              "shared_memory_messages": _local(me).messages if _local(me) else 0,
               "p2p_note": me.p2p_note}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
@@ -357,13 +357,20 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
 
 
+def _local(me: _Rank):
+    """The rank's shared-memory transport (runtime/shared_memory.py), or None."""
+    return getattr(me.engine, "local", None)  # the torch engine has none; the engine may not be built
+
+
+LINK_PING_BYTES = 4 << 20  # the largest message of `_measure_link`, beside the plan's own sizes
+
+
 def ring_bytes(plan: Plan, world: int, measure_link: bool) -> int:
     """A bound on what the run's shared-memory rings take on one host: each rank's rings to two peers,
-    RING_RECORDS of the plan's largest message each, and with `measure_link` the two rings of the
-    link measurement's 4 MiB ping (`_measure_link`)."""
+    sized for the plan's largest message, and with `measure_link` the two rings of the link
+    measurement's largest ping (`_measure_link`)."""
     largest = max(stage.activation_bytes_sent() for stage in plan.stages)
-    link = 2 * RING_RECORDS * (4 << 20) if measure_link else 0
-    return world * 2 * max(MIN_RING_BYTES, RING_RECORDS * largest) + link
+    return world * 2 * ring_size(largest) + (2 * ring_size(LINK_PING_BYTES) if measure_link else 0)
 
 
 def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine, repeats: int = 10):
@@ -372,7 +379,7 @@ def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine,
     take no part."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
-    sizes = sorted({8, 4 << 20} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
+    sizes = sorted({8, LINK_PING_BYTES} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
     local = getattr(engine, "local", None)  # the transport the run's messages take
     samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device,
                         post=poster(local) if local is not None else None)

@@ -114,6 +114,7 @@ def measure_pair(rank: int, config: Dict[str, Any],
     import torch.distributed as dist
 
     repeats, warmup = int(config["repeats"]), int(config["warmup"])
+    batched = post or dist_post  # the batches and the rhythm post as the runtime does
     if ping is None:
         ping = lambda: ping_pong(rank == 0, 1 - rank, config["sizes"], repeats, warmup, post=post)  # noqa: E731
     pings = 0
@@ -127,9 +128,9 @@ def measure_pair(rank: int, config: Dict[str, Any],
 
     measured, fit, warning = fit_measured_link(agreed, int(config.get("attempts", 1)))
     return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": pings,
-            "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup, post=post or dist_post),
+            "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup, post=batched),
             "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1),
-            "rhythm": rhythm_steps(rank, *config["rhythm"], post or dist_post) if config.get("rhythm") else None}
+            "rhythm": rhythm_steps(rank, *config["rhythm"], batched) if config.get("rhythm") else None}
 
 
 def _timed_rounds(message_bytes: Sequence[int], repeats: int, warmup: int, device: Optional[torch.device],

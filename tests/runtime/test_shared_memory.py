@@ -168,7 +168,7 @@ def test_a_wait_for_a_silent_peer_fails_after_the_timeout():
     assert _left(a) == []
 
 
-def test_only_peers_in_the_transport_go_through_it():
+def test_the_transport_handles_only_the_peers_it_was_given():
     a = SharedMemoryTransport("t-peers", 0, {1}, 1.0)
     assert a.handles(1) and not a.handles(2)
     a.close()
