@@ -30,6 +30,7 @@ class Groups:
         self.tie_groups: Dict[str, Any] = {}
         self.tie_reached: Dict[str, bool] = {}  # whether some holder's backward reaches the tie
         self.data_parallel_group = None  # the holders of this rank's stages, when more than one
+        self.data_parallel_ranks: Tuple[int, ...] = ()  # their global ranks
         if not dist.is_initialized():
             return
         made = set()
@@ -39,7 +40,7 @@ class Groups:
                 made.add(ranks)
                 group = dist.new_group(list(ranks))
                 if rank in ranks:
-                    self.data_parallel_group = group
+                    self.data_parallel_group, self.data_parallel_ranks = group, ranks
         for name, positions in tied_groups:
             spans = [range(topology.data_parallel)] if not per_replica else \
                 [[r] for r in range(topology.data_parallel)]
@@ -96,13 +97,16 @@ class GradientBuckets:
     step makes each parameter's post-accumulate hook count it done, and a bucket whose parameters
     are all done starts its all-reduce at once, asynchronously, while the backward goes on.
     `finish` starts the rest (parameters without a gradient this step) in bucket order and waits
-    for all. Every holder runs the same graphs, so the buckets start in the same order everywhere,
-    and a parameter no backward reached on one holder was reached on none: its gradient is None
+    for all. With a `reducer` (runtime/shared_reduce.py: every holder on this host) `finish` sums
+    the buckets through shared memory instead, in bucket order, where the step graph charges the
+    exchange: after the rank's list (planner/pipeline/stepgraph.py). Every holder runs the same
+    graphs, so the buckets start in the same order everywhere, and a parameter no backward reached on one holder was reached on none: its gradient is None
     again after `finish`, as single-process training leaves it (an optimizer skips it).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group: Any, bucket_bytes: int = 25 << 20):
         self.group = group
+        self.reducer = None  # runtime.shared_reduce.SharedMemoryReducer, set once the transport is up
         self.buckets: List[torch.Tensor] = []
         self.members: List[List[Tuple[torch.nn.Parameter, torch.Tensor]]] = []
         self.bucket_of: Dict[int, int] = {}
@@ -117,6 +121,7 @@ class GradientBuckets:
             self._add(current)
         self.pending: List[int] = []
         self.works: List[Any] = []
+        self.started: List[bool] = []
         self.armed: set = set()
         self.reached: Set[int] = set()  # the parameters some backward gave a gradient this step
         for p in params:
@@ -139,6 +144,7 @@ class GradientBuckets:
                 p.grad = view
         self.pending = [len(views) for views in self.members]
         self.works = [None] * len(self.buckets)
+        self.started = [False] * len(self.buckets)
         self.armed.clear()
         self.reached.clear()
 
@@ -160,14 +166,20 @@ class GradientBuckets:
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
-        self.works[k] = dist.all_reduce(self.buckets[k], group=self.group, async_op=True)
+        self.started[k] = True
+        if self.reducer is None:  # gloo's, in the background while the backward goes on
+            self.works[k] = dist.all_reduce(self.buckets[k], group=self.group, async_op=True)
 
     def finish(self) -> None:
         for k in range(len(self.buckets)):
-            if self.works[k] is None:
+            if not self.started[k]:
                 self._start(k)
+        if self.reducer is not None:
+            for flat in self.buckets:
+                self.reducer.all_reduce(flat)
         for work in self.works:
-            work.wait()
+            if work is not None:
+                work.wait()
         for views in self.members:
             for p, _ in views:
                 if id(p) not in self.reached:

@@ -1,7 +1,8 @@
 """One of the two processes `planner profile --link measure` starts (planner.profile.link.measure_link):
 the pair's measurement (planner.profile.link.measure_pair) over the transport `runtime execute
---p2p` gives two CPU ranks of one host, so that the profile's latency is the one a run pays;
-rank 0 prints it as JSON, with "p2p" saying which transport it was."""
+--p2p` gives two CPU ranks of one host (messages and the gradient all-reduce), so that the
+profile's latency and all-reduce rate are the ones a run pays; rank 0 prints it as JSON, with
+"p2p" saying which transport it was."""
 from __future__ import annotations
 
 import datetime
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from planner.profile.link import measure_pair
 from runtime.comm import Operation, post
 from runtime.shared_memory import connect, ring_size
+from runtime.shared_reduce import reducer
 
 
 def poster(local):
@@ -28,15 +30,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     torch.set_num_threads(max(int(config["threads"]), 1))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=float(config["timeout_s"])))
-    local = None
+    local = summing = None
     try:
         if config.get("p2p", "auto") == "auto":  # room for a ring each way of the largest message
             local = connect(rank, 2, float(config["timeout_s"]), 2 * ring_size(max(config["sizes"])))
-        measured = dict(measure_pair(rank, config, post=poster(local)), p2p="shared memory" if local else "gloo")
+            summing = reducer(local, [0, 1], None, max(config["allreduce_sizes"]))
+        measured = dict(measure_pair(rank, config, post=poster(local), reduce=summing and summing.all_reduce),
+                        p2p="shared memory" if local else "gloo", allreduce_p2p="shared memory" if summing else "gloo")
         dist.barrier()
         if rank == 0:
             print(json.dumps(measured), flush=True)
     finally:
+        if summing is not None:
+            summing.close()
         if local is not None:
             local.close()
         dist.destroy_process_group()

@@ -42,7 +42,7 @@ import os
 import platform
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -91,38 +91,48 @@ def _path(token: str, what: str) -> str:
     return os.path.join(SHM_DIR, f"pipeplanner-{token}-{what}")
 
 
+def map_file(path: str, nbytes: Optional[int], what: str) -> mmap.mmap:
+    """Map the file at `path`: a new one of `nbytes` (its pages allocated now: tmpfs files are
+    sparse, and a page it cannot give later is a SIGBUS; it appears whole, by a rename, so a
+    peer never opens it half made), or with `nbytes` None an existing one, whole."""
+    tmp = None
+    if nbytes is None:
+        fd = os.open(path, os.O_RDWR)
+        nbytes = os.fstat(fd).st_size
+    else:
+        tmp = path + ".new"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if tmp is not None:
+            os.posix_fallocate(fd, 0, nbytes)
+        mapped = mmap.mmap(fd, nbytes)
+    except OSError as e:
+        if tmp is not None:
+            os.unlink(tmp)
+        if tmp is None:
+            raise
+        raise SharedMemoryFull(f"{SHM_DIR} has no room for a {nbytes / 2**20:.1f} MiB {what} ({e.strerror}): "
+                               f"run with --p2p gloo or enlarge {SHM_DIR} (e.g. docker --shm-size)") from None
+    finally:
+        os.close(fd)
+    if tmp is not None:
+        os.rename(tmp, path)
+    return mapped
+
+
 class _Ring:
     """One direction between two ranks: the mapping, its two counters and its data area, moved with
     ctypes (a message costs a few memmoves and counter reads, not tensor operations)."""
 
     def __init__(self, path: str, size: int, create: bool):
-        if create:
-            tmp = path + ".new"
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                # the pages now: tmpfs files are sparse, and a page it cannot give later is a SIGBUS
-                os.posix_fallocate(fd, 0, HEADER_BYTES + size)
-            except OSError as e:
-                os.close(fd)
-                os.unlink(tmp)
-                raise SharedMemoryFull(f"{SHM_DIR} has no room for a {(HEADER_BYTES + size) / 2**20:.1f} MiB message "
-                                       f"ring ({e.strerror}): run with --p2p gloo or enlarge {SHM_DIR} (e.g. docker "
-                                       "--shm-size)") from None
-        else:
-            fd = os.open(path, os.O_RDWR)
-            size = os.fstat(fd).st_size - HEADER_BYTES
-        try:
-            self._map = mmap.mmap(fd, HEADER_BYTES + size)
-        finally:
-            os.close(fd)
+        self._map = map_file(path, HEADER_BYTES + size if create else None, "message ring")
+        size = len(self._map) - HEADER_BYTES
         self._anchor = ctypes.c_char.from_buffer(self._map)  # exports the mapping: released by close
         self._written = ctypes.c_int64.from_buffer(self._map, 0)  # bytes the sender has published
         self._read = ctypes.c_int64.from_buffer(self._map, 64)  # bytes the receiver has released
         self.closed = False
         self._data = ctypes.addressof(self._anchor) + HEADER_BYTES
         self.size = size
-        if create:
-            os.rename(tmp, path)  # the receiver opens only a whole ring
 
     @property
     def written(self) -> int:
@@ -310,18 +320,22 @@ class SharedMemoryTransport:
         return ring
 
     def wait_for(self, pending: _Pending) -> None:
+        what = "to take a message" if pending.operation.send else "for a message"
+        self.wait_until(lambda: pending.done, lambda: pending.operation.peer, what)
+
+    def wait_until(self, ready: Callable[[], bool], peer: Callable[[], int], what: str) -> None:
+        """Until `ready()`, moving every posted operation on meanwhile: `peer()` is the rank waited on
+        (checked to be alive, named by the timeout's error)."""
         start = time.perf_counter()  # since anything last moved
-        while not pending.done:
+        while not ready():
             if self.progress():
                 start = time.perf_counter()
                 continue
             waited = time.perf_counter() - start
-            peer = pending.operation.peer
             if waited >= SPIN_S:
-                self._check_alive(peer)
+                self._check_alive(peer())
             if waited > self.timeout_s:
-                what = "to take a message" if pending.operation.send else "for a message"
-                raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {peer} ({what}): rank {peer} "
+                raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {peer()} ({what}): rank {peer()} "
                                    "is stuck or gone; raise --timeout if its work takes longer")
             if waited < SPIN_S:
                 os.sched_yield()

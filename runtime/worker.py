@@ -41,6 +41,7 @@ from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
 from runtime.shared_memory import available, connect, ring_size
+from runtime.shared_reduce import reducer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -147,6 +148,11 @@ def run(args) -> None:
             # every rank calls it (a collective), with the same bound on what the host's rings may take
             bound = ring_bytes(me.plan, me.world, args.measure_link and me.topology.pipeline_ranks > 1)
             me.engine.local = connect(me.rank, me.world, args.timeout, bound)
+            buckets = me.engine.buckets
+            if buckets is not None:  # the gradient all-reduce too, where its group is on this host
+                largest = max((flat.numel() * flat.element_size() for flat in buckets.buckets), default=0)
+                buckets.reducer = reducer(me.engine.local, me.groups.data_parallel_ranks,
+                                          me.groups.data_parallel_group, largest)
             if me.engine.local is None and me.world > 1:
                 why = (f"/dev/shm lacks room for the run's rings ({bound / 2**20:.0f} MiB) on some rank, or no other "
                        "rank shares it" if available() else "shared memory needs x86 and a writable /dev/shm")
@@ -163,6 +169,8 @@ def run(args) -> None:
         _write_error(args, e)  # before leaving the group: the others fail once it is gone, and the
         raise                  # launcher names the rank whose error file came first
     finally:
+        if _reducer(me) is not None:
+            _reducer(me).close()
         if _local(me) is not None:
             _local(me).close()
         dist.destroy_process_group()
@@ -343,6 +351,8 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               # through rings), and how many messages did
               "shared_memory_peers": sorted(_local(me).peers) if _local(me) else [],
               "shared_memory_messages": _local(me).messages if _local(me) else 0,
+              # runtime/shared_reduce.py: the gradient buckets summed through shared memory
+              "shared_memory_reductions": _reducer(me).reductions if _reducer(me) else 0,
               "p2p_note": me.p2p_note}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
@@ -355,6 +365,12 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     if args.trace:
         write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.trace.json"), me.events)
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
+
+
+def _reducer(me: _Rank):
+    """The rank's shared-memory gradient all-reduce (runtime/shared_reduce.py), or None."""
+    buckets = getattr(getattr(me, "engine", None), "buckets", None)  # the torch engine has none
+    return buckets.reducer if buckets is not None else None
 
 
 def _local(me: _Rank):

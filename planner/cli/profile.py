@@ -45,7 +45,7 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
           f"({_rhythm_note(link)}), "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "
           f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips), all-reduce "
-          f"{link['allreduce']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s per replica; planner solve uses them unless "
+          f"{link['allreduce']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s per replica ({link['allreduce']['transport']}); planner solve uses them unless "
           "--bandwidth/--latency/--message-cost/--dp-bandwidth are given", flush=True)
 
 

@@ -103,13 +103,15 @@ def dist_post(operations: Sequence[Tuple[bool, torch.Tensor, int, int]]) -> List
 Post = Callable[[Sequence[Tuple[bool, torch.Tensor, int, int]]], List[Any]]
 
 
-def measure_pair(rank: int, config: Dict[str, Any],
-                 ping: Optional[Callable[[], List[List[float]]]] = None, post: Optional[Post] = None) -> Dict[str, Any]:
+def measure_pair(rank: int, config: Dict[str, Any], ping: Optional[Callable[[], List[List[float]]]] = None,
+                 post: Optional[Post] = None, reduce: Optional[Callable[[torch.Tensor], None]] = None
+                 ) -> Dict[str, Any]:
     """Both ranks of the pair (the default process group), each calling it: the ping-pong (`ping`,
     default ping_pong at the config's sizes: [[bytes, one-way seconds], ...]), measured again while
     its times do not grow with size (fit_measured_link, up to the config's "attempts": both ranks
     decide on rank 0's samples), then once each the batches, the all-reduces and the rhythm. The
-    point-to-point messages go through `post` (dist_post's signature) when given, as a run's do.
+    point-to-point messages go through `post` (dist_post's signature) when given, as a run's do, and
+    the all-reduces through `reduce` (an in-place sum over the pair), as a run's gradient buckets do.
     {"samples", "fit", "warning", "ping_pongs" (how many ran), "batches", "allreduce", "rhythm"}."""
     import torch.distributed as dist
 
@@ -129,7 +131,8 @@ def measure_pair(rank: int, config: Dict[str, Any],
     measured, fit, warning = fit_measured_link(agreed, int(config.get("attempts", 1)))
     return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": pings,
             "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup, post=batched),
-            "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1),
+            "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1,
+                                          reduce=reduce),
             "rhythm": rhythm_steps(rank, *config["rhythm"], batched) if config.get("rhythm") else None}
 
 
@@ -206,13 +209,14 @@ BUCKET_BYTES = 25 << 20
 ALLREDUCE_BYTES = (1 << 20, BUCKET_BYTES)
 
 
-def all_reduce_times(message_bytes: Sequence[int], repeats: int, warmup: int,
-                     device: Optional[torch.device] = None) -> List[List[float]]:
+def all_reduce_times(message_bytes: Sequence[int], repeats: int, warmup: int, device: Optional[torch.device] = None,
+                     reduce: Optional[Callable[[torch.Tensor], None]] = None) -> List[List[float]]:
     """[[bytes, seconds], ...]: the median time of an all-reduce (sum) of each size over the
-    default group, sizes interleaved round after round, each ended by waiting for it."""
+    default group (through `reduce` when given), sizes interleaved round after round, each ended
+    by waiting for it."""
     import torch.distributed as dist
 
-    return _timed_rounds(message_bytes, repeats, warmup, device, lambda buffer: dist.all_reduce(buffer))
+    return _timed_rounds(message_bytes, repeats, warmup, device, reduce or (lambda buffer: dist.all_reduce(buffer)))
 
 
 def all_reduce_rate(samples: Sequence[Sequence[float]]) -> float:
@@ -275,7 +279,8 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo", p2p=measured["p2p"],
                 between="two processes on this host", threads=threads, repeats=repeats,
                 samples=measured["samples"], batches=measured["batches"],
-                allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2},
+                allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2,
+                           "transport": measured.get("allreduce_p2p", "gloo")},
                 **({"warning": warning} if warning else {}))
 
 

@@ -1,0 +1,116 @@
+"""The data-parallel gradient all-reduce through shared memory (runtime/shared_reduce.py): members
+of one process, driven from threads as ranks would drive them, and a run of four ranks."""
+import json
+import os
+import random
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from runtime import shared_memory, shared_reduce
+from runtime.shared_memory import SharedMemoryTransport
+from runtime.shared_reduce import SharedMemoryReducer, _Member
+
+pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="shared memory needs x86 and /dev/shm")
+
+
+def _group(members, slot_bytes, timeout_s=20.0):
+    """One reducer per member, as `reducer` makes them (each member's file, mapped by all)."""
+    token = "t-reduce" + uuid.uuid4().hex[:8]
+    paths = {m: shared_memory._path(token, f"reduce-{m}") for m in members}
+    files = {m: _Member(paths[m], slot_bytes, create=True) for m in members}
+    reducers = []
+    for m in members:
+        transport = SharedMemoryTransport(token, m, set(members) - {m}, timeout_s)
+        others = {o: _Member(paths[o], slot_bytes, create=False) for o in members if o != m}
+        reducers.append(SharedMemoryReducer(transport, members, slot_bytes, files[m], others))
+    for path in paths.values():
+        os.unlink(path)
+    return reducers
+
+
+def _all(work):
+    """Run work(k) for every member at once; re-raise the first error."""
+    errors = []
+
+    def run(k):
+        try:
+            work(k)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(work.members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_member_gets_the_sum_in_rank_order_through_many_chunks(dtype):
+    members = [0, 2, 5]  # global ranks, not 0..n-1
+    reducers = _group(members, 4096)  # 4 KiB slots: a tensor goes in many chunks, both slots reused
+    sizes = [1, 1024, 5000, 0, 3000]  # elements: within a chunk, exactly one, many, none
+    rng = random.Random(0)
+    inputs = [[torch.randn(n).to(dtype) for n in sizes] for _ in members]
+    results = [[x.clone() for x in mine] for mine in inputs]
+
+    def work(k):
+        for x in results[k]:
+            time.sleep(rng.random() * 1e-3)  # members arrive in every order
+            reducers[k].all_reduce(x)
+
+    work.members = members
+    _all(work)
+    for j in range(len(sizes)):
+        expected = (inputs[0][j] + inputs[1][j]) + inputs[2][j]  # rank order
+        for k in range(len(members)):
+            assert torch.equal(results[k][j], expected)  # bitwise: the replicas stay equal
+    assert [r.reductions for r in reducers] == [len(sizes)] * 3
+    assert len({r.sequence for r in reducers}) == 1
+    for r in reducers:
+        r.close()
+        r.transport.close()
+
+
+def test_a_member_that_never_comes_is_named_after_the_timeout():
+    first, second = _group([0, 1], 4096, timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="rank 0 waited .* for rank 1 .*gradient all-reduce"):
+        first.all_reduce(torch.ones(8))
+    first.close(), second.close()
+
+
+def test_a_tensor_that_is_not_one_contiguous_cpu_block_is_refused():
+    first, second = _group([0, 1], 4096)
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        first.all_reduce(torch.zeros(4, 4).t())
+    first.close(), second.close()
+
+
+def test_a_slot_is_a_page_multiple_and_at_most_slot_bytes():
+    assert shared_reduce.slot_size(1) == 4096
+    assert shared_reduce.slot_size(5000) == 8192
+    assert shared_reduce.slot_size(1 << 30) == shared_reduce.SLOT_BYTES
+
+
+def test_data_parallel_runs_sum_their_gradients_through_shared_memory_unless_told_gloo(tmp_path):
+    from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, reshape_plan
+
+    plan = reshape_plan(plan_with(profile_of("builtin:mlp"), [3], 2, 16, "1f1b"), data_parallel=2)  # 2 x 2 ranks
+    reference = reference_state(plan)
+    before = set(os.listdir(shared_memory.SHM_DIR))
+    for p2p in ("auto", "gloo"):
+        state = execute(plan, tmp_path / p2p, extra=["--p2p", p2p])
+        assert max_abs_diff(state, reference) <= 1e-5
+        with open(tmp_path / p2p / "report.json") as f:
+            report = json.load(f)
+        # one bucket per rank, summed once in each of the 3 steps
+        assert [r["shared_memory_reductions"] for r in report["stages"]] == ([3] * 4 if p2p == "auto" else [0] * 4)
+        printed = (tmp_path / p2p / "execute.out").read_text()
+        assert ("gradient all-reduce through shared memory on ranks 0-3" in printed) == (p2p == "auto")
+    assert not [f for f in set(os.listdir(shared_memory.SHM_DIR)) - before if f.startswith("pipeplanner-")]
