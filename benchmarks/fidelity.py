@@ -50,6 +50,7 @@ from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
 from planner.profile.measure import profile_model, steadiest_profile  # noqa: E402
+from runtime.engine_probe import engine_overhead  # noqa: E402
 from planner.profile.rhythm import rhythm_compute  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
@@ -155,6 +156,10 @@ def profiles_for(entry, model_args, args):
         link = measure_link(sorted(cut_bytes), rhythm=rhythm_compute(two))
         for prof in profiles.values():
             prof.extra["link"] = link
+    if args.engine_cost and args.device == "cpu":  # as `planner profile` measures it (runtime.engine_probe)
+        engine = engine_overhead()
+        for prof in profiles.values():
+            prof.engine_overhead_s = engine
     return profiles
 
 
@@ -303,6 +308,9 @@ def main():
                         help="profile every stage count alone (as --ranks-per-host 1) instead of with S - 1 co-runners")
     parser.add_argument("--no-link", dest="link", action="store_false",
                         help="plan with the 5 GB/s, 0 latency defaults instead of the measured link")
+    parser.add_argument("--no-engine-cost", dest="engine_cost", action="store_false",
+                        help="plan without the engine's own cost per forward and backward (planner profile "
+                             "--engine-cost none)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="profile and run on this device (cuda: one GPU per stage; no co-runners, no gloo link)")
     parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="stage counts of the grid (default 1,2)")

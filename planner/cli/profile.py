@@ -49,6 +49,21 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
           "--bandwidth/--latency/--message-cost/--dp-bandwidth are given", flush=True)
 
 
+def _engine_cost(args: argparse.Namespace, profile) -> None:
+    """--engine-cost measure: what the runtime's engine adds per micro-batch to every stage's compute,
+    timed on a null stage in this process (runtime.engine_probe)."""
+    mode = args.engine_cost or ("measure" if args.device == "cpu" else "none")
+    if mode == "none":
+        return
+    from runtime.engine_probe import engine_overhead
+
+    profile.engine_overhead_s = engine_overhead()
+    forward, backward = profile.engine_overhead_s
+    print(f"engine: {forward * 1e6:.0f} us per forward, {backward * 1e6:.0f} us per backward of the runtime's own "
+          "work (a null stage run by the engine against the bare stage); planner solve adds them to every stage's "
+          "micro-batch", flush=True)
+
+
 def _rhythm_note(link) -> str:
     rhythm = link.get("rhythm")
     if not rhythm:
@@ -69,6 +84,9 @@ def _check_measure_options(args: argparse.Namespace) -> None:
         raise UsageError("--warmup and --min-time are seconds >= 0")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
+    if args.engine_cost == "measure" and args.device != "cpu":
+        raise UsageError("--engine-cost measure times the engine on the CPU; on CUDA a stage's host work overlaps "
+                         "its kernels: leave it out, or calibrate from a run")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -100,6 +118,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             repeats=args.repeats, progress=progress, warmup_s=args.warmup, min_time_s=args.min_time,
             co_runners=args.ranks_per_host - 1), args.retries, lambda msg: print(msg, flush=True))
         _link(args, profile, sizes)
+        _engine_cost(args, profile)
     save_profile(profile, output)
     total_params = sum(u.param_bytes for u in profile.units)
     trainable = sum(u.trainable_bytes for u in profile.units)
@@ -147,6 +166,10 @@ def register(sub) -> None:
     p.add_argument("--p2p", choices=["auto", "gloo"], default="auto",
                    help="the transport --link measure times, as `runtime execute --p2p` will use it: auto (default), "
                         "shared memory between processes of this host; gloo: gloo over loopback")
+    p.add_argument("--engine-cost", choices=["measure", "none"], default=None,
+                   help="measure: time what `runtime execute`'s engine adds per forward and backward (its own "
+                        "work, on a null stage, about 2 s) and record it, which planner solve adds to every stage "
+                        "(default on CPU; none on CUDA)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
     p.add_argument("--output", "-o", help="profile JSON to write (default profiles/<model>.json)")
     p.add_argument("--quiet", action="store_true", help="no per-unit progress lines")

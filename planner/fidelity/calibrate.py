@@ -107,9 +107,14 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
                     unit.backward_input_s[b] *= per_size[b]
                     unit.backward_weight_s[b] *= per_size[b]
             factors.setdefault(unit.name, {})[kind] = {str(b): f for b, f in sorted(per_size.items())}
-    # A stage's own cost (profile.stage_overhead_s) is part of every rank's compute: it takes the
-    # median of every rank's factor at its size (of all runs' at sizes no run measured).
-    for b, pair in list(calibrated.stage_overhead_s.items()):
+    # A stage's own cost (profile.stage_overhead: the call's and the engine's) is part of every rank's
+    # compute: it takes the median of every rank's factor at its size (of all runs' at sizes no run
+    # measured); the engine's share is folded into stage_overhead_s, so that both are scaled.
+    overheads = {b: calibrated.stage_overhead(b) for b in calibrated.micro_batch_sizes}
+    calibrated.engine_overhead_s = (0.0, 0.0)
+    for b, pair in overheads.items():
+        if pair == (0.0, 0.0):
+            continue
         scaled = []
         for i in (0, 1):
             pooled = by_size.get((b, i)) or [x for (_, j), xs in by_size.items() if j == i for x in xs]

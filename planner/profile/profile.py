@@ -291,10 +291,15 @@ class Profile:
     # b -> (forward, backward) seconds a stage pays once per micro-batch whatever units it holds
     # (a call's fixed cost: Python, autograd's engine start); unit times exclude it. Empty: none.
     stage_overhead_s: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    # (forward, backward) seconds the runtime's engine adds per micro-batch to every stage's compute
+    # (runtime.engine_probe: its per-action work, measured on a null stage); (0, 0): not measured
+    engine_overhead_s: Tuple[float, float] = (0.0, 0.0)
 
     def stage_overhead(self, b: int) -> Tuple[float, float]:
-        """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units."""
-        return self.stage_overhead_s.get(b, (0.0, 0.0))
+        """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units:
+        the call's fixed cost the profile measured and the engine's own work."""
+        call_f, call_b = self.stage_overhead_s.get(b, (0.0, 0.0))
+        return call_f + self.engine_overhead_s[0], call_b + self.engine_overhead_s[1]
 
     @property
     def host_kernel(self) -> Dict[str, Any]:
@@ -332,6 +337,8 @@ class Profile:
         if self.stage_overhead_s:
             d["stage_overhead_s"] = {str(b): {"forward": f, "backward": g}
                                      for b, (f, g) in sorted(self.stage_overhead_s.items())}
+        if any(self.engine_overhead_s):
+            d["engine_overhead_s"] = {"forward": self.engine_overhead_s[0], "backward": self.engine_overhead_s[1]}
         d.update(self.extra)
         return d
 
@@ -370,10 +377,13 @@ class Profile:
             where = f'stage_overhead_s["{b}"]'
             overhead[b] = (read.seconds(pair.get("forward"), f"{where}.forward"),
                            read.seconds(pair.get("backward"), f"{where}.backward"))
+        engine = read.table(d.get("engine_overhead_s") or {}, "engine_overhead_s")
+        engine_overhead = (read.seconds(engine.get("forward", 0.0), "engine_overhead_s.forward"),
+                           read.seconds(engine.get("backward", 0.0), "engine_overhead_s.backward"))
         _check_extra(read, d, set(first_of))
         known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
                  "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
-                 "units", "cuts", "stage_overhead_s"}
+                 "units", "cuts", "stage_overhead_s", "engine_overhead_s"}
         return cls(
             model=d.get("model", {}),
             micro_batch_sizes=sizes,
@@ -389,6 +399,7 @@ class Profile:
             schema_version=version,
             extra={k: v for k, v in d.items() if k not in known},
             stage_overhead_s=overhead,
+            engine_overhead_s=engine_overhead,
         )
 
 

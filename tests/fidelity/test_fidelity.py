@@ -145,6 +145,11 @@ def test_calibration_scales_the_stage_overhead_with_the_ranks():
     assert calibrated.stage_overhead_s[2] == pytest.approx((1.35, 3.6))  # no run at b = 2: all runs' median
     again = plan_with(calibrated, [1], 1, 4, "gpipe")
     assert [s.forward_s for s in again.stages] == pytest.approx([1.5 * s.forward_s for s in plan.stages])
+    # the engine's own cost is scaled with it (folded into the calibrated stage_overhead_s)
+    engine = _two_unit_profile()
+    engine.stage_overhead_s, engine.engine_overhead_s = {1: (0.3, 0.6), 2: (0.7, 1.4)}, (0.2, 0.4)
+    calibrated = calibrate_profile(engine, [(plan, _fake_report(plan, [1.5, 1.5], [2.0, 2.0], 1.0))])
+    assert calibrated.engine_overhead_s == (0.0, 0.0) and calibrated.stage_overhead(1) == pytest.approx((0.75, 2.0))
 
 
 def test_stage_overhead_takes_each_rank_once():

@@ -15,7 +15,7 @@ from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, ref
 from tests.support.staged import run_in_process
 
 WRITERS = "tests.capture_models:writers"
-QUICK_PROFILE = ["--repeats", "1", "--min-time", "0", "--warmup", "0", "--link", "none", "--quiet"]
+QUICK_PROFILE = ["--repeats", "1", "--min-time", "0", "--warmup", "0", "--link", "none", "--engine-cost", "none", "--quiet"]
 RESNET = ("builtin:resnet", {"inplace": True, "batchnorm": True})
 MOBILENET = ("builtin:mobilenet", {"blocks": 3, "image": 16})
 

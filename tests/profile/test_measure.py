@@ -259,6 +259,32 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
             Profile.from_json(dict(data, stage_overhead_s=bad))
 
 
+def test_the_engines_own_cost_is_added_to_every_stage_and_round_trips():
+    import dataclasses
+
+    from planner.cost.model import evaluate
+    from planner.cost.options import CostOptions
+    from planner.jsonio import JsonFileError
+    from tests.support.synthetic import synthetic_profile
+
+    p = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[0],
+                          sizes=(1,), stage_overhead={1: (0.1, 0.2)})
+    opts = CostOptions(pipeline_ranks=2, global_batch=4, schedule="gpipe")
+    before = evaluate(p, [1], 1, opts).iteration_s
+    p = dataclasses.replace(p, engine_overhead_s=(0.01, 0.02))  # a new profile: costs are cached per profile
+    assert p.stage_overhead(1) == pytest.approx((0.11, 0.22))
+    # GPipe over 2 stages and 4 micro-batches: (m + p - 1) forwards and backwards on the longest path
+    assert evaluate(p, [1], 1, opts).iteration_s == pytest.approx(before + 5 * 0.03)
+    data = json.loads(json.dumps(p.to_json()))
+    assert data["engine_overhead_s"] == {"forward": 0.01, "backward": 0.02}
+    assert Profile.from_json(data).engine_overhead_s == (0.01, 0.02)
+    assert "engine_overhead_s" not in synthetic_profile(forward=[1.0], backward=[1.0], params=[0], saved=[0],
+                                                        cut_act=[], sizes=(1,)).to_json()  # unmeasured: absent
+    for bad in ({"forward": -0.01, "backward": 0.0}, {"forward": "fast"}, [0.01]):
+        with pytest.raises(JsonFileError, match="engine_overhead_s"):
+            Profile.from_json(dict(data, engine_overhead_s=bad))
+
+
 def _drifting(drifts):
     """A measure() whose successive profiles drifted by these fractions while 'measured'."""
     from tests.support.synthetic import synthetic_profile
@@ -314,7 +340,9 @@ def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
                     "--warmup", "0", "--min-time", "0", "--ranks-per-host", "2", "-o", path])
     assert made.returncode == 0, made.stderr
     assert "co-runner" in made.stdout and f"link ({_P2P}" in made.stdout
+    assert "engine: " in made.stdout and "planner solve adds them to every stage" in made.stdout
     profile = json.load(open(path))
+    assert set(profile["engine_overhead_s"]) == {"forward", "backward"}
     link = profile["link"]
     assert link["latency_s"] >= 0 and link["bandwidth_bytes_per_s"] > 0 and len(link["samples"]) >= 3
     assert profile["measured_under"]["co_runners"] == 1
@@ -339,11 +367,13 @@ def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
 def test_profile_cli_link_none_and_bad_flags(tmp_path):
     path = str(tmp_path / "mlp.json")
     made = run_cli(["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "2", "--repeats", "1",
-                    "--min-time", "0", "--link", "none", "-o", path])
+                    "--min-time", "0", "--link", "none", "--engine-cost", "none", "-o", path])
     assert made.returncode == 0, made.stderr
-    assert "link" not in json.load(open(path))
+    assert "link" not in json.load(open(path)) and "engine_overhead_s" not in json.load(open(path))
     for bad, message in ((["--ranks-per-host", "0"], "at least 1"), (["--min-time", "-1"], "seconds"),
-                         (["--retries", "-1"], "0 or more")):
+                         (["--retries", "-1"], "0 or more"),
+                         (["--device", "cuda", "--engine-cost", "measure"], "--engine-cost measure times the engine on "
+                                                                             "the CPU")):
         result = run_cli(["planner.cli", "profile", "builtin:mlp", *bad, "-o", path])
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
