@@ -50,7 +50,7 @@ from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
 from planner.profile.measure import profile_model, steadiest_profile  # noqa: E402
-from runtime.engine_probe import engine_overhead  # noqa: E402
+from planner.profile.engine_cost import measure_engine_overhead  # noqa: E402
 from planner.profile.rhythm import rhythm_compute  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
@@ -157,7 +157,7 @@ def profiles_for(entry, model_args, args):
         for prof in profiles.values():
             prof.extra["link"] = link
     if args.engine_cost and args.device == "cpu":  # as `planner profile` measures it (runtime.engine_probe)
-        engine = engine_overhead()
+        engine = measure_engine_overhead(threads=1)
         for prof in profiles.values():
             prof.engine_overhead_s = engine
     return profiles

@@ -14,13 +14,16 @@ backward: what the profile times). The overhead per forward (backward) is the me
 the engine's mean time per micro-batch less the bare stage's in the same round, 0 at least (paired:
 a drift of the host's speed meets both sides of a difference alike). `planner profile` records it as
 the profile's `engine_overhead_s`, which every stage pays per micro-batch on top of its units
-(planner.profile.profile.Profile.stage_overhead).
+(planner.profile.profile.Profile.stage_overhead), starting this module as a process of its own
+(`main`: planner.profile.engine_cost).
 """
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,3 +95,10 @@ def _engine_and_bare(profile: Profile, b: int) -> Tuple[Engine, Callable[[int], 
 
     return engine, bare
 
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The probe as a process: a JSON config {"threads"}; prints {"forward_s", "backward_s"}."""
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    torch.set_num_threads(max(int(config.get("threads", 1)), 1))
+    forward, backward = engine_overhead()
+    print(json.dumps({"forward_s": forward, "backward_s": backward}), flush=True)

@@ -59,7 +59,8 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "threads": r.get("threads"),
             "shared_memory_peers": r.get("shared_memory_peers", []),  # runtime/shared_memory.py
             "shared_memory_messages": r.get("shared_memory_messages", 0),
-            "shared_memory_reductions": r.get("shared_memory_reductions", 0),  # runtime/shared_reduce.py
+            "gradient_all_reduce": r.get("gradient_all_reduce"),  # runtime/shared_reduce.py
+            "shared_memory_reductions": r.get("shared_memory_reductions", 0),
             "p2p_note": r.get("p2p_note", ""),
             "host_kernel_s": r.get("host_kernel_s"),
             "device": r.get("device"),
@@ -127,10 +128,11 @@ def format_report(report: Dict[str, Any]) -> str:
     if ringed and len(report["stages"]) > 1:  # runtime/shared_memory.py; absent: torch.distributed carried them
         lines.append(f"messages through shared memory on ranks {_ranges(ringed)}" + (
             "" if len(ringed) == len(report["stages"]) else ", torch.distributed on the others"))
-    summed = [s["rank"] for s in report["stages"] if s.get("shared_memory_reductions")]
-    if summed:
+    summed = [s["rank"] for s in report["stages"] if s.get("gradient_all_reduce") == "shared memory"]
+    others = [s["rank"] for s in report["stages"] if s.get("gradient_all_reduce") == "torch.distributed"]
+    if summed:  # runtime/shared_reduce.py; ranks without gradient buckets are in neither
         lines.append(f"gradient all-reduce through shared memory on ranks {_ranges(summed)}" + (
-            "" if len(summed) == len(report["stages"]) else ", torch.distributed on the others"))
+            f", torch.distributed on ranks {_ranges(others)}" if others else ""))
     notes = {s.get("p2p_note") for s in report["stages"]} - {"", None}
     lines += sorted(notes)  # why the rings were not used (every rank decided alike)
     return "\n".join(lines)

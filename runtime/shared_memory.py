@@ -324,8 +324,8 @@ class SharedMemoryTransport:
         self.wait_until(lambda: pending.done, lambda: pending.operation.peer, what)
 
     def wait_until(self, ready: Callable[[], bool], peer: Callable[[], int], what: str) -> None:
-        """Until `ready()`, moving every posted operation on meanwhile: `peer()` is the rank waited on
-        (checked to be alive, named by the timeout's error)."""
+        """Until `ready()`, moving every posted operation on meanwhile: `peer()` is a rank waited on
+        (checked to be alive, named by the timeout's error; this rank's own: none is waited on now)."""
         start = time.perf_counter()  # since anything last moved
         while not ready():
             if self.progress():
@@ -333,21 +333,22 @@ class SharedMemoryTransport:
                 continue
             waited = time.perf_counter() - start
             if waited >= SPIN_S:
-                self._check_alive(peer())
-            if waited > self.timeout_s:
-                raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {peer()} ({what}): rank {peer()} "
-                                   "is stuck or gone; raise --timeout if its work takes longer")
-            if waited < SPIN_S:
-                os.sched_yield()
-            else:
+                awaited = peer()  # once: it may have become ready since ready() was asked
+                if awaited != self.rank:
+                    self._check_alive(awaited)
+                if waited > self.timeout_s:
+                    raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {awaited} ({what}): rank "
+                                       f"{awaited} is stuck or gone; raise --timeout if its work takes longer")
                 time.sleep(SLEEP_S)
+            else:
+                os.sched_yield()
 
     def _check_alive(self, peer: int) -> None:
         """Stop waiting on a rank whose process is gone (it exited, failed or was killed): its lock on
         its liveness file is released then, which a shared lock taken here finds. At most every 0.1 s."""
         now = time.perf_counter()
-        if peer not in self._alive or now - self._checked < ALIVE_EVERY_S:
-            return
+        if peer == self.rank or peer not in self._alive or now - self._checked < ALIVE_EVERY_S:
+            return  # (a shared lock on our own file would convert our lock, then lose it)
         self._checked = now
         try:
             fcntl.flock(self._alive[peer], fcntl.LOCK_SH | fcntl.LOCK_NB)

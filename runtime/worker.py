@@ -41,7 +41,7 @@ from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
 from runtime.shared_memory import available, connect, ring_size
-from runtime.shared_reduce import reducer
+from runtime.shared_reduce import group_bytes, reducer
 from runtime.stage import RankModel, build_rank, stage_state
 
 def _parse(argv):
@@ -145,12 +145,15 @@ def run(args) -> None:
         _check_same_plan(me.digest, me.rank, me.world)
         _build(me, use_tags=me.device.type != "cuda")
         if args.p2p == "auto" and args.engine == "own" and me.device.type == "cpu":
-            # every rank calls it (a collective), with the same bound on what the host's rings may take
-            bound = ring_bytes(me.plan, me.world, args.measure_link and me.topology.pipeline_ranks > 1)
-            me.engine.local = connect(me.rank, me.world, args.timeout, bound)
+            # every rank calls it (a collective), with a bound on what the host's rings may take, and
+            # the gradient all-reduce's files where there are buckets (runtime/shared_reduce.py)
             buckets = me.engine.buckets
+            largest = max((flat.numel() * flat.element_size() for flat in buckets.buckets), default=0) \
+                if buckets is not None else 0
+            bound = ring_bytes(me.plan, me.world, args.measure_link and me.topology.pipeline_ranks > 1) + \
+                (group_bytes(me.world, largest) if buckets is not None else 0)
+            me.engine.local = connect(me.rank, me.world, args.timeout, bound)
             if buckets is not None:  # the gradient all-reduce too, where its group is on this host
-                largest = max((flat.numel() * flat.element_size() for flat in buckets.buckets), default=0)
                 buckets.reducer = reducer(me.engine.local, me.groups.data_parallel_ranks,
                                           me.groups.data_parallel_group, largest)
             if me.engine.local is None and me.world > 1:
@@ -351,7 +354,9 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               # through rings), and how many messages did
               "shared_memory_peers": sorted(_local(me).peers) if _local(me) else [],
               "shared_memory_messages": _local(me).messages if _local(me) else 0,
-              # runtime/shared_reduce.py: the gradient buckets summed through shared memory
+              # runtime/shared_reduce.py: how the gradient buckets were summed (None: the rank has none),
+              # and how many through shared memory
+              "gradient_all_reduce": _gradient_all_reduce(me),
               "shared_memory_reductions": _reducer(me).reductions if _reducer(me) else 0,
               "p2p_note": me.p2p_note}
     # sharded parameters are gathered by every holder (a collective), saved by one
@@ -371,6 +376,13 @@ def _reducer(me: _Rank):
     """The rank's shared-memory gradient all-reduce (runtime/shared_reduce.py), or None."""
     buckets = getattr(getattr(me, "engine", None), "buckets", None)  # the torch engine has none
     return buckets.reducer if buckets is not None else None
+
+
+def _gradient_all_reduce(me: _Rank) -> Optional[str]:
+    buckets = getattr(getattr(me, "engine", None), "buckets", None)
+    if buckets is None or not buckets.buckets:
+        return None
+    return "shared memory" if buckets.reducer is not None else "torch.distributed"
 
 
 def _local(me: _Rank):

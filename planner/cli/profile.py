@@ -51,13 +51,17 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
 
 def _engine_cost(args: argparse.Namespace, profile) -> None:
     """--engine-cost measure: what the runtime's engine adds per micro-batch to every stage's compute,
-    timed on a null stage in this process (runtime.engine_probe)."""
-    mode = args.engine_cost or ("measure" if args.device == "cpu" else "none")
-    if mode == "none":
+    timed on a null stage (runtime.engine_probe, in a process of its own)."""
+    if (args.engine_cost or ("measure" if args.device == "cpu" else "none")) == "none":
         return
-    from runtime.engine_probe import engine_overhead
+    from planner.profile.engine_cost import measure_engine_overhead
 
-    profile.engine_overhead_s = engine_overhead()
+    try:
+        profile.engine_overhead_s = measure_engine_overhead(args.threads)
+    except RuntimeError as e:  # the profile stands without it: say so, charge none
+        print(f"warning: {e}; planner solve charges no engine cost (--engine-cost none skips measuring it)",
+              file=sys.stderr, flush=True)
+        return
     forward, backward = profile.engine_overhead_s
     print(f"engine: {forward * 1e6:.0f} us per forward, {backward * 1e6:.0f} us per backward of the runtime's own "
           "work (a null stage run by the engine against the bare stage); planner solve adds them to every stage's "
@@ -96,6 +100,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                          "Hugging Face models: --model-arg attn_implementation=eager|sdpa)")
     if args.device_spec and not args.analytic:
         raise UsageError("--device-spec is for analytic profiles: add --analytic")
+    if args.engine_cost == "measure" and args.analytic:
+        raise UsageError("--engine-cost measure times this runtime's engine on this CPU; an analytic profile has none")
     if not args.analytic:
         _check_measure_options(args)
     from planner.profile.measure import profile_model, steadiest_profile

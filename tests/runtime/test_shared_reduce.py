@@ -1,5 +1,6 @@
 """The data-parallel gradient all-reduce through shared memory (runtime/shared_reduce.py): members
 of one process, driven from threads as ranks would drive them, and a run of four ranks."""
+import fcntl
 import json
 import os
 import random
@@ -25,8 +26,8 @@ def _group(members, slot_bytes, timeout_s=20.0):
     reducers = []
     for m in members:
         transport = SharedMemoryTransport(token, m, set(members) - {m}, timeout_s)
-        others = {o: _Member(paths[o], slot_bytes, create=False) for o in members if o != m}
-        reducers.append(SharedMemoryReducer(transport, members, slot_bytes, files[m], others))
+        mapped = {o: files[o] if o == m else _Member(paths[o], slot_bytes, create=False) for o in members}
+        reducers.append(SharedMemoryReducer(transport, members, slot_bytes, mapped))
     for path in paths.values():
         os.unlink(path)
     return reducers
@@ -111,6 +112,61 @@ def test_data_parallel_runs_sum_their_gradients_through_shared_memory_unless_tol
             report = json.load(f)
         # one bucket per rank, summed once in each of the 3 steps
         assert [r["shared_memory_reductions"] for r in report["stages"]] == ([3] * 4 if p2p == "auto" else [0] * 4)
+        transport = "shared memory" if p2p == "auto" else "torch.distributed"
+        assert [r["gradient_all_reduce"] for r in report["stages"]] == [transport] * 4
         printed = (tmp_path / p2p / "execute.out").read_text()
         assert ("gradient all-reduce through shared memory on ranks 0-3" in printed) == (p2p == "auto")
     assert not [f for f in set(os.listdir(shared_memory.SHM_DIR)) - before if f.startswith("pipeplanner-")]
+
+
+def test_a_wait_that_ends_as_the_peer_is_checked_never_checks_this_ranks_own_lock():
+    # every member became ready between the wait's ready() and its peer(): the laggard is then this
+    # rank; a shared lock on its own liveness file would convert its lock and release it
+    token = "t-own" + uuid.uuid4().hex[:8]
+    path = shared_memory._path(token, "probe-0")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    transport = SharedMemoryTransport(token, 0, {1}, 5.0, {0: fd})
+    until = time.perf_counter() + 0.3  # past the spin: peer() is asked, and liveness checked
+    transport.wait_until(lambda: time.perf_counter() > until, lambda: 0, "for nothing")
+    other = os.open(path, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # still held by this rank
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    os.close(other)
+    os.unlink(path)
+    transport.close()
+
+
+def _two_members_agree(rank, init, token, out):
+    """One of two processes: with no room on rank 1 neither uses shared memory; with room both do."""
+    import torch.distributed as dist
+
+    os.environ[shared_memory.RUN_TOKEN] = token
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    local = shared_memory.connect(rank, 2, 30.0, 0)
+    room = shared_reduce.room_for
+    shared_reduce.room_for = (lambda n: False) if rank == 1 else room
+    refused = shared_reduce.reducer(local, [0, 1], None, 1 << 20)
+    shared_reduce.room_for = room
+    dist.barrier()  # both have cleaned up
+    left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
+    dist.barrier()
+    summing = shared_reduce.reducer(local, [0, 1], None, 1 << 20)
+    x = torch.full((300000,), float(rank + 1))  # over a MiB: two chunks
+    summing.all_reduce(x)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"refused": refused is None, "left": left, "sum": x.unique().tolist()}, f)
+    summing.close()
+    local.close()
+    dist.destroy_process_group()
+
+
+def test_members_agree_to_fall_back_when_one_lacks_room(tmp_path):
+    import torch.multiprocessing as mp
+
+    token = uuid.uuid4().hex[:16]
+    mp.spawn(_two_members_agree, args=(f"file://{tmp_path}/init", token, str(tmp_path / "out")), nprocs=2)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert seen == {"refused": True, "left": [], "sum": [3.0]}
+    assert not [f for f in os.listdir(shared_memory.SHM_DIR) if token in f]
