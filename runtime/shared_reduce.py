@@ -18,9 +18,10 @@ d members, each member k
 
 Each element is summed once, by one member, in rank order, so every replica gets the same bits (as
 gloo's ring, which sums each piece once); each member reads and writes about three chunks' bytes
-whatever d is. A slot is free again two chunks later: a member publishes chunk s + 2 only after its
-step 4 of chunk s + 1, which waited until every member had reduced chunk s + 1, hence had finished
-chunk s. A group uses shared memory only where every member shares this host's /dev/shm and it has
+whatever d is. With two members each sums the whole chunk (x0 + x1, the same bits on both) and steps
+3-4 are one. A slot is free again two chunks later: a member publishes chunk s + 2 only after it
+finished chunk s + 1, whose waits saw every member publish (two members) or reduce chunk s + 1,
+hence finish reading chunk s. A group uses shared memory only where every member shares this host's /dev/shm and it has
 room (`reducer`: every member decides alike). The waits are the transport's
 (SharedMemoryTransport.wait_until): they move the rank's posted messages on, notice a member whose
 process is gone, and time out. Ordering: as the rings, on x86.
@@ -93,11 +94,15 @@ class SharedMemoryReducer:
     def _reduce_chunk(self, chunk: torch.Tensor) -> None:
         s, slot, d = self.sequence, self.sequence % 2, len(self.members)
         n, size = chunk.numel(), chunk.element_size()
-        bounds = [k * n // d for k in range(d + 1)]  # member k's segment: elements bounds[k] to bounds[k + 1]
         ctypes.memmove(self._mine.inputs[slot].data_ptr(), chunk.data_ptr(), n * size)
         self._mine.published.value = s + 1  # after the bytes (runtime/shared_memory.py's note on ordering)
         self._wait(lambda f: f.published.value > s, "for its gradients")
-        a, b = bounds[self._index] * size, bounds[self._index + 1] * size
+        if d == 2:  # both sum the whole chunk, x0 + x1: the same bits, one phase less
+            torch.add(*[f.inputs[slot][:n * size].view(chunk.dtype) for f in self._files], out=chunk)
+            self.sequence += 1
+            return
+        bounds = [k * n // d * size for k in range(d + 1)]  # member k's segment: bytes bounds[k] to bounds[k + 1]
+        a, b = bounds[self._index], bounds[self._index + 1]
         if b > a:
             parts = [f.inputs[slot][a:b].view(chunk.dtype) for f in self._files]
             mine = self._mine.results[slot][a:b].view(chunk.dtype)
@@ -107,7 +112,7 @@ class SharedMemoryReducer:
         self._mine.reduced.value = s + 1
         self._wait(lambda f: f.reduced.value > s, "for its part of the sum")
         for k, f in enumerate(self._files):
-            a, b = bounds[k] * size, bounds[k + 1] * size
+            a, b = bounds[k], bounds[k + 1]
             if b > a:
                 ctypes.memmove(chunk.data_ptr() + a, f.results[slot].data_ptr() + a, b - a)
         self.sequence += 1
