@@ -100,8 +100,9 @@ class GradientBuckets:
     for all. With a `reducer` (runtime/shared_reduce.py: every holder on this host) `finish` sums
     the buckets through shared memory instead, in bucket order, where the step graph charges the
     exchange: after the rank's list (planner/pipeline/stepgraph.py). Every holder runs the same
-    graphs, so the buckets start in the same order everywhere, and a parameter no backward reached on one holder was reached on none: its gradient is None
-    again after `finish`, as single-process training leaves it (an optimizer skips it).
+    graphs, so the buckets start in the same order everywhere, and a parameter no backward reached
+    on one holder was reached on none: its gradient is None again after `finish`, as single-process
+    training leaves it (an optimizer skips it).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group: Any, bucket_bytes: int = 25 << 20):
