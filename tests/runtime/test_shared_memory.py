@@ -4,7 +4,6 @@ import errno
 import fcntl
 import json
 import os
-import threading
 import time
 import uuid
 
@@ -14,6 +13,7 @@ import torch
 from runtime import shared_memory
 from runtime.comm import MessageError, Operation, exchange, post
 from runtime.shared_memory import SharedMemoryTransport
+from tests.support.together import run_together
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="rings need x86 and /dev/shm")
 
@@ -28,22 +28,7 @@ def _left(transport):
 
 
 def _both(first, second):
-    """Run two callables at once (as two ranks); re-raise the first error."""
-    errors = []
-
-    def run(f):
-        try:
-            f()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(f,)) for f in (first, second)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+    run_together([first, second])
 
 
 def test_messages_arrive_in_order_through_wrap_around_and_growth(monkeypatch):

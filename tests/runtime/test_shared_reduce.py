@@ -4,7 +4,6 @@ import fcntl
 import json
 import os
 import random
-import threading
 import time
 import uuid
 
@@ -14,6 +13,7 @@ import torch
 from runtime import shared_memory, shared_reduce
 from runtime.shared_memory import SharedMemoryTransport
 from runtime.shared_reduce import SharedMemoryReducer, _Member
+from tests.support.together import run_together
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="shared memory needs x86 and /dev/shm")
 
@@ -33,25 +33,6 @@ def _group(members, slot_bytes, timeout_s=20.0):
     return reducers
 
 
-def _all(work):
-    """Run work(k) for every member at once; re-raise the first error."""
-    errors = []
-
-    def run(k):
-        try:
-            work(k)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(work.members))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("members", [[0, 2, 5], [1, 3]])  # global ranks, not 0..n-1; two: each sums it all
 def test_every_member_gets_the_sum_in_rank_order_through_many_chunks(dtype, members):
@@ -66,8 +47,7 @@ def test_every_member_gets_the_sum_in_rank_order_through_many_chunks(dtype, memb
             time.sleep(rng.random() * 1e-3)  # members arrive in every order
             reducers[k].all_reduce(x)
 
-    work.members = members
-    _all(work)
+    run_together([lambda k=k: work(k) for k in range(len(members))])
     for j in range(len(sizes)):
         expected = inputs[0][j] + inputs[1][j]
         for k in range(2, len(members)):
