@@ -224,8 +224,11 @@ def solve_link(profile: Profile, bandwidth: Optional[float] = None, latency: Opt
     if calibration.get("step_overhead_s"):
         overhead = max(0.0, float(calibration["step_overhead_s"]))
         used.append(f"step overhead {overhead * 1e3:.3g} ms")
+    forward, backward = profile.engine_overhead_s  # in every stage's cost already (Profile.stage_overhead)
+    engine = [f"charged the runtime engine's own cost: {forward * 1e6:.3g} us per forward, {backward * 1e6:.3g} us "
+              "per backward"] if forward or backward else []
     notes = ([f"applied the profile's calibration: {', '.join(used)}"] if used else []) + \
-        ([f"used the profile's measured link: {', '.join(measured)}"] if measured else [])
+        ([f"used the profile's measured link: {', '.join(measured)}"] if measured else []) + engine
     return LinkChoice(DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, 0.0 if latency is None else latency,
                       overhead, "; ".join(notes) if notes else None, 0.0 if message_s is None else message_s,
                       dp_bandwidth)

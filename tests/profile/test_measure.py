@@ -354,6 +354,7 @@ def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
     with contextlib.redirect_stdout(out):
         assert planner_main(["solve", path, "--stages", "2", "--global-batch", "4", "-o", plan_path]) == 0
     assert "measured link" in out.getvalue() and "all-reduce" in out.getvalue()
+    assert "charged the runtime engine's own cost" in out.getvalue()
     plan = json.load(open(plan_path))
     assert plan["latency_s"] == pytest.approx(link["latency_s"])
     assert plan["bandwidth_bytes_per_s"] == pytest.approx(link["bandwidth_bytes_per_s"])
