@@ -99,8 +99,7 @@ class _Step:
     inputs: List[Any]  # per micro-batch, aligned with the graph's placeholders
     targets: List[Any]
     states: Dict[Tuple[int, int], _State] = field(default_factory=dict)  # (stage, micro-batch) -> state
-    loss_sum: Optional[torch.Tensor] = None  # on the device: one read per step
-    loss_count: int = 0
+    losses: List[torch.Tensor] = field(default_factory=list)  # this rank's micro-batches' losses, detached
     # zero-bubble schedules: (stage, micro-batch) -> (what its weight backward needs, the bytes it still holds)
     weights: Dict[Tuple[int, int], Tuple[Optional[PendingWeights], int]] = field(default_factory=dict)
 
@@ -166,6 +165,7 @@ class Engine:
         # their models every `sync_every` steps, with no gradient all-reduce
         self.averager: Optional[ModelAverager] = None
         self.trainers = topology.data_parallel  # the replicas one loss is shared by
+        self._seeds: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}  # _loss_seed's, made once
         if sync_every > 1 and groups.data_parallel_group is not None:
             self.averager = ModelAverager(rank_model, groups.data_parallel_group, topology.data_parallel, sync_every)
             self.trainers = 1
@@ -222,9 +222,9 @@ class Engine:
         self.count_saved = False
         stats = current.stats
         close_step(clock, stats, self.trace)
-        if current.loss_count:
-            stats.loss = float(current.loss_sum) / current.loss_count
-            stats.loss_count = current.loss_count
+        if current.losses:  # one read of the device per step
+            stats.loss = float(torch.stack(current.losses).float().sum()) / len(current.losses)
+            stats.loss_count = len(current.losses)
         return stats
 
     # --- compute ----------------------------------------------------------------------------
@@ -239,9 +239,8 @@ class Engine:
         counting = self.count_saved
         with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
             out = runner.stage.module(*args, *state.received)
-            if runner.stage.is_last:
-                loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
-                state.loss = loss / (self.m * self.trainers)
+            if runner.stage.is_last:  # its share of the step is the backward's seed (_loss_seed)
+                state.loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
             else:
                 state.outputs = out
         if counting:
@@ -249,9 +248,7 @@ class Engine:
             state.saved_bytes = self.saved.finish()
             runner.learn_kept(state, saved)
         if state.loss is not None:
-            detached = state.loss.detach().float() * (self.m * self.trainers)
-            step.loss_sum = detached if step.loss_sum is None else step.loss_sum + detached
-            step.loss_count += 1
+            step.losses.append(state.loss.detach())
         runner.drop_inputs(state)
         if g > 0 and self._here(g - 1, i):
             self.runners[g - 1].drop_outputs(step.states[(g - 1, i)])
@@ -298,7 +295,7 @@ class Engine:
         params = self.stage_params[g]
         if runner.stage.is_last:
             if state.loss.requires_grad:  # not when nothing before it trains (every weight frozen)
-                result = run([state.loss], [None], inputs, params)
+                result = run([state.loss], [self._loss_seed(state.loss)], inputs, params)
             state.loss = None
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here
@@ -317,6 +314,15 @@ class Engine:
                              for t in received]
         state.received = []
         return result
+
+    def _loss_seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a micro-batch's loss starts its backward with: its share of the step's loss,
+        1 / (m x the replicas sharing it), computed as the division `loss / (m x replicas)`'s backward
+        computes it (the same bits); made once per dtype and device."""
+        key = (loss.dtype, loss.device)
+        if key not in self._seeds:
+            self._seeds[key] = torch.ones((), dtype=loss.dtype, device=loss.device) / (self.m * self.trainers)
+        return self._seeds[key]
 
     def _done(self, step: _Step, action: Action) -> _State:
         """The state of a backwarded micro-batch; a first stage's is forgotten (nothing to send back)."""
