@@ -285,9 +285,10 @@ class Engine:
         self.saved.release(held)
 
     def _run_backward(self, step: _Step, action: Action, run: Callable) -> Any:
-        """Backward of (stage, micro-batch) by `run(outputs, grads, inputs, params)` (grads None: a
-        loss), returning what it returned (None when no gradient reaches the stage and it is not
-        run); then the gradients of the stage's inputs wait for their send (or the previous stage)."""
+        """Backward of (stage, micro-batch) by `run(outputs, grads, inputs, params)` (a loss's grad:
+        its share of the step, _loss_seed), returning what it returned (None when no gradient reaches
+        the stage and it is not run); then the gradients of the stage's inputs wait for their send
+        (or the previous stage)."""
         g, i = action.stage, action.micro_batch
         result = None
         runner, state = self.runners[g], step.states[(g, i)]
@@ -318,11 +319,14 @@ class Engine:
     def _loss_seed(self, loss: torch.Tensor) -> torch.Tensor:
         """The gradient a micro-batch's loss starts its backward with: its share of the step's loss,
         1 / (m x the replicas sharing it), computed as the division `loss / (m x replicas)`'s backward
-        computes it (the same bits); made once per dtype and device."""
+        computes it (the same bits); in the loss's shape when it holds one element (a loss of shape
+        (1,) trains as a scalar one). Made once per dtype and device; each use gets its own copy (a
+        split backward may hand it on as a gradient)."""
         key = (loss.dtype, loss.device)
         if key not in self._seeds:
             self._seeds[key] = torch.ones((), dtype=loss.dtype, device=loss.device) / (self.m * self.trainers)
-        return self._seeds[key]
+        seed = self._seeds[key]
+        return seed.reshape(loss.shape).clone() if loss.numel() == 1 else seed.clone()
 
     def _done(self, step: _Step, action: Action) -> _State:
         """The state of a backwarded micro-batch; a first stage's is forgotten (nothing to send back)."""

@@ -2,8 +2,8 @@
 profile's unit timings do not see.
 
 A stage's forward in the engine is more than the stage's module: the micro-batch is copied into
-storage of its own, the loss is scaled by the step's share and kept for the report, the stage's
-inputs and outputs are looked after, the clock is read; a backward seeds the loss, collects the
+storage of its own, the loss is kept for the report, the stage's inputs and outputs are looked
+after, the clock is read; a backward seeds the loss with its share of the step, collects the
 inputs' gradients and frees the micro-batch: tens of microseconds, several per cent of a small
 micro-batch's compute (BENCHMARKS.md, "The engine's own cost per forward and backward").
 

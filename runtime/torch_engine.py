@@ -124,7 +124,7 @@ class StageAsTorchModule(nn.Module):
         i = self.batch.index(samples)
         inputs = own_copy([self.batch.inputs[i][j] for j in self.wanted], self.device)
         out = self.stage_module(*inputs, *assemble(self.stage, list(received)))
-        if self.stage.is_last:  # the loss, computed here as the own engine computes it in the forward
+        if self.stage.is_last:  # the loss scaled by its share of the step (the own engine seeds its backward with it)
             return self.loss(out, own_copy(self.batch.targets[i], self.device)) / self.scale
         # gloo sends contiguous tensors only; a contiguous tensor is returned as itself
         return tuple(out[j].contiguous() for j in self.send_tensors)

@@ -256,6 +256,12 @@ def sequential(dim: int = 16, layers: int = 4) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=F.cross_entropy)
 
 
+def one_element_loss(dim: int = 16, layers: int = 4) -> ModelSpec:
+    """`sequential` whose loss has shape (1,), not (): one element, trained as a scalar loss."""
+    spec = sequential(dim, layers)
+    return ModelSpec(module=spec.module, batch=spec.batch, loss=lambda out, t: F.cross_entropy(out, t).reshape(1))
+
+
 def frozen_tied_lm(layers: int = 3, side: bool = False) -> ModelSpec:
     """tied_lm fine-tuned: the embedding (tied to the head) and the first block frozen
     (requires_grad=False), the other blocks trained. With `side`, a frozen unit before the last block

@@ -83,3 +83,11 @@ def test_a_run_in_another_precision_than_the_plan_is_refused(tmp_path):
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and needle in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_loss_of_one_element_not_a_scalar_trains_like_one_process(tmp_path, schedule):
+    # the engine seeds a loss's backward with its share of the step: in the loss's own shape
+    plan = plan_with(profile_of("tests.models:one_element_loss", sizes=(1,)), [4], 1, 3, schedule)
+    state = execute(plan, tmp_path, steps=2)
+    assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
