@@ -320,13 +320,15 @@ class Engine:
         """The gradient a micro-batch's loss starts its backward with: its share of the step's loss,
         1 / (m x the replicas sharing it), computed as the division `loss / (m x replicas)`'s backward
         computes it (the same bits); in the loss's shape when it holds one element (a loss of shape
-        (1,) trains as a scalar one). Made once per dtype and device; each use gets its own copy (a
-        split backward may hand it on as a gradient)."""
+        (1,) trains as a scalar one). Made once per dtype and device; a loss that is a leaf (no graph:
+        a split backward would hand the seed on as its gradient) gets a copy."""
         key = (loss.dtype, loss.device)
         if key not in self._seeds:
             self._seeds[key] = torch.ones((), dtype=loss.dtype, device=loss.device) / (self.m * self.trainers)
         seed = self._seeds[key]
-        return seed.reshape(loss.shape).clone() if loss.numel() == 1 else seed.clone()
+        if loss.numel() == 1 and loss.dim() > 0:
+            seed = seed.reshape(loss.shape)
+        return seed if loss.grad_fn is not None else seed.clone()
 
     def _done(self, step: _Step, action: Action) -> _State:
         """The state of a backwarded micro-batch; a first stage's is forgotten (nothing to send back)."""
