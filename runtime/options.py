@@ -12,12 +12,13 @@ RANK_TIMEOUT_S = 60.0
 
 ENGINES = ("own", "torch")  # runtime/engine.py, runtime/torch_engine.py (torch.distributed.pipelining)
 # auto: the engine's messages between CPU ranks of one host go through shared memory (runtime/shared_memory.py),
-# the others through torch.distributed; gloo: all of them through torch.distributed
+# and so does the gradient all-reduce of data-parallel replicas all on one host (runtime/shared_reduce.py); the
+# others through torch.distributed; gloo: all of them through torch.distributed
 P2P = ("auto", "gloo")
-P2P_HELP = ("auto (default): messages between the CPU ranks of one host go through shared memory (x86, where "
-            "/dev/shm has room for the run's rings; else torch.distributed, and the report says why), the others "
-            "through torch.distributed; gloo: all through torch.distributed (the own engine; the torch engine "
-            "always uses torch.distributed)")
+P2P_HELP = ("auto (default): messages between the CPU ranks of one host, and the gradient all-reduce of replicas "
+            "all on one host, go through shared memory (x86, where /dev/shm has room; else torch.distributed, and "
+            "the report says why), the others through torch.distributed; gloo: all through torch.distributed (the "
+            "own engine; the torch engine always uses torch.distributed)")
 PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
 SCHEDULES = ("constant", "cosine")
 
