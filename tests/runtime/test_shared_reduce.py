@@ -109,14 +109,16 @@ def test_a_wait_that_ends_as_the_peer_is_checked_never_checks_this_ranks_own_loc
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     transport = SharedMemoryTransport(token, 0, {1}, 5.0, {0: fd})
-    until = time.perf_counter() + 0.3  # past the spin: peer() is asked, and liveness checked
-    transport.wait_until(lambda: time.perf_counter() > until, lambda: 0, "for nothing")
     other = os.open(path, os.O_RDWR)
-    with pytest.raises(BlockingIOError):  # still held by this rank
-        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    os.close(other)
-    os.unlink(path)
-    transport.close()
+    try:
+        until = time.perf_counter() + 0.3  # past the spin: peer() is asked, and liveness checked
+        transport.wait_until(lambda: time.perf_counter() > until, lambda: 0, "for nothing")
+        with pytest.raises(BlockingIOError):  # still held by this rank
+            fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    finally:  # nothing left in /dev/shm, whatever the outcome
+        os.close(other)
+        os.unlink(path)
+        transport.close()
 
 
 def _two_members_agree(rank, init, token, out):
