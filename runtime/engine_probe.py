@@ -80,7 +80,7 @@ def _engine_and_bare(profile: Profile, b: int) -> Tuple[Engine, Callable[[int], 
     inputs, targets = engine._micro_batches(0)
 
     def bare(n: int) -> Tuple[float, float]:
-        forward, backward = [], []
+        forward = backward = 0.0
         for i in range(n):
             t0 = time.perf_counter()
             args = [inputs[i % len(inputs)][j] for j in runner.wanted_inputs]
@@ -89,9 +89,8 @@ def _engine_and_bare(profile: Profile, b: int) -> Tuple[Engine, Callable[[int], 
             if loss.requires_grad:
                 torch.autograd.backward(loss)
             t2 = time.perf_counter()
-            forward.append(t1 - t0)
-            backward.append(t2 - t1)
-        return sum(forward) / n, sum(backward) / n
+            forward, backward = forward + t1 - t0, backward + t2 - t1
+        return forward / n, backward / n
 
     return engine, bare
 

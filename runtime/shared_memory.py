@@ -107,10 +107,9 @@ def map_file(path: str, nbytes: Optional[int], what: str) -> mmap.mmap:
             os.posix_fallocate(fd, 0, nbytes)
         mapped = mmap.mmap(fd, nbytes)
     except OSError as e:
-        if tmp is not None:
-            os.unlink(tmp)
         if tmp is None:
             raise
+        os.unlink(tmp)
         raise SharedMemoryFull(f"{SHM_DIR} has no room for a {nbytes / 2**20:.1f} MiB {what} ({e.strerror}): "
                                f"run with --p2p gloo or enlarge {SHM_DIR} (e.g. docker --shm-size)") from None
     finally:
@@ -314,10 +313,13 @@ class SharedMemoryTransport:
 
     def _create(self, key: tuple, generation: int, first: _Pending) -> _Ring:
         """A new ring of this rank's to the receiver of `key`, sized for `first`'s message."""
-        path = _path(self.token, f"{key[0]}-{key[1]}-{generation}")
+        path = self._ring_path(key, generation)
         ring = _Ring(path, ring_size(first.nbytes), create=True)
         self._created.append(path)  # removed at close unless the receiver opened (and removed) it
         return ring
+
+    def _ring_path(self, key: tuple, generation: int) -> str:
+        return _path(self.token, f"{key[0]}-{key[1]}-{generation}")
 
     def wait_for(self, pending: _Pending) -> None:
         what = "to take a message" if pending.operation.send else "for a message"
@@ -334,8 +336,7 @@ class SharedMemoryTransport:
             waited = time.perf_counter() - start
             if waited >= SPIN_S:
                 awaited = peer()  # once: it may have become ready since ready() was asked
-                if awaited != self.rank:
-                    self._check_alive(awaited)
+                self._check_alive(awaited)
                 if waited > self.timeout_s:
                     raise TimeoutError(f"rank {self.rank} waited {waited:.1f} s for rank {awaited} ({what}): rank "
                                        f"{awaited} is stuck or gone; raise --timeout if its work takes longer")
@@ -366,7 +367,7 @@ class SharedMemoryTransport:
         if key[0] == self.rank:
             ring = self._create(key, generation, first)
         else:
-            path = _path(self.token, f"{key[0]}-{key[1]}-{generation}")
+            path = self._ring_path(key, generation)
             try:
                 ring = _Ring(path, 0, create=False)
             except FileNotFoundError:  # the sender has not sent yet

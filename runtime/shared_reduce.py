@@ -99,8 +99,13 @@ class SharedMemoryReducer:
         self._wait(lambda f: f.published.value > s, "for its gradients")
         if d == 2:  # both sum the whole chunk, x0 + x1: the same bits, one phase less
             torch.add(*[f.inputs[slot][:n * size].view(chunk.dtype) for f in self._files], out=chunk)
-            self.sequence += 1
-            return
+        else:
+            self._reduce_scatter_gather(chunk, s, slot)
+        self.sequence += 1
+
+    def _reduce_scatter_gather(self, chunk: torch.Tensor, s: int, slot: int) -> None:
+        """Three members or more: this member sums its segment in rank order, then takes everyone's."""
+        d, n, size = len(self.members), chunk.numel(), chunk.element_size()
         bounds = [k * n // d * size for k in range(d + 1)]  # member k's segment: bytes bounds[k] to bounds[k + 1]
         a, b = bounds[self._index], bounds[self._index + 1]
         if b > a:
@@ -115,7 +120,6 @@ class SharedMemoryReducer:
             a, b = bounds[k], bounds[k + 1]
             if b > a:
                 ctypes.memmove(chunk.data_ptr() + a, f.results[slot].data_ptr() + a, b - a)
-        self.sequence += 1
 
     def _wait(self, ready, what: str) -> None:
         def laggard() -> int:  # the first member not ready yet; this rank's own once all are

@@ -145,24 +145,10 @@ def run(args) -> None:
         _check_same_plan(me.digest, me.rank, me.world)
         _build(me, use_tags=me.device.type != "cuda")
         if args.p2p == "auto" and args.engine == "own" and me.device.type == "cpu":
-            # every rank calls it (a collective), with a bound on what the host's rings may take, and
-            # the gradient all-reduce's files where there are buckets (runtime/shared_reduce.py)
-            buckets = me.engine.buckets
-            largest = max((flat.numel() * flat.element_size() for flat in buckets.buckets), default=0) \
-                if buckets is not None else 0
-            bound = ring_bytes(me.plan, me.world, args.measure_link and me.topology.pipeline_ranks > 1) + \
-                (group_bytes(me.world, largest) if buckets is not None else 0)
-            me.engine.local = connect(me.rank, me.world, args.timeout, bound)
-            if buckets is not None:  # the gradient all-reduce too, where its group is on this host
-                buckets.reducer = reducer(me.engine.local, me.groups.data_parallel_ranks,
-                                          me.groups.data_parallel_group, largest)
-            if me.engine.local is None and me.world > 1:
-                why = (f"/dev/shm lacks room for the run's rings ({bound / 2**20:.0f} MiB) on some rank, or no other "
-                       "rank shares it" if available() else "shared memory needs x86 and a writable /dev/shm")
-                me.p2p_note = f"messages through torch.distributed: {why}"
+            _use_shared_memory(me)
         me.built_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         first_step = _resume(me)
-        link = _measure_link(me.plan, me.topology, me.rank, me.device, me.engine) if args.measure_link else None
+        link = _measure_link(me.plan, me.topology, me.rank, me.device, _local(me)) if args.measure_link else None
         host_kernel = [_time_host(me.device)]
         steps = _train(me, first_step)
         host_kernel.append(_time_host(me.device))
@@ -372,17 +358,40 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
     write_json_atomic(os.path.join(args.out_dir, f"rank{rank}.json"), result)
 
 
+def _use_shared_memory(me: _Rank) -> None:
+    """The engine's messages to the ranks of this host through shared memory, and its gradient
+    buckets' all-reduce where its data-parallel group is on this host (runtime/shared_memory.py,
+    runtime/shared_reduce.py). Collectives: every rank calls it, with a bound on what the host's
+    rings and the all-reduce's files may take."""
+    buckets = me.engine.buckets
+    largest = max((flat.numel() * flat.element_size() for flat in buckets.buckets), default=0) if buckets else 0
+    bound = ring_bytes(me.plan, me.world, me.args.measure_link and me.topology.pipeline_ranks > 1) + \
+        (group_bytes(me.world, largest) if buckets is not None else 0)
+    me.engine.local = connect(me.rank, me.world, me.args.timeout, bound)
+    if buckets is not None:
+        buckets.reducer = reducer(me.engine.local, me.groups.data_parallel_ranks, me.groups.data_parallel_group,
+                                  largest)
+    if me.engine.local is None and me.world > 1:
+        why = (f"/dev/shm lacks room for the run's rings ({bound / 2**20:.0f} MiB) on some rank, or no other "
+               "rank shares it" if available() else "shared memory needs x86 and a writable /dev/shm")
+        me.p2p_note = f"messages through torch.distributed: {why}"
+
+
+def _buckets(me: _Rank):
+    """The rank's data-parallel gradient buckets (runtime/groups.py), or None (the torch engine has none)."""
+    return getattr(me.engine, "buckets", None)
+
+
 def _reducer(me: _Rank):
     """The rank's shared-memory gradient all-reduce (runtime/shared_reduce.py), or None."""
-    buckets = getattr(getattr(me, "engine", None), "buckets", None)  # the torch engine has none
-    return buckets.reducer if buckets is not None else None
+    return _buckets(me).reducer if _buckets(me) is not None else None
 
 
 def _gradient_all_reduce(me: _Rank) -> Optional[str]:
-    buckets = getattr(getattr(me, "engine", None), "buckets", None)
-    if buckets is None or not buckets.buckets:
+    """How the rank's gradient buckets are summed; None where it has none."""
+    if _buckets(me) is None or not _buckets(me).buckets:
         return None
-    return "shared memory" if buckets.reducer is not None else "torch.distributed"
+    return "shared memory" if _reducer(me) is not None else "torch.distributed"
 
 
 def _local(me: _Rank):
@@ -401,14 +410,13 @@ def ring_bytes(plan: Plan, world: int, measure_link: bool) -> int:
     return world * 2 * ring_size(largest) + (2 * ring_size(LINK_PING_BYTES) if measure_link else 0)
 
 
-def _measure_link(plan: Plan, topology, rank: int, device: torch.device, engine, repeats: int = 10):
+def _measure_link(plan: Plan, topology, rank: int, device: torch.device, local, repeats: int = 10):
     """Ping-pong between pipeline ranks 0 and 1 of replica 0 at the plan's cut sizes (and 8 B,
     4 MiB), fit as `planner profile --link measure` fits it: latency and bandwidth. Other ranks
-    take no part."""
+    take no part. `local`: the shared-memory transport the run's messages take, or None."""
     if topology.pipeline_ranks < 2 or rank not in (0, 1):
         return None
     sizes = sorted({8, LINK_PING_BYTES} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
-    local = getattr(engine, "local", None)  # the transport the run's messages take
     samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device,
                         post=poster(local) if local is not None else None)
     try:

@@ -24,11 +24,15 @@ def _analytic(args: argparse.Namespace, model_args, sizes, progress):
                             progress=progress, attention=args.attention or "flash")
 
 
+def _measuring(choice, args: argparse.Namespace) -> bool:
+    """--link / --engine-cost: measure, or not; by default on the CPU only."""
+    return (choice or ("measure" if args.device == "cpu" else "none")) == "measure"
+
+
 def _link(args: argparse.Namespace, profile, sizes) -> None:
     """--link measure: ping-pong between two local processes at the profile's cut sizes, through the
     transport `runtime execute --p2p` gives them (shared memory, or gloo with --p2p gloo)."""
-    link_mode = args.link or ("measure" if args.device == "cpu" else "none")
-    if link_mode == "none":
+    if not _measuring(args.link, args):
         return
     if args.device != "cpu":
         raise UsageError("--link measure times two processes on this host (CPU runs); for GPUs "
@@ -52,7 +56,7 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
 def _engine_cost(args: argparse.Namespace, profile) -> None:
     """--engine-cost measure: what the runtime's engine adds per micro-batch to every stage's compute,
     timed on a null stage (runtime.engine_probe, in a process of its own)."""
-    if (args.engine_cost or ("measure" if args.device == "cpu" else "none")) == "none":
+    if not _measuring(args.engine_cost, args):
         return
     from planner.profile.engine_cost import measure_engine_overhead
 
@@ -174,7 +178,7 @@ def register(sub) -> None:
                         "shared memory between processes of this host; gloo: gloo over loopback")
     p.add_argument("--engine-cost", choices=["measure", "none"], default=None,
                    help="measure: time what `runtime execute`'s engine adds per forward and backward (its own "
-                        "work, on a null stage, about 2 s) and record it, which planner solve adds to every stage "
+                        "work, on a null stage, about 4 s) and record it, which planner solve adds to every stage "
                         "(default on CPU; none on CUDA)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
     p.add_argument("--output", "-o", help="profile JSON to write (default profiles/<model>.json)")

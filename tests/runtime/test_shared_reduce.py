@@ -136,10 +136,13 @@ def _two_members_agree(rank, init, token, out):
     left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
     dist.barrier()
     summing = shared_reduce.reducer(local, [0, 1], None, 1 << 20)
+    # every member has mapped every file: none is left in /dev/shm while the reducer works
+    mapped_left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
     x = torch.full((300000,), float(rank + 1))  # over a MiB: two chunks
     summing.all_reduce(x)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"refused": refused is None, "left": left, "sum": x.unique().tolist()}, f)
+        json.dump({"refused": refused is None, "left": left, "sum": x.unique().tolist(), "mapped_left": mapped_left},
+                  f)
     summing.close()
     local.close()
     dist.destroy_process_group()
@@ -152,5 +155,5 @@ def test_members_agree_to_fall_back_when_one_lacks_room(tmp_path):
     mp.spawn(_two_members_agree, args=(f"file://{tmp_path}/init", token, str(tmp_path / "out")), nprocs=2)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"out.{rank}").read_text())
-        assert seen == {"refused": True, "left": [], "sum": [3.0]}
+        assert seen == {"refused": True, "left": [], "sum": [3.0], "mapped_left": []}
     assert not [f for f in os.listdir(shared_memory.SHM_DIR) if token in f]
