@@ -136,6 +136,7 @@ def _two_members_agree(rank, init, token, out):
     left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
     dist.barrier()
     summing = shared_reduce.reducer(local, [0, 1], None, 1 << 20)
+    dist.barrier()  # both have unlinked their own file (each does so as its reducer() returns)
     # every member has mapped every file: none is left in /dev/shm while the reducer works
     mapped_left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
     x = torch.full((300000,), float(rank + 1))  # over a MiB: two chunks
