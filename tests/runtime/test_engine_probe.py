@@ -19,5 +19,6 @@ def test_the_null_stage_measures_what_the_engine_adds_and_only_that(monkeypatch)
 
     monkeypatch.setattr(Engine, "_forward", slower)
     slow_forward, slow_backward = engine_probe.engine_overhead(min_time_s=0.0, min_rounds=5)
-    assert slow_forward == pytest.approx(3e-3 + forward, abs=1e-3)
+    # a sleep never ends early, and a loaded host (CI's two cores) may wake it late
+    assert 2e-3 <= slow_forward - forward <= 6e-3
     assert slow_backward < 1e-3
