@@ -1,7 +1,6 @@
 """The engine's own cost per forward and backward (runtime/engine_probe.py), measured on a null stage."""
 import time
 
-
 from runtime import engine_probe
 from runtime.engine import Engine
 
