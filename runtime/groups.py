@@ -91,15 +91,17 @@ def sum_gradient(param: torch.nn.Parameter, group: Any) -> None:
 class GradientBuckets:
     """The data-parallel all-reduce, bucketed and overlapped with the last backward.
 
-    Each parameter's gradient is a view of a flat bucket (about `bucket_bytes`, parameters in
+    Each parameter's gradient lies in a flat bucket (about `bucket_bytes`, parameters in
     reverse order, as backward produces them), so no gradient is copied. `begin_step` zeroes the
     buckets and points the gradients at them; `arm(params)` before a stage's last backward of the
     step makes each parameter's post-accumulate hook count it done, and a bucket whose parameters
     are all done starts its all-reduce at once, asynchronously, while the backward goes on.
     `finish` starts the rest (parameters without a gradient this step) in bucket order and waits
-    for all. With a `reducer` (runtime/shared_reduce.py: every holder on this host) `finish` sums
-    the buckets through shared memory instead, in bucket order, where the step graph charges the
-    exchange: after the rank's list (planner/pipeline/stepgraph.py). Every holder runs the same
+    for all. With a reducer (`use_reducer`, runtime/shared_reduce.py: every holder on this host)
+    `finish` sums the buckets through shared memory instead, in bucket order, where the step graph
+    charges the exchange: after the rank's list (planner/pipeline/stepgraph.py); nothing starts
+    early, so the hooks go (a Python call per parameter and backward), and a parameter's gradient
+    tensor's own version counter tells whether a backward reached it. Every holder runs the same
     graphs, so the buckets start in the same order everywhere, and a parameter no backward reached
     on one holder was reached on none: its gradient is None again after `finish`, as single-process
     training leaves it (an optimizer skips it).
@@ -125,14 +127,25 @@ class GradientBuckets:
         self.started: List[bool] = []
         self.armed: set = set()
         self.reached: Set[int] = set()  # the parameters some backward gave a gradient this step
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._accumulated)
+        self.versions: List[List[int]] = []  # per bucket, its gradients' versions as the step began
+        self.hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
+
+    def use_reducer(self, reducer) -> None:
+        """Sum through `reducer` (or gloo where None) from now on; with one, no hooks."""
+        self.reducer = reducer
+        if reducer is not None:
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks = []
 
     def _add(self, params: List[torch.nn.Parameter]) -> None:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for p in params:
-            views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+            # a tensor of its own over the bucket's memory, not a view: its version counter is its own
+            # (a view shares its base's), so an accumulation into it shows on it alone
+            grad = torch.empty(0, dtype=flat.dtype, device=flat.device)
+            views.append((p, grad.set_(flat.untyped_storage(), offset, p.shape)))
             self.bucket_of[id(p)] = len(self.buckets)
             offset += p.numel()
         self.buckets.append(flat)
@@ -143,6 +156,7 @@ class GradientBuckets:
             flat.zero_()
             for p, view in views:
                 p.grad = view
+        self.versions = [[view._version for _, view in views] for views in self.members]
         self.pending = [len(views) for views in self.members]
         self.works = [None] * len(self.buckets)
         self.started = [False] * len(self.buckets)
@@ -172,6 +186,10 @@ class GradientBuckets:
             self.works[k] = dist.all_reduce(self.buckets[k], group=self.group, async_op=True)
 
     def finish(self) -> None:
+        if not self.hooks:  # reached: autograd accumulated into the gradient, or replaced it
+            self.reached = {id(p) for views, versions in zip(self.members, self.versions)
+                            for (p, view), version in zip(views, versions)
+                            if p.grad is not view or view._version != version}
         for k in range(len(self.buckets)):
             if not self.started[k]:
                 self._start(k)

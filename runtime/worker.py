@@ -369,8 +369,8 @@ def _use_shared_memory(me: _Rank) -> None:
         (group_bytes(me.world, largest) if buckets is not None else 0)
     me.engine.local = connect(me.rank, me.world, me.args.timeout, bound)
     if buckets is not None:
-        buckets.reducer = reducer(me.engine.local, me.groups.data_parallel_ranks, me.groups.data_parallel_group,
-                                  largest)
+        buckets.use_reducer(reducer(me.engine.local, me.groups.data_parallel_ranks, me.groups.data_parallel_group,
+                                    largest))
     if me.engine.local is None and me.world > 1:
         why = (f"/dev/shm lacks room for the run's rings ({bound / 2**20:.0f} MiB) on some rank, or no other "
                "rank shares it" if available() else "shared memory needs x86 and a writable /dev/shm")

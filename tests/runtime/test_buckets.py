@@ -1,4 +1,4 @@
-"""The data-parallel all-reduce in buckets: gradients are views of the buckets (no copy), and a
+"""The data-parallel all-reduce in buckets: gradients lie in the buckets (no copy), and a
 bucket starts as soon as the last backward has produced all of its gradients."""
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ def test_buckets_start_during_the_last_backward_and_hold_the_gradients():
             assert started[-1] >= len(buckets.buckets) - 1 and started[:2] == [0, 0]
             buckets.finish()
             started.clear()
-        # the gradients are views of the buckets and hold the sum over the micro-batches (a world of 1)
+        # the gradients lie in the buckets and hold the sum over the micro-batches (a world of 1)
         expected = _layers()
         for i in range(3):
             _backward(expected, i)

@@ -61,6 +61,53 @@ def test_every_member_gets_the_sum_in_rank_order_through_many_chunks(dtype, memb
         r.transport.close()
 
 
+def _gated(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict({"inp": torch.nn.Linear(8, 8), "gate": torch.nn.Linear(8, 8)})
+
+
+def _gated_loss(model, x):  # the gate's output reaches the loss only through a comparison: no gradient
+    return (model["inp"](x) * (model["gate"](x) > 0)).square().sum()
+
+
+def test_buckets_summed_by_a_reducer_run_no_hooks_and_still_drop_unreached_gradients():
+    # the sum comes after the rank's list, so nothing starts early: no hook per parameter and backward;
+    # each gradient's own version counter says whether a backward reached its parameter
+    from runtime.groups import GradientBuckets
+
+    reducers = _group([0, 1], 4096)
+    models = [_gated(), _gated()]
+    # one bucket: reached and unreached gradients share its memory (a view would share its version counter)
+    buckets = [GradientBuckets(list(m.parameters()), None, bucket_bytes=1 << 20) for m in models]
+    for b, r in zip(buckets, reducers):
+        b.use_reducer(r)
+        assert b.hooks == []
+    inputs = [[torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * k + i)) for i in range(2)]
+              for k in range(2)]
+
+    def step(k):
+        buckets[k].begin_step()
+        for x in inputs[k]:  # two micro-batches
+            _gated_loss(models[k], x).backward()
+        buckets[k].finish()
+
+    for _ in range(2):  # the second step begins from the buckets the first left
+        run_together([lambda k=k: step(k) for k in range(2)])
+    expected = _gated()
+    for mine in inputs:
+        for x in mine:
+            _gated_loss(expected, x).backward()
+    for model in models:
+        for name, p in model.named_parameters():
+            q = dict(expected.named_parameters())[name]
+            assert (p.grad is None) == (q.grad is None) == name.startswith("gate")
+            if q.grad is not None:
+                assert torch.allclose(p.grad, q.grad, atol=1e-5)
+    for r in reducers:
+        r.close()
+        r.transport.close()
+
+
 def test_a_member_that_never_comes_is_named_after_the_timeout():
     first, second = _group([0, 1], 4096, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="rank 0 waited .* for rank 1 .*gradient all-reduce"):

@@ -32,7 +32,7 @@ def test_unreached_weight_across_a_cut(tmp_path, schedule):
 
 def test_unreached_weight_with_replicas(tmp_path):
     # two replicas, two stages per rank (interleaved): the data-parallel buckets hand every weight a
-    # view of a bucket, and the unreached one's is dropped again after the all-reduce
+    # gradient in a bucket (summed through shared memory), and the unreached one's is dropped again after it
     plan = reshape_plan(plan_with(profile_of(ENTRY), [1, 2, 4], 1, 4), virtual_stages=2, data_parallel=2,
                         schedule="interleaved")
     _trains_like_one_process(plan, tmp_path)
