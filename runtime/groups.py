@@ -100,11 +100,11 @@ class GradientBuckets:
     for all. With a reducer (`use_reducer`, runtime/shared_reduce.py: every holder on this host)
     `finish` sums the buckets through shared memory instead, in bucket order, where the step graph
     charges the exchange: after the rank's list (planner/pipeline/stepgraph.py); nothing starts
-    early, so the hooks go (a Python call per parameter and backward), and a parameter's gradient
-    tensor's own version counter tells whether a backward reached it. Every holder runs the same
-    graphs, so the buckets start in the same order everywhere, and a parameter no backward reached
-    on one holder was reached on none: its gradient is None again after `finish`, as single-process
-    training leaves it (an optimizer skips it).
+    early, so the hooks go (a Python call per parameter and backward). Either way a parameter's
+    gradient tensor's own version counter tells `finish` whether a backward reached it. Every
+    holder runs the same graphs, so the buckets start in the same order everywhere, and a
+    parameter no backward reached on one holder was reached on none: its gradient is None again
+    after `finish`, as single-process training leaves it (an optimizer skips it).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group: Any, bucket_bytes: int = 25 << 20):
@@ -126,7 +126,6 @@ class GradientBuckets:
         self.works: List[Any] = []
         self.started: List[bool] = []
         self.armed: set = set()
-        self.reached: Set[int] = set()  # the parameters some backward gave a gradient this step
         self.versions: List[List[int]] = []  # per bucket, its gradients' versions as the step began
         self.hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
 
@@ -161,13 +160,11 @@ class GradientBuckets:
         self.works = [None] * len(self.buckets)
         self.started = [False] * len(self.buckets)
         self.armed.clear()
-        self.reached.clear()
 
     def arm(self, params: List[torch.nn.Parameter]) -> None:
         self.armed.update(id(p) for p in params)
 
     def _accumulated(self, p: torch.nn.Parameter) -> None:
-        self.reached.add(id(p))
         if id(p) not in self.armed:
             return
         self.armed.discard(id(p))
@@ -186,10 +183,10 @@ class GradientBuckets:
             self.works[k] = dist.all_reduce(self.buckets[k], group=self.group, async_op=True)
 
     def finish(self) -> None:
-        if not self.hooks:  # reached: autograd accumulated into the gradient, or replaced it
-            self.reached = {id(p) for views, versions in zip(self.members, self.versions)
-                            for (p, view), version in zip(views, versions)
-                            if p.grad is not view or view._version != version}
+        # reached this step: autograd accumulated into the gradient, or replaced it (a started bucket
+        # has put it back, and that copy moved the version)
+        reached = {id(p) for views, versions in zip(self.members, self.versions)
+                   for (p, view), version in zip(views, versions) if p.grad is not view or view._version != version}
         for k in range(len(self.buckets)):
             if not self.started[k]:
                 self._start(k)
@@ -201,7 +198,7 @@ class GradientBuckets:
                 work.wait()
         for views in self.members:
             for p, _ in views:
-                if id(p) not in self.reached:
+                if id(p) not in reached:
                     p.grad = None
 
 

@@ -13,8 +13,8 @@ ADAMW = ["--optimizer", "adamw", "--weight-decay", "0.1"]  # decay moves a weigh
 ENTRY = "tests.models:gated_branch"
 
 
-def _trains_like_one_process(plan, tmp_path, args=None):
-    state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=ADAMW)
+def _trains_like_one_process(plan, tmp_path, args=None, extra=()):
+    state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=ADAMW + list(extra))
     reference = reference_state(plan, steps=2, lr=1e-3, optimizer="adamw", training=dict(weight_decay=0.1))
     assert max_abs_diff(state, reference) <= 1e-5
     initial = build_spec(ENTRY, args or {}, 0).module.state_dict()
@@ -30,12 +30,13 @@ def test_unreached_weight_across_a_cut(tmp_path, schedule):
     _trains_like_one_process(plan_with(profile, [2], 1, 4, schedule), tmp_path)
 
 
-def test_unreached_weight_with_replicas(tmp_path):
+@pytest.mark.parametrize("p2p", ["auto", "gloo"])  # the buckets summed through shared memory or by gloo
+def test_unreached_weight_with_replicas(tmp_path, p2p):
     # two replicas, two stages per rank (interleaved): the data-parallel buckets hand every weight a
-    # gradient in a bucket (summed through shared memory), and the unreached one's is dropped again after it
+    # gradient in a bucket, and the unreached one's is dropped again after the all-reduce
     plan = reshape_plan(plan_with(profile_of(ENTRY), [1, 2, 4], 1, 4), virtual_stages=2, data_parallel=2,
                         schedule="interleaved")
-    _trains_like_one_process(plan, tmp_path)
+    _trains_like_one_process(plan, tmp_path, extra=["--p2p", p2p])
 
 
 def test_unreached_weight_between_stages_on_one_rank(tmp_path):
