@@ -226,6 +226,7 @@ class Plan:
         for i, st in enumerate(self.stages):
             if st.index != i:
                 raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
+        self._check_units(where)
         if self.schedule not in SCHEDULES:
             raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
         for name, value, known in (("precision", self.precision, PRECISIONS), ("shard", self.shard, SHARDS)):
@@ -261,6 +262,24 @@ class Plan:
         for st, device in zip(self.stages, topology.stage_rank):
             if st.device is None:
                 st.device = device
+
+    def _check_units(self, where: str) -> None:
+        """Each stage runs one or more units, the next after the previous stage's ([first_unit,
+        end_unit), named once each in the plan), and recomputes only units of its own."""
+        start, seen = 0, set()
+        for i, st in enumerate(self.stages):
+            if not st.units or st.first_unit != start or st.end_unit - st.first_unit != len(st.units):
+                raise JsonFileError(f"{where} stage {i} runs units [{st.first_unit}, {st.end_unit}) and names "
+                                    f"{len(st.units)}: every stage runs at least one unit, from where the stage "
+                                    f"before it ends ({start}); {_REMAKE}")
+            twice = next((u for u in st.units if u in seen or st.units.count(u) > 1), None)
+            if twice is not None:
+                raise JsonFileError(f"{where} names unit {twice!r} twice; {_REMAKE}")
+            seen.update(st.units)
+            alien = next((u for u in st.recompute if u not in st.units), None)
+            if alien is not None:
+                raise JsonFileError(f"{where} stage {i} recomputes {alien!r}, not one of its units; {_REMAKE}")
+            start = st.end_unit
 
     def _check_sync(self, where: str) -> None:
         """Local SGD needs replicas to average, and planner.cost.localsgd.local_sgd_refusal's rule."""

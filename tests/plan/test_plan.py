@@ -90,6 +90,10 @@ def test_table_lists_every_stage():
     (lambda p: p.update(schedule="zigzag"), "schedule 'zigzag', not one of 1f1b, gpipe, interleaved, bfs"),
     (lambda p: p.update(global_batch=9), "global batch 9 is not 1 replica"),
     (lambda p: p["stages"].__setitem__(1, "stage"), "stage 1 is not an object"),
+    (lambda p: p["stages"][0].update(units=[], end_unit=0), "stage 0 runs units .0, 0. and names 0"),
+    (lambda p: p["stages"][1].update(first_unit=p["stages"][1]["first_unit"] + 1), "stage 1 runs units"),
+    (lambda p: p["stages"][1]["units"].__setitem__(0, p["stages"][0]["units"][0]), "names unit 'embed' twice"),
+    (lambda p: p["stages"][1].update(recompute=["embed"]), "stage 1 recomputes 'embed', not one of its units"),
 ])
 def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
     plan = make()[2].to_json()
