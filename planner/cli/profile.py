@@ -80,6 +80,14 @@ def _rhythm_note(link) -> str:
             f"{(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms, not charged")
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the platform says, else the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _check_measure_options(args: argparse.Namespace) -> None:
     """The options of a measured profile, checked before torch is loaded (a typo fails at once)."""
     if args.dtype:
@@ -88,6 +96,10 @@ def _check_measure_options(args: argparse.Namespace) -> None:
         raise UsageError("--ranks-per-host must be at least 1")
     if args.ranks_per_host > 1 and args.device != "cpu":
         raise UsageError("--ranks-per-host > 1 models ranks sharing a CPU host; it applies to --device cpu only")
+    cores = _cores()
+    if args.ranks_per_host > cores:  # each rank but one is a co-runner process, busy on a core of its own
+        raise UsageError(f"--ranks-per-host {args.ranks_per_host} is more than the {cores} core(s) this process may "
+                         f"use; profile on the host the ranks will share, with at most one rank per core")
     if args.warmup < 0 or args.min_time < 0:
         raise UsageError("--warmup and --min-time are seconds >= 0")
     if args.retries < 0:

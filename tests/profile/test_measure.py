@@ -4,6 +4,7 @@ was run, what was recorded and how the recorded numbers are used."""
 import contextlib
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -373,6 +374,7 @@ def test_profile_cli_link_none_and_bad_flags(tmp_path):
     assert made.returncode == 0, made.stderr
     assert "link" not in json.load(open(path)) and "engine_overhead_s" not in json.load(open(path))
     for bad, message in ((["--ranks-per-host", "0"], "at least 1"), (["--min-time", "-1"], "seconds"),
+                         (["--ranks-per-host", str(os.cpu_count() + 1)], "more than the"),
                          (["--retries", "-1"], "0 or more"),
                          (["--device", "cuda", "--engine-cost", "measure"], "--engine-cost measure times the engine on "
                                                                              "the CPU")):
