@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import tempfile
 from typing import Any, Iterator
 
@@ -15,14 +16,19 @@ class JsonFileError(ValueError):
 
 def read_json(path: str, what: str = "file") -> Any:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read, a device never end
+            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+            raise JsonFileError(f"{what} {path!r} is {kind}, expected a JSON file")
         with open(path, "r", encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         raise JsonFileError(f"{what} {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise JsonFileError(f"{what} {path!r} is a directory, expected a JSON file") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise JsonFileError(f"{what} {path!r} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise JsonFileError(f"{what} {path!r} nests its JSON too deeply to be one of this project's files") from None
+    except OSError as e:
+        raise JsonFileError(f"{what} {path!r} cannot be read: {e.strerror or e}") from None
 
 
 def _clean(obj: Any) -> Any:
@@ -41,19 +47,45 @@ def atomic_path(path: str) -> Iterator[str]:
     """A temporary path beside `path` (same suffix) to write the file to; renamed onto `path` when
     the block ends, removed if it raises. Readers never see half a file, and a failed write leaves
     none. Every file the project writes whole goes through here (logs are streamed)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=directory)
+    check_writable(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1],
+                                   dir=os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise JsonFileError(f"cannot write {path!r}: {e.strerror or e}") from None
     os.close(fd)
     try:
         yield tmp
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise JsonFileError(f"cannot write {path!r}: {e.strerror or e}") from None
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def check_writable(path: str) -> None:
+    """That a file can be written at `path` (its folder made if missing): JsonFileError, one line,
+    otherwise -- before the work that produces it, where that is long. A path that names something
+    other than a file (a folder, /dev/null) is refused: the rename would replace it."""
+    if not path:
+        raise JsonFileError("an output path is empty; name a file to write")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise JsonFileError(f"output {path!r} is {kind}; name a file to write")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise JsonFileError(f"cannot write {path!r}: {e.strerror or e} (its folder {directory!r})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise JsonFileError(f"cannot write {path!r}: its folder {directory!r} is not writable")
+    if len(os.path.basename(path).encode()) > 255:
+        raise JsonFileError(f"cannot write {path!r}: its name is too long")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

@@ -9,7 +9,7 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from planner.errors import UsageError, run_subcommand
-from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, atomic_path, check_writable, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
@@ -132,8 +132,17 @@ def _say_pass_through(plan: Plan) -> None:
 def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
+    if args.checkpoint_every < 0 or args.checkpoint_dir and args.checkpoint_every == 0:
+        raise UsageError("--checkpoint-every K needs K >= 1 steps (with --checkpoint-dir)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if not 0 < args.timeout <= 7 * 24 * 3600:
+        raise UsageError("--timeout is seconds a rank may wait for another, more than 0 and at most a week")
+    if args.threads < 0 or args.threads > (os.cpu_count() or 1):
+        raise UsageError(f"--threads is torch threads per rank, 0 (as profiled) to this host's {os.cpu_count() or 1}")
+    for path in (args.report, args.save_state, args.timeline, args.trace):
+        if path:
+            check_writable(path)  # now, not after the run
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
     from runtime.options import run_refusal, training_options

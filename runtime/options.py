@@ -3,6 +3,7 @@ rank as the same flags."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -41,18 +42,18 @@ class TrainOptions:
         """ValueError (one line) for options that cannot run."""
         if self.optimizer not in ("sgd", "adamw"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
-        if not self.lr > 0:
-            raise ValueError("--lr must be positive")
-        if self.momentum < 0 or (self.weight_decay or 0) < 0:
-            raise ValueError("--momentum and --weight-decay must be 0 or more")
+        if not 0 < self.lr <= 1e6:  # float32 holds it, and a step can move a weight by a finite amount
+            raise ValueError("--lr must be positive, at most 1e6")
+        if not (0 <= self.momentum < math.inf and 0 <= (self.weight_decay or 0) < math.inf):
+            raise ValueError("--momentum and --weight-decay must be finite numbers, 0 or more")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError("--betas must be two numbers in [0, 1), e.g. 0.9,0.95")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}")
-        if self.warmup_steps < 0 or self.min_lr < 0:
-            raise ValueError("--warmup-steps and --min-lr must be 0 or more")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError("--clip-grad-norm must be positive")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr < math.inf:
+            raise ValueError("--warmup-steps and --min-lr must be 0 or more (finite)")
+        if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
+            raise ValueError("--clip-grad-norm must be a positive finite number")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}")
 

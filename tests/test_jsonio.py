@@ -36,3 +36,33 @@ def test_json_without_inf_and_clear_read_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(JsonFileError, match="not valid JSON"):
         read_json(str(tmp_path / "bad.json"))
+
+
+def test_reading_something_other_than_a_file_is_one_line_not_a_hang(tmp_path):
+    fifo = str(tmp_path / "pipe.json")
+    os.mkfifo(fifo)  # opening it to read would wait for a writer forever
+    with pytest.raises(JsonFileError, match="is not a regular file"):
+        read_json(fifo, what="plan")
+    with pytest.raises(JsonFileError, match="is a directory"):
+        read_json(str(tmp_path), what="plan")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200000 + "]" * 200000)
+    with pytest.raises(JsonFileError, match="nests its JSON too deeply"):
+        read_json(str(deep))
+
+
+def test_an_output_path_is_checked_and_never_replaces_a_folder_or_device(tmp_path):
+    from planner.jsonio import check_writable
+
+    for path, needle in (("", "empty"), (str(tmp_path), "is a directory"), (os.devnull, "not a regular file"),
+                         (str(tmp_path / ("x" * 300)), "name is too long")):
+        with pytest.raises(JsonFileError, match=needle):
+            check_writable(path)
+        with pytest.raises(JsonFileError, match=needle):
+            write_json_atomic(path, {"a": 1})
+    assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(JsonFileError, match="cannot write"):  # a folder where a file is
+        write_json_atomic(str(tmp_path / "file" / "out.json"), {"a": 1})
+    check_writable(str(tmp_path / "new" / "out.json"))  # a missing folder is made
+    assert os.path.isdir(tmp_path / "new")

@@ -8,6 +8,7 @@ import time
 
 from planner.cli.common import parse_sizes
 from planner.errors import UsageError
+from planner.jsonio import check_writable
 
 
 def _analytic(args: argparse.Namespace, model_args, sizes, progress):
@@ -100,8 +101,11 @@ def _check_measure_options(args: argparse.Namespace) -> None:
     if args.ranks_per_host > cores:  # each rank but one is a co-runner process, busy on a core of its own
         raise UsageError(f"--ranks-per-host {args.ranks_per_host} is more than the {cores} core(s) this process may "
                          f"use; profile on the host the ranks will share, with at most one rank per core")
-    if args.warmup < 0 or args.min_time < 0:
-        raise UsageError("--warmup and --min-time are seconds >= 0")
+    if not (0 <= args.warmup <= 3600 and 0 <= args.min_time <= 3600):
+        raise UsageError("--warmup and --min-time are seconds, 0 to 3600")
+    if not 0 <= args.threads <= _cores():
+        raise UsageError(f"--threads is torch threads while measuring, 0 (torch's default) to the {_cores()} "
+                         "core(s) this process may use")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
     if args.engine_cost == "measure" and args.device != "cpu":
@@ -126,6 +130,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     model_args = parse_model_args(args.model_arg or [])
     output = args.output or os.path.join("profiles", f"{model_name(args.model)}.json")
+    check_writable(output)  # now, not after the measurements
     start = time.perf_counter()
     progress = (lambda msg: print(msg, flush=True)) if not args.quiet else None
     if args.analytic:

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD, local_sgd_refusal
 from planner.errors import UsageError
-from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
+from planner.jsonio import check_writable
+from planner.pipeline.schedule import MAX_MICRO_BATCHES, MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
 from planner.sizes import parse_bytes
 
 
@@ -98,14 +99,19 @@ def problem_from_args(args: argparse.Namespace):
     global_batch = max(profile.micro_batch_sizes) * width * 2 if args.global_batch is None else args.global_batch
     if global_batch < 1:
         raise UsageError("--global-batch must be positive")
+    if global_batch > MAX_MICRO_BATCHES * max(profile.micro_batch_sizes) * width:
+        raise UsageError(f"--global-batch {global_batch} is more than {MAX_MICRO_BATCHES} micro-batches per replica even at "
+                         f"the largest profiled micro-batch size ({max(profile.micro_batch_sizes)}); profile larger "
+                         "sizes (planner profile --micro-batch-sizes) or use more devices")
+    for name, seconds in (("--latency", args.latency), ("--message-cost", args.message_cost)):
+        if seconds is not None and not 0 <= seconds <= 3600:
+            raise UsageError(f"{name} is seconds per message, 0 to 3600 (got {seconds})")
     if args.schedule == "auto":
         schedules: List[str] = list(SCHEDULES)
     else:
         schedules = [args.schedule]
     from planner.fidelity.calibrate import solve_link
 
-    if args.message_cost is not None and not args.message_cost >= 0:
-        raise UsageError(f"--message-cost must be >= 0 seconds (got {args.message_cost})")
     bandwidth, latency, overhead, note, message_s, dp_bandwidth = solve_link(
         profile, parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth is not None else None, args.latency,
         args.message_cost, parse_bytes(args.dp_bandwidth, "--dp-bandwidth") if args.dp_bandwidth else None)
@@ -206,6 +212,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.table import format_plan_table
     from planner.solve.diagnose import InfeasibleError
 
+    check_writable(args.output)  # now, not after the search
     profile, opts, devices, schedules, topology = problem_from_args(args)
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)

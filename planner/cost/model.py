@@ -67,7 +67,7 @@ from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
 from planner.cost.ties import (Surplus, TieCopy, shared_parameters, surplus, tie_copies,  # noqa: F401
                                kept_whole, tied_weights, uses_per_device)
-from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES, stage_placement
+from planner.pipeline.schedule import MAX_MICRO_BATCHES, ZERO_BUBBLE_SCHEDULES, stage_placement
 from planner.cost import memory as memory_model
 from planner.cost.rank_memory import (_device_caps, _shard, device_memory, fixed_bytes, held_bytes,  # noqa: F401
                                       precision_of, rank_caps, reserve_of, static_bytes, static_factors)
@@ -207,9 +207,11 @@ def num_micro_batches(opts: CostOptions, b: int) -> int:
 
 
 def candidate_micro_batch_sizes(profile: Profile, global_batch: int, opts: Optional[CostOptions] = None) -> List[int]:
-    """Profiled b with G divisible by d b (and m a multiple of p for interleaved), ascending."""
+    """Profiled b with G divisible by d b (and m a multiple of p for interleaved) and at most
+    MAX_MICRO_BATCHES micro-batches, ascending."""
     d = opts.data_parallel if opts is not None else 1
-    sizes = sorted({int(b) for b in profile.micro_batch_sizes if b > 0 and global_batch % (d * b) == 0})
+    sizes = sorted({int(b) for b in profile.micro_batch_sizes if b > 0 and global_batch % (d * b) == 0
+                    and global_batch // (d * b) <= MAX_MICRO_BATCHES})
     if opts is not None and opts.schedule == "interleaved":
         sizes = [b for b in sizes if (global_batch // (d * b)) % opts.pipeline_ranks == 0]
     return sizes

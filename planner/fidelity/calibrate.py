@@ -56,6 +56,10 @@ def _check_run(profile: Profile, plan: Plan, report: Dict[str, Any]) -> None:
                 raise ValueError(f"the report's unit {unit_name!r} is not in the profile")
     if int(report.get("micro_batch_size", plan.micro_batch_size)) != plan.micro_batch_size:
         raise ValueError("a report and its plan differ in micro-batch size: pass each report with the plan it ran")
+    if any(not 0 <= g < len(plan.stages) for r in report["stages"] if r.get("replica", 0) == 0
+           for g in r.get("chunks", [r["rank"]])):
+        raise ValueError(f"a report names stages its plan lacks (the plan has {len(plan.stages)}): pass each report "
+                         "with the plan it ran")
 
 
 def _rank_ratios(profile: Profile, plan: Plan, report: Dict[str, Any]) -> List[Tuple[List[str], float, float]]:

@@ -17,7 +17,49 @@ def load_report(path: str) -> Dict[str, Any]:
         kind = report.get("kind", "no kind") if isinstance(report, dict) else type(report).__name__
         raise JsonFileError(f"{path!r} is not a run report ({kind}); pass the file `runtime execute PLAN "
                             "--report FILE` wrote")
+    problem = _report_problem(report)
+    if problem:
+        raise JsonFileError(f"report {path!r} {problem}; pass the file `runtime execute PLAN --report FILE` wrote")
     return report
+
+
+def _seconds(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
+
+
+def _index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _report_problem(report: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with the fields a check or a calibration reads, or None."""
+    for key in ("measured_iteration_s", "predicted_iteration_s"):
+        if not _seconds(report.get(key)) or not report[key] > 0:
+            return f"has {key} {report.get(key)!r}, not seconds > 0"
+    stages = report["stages"]
+    if not isinstance(stages, list) or not stages or not all(isinstance(r, dict) for r in stages):
+        return "has no list of ranks under stages"
+    for k, r in enumerate(stages):
+        if not _index(r.get("rank")) or not _index(r.get("replica", 0)):
+            return f"stages[{k}] has no rank (an index)"
+        chunks = r.get("chunks", [r["rank"]])
+        if not isinstance(chunks, list) or not chunks or not all(_index(g) for g in chunks):
+            return f"stages[{k}].chunks is not a list of stage indices"
+        if not isinstance(r.get("units", []), list) or not all(isinstance(u, str) for u in r.get("units", [])):
+            return f"stages[{k}].units is not a list of names"
+        for part in ("measured", "predicted"):
+            times = r.get(part)
+            if not isinstance(times, dict) or not all(_seconds(times.get(t)) for t in ("forward_s", "backward_s")):
+                return f"stages[{k}].{part} lacks forward_s and backward_s in seconds >= 0"
+            if not all(_seconds(v) for v in times.values() if isinstance(v, (int, float)) or v is None):
+                return f"stages[{k}].{part} has a time that is not seconds >= 0"
+    slowdown = report.get("host_slowdown")
+    if slowdown is not None and not (isinstance(slowdown, dict) and all(
+            _seconds(slowdown.get(key)) and slowdown[key] > 0 for key in ("fastest", "slowest"))):
+        return "has host_slowdown without ratios fastest and slowest > 0"
+    if not isinstance(report.get("link") or {}, dict):
+        return "has a link that is not an object"
+    return None
 
 
 def _rel(measured: float, predicted: float) -> Optional[float]:

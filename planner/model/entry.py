@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 from typing import Any, Callable, Dict, Iterable
 
 import torch
@@ -77,6 +78,12 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
         spec = func(**args)
     except TypeError as e:
         raise ModelEntryError(f"calling {entry} with {args}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the model's own code refused its arguments (PLANNER_TRACEBACK=1: where)
+        if os.environ.get("PLANNER_TRACEBACK"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ModelEntryError(f"building {entry} with {args} failed: {type(e).__name__}: {first}; check the model "
+                              "arguments (--model-arg)") from None
     if not isinstance(spec, ModelSpec):
         raise ModelEntryError(f"{entry} returned {type(spec).__name__}, expected planner.ModelSpec(module=, batch=, loss=)")
     if not isinstance(spec.module, torch.nn.Module):

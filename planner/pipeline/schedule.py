@@ -22,6 +22,9 @@ from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES, v_placement, zero
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 MULTI_STAGE_SCHEDULES = ("interleaved", "bfs")
 SCHEDULES = ONE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + ZERO_BUBBLE_SCHEDULES
+# the most micro-batches a step may have: the lists hold 2 m actions per stage, and every plan's
+# time is their simulation (a step of 10^5 micro-batches took minutes to plan and gigabytes to hold)
+MAX_MICRO_BATCHES = 4096
 
 
 def schedule_virtual_stages(name: str) -> "int | None":

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from planner.cost.localsgd import local_sgd_refusal
 from planner.cost.memory import PRECISIONS, SHARDS
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
-from planner.pipeline.schedule import SCHEDULES, Action
+from planner.pipeline.schedule import MAX_MICRO_BATCHES, SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
@@ -240,6 +240,8 @@ class Plan:
         except TopologyError as e:
             raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {_REMAKE}") from None
         d, m, b = self.data_parallel, self.num_micro_batches, self.micro_batch_size
+        if m > MAX_MICRO_BATCHES:
+            raise JsonFileError(f"{where} has {m} micro-batches a step, more than {MAX_MICRO_BATCHES}; {_REMAKE}")
         if min(m, b) < 1 or d * m * b != self.global_batch:
             raise JsonFileError(f"{where}: the global batch {self.global_batch} is not {d} replica(s) x {m} "
                                 f"micro-batches x micro-batch size {b}; {_REMAKE}")

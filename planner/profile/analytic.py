@@ -15,6 +15,7 @@ and a copy micro-benchmark, to check the analytic model against real measurement
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -69,13 +70,19 @@ def load_device_spec(name_or_path: str, threads: int = 1) -> DeviceSpec:
     try:
         with open(path) as f:
             d = json.load(f)
-        return DeviceSpec(name=d["name"], peak_flops={k: float(v) for k, v in d["peak_flops"].items()},
+        spec = DeviceSpec(name=d["name"], peak_flops={k: float(v) for k, v in d["peak_flops"].items()},
                           memory_bandwidth=float(d["memory_bandwidth"]), efficiency=float(d.get("efficiency", 1.0)),
                           memory_bytes=int(d.get("memory_bytes", 0)),
                           op_overhead_s=float(d.get("op_overhead_s", 0.0)), notes=d.get("notes", ""))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise DeviceSpecError(f"device spec {path} is malformed ({type(e).__name__}: {e}); it needs name, "
                               "peak_flops {dtype: FLOP/s}, memory_bandwidth (B/s), efficiency") from None
+    rates = list(spec.peak_flops.values()) + [spec.memory_bandwidth]
+    if not all(0 < x < math.inf for x in rates) or not 0 < spec.efficiency <= 1 or \
+            not 0 <= spec.op_overhead_s < math.inf or spec.memory_bytes < 0:
+        raise DeviceSpecError(f"device spec {path}: peak_flops and memory_bandwidth must be finite and > 0, efficiency "
+                              "in (0, 1], op_overhead_s and memory_bytes >= 0")
+    return spec
 
 
 def calibrate_cpu(threads: int = 1, size: int = 512, copy_mib: int = 64) -> DeviceSpec:

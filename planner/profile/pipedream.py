@@ -75,6 +75,10 @@ def parse_graph(text: str, where: str = "graph") -> Tuple[List[GraphNode], List[
                                    parameter_bytes=float(metrics["parameter_size"])))
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where} line {number}: missing or bad metric ({e})") from None
+        node = nodes[-1]
+        numbers = [node.forward_ms, node.backward_ms, node.parameter_bytes] + node.activation_sizes
+        if not all(0 <= x < 1e18 for x in numbers):  # NaN fails too
+            raise ValueError(f"{where} line {number}: times and sizes must be finite and >= 0")
     if not nodes:
         raise ValueError(f"{where} has no nodes")
     known = {n.name for n in nodes}

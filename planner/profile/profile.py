@@ -425,6 +425,12 @@ def _check_extra(read: _Reader, d: Dict[str, Any], unit_names: set) -> None:
         for key in ("latency_s", "step_overhead_s", "message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
+    read.table(d.get("model") or {}, "model")  # the plan copies its entry, args and seed
+    measured_under = d.get("measured_under") or {}
+    read.table(measured_under, "measured_under")
+    kernel = read.table(measured_under.get("host_kernel") or {}, "measured_under.host_kernel")
+    if kernel.get("mean_s") is not None:  # runs compare their own kernel's time with it
+        read.seconds(kernel["mean_s"], "measured_under.host_kernel.mean_s")
     rhythm = (d.get("link") or {}).get("rhythm")
     if rhythm is not None:  # planner.profile.rhythm's record; planner solve reads its latency
         read.table(rhythm, "link.rhythm")

@@ -100,6 +100,9 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "profile", "builtin:mlp", "--model-arg", "oops"], "key=value"),
     (["planner.cli", "profile", "builtin:mlp", "--model-arg", "nonsense=1"], "nonsense"),
     (["runtime.cli", "execute", "/nonexistent/plan.json"], "does not exist"),
+    (["planner.cli", "profile", "builtin:mlp", "--model-arg", "dim=-1"], "building builtin:mlp with {'dim': -1} failed"),
+    (["planner.cli", "profile", "builtin:mlp", "--min-time", "inf"], "--warmup and --min-time are seconds"),
+    (["planner.cli", "profile", "builtin:mlp", "--threads", "100000"], "--threads is torch threads"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = run_cli(args)
@@ -115,6 +118,31 @@ def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     odd = run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "-8", "-o", str(tmp_path / "p.json")])
     assert odd.returncode == 2 and "--global-batch" in odd.stderr
     _no_traceback(odd)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--latency", "nan"], "--latency is seconds per message, 0 to 3600"),
+    (["--message-cost", "1e300"], "--message-cost is seconds per message"),
+    (["--bandwidth", "1e-300"], "--bandwidth must be 1 byte to 1e+18"),
+    (["--memory-per-device", "1e400"], "--memory-per-device must be 1 byte to 1e+18"),
+    (["--global-batch", "10000000"], "more than 4096 micro-batches per replica"),
+    (["-o", ""], "an output path is empty"),
+])
+def test_solve_numbers_out_of_range_are_refused_before_the_search(gpt_profile, tmp_path, extra, needle):
+    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "-o", str(tmp_path / "p.json"), *extra])
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+    _no_traceback(result)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_output_that_is_a_folder_is_refused_before_the_work(gpt_profile, tmp_path):
+    (tmp_path / "out").mkdir()
+    for args in (["planner.cli", "solve", gpt_profile, "-o", str(tmp_path / "out")],
+                 ["planner.cli", "profile", "builtin:mlp", "-o", str(tmp_path / "out")]):
+        result = run_cli(args)
+        assert result.returncode == 2 and "is a directory; name a file to write" in result.stderr, result.stderr
+        assert "used the profile" not in result.stdout and "measuring" not in result.stdout  # refused first
+        _no_traceback(result)
 
 
 def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
@@ -285,6 +313,9 @@ BAD_PROFILES = [
     (_set(["link", "rhythm"], {"latency_s": -1e-3, "forward_s": 1e-3, "backward_s": 1e-3}),
      "link.rhythm.latency_s is -0.001"),
     (_set(["link", "rhythm"], "fast"), "link.rhythm is \"fast\""),
+    (_set(["model"], "x"), "model is \"x\""),
+    (_set(["measured_under"], "x"), "measured_under is \"x\""),
+    (_set(["measured_under"], {"host_kernel": {"mean_s": -1.0}}), "measured_under.host_kernel.mean_s is -1.0"),
     (_set(["units", 0, "backward_weight_s"], {"1": 1e-3, "2": 1e-3}), "units[0].backward_input_s is missing"),
     (lambda d: d["units"][1].update(backward_input_s={"1": 1e-3, "2": 1e-3}, backward_weight_s={"1": -1e-3, "2": 1e-3},
                                     weight_held_bytes={"1": 0, "2": 0}), 'units[1].backward_weight_s["1"] is -0.001'),

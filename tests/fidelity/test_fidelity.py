@@ -1,6 +1,7 @@
 """The simulation as the prediction, predicted vs measured, and calibration."""
 import json
 import random
+import re
 
 import pytest
 
@@ -276,3 +277,27 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     simulated = run_cli(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
     assert simulated.returncode == 0, simulated.stderr
     assert "simulated iteration" in simulated.stdout and (tmp_path / "sim.png").exists()
+
+
+def test_a_report_whose_fields_are_broken_is_one_line(tmp_path):
+    from planner.fidelity.check import load_report
+    from planner.jsonio import JsonFileError, write_json_atomic
+
+    good = {"kind": "report", "measured_iteration_s": 0.01, "predicted_iteration_s": 0.01,
+            "stages": [{"rank": 0, "units": ["a"], "measured": {"forward_s": 1e-3, "backward_s": 2e-3},
+                        "predicted": {"forward_s": 1e-3, "backward_s": 2e-3}}]}
+    path = str(tmp_path / "r.json")
+    write_json_atomic(path, good)
+    assert load_report(path) == good
+    for mutate, needle in ((lambda r: r.update(stages="x"), "no list of ranks"),
+                           (lambda r: r["stages"][0].pop("rank"), "stages[0] has no rank"),
+                           (lambda r: r["stages"][0]["measured"].update(forward_s="x"), "lacks forward_s"),
+                           (lambda r: r["stages"][0].update(chunks=[-1]), "chunks is not a list of stage indices"),
+                           (lambda r: r.update(measured_iteration_s=float("nan")), "measured_iteration_s"),
+                           (lambda r: r.update(host_slowdown={"fastest": 1.0, "slowest": 0}), "host_slowdown"),
+                           (lambda r: r.update(link="x"), "link that is not an object")):
+        bad = json.loads(json.dumps(good))
+        mutate(bad)
+        write_json_atomic(path, bad)
+        with pytest.raises(JsonFileError, match=re.escape(needle)):
+            load_report(path)

@@ -94,6 +94,8 @@ def test_table_lists_every_stage():
     (lambda p: p["stages"][1].update(first_unit=p["stages"][1]["first_unit"] + 1), "stage 1 runs units"),
     (lambda p: p["stages"][1]["units"].__setitem__(0, p["stages"][0]["units"][0]), "names unit 'embed' twice"),
     (lambda p: p["stages"][1].update(recompute=["embed"]), "stage 1 recomputes 'embed', not one of its units"),
+    (lambda p: p.update(num_micro_batches=10 ** 9, global_batch=10 ** 9 * p["micro_batch_size"]),
+     "1000000000 micro-batches a step, more than 4096"),  # its lists would take minutes and gigabytes
 ])
 def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
     plan = make()[2].to_json()

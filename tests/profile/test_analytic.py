@@ -23,6 +23,12 @@ def test_shipped_specs_load_and_unknown_names_say_what_exists(tmp_path):
     path.write_text(json.dumps({"name": "broken"}))
     with pytest.raises(DeviceSpecError, match="peak_flops"):
         load_device_spec(str(path))
+    good = {"name": "mine", "peak_flops": {"float32": 2e12}, "memory_bandwidth": 1e11}
+    for bad in ({"memory_bandwidth": 0}, {"peak_flops": {"float32": float("nan")}}, {"efficiency": 0},
+                {"efficiency": 1.5}, {"op_overhead_s": -1e-6}, {"memory_bytes": -1}):
+        path.write_text(json.dumps({**good, **bad}))  # a division by zero, or a profile solve refuses, later
+        with pytest.raises(DeviceSpecError, match="finite and > 0, efficiency in"):
+            load_device_spec(str(path))
 
 
 def test_matmul_is_compute_bound_and_copy_is_memory_bound():

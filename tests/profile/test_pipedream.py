@@ -1,5 +1,6 @@
 """Importing PipeDream's published graphs: units, times, crossing tensors, and planning the result."""
 import os
+import re
 
 import pytest
 
@@ -45,6 +46,11 @@ def test_bad_graphs_are_rejected():
         parse_graph("node1 -- Conv -- forward_compute_time=1.0\n")
     with pytest.raises(ValueError, match="unknown node"):
         parse_graph(DIAMOND + "\tnode5 -- node9\n")
+    for bad in ("forward_compute_time=-1.000", "parameter_size=1e400", "activation_size=-4.0"):
+        key = bad.split("=")[0]
+        line = re.sub(key + r"=[^,]*", bad, DIAMOND.splitlines()[1], count=1)
+        with pytest.raises(ValueError, match="line 2: times and sizes must be finite and >= 0"):
+            parse_graph("\n".join([DIAMOND.splitlines()[0], line] + DIAMOND.splitlines()[2:]))
     with pytest.raises(ValueError, match="cycle"):
         nodes, edges = parse_graph(DIAMOND + "\tnode5 -- node2\n")
         graph_to_profile(nodes, edges, 1, "x")
