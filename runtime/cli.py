@@ -132,8 +132,8 @@ def _say_pass_through(plan: Plan) -> None:
 def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
-    if args.checkpoint_every < 0 or args.checkpoint_dir and args.checkpoint_every == 0:
-        raise UsageError("--checkpoint-every K needs K >= 1 steps (with --checkpoint-dir)")
+    if args.checkpoint_every < 0:
+        raise UsageError("--checkpoint-every K is steps, K >= 1 (0, the default: none written, --resume only reads)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if not 0 < args.timeout <= 7 * 24 * 3600:

@@ -78,6 +78,8 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
         spec = func(**args)
     except TypeError as e:
         raise ModelEntryError(f"calling {entry} with {args}: {e}") from None
+    except ModelEntryError:  # already says what to do
+        raise
     except Exception as e:  # noqa: BLE001 - the model's own code refused its arguments (PLANNER_TRACEBACK=1: where)
         if os.environ.get("PLANNER_TRACEBACK"):
             raise

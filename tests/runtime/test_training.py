@@ -63,7 +63,7 @@ def test_bad_training_options_fail_in_one_line(tmp_path):
                          (["--momentum", "-1"], "0 or more"), (["--lr", "0"], "positive"),
                          (["--lr", "1e308"], "at most 1e6"), (["--weight-decay", "nan"], "finite"),
                          (["--timeout", "nan"], "--timeout is seconds"), (["--threads", "100000"], "--threads is"),
-                         (["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "0"], "K >= 1"),
+                         (["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "-1"], "K >= 1"),
                          (["--report", str(tmp_path)], "is a directory; name a file to write")]:
         result = run_cli(["runtime.cli", "execute", path, *flags])
         assert result.returncode == 2 and words in result.stderr and len(result.stderr.splitlines()) == 1, \
