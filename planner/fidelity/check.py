@@ -69,6 +69,12 @@ def _rel(measured: float, predicted: float) -> Optional[float]:
 def check_report(plan: Plan, report: Dict[str, Any]) -> Dict[str, Any]:
     if report.get("model") != plan.model:
         raise ValueError("the report is of a different model than the plan; pass the plan the run executed")
+    for r in report["stages"]:  # the same model, another split: the ranks ran other units
+        chunks = r.get("chunks", [r["rank"]])
+        if r.get("replica", 0) == 0 and "units" in r and (any(g >= len(plan.stages) for g in chunks) or
+                                                          r["units"] != [u for g in chunks for u in plan.stages[g].units]):
+            raise ValueError(f"the report's rank {r['rank']} ran other units than the plan gives it; pass the plan "
+                             "the run executed")
     ranks = []
     for r in report["stages"]:
         if r.get("replica", 0) != 0:

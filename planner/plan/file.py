@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from planner.cost.localsgd import local_sgd_refusal
-from planner.cost.memory import PRECISIONS, SHARDS
+from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
 from planner.pipeline.schedule import MAX_MICRO_BATCHES, SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
@@ -227,6 +228,7 @@ class Plan:
             if st.index != i:
                 raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
         self._check_units(where)
+        self._check_values(where)
         if self.schedule not in SCHEDULES:
             raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
         for name, value, known in (("precision", self.precision, PRECISIONS), ("shard", self.shard, SHARDS)):
@@ -264,6 +266,35 @@ class Plan:
         for st, device in zip(self.stages, topology.stage_rank):
             if st.device is None:
                 st.device = device
+
+    def _check_values(self, where: str) -> None:
+        """What the runtime and the tools compute with: the model to build (an entry, none for an
+        imported profile's plan), the optimizer, the link, and every stage's times and bytes."""
+        entry, args, seed = self.model.get("entry"), self.model.get("args", {}), self.model.get("seed", 0)
+        if entry is not None and not (isinstance(entry, str) and entry) or not isinstance(args, dict) or \
+                not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
+            raise JsonFileError(f"{where} has model {self.model!r}: an entry name, args (an object) and a seed "
+                                f"(an integer >= 0); {_REMAKE}")
+        threads = self.profile.get("threads", 1)
+        if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 0):
+            raise JsonFileError(f"{where} has profile.threads {threads!r}: an integer >= 0; {_REMAKE}")
+        if self.optimizer not in OPTIMIZER_MOMENTS:  # what the memory model counts
+            raise JsonFileError(f"{where} has optimizer {self.optimizer!r}, not one of {', '.join(OPTIMIZER_MOMENTS)}; "
+                                f"{_REMAKE}")
+        positive = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                    "memory_per_device_bytes": self.memory_per_device_bytes}
+        at_least_zero = {"latency_s": self.latency_s, "step_overhead_s": self.step_overhead_s,
+                         "message_s": self.message_s, "predicted_iteration_s": self.predicted_iteration_s}
+        for k, st in enumerate(self.stages):
+            for name in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "comm_s", "time_s",
+                         "extra_s", "memory_cap_bytes"):
+                at_least_zero[f"stage {k} {name}"] = getattr(st, name)
+        for name, value in positive.items():
+            if value is not None and not 0 < value < math.inf:
+                raise JsonFileError(f"{where} has {name} {value!r}: a finite number > 0; {_REMAKE}")
+        for name, value in at_least_zero.items():
+            if value is not None and not 0 <= value < math.inf:
+                raise JsonFileError(f"{where} has {name} {value!r}: a finite number >= 0; {_REMAKE}")
 
     def _check_units(self, where: str) -> None:
         """Each stage runs one or more units, the next after the previous stage's ([first_unit,

@@ -94,6 +94,13 @@ def test_table_lists_every_stage():
     (lambda p: p["stages"][1].update(first_unit=p["stages"][1]["first_unit"] + 1), "stage 1 runs units"),
     (lambda p: p["stages"][1]["units"].__setitem__(0, p["stages"][0]["units"][0]), "names unit 'embed' twice"),
     (lambda p: p["stages"][1].update(recompute=["embed"]), "stage 1 recomputes 'embed', not one of its units"),
+    (lambda p: p["model"].update(entry=7), "has model"),
+    (lambda p: p["model"].update(seed="x"), "has model"),
+    (lambda p: p["profile"].update(threads=-3), "profile.threads -3"),
+    (lambda p: p.update(optimizer="zzz"), "optimizer 'zzz', not one of sgd, adam, adamw"),
+    (lambda p: p.update(bandwidth_bytes_per_s=-1.0), "bandwidth_bytes_per_s -1.0: a finite number > 0"),
+    (lambda p: p.update(latency_s=-1e-6), "latency_s -1e-06: a finite number >= 0"),
+    (lambda p: p["stages"][1].update(forward_s=-1.0), "stage 1 forward_s -1.0: a finite number >= 0"),
     (lambda p: p.update(num_micro_batches=10 ** 9, global_batch=10 ** 9 * p["micro_batch_size"]),
      "1000000000 micro-batches a step, more than 4096"),  # its lists would take minutes and gigabytes
 ])
