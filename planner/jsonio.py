@@ -16,7 +16,7 @@ class JsonFileError(ValueError):
 
 def read_json(path: str, what: str = "file") -> Any:
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read, a device never end
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read, a device may never end
             kind = "a directory" if os.path.isdir(path) else "not a regular file"
             raise JsonFileError(f"{what} {path!r} is {kind}, expected a JSON file")
         with open(path, "r", encoding="utf-8") as f:

@@ -103,8 +103,8 @@ def _check_measure_options(args: argparse.Namespace) -> None:
                          f"use; profile on the host the ranks will share, with at most one rank per core")
     if not (0 <= args.warmup <= 3600 and 0 <= args.min_time <= 3600):
         raise UsageError("--warmup and --min-time are seconds, 0 to 3600")
-    if not 0 <= args.threads <= _cores():
-        raise UsageError(f"--threads is torch threads while measuring, 0 (torch's default) to the {_cores()} "
+    if not 0 <= args.threads <= cores:
+        raise UsageError(f"--threads is torch threads while measuring, 0 (torch's default) to the {cores} "
                          "core(s) this process may use")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
