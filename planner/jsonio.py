@@ -16,8 +16,8 @@ class JsonFileError(ValueError):
 
 def read_json(path: str, what: str = "file") -> Any:
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read, a device may never end
-            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        kind = _not_a_file(os.stat(path).st_mode)  # a FIFO would block the read, a device may never end
+        if kind:
             raise JsonFileError(f"{what} {path!r} is {kind}, expected a JSON file")
         with open(path, "r", encoding="utf-8") as f:
             return json.load(f)
@@ -29,6 +29,13 @@ def read_json(path: str, what: str = "file") -> Any:
         raise JsonFileError(f"{what} {path!r} nests its JSON too deeply to be one of this project's files") from None
     except OSError as e:
         raise JsonFileError(f"{what} {path!r} cannot be read: {e.strerror or e}") from None
+
+
+def _not_a_file(mode: int) -> str:
+    """What a path of this stat mode is when it is not a regular file ("" when it is)."""
+    if stat.S_ISREG(mode):
+        return ""
+    return "a directory" if stat.S_ISDIR(mode) else "not a regular file"
 
 
 def _clean(obj: Any) -> Any:
@@ -74,8 +81,13 @@ def check_writable(path: str) -> None:
     other than a file (a folder, /dev/null) is refused: the rename would replace it."""
     if not path:
         raise JsonFileError("an output path is empty; name a file to write")
-    if os.path.lexists(path) and not os.path.isfile(path):
-        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+    if len(os.path.basename(path).encode()) > 255:
+        raise JsonFileError(f"cannot write {path!r}: its name is too long")
+    try:
+        kind = _not_a_file(os.stat(path).st_mode)
+    except OSError:  # nothing there yet (or a link to nothing), or no folder to hold it: said below
+        kind = "not a regular file" if os.path.islink(path) else ""
+    if kind:
         raise JsonFileError(f"output {path!r} is {kind}; name a file to write")
     directory = os.path.dirname(os.path.abspath(path))
     try:
@@ -84,8 +96,6 @@ def check_writable(path: str) -> None:
         raise JsonFileError(f"cannot write {path!r}: {e.strerror or e} (its folder {directory!r})") from None
     if not os.access(directory, os.W_OK | os.X_OK):
         raise JsonFileError(f"cannot write {path!r}: its folder {directory!r} is not writable")
-    if len(os.path.basename(path).encode()) > 255:
-        raise JsonFileError(f"cannot write {path!r}: its name is too long")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

@@ -271,8 +271,9 @@ class Plan:
         """What the runtime and the tools compute with: the model to build (an entry, none for an
         imported profile's plan), the optimizer, the link, and every stage's times and bytes."""
         entry, args, seed = self.model.get("entry"), self.model.get("args", {}), self.model.get("seed", 0)
-        if entry is not None and not (isinstance(entry, str) and entry) or not isinstance(args, dict) or \
-                not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
+        entry_ok = entry is None or isinstance(entry, str) and entry != ""
+        seed_ok = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63
+        if not (entry_ok and isinstance(args, dict) and seed_ok):
             raise JsonFileError(f"{where} has model {self.model!r}: an entry name, args (an object) and a seed "
                                 f"(an integer >= 0); {_REMAKE}")
         threads = self.profile.get("threads", 1)
