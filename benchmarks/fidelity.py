@@ -5,6 +5,8 @@ calibration round.
     .venv/bin/python benchmarks/fidelity.py --device cuda --passes 3     # the same grid on GPUs (one per stage)
     .venv/bin/python benchmarks/fidelity.py --models mlp,mobilenet --stages 2 --micro-batches 8,16 --sizes 1,2
                                           # small micro-batches, on models held out from the model's development
+    .venv/bin/python benchmarks/fidelity.py --schedule zb-h1 --stages 2 --models mlp,gpt
+                                          # the same grid under a zero-bubble schedule (default 1f1b)
 
 By default built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
 profile (afresh before each pass over the grid: a shared machine drifts over minutes) the way the
@@ -79,8 +81,8 @@ def only_size(profile, b):
     return p
 
 
-def plan_for(profile, stages, m, b, opts_extra=None):
-    opts = CostOptions(pipeline_ranks=stages, global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+def plan_for(profile, stages, m, b, opts_extra=None, schedule="1f1b"):
+    opts = CostOptions(pipeline_ranks=stages, global_batch=m * b, schedule=schedule, **(opts_extra or {}))
     solution = solve(only_size(profile, b), opts, method="ilp")
     return make_plan(profile, solution, opts, "benchmark"), opts
 
@@ -91,7 +93,8 @@ def plan_fixed(profile, plan, opts_extra=None):
 
     b, m = plan.micro_batch_size, plan.num_micro_batches
     boundaries = [s.first_unit for s in plan.stages[1:]]
-    opts = CostOptions(pipeline_ranks=len(plan.stages), global_batch=m * b, schedule="1f1b", **(opts_extra or {}))
+    opts = CostOptions(pipeline_ranks=len(plan.stages), global_batch=m * b, schedule=plan.schedule,
+                       **(opts_extra or {}))
     cost = evaluate(only_size(profile, b), boundaries, b, opts)
     solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
                         objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
@@ -196,7 +199,8 @@ def run_passes(name, args):
             print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                   f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
         if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
-            plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]))[0]
+            plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]),
+                                              args.schedule)[0]
                      for stages in args.stage_counts for m in args.m_list for b in args.size_list}
             runs = {key: [] for key in plans}
         for key, plan in plans.items():
@@ -313,6 +317,8 @@ def main():
                              "--engine-cost none)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="profile and run on this device (cuda: one GPU per stage; no co-runners, no gloo link)")
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"],
+                        help="the plans' schedule (one stage per rank; default 1f1b)")
     parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="stage counts of the grid (default 1,2)")
     args = parser.parse_args()
     try:

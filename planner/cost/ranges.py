@@ -10,16 +10,29 @@ run at speed sigma costs per micro-batch
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
 
-Zero-bubble schedules split the backward in two parts (recomputed forwards run in both: the
-runtime's weight part reads what the recomputed region saved again, planner.pipeline.zerobubble):
+Zero-bubble schedules split the backward in two parts (planner.profile.splitgrad). A later stage
+(a > 0: gradients flow into its inputs) runs autograd towards its inputs first, then once per
+parameter group from what that kept; a recomputed forward runs in both parts (the weight part reads
+what the recomputed region saved again, planner.pipeline.zerobubble):
 
-    backward_input(a, e)  = (k^b + sum gi_l + sum_{l in R} f_l) / sigma
-    backward_weight(a, e) = (sum gw_l + sum_{l in R} f_l) / sigma
+    backward_input(a, e)  = (k^i + sum gi_l + sum_{l in R} f_l) / sigma
+    backward_weight(a, e) = (k^w + sum gw_l + sum_{l in R} f_l) / sigma
     weight_held(a, e)     = sum (in_l if l in R else h_l)      bytes held from the first to the second
 
-gi_l, gw_l, h_l: the unit's profiled parts; a profile without them (older files) gets
-gw_l = WEIGHT_SHARE g_l, gi_l = g_l - gw_l (a matmul's weight gradient costs what its input
-gradient does) and h_l = s_l (everything saved held until the weight part: an upper bound).
+The first stage (a = 0) has no input that needs a gradient: its input part only finds that out,
+and its weight part is one whole backward, which holds everything saved until it runs:
+
+    backward_input(0, e)  = k^0 / sigma
+    backward_weight(0, e) = backward(0, e)
+    weight_held(0, e)     = saved(0, e)
+
+gi_l, gw_l, h_l: the unit's profiled parts, timed alone with gradients flowing into its inputs;
+k^i, k^w: what a later stage's split pays once on top of them, k^0: the first stage's input part
+(Profile.split_overhead_s; each includes the engine's backward cost where the whole backward's
+k^b does). A profile without the parts (older files) gets gw_l = WEIGHT_SHARE g_l,
+gi_l = g_l - gw_l (a matmul's weight gradient costs what its input gradient does) and h_l = s_l
+(everything saved held until the weight part: an upper bound); one without split_overhead_s gets
+k^i = k^b, k^w = 0 and k^0 = the engine's backward cost.
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l, in_0 = 0;
 o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
@@ -60,6 +73,12 @@ class RangeCosts:
         self.num_units = len(units)
         self.b = b
         self.call_forward, self.call_backward = profile.stage_overhead(b)
+        engine = profile.engine_overhead_s[1]
+        first_input, later_input, later_weight = profile.split_overhead_s.get(
+            b, (0.0, self.call_backward - engine, 0.0))
+        # k^0, k^i, k^w (module docstring): the engine's backward cost is charged to the input part
+        self.first_input, self.later_input, self.later_weight = first_input + engine, later_input + engine, later_weight
+        self.first_call = self.call_backward - engine  # the first stage's weight part: one whole backward call
         self.f = np.array([u.forward_s[b] for u in units], dtype=float)
         self.g = np.array([u.backward_s[b] for u in units], dtype=float)
         self.s = np.array([u.saved_bytes[b] for u in units], dtype=float)
@@ -107,15 +126,31 @@ class RangeCosts:
         return float(self.call_backward + self.G[e] - self.G[a] + redo) / speed
 
     def backward_input(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
+        if a == 0:
+            return self.first_input / speed
         redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
-        return float(self.call_backward + self.gi[a:e].sum() + redo) / speed
+        return float(self.later_input + self.gi[a:e].sum() + redo) / speed
 
     def backward_weight(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
         redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
-        return float(self.gw[a:e].sum() + redo) / speed
+        if a == 0:
+            return float(self.first_call + self.G[e] - self.G[a] + redo) / speed
+        return float(self.later_weight + self.gw[a:e].sum() + redo) / speed
 
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
+        if a == 0:
+            return self.saved(a, e, recompute)
         return float(sum(float(self.inputs[l]) if l in recompute else float(self.h[l]) for l in range(a, e)))
+
+    def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
+        """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
+        `again` the prefix sums of the recomputed forwards (0: none)."""
+        first_whole = range_matrix(self.G + again)[0] + self.first_call
+        backward_input = range_matrix(prefix_sums(self.gi) + again) + self.later_input
+        backward_weight = range_matrix(prefix_sums(self.gw) + again) + self.later_weight
+        backward_input[0] = np.where(np.isfinite(first_whole), self.first_input, np.inf)
+        backward_weight[0] = first_whole
+        return backward_input, backward_weight
 
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         swap = sum(float(self.inputs[l] - self.s[l]) for l in recompute if a <= l < e)

@@ -16,8 +16,9 @@ the one its rank holds (`tie_static` per copy; plus `tie_whole` - `tie_static` w
 whole under ZeRO, ties.kept_whole): `range_static_surplus` for a stage alone on its rank (in `matrix`
 and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer program).
 
-saved_l (weight_l): what unit l keeps for its backward (until its weight backward), its input in_l
-alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
+saved_l (weight_l): what unit l keeps for its backward (until its weight backward: saved_l in the
+first stage, whose input part runs nothing, planner.cost.ranges), its input in_l alone when every
+unit is recomputed; recomputing unit l alone (recompute 'auto') saves
 P_live,g (s_l - in_l) + P_weight,g (h_l - in_l). A rank's peak is the largest over its vectors; with
 several stages on a rank the sum over them per vector. The fixed bytes every device holds are not
 in it: compare with planner.cost.model.rank_caps (the caps less those).
@@ -80,8 +81,10 @@ class StageMemory:
         zero = np.zeros_like(c.act)
         start = count("inbox") * c.act + count("sent_grad") * c.grad if g > 0 else zero
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
-        saves = count("live") * (c.s - c.inputs) + count("weight") * (c.h - c.inputs)
-        return HeldTerms(count("live") * self.saved + count("weight") * self.weight, start, end, saves)
+        # the first stage holds everything saved until its weight part (planner.cost.ranges)
+        weight, held = (self.saved, c.s) if g == 0 else (self.weight, c.h)
+        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs)
+        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end, saves)
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""

@@ -114,16 +114,24 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
     # A stage's own cost (profile.stage_overhead: the call's and the engine's) is part of every rank's
     # compute: it takes the median of every rank's factor at its size (of all runs' at sizes no run
     # measured); the engine's share is folded into stage_overhead_s, so that both are scaled.
+    # A split backward's own costs (split_overhead_s) take the backward's factor; the input parts
+    # carry the engine's backward cost, as planner.cost.ranges charges it.
     overheads = {b: calibrated.stage_overhead(b) for b in calibrated.micro_batch_sizes}
+    engine = calibrated.engine_overhead_s[1]
     calibrated.engine_overhead_s = (0.0, 0.0)
     for b, pair in overheads.items():
-        if pair == (0.0, 0.0):
+        split = calibrated.split_overhead_s.get(b)
+        if pair == (0.0, 0.0) and split is None:
             continue
-        scaled = []
+        factor = []
         for i in (0, 1):
             pooled = by_size.get((b, i)) or [x for (_, j), xs in by_size.items() if j == i for x in xs]
-            scaled.append(pair[i] * statistics.median(pooled) if pooled else pair[i])
-        calibrated.stage_overhead_s[b] = (scaled[0], scaled[1])
+            factor.append(statistics.median(pooled) if pooled else 1.0)
+        calibrated.stage_overhead_s[b] = (pair[0] * factor[0], pair[1] * factor[1])
+        if split is not None:
+            first_input, later_input, later_weight = split
+            calibrated.split_overhead_s[b] = ((first_input + engine) * factor[1], (later_input + engine) * factor[1],
+                                              later_weight * factor[1])
     return calibrated, factors
 
 

@@ -66,13 +66,15 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
     # the backward again in its two parts (zero-bubble schedules): their costs and the bytes between
     first: Dict[str, float] = {}
 
+    params = list(stage.parameters())
+
     def input_part(out):
         with CostCounter(device) as counted:
-            pending = first_part(call, out)
+            pending = first_part(call, out, params)
         first["s"] = counted.costs.seconds
         return pending
 
-    pending, held = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part, list(stage.parameters()))
+    pending, held = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part, params)
     with CostCounter(device) as second:
         backward_weight(pending)
     stage.zero_grad(set_to_none=True)

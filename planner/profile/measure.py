@@ -4,9 +4,9 @@ For each micro-batch size b the whole model runs once to obtain every unit's rea
 then each unit runs on its own, as the stage module the runtime would build for it, all units
 round-robin (planner.profile.timing.measure_units): forward and backward time (median of at least
 `repeats` rounds and `min_time_s` seconds after `warmup_s` seconds of warm-up, synchronised on
-CUDA; the backward's input and weight parts timed apart as well (planner.profile.splitgrad), in their
-measured proportion and with what splitting costs a stage (`_time_parts`), and the bytes held between
-them; optionally with co-runner processes loading the other cores as other ranks on the host
+CUDA; the backward's input and weight parts timed apart as well (planner.profile.splitgrad), with
+what splitting costs a stage apart from them (`_time_parts`), and the bytes held between them;
+optionally with co-runner processes loading the other cores as other ranks on the host
 would, `CoRunners`), bytes saved for backward (planner.profile.saved), parameter bytes, and the
 bytes of every value crossing each cut. The last unit's forward includes the loss, as on the
 runtime's last stage. The link between two ranks is planner.profile.link.
@@ -59,10 +59,12 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _whole_model_item(captured: CapturedModel, values: Dict[str, Any], device) -> UnitCall:
-    """All units as one stage, as a 1-stage run calls it."""
-    stage, io = captured.stage_module(0, len(captured.units))
-    return UnitCall(stage, _prepare_args(values, io.inputs, {}, device), [], True)
+def _stage_item(run: "_Run", values: Dict[str, Any], first: int) -> UnitCall:
+    """Units [first, L) as the last stage of a run calls them (what crosses cut `first` carries
+    gradients as it does there)."""
+    stage, io = run.captured.stage_module(first, len(run.captured.units))
+    flags = {n: run.cut_values[first][n].requires_grad for n in io.received} if first else {}
+    return UnitCall(stage, _prepare_args(values, io.inputs + io.received, flags, run.dev), [], True)
 
 
 def _prepare_args(values: Dict[str, Any], names: Sequence[str], grad_flags: Dict[str, bool], device) -> List[Any]:
@@ -138,6 +140,7 @@ class _Run:
     cut_values: Dict[int, Dict[str, CutValue]] = field(default_factory=dict)
     whole_scale: Dict[int, Dict[str, float]] = field(default_factory=dict)
     stage_overhead: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    split_overhead: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)
 
 
 def profile_model(
@@ -267,9 +270,7 @@ def _measure_size(run: _Run, b: int) -> None:
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
-        (input_share, weight_share), unit.weight_held_bytes[b] = parts[k]
-        unit.backward_input_s[b] = timing.backward_s * input_share
-        unit.backward_weight_s[b] = timing.backward_s * weight_share
+        (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b] = parts[k]
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
@@ -281,27 +282,33 @@ def _measure_size(run: _Run, b: int) -> None:
 
 
 def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int):
-    """Per unit, (input part, weight part) per second of its backward, and the bytes between them
-    (in `held`): each unit's parts in their measured proportion, times what splitting costs a
-    stage -- the whole model's parts over its whole backward, timed together (a unit timed alone
-    pays the split's fixed costs, one autograd call and graph walk, that a stage pays once) -- or,
-    where the whole model is not timed, each unit's own ratio."""
-    whole = _whole_model_item(run.captured, values, run.dev) if run.whole_model else None
-    items = work + ([whole] if whole is not None else [])
+    """Per unit, (input part, weight part) seconds and the bytes held between them; what a split
+    costs a stage on top of its units goes to `run.split_overhead[b]` (Profile.split_overhead_s).
+
+    Every unit but the first is timed alone with gradients flowing into its inputs, as in a later
+    stage, and so pays what such a stage's split pays once (the engine's calls, the graph's
+    analysis). With the whole model measured, the units from the second on are also timed as one
+    stage in the same rounds, and `split_call_overhead` keeps that cost apart, as `_time_units`
+    does for the whole backward; the whole model's input part is the first stage's (it runs no
+    autograd). Without it, each unit's parts as timed and the first unit's input part stand in."""
+    L = len(work)
+    extra = [_stage_item(run, values, 0)] + ([_stage_item(run, values, 1)] if L >= 3 else []) \
+        if run.whole_model else []
     try:
-        parts = measure_backward_parts(items, run.spec.loss, target, run.dev, run.repeats)
-    except torch.cuda.OutOfMemoryError:
+        parts = measure_backward_parts(work + extra, run.spec.loss, target, run.dev, run.repeats)
+    except torch.cuda.OutOfMemoryError:  # the model does not fit as one stage here: its units alone
         torch.cuda.empty_cache()
-        whole, parts = None, measure_backward_parts(work, run.spec.loss, target, run.dev, run.repeats)
-    if whole is None:
-        return [(p.shares(), p.held_bytes) for p in parts]
-    stage = sum(parts[-1].shares())
-    out = []
-    for p in parts[:-1]:
-        both = p.input_s + p.weight_s
-        input_share = p.input_s / both if both > 0 else 1.0
-        out.append(((input_share * stage, (1 - input_share) * stage), p.held_bytes))
-    return out
+        extra, parts = [], measure_backward_parts(work, run.spec.loss, target, run.dev, run.repeats)
+    units, stages = parts[:L], parts[L:]
+    input_s, weight_s = [p.input_s for p in units], [p.weight_s for p in units]
+    later_input = later_weight = 0.0
+    if len(stages) == 2:
+        inputs = split_call_overhead(input_s[1:], stages[1].input_s)
+        weights = split_call_overhead(weight_s[1:], stages[1].weight_s)
+        input_s[1:], weight_s[1:] = inputs.unit_s, weights.unit_s
+        later_input, later_weight = inputs.call_s, weights.call_s
+    run.split_overhead[b] = ((stages[0] if stages else units[0]).input_s, later_input, later_weight)
+    return [((i, w), p.held_bytes) for i, w, p in zip(input_s, weight_s, units)]
 
 
 def _time_units(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int) -> List[UnitTiming]:
@@ -310,7 +317,7 @@ def _time_units(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
     of several units pays once; it is kept apart as the stage's own cost (BENCHMARKS.md: what it
     amounts to on the built-in models)."""
     loss, dev = run.spec.loss, run.dev
-    whole = _whole_model_item(run.captured, values, dev) if run.whole_model else None
+    whole = _stage_item(run, values, 0) if run.whole_model else None  # all units, as a 1-stage run calls them
     try:
         measured = measure_units(work + ([whole] if whole else []), loss, target, dev, run.repeats,
                                  warmup_s=run.warmup_s, min_time_s=run.min_time_s)
@@ -378,6 +385,7 @@ def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes
                                   for m in captured.merges],
                "measured_under": measured_under, "attention": attention_of(run.spec.module)},
         stage_overhead_s=run.stage_overhead,
+        split_overhead_s=run.split_overhead,
     )
 
 

@@ -80,6 +80,8 @@ class _Reader:
 
 
 _SPLIT_BACKWARD = ("backward_input_s", "backward_weight_s", "weight_held_bytes")
+# Profile.split_overhead_s's parts, as its JSON names them
+_SPLIT_OVERHEAD = ("first_input", "input", "weight")
 
 
 @dataclass
@@ -294,6 +296,10 @@ class Profile:
     # (forward, backward) seconds the runtime's engine adds per micro-batch to every stage's compute
     # (runtime.engine_probe: its per-action work, measured on a null stage); (0, 0): not measured
     engine_overhead_s: Tuple[float, float] = (0.0, 0.0)
+    # b -> seconds of a split backward's own cost per micro-batch (planner.cost.ranges):
+    # (the first stage's input part, a later stage's input part and weight part on top of its units'
+    # parts). Empty: not measured (older profiles)
+    split_overhead_s: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)
 
     def stage_overhead(self, b: int) -> Tuple[float, float]:
         """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units:
@@ -339,6 +345,9 @@ class Profile:
                                      for b, (f, g) in sorted(self.stage_overhead_s.items())}
         if any(self.engine_overhead_s):
             d["engine_overhead_s"] = {"forward": self.engine_overhead_s[0], "backward": self.engine_overhead_s[1]}
+        if self.split_overhead_s:
+            d["split_overhead_s"] = {str(b): dict(zip(_SPLIT_OVERHEAD, parts))
+                                     for b, parts in sorted(self.split_overhead_s.items())}
         d.update(self.extra)
         return d
 
@@ -377,13 +386,18 @@ class Profile:
             where = f'stage_overhead_s["{b}"]'
             overhead[b] = (read.seconds(pair.get("forward"), f"{where}.forward"),
                            read.seconds(pair.get("backward"), f"{where}.backward"))
+        split = {}
+        for b, parts in read.per_size(d.get("split_overhead_s") or {}, "split_overhead_s", read.table,
+                                      required=False).items():
+            split[b] = tuple(read.seconds(parts.get(name), f'split_overhead_s["{b}"].{name}')
+                             for name in _SPLIT_OVERHEAD)
         engine = read.table(d.get("engine_overhead_s") or {}, "engine_overhead_s")
         engine_overhead = (read.seconds(engine.get("forward", 0.0), "engine_overhead_s.forward"),
                            read.seconds(engine.get("backward", 0.0), "engine_overhead_s.backward"))
         _check_extra(read, d, set(first_of))
         known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
                  "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
-                 "units", "cuts", "stage_overhead_s", "engine_overhead_s"}
+                 "units", "cuts", "stage_overhead_s", "engine_overhead_s", "split_overhead_s"}
         return cls(
             model=d.get("model", {}),
             micro_batch_sizes=sizes,
@@ -400,6 +414,7 @@ class Profile:
             extra={k: v for k, v in d.items() if k not in known},
             stage_overhead_s=overhead,
             engine_overhead_s=engine_overhead,
+            split_overhead_s=split,
         )
 
 

@@ -14,6 +14,12 @@ backward runs them) and from which a parameter is reached through nodes that do 
   graph. A frontier node runs again there for its parameter-side
   outputs only; a frontier node below another frontier node takes its kept gradient, not the sum
   (a pre-hook replaces what arrives), so nothing is counted twice.
+- Where no input needs a gradient (a first stage), the input part runs nothing and the weight part
+  is one whole backward from the outputs.
+- Each parameter group costs the weight part one autograd call, and each call walks the graph below
+  its frontier (torch's engine finds what leads to the parameters from the whole graph below its
+  roots); the profile times both parts per unit and what a stage pays on top
+  (planner.profile.measure).
 - Between the two, the micro-batch holds what the frontier's subgraph saved (a matmul's input,
   say); the rest of its graph is released once nothing references it.
 - A checkpointed (recomputed) region recomputes its forward in each part that reads what it saved:
@@ -35,6 +41,19 @@ from torch.autograd.graph import GradientEdge, Node
 
 from planner.profile.analytic import saved_key
 from planner.profile.timing import UnitCall, _closures, _InputRestore, backward_seeds, sync
+
+# autograd's engine, called without torch.autograd.backward / grad's Python checks: the gradients
+# passed here come from autograd itself (their shapes are right), and the checks cost about 20 us
+# per call, which the weight part pays once per parameter group (BENCHMARKS.md)
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def _run_backward(roots: Sequence[object], grads: Sequence[torch.Tensor], keep_graph: bool,
+                  inputs: Sequence[torch.Tensor], accumulate: bool) -> tuple:
+    """Autograd from `roots` (tensors or GradientEdges) seeded with `grads` to `inputs` only:
+    accumulated into their `.grad` (as torch.autograd.backward(..., inputs=)) or returned, None
+    where unreached (as torch.autograd.grad(..., allow_unused=True))."""
+    return _ENGINE.run_backward(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
 
 def _node_of(tensor: torch.Tensor) -> Optional[Node]:
@@ -159,6 +178,10 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
             t.grad = g if t.grad is None else t.grad + g
     pairs = [(t, g) for t, g in pairs if t.grad_fn is not None]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:  # no input part (a first stage): the weight part is one whole backward, no analysis
+        whole = _Group(params=[p for p in params if p.requires_grad], seeds=[t for t, _ in pairs],
+                       seed_grads=[g for _, g in pairs])
+        return PendingWeights(groups=[whole] if whole.params and whole.seeds else [])
     consumers = _consumers([t.grad_fn for t, _ in pairs])
     trainable = [(p, node) for p, node in ((p, _node_of(p)) for p in params if p.requires_grad)
                  if node in consumers]  # those this graph uses, with the node each one's gradient enters
@@ -187,9 +210,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
         for group in pending.groups:
             for node in group.frontier:
                 handles.append(node.register_prehook(keep(node)))
-        found = torch.autograd.grad([t for t, _ in pairs if t.grad_fn in on_input_path],
-                                    reached, [g for t, g in pairs if t.grad_fn in on_input_path],
-                                    retain_graph=True, allow_unused=True)
+        found = _run_backward([t for t, _ in pairs if t.grad_fn in on_input_path],
+                              [g for t, g in pairs if t.grad_fn in on_input_path], True, reached, accumulate=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -218,7 +240,7 @@ def backward_weight(pending: PendingWeights) -> None:
         handles = [node.register_prehook(lambda _, kept=pending.kept[node]: kept)
                    for node in group.frontier if node in pending.kept]
         try:
-            torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=n < len(calls) - 1)
+            _run_backward(edges, grads, n < len(calls) - 1, group.params, accumulate=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -290,10 +312,10 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
     planner.profile.timing.measure_units does (seeded with ones, the loss for the last unit), and
     the bytes held between the two parts."""
     held: List[int] = []
-    for call in units:  # the held bytes, once
+    params = [list(call.module.parameters()) for call in units]  # listed once, as the runtime's engine does
+    for call, own in zip(units, params):  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
-        pending, size = forward_and_input_part(forward, lambda out, call=call: first_part(call, out),
-                                               list(call.module.parameters()))
+        pending, size = forward_and_input_part(forward, lambda out, call=call, own=own: first_part(call, out, own), own)
         held.append(size)
         backward_weight(pending)
         _InputRestore(call)()
@@ -311,7 +333,7 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
             out = forward()
             sync(device)
             t2 = time.perf_counter()
-            pending = first_part(call, out)
+            pending = first_part(call, out, params[k])
             sync(device)
             t3 = time.perf_counter()
             del out
@@ -327,8 +349,8 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
             for ts, h in zip(times, held)]
 
 
-def first_part(call: UnitCall, out) -> PendingWeights:
-    """The input backward of one unit's forward result, seeded as measure_units seeds the whole one."""
+def first_part(call: UnitCall, out, params: Sequence[torch.Tensor]) -> PendingWeights:
+    """The input backward of one unit's forward result (`params`: the unit's), seeded as
+    measure_units seeds the whole one."""
     inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad]
-    params = list(call.module.parameters())
     return backward_input(*backward_seeds(call, out), inputs, params)

@@ -61,7 +61,7 @@ import numpy as np
 from planner.cost.model import (boundary_links, collective_latency, evaluate, exchange_latency, num_micro_batches,
                                 rank_speeds, shared_parameters, sync_time)
 from planner.cost.options import CostOptions
-from planner.cost.ranges import prefix_sums, range_costs, range_matrix
+from planner.cost.ranges import range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.cost.ties import tied_weights
 from planner.profile.profile import Profile
@@ -128,8 +128,7 @@ class _Terms:
         m = num_micro_batches(opts, b)
         forward = range_matrix(costs.F) + costs.call_forward
         backward = range_matrix(costs.G + again) + costs.call_backward
-        backward_input = range_matrix(prefix_sums(costs.gi) + again) + costs.call_backward
-        backward_weight = range_matrix(prefix_sums(costs.gw) + again)
+        backward_input, backward_weight = costs.split_matrices(again)
         params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
         finite = np.isfinite(params)
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)

@@ -184,12 +184,18 @@ class Program:
             self.term[("forward", g)] = self._define(f"F_{g}", forward)
             self.term[("backward", g)] = self._define(f"B_{g}", backward)
             if opts.schedule in ZERO_BUBBLE_SCHEDULES:
+                # planner.cost.ranges: a later stage's parts; the first stage's input part runs nothing
+                # and its weight part is its whole backward (a recomputed forward runs once, there)
                 redo = lambda l: c.f[l] if redo_all else 0.0  # noqa: E731  (recomputed in both parts)
-                parts = {"backward_input": (c.gi, c.call_backward), "backward_weight": (c.gw, 0.0)}
+                parts = {"backward_input": (c.gi, c.later_input), "backward_weight": (c.gw, c.later_weight)}
+                if g == 0:
+                    parts = {"backward_input": (0.0 * c.g, c.first_input), "backward_weight": (c.g, c.first_call)}
                 for name, (per_unit, call) in parts.items():
-                    expr = call * MS / sigma + pulp.lpSum((per_unit[l] + redo(l)) * MS / sigma * self.x(l, g)
+                    again = g > 0 or name == "backward_weight"
+                    expr = call * MS / sigma + pulp.lpSum((per_unit[l] + again * redo(l)) * MS / sigma * self.x(l, g)
                                                           for l in units)
-                    expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+                    if again:
+                        expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
                     self.term[(name, g)] = self._define(f"{name}_{g}", expr)
             if g < S - 1:
                 cuts = [k for k in range(1, L) if self.cut_may_end(k, g)]

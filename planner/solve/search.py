@@ -140,18 +140,30 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     speeds = rank_speeds(opts)
     fastest = max(speeds)
     redo = costs.F if opts.recompute == "all" else 0.0
-    if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # recomputed forwards run in both backward parts
-        chain = costs.F + prefix_sums(costs.gi) + redo  # what one micro-batch's crossing waits for
-        prefix = chain + prefix_sums(costs.gw) + redo  # all the work
+    L = profile.num_units
+    call = costs.call_forward + costs.call_backward
+    if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # planner.cost.ranges: the parts of a later and of the first stage
+        # what one micro-batch's crossing waits for, past the first stage (recomputed forwards run in both parts)
+        chain = costs.F + prefix_sums(costs.gi) + redo
         lead = costs.F  # before a rank's first forward; its last W's may overlap the I's upstream
+        parts = costs.split_matrices(redo)
+        work = costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
+        # v > 1: the first stage (units [0, e), e <= L - S + 1) is unknown, so each unit its cheaper
+        # case; the chain counts only the units no first stage holds
+        redo_l = np.diff(redo) if opts.recompute == "all" else np.zeros(L)
+        per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
+        later = costs.later_input + costs.later_weight
+        total = float(costs.F[-1] + per_unit.sum()) + S * costs.call_forward + \
+            min(costs.first_input + costs.first_call, later) + (S - 1) * later
+        through = float(costs.F[-1] + (costs.gi + redo_l)[L - S + 1:].sum()) + S * costs.call_forward + \
+            min(costs.first_input, costs.later_input) + (S - 1) * costs.later_input
     else:
         prefix = chain = costs.F + costs.G + redo
         lead = prefix
-    call = costs.call_forward + costs.call_backward
-    total = float(prefix[-1]) + S * call
-    if opts.virtual_stages == 1:
-        L = profile.num_units
         work = costs.matrix(prefix) + call
+        total = float(prefix[-1]) + S * call
+        through = float(chain[-1]) + S * call
+    if opts.virtual_stages == 1:
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;
@@ -182,7 +194,7 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
 
         value = min_max_partition(profile.num_units, S, stage)[0]
     else:
-        value = max(m * total / (p * fastest), (float(chain[-1]) + S * call) / fastest)
+        value = max(m * total / (p * fastest), through / fastest)
     return value + opts.step_overhead_s
 
 

@@ -213,13 +213,21 @@ def test_profile_with_a_co_runner_records_its_conditions():
     assert set(scale) == {"forward", "backward"} and all(0.3 < x < 3.0 for x in scale.values())
     # what a stage pays once whatever it holds, kept apart from the units (see split_call_overhead)
     assert set(shared.stage_overhead_s) == {2} and all(x >= 0 for x in shared.stage_overhead_s[2])
+    # what a split backward costs a stage on top of its units' parts (planner.cost.ranges): the first
+    # stage's input part runs no autograd, so it costs less than a later one's
+    first_input, later_input, later_weight = shared.split_overhead_s[2]
+    assert set(shared.split_overhead_s) == {2} and min(first_input, later_input, later_weight) >= 0
+    assert first_input < later_input + sum(u.backward_input_s[2] for u in shared.units[1:])
+    assert all(u.backward_input_s[2] >= 0 and u.backward_weight_s[2] > 0 for u in shared.units if u.param_bytes)
     bare = profile_model("builtin:mlp", {}, [2], repeats=1, whole_model=False)
     assert bare.extra["measured_under"]["whole_model_scale"] is None and bare.stage_overhead_s == {}
+    assert bare.split_overhead_s[2][1:] == (0.0, 0.0)  # units as timed alone: nothing kept apart
     # the load changes times, never what is counted
     assert [u.saved_bytes for u in shared.units] == [u.saved_bytes for u in alone.units]
     assert [u.param_bytes for u in shared.units] == [u.param_bytes for u in alone.units]
     again = Profile.from_json(json.loads(json.dumps(shared.to_json())))
     assert again.extra["measured_under"] == under and again.stage_overhead_s == shared.stage_overhead_s
+    assert again.split_overhead_s == shared.split_overhead_s
     # one optimizer step per unit with parameters, for each optimizer the runtime runs; kept in the file
     for unit in shared.units:
         assert (set(unit.optimizer_s) == {"sgd", "adamw"} and all(t > 0 for t in unit.optimizer_s.values())) \
@@ -259,6 +267,14 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
     for bad in ({"1": {"forward": -1.0, "backward": 0.0}}, {"1": {"forward": 0.1}}, [0.1]):
         with pytest.raises(JsonFileError):
             Profile.from_json(dict(data, stage_overhead_s=bad))
+    p.split_overhead_s = {2: (1e-5, 2e-5, 3e-5)}
+    data = json.loads(json.dumps(p.to_json()))
+    assert data["split_overhead_s"] == {"2": {"first_input": 1e-5, "input": 2e-5, "weight": 3e-5}}
+    assert Profile.from_json(data).split_overhead_s == {2: (1e-5, 2e-5, 3e-5)}
+    for bad in ({"2": {"first_input": 1e-5, "input": float("nan"), "weight": 0.0}}, {"2": {"input": 0.0}},
+                {"x": {}}, [1e-5]):
+        with pytest.raises(JsonFileError, match="split_overhead_s"):
+            Profile.from_json(dict(data, split_overhead_s=bad))
 
 
 def test_the_engines_own_cost_is_added_to_every_stage_and_round_trips():

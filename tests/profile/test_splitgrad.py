@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.pipeline.actions import ActionKind
 from planner.pipeline.schedule import build_schedule
 from runtime.groups import last_backwards
+from planner.cost.ranges import range_costs
 from planner.profile.splitgrad import backward_input, backward_weight
 
 
@@ -137,3 +138,61 @@ def test_measured_parts():
     # the middle unit keeps what its weight gradient reads (its input and the gradient at its matmul),
     # at least the input's 512 bytes
     assert parts[1].held_bytes >= 8 * 16 * 4
+
+
+def test_the_first_stage_and_a_later_stage_are_costed_as_they_run():
+    """planner.cost.ranges: a stage from unit 0 runs no autograd in its input part and its whole
+    backward in its weight part, holding everything saved between them; a later stage pays its
+    units' parts and the split's own costs. The solvers' matrices say the same for every range."""
+    import numpy as np
+
+    from tests.support.synthetic import synthetic_profile
+
+    L = 4
+    profile = synthetic_profile(forward=[1.0] * L, backward=[2.0, 3.0, 4.0, 5.0], params=[8] * L,
+                                saved=[100, 60, 50, 40], cut_act=[8] * (L - 1), sizes=(1,),
+                                stage_overhead={1: (0.25, 0.5)})
+    profile.engine_overhead_s = (0.0, 0.125)
+    for l, unit in enumerate(profile.units):
+        unit.backward_input_s, unit.backward_weight_s, unit.weight_held_bytes = {1: 1.5 + l}, {1: 1.0}, {1: 10 + l}
+    profile.split_overhead_s = {1: (0.0625, 0.75, 0.375)}
+    costs = range_costs(profile, 1)
+    assert costs.backward_input(0, 2) == 0.0625 + 0.125  # the first stage: only the engine's own work
+    assert costs.backward_weight(0, 2) == 0.5 + 2.0 + 3.0  # its whole backward, one call
+    assert costs.weight_held(0, 2) == costs.saved(0, 2) == 160
+    assert costs.backward_input(1, 3) == 0.75 + 0.125 + 2.5 + 3.5
+    assert costs.backward_weight(1, 3) == 0.375 + 2.0 and costs.weight_held(1, 3) == 11 + 12
+    # a recomputed unit's forward: once in the first stage (in its weight part), in both parts later
+    assert costs.backward_input(0, 2, recompute=[1]) == costs.backward_input(0, 2)
+    assert costs.backward_weight(0, 2, recompute=[1]) == costs.backward_weight(0, 2) + 1.0
+    assert costs.backward_input(1, 3, recompute=[1]) == costs.backward_input(1, 3) + 1.0
+    for again in (0.0, costs.F):
+        redo = list(range(L)) if again is costs.F else []
+        matrices = costs.split_matrices(again)
+        for a in range(L + 1):
+            for e in range(L + 1):
+                want = (costs.backward_input(a, e, recompute=redo), costs.backward_weight(a, e, recompute=redo)) \
+                    if a < e else (np.inf, np.inf)
+                assert (matrices[0][a, e], matrices[1][a, e]) == pytest.approx(want)
+    # an older profile (no split_overhead_s): a later stage's input part pays the call, as before
+    older = copy.deepcopy(profile)  # (range_costs keeps one per profile object)
+    older.split_overhead_s = {}
+    older = range_costs(older, 1)
+    assert older.backward_input(1, 3) == 0.5 + 0.125 + 2.5 + 3.5 and older.backward_weight(1, 3) == 2.0
+    assert older.backward_input(0, 2) == 0.125
+
+
+def test_a_first_stage_with_frozen_weights_splits_into_one_whole_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x, grad = torch.randn(3, 4), torch.randn(3, 2)
+    pending = backward_input([model(x)], [grad], [x], list(model.parameters()))
+    assert len(pending.groups) == 1 and len(pending.groups[0].params) == 3  # the frozen weight left out
+    assert all(p.grad is None for p in model.parameters())
+    backward_weight(pending)
+    reference(x).backward(grad)
+    assert model[0].weight.grad is None
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
