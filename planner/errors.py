@@ -18,6 +18,14 @@ class UsageError(ValueError):
     """A bad option value; the message says what is expected."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands'), with a usage mistake as one line, the cause and
+    where the options are listed, and exit code 2, instead of the whole usage text first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseException], ...], interrupted: str) -> int:
     """`args.func(args)`, with the user's mistakes (`user_errors`) as one line on stderr and exit
     code 2, never a traceback (PLANNER_TRACEBACK=1 shows it), and Ctrl-C as `interrupted` and exit code 130."""

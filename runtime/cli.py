@@ -8,7 +8,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
-from planner.errors import UsageError, run_subcommand
+from planner.errors import OneLineParser, UsageError, run_subcommand
 from planner.jsonio import JsonFileError, atomic_path, check_writable, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
@@ -260,7 +260,7 @@ def show(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="runtime", description="Execute a pipeline-parallel plan.")
+    parser = OneLineParser(prog="runtime", description="Execute a pipeline-parallel plan.")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="run a plan: one process per stage on this machine")
     ex.add_argument("plan", help="plan JSON from `planner solve`")

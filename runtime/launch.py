@@ -2,7 +2,9 @@
 
 If any rank exits with an error, the others are terminated at once (they would otherwise
 wait in a receive until the process-group timeout), and the failing rank's one-line error is
-returned. Nothing is left running: on Ctrl-C or any exception the children are killed too.
+returned. Nothing is left running: on Ctrl-C or any exception the children are killed too, and
+on Linux a launcher killed outright (SIGKILL) takes its ranks with it (`runtime.worker` asks the
+kernel for SIGTERM when its parent ends; `_leave_fork_server`).
 
 Ranks are forked from a fork server that has imported torch and the worker once (multiprocessing's
 "forkserver": a clean process, no CUDA or threads started, so forking it is safe), not started as
@@ -103,12 +105,30 @@ def _rank_main(argv: List[str], env: Dict[str, str], log_path: str, stdout_path:
     os.dup2(devnull, 0)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    _leave_fork_server()
     from runtime.worker import main
 
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no atexit handlers of the fork server's modules
+
+
+def _leave_fork_server() -> None:
+    """Close this rank's end of the fork server's liveness pipe. multiprocessing hands it to every
+    process the server forks, so that the server lives while any of them might use it; a rank never
+    does, and with the pipe held the server outlived a killed `runtime execute`, and so did the
+    ranks (their parent is the server: runtime.worker asks to end with it)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        try:
+            os.close(alive)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
 
 
 def _stop(procs: List[_Rank], grace_s: float = 5.0) -> None:

@@ -14,6 +14,7 @@ import argparse
 import datetime
 import os
 import resource
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -436,7 +437,25 @@ def _mean_over_holders(stats, groups: Groups):
     return float(value[0] / value[1]) if value[1] > 0 else None
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank gets SIGTERM when the process that started it ends (the fork server, which
+    ends with `runtime execute`, or `runtime execute` itself): a launcher killed with SIGKILL cannot
+    stop its ranks, which would otherwise run on, or wait for their peers until the timeout."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(1, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != parent:  # 1: PR_SET_PDEATHSIG
+        os.kill(os.getpid(), signal.SIGTERM)  # it ended before the request was made
+
+
 def main(argv=None) -> int:
+    _die_with_parent()
     args = _parse(argv)
     try:
         run(args)

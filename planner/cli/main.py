@@ -6,14 +6,14 @@ import sys
 from typing import List, Optional
 
 from planner.cli import compare, export, fidelity, import_, profile, show, solve
-from planner.errors import CaptureError, UsageError, run_subcommand
+from planner.errors import CaptureError, OneLineParser, UsageError, run_subcommand
 from planner.jsonio import JsonFileError
 
 SUBCOMMANDS = [profile, solve, compare, show, export, import_, fidelity]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="planner", description="Plan pipeline-parallel training of a PyTorch model.")
+    parser = OneLineParser(prog="planner", description="Plan pipeline-parallel training of a PyTorch model.")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.register(sub)

@@ -279,6 +279,10 @@ def _measure_size(run: _Run, b: int) -> None:
         call_f, call_b = run.stage_overhead[b]
         run.say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "
                 f"forward {call_f * 1e3:.3f} ms  backward {call_b * 1e3:.3f} ms")
+    first_input, later_input, later_weight = run.split_overhead[b]
+    run.say(f"  b={b:<4} a split backward's own cost per micro-batch (zero-bubble schedules): the first stage's "
+            f"input part {first_input * 1e3:.3f} ms; a later stage's input part {later_input * 1e3:.3f} ms, weight "
+            f"part {later_weight * 1e3:.3f} ms on top of its units'")
 
 
 def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int):

@@ -44,8 +44,10 @@ from planner.profile.timing import UnitCall, _closures, _InputRestore, backward_
 
 # autograd's engine, called without torch.autograd.backward / grad's Python checks: the gradients
 # passed here come from autograd itself (their shapes are right), and the checks cost about 20 us
-# per call, which the weight part pays once per parameter group (BENCHMARKS.md)
-_ENGINE = torch.autograd.Variable._execution_engine
+# per call, which the weight part pays once per parameter group (BENCHMARKS.md). torch's own thin
+# entry where it has one (it hands the caller's context to the engine's device threads)
+_ENGINE_RUN = getattr(torch.autograd.graph, "_engine_run_backward", None) or \
+    torch.autograd.Variable._execution_engine.run_backward
 
 
 def _run_backward(roots: Sequence[object], grads: Sequence[torch.Tensor], keep_graph: bool,
@@ -53,7 +55,7 @@ def _run_backward(roots: Sequence[object], grads: Sequence[torch.Tensor], keep_g
     """Autograd from `roots` (tensors or GradientEdges) seeded with `grads` to `inputs` only:
     accumulated into their `.grad` (as torch.autograd.backward(..., inputs=)) or returned, None
     where unreached (as torch.autograd.grad(..., allow_unused=True))."""
-    return _ENGINE.run_backward(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+    return _ENGINE_RUN(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
 
 def _node_of(tensor: torch.Tensor) -> Optional[Node]:

@@ -111,6 +111,24 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert needle in result.stderr
 
 
+@pytest.mark.parametrize("main,argv,needle", [
+    ("planner", ["solve"], "the following arguments are required: profile"),
+    ("planner", [], "the following arguments are required: command"),
+    ("planner", ["solve", "p.json", "--schedule", "nope"], "invalid choice: 'nope'"),
+    ("runtime", ["execute", "plan.json", "--steps", "x"], "invalid int value: 'x'"),
+])
+def test_a_usage_mistake_is_one_line_with_where_the_options_are(capsys, main, argv, needle):
+    from planner.cli.main import build_parser as planner_parser
+    from runtime.cli import build_parser as runtime_parser
+
+    parser = planner_parser() if main == "planner" else runtime_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and needle in err and "--help` lists the options" in err
+    assert err.count("\n") == 1 and "usage:" not in err
+
+
 def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     bad = run_cli(["planner.cli", "solve", gpt_profile, "--memory-per-device", "lots"])
     assert bad.returncode == 2 and "16GiB" in bad.stderr
@@ -175,6 +193,70 @@ def test_failing_rank_takes_the_others_down(tmp_path):
     _no_traceback(result)
     assert elapsed < 30  # the waiting rank was stopped, not left to time out
     assert processes_running(["runtime.worker", plan_path]) == []
+
+
+def _descendants(pid: int):
+    """The pids of every live process below `pid` (from /proc's parent links)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.parametrize("launch", ["forkserver", "subprocess"])
+def test_ranks_end_with_a_runtime_execute_killed_by_sigkill(tmp_path, launch):
+    import signal
+    import subprocess
+    import sys
+
+    from planner.plan.file import save_plan
+    from tests.support.runs import ROOT, plan_with, profile_of
+
+    plan_path = str(tmp_path / "plan.json")
+    save_plan(plan_with(profile_of("tests.models:sequential"), [2], 2, 4), plan_path)
+    # TMPDIR: the killed command's folder for its ranks' files lands in tmp_path
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PIPEPLANNER_LAUNCH=launch, TMPDIR=str(tmp_path))
+    command = subprocess.Popen([sys.executable, "-m", "runtime.cli", "execute", plan_path, "--steps", "1000000"],
+                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("runtime-*/rank1.log")) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the ranks have started
+        time.sleep(2.0)  # and are training
+        below = _descendants(command.pid)
+        assert len(below) >= 2, below
+        command.kill()
+        command.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and
+                                                  not _zombie(pid) for pid in below):
+            time.sleep(0.1)
+        assert not [pid for pid in below if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+    finally:
+        command.kill()
+        for pid in _descendants(command.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_solve_replicate(gpt_profile, tmp_path):
