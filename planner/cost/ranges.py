@@ -20,11 +20,12 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
     weight_held(a, e)     = sum (in_l if l in R else h_l)      bytes held from the first to the second
 
 The first stage (a = 0) has no input that needs a gradient: its input part only finds that out,
-and its weight part is one whole backward, which holds everything saved until it runs:
+and its weight part is one whole backward, so everything saved is held until it runs, and so is
+the gradient its outputs received:
 
     backward_input(0, e)  = k^0 / sigma
     backward_weight(0, e) = backward(0, e)
-    weight_held(0, e)     = saved(0, e)
+    weight_held(0, e)     = saved(0, e) + grad(e)     (the gradient received for its outputs too)
 
 gi_l, gw_l, h_l: the unit's profiled parts, timed alone with gradients flowing into its inputs;
 k^i, k^w: what a later stage's split pays once on top of them, k^0: the first stage's input part
@@ -139,7 +140,7 @@ class RangeCosts:
 
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         if a == 0:
-            return self.saved(a, e, recompute)
+            return self.saved(a, e, recompute) + float(self.grad[e])
         return float(sum(float(self.inputs[l]) if l in recompute else float(self.h[l]) for l in range(a, e)))
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:

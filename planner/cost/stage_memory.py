@@ -17,8 +17,8 @@ whole under ZeRO, ties.kept_whole): `range_static_surplus` for a stage alone on 
 and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer program).
 
 saved_l (weight_l): what unit l keeps for its backward (until its weight backward: saved_l in the
-first stage, whose input part runs nothing, planner.cost.ranges), its input in_l alone when every
-unit is recomputed; recomputing unit l alone (recompute 'auto') saves
+first stage, whose input part runs nothing, which also holds the gradient received at the cut it
+ends at, planner.cost.ranges), its input in_l alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
 P_live,g (s_l - in_l) + P_weight,g (h_l - in_l). A rank's peak is the largest over its vectors; with
 several stages on a rank the sum over them per vector. The fixed bytes every device holds are not
 in it: compare with planner.cost.model.rank_caps (the caps less those).
@@ -81,8 +81,11 @@ class StageMemory:
         zero = np.zeros_like(c.act)
         start = count("inbox") * c.act + count("sent_grad") * c.grad if g > 0 else zero
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
-        # the first stage holds everything saved until its weight part (planner.cost.ranges)
+        # the first stage holds everything saved, and the gradient its outputs received, until its
+        # weight part (planner.cost.ranges)
         weight, held = (self.saved, c.s) if g == 0 else (self.weight, c.h)
+        if g == 0 and g < self.S - 1:
+            end = end + count("weight") * c.grad
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs)
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end, saves)
 
