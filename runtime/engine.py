@@ -89,6 +89,7 @@ class _State:
     input_present: Tuple[bool, ...] = ()
     loss: Optional[torch.Tensor] = None
     saved_bytes: int = 0  # held for backward by this micro-batch's forward
+    saved_refs: Optional[list] = None  # what it saved, weakly (a counted step: SavedBytes.saved_refs)
 
 
 @dataclass
@@ -158,6 +159,9 @@ class Engine:
         # profile times units without them). Every step holds the same tensors, so the first step
         # this engine runs counts them and the later ones run bare.
         self.count_saved = True
+        # zero-bubble lists: between a micro-batch's two backward parts only part of what it saved is
+        # held (what the weight gradients read, planner.profile.splitgrad), with the kept gradients
+        self.split_backward = any(a.kind is ActionKind.BACKWARD_INPUT for a in self.actions)
         self.before_optimizer: List[Callable[[], None]] = []  # e.g. gradient clipping
         self.buckets: Optional[GradientBuckets] = None
         self.arming: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {}  # last backward -> params it completes
@@ -245,6 +249,7 @@ class Engine:
                 state.outputs = out
         if counting:
             saved = self.saved.saved_storages()
+            state.saved_refs = self.saved.saved_refs() if self.split_backward else None
             state.saved_bytes = self.saved.finish()
             runner.learn_kept(state, saved)
         if state.loss is not None:
@@ -272,7 +277,14 @@ class Engine:
         """Zero-bubble schedules' first part: the gradients of the stage's inputs only (runtime.splitgrad);
         what the weight gradients need stays with the micro-batch until its `_backward_weight`."""
         pending = self._run_backward(step, action, backward_input)  # None: no gradient reaches the stage
-        step.weights[(action.stage, action.micro_batch)] = (pending, self._done(step, action).saved_bytes)
+        state = self._done(step, action)
+        held = state.saved_bytes
+        if state.saved_refs is not None:  # a counted step: what the weight part keeps, not all it saved
+            self.saved.release(held)
+            held = self.saved.held_now(state.saved_refs, pending.kept_gradients() if pending is not None else [])
+            self.saved.hold(held)
+            state.saved_refs = None
+        step.weights[(action.stage, action.micro_batch)] = (pending, held)
 
     def _backward_weight(self, step: _Step, action: Action) -> None:
         """The second part: the stage's weight gradients of one micro-batch; its graph is freed."""

@@ -151,14 +151,22 @@ def _ranges(ranks: List[int]) -> str:
 
 def _planned_live_peak(plan, lists, pipeline_rank: int, stages) -> float:
     """The most bytes the plan has this rank's stages hold for backward at once: the peak, along
-    the rank's list, of each stage's micro-batches in flight times its saved bytes per micro-batch
-    (what the saved-tensor hooks measure; received buffers are not saved tensors). Summing each
-    stage's own peak would count stages that peak at different moments twice."""
+    the rank's list, of each stage's micro-batches in flight times what each holds (zero-bubble:
+    from the input part to the weight part, what the weight part reads and the kept gradients),
+    what the saved-tensor hooks measure (received buffers are not saved tensors). Summing each
+    stage's own peak would count stages that peak at different moments twice. Plans written before
+    the per-micro-batch bytes were kept: a stage's activations over its micro-batches in flight."""
     from planner.pipeline.stepgraph import held_peaks
 
-    per_micro_batch = {g: float(plan.stages[g].memory_bytes.get("activations", 0)) / plan.stages[g].in_flight
-                       for g in stages if plan.stages[g].in_flight}
+    held = {}
+    for g in stages:
+        memory = plan.stages[g].memory_bytes
+        if "saved_per_micro_batch" in memory:
+            saved = float(memory["saved_per_micro_batch"])
+            held[("live", g)], held[("weight", g)] = saved, float(memory.get("weight_held_per_micro_batch", saved))
+        elif plan.stages[g].in_flight:
+            held[("live", g)] = float(memory.get("activations", 0)) / plan.stages[g].in_flight
     if not 0 <= pipeline_rank < len(lists):
         return sum(float(plan.stages[g].memory_bytes.get("activations", 0)) for g in stages)
-    return max((sum(n * per_micro_batch.get(g, 0.0) for (kind, g), n in peak.items() if kind == "live")
-                for peak in held_peaks(lists[pipeline_rank])), default=0.0)
+    return max((sum(n * held.get(term, 0.0) for term, n in peak.items()) for peak in held_peaks(lists[pipeline_rank])),
+               default=0.0)

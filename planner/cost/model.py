@@ -506,6 +506,7 @@ def _stage_costs(split: Split, opts: CostOptions, shape: StepShape, value: Dict[
             backward_s=backward, comm_s=comm, time_s=value[("forward", g)] + backward + comm, in_flight=in_flight[g],
             backward_input_s=value[("backward_input", g)] if parts else None,
             backward_weight_s=value[("backward_weight", g)] if parts else None,
+            saved_per_micro_batch=held[("live", g)], weight_held_per_micro_batch=held[("weight", g)] if parts else None,
             param_bytes=int(weights), grad_bytes=int(grads), optimizer_bytes=state,
             activation_bytes=int(activations), memory_bytes=weights + grads + state + activations,
             extra_s=value[("reduce", device)] + collective,

@@ -41,6 +41,10 @@ class StageCost:
     # zero-bubble schedules: the backward's two parts (input gradients, weight gradients); None otherwise
     backward_input_s: Optional[float] = None
     backward_weight_s: Optional[float] = None
+    # bytes one micro-batch holds from its forward to its backward (zero-bubble: to its input part), and
+    # (zero-bubble) from its input part to its weight part
+    saved_per_micro_batch: float = 0.0
+    weight_held_per_micro_batch: Optional[float] = None
 
 
 @dataclass

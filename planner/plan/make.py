@@ -58,7 +58,10 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
             extra_s=st.extra_s, in_flight=st.in_flight,
             memory_bytes={"params": st.param_bytes, "grads": st.grad_bytes, "optimizer": st.optimizer_bytes,
                           "activations": st.activation_bytes, "total": st.memory_bytes, "fixed": fixed,
-                          "device_total": cost.device_memory[st.device]},
+                          "device_total": cost.device_memory[st.device],
+                          "saved_per_micro_batch": st.saved_per_micro_batch,
+                          **({"weight_held_per_micro_batch": st.weight_held_per_micro_batch}
+                             if st.weight_held_per_micro_batch is not None else {})},
             memory_cap_bytes=cost.device_caps[st.device],
             bubble_fraction=max(0.0, 1.0 - busy / pipeline_s) if pipeline_s > 0 else 0.0,
             recv=[v.at(b) for v in profile.cut(st.first_unit).values] if index > 0 else [],

@@ -8,7 +8,8 @@ model predicts.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator
+import weakref
+from typing import Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -34,11 +35,12 @@ class SavedBytes:
         self.live = 0
         self.peak = 0
         self._storages: Dict[int, int] = {}
+        self._refs: List[Tuple[weakref.ref, int, int]] = []  # (what was packed, its storage, bytes)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
         """Count what the forward in this block saves (saved-tensor hooks)."""
-        self._storages = {}
+        self._storages, self._refs = {}, []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
@@ -47,6 +49,7 @@ class SavedBytes:
         ptr = storage.data_ptr()
         if ptr and ptr not in self.parameter_ptrs and ptr not in self.excluded_ptrs:
             self._storages[ptr] = storage.nbytes()
+            self._refs.append((weakref.ref(tensor), ptr, storage.nbytes()))
         return tensor
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -61,6 +64,26 @@ class SavedBytes:
     def saved_storages(self) -> set:
         """Data pointers of the storages the last counted forward saved (parameters excluded)."""
         return set(self._storages)
+
+    def saved_refs(self) -> List[Tuple[weakref.ref, int, int]]:
+        """What the last counted forward saved, as weak references: `held_now` tells which autograd
+        still holds."""
+        return list(self._refs)
+
+    def held_now(self, refs: List[Tuple[weakref.ref, int, int]], kept: Iterable[torch.Tensor]) -> int:
+        """The bytes of the storages among `refs` that autograd still holds, and of `kept` (a split
+        backward's kept gradients, planner.profile.splitgrad), each storage once, parameters not."""
+        storages = {ptr: nbytes for ref, ptr, nbytes in refs if ref() is not None}
+        for tensor in kept:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in self.parameter_ptrs:
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def hold(self, held: int) -> None:
+        """`held` more bytes are held from now on (until `release(held)`)."""
+        self.live += held
+        self.peak = max(self.peak, self.live)
 
     def finish(self) -> int:
         """The bytes the last counted forward saved; they are held from now on."""
