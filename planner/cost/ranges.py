@@ -6,6 +6,7 @@ run at speed sigma costs per micro-batch
     forward(a, e)  = (k^f + sum_{a<=l<e} f_l) / sigma
     backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
+                     - sum_{a<k<e, k-1 and k not in R} d_k       (what both neighbours save, once)
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
@@ -34,6 +35,11 @@ k^b does). A profile without the parts (older files) gets gw_l = WEIGHT_SHARE g_
 gi_l = g_l - gw_l (a matmul's weight gradient costs what its input gradient does) and h_l = s_l
 (everything saved held until the weight part: an upper bound); one without split_overhead_s gets
 k^i = k^b, k^w = 0 and k^0 = the engine's backward cost.
+
+d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
+as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once. A stage
+[a, e) without recomputation: saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term
+of its start (`saved_prefix`, `saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l, in_0 = 0;
 o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
@@ -98,6 +104,9 @@ class RangeCosts:
         self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
+        # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (module docstring)
+        self.dup = np.array([0.0] + [_shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
+                            dtype=float)
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -154,8 +163,10 @@ class RangeCosts:
         return backward_input, backward_weight
 
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
-        swap = sum(float(self.inputs[l] - self.s[l]) for l in recompute if a <= l < e)
-        return float(self.S[e] - self.S[a]) + swap
+        redo = set(recompute)
+        swap = sum(float(self.inputs[l] - self.s[l]) for l in redo if a <= l < e)
+        once = sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo and k not in redo)
+        return float(self.S[e] - self.S[a]) + swap - once
 
     def params(self, a: int, e: int) -> float:
         return float(self.P[e] - self.P[a])
@@ -193,8 +204,24 @@ class RangeCosts:
         return self.F + self.G + (self.F if recompute_all else 0.0)
 
     def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
-        """Prefix sums of the bytes each unit holds for backward (its input when recomputed)."""
-        return prefix_sums(self.inputs) if recompute_all else self.S
+        """Prefix sums of the bytes each unit holds for backward (its input when recomputed; less
+        what it shares with the unit before): saved(a, e) = prefix[e] - prefix[a] + saved_at_start[a]."""
+        return prefix_sums(self.inputs) if recompute_all else prefix_sums(self.s - self.dup)
+
+    def saved_at_start(self, recompute_all: bool = False) -> np.ndarray:
+        """[a], a = 0 .. L: what a stage starting at unit a adds to `saved_prefix`'s difference (d_a:
+        its first unit shares nothing inside it)."""
+        return np.zeros(self.num_units + 1) if recompute_all else np.append(self.dup, 0.0)
+
+    def saved_matrix(self, recompute_all: bool = False) -> np.ndarray:
+        """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none."""
+        return range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
+
+
+def _shared(before, after, b: int) -> float:
+    """The bytes two neighbouring units both save (their shared_saved_bytes at b, by value)."""
+    first, second = before.shared_saved_bytes.get(b) or {}, after.shared_saved_bytes.get(b) or {}
+    return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
 
 
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()

@@ -7,8 +7,8 @@ how many of each kind its list holds at one moment; planner.cost.rank_memory.hel
 kinds for one split), holds
 
     static(a, e)                                       its parameters' bytes (planner.cost.model.static_bytes)
-    + sum_{a<=l<e} (P_live,g saved_l + P_weight,g weight_l)          per unit
-    + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a)           at the cut it starts at
+    + sum_{a<=l<e} (P_live,g (saved_l - d_l) + P_weight,g weight_l)  per unit
+    + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a + P_live,g d_a)   at the cut it starts at
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
 
 less, for the tied weights (planner.cost.ties), the static bytes of the copies its units count beyond
@@ -18,8 +18,11 @@ and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer
 
 saved_l (weight_l): what unit l keeps for its backward (until its weight backward: saved_l in the
 first stage, whose input part runs nothing, which also holds the gradient received at the cut it
-ends at, planner.cost.ranges), its input in_l alone when every unit is recomputed; recomputing unit l alone (recompute 'auto') saves
-P_live,g (s_l - in_l) + P_weight,g (h_l - in_l). A rank's peak is the largest over its vectors; with
+ends at, planner.cost.ranges), its input in_l alone when every unit is recomputed; d_l what unit l
+and the unit before both save (counted once in a stage holding both; none when every unit is
+recomputed). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
+P_weight,g (h_l - in_l), and gives back d_k (`shared_lost`) at each cut k it shares with a unit of
+its stage. A rank's peak is the largest over its vectors; with
 several stages on a rank the sum over them per vector. The fixed bytes every device holds are not
 in it: compare with planner.cost.model.rank_caps (the caps less those).
 """
@@ -48,6 +51,9 @@ class HeldTerms:
     at_start: np.ndarray  # [k]: bytes when the stage starts at cut k (0 for the first stage)
     at_end: np.ndarray  # [k]: bytes when the stage ends at cut k (0 for the last stage)
     recompute_saves: np.ndarray  # [l]: bytes recomputing unit l saves (recompute 'auto')
+    # [k]: bytes back when unit k - 1 or k is recomputed with both in the stage (what they both
+    # saved, counted once in per_unit, is then held twice: planner.cost.ranges)
+    shared_lost: np.ndarray
 
 
 class StageMemory:
@@ -60,7 +66,9 @@ class StageMemory:
         beta_w, beta_t = self.factors
         self.static_per_unit = costs.p * beta_w + costs.t * beta_t
         self._static = prefix_sums(self.static_per_unit)
-        self.saved = costs.inputs if recompute_all else costs.s
+        # per unit, less what it shares with the unit before (d_l), given back at a stage's start
+        self.dup = np.zeros_like(costs.dup) if recompute_all else costs.dup
+        self.saved = costs.inputs if recompute_all else costs.s - self.dup
         self.weight = costs.inputs if recompute_all else costs.h
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
@@ -79,15 +87,17 @@ class StageMemory:
         c = self.costs
         count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
         zero = np.zeros_like(c.act)
-        start = count("inbox") * c.act + count("sent_grad") * c.grad if g > 0 else zero
-        end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         # the first stage holds everything saved, and the gradient its outputs received, until its
         # weight part (planner.cost.ranges)
         weight, held = (self.saved, c.s) if g == 0 else (self.weight, c.h)
+        sharing = count("live") + (count("weight") if g == 0 else 0)  # the kinds that hold `saved`
+        dup = np.append(self.dup, 0.0)  # [k], k = 0 .. L
+        start = count("inbox") * c.act + count("sent_grad") * c.grad + sharing * dup if g > 0 else zero
+        end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         if g == 0 and g < self.S - 1:
             end = end + count("weight") * c.grad
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs)
-        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end, saves)
+        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end, saves, sharing * dup)
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""

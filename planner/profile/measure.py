@@ -31,8 +31,10 @@ from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from planner.profile.optim import OPTIMIZERS
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.saved import SavedBytes
 from planner.profile.splitgrad import measure_backward_parts
-from planner.profile.timing import UnitCall, UnitTiming, measure_optimizer_steps, measure_units, split_call_overhead
+from planner.profile.timing import (UnitCall, UnitTiming, _InputRestore, measure_optimizer_steps, measure_units,
+                                    split_call_overhead)
 from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -266,11 +268,13 @@ def _measure_size(run: _Run, b: int) -> None:
         run.co.load(b)
     measured = _time_units(run, work, values, target, b)
     parts = _time_parts(run, work, values, target, b)
+    shared = _shared_saved(run, work, target)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b] = parts[k]
+        unit.shared_saved_bytes[b] = shared[k]
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
@@ -283,6 +287,40 @@ def _measure_size(run: _Run, b: int) -> None:
     run.say(f"  b={b:<4} a split backward's own cost per micro-batch (zero-bubble schedules): the first stage's "
             f"input part {first_input * 1e3:.3f} ms; a later stage's input part {later_input * 1e3:.3f} ms, weight "
             f"part {later_weight * 1e3:.3f} ms on top of its units'")
+
+
+def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Dict[str, int]]:
+    """Per unit, the storages its forward saves that hold a value other units may save too
+    (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
+    units, and values every stage computes again. One more forward of each unit, node by node
+    (torch.fx.Interpreter), names each storage after the first node that produced it (a view is
+    its base's), or the value it is shared as (an in-place op's result sent on)."""
+    out = []
+    for k, call in enumerate(work):
+        module, names = call.module, {}
+
+        class _Naming(torch.fx.Interpreter):
+            def run_node(self, node):
+                result = super().run_node(node)
+                for value in (result if isinstance(result, (tuple, list)) else (result,)):
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr():
+                        ptr = value.untyped_storage().data_ptr()
+                        if ptr not in names or (node.name in shareable and names[ptr] not in shareable):
+                            names[ptr] = node.name  # an in-place op's result: the name it is sent by
+                return result
+
+        _, io = run.stages[k]
+        shareable = set(io.inputs) | set(io.received) | set(io.sent) | \
+            {n.name for n in module.graph.nodes if n.name in run.captured.recomputed}
+        counter = SavedBytes(module.parameters())
+        with torch.enable_grad(), counter.counting():
+            result = _Naming(module).run(*call.args)
+            if call.is_last:
+                run.spec.loss(result, target)
+        _InputRestore(call)()
+        out.append({names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
+                    if names.get(ptr) in shareable})
+    return out
 
 
 def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int):

@@ -65,6 +65,10 @@ class SavedBytes:
         """Data pointers of the storages the last counted forward saved (parameters excluded)."""
         return set(self._storages)
 
+    def saved_storage_bytes(self) -> Dict[int, int]:
+        """{data pointer: bytes} of the storages the last counted forward saved (parameters excluded)."""
+        return dict(self._storages)
+
     def saved_refs(self) -> List[Tuple[weakref.ref, int, int]]:
         """What the last counted forward saved, as weak references: `held_now` tells which autograd
         still holds."""

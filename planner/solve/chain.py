@@ -69,7 +69,8 @@ class ChainScenario:
         self.monotone = bool(np.all(np.diff(self.W) >= 0))
         self.P, self.T = costs.P, costs.T  # parameter bytes and, of them, the trainable ones
         self.FB = costs.FB  # ... and of the frozen ones, those gathered again for a backward (ZeRO-3)
-        self.A = costs.saved_prefix(redo_all)
+        self.A = costs.saved_prefix(redo_all)  # saved(a, e) = A[e] - A[a] + A0[a]
+        self.A0 = costs.saved_at_start(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[opts.rank_of_stage(c)] for c in range(self.C)]
         device_caps = rank_caps(opts, profile)
@@ -113,7 +114,7 @@ class ChainScenario:
         self.tables: List[np.ndarray] = []
         self.raw: Dict[tuple, np.ndarray] = {}
         dP = self.P[ends][:, None] - self.P[safe]
-        dA = self.A[ends][:, None] - self.A[safe]
+        dA = self.A[ends][:, None] - self.A[safe] + self.A0[safe]
         dT = self.T[ends][:, None] - self.T[safe]
         dFB = self.FB[ends][:, None] - self.FB[safe]
         static = dP * self.beta_w + dT * self.beta_t

@@ -156,6 +156,7 @@ class Program:
     def _recompute_vars(self) -> None:
         c, opts = self.costs, self.opts
         self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
+        self._lost: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _sharing_lost's variables
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
         for l in range(self.L):
@@ -354,6 +355,17 @@ class Program:
         return whole
 
     # --- memory ---------------------------------------------------------------------------------
+    def _sharing_lost(self, k: int, g: int):
+        """u_kg >= 0, 1 where units k - 1 and k are both in stage g and one of them is recomputed: what
+        both saved is then held twice (planner.cost.stage_memory's `shared_lost`), so
+        u_kg >= rho_(k-1)g + x_kg - 1 and u_kg >= rho_kg + x_(k-1)g - 1 (the memory rows never want it larger)."""
+        if (k, g) not in self._lost:
+            u = self._lost[k, g] = _var(self.prob, f"shared_lost_{k}_{g}")
+            for recomputed, other in ((k - 1, k), (k, k - 1)):
+                if (recomputed, g) in self.rho:
+                    self.add(u >= self.rho[recomputed, g] + self.x(other, g) - 1, f"shared_lost_{k}_{g}_{recomputed}")
+        return self._lost[k, g]
+
     def _memory(self) -> None:
         opts, L = self.opts, self.L
         memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
@@ -377,6 +389,8 @@ class Program:
                                        if terms.per_unit[l] and self.may(l, g))
                     held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
                                        for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
+                    held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
+                                       if terms.shared_lost[k] and ((k - 1, g) in self.rho or (k, g) in self.rho))
                     if g > 0:  # the cut the stage starts at ends stage g - 1
                         held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
                                            if terms.at_start[k] and self.cut_may_end(k, g - 1))

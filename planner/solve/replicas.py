@@ -153,7 +153,7 @@ class ReplicaTables:
         self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
             np.where(ends < L, cuts, 0.0)[None, :]
         params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
-        acts = range_matrix(costs.saved_prefix(redo_all))
+        acts = costs.saved_matrix(redo_all)
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
         exchanged = tuple(np.where(finite, x, 0.0) for x in (params, trainable, regathered))

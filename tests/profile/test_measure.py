@@ -228,6 +228,8 @@ def test_profile_with_a_co_runner_records_its_conditions():
     again = Profile.from_json(json.loads(json.dumps(shared.to_json())))
     assert again.extra["measured_under"] == under and again.stage_overhead_s == shared.stage_overhead_s
     assert again.split_overhead_s == shared.split_overhead_s
+    assert [u.shared_saved_bytes for u in again.units] == [u.shared_saved_bytes for u in shared.units]
+    assert all(set(u.shared_saved_bytes) == {2} for u in shared.units)
     # one optimizer step per unit with parameters, for each optimizer the runtime runs; kept in the file
     for unit in shared.units:
         assert (set(unit.optimizer_s) == {"sgd", "adamw"} and all(t > 0 for t in unit.optimizer_s.values())) \
@@ -267,6 +269,14 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
     for bad in ({"1": {"forward": -1.0, "backward": 0.0}}, {"1": {"forward": 0.1}}, [0.1]):
         with pytest.raises(JsonFileError):
             Profile.from_json(dict(data, stage_overhead_s=bad))
+    p.units[0].shared_saved_bytes = {2: {"x": 64}}
+    data = json.loads(json.dumps(p.to_json()))
+    assert Profile.from_json(data).units[0].shared_saved_bytes == {2: {"x": 64}}
+    for bad in ({"2": {"x": -1}}, {"2": [64]}, {"two": {"x": 64}}):
+        data["units"][0]["shared_saved_bytes"] = bad
+        with pytest.raises(JsonFileError, match="shared_saved_bytes"):
+            Profile.from_json(data)
+    p.units[0].shared_saved_bytes = {}
     p.split_overhead_s = {2: (1e-5, 2e-5, 3e-5)}
     data = json.loads(json.dumps(p.to_json()))
     assert data["split_overhead_s"] == {"2": {"first_input": 1e-5, "input": 2e-5, "weight": 3e-5}}

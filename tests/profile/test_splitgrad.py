@@ -196,3 +196,26 @@ def test_a_first_stage_with_frozen_weights_splits_into_one_whole_backward():
     assert model[0].weight.grad is None
     for p, q in zip(model.parameters(), reference.parameters()):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+
+
+def test_what_neighbours_both_save_is_counted_once_in_a_stage():
+    """planner.cost.ranges: d_k, the bytes units k - 1 and k both save, once in a stage holding both,
+    not when either is recomputed; the solvers' prefix form and matrix say the same as `saved`."""
+    import numpy as np
+
+    from tests.support.synthetic import share_saved, synthetic_profile
+
+    profile = synthetic_profile(forward=[1.0] * 4, backward=[2.0] * 4, params=[8] * 4, saved=[100, 60, 50, 40],
+                                cut_act=[30, 20, 10], sizes=(1,))
+    share_saved(profile, [1, 3])  # units 0, 1 share 30 bytes; units 2, 3 share 10
+    costs = range_costs(profile, 1)
+    assert list(costs.dup) == [0, 30, 0, 10]
+    assert costs.saved(0, 4) == 250 - 30 - 10 and costs.saved(1, 4) == 150 - 10 and costs.saved(0, 1) == 100
+    assert costs.saved(0, 2, recompute=[1]) == 100 + 30  # unit 1 keeps its input, which unit 0 saved too
+    assert costs.saved(0, 4, recompute=range(4)) == float(costs.inputs.sum())
+    for every in (False, True):
+        matrix = costs.saved_matrix(every)
+        for a in range(4):
+            for e in range(a + 1, 5):
+                assert matrix[a, e] == pytest.approx(costs.saved(a, e, recompute=range(4) if every else ()))
+        assert np.isinf(matrix[2, 2])

@@ -134,3 +134,19 @@ def test_zero_bubble_ranks_hold_what_the_plan_says(tmp_path, schedule, cuts):
     weight_held = [st.memory_bytes["weight_held_per_micro_batch"] for st in plan.stages]
     saved = [st.memory_bytes["saved_per_micro_batch"] for st in plan.stages]
     assert weight_held[-1] != saved[-1]  # the last stage keeps another amount than it saved
+
+
+@pytest.mark.parametrize("entry,cuts", [("builtin:resnet", [3]), ("tests.models:sequential", [3, 6])])
+def test_neighbours_that_save_one_tensor_hold_it_once(tmp_path, entry, cuts):
+    """A ReLU saves its output and the next layer saves it as its input: one storage. Units timed
+    alone count it in each, a stage of both holds it once (shared_saved_bytes, planner.cost.ranges):
+    the ranks hold what the plan says, to the byte (the units' sum was 29 % over on resnet)."""
+    from tests.support.runs import execute, plan_with, profile_of, report_of
+
+    profile = profile_of(entry)
+    assert any(profile.units[k - 1].shared_saved_bytes[2].keys() & profile.units[k].shared_saved_bytes[2].keys()
+               for k in range(1, profile.num_units))
+    plan = plan_with(profile, cuts, 2, 8, "1f1b")
+    execute(plan, tmp_path, steps=2)
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank["rank"]

@@ -60,14 +60,30 @@ def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], p
 
 
 def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: bool = False) -> Profile:
-    """A random chain of L units (times growing with b, random parameter, saved and cut bytes);
-    with `stage_overhead`, half of them also charge every stage a random call cost per micro-batch."""
+    """A random chain of L units (times growing with b, random parameter, saved and cut bytes, and
+    half of the cuts' activations saved by both neighbours: `share_saved`); with `stage_overhead`,
+    half of them also charge every stage a random call cost per micro-batch."""
     per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}  # noqa: E731
-    return synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
-                             [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
-                             [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
-                             stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
-                             if stage_overhead and rng.random() < 0.5 else None)
+    profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
+                                [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
+                                [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
+                                stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
+                                if stage_overhead and rng.random() < 0.5 else None)
+    share_saved(profile, [k for k in range(1, L) if rng.random() < 0.5])
+    return profile
+
+
+def share_saved(profile: Profile, cuts: Sequence[int]) -> None:
+    """Units k - 1 and k both save the activation crossing cut k (a ReLU's output the next
+    convolution saves), for k in `cuts`, as `planner profile` records it (shared_saved_bytes): at
+    most what each unit saves."""
+    for k in cuts:
+        before, after = profile.units[k - 1], profile.units[k]
+        for b in profile.micro_batch_sizes:
+            size = min(profile.cut(k).activation_bytes(b), before.saved_bytes[b], after.saved_bytes[b])
+            if size > 0:
+                before.shared_saved_bytes.setdefault(b, {})[f"cut{k}"] = size
+                after.shared_saved_bytes.setdefault(b, {})[f"cut{k}"] = size
 
 
 def drawn_chain(draw, L: int) -> Profile:
