@@ -409,6 +409,8 @@ class Engine:
                 tensors, self.layouts[("act in", g, peer)] = described.unpack(wire)
             else:
                 tensors = layout.unpack(wire)
+            if len(tensors) > 1:  # each its own storage: one that autograd saves keeps it alone, not the message
+                tensors = [t.clone() for t in tensors]
             step.states.setdefault((g, i), _State()).received = assemble(runner.stage, tensors)
 
         buffer = (described or layout).empty(self.device)
