@@ -92,6 +92,14 @@ class _State:
     saved_refs: Optional[list] = None  # what it saved, weakly (a counted step: SavedBytes.saved_refs)
 
 
+def _own_storages(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Received tensors, each with a storage of its own where the message's buffer holds more (other
+    tensors, a header): one that autograd saves, or a split backward keeps, then holds only itself."""
+    if all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors):
+        return tensors
+    return [t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t for t in tensors]
+
+
 @dataclass
 class _Step:
     """What one step's actions share: its micro-batches, the micro-batches in flight, the timings."""
@@ -409,9 +417,7 @@ class Engine:
                 tensors, self.layouts[("act in", g, peer)] = described.unpack(wire)
             else:
                 tensors = layout.unpack(wire)
-            if len(tensors) > 1:  # each its own storage: one that autograd saves keeps it alone, not the message
-                tensors = [t.clone() for t in tensors]
-            step.states.setdefault((g, i), _State()).received = assemble(runner.stage, tensors)
+            step.states.setdefault((g, i), _State()).received = assemble(runner.stage, _own_storages(tensors))
 
         buffer = (described or layout).empty(self.device)
         return Operation(False, buffer, peer, self._tag(g, i, ACTIVATION)), arrived
@@ -451,7 +457,7 @@ class Engine:
                 grads, self.presence[key] = framed.unpack(wire)
             else:
                 grads = layout.unpack(wire)
-            state.grads = [grad if present else None for grad, present in zip(grads, self.presence[key])]
+            state.grads = [grad if present else None for grad, present in zip(_own_storages(grads), self.presence[key])]
 
         return Operation(False, (framed or layout).empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
 

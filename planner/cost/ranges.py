@@ -18,7 +18,12 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
 
     backward_input(a, e)  = (k^i + sum gi_l + sum_{l in R} f_l) / sigma
     backward_weight(a, e) = (k^w + sum gw_l + sum_{l in R} f_l) / sigma
-    weight_held(a, e)     = sum (in_l if l in R else h_l)      bytes held from the first to the second
+    weight_held(a, e)     = sum_{a<=l<e-1} (in_l if l in R else s_l + k_l) + (in_{e-1} if e-1 in R else h_{e-1})
+                            - sum_{a<k<e, k-1 and k not in R} d_k          bytes held from the first to the second
+
+(k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
+every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
+last one what it held timed alone, h_l. A profile without k_l: sum (in_l if l in R else h_l).)
 
 The first stage (a = 0) has no input that needs a gradient: its input part only finds that out,
 and its weight part is one whole backward, so everything saved is held until it runs, and so is
@@ -95,6 +100,10 @@ class RangeCosts:
                             for l, u in enumerate(units)], dtype=float)
         self.h = np.array([u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in units],
                           dtype=float)
+        # k_l: of h_l, the gradients kept for the weight part; known: the later stages' weight_held
+        # below (each unit but the last holds all it saved, as the graph below the top frontier lives)
+        self.kept_known = all(u.split_backward and b in u.weight_kept_bytes for u in units)
+        self.k = np.array([u.weight_kept_bytes.get(b, 0) for u in units], dtype=float)
         self.p = np.array([u.param_bytes for u in units], dtype=float)
         self.t = np.array([u.trainable_bytes for u in units], dtype=float)  # of p, those that train
         name = "adamw" if optimizer in ("adam", "adamw") else optimizer
@@ -150,7 +159,12 @@ class RangeCosts:
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         if a == 0:
             return self.saved(a, e, recompute) + float(self.grad[e])
-        return float(sum(float(self.inputs[l]) if l in recompute else float(self.h[l]) for l in range(a, e)))
+        redo = set(recompute)
+        if not self.kept_known:
+            return float(sum(float(self.inputs[l]) if l in redo else float(self.h[l]) for l in range(a, e)))
+        held = sum(float(self.inputs[l]) if l in redo else float(self.s[l] + self.k[l]) for l in range(a, e - 1))
+        held += float(self.inputs[e - 1]) if e - 1 in redo else float(self.h[e - 1])
+        return held - sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo and k not in redo)
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),

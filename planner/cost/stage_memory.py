@@ -23,7 +23,9 @@ and the unit before both save (counted once in a stage holding both; none when e
 recomputed). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
 P_weight,g (h_l - in_l), and gives back d_k (`shared_lost`) at each cut k it shares with a unit of
 its stage. A rank's peak is the largest over its vectors; with
-several stages on a rank the sum over them per vector. The fixed bytes every device holds are not
+several stages on a rank the sum over them per vector. Under zero-bubble schedules, with the kept
+gradients measured, a later stage's weight_l is saved_l + k_l for each unit but its last, whose
+h_l comes in at the cut the stage ends at (planner.cost.ranges). The fixed bytes every device holds are not
 in it: compare with planner.cost.model.rank_caps (the caps less those).
 """
 from __future__ import annotations
@@ -54,6 +56,9 @@ class HeldTerms:
     # [k]: bytes back when unit k - 1 or k is recomputed with both in the stage (what they both
     # saved, counted once in per_unit, is then held twice: planner.cost.ranges)
     shared_lost: np.ndarray
+    # [e], of at_end: the last unit's correction of a later stage's weight kind (h - s - k of unit
+    # e - 1), which does not apply when that unit is recomputed (it holds its input alone)
+    last_unit: np.ndarray
 
 
 class StageMemory:
@@ -70,6 +75,8 @@ class StageMemory:
         self.dup = np.zeros_like(costs.dup) if recompute_all else costs.dup
         self.saved = costs.inputs if recompute_all else costs.s - self.dup
         self.weight = costs.inputs if recompute_all else costs.h
+        # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
+        self.kept = costs.kept_known and not recompute_all
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
@@ -88,16 +95,26 @@ class StageMemory:
         count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
         zero = np.zeros_like(c.act)
         # the first stage holds everything saved, and the gradient its outputs received, until its
-        # weight part (planner.cost.ranges)
-        weight, held = (self.saved, c.s) if g == 0 else (self.weight, c.h)
-        sharing = count("live") + (count("weight") if g == 0 else 0)  # the kinds that hold `saved`
+        # weight part; a later one, measured so, all each unit saved and kept but its last unit, which
+        # holds h (`last`, by the cut the stage ends at) (planner.cost.ranges)
+        last = np.zeros_like(c.act)
+        if g == 0:
+            weight, held = self.saved, c.s
+        elif self.kept:
+            weight, held = self.saved + c.k, c.s + c.k
+            last[1:] = count("weight") * (c.h - c.s - c.k)
+        else:
+            weight, held = self.weight, c.h
+        # the kinds that hold `saved`, whose neighbours' shared bytes count once
+        sharing = count("live") + (count("weight") if g == 0 or self.kept else 0)
         dup = np.append(self.dup, 0.0)  # [k], k = 0 .. L
         start = count("inbox") * c.act + count("sent_grad") * c.grad + sharing * dup if g > 0 else zero
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         if g == 0 and g < self.S - 1:
             end = end + count("weight") * c.grad
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs)
-        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end, saves, sharing * dup)
+        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
+                         sharing * dup, last)
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""

@@ -74,12 +74,12 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
         first["s"] = counted.costs.seconds
         return pending
 
-    pending, held = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part, params)
+    pending, held, kept = forward_and_input_part(_closures(call, loss_fn, target)[0], input_part, params)
     with CostCounter(device) as second:
         backward_weight(pending)
     stage.zero_grad(set_to_none=True)
     return (forward.costs.seconds, backward.costs.seconds, sum(saved.values()),
-            BackwardParts(first["s"], second.costs.seconds, 0.0, held))
+            BackwardParts(first["s"], second.costs.seconds, 0.0, held, kept))
 
 
 def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: Sequence[int],
@@ -139,7 +139,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
             unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
             input_share, weight_share = parts.shares()  # of the ops' costs: the parts' sum is the backward's
             unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
-            unit.weight_held_bytes[b] = parts.held_bytes
+            unit.weight_held_bytes[b], unit.weight_kept_bytes[b] = parts.held_bytes, parts.kept_bytes
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "

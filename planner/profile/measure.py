@@ -273,7 +273,8 @@ def _measure_size(run: _Run, b: int) -> None:
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
-        (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b] = parts[k]
+        (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
+            unit.weight_kept_bytes[b] = parts[k]
         unit.shared_saved_bytes[b] = shared[k]
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
@@ -350,7 +351,7 @@ def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
         input_s[1:], weight_s[1:] = inputs.unit_s, weights.unit_s
         later_input, later_weight = inputs.call_s, weights.call_s
     run.split_overhead[b] = ((stages[0] if stages else units[0]).input_s, later_input, later_weight)
-    return [((i, w), p.held_bytes) for i, w, p in zip(input_s, weight_s, units)]
+    return [((i, w), p.held_bytes, p.kept_bytes) for i, w, p in zip(input_s, weight_s, units)]
 
 
 def _time_units(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int) -> List[UnitTiming]:

@@ -126,6 +126,9 @@ class UnitProfile:
     backward_input_s: Dict[int, float] = field(default_factory=dict)
     backward_weight_s: Dict[int, float] = field(default_factory=dict)
     weight_held_bytes: Dict[int, int] = field(default_factory=dict)
+    # of weight_held_bytes, the gradients kept for the weight part (the rest is saved tensors still
+    # referenced), per micro-batch size. Empty: not measured (older files)
+    weight_kept_bytes: Dict[int, int] = field(default_factory=dict)
     # of saved_bytes, per micro-batch size, the storages other units may save too, by the value they
     # hold (a value it received or produced for later units, a model input, a value every stage
     # computes again): a stage holding two neighbours that save one counts it once
@@ -151,6 +154,7 @@ class UnitProfile:
             **({"buffer_bytes": self.buffer_bytes} if self.buffer_bytes is not None else {}),
             **({"shared_saved_bytes": {str(b): dict(v) for b, v in sorted(self.shared_saved_bytes.items())}}
                if self.shared_saved_bytes else {}),
+            **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **({"backward_input_s": _str_keys(self.backward_input_s),
                 "backward_weight_s": _str_keys(self.backward_weight_s),
                 "weight_held_bytes": _str_keys(self.weight_held_bytes)} if self.split_backward else {}),
@@ -189,6 +193,8 @@ class UnitProfile:
             optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
             buffer_bytes=read.count(d["buffer_bytes"], f"{where}.buffer_bytes") if "buffer_bytes" in d else None,
+            weight_kept_bytes=read.per_size(d.get("weight_kept_bytes") or {}, f"{where}.weight_kept_bytes", read.count,
+                                            required=False),
             shared_saved_bytes=read.per_size(
                 d.get("shared_saved_bytes") or {}, f"{where}.shared_saved_bytes",
                 lambda v, at: {str(k): read.count(n, f'{at}["{k}"]') for k, n in read.table(v, at).items()},

@@ -260,6 +260,7 @@ class BackwardParts:
     weight_s: float
     whole_s: float
     held_bytes: int
+    kept_bytes: int = 0  # of held_bytes, the kept gradients' (the rest: saved tensors still referenced)
 
     def shares(self) -> Tuple[float, float]:
         """(input part, weight part) per second of the whole backward: the parts' own overhead
@@ -280,11 +281,11 @@ class _Holder:
 
 
 def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[object], PendingWeights],
-                           params: Sequence[torch.Tensor]) -> Tuple[PendingWeights, int]:
+                           params: Sequence[torch.Tensor]) -> Tuple[PendingWeights, int, int]:
     """Run `forward()` and `first_part(its result)`, then drop the result: (what the weight part
     needs, the bytes held until it runs: the saved tensors autograd still references and the kept
-    gradients, each storage once, parameters excluded; storages named by planner.profile.analytic's
-    `saved_key`, which also names meta tensors')."""
+    gradients, each storage once, parameters excluded; of them, the kept gradients' alone; storages
+    named by planner.profile.analytic's `saved_key`, which also names meta tensors')."""
     key = saved_key
     refs: List[weakref.ref] = []
 
@@ -300,11 +301,16 @@ def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[
     parameters = {key(p) for p in params}
     storages: Dict[int, int] = {}
     alive = [ref() for ref in refs]
-    for tensor in [h.tensor for h in alive if h is not None] + pending.kept_gradients():
+    for tensor in [h.tensor for h in alive if h is not None]:
         k = key(tensor)
         if k and k not in parameters:
             storages[k] = tensor.untyped_storage().nbytes()
-    return pending, sum(storages.values())
+    kept: Dict[int, int] = {}
+    for tensor in pending.kept_gradients():
+        k = key(tensor)
+        if k and k not in parameters and k not in storages:
+            kept[k] = tensor.untyped_storage().nbytes()
+    return pending, sum(storages.values()) + sum(kept.values()), sum(kept.values())
 
 
 def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, repeats: int,
@@ -313,12 +319,13 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
     round-robin over the units, each round also timing the unit's whole backward as
     planner.profile.timing.measure_units does (seeded with ones, the loss for the last unit), and
     the bytes held between the two parts."""
-    held: List[int] = []
+    held: List[Tuple[int, int]] = []
     params = [list(call.module.parameters()) for call in units]  # listed once, as the runtime's engine does
     for call, own in zip(units, params):  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
-        pending, size = forward_and_input_part(forward, lambda out, call=call, own=own: first_part(call, out, own), own)
-        held.append(size)
+        pending, size, kept = forward_and_input_part(forward, lambda out, call=call, own=own: first_part(call, out, own),
+                                                     own)
+        held.append((size, kept))
         backward_weight(pending)
         _InputRestore(call)()
     times: List[List[Tuple[float, float, float]]] = [[] for _ in units]
@@ -347,8 +354,8 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
                 times[k].append((t3 - t2, t4 - t3, t1 - t0))
     for call in units:
         call.module.zero_grad(set_to_none=True)
-    return [BackwardParts(*(statistics.median(t[j] for t in ts) for j in range(3)), held_bytes=h)
-            for ts, h in zip(times, held)]
+    return [BackwardParts(*(statistics.median(t[j] for t in ts) for j in range(3)), held_bytes=h, kept_bytes=k)
+            for ts, (h, k) in zip(times, held)]
 
 
 def first_part(call: UnitCall, out, params: Sequence[torch.Tensor]) -> PendingWeights:

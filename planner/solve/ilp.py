@@ -157,6 +157,7 @@ class Program:
         c, opts = self.costs, self.opts
         self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
         self._lost: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _sharing_lost's variables
+        self._last: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _last_recomputed's variables
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
         for l in range(self.L):
@@ -366,6 +367,22 @@ class Program:
                     self.add(u >= self.rho[recomputed, g] + self.x(other, g) - 1, f"shared_lost_{k}_{g}_{recomputed}")
         return self._lost[k, g]
 
+    def _last_recomputed(self, l: int, g: int):
+        """v_lg, 1 where unit l is stage g's last unit and recomputed (rho_lg and stage g ends at cut
+        l + 1): its weight-kind correction (planner.cost.stage_memory's `last_unit`) then does not
+        apply. Bounded both ways, as its coefficient may have either sign."""
+        if (l, g) not in self._last:
+            v = self._last[l, g] = _var(self.prob, f"last_recomputed_{l}_{g}")
+            rho = self.rho[l, g]
+            self.add(v <= rho, f"last_recomputed_{l}_{g}_rho")
+            if l + 1 < self.L:
+                ends = self.ends(l + 1, g)
+                self.add(v <= ends, f"last_recomputed_{l}_{g}_ends")
+                self.add(v >= rho + ends - 1, f"last_recomputed_{l}_{g}_both")
+            else:  # unit L - 1 ends the last stage
+                self.add(v >= rho, f"last_recomputed_{l}_{g}_both")
+        return self._last[l, g]
+
     def _memory(self) -> None:
         opts, L = self.opts, self.L
         memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
@@ -396,6 +413,10 @@ class Program:
                                            if terms.at_start[k] and self.cut_may_end(k, g - 1))
                     held += pulp.lpSum(terms.at_end[k] / MIB * self.ends(k, g) for k in range(1, L)
                                        if terms.at_end[k] and self.cut_may_end(k, g))
+                    if g == self.S - 1:  # the last stage ends at unit L
+                        held += terms.at_end[L] / MIB
+                    held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
+                                       for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
                 cap = memory.caps[i]
                 cap = math.floor(cap) if beta_w.is_integer() and beta_t.is_integer() else cap
                 self.add(static + held <= cap / MIB, f"memory_{i}_{n}")

@@ -21,6 +21,9 @@ def _chain(seed: int, L: int):
         u.backward_input_s = {b: (1 - share) * t for b, t in u.backward_s.items()}
         u.backward_weight_s = {b: share * t for b, t in u.backward_s.items()}
         u.weight_held_bytes = {b: int(s * rng.uniform(0.3, 1.2)) for b, s in u.saved_bytes.items()}
+    if seed % 2 == 0:  # the kept gradients measured apart: a later stage's units hold all they saved but the last
+        for u in profile.units:
+            u.weight_kept_bytes = {b: int(h * rng.uniform(0.0, 0.5)) for b, h in u.weight_held_bytes.items()}
     if seed % 2 == 0:  # what the split costs a stage on top of its units (the first stage's differs)
         profile.split_overhead_s = {b: (rng.uniform(0, 1e-3), rng.uniform(0, 2e-3), rng.uniform(0, 2e-3))
                                     for b in profile.micro_batch_sizes}
