@@ -268,8 +268,8 @@ def stage_call_s(profile: Profile, b: int) -> float:
 
 
 def input_bytes(profile: Profile, b: int) -> List[int]:
-    """in_l: bytes crossing cut l (what a recomputed unit keeps); in_0 = 0."""
-    return [0] + [profile.cut(k).activation_bytes(b) for k in range(1, profile.num_units)]
+    """in_l: what a recomputed unit keeps, its inputs (planner.cost.ranges)."""
+    return [int(x) for x in range_costs(profile, b).inputs]
 
 
 def tie_time(bytes_: int, holders: int, opts: CostOptions) -> float:

@@ -6,7 +6,7 @@ run at speed sigma costs per micro-batch
     forward(a, e)  = (k^f + sum_{a<=l<e} f_l) / sigma
     backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
-                     - sum_{a<k<e, k-1 and k not in R} d_k       (what both neighbours save, once)
+                     - sum_{a<k<e, k-1 not in R} d_k             (what both neighbours save, once)
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
@@ -18,12 +18,13 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
 
     backward_input(a, e)  = (k^i + sum gi_l + sum_{l in R} f_l) / sigma
     backward_weight(a, e) = (k^w + sum gw_l + sum_{l in R} f_l) / sigma
-    weight_held(a, e)     = sum_{a<=l<e-1} (in_l if l in R else s_l + k_l) + (in_{e-1} if e-1 in R else h_{e-1})
-                            - sum_{a<k<e, k-1 and k not in R} d_k          bytes held from the first to the second
+    weight_held(a, e)     = sum_{a<=l<e-1} ((in_l if l in R else s_l) + k_l) + (in_{e-1} + k_{e-1} if e-1 in R
+                            else h_{e-1}) - sum_{a<k<e, k-1 not in R} d_k      bytes held from the first to the second
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
 every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
-last one what it held timed alone, h_l. A profile without k_l: sum (in_l if l in R else h_l).)
+last one what it held timed alone, h_l; a recomputed one its input and its kept gradients. A
+profile without k_l: sum (in_l if l in R else h_l).)
 
 The first stage (a = 0) has no input that needs a gradient: its input part only finds that out,
 and its weight part is one whole backward, so everything saved is held until it runs, and so is
@@ -42,11 +43,14 @@ gi_l = g_l - gw_l (a matmul's weight gradient costs what its input gradient does
 k^i = k^b, k^w = 0 and k^0 = the engine's backward cost.
 
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
-as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once. A stage
+as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
+k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
+the shared tensor still). A stage
 [a, e) without recomputation: saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term
 of its start (`saved_prefix`, `saved_at_start`).
 
-(k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l, in_0 = 0;
+(k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
+and the bytes of the model's inputs unit l reads;
 o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
 bytes of gradients backward; a message of n bytes over a link (bandwidth, latency) takes
 latency + n / bandwidth. Arrays are numpy so that solvers read whole matrices at once.
@@ -112,7 +116,9 @@ class RangeCosts:
         # act[k], grad[k]: bytes crossing cut k, k = 0 .. L (0 at both ends: nothing crosses them)
         self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
-        self.inputs = self.act[:-1]  # in_l: what a recomputed unit l keeps, its input crossing cut l
+        # in_l: what a recomputed unit l keeps, its inputs: the activations crossing cut l and the
+        # model's inputs it reads
+        self.inputs = self.act[:-1] + np.array([u.input_bytes.get(b, 0) for u in units], dtype=float)
         # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (module docstring)
         self.dup = np.array([0.0] + [_shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
                             dtype=float)
@@ -162,9 +168,9 @@ class RangeCosts:
         redo = set(recompute)
         if not self.kept_known:
             return float(sum(float(self.inputs[l]) if l in redo else float(self.h[l]) for l in range(a, e)))
-        held = sum(float(self.inputs[l]) if l in redo else float(self.s[l] + self.k[l]) for l in range(a, e - 1))
-        held += float(self.inputs[e - 1]) if e - 1 in redo else float(self.h[e - 1])
-        return held - sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo and k not in redo)
+        held = sum(float(self.inputs[l] if l in redo else self.s[l]) + float(self.k[l]) for l in range(a, e - 1))
+        held += float(self.inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
+        return held - sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo)
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
@@ -179,7 +185,7 @@ class RangeCosts:
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         redo = set(recompute)
         swap = sum(float(self.inputs[l] - self.s[l]) for l in redo if a <= l < e)
-        once = sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo and k not in redo)
+        once = sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo)
         return float(self.S[e] - self.S[a]) + swap - once
 
     def params(self, a: int, e: int) -> float:

@@ -21,8 +21,7 @@ first stage, whose input part runs nothing, which also holds the gradient receiv
 ends at, planner.cost.ranges), its input in_l alone when every unit is recomputed; d_l what unit l
 and the unit before both save (counted once in a stage holding both; none when every unit is
 recomputed). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
-P_weight,g (h_l - in_l), and gives back d_k (`shared_lost`) at each cut k it shares with a unit of
-its stage. A rank's peak is the largest over its vectors; with
+P_weight,g (h_l - in_l), and gives back d_{l+1} (`shared_lost`) where unit l + 1 is in its stage. A rank's peak is the largest over its vectors; with
 several stages on a rank the sum over them per vector. Under zero-bubble schedules, with the kept
 gradients measured, a later stage's weight_l is saved_l + k_l for each unit but its last, whose
 h_l comes in at the cut the stage ends at (planner.cost.ranges). The fixed bytes every device holds are not
@@ -53,8 +52,8 @@ class HeldTerms:
     at_start: np.ndarray  # [k]: bytes when the stage starts at cut k (0 for the first stage)
     at_end: np.ndarray  # [k]: bytes when the stage ends at cut k (0 for the last stage)
     recompute_saves: np.ndarray  # [l]: bytes recomputing unit l saves (recompute 'auto')
-    # [k]: bytes back when unit k - 1 or k is recomputed with both in the stage (what they both
-    # saved, counted once in per_unit, is then held twice: planner.cost.ranges)
+    # [k]: bytes back when unit k - 1 is recomputed with unit k in the stage (what they both saved,
+    # counted once in per_unit, is then held twice: planner.cost.ranges)
     shared_lost: np.ndarray
     # [e], of at_end: the last unit's correction of a later stage's weight kind (h - s - k of unit
     # e - 1), which does not apply when that unit is recomputed (it holds its input alone)
@@ -112,7 +111,8 @@ class StageMemory:
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         if g == 0 and g < self.S - 1:
             end = end + count("weight") * c.grad
-        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs)
+        # a recomputed unit holds its input (and, in a later stage's weight kind, its kept gradients)
+        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs - (c.k if g > 0 and self.kept else 0))
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          sharing * dup, last)
 

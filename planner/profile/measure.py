@@ -276,6 +276,7 @@ def _measure_size(run: _Run, b: int) -> None:
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
             unit.weight_kept_bytes[b] = parts[k]
         unit.shared_saved_bytes[b] = shared[k]
+        unit.input_bytes[b] = sum(_tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "

@@ -126,6 +126,10 @@ class UnitProfile:
     backward_input_s: Dict[int, float] = field(default_factory=dict)
     backward_weight_s: Dict[int, float] = field(default_factory=dict)
     weight_held_bytes: Dict[int, int] = field(default_factory=dict)
+    # bytes of the model's inputs (tensors) the unit reads, per micro-batch size: what it keeps
+    # besides its cut's activations when recomputed (planner.cost.ranges' in_l). Empty: not
+    # measured (older files, analytic and imported profiles): 0
+    input_bytes: Dict[int, int] = field(default_factory=dict)
     # of weight_held_bytes, the gradients kept for the weight part (the rest is saved tensors still
     # referenced), per micro-batch size. Empty: not measured (older files)
     weight_kept_bytes: Dict[int, int] = field(default_factory=dict)
@@ -155,6 +159,7 @@ class UnitProfile:
             **({"shared_saved_bytes": {str(b): dict(v) for b, v in sorted(self.shared_saved_bytes.items())}}
                if self.shared_saved_bytes else {}),
             **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
+            **({"input_bytes": _str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"backward_input_s": _str_keys(self.backward_input_s),
                 "backward_weight_s": _str_keys(self.backward_weight_s),
                 "weight_held_bytes": _str_keys(self.weight_held_bytes)} if self.split_backward else {}),
@@ -193,6 +198,7 @@ class UnitProfile:
             optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
             buffer_bytes=read.count(d["buffer_bytes"], f"{where}.buffer_bytes") if "buffer_bytes" in d else None,
+            input_bytes=read.per_size(d.get("input_bytes") or {}, f"{where}.input_bytes", read.count, required=False),
             weight_kept_bytes=read.per_size(d.get("weight_kept_bytes") or {}, f"{where}.weight_kept_bytes", read.count,
                                             required=False),
             shared_saved_bytes=read.per_size(

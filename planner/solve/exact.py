@@ -175,7 +175,9 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     memory = None
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
-        least = {"none": costs.s, "all": costs.inputs, "auto": np.minimum(costs.s, costs.inputs)}[opts.recompute]
+        # per unit at least (planner.cost.ranges.saved: what a unit shares with the one before counts at most once)
+        least = {"none": costs.s - costs.dup, "all": costs.inputs,
+                 "auto": np.minimum(costs.s, costs.inputs) - costs.dup}[opts.recompute]
         # a tie's later uses taken off: no rank holding a stage keeps less (planner.cost.ties)
         copies = tie_copies(tied_weights(profile), costs)
         later = [prefix_sums(later_uses_bytes(copies, profile.num_units, trained)) for trained in (False, True)]

@@ -357,14 +357,12 @@ class Program:
 
     # --- memory ---------------------------------------------------------------------------------
     def _sharing_lost(self, k: int, g: int):
-        """u_kg >= 0, 1 where units k - 1 and k are both in stage g and one of them is recomputed: what
+        """u_kg >= 0, 1 where units k - 1 and k are both in stage g and unit k - 1 is recomputed: what
         both saved is then held twice (planner.cost.stage_memory's `shared_lost`), so
-        u_kg >= rho_(k-1)g + x_kg - 1 and u_kg >= rho_kg + x_(k-1)g - 1 (the memory rows never want it larger)."""
+        u_kg >= rho_(k-1)g + x_kg - 1 (the memory rows never want it larger)."""
         if (k, g) not in self._lost:
             u = self._lost[k, g] = _var(self.prob, f"shared_lost_{k}_{g}")
-            for recomputed, other in ((k - 1, k), (k, k - 1)):
-                if (recomputed, g) in self.rho:
-                    self.add(u >= self.rho[recomputed, g] + self.x(other, g) - 1, f"shared_lost_{k}_{g}_{recomputed}")
+            self.add(u >= self.rho[k - 1, g] + self.x(k, g) - 1, f"shared_lost_{k}_{g}")
         return self._lost[k, g]
 
     def _last_recomputed(self, l: int, g: int):
@@ -407,7 +405,7 @@ class Program:
                     held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
                                        for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
                     held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
-                                       if terms.shared_lost[k] and ((k - 1, g) in self.rho or (k, g) in self.rho))
+                                       if terms.shared_lost[k] and (k - 1, g) in self.rho)
                     if g > 0:  # the cut the stage starts at ends stage g - 1
                         held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
                                            if terms.at_start[k] and self.cut_may_end(k, g - 1))

@@ -211,7 +211,8 @@ def test_what_neighbours_both_save_is_counted_once_in_a_stage():
     costs = range_costs(profile, 1)
     assert list(costs.dup) == [0, 30, 0, 10]
     assert costs.saved(0, 4) == 250 - 30 - 10 and costs.saved(1, 4) == 150 - 10 and costs.saved(0, 1) == 100
-    assert costs.saved(0, 2, recompute=[1]) == 100 + 30  # unit 1 keeps its input, which unit 0 saved too
+    assert costs.saved(0, 2, recompute=[1]) == 100 + 30 - 30  # unit 1 keeps its input, which unit 0 saved too
+    assert costs.saved(0, 2, recompute=[0]) == 0 + 60  # unit 0 keeps its input (none here), not its output
     assert costs.saved(0, 4, recompute=range(4)) == float(costs.inputs.sum())
     for every in (False, True):
         matrix = costs.saved_matrix(every)

@@ -157,3 +157,26 @@ def test_neighbours_that_save_one_tensor_hold_it_once(tmp_path, entry, cuts):
     execute(plan, tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank["rank"]
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", [0, 3]), ("1f1b", [1, 4]), ("zb-h1", [2, 5])])
+def test_recomputed_units_hold_what_the_plan_says(tmp_path, schedule, recompute):
+    """A recomputed unit keeps its inputs: the activations of its cut and the model's inputs it reads
+    (resnet's first unit: the image, which the plan counted as nothing), one storage with what the
+    unit before it saved; it no longer saves its output, which the unit after it shares."""
+    from planner.cost.model import evaluate
+    from planner.cost.options import CostOptions
+    from planner.plan.make import make_plan
+    from planner.solve.solution import Solution
+    from tests.support.runs import execute, profile_of, report_of
+
+    profile = profile_of("builtin:resnet")
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule=schedule, recompute="auto")
+    cost = evaluate(profile, [3], 2, opts, recompute)
+    solution = Solution(boundaries=[3], micro_batch_size=2, num_micro_batches=4, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
+                        backend="none")
+    plan = make_plan(profile, solution, opts, "")
+    execute(plan, tmp_path, steps=2)
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == pytest.approx(rank["predicted_activation_bytes"], rel=2e-3), rank["rank"]

@@ -60,8 +60,9 @@ def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], p
 
 
 def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: bool = False) -> Profile:
-    """A random chain of L units (times growing with b, random parameter, saved and cut bytes, and
-    half of the cuts' activations saved by both neighbours: `share_saved`); with `stage_overhead`,
+    """A random chain of L units (times growing with b, random parameter, saved and cut bytes, half
+    of the cuts' activations saved by both neighbours: `share_saved`, and model inputs read by the
+    first unit and some others: what they keep when recomputed); with `stage_overhead`,
     half of them also charge every stage a random call cost per micro-batch."""
     per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}  # noqa: E731
     profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
@@ -70,6 +71,9 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
                                 stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
                                 if stage_overhead and rng.random() < 0.5 else None)
     share_saved(profile, [k for k in range(1, L) if rng.random() < 0.5])
+    for l, unit in enumerate(profile.units):  # the model's inputs a unit reads (all of them the first)
+        if l == 0 or rng.random() < 0.2:
+            unit.input_bytes = {b: rng.randint(0, 1 << 20) * b for b in sizes}
     return profile
 
 
