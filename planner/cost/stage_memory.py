@@ -20,12 +20,14 @@ saved_l (weight_l): what unit l keeps for its backward (until its weight backwar
 first stage, whose input part runs nothing, which also holds the gradient received at the cut it
 ends at, planner.cost.ranges), its input in_l alone when every unit is recomputed; d_l what unit l
 and the unit before both save (counted once in a stage holding both; none when every unit is
-recomputed). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
-P_weight,g (h_l - in_l), and gives back d_{l+1} (`shared_lost`) where unit l + 1 is in its stage. A rank's peak is the largest over its vectors; with
-several stages on a rank the sum over them per vector. Under zero-bubble schedules, with the kept
-gradients measured, a later stage's weight_l is saved_l + k_l for each unit but its last, whose
-h_l comes in at the cut the stage ends at (planner.cost.ranges). The fixed bytes every device holds are not
-in it: compare with planner.cost.model.rank_caps (the caps less those).
+recomputed). Under zero-bubble schedules, with the kept gradients measured, a later stage's
+weight_l is saved_l + k_l for each unit but its last, whose h_l comes in at the cut the stage ends
+at (`last_unit`). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
+P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1}
+(`shared_lost`) where unit l + 1 is in its stage, and, the stage's last, cancels its `last_unit`.
+A rank's peak is the largest over its vectors; with several stages on a rank the sum over them per
+vector. The fixed bytes every device holds are not in it: compare with
+planner.cost.model.rank_caps (the caps less those).
 """
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ class StageMemory:
         if g == 0 and g < self.S - 1:
             end = end + count("weight") * c.grad
         # a recomputed unit holds its input (and, in a later stage's weight kind, its kept gradients)
-        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs - (c.k if g > 0 and self.kept else 0))
+        kept = c.k if g > 0 and self.kept else 0.0
+        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs - kept)
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          sharing * dup, last)
 
