@@ -67,10 +67,11 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
     first: Dict[str, float] = {}
 
     params = list(stage.parameters())
+    trainable = [p for p in params if p.requires_grad]
 
     def input_part(out):
         with CostCounter(device) as counted:
-            pending = first_part(call, out, params)
+            pending = first_part(call, out, trainable)
         first["s"] = counted.costs.seconds
         return pending
 

@@ -173,7 +173,9 @@ def _groups(params: Sequence[Tuple[torch.Tensor, Node]], consumers: Dict[Node, L
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> PendingWeights:
     """Gradients of `inputs` (added to their `.grad`) from `outputs` with `grads` (None: ones, for a
-    loss); returns what `backward_weight` needs for `params` (module docstring)."""
+    loss); returns what `backward_weight` needs for `params`, the stage's trainable parameters
+    (requires_grad: listed once by the caller, as a check per parameter costs a first stage's input
+    part most of its time) (module docstring)."""
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(outputs, grads) if t.requires_grad]
     for t, g in pairs:  # an input passed on unchanged (a skip crossing this stage): its gradient as is
         if t.grad_fn is None:
@@ -181,11 +183,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     pairs = [(t, g) for t, g in pairs if t.grad_fn is not None]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not wanted:  # no input part (a first stage): the weight part is one whole backward, no analysis
-        whole = _Group(params=[p for p in params if p.requires_grad], seeds=[t for t, _ in pairs],
+        whole = _Group(params=list(params), seeds=[t for t, _ in pairs],
                        seed_grads=[g for _, g in pairs])
         return PendingWeights(groups=[whole] if whole.params and whole.seeds else [])
     consumers = _consumers([t.grad_fn for t, _ in pairs])
-    trainable = [(p, node) for p, node in ((p, _node_of(p)) for p in params if p.requires_grad)
+    trainable = [(p, node) for p, node in ((p, _node_of(p)) for p in params)
                  if node in consumers]  # those this graph uses, with the node each one's gradient enters
     input_nodes = [n for n in (_node_of(t) for t in wanted) if n is not None and n in consumers]
     # the nodes the input backward runs: every node from which an input is reached
@@ -320,11 +322,12 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
     planner.profile.timing.measure_units does (seeded with ones, the loss for the last unit), and
     the bytes held between the two parts."""
     held: List[Tuple[int, int]] = []
-    params = [list(call.module.parameters()) for call in units]  # listed once, as the runtime's engine does
+    # listed once, as the runtime's engine does: the trainable ones for the split, all to tell parameters apart
+    params = [[p for p in call.module.parameters() if p.requires_grad] for call in units]
     for call, own in zip(units, params):  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
         pending, size, kept = forward_and_input_part(forward, lambda out, call=call, own=own: first_part(call, out, own),
-                                                     own)
+                                                     list(call.module.parameters()))
         held.append((size, kept))
         backward_weight(pending)
         _InputRestore(call)()
@@ -359,7 +362,7 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
 
 
 def first_part(call: UnitCall, out, params: Sequence[torch.Tensor]) -> PendingWeights:
-    """The input backward of one unit's forward result (`params`: the unit's), seeded as
-    measure_units seeds the whole one."""
+    """The input backward of one unit's forward result (`params`: the unit's trainable ones), seeded
+    as measure_units seeds the whole one."""
     inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad]
     return backward_input(*backward_seeds(call, out), inputs, params)
