@@ -185,7 +185,7 @@ class UnitProfile:
             raise read.error(f"{where}.running_stats", f"is {_show(running_stats)}: expected true or false")
         parts = {"backward_input_s": read.seconds, "backward_weight_s": read.seconds, "weight_held_bytes": read.count}
         split_values = {k: read.per_size(d[k], f"{where}.{k}", parts[k]) for k in split}
-        return cls(
+        unit = cls(
             name=d["name"],
             param_bytes=param_bytes,
             trainable_bytes=trainable,
@@ -207,6 +207,16 @@ class UnitProfile:
                 required=False),
             **split_values,
         )
+        # parts of what the unit saves and holds: never more than the whole (the cost model subtracts them)
+        for b, shared in unit.shared_saved_bytes.items():
+            if b in unit.saved_bytes and sum(shared.values()) > unit.saved_bytes[b]:
+                raise read.error(f'{where}.shared_saved_bytes["{b}"]', f"sums to {sum(shared.values())} bytes: more than "
+                                 f"the unit's saved_bytes ({unit.saved_bytes[b]}), of which they are a part")
+        for b, kept in unit.weight_kept_bytes.items():
+            if kept > unit.weight_held_bytes.get(b, kept):
+                raise read.error(f'{where}.weight_kept_bytes["{b}"]', f"is {kept}: more than the unit's "
+                                 f"weight_held_bytes ({unit.weight_held_bytes[b]}), of which it is a part")
+        return unit
 
 
 @dataclass

@@ -264,7 +264,7 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
     from planner.jsonio import JsonFileError
     from tests.support.synthetic import synthetic_profile
 
-    p = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[0, 0], cut_act=[8],
+    p = synthetic_profile(forward=[1.0, 1.0], backward=[2.0, 2.0], params=[0, 0], saved=[100, 100], cut_act=[8],
                           sizes=(1, 2), stage_overhead={1: (0.1, 0.2), 2: (0.15, 0.25)})
     data = json.loads(json.dumps(p.to_json()))
     assert data["stage_overhead_s"]["2"] == {"forward": 0.15, "backward": 0.25}
@@ -276,10 +276,15 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
     p.units[0].shared_saved_bytes = {2: {"x": 64}}
     data = json.loads(json.dumps(p.to_json()))
     assert Profile.from_json(data).units[0].shared_saved_bytes == {2: {"x": 64}}
-    for bad in ({"2": {"x": -1}}, {"2": [64]}, {"two": {"x": 64}}):
+    for bad in ({"2": {"x": -1}}, {"2": [64]}, {"two": {"x": 64}}, {"2": {"x": 10 ** 9}}):
         data["units"][0]["shared_saved_bytes"] = bad
         with pytest.raises(JsonFileError, match="shared_saved_bytes"):
             Profile.from_json(data)
+    del data["units"][0]["shared_saved_bytes"]
+    data["units"][0].update(backward_input_s={"1": 1.0, "2": 1.0}, backward_weight_s={"1": 1.0, "2": 1.0},
+                            weight_held_bytes={"1": 8, "2": 8}, weight_kept_bytes={"1": 4, "2": 9})
+    with pytest.raises(JsonFileError, match=r'weight_kept_bytes\["2"\] is 9: more than'):
+        Profile.from_json(data)
     p.units[0].shared_saved_bytes = {}
     p.split_overhead_s = {2: (1e-5, 2e-5, 3e-5)}
     data = json.loads(json.dumps(p.to_json()))

@@ -80,11 +80,12 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
 def share_saved(profile: Profile, cuts: Sequence[int]) -> None:
     """Units k - 1 and k both save the activation crossing cut k (a ReLU's output the next
     convolution saves), for k in `cuts`, as `planner profile` records it (shared_saved_bytes): at
-    most what each unit saves."""
+    most what each unit saves, all its shares together."""
+    left = lambda unit, b: unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())  # noqa: E731
     for k in cuts:
         before, after = profile.units[k - 1], profile.units[k]
         for b in profile.micro_batch_sizes:
-            size = min(profile.cut(k).activation_bytes(b), before.saved_bytes[b], after.saved_bytes[b])
+            size = min(profile.cut(k).activation_bytes(b), left(before, b), left(after, b))
             if size > 0:
                 before.shared_saved_bytes.setdefault(b, {})[f"cut{k}"] = size
                 after.shared_saved_bytes.setdefault(b, {})[f"cut{k}"] = size
