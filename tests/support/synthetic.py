@@ -1,6 +1,7 @@
 """In-memory profiles for tests: no model, no measurement, just numbers."""
 from __future__ import annotations
 
+import random
 from typing import Dict, Optional, Sequence, Union
 
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
@@ -70,10 +71,13 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
                                 [rng.randint(0, 2 << 20) for _ in range(L - 1)], sizes=sizes,
                                 stage_overhead={b: (rng.uniform(0, 2e-3), rng.uniform(0, 3e-3)) for b in sizes}
                                 if stage_overhead and rng.random() < 0.5 else None)
-    share_saved(profile, [k for k in range(1, L) if rng.random() < 0.5])
+    # drawn from a generator of their own, seeded by `rng`'s state without advancing it: callers'
+    # later draws (and the benchmarks' chains) stay what they were before these fields existed
+    extra = random.Random(repr(rng.getstate()))
+    share_saved(profile, [k for k in range(1, L) if extra.random() < 0.5])
     for l, unit in enumerate(profile.units):  # the model's inputs a unit reads (all of them the first)
-        if l == 0 or rng.random() < 0.2:
-            unit.input_bytes = {b: rng.randint(0, 1 << 20) * b for b in sizes}
+        if l == 0 or extra.random() < 0.2:
+            unit.input_bytes = {b: extra.randint(0, 1 << 20) * b for b in sizes}
     return profile
 
 
