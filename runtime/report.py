@@ -79,6 +79,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
     return {
         "schema_version": 1,
         "kind": "report",
+        "plan_sha256": plan.digest(),  # the plan file every rank ran (planner check warns on another)
         "model": plan.model,
         "schedule": plan.schedule,
         "micro_batch_size": plan.micro_batch_size,

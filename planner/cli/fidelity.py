@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from planner.errors import UsageError
 
@@ -22,7 +23,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from planner.fidelity.check import check_report, format_check, load_report
+    from planner.fidelity.check import check_report, format_check, load_report, other_plan
     from planner.plan.file import load_plan
 
     plan = load_plan(args.plan)
@@ -31,13 +32,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         result = check_report(plan, report)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    warning = other_plan(plan, report)
+    if warning:
+        print(warning, file=sys.stderr)
     print(format_check(result))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from planner.fidelity.calibrate import calibrate_profile, factor_range
-    from planner.fidelity.check import load_report
+    from planner.fidelity.check import load_report, other_plan
     from planner.profile.profile import load_profile, save_profile
     from planner.plan.file import load_plan
 
@@ -48,6 +52,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     plans = [load_plan(path) for path in args.plan]
     reports = [load_report(path) for path in args.reports]
     runs = list(zip(plans * len(reports) if len(plans) == 1 else plans, reports))
+    for (plan, report), path in zip(runs, args.reports):
+        warning = other_plan(plan, report)
+        if warning:
+            print(f"{path}: {warning}", file=sys.stderr)
     try:
         calibrated = calibrate_profile(profile, runs)
     except ValueError as e:  # a report or plan of another model, units the profile lacks

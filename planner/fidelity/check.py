@@ -23,6 +23,17 @@ def load_report(path: str) -> Dict[str, Any]:
     return report
 
 
+def other_plan(plan: Plan, report: Dict[str, Any]) -> Optional[str]:
+    """A one-line warning where the report names another plan file than `plan` (its sha256, which
+    every rank checked; reports of older runs name none), else None: a plan solved again for the same
+    split passes the checks of model and units, but its predictions are not the run's."""
+    ran = report.get("plan_sha256")
+    if not isinstance(ran, str) or ran == plan.digest():
+        return None
+    return (f"warning: the report is of another plan file (sha256 {ran[:12]}…, this plan's {plan.digest()[:12]}…): "
+            "its measurements are set beside this plan's predictions")
+
+
 def _seconds(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
 

@@ -1,4 +1,5 @@
 """The simulation as the prediction, predicted vs measured, and calibration."""
+import dataclasses
 import json
 import random
 import re
@@ -236,7 +237,11 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     assert link is None or link["bandwidth_bytes_per_s"] > 0
     checked = run_cli(["planner.cli", "check", plan_path, report_path])
     assert checked.returncode == 0, checked.stderr
-    assert "iteration: measured" in checked.stdout
+    assert "iteration: measured" in checked.stdout and "another plan file" not in checked.stderr
+    other_path = str(tmp_path / "other_plan.json")  # the same split, other predictions: checked, with a warning
+    save_plan(dataclasses.replace(plan, predicted_iteration_s=plan.predicted_iteration_s * 2), other_path)
+    other = run_cli(["planner.cli", "check", other_path, report_path])
+    assert other.returncode == 0 and other.stderr.count("another plan file") == 1, other.stderr
     # every rank timed the host-speed kernel before and after its steps; the profile did too
     # the bytes held for backward, counted by saved-tensor hooks in the first step, are the plan's
     # activation memory (1F1B: stage s holds p - s micro-batches at its peak)

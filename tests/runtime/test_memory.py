@@ -130,9 +130,15 @@ def test_zero_bubble_ranks_hold_what_the_plan_says(tmp_path, entry, schedule, cu
     when each unit's own h was summed."""
     from tests.support.runs import execute, plan_with, profile_of, report_of
 
+    from planner.fidelity.check import other_plan
+
     plan = plan_with(profile_of(entry, {"layers": 4} if entry == "builtin:gpt" else {}), cuts, 2, 8, schedule)
     execute(plan, tmp_path, steps=2)
-    for rank in report_of(tmp_path)["stages"]:
+    report = report_of(tmp_path)
+    assert report["plan_sha256"] == plan.digest() and other_plan(plan, report) is None  # the plan file it ran
+    assert "another plan file" in other_plan(plan, dict(report, plan_sha256="0" * 64))
+    assert other_plan(plan, {k: v for k, v in report.items() if k != "plan_sha256"}) is None  # an older run's
+    for rank in report["stages"]:
         assert rank["peak_saved_bytes"] == pytest.approx(rank["predicted_activation_bytes"], rel=1e-3), rank["rank"]
     weight_held = [st.memory_bytes["weight_held_per_micro_batch"] for st in plan.stages]
     saved = [st.memory_bytes["saved_per_micro_batch"] for st in plan.stages]
