@@ -136,7 +136,8 @@ class Engine:
         # step's compute copies while it runs, and a split backward's weight part must reach the
         # fp32 masters through them (runtime.precision)
         # the trainable ones, listed once (a split backward takes them so: planner.profile.splitgrad)
-        self.stage_params = {st.index: [p for p in st.module.parameters() if p.requires_grad] for st in rank_model.stages}
+        self.stage_params = {st.index: [p for p in st.module.parameters() if p.requires_grad]
+                             for st in rank_model.stages}
         self.actions = actions
         self.program = batches(actions)
         self.topology = topology

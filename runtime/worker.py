@@ -36,6 +36,7 @@ from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
+from runtime.launch import END_WITH_PARENT
 from runtime.link_probe import poster
 from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, run_refusal, training_options
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
@@ -438,10 +439,12 @@ def _mean_over_holders(stats, groups: Groups):
 
 
 def _die_with_parent() -> None:
-    """Linux: this rank gets SIGTERM when the process that started it ends (the fork server, which
-    ends with `runtime execute`, or `runtime execute` itself): a launcher killed with SIGKILL cannot
-    stop its ranks, which would otherwise run on, or wait for their peers until the timeout."""
-    if not sys.platform.startswith("linux"):
+    """Linux, ranks `runtime execute` started (runtime.launch sets END_WITH_PARENT): this rank gets
+    SIGTERM when the process that started it ends (the fork server, which ends with `runtime
+    execute`, or `runtime execute` itself): a launcher killed with SIGKILL cannot stop its ranks,
+    which would otherwise run on, or wait for their peers until the timeout. Not under torchrun,
+    whose agent stops its workers itself (and the signal follows the thread that started a process)."""
+    if not sys.platform.startswith("linux") or os.environ.get(END_WITH_PARENT) != "1":
         return
     import ctypes
 

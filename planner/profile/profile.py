@@ -210,8 +210,9 @@ class UnitProfile:
         # parts of what the unit saves and holds: never more than the whole (the cost model subtracts them)
         for b, shared in unit.shared_saved_bytes.items():
             if b in unit.saved_bytes and sum(shared.values()) > unit.saved_bytes[b]:
-                raise read.error(f'{where}.shared_saved_bytes["{b}"]', f"sums to {sum(shared.values())} bytes: more than "
-                                 f"the unit's saved_bytes ({unit.saved_bytes[b]}), of which they are a part")
+                raise read.error(f'{where}.shared_saved_bytes["{b}"]',
+                                 f"sums to {sum(shared.values())} bytes: more than the unit's saved_bytes "
+                                 f"({unit.saved_bytes[b]}), of which they are a part")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):
                 raise read.error(f'{where}.weight_kept_bytes["{b}"]', f"is {kept}: more than the unit's "

@@ -326,8 +326,8 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
     params = [[p for p in call.module.parameters() if p.requires_grad] for call in units]
     for call, own in zip(units, params):  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
-        pending, size, kept = forward_and_input_part(forward, lambda out, call=call, own=own: first_part(call, out, own),
-                                                     list(call.module.parameters()))
+        pending, size, kept = forward_and_input_part(
+            forward, lambda out, call=call, own=own: first_part(call, out, own), list(call.module.parameters()))
         held.append((size, kept))
         backward_weight(pending)
         _InputRestore(call)()
