@@ -45,9 +45,9 @@ k^i = k^b, k^w = 0 and k^0 = the engine's backward cost.
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
 k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
-the shared tensor still). A stage
-[a, e) without recomputation: saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term
-of its start (`saved_prefix`, `saved_at_start`).
+the shared tensor still). A stage [a, e) without recomputation:
+saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (`saved_prefix`,
+`saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
 and the bytes of the model's inputs unit l reads;

@@ -314,12 +314,12 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Dict[str
         _, io = run.stages[k]
         shareable = set(io.inputs) | set(io.received) | set(io.sent) | \
             {n.name for n in module.graph.nodes if n.name in run.captured.recomputed}
-        counter = SavedBytes(module.parameters())
+        counter, restore = SavedBytes(module.parameters()), _InputRestore(call)  # (the inputs before it runs)
         with torch.enable_grad(), counter.counting():
             result = _Naming(module).run(*call.args)
             if call.is_last:
                 run.spec.loss(result, target)
-        _InputRestore(call)()
+        restore()
         out.append({names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
                     if names.get(ptr) in shareable})
     return out
