@@ -28,9 +28,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, TextIO
 
+from runtime.options import END_WITH_PARENT
 from runtime.shared_memory import RUN_TOKEN, remove_rings
-
-END_WITH_PARENT = "PIPEPLANNER_END_WITH_PARENT"  # "1": a rank ends when its launcher does (runtime.worker)
 
 
 @dataclass

@@ -7,6 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+# "1" in a rank's environment: it ends when the process that started it does (set by runtime.launch,
+# read by runtime.worker)
+END_WITH_PARENT = "PIPEPLANNER_END_WITH_PARENT"
+
 # How long a rank may wait on another (the process-group timeout) before it fails: the one default of
 # `runtime execute --timeout` and of `python -m runtime.worker --timeout` (torchrun launches).
 RANK_TIMEOUT_S = 60.0

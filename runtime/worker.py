@@ -36,9 +36,9 @@ from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
 from runtime.groups import Groups
 from runtime.initstate import InitState
-from runtime.launch import END_WITH_PARENT
 from runtime.link_probe import poster
-from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, run_refusal, training_options
+from runtime.options import (END_WITH_PARENT, ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options,
+                             run_refusal, training_options)
 from runtime.training import GlobalNormClip, TrainOptions, lr_at, make_optimizer, optimizer_arguments, set_lr
 from runtime.shard import shard_optimizer
 from runtime.shard_params import ParameterSharding
