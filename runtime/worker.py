@@ -29,7 +29,7 @@ from planner.pipeline.topology import Topology
 from planner.plan.file import Plan, load_plan
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.hostspeed import reference_kernel_s
-from planner.profile.link import fit_link, ping_pong
+from planner.profile.link import bounding_link_fit, fit_link, ping_pong
 from planner.profile.optim import OPTIMIZERS
 from runtime import checkpoint as ckpt
 from runtime.emulation import exchange_delay, link_delays
@@ -421,12 +421,16 @@ def _measure_link(plan: Plan, topology, rank: int, device: torch.device, local, 
     sizes = sorted({8, LINK_PING_BYTES} | {max(4, stage.activation_bytes_sent()) for stage in plan.stages[:-1]})
     samples = ping_pong(rank == 0, 1 - rank, sizes, repeats, warmup=2, tag=1 << 30, device=device,
                         post=poster(local) if local is not None else None)
+    flat = {}
     try:
         fit = fit_link(samples)
-    except ValueError:  # time did not grow with size in this noisy sample: report no link
-        return None
+    except ValueError:  # times did not grow with size (a loaded host): the bounding fit, marked flat
+        try:
+            fit, flat = bounding_link_fit(samples), {"flat": True}
+        except ValueError:  # samples that are no times at all
+            return None
     transport = "shared memory" if local is not None else ("nccl" if device.type == "cuda" else "gloo")
-    return dict(fit, samples=samples, repeats=repeats, p2p=transport)
+    return dict(fit, samples=samples, repeats=repeats, p2p=transport, **flat)
 
 
 def _mean_over_holders(stats, groups: Groups):

@@ -161,7 +161,9 @@ def calibrate_profile(profile: Profile, runs: Sequence[Run]) -> Profile:
     calibrated, factors = _scale_units(profile, runs)
     calibration: Dict[str, Any] = dict(profile.extra.get("calibration", {}))
     calibration["unit_scale"] = factors
-    links = [report["link"] for _, report in runs if (report.get("link") or {}).get("bandwidth_bytes_per_s")]
+    # a flat ping-pong's bounding fit (runtime.worker) is no measurement of the link: left out
+    links = [report["link"] for _, report in runs
+             if (report.get("link") or {}).get("bandwidth_bytes_per_s") and not report["link"].get("flat")]
     if links:
         calibration["bandwidth_bytes_per_s"] = statistics.median(float(k["bandwidth_bytes_per_s"]) for k in links)
         calibration["latency_s"] = statistics.median(float(k.get("latency_s", 0.0)) for k in links)
