@@ -95,8 +95,6 @@ class _State:
 def _own_storages(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """Received tensors, each with a storage of its own where the message's buffer holds more (other
     tensors, a header): one that autograd saves, or a split backward keeps, then holds only itself."""
-    if all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors):
-        return tensors
     return [t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t for t in tensors]
 
 

@@ -170,7 +170,7 @@ class RangeCosts:
             return float(sum(float(self.inputs[l]) if l in redo else float(self.h[l]) for l in range(a, e)))
         held = sum(float(self.inputs[l] if l in redo else self.s[l]) + float(self.k[l]) for l in range(a, e - 1))
         held += float(self.inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
-        return held - sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo)
+        return held - self._shared_once(a, e, redo)
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
@@ -185,8 +185,12 @@ class RangeCosts:
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         redo = set(recompute)
         swap = sum(float(self.inputs[l] - self.s[l]) for l in redo if a <= l < e)
-        once = sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo)
-        return float(self.S[e] - self.S[a]) + swap - once
+        return float(self.S[e] - self.S[a]) + swap - self._shared_once(a, e, redo)
+
+    def _shared_once(self, a: int, e: int, redo) -> float:
+        """What units [a, e) count twice of the storages neighbours share: d_k for the cuts inside
+        the range whose unit before is not recomputed (module docstring)."""
+        return sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo)
 
     def params(self, a: int, e: int) -> float:
         return float(self.P[e] - self.P[a])

@@ -27,10 +27,10 @@ def other_plan(plan: Plan, report: Dict[str, Any]) -> Optional[str]:
     """A one-line warning where the report names another plan file than `plan` (its sha256, which
     every rank checked; reports of older runs name none), else None: a plan solved again for the same
     split passes the checks of model and units, but its predictions are not the run's."""
-    ran = report.get("plan_sha256")
-    if not isinstance(ran, str) or ran == plan.digest():
+    ran, this = report.get("plan_sha256"), plan.digest()
+    if not isinstance(ran, str) or ran == this:
         return None
-    return (f"warning: the report is of another plan file (sha256 {ran[:12]}…, this plan's {plan.digest()[:12]}…): "
+    return (f"warning: the report is of another plan file (sha256 {ran[:12]}…, this plan's {this[:12]}…): "
             "its measurements are set beside this plan's predictions")
 
 

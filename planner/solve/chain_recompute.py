@@ -32,11 +32,11 @@ MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profil
 
 
 def _unit_arrays(profile: Profile, b: int):
-    """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P,
-    of their trainable part T and of saved bytes A (with A0, what a range starting at a adds:
-    planner.cost.ranges.saved_prefix); the units worth recomputing, cheapest time per byte first."""
+    """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P
+    and of their trainable part T; the saved bytes A[a, e] of every range (nothing recomputed); the
+    units worth recomputing, cheapest time per byte first."""
     costs, L = range_costs(profile, b), profile.num_units
-    f, g, A = costs.f, costs.s - costs.inputs, (costs.saved_prefix(), costs.saved_at_start())
+    f, g, A = costs.f, costs.s - costs.inputs, costs.saved_matrix()
     items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
     order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
     return f, g, costs.P, costs.T, A, order
@@ -78,7 +78,7 @@ def _tables(L, n, order, f, g, static, A, h, sigma, cap, ends):
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
-        need = (static[e] - static[a]) + h * (A[0][e] - A[0][a] + A[1][a]) - (np.inf if cap is None else cap)
+        need = (static[e] - static[a]) + h * A[a, e] - (np.inf if cap is None else cap)
         fits = need <= 0
         low[a, e[fits]] = 0.0
         high[a, e[fits]] = 0.0

@@ -150,7 +150,7 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
         work = costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
         # v > 1: the first stage (units [0, e), e <= L - S + 1) is unknown, so each unit its cheaper
         # case; the chain counts only the units no first stage holds
-        redo_l = np.diff(redo) if opts.recompute == "all" else np.zeros(L)
+        redo_l = costs.f if opts.recompute == "all" else np.zeros(L)
         per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
         later = costs.later_input + costs.later_weight
         total = float(costs.F[-1] + per_unit.sum()) + S * costs.call_forward + \
