@@ -57,6 +57,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
                         "with a note, where highspy cannot be imported)")
     s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+    s.add_argument("--gap", type=float, default=None, metavar="FRACTION",
+                   help="stop the exact search once no plan can be faster than the one found by more than this "
+                        "share, e.g. 0.01 (default: proven optimal)")
     s.add_argument("--local-sgd-max", type=int, default=1, metavar="H",
                    help="let data-parallel replicas train alone and average their models every H steps, H <= "
                         "this bound (local SGD, for a slow data-parallel link; needs --devices and --shard none): "
@@ -179,6 +182,14 @@ def check_plan_flags(args: argparse.Namespace, opts, devices: Optional[int], top
     """--topology, --replicate and --local-sgd-max together: one-line refusals of what cannot be planned."""
     if topology is not None and getattr(args, "replicate", False):
         raise UsageError("--topology places whole stages on devices; drop --replicate")
+    gap = getattr(args, "gap", None)
+    if gap is not None:
+        if not 0 <= gap < 1:
+            raise UsageError(f"--gap is a share of the iteration time, at least 0 and below 1, e.g. 0.01 (got {gap})")
+        if getattr(args, "replicate", False):
+            raise UsageError("--replicate has its own solver, which runs to its proof; drop --gap")
+        if getattr(args, "method", "ilp") != "ilp":
+            raise UsageError(f"--gap stops the exact search (--method ilp); drop it with --method {args.method}")
     _check_local_sgd(args, opts, devices, topology is not None)
 
 
@@ -189,20 +200,23 @@ def solve_problem(profile, opts, devices: Optional[int], schedules: List[str], t
     --devices/--schedule; InfeasibleError when none fits."""
     from planner.solve.api import solve
     from planner.solve.localsgd import solve_local_sgd
+    from planner.solve.solution import OPTIMALITY_GAP
 
+    gap = OPTIMALITY_GAP if getattr(args, "gap", None) is None else args.gap
     if topology is not None:
         from planner.solve.placed import solve_on_topology
 
         return solve_on_topology(profile, opts, topology, method=method, time_limit=args.time_limit, backend=backend,
-                                 schedules=schedules, virtual_stages=args.virtual_stages, pipeline_ranks=args.stages)
+                                 schedules=schedules, virtual_stages=args.virtual_stages, pipeline_ranks=args.stages,
+                                 gap=gap)
     if args.local_sgd_max > 1:
         def run(options, scenario):  # scenario: on these options' own p, d, schedule and v
-            return solve(profile, options, method=method, time_limit=args.time_limit, backend=backend,
+            return solve(profile, options, method=method, time_limit=args.time_limit, backend=backend, gap=gap,
                          devices=None if scenario else devices, schedules=[options.schedule] if scenario
                          else schedules, virtual_stages=options.virtual_stages if scenario else args.virtual_stages)
 
         return solve_local_sgd(profile, opts, args.local_sgd_max, args.sync_overhead, run)
-    return solve(profile, opts, method=method, time_limit=args.time_limit, backend=backend,
+    return solve(profile, opts, method=method, time_limit=args.time_limit, backend=backend, gap=gap,
                  devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
 
 

@@ -11,7 +11,7 @@ from planner.pipeline.schedule import schedule_virtual_stages
 from planner.plan.file import PER_INDEX_TERMS, Plan, PlanStage
 from planner.profile.profile import Profile
 from planner.solve.localsgd import averaging_s
-from planner.solve.solution import Solution
+from planner.solve.solution import OPTIMALITY_GAP, Solution
 
 
 def durations_json(durations: Dict[Tuple, float], collectives) -> Dict[str, Any]:
@@ -87,7 +87,9 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         stages=stages, predicted_iteration_s=cost.iteration_s, bubble_fraction=cost.bubble_fraction,
         solver={"method": solution.method, "backend": solution.backend, "status": solution.status,
                 "objective": solution.objective, "bound": solution.bound, "gap": solution.gap,
-                "seconds": solution.seconds})
+                "seconds": solution.seconds,
+                # the search stopped within this gap (--gap); absent when it ran to its proof
+                **({"requested_gap": solution.requested_gap} if solution.requested_gap > OPTIMALITY_GAP else {})})
 
 
 def _sharded_rings(profile: Profile, cost: PlanCost, opts: CostOptions) -> Optional[List[float]]:

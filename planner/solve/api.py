@@ -12,7 +12,7 @@ from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend  # 
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import infeasible_error
 from planner.solve.search import expand_scenarios, search_scenarios
-from planner.solve.solution import Solution
+from planner.solve.solution import OPTIMALITY_GAP, Solution
 
 METHODS = ("ilp", "dp", "brute", "uniform", "params", "block")
 
@@ -30,38 +30,42 @@ def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] =
 def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: Optional[float] = None,
           backend: Optional[str] = None, devices: Optional[int] = None,
           schedules: Optional[Sequence[str]] = None, warm_start: bool = True,
-          virtual_stages: Optional[int] = None) -> Solution:
+          virtual_stages: Optional[int] = None, gap: float = OPTIMALITY_GAP) -> Solution:
     """The best plan for (profile, opts) by `method`; raises InfeasibleError when none exists.
 
     devices: choose p x d = devices (opts.pipeline_ranks is then ignored); schedules: candidate
     schedules to choose from (default: opts.schedule alone); virtual_stages: v for interleaved/bfs;
     backend: the ILP's MIP solver, 'highs' or 'cbc' (default: highs, cbc where highspy cannot be
-    imported; planner.solve.backends.choose_backend).
+    imported; planner.solve.backends.choose_backend); gap: the exact search stops once no plan can
+    be faster than its plan by more than this share (default: proven optimal).
     """
     opts.validate()
     if devices is not None and devices < 1:
         raise ValueError(f"--devices must be at least 1 (got {devices})")
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
     return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend,
-                           warm_start=warm_start)
+                           warm_start=warm_start, gap=gap)
 
 
 def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOptions], method: str = "ilp",
                     time_limit: Optional[float] = None, backend: Optional[str] = None,
-                    warm_start: bool = True) -> Solution:
+                    warm_start: bool = True, gap: float = OPTIMALITY_GAP) -> Solution:
     """The best plan over these concrete scenarios of `opts` by `method` (solve's rules), as ONE
     search: time_limit bounds the whole search and the certificate (bound, gap, status) holds over
     every scenario; raises InfeasibleError when none has a plan."""
     profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     if method not in METHODS:
         raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
+    if not 0 <= gap < 1:
+        raise ValueError(f"the optimality gap must be at least 0 and below 1, e.g. --gap 0.01 (got {gap})")
     backend, _ = choose_backend(backend)
     scenarios = list(scenarios)
     for scenario in scenarios:
         scenario.validate()
     found: Optional[Solution] = None
     if method in ("ilp", "dp"):
-        found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend, warm_start=warm_start)
+        found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend,
+                                 warm_start=warm_start, gap=gap)
     elif method == "brute":
         best = None
         for scenario in scenarios:

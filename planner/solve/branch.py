@@ -265,17 +265,21 @@ class _Forms:
     def refresh(self, target: float) -> None:
         """Re-derive the allowed stages for `target`, every form's completions over them, and the stage
         floors; a range whose floor reaches the target is dropped and the completions follow (twice at most)."""
-        started = time.perf_counter()
+        started, kept = time.perf_counter(), self._tables()
         try:
             self._refresh(target)
         except OutOfTime:
-            self._out_of_time()
+            self._restore(kept)
         self.refresh_s = time.perf_counter() - started
 
-    def _out_of_time(self) -> None:  # past the deadline: completions 0 (durations: a valid bound) and no floors
-        self.completion = np.zeros((len(self), self.terms.S + 1, self.terms.L + 1))
-        self.floors, self.least_split = None, None
-        self.least = np.full((self.terms.S + 1, self.terms.L + 1), -np.inf)
+    def _tables(self):
+        """The completions, floors and M as they are (a refresh past the deadline puts them back)."""
+        return self.completion, self.floors, self.floored, self.least, self.least_split
+
+    def _restore(self, kept) -> None:
+        """Past the deadline: the tables from before the refresh. They still bound every split: taken
+        over a superset of the ranges allowed now (the target only falls), with the same forms or fewer."""
+        self.completion, self.floors, self.floored, self.least, self.least_split = kept
 
     def _least(self) -> None:  # M and the split attaining it, from the floors of every form counted so far
         self.floored = len(self)
@@ -290,6 +294,7 @@ class _Forms:
         if self.floors is None:
             self.refresh(target)
             return
+        kept = self._tables()
         try:
             terms, new = self.terms, slice(self.floored, len(self))
             terms.restrict(self.known, target)
@@ -301,7 +306,7 @@ class _Forms:
             self._drop_reached(target)
             self._least()
         except OutOfTime:
-            self._out_of_time()
+            self._restore(kept)
 
     def _refresh(self, target: float) -> None:
         terms, deadline = self.terms, self.deadline

@@ -19,7 +19,7 @@ from planner.cost.placement import Placement, placements
 from planner.cost.topology_file import DeviceTopology
 from planner.profile.profile import Profile
 from planner.solve.search import device_splits, expand_scenarios
-from planner.solve.solution import Solution
+from planner.solve.solution import OPTIMALITY_GAP, Solution
 
 
 def shapes(topology: DeviceTopology, opts: CostOptions, num_units: int,
@@ -54,9 +54,9 @@ def topology_scenarios(opts: CostOptions, topology: DeviceTopology, num_units: i
 def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopology, method: str = "ilp",
                       pipeline_ranks: Optional[int] = None, time_limit: Optional[float] = None,
                       backend: Optional[str] = None, schedules: Optional[Sequence[str]] = None,
-                      virtual_stages: Optional[int] = None) -> Solution:
+                      virtual_stages: Optional[int] = None, gap: float = OPTIMALITY_GAP) -> Solution:
     """The best plan over every placement (module docstring); InfeasibleError if none fits.
-    pipeline_ranks: only placements of that depth; time_limit: for the whole search."""
+    pipeline_ranks: only placements of that depth; time_limit and gap: for the whole search."""
     from planner.solve.api import solve_scenarios
 
     opts.validate()
@@ -65,4 +65,4 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
                          f"(d must divide the global batch {opts.global_batch}, p at most the {profile.num_units} "
                          "units" + (f", p = --stages {pipeline_ranks}" if pipeline_ranks else "") + ")")
     scenarios = topology_scenarios(opts, topology, profile.num_units, pipeline_ranks, schedules, virtual_stages)
-    return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend)
+    return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend, gap=gap)

@@ -48,7 +48,7 @@ from planner.cost.ranges import prefix_sums, range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
-from planner.solve.solution import OPTIMALITY_GAP, Solution, Split
+from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
@@ -199,10 +199,12 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
 
 
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
-                     backend: str = "highs", warm_start: bool = True) -> Optional[Solution]:
-    """Best plan over the scenarios by `method` ('ilp': exact with a certificate; 'dp': the fast
-    heuristic alone, with the scenarios' lower bounds as its bound, or the exact search where the
-    heuristic finds no plan that fits); None when nothing fits."""
+                     backend: str = "highs", warm_start: bool = True,
+                     gap: float = OPTIMALITY_GAP) -> Optional[Solution]:
+    """Best plan over the scenarios by `method` ('ilp': exact with a certificate, the search done
+    once no plan can be faster than the one found by more than `gap`; 'dp': the fast heuristic
+    alone, with the scenarios' lower bounds as its bound, or the exact search where the heuristic
+    finds no plan that fits); None when nothing fits."""
     started = time.perf_counter()
     items = [_Scenario(opts, b, heuristic_plan(profile, b, opts) if warm_start or method == "dp" else None,
                        scenario_lower_bound(profile, b, opts))
@@ -214,7 +216,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             best = (it.start, it)
     if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
         bound = min((it.lower_bound for it in items), default=math.inf)
-        return _solution(profile, best, bound, False, started, "dp", "python")
+        return _solution(profile, best, bound, False, started, "dp", "python", gap)
     skipped, engines = math.inf, set()
     proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
@@ -226,7 +228,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         # bound is the least of theirs); what one does not use goes to those after it
         left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
         remaining = None if left is None else max(left / 2, left / (len(items) - index))
-        outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=OPTIMALITY_GAP / 2,
+        outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=scenario_gap(gap),
                                  target_s=best[0].iteration_s if best is not None and warm_start else None)
         engines.add(outcome.engine)
         if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
@@ -242,7 +244,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             break
         index = min(open_ones, key=lambda i: proven[i][0])
         it, (before, _, start) = items[index], proven[index]
-        outcome = solve_scenario(profile, it.b, it.opts, start, left, backend, gap=OPTIMALITY_GAP / 2,
+        outcome = solve_scenario(profile, it.b, it.opts, start, left, backend, gap=scenario_gap(gap),
                                  forms=learned[index], target_s=best[0].iteration_s if warm_start else None)
         learned[index] = outcome.forms
         engines.add(outcome.engine)
@@ -257,11 +259,11 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         return None
     # the backend names the integer program's solver; scenarios settled by branch and bound ran none
     used = backend if "mip" in engines or not engines else "branch-and-bound"
-    return _solution(profile, best, bound, all_proven, started, "ilp", used)
+    return _solution(profile, best, bound, all_proven, started, "ilp", used, gap)
 
 
 def _solution(profile: Profile, best, bound: float, proven: bool, started: float, method: str,
-              backend: str) -> Solution:
+              backend: str, requested_gap: float) -> Solution:
     candidate, it = best
     cost = evaluate(profile, candidate.boundaries, it.b, it.opts, candidate.recompute)
     iteration = cost.iteration_s
@@ -275,4 +277,5 @@ def _solution(profile: Profile, best, bound: float, proven: bool, started: float
     return Solution(boundaries=list(candidate.boundaries), micro_batch_size=it.b,
                     num_micro_batches=cost.num_micro_batches, cost=cost, status=status, objective=iteration,
                     bound=bound, gap=gap, seconds=time.perf_counter() - started, method=method, backend=backend,
-                    recompute=list(candidate.recompute), options=it.opts)
+                    recompute=list(candidate.recompute), options=it.opts,
+                    requested_gap=max(requested_gap, OPTIMALITY_GAP))

@@ -10,6 +10,14 @@ from planner.cost.result import PlanCost
 OPTIMALITY_GAP = 1e-6  # a solution within this relative gap of the bound is reported as optimal
 
 
+def scenario_gap(gap: float) -> float:
+    """The relative gap each scenario's search proves for a whole search within `gap`: the global
+    bound is the least of the scenarios' proven bounds (a scenario's cutoff is the best plan of any
+    other), so half of OPTIMALITY_GAP keeps "optimal" clear of rounding, and a coarser request a
+    thousandth below it."""
+    return OPTIMALITY_GAP / 2 if gap <= OPTIMALITY_GAP else gap * (1 - 1e-3)
+
+
 @dataclass
 class Solution:
     boundaries: List[int]
@@ -25,6 +33,7 @@ class Solution:
     backend: str  # "cbc" | "highs" | "python"
     recompute: List[int] = field(default_factory=list)  # unit indices recomputed in backward
     options: Optional[CostOptions] = None  # the concrete scenario (p, d, v, schedule) chosen
+    requested_gap: float = OPTIMALITY_GAP  # the search stopped once its gap was at most this (`--gap`)
 
 
 @dataclass

@@ -145,6 +145,8 @@ def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     (["--memory-per-device", "1e400"], "--memory-per-device must be 1 byte to 1e+18"),
     (["--global-batch", "10000000"], "more than 4096 micro-batches per replica"),
     (["-o", ""], "an output path is empty"),
+    (["--gap", "1.5"], "--gap is a share of the iteration time"),
+    (["--gap", "0.01", "--method", "dp"], "--gap stops the exact search"),
 ])
 def test_solve_numbers_out_of_range_are_refused_before_the_search(gpt_profile, tmp_path, extra, needle):
     result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "-o", str(tmp_path / "p.json"), *extra])
@@ -276,6 +278,7 @@ def test_solve_replicate(gpt_profile, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     (["--schedule", "interleaved"], "1f1b, gpipe or auto"),
     (["--method", "dp"], "drop --method"),
+    (["--gap", "0.01"], "drop --gap"),
 ])
 def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, needle):
     result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",

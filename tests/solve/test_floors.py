@@ -130,9 +130,11 @@ def test_the_table_estimate_covers_the_tables():
         assert len(tables) == (2 if opts.cluster is None else 4)
 
 
-def test_a_refresh_past_its_deadline_leaves_no_bound_rather_than_a_wrong_one():
-    """A refresh that runs out of time (the search's time limit) keeps no half-done table: every
-    completion is 0 (every term is a duration), no floors, and the search's bound still holds."""
+def test_a_refresh_past_its_deadline_keeps_the_tables_it_had():
+    """A refresh that runs out of time (the search's time limit) keeps no half-done table: the
+    completions and floors from before stand (they bound every split: the ranges allowed only
+    shrink), and the search's bound still holds. (Before, such a refresh left completions of 0 and no
+    floors, and a search stopped soon after reported its prefixes alone as its bound.)"""
     import random
     import time
 
@@ -147,9 +149,24 @@ def test_a_refresh_past_its_deadline_leaves_no_bound_rather_than_a_wrong_one():
         known.add(form)
     with pytest.raises(OutOfTime):
         form_completions(known.coefficients, known.terms.band, deadline=time.perf_counter() - 1)
+    completion = known.completion.copy()
     known.deadline = time.perf_counter() - 1
     known.refresh(math.inf)
-    assert np.all(known.completion == 0.0) and known.floors is None and known.least_split is None
+    assert (known.completion == completion).all() and known.floors is None and known.least_split is None
+    known.deadline = None
+    known.refresh(math.inf)  # now with floors, then past the deadline again: refresh and extend keep them
+    assert known.floors is not None
+    kept = (known.completion.copy(), [f.copy() for f in known.floors], known.least.copy(), known.least_split)
+    known.deadline = time.perf_counter() - 1
+    known.refresh(known.least[0, 0] * 1.01)
+    assert (known.completion == kept[0]).all() and known.least_split == kept[3] and (known.least == kept[2]).all()
+    assert all((f == g).all() for f, g in zip(known.floors, kept[1]))
+    # a form the floors do not count yet
+    assert any(known.add(evaluate(profile, list(cuts), 2, opts).critical_path)
+               for cuts in itertools.combinations(range(1, 12), 2))
+    known.extend(known.least[0, 0] * 1.01)
+    assert all((f == g).all() for f, g in zip(known.floors, kept[1])) and (known.least == kept[2]).all()
+    assert known.floored == len(known) - 1
     best = min(evaluate(profile, list(cuts), 2, opts).iteration_s for cuts in itertools.combinations(range(1, 12), 2))
     found = branch_and_bound(profile, 2, opts, None, structural_forms(profile, 2, opts), time_limit=1e-9)
     assert found.bound_s <= best * (1 + 1e-9)

@@ -69,6 +69,32 @@ def test_exact_search_equals_brute_force(problem, recompute, replicas):
     assert found.status == "optimal"
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(max_units=8, max_stages=4), st.sampled_from(["1f1b", "interleaved"]), st.sampled_from([0.02, 0.1, 0.3]))
+def test_a_search_asked_for_a_gap_stops_within_it_and_its_bound_holds(problem, schedule, gap):
+    """--gap: the plan is within the gap of its bound, and the bound of the best plan (brute force)."""
+    profile, opts = problem
+    opts = opts.with_(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
+    if opts.num_stages > profile.num_units:
+        return
+    try:
+        opts.validate()
+    except ValueError:
+        return
+    oracle = solve_brute(profile, opts)
+    if oracle is None:
+        with pytest.raises(InfeasibleError):
+            solve(profile, opts, gap=gap)
+        return
+    found = solve(profile, opts, gap=gap)
+    assert found.requested_gap == gap and found.gap <= gap
+    assert found.bound <= oracle.objective * (1 + 1e-9) <= found.objective * (1 + 2e-9)
+    assert found.objective * (1 - gap) <= oracle.objective * (1 + 1e-9)
+    assert (found.status == "optimal") == (found.gap <= 1e-6)
+    with pytest.raises(ValueError, match="optimality gap"):
+        solve(profile, opts, gap=1.0)
+
+
 def test_the_heuristic_plans_interleaved_too():
     p = synthetic_profile([0.01] * 8, [0.02] * 8, [1] * 8, [1] * 8, [1] * 7)
     opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2)
