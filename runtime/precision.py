@@ -37,6 +37,13 @@ its weights' dtype itself (`input.to(weight.dtype)`), but the graph was captured
 where that cast is nothing and is not recorded; so, under bf16-mixed, each custom operator in a
 stage's graph gets autocast's rule (`torch.library.register_autocast`: floating inputs cast to the
 compute dtype), which is what the model's cast does with the bf16 copy in one process.
+
+Writing one tensor into another where both must have one dtype (`masked_scatter`, `index_put`,
+`index_copy`, `scatter` with a tensor source) has the same trouble: LLaVA casts its image features
+to the text embeddings' dtype before scattering them in (`features.to(embeds.dtype)`), a cast the
+fp32 capture did not record, so under bf16-mixed a bf16 embedding met fp32 features and the run
+stopped. Each such write in a stage's graph casts its source to its destination's dtype
+(`match_written_dtypes`), as that line of the model does in one process (nothing where they agree).
 """
 from __future__ import annotations
 
@@ -72,6 +79,57 @@ def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> Non
                         _AUTOCAST_REGISTERED.add(name)
 
 
+# aten writes of a source tensor into a destination that must share its dtype: op name -> the
+# source's position (the destination is the first argument); the in-place forms too
+_WRITES = {"masked_scatter": 2, "index_put": 2, "index_copy": 3, "scatter": 3}
+
+
+def _as_dtype_of(source, destination):
+    """`source` in `destination`'s dtype (itself when they agree, or when either is no tensor)."""
+    if isinstance(source, torch.Tensor) and isinstance(destination, torch.Tensor) and \
+            source.dtype != destination.dtype:
+        return source.to(destination.dtype)
+    return source
+
+
+def _written_source(node: torch.fx.Node):
+    """The position of the source `node` writes into its first argument (_WRITES), or None."""
+    if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if node.target.namespace != "aten":
+            return None
+        name = node.target._schema.name.split("::")[-1] if isinstance(node.target, torch._ops.OpOverload) \
+            else node.target.__name__
+    elif node.op == "call_method":
+        name = node.target
+    else:
+        return None
+    return _WRITES.get(name.rstrip("_"))
+
+
+def match_written_dtypes(modules: Sequence[nn.Module]) -> int:
+    """Cast the source of every write in the graphs of `modules` that needs one dtype to its
+    destination's (module docstring); how many writes were given the cast."""
+    count = 0
+    for module in modules:
+        for graph_module in module.modules():
+            if not isinstance(graph_module, torch.fx.GraphModule):
+                continue
+            changed = False
+            for node in list(graph_module.graph.nodes):
+                position = _written_source(node)
+                if position is None or len(node.args) <= position or not isinstance(node.args[position], torch.fx.Node):
+                    continue
+                if getattr(node.args[position], "target", None) is _as_dtype_of:
+                    continue  # given the cast already (a module passed twice)
+                with graph_module.graph.inserting_before(node):
+                    cast = graph_module.graph.call_function(_as_dtype_of, (node.args[position], node.args[0]))
+                node.update_arg(position, cast)
+                changed, count = True, count + 1
+            if changed:
+                graph_module.recompile()
+    return count
+
+
 class ComputeCopy:
     """The step's compute copies of the weights of `modules` (module docstring)."""
 
@@ -88,6 +146,7 @@ class ComputeCopy:
                         seen.add((id(owner), name))
                         self.slots.append((owner, name, param))
         autocast_custom_ops(modules, dtype)
+        match_written_dtypes(modules)
 
     def install(self) -> List[torch.Tensor]:
         """Cast each place's master once and put the copy there; the copies (held until `remove`

@@ -86,3 +86,31 @@ def test_bf16_mixed_moe_experts_run(tmp_path):
     plan = dataclasses.replace(plan_with(profile, [3], 2, 4, "1f1b"), precision="bf16-mixed")
     state = execute(plan, tmp_path, steps=1, lr=1.0)
     assert max_abs_diff(state, reference_state(plan, steps=1, lr=1.0, training={"precision": "bf16-mixed"})) <= 1e-2
+
+
+def test_writes_that_need_one_dtype_cast_their_source_to_the_destinations():
+    """LLaVA scatters its image features into the text embeddings after casting them to the
+    embeddings' dtype; the graph captured by torch.export with fp32 weights holds no such cast, and
+    under bf16-mixed (bf16 embeddings, fp32 features) `masked_scatter` and `index_put` refused to
+    mix dtypes. Each such write now casts its source to its destination's dtype (runtime.precision),
+    which is what the model's line does in one process."""
+    from runtime.precision import match_written_dtypes
+
+    class Scatter(torch.nn.Module):
+        def forward(self, embeds, features, mask, rows):
+            out = embeds.masked_scatter(mask, features.to(embeds.dtype))
+            out[rows] = features[:2].to(out.dtype)  # index_put_ (rows holds two)
+            return out * 2
+
+    embeds, features = torch.randn(4, 3), torch.randn(4, 3)
+    mask, rows = torch.tensor([[1, 0, 1]] * 4, dtype=torch.bool), torch.tensor([True, False, True, False])
+    graph = torch.export.export(Scatter(), (embeds, features, mask, rows)).module()
+    low = embeds.to(torch.bfloat16)
+    try:
+        graph(low, features, mask, rows)
+        raise AssertionError("the captured graph mixed the dtypes: the premise of this test is gone")
+    except RuntimeError as e:
+        assert "dtype" in str(e)
+    assert match_written_dtypes([graph]) == 2 and match_written_dtypes([graph]) == 0  # once per write
+    assert torch.equal(graph(low, features, mask, rows), Scatter()(low, features, mask, rows))
+    assert torch.equal(graph(embeds, features, mask, rows), Scatter()(embeds, features, mask, rows))  # fp32 as before
