@@ -39,10 +39,10 @@ stage's graph gets autocast's rule (`torch.library.register_autocast`: floating 
 compute dtype), which is what the model's cast does with the bf16 copy in one process.
 
 Writing one tensor into another where both must have one dtype (`masked_scatter`, `index_put`,
-`index_copy`, `scatter` with a tensor source) has the same trouble: LLaVA casts its image features
-to the text embeddings' dtype before scattering them in (`features.to(embeds.dtype)`), a cast the
-fp32 capture did not record, so under bf16-mixed a bf16 embedding met fp32 features and the run
-stopped. Each such write in a stage's graph casts its source to its destination's dtype
+`index_copy`, `index_add`, `scatter` and their kin, with a tensor source) has the same trouble:
+LLaVA casts its image features to the text embeddings' dtype before scattering them in
+(`features.to(embeds.dtype)`), a cast the fp32 capture did not record, so under bf16-mixed a bf16
+embedding met fp32 features and the run stopped. Each such write in a stage's graph casts its source to its destination's dtype
 (`match_written_dtypes`), as that line of the model does in one process (nothing where they agree).
 """
 from __future__ import annotations
@@ -79,31 +79,41 @@ def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> Non
                         _AUTOCAST_REGISTERED.add(name)
 
 
-# aten writes of a source tensor into a destination that must share its dtype: op name -> the
-# source's position (the destination is the first argument); the in-place forms too
-_WRITES = {"masked_scatter": 2, "index_put": 2, "index_copy": 3, "scatter": 3}
+# writes of a source tensor into a destination that must share its dtype: op name -> the source's
+# position and keyword (the destination is the first argument); the in-place forms too
+_WRITES = {"masked_scatter": (2, "source"), "index_put": (2, "values"), "_index_put_impl": (2, "values"),
+           "_unsafe_index_put": (2, "values"), "index_copy": (3, "source"), "index_add": (3, "source"),
+           "index_reduce": (3, "source"), "scatter": (3, "src"), "scatter_add": (3, "src"),
+           "scatter_reduce": (3, "src")}
+_TORCH_WRITES = {getattr(torch, name): name for name in _WRITES if callable(getattr(torch, name, None))}
 
 
 def _as_dtype_of(source, destination):
-    """`source` in `destination`'s dtype (itself when they agree, or when either is no tensor)."""
+    """`source` in `destination`'s dtype where both are floating tensors of different dtypes (an
+    integer destination keeps its refusal: a cast there would truncate), else itself."""
     if isinstance(source, torch.Tensor) and isinstance(destination, torch.Tensor) and \
-            source.dtype != destination.dtype:
+            source.is_floating_point() and destination.is_floating_point() and source.dtype != destination.dtype:
         return source.to(destination.dtype)
     return source
 
 
 def _written_source(node: torch.fx.Node):
-    """The position of the source `node` writes into its first argument (_WRITES), or None."""
-    if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        if node.target.namespace != "aten":
-            return None
-        name = node.target._schema.name.split("::")[-1] if isinstance(node.target, torch._ops.OpOverload) \
-            else node.target.__name__
-    elif node.op == "call_method":
-        name = node.target
-    else:
+    """(position, keyword) of the source `node` writes into its first argument (_WRITES), or None:
+    aten operators (captured by torch.export), Tensor methods and torch functions (torch.fx)."""
+    target = node.target
+    if node.op == "call_method":
+        name = target
+    elif node.op != "call_function":
         return None
-    return _WRITES.get(name.rstrip("_"))
+    elif isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name if target.namespace == "aten" else ""
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, _, name = target._qualified_op_name.partition("::")
+        name = name if namespace == "aten" else ""
+    else:
+        name = _TORCH_WRITES.get(target, "") if callable(target) else ""
+    name = name.split("::")[-1]
+    return _WRITES.get(name) or (_WRITES.get(name[:-1]) if name.endswith("_") else None)  # in place too
 
 
 def match_written_dtypes(modules: Sequence[nn.Module]) -> int:
@@ -116,14 +126,19 @@ def match_written_dtypes(modules: Sequence[nn.Module]) -> int:
                 continue
             changed = False
             for node in list(graph_module.graph.nodes):
-                position = _written_source(node)
-                if position is None or len(node.args) <= position or not isinstance(node.args[position], torch.fx.Node):
+                where = _written_source(node)
+                if where is None or not node.args:
                     continue
-                if getattr(node.args[position], "target", None) is _as_dtype_of:
-                    continue  # given the cast already (a module passed twice)
+                position, keyword = where
+                source = node.args[position] if len(node.args) > position else node.kwargs.get(keyword)
+                if not isinstance(source, torch.fx.Node) or source.target is _as_dtype_of:
+                    continue  # a number, or given the cast already (a module passed twice)
                 with graph_module.graph.inserting_before(node):
-                    cast = graph_module.graph.call_function(_as_dtype_of, (node.args[position], node.args[0]))
-                node.update_arg(position, cast)
+                    cast = graph_module.graph.call_function(_as_dtype_of, (source, node.args[0]))
+                if len(node.args) > position:
+                    node.update_arg(position, cast)
+                else:
+                    node.update_kwarg(keyword, cast)
                 changed, count = True, count + 1
             if changed:
                 graph_module.recompile()

@@ -186,10 +186,8 @@ def check_plan_flags(args: argparse.Namespace, opts, devices: Optional[int], top
     if gap is not None:
         if not 0 <= gap < 1:
             raise UsageError(f"--gap is a share of the iteration time, at least 0 and below 1, e.g. 0.01 (got {gap})")
-        if getattr(args, "replicate", False):
-            raise UsageError("--replicate has its own solver, which runs to its proof; drop --gap")
         if getattr(args, "method", "ilp") != "ilp":
-            raise UsageError(f"--gap stops the exact search (--method ilp); drop it with --method {args.method}")
+            raise UsageError(f"--gap applies to --method ilp only; drop --gap or --method {args.method}")
     _check_local_sgd(args, opts, devices, topology is not None)
 
 
@@ -233,6 +231,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if args.method == "ilp" and not args.replicate:
         args.backend = ilp_backend(args.backend)
     check_plan_flags(args, opts, devices, topology)
+    if args.replicate and args.gap is not None:
+        raise UsageError("--replicate has its own solver, which runs to its proof; drop --gap")
     try:
         if args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)

@@ -58,6 +58,8 @@ def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[Cos
         raise ValueError(f"unknown solve method {method!r}; use one of {', '.join(METHODS)}")
     if not 0 <= gap < 1:
         raise ValueError(f"the optimality gap must be at least 0 and below 1, e.g. --gap 0.01 (got {gap})")
+    if gap > OPTIMALITY_GAP and method != "ilp":
+        raise ValueError(f"a gap stops the exact search (method ilp); method {method} does not search")
     backend, _ = choose_backend(backend)
     scenarios = list(scenarios)
     for scenario in scenarios:

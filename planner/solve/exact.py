@@ -227,7 +227,8 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
             return outcome(best, cutoff, True)
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
         # far from the incumbent, a loose program finds good splits (tightening the fixings) sooner
-        loose = not tight and best is not None and (best.iteration_s - max(bound, 0.0)) > COARSE_GAP * best.iteration_s
+        loose = not tight and gap < COARSE_GAP and best is not None and \
+            (best.iteration_s - max(bound, 0.0)) > COARSE_GAP * best.iteration_s
         result = program.solve(cutoff if math.isfinite(cutoff) else None, remaining, backend,
                                gap=COARSE_GAP / 4 if loose else gap / 4)
         if not result.ran:

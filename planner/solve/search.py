@@ -216,12 +216,13 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             best = (it.start, it)
     if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
         bound = min((it.lower_bound for it in items), default=math.inf)
-        return _solution(profile, best, bound, False, started, "dp", "python", gap)
+        return _solution(profile, best, bound, False, started, "dp", "python", OPTIMALITY_GAP)  # no search
     skipped, engines = math.inf, set()
     proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
     for index, it in enumerate(items):
-        if best is not None and it.lower_bound >= best[0].iteration_s * (1 - 1e-12):
+        skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of it beats the best by more
+        if best is not None and it.lower_bound >= best[0].iteration_s * (1 - skip):
             skipped = min(skipped, it.lower_bound)
             continue
         # the most promising scenario half the time left, each later one an equal share of it (the

@@ -146,7 +146,7 @@ def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     (["--global-batch", "10000000"], "more than 4096 micro-batches per replica"),
     (["-o", ""], "an output path is empty"),
     (["--gap", "1.5"], "--gap is a share of the iteration time"),
-    (["--gap", "0.01", "--method", "dp"], "--gap stops the exact search"),
+    (["--gap", "0.01", "--method", "dp"], "--gap applies to --method ilp only"),
 ])
 def test_solve_numbers_out_of_range_are_refused_before_the_search(gpt_profile, tmp_path, extra, needle):
     result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "-o", str(tmp_path / "p.json"), *extra])

@@ -2,6 +2,7 @@
 micro-batches are in flight; the masters stay the fp32 parameters."""
 import dataclasses
 
+import pytest
 import torch
 
 from planner.profile.optim import make_optimizer
@@ -114,3 +115,34 @@ def test_writes_that_need_one_dtype_cast_their_source_to_the_destinations():
     assert match_written_dtypes([graph]) == 2 and match_written_dtypes([graph]) == 0  # once per write
     assert torch.equal(graph(low, features, mask, rows), Scatter()(low, features, mask, rows))
     assert torch.equal(graph(embeds, features, mask, rows), Scatter()(embeds, features, mask, rows))  # fp32 as before
+
+
+def test_traced_writes_by_keyword_function_or_operator_get_the_cast_too():
+    """torch.fx records the same writes as Tensor methods (the source by keyword too), torch
+    functions or operator packets; an operator that writes nothing is left alone (a packet has no
+    namespace of its own: reading it stopped bf16-mixed runs of traced models that call
+    torch.ops directly), and an integer destination keeps its dtype error (a cast would truncate)."""
+    import torch.fx
+
+    from runtime.precision import match_written_dtypes
+
+    class Writes(torch.nn.Module):
+        def forward(self, x, mask, source, index):
+            a = x.masked_scatter(mask, source=source)
+            b = torch.masked_scatter(x, mask, source)
+            c = torch.ops.aten.relu(x)
+            d = x.clone().index_add_(0, index, source)
+            e = torch.scatter_add(x, 0, index[:, None].expand(-1, 3), source)
+            return a + b + c + d + e
+
+    graph = torch.fx.symbolic_trace(Writes())
+    assert match_written_dtypes([graph]) == 4
+    x, source = torch.randn(4, 3), torch.randn(4, 3)
+    mask, index = torch.rand(4, 3) > 0.5, torch.tensor([2, 0, 3, 1])
+    low = x.to(torch.bfloat16)
+    assert torch.equal(graph(low, mask, source, index), Writes()(low, mask, source.to(torch.bfloat16), index))
+    assert torch.equal(graph(x, mask, source, index), Writes()(x, mask, source, index))
+    integer = torch.fx.symbolic_trace(lambda x, mask, source: x.masked_scatter(mask, source))
+    match_written_dtypes([integer])
+    with pytest.raises(RuntimeError, match="dtype"):
+        integer(torch.zeros(4, 3, dtype=torch.long), mask, source)

@@ -93,6 +93,9 @@ def test_a_search_asked_for_a_gap_stops_within_it_and_its_bound_holds(problem, s
     assert (found.status == "optimal") == (found.gap <= 1e-6)
     with pytest.raises(ValueError, match="optimality gap"):
         solve(profile, opts, gap=1.0)
+    with pytest.raises(ValueError, match="does not search"):
+        solve(profile, opts, method="dp", gap=gap)
+    assert solve(profile, opts, method="dp").requested_gap == 1e-6  # nothing asked, nothing claimed
 
 
 def test_the_heuristic_plans_interleaved_too():
