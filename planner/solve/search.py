@@ -220,8 +220,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     skipped, engines = math.inf, set()
     proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
+    skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of a skipped one beats the best by more
     for index, it in enumerate(items):
-        skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of it beats the best by more
         if best is not None and it.lower_bound >= best[0].iteration_s * (1 - skip):
             skipped = min(skipped, it.lower_bound)
             continue
