@@ -42,8 +42,9 @@ Writing one tensor into another where both must have one dtype (`masked_scatter`
 `index_copy`, `index_add`, `scatter` and their kin, with a tensor source) has the same trouble:
 LLaVA casts its image features to the text embeddings' dtype before scattering them in
 (`features.to(embeds.dtype)`), a cast the fp32 capture did not record, so under bf16-mixed a bf16
-embedding met fp32 features and the run stopped. Each such write in a stage's graph casts its source to its destination's dtype
-(`match_written_dtypes`), as that line of the model does in one process (nothing where they agree).
+embedding met fp32 features and the run stopped. Each such write in a stage's graph casts its
+source to its destination's dtype (`match_written_dtypes`), as that line of the model does in one
+process (nothing where they agree).
 """
 from __future__ import annotations
 
