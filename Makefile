@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	mkdir -p $(OUT)
-	$(VENV)/bin/planner profile $(DEMO_MODEL) $(DEMO_ARGS) --micro-batch-sizes 1,2,4,8 -o profiles/demo-gpt.json
+	$(VENV)/bin/planner profile $(DEMO_MODEL) $(DEMO_ARGS) --micro-batch-sizes 1,2,4,8 --ranks-per-host 2 -o profiles/demo-gpt.json
 	$(VENV)/bin/planner solve profiles/demo-gpt.json --stages 2 --global-batch 16 --memory-per-device 24MiB -o $(OUT)/plan.json
 	$(VENV)/bin/planner compare profiles/demo-gpt.json --stages 2 --global-batch 16 --memory-per-device 24MiB
 	$(VENV)/bin/runtime execute $(OUT)/plan.json --steps 6 --report $(OUT)/report.json --save-state $(OUT)/state.pt \
