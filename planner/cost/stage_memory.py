@@ -73,8 +73,8 @@ class StageMemory:
         self.static_per_unit = costs.p * beta_w + costs.t * beta_t
         self._static = prefix_sums(self.static_per_unit)
         # per unit, less what it shares with the unit before (d_l), given back at a stage's start
-        self.dup = np.zeros_like(costs.dup) if recompute_all else costs.dup
-        self.saved = costs.inputs if recompute_all else costs.s - self.dup
+        self.saved = costs.inputs if recompute_all else costs.s - costs.dup
+        self.dup_at_cut = costs.saved_at_start(recompute_all)  # [k], k = 0 .. L: d_k, given back where a stage starts
         self.weight = costs.inputs if recompute_all else costs.h
         # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
         self.kept = costs.kept_known and not recompute_all
@@ -108,7 +108,7 @@ class StageMemory:
             weight, held = self.weight, c.h
         # the kinds that hold `saved`, whose neighbours' shared bytes count once
         sharing = count("live") + (count("weight") if g == 0 or self.kept else 0)
-        dup = np.append(self.dup, 0.0)  # [k], k = 0 .. L
+        dup = self.dup_at_cut
         start = count("inbox") * c.act + count("sent_grad") * c.grad + sharing * dup if g > 0 else zero
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         if g == 0 and g < self.S - 1:

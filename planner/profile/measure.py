@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -291,37 +291,43 @@ def _measure_size(run: _Run, b: int) -> None:
             f"part {later_weight * 1e3:.3f} ms on top of its units'")
 
 
+class _StorageNames(torch.fx.Interpreter):
+    """Runs a unit node by node, naming each storage a value occupies after the first node that
+    produced it (a view is its base's), or after a `shareable` value it holds (an in-place op's
+    result sent on by that name): `names` {data pointer: node name}."""
+
+    def __init__(self, module: torch.fx.GraphModule, shareable: Set[str]):
+        super().__init__(module)
+        self.shareable, self.names = shareable, {}
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        for value in (result if isinstance(result, (tuple, list)) else (result,)):
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr():
+                ptr = value.untyped_storage().data_ptr()
+                if ptr not in self.names or (node.name in self.shareable and self.names[ptr] not in self.shareable):
+                    self.names[ptr] = node.name
+        return result
+
+
 def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Dict[str, int]]:
     """Per unit, the storages its forward saves that hold a value other units may save too
     (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
-    units, and values every stage computes again. One more forward of each unit, node by node
-    (torch.fx.Interpreter), names each storage after the first node that produced it (a view is
-    its base's), or the value it is shared as (an in-place op's result sent on)."""
+    units, and values every stage computes again. One more forward of each unit (`_StorageNames`)."""
     out = []
     for k, call in enumerate(work):
-        module, names = call.module, {}
-
-        class _Naming(torch.fx.Interpreter):
-            def run_node(self, node):
-                result = super().run_node(node)
-                for value in (result if isinstance(result, (tuple, list)) else (result,)):
-                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr():
-                        ptr = value.untyped_storage().data_ptr()
-                        if ptr not in names or (node.name in shareable and names[ptr] not in shareable):
-                            names[ptr] = node.name  # an in-place op's result: the name it is sent by
-                return result
-
         _, io = run.stages[k]
         shareable = set(io.inputs) | set(io.received) | set(io.sent) | \
-            {n.name for n in module.graph.nodes if n.name in run.captured.recomputed}
-        counter, restore = SavedBytes(module.parameters()), _InputRestore(call)  # (the inputs before it runs)
+            {n.name for n in call.module.graph.nodes if n.name in run.captured.recomputed}
+        naming = _StorageNames(call.module, shareable)
+        counter, restore = SavedBytes(call.module.parameters()), _InputRestore(call)  # (the inputs before it runs)
         with torch.enable_grad(), counter.counting():
-            result = _Naming(module).run(*call.args)
+            result = naming.run(*call.args)
             if call.is_last:
                 run.spec.loss(result, target)
         restore()
-        out.append({names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
-                    if names.get(ptr) in shareable})
+        out.append({naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
+                    if naming.names.get(ptr) in shareable})
     return out
 
 
