@@ -45,6 +45,10 @@ LLaVA casts its image features to the text embeddings' dtype before scattering t
 embedding met fp32 features and the run stopped. Each such write in a stage's graph casts its
 source to its destination's dtype (`match_written_dtypes`), as that line of the model does in one
 process (nothing where they agree).
+
+Both rules came first; an exported graph now takes the run's casts and kernels itself
+(runtime.casts), and they stay for what that leaves: a graph whose second export fails, and
+graphs traced by torch.fx that call such operators.
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from planner.model.running_stats import keeps_running_statistics
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
+from runtime.casts import recast
 from runtime.initstate import (InitState, materialise, meta_example, model_names, parameters_on_meta, release,
                                to_meta)
 
@@ -127,6 +128,7 @@ class RankModel:
     # A batch's `inputs` (positional, maybe ending in a keyword dict) as a list aligned with the
     # graph's placeholders (RankStage.model_inputs).
     input_values: Callable[[Any], List[Any]] = lambda inputs: list(inputs)
+    precision_note: str = ""  # why an exported graph keeps its fp32 casts under bf16-mixed (runtime.casts)
 
     def parameters(self) -> List[nn.Parameter]:
         """This rank's parameters, each once (a tie within the rank is one parameter)."""
@@ -191,6 +193,21 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
     return segments
 
 
+def _recast(plan: Plan, captured: CapturedModel, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> str:
+    """An exported graph computing as the run's precision does (runtime.casts), or what it could not
+    take; the model is built again on meta for it, with the random state kept (every rank draws alike)."""
+    with torch.random.fork_rng(devices=[]):
+        _, left = recast(captured, lambda: _meta_module(plan), spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], dtype, device)
+    return f"bf16-mixed: of the captured graph, {left}; the run may differ from one bf16-mixed process " \
+        f"there by bf16 rounding" if left else ""
+
+
+def _meta_module(plan: Plan) -> nn.Module:
+    module = plan_spec(plan, on_meta=True).module
+    to_meta(module)
+    return module
+
+
 def plan_spec(plan: Plan, on_meta: bool = False) -> ModelSpec:
     """The plan's model built from its entry point, arguments and seed; `on_meta`: its parameters on
     the meta device (no storage: runtime.initstate fills a rank's stages from a file)."""
@@ -200,11 +217,14 @@ def plan_spec(plan: Plan, on_meta: bool = False) -> ModelSpec:
 
 
 def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch.device = torch.device("cpu"),
-               init_state: Optional[InitState] = None, unit_segments: bool = False) -> RankModel:
+               init_state: Optional[InitState] = None, unit_segments: bool = False,
+               autocast: Optional[torch.dtype] = None) -> RankModel:
     """This rank's stages, their nodes placed on `device` (the parameters are moved by the caller).
     With `init_state` the model is built and captured on meta and only this rank's stages get
     storage, on `device`, from the file (runtime.initstate). With `unit_segments` every stage runs
-    as one segment per unit (sharded parameters are gathered per unit: runtime.shard_params)."""
+    as one segment per unit (sharded parameters are gathered per unit: runtime.shard_params).
+    With `autocast` (bf16-mixed) an exported graph's casts take the dtypes the run computes
+    (runtime.casts; where they cannot, a warning says so)."""
     device = torch.device(device)
     if init_state is None:
         spec = plan_spec(plan)
@@ -214,6 +234,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
         real_buffers = to_meta(spec.module)
         names = model_names(spec.module)
         captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))
+    precision_note = _recast(plan, captured, spec, autocast, device) if autocast is not None else ""
     if device.type != "cpu" or init_state is not None:
         captured.place_nodes(device)
     _check_units(plan, captured)
@@ -278,7 +299,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     own = {id(t) for st in mine for t in st.module.state_dict(keep_vars=True).values()}
     used = {id(t) for module in modules for t in module.state_dict(keep_vars=True).values()}
     release([spec.module, captured.gm, *modules], used - own)
-    return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups,
+    return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups, precision_note=precision_note,
                      input_values=captured.input_values)
 
 

@@ -194,16 +194,17 @@ def _build(me: _Rank, use_tags: bool) -> None:
     """This rank's stages, process groups, optimizer and engine."""
     plan, topology, args = me.plan, me.topology, me.args
     me.init_state = InitState(args.init_state) if args.init_state else None
-    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state,
-                               unit_segments=plan.shard == "parameters")  # gathered per unit
-    for stage in me.rank_model.stages:
-        stage.module.to(me.device)
-    me.groups = Groups(topology, me.rank, me.rank_model.tied_groups, per_replica=plan.sync_every > 1)
-    actions = plan.instruction_lists()[me.pipeline_rank]
     me.optimizer_name = args.optimizer or plan.optimizer
     if me.optimizer_name == "adam":
         me.optimizer_name = "adamw"
     me.options = training_options(args, me.optimizer_name, plan)
+    me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state,
+                               unit_segments=plan.shard == "parameters",  # gathered per unit
+                               autocast=me.options.autocast_dtype)
+    for stage in me.rank_model.stages:
+        stage.module.to(me.device)
+    me.groups = Groups(topology, me.rank, me.rank_model.tied_groups, per_replica=plan.sync_every > 1)
+    actions = plan.instruction_lists()[me.pipeline_rank]
     refused = run_refusal(plan, me.options, bool(args.checkpoint_dir))  # torchrun starts ranks unchecked
     if refused:
         raise ValueError(refused)
@@ -346,7 +347,8 @@ def _write_results(me: _Rank, first_step: int, steps: List[Dict[str, Any]], link
               # and how many through shared memory
               "gradient_all_reduce": _gradient_all_reduce(me),
               "shared_memory_reductions": _reducer(me).reductions if _reducer(me) else 0,
-              "p2p_note": me.p2p_note}
+              "p2p_note": me.p2p_note,
+              "precision_note": me.rank_model.precision_note}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:

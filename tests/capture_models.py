@@ -130,3 +130,87 @@ class PerSample(nn.Module):
 def per_sample() -> ModelSpec:
     spec = counter()
     return ModelSpec(module=PerSample(), batch=spec.batch, loss=spec.loss)
+
+
+class _Norm(nn.Module):
+    """Llama's RMSNorm: computes in fp32, returns its input's dtype (`h.to(dtype)`)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        dtype = h.dtype
+        h = h.to(torch.float32)  # nothing in fp32: the fp32 graph then reads it where `h` was meant
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(dtype)
+
+
+class _Block(nn.Module):
+    """A residual block; with `add_apart` its residual sum is done by the next unit."""
+
+    def __init__(self, dim: int, add_apart: bool):
+        super().__init__()
+        self.norm, self.lin, self.add_apart = _Norm(dim), nn.Linear(dim, dim), add_apart
+
+    def forward(self, h: torch.Tensor):
+        residual = h
+        out = self.lin(self.norm(h))
+        return (residual, out) if self.add_apart else residual + out
+
+
+class _Sum(nn.Module):
+    def forward(self, pair):
+        return pair[0] + pair[1]
+
+
+class _Head(nn.Module):
+    """ViT's cast of its input to the weight's dtype, and a mask filled with the dtype's least value."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, vocab)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(h.to(self.lin.weight.dtype))
+        return logits.masked_fill(ids.unsqueeze(-1) == 0, torch.finfo(logits.dtype).min / 2)
+
+
+class CastsLikeHF(nn.Module):
+    """The casts Hugging Face models make to a tensor's dtype, which torch.export records as
+    constants (runtime.casts): an embedding table (bf16 under bf16-mixed, so the residual stream is
+    too), norms computing in fp32 and casting back, a cast to a weight's dtype, a mask value from
+    `torch.finfo`. A branch on a shape makes torch.fx fail, so torch.export captures it. With
+    `add_apart` a residual sum is a unit of its own (a cut between them changes what crosses it
+    under bf16)."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, add_apart: bool):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_Block(dim, add_apart and k == 0) for k in range(layers))
+        self.sum = _Sum() if add_apart else None
+        self.head = _Head(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if ids.shape[-1] > 1:  # a Python branch on a shape: fx cannot trace it
+            h = h * 1.0
+        for k, block in enumerate(self.blocks):
+            h = block(h)
+            if k == 0 and self.sum is not None:
+                h = self.sum(h)
+        return self.head(h, ids)
+
+
+def casts_like_hf(vocab: int = 16, dim: int = 8, layers: int = 3, seq: int = 4, add_apart: bool = False) -> ModelSpec:
+    module = CastsLikeHF(vocab, dim, layers, add_apart)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, vocab, (batch_size, seq), generator=g)
+        return (ids,), torch.randint(1, vocab, (batch_size, seq), generator=g)
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    return ModelSpec(module=module, batch=batch, loss=loss)
