@@ -128,6 +128,8 @@ class RankModel:
     # A batch's `inputs` (positional, maybe ending in a keyword dict) as a list aligned with the
     # graph's placeholders (RankStage.model_inputs).
     input_values: Callable[[Any], List[Any]] = lambda inputs: list(inputs)
+    # the CPU generator's state right after the model was built: rank 0's random stream (runtime.streams)
+    built_rng_state: Optional[torch.Tensor] = None
     precision_note: str = ""  # why an exported graph keeps its fp32 casts under bf16-mixed (runtime.casts)
 
     def parameters(self) -> List[nn.Parameter]:
@@ -228,9 +230,11 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     device = torch.device(device)
     if init_state is None:
         spec = plan_spec(plan)
+        built_rng_state = torch.get_rng_state()
         captured = capture(spec.module)
     else:
         spec = plan_spec(plan, on_meta=True)
+        built_rng_state = torch.get_rng_state()
         real_buffers = to_meta(spec.module)
         names = model_names(spec.module)
         captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))
@@ -300,6 +304,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     used = {id(t) for module in modules for t in module.state_dict(keep_vars=True).values()}
     release([spec.module, captured.gm, *modules], used - own)
     return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups, precision_note=precision_note,
+                     built_rng_state=built_rng_state,
                      input_values=captured.input_values)
 
 

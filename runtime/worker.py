@@ -45,6 +45,7 @@ from runtime.shard_params import ParameterSharding
 from runtime.shared_memory import available, connect, ring_size
 from runtime.shared_reduce import group_bytes, reducer
 from runtime.stage import RankModel, build_rank, stage_state
+from runtime.streams import start_stream
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description="one rank of a pipeline run")
@@ -302,6 +303,8 @@ def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
     steps = []
     if me.resumed_rng is not None:
         ckpt.set_rng_state(me.resumed_rng)
+    else:  # each rank's own random stream (runtime.streams)
+        start_stream(int(me.plan.model.get("seed", 0)), rank, me.rank_model.built_rng_state)
     for step in range(first_step, args.steps):
         set_lr(me.optimizer, lr_at(me.options, step))
         stats = me.engine.run_step(step)

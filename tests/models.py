@@ -224,9 +224,11 @@ def tables(rows: int = 1000, dim: int = 32, layers: int = 4) -> ModelSpec:
 
 
 class DropoutChain(nn.Module):
-    def __init__(self, dim: int, layers: int, p: float):
+    def __init__(self, dim: int, layers: int, p: float, dropping: int):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Dropout(p)) for _ in range(layers))
+        # (no dropout module at all where none drops: torch's dropout draws a mask even at p = 0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), *([nn.Dropout(p)] if k < dropping else []))
+                                    for k in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -234,9 +236,10 @@ class DropoutChain(nn.Module):
         return x
 
 
-def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3) -> ModelSpec:
-    """Dropout after every layer: a resumed run is exact only if the random generators resume too."""
-    module = DropoutChain(dim, layers, p)
+def dropout_mlp(dim: int = 16, layers: int = 4, p: float = 0.3, dropping: int = -1) -> ModelSpec:
+    """Dropout after every layer (the first `dropping` ones only, when not -1): a resumed run is exact
+    only if the random generators resume too."""
+    module = DropoutChain(dim, layers, p, layers if dropping < 0 else dropping)
 
     def batch(n: int, step: int):
         g = torch.Generator().manual_seed(step)

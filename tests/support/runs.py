@@ -90,11 +90,14 @@ def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, sc
 def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
                     losses: Optional[List[float]] = None, first_step: int = 0,
                     buffers_of_replica: Optional[int] = None, init_state: Optional[str] = None,
-                    training: Optional[Dict[str, object]] = None) -> Dict[str, torch.Tensor]:
+                    training: Optional[Dict[str, object]] = None,
+                    replica_streams: bool = False) -> Dict[str, torch.Tensor]:
     """Single-process training on the same micro-batches: the ground truth, parameters and buffers.
     All d·m micro-batches of a step (the replicas' slices in order) contribute loss / (d·m) to one
     accumulated gradient. With `buffers_of_replica` = r, only replica r's micro-batches update the
-    buffers (running statistics), as the ranks of data-parallel replica r keep them."""
+    buffers (running statistics), as the ranks of data-parallel replica r keep them. With
+    `replica_streams` (one pipeline rank) replica r's micro-batches draw their random numbers from
+    its rank's stream (runtime.streams), as a data-parallel run does."""
     torch.set_num_threads(1)
     model = plan.model
     spec = build_spec(model["entry"], model.get("args", {}), int(model.get("seed", 0)))
@@ -119,6 +122,16 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
     copy = ComputeCopy([spec.module], options.autocast_dtype) if options.autocast_dtype is not None else None
     g, b = plan.global_batch, plan.micro_batch_size
     m = g // b
+    streams = {0: torch.get_rng_state()}  # replica -> its generator's state (replica_streams)
+    if replica_streams:
+        from runtime.streams import rank_seed
+
+        topology = plan.topology()
+        assert topology.pipeline_ranks == 1, "replica_streams: one pipeline rank"
+        for r in range(1, plan.data_parallel):
+            torch.manual_seed(rank_seed(int(model.get("seed", 0)), topology.global_rank(r, 0)))
+            streams[r] = torch.get_rng_state()
+        torch.set_rng_state(streams[0])
     for step in range(steps):
         inputs, target = spec.batch(g, step)
         micro_inputs = split_micro_batches(tuple(inputs), g, m, "inputs")
@@ -130,9 +143,13 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
         for i in range(m):
             other = buffers_of_replica is not None and i // per_replica != buffers_of_replica
             kept = [(t, t.detach().clone()) for t in spec.module.buffers()] if other else []
+            if replica_streams:
+                torch.set_rng_state(streams[i // per_replica])
             with autocast:
                 loss = spec.loss(call_model(spec.module, micro_inputs[i]), micro_targets[i]) / m
             loss.backward()
+            if replica_streams:
+                streams[i // per_replica] = torch.get_rng_state()
             total += float(loss.detach()) * m
             with torch.no_grad():
                 for t, value in kept:  # another replica's micro-batch: its ranks' buffers, not these
