@@ -5,6 +5,7 @@ from typing import Any, List, Tuple
 
 import torch
 
+from planner.model.spec import batch_problem
 from runtime.stage import RankStage
 
 
@@ -35,8 +36,9 @@ def replica_micro_batches(spec: Any, rank_model: Any, global_batch: int, data_pa
     rank builds it), its inputs aligned with the graph's placeholders, split over the replicas and
     then into micro-batches."""
     inputs, target = spec.batch(global_batch, step)
-    if not isinstance(inputs, (tuple, list)):
-        raise BatchError("batch() must return (inputs: tuple, target); inputs was not a tuple")
+    problem = batch_problem(inputs, target, global_batch)
+    if problem:
+        raise BatchError(problem)
     flat = rank_model.input_values(inputs)
     mine = split_micro_batches([flat, target], global_batch, data_parallel, "batch")[replica]
     per_replica = global_batch // data_parallel

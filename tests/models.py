@@ -346,3 +346,13 @@ def gated_branch(dim: int = 8, layers: int = 3, tied: bool = False) -> ModelSpec
         return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+def bad_batch(kind: str = "bare") -> ModelSpec:
+    """A batch function a user gets wrong: `bare` returns a tensor, not a tuple, for the inputs;
+    `target` a target without the batch dimension."""
+    def batch(n: int, step: int):
+        x, y = torch.randn(n, 4), torch.randn(n, 4)
+        return (x, y) if kind == "bare" else ((x,), torch.randn(4))
+
+    return ModelSpec(module=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), batch=batch, loss=F.mse_loss)

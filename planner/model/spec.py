@@ -6,7 +6,7 @@ same way (`call_model`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -41,6 +41,27 @@ def call_model(module: torch.nn.Module, inputs: Any) -> Any:
     if inputs and isinstance(inputs[-1], dict):
         return module(*inputs[:-1], **inputs[-1])
     return module(*inputs)
+
+
+def batch_problem(inputs: Any, target: Any, size: int) -> Optional[str]:
+    """What is wrong with a batch of `size` from a `ModelSpec.batch` (None: nothing): its inputs must
+    be a tuple (or list) and every tensor in it and in the target needs the batch on dim 0."""
+    if not isinstance(inputs, (tuple, list)):
+        return f"batch() must return (inputs: tuple, target); inputs was a {type(inputs).__name__}" + \
+            (": wrap it, (x,)" if isinstance(inputs, torch.Tensor) else "")
+
+    def walk(obj: Any, what: str) -> Optional[str]:
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() == 0 or obj.shape[0] != size:
+                return f"{what} has shape {tuple(obj.shape)}; every batch tensor needs the batch ({size}) on dim 0"
+            return None
+        if isinstance(obj, (tuple, list)):
+            return next((p for p in (walk(o, f"{what}[{j}]") for j, o in enumerate(obj)) if p), None)
+        if isinstance(obj, dict):
+            return next((p for p in (walk(v, f"{what}[{k!r}]") for k, v in obj.items()) if p), None)
+        return None
+
+    return walk(inputs, "inputs") or walk(target, "target")
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

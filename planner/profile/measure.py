@@ -24,7 +24,7 @@ import torch
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
 from planner.model.failures import NodeRunError, UnitRunError, first_line, model_failure, unit_failure
-from planner.model.spec import ModelSpec, to_device
+from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.model.running_stats import keeps_running_statistics
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.corunners import CoRunners, host_kernel_s
@@ -234,7 +234,10 @@ def _prepare(run: _Run, smallest: int) -> None:
     captured, L = run.captured, len(run.captured.units)
     run.stages = [captured.stage_module(k, k + 1) for k in range(L)]
     # Which crossing values carry gradients: one forward with autograd on, at the smallest size.
-    inputs0, _ = run.spec.batch(smallest, 0)
+    inputs0, target0 = run.spec.batch(smallest, 0)
+    problem = batch_problem(inputs0, target0, smallest)
+    if problem:
+        raise ModelEntryError(problem)
     with torch.enable_grad():
         try:
             probe = run_all_nodes(captured, to_device(tuple(inputs0), run.dev), grad=True)
@@ -250,6 +253,9 @@ def _measure_size(run: _Run, b: int) -> None:
     """Every unit's times and saved bytes at micro-batch size b, and the values crossing each cut."""
     captured, dev, L = run.captured, run.dev, len(run.captured.units)
     inputs, target = run.spec.batch(b, 0)
+    problem = batch_problem(inputs, target, b)
+    if problem:  # the runtime refuses it too (runtime.microbatch): say so before profiling
+        raise ModelEntryError(problem)
     inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
     try:
         values = run_all_nodes(captured, inputs)

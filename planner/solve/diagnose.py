@@ -149,6 +149,10 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
     if S > L:
         return (f"{S} stages requested but the profile has only {L} units; "
                 f"use at most {L} stages, or profile the model with finer partition units")
+    if opts.num_stages > L:  # each rank holds several stages (interleaved, bfs, zb-v)
+        return (f"{S} ranks x {opts.num_stages // S} stages each ({opts.schedule}) make {opts.num_stages} stages, but "
+                f"the profile has only {L} units; use fewer ranks, fewer --virtual-stages or a schedule with one "
+                f"stage per rank, or profile the model with finer partition units")
     if not candidate_micro_batch_sizes(profile, G, opts):
         sizes = sorted(profile.micro_batch_sizes)
         smallest = sizes[0] if sizes else 1

@@ -103,6 +103,9 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "profile", "builtin:mlp", "--model-arg", "dim=-1"], "building builtin:mlp with {'dim': -1} failed"),
     (["planner.cli", "profile", "builtin:mlp", "--min-time", "inf"], "--warmup and --min-time are seconds"),
     (["planner.cli", "profile", "builtin:mlp", "--threads", "100000"], "--threads is torch threads"),
+    (["planner.cli", "profile", "tests.models:bad_batch"], "inputs was a Tensor: wrap it, (x,)"),
+    (["planner.cli", "profile", "tests.models:bad_batch", "--model-arg", "kind=target"],
+     "target has shape (4,); every batch tensor needs the batch (1) on dim 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = run_cli(args)

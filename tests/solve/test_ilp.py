@@ -169,6 +169,10 @@ def test_other_infeasible_requests():
         solve(p, CostOptions(pipeline_ranks=4, global_batch=8))
     with pytest.raises(InfeasibleError, match="only 3 units"):
         solve(p, CostOptions(pipeline_ranks=4, global_batch=8), method="brute")
+    # two ranks of two stages each need four units: said so, not "no plan fits the memory"
+    with pytest.raises(InfeasibleError, match="2 ranks x 2 stages each .interleaved. make 4 stages, but the profile "
+                                              "has only 3 units"):
+        solve(p, CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2))
 
 
 def big_profile(L=60, seed=3):
