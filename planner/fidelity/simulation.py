@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from planner.pipeline.actions import COMPUTE_KINDS
 from planner.pipeline.schedule import ActionKind
 from planner.pipeline.simulate import SimEvent
 from planner.plan.file import Plan
 
-_COMPUTE = (ActionKind.FORWARD.value, ActionKind.BACKWARD.value)
+_COMPUTE = tuple(kind.value for kind in COMPUTE_KINDS)  # the split backward's parts too
 
 
 @dataclass

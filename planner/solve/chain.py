@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -46,13 +47,15 @@ TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far bel
 
 @dataclass
 class ChainResult:
-    """The optimum of one scenario (exact within TOL): objective (s), boundaries, and DP counts."""
+    """The optimum of one scenario (exact within TOL; the best found when a deadline cut the search
+    short): objective (s), boundaries, and DP counts."""
 
     objective: float
     boundaries: List[int]
     min_max: float  # tau*: the least possible max_c T_c (a lower bound on the bottleneck)
     min_sum: float  # g_lb: the least possible sum_c T_c
     evaluations: int
+    exact: bool = True  # False: stopped at the deadline
 
 
 class ChainScenario:
@@ -212,10 +215,11 @@ class ChainScenario:
 
 
 def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
-                added: Optional[List[np.ndarray]] = None) -> Optional[ChainResult]:
+                added: Optional[List[np.ndarray]] = None, deadline: Optional[float] = None) -> Optional[ChainResult]:
     """The exact optimum of the scenario's objective over splits (memory caps included unless
     caps=False; recomputation fixed: none, or all under recompute='all'; `added` adds a per-stage
-    [a, e] time table, e.g. recomputation bounds); None when nothing fits."""
+    [a, e] time table, e.g. recomputation bounds); None when nothing fits. Past `deadline`
+    (time.perf_counter()) the search stops with the best split found (`exact` False)."""
     chain = ChainScenario(profile, b, opts, caps, added)
     L, C, m = chain.L, chain.C, chain.m
     if not 1 <= C <= L:
@@ -263,7 +267,7 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
         e_add = eps or 0.0
         found: Tuple[float, Optional[float]] = (math.inf, None)
         heap = [(-math.inf, 0, len(values) - 1, math.inf)]
-        while heap:
+        while heap and not late():
             _, lo, hi, g_right = heapq.heappop(heap)
             if m > 1:  # only thresholds with g_right + (m-1) tau + eps < U can improve
                 limit = (best[0] * (1 + TOL) - e_add - (g_right if math.isfinite(g_right) else g_lb)) / (m - 1)
@@ -286,15 +290,18 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
                 heapq.heappush(heap, (g_right + (m - 1) * values[mid + 1], mid + 1, hi, g_right))
         return found
 
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
     if chain.ar == 0.0:
         inner(None)
     else:
-        _outer(chain, inner, lambda: best[0], g_lb, tau_star, m)
+        _outer(chain, inner, lambda: best[0], g_lb, tau_star, m, late)
     return ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=best[1], min_max=tau_star, min_sum=g_lb,
-                       evaluations=evaluations[0])
+                       evaluations=evaluations[0], exact=not late())
 
 
-def _outer(chain: ChainScenario, inner, incumbent, g_lb: float, tau_star: float, m: int) -> None:
+def _outer(chain: ChainScenario, inner, incumbent, g_lb: float, tau_star: float, m: int, late) -> None:
     """Branch and bound over eps (the max per-iteration all-reduce time), as the module docstring says."""
     eps_star, _ = chain.min_max("extra")
     if not math.isfinite(eps_star):
@@ -303,7 +310,7 @@ def _outer(chain: ChainScenario, inner, incumbent, g_lb: float, tau_star: float,
     eps_values = np.unique(ext[ext >= eps_star])
     base = g_lb + (m - 1) * tau_star
     heap = [(base + eps_values[0], 0, len(eps_values) - 1, base)]
-    while heap:
+    while heap and not late():
         bound, lo, hi, f_right = heapq.heappop(heap)
         limit = incumbent() * (1 + TOL) - f_right
         hi = min(hi, int(np.searchsorted(eps_values, limit, side="right")) - 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -143,16 +143,18 @@ def _units_text(profile: Profile, first: int, end: int) -> str:
     return f"units {first}..{end - 1} {names[first].name!r}..{names[end - 1].name!r}"
 
 
+def diagnose_stages(stages: int, num_units: int) -> str:
+    return (f"{stages} stages requested but the profile has only {num_units} units; "
+            f"use at most {num_units} stages, or profile the model with finer partition units")
+
+
 def diagnose(profile: Profile, opts: CostOptions) -> str:
     """Explain why no plan exists for (profile, opts), or say that one does."""
     L, S, G = profile.num_units, opts.pipeline_ranks, opts.global_batch  # S: what --stages asked
     if S > L:
-        return (f"{S} stages requested but the profile has only {L} units; "
-                f"use at most {L} stages, or profile the model with finer partition units")
+        return diagnose_stages(S, L)
     if opts.num_stages > L:  # each rank holds several stages (interleaved, bfs, zb-v)
-        return (f"{S} ranks x {opts.num_stages // S} stages each ({opts.schedule}) make {opts.num_stages} stages, but "
-                f"the profile has only {L} units; use fewer ranks, fewer --virtual-stages or a schedule with one "
-                f"stage per rank, or profile the model with finer partition units")
+        return str(no_layout(L, opts, None, [opts.schedule]))
     if not candidate_micro_batch_sizes(profile, G, opts):
         sizes = sorted(profile.micro_batch_sizes)
         smallest = sizes[0] if sizes else 1
@@ -187,6 +189,24 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
            + (f", or use {fit_stages} stages" if fit_stages is not None else
               f"; no number of stages up to {L} fits under {format_bytes(cap)}"))
     return first_line + "\n" + fix
+
+
+def no_layout(num_units: int, opts: CostOptions, devices: Optional[int], schedules: Sequence[str]) -> InfeasibleError:
+    """The request has no layout at all: every p x d = `devices` (or the given p) needs more stages
+    than the profile's units, or no d divides the global batch."""
+    G, chunked = opts.global_batch, [s for s in schedules if s not in ("gpipe", "1f1b", "zb-h1")]
+    per_rank = f" ({', '.join(chunked)}: several per rank)" if chunked else ""
+    if devices is None and not chunked:
+        return InfeasibleError(diagnose_stages(opts.pipeline_ranks, num_units))
+    if devices is None:
+        return InfeasibleError(f"{opts.pipeline_ranks} ranks' stages{per_rank} outnumber the profile's {num_units} "
+                               f"units; use fewer ranks, a schedule with one stage per rank or fewer "
+                               f"--virtual-stages, or profile the model with finer partition units")
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    return InfeasibleError(f"no way to lay out {devices} devices: p pipeline ranks x d replicas = {devices} needs d "
+                           f"dividing the global batch {G} (d in {divisors}) and the p ranks' stages{per_rank} at "
+                           f"most the profile's {num_units} units; use another number of devices or global batch, or profile "
+                           f"the model with finer partition units")
 
 
 def infeasible_error(profile: Profile, opts: CostOptions) -> InfeasibleError:

@@ -51,6 +51,7 @@ from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
+STARTS_SHARE = 0.3  # of the time limit, at most, for the scenarios' starting plans (heuristic_plan)
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
 
@@ -103,13 +104,14 @@ def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> Optional[Lis
     return min_max_partition(profile.num_units, opts.num_stages, lambda g: table)[1]
 
 
-def _starts(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
-    """Splits worth simulating first: the fill-drain chain optimum (v = 1, no tied weights), a
-    balanced split and, under memory caps, the split with the least peak memory."""
+def _starts(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> List[List[int]]:
+    """Splits worth simulating first: the fill-drain chain optimum (v = 1, no tied weights; the best
+    the chain search has at `deadline`), a balanced split and, under memory caps, the split with the
+    least peak memory."""
     from planner.solve.dp import chain_start
 
     starts = []
-    fast = chain_start(profile, b, opts)
+    fast = chain_start(profile, b, opts, deadline)
     if fast is not None:
         starts.append(list(fast.boundaries))
     balanced = _balanced_split(profile, b, opts)
@@ -122,15 +124,17 @@ def _starts(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
     return starts
 
 
-def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None) -> Optional[Split]:
-    """A good feasible plan fast: the best simulated start, improved by local search."""
+def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None,
+                   deadline: Optional[float] = None) -> Optional[Split]:
+    """A good feasible plan fast: the best simulated start, improved by local search (both cut
+    short at `deadline`, time.perf_counter())."""
     forms = set() if forms is None else forms
     best: Optional[Split] = None
-    for boundaries in _starts(profile, b, opts):
+    for boundaries in _starts(profile, b, opts, deadline):
         found = _evaluate(profile, boundaries, b, opts, None, forms)
         if found is not None and (best is None or found.iteration_s < best.iteration_s):
             best = found
-    return local_search(profile, b, opts, best, forms) if best is not None else None
+    return local_search(profile, b, opts, best, forms, deadline) if best is not None else None
 
 
 def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
@@ -206,8 +210,10 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     alone, with the scenarios' lower bounds as its bound, or the exact search where the heuristic
     finds no plan that fits); None when nothing fits."""
     started = time.perf_counter()
-    items = [_Scenario(opts, b, heuristic_plan(profile, b, opts) if warm_start or method == "dp" else None,
-                       scenario_lower_bound(profile, b, opts))
+    # the starts take at most a share of the time limit (the chain search is slow on large profiles)
+    deadline = None if time_limit is None else started + STARTS_SHARE * time_limit
+    items = [_Scenario(opts, b, heuristic_plan(profile, b, opts, deadline=deadline) if warm_start or method == "dp"
+                       else None, scenario_lower_bound(profile, b, opts))
              for opts in scenarios for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)]
     items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
     best = None  # (Split, _Scenario)
@@ -222,8 +228,9 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
     skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of a skipped one beats the best by more
     for index, it in enumerate(items):
-        if best is not None and it.lower_bound >= best[0].iteration_s * (1 - skip):
-            skipped = min(skipped, it.lower_bound)
+        out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
+        if best is not None and (out_of_time or it.lower_bound >= best[0].iteration_s * (1 - skip)):
+            skipped = min(skipped, it.lower_bound)  # its bound stands for it
             continue
         # the most promising scenario half the time left, each later one an equal share of it (the
         # bound is the least of theirs); what one does not use goes to those after it

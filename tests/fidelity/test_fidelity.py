@@ -76,6 +76,16 @@ def test_simulation_reports_busy_idle_and_memory():
     assert 0 < sim.bubble_fraction < 1
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_simulation_counts_a_split_backward_as_busy(schedule):
+    # the input and weight parts of a zero-bubble backward are compute: the simulation's busy time and
+    # bubble are the plan's (it counted forwards and whole backwards only: 75 % bubble for 16 %)
+    plan = _plan([1.0, 3.0, 2.0, 2.0], 8, schedule)
+    sim = simulate_plan(plan)
+    assert sim.bubble_fraction == pytest.approx(plan.bubble_fraction, rel=1e-9)
+    assert sum(r.busy_s for r in sim.ranks) == pytest.approx(8 * 3 * (1.0 + 3.0 + 2.0 + 2.0), rel=1e-9)
+
+
 def _fake_report(plan, forward_scale, backward_scale, measured_iteration_s, link=None):
     m = plan.num_micro_batches
     return {"model": plan.model, "measured_iteration_s": measured_iteration_s, "link": link,

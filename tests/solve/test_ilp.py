@@ -170,9 +170,14 @@ def test_other_infeasible_requests():
     with pytest.raises(InfeasibleError, match="only 3 units"):
         solve(p, CostOptions(pipeline_ranks=4, global_batch=8), method="brute")
     # two ranks of two stages each need four units: said so, not "no plan fits the memory"
-    with pytest.raises(InfeasibleError, match="2 ranks x 2 stages each .interleaved. make 4 stages, but the profile "
-                                              "has only 3 units"):
+    with pytest.raises(InfeasibleError, match="2 ranks' stages .interleaved: several per rank. outnumber the profile's "
+                                              "3 units"):
         solve(p, CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2))
+    # no layout at all: said so, not "a plan fits" (the memory floor of a request never searched)
+    with pytest.raises(InfeasibleError, match="3 ranks' stages .zb-v: several per rank. outnumber the profile's 3"):
+        solve(p, CostOptions(pipeline_ranks=3, global_batch=8, schedule="zb-v", virtual_stages=2))
+    with pytest.raises(InfeasibleError, match=r"no way to lay out 5 devices.*d in \[1, 5\]"):
+        solve(p, CostOptions(pipeline_ranks=1, global_batch=8), devices=5)
 
 
 def big_profile(L=60, seed=3):

@@ -69,6 +69,18 @@ def test_banded_chain_solver_is_exact_for_the_fill_drain_form(seed):
     assert _fill_drain(profile, 2, opts, fast.boundaries) == pytest.approx(best, rel=1e-9)
 
 
+def test_chain_search_past_its_deadline_gives_the_split_it_has():
+    """The chain search is the solver's first start; on large profiles it took minutes and the time
+    limit only began after it. Past its deadline it stops with a valid split (not claimed exact)."""
+    profile = _chain(60, 4)
+    opts = CostOptions(pipeline_ranks=4, global_batch=16, data_parallel=2, bandwidth=1e8, latency=1e-4)
+    exact = solve_chain(profile, 2, opts)
+    cut = solve_chain(profile, 2, opts, deadline=time.perf_counter())
+    assert exact.exact and not cut.exact and cut.evaluations <= exact.evaluations
+    assert len(cut.boundaries) == opts.num_stages - 1 and cut.objective >= exact.objective * (1 - 1e-12)
+    assert _fill_drain(profile, 2, opts, cut.boundaries) == pytest.approx(cut.objective - opts.step_overhead_s)
+
+
 def test_step_overhead_is_added_to_every_objective_and_bound():
     profile = _chain(12, 3)
     opts = CostOptions(pipeline_ranks=3, global_batch=8)
