@@ -49,6 +49,12 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # reading it means setting it
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """A temporary path beside `path` (same suffix) to write the file to; renamed onto `path` when
@@ -62,6 +68,7 @@ def atomic_path(path: str) -> Iterator[str]:
         raise JsonFileError(f"cannot write {path!r}: {e.strerror or e}") from None
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (mkstemp's is 0600: unreadable to others)
         yield tmp
         try:
             os.replace(tmp, path)

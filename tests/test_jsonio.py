@@ -27,6 +27,19 @@ def test_the_temporary_keeps_the_suffix_and_replaces_on_success(tmp_path):
     assert open(path, "rb").read() == b"x" and os.listdir(tmp_path / "sub") == ["state.pt"]
 
 
+def test_a_written_file_has_the_mode_open_gives_it(tmp_path):
+    # plans and profiles are read by other users' jobs: not mkstemp's 0600
+    before = os.umask(0o022)
+    try:
+        write_json_atomic(str(tmp_path / "a.json"), {})
+        os.umask(0o077)
+        write_json_atomic(str(tmp_path / "b.json"), {})
+    finally:
+        os.umask(before)
+    assert os.stat(tmp_path / "a.json").st_mode & 0o777 == 0o644
+    assert os.stat(tmp_path / "b.json").st_mode & 0o777 == 0o600
+
+
 def test_json_without_inf_and_clear_read_errors(tmp_path):
     path = str(tmp_path / "x.json")
     write_json_atomic(path, {"t": float("inf"), "n": [1.5, float("nan")]})

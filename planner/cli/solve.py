@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import List, Optional
 
@@ -161,7 +162,9 @@ def _reserve_bytes(text: Optional[str]) -> Optional[float]:
     """--reserve: a size, or 0 for none; None: the profile's device default (planner.cost.memory)."""
     if text is None:
         return None
-    return 0.0 if text.strip() in ("0", "0B", "0b") else parse_bytes(text, "--reserve")
+    if re.fullmatch(r"\s*0*\.?0*\s*[a-zA-Z]*\s*", text) and re.search(r"0", text):  # 0, 0B, 0GiB, 0.0 ...
+        return 0.0
+    return parse_bytes(text, "--reserve")
 
 
 def ilp_backend(requested: Optional[str]) -> str:
@@ -188,6 +191,9 @@ def check_plan_flags(args: argparse.Namespace, opts, devices: Optional[int], top
             raise UsageError(f"--gap is a share of the iteration time, at least 0 and below 1, e.g. 0.01 (got {gap})")
         if getattr(args, "method", "ilp") != "ilp":
             raise UsageError(f"--gap applies to --method ilp only; drop --gap or --method {args.method}")
+    limit = getattr(args, "time_limit", None)
+    if limit is not None and not 0 < limit < float("inf"):
+        raise UsageError(f"--time-limit is seconds, more than 0 (got {limit}); leave it out to search to the proof")
     _check_local_sgd(args, opts, devices, topology is not None)
 
 

@@ -76,6 +76,8 @@ def parse_graph(text: str, where: str = "graph") -> Tuple[List[GraphNode], List[
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where} line {number}: missing or bad metric ({e})") from None
         node = nodes[-1]
+        if any(other.name == node.name for other in nodes[:-1]):
+            raise ValueError(f"{where} line {number}: node {node.name!r} is named twice; each node needs its own name")
         numbers = [node.forward_ms, node.backward_ms, node.parameter_bytes] + node.activation_sizes
         if not all(0 <= x < 1e18 for x in numbers):  # NaN fails too
             raise ValueError(f"{where} line {number}: times and sizes must be finite and >= 0")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.sizes import MAX_BYTES
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -33,6 +34,22 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+MAX_SECONDS = 1e6  # a time past this (11 days a unit) is a broken file; the solvers' arithmetic needs bounds
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _names(value: Any, read: "_Reader", where: str) -> List[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise read.error(where, f"is {_show(value)}: expected a list of node names")
+    return list(value)
+
+
 class _Reader:
     """Reads a profile's JSON values, naming the first bad one by its path in the file.
 
@@ -47,16 +64,17 @@ class _Reader:
     def error(self, where: str, problem: str) -> JsonFileError:
         return JsonFileError(f"{self.source}: {where} {problem}; re-run `planner profile`")
 
-    def number(self, value: Any, where: str, rule: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    def number(self, value: Any, where: str, rule: str, most: float = math.inf) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -math.inf < _as_float(value) <= most \
+                or value < 0:  # NaN, an int too large for a float and anything past `most` fail too
             raise self.error(where, f"is {_show(value)}: {rule}")
         return float(value)
 
     def seconds(self, value: Any, where: str) -> float:
-        return self.number(value, where, "times must be finite and >= 0")
+        return self.number(value, where, f"times must be finite, >= 0 and at most {MAX_SECONDS:.0e}", MAX_SECONDS)
 
     def count(self, value: Any, where: str) -> int:
-        return int(self.number(value, where, "byte counts must be finite and >= 0"))
+        return int(self.number(value, where, f"byte counts must be >= 0 and at most {MAX_BYTES:.0e}", MAX_BYTES))
 
     def table(self, d: Any, where: str) -> Dict[str, Any]:
         if not isinstance(d, dict):
@@ -193,7 +211,7 @@ class UnitProfile:
             backward_s=read.per_size(d.get("backward_s"), f"{where}.backward_s", read.seconds),
             saved_bytes=read.per_size(d.get("saved_bytes"), f"{where}.saved_bytes", read.count),
             output_bytes=read.per_size(d.get("output_bytes", {}), f"{where}.output_bytes", read.count, required=False),
-            nodes=list(d.get("nodes", [])),
+            nodes=_names(d.get("nodes", []), read, f"{where}.nodes"),
             running_stats=running_stats,
             optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},

@@ -163,9 +163,12 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
                 f"{', '.join(map(str, sizes))}); use a global batch that is a multiple of one of them, "
                 f"e.g. {suggestion}, or profile more micro-batch sizes")
     if opts.virtual_stages > 1 or opts.device_view is not None or opts.data_parallel > 1:
+        fixes = ["allow more memory", "more stages"] + \
+            (["fewer --virtual-stages"] if opts.virtual_stages > 1 and opts.schedule in ("interleaved", "bfs") else []) + \
+            (["--recompute auto"] if opts.recompute != "auto" else []) + \
+            (["--shard auto (ZeRO over the replicas)"] if opts.data_parallel > 1 and opts.shard == "none" else [])
         return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} stages, schedule "
-                f"{opts.schedule}, data-parallel {opts.data_parallel}; fix: allow more memory, more stages, "
-                "fewer virtual stages or --recompute auto")
+                f"{opts.schedule}, data-parallel {opts.data_parallel}; fix: {', '.join(fixes[:-1])} or {fixes[-1]}")
     floor = min_memory_plan(profile, opts)
     cap = opts.memory_cap
     if floor is None:  # cannot happen when S <= L, kept for safety

@@ -379,7 +379,8 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
 def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None
                      ) -> Solution:
     """The best replicated plan: opts.pipeline_ranks (or each scenario's) = N devices per data-parallel
-    replica, shared by S <= N stages. Exact for recompute none/all (and auto without a cap); under
+    replica, shared by S <= N stages: the fill-drain form's optimum (module docstring) for recompute
+    none/all (and auto without a cap), its simulated time reported with the busy-time bound; under
     auto with a cap the plan uses greedy-then-exact per-stage recomputation and the bound comes
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
     what it does not model, InfeasibleError when nothing fits."""

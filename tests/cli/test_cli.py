@@ -150,6 +150,8 @@ def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     (["-o", ""], "an output path is empty"),
     (["--gap", "1.5"], "--gap is a share of the iteration time"),
     (["--gap", "0.01", "--method", "dp"], "--gap applies to --method ilp only"),
+    (["--time-limit", "-1"], "--time-limit is seconds, more than 0"),
+    (["--time-limit", "nan"], "--time-limit is seconds, more than 0"),
 ])
 def test_solve_numbers_out_of_range_are_refused_before_the_search(gpt_profile, tmp_path, extra, needle):
     result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "-o", str(tmp_path / "p.json"), *extra])
@@ -373,12 +375,17 @@ _DELETE = object()
 
 BAD_PROFILES = [
     # (what is wrong, the field the error names first)
-    (_set(["units", 1, "forward_s", "2"], -0.1), 'units[1].forward_s["2"] is -0.1: times must be finite and >= 0'),
+    (_set(["units", 1, "forward_s", "2"], -0.1), 'units[1].forward_s["2"] is -0.1: times must be finite, >= 0'),
     (_set(["units", 0, "backward_s", "1"], float("nan")), 'units[0].backward_s["1"] is NaN'),
     (_set(["units", 2, "forward_s", "1"], None), 'units[2].forward_s["1"] is null'),  # how inf is written
     (_set(["units", 0, "forward_s", "1"], "fast"), 'units[0].forward_s["1"] is "fast"'),
     (_set(["units", 1, "saved_bytes", "1"], -5), 'units[1].saved_bytes["1"] is -5: byte counts must be'),
     (_set(["units", 2, "param_bytes"], -400), "units[2].param_bytes is -400"),
+    (_set(["units", 2, "param_bytes"], 10 ** 400), "units[2].param_bytes is 1000"),  # no float holds it
+    (_set(["units", 1, "saved_bytes", "1"], 1e300),
+     'units[1].saved_bytes["1"] is 1e+300: byte counts must be >= 0 and at most'),
+    (_set(["link", "latency_s"], 1e20), "link.latency_s is 1e+20: times must be finite, >= 0 and at most 1e+06"),
+    (_set(["units", 0, "nodes"], 5), "units[0].nodes is 5: expected a list of node names"),
     (_set(["units", 0, "optimizer_s"], {"sgd": -1e-3}), 'units[0].optimizer_s["sgd"] is -0.001'),
     (_set(["units", 2, "backward_s", "2"], _DELETE), "units[2].backward_s has no entry for micro-batch size 2"),
     (_set(["units", 1, "name"], "u0"), "units[1].name 'u0' repeats units[0].name"),
@@ -443,7 +450,7 @@ def test_negative_costs_are_refused_by_planner_solve(tmp_path):
     assert result.returncode == 2 and not out.exists(), result.stdout
     _no_traceback(result)
     assert result.stderr.splitlines() == [f"error: profile {bad!r}: units[0].forward_s[\"1\"] is -0.001: times must "
-                                          "be finite and >= 0; re-run `planner profile`"]
+                                          "be finite, >= 0 and at most 1e+06; re-run `planner profile`"]
 
 
 def _without_highspy(argv):

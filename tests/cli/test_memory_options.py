@@ -38,6 +38,14 @@ def test_plan_states_precision_shard_and_reserve(profile_path, tmp_path, capsys)
     assert {"precision", "shard", "reserve_bytes"} <= set(raw)
 
 
+@pytest.mark.parametrize("zero", ["0", "0B", "0GiB", "0.0"])
+def test_a_zero_reserve_in_any_unit_is_none(profile_path, tmp_path, capsys, zero):
+    out = str(tmp_path / "plan.json")
+    assert main(["solve", profile_path, "--stages", "2", "--global-batch", "4", "--reserve", zero, "-o", out]) == 0, \
+        capsys.readouterr().err
+    assert load_plan(out).reserve_bytes == 0.0
+
+
 def test_defaults_from_the_profile(profile_path, tmp_path, capsys):
     out = str(tmp_path / "plan.json")
     assert main(["solve", profile_path, "--stages", "2", "--global-batch", "4", "-o", out]) == 0

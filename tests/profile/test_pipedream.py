@@ -54,6 +54,9 @@ def test_bad_graphs_are_rejected():
     with pytest.raises(ValueError, match="cycle"):
         nodes, edges = parse_graph(DIAMOND + "\tnode5 -- node2\n")
         graph_to_profile(nodes, edges, 1, "x")
+    with pytest.raises(ValueError, match="line 3: node 'node2' is named twice"):  # the profile would refuse it
+        lines = DIAMOND.splitlines()
+        parse_graph("\n".join(lines[:2] + [lines[1]] + lines[2:]))
 
 
 def test_gnmt_imports_and_plans(tmp_path, capsys):
