@@ -50,9 +50,13 @@ def _clean(obj: Any) -> Any:
 
 
 def _umask() -> int:
-    mask = os.umask(0)  # reading it means setting it
-    os.umask(mask)
-    return mask
+    try:  # Linux says it without changing it (os.umask sets it to read it: a race with other threads)
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0)
+        os.umask(mask)
+        return mask
 
 
 @contextlib.contextmanager

@@ -14,15 +14,16 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 MAX_BYTES = 1e18
 
 
-def parse_bytes(text: str, option: str = "size") -> float:
-    """'16GiB' -> 17179869184; '512MiB', '1.5GB', '1e9' and plain byte counts work too."""
+def parse_bytes(text: str, option: str = "size", least: float = 1.0) -> float:
+    """'16GiB' -> 17179869184; '512MiB', '1.5GB', '1e9' and plain byte counts work too; at least
+    `least` bytes (a byte: a capacity or a rate; 0 where none is meant)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise UsageError(f"{option} {text!r} is not a size; write e.g. 16GiB, 512MiB, 2GB or a byte count")
     value = float(match.group(1)) * _UNITS[unit]
-    if not 1 <= value <= MAX_BYTES:  # a byte at least; past an exabyte the solvers' arithmetic breaks
-        raise UsageError(f"{option} must be 1 byte to {MAX_BYTES:.0e} (got {text!r})")
+    if not least <= value <= MAX_BYTES:  # past an exabyte the solvers' arithmetic breaks
+        raise UsageError(f"{option} must be {least:.0f} byte{'s' if least != 1 else ''} to {MAX_BYTES:.0e} (got {text!r})")
     return value
 
 

@@ -101,20 +101,18 @@ class _Recast:
         self.alone = self.kept = 0  # nodes without a twin; reads left as in fp32
 
     def run(self) -> Tuple[int, Optional[str]]:
-        key = lambda n: (n.op, str(n.target))  # noqa: E731
-        blocks = difflib.SequenceMatcher(a=[key(n) for n in self.ours], b=[key(n) for n in self.theirs],
-                                         autojunk=False)
-        for tag, i1, i2, j1, j2 in blocks.get_opcodes():
-            if tag == "insert" and i1 < len(self.ours) and self.ours[i1].name in self.captured._unit_of:
+        for tag, i1, i2, j1, j2 in _aligned(self.ours, self.theirs):
+            if tag == "insert" and self._unit_near(i1) is not None:
                 for twin in self.theirs[j1:j2]:
-                    self._insert(twin, self.ours[i1])
+                    self._insert(twin, i1)
             elif tag in ("equal", "replace") and i2 - i1 == j2 - j1:
                 for node, twin in zip(self.ours[i1:i2], self.theirs[j1:j2]):
                     self._pair(node, twin)
             else:
                 self.alone += max(i2 - i1, j2 - j1)
-        for node in [n for n in self.added if not n.users]:
-            self._erase(node)
+        for node in reversed(list(self.added)):  # later casts first: one may be an earlier one's only reader
+            if not node.users:
+                self._erase(node)
         if not self._crossing_kept():  # a safety net: each read was checked as it moved
             self._undo()
             return 0, "it stays as captured in fp32 (under bf16 autocast other values would cross the plan's cuts)"
@@ -131,18 +129,32 @@ class _Recast:
     def _mapped(self, twin: fx.Node) -> Tuple[Any, Any]:
         return fx.node.map_arg((twin.args, twin.kwargs), lambda n: self.twin_of.get(n, _UNMATCHED))
 
-    def _insert(self, twin: fx.Node, next_node: fx.Node) -> None:
+    def _unit_near(self, i: int) -> Optional[Tuple[int, int]]:
+        """(unit, position in its node list) for a node put before ours[i]: the unit of ours[i], or
+        after the last node before it that has one (before the output, say: the last unit)."""
+        unit_of, units = self.captured._unit_of, self.captured.units
+        if i < len(self.ours) and self.ours[i].name in unit_of:
+            unit = unit_of[self.ours[i].name]
+            return unit, units[unit].nodes.index(self.ours[i])
+        before = next((n for n in reversed(self.ours[:i]) if n.name in unit_of), None)
+        if before is None:
+            return None
+        unit = unit_of[before.name]
+        return unit, units[unit].nodes.index(before) + 1
+
+    def _insert(self, twin: fx.Node, i: int) -> None:
         args, kwargs = self._mapped(twin)
         if twin.op != "call_function" or twin.target not in _CASTS or \
                 _UNMATCHED in fx.node.map_aggregate((args, kwargs), lambda a: a):
             self.alone += 1
             return
-        with self.graph.inserting_before(next_node):
+        unit, position = self._unit_near(i)
+        nodes = self.captured.units[unit].nodes
+        anchor = nodes[position] if position < len(nodes) else None
+        with self.graph.inserting_before(anchor) if anchor is not None else self.graph.inserting_after(nodes[-1]):
             node = self.graph.call_function(twin.target, tuple(args), dict(kwargs))
         node.meta["module_stack"] = twin.meta.get("module_stack", [])
-        unit = self.captured._unit_of[next_node.name]
-        nodes = self.captured.units[unit].nodes
-        nodes.insert(nodes.index(next_node), node)
+        nodes.insert(position, node)
         self.captured._unit_of[node.name] = unit
         self.twin_of[twin] = node
         self.added.append(node)
@@ -160,7 +172,8 @@ class _Recast:
         self.before[node] = old
         reads = node.all_input_nodes
         node.target, node.args, node.kwargs = twin.target, tuple(args), dict(kwargs)
-        if node.all_input_nodes != reads and not self._crossing_kept():
+        # a value every stage computes again (captured.recomputed) keeps its reads: the set was made for them
+        if node.all_input_nodes != reads and (node.name in self.captured.recomputed or not self._crossing_kept()):
             node.args, node.kwargs = _reads_of((node.args, node.kwargs), (old[1], old[2]))
             self.kept += 1
             if (node.target, node.args, node.kwargs) == old:
@@ -183,6 +196,46 @@ class _Recast:
             self._erase(node)
         self.before.clear()
         self._crossing_kept()
+
+
+def _aligned(ours: List[fx.Node], theirs: List[fx.Node]) -> List[Tuple[str, int, int, int, int]]:
+    """difflib's opcodes aligning the two graphs' operation sequences, found module call by module
+    call: runs of nodes with one module stack are matched first (a layer's path is its own), then
+    the operations inside each pair of runs. difflib on a whole graph of like layers is about
+    quadratic (10 s at 10,000 nodes); per run it is linear in the layers."""
+    def runs(nodes: List[fx.Node]) -> List[Tuple[tuple, int, int]]:
+        out: List[Tuple[tuple, int, int]] = []
+        for k, node in enumerate(nodes):
+            stack = tuple(node.meta.get("module_stack") or ())
+            if out and out[-1][0] == stack:
+                out[-1] = (stack, out[-1][1], k + 1)
+            else:
+                out.append((stack, k, k + 1))
+        return out
+
+    def opcodes(a: List[Any], b: List[Any]):
+        return difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
+
+    key = lambda n: (n.op, str(n.target))  # noqa: E731
+    ours_runs, theirs_runs = runs(ours), runs(theirs)
+    out = []
+    for tag, r1, r2, q1, q2 in opcodes([r[0] for r in ours_runs], [r[0] for r in theirs_runs]):
+        i1, i2 = (ours_runs[r1][1], ours_runs[r2 - 1][2]) if r2 > r1 else (_start(ours_runs, r1, len(ours)),) * 2
+        j1, j2 = (theirs_runs[q1][1], theirs_runs[q2 - 1][2]) if q2 > q1 else \
+            (_start(theirs_runs, q1, len(theirs)),) * 2
+        if tag == "equal":
+            for (_, a1, a2), (_, b1, b2) in zip(ours_runs[r1:r2], theirs_runs[q1:q2]):
+                out += [(t, a1 + x1, a1 + x2, b1 + y1, b1 + y2) for t, x1, x2, y1, y2 in
+                        opcodes([key(n) for n in ours[a1:a2]], [key(n) for n in theirs[b1:b2]])]
+        else:  # runs of other module stacks: their operations aligned as one block
+            out += [(t, i1 + x1, i1 + x2, j1 + y1, j1 + y2) for t, x1, x2, y1, y2 in
+                    opcodes([key(n) for n in ours[i1:i2]], [key(n) for n in theirs[j1:j2]])]
+    return out
+
+
+def _start(runs: List[Tuple[tuple, int, int]], r: int, length: int) -> int:
+    """Where run r starts (the end of the sequence past the last run)."""
+    return runs[r][1] if r < len(runs) else length
 
 
 def _alike(ours: Any, theirs: Any) -> bool:

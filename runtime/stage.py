@@ -225,8 +225,8 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     With `init_state` the model is built and captured on meta and only this rank's stages get
     storage, on `device`, from the file (runtime.initstate). With `unit_segments` every stage runs
     as one segment per unit (sharded parameters are gathered per unit: runtime.shard_params).
-    With `autocast` (bf16-mixed) an exported graph's casts take the dtypes the run computes
-    (runtime.casts; where they cannot, a warning says so)."""
+    With `autocast` (bf16-mixed) an exported graph computes as the run's precision does
+    (runtime.casts; what it cannot take is the rank's `precision_note`)."""
     device = torch.device(device)
     if init_state is None:
         spec = plan_spec(plan)
@@ -238,9 +238,10 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
         real_buffers = to_meta(spec.module)
         names = model_names(spec.module)
         captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))
-    precision_note = _recast(plan, captured, spec, autocast, device) if autocast is not None else ""
     if device.type != "cpu" or init_state is not None:
         captured.place_nodes(device)
+    # after placing: the second export's nodes name the run's device too
+    precision_note = _recast(plan, captured, spec, autocast, device) if autocast is not None else ""
     _check_units(plan, captured)
     captured.check_batch_size(plan.micro_batch_size, f"plan with micro-batch size {captured.fixed_batch}")
     stages = plan.stages

@@ -4,7 +4,8 @@ Every rank builds the model after `torch.manual_seed(seed)` (identical weights),
 generator would then hand out the same numbers: a later stage's dropout the masks an earlier
 stage's layer drew for the same micro-batch, and every data-parallel replica the same masks for
 different samples. Rank 0 keeps the stream one process has once the model is built (so random
-operations that all run on rank 0 draw what one process draws); every other rank starts a stream
+operations that all run on rank 0 draw what one process draws; not with `--init-state`, whose model
+is built on meta, which draws nothing); every other rank starts a stream
 of its own from (seed, rank). Independent masks across stages and replicas, the same every run,
 kept by checkpoints. Not one process's numbers where several ranks draw: one process draws them in
 another order (every micro-batch's whole forward before the next), which no pipeline keeps.

@@ -173,7 +173,9 @@ class _Head(nn.Module):
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = self.lin(h.to(self.lin.weight.dtype))
-        return logits.masked_fill(ids.unsqueeze(-1) == 0, torch.finfo(logits.dtype).min / 2)
+        # a node naming a device (placed on the run's: runtime.stage.build_rank) and a dtype
+        floor = torch.full((1,), torch.finfo(logits.dtype).min / 2, dtype=logits.dtype, device=ids.device)
+        return torch.where(ids.unsqueeze(-1) == 0, floor, logits)
 
 
 class CastsLikeHF(nn.Module):

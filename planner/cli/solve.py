@@ -162,9 +162,7 @@ def _reserve_bytes(text: Optional[str]) -> Optional[float]:
     """--reserve: a size, or 0 for none; None: the profile's device default (planner.cost.memory)."""
     if text is None:
         return None
-    if re.fullmatch(r"\s*0*\.?0*\s*[a-zA-Z]*\s*", text) and re.search(r"0", text):  # 0, 0B, 0GiB, 0.0 ...
-        return 0.0
-    return parse_bytes(text, "--reserve")
+    return parse_bytes(text, "--reserve", least=0.0)
 
 
 def ilp_backend(requested: Optional[str]) -> str:

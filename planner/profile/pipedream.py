@@ -55,6 +55,7 @@ def parse_graph(text: str, where: str = "graph") -> Tuple[List[GraphNode], List[
     """Nodes (in file order) and edges of a PipeDream graph.txt; ValueError naming the bad line."""
     nodes: List[GraphNode] = []
     edges: List[Tuple[str, str]] = []
+    named = set()
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -76,8 +77,9 @@ def parse_graph(text: str, where: str = "graph") -> Tuple[List[GraphNode], List[
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where} line {number}: missing or bad metric ({e})") from None
         node = nodes[-1]
-        if any(other.name == node.name for other in nodes[:-1]):
+        if node.name in named:
             raise ValueError(f"{where} line {number}: node {node.name!r} is named twice; each node needs its own name")
+        named.add(node.name)
         numbers = [node.forward_ms, node.backward_ms, node.parameter_bytes] + node.activation_sizes
         if not all(0 <= x < 1e18 for x in numbers):  # NaN fails too
             raise ValueError(f"{where} line {number}: times and sizes must be finite and >= 0")

@@ -65,10 +65,10 @@ class _Reader:
         return JsonFileError(f"{self.source}: {where} {problem}; re-run `planner profile`")
 
     def number(self, value: Any, where: str, rule: str, most: float = math.inf) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -math.inf < _as_float(value) <= most \
-                or value < 0:  # NaN, an int too large for a float and anything past `most` fail too
+        number = _as_float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(number) and 0 <= number <= most):  # NaN, inf and an int no float holds fail too
             raise self.error(where, f"is {_show(value)}: {rule}")
-        return float(value)
+        return number
 
     def seconds(self, value: Any, where: str) -> float:
         return self.number(value, where, f"times must be finite, >= 0 and at most {MAX_SECONDS:.0e}", MAX_SECONDS)

@@ -290,15 +290,18 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
                 heapq.heappush(heap, (g_right + (m - 1) * values[mid + 1], mid + 1, hi, g_right))
         return found
 
+    stopped = [False]  # a loop ended on the deadline, not on its own
+
     def late() -> bool:
-        return deadline is not None and time.perf_counter() > deadline
+        stopped[0] = stopped[0] or (deadline is not None and time.perf_counter() > deadline)
+        return stopped[0]
 
     if chain.ar == 0.0:
         inner(None)
     else:
         _outer(chain, inner, lambda: best[0], g_lb, tau_star, m, late)
     return ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=best[1], min_max=tau_star, min_sum=g_lb,
-                       evaluations=evaluations[0], exact=not late())
+                       evaluations=evaluations[0], exact=not stopped[0])
 
 
 def _outer(chain: ChainScenario, inner, incumbent, g_lb: float, tau_star: float, m: int, late) -> None:

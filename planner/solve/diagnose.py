@@ -19,6 +19,7 @@ import numpy as np
 
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, fixed_bytes
 from planner.cost.options import CostOptions
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, schedule_virtual_stages
 from planner.cost.stage_memory import StageMemory
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
@@ -154,7 +155,7 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
     if S > L:
         return diagnose_stages(S, L)
     if opts.num_stages > L:  # each rank holds several stages (interleaved, bfs, zb-v)
-        return str(no_layout(L, opts, None, [opts.schedule]))
+        return no_layout_message(L, opts, None, [opts.schedule])
     if not candidate_micro_batch_sizes(profile, G, opts):
         sizes = sorted(profile.micro_batch_sizes)
         smallest = sizes[0] if sizes else 1
@@ -197,19 +198,23 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
 def no_layout(num_units: int, opts: CostOptions, devices: Optional[int], schedules: Sequence[str]) -> InfeasibleError:
     """The request has no layout at all: every p x d = `devices` (or the given p) needs more stages
     than the profile's units, or no d divides the global batch."""
-    G, chunked = opts.global_batch, [s for s in schedules if s not in ("gpipe", "1f1b", "zb-h1")]
+    return InfeasibleError(no_layout_message(num_units, opts, devices, schedules))
+
+
+def no_layout_message(num_units: int, opts: CostOptions, devices: Optional[int], schedules: Sequence[str]) -> str:
+    chunked = [s for s in schedules if schedule_virtual_stages(s) != 1]
     per_rank = f" ({', '.join(chunked)}: several per rank)" if chunked else ""
     if devices is None and not chunked:
-        return InfeasibleError(diagnose_stages(opts.pipeline_ranks, num_units))
+        return diagnose_stages(opts.pipeline_ranks, num_units)
     if devices is None:
-        return InfeasibleError(f"{opts.pipeline_ranks} ranks' stages{per_rank} outnumber the profile's {num_units} "
-                               f"units; use fewer ranks, a schedule with one stage per rank or fewer "
-                               f"--virtual-stages, or profile the model with finer partition units")
+        fewer = " or fewer --virtual-stages" if any(s in MULTI_STAGE_SCHEDULES for s in chunked) else ""
+        return (f"{opts.pipeline_ranks} ranks' stages{per_rank} outnumber the profile's {num_units} units; use fewer "
+                f"ranks, a schedule with one stage per rank{fewer}, or profile the model with finer partition units")
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    return InfeasibleError(f"no way to lay out {devices} devices: p pipeline ranks x d replicas = {devices} needs d "
-                           f"dividing the global batch {G} (d in {divisors}) and the p ranks' stages{per_rank} at "
-                           f"most the profile's {num_units} units; use another number of devices or global batch, or profile "
-                           f"the model with finer partition units")
+    return (f"no way to lay out {devices} devices: p pipeline ranks x d replicas = {devices} needs d dividing the "
+            f"global batch {opts.global_batch} (d in {divisors}) and the p ranks' stages{per_rank} at most the "
+            f"profile's {num_units} units; use another number of devices or global batch, or profile the model with "
+            f"finer partition units")
 
 
 def infeasible_error(profile: Profile, opts: CostOptions) -> InfeasibleError:

@@ -10,8 +10,9 @@ from planner.model.capture import EXAMPLE_BATCH_SIZE, capture
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
 from runtime.casts import recast
-from runtime.initstate import parameters_on_meta, to_meta
+from runtime.initstate import InitState, parameters_on_meta, to_meta
 from runtime.precision import ComputeCopy
+from runtime.stage import build_rank
 from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state
 
 ENTRY = "tests.capture_models:casts_like_hf"
@@ -57,6 +58,17 @@ def test_an_exported_graph_computes_as_one_bf16_mixed_process():
     assert changed > 0 and left is None
     assert torch.equal(graph(), eager)
     assert [[n.name for n in captured.crossing(k)] for k in range(len(captured.units) + 1)] == crossing
+
+
+def test_a_rank_built_on_meta_takes_the_casts_too(tmp_path):
+    # --init-state captures on meta: nodes naming a device are placed on the run's before the second
+    # export is matched to them (they had no twin, and kept their fp32 dtype and mask value)
+    plan = dataclasses.replace(plan_with(profile_of(ENTRY, sizes=(2,)), [2], 2, 4, "1f1b"), precision="bf16-mixed")
+    path = str(tmp_path / "init.pt")
+    torch.save(build_spec(ENTRY, {}, 0).module.state_dict(), path)
+    for rank in (0, 1):
+        model = build_rank(plan, plan.topology(), rank, init_state=InitState(path), autocast=torch.bfloat16)
+        assert model.precision_note == ""
 
 
 def test_a_read_that_would_change_a_cuts_message_stays():
