@@ -220,4 +220,9 @@ def _read_error(out_dir: str, rank: int, code: Optional[int]) -> str:
     except OSError:
         if code is not None and code < 0:
             return f"killed by signal {signal.Signals(-code).name}"
+        log = os.path.join(out_dir, f"rank{rank}.log")
+        if not os.path.exists(log) or os.path.getsize(log) == 0:  # it never reached the worker
+            return (f"exited with code {code} before starting its worker; if a script calls runtime.cli.main, "
+                    f"call it under `if __name__ == \"__main__\":` (ranks start from a fork server, which imports "
+                    f"the script again)")
         return f"exited with code {code} before reporting an error"

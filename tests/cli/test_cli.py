@@ -1,6 +1,8 @@
 """The three commands as a user runs them: outputs, exit codes, files, and one-line errors."""
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -182,6 +184,20 @@ def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
     assert result.returncode != 0
     assert "re-run `planner profile`" in result.stderr
     _no_traceback(result)
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_ranks_stop(tmp_path):
+    # the ranks start from a fork server, which imports the calling script again: they died before
+    # the worker with only "exited with code 1 before reporting an error"
+    from planner.plan.file import save_plan
+    from tests.support.runs import ROOT, plan_with, profile_of
+
+    plan_path, script = str(tmp_path / "plan.json"), tmp_path / "train.py"
+    save_plan(plan_with(profile_of("builtin:mlp"), [2], 2, 4), plan_path)
+    script.write_text("import sys\nfrom runtime.cli import main\nsys.exit(main(['execute', sys.argv[1], '--steps', '1']))\n")
+    result = subprocess.run([sys.executable, str(script), plan_path], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert result.returncode == 1 and 'if __name__ == "__main__":' in result.stderr, result.stderr
 
 
 def test_failing_rank_takes_the_others_down(tmp_path):
