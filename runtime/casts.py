@@ -97,14 +97,16 @@ class _Recast:
         self.twin_of: Dict[fx.Node, Any] = {}  # a node of the mixed graph -> ours
         self.before: Dict[fx.Node, Tuple[Any, Any, Any]] = {}  # each changed node as it was
         self.added: List[fx.Node] = []  # the casts only bf16 makes
-        self.crossing = [[n.name for n in cut] for cut in captured._crossing]
+        self.crossing = captured.crossing_names()
         self.alone = self.kept = 0  # nodes without a twin; reads left as in fp32
 
     def run(self) -> Tuple[int, Optional[str]]:
         for tag, i1, i2, j1, j2 in _aligned(self.ours, self.theirs):
-            if tag == "insert" and self._unit_near(i1) is not None:
+            near = self._unit_near(i1) if tag == "insert" else None
+            if near is not None:
                 for twin in self.theirs[j1:j2]:
-                    self._insert(twin, i1)
+                    if self._insert(twin, *near):
+                        near = (near[0], near[1] + 1)  # the next one after it
             elif tag in ("equal", "replace") and i2 - i1 == j2 - j1:
                 for node, twin in zip(self.ours[i1:i2], self.theirs[j1:j2]):
                     self._pair(node, twin)
@@ -132,32 +134,32 @@ class _Recast:
     def _unit_near(self, i: int) -> Optional[Tuple[int, int]]:
         """(unit, position in its node list) for a node put before ours[i]: the unit of ours[i], or
         after the last node before it that has one (before the output, say: the last unit)."""
-        unit_of, units = self.captured._unit_of, self.captured.units
-        if i < len(self.ours) and self.ours[i].name in unit_of:
-            unit = unit_of[self.ours[i].name]
+        unit_of, units = self.captured.unit_of_node, self.captured.units
+        if i < len(self.ours) and unit_of(self.ours[i].name) is not None:
+            unit = unit_of(self.ours[i].name)
             return unit, units[unit].nodes.index(self.ours[i])
-        before = next((n for n in reversed(self.ours[:i]) if n.name in unit_of), None)
+        before = next((n for n in reversed(self.ours[:i]) if unit_of(n.name) is not None), None)
         if before is None:
             return None
-        unit = unit_of[before.name]
+        unit = unit_of(before.name)
         return unit, units[unit].nodes.index(before) + 1
 
-    def _insert(self, twin: fx.Node, i: int) -> None:
+    def _insert(self, twin: fx.Node, unit: int, position: int) -> bool:
+        """Put a cast only bf16 makes into `unit` at `position`; whether it was one."""
         args, kwargs = self._mapped(twin)
         if twin.op != "call_function" or twin.target not in _CASTS or \
                 _UNMATCHED in fx.node.map_aggregate((args, kwargs), lambda a: a):
             self.alone += 1
-            return
-        unit, position = self._unit_near(i)
+            return False
         nodes = self.captured.units[unit].nodes
         anchor = nodes[position] if position < len(nodes) else None
         with self.graph.inserting_before(anchor) if anchor is not None else self.graph.inserting_after(nodes[-1]):
             node = self.graph.call_function(twin.target, tuple(args), dict(kwargs))
         node.meta["module_stack"] = twin.meta.get("module_stack", [])
-        nodes.insert(position, node)
-        self.captured._unit_of[node.name] = unit
+        self.captured.add_to_unit(node, unit, position)
         self.twin_of[twin] = node
         self.added.append(node)
+        return True
 
     def _pair(self, node: fx.Node, twin: fx.Node) -> None:
         self.twin_of[twin] = node
@@ -180,12 +182,10 @@ class _Recast:
                 del self.before[node]
 
     def _crossing_kept(self) -> bool:
-        self.captured._crossing = self.captured._compute_crossings()
-        return [[n.name for n in cut] for cut in self.captured._crossing] == self.crossing
+        return self.captured.crossing_names() == self.crossing
 
     def _erase(self, node: fx.Node) -> None:
-        unit = self.captured._unit_of.pop(node.name)
-        self.captured.units[unit].nodes.remove(node)
+        self.captured.remove_from_unit(node)
         self.graph.erase_node(node)
         self.added.remove(node)
 

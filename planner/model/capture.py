@@ -295,6 +295,25 @@ class CapturedModel:
                 crossing[k].append(node)
         return crossing
 
+    # --- edits (runtime.casts: a graph taking the run's precision) ---------------------------
+    def crossing_names(self) -> List[List[str]]:
+        """The names crossing every cut, derived again from the graph as it is now."""
+        self._crossing = self._compute_crossings()
+        return [[n.name for n in cut] for cut in self._crossing]
+
+    def unit_of_node(self, name: str) -> Optional[int]:
+        """The unit holding node `name` (None: a placeholder, parameter or the output)."""
+        return self._unit_of.get(name)
+
+    def add_to_unit(self, node: fx.Node, unit: int, position: int) -> None:
+        """Record a node inserted into the graph as unit `unit`'s, at `position` in its node list."""
+        self.units[unit].nodes.insert(position, node)
+        self._unit_of[node.name] = unit
+
+    def remove_from_unit(self, node: fx.Node) -> None:
+        """Forget a node (about to be erased from the graph) in its unit."""
+        self.units[self._unit_of.pop(node.name)].nodes.remove(node)
+
     # --- queries ------------------------------------------------------------------------
     @property
     def unit_names(self) -> List[str]:

@@ -10,7 +10,7 @@ from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend  # noqa: F401  (re-exported)
 from planner.solve.brute import solve_brute
-from planner.solve.diagnose import infeasible_error, no_layout
+from planner.solve.diagnose import InfeasibleError, infeasible_error, no_layout_message
 from planner.solve.search import expand_scenarios, search_scenarios
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 
@@ -44,7 +44,7 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
         raise ValueError(f"--devices must be at least 1 (got {devices})")
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
     if not scenarios:
-        raise no_layout(profile.num_units, opts, devices, list(schedules or [opts.schedule]))
+        raise InfeasibleError(no_layout_message(profile.num_units, opts, devices, list(schedules or [opts.schedule])))
     return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend,
                            warm_start=warm_start, gap=gap)
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, fixed_bytes
 from planner.cost.options import CostOptions
-from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, schedule_virtual_stages
 from planner.cost.stage_memory import StageMemory
+from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, schedule_virtual_stages
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 
@@ -165,7 +165,7 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
                 f"e.g. {suggestion}, or profile more micro-batch sizes")
     if opts.virtual_stages > 1 or opts.device_view is not None or opts.data_parallel > 1:
         fixes = ["allow more memory", "more stages"] + \
-            (["fewer --virtual-stages"] if opts.virtual_stages > 1 and opts.schedule in ("interleaved", "bfs") else []) + \
+            (["fewer --virtual-stages"] if opts.schedule in MULTI_STAGE_SCHEDULES else []) + \
             (["--recompute auto"] if opts.recompute != "auto" else []) + \
             (["--shard auto (ZeRO over the replicas)"] if opts.data_parallel > 1 and opts.shard == "none" else [])
         return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} stages, schedule "
@@ -195,13 +195,9 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
     return first_line + "\n" + fix
 
 
-def no_layout(num_units: int, opts: CostOptions, devices: Optional[int], schedules: Sequence[str]) -> InfeasibleError:
-    """The request has no layout at all: every p x d = `devices` (or the given p) needs more stages
-    than the profile's units, or no d divides the global batch."""
-    return InfeasibleError(no_layout_message(num_units, opts, devices, schedules))
-
-
 def no_layout_message(num_units: int, opts: CostOptions, devices: Optional[int], schedules: Sequence[str]) -> str:
+    """Why the request has no layout at all: every p x d = `devices` (or the given p) needs more
+    stages than the profile's units, or no d divides the global batch."""
     chunked = [s for s in schedules if schedule_virtual_stages(s) != 1]
     per_rank = f" ({', '.join(chunked)}: several per rank)" if chunked else ""
     if devices is None and not chunked:

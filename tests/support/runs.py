@@ -124,12 +124,12 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
     m = g // b
     streams = {0: torch.get_rng_state()}  # replica -> its generator's state (replica_streams)
     if replica_streams:
-        from runtime.streams import rank_seed
+        from runtime.streams import start_stream
 
         topology = plan.topology()
         assert topology.pipeline_ranks == 1, "replica_streams: one pipeline rank"
         for r in range(1, plan.data_parallel):
-            torch.manual_seed(rank_seed(int(model.get("seed", 0)), topology.global_rank(r, 0)))
+            start_stream(int(model.get("seed", 0)), topology.global_rank(r, 0), streams[0])
             streams[r] = torch.get_rng_state()
         torch.set_rng_state(streams[0])
     for step in range(steps):
