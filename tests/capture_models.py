@@ -216,3 +216,52 @@ def casts_like_hf(vocab: int = 16, dim: int = 8, layers: int = 3, seq: int = 4, 
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
     return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+class RoutedExperts(nn.Module):
+    """A mixture of experts that routes each sample to one expert by index: the tokens an expert gets
+    (`x[sel]`, `sel` from `nonzero`) and its output on them have a shape the data sets; their sum,
+    written back with `index_add` (out of place), has the input's shape."""
+
+    def __init__(self, dim: int, experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+                                     for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = torch.nonzero(route == e).squeeze(-1)
+            out = out.index_add(0, sel, expert(x[sel]))
+        return x + out
+
+
+class Routed(nn.Module):
+    def __init__(self, dim: int, experts: int, layers: int, export: bool):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.blocks = nn.ModuleList(RoutedExperts(dim, experts) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+        self.export = export
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.inp(x))
+        if self.export and x.shape[-1] % 2 == 0:  # a Python branch on a shape: fx cannot trace it
+            h = h * 1.0
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def routed(dim: int = 8, experts: int = 3, layers: int = 2, export: bool = False) -> ModelSpec:
+    """Mixture-of-experts layers with data-sized tokens per expert (RoutedExperts) after a BatchNorm."""
+    module = Routed(dim, experts, layers, export)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(17 * step + 3)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

@@ -18,6 +18,10 @@ first (`CapturedModel.merges` says which and why; rule and details in planner/mo
 and no stage ever writes into a tensor it received. The fx tracer records `a += b` in place
 (`augmented_assign`), as eager PyTorch runs it, where fx alone would record `a = a + b`.
 
+Values whose shape depends on the data (the tokens a mixture of experts routes to each expert)
+never cross a cut either: the units from the one making such a value to the last one reading it are
+joined (`CapturedModel.shape_merges`; rule in planner/model/dynamic_shapes.py).
+
 Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
 a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
 unit). Model inputs never cross: every rank rebuilds the batch itself. Parameters and buffers
@@ -46,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 from planner.model.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
+from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
 from planner.model.failures import NodeRunError, first_line
 from planner.model.inplace import AugmentedProxy, Merge, writes_across_units
 from planner.model.recomputable import needed_inputs, recomputable_nodes
@@ -167,12 +172,21 @@ class CapturedModel:
         # the forward's own argument names: fx renames a placeholder that shadows a builtin
         # (nn.Sequential's `input` becomes node `input_1`), its target keeps the argument's name
         self._arguments = [str(n.target).lstrip("*") for n in self.gm.graph.nodes if n.op == "placeholder"]
-        self.units, self.merges = _keep_writes_with_their_tensors(self.gm, self._group_units(module))
+        self.recomputed = recomputable_nodes(self.gm)  # never cross: recomputed where read
+        units = self._group_units(module)
+        self.merges = writes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units])
+        units = _joined(units, self.merges)
+        if self.method == "fx" and example_inputs is None:
+            example_inputs = example_batch(module)
+        data_sized = data_sized_nodes(self.gm, self.method, self.input_values(example_inputs)
+                                      if self.method == "fx" and example_inputs is not None else None)
+        self.shape_merges = data_sizes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units],
+                                                    data_sized, self.recomputed)
+        self.units = _joined(units, self.shape_merges)
         self._unit_of: Dict[str, int] = {}
         for index, unit in enumerate(self.units):
             for node in unit.nodes:
                 self._unit_of[node.name] = index
-        self.recomputed = recomputable_nodes(self.gm)  # never cross: recomputed where read
         self._crossing = self._compute_crossings()
 
     # --- capture ------------------------------------------------------------------------
@@ -426,16 +440,14 @@ class CapturedModel:
         return shared
 
 
-def _keep_writes_with_their_tensors(gm: fx.GraphModule, units: List[Unit]) -> Tuple[List[Unit], List[Merge]]:
-    """Units joined so that no unit boundary falls between a tensor's producer and an operation
-    writing into it (planner/model/inplace.py states the rule)."""
-    merges = writes_across_units(gm, [u.nodes for u in units], [u.name for u in units])
+def _joined(units: List[Unit], merges: List[Merge]) -> List[Unit]:
+    """`units` with each merge's range joined into one unit, named after its first."""
     joined, k = [], 0
     for merge in merges:
         joined += units[k:merge.first]
         joined.append(Unit(merge.kept, [n for u in units[merge.first:merge.last + 1] for n in u.nodes]))
         k = merge.last + 1
-    return joined + units[k:], merges
+    return joined + units[k:]
 
 
 # The batch function of the ModelSpec that built each module (export needs an example batch).

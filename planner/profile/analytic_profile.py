@@ -14,8 +14,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from planner.errors import CaptureError
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
+from planner.model.failures import NodeRunError, describe_node, model_failure
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
@@ -117,14 +119,14 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
     inputs0, _ = meta_batch(sizes[0])
     with torch.enable_grad():
-        probe = run_all_nodes(captured, inputs0, grad=True)
+        probe = _run_on_meta(captured, inputs0, sizes[0], grad=True)
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
     units = [blank_unit(u, stages[k][0], buffers=False) for k, u in enumerate(captured.units)]
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     for b in sizes:
         inputs, target = meta_batch(b)
-        values = run_all_nodes(captured, inputs)
+        values = _run_on_meta(captured, inputs, b)
         record_cut_values(captured, values, b, grad_flags, cut_values)
         for k, (stage, io) in enumerate(stages):
             args = []
@@ -156,3 +158,17 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
                "analytic": {"device_spec": device_spec_json(device)}, "attention": runs},
     )
+
+
+def _run_on_meta(captured: CapturedModel, inputs: Any, b: int, grad: bool = False) -> Dict[str, Any]:
+    """run_all_nodes on meta tensors; a node that cannot run there is one line (an operation whose
+    result the values decide, such as nonzero, has no meta kernel)."""
+    try:
+        return run_all_nodes(captured, inputs, grad=grad)
+    except NodeRunError as e:
+        if not isinstance(e.cause, NotImplementedError):
+            raise model_failure(e, b) from e
+        raise CaptureError(f"an analytic profile runs the model on the meta device, without data, and "
+                           f"{describe_node(e.node)} cannot run there ({type(e.cause).__name__}: an operation whose "
+                           "result the values decide, such as nonzero, has no meta kernel); profile it by measurement "
+                           "(without --analytic)") from e

@@ -224,7 +224,7 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
         say(f"torch.fx failed ({captured.fallback_reason}); used torch.export")
     say(f"captured {type(spec.module).__name__} with {'torch.fx' if captured.method == 'fx' else 'torch.export'}: "
         f"{L} units ({', '.join(captured.unit_names[:6])}{', …' if L > 6 else ''})")
-    for merge in captured.merges:
+    for merge in captured.merges + captured.shape_merges:
         say(f"  {', '.join(map(repr, merge.absorbed))} kept in one unit with {merge.kept!r}: {'; '.join(merge.writes)}")
     return spec, captured
 
@@ -439,6 +439,8 @@ def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes
         extra={"python": sys.version.split()[0], "shared_parameters": shared_parameters_json(captured),
                "inplace_merges": [{"unit": m.kept, "absorbed": m.absorbed, "writes": m.writes}
                                   for m in captured.merges],
+               "shape_merges": [{"unit": m.kept, "absorbed": m.absorbed, "values": m.writes}
+                                for m in captured.shape_merges],
                "measured_under": measured_under, "attention": attention_of(run.spec.module)},
         stage_overhead_s=run.stage_overhead,
         split_overhead_s=run.split_overhead,

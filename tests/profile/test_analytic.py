@@ -65,3 +65,14 @@ def test_hf_model_profiles_on_meta_in_bfloat16():
     assert profile.capture == "export" and profile.dtype == "bfloat16"
     assert profile.units[0].param_bytes == 256 * 64 * 2
     assert profile.extra["shared_parameters"][0]["units"] == ["model.embed_tokens", "lm_head"]
+
+
+def test_models_that_cannot_run_on_meta_are_one_line():
+    from planner.errors import CaptureError
+    # an operation whose result the values decide (a mixture of experts' nonzero) has no meta kernel
+    with pytest.raises(CaptureError, match="operation 'nonzero' in module 'blocks.0' cannot run there.*without "
+                                           "--analytic"):
+        analytic_profile("tests.capture_models:routed", {}, [2], FLAT)
+    # the model's own error at a size it cannot take (BatchNorm on one sample) names the operation
+    with pytest.raises(CaptureError, match="failed on a batch of 1: operation 'norm'.*Expected more than 1 value"):
+        analytic_profile("tests.capture_models:routed", {}, [1], FLAT)
