@@ -17,7 +17,8 @@ parameter group from what that kept; a recomputed forward runs in both parts (th
 what the recomputed region saved again, planner.pipeline.zerobubble):
 
     backward_input(a, e)  = (k^i + sum gi_l + sum_{l in R} f_l) / sigma
-    backward_weight(a, e) = (k^w + sum gw_l + sum_{l in R} f_l) / sigma
+    backward_weight(a, e) = (k^w + sum gw_l + walk(a, e) + sum_{l in R} f_l) / sigma
+    walk(a, e)            = sum_{a<=j<k<e} nu_j omega_k
     weight_held(a, e)     = sum_{a<=l<e-1} ((in_l if l in R else s_l) + k_l) + (in_{e-1} + k_{e-1} if e-1 in R
                             else h_{e-1}) - sum_{a<k<e, k-1 not in R} d_k      bytes held from the first to the second
 
@@ -33,6 +34,12 @@ the gradient its outputs received:
     backward_input(0, e)  = k^0 / sigma
     backward_weight(0, e) = backward(0, e)
     weight_held(0, e)     = saved(0, e) + grad(e)     (the gradient received for its outputs too)
+
+Each of the weight part's calls (omega_k of unit k: its parameter groups) walks the whole graph below
+its frontier (torch's engine finds what leads to the parameters from everything below its roots), so
+it pays for the nodes of the stage's earlier units too: nu_j = w N_j, N_j unit j's autograd nodes and
+w the seconds per node per call (Profile.weight_walk_s; 0 where not measured). Quadratic in a
+stage's units: a unit's walk within itself is in gw_l, timed alone.
 
 gi_l, gw_l, h_l: the unit's profiled parts, timed alone with gradients flowing into its inputs;
 k^i, k^w: what a later stage's split pays once on top of them, k^0: the first stage's input part
@@ -104,6 +111,12 @@ class RangeCosts:
                             for l, u in enumerate(units)], dtype=float)
         self.h = np.array([u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in units],
                           dtype=float)
+        # walk(a, e) = WALK[e] - WALK[a] - NU[a] (OMEGA[e] - OMEGA[a]), WALK[e] = sum_{k<e} omega_k NU[k]
+        walk = profile.weight_walk_s.get(b, 0.0)
+        self.nu = np.array([walk * u.weight_walk_nodes for u in units], dtype=float)
+        self.omega = np.array([u.weight_calls for u in units], dtype=float)
+        self.NU, self.OMEGA = prefix_sums(self.nu), prefix_sums(self.omega)
+        self.WALK = prefix_sums(self.omega * self.NU[:-1])
         # k_l: of h_l, the gradients kept for the weight part; known: the later stages' weight_held
         # below (each unit but the last holds all it saved, as the graph below the top frontier lives)
         self.kept_known = all(u.split_backward and b in u.weight_kept_bytes for u in units)
@@ -160,7 +173,17 @@ class RangeCosts:
         redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
         if a == 0:
             return float(self.first_call + self.G[e] - self.G[a] + redo) / speed
-        return float(self.later_weight + self.gw[a:e].sum() + redo) / speed
+        return float(self.later_weight + self.gw[a:e].sum() + self.walk(a, e) + redo) / speed
+
+    def walk(self, a: int, e: int) -> float:
+        """Seconds a later stage [a, e)'s weight calls walk through its earlier units (module docstring)."""
+        return float(self.WALK[e] - self.WALK[a] - self.NU[a] * (self.OMEGA[e] - self.OMEGA[a]))
+
+    def walk_matrix(self) -> np.ndarray:
+        """walk(a, e) for every range a < e (0 elsewhere)."""
+        valid = np.triu(np.ones((self.num_units + 1,) * 2, dtype=bool), k=1)
+        walk = (self.WALK[None, :] - self.WALK[:, None]) - self.NU[:, None] * (self.OMEGA[None, :] - self.OMEGA[:, None])
+        return np.where(valid, walk, 0.0)
 
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         if a == 0:
@@ -177,7 +200,7 @@ class RangeCosts:
         `again` the prefix sums of the recomputed forwards (0: none)."""
         first_whole = range_matrix(self.G + again)[0] + self.first_call
         backward_input = range_matrix(prefix_sums(self.gi) + again) + self.later_input
-        backward_weight = range_matrix(prefix_sums(self.gw) + again) + self.later_weight
+        backward_weight = range_matrix(prefix_sums(self.gw) + again) + self.later_weight + self.walk_matrix()
         backward_input[0] = np.where(np.isfinite(first_whole), self.first_input, np.inf)
         backward_weight[0] = first_whole
         return backward_input, backward_weight

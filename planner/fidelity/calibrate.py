@@ -114,7 +114,7 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
     # A stage's own cost (profile.stage_overhead: the call's and the engine's) is part of every rank's
     # compute: it takes the median of every rank's factor at its size (of all runs' at sizes no run
     # measured); the engine's share is folded into stage_overhead_s, so that both are scaled.
-    # A split backward's own costs (split_overhead_s) take the backward's factor; the input parts
+    # A split backward's own costs (split_overhead_s, weight_walk_s) take the backward's factor; the input parts
     # carry the engine's backward cost, as planner.cost.ranges charges it.
     overheads = {b: calibrated.stage_overhead(b) for b in calibrated.micro_batch_sizes}
     engine = calibrated.engine_overhead_s[1]
@@ -132,6 +132,8 @@ def _scale_units(profile: Profile, runs: Sequence[Run]) -> Tuple[Profile, Dict[s
             first_input, later_input, later_weight = split
             calibrated.split_overhead_s[b] = ((first_input + engine) * factor[1], (later_input + engine) * factor[1],
                                               later_weight * factor[1])
+        if b in calibrated.weight_walk_s:
+            calibrated.weight_walk_s[b] *= factor[1]
     return calibrated, factors
 
 

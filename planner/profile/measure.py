@@ -34,7 +34,7 @@ from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 from planner.profile.saved import SavedBytes
 from planner.profile.splitgrad import measure_backward_parts
 from planner.profile.timing import (UnitCall, UnitTiming, _InputRestore, measure_optimizer_steps, measure_units,
-                                    split_call_overhead)
+                                    split_call_overhead, weight_walk)
 from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -143,6 +143,7 @@ class _Run:
     whole_scale: Dict[int, Dict[str, float]] = field(default_factory=dict)
     stage_overhead: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     split_overhead: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)
+    weight_walk: Dict[int, float] = field(default_factory=dict)
 
 
 def profile_model(
@@ -280,7 +281,7 @@ def _measure_size(run: _Run, b: int) -> None:
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
-            unit.weight_kept_bytes[b] = parts[k]
+            unit.weight_kept_bytes[b], unit.weight_calls, unit.weight_walk_nodes = parts[k]
         unit.shared_saved_bytes[b] = shared[k]
         unit.input_bytes[b] = sum(_tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
@@ -294,7 +295,9 @@ def _measure_size(run: _Run, b: int) -> None:
     first_input, later_input, later_weight = run.split_overhead[b]
     run.say(f"  b={b:<4} a split backward's own cost per micro-batch (zero-bubble schedules): the first stage's "
             f"input part {first_input * 1e3:.3f} ms; a later stage's input part {later_input * 1e3:.3f} ms, weight "
-            f"part {later_weight * 1e3:.3f} ms on top of its units'")
+            f"part {later_weight * 1e3:.3f} ms on top of its units'"
+            + (f", and {run.weight_walk[b] * 1e9:.0f} ns per call per autograd node of the stage's earlier units it walks"
+               if run.weight_walk.get(b) else ""))
 
 
 class _StorageNames(torch.fx.Interpreter):
@@ -345,11 +348,14 @@ def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
     stage, and so pays what such a stage's split pays once (the engine's calls, the graph's
     analysis). With the whole model measured, the units from the second on are also timed as one
     stage in the same rounds, and `split_call_overhead` keeps that cost apart, as `_time_units`
-    does for the whole backward; the whole model's input part is the first stage's (it runs no
-    autograd). Without it, each unit's parts as timed and the first unit's input part stand in."""
+    does for the whole backward; the weight part's calls also walk the stage's earlier units, so the
+    units from the middle on are timed as a stage too, and `weight_walk` finds both its per-stage
+    cost and the walk's (quadratic in a stage's units). The whole model's input part is the first
+    stage's (it runs no autograd). Without it, each unit's parts as timed and the first unit's input part stand in."""
     L = len(work)
-    extra = [_stage_item(run, values, 0)] + ([_stage_item(run, values, 1)] if L >= 3 else []) \
-        if run.whole_model else []
+    half = (L + 1) // 2  # a second later stage [half, L): the weight part's walk and its per-stage cost apart
+    extra = [_stage_item(run, values, 0)] + ([_stage_item(run, values, 1)] if L >= 3 else []) + \
+        ([_stage_item(run, values, half)] if L >= 4 else []) if run.whole_model else []
     try:
         parts = measure_backward_parts(work + extra, run.spec.loss, target, run.dev, run.repeats)
     except torch.cuda.OutOfMemoryError:  # the model does not fit as one stage here: its units alone
@@ -357,14 +363,23 @@ def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
         extra, parts = [], measure_backward_parts(work, run.spec.loss, target, run.dev, run.repeats)
     units, stages = parts[:L], parts[L:]
     input_s, weight_s = [p.input_s for p in units], [p.weight_s for p in units]
-    later_input = later_weight = 0.0
-    if len(stages) == 2:
+    later_input = later_weight = walk = 0.0
+    if len(stages) >= 2:
         inputs = split_call_overhead(input_s[1:], stages[1].input_s)
-        weights = split_call_overhead(weight_s[1:], stages[1].weight_s)
-        input_s[1:], weight_s[1:] = inputs.unit_s, weights.unit_s
-        later_input, later_weight = inputs.call_s, weights.call_s
+        input_s[1:], later_input = inputs.unit_s, inputs.call_s
+        # the weight part's calls walk the graph below them: quadratic in a stage's units (weight_walk)
+        later_weight, walk = weight_walk(weight_s[1:], [p.weight_calls for p in units[1:]],
+                                         [p.graph_nodes for p in units[1:]],
+                                         [(0, stages[1].weight_s)] + [(half - 1, stages[2].weight_s)][:len(stages) - 2])
+        if walk:
+            weight_s[1:] = [max(t - later_weight, 0.0) for t in weight_s[1:]]
+        else:
+            weights = split_call_overhead(weight_s[1:], stages[1].weight_s)
+            weight_s[1:], later_weight = weights.unit_s, weights.call_s
     run.split_overhead[b] = ((stages[0] if stages else units[0]).input_s, later_input, later_weight)
-    return [((i, w), p.held_bytes, p.kept_bytes) for i, w, p in zip(input_s, weight_s, units)]
+    run.weight_walk[b] = walk
+    return [((i, w), p.held_bytes, p.kept_bytes, p.weight_calls, p.graph_nodes)
+            for i, w, p in zip(input_s, weight_s, units)]
 
 
 def _time_units(run: _Run, work: List[UnitCall], values: Dict[str, Any], target: Any, b: int) -> List[UnitTiming]:
@@ -444,6 +459,7 @@ def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes
                "measured_under": measured_under, "attention": attention_of(run.spec.module)},
         stage_overhead_s=run.stage_overhead,
         split_overhead_s=run.split_overhead,
+        weight_walk_s={b: w for b, w in run.weight_walk.items() if w},
     )
 
 

@@ -156,6 +156,11 @@ class UnitProfile:
     # computes again): a stage holding two neighbours that save one counts it once
     # (planner.cost.ranges). Empty: not measured (older files, analytic and imported profiles)
     shared_saved_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
+    # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
+    # measured (older files)
+    weight_calls: int = 0
+    weight_walk_nodes: int = 0
 
     @property
     def split_backward(self) -> bool:
@@ -178,6 +183,8 @@ class UnitProfile:
                if self.shared_saved_bytes else {}),
             **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **({"input_bytes": _str_keys(self.input_bytes)} if self.input_bytes else {}),
+            **({"weight_calls": self.weight_calls, "weight_walk_nodes": self.weight_walk_nodes}
+               if self.weight_calls or self.weight_walk_nodes else {}),
             **({"backward_input_s": _str_keys(self.backward_input_s),
                 "backward_weight_s": _str_keys(self.backward_weight_s),
                 "weight_held_bytes": _str_keys(self.weight_held_bytes)} if self.split_backward else {}),
@@ -219,6 +226,8 @@ class UnitProfile:
             input_bytes=read.per_size(d.get("input_bytes") or {}, f"{where}.input_bytes", read.count, required=False),
             weight_kept_bytes=read.per_size(d.get("weight_kept_bytes") or {}, f"{where}.weight_kept_bytes", read.count,
                                             required=False),
+            weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
+            weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
             shared_saved_bytes=read.per_size(
                 d.get("shared_saved_bytes") or {}, f"{where}.shared_saved_bytes",
                 lambda v, at: {str(k): read.count(n, f'{at}["{k}"]') for k, n in read.table(v, at).items()},
@@ -352,6 +361,9 @@ class Profile:
     # (the first stage's input part, a later stage's input part and weight part on top of its units'
     # parts). Empty: not measured (older profiles)
     split_overhead_s: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)
+    # b -> seconds a later stage's weight-part call spends per autograd node of the stage's earlier units
+    # it walks (planner.cost.ranges' walk term; UnitProfile.weight_calls, weight_walk_nodes). Empty: none
+    weight_walk_s: Dict[int, float] = field(default_factory=dict)
 
     def stage_overhead(self, b: int) -> Tuple[float, float]:
         """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units:
@@ -400,6 +412,8 @@ class Profile:
         if self.split_overhead_s:
             d["split_overhead_s"] = {str(b): dict(zip(_SPLIT_OVERHEAD, parts))
                                      for b, parts in sorted(self.split_overhead_s.items())}
+        if self.weight_walk_s:
+            d["weight_walk_s"] = _str_keys(self.weight_walk_s)
         d.update(self.extra)
         return d
 
@@ -443,13 +457,14 @@ class Profile:
                                       required=False).items():
             split[b] = tuple(read.seconds(parts.get(name), f'split_overhead_s["{b}"].{name}')
                              for name in _SPLIT_OVERHEAD)
+        walk = read.per_size(d.get("weight_walk_s") or {}, "weight_walk_s", read.seconds, required=False)
         engine = read.table(d.get("engine_overhead_s") or {}, "engine_overhead_s")
         engine_overhead = (read.seconds(engine.get("forward", 0.0), "engine_overhead_s.forward"),
                            read.seconds(engine.get("backward", 0.0), "engine_overhead_s.backward"))
         _check_extra(read, d, set(first_of))
         known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
                  "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
-                 "units", "cuts", "stage_overhead_s", "engine_overhead_s", "split_overhead_s"}
+                 "units", "cuts", "stage_overhead_s", "engine_overhead_s", "split_overhead_s", "weight_walk_s"}
         return cls(
             model=d.get("model", {}),
             micro_batch_sizes=sizes,
@@ -467,6 +482,7 @@ class Profile:
             stage_overhead_s=overhead,
             engine_overhead_s=engine_overhead,
             split_overhead_s=split,
+            weight_walk_s=walk,
         )
 
 

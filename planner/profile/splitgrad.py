@@ -121,6 +121,7 @@ class PendingWeights:
 
     groups: List[_Group] = field(default_factory=list)
     kept: Dict[Node, tuple] = field(default_factory=dict)  # frontier node -> the gradients it received
+    graph_nodes: int = 0  # autograd nodes below the outputs (what each weight call may walk); 0: not analysed
 
     def kept_gradients(self) -> List[torch.Tensor]:
         return [g for grads in self.kept.values() for g in grads if g is not None] + \
@@ -199,7 +200,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
                 seeds[t.grad_fn] = (t, seeds[t.grad_fn][1] + g)
             else:
                 seeds[t.grad_fn] = (t, g)
-    pending = PendingWeights(groups=_groups(trainable, consumers, on_input_path, seeds))
+    pending = PendingWeights(groups=_groups(trainable, consumers, on_input_path, seeds),
+                             graph_nodes=len(set(consumers) | {t.grad_fn for t, _ in pairs}))
     reached = [t for t in wanted if _node_of(t) in on_input_path]
     if not reached:
         return pending
@@ -263,6 +265,8 @@ class BackwardParts:
     whole_s: float
     held_bytes: int
     kept_bytes: int = 0  # of held_bytes, the kept gradients' (the rest: saved tensors still referenced)
+    weight_calls: int = 0  # the weight part's autograd calls (parameter groups)
+    graph_nodes: int = 0  # autograd nodes of its backward graph (PendingWeights.graph_nodes)
 
     def shares(self) -> Tuple[float, float]:
         """(input part, weight part) per second of the whole backward: the parts' own overhead
@@ -321,14 +325,14 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
     round-robin over the units, each round also timing the unit's whole backward as
     planner.profile.timing.measure_units does (seeded with ones, the loss for the last unit), and
     the bytes held between the two parts."""
-    held: List[Tuple[int, int]] = []
+    held: List[Tuple[int, int, int, int]] = []
     # listed once, as the runtime's engine does: the trainable ones for the split, all to tell parameters apart
     params = [[p for p in call.module.parameters() if p.requires_grad] for call in units]
     for call, own in zip(units, params):  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
         pending, size, kept = forward_and_input_part(
             forward, lambda out, call=call, own=own: first_part(call, out, own), list(call.module.parameters()))
-        held.append((size, kept))
+        held.append((size, kept, len(pending.groups), pending.graph_nodes))
         backward_weight(pending)
         _InputRestore(call)()
     times: List[List[Tuple[float, float, float]]] = [[] for _ in units]
@@ -357,8 +361,9 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
                 times[k].append((t3 - t2, t4 - t3, t1 - t0))
     for call in units:
         call.module.zero_grad(set_to_none=True)
-    return [BackwardParts(*(statistics.median(t[j] for t in ts) for j in range(3)), held_bytes=h, kept_bytes=k)
-            for ts, (h, k) in zip(times, held)]
+    return [BackwardParts(*(statistics.median(t[j] for t in ts) for j in range(3)), held_bytes=h, kept_bytes=k,
+                          weight_calls=calls, graph_nodes=nodes)
+            for ts, (h, k, calls, nodes) in zip(times, held)]
 
 
 def first_part(call: UnitCall, out, params: Sequence[torch.Tensor]) -> PendingWeights:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -181,6 +181,42 @@ class CallOverhead:
     call_s: float  # c: what a stage pays once per micro-batch, whatever units it holds
     unit_s: List[float]  # t_l: each unit's own time
     scale: float  # how the rest was spread: 1 when c explains the difference alone
+
+
+def _cross(calls: Sequence[int], nodes: Sequence[int]) -> float:
+    """sum_{j < k} nodes_j calls_k: the nodes of earlier units the calls walk."""
+    cross, below = 0.0, 0
+    for k in range(len(calls)):
+        cross += calls[k] * below
+        below += nodes[k]
+    return cross
+
+
+def weight_walk(alone: Sequence[float], calls: Sequence[int], nodes: Sequence[int],
+                stages: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
+    """(c, w) of a later stage's weight part, from its units timed `alone` and the stages
+    [first, L) timed whole, `stages` [(first, seconds)], first indexing `alone` (the first: 0).
+
+    Each of a unit's `calls` (parameter groups) walks the graph below its frontier, the nodes of
+    the stage's earlier units included, so a stage of units S pays
+    sum_{l in S} t_l + c + w sum_{j < k in S} nodes_j calls_k, t_l = max(alone_l - c, 0): c the
+    part's cost once per stage that each unit timed alone paid, w the seconds per node per call
+    (planner.cost.ranges' walk term). Two stages give both (the linear system, c >= 0); w is then
+    fitted to the largest stage. (0, 0) where it does not walk more than its units alone: then
+    split_call_overhead spreads the difference."""
+    def excess(first: int, c: float) -> Tuple[float, float]:  # (seconds above the units' t and c, nodes walked)
+        return (dict(stages)[first] - sum(max(t - c, 0.0) for t in alone[first:]) - c,
+                _cross(calls[first:], nodes[first:]))
+
+    c = 0.0
+    if len(stages) >= 2:
+        (f1, m1), (f2, m2) = stages[:2]
+        rows = [(_cross(calls[f:], nodes[f:]), -(len(alone) - f - 1), m - sum(alone[f:])) for f, m in ((f1, m1), (f2, m2))]
+        det = rows[0][0] * rows[1][1] - rows[0][1] * rows[1][0]
+        if abs(det) > 1e-12 * max(1.0, abs(rows[0][0] * rows[1][1])):
+            c = max(0.0, (rows[0][0] * rows[1][2] - rows[1][0] * rows[0][2]) / det)
+    more, cross = excess(stages[0][0], c)
+    return (c, more / cross) if more > 0 and cross > 0 else (0.0, 0.0)
 
 
 def split_call_overhead(alone: Sequence[float], whole: float) -> CallOverhead:

@@ -10,7 +10,9 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
 (planner.cost.model, stage g on rank i = the schedule's placement of g at speed sigma_i):
 
     F_g = (k^f + sum_l f_l x[l][g]) / sigma_i       B_g = (k^b + sum_l g_l x[l][g] + sum_l f_l rho[l][g]) / sigma_i
-    (zero-bubble: BI_g, BW_g the same with gi_l (and k^b), gw_l; the 'weight' memory term with h_l)
+    (zero-bubble: BI_g, BW_g the same with gi_l (and k^b), gw_l; the 'weight' memory term with h_l; BW_g of
+    g > 0 also walk_g = sum_k omega_k NU_k x[k][g] - sum_a NU_a y[a][g], y[a][g] = e[a][g-1] Omega_g linearised
+    exactly (`_walk`): the weight calls' walk of planner.cost.ranges)
     A_g = sum_k e[k][g] (lat + act_k / bw_g)        G_g = sum_k e[k][g] (lat + grad_k / bw_g)      (when > 0)
     R_i = sum_{g on i} sum_l ar_l x[l][g] + lat_i w_i,   w_i >= x[l][g] for ar_l > 0 (w_i binary: the rank
           exchanges anything; its rings' latency lat_i under a placement)
@@ -198,6 +200,8 @@ class Program:
                                                           for l in units)
                     if again:
                         expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+                    if name == "backward_weight" and g > 0:
+                        expr += self._walk(g, units) * (MS / sigma)
                     self.term[(name, g)] = self._define(f"{name}_{g}", expr)
             if g < S - 1:
                 cuts = [k for k in range(1, L) if self.cut_may_end(k, g)]
@@ -235,6 +239,26 @@ class Program:
             step -= pulp.lpSum(tie.step_s * MS / speeds[i] * self.tie_held(tie, i) for tie in self.ties)
             self.term[("reduce", i)] = self._define(f"R_{i}", reduce)
             self.term[("step", i)] = self._define(f"O_{i}", step)
+
+    def _walk(self, g: int, units: List[int]):
+        """walk(a, e) of stage g > 0 (planner.cost.ranges), seconds: sum_k omega_k NU[k] x[k][g] - NU[a] Omega_g
+        for the unit a it starts at, Omega_g = sum_l omega_l x[l][g]; the product of `cut a ends stage g - 1`
+        (s, binary) and Omega_g is y[a][g], exact by y <= Omega_g, y <= Omax s, y >= Omega_g - Omax (1 - s)."""
+        c = self.costs
+        if not c.nu.any():
+            return 0.0
+        calls = pulp.lpSum(c.omega[l] * self.x(l, g) for l in units if c.omega[l])
+        most = float(sum(c.omega[l] for l in units))
+        walk = pulp.lpSum(c.omega[k] * c.NU[k] * self.x(k, g) for k in units if c.omega[k] * c.NU[k])
+        for a in range(1, self.L):
+            if c.NU[a] <= 0 or not self.cut_may_end(a, g - 1):
+                continue
+            starts, y = self.ends(a, g - 1), _var(self.prob, f"walk_start_{a}_{g}")
+            self.add(y <= calls, f"walk_calls_{a}_{g}")
+            self.add(y <= most * starts, f"walk_starts_{a}_{g}")
+            self.add(y >= calls - most * (1 - starts), f"walk_exact_{a}_{g}")
+            walk -= c.NU[a] * y
+        return walk
 
     def _ties(self) -> None:
         """h[t][i]: tied weight t has a use on rank i (k[t][i] of them); tau_t its all-reduce

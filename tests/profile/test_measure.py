@@ -14,7 +14,7 @@ from planner.profile.corunners import CoRunners
 from planner.profile.link import FlatLinkError, bounding_link_fit, fit_link, fit_measured_link, measure_link
 from planner.profile.measure import host_drift, profile_model, steadiest_profile
 from planner.profile.profile import Profile
-from planner.profile.timing import UnitCall, measure_units, split_call_overhead
+from planner.profile.timing import UnitCall, measure_units, split_call_overhead, weight_walk
 from runtime import shared_memory
 from tests.support.runs import run_cli
 
@@ -239,6 +239,11 @@ def test_profile_with_a_co_runner_records_its_conditions():
         assert (set(unit.optimizer_s) == {"sgd", "adamw"} and all(t > 0 for t in unit.optimizer_s.values())) \
             if unit.param_bytes else unit.optimizer_s == {}
     assert [u.optimizer_s for u in again.units] == [u.optimizer_s for u in shared.units]
+    # the weight part's calls and the autograd nodes they may walk, per unit (the first unit, which
+    # never follows another in a stage, runs one whole backward: nothing analysed)
+    assert [u.weight_calls for u in shared.units] == [u.weight_calls for u in again.units]
+    assert all(u.weight_calls >= 1 and u.weight_walk_nodes > u.weight_calls for u in shared.units[1:] if u.param_bytes)
+    assert again.weight_walk_s == shared.weight_walk_s and all(w > 0 for w in shared.weight_walk_s.values())
     total = sum(u.optimizer_s.get("adamw", 0.0) for u in shared.units)
     # what the cost model charges for one rank holding every unit
     assert range_costs(again, 2, "adam").step(0, again.num_units) == pytest.approx(total) and total > 0
@@ -258,6 +263,19 @@ def test_split_call_overhead_recovers_a_per_call_cost():
         split = split_call_overhead(alone, whole)
         assert split.call_s == 0.0 and sum(split.unit_s) == pytest.approx(whole)
         assert split.scale == pytest.approx(whole / sum(alone))
+
+
+def test_weight_walk_is_what_a_stage_pays_above_its_units_per_node_walked():
+    # four units of 1 s alone, 2 calls and 10 nodes each; a stage pays c = 0.1 once and w = 0.01 per
+    # node per call of its earlier units: [0, 4) walks 2 * (10 + 20 + 30) = 120 nodes, [2, 4) 20
+    calls, nodes = [2] * 4, [10] * 4
+    whole = lambda first: (4 - first) * 0.9 + 0.1 + 0.01 * 2 * 10 * sum(range(4 - first))  # noqa: E731
+    assert weight_walk([1.0] * 4, calls, nodes, [(0, whole(0)), (2, whole(2))]) == pytest.approx((0.1, 0.01))
+    # one stage alone: no per-stage cost told apart, the excess is all walk
+    assert weight_walk([1.0] * 4, calls, nodes, [(0, 4.0 + 1.2)]) == pytest.approx((0.0, 0.01))
+    # no more than the units alone (noise, or only a per-stage cost: split_call_overhead's), or nothing walks
+    assert weight_walk([1.0, 1.0], [2, 2], [10, 10], [(0, 1.9)]) == (0.0, 0.0)
+    assert weight_walk([1.0, 1.0], [2, 0], [10, 10], [(0, 2.5)]) == (0.0, 0.0)
 
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
@@ -294,6 +312,19 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
                 {"x": {}}, [1e-5]):
         with pytest.raises(JsonFileError, match="split_overhead_s"):
             Profile.from_json(dict(data, split_overhead_s=bad))
+    p.weight_walk_s = {2: 3e-7}
+    p.units[1].weight_calls, p.units[1].weight_walk_nodes = 4, 90
+    data = json.loads(json.dumps(p.to_json()))
+    assert data["weight_walk_s"] == {"2": 3e-7} and data["units"][1]["weight_walk_nodes"] == 90
+    again = Profile.from_json(data)
+    assert again.weight_walk_s == {2: 3e-7} and (again.units[1].weight_calls, again.units[1].weight_walk_nodes) == (4, 90)
+    assert (again.units[0].weight_calls, again.units[0].weight_walk_nodes) == (0, 0)  # not written: not measured
+    for bad in ({"2": -1e-7}, {"2": float("inf")}, [3e-7]):
+        with pytest.raises(JsonFileError, match="weight_walk_s"):
+            Profile.from_json(dict(data, weight_walk_s=bad))
+    data["units"][1]["weight_calls"] = -2
+    with pytest.raises(JsonFileError, match=r"units\[1\].weight_calls"):
+        Profile.from_json(data)
 
 
 def test_the_engines_own_cost_is_added_to_every_stage_and_round_trips():

@@ -10,6 +10,7 @@ from planner.cost.options import CostOptions
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.search import scenario_lower_bound
+from tests.support.solvers import program_only
 from tests.support.synthetic import random_chain
 
 
@@ -27,11 +28,16 @@ def _chain(seed: int, L: int):
     if seed % 2 == 0:  # what the split costs a stage on top of its units (the first stage's differs)
         profile.split_overhead_s = {b: (rng.uniform(0, 1e-3), rng.uniform(0, 2e-3), rng.uniform(0, 2e-3))
                                     for b in profile.micro_batch_sizes}
+    if seed % 4 != 1:  # the weight calls' walk through a stage's earlier units (quadratic in its units)
+        walk = random.Random(seed + 1000)
+        for u in profile.units:
+            u.weight_calls, u.weight_walk_nodes = walk.randint(0, 6), walk.randint(0, 300)
+        profile.weight_walk_s = {b: walk.uniform(0, 4e-5) * b for b in profile.micro_batch_sizes}
     return profile
 
 
 @pytest.mark.parametrize("schedule,p", [("zb-h1", 3), ("zb-v", 2)])
-@pytest.mark.parametrize("seed", [1, 2, 4])
+@pytest.mark.parametrize("seed", [1, 2, 4, 7])
 def test_solver_matches_brute_force(schedule, p, seed):
     profile = _chain(seed, 6)
     free = CostOptions(pipeline_ranks=p, global_batch=8, schedule=schedule, virtual_stages=2 if schedule == "zb-v" else 1,
@@ -43,6 +49,9 @@ def test_solver_matches_brute_force(schedule, p, seed):
     found = solve(profile, opts)
     assert oracle is not None and found.status == "optimal"
     assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
+    with program_only():  # the integer program on its own (the search settles chains this small)
+        program = solve(profile, opts)
+    assert program.status == "optimal" and program.objective == pytest.approx(oracle.objective, rel=1e-9)
     again = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
     assert again.feasible and again.iteration_s == pytest.approx(found.objective, rel=1e-12)
     assert all(st.backward_input_s is not None and st.backward_weight_s is not None for st in found.cost.stages)
@@ -60,3 +69,25 @@ def test_auto_weighs_the_zero_bubble_schedules():
     assert chosen.options.schedule in ("zb-h1", "zb-v")
     one_f_one_b = solve(profile, opts)
     assert chosen.objective < one_f_one_b.objective
+
+
+def test_the_weight_calls_walk_is_quadratic_in_a_stages_units():
+    """walk(a, e) = sum_{a<=j<k<e} nu_j omega_k: each weight call of unit k walks the nodes of the
+    stage's earlier units j; the matrices the search reads and one range's cost agree with it."""
+    from planner.cost.ranges import RangeCosts
+
+    profile = _chain(2, 7)
+    costs = RangeCosts(profile, 2)
+    nu = [profile.weight_walk_s[2] * u.weight_walk_nodes for u in profile.units]
+    omega = [u.weight_calls for u in profile.units]
+    assert any(nu) and any(omega)
+    _, weight = costs.split_matrices(0.0)
+    for a in range(7):
+        for e in range(a + 1, 8):
+            walk = sum(nu[j] * omega[k] for k in range(a, e) for j in range(a, k))
+            assert costs.walk(a, e) == pytest.approx(walk, rel=1e-12, abs=1e-15)
+            if a > 0:
+                plain = costs.later_weight + sum(costs.gw[a:e])
+                assert costs.backward_weight(a, e) == pytest.approx(plain + walk, rel=1e-12)
+                assert weight[a, e] == pytest.approx(plain + walk, rel=1e-12)
+    assert costs.walk(3, 4) == 0.0  # a unit alone: its own walk is in its timed weight part
