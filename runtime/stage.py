@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, StageIO, capture
 from planner.model.entry import build_spec
@@ -64,7 +64,7 @@ class SegmentedStage(nn.Module):
             seg_args = [values[name] for name in seg.io.inputs + seg.io.received]
             if seg.recompute:
                 out = checkpoint(seg.module, *seg_args, use_reentrant=False,
-                                 context_fn=lambda m=seg.module: (noop_context_fn()[0], BuffersPutBack(m)))
+                                 context_fn=BuffersAsInForward(seg.module).contexts)
             else:
                 out = seg.module(*seg_args)
             if not seg.io.is_last:
@@ -74,24 +74,47 @@ class SegmentedStage(nn.Module):
         return tuple(values[name] for name in self.io.sent)
 
 
-class BuffersPutBack:
-    """Around a recomputation: the forward runs again in backward, and what it writes into buffers
-    (BatchNorm's running statistics and batch count) is put back afterwards, so buffers are updated
-    once per micro-batch, as without recomputation. Batch statistics, which the recomputed values
-    use, do not depend on the buffers."""
+class BuffersAsInForward:
+    """A recomputed segment's buffers, seen by the recomputation as its forward saw them and left as
+    the forward (and every later one) left them: what the forward writes into buffers (BatchNorm's
+    running statistics, spectral_norm's power-iteration vectors) is written once per micro-batch,
+    and a forward that reads them (spectral_norm) is recomputed on the values it read. The forward
+    keeps a copy of each buffer it writes (a version counter moved) from before it ran.
+    `contexts()` is checkpoint's context_fn pair (forward, recomputation)."""
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.before: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __enter__(self) -> None:
-        self.saved = [(b, b.detach().clone()) for b in self.module.buffers()]
+    def contexts(self) -> Tuple[Any, Any]:
+        return self._Forward(self), self._Recomputation(self)
 
-    def __exit__(self, *exc: Any) -> None:
-        with torch.no_grad():
-            for buffer, value in self.saved:
-                buffer.copy_(value)
-        self.saved = []
+    class _Forward:
+        def __init__(self, owner: "BuffersAsInForward"):
+            self.owner, self.copies = owner, []
+
+        def __enter__(self) -> None:
+            self.copies = [(b, b._version, b.detach().clone()) for b in self.owner.module.buffers()]
+
+        def __exit__(self, *exc: Any) -> None:
+            self.owner.before = [(b, value) for b, version, value in self.copies if b._version != version]
+            self.copies = []
+
+    class _Recomputation:
+        def __init__(self, owner: "BuffersAsInForward"):
+            self.owner, self.now = owner, []
+
+        def __enter__(self) -> None:
+            with torch.no_grad():
+                self.now = [(b, b.detach().clone()) for b, _ in self.owner.before]
+                for buffer, value in self.owner.before:
+                    buffer.copy_(value)
+
+        def __exit__(self, *exc: Any) -> None:
+            with torch.no_grad():
+                for buffer, value in self.now:
+                    buffer.copy_(value)
+            self.now = []  # (`before` stays: a zero-bubble weight part recomputes again)
 
 
 @dataclass

@@ -265,3 +265,94 @@ def routed(dim: int = 8, experts: int = 3, layers: int = 2, export: bool = False
         return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class Reversal(torch.autograd.Function):
+    """A gradient-reversal layer: forward is the identity, backward negates and scales."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return -ctx.alpha * grad, None
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class WhatFxDrops(nn.Module):
+    """What a traced graph computes differently unless capture sees it: a custom autograd Function
+    (its backward), a block with a full backward hook (fx traces through a module's forward, past its
+    hooks), one BatchNorm called at two places (its statistics), a weight clipped in place through
+    `.data` before the unit using it; with `tied`, an embedding renormalised to `max_norm` (in place)
+    whose weight the output layer reads. With `region`, a `set_grad_enabled(False)` and an autocast
+    region instead (fx does not record modes: torch.export captures the model)."""
+
+    def __init__(self, dim: int, region: bool, tied: bool):
+        super().__init__()
+        self.emb = nn.Embedding(16, dim, max_norm=1.0 if tied else None)
+        self.norm = nn.BatchNorm1d(dim)
+        self.first, self.hooked, self.last = Block(dim), Block(dim), Block(dim)
+        self.hooked.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
+        self.clip = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        self.region, self.tied = region, tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(tokens).sum(1))
+        if self.region:
+            with torch.set_grad_enabled(False):
+                scale = torch.sigmoid(self.first(h))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.clip(h * scale).float()
+            return self.out(self.last(h))
+        h = Reversal.apply(self.norm(self.first(h)), 0.5)
+        h = self.hooked(h)
+        self.clip.weight.data.clamp_(-0.2, 0.2)
+        h = self.clip(self.last(h))
+        return self.out(h) + (F.linear(h, self.emb.weight).sum(-1, keepdim=True) if self.tied else 0.0)
+
+
+def what_fx_drops(dim: int = 8, region: bool = False, tied: bool = False) -> ModelSpec:
+    torch.manual_seed(5)
+    module = WhatFxDrops(dim, region, tied)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(13 * step + 1)
+        return (torch.randint(0, 16, (batch_size, 3), generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class SpectralChain(nn.Module):
+    """Layers under spectral_norm: each forward reads and updates its power-iteration vectors."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(torch.nn.utils.parametrizations.spectral_norm(nn.Linear(dim, dim))
+                                    for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def spectral_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
+    torch.manual_seed(3)
+    module = SpectralChain(dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7 * step + 2)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
+from torch.utils.checkpoint import CheckpointFunction
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
@@ -58,14 +59,60 @@ from planner.model.recomputable import needed_inputs, recomputable_nodes
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
+def _modes() -> Tuple[bool, bool, bool, bool]:
+    """The autograd and autocast modes an operation runs under (fx records operations, not modes)."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"))
+
+
+def _hooked(module: nn.Module) -> bool:
+    """A module whose call runs hooks: fx, tracing through a module's forward, would drop them."""
+    return any(getattr(module, name, None) for name in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
 class _UnitTracer(fx.Tracer):
-    """A symbolic tracer that tags every node with the stack of module paths it was created in."""
+    """A symbolic tracer that tags every node with the stack of module paths it was created in.
+
+    What fx cannot record refuses fx (capture then tries torch.export) instead of tracing a graph
+    that computes something else: an operation under another autograd or autocast mode than the
+    model's call (`torch.no_grad()`, `set_grad_enabled(False)`, `torch.autocast` inside forward) and
+    a hook registered on a tensor inside forward. A module with hooks is called whole (a leaf), so
+    its hooks run; a custom `torch.autograd.Function` is one call too, so its backward runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proxy_buffer_attributes = True  # buffers become get_attr nodes, read per stage
         self.unit_module_stack: List[str] = []
         self.failed_at: Optional[str] = None  # innermost module running when tracing failed
+        self.modes = _modes()
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return _hooked(m) or super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root, concrete_args=None):
+        self.modes = _modes()
+        tracer = self
+        original = torch.autograd.Function.apply.__func__
+
+        def apply(cls, *args, **kwargs):  # a custom Function with a traced argument: one node
+            leaves = pytree.tree_leaves((args, kwargs))
+            if not any(isinstance(a, fx.Proxy) for a in leaves):
+                return original(cls, *args, **kwargs)
+            if cls is CheckpointFunction:  # checkpoint(fn, *args) (reentrant): fn's operations, as fx records them
+                return args[0](*args[2:])
+            if any(callable(a) and not isinstance(a, fx.Proxy) for a in leaves):
+                # the call would run code (a module's, say) the graph does not hold: its parameters
+                # would be no stage's
+                raise CaptureError(f"forward passes a function or module to the custom autograd Function "
+                                   f"{cls.__name__}, which torch.fx cannot keep as one call")
+            return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            torch.autograd.Function.apply = classmethod(original)
 
     def call_module(self, m, forward, args, kwargs):
         self.unit_module_stack.append(self.path_of_module(m))
@@ -78,13 +125,34 @@ class _UnitTracer(fx.Tracer):
         finally:
             self.unit_module_stack.pop()
 
-    def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        if kind not in ("placeholder", "output") and _modes() != self.modes:
+            raise CaptureError("an operation runs under another autograd or autocast mode than the model's call "
+                               "(torch.no_grad, set_grad_enabled or autocast inside forward), which torch.fx does "
+                               "not record")
+        if kind == "call_method" and target in ("register_hook", "register_post_accumulate_grad_hook"):
+            raise CaptureError(f"forward registers a hook on a tensor ({target}), which a captured graph does not keep")
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["module_stack"] = list(self.unit_module_stack)
         return node
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return AugmentedProxy(node, self)  # records `a += b` in place, as eager runs it
+
+
+_APPLIES: Dict[type, Callable] = {}
+
+
+def _function_apply(function: type) -> Callable:
+    """`function.apply` as a graph node's target: a plain function named after the Function (one
+    per class, so that graphs traced twice share it)."""
+    if function not in _APPLIES:
+        def apply(*args, **kwargs):
+            return function.apply(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = f"{function.__name__}_apply"
+        _APPLIES[function] = apply
+    return _APPLIES[function]
 
 
 @dataclass
@@ -208,6 +276,9 @@ class CapturedModel:
                                "build the model with planner.model.spec.build_spec or pass example_inputs")
         try:
             exported = export_graph(module, example_inputs)
+        except CaptureError as e:  # something the exported graph would leave out
+            raise CaptureError(f"cannot capture {type(module).__name__}: {fx_error or 'torch.export was asked for'}; "
+                               f"{e}") from None
         except ExportFailure as e:
             where = f" in {e.module_path!r}" if e.module_path else ""
             raise CaptureError(

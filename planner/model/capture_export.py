@@ -28,6 +28,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from planner.errors import CaptureError
+
 # Nodes that only check what export assumed about the example inputs (device, dtype, guards):
 # a stage cut out of the graph runs on other sizes and devices, so they are dropped.
 _CHECK_TARGETS = tuple(t for t in (
@@ -121,14 +123,59 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     """Export `module` on `example_inputs` (batch of 2 or more) and normalise the graph."""
     args, kwargs = split_inputs(example_inputs)
     try:
-        program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_batch(module, args, kwargs),
-                                      strict=False)
+        with _refusing_what_export_drops():
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_batch(module, args, kwargs),
+                                          strict=False)
+    except _Dropped as e:
+        raise CaptureError(f"with torch.export, {e}") from None
     except Exception as e:  # export raises many types; all mean "cannot capture"
         raise ExportFailure(e, innermost_module(module, e)) from None
     gm = program.module()
     info = gm.graph._codegen.pytree_info
     _normalise(gm, module)
     return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm))
+
+
+class _Dropped(Exception):
+    """The model does what an exported graph would silently leave out."""
+
+
+@contextlib.contextmanager
+def _refusing_what_export_drops() -> Iterator[None]:
+    """Export traces through a custom autograd Function's forward (its backward is lost) and past a
+    hook registered on a tensor (never called): both would train another model, so they stop it.
+    torch.utils.checkpoint's own Function is recomputation only and may pass."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    apply, register = torch.autograd.Function.apply.__func__, torch.Tensor.register_hook
+
+    def guarded_apply(cls, *args, **kwargs):
+        if cls is not CheckpointFunction:
+            raise _Dropped(f"forward calls the custom autograd Function {cls.__name__}, whose backward an exported "
+                           "graph does not keep; make the model traceable by torch.fx, which keeps it as one call")
+        return apply(cls, *args, **kwargs)
+
+    def guarded_register(tensor, hook):
+        raise _Dropped("forward registers a hook on a tensor (register_hook), which an exported graph does not "
+                       "keep; register it on a module (register_full_backward_hook) instead")
+
+    torch.autograd.Function.apply, torch.Tensor.register_hook = classmethod(guarded_apply), guarded_register
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply, torch.Tensor.register_hook = classmethod(apply), register
+
+
+def _body_stack(gm: fx.GraphModule, node: fx.Node) -> Dict[str, Any]:
+    """The module-call stack of the first operation in a higher-order operation's body (export
+    records the region's own node at the model's level, its body's operations where they ran)."""
+    for arg in node.args:
+        body = getattr(gm, str(arg.target), None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            for inner in body.graph.nodes:
+                if inner.op.startswith("call_") and inner.meta.get("nn_module_stack"):
+                    return inner.meta["nn_module_stack"]
+    return {}
 
 
 def _fixed_batch(gm: fx.GraphModule) -> Optional[int]:
@@ -154,6 +201,8 @@ def _normalise(gm: fx.GraphModule, root: nn.Module) -> None:
             gm.graph.erase_node(node)
             continue
         stack = node.meta.get("nn_module_stack") or {}
+        if isinstance(node.target, torch._ops.HigherOrderOperator):  # a region (set_grad_enabled, autocast)
+            stack = _body_stack(gm, node) or stack
         node.meta["module_stack"] = [path for path, _ in stack.values() if path in names]
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")

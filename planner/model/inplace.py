@@ -254,6 +254,9 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
         at = lambda reader: last_unit if reader.op == "output" else unit_of.get(reader)  # noqa: E731
         if base.op == "get_attr":  # state each stage holds across steps: every reader with the writer
             spots = [at(reader) for _, reader in readers if at(reader) is not None]
+            # and every call of a module holding it (its forward reads it where the graph does not show)
+            spots += [unit_of[n] for n in graph.nodes if n.op == "call_module" and n in unit_of and
+                      str(base.target).startswith(str(n.target) + ".")]
             tie(min(spots + [where]), max(spots + [where]), write)
             continue
         # A model input (each rank has its own copy): from the group's first write on, the graph
@@ -273,6 +276,54 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
     return ranges
 
 
+def _state_written_by(module: nn.Module) -> List[str]:
+    """Names (relative to `module`) of the state a module's call writes in place: a normalisation's
+    running statistics, an embedding's rows renormalised to `max_norm`, the buffers of a module whose
+    hooks may update them (spectral_norm's power iteration)."""
+    if getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None:
+        return [name for name, _ in module.named_buffers(recurse=False)]
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+        return ["weight"]
+    if module._forward_pre_hooks or module._forward_hooks:
+        return [name for name, _ in module.named_buffers()]
+    return []
+
+
+def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int],
+                  last_unit: int) -> List[Tuple[int, int, str]]:
+    """[(first unit, last unit, why)]: a module writing its own state (`_state_written_by`) and every
+    unit reading that state (calling a module that holds it, or reading it as an attribute) are one:
+    each stage holds its own copy (a BatchNorm called at two places, an embedding's weight tied to
+    an output layer)."""
+    calls: Dict[str, List[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(str(node.target), []).append(node)
+    roots = storage_roots(graph, root)
+    readers_of: Dict[str, List[int]] = {}  # a state name -> units reading it as an attribute (or a view of it)
+    for node in graph.nodes:
+        base = roots.get(node, node)
+        for user in node.users if base.op == "get_attr" else ():
+            spot = last_unit if user.op == "output" else unit_of.get(user)
+            if spot is not None:
+                readers_of.setdefault(str(base.target), []).append(spot)
+    ranges = []
+    for path, nodes in calls.items():
+        written = [f"{path}.{name}" for name in _state_written_by(root.get_submodule(path))]
+        if not written:
+            continue
+        spots = [unit_of[n] for n in nodes if n in unit_of]
+        for name in written:
+            spots += readers_of.get(name, [])
+            spots += [unit_of[n] for other, ns in calls.items() if name.startswith(other + ".") and other != path
+                      for n in ns if n in unit_of]
+        if spots and min(spots) != max(spots):
+            ranges.append((min(spots), max(spots), f"module {path!r} ({type(root.get_submodule(path)).__name__}) writes "
+                                                    f"its state {written[0].rsplit('.', 1)[-1]!r} in place and units "
+                                                    f"{min(spots)}-{max(spots)} read it"))
+    return ranges
+
+
 def join_ranges(ranges: Sequence[Tuple[int, int, Any]]) -> List[Tuple[int, int, List[Any]]]:
     """Overlapping unit ranges joined: [(first, last, [what tied them])], sorted."""
     joined: List[Tuple[int, int, List[Any]]] = []
@@ -289,13 +340,18 @@ def writes_across_units(gm: fx.GraphModule, units: Sequence[Sequence[fx.Node]], 
     """The unit ranges to join, by the module docstring's rule, with why (units: each unit's nodes,
     in order; `gm` holds their graph)."""
     unit_of = {node: k for k, nodes in enumerate(units) for node in nodes}
-    joined = join_ranges(units_to_merge(gm.graph, gm, unit_of, len(units) - 1))
-    return [Merge(lo, hi, names[lo], list(names[lo + 1:hi + 1]), [_why(gm, w, names, unit_of) for w in tying])
+    joined = join_ranges(units_to_merge(gm.graph, gm, unit_of, len(units) - 1) +
+                         _state_ranges(gm.graph, gm, unit_of, len(units) - 1))
+    return [Merge(lo, hi, names[lo], list(names[lo + 1:hi + 1]),
+                  [_why(gm, w, names, unit_of) if isinstance(w, Write) else w for w in tying])
             for lo, hi, tying in joined]
 
 
 def _why(gm: fx.GraphModule, write: Write, names: Sequence[str], unit_of: Dict[fx.Node, int]) -> str:
     written = write.written
+    root = storage_roots(gm.graph, gm).get(written, written)
+    if root.op == "get_attr":  # a parameter or buffer, through a view (`.data`, a slice)
+        written = root
     if written in unit_of:
         what = f"a tensor made in unit {names[unit_of[written]]!r}"
     elif written.op == "placeholder":

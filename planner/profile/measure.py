@@ -92,7 +92,8 @@ def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, g
                 name=node.name, kind="tensor" if isinstance(v, torch.Tensor) else "constant"))
             if isinstance(v, torch.Tensor):
                 record.dtype = str(v.dtype).replace("torch.", "")
-                record.requires_grad = grad_flags.get(node.name, False) and v.is_floating_point()
+                # complex activations (an FFT's) carry gradients as floating ones do
+                record.requires_grad = grad_flags.get(node.name, False) and (v.is_floating_point() or v.is_complex())
                 record.shape[b] = list(v.shape)
                 record.bytes[b] = _tensor_bytes(v)
             else:
@@ -370,7 +371,8 @@ def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
         # the weight part's calls walk the graph below them: quadratic in a stage's units (weight_walk)
         later_weight, walk = weight_walk(weight_s[1:], [p.weight_calls for p in units[1:]],
                                          [p.graph_nodes for p in units[1:]],
-                                         [(0, stages[1].weight_s)] + [(half - 1, stages[2].weight_s)][:len(stages) - 2])
+                                         [(0, stages[1].weight_s)] + ([(half - 1, stages[2].weight_s)]
+                                                                       if len(stages) > 2 else []))
         if walk:
             weight_s[1:] = [max(t - later_weight, 0.0) for t in weight_s[1:]]
         else:

@@ -1,0 +1,113 @@
+"""What a symbolically traced graph would compute differently from the model: custom autograd
+Functions, module hooks, autograd and autocast regions, tensor hooks, state a module writes in place
+(a BatchNorm called twice, an embedding's max_norm, a weight clipped through `.data`), and a forward
+that reads the buffers it updates (spectral_norm) under recomputation. Each one is kept, or the
+capture refuses it in one line; the models that keep it train like one process."""
+import pytest
+import torch
+from torch import nn
+
+from planner.errors import CaptureError
+from planner.model.capture import capture
+from planner.model.entry import build_spec
+from runtime.stage import BuffersAsInForward
+from tests.support.runs import assert_trains_like_one_process, plan_with, profile_of, reshape_plan
+
+DROPS = "tests.capture_models:what_fx_drops"
+
+
+def test_fx_keeps_functions_and_hooked_modules_whole_and_joins_writers_of_state():
+    captured = capture(build_spec(DROPS, {}, 0).module)
+    assert captured.method == "fx"
+    # the custom Function is one call (its backward runs); the hooked block is one module call
+    targets = {n.op: [] for n in captured.gm.graph.nodes}
+    for n in captured.gm.graph.nodes:
+        targets[n.op].append(getattr(n.target, "__name__", str(n.target)))
+    assert "Reversal_apply" in targets["call_function"] and "hooked" in targets["call_module"]
+    assert "hooked.a" not in targets["call_module"]
+    # BatchNorm called twice: its calls' units are one; `clip.weight.data.clamp_` joins clip's unit
+    assert captured.unit_names == ["emb", "norm", "hooked", "out"]
+    assert [(m.kept, m.absorbed) for m in captured.merges] == [("norm", ["first", "norm#2"]),
+                                                               ("hooked", ["last", "clip"])]
+    assert "module 'norm' (BatchNorm1d) writes its state" in captured.merges[0].writes[0]
+    assert "writes into parameter 'clip.weight'" in captured.merges[1].writes[0]
+    # an embedding renormalised in place (max_norm) whose weight the output reads: every unit between
+    tied = capture(build_spec(DROPS, {"tied": True}, 0).module)
+    assert tied.unit_names == ["emb"]
+
+
+def test_modes_inside_forward_go_to_torch_export():
+    captured = capture(build_spec(DROPS, {"region": True}, 0).module)
+    assert captured.method == "export" and "autograd or autocast mode" in captured.fallback_reason
+    assert len(captured.units) >= 4  # the regions sit in their modules' units
+
+
+class _TensorHook(nn.Module):
+    def __init__(self, shape_branch: bool):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.shape_branch = shape_branch
+
+    def forward(self, x):
+        if self.shape_branch and x.shape[-1] % 2 == 0:  # fx cannot trace a branch on a shape
+            x = x * 1.0
+        h = self.a(x)
+        h.register_hook(lambda g: g * 3.0)
+        return self.b(h)
+
+
+class _Function(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        from tests.capture_models import Reversal
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        return Reversal.apply(self.a(x), 0.5)
+
+
+@pytest.mark.parametrize("module,match", [
+    (_TensorHook(False), "registers a hook on a tensor"),  # fx refuses, export refuses
+    (_TensorHook(True), "registers a hook on a tensor"),
+    (_Function(), "custom autograd Function Reversal, whose backward an exported graph does not keep"),
+])
+def test_what_no_graph_keeps_is_refused_in_one_line(module, match):
+    with pytest.raises(CaptureError, match=match):
+        capture(module, example_inputs=(torch.randn(2, 4),))
+
+
+def test_recomputation_sees_the_buffers_its_forward_read():
+    """spectral_norm's forward reads and updates its vectors: a recomputation on the updated ones
+    would give other gradients (BuffersAsInForward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def layer():
+        torch.manual_seed(0)
+        return torch.nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4))
+
+    plain, recomputed, x = layer(), layer(), torch.randn(3, 4)
+    plain(x).sum().backward()
+    checkpoint(recomputed, x, use_reentrant=False, context_fn=BuffersAsInForward(recomputed).contexts).sum().backward()
+    weight = lambda m: m.parametrizations.weight.original  # noqa: E731
+    assert torch.equal(weight(recomputed).grad, weight(plain).grad)
+    for key, value in plain.state_dict().items():  # the vectors updated once, as without recomputation
+        assert torch.equal(recomputed.state_dict()[key], value), key
+
+
+def test_models_fx_would_miscompute_train_like_one_process(tmp_path):
+    # across every cut: the reversal's output crosses cut 2, the hooked block is a stage of its own
+    profile = profile_of(DROPS, sizes=(2,))
+    assert_trains_like_one_process(plan_with(profile, [1, 2, 3], 2, 8), tmp_path / "fx", DROPS, steps=2)
+    # the autograd and autocast regions, captured by torch.export
+    regions = profile_of(DROPS, {"region": True}, sizes=(2,))
+    assert_trains_like_one_process(plan_with(regions, [2, 3], 2, 8), tmp_path / "export", DROPS, {"region": True},
+                                   steps=2)
+
+
+def test_spectral_norm_recomputed_trains_like_one_process(tmp_path):
+    profile = profile_of("tests.capture_models:spectral_chain", sizes=(2,))
+    plan = plan_with(profile, [2], 2, 8)
+    plan = reshape_plan(plan, recompute={g: list(stage.units) for g, stage in enumerate(plan.stages)})
+    assert_trains_like_one_process(plan, tmp_path, "tests.capture_models:spectral_chain", steps=2)
