@@ -7,7 +7,9 @@ byte buffer holding them all, each at a 16-byte-aligned offset. Both ends derive
 the same plan values (`MessageLayout`), so nothing describing the message travels with it, but for
 the first message of a kind between two ranks: under autocast the first activation message says its
 dtypes (`DescribedLayout`), and the first gradient message says which tensors have a gradient
-(`PresenceLayout`).
+(`PresenceLayout`). A complex tensor (an FFT's output) travels as its real view (`torch.view_as_real`:
+the same bytes, a last dimension of 2), which every transport moves, and is received as a complex
+view of such a buffer; in a byte buffer it is just its bytes.
 
 A *batch* is the operations a rank posts together with `torch.distributed.batch_isend_irecv`:
 `exchange` waits for every one of them, sends and receives, before it returns; a batch of sends
@@ -28,7 +30,8 @@ import torch.distributed as dist
 _DTYPES: Dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool,
+    "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+    "complex32": torch.complex32,
 }
 _ALIGN = 16  # bytes: every dtype's view of the byte buffer starts aligned
 
@@ -90,7 +93,7 @@ class MessageLayout:
         before the send completes)."""
         self.check(tensors)
         if len(tensors) == 1:
-            return tensors[0].detach().contiguous(), not tensors[0].is_contiguous()
+            return _wire_of(tensors[0])
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         for t, view in zip(tensors, self.views(flat)):
             view.copy_(t.detach())
@@ -100,13 +103,15 @@ class MessageLayout:
         """A buffer to receive the message into."""
         if len(self.tensors) == 1:
             shape, dtype = self.tensors[0]
+            if dtype.is_complex:  # the real view it travels as (_wire_of)
+                return torch.empty((*shape, 2), dtype=dtype.to_real(), device=device)
             return torch.empty(shape, dtype=dtype, device=device)
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
     def unpack(self, wire: torch.Tensor) -> List[torch.Tensor]:
         """The message's tensors: views of the buffer that travelled (they share its storage)."""
         if len(self.tensors) == 1:
-            return [wire]
+            return [torch.view_as_complex(wire) if self.tensors[0][1].is_complex else wire]
         return self.views(wire)
 
     def views(self, flat: torch.Tensor, start: int = 0) -> List[torch.Tensor]:
@@ -149,6 +154,16 @@ class PresenceLayout:
         return self.layout.views(wire, self.header), present
 
 
+def _wire_of(tensor: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+    """The one tensor of a message as it travels, contiguous, a complex one as its real view (gloo
+    and NCCL move floating and integer tensors); and whether that is a copy (a non-contiguous or a
+    lazily conjugated tensor, which `view_as_real` cannot view, is)."""
+    tensor = tensor.detach()
+    copied = not tensor.is_contiguous() or tensor.is_conj()
+    wire = tensor.resolve_conj().contiguous()
+    return (torch.view_as_real(wire) if wire.is_complex() else wire), copied
+
+
 def _numel(shape: Tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -157,7 +172,7 @@ def _numel(shape: Tuple[int, ...]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # not from a tensor: making a complex32 one warns that it is experimental
 
 
 @dataclass
@@ -198,7 +213,7 @@ class DescribedLayout:
     """A message that says its own tensors' dtypes: the first one between two ranks under
     autocast, whose activations' dtypes the plan (profiled without it) cannot know. One byte
     buffer: a 16-byte-aligned header of one dtype code per tensor, then each tensor at the offset
-    its widest dtype (the plan's, or 8 bytes per element where that is narrower) would take, so
+    its widest dtype (the plan's, or 8 bytes per element where that is narrower: complex128 is 16) would take, so
     the receiver can size the buffer from the plan alone. Both ends then know the dtypes, and
     the pair's later messages use the exact `MessageLayout`."""
 
@@ -208,10 +223,10 @@ class DescribedLayout:
         header = -(-len(self.shapes) // _ALIGN) * _ALIGN
         self.offsets: List[int] = []
         total = header
-        for shape in self.shapes:
+        for shape, dtype in planned.tensors:
             total = -(-total // _ALIGN) * _ALIGN
             self.offsets.append(total)
-            total += _numel(shape) * 8
+            total += _numel(shape) * max(8, _itemsize(dtype))
         self.nbytes = total
 
     def empty(self, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter, is_lazy
 
 
 class InitStateError(ValueError):
@@ -86,7 +87,8 @@ def parameters_on_meta() -> Iterator[None]:
 
     def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            param = _lazy_on_meta(param) if is_lazy(param) else \
+                nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta
@@ -94,6 +96,12 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register
+
+
+def _lazy_on_meta(param: nn.Parameter) -> nn.Parameter:
+    """A lazy module's parameter (no shape yet) as one made on meta: the forward that gives it its
+    shape (planner.model.entry.materialize_lazy) then makes it there, without storage."""
+    return UninitializedParameter(requires_grad=param.requires_grad, device="meta", dtype=param.dtype)
 
 
 def model_names(model: nn.Module) -> Dict[int, str]:

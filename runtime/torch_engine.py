@@ -132,8 +132,11 @@ class StageAsTorchModule(nn.Module):
 
 def _meta(values: List[Dict[str, Any]]) -> tuple:
     """Meta tensors with the plan's shapes, dtypes and requires_grad (torch's static metadata)."""
+    def differentiable(dtype: torch.dtype) -> bool:  # complex activations (an FFT's) carry gradients too
+        return dtype.is_floating_point or dtype.is_complex
+
     return tuple(torch.empty(v["shape"], dtype=torch_dtype(v["dtype"]), device="meta")
-                 .requires_grad_(bool(v.get("requires_grad")) and torch_dtype(v["dtype"]).is_floating_point)
+                 .requires_grad_(bool(v.get("requires_grad")) and differentiable(torch_dtype(v["dtype"])))
                  for v in values if v["kind"] == "tensor")
 
 

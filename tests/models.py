@@ -356,3 +356,81 @@ def bad_batch(kind: str = "bare") -> ModelSpec:
         return (x, y) if kind == "bare" else ((x,), torch.randn(4))
 
     return ModelSpec(module=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), batch=batch, loss=F.mse_loss)
+
+
+class FFT(nn.Module):
+    def forward(self, x):
+        return torch.fft.fft(x, dim=-1)
+
+
+class ComplexMix(nn.Module):
+    """A learned complex scale: its gradient flows back through complex activations."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.wr = nn.Parameter(torch.randn(dim) * 0.5)
+        self.wi = nn.Parameter(torch.randn(dim) * 0.5)
+
+    def forward(self, z):
+        return z * torch.complex(self.wr, self.wi).to(z.dtype)
+
+
+class InverseFFT(nn.Module):
+    def forward(self, z):
+        return torch.fft.ifft(z, dim=-1).real
+
+
+class ComplexMixer(nn.Module):
+    """An FFT mixer whose activations are complex between `fft` and `ifft` (units: a, fft, mix, ifft,
+    b); with `skip`, the real input of the FFT also crosses those cuts (a message of two dtypes)."""
+
+    def __init__(self, dim: int, double: bool, skip: bool):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.fft = FFT()
+        self.mix = ComplexMix(dim)
+        self.ifft = InverseFFT()
+        self.b = nn.Linear(dim, dim)
+        self.double, self.skip = double, skip
+
+    def forward(self, x):
+        h = self.a(x)
+        z = self.mix(self.fft(h.double() if self.double else h))
+        out = self.b(self.ifft(z).float())
+        return out + h if self.skip else out
+
+
+def complex_mixer(dim: int = 8, dtype: str = "complex64", skip: bool = False) -> ModelSpec:
+    module = ComplexMixer(dim, dtype == "complex128", skip)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 22)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class LazyMLP(nn.Module):
+    """Linear layers whose input sizes are inferred on the first forward (parameters created then);
+    `norm` "batch" or "lazy": a BatchNorm (a lazy one: its statistics too are made by that forward)
+    whose running statistics that forward must not change."""
+
+    def __init__(self, dim: int, norm: str):
+        super().__init__()
+        self.a = nn.LazyLinear(dim)
+        self.b = nn.Linear(dim, dim)
+        self.norm = {"batch": nn.BatchNorm1d(dim), "lazy": nn.LazyBatchNorm1d()}.get(norm, nn.Identity())
+        self.c = nn.LazyLinear(dim)
+
+    def forward(self, x):
+        return self.c(self.norm(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+def lazy_mlp(dim: int = 8, inputs: int = 6, norm: str = "none") -> ModelSpec:
+    module = LazyMLP(dim, norm)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 50)
+        return (torch.randn(batch_size, inputs, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

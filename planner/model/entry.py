@@ -2,7 +2,8 @@
 
 `MODEL` is `builtin:NAME`, `hf:ClassName` or `package.module:function`. The function is called as
 `function(**model_args)` and returns a `ModelSpec`. Every rank builds the spec after
-`torch.manual_seed(seed)`, so all ranks start from identical weights.
+`torch.manual_seed(seed)`, so all ranks start from identical weights. Lazy modules (nn.LazyLinear)
+get their parameters here, on one forward of the spec's batch (`materialize_lazy`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from planner.model.builtin import BUILTIN_MODELS
 from planner.model.capture import remember_batch
+from planner.model.lazy import materialize_lazy
 from planner.model.spec import ModelEntryError, ModelSpec
 
 
@@ -90,6 +92,7 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
         raise ModelEntryError(f"{entry} returned {type(spec).__name__}, expected planner.ModelSpec(module=, batch=, loss=)")
     if not isinstance(spec.module, torch.nn.Module):
         raise ModelEntryError(f"{entry}: ModelSpec.module must be a torch.nn.Module")
+    materialize_lazy(spec, entry)
     remember_batch(spec.module, spec.batch)  # torch.export captures on an example batch
     return spec
 
