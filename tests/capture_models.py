@@ -292,8 +292,9 @@ class Block(nn.Module):
 class WhatFxDrops(nn.Module):
     """What a traced graph computes differently unless capture sees it: a custom autograd Function
     (its backward), a block with a full backward hook (fx traces through a module's forward, past its
-    hooks), one BatchNorm called at two places (its statistics), a weight clipped in place through
-    `.data` before the unit using it; with `tied`, an embedding renormalised to `max_norm` (in place)
+    hooks), a scripted module (fx would call its compiled forward, whose parameters no stage holds),
+    one BatchNorm called at two places (its statistics), a weight clipped in place through `.data`
+    before the unit using it; with `tied`, an embedding renormalised to `max_norm` (in place)
     whose weight the output layer reads. With `region`, a `set_grad_enabled(False)` and an autocast
     region instead (fx does not record modes: torch.export captures the model)."""
 
@@ -304,6 +305,7 @@ class WhatFxDrops(nn.Module):
         self.first, self.hooked, self.last = Block(dim), Block(dim), Block(dim)
         self.hooked.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
         self.clip = nn.Linear(dim, dim)
+        self.scripted = torch.jit.script(nn.Linear(dim, dim))
         self.out = nn.Linear(dim, dim)
         self.region, self.tied = region, tied
 
@@ -318,7 +320,7 @@ class WhatFxDrops(nn.Module):
         h = Reversal.apply(self.norm(self.first(h)), 0.5)
         h = self.hooked(h)
         self.clip.weight.data.clamp_(-0.2, 0.2)
-        h = self.clip(self.last(h))
+        h = self.clip(self.last(self.scripted(h)))
         return self.out(h) + (F.linear(h, self.emb.weight).sum(-1, keepdim=True) if self.tied else 0.0)
 
 
@@ -354,5 +356,35 @@ def spectral_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(7 * step + 2)
         return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class OptionalArguments(nn.Module):
+    """forward(x, bias=None, mask=None) with branches on None: the batches give a mask, no bias."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, bias=None, mask=None) -> torch.Tensor:
+        h = self.a(x)
+        if bias is not None:
+            h = h + bias
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def optional_arguments(dim: int = 4, bias_from: int = -1) -> ModelSpec:
+    """`bias_from`: the first step whose batch gives a bias too (-1: none)."""
+    module = OptionalArguments(dim)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        x, mask, target = torch.randn(batch_size, dim, generator=g), torch.rand(batch_size, dim, generator=g), \
+            torch.randn(batch_size, dim, generator=g)
+        extra = {"bias": torch.ones(batch_size, dim)} if 0 <= bias_from <= step else {}
+        return (x, {"mask": mask, **extra}), target
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

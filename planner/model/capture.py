@@ -40,7 +40,7 @@ import inspect
 import operator
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -78,7 +78,7 @@ class _UnitTracer(fx.Tracer):
     that computes something else: an operation under another autograd or autocast mode than the
     model's call (`torch.no_grad()`, `set_grad_enabled(False)`, `torch.autocast` inside forward) and
     a hook registered on a tensor inside forward. A module with hooks is called whole (a leaf), so
-    its hooks run; a custom `torch.autograd.Function` is one call too, so its backward runs."""
+    its hooks run, and so is a scripted one (torch.jit.script), so its parameters are the stage's; a custom `torch.autograd.Function` is one call too, so its backward runs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,7 +88,9 @@ class _UnitTracer(fx.Tracer):
         self.modes = _modes()
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return _hooked(m) or super().is_leaf_module(m, module_qualified_name)
+        # a scripted module too: traced through, its compiled forward is called on its C++ object,
+        # whose parameters no stage would hold
+        return _hooked(m) or isinstance(m, torch.jit.ScriptModule) or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):
         self.modes = _modes()
@@ -140,6 +142,23 @@ class _UnitTracer(fx.Tracer):
         return AugmentedProxy(node, self)  # records `a += b` in place, as eager runs it
 
 
+def _none_arguments(module: nn.Module, example_inputs: Any) -> Set[str]:
+    """The forward's arguments the example batch leaves None (passed or by default): fx traces them as
+    None (`concrete_args`), so `if mask is not None:` takes the branch the batches take."""
+    if example_inputs is None:
+        return set()
+    try:
+        args, kwargs = split_inputs(example_inputs)
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # the batch does not fit the signature: fx's own error says so
+        return set()
+    bound.apply_defaults()
+    kinds = inspect.signature(module.forward).parameters
+    return {name for name, value in bound.arguments.items()
+            if value is None and kinds[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+
+
+_ASSERT_IS_NONE = getattr(torch.fx._symbolic_trace, "_assert_is_none", None)
 _APPLIES: Dict[type, Callable] = {}
 
 
@@ -225,10 +244,14 @@ class CapturedModel:
         if method not in ("auto", "fx", "export"):
             raise ValueError(f"capture method {method!r} is not auto, fx or export")
         fx_error = None
+        # the forward's arguments the example batch leaves None: fx traces them as None (input_values
+        # refuses a batch giving one)
+        self.traced_as_none: Set[str] = set() if method == "export" else _none_arguments(
+            module, example_inputs if example_inputs is not None else example_batch(module))
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
                 try:
-                    self.gm, self.method = self._trace_fx(module), "fx"
+                    self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
                 except CaptureError as e:
                     if method == "fx":
                         raise
@@ -240,6 +263,9 @@ class CapturedModel:
         # the forward's own argument names: fx renames a placeholder that shadows a builtin
         # (nn.Sequential's `input` becomes node `input_1`), its target keeps the argument's name
         self._arguments = [str(n.target).lstrip("*") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if self.method == "fx":  # a placeholder traced as None is renamed (bias_1): the signature's names
+            names = list(inspect.signature(module.forward).parameters)
+            self._arguments = names if len(names) == len(self._arguments) else self._arguments
         self.recomputed = recomputable_nodes(self.gm)  # never cross: recomputed where read
         units = self._group_units(module)
         self.merges = writes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units])
@@ -259,10 +285,12 @@ class CapturedModel:
 
     # --- capture ------------------------------------------------------------------------
     @staticmethod
-    def _trace_fx(module: nn.Module) -> fx.GraphModule:
+    def _trace_fx(module: nn.Module, as_none: Set[str]) -> fx.GraphModule:
         tracer = _UnitTracer()
         try:
-            graph = tracer.trace(module)
+            graph = tracer.trace(module, {name: None for name in as_none} or None)
+            for node in [n for n in graph.nodes if n.target is _ASSERT_IS_NONE and not n.users]:
+                graph.erase_node(node)  # concrete_args' check: a stage takes no such input
         except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
             where = f" in {tracer.failed_at!r}" if tracer.failed_at else ""
             raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {first_line(e)}") from None
@@ -332,6 +360,11 @@ class CapturedModel:
         bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
         bound.apply_defaults()
         values = dict(bound.arguments)
+        given = [name for name in self.traced_as_none if values.get(name) is not None]
+        if given:  # the graph took the branch of None: it would ignore the value
+            raise CaptureError(f"the model was captured with its argument {given[0]!r} None (as the batch of "
+                               f"{EXAMPLE_BATCH_SIZE} at step 0 gives it) and this batch gives a value: batch() must "
+                               "give the same arguments at every step")
         return [values[name] for name in self._arguments]
 
     # --- grouping -----------------------------------------------------------------------

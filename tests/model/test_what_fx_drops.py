@@ -24,11 +24,11 @@ def test_fx_keeps_functions_and_hooked_modules_whole_and_joins_writers_of_state(
     for n in captured.gm.graph.nodes:
         targets[n.op].append(getattr(n.target, "__name__", str(n.target)))
     assert "Reversal_apply" in targets["call_function"] and "hooked" in targets["call_module"]
-    assert "hooked.a" not in targets["call_module"]
+    assert "hooked.a" not in targets["call_module"] and "scripted" in targets["call_module"]
     # BatchNorm called twice: its calls' units are one; `clip.weight.data.clamp_` joins clip's unit
     assert captured.unit_names == ["emb", "norm", "hooked", "out"]
     assert [(m.kept, m.absorbed) for m in captured.merges] == [("norm", ["first", "norm#2"]),
-                                                               ("hooked", ["last", "clip"])]
+                                                               ("hooked", ["scripted", "last", "clip"])]
     assert "module 'norm' (BatchNorm1d) writes its state" in captured.merges[0].writes[0]
     assert "writes into parameter 'clip.weight'" in captured.merges[1].writes[0]
     # an embedding renormalised in place (max_norm) whose weight the output reads: every unit between
@@ -111,3 +111,19 @@ def test_spectral_norm_recomputed_trains_like_one_process(tmp_path):
     plan = plan_with(profile, [2], 2, 8)
     plan = reshape_plan(plan, recompute={g: list(stage.units) for g, stage in enumerate(plan.stages)})
     assert_trains_like_one_process(plan, tmp_path, "tests.capture_models:spectral_chain", steps=2)
+
+
+def test_arguments_the_batches_leave_none_are_traced_as_none():
+    from planner.model.capture import run_all_nodes
+
+    spec = build_spec("tests.capture_models:optional_arguments", {}, 0)
+    captured = capture(spec.module)
+    assert captured.method == "fx" and captured.traced_as_none == {"bias"}
+    inputs, _ = spec.batch(3, 1)
+    values = run_all_nodes(captured, inputs)
+    assert torch.equal(values[next(reversed(values))], spec.module(inputs[0], **inputs[1]))
+    # a batch giving what the graph took as None: it would be ignored
+    later = build_spec("tests.capture_models:optional_arguments", {"bias_from": 2}, 0)
+    captured = capture(later.module)
+    with pytest.raises(CaptureError, match="argument 'bias' None .* batch\\(\\) must give the same arguments"):
+        captured.input_values(later.batch(3, 2)[0])
