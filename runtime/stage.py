@@ -12,9 +12,10 @@ updated once per micro-batch, as without recomputation), the other units fused i
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -79,8 +80,11 @@ class BuffersAsInForward:
     the forward (and every later one) left them: what the forward writes into buffers (BatchNorm's
     running statistics, spectral_norm's power-iteration vectors) is written once per micro-batch,
     and a forward that reads them (spectral_norm) is recomputed on the values it read. The forward
-    keeps a copy of each buffer it writes (a version counter moved) from before it ran.
-    `contexts()` is checkpoint's context_fn pair (forward, recomputation)."""
+    keeps a copy of each buffer it writes from before it ran: which ones is learned per module (the
+    first forward copies all and keeps those that changed; BatchNorm's kernel moves no version
+    counter, so values are compared). `contexts()` is checkpoint's context_fn pair."""
+
+    _written: "weakref.WeakKeyDictionary[nn.Module, Set[str]]" = weakref.WeakKeyDictionary()
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -94,10 +98,15 @@ class BuffersAsInForward:
             self.owner, self.copies = owner, []
 
         def __enter__(self) -> None:
-            self.copies = [(b, b._version, b.detach().clone()) for b in self.owner.module.buffers()]
+            known = BuffersAsInForward._written.get(self.owner.module)
+            self.copies = [(name, b, b.detach().clone()) for name, b in self.owner.module.named_buffers()
+                           if known is None or name in known]
 
         def __exit__(self, *exc: Any) -> None:
-            self.owner.before = [(b, value) for b, version, value in self.copies if b._version != version]
+            changed = [(name, b, value) for name, b, value in self.copies if not torch.equal(b, value)]
+            written = BuffersAsInForward._written.setdefault(self.owner.module, set())
+            written.update(name for name, _, _ in changed)
+            self.owner.before = [(b, value) for name, b, value in self.copies if name in written]
             self.copies = []
 
     class _Recomputation:

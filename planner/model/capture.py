@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -50,7 +51,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
-from planner.model.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
+from planner.model.capture_export import PATCHING, ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
 from planner.model.failures import NodeRunError, first_line
 from planner.model.inplace import AugmentedProxy, Merge, writes_across_units
@@ -94,6 +95,11 @@ class _UnitTracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self.modes = _modes()
+        if _hooked(root) or any(getattr(torch.nn.modules.module, name, None) for name in (
+                "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                "_global_backward_pre_hooks")):
+            raise CaptureError("the model (or every module, through register_module_*_hook) has hooks, which a "
+                               "traced graph would not run")
         tracer = self
         original = torch.autograd.Function.apply.__func__
 
@@ -110,11 +116,12 @@ class _UnitTracer(fx.Tracer):
                                    f"{cls.__name__}, which torch.fx cannot keep as one call")
             return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
 
-        torch.autograd.Function.apply = classmethod(apply)
-        try:
-            return super().trace(root, concrete_args)
-        finally:
-            torch.autograd.Function.apply = classmethod(original)
+        with PATCHING:  # torch patched process-wide: one capture at a time
+            torch.autograd.Function.apply = classmethod(apply)
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                torch.autograd.Function.apply = classmethod(original)
 
     def call_module(self, m, forward, args, kwargs):
         self.unit_module_stack.append(self.path_of_module(m))
@@ -263,9 +270,9 @@ class CapturedModel:
         # the forward's own argument names: fx renames a placeholder that shadows a builtin
         # (nn.Sequential's `input` becomes node `input_1`), its target keeps the argument's name
         self._arguments = [str(n.target).lstrip("*") for n in self.gm.graph.nodes if n.op == "placeholder"]
-        if self.method == "fx":  # a placeholder traced as None is renamed (bias_1): the signature's names
-            names = list(inspect.signature(module.forward).parameters)
-            self._arguments = names if len(names) == len(self._arguments) else self._arguments
+        if self.method == "fx":  # a placeholder traced as None is renamed (bias_1): its argument's name
+            self._arguments = [next((name for name in self.traced_as_none if re.fullmatch(f"{name}_[0-9]+", target)),
+                                    target) for target in self._arguments]
         self.recomputed = recomputable_nodes(self.gm)  # never cross: recomputed where read
         units = self._group_units(module)
         self.merges = writes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units])

@@ -20,6 +20,7 @@ import inspect
 import io
 import logging
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -136,34 +137,50 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm))
 
 
-class _Dropped(Exception):
-    """The model does what an exported graph would silently leave out."""
+class _Dropped(BaseException):
+    """The model does what an exported graph would silently leave out (a BaseException: model code
+    catching Exception does not swallow it)."""
+
+
+PATCHING = threading.Lock()  # capture patches torch process-wide (the guards, fx's Function calls): one at a time
 
 
 @contextlib.contextmanager
 def _refusing_what_export_drops() -> Iterator[None]:
-    """Export traces through a custom autograd Function's forward (its backward is lost) and past a
-    hook registered on a tensor (never called): both would train another model, so they stop it.
-    torch.utils.checkpoint's own Function is recomputation only and may pass."""
-    from torch.utils.checkpoint import CheckpointFunction
+    """Export traces through a custom autograd Function's forward (its backward is lost), past a
+    hook registered on a tensor (never called) and past a module's full backward hook: each would
+    train another model, so it stops the capture. torch's own Functions (a custom operator's
+    registered autograd, torch.cond's, checkpoint's) are kept by export and pass."""
+    BackwardHookFunction = getattr(torch.nn.modules._functions, "BackwardHookFunction", None)  # noqa: N806
 
-    apply, register = torch.autograd.Function.apply.__func__, torch.Tensor.register_hook
+    apply = torch.autograd.Function.apply.__func__
+    hooks = {name: getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")}
 
     def guarded_apply(cls, *args, **kwargs):
-        if cls is not CheckpointFunction:
+        if cls is BackwardHookFunction:
+            raise _Dropped("a module's full backward hook (register_full_backward_hook) is lost by an exported graph; "
+                           "make the model traceable by torch.fx, which calls a hooked module whole")
+        if not (getattr(cls, "__module__", "") or "").startswith("torch"):
             raise _Dropped(f"forward calls the custom autograd Function {cls.__name__}, whose backward an exported "
                            "graph does not keep; make the model traceable by torch.fx, which keeps it as one call")
         return apply(cls, *args, **kwargs)
 
-    def guarded_register(tensor, hook):
-        raise _Dropped("forward registers a hook on a tensor (register_hook), which an exported graph does not "
-                       "keep; register it on a module (register_full_backward_hook) instead")
+    def guarded_hook(name: str):
+        def refuse(tensor, hook):
+            raise _Dropped(f"forward registers a hook on a tensor ({name}), which an exported graph does not keep; "
+                           "register it on a module (register_full_backward_hook) instead")
+        return refuse
 
-    torch.autograd.Function.apply, torch.Tensor.register_hook = classmethod(guarded_apply), guarded_register
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply, torch.Tensor.register_hook = classmethod(apply), register
+    with PATCHING:
+        torch.autograd.Function.apply = classmethod(guarded_apply)
+        for name in hooks:
+            setattr(torch.Tensor, name, guarded_hook(name))
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = classmethod(apply)
+            for name, original in hooks.items():
+                setattr(torch.Tensor, name, original)
 
 
 def _body_stack(gm: fx.GraphModule, node: fx.Node) -> Dict[str, Any]:

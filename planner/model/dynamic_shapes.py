@@ -46,14 +46,19 @@ def _base_name(node: fx.Node) -> str:
     return str(getattr(node.target, "__name__", node.target)).split(".")[0]
 
 
+def _from_torch_nn(module: Any) -> bool:
+    return type(module).__module__.startswith("torch.nn")
+
+
 def _is_size(node: Any, sizes: Set[fx.Node]) -> bool:
     return not isinstance(node, fx.Node) or node in sizes
 
 
 def _may_make_data_sizes(gm: fx.GraphModule) -> List[fx.Node]:
     """The nodes of an fx graph that may make a size only the data tells: the operations above, a
-    one-argument `torch.where`, and indexing by a value not known to be a size (a boolean mask is
-    one; an integer index tensor is not, but the graph does not say which)."""
+    one-argument `torch.where`, indexing by a value not known to be a size (a boolean mask is one; an
+    integer index tensor is not, but the graph does not say which), and calls the graph does not see
+    into (a module called whole that is not torch.nn's, a custom autograd Function)."""
     sizes: Set[fx.Node] = set()  # nodes known to be plain sizes (x.size(1), x.shape[0] // 2)
     found = []
     for node in gm.graph.nodes:
@@ -67,6 +72,10 @@ def _may_make_data_sizes(gm: fx.GraphModule) -> List[fx.Node]:
         elif node.op == "call_function" and node.target in _SIZE_OPS and \
                 all(_is_size(a, sizes) for a in node.args):
             sizes.add(node)
+        elif node.op == "call_module" and not _from_torch_nn(gm.get_submodule(str(node.target))):
+            found.append(node)  # a module called whole (hooked, scripted): what it returns is not seen
+        elif node.op == "call_function" and str(getattr(node.target, "__name__", "")).endswith("_apply"):
+            found.append(node)  # a custom autograd Function, one call
         elif node.op in ("call_function", "call_method"):
             name = _base_name(node)
             index = node.args[1] if len(node.args) > 1 else None

@@ -278,15 +278,17 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
 
 def _state_written_by(module: nn.Module) -> List[str]:
     """Names (relative to `module`) of the state a module's call writes in place: a normalisation's
-    running statistics, an embedding's rows renormalised to `max_norm`, the buffers of a module whose
-    hooks may update them (spectral_norm's power iteration)."""
+    running statistics, an embedding's rows renormalised to `max_norm`, the vectors of the older
+    `torch.nn.utils.spectral_norm`'s power iteration (its forward pre-hook; the parametrization's
+    are buffers of a submodule the call reaches, counted by the same rule through its module)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
     if getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None:
         return [name for name, _ in module.named_buffers(recurse=False)]
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
         return ["weight"]
-    if module._forward_pre_hooks or module._forward_hooks:
-        return [name for name, _ in module.named_buffers()]
-    return []
+    norms = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, SpectralNorm)]
+    return [f"{hook.name}_{v}" for hook in norms for v in ("u", "v")]
 
 
 def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int],

@@ -201,8 +201,9 @@ def weight_walk(alone: Sequence[float], calls: Sequence[int], nodes: Sequence[in
     the stage's earlier units included, so a stage of units S pays
     sum_{l in S} t_l + c + w sum_{j < k in S} nodes_j calls_k, t_l = max(alone_l - c, 0): c the
     part's cost once per stage that each unit timed alone paid, w the seconds per node per call
-    (planner.cost.ranges' walk term). Two stages give both (the linear system, c >= 0); w is then
-    fitted to the largest stage. (0, 0) where it does not walk more than its units alone: then
+    (planner.cost.ranges' walk term). Two stages give both (the linear system, c >= 0, and at most
+    half the cheapest unit with calls: noise must not leave one costing nothing); w is then fitted to
+    the largest stage. (0, 0) where it does not walk more than its units alone: then
     split_call_overhead spreads the difference."""
     def excess(first: int, c: float) -> Tuple[float, float]:  # (seconds above the units' t and c, nodes walked)
         return (dict(stages)[first] - sum(max(t - c, 0.0) for t in alone[first:]) - c,
@@ -215,6 +216,8 @@ def weight_walk(alone: Sequence[float], calls: Sequence[int], nodes: Sequence[in
         det = rows[0][0] * rows[1][1] - rows[0][1] * rows[1][0]
         if abs(det) > 1e-12 * max(1.0, abs(rows[0][0] * rows[1][1])):
             c = max(0.0, (rows[0][0] * rows[1][2] - rows[1][0] * rows[0][2]) / det)
+        # a unit's own calls cost at least what the part pays once: c at most half the cheapest calling unit
+        c = min([c] + [0.5 * t for t, n in zip(alone, calls) if n])
     more, cross = excess(stages[0][0], c)
     return (c, more / cross) if more > 0 and cross > 0 else (0.0, 0.0)
 

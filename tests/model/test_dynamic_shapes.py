@@ -78,3 +78,23 @@ def test_a_routed_model_trains_like_one_process_on_every_cut(tmp_path):
     # hidden state (the runtime stopped with "a tensor of shape (0,) where the plan has (1,)" before)
     plan = plan_with(profile, [2, 3, 4], 2, 8)
     assert_trains_like_one_process(plan, tmp_path, ROUTED, steps=2)
+
+
+def test_a_module_called_whole_is_looked_into():
+    """A hooked module is one call in the graph (its hooks run): its data-sized output is still found."""
+    class Positive(torch.nn.Module):
+        def forward(self, x):
+            return x[x[:, 0] > 0]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.pick, self.b = torch.nn.Linear(4, 4), Positive(), torch.nn.Linear(4, 4)
+            self.pick.register_forward_hook(lambda module, args, out: None)
+
+        def forward(self, x):
+            return self.b(self.pick(self.a(x))).sum(0)
+
+    captured = capture(Net(), example_inputs=(torch.randn(6, 4),))
+    assert captured.unit_names == ["a", "pick"]  # b reads pick's rows: one unit with it
+    assert [(m.kept, m.absorbed) for m in captured.shape_merges] == [("pick", ["b"])]

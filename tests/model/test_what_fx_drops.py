@@ -68,10 +68,23 @@ class _Function(nn.Module):
         return Reversal.apply(self.a(x), 0.5)
 
 
+class _HookedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.block.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        return self.block(x)
+
+
 @pytest.mark.parametrize("module,match", [
     (_TensorHook(False), "registers a hook on a tensor"),  # fx refuses, export refuses
     (_TensorHook(True), "registers a hook on a tensor"),
     (_Function(), "custom autograd Function Reversal, whose backward an exported graph does not keep"),
+    (_HookedBlock(), "a module's full backward hook .* is lost by an exported graph"),
 ])
 def test_what_no_graph_keeps_is_refused_in_one_line(module, match):
     with pytest.raises(CaptureError, match=match):
@@ -127,3 +140,21 @@ def test_arguments_the_batches_leave_none_are_traced_as_none():
     captured = capture(later.module)
     with pytest.raises(CaptureError, match="argument 'bias' None .* batch\\(\\) must give the same arguments"):
         captured.input_values(later.batch(3, 2)[0])
+
+
+def test_arguments_traced_as_none_keep_their_places_beside_varargs():
+    class Varargs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x, bias=None, *rest, scale=None, **extra):
+            h = self.a(x)
+            return h if scale is None else h * scale
+
+    module, x, scale = Varargs(), torch.randn(2, 4), torch.full((2, 4), 3.0)
+    captured = capture(module, example_inputs=(x, None, {"scale": scale}))
+    assert captured.traced_as_none == {"bias"}
+    from planner.model.capture import run_all_nodes
+    values = run_all_nodes(captured, (x, None, {"scale": scale}))
+    assert torch.equal(values[next(reversed(values))], module(x, scale=scale))
