@@ -73,10 +73,10 @@ def test_the_profile_records_complex_values_with_gradients():
     assert fft.dtype == "complex64" and fft.requires_grad and fft.bytes[2] == 2 * 8 * 8  # 8 bytes each
 
 
-@pytest.mark.parametrize("p2p", ["auto", "gloo"])  # shared memory, or gloo
-@pytest.mark.parametrize("args, cut", [
-    ({}, 2),  # the FFT's output alone crosses: one complex64 tensor a message
-    ({"dtype": "complex128", "skip": True}, 3),  # the mixed complex128 value and the real skip: a byte buffer
+@pytest.mark.parametrize("args, cut, p2p", [
+    ({}, 2, "auto"),  # the FFT's output alone crosses: one complex64 tensor a message, as its real view,
+    ({}, 2, "gloo"),  # through shared memory or gloo
+    ({"dtype": "complex128", "skip": True}, 3, "auto"),  # complex128 beside a real skip: in a byte buffer
 ])
 def test_complex_activations_train_like_one_process(tmp_path, args, cut, p2p):
     plan = plan_with(profile_of(ENTRY, args, sizes=(2,)), [cut], 2, 8)

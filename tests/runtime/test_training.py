@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 
 from planner.plan.file import save_plan
-from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan,
-                                run_cli)
+from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, report_of, reshape_plan
 
 SCHEDULE = {"schedule": "cosine", "warmup_steps": 1, "min_lr": 0.001}
 FLAGS = ["--lr-schedule", "cosine", "--warmup-steps", "1", "--min-lr", "0.001"]
@@ -55,6 +54,23 @@ def test_bf16_autocast_matches_one_bf16_process(tmp_path, schedule):
     assert max(abs(a - b) for a, b in zip(measured, fp32_losses)) > 1e-5
 
 
+def _in_process(args):
+    """runtime.cli's exit code and what it wrote to stderr, run in this process (importing torch in
+    a process of its own costs each case about 2 s)."""
+    import contextlib
+    import io
+
+    from runtime.cli import main as runtime_main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = runtime_main(args)
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return code, err.getvalue()
+
+
 def test_bad_training_options_fail_in_one_line(tmp_path):
     plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [2], 2, 8, "1f1b")
     path = str(tmp_path / "plan.json")
@@ -65,28 +81,21 @@ def test_bad_training_options_fail_in_one_line(tmp_path):
                          (["--timeout", "nan"], "--timeout is seconds"), (["--threads", "100000"], "--threads is"),
                          (["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "-1"], "K >= 1"),
                          (["--report", str(tmp_path)], "is a directory; name a file to write")]:
-        result = run_cli(["runtime.cli", "execute", path, *flags])
-        assert result.returncode == 2 and words in result.stderr and len(result.stderr.splitlines()) == 1, \
-            (flags, result.stderr)
+        code, err = _in_process(["execute", path, *flags])  # (test_cli runs the command as a process)
+        assert code == 2 and words in err and len(err.splitlines()) == 1, (flags, err)
 
 
 def test_a_run_in_another_precision_than_the_plan_is_refused(tmp_path):
     """The plan's memory is that of its precision: a run asking another is refused in one line."""
-    import subprocess
-    import sys
-
     from planner.plan.file import save_plan
-    from tests.support.runs import ROOT
 
     plan = plan_with(profile_of("builtin:mlp"), [2], 2, 4, "1f1b")
     path = str(tmp_path / "plan.json")
     save_plan(plan, path)
     for extra, needle in ((["--precision", "bf16-mixed"], "re-plan with `planner solve --precision bf16-mixed`"),
                           (["--precision", "bf16"], "invalid choice")):
-        result = subprocess.run([sys.executable, "-m", "runtime.cli", "execute", path, "--steps", "1", *extra],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2 and needle in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
+        code, err = _in_process(["execute", path, "--steps", "1", *extra])
+        assert code == 2 and needle in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
