@@ -116,12 +116,19 @@ class _UnitTracer(fx.Tracer):
                                    f"{cls.__name__}, which torch.fx cannot keep as one call")
             return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
 
+        state = [(m, dict(m._buffers), dict(m._parameters), dict(vars(m))) for m in root.modules()
+                 if not isinstance(m, torch.jit.ScriptModule)]
         with PATCHING:  # torch patched process-wide: one capture at a time
             torch.autograd.Function.apply = classmethod(apply)
             try:
-                return super().trace(root, concrete_args)
+                graph = super().trace(root, concrete_args)
             finally:
                 torch.autograd.Function.apply = classmethod(original)
+                assigned = _put_back(state)
+        if assigned:
+            raise CaptureError(f"forward assigns to the module attribute {assigned!r} (self.{assigned.rsplit('.', 1)[-1]} = "
+                               "...), which a traced graph does not keep")
+        return graph
 
     def call_module(self, m, forward, args, kwargs):
         self.unit_module_stack.append(self.path_of_module(m))
@@ -163,6 +170,22 @@ def _none_arguments(module: nn.Module, example_inputs: Any) -> Set[str]:
     kinds = inspect.signature(module.forward).parameters
     return {name for name, value in bound.arguments.items()
             if value is None and kinds[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+
+
+def _put_back(state: List[Tuple[nn.Module, Dict[str, Any], Dict[str, Any], Dict[str, Any]]]) -> str:
+    """Put back each buffer, parameter or attribute the trace assigned a traced value to (forward's
+    `self.count = self.count + 1` would leave a proxy in the model) as it was before tracing, and
+    return the name of one ("" if none)."""
+    assigned = ""
+    for module, buffers, parameters, attributes in state:
+        for store, before in ((module._buffers, buffers), (module._parameters, parameters), (vars(module), attributes)):
+            for name in [n for n, value in store.items() if isinstance(value, fx.Proxy)]:
+                assigned = assigned or name
+                if name in before:
+                    store[name] = before[name]
+                else:
+                    del store[name]
+    return assigned
 
 
 _ASSERT_IS_NONE = getattr(torch.fx._symbolic_trace, "_assert_is_none", None)

@@ -158,3 +158,21 @@ def test_arguments_traced_as_none_keep_their_places_beside_varargs():
     from planner.model.capture import run_all_nodes
     values = run_all_nodes(captured, (x, None, {"scale": scale}))
     assert torch.equal(values[next(reversed(values))], module(x, scale=scale))
+
+
+def test_a_buffer_reassigned_in_forward_goes_to_torch_export_and_the_model_stays_whole():
+    """`self.count = self.count + 1` left a traced proxy in the model (the next run read it)."""
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count = self.count + 1
+            return self.a(x) * (1 + 0 * self.count)
+
+    module = Counting()
+    captured = capture(module, example_inputs=(torch.randn(2, 4),))
+    assert captured.method == "export" and "assigns to the module attribute 'count'" in captured.fallback_reason
+    assert isinstance(module.count, torch.Tensor) and module.count.item() == 0
