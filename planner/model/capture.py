@@ -46,9 +46,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
-from torch.utils.checkpoint import CheckpointFunction
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
 
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 from planner.model.capture_export import PATCHING, ExportFailure, export_graph, split_inputs, torch_quiet
@@ -126,8 +126,8 @@ class _UnitTracer(fx.Tracer):
                 torch.autograd.Function.apply = classmethod(original)
                 assigned = _put_back(state)
         if assigned:
-            raise CaptureError(f"forward assigns to the module attribute {assigned!r} (self.{assigned.rsplit('.', 1)[-1]} = "
-                               "...), which a traced graph does not keep")
+            raise CaptureError(f"forward assigns to the module attribute {assigned!r} (self.{assigned} = ...), which a "
+                               "traced graph does not keep")
         return graph
 
     def call_module(self, m, forward, args, kwargs):
@@ -200,6 +200,7 @@ def _function_apply(function: type) -> Callable:
             return function.apply(*args, **kwargs)
 
         apply.__name__ = apply.__qualname__ = f"{function.__name__}_apply"
+        apply.autograd_function = function  # what planner.model.dynamic_shapes looks for
         _APPLIES[function] = apply
     return _APPLIES[function]
 
@@ -276,8 +277,8 @@ class CapturedModel:
         fx_error = None
         # the forward's arguments the example batch leaves None: fx traces them as None (input_values
         # refuses a batch giving one)
-        self.traced_as_none: Set[str] = set() if method == "export" else _none_arguments(
-            module, example_inputs if example_inputs is not None else example_batch(module))
+        example = example_inputs if example_inputs is not None else example_batch(module)
+        self.traced_as_none: Set[str] = set() if method == "export" else _none_arguments(module, example)
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
                 try:
@@ -287,7 +288,7 @@ class CapturedModel:
                         raise
                     fx_error = e
             if method == "export" or fx_error is not None:
-                self.gm, self.method = self._export(module, example_inputs, fx_error), "export"
+                self.gm, self.method = self._export(module, example, fx_error), "export"
                 self.fallback_reason = str(fx_error) if fx_error else ""
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         # the forward's own argument names: fx renames a placeholder that shadows a builtin
@@ -300,10 +301,8 @@ class CapturedModel:
         units = self._group_units(module)
         self.merges = writes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units])
         units = _joined(units, self.merges)
-        if self.method == "fx" and example_inputs is None:
-            example_inputs = example_batch(module)
-        data_sized = data_sized_nodes(self.gm, self.method, self.input_values(example_inputs)
-                                      if self.method == "fx" and example_inputs is not None else None)
+        data_sized = data_sized_nodes(self.gm, self.method, self.input_values(example)
+                                      if self.method == "fx" and example is not None else None)
         self.shape_merges = data_sizes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units],
                                                     data_sized, self.recomputed)
         self.units = _joined(units, self.shape_merges)
@@ -327,8 +326,6 @@ class CapturedModel:
         return fx.GraphModule(module, graph, class_name=type(module).__name__)
 
     def _export(self, module: nn.Module, example_inputs: Any, fx_error: Optional[CaptureError]) -> fx.GraphModule:
-        if example_inputs is None:
-            example_inputs = example_batch(module)
         if example_inputs is None:
             raise CaptureError(f"{fx_error or 'torch.export was asked for'}; torch.export needs an example batch: "
                                "build the model with planner.model.spec.build_spec or pass example_inputs")

@@ -74,8 +74,8 @@ def _may_make_data_sizes(gm: fx.GraphModule) -> List[fx.Node]:
             sizes.add(node)
         elif node.op == "call_module" and not _from_torch_nn(gm.get_submodule(str(node.target))):
             found.append(node)  # a module called whole (hooked, scripted): what it returns is not seen
-        elif node.op == "call_function" and str(getattr(node.target, "__name__", "")).endswith("_apply"):
-            found.append(node)  # a custom autograd Function, one call
+        elif node.op == "call_function" and hasattr(node.target, "autograd_function"):
+            found.append(node)  # a custom autograd Function, one call (capture's _function_apply)
         elif node.op in ("call_function", "call_method"):
             name = _base_name(node)
             index = node.args[1] if len(node.args) > 1 else None

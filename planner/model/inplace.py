@@ -223,11 +223,25 @@ def writes(graph: fx.Graph, root: nn.Module) -> List[Write]:
     return [Write(node, w) for node in graph.nodes if node.op.startswith("call_") for w in written_nodes(node, root)]
 
 
-def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int],
-                   last_unit: int) -> List[Tuple[int, int, Write]]:
+def _holders(graph: fx.Graph, unit_of: Dict[fx.Node, int]) -> Dict[str, List[int]]:
+    """{module path: the units calling it} (a call reads the module's state where the graph does not show)."""
+    calls: Dict[str, List[int]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and node in unit_of:
+            calls.setdefault(str(node.target), []).append(unit_of[node])
+    return calls
+
+
+def _held_by(name: str, calls: Dict[str, List[int]]) -> List[int]:
+    """The units calling a module that holds the state `name`."""
+    return [unit for path, units in calls.items() if name.startswith(path + ".") for unit in units]
+
+
+def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int], last_unit: int,
+                   roots: Dict[fx.Node, fx.Node], calls: Dict[str, List[int]]) -> List[Tuple[int, int, Write]]:
     """[(first unit, last unit, the write that ties them)] for every write that reaches across
-    units, by the module docstring's rule (ranges may overlap; the caller joins them)."""
-    roots = storage_roots(graph, root)
+    units, by the module docstring's rule (ranges may overlap; the caller joins them); `roots`:
+    storage_roots, `calls`: _holders."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     members: Dict[fx.Node, List[fx.Node]] = {}
     for node, r in roots.items():
@@ -254,9 +268,7 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
         at = lambda reader: last_unit if reader.op == "output" else unit_of.get(reader)  # noqa: E731
         if base.op == "get_attr":  # state each stage holds across steps: every reader with the writer
             spots = [at(reader) for _, reader in readers if at(reader) is not None]
-            # and every call of a module holding it (its forward reads it where the graph does not show)
-            spots += [unit_of[n] for n in graph.nodes if n.op == "call_module" and n in unit_of and
-                      str(base.target).startswith(str(n.target) + ".")]
+            spots += _held_by(str(base.target), calls)  # and every call of a module holding it
             tie(min(spots + [where]), max(spots + [where]), write)
             continue
         # A model input (each rank has its own copy): from the group's first write on, the graph
@@ -291,17 +303,12 @@ def _state_written_by(module: nn.Module) -> List[str]:
     return [f"{hook.name}_{v}" for hook in norms for v in ("u", "v")]
 
 
-def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int],
-                  last_unit: int) -> List[Tuple[int, int, str]]:
+def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int], last_unit: int,
+                  roots: Dict[fx.Node, fx.Node], calls: Dict[str, List[int]]) -> List[Tuple[int, int, str]]:
     """[(first unit, last unit, why)]: a module writing its own state (`_state_written_by`) and every
     unit reading that state (calling a module that holds it, or reading it as an attribute) are one:
     each stage holds its own copy (a BatchNorm called at two places, an embedding's weight tied to
     an output layer)."""
-    calls: Dict[str, List[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op == "call_module":
-            calls.setdefault(str(node.target), []).append(node)
-    roots = storage_roots(graph, root)
     readers_of: Dict[str, List[int]] = {}  # a state name -> units reading it as an attribute (or a view of it)
     for node in graph.nodes:
         base = roots.get(node, node)
@@ -310,15 +317,9 @@ def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int],
             if spot is not None:
                 readers_of.setdefault(str(base.target), []).append(spot)
     ranges = []
-    for path, nodes in calls.items():
+    for path in calls:
         written = [f"{path}.{name}" for name in _state_written_by(root.get_submodule(path))]
-        if not written:
-            continue
-        spots = [unit_of[n] for n in nodes if n in unit_of]
-        for name in written:
-            spots += readers_of.get(name, [])
-            spots += [unit_of[n] for other, ns in calls.items() if name.startswith(other + ".") and other != path
-                      for n in ns if n in unit_of]
+        spots = [unit for name in written for unit in readers_of.get(name, []) + _held_by(name, calls)]
         if spots and min(spots) != max(spots):
             ranges.append((min(spots), max(spots), f"module {path!r} ({type(root.get_submodule(path)).__name__}) writes "
                                                     f"its state {written[0].rsplit('.', 1)[-1]!r} in place and units "
@@ -342,16 +343,18 @@ def writes_across_units(gm: fx.GraphModule, units: Sequence[Sequence[fx.Node]], 
     """The unit ranges to join, by the module docstring's rule, with why (units: each unit's nodes,
     in order; `gm` holds their graph)."""
     unit_of = {node: k for k, nodes in enumerate(units) for node in nodes}
-    joined = join_ranges(units_to_merge(gm.graph, gm, unit_of, len(units) - 1) +
-                         _state_ranges(gm.graph, gm, unit_of, len(units) - 1))
+    roots, calls = storage_roots(gm.graph, gm), _holders(gm.graph, unit_of)
+    joined = join_ranges(units_to_merge(gm.graph, gm, unit_of, len(units) - 1, roots, calls) +
+                         _state_ranges(gm.graph, gm, unit_of, len(units) - 1, roots, calls))
     return [Merge(lo, hi, names[lo], list(names[lo + 1:hi + 1]),
-                  [_why(gm, w, names, unit_of) if isinstance(w, Write) else w for w in tying])
+                  [_why(gm, w, names, unit_of, roots) if isinstance(w, Write) else w for w in tying])
             for lo, hi, tying in joined]
 
 
-def _why(gm: fx.GraphModule, write: Write, names: Sequence[str], unit_of: Dict[fx.Node, int]) -> str:
+def _why(gm: fx.GraphModule, write: Write, names: Sequence[str], unit_of: Dict[fx.Node, int],
+         roots: Dict[fx.Node, fx.Node]) -> str:
     written = write.written
-    root = storage_roots(gm.graph, gm).get(written, written)
+    root = roots.get(written, written)
     if root.op == "get_attr":  # a parameter or buffer, through a view (`.data`, a slice)
         written = root
     if written in unit_of:

@@ -11,6 +11,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedBuffer, is_lazy
 from torch.utils._pytree import tree_map_only
 
+from planner.model.failures import first_line
 from planner.model.spec import ModelEntryError, ModelSpec, call_model
 
 LAZY_BATCH_SIZE = 2  # the batch the forward that makes lazy parameters runs on: spec.batch(2, 0)
@@ -26,23 +27,23 @@ def materialize_lazy(spec: ModelSpec, entry: str) -> None:
     if not _lazy_owners(spec.module):
         return
     device = _forward_device(spec.module)
-    put_back = [_keep_random_state(), _keep_buffers(spec.module, device)]
+    # the random state the model function left (making a lazy parameter draws its initial values)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    restore_buffers = _keep_buffers(spec.module, device)
     try:
         inputs = spec.batch(LAZY_BATCH_SIZE, 0)[0]
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
             call_model(spec.module, tree_map_only(torch.Tensor, lambda t: t.to(device), inputs))
     except Exception as e:  # noqa: BLE001 - the model's own forward (PLANNER_TRACEBACK=1: where)
         if os.environ.get("PLANNER_TRACEBACK"):
             raise
-        first = (str(e).strip().splitlines() or [""])[0]
         lazy = ", ".join(_lazy_owners(spec.module))
         raise ModelEntryError(f"{entry}: the forward that gives its lazy modules ({lazy}) their parameters "
-                              f"failed on batch({LAZY_BATCH_SIZE}, 0): {type(e).__name__}: {first}; "
+                              f"failed on batch({LAZY_BATCH_SIZE}, 0): {first_line(e)}; "
                               "fix the model or batch(), or give those modules their sizes (nn.Linear for "
                               "nn.LazyLinear)") from None
     finally:
-        for restore in reversed(put_back):
-            restore()
+        restore_buffers()
     left = _lazy_owners(spec.module)
     if left:
         raise ModelEntryError(f"{entry}: lazy module(s) {', '.join(left)} got no parameters from a forward of "
@@ -64,19 +65,6 @@ def _forward_device(module: torch.nn.Module) -> torch.device:
     if any(t.device.type == "meta" for t in made):
         return torch.device("meta")
     return (made or tensors)[0].device
-
-
-def _keep_random_state() -> Callable[[], None]:
-    """Remember the generators' states (CPU, and CUDA once it is in use); returns what puts them back.
-    Why: making a lazy parameter draws its initial values, which the model function's caller did not see."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore() -> None:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-    return restore
 
 
 def _keep_buffers(module: torch.nn.Module, device: torch.device) -> Callable[[], None]:

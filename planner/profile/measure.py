@@ -369,15 +369,10 @@ def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
         inputs = split_call_overhead(input_s[1:], stages[1].input_s)
         input_s[1:], later_input = inputs.unit_s, inputs.call_s
         # the weight part's calls walk the graph below them: quadratic in a stage's units (weight_walk)
-        later_weight, walk = weight_walk(weight_s[1:], [p.weight_calls for p in units[1:]],
-                                         [p.graph_nodes for p in units[1:]],
-                                         [(0, stages[1].weight_s)] + ([(half - 1, stages[2].weight_s)]
-                                                                       if len(stages) > 2 else []))
-        if walk:
-            weight_s[1:] = [max(t - later_weight, 0.0) for t in weight_s[1:]]
-        else:
-            weights = split_call_overhead(weight_s[1:], stages[1].weight_s)
-            weight_s[1:], later_weight = weights.unit_s, weights.call_s
+        fit = weight_walk(weight_s[1:], [p.weight_calls for p in units[1:]], [p.graph_nodes for p in units[1:]],
+                          [(0, stages[1].weight_s)] + ([(half - 1, stages[2].weight_s)] if len(stages) > 2 else []))
+        weights, walk = fit or (split_call_overhead(weight_s[1:], stages[1].weight_s), 0.0)
+        weight_s[1:], later_weight = weights.unit_s, weights.call_s
     run.split_overhead[b] = ((stages[0] if stages else units[0]).input_s, later_input, later_weight)
     run.weight_walk[b] = walk
     return [((i, w), p.held_bytes, p.kept_bytes, p.weight_calls, p.graph_nodes)

@@ -193,9 +193,10 @@ def _cross(calls: Sequence[int], nodes: Sequence[int]) -> float:
 
 
 def weight_walk(alone: Sequence[float], calls: Sequence[int], nodes: Sequence[int],
-                stages: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
-    """(c, w) of a later stage's weight part, from its units timed `alone` and the stages
-    [first, L) timed whole, `stages` [(first, seconds)], first indexing `alone` (the first: 0).
+                stages: Sequence[Tuple[int, float]]) -> Optional[Tuple[CallOverhead, float]]:
+    """(the units' times and c, w) of a later stage's weight part, from its units timed `alone` and
+    the stages [first, L) timed whole, `stages` [(first, seconds)], first indexing `alone` (the
+    largest stage first).
 
     Each of a unit's `calls` (parameter groups) walks the graph below its frontier, the nodes of
     the stage's earlier units included, so a stage of units S pays
@@ -203,23 +204,20 @@ def weight_walk(alone: Sequence[float], calls: Sequence[int], nodes: Sequence[in
     part's cost once per stage that each unit timed alone paid, w the seconds per node per call
     (planner.cost.ranges' walk term). Two stages give both (the linear system, c >= 0, and at most
     half the cheapest unit with calls: noise must not leave one costing nothing); w is then fitted to
-    the largest stage. (0, 0) where it does not walk more than its units alone: then
+    the largest stage. None where it does not walk more than its units alone: then
     split_call_overhead spreads the difference."""
-    def excess(first: int, c: float) -> Tuple[float, float]:  # (seconds above the units' t and c, nodes walked)
-        return (dict(stages)[first] - sum(max(t - c, 0.0) for t in alone[first:]) - c,
-                _cross(calls[first:], nodes[first:]))
-
     c = 0.0
     if len(stages) >= 2:
-        (f1, m1), (f2, m2) = stages[:2]
-        rows = [(_cross(calls[f:], nodes[f:]), -(len(alone) - f - 1), m - sum(alone[f:])) for f, m in ((f1, m1), (f2, m2))]
+        rows = [(_cross(calls[f:], nodes[f:]), -(len(alone) - f - 1), m - sum(alone[f:])) for f, m in stages[:2]]
         det = rows[0][0] * rows[1][1] - rows[0][1] * rows[1][0]
         if abs(det) > 1e-12 * max(1.0, abs(rows[0][0] * rows[1][1])):
             c = max(0.0, (rows[0][0] * rows[1][2] - rows[1][0] * rows[0][2]) / det)
         # a unit's own calls cost at least what the part pays once: c at most half the cheapest calling unit
         c = min([c] + [0.5 * t for t, n in zip(alone, calls) if n])
-    more, cross = excess(stages[0][0], c)
-    return (c, more / cross) if more > 0 and cross > 0 else (0.0, 0.0)
+    first, whole = stages[0]
+    units = [max(t - c, 0.0) for t in alone]
+    more, cross = whole - sum(units[first:]) - c, _cross(calls[first:], nodes[first:])
+    return (CallOverhead(c, units, 1.0), more / cross) if more > 0 and cross > 0 else None
 
 
 def split_call_overhead(alone: Sequence[float], whole: float) -> CallOverhead:

@@ -270,12 +270,14 @@ def test_weight_walk_is_what_a_stage_pays_above_its_units_per_node_walked():
     # node per call of its earlier units: [0, 4) walks 2 * (10 + 20 + 30) = 120 nodes, [2, 4) 20
     calls, nodes = [2] * 4, [10] * 4
     whole = lambda first: (4 - first) * 0.9 + 0.1 + 0.01 * 2 * 10 * sum(range(4 - first))  # noqa: E731
-    assert weight_walk([1.0] * 4, calls, nodes, [(0, whole(0)), (2, whole(2))]) == pytest.approx((0.1, 0.01))
+    units, walk = weight_walk([1.0] * 4, calls, nodes, [(0, whole(0)), (2, whole(2))])
+    assert (units.call_s, walk) == pytest.approx((0.1, 0.01)) and units.unit_s == pytest.approx([0.9] * 4)
     # one stage alone: no per-stage cost told apart, the excess is all walk
-    assert weight_walk([1.0] * 4, calls, nodes, [(0, 4.0 + 1.2)]) == pytest.approx((0.0, 0.01))
+    units, walk = weight_walk([1.0] * 4, calls, nodes, [(0, 4.0 + 1.2)])
+    assert (units.call_s, walk) == pytest.approx((0.0, 0.01)) and units.unit_s == [1.0] * 4
     # no more than the units alone (noise, or only a per-stage cost: split_call_overhead's), or nothing walks
-    assert weight_walk([1.0, 1.0], [2, 2], [10, 10], [(0, 1.9)]) == (0.0, 0.0)
-    assert weight_walk([1.0, 1.0], [2, 0], [10, 10], [(0, 2.5)]) == (0.0, 0.0)
+    assert weight_walk([1.0, 1.0], [2, 2], [10, 10], [(0, 1.9)]) is None
+    assert weight_walk([1.0, 1.0], [2, 0], [10, 10], [(0, 2.5)]) is None
 
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
