@@ -32,6 +32,11 @@ from runtime.options import END_WITH_PARENT
 from runtime.shared_memory import RUN_TOKEN, remove_rings
 
 
+# What the fork server imports once for all ranks. torch._dynamo: building the first optimizer imports
+# it (about 800 modules, sympy among them; 1 CPU second a rank, more than the rank's own set-up).
+FORK_SERVER_PRELOAD = ["runtime.worker", "torch._dynamo"]
+
+
 @dataclass
 class LaunchResult:
     ok: bool
@@ -54,7 +59,7 @@ class _Rank:
         self.popen = None
         if os.environ.get("PIPEPLANNER_LAUNCH") != "subprocess" and "forkserver" in multiprocessing.get_all_start_methods():
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["runtime.worker"])
+            context.set_forkserver_preload(FORK_SERVER_PRELOAD)
             self.process = context.Process(target=_rank_main, args=(argv, dict(os.environ, **env), log_path, stdout_path),
                                            daemon=False)
             self.process.start()
