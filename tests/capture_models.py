@@ -388,3 +388,42 @@ def optional_arguments(dim: int = 4, bias_from: int = -1) -> ModelSpec:
         return (x, {"mask": mask, **extra}), target
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class _Gate(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        self.aux = (h ** 2).mean()  # a balancing term kept on the module, as some MoE code does
+        return h
+
+
+class ForwardState(nn.Module):
+    """Forward sets attributes (`gate.aux`, `last`) that torch.fx refuses and torch.export's graph
+    does not carry."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate, self.b, self.c = _Gate(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(self.gate(x)))
+        self.last = h.detach()  # kept for inspection; no loss reads it
+        return self.c(h)
+
+
+def forward_state(dim: int = 4, loss_reads: bool = False) -> ModelSpec:
+    """With `loss_reads` the loss adds the gate's `aux`: a pipeline's last stage cannot compute it."""
+    module = ForwardState(dim)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target) + (0.1 * module.gate.aux if loss_reads else 0.0)
+
+    return ModelSpec(module=module, batch=batch, loss=loss)

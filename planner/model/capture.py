@@ -270,6 +270,7 @@ class CapturedModel:
         self.module = module
         self.in_spec: Any = None  # export only: pytree spec of (args, kwargs)
         self.out_spec: Any = None  # export only: pytree spec of the model's output
+        self.forward_sets: List[str] = []  # export only: attributes forward assigns (planner.model.forward_state)
         self.fallback_reason = ""  # why fx was not used, when export was
         self.fixed_batch: Optional[int] = None  # export only: the one batch size the graph runs
         if method not in ("auto", "fx", "export"):
@@ -341,7 +342,13 @@ class CapturedModel:
                 f"{first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
                 "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
         self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
+        self.forward_sets = exported.forward_sets
         return _without_metadata_asserts(exported.gm)
+
+    def output_of(self, values: Dict[str, Any]) -> Any:
+        """The model's output, as its forward returns it, from `run_all_nodes`' values."""
+        out = values[next(n.name for n in self.gm.graph.nodes if n.op == "output")]
+        return pytree.tree_unflatten(list(out), self.out_spec) if self.out_spec is not None else out
 
     def check_batch_size(self, size: int, fix: str) -> None:
         """Refuse a micro-batch size the graph cannot run (export fixed another one); `fix` says what to do."""

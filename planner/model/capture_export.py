@@ -22,8 +22,8 @@ import logging
 import os
 import threading
 import warnings
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
@@ -48,6 +48,7 @@ class ExportedGraph:
     in_spec: Any  # pytree spec of (args, kwargs)
     out_spec: Any  # pytree spec of the model's output (tuple, dict, dataclass ...)
     fixed_batch: Optional[int] = None  # the batch size export fixed, when the model's code needs one
+    forward_sets: List[str] = field(default_factory=list)  # plain attributes forward assigns a tensor to (dotted)
 
 
 class ExportFailure(RuntimeError):
@@ -124,7 +125,7 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     """Export `module` on `example_inputs` (batch of 2 or more) and normalise the graph."""
     args, kwargs = split_inputs(example_inputs)
     try:
-        with _refusing_what_export_drops():
+        with _refusing_what_export_drops(module) as forward_sets:
             program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_batch(module, args, kwargs),
                                           strict=False)
     except _Dropped as e:
@@ -134,7 +135,8 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     gm = program.module()
     info = gm.graph._codegen.pytree_info
     _normalise(gm, module)
-    return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm))
+    return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm),
+                         forward_sets=forward_sets)
 
 
 class _Dropped(BaseException):
@@ -146,11 +148,14 @@ PATCHING = threading.Lock()  # capture patches torch process-wide (the guards, f
 
 
 @contextlib.contextmanager
-def _refusing_what_export_drops() -> Iterator[None]:
+def _refusing_what_export_drops(root: nn.Module) -> Iterator[List[str]]:
     """Export traces through a custom autograd Function's forward (its backward is lost), past a
     hook registered on a tensor (never called) and past a module's full backward hook: each would
     train another model, so it stops the capture. torch's own Functions (a custom operator's
-    registered autograd, torch.cond's, checkpoint's) are kept by export and pass."""
+    registered autograd, torch.cond's, checkpoint's) are kept by export and pass.
+
+    Export also puts back a plain attribute forward assigns a tensor to (`self.aux = ...`), which its
+    graph does not carry: the list yielded collects their dotted names (planner.model.forward_state)."""
     BackwardHookFunction = getattr(torch.nn.modules._functions, "BackwardHookFunction", None)  # noqa: N806
 
     apply = torch.autograd.Function.apply.__func__
@@ -171,16 +176,31 @@ def _refusing_what_export_drops() -> Iterator[None]:
                            "register it on a module (register_full_backward_hook) instead")
         return refuse
 
+    paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
+    forward_sets: List[str] = []
+    module_setattr = nn.Module.__setattr__
+
+    def recording_setattr(module, name, value):
+        if (id(module) in paths and not name.startswith("_") and not isinstance(value, nn.Module)
+                and name not in module._parameters and name not in module._buffers
+                and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))):
+            path = f"{paths[id(module)]}.{name}".lstrip(".")
+            if path not in forward_sets:
+                forward_sets.append(path)
+        module_setattr(module, name, value)
+
     with PATCHING:
         torch.autograd.Function.apply = classmethod(guarded_apply)
         for name in hooks:
             setattr(torch.Tensor, name, guarded_hook(name))
+        nn.Module.__setattr__ = recording_setattr
         try:
-            yield
+            yield forward_sets
         finally:
             torch.autograd.Function.apply = classmethod(apply)
             for name, original in hooks.items():
                 setattr(torch.Tensor, name, original)
+            nn.Module.__setattr__ = module_setattr
 
 
 def _body_stack(gm: fx.GraphModule, node: fx.Node) -> Dict[str, Any]:

@@ -176,3 +176,37 @@ def test_a_buffer_reassigned_in_forward_goes_to_torch_export_and_the_model_stays
     captured = capture(module, example_inputs=(torch.randn(2, 4),))
     assert captured.method == "export" and "assigns to the module attribute 'count'" in captured.fallback_reason
     assert isinstance(module.count, torch.Tensor) and module.count.item() == 0
+
+
+STATE = "tests.capture_models:forward_state"
+
+
+def test_what_forward_sets_on_the_model_is_recorded_and_a_loss_reading_it_refused():
+    captured = capture(build_spec(STATE, {}, 0).module)
+    assert captured.method == "export" and "assigns to the module attribute" in captured.fallback_reason
+    assert captured.forward_sets == ["gate.aux", "last"]
+    # the profile runs the loss on the graph's output with those attributes unreadable
+    with pytest.raises(CaptureError, match="the loss function reads the model attribute 'gate.aux', which forward "
+                                           "sets .* return the value from forward"):
+        profile_of(STATE, {"loss_reads": True}, sizes=(2,))
+
+
+def test_the_guarded_loss_trips_on_any_use_and_puts_the_attributes_back():
+    from planner.model.forward_state import guarded_loss
+
+    root = nn.Sequential(nn.Linear(2, 2))
+    root[0].kept = torch.ones(())
+    uses = [lambda: 2.0 * root[0].kept, lambda: torch.add(torch.ones(()), root[0].kept), lambda: root[0].kept + 1,
+            lambda: bool(root[0].kept), lambda: root[0].kept.mean(), lambda: -root[0].new]
+    for use in uses:
+        guarded = guarded_loss(lambda out, target: use(), root, ["0.kept", "0.new"])
+        with pytest.raises(CaptureError, match="reads the model attribute '0.(kept|new)'"):
+            guarded(None, None)
+        assert torch.equal(root[0].kept, torch.ones(())) and not hasattr(root[0], "new")
+    assert guarded_loss(len, root, []) is len  # nothing set in forward: the loss itself
+    assert guarded_loss(lambda out, target: out + target, root, ["0.kept"])(1, 2) == 3
+
+
+def test_attributes_forward_sets_that_no_loss_reads_train_like_one_process(tmp_path):
+    profile = profile_of(STATE, sizes=(2,))
+    assert_trains_like_one_process(plan_with(profile, [1], 2, 8), tmp_path, STATE, steps=2)

@@ -1,0 +1,96 @@
+"""A loss that reads what forward stored on the model.
+
+A model may keep a value on itself in forward (`self.aux = balance_loss`, a mixture of experts' load
+balancing term) and its loss function read it (`mse(out, y) + 0.01 * model.aux`). In one process that
+trains the balancing term too. In a pipeline the loss runs on the last stage alone, and that rank's
+copy of the model never ran the forward that set the attribute: the loss would read a stale value
+(or None), and the term's gradient would reach no parameter — another model trained, without a word.
+
+torch.export puts such attributes back after tracing and its graph does not carry them (torch.fx
+refuses them: capture then uses export); capture_export records which were written. Every loss the
+profile and the runtime compute from the graph's output runs with each of them replaced by a
+tripwire: a loss that reads one stops with one line saying what to change. A loss that does not
+read them (attention maps kept for plotting) runs as before.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Sequence
+
+from torch import nn
+
+from planner.errors import CaptureError
+
+
+class _Read(BaseException):
+    """The loss touched a tripwire (a BaseException: a loss catching Exception does not swallow it)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.path = path
+
+
+class _Tripwire:
+    """Stands for the attribute `path` while the loss runs: any use of it raises `_Read`."""
+
+    def __init__(self, path: str):
+        object.__setattr__(self, "_path", path)
+
+    def _read(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Read(object.__getattribute__(self, "_path"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        wire = next(a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, _Tripwire))
+        raise _Read(object.__getattribute__(wire, "_path"))
+
+    def __getattr__(self, name: str) -> Any:
+        raise _Read(object.__getattribute__(self, "_path"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _read
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _read
+    __neg__ = __pos__ = __abs__ = __bool__ = __float__ = __int__ = __index__ = __len__ = __iter__ = _read
+    __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = __call__ = _read
+
+
+def _owner(root: nn.Module, path: str) -> tuple:
+    module_path, _, name = path.rpartition(".")
+    return (root.get_submodule(module_path) if module_path else root), name
+
+
+@contextlib.contextmanager
+def _tripwires(root: nn.Module, paths: Sequence[str]) -> Iterator[None]:
+    saved = []
+    for path in paths:
+        module, name = _owner(root, path)
+        saved.append((module, name, module.__dict__.get(name, _Tripwire)))
+        object.__setattr__(module, name, _Tripwire(path))
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            if value is _Tripwire:
+                object.__delattr__(module, name)
+            else:
+                object.__setattr__(module, name, value)
+
+
+def guarded_loss(loss: Callable[[Any, Any], Any], root: nn.Module, paths: List[str]) -> Callable[[Any, Any], Any]:
+    """`loss` as the pipeline must run it: from the graph's output, with the attributes forward
+    writes (`paths`, "block.0.moe.aux") unreadable; `loss` itself when forward writes none."""
+    if not paths:
+        return loss
+
+    def guarded(output: Any, target: Any) -> Any:
+        try:
+            with _tripwires(root, paths):
+                return loss(output, target)
+        except _Read as read:
+            raise CaptureError(
+                f"the loss function reads the model attribute {read.path!r}, which forward sets (self.{read.path.rpartition('.')[2]} "
+                "= ...): a pipeline computes the loss on the last stage alone, whose copy of the model did not run that "
+                "forward, so it would read a stale value and train another model; return the value from forward "
+                "(return out, aux) and take it from the output in the loss") from None
+
+    guarded.__wrapped__ = loss
+    return guarded
