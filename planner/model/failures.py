@@ -19,6 +19,9 @@ from planner.model.inplace import operation_name
 _FIX = ("fix: write that operation out of place in the model (inplace=False; y = x + z for x += z; x.add(z) for "
         "x.add_(z)), or rerun with PLANNER_TRACEBACK=1 and report the stack")
 
+_LOSS_FIX = ("fix: the loss gets the model's output and the batch's target, computed on the last stage alone; make it "
+             "work from those two (PLANNER_TRACEBACK=1 shows the stack)")
+
 
 class UnitRunError(RuntimeError):
     """Unit `index` raised in `phase` ("forward", "backward") when run as a stage of its own."""
@@ -68,13 +71,16 @@ def unit_failure(unit_name: str, units: int, error: UnitRunError, stage: Any, ar
     """The one-line error for a unit that failed as a stage of its own."""
     head = f"unit {unit_name!r} ({error.index + 1} of {units}) cannot run as a pipeline stage"
     node = failing_node(stage, args) if error.phase == "forward" and isinstance(stage, fx.GraphModule) else None
+    fix = _FIX
     if node is not None:
         where = describe_node(node)
+    elif error.phase == "forward" and error.index == units - 1:
+        where, fix = "the loss function", _LOSS_FIX
     elif error.phase == "forward":
-        where = "the loss function" if error.index == units - 1 else "its forward"
+        where = "its forward"
     else:
         where = "its backward"
-    return CaptureError(f"{head}: {where} raised {first_line(error.cause)}; {_FIX}")
+    return CaptureError(f"{head}: {where} raised {first_line(error.cause)}; {fix}")
 
 
 def model_failure(error: NodeRunError, batch_size: int) -> CaptureError:

@@ -118,3 +118,13 @@ def test_tie_between_leaf_modules_is_recorded():
     assert captured.method == "fx"
     shared = [(s.name, s.names, s.units, s.bytes) for s in captured.shared_parameters()]
     assert shared == [("emb.weight", ["emb.weight", "head.weight"], ["emb", "head"], 64 * 16 * 4)]
+
+
+def test_a_failing_loss_is_told_what_the_loss_gets():
+    from planner.model.failures import UnitRunError, unit_failure
+
+    error = unit_failure("head", 3, UnitRunError(2, "forward", KeyError("logits")), stage=None, args=())
+    assert "the loss function raised KeyError: 'logits'" in str(error)
+    assert "the loss gets the model's output and the batch's target" in str(error) and "in place" not in str(error)
+    inner = unit_failure("mid", 3, UnitRunError(1, "forward", RuntimeError("leaf")), stage=None, args=())
+    assert "its forward raised" in str(inner) and "out of place" in str(inner)
