@@ -427,3 +427,24 @@ def forward_state(dim: int = 4, loss_reads: bool = False) -> ModelSpec:
         return F.mse_loss(output, target) + (0.1 * module.gate.aux if loss_reads else 0.0)
 
     return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+class StarArgs(nn.Module):
+    """`forward(self, *args, **kwargs)`: fx would make the batch's values one placeholder."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, *args, **kwargs):
+        x, y = args[0], args[1]  # fx traces this (indexing one placeholder), wrongly
+        return self.b(torch.tanh(self.a(x)) * kwargs.get("scale", 1.0)) + y
+
+
+def star_args(dim: int = 4) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        x, y, target = (torch.randn(batch_size, dim, generator=g) for _ in range(3))
+        return (x, y), target
+
+    return ModelSpec(module=StarArgs(dim), batch=batch, loss=F.mse_loss)

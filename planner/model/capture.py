@@ -172,6 +172,20 @@ def _none_arguments(module: nn.Module, example_inputs: Any) -> Set[str]:
             if value is None and kinds[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
 
 
+def _filled_varargs(module: nn.Module, example_inputs: Any) -> str:
+    """The name of forward's `*args` when the example batch gives it values ("" otherwise)."""
+    if example_inputs is None:
+        return ""
+    try:
+        args, kwargs = split_inputs(example_inputs)
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return ""
+    kinds = inspect.signature(module.forward).parameters
+    return next((name for name, value in bound.arguments.items()
+                 if kinds[name].kind == inspect.Parameter.VAR_POSITIONAL and value), "")
+
+
 def _put_back(state: List[Tuple[nn.Module, Dict[str, Any], Dict[str, Any], Dict[str, Any]]]) -> str:
     """Put back each buffer, parameter or attribute the trace assigned a traced value to (forward's
     `self.count = self.count + 1` would leave a proxy in the model) as it was before tracing, and
@@ -283,6 +297,9 @@ class CapturedModel:
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
                 try:
+                    varargs = _filled_varargs(module, example)
+                    if varargs:  # fx makes *args one placeholder: the batch's values would not reach it
+                        raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces as one")
                     self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
                 except CaptureError as e:
                     if method == "fx":
