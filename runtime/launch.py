@@ -103,6 +103,8 @@ def _rank_main(argv: List[str], env: Dict[str, str], log_path: str, stdout_path:
     output files, then the worker."""
     os.environ.clear()
     os.environ.update(env)
+    if END_WITH_PARENT in env:  # a forked rank's parent is the fork server, not `runtime execute`
+        os.environ[END_WITH_PARENT] = str(os.getppid())
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     out = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stdout_path else log
     os.dup2(out, 1)
@@ -178,7 +180,7 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
         for rank in range(world_size):
             env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RUN_TOKEN: token, END_WITH_PARENT: "1"})
+                       OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RUN_TOKEN: token, END_WITH_PARENT: str(os.getpid())})
             argv = [*worker_args, "--timeout", str(timeout_s)] + (["--progress"] if rank == progress_rank else [])
             procs.append(_Rank(argv, env, os.path.join(out_dir, f"rank{rank}.log"),
                                progress if rank == progress_rank else None))

@@ -448,21 +448,23 @@ def _mean_over_holders(stats, groups: Groups):
 
 
 def _die_with_parent() -> None:
-    """Linux, ranks `runtime execute` started (runtime.launch sets END_WITH_PARENT): this rank gets
-    SIGTERM when the process that started it ends (the fork server, which ends with `runtime
-    execute`, or `runtime execute` itself): a launcher killed with SIGKILL cannot stop its ranks,
+    """Linux, ranks `runtime execute` started (runtime.launch sets END_WITH_PARENT to the parent's
+    pid): this rank gets SIGTERM when the process that started it ends (the fork server, which ends
+    with `runtime execute`, or `runtime execute` itself): a launcher killed with SIGKILL cannot stop its ranks,
     which would otherwise run on, or wait for their peers until the timeout. Not under torchrun,
     whose agent stops its workers itself (and the signal follows the thread that started a process)."""
-    if not sys.platform.startswith("linux") or os.environ.get(END_WITH_PARENT) != "1":
+    parent = os.environ.get(END_WITH_PARENT, "")
+    if not sys.platform.startswith("linux") or not parent.isdigit():
         return
     import ctypes
 
-    parent = os.getppid()
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return
-    if prctl(1, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != parent:  # 1: PR_SET_PDEATHSIG
+    # the parent's pid comes from the launcher: a rank started as `python -m runtime.worker` gets here
+    # after importing torch, seconds in which its parent may have been killed already
+    if prctl(1, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != int(parent):  # 1: PR_SET_PDEATHSIG
         os.kill(os.getpid(), signal.SIGTERM)  # it ended before the request was made
 
 

@@ -255,7 +255,11 @@ def test_ranks_end_with_a_runtime_execute_killed_by_sigkill(tmp_path, launch):
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob("runtime-*/rank1.log")) and time.monotonic() < deadline:
             time.sleep(0.1)  # the ranks have started
-        time.sleep(2.0)  # and are training
+        if launch == "subprocess":  # killed while the ranks still import torch, before they ask to end with it
+            while len(_descendants(command.pid)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            time.sleep(2.0)  # and are training
         below = _descendants(command.pid)
         assert len(below) >= 2, below
         command.kill()
