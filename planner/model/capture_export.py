@@ -133,6 +133,11 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     except Exception as e:  # export raises many types; all mean "cannot capture"
         raise ExportFailure(e, innermost_module(module, e)) from None
     gm = program.module()
+    carried = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in forward_sets]
+    if carried:  # the graph holds the attribute's value at capture: the next forward would not see the new one
+        raise CaptureError(f"forward reads self.{carried[0]} and sets it again (state kept from one forward to the "
+                           f"next), which the graph would keep at its first value; register it as a buffer "
+                           f"(register_buffer) so that the graph updates it")
     info = gm.graph._codegen.pytree_info
     _normalise(gm, module)
     return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm),

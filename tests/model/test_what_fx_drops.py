@@ -80,7 +80,22 @@ class _HookedBlock(nn.Module):
         return self.block(x)
 
 
+class _Carried(nn.Module):
+    """State kept from one forward to the next in a plain attribute (a buffer would be updated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.prev = torch.zeros(4)
+
+    def forward(self, x):
+        h = self.a(x) + self.prev
+        self.prev = h.detach().mean(0)
+        return h
+
+
 @pytest.mark.parametrize("module,match", [
+    (_Carried(), "forward reads self.prev and sets it again .* register it as a buffer"),
     (_TensorHook(False), "registers a hook on a tensor"),  # fx refuses, export refuses
     (_TensorHook(True), "registers a hook on a tensor"),
     (_Function(), "custom autograd Function Reversal, whose backward an exported graph does not keep"),
