@@ -53,6 +53,17 @@ def number_value(value: Any, what: str, positive: bool) -> float:
     return float(value)
 
 
+SPEEDS = (1e-3, 1e3)  # a device's speed relative to the profiled one: beyond these, a typo
+
+
+def speed_value(value: Any, what: str) -> float:
+    """A device speed relative to the profiled device (number_value), within SPEEDS."""
+    speed = number_value(value, what, positive=True)
+    if not SPEEDS[0] <= speed <= SPEEDS[1]:
+        raise ValueError(f"{what} is relative to the profiled device, {SPEEDS[0]:g} to {SPEEDS[1]:g} (got {value!r})")
+    return speed
+
+
 def format_bytes(n: float) -> str:
     """Human units: '512 B', '12.0 KiB', '512.0 MiB', '1.50 GiB'."""
     n = float(n)

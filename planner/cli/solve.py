@@ -14,6 +14,10 @@ from planner.sizes import parse_bytes
 
 
 
+LOCAL_SGD_MAX = 100_000  # steps between averages: beyond, a typo
+DEFAULT_TIME_LIMIT_S = 60.0  # a search that would take minutes returns its best plan and gap instead
+
+
 def add_problem_options(s: argparse.ArgumentParser) -> None:
     """The options describing the planning problem (shared by solve and compare)."""
     s.add_argument("profile", help="profile JSON from `planner profile` or `planner import-pipedream`")
@@ -57,7 +61,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--backend", default=None, choices=["highs", "cbc"],
                    help="MIP solver for --method ilp (default highs: faster in benchmarks/solver_speed.py; cbc, "
                         "with a note, where highspy cannot be imported)")
-    s.add_argument("--time-limit", type=float, default=None, help="seconds; returns the best plan with its gap")
+    s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+                   help=f"seconds: returns the best plan found with its gap (default {DEFAULT_TIME_LIMIT_S:.0f}; most "
+                        "problems are proven optimal in well under a second); inf searches to the proof")
     s.add_argument("--gap", type=float, default=None, metavar="FRACTION",
                    help="stop the exact search once no plan can be faster than the one found by more than this "
                         "share, e.g. 0.01 (default: proven optimal)")
@@ -103,7 +109,8 @@ def problem_from_args(args: argparse.Namespace):
     global_batch = max(profile.micro_batch_sizes) * width * 2 if args.global_batch is None else args.global_batch
     if global_batch < 1:
         raise UsageError("--global-batch must be positive")
-    if global_batch > MAX_MICRO_BATCHES * max(profile.micro_batch_sizes) * width:
+    replicas_at_most = args.devices if args.devices is not None else 1  # --stages: one replica
+    if global_batch > MAX_MICRO_BATCHES * max(profile.micro_batch_sizes) * replicas_at_most:
         raise UsageError(f"--global-batch {global_batch} is more than {MAX_MICRO_BATCHES} micro-batches per replica even at "
                          f"the largest profiled micro-batch size ({max(profile.micro_batch_sizes)}); profile larger "
                          "sizes (planner profile --micro-batch-sizes) or use more devices")
@@ -190,8 +197,10 @@ def check_plan_flags(args: argparse.Namespace, opts, devices: Optional[int], top
         if getattr(args, "method", "ilp") != "ilp":
             raise UsageError(f"--gap applies to --method ilp only; drop --gap or --method {args.method}")
     limit = getattr(args, "time_limit", None)
-    if limit is not None and not 0 < limit < float("inf"):
-        raise UsageError(f"--time-limit is seconds, more than 0 (got {limit}); leave it out to search to the proof")
+    if limit is not None and not 0 < limit <= float("inf"):
+        raise UsageError(f"--time-limit is seconds, more than 0 (got {limit}); inf searches to the proof")
+    if limit == float("inf"):
+        args.time_limit = None
     _check_local_sgd(args, opts, devices, topology is not None)
 
 
@@ -283,19 +292,22 @@ def _balanced_rhythm_note(profile, solution, opts, args: argparse.Namespace) -> 
 def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int], placed: bool) -> None:
     """--local-sgd-max and --sync-overhead: one-line refusals of what local SGD cannot plan."""
     h_max = args.local_sgd_max
-    if h_max < 1:
-        raise UsageError(f"--local-sgd-max must be at least 1 (got {h_max}); 1 all-reduces gradients every step")
-    if not args.sync_overhead > 0:
-        raise UsageError(f"--sync-overhead must be a positive fraction of the step (got {args.sync_overhead}), "
-                         "e.g. 0.05")
+    if not 1 <= h_max <= LOCAL_SGD_MAX:
+        raise UsageError(f"--local-sgd-max is 1 to {LOCAL_SGD_MAX} steps (got {h_max}); 1 all-reduces gradients every "
+                         "step")
+    if not 0 < args.sync_overhead <= 10:
+        raise UsageError(f"--sync-overhead must be a positive fraction of the step, at most 10 (got "
+                         f"{args.sync_overhead}), e.g. 0.05")
     if h_max == 1:
         return
     refusal = local_sgd_refusal(h_max, opts.shard, bool(args.replicate), placed)
     if refusal:
         raise UsageError(refusal)
     if devices is None or devices < 2:
-        raise UsageError(f"--local-sgd-max {h_max} averages data-parallel replicas, and this problem has one: "
-                         "give --devices N (the solver chooses p x d = N)")
+        give = "this problem has one: give --devices N" if devices is None else \
+            f"--devices {devices} leaves one: give 2 or more"
+        raise UsageError(f"--local-sgd-max {h_max} averages data-parallel replicas, and {give} (the solver chooses "
+                         "p x d = N)")
 
 
 def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import number_value, size_value
+from planner.sizes import number_value, size_value, speed_value
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def cluster_from_json(d: Any) -> Cluster:
     for i, g in enumerate(d["groups"]):
         if not isinstance(g, dict) or not isinstance(g.get("devices"), int) or g["devices"] < 1:
             raise ValueError(f"cluster group {i} needs \"devices\": a positive integer")
-        speed = number_value(g.get("speed", 1.0), f"cluster group {i} speed", positive=True)
+        speed = speed_value(g.get("speed", 1.0), f"cluster group {i} speed")
         latency = g.get("latency")
         if latency is not None:
             latency = number_value(latency, f"cluster group {i} latency", positive=False)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import number_value, size_value
+from planner.sizes import number_value, size_value, speed_value
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _device(d: Any, where: str, base: Device) -> Device:
         raise ValueError(f"{where} must be an object with \"memory\" and/or \"speed\"")
     _unknown(d, _DEVICE_KEYS, where)
     memory = base.memory if "memory" not in d else size_value(d["memory"], f"{where} memory")
-    speed = base.speed if "speed" not in d else number_value(d["speed"], f"{where} speed", positive=True)
+    speed = base.speed if "speed" not in d else speed_value(d["speed"], f"{where} speed")
     return Device(memory=memory, speed=speed)
 
 

@@ -83,6 +83,26 @@ def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[Cos
         if found is not None and not found.cost.feasible:
             found = None
     if found is None:
-        raise infeasible_error(profile, scenarios[0] if scenarios else opts)
+        raise _no_plan(profile, opts, scenarios, method)
     return found
+
+
+def _no_plan(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOptions], method: str) -> InfeasibleError:
+    """Why none of the scenarios has a plan by `method`: the first one's diagnosis, said of all of
+    them where several layouts were tried, or of the baseline's own split where another fits."""
+    first = scenarios[0] if scenarios else opts
+    layouts = sorted({(s.pipeline_ranks, s.data_parallel, s.schedule, s.virtual_stages) for s in scenarios})
+    several_p = len({p for p, _, _, _ in layouts}) > 1
+    error = infeasible_error(profile, first, "more devices" if several_p else "more stages")
+    message = str(error)
+    if method in ("uniform", "params", "block") and message.startswith("a plan fits"):
+        return InfeasibleError(f"the {method} baseline's split does not fit the memory per device, but another split "
+                               f"does ({message[len('a plan fits: '):]}); --method ilp finds the best one",
+                               min_memory_bytes=error.min_memory_bytes)
+    if len(layouts) > 1:
+        tried = ", ".join(f"{p} x {d} {schedule}" + (f" v={v}" if v > 1 else "") for p, d, schedule, v in layouts[:6])
+        more = f" and {len(layouts) - 6} more" if len(layouts) > 6 else ""
+        return InfeasibleError(f"none of the {len(layouts)} layouts tried (pipeline ranks x replicas: {tried}{more}) has "
+                               f"a plan; e.g. {message}", min_memory_bytes=error.min_memory_bytes)
+    return error
 

@@ -20,7 +20,7 @@ import numpy as np
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, fixed_bytes
 from planner.cost.options import CostOptions
 from planner.cost.stage_memory import StageMemory
-from planner.pipeline.schedule import MULTI_STAGE_SCHEDULES, schedule_virtual_stages
+from planner.pipeline.schedule import MAX_MICRO_BATCHES, MULTI_STAGE_SCHEDULES, schedule_virtual_stages
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 
@@ -149,22 +149,18 @@ def diagnose_stages(stages: int, num_units: int) -> str:
             f"use at most {num_units} stages, or profile the model with finer partition units")
 
 
-def diagnose(profile: Profile, opts: CostOptions) -> str:
-    """Explain why no plan exists for (profile, opts), or say that one does."""
+def diagnose(profile: Profile, opts: CostOptions, more: str = "more stages") -> str:
+    """Explain why no plan exists for (profile, opts), or say that one does; `more`: the fix that
+    adds devices as the request can ("more devices" where --devices chose p x d)."""
     L, S, G = profile.num_units, opts.pipeline_ranks, opts.global_batch  # S: what --stages asked
     if S > L:
         return diagnose_stages(S, L)
     if opts.num_stages > L:  # each rank holds several stages (interleaved, bfs, zb-v)
         return no_layout_message(L, opts, None, [opts.schedule])
     if not candidate_micro_batch_sizes(profile, G, opts):
-        sizes = sorted(profile.micro_batch_sizes)
-        smallest = sizes[0] if sizes else 1
-        suggestion = -(-G // smallest) * smallest
-        return (f"no profiled micro-batch size divides the global batch {G} (profiled: "
-                f"{', '.join(map(str, sizes))}); use a global batch that is a multiple of one of them, "
-                f"e.g. {suggestion}, or profile more micro-batch sizes")
+        return no_micro_batch_size(profile, opts)
     if opts.virtual_stages > 1 or opts.device_view is not None or opts.data_parallel > 1:
-        fixes = ["allow more memory", "more stages"] + \
+        fixes = ["allow more memory", more] + \
             (["fewer --virtual-stages"] if opts.schedule in MULTI_STAGE_SCHEDULES else []) + \
             (["--recompute auto"] if opts.recompute != "auto" else []) + \
             (["--shard auto (ZeRO over the replicas)"] if opts.data_parallel > 1 and opts.shard == "none" else [])
@@ -195,6 +191,31 @@ def diagnose(profile: Profile, opts: CostOptions) -> str:
     return first_line + "\n" + fix
 
 
+def no_micro_batch_size(profile: Profile, opts: CostOptions) -> str:
+    """Why no profiled micro-batch size b gives a plan: none divides G / d, every one that does
+    makes more than MAX_MICRO_BATCHES micro-batches, or (interleaved) no m = G / (d b) is a
+    multiple of the p ranks."""
+    G, d, p = opts.global_batch, opts.data_parallel, opts.pipeline_ranks
+    sizes = sorted(int(b) for b in profile.micro_batch_sizes)
+    profiled = f"profiled: {', '.join(map(str, sizes))}"
+    per_replica = f"the global batch {G}" + (f" over {d} replicas" if d > 1 else "")
+    dividing = [b for b in sizes if b > 0 and G % (d * b) == 0]
+    if not dividing:
+        smallest = sizes[0] if sizes else 1
+        suggestion = -(-G // (d * smallest)) * d * smallest
+        return (f"no profiled micro-batch size divides {per_replica} ({profiled}); use a global batch that is a "
+                f"multiple of {f'{d} x ' if d > 1 else ''}one of them, e.g. {suggestion}, or profile more micro-batch sizes")
+    few = [b for b in dividing if G // (d * b) <= MAX_MICRO_BATCHES]
+    if not few:
+        return (f"{per_replica} makes more than {MAX_MICRO_BATCHES} micro-batches of every profiled size that divides "
+                f"it ({profiled}); profile larger micro-batch sizes (up to {G // d // MAX_MICRO_BATCHES} or more), "
+                "use more data-parallel replicas (--devices) or a smaller global batch")
+    counts = ", ".join(f"{G // (d * b)} of {b}" for b in few)
+    return (f"interleaved runs a number of micro-batches that is a multiple of its {p} ranks, and {per_replica} "
+            f"makes {counts} ({profiled}); use a global batch that is a multiple of {d * p} x a profiled size, "
+            "or another schedule (bfs runs any number)")
+
+
 def no_layout_message(num_units: int, opts: CostOptions, devices: Optional[int], schedules: Sequence[str]) -> str:
     """Why the request has no layout at all: every p x d = `devices` (or the given p) needs more
     stages than the profile's units, or no d divides the global batch."""
@@ -213,9 +234,9 @@ def no_layout_message(num_units: int, opts: CostOptions, devices: Optional[int],
             f"finer partition units")
 
 
-def infeasible_error(profile: Profile, opts: CostOptions) -> InfeasibleError:
+def infeasible_error(profile: Profile, opts: CostOptions, more: str = "more stages") -> InfeasibleError:
     """The InfeasibleError for (profile, opts), with the memory floor attached when there is one."""
-    message = diagnose(profile, opts)
+    message = diagnose(profile, opts, more)
     floor = None
     simple = opts.virtual_stages == 1 and opts.device_view is None
     if simple and opts.num_stages <= profile.num_units and candidate_micro_batch_sizes(profile, opts.global_batch, opts):

@@ -131,6 +131,8 @@ def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None,
     forms = set() if forms is None else forms
     best: Optional[Split] = None
     for boundaries in _starts(profile, b, opts, deadline):
+        if best is not None and deadline is not None and time.perf_counter() >= deadline:
+            break
         found = _evaluate(profile, boundaries, b, opts, None, forms)
         if found is not None and (best is None or found.iteration_s < best.iteration_s):
             best = found
@@ -212,9 +214,14 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     started = time.perf_counter()
     # the starts take at most a share of the time limit (the chain search is slow on large profiles)
     deadline = None if time_limit is None else started + STARTS_SHARE * time_limit
-    items = [_Scenario(opts, b, heuristic_plan(profile, b, opts, deadline=deadline) if warm_start or method == "dp"
-                       else None, scenario_lower_bound(profile, b, opts))
-             for opts in scenarios for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts)]
+    items = []
+    for opts in scenarios:
+        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+            # past the deadline only until one scenario has a plan: each start is a simulation of its lists
+            late = deadline is not None and time.perf_counter() >= deadline and any(it.start for it in items)
+            start = heuristic_plan(profile, b, opts, deadline=deadline) if (warm_start or method == "dp") and not late \
+                else None
+            items.append(_Scenario(opts, b, start, scenario_lower_bound(profile, b, opts)))
     items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
     best = None  # (Split, _Scenario)
     for it in items:

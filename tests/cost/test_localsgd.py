@@ -164,7 +164,10 @@ def test_what_local_sgd_cannot_plan_is_refused_in_one_line(tmp_path, capsys):
     save_profile(_profile(), path)
     out = str(tmp_path / "plan.json")
     base = ["solve", path, "--global-batch", "16", "-o", out]
-    for extra, words in [(["--devices", "4", "--local-sgd-max", "0"], "--local-sgd-max must be at least 1"),
+    for extra, words in [(["--devices", "4", "--local-sgd-max", "0"], "--local-sgd-max is 1 to 100000 steps"),
+                         (["--devices", "4", "--local-sgd-max", "1000000000"], "--local-sgd-max is 1 to 100000 steps"),
+                         (["--devices", "1", "--local-sgd-max", "2"], "--devices 1 leaves one: give 2 or more"),
+                         (["--devices", "4", "--local-sgd-max", "4", "--sync-overhead", "inf"], "at most 10"),
                          (["--devices", "4", "--local-sgd-max", "4", "--shard", "optimizer"], "needs --shard none"),
                          (["--stages", "2", "--local-sgd-max", "4"], "give --devices N"),
                          (["--devices", "4", "--local-sgd-max", "4", "--sync-overhead", "0"], "positive fraction")]:

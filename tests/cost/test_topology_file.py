@@ -39,6 +39,7 @@ BAD = [
     ({"levels": [{"count": 2, "bandwith": "1GB"}]}, "unknown key\\(s\\) bandwith"),
     ({"levels": [{"count": 2, "name": "a"}, {"count": 2, "name": "a"}]}, "distinct names"),
     ({"levels": [{"count": 2}], "device": {"speed": 0}}, "speed must be a positive number"),
+    ({"levels": [{"count": 2}], "device": {"speed": 1e-300}}, "speed is relative to the profiled device, 0.001 to 1000"),
     ({"levels": [{"count": 2}], "devices": {"2": {"speed": 1}}}, "not a device index 0..1"),
     ({"levels": [{"count": 2}], "devices": {"x": {}}}, "not a device index"),
     ({"levels": [{"count": 2}], "devices": {"1": 3}}, "device 1 must be an object"),

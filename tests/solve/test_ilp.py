@@ -180,6 +180,35 @@ def test_other_infeasible_requests():
         solve(p, CostOptions(pipeline_ranks=1, global_batch=8), devices=5)
 
 
+def test_no_micro_batch_size_is_told_which_rule_every_size_breaks():
+    p = synthetic_profile([0.01] * 4, [0.02] * 4, [0] * 4, [0] * 4, [10, 10, 10], sizes=(2, 4))
+    with pytest.raises(InfeasibleError, match=r"no profiled micro-batch size divides the global batch 6 over 2 replicas "
+                                              r"\(profiled: 2, 4\); .* multiple of 2 x one of them, e.g. 8"):
+        solve(p, CostOptions(pipeline_ranks=1, global_batch=6, data_parallel=2))
+    # 2 and 4 divide 20,000, as 10,000 and 5,000 micro-batches
+    with pytest.raises(InfeasibleError, match="the global batch 20000 makes more than 4096 micro-batches of every "
+                                              "profiled size that divides it"):
+        solve(p, CostOptions(pipeline_ranks=2, global_batch=20000))
+    # interleaved on 2 ranks: 6 = 3 x 2 and 6 is no multiple of 4
+    with pytest.raises(InfeasibleError, match="interleaved runs a number of micro-batches that is a multiple of its 2 "
+                                              "ranks, and the global batch 6 makes 3 of 2"):
+        solve(p, CostOptions(pipeline_ranks=2, global_batch=6, schedule="interleaved", virtual_stages=2))
+
+
+def test_no_plan_over_several_layouts_and_a_baseline_that_does_not_fit_say_so():
+    p = synthetic_profile([0.01] * 4, [0.02] * 4, [4 << 20] * 4, [1 << 20] * 4, [10, 10, 10], sizes=(2,))
+    with pytest.raises(InfeasibleError, match=r"none of the 3 layouts tried \(pipeline ranks x replicas: 1 x 4 1f1b, "
+                                              r"2 x 2 1f1b, 4 x 1 1f1b\) has a plan; e.g. no plan fits 1.0 MiB per device"):
+        solve(p, CostOptions(pipeline_ranks=1, global_batch=16, memory_cap=1 << 20), devices=4)
+    # the uniform baseline puts both heavy units on stage 0 (32 MiB); under 20 MiB only one each fits
+    q = synthetic_profile([0.01] * 4, [0.02] * 4, [8 << 20, 8 << 20, 0, 0], [0] * 4, [10, 10, 10], sizes=(2,))
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, memory_cap=20 << 20)
+    assert solve(q, opts).cost.feasible
+    with pytest.raises(InfeasibleError, match="the uniform baseline's split does not fit the memory per device, but "
+                                              "another split does .*; --method ilp finds the best one"):
+        solve(q, opts, method="uniform")
+
+
 def big_profile(L=60, seed=3):
     rng = random.Random(seed)
     per = lambda a, b: {s: rng.uniform(*a) + rng.uniform(*b) * s for s in SIZES}
