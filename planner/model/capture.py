@@ -50,6 +50,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
 
+from planner.model.trace_state import PythonState, torch_draws
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 from planner.model.capture_export import PATCHING, ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
@@ -294,6 +295,7 @@ class CapturedModel:
         # refuses a batch giving one)
         example = example_inputs if example_inputs is not None else example_batch(module)
         self.traced_as_none: Set[str] = set() if method == "export" else _none_arguments(module, example)
+        before = PythonState(module)
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
                 try:
@@ -308,6 +310,9 @@ class CapturedModel:
             if method == "export" or fx_error is not None:
                 self.gm, self.method = self._export(module, example, fx_error), "export"
                 self.fallback_reason = str(fx_error) if fx_error else ""
+        fixed = before.changed()
+        if fixed:
+            raise CaptureError(f"cannot capture {type(module).__name__}: {fixed}")
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         # the forward's own argument names: fx renames a placeholder that shadows a builtin
         # (nn.Sequential's `input` becomes node `input_1`), its target keeps the argument's name
@@ -335,7 +340,8 @@ class CapturedModel:
     def _trace_fx(module: nn.Module, as_none: Set[str]) -> fx.GraphModule:
         tracer = _UnitTracer()
         try:
-            graph = tracer.trace(module, {name: None for name in as_none} or None)
+            with torch_draws():
+                graph = tracer.trace(module, {name: None for name in as_none} or None)
             for node in [n for n in graph.nodes if n.target is _ASSERT_IS_NONE and not n.users]:
                 graph.erase_node(node)  # concrete_args' check: a stage takes no such input
         except Exception as e:  # fx raises many types; all mean "not symbolically traceable"

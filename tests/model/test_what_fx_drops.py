@@ -235,3 +235,41 @@ def test_a_forward_taking_star_args_is_exported_and_trains_like_one_process(tmp_
     captured = capture(build_spec(entry, {}, 0).module)
     assert captured.method == "export" and "forward's *args takes the batch's values" in captured.fallback_reason
     assert_trains_like_one_process(plan_with(profile_of(entry, sizes=(2,)), [1], 2, 8), tmp_path, entry, steps=2)
+
+
+class _LayerDrop(nn.Module):
+    def __init__(self, draw):
+        super().__init__()
+        self.layers, self.draw = nn.ModuleList(nn.Linear(4, 4) for _ in range(4)), draw
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.draw() < 0.5:  # the layers one trace takes would be trained forever
+                continue
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class _Warmup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x) * min(1.0, self.calls / 4)
+
+
+@pytest.mark.parametrize("module,match", [
+    (_LayerDrop(lambda: __import__("random").random()), "forward draws random numbers in Python"),
+    (_LayerDrop(lambda: float(torch.rand(()))), "forward draws from torch's random generator"),
+    (_Warmup(), "forward changes the attribute 'calls' .0 before the trace, 1 after.*keep it in a buffer"),
+])
+def test_what_a_trace_would_fix_at_its_traced_value_is_refused(module, match):
+    import random
+
+    state = random.getstate()
+    with pytest.raises(CaptureError, match=match):
+        capture(module, example_inputs=(torch.randn(2, 4),))
+    random.setstate(state)
+    assert getattr(module, "calls", 0) == 0  # the model is left as it was
