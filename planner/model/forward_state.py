@@ -1,4 +1,4 @@
-"""A loss that reads what forward stored on the model.
+"""A loss that reads the model: what forward stored on it, or its parameters.
 
 A model may keep a value on itself in forward (`self.aux = balance_loss`, a mixture of experts' load
 balancing term) and its loss function read it (`mse(out, y) + 0.01 * model.aux`). In one process that
@@ -11,13 +11,19 @@ refuses them: capture then uses export); capture_export records which were writt
 profile and the runtime compute from the graph's output runs with each of them replaced by a
 tripwire: a loss that reads one stops with one line saying what to change. A loss that does not
 read them (attention maps kept for plotting) runs as before.
+
+A loss that reads a parameter (`mse(out, y) + lam * model[0].weight.pow(2).sum()`) is refused too
+(`parameters_read_by_loss`, run once by the profile): the last stage's copy of another stage's
+weight is never stepped, and the penalty's gradient would reach no optimizer.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Iterator, List, Sequence
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from planner.errors import CaptureError
 
@@ -94,3 +100,25 @@ def guarded_loss(loss: Callable[[Any, Any], Any], root: nn.Module, paths: List[s
 
     guarded.__wrapped__ = loss
     return guarded
+
+
+def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any) -> None:
+    """Refuse (CaptureError, one line) a loss whose value depends on a trainable parameter of `root`
+    other than through `output`: the loss on a detached copy of the output, differentiated."""
+    named = [(name, p) for name, p in root.named_parameters() if p.requires_grad]
+    if not named:
+        return
+    detached = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), output)
+    with torch.enable_grad():
+        value = loss(detached, target)
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
+            return
+        grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+    read = [name for (name, _), grad in zip(named, grads) if grad is not None]
+    if read:
+        raise CaptureError(
+            f"the loss function reads the model's parameter {read[0]!r}" + (f" (and {len(read) - 1} more)" if len(read) > 1
+                                                                              else "")
+            + " besides the output (a penalty on the weights?): a pipeline computes the loss on the last stage alone, "
+            "whose copy of another stage's weights is never trained, and the term's gradient would reach no "
+            "optimizer; add the term in forward (return it with the output, or use the optimizer's weight decay)")

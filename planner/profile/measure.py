@@ -24,7 +24,7 @@ import torch
 
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
-from planner.model.forward_state import guarded_loss
+from planner.model.forward_state import guarded_loss, parameters_read_by_loss
 from planner.model.failures import NodeRunError, UnitRunError, first_line, model_failure, unit_failure
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.model.running_stats import keeps_running_statistics
@@ -249,8 +249,8 @@ def _prepare(run: _Run, smallest: int) -> None:
         except NodeRunError as e:
             raise model_failure(e, smallest) from e
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
-    if captured.forward_sets:  # a loss reading what forward sets on the model stops here, in one line
-        run.spec.loss(captured.output_of(probe), to_device(target0, run.dev))
+    # a loss reading what forward sets on the model, or its parameters, stops here in one line
+    parameters_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev))
     del probe
     run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}
