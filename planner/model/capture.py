@@ -147,6 +147,10 @@ class _UnitTracer(fx.Tracer):
             raise CaptureError("an operation runs under another autograd or autocast mode than the model's call "
                                "(torch.no_grad, set_grad_enabled or autocast inside forward), which torch.fx does "
                                "not record")
+        if kind == "call_function" and target in (torch.autograd.grad, torch.autograd.backward):
+            raise Unpipelinable(f"forward differentiates (torch.autograd.{target.__name__}, a gradient penalty), which "
+                               "a pipeline stage cannot: its backward would have to run inside the forward of every "
+                               "stage the gradient crosses; compute the penalty outside the pipelined model")
         if kind == "call_method" and target in ("register_hook", "register_post_accumulate_grad_hook"):
             raise CaptureError(f"forward registers a hook on a tensor ({target}), which a captured graph does not keep")
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -171,6 +175,10 @@ def _none_arguments(module: nn.Module, example_inputs: Any) -> Set[str]:
     kinds = inspect.signature(module.forward).parameters
     return {name for name, value in bound.arguments.items()
             if value is None and kinds[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+
+
+class Unpipelinable(CaptureError):
+    """What no captured graph can run as pipeline stages (torch.export is not tried)."""
 
 
 def _filled_varargs(module: nn.Module, example_inputs: Any) -> str:
@@ -303,6 +311,8 @@ class CapturedModel:
                     if varargs:  # fx makes *args one placeholder: the batch's values would not reach it
                         raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces as one")
                     self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
+                except Unpipelinable:  # no graph would do: torch.export is not tried
+                    raise
                 except CaptureError as e:
                     if method == "fx":
                         raise
@@ -344,6 +354,8 @@ class CapturedModel:
                 graph = tracer.trace(module, {name: None for name in as_none} or None)
             for node in [n for n in graph.nodes if n.target is _ASSERT_IS_NONE and not n.users]:
                 graph.erase_node(node)  # concrete_args' check: a stage takes no such input
+        except Unpipelinable as e:
+            raise Unpipelinable(f"cannot capture {type(module).__name__}: {e}") from None
         except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
             where = f" in {tracer.failed_at!r}" if tracer.failed_at else ""
             raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {first_line(e)}") from None

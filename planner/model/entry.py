@@ -42,6 +42,8 @@ def _parse_literal(raw: str) -> Any:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         return raw
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)  # a config's per-stage sizes: depths=[2,2,6,2]
     return value if isinstance(value, (bool, int, float)) else raw
 
 

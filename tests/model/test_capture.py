@@ -128,3 +128,10 @@ def test_a_failing_loss_is_told_what_the_loss_gets():
     assert "the loss gets the model's output and the batch's target" in str(error) and "in place" not in str(error)
     inner = unit_failure("mid", 3, UnitRunError(1, "forward", RuntimeError("leaf")), stage=None, args=())
     assert "its forward raised" in str(inner) and "out of place" in str(inner)
+
+
+def test_model_arguments_take_lists_of_numbers():
+    from planner.model.entry import parse_model_args
+
+    assert parse_model_args(["depths=[2,2,6]", "dims=(8, 16)", "name=[x", "n=3", "flag=true"]) == \
+        {"depths": [2, 2, 6], "dims": [8, 16], "name": "[x", "n": 3, "flag": True}

@@ -94,7 +94,21 @@ class _Carried(nn.Module):
         return h
 
 
+class _GradientPenalty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        s = self.b(torch.tanh(h))
+        (g,) = torch.autograd.grad(s.sum(), h, create_graph=True)
+        return s + g.pow(2).sum(-1, keepdim=True)
+
+
 @pytest.mark.parametrize("module,match", [
+    (_GradientPenalty(), "^cannot capture _GradientPenalty: forward differentiates .torch.autograd.grad, a gradient "
+                         "penalty.*outside the pipelined model$"),
     (_Carried(), "forward reads self.prev and sets it again .* register it as a buffer"),
     (_TensorHook(False), "registers a hook on a tensor"),  # fx refuses, export refuses
     (_TensorHook(True), "registers a hook on a tensor"),
