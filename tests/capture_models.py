@@ -415,9 +415,9 @@ class ForwardState(nn.Module):
         return self.c(h)
 
 
-def forward_state(dim: int = 4, loss_reads: bool = False, penalty: bool = False) -> ModelSpec:
-    """With `loss_reads` the loss adds the gate's `aux`, with `penalty` one on `b.weight`: a pipeline's
-    last stage can compute neither."""
+def forward_state(dim: int = 4, loss_reads: bool = False, penalty: str = "") -> ModelSpec:
+    """With `loss_reads` the loss adds the gate's `aux`, with `penalty` one on that layer's weight
+    ("b": a pipeline's last stage can compute neither; "c": the last unit's, it can)."""
     module = ForwardState(dim)
 
     def batch(batch_size: int, step: int):
@@ -426,7 +426,7 @@ def forward_state(dim: int = 4, loss_reads: bool = False, penalty: bool = False)
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target) + (0.1 * module.gate.aux if loss_reads else 0.0) + \
-            (0.05 * module.b.weight.pow(2).sum() if penalty else 0.0)
+            (0.05 * getattr(module, penalty).weight.pow(2).sum() if penalty else 0.0)
 
     return ModelSpec(module=module, batch=batch, loss=loss)
 

@@ -14,7 +14,8 @@ read them (attention maps kept for plotting) runs as before.
 
 A loss that reads a parameter (`mse(out, y) + lam * model[0].weight.pow(2).sum()`) is refused too
 (`parameters_read_by_loss`, run once by the profile): the last stage's copy of another stage's
-weight is never stepped, and the penalty's gradient would reach no optimizer.
+weight is never stepped, and the penalty's gradient would reach no optimizer (the last unit's own
+parameters are the last stage's, and pass).
 """
 from __future__ import annotations
 
@@ -102,10 +103,13 @@ def guarded_loss(loss: Callable[[Any, Any], Any], root: nn.Module, paths: List[s
     return guarded
 
 
-def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any) -> None:
+def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any,
+                            last_unit: Sequence[torch.Tensor] = ()) -> None:
     """Refuse (CaptureError, one line) a loss whose value depends on a trainable parameter of `root`
-    other than through `output`: the loss on a detached copy of the output, differentiated."""
-    named = [(name, p) for name, p in root.named_parameters() if p.requires_grad]
+    other than through `output`: the loss on a detached copy of the output, differentiated. The
+    parameters of the `last_unit` are allowed: the last stage holds them and steps them."""
+    held = {id(p) for p in last_unit}
+    named = [(name, p) for name, p in root.named_parameters() if p.requires_grad and id(p) not in held]
     if not named:
         return
     detached = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), output)

@@ -250,7 +250,8 @@ def _prepare(run: _Run, smallest: int) -> None:
             raise model_failure(e, smallest) from e
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     # a loss reading what forward sets on the model, or its parameters, stops here in one line
-    parameters_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev))
+    parameters_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
+                            list(run.stages[-1][0].parameters()))
     del probe
     run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}

@@ -220,7 +220,8 @@ def test_what_forward_sets_on_the_model_is_recorded_and_a_loss_reading_it_refuse
         profile_of(STATE, {"loss_reads": True}, sizes=(2,))
     with pytest.raises(CaptureError, match="the loss function reads the model's parameter 'b.weight' besides the "
                                            "output .* add the term in forward"):
-        profile_of(STATE, {"penalty": True}, sizes=(2,))
+        profile_of(STATE, {"penalty": "b"}, sizes=(2,))
+    profile_of(STATE, {"penalty": "c"}, sizes=(2,))  # the last unit's weight: the last stage holds it
 
 
 def test_the_guarded_loss_trips_on_any_use_and_puts_the_attributes_back():
