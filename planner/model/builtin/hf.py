@@ -170,6 +170,10 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
             source, labels = tokens(g, batch_size, seq_len, vocab), tokens(g, batch_size, tgt_len, vocab)
             start = getattr(config, "decoder_start_token_id", None) or getattr(config, "pad_token_id", None) or 0
             decoder_ids = torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], dim=1)
+            if getattr(cls, "main_input_name", "") == "input_features":  # speech (Whisper): log-mel frames, the
+                frames = 2 * int(config.max_source_positions)  # length its two convolutions expect
+                features = torch.randn(batch_size, int(config.num_mel_bins), frames, generator=g)
+                return _arrange(cls, {"input_features": features, "decoder_input_ids": decoder_ids}), labels
             named = {"input_ids": source, "attention_mask": torch.ones_like(source),
                      "decoder_input_ids": decoder_ids}
             return _arrange(cls, named), labels
