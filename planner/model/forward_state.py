@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import CaptureError
 
@@ -48,8 +48,8 @@ class _Tripwire:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        wire = next(a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, _Tripwire))
-        raise _Read(object.__getattribute__(wire, "_path"))
+        wires = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, _Tripwire)]
+        raise _Read(object.__getattribute__(wires[0], "_path") if wires else "?")
 
     def __getattr__(self, name: str) -> Any:
         raise _Read(object.__getattribute__(self, "_path"))
@@ -114,10 +114,15 @@ def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, ou
         return
     detached = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), output)
     with torch.enable_grad():
-        value = loss(detached, target)
-        if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        try:
+            value = loss(detached, target)
+            if not isinstance(value, torch.Tensor) or not value.requires_grad or value.numel() != 1:
+                return
+            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+        except CaptureError:
+            raise
+        except Exception:  # the loss's own failure: the profile's first timed call names it (failures.py)
             return
-        grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
     read = [name for (name, _), grad in zip(named, grads) if grad is not None]
     if read:
         raise CaptureError(

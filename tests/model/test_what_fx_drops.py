@@ -291,3 +291,14 @@ def test_what_a_trace_would_fix_at_its_traced_value_is_refused(module, match):
         capture(module, example_inputs=(torch.randn(2, 4),))
     random.setstate(state)
     assert getattr(module, "calls", 0) == 0  # the model is left as it was
+
+
+def test_a_tripwire_inside_a_list_and_a_loss_that_fails_on_its_own():
+    from planner.model.forward_state import guarded_loss, parameters_read_by_loss
+
+    root = nn.Sequential(nn.Linear(2, 2))
+    stacked = guarded_loss(lambda out, target: torch.stack([out, root[0].kept]).sum(), root, ["0.kept"])
+    with pytest.raises(CaptureError, match="reads the model attribute '0.kept'"):
+        stacked(torch.ones(()), None)
+    # a loss failing by itself is left to the profile's timed call, which names it in one line
+    parameters_read_by_loss(lambda out, target: target["missing"], root, torch.ones(2), {})
