@@ -180,7 +180,8 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
         for rank in range(world_size):
             env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RUN_TOKEN: token, END_WITH_PARENT: str(os.getpid())})
+                       OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+                       **{RUN_TOKEN: token, END_WITH_PARENT: str(os.getpid())})
             argv = [*worker_args, "--timeout", str(timeout_s)] + (["--progress"] if rank == progress_rank else [])
             procs.append(_Rank(argv, env, os.path.join(out_dir, f"rank{rank}.log"),
                                progress if rank == progress_rank else None))

@@ -50,13 +50,13 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
 
-from planner.model.trace_state import PythonState, torch_draws
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 from planner.model.capture_export import PATCHING, ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
 from planner.model.failures import NodeRunError, first_line
 from planner.model.inplace import AugmentedProxy, Merge, writes_across_units
 from planner.model.recomputable import needed_inputs, recomputable_nodes
+from planner.model.trace_state import PythonState, torch_draws
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -309,7 +309,8 @@ class CapturedModel:
                 try:
                     varargs = _filled_varargs(module, example)
                     if varargs:  # fx makes *args one placeholder: the batch's values would not reach it
-                        raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces as one")
+                        raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces "
+                                           "as one")
                     self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
                 except Unpipelinable:  # no graph would do: torch.export is not tried
                     raise

@@ -93,9 +93,10 @@ def guarded_loss(loss: Callable[[Any, Any], Any], root: nn.Module, paths: List[s
             with _tripwires(root, paths):
                 return loss(output, target)
         except _Read as read:
+            name = read.path.rpartition(".")[2]
             raise CaptureError(
-                f"the loss function reads the model attribute {read.path!r}, which forward sets (self.{read.path.rpartition('.')[2]} "
-                "= ...): a pipeline computes the loss on the last stage alone, whose copy of the model did not run that "
+                f"the loss function reads the model attribute {read.path!r}, which forward sets (self.{name} = ...): "
+                "a pipeline computes the loss on the last stage alone, whose copy of the model did not run that "
                 "forward, so it would read a stale value and train another model; return the value from forward "
                 "(return out, aux) and take it from the output in the loss") from None
 
@@ -126,8 +127,8 @@ def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, ou
     read = [name for (name, _), grad in zip(named, grads) if grad is not None]
     if read:
         raise CaptureError(
-            f"the loss function reads the model's parameter {read[0]!r}" + (f" (and {len(read) - 1} more)" if len(read) > 1
-                                                                              else "")
+            f"the loss function reads the model's parameter {read[0]!r}"
+            + (f" (and {len(read) - 1} more)" if len(read) > 1 else "")
             + " besides the output (a penalty on the weights?): a pipeline computes the loss on the last stage alone, "
             "whose copy of another stage's weights is never trained, and the term's gradient would reach no "
             "optimizer; add the term in forward (return it with the output, or use the optimizer's weight decay)")

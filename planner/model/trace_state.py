@@ -47,8 +47,8 @@ class PythonState:
             now = vars(module).get(name, value)
             if now is not value and now != value:
                 where = f"{path}.{name}" if path else name
-                reason = reason or (f"forward changes the attribute {where!r} ({value!r} before the trace, {now!r} after), "
-                                    "whose traced value the captured graph would keep for every step; keep it in a "
+                reason = reason or (f"forward changes the attribute {where!r} ({value!r} before the trace, "
+                                    f"{now!r} after), whose traced value the captured graph would keep for every step; keep it in a "
                                     "buffer (a tensor) if the computation reads it")
                 vars(module)[name] = value
         if reason:

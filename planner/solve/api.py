@@ -102,7 +102,7 @@ def _no_plan(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOption
     if len(layouts) > 1:
         tried = ", ".join(f"{p} x {d} {schedule}" + (f" v={v}" if v > 1 else "") for p, d, schedule, v in layouts[:6])
         more = f" and {len(layouts) - 6} more" if len(layouts) > 6 else ""
-        return InfeasibleError(f"none of the {len(layouts)} layouts tried (pipeline ranks x replicas: {tried}{more}) has "
-                               f"a plan; e.g. {message}", min_memory_bytes=error.min_memory_bytes)
+        return InfeasibleError(f"none of the {len(layouts)} layouts tried (pipeline ranks x replicas: {tried}{more}) "
+                               f"has a plan; e.g. {message}", min_memory_bytes=error.min_memory_bytes)
     return error
 

@@ -203,8 +203,9 @@ def no_micro_batch_size(profile: Profile, opts: CostOptions) -> str:
     if not dividing:
         smallest = sizes[0] if sizes else 1
         suggestion = -(-G // (d * smallest)) * d * smallest
+        times = f"{d} x " if d > 1 else ""
         return (f"no profiled micro-batch size divides {per_replica} ({profiled}); use a global batch that is a "
-                f"multiple of {f'{d} x ' if d > 1 else ''}one of them, e.g. {suggestion}, or profile more micro-batch sizes")
+                f"multiple of {times}one of them, e.g. {suggestion}, or profile more micro-batch sizes")
     few = [b for b in dividing if G // (d * b) <= MAX_MICRO_BATCHES]
     if not few:
         return (f"{per_replica} makes more than {MAX_MICRO_BATCHES} micro-batches of every profiled size that divides "
