@@ -70,6 +70,8 @@ def _tripwires(root: nn.Module, paths: Sequence[str]) -> Iterator[None]:
     saved = []
     for path in paths:
         module, name = _owner(root, path)
+        if isinstance(getattr(type(module), name, None), property):  # set through its setter: not a plain slot
+            continue
         saved.append((module, name, module.__dict__.get(name, _Tripwire)))
         object.__setattr__(module, name, _Tripwire(path))
     try:

@@ -300,5 +300,10 @@ def test_a_tripwire_inside_a_list_and_a_loss_that_fails_on_its_own():
     stacked = guarded_loss(lambda out, target: torch.stack([out, root[0].kept]).sum(), root, ["0.kept"])
     with pytest.raises(CaptureError, match="reads the model attribute '0.kept'"):
         stacked(torch.ones(()), None)
+    class WithProperty(nn.Linear):
+        scale = property(lambda self: 2.0, lambda self, value: None)
+
+    held = nn.Sequential(WithProperty(2, 2))
+    assert guarded_loss(lambda out, target: out * held[0].scale, held, ["0.scale"])(1.0, None) == 2.0
     # a loss failing by itself is left to the profile's timed call, which names it in one line
     parameters_read_by_loss(lambda out, target: target["missing"], root, torch.ones(2), {})
