@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, StageIO, capture
 from planner.model.entry import build_spec
-from planner.model.forward_state import guarded_loss
+from planner.model.forward_state import pipeline_spec
 from planner.model.running_stats import keeps_running_statistics
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
@@ -272,7 +272,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
         names = model_names(spec.module)
         captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))
     # the loss runs on the graph's output: what forward sets on the model is not there (planner.model.forward_state)
-    spec = replace(spec, loss=guarded_loss(spec.loss, spec.module, captured.forward_sets))
+    spec = pipeline_spec(spec, captured.forward_sets)
     if device.type != "cpu" or init_state is not None:
         captured.place_nodes(device)
     # after placing: the second export's nodes name the run's device too

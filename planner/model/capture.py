@@ -161,20 +161,26 @@ class _UnitTracer(fx.Tracer):
         return AugmentedProxy(node, self)  # records `a += b` in place, as eager runs it
 
 
+def _example_arguments(module: nn.Module, example_inputs: Any) -> List[Tuple[str, Any, Any]]:
+    """[(name, value, kind)] of forward's arguments, defaults applied, for the example batch; [] when
+    there is none or it does not fit the signature (fx's own error then says so)."""
+    if example_inputs is None:
+        return []
+    signature = inspect.signature(module.forward)
+    try:
+        args, kwargs = split_inputs(example_inputs)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return []
+    bound.apply_defaults()
+    return [(name, value, signature.parameters[name].kind) for name, value in bound.arguments.items()]
+
+
 def _none_arguments(module: nn.Module, example_inputs: Any) -> Set[str]:
     """The forward's arguments the example batch leaves None (passed or by default): fx traces them as
     None (`concrete_args`), so `if mask is not None:` takes the branch the batches take."""
-    if example_inputs is None:
-        return set()
-    try:
-        args, kwargs = split_inputs(example_inputs)
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):  # the batch does not fit the signature: fx's own error says so
-        return set()
-    bound.apply_defaults()
-    kinds = inspect.signature(module.forward).parameters
-    return {name for name, value in bound.arguments.items()
-            if value is None and kinds[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+    return {name for name, value, kind in _example_arguments(module, example_inputs)
+            if value is None and kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
 
 
 class Unpipelinable(CaptureError):
@@ -183,16 +189,8 @@ class Unpipelinable(CaptureError):
 
 def _filled_varargs(module: nn.Module, example_inputs: Any) -> str:
     """The name of forward's `*args` when the example batch gives it values ("" otherwise)."""
-    if example_inputs is None:
-        return ""
-    try:
-        args, kwargs = split_inputs(example_inputs)
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return ""
-    kinds = inspect.signature(module.forward).parameters
-    return next((name for name, value in bound.arguments.items()
-                 if kinds[name].kind == inspect.Parameter.VAR_POSITIONAL and value), "")
+    return next((name for name, value, kind in _example_arguments(module, example_inputs)
+                 if kind == inspect.Parameter.VAR_POSITIONAL and value), "")
 
 
 def _put_back(state: List[Tuple[nn.Module, Dict[str, Any], Dict[str, Any], Dict[str, Any]]]) -> str:

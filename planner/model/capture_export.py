@@ -125,7 +125,7 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     """Export `module` on `example_inputs` (batch of 2 or more) and normalise the graph."""
     args, kwargs = split_inputs(example_inputs)
     try:
-        with _refusing_what_export_drops(module) as forward_sets:
+        with _watching_export(module) as forward_sets:
             program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_batch(module, args, kwargs),
                                           strict=False)
     except _Dropped as e:
@@ -153,7 +153,7 @@ PATCHING = threading.Lock()  # capture patches torch process-wide (the guards, f
 
 
 @contextlib.contextmanager
-def _refusing_what_export_drops(root: nn.Module) -> Iterator[List[str]]:
+def _watching_export(root: nn.Module) -> Iterator[List[str]]:
     """Export traces through a custom autograd Function's forward (its backward is lost), past a
     hook registered on a tensor (never called) and past a module's full backward hook: each would
     train another model, so it stops the capture. torch's own Functions (a custom operator's

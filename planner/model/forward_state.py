@@ -20,6 +20,7 @@ parameters are the last stage's, and pass).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import CaptureError
+from planner.model.spec import ModelSpec
 
 
 class _Read(BaseException):
@@ -104,6 +106,12 @@ def guarded_loss(loss: Callable[[Any, Any], Any], root: nn.Module, paths: List[s
 
     guarded.__wrapped__ = loss
     return guarded
+
+
+def pipeline_spec(spec: ModelSpec, forward_sets: List[str]) -> ModelSpec:
+    """`spec` with its loss as a pipeline runs it (`guarded_loss` over the attributes forward sets,
+    CapturedModel.forward_sets)."""
+    return dataclasses.replace(spec, loss=guarded_loss(spec.loss, spec.module, forward_sets))
 
 
 def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any,

@@ -223,6 +223,11 @@ def writes(graph: fx.Graph, root: nn.Module) -> List[Write]:
     return [Write(node, w) for node in graph.nodes if node.op.startswith("call_") for w in written_nodes(node, root)]
 
 
+def _unit_at(reader: fx.Node, unit_of: Dict[fx.Node, int], last_unit: int) -> Optional[int]:
+    """The unit a reader runs in (the graph's output: the last one's), None for none."""
+    return last_unit if reader.op == "output" else unit_of.get(reader)
+
+
 def _holders(graph: fx.Graph, unit_of: Dict[fx.Node, int]) -> Dict[str, List[int]]:
     """{module path: the units calling it} (a call reads the module's state where the graph does not show)."""
     calls: Dict[str, List[int]] = {}
@@ -265,7 +270,7 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
             tie(min(unit_of[base], where), where, write)
             continue
         readers = [(member, reader) for member in members.get(base, [base]) for reader in member.users]
-        at = lambda reader: last_unit if reader.op == "output" else unit_of.get(reader)  # noqa: E731
+        at = lambda reader: _unit_at(reader, unit_of, last_unit)  # noqa: E731
         if base.op == "get_attr":  # state each stage holds across steps: every reader with the writer
             spots = [at(reader) for _, reader in readers if at(reader) is not None]
             spots += _held_by(str(base.target), calls)  # and every call of a module holding it
@@ -313,7 +318,7 @@ def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int],
     for node in graph.nodes:
         base = roots.get(node, node)
         for user in node.users if base.op == "get_attr" else ():
-            spot = last_unit if user.op == "output" else unit_of.get(user)
+            spot = _unit_at(user, unit_of, last_unit)
             if spot is not None:
                 readers_of.setdefault(str(base.target), []).append(spot)
     ranges = []

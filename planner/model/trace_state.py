@@ -48,8 +48,8 @@ class PythonState:
             if now is not value and now != value:
                 where = f"{path}.{name}" if path else name
                 reason = reason or (f"forward changes the attribute {where!r} ({value!r} before the trace, "
-                                    f"{now!r} after), whose traced value the captured graph would keep for every step; keep it in a "
-                                    "buffer (a tensor) if the computation reads it")
+                                    f"{now!r} after), whose traced value the captured graph would keep for every "
+                                    "step; keep it in a buffer (a tensor) if the computation reads it")
                 vars(module)[name] = value
         if reason:
             return reason

@@ -8,7 +8,6 @@ parameter memory this way.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -18,7 +17,7 @@ import torch
 from planner.errors import CaptureError
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
-from planner.model.forward_state import guarded_loss
+from planner.model.forward_state import pipeline_spec
 from planner.model.failures import NodeRunError, describe_node, model_failure
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
@@ -110,7 +109,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         return inputs, _meta(target)
 
     captured: CapturedModel = capture(spec.module, example_inputs=meta_batch(EXAMPLE_BATCH_SIZE)[0])
-    spec = dataclasses.replace(spec, loss=guarded_loss(spec.loss, spec.module, captured.forward_sets))
+    spec = pipeline_spec(spec, captured.forward_sets)
     L = len(captured.units)
     kernels = use_memory_efficient(captured.gm.graph) if attention == "flash" else 0
     runs = "memory-efficient" if kernels else attention_of(spec.module)  # what the profile's attention costs

@@ -13,7 +13,6 @@ runtime's last stage. The link between two ranks is planner.profile.link.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import sys
@@ -24,7 +23,7 @@ import torch
 
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
-from planner.model.forward_state import guarded_loss, parameters_read_by_loss
+from planner.model.forward_state import parameters_read_by_loss, pipeline_spec
 from planner.model.failures import NodeRunError, UnitRunError, first_line, model_failure, unit_failure
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.model.running_stats import keeps_running_statistics
@@ -222,7 +221,7 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
              say: Callable[[str], None]) -> Tuple[ModelSpec, CapturedModel]:
     spec: ModelSpec = build_spec(entry, model_args, seed)
     captured: CapturedModel = capture(spec.module)
-    spec = dataclasses.replace(spec, loss=guarded_loss(spec.loss, spec.module, captured.forward_sets))
+    spec = pipeline_spec(spec, captured.forward_sets)
     captured.to(dev)
     L = len(captured.units)
     if captured.fallback_reason:

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 from planner.cost.model import compute_profile
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
+from planner.sizes import format_bytes
 from planner.solve.backends import BACKENDS, DEFAULT_BACKEND, choose_backend  # noqa: F401  (re-exported)
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError, infeasible_error, no_layout_message
@@ -94,11 +95,12 @@ def _no_plan(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOption
     layouts = sorted({(s.pipeline_ranks, s.data_parallel, s.schedule, s.virtual_stages) for s in scenarios})
     several_p = len({p for p, _, _, _ in layouts}) > 1
     error = infeasible_error(profile, first, "more devices" if several_p else "more stages")
-    message = str(error)
-    if method in ("uniform", "params", "block") and message.startswith("a plan fits"):
+    message, floor = str(error), error.min_memory_bytes
+    if method in ("uniform", "params", "block") and floor is not None and (first.memory_cap is None or
+                                                                         floor <= first.memory_cap):
         return InfeasibleError(f"the {method} baseline's split does not fit the memory per device, but another split "
-                               f"does ({message[len('a plan fits: '):]}); --method ilp finds the best one",
-                               min_memory_bytes=error.min_memory_bytes)
+                               f"does (the smallest memory per device for {first.pipeline_ranks} stages is "
+                               f"{format_bytes(floor)}); --method ilp finds the best one", min_memory_bytes=floor)
     if len(layouts) > 1:
         tried = ", ".join(f"{p} x {d} {schedule}" + (f" v={v}" if v > 1 else "") for p, d, schedule, v in layouts[:6])
         more = f" and {len(layouts) - 6} more" if len(layouts) > 6 else ""

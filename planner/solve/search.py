@@ -214,13 +214,14 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     started = time.perf_counter()
     # the starts take at most a share of the time limit (the chain search is slow on large profiles)
     deadline = None if time_limit is None else started + STARTS_SHARE * time_limit
-    items = []
+    items, started_one = [], False
     for opts in scenarios:
         for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
             # past the deadline only until one scenario has a plan: each start is a simulation of its lists
-            late = deadline is not None and time.perf_counter() >= deadline and any(it.start for it in items)
+            late = started_one and deadline is not None and time.perf_counter() >= deadline
             start = heuristic_plan(profile, b, opts, deadline=deadline) if (warm_start or method == "dp") and not late \
                 else None
+            started_one = started_one or start is not None
             items.append(_Scenario(opts, b, start, scenario_lower_bound(profile, b, opts)))
     items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
     best = None  # (Split, _Scenario)
