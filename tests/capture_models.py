@@ -408,25 +408,31 @@ class ForwardState(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.gate, self.b, self.c = _Gate(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.b.register_buffer("scale", torch.tensor(2.0))
+        self.c.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.b(self.gate(x)))
+        h = torch.tanh(self.b(self.gate(x)) * self.b.scale)
         self.last = h.detach()  # kept for inspection; no loss reads it
-        return self.c(h)
+        return self.c(h) * self.c.scale
 
 
-def forward_state(dim: int = 4, loss_reads: bool = False, penalty: str = "") -> ModelSpec:
+def forward_state(dim: int = 4, loss_reads: bool = False, penalty: str = "", constant: str = "") -> ModelSpec:
     """With `loss_reads` the loss adds the gate's `aux`, with `penalty` one on that layer's weight
-    ("b": a pipeline's last stage can compute neither; "c": the last unit's, it can)."""
+    ("b": a pipeline's last stage can compute neither; "c": the last unit's, it can); `constant`
+    ("b.scale", "c.scale": a buffer; "b.bias": that bias frozen) scales the loss by its mean."""
     module = ForwardState(dim)
+    module.b.bias.requires_grad_(constant != "b.bias")
 
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step)
         return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(output, target) + (0.1 * module.gate.aux if loss_reads else 0.0) + \
+        value = F.mse_loss(output, target) + (0.1 * module.gate.aux if loss_reads else 0.0) + \
             (0.05 * getattr(module, penalty).weight.pow(2).sum() if penalty else 0.0)
+        return value * module.get_parameter(constant).mean() if constant == "b.bias" else \
+            value * module.get_buffer(constant) if constant else value
 
     return ModelSpec(module=module, batch=batch, loss=loss)
 

@@ -296,29 +296,16 @@ class CapturedModel:
         self.fixed_batch: Optional[int] = None  # export only: the one batch size the graph runs
         if method not in ("auto", "fx", "export"):
             raise ValueError(f"capture method {method!r} is not auto, fx or export")
-        fx_error = None
         # the forward's arguments the example batch leaves None: fx traces them as None (input_values
         # refuses a batch giving one)
         example = example_inputs if example_inputs is not None else example_batch(module)
         self.traced_as_none: Set[str] = set() if method == "export" else _none_arguments(module, example)
         before = PythonState(module)
-        with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
-            if method in ("auto", "fx"):
-                try:
-                    varargs = _filled_varargs(module, example)
-                    if varargs:  # fx makes *args one placeholder: the batch's values would not reach it
-                        raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces "
-                                           "as one")
-                    self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
-                except Unpipelinable:  # no graph would do: torch.export is not tried
-                    raise
-                except CaptureError as e:
-                    if method == "fx":
-                        raise
-                    fx_error = e
-            if method == "export" or fx_error is not None:
-                self.gm, self.method = self._export(module, example, fx_error), "export"
-                self.fallback_reason = str(fx_error) if fx_error else ""
+        try:
+            self._capture(module, example, method)
+        except BaseException:
+            before.put_back()  # the user's model as it was, whatever the trace changed
+            raise
         fixed = before.changed()
         if fixed:
             raise CaptureError(f"cannot capture {type(module).__name__}: {fixed}")
@@ -343,6 +330,27 @@ class CapturedModel:
             for node in unit.nodes:
                 self._unit_of[node.name] = index
         self._crossing = self._compute_crossings()
+
+    def _capture(self, module: nn.Module, example: Any, method: str) -> None:
+        """The graph: torch.fx, or torch.export where fx cannot take the model (or `method` says)."""
+        fx_error = None
+        with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
+            if method in ("auto", "fx"):
+                try:
+                    varargs = _filled_varargs(module, example)
+                    if varargs:  # fx makes *args one placeholder: the batch's values would not reach it
+                        raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces "
+                                           "as one")
+                    self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
+                except Unpipelinable:  # no graph would do: torch.export is not tried
+                    raise
+                except CaptureError as e:
+                    if method == "fx":
+                        raise
+                    fx_error = e
+            if method == "export" or fx_error is not None:
+                self.gm, self.method = self._export(module, example, fx_error), "export"
+                self.fallback_reason = str(fx_error) if fx_error else ""
 
     # --- capture ------------------------------------------------------------------------
     @staticmethod

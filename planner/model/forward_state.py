@@ -13,18 +13,21 @@ tripwire: a loss that reads one stops with one line saying what to change. A los
 read them (attention maps kept for plotting) runs as before.
 
 A loss that reads a parameter (`mse(out, y) + lam * model[0].weight.pow(2).sum()`) is refused too
-(`parameters_read_by_loss`, run once by the profile): the last stage's copy of another stage's
-weight is never stepped, and the penalty's gradient would reach no optimizer (the last unit's own
-parameters are the last stage's, and pass).
+(`state_read_by_loss`, run once by the measured and the analytic profile): the last stage's copy of
+another stage's weight is never stepped, and the penalty's gradient would reach no optimizer; and so
+is one reading the values of another stage's buffer or frozen weight (class weights registered on
+the first layer), which the last rank does not hold (the last unit's own state is the last stage's,
+and passes).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import CaptureError
@@ -114,22 +117,49 @@ def pipeline_spec(spec: ModelSpec, forward_sets: List[str]) -> ModelSpec:
     return dataclasses.replace(spec, loss=guarded_loss(spec.loss, spec.module, forward_sets))
 
 
-def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any,
-                            last_unit: Sequence[torch.Tensor] = ()) -> None:
-    """Refuse (CaptureError, one line) a loss whose value depends on a trainable parameter of `root`
-    other than through `output`: the loss on a detached copy of the output, differentiated. The
-    parameters of the `last_unit` are allowed: the last stage holds them and steps them."""
-    held = {id(p) for p in last_unit}
-    named = [(name, p) for name, p in root.named_parameters() if p.requires_grad and id(p) not in held]
-    if not named:
+# what a loss may ask of any tensor: its metadata, which a released (meta) copy keeps
+_METADATA = {"__get__", "size", "dim", "__len__", "numel", "stride", "is_floating_point", "is_complex",
+             "element_size", "nelement", "ndimension", "is_contiguous"}
+
+
+class _Reads(TorchFunctionMode):
+    """Records which of `watched` (tensor id -> name) a torch function is given the values of."""
+
+    def __init__(self, watched: Dict[int, str]):
+        super().__init__()
+        self.watched, self.read = watched, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in _METADATA:
+            for leaf in tree_leaves((args, kwargs or {})):
+                name = self.watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if name is not None and name not in self.read:
+                    self.read.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def state_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any,
+                       units: Sequence[nn.Module]) -> None:
+    """Refuse (CaptureError, one line) a loss that reads the model's state besides `output`, where the
+    last stage may not hold it: a trainable parameter its value depends on (the loss on a detached copy
+    of the output, differentiated), or the values of a buffer or frozen parameter of a unit (`units`,
+    in order; another rank's copy is released). The last unit's own state is the last stage's, and
+    state no unit uses stays on every rank: both pass."""
+    last = {id(t) for t in list(units[-1].parameters()) + list(units[-1].buffers())} if units else set()
+    in_units = {id(t) for unit in units for t in list(unit.parameters()) + list(unit.buffers())}
+    named = [(name, p) for name, p in root.named_parameters() if p.requires_grad and id(p) not in last]
+    constants = {id(t): name for name, t in list(root.named_buffers()) + list(root.named_parameters())
+                 if not t.requires_grad and id(t) in in_units and id(t) not in last}
+    if not named and not constants:
         return
     detached = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), output)
+    reads = _Reads(constants)
     with torch.enable_grad():
         try:
-            value = loss(detached, target)
-            if not isinstance(value, torch.Tensor) or not value.requires_grad or value.numel() != 1:
-                return
-            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+            with reads:
+                value = loss(detached, target)
+            usable = isinstance(value, torch.Tensor) and value.requires_grad and value.numel() == 1
+            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True) if usable and named else []
         except CaptureError:
             raise
         except Exception:  # the loss's own failure: the profile's first timed call names it (failures.py)
@@ -142,3 +172,10 @@ def parameters_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, ou
             + " besides the output (a penalty on the weights?): a pipeline computes the loss on the last stage alone, "
             "whose copy of another stage's weights is never trained, and the term's gradient would reach no "
             "optimizer; add the term in forward (return it with the output, or use the optimizer's weight decay)")
+    if reads.read:
+        kind = "buffer" if reads.read[0] in dict(root.named_buffers()) else "frozen parameter"
+        raise CaptureError(
+            f"the loss function reads the model's {kind} {reads.read[0]!r}" + (f" (and {len(reads.read) - 1} more)" if len(reads.read) > 1 else "")
+            + ", which a layer before the last uses: a pipeline computes the loss on the last stage alone, which "
+            "does not hold another stage's state; pass the tensor to the loss another way (a tensor the loss "
+            "function keeps, not registered on the model)")

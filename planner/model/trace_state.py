@@ -12,7 +12,8 @@ recomputes it each call:
   the same. torch.export records torch's random operations in the graph instead, so only fx refuses.
 
 `PythonState` snapshots the model's plain attributes and Python's generators before capture and
-says, after it, what changed (putting the attributes back); `torch_draws` watches one fx trace.
+says, after it, what changed (putting them back, as after a capture that failed); `torch_draws`
+watches one fx trace.
 """
 from __future__ import annotations
 
@@ -41,25 +42,34 @@ class PythonState:
         self.numpy = numpy.random.get_state() if numpy is not None else None
 
     def changed(self) -> Optional[str]:
-        """Why the capture is refused (one line), or None; the attributes are put back either way."""
+        """Why the capture is refused (one line), or None; the state is put back either way."""
         reason = None
         for module, path, name, value in self.values:
             now = vars(module).get(name, value)
             if now is not value and now != value:
                 where = f"{path}.{name}" if path else name
-                reason = reason or (f"forward changes the attribute {where!r} ({value!r} before the trace, "
-                                    f"{now!r} after), whose traced value the captured graph would keep for every "
-                                    "step; keep it in a buffer (a tensor) if the computation reads it")
-                vars(module)[name] = value
-        if reason:
-            return reason
+                reason = (f"forward changes the attribute {where!r} ({value!r} before the trace, {now!r} after), "
+                          "whose traced value the captured graph would keep for every step; keep it in a buffer "
+                          "(a tensor) if the computation reads it")
+                break
         numpy = sys.modules.get("numpy")
-        if random.getstate() != self.random or (self.numpy is not None and numpy is not None and
-                                                 not _same_numpy_state(numpy.random.get_state(), self.numpy)):
-            return ("forward draws random numbers in Python (random, numpy.random), so the captured graph would fix "
-                    "one draw (a LayerDrop's choice of layers) for every step; draw with torch on tensors "
-                    "(torch.rand(..., device=x.device)) and select with torch.where, or turn the randomness off")
-        return None
+        if reason is None and (random.getstate() != self.random or (
+                self.numpy is not None and numpy is not None and
+                not _same_numpy_state(numpy.random.get_state(), self.numpy))):
+            reason = ("forward draws random numbers in Python (random, numpy.random), so the captured graph would fix "
+                      "one draw (a LayerDrop's choice of layers) for every step; draw with torch on tensors "
+                      "(torch.rand(..., device=x.device)) and select with torch.where, or turn the randomness off")
+        self.put_back()
+        return reason
+
+    def put_back(self) -> None:
+        """The model's plain attributes and the generators as they were (also after a failed capture)."""
+        for module, _, name, value in self.values:
+            vars(module)[name] = value
+        random.setstate(self.random)
+        numpy = sys.modules.get("numpy")
+        if self.numpy is not None and numpy is not None:
+            numpy.random.set_state(self.numpy)
 
 
 def _same_numpy_state(a: tuple, b: tuple) -> bool:

@@ -17,7 +17,7 @@ import torch
 from planner.errors import CaptureError
 from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
-from planner.model.forward_state import pipeline_spec
+from planner.model.forward_state import pipeline_spec, state_read_by_loss
 from planner.model.failures import NodeRunError, describe_node, model_failure
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
@@ -119,9 +119,10 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
     for b in sizes:
         captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
-    inputs0, _ = meta_batch(sizes[0])
+    inputs0, target0 = meta_batch(sizes[0])
     with torch.enable_grad():
         probe = _run_on_meta(captured, inputs0, sizes[0], grad=True)
+    state_read_by_loss(spec.loss, spec.module, captured.output_of(probe), target0, [module for module, _ in stages])
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     del probe
     units = [blank_unit(u, stages[k][0], buffers=False) for k, u in enumerate(captured.units)]

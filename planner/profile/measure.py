@@ -23,7 +23,7 @@ import torch
 
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
-from planner.model.forward_state import parameters_read_by_loss, pipeline_spec
+from planner.model.forward_state import pipeline_spec, state_read_by_loss
 from planner.model.failures import NodeRunError, UnitRunError, first_line, model_failure, unit_failure
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.model.running_stats import keeps_running_statistics
@@ -248,9 +248,9 @@ def _prepare(run: _Run, smallest: int) -> None:
         except NodeRunError as e:
             raise model_failure(e, smallest) from e
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
-    # a loss reading what forward sets on the model, or its parameters, stops here in one line
-    parameters_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
-                            list(run.stages[-1][0].parameters()))
+    # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
+    state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
+                       [module for module, _ in run.stages])
     del probe
     run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}

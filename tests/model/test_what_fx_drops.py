@@ -226,6 +226,26 @@ def test_what_forward_sets_on_the_model_is_recorded_and_a_loss_reading_it_refuse
     profile_of(STATE, {"penalty": "c"}, sizes=(2,))  # the last unit's weight: the last stage holds it
 
 
+def test_a_loss_reading_state_the_last_stage_does_not_hold_is_refused_by_both_profiles():
+    from planner.profile.analytic import DeviceSpec
+    from planner.profile.analytic_profile import analytic_profile
+
+    # another stage's buffer or frozen weight: the last rank holds a storage-less copy (it stopped on a
+    # meta tensor); a parameter penalty, on meta too
+    device = DeviceSpec(name="test", peak_flops={"float32": 1e12}, memory_bandwidth=1e11, efficiency=0.5)
+    refusals = {("constant", "b.scale"): "reads the model's buffer 'b.scale', which a layer before the last uses",
+                ("constant", "b.bias"): "reads the model's frozen parameter 'b.bias', which a layer before the last",
+                ("penalty", "b"): "reads the model's parameter 'b.weight' besides the output"}
+    for (option, value), match in refusals.items():
+        with pytest.raises(CaptureError, match=match):
+            analytic_profile(STATE, {option: value}, [2], device)
+    with pytest.raises(CaptureError, match=refusals[("constant", "b.scale")]):
+        profile_of(STATE, {"constant": "b.scale"}, sizes=(2,))
+    # the last unit's buffer is the last stage's; so is its weight
+    analytic_profile(STATE, {"constant": "c.scale"}, [2], device)
+    analytic_profile(STATE, {"penalty": "c"}, [2], device)
+
+
 def test_the_guarded_loss_trips_on_any_use_and_puts_the_attributes_back():
     from planner.model.forward_state import guarded_loss
 
@@ -242,9 +262,11 @@ def test_the_guarded_loss_trips_on_any_use_and_puts_the_attributes_back():
     assert guarded_loss(lambda out, target: out + target, root, ["0.kept"])(1, 2) == 3
 
 
-def test_attributes_forward_sets_that_no_loss_reads_train_like_one_process(tmp_path):
-    profile = profile_of(STATE, sizes=(2,))
-    assert_trains_like_one_process(plan_with(profile, [1], 2, 8), tmp_path, STATE, steps=2)
+@pytest.mark.parametrize("args, cuts", [({}, [1]), ({"constant": "c.scale"}, [2])])
+def test_attributes_forward_sets_that_no_loss_reads_train_like_one_process(tmp_path, args, cuts):
+    # and a loss reading the last unit's buffer: the last stage holds it
+    profile = profile_of(STATE, args, sizes=(2,))
+    assert_trains_like_one_process(plan_with(profile, cuts, 2, 8), tmp_path, STATE, args, steps=2)
 
 
 def test_a_forward_taking_star_args_is_exported_and_trains_like_one_process(tmp_path):
@@ -296,7 +318,7 @@ def test_what_a_trace_would_fix_at_its_traced_value_is_refused(module, match):
 
 
 def test_a_tripwire_inside_a_list_and_a_loss_that_fails_on_its_own():
-    from planner.model.forward_state import guarded_loss, parameters_read_by_loss
+    from planner.model.forward_state import guarded_loss, state_read_by_loss
 
     root = nn.Sequential(nn.Linear(2, 2))
     stacked = guarded_loss(lambda out, target: torch.stack([out, root[0].kept]).sum(), root, ["0.kept"])
@@ -308,4 +330,26 @@ def test_a_tripwire_inside_a_list_and_a_loss_that_fails_on_its_own():
     held = nn.Sequential(WithProperty(2, 2))
     assert guarded_loss(lambda out, target: out * held[0].scale, held, ["0.scale"])(1.0, None) == 2.0
     # a loss failing by itself is left to the profile's timed call, which names it in one line
-    parameters_read_by_loss(lambda out, target: target["missing"], root, torch.ones(2), {})
+    state_read_by_loss(lambda out, target: target["missing"], root, torch.ones(2), {}, [root[0]])
+
+
+class _CountsThenBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        __import__("random").random()
+        if self.a(x).sum() > 0:  # on the data: neither fx nor torch.export takes it
+            return x
+        return -x
+
+
+def test_a_capture_that_fails_leaves_the_model_and_the_generators_as_they_were():
+    import random
+
+    module, state = _CountsThenBranches(), random.getstate()
+    with pytest.raises(CaptureError):
+        capture(module, example_inputs=(torch.randn(2, 4),))
+    assert module.calls == 0 and random.getstate() == state
