@@ -21,7 +21,8 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, StageIO, capture
+from planner.model.capture import CapturedModel, StageIO, capture
+from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.forward_state import pipeline_spec
 from planner.model.running_stats import keeps_running_statistics

@@ -40,7 +40,7 @@ import numpy as np
 from planner.cost.model import num_micro_batches, step_shape
 from planner.cost.rank_memory import rank_caps, static_factors
 from planner.cost.options import CostOptions
-from planner.cost.ranges import prefix_sums, range_costs, range_matrix
+from planner.cost.ranges import prefix_sums, range_costs
 from planner.cost.step import rank_peaks
 from planner.cost.ties import copy_static, range_static_surplus, tie_copies, tied_weights
 from planner.profile.profile import Profile

@@ -5,11 +5,8 @@ values, library code), `torch.export` captures the model on an example batch ins
 (capture_export.py). Both give an FX graph whose nodes carry `meta["module_stack"]`.
 
 A unit is a maximal run of graph nodes (in execution order) that belong to the same
-top-level submodule call. Containers (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`) and
-"stacks" (modules holding a list of repeated layers somewhere below them, like a Hugging Face
-`LlamaModel` or `T5Stack`) are looked through, so a transformer block or a residual block is
-one unit. Free operations between submodule calls join the unit before them (leading ones the
-first unit).
+top-level submodule call, looking through containers and stacks of repeated layers
+(planner/model/units.py); the fx tracer and what it refuses are planner/model/fx_trace.py.
 
 In-place operations: a unit boundary never falls between a tensor's producer and an operation
 that writes into it (or into a view of it): such units are joined into one, named after the
@@ -39,198 +36,25 @@ from __future__ import annotations
 import inspect
 import operator
 import re
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import CheckpointFunction
 
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
-from planner.model.capture_export import PATCHING, ExportFailure, export_graph, split_inputs, torch_quiet
+from planner.model.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
 from planner.model.failures import NodeRunError, first_line
-from planner.model.inplace import AugmentedProxy, Merge, writes_across_units
+from planner.model.example import EXAMPLE_BATCH_SIZE, example_batch, filled_varargs, none_arguments
+from planner.model.fx_trace import Unpipelinable, trace_fx
+from planner.model.inplace import writes_across_units
 from planner.model.recomputable import needed_inputs, recomputable_nodes
-from planner.model.trace_state import PythonState, torch_draws
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-def _modes() -> Tuple[bool, bool, bool, bool]:
-    """The autograd and autocast modes an operation runs under (fx records operations, not modes)."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"))
-
-
-def _hooked(module: nn.Module) -> bool:
-    """A module whose call runs hooks: fx, tracing through a module's forward, would drop them."""
-    return any(getattr(module, name, None) for name in (
-        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
-
-
-class _UnitTracer(fx.Tracer):
-    """A symbolic tracer that tags every node with the stack of module paths it was created in.
-
-    What fx cannot record refuses fx (capture then tries torch.export) instead of tracing a graph
-    that computes something else: an operation under another autograd or autocast mode than the
-    model's call (`torch.no_grad()`, `set_grad_enabled(False)`, `torch.autocast` inside forward) and
-    a hook registered on a tensor inside forward. A module with hooks is called whole (a leaf), so
-    its hooks run, and so is a scripted one (torch.jit.script), so its parameters are the stage's; a custom `torch.autograd.Function` is one call too, so its backward runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proxy_buffer_attributes = True  # buffers become get_attr nodes, read per stage
-        self.unit_module_stack: List[str] = []
-        self.failed_at: Optional[str] = None  # innermost module running when tracing failed
-        self.modes = _modes()
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        # a scripted module too: traced through, its compiled forward is called on its C++ object,
-        # whose parameters no stage would hold
-        return _hooked(m) or isinstance(m, torch.jit.ScriptModule) or super().is_leaf_module(m, module_qualified_name)
-
-    def trace(self, root, concrete_args=None):
-        self.modes = _modes()
-        if _hooked(root) or any(getattr(torch.nn.modules.module, name, None) for name in (
-                "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                "_global_backward_pre_hooks")):
-            raise CaptureError("the model (or every module, through register_module_*_hook) has hooks, which a "
-                               "traced graph would not run")
-        tracer = self
-        original = torch.autograd.Function.apply.__func__
-
-        def apply(cls, *args, **kwargs):  # a custom Function with a traced argument: one node
-            leaves = pytree.tree_leaves((args, kwargs))
-            if not any(isinstance(a, fx.Proxy) for a in leaves):
-                return original(cls, *args, **kwargs)
-            if cls is CheckpointFunction:  # checkpoint(fn, *args) (reentrant): fn's operations, as fx records them
-                return args[0](*args[2:])
-            if any(callable(a) and not isinstance(a, fx.Proxy) for a in leaves):
-                # the call would run code (a module's, say) the graph does not hold: its parameters
-                # would be no stage's
-                raise CaptureError(f"forward passes a function or module to the custom autograd Function "
-                                   f"{cls.__name__}, which torch.fx cannot keep as one call")
-            return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
-
-        state = [(m, dict(m._buffers), dict(m._parameters), dict(vars(m))) for m in root.modules()
-                 if not isinstance(m, torch.jit.ScriptModule)]
-        with PATCHING:  # torch patched process-wide: one capture at a time
-            torch.autograd.Function.apply = classmethod(apply)
-            try:
-                graph = super().trace(root, concrete_args)
-            finally:
-                torch.autograd.Function.apply = classmethod(original)
-                assigned = _put_back(state)
-        if assigned:
-            raise CaptureError(f"forward assigns to the module attribute {assigned!r} (self.{assigned} = ...), which a "
-                               "traced graph does not keep")
-        return graph
-
-    def call_module(self, m, forward, args, kwargs):
-        self.unit_module_stack.append(self.path_of_module(m))
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_at is None:
-                self.failed_at = self.unit_module_stack[-1]
-            raise
-        finally:
-            self.unit_module_stack.pop()
-
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
-        if kind not in ("placeholder", "output") and _modes() != self.modes:
-            raise CaptureError("an operation runs under another autograd or autocast mode than the model's call "
-                               "(torch.no_grad, set_grad_enabled or autocast inside forward), which torch.fx does "
-                               "not record")
-        if kind == "call_function" and target in (torch.autograd.grad, torch.autograd.backward):
-            raise Unpipelinable(f"forward differentiates (torch.autograd.{target.__name__}, a gradient penalty), which "
-                               "a pipeline stage cannot: its backward would have to run inside the forward of every "
-                               "stage the gradient crosses; compute the penalty outside the pipelined model")
-        if kind == "call_method" and target in ("register_hook", "register_post_accumulate_grad_hook"):
-            raise CaptureError(f"forward registers a hook on a tensor ({target}), which a captured graph does not keep")
-        node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        node.meta["module_stack"] = list(self.unit_module_stack)
-        return node
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return AugmentedProxy(node, self)  # records `a += b` in place, as eager runs it
-
-
-def _example_arguments(module: nn.Module, example_inputs: Any) -> List[Tuple[str, Any, Any]]:
-    """[(name, value, kind)] of forward's arguments, defaults applied, for the example batch; [] when
-    there is none or it does not fit the signature (fx's own error then says so)."""
-    if example_inputs is None:
-        return []
-    signature = inspect.signature(module.forward)
-    try:
-        args, kwargs = split_inputs(example_inputs)
-        bound = signature.bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return []
-    bound.apply_defaults()
-    return [(name, value, signature.parameters[name].kind) for name, value in bound.arguments.items()]
-
-
-def _none_arguments(module: nn.Module, example_inputs: Any) -> Set[str]:
-    """The forward's arguments the example batch leaves None (passed or by default): fx traces them as
-    None (`concrete_args`), so `if mask is not None:` takes the branch the batches take."""
-    return {name for name, value, kind in _example_arguments(module, example_inputs)
-            if value is None and kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
-
-
-class Unpipelinable(CaptureError):
-    """What no captured graph can run as pipeline stages (torch.export is not tried)."""
-
-
-def _filled_varargs(module: nn.Module, example_inputs: Any) -> str:
-    """The name of forward's `*args` when the example batch gives it values ("" otherwise)."""
-    return next((name for name, value, kind in _example_arguments(module, example_inputs)
-                 if kind == inspect.Parameter.VAR_POSITIONAL and value), "")
-
-
-def _put_back(state: List[Tuple[nn.Module, Dict[str, Any], Dict[str, Any], Dict[str, Any]]]) -> str:
-    """Put back each buffer, parameter or attribute the trace assigned a traced value to (forward's
-    `self.count = self.count + 1` would leave a proxy in the model) as it was before tracing, and
-    return the name of one ("" if none)."""
-    assigned = ""
-    for module, buffers, parameters, attributes in state:
-        for store, before in ((module._buffers, buffers), (module._parameters, parameters), (vars(module), attributes)):
-            for name in [n for n, value in store.items() if isinstance(value, fx.Proxy)]:
-                assigned = assigned or name
-                if name in before:
-                    store[name] = before[name]
-                else:
-                    del store[name]
-    return assigned
-
-
-_ASSERT_IS_NONE = getattr(torch.fx._symbolic_trace, "_assert_is_none", None)
-_APPLIES: Dict[type, Callable] = {}
-
-
-def _function_apply(function: type) -> Callable:
-    """`function.apply` as a graph node's target: a plain function named after the Function (one
-    per class, so that graphs traced twice share it)."""
-    if function not in _APPLIES:
-        def apply(*args, **kwargs):
-            return function.apply(*args, **kwargs)
-
-        apply.__name__ = apply.__qualname__ = f"{function.__name__}_apply"
-        apply.autograd_function = function  # what planner.model.dynamic_shapes looks for
-        _APPLIES[function] = apply
-    return _APPLIES[function]
-
-
-@dataclass
-class Unit:
-    name: str
-    nodes: List[fx.Node] = field(default_factory=list)
-
+from planner.model.trace_state import PythonState
+from planner.model.units import group_units, joined
 
 @dataclass
 class StageIO:
@@ -240,32 +64,6 @@ class StageIO:
     received: List[str]  # values crossing the stage's first cut, in graph order
     sent: List[str]  # values crossing its end cut, in graph order (empty for the last stage)
     is_last: bool
-
-
-def _is_repeated_list(module: nn.Module) -> bool:
-    """A container of two or more layers of one type: the layer list of a stack."""
-    if not isinstance(module, _CONTAINERS):
-        return False
-    types = [type(child) for child in module.children()]
-    return len(types) >= 2 and len(set(types)) < len(types)
-
-
-def _looked_through(module: nn.Module) -> bool:
-    """Containers, and modules with a repeated layer list below them (a model wrapper, a stack)."""
-    if isinstance(module, _CONTAINERS):
-        return True
-    return any(_is_repeated_list(m) for m in module.modules() if m is not module)
-
-
-def _unit_path(root: nn.Module, stack: List[str], cache: Dict[str, bool]) -> Optional[str]:
-    """The partition key of a node: its outermost module call, looking through containers and
-    stacks; None for a node directly inside a looked-through module (a free operation)."""
-    for path in stack:
-        if path not in cache:
-            cache[path] = _looked_through(root.get_submodule(path))
-        if not cache[path]:
-            return path
-    return None
 
 
 @dataclass
@@ -299,7 +97,7 @@ class CapturedModel:
         # the forward's arguments the example batch leaves None: fx traces them as None (input_values
         # refuses a batch giving one)
         example = example_inputs if example_inputs is not None else example_batch(module)
-        self.traced_as_none: Set[str] = set() if method == "export" else _none_arguments(module, example)
+        self.traced_as_none: Set[str] = set() if method == "export" else none_arguments(module, example)
         before = PythonState(module)
         try:
             self._capture(module, example, method)
@@ -317,14 +115,14 @@ class CapturedModel:
             self._arguments = [next((name for name in self.traced_as_none if re.fullmatch(f"{name}_[0-9]+", target)),
                                     target) for target in self._arguments]
         self.recomputed = recomputable_nodes(self.gm)  # never cross: recomputed where read
-        units = self._group_units(module)
+        units = group_units(self.gm, module)
         self.merges = writes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units])
-        units = _joined(units, self.merges)
+        units = joined(units, self.merges)
         data_sized = data_sized_nodes(self.gm, self.method, self.input_values(example)
                                       if self.method == "fx" and example is not None else None)
         self.shape_merges = data_sizes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units],
                                                     data_sized, self.recomputed)
-        self.units = _joined(units, self.shape_merges)
+        self.units = joined(units, self.shape_merges)
         self._unit_of: Dict[str, int] = {}
         for index, unit in enumerate(self.units):
             for node in unit.nodes:
@@ -337,11 +135,11 @@ class CapturedModel:
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
                 try:
-                    varargs = _filled_varargs(module, example)
+                    varargs = filled_varargs(module, example)
                     if varargs:  # fx makes *args one placeholder: the batch's values would not reach it
                         raise CaptureError(f"forward's *{varargs} takes the batch's values, which torch.fx traces "
                                            "as one")
-                    self.gm, self.method = self._trace_fx(module, self.traced_as_none), "fx"
+                    self.gm, self.method = trace_fx(module, self.traced_as_none), "fx"
                 except Unpipelinable:  # no graph would do: torch.export is not tried
                     raise
                 except CaptureError as e:
@@ -351,22 +149,6 @@ class CapturedModel:
             if method == "export" or fx_error is not None:
                 self.gm, self.method = self._export(module, example, fx_error), "export"
                 self.fallback_reason = str(fx_error) if fx_error else ""
-
-    # --- capture ------------------------------------------------------------------------
-    @staticmethod
-    def _trace_fx(module: nn.Module, as_none: Set[str]) -> fx.GraphModule:
-        tracer = _UnitTracer()
-        try:
-            with torch_draws():
-                graph = tracer.trace(module, {name: None for name in as_none} or None)
-            for node in [n for n in graph.nodes if n.target is _ASSERT_IS_NONE and not n.users]:
-                graph.erase_node(node)  # concrete_args' check: a stage takes no such input
-        except Unpipelinable as e:
-            raise Unpipelinable(f"cannot capture {type(module).__name__}: {e}") from None
-        except Exception as e:  # fx raises many types; all mean "not symbolically traceable"
-            where = f" in {tracer.failed_at!r}" if tracer.failed_at else ""
-            raise CaptureError(f"torch.fx could not trace {type(module).__name__}{where}: {first_line(e)}") from None
-        return fx.GraphModule(module, graph, class_name=type(module).__name__)
 
     def _export(self, module: nn.Module, example_inputs: Any, fx_error: Optional[CaptureError]) -> fx.GraphModule:
         if example_inputs is None:
@@ -444,31 +226,6 @@ class CapturedModel:
         return [values[name] for name in self._arguments]
 
     # --- grouping -----------------------------------------------------------------------
-    def _group_units(self, root: nn.Module) -> List[Unit]:
-        compute = [n for n in self.gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
-        if not compute:
-            raise CaptureError(f"{type(root).__name__} has no operations to partition")
-        cache: Dict[str, bool] = {}
-        keys = [_unit_path(root, n.meta.get("module_stack", []), cache) for n in compute]
-        # Free operations join the unit before them; leading free operations join the first unit.
-        first_key = next((k for k in keys if k is not None), "ops")
-        previous = first_key
-        for i, key in enumerate(keys):
-            if key is None:
-                keys[i] = previous
-            previous = keys[i]
-        units: List[Unit] = []
-        seen: Dict[str, int] = {}
-        last_key = object()
-        for node, key in zip(compute, keys):
-            if key != last_key:
-                seen[key] = seen.get(key, 0) + 1
-                name = key if seen[key] == 1 else f"{key}#{seen[key]}"
-                units.append(Unit(name))
-                last_key = key
-            units[-1].nodes.append(node)
-        return units
-
     def _compute_crossings(self) -> List[List[fx.Node]]:
         """crossing[k] = nodes produced in a unit < k and consumed in a unit >= k (k = 0..L)."""
         L = len(self.units)
@@ -618,31 +375,6 @@ class CapturedModel:
                                               units=sorted(units, key=self.unit_index),
                                               bytes=t.numel() * t.element_size(), trainable=t.requires_grad))
         return shared
-
-
-def _joined(units: List[Unit], merges: List[Merge]) -> List[Unit]:
-    """`units` with each merge's range joined into one unit, named after its first."""
-    joined, k = [], 0
-    for merge in merges:
-        joined += units[k:merge.first]
-        joined.append(Unit(merge.kept, [n for u in units[merge.first:merge.last + 1] for n in u.nodes]))
-        k = merge.last + 1
-    return joined + units[k:]
-
-
-# The batch function of the ModelSpec that built each module (export needs an example batch).
-_EXAMPLE_BATCHES: "weakref.WeakKeyDictionary[nn.Module, Callable]" = weakref.WeakKeyDictionary()
-EXAMPLE_BATCH_SIZE = 2  # dynamic batch dimensions must not be 0 or 1 when exported
-
-
-def remember_batch(module: nn.Module, batch: Callable) -> None:
-    """Record `batch(batch_size, step)` for `module`, so capture can export it on an example."""
-    _EXAMPLE_BATCHES[module] = batch
-
-
-def example_batch(module: nn.Module) -> Any:
-    batch = _EXAMPLE_BATCHES.get(module)
-    return batch(EXAMPLE_BATCH_SIZE, 0)[0] if batch is not None else None
 
 
 def _without_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:

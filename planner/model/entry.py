@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable
 import torch
 
 from planner.model.builtin import BUILTIN_MODELS
-from planner.model.capture import remember_batch
+from planner.model.example import remember_batch
 from planner.model.lazy import materialize_lazy
 from planner.model.spec import ModelEntryError, ModelSpec
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from planner.errors import CaptureError
-from planner.model.capture import EXAMPLE_BATCH_SIZE, CapturedModel, capture, run_all_nodes
+from planner.model.capture import CapturedModel, capture, run_all_nodes
+from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.forward_state import pipeline_spec, state_read_by_loss
 from planner.model.failures import NodeRunError, describe_node, model_failure

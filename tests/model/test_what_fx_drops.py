@@ -270,10 +270,10 @@ def test_attributes_forward_sets_that_no_loss_reads_train_like_one_process(tmp_p
 
 
 def test_a_forward_taking_star_args_is_exported_and_trains_like_one_process(tmp_path):
-    from planner.model.capture import CapturedModel
+    from planner.model.fx_trace import trace_fx
 
     entry = "tests.capture_models:star_args"
-    CapturedModel._trace_fx(build_spec(entry, {}, 0).module, set())  # fx alone would take it
+    trace_fx(build_spec(entry, {}, 0).module, set())  # fx alone would take it
     captured = capture(build_spec(entry, {}, 0).module)
     assert captured.method == "export" and "forward's *args takes the batch's values" in captured.fallback_reason
     assert_trains_like_one_process(plan_with(profile_of(entry, sizes=(2,)), [1], 2, 8), tmp_path, entry, steps=2)

@@ -6,7 +6,8 @@ import dataclasses
 import torch
 import torch.utils._pytree as pytree
 
-from planner.model.capture import EXAMPLE_BATCH_SIZE, capture
+from planner.model.capture import capture
+from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
 from runtime.casts import recast
