@@ -54,35 +54,26 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 import numpy as np
 
-from planner.cost.model import (boundary_links, collective_latency, evaluate, exchange_latency, num_micro_batches,
-                                rank_speeds, shared_parameters, sync_time)
+from planner.cost.model import evaluate, shared_parameters
 from planner.cost.options import CostOptions
-from planner.cost.ranges import range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.cost.ties import tied_weights
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
-from planner.solve.floors import (Band, OutOfTime, form_completions, least_largest, nonzero_terms, split_of,
-                                  stage_floors)
-from planner.solve.reach import stage_conditions
+from planner.solve.forms import TABLE_BYTES, Forms, StageTerms, form_prefix, table_bytes
 from planner.solve.solution import Split
 
 DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the start and at each refresh
 # the dual ascent starts after this many nodes or this share of the time limit (shorter searches never pay for it)
 DUAL_AFTER_NODES, DUAL_AFTER_SHARE = 10_000, 0.2
 DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the search)
-FLOOR_ROUNDS = 2  # floors, then completions over the ranges left: at most this many rounds per refresh
 CUT_ROUNDS = 50  # refreshes in a row while the floors' split teaches a new form (or beats the incumbent)
 CUT_SHARE = 0.3  # of the time limit, at most, for the rounds only a new form asked for
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
-_STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
-
-
-TABLE_BYTES = 2 << 30  # beyond, the integer program (BENCHMARKS.md: 0.74 GB at 1,251 units and 16 like stages)
 
 
 def applies(profile: Profile, opts: CostOptions) -> bool:
@@ -94,15 +85,6 @@ def applies(profile: Profile, opts: CostOptions) -> bool:
             and opts.num_stages <= profile.num_units)
 
 
-def table_bytes(num_units: int, opts: CostOptions) -> int:
-    """What the search's tables over every range take: the stage terms (one table per kind of
-    device, at most one per stage where devices differ), the floors and the allowed ranges per stage
-    (the band's gathered terms, at most floors.BAND_BYTES, come on top)."""
-    S, cells = opts.num_stages, (num_units + 1) ** 2
-    tables = S if opts.device_view is not None else 2  # like devices: inner stages and the last one
-    return (tables * len(_STAGE_TERMS) * 8 + S * (8 + 3)) * cells
-
-
 @dataclass
 class BranchOutcome:
     best: Optional[Split]
@@ -110,242 +92,6 @@ class BranchOutcome:
     optimal: bool  # the search finished
     nodes: int
     forms: Set[PathForm]  # every form used, those learned included
-
-
-class _Terms:
-    """Each stage's duration terms over every range [a, e) (seconds; +inf where e <= a), and where
-    each stage fits its device's memory."""
-
-    def __init__(self, profile: Profile, b: int, opts: CostOptions):
-        costs = range_costs(profile, b, opts.optimizer)
-        L, S = profile.num_units, opts.num_stages
-        self.L, self.S = L, S
-        redo_all = opts.recompute == "all"
-        again = costs.F if redo_all else 0.0
-        ranks = [opts.rank_of_stage(g) for g in range(S)]
-        device_speeds, links = rank_speeds(opts), boundary_links(opts)
-        speeds = [device_speeds[ranks[g]] for g in range(S)]
-        m = num_micro_batches(opts, b)
-        forward = range_matrix(costs.F) + costs.call_forward
-        backward = range_matrix(costs.G + again) + costs.call_backward
-        backward_input, backward_weight = costs.split_matrices(again)
-        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
-        finite = np.isfinite(params)
-        params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
-        regathered = np.where(finite, regathered, 0.0)
-        collectives = np.where(finite, range_matrix(costs.COLL), 0.0)
-        buffers = np.where(finite, range_matrix(costs.BUF), 0.0)  # averaged under local SGD
-        step = range_matrix(costs.O)
-        ends = np.arange(L + 1)
-        zero = np.zeros((L + 1, L + 1))
-        # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range
-        self.rows: List[np.ndarray] = []
-        # stages on like devices share one table: (speed, act, grad, reduce, table) of each kind
-        distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        for g in range(S):
-            speed = speeds[g]
-            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g],
-                                 buffer_bytes=buffers)
-            # ZeRO-3 under a placement: one ring's latency per gather and reduce-scatter (planner.cost.model)
-            exchange = exchange + m * collectives * collective_latency(opts, ranks[g])
-            # the stage's share of its device's exchange over the replicas (hierarchical under a placement:
-            # per rank); the device's rings' latency is paid when any of its v stages exchanges bytes: each
-            # such stage carries 1/v of it (exact for v = 1; at most the latency, so a bound, for v > 1)
-            latency = exchange_latency(opts, ranks[g]) / len(opts.stages_on(ranks[g]))
-            reduce = exchange + np.where(exchange > 0, latency, 0.0)
-            act = np.array([costs.message_s(e, links[g]) if 0 < e < L and g < S - 1 else 0.0 for e in ends])
-            grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L and g < S - 1 else 0.0
-                             for e in ends])  # the messages across boundary g, by where stage g ends
-            same = next((table for (v, a, d, r, table) in distinct if v == speed and np.array_equal(a, act)
-                         and np.array_equal(d, grad) and np.array_equal(r, reduce)), None)
-            if same is None:
-                terms = {"forward": forward / speed, "backward": backward / speed,
-                         "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
-                         "step": step / speed, "reduce": reduce, "act": np.broadcast_to(act, zero.shape),
-                         "grad": np.broadcast_to(grad, zero.shape)}
-                stacked = np.stack([terms[name] for name in _STAGE_TERMS])
-                same = np.where(finite & np.isfinite(stacked), stacked, 0.0)
-                distinct.append((speed, act, grad, reduce, same))
-            self.rows.append(same)
-        self.nonzero = nonzero_terms(self.rows)
-        self.fits = self._memory(profile, b, opts, costs, redo_all, m)
-        self.allowed: List[np.ndarray] = []  # fits, and may lie in a split faster than the target (restrict)
-        self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
-        self.allow(list(self.fits))
-        self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
-
-    def restrict(self, forms: Sequence[PathForm], target: float) -> None:
-        """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
-        step below `target` (planner.solve.reach: a stage too heavy for any split to beat it). Only the
-        ranges allowed now are tested: the target only falls and the forms only grow, so no other range
-        can come back (and one the floors dropped stays dropped: they only rise)."""
-        ok = stage_conditions(self.costs, self.S, self.speeds, [f.count() for f in forms if not f.crossings],
-                              target, recompute_all=self.redo_all, within=self.allowed)
-        self.allow([fits & good for fits, good in zip(self.fits, ok)])
-
-    def allow(self, allowed: List[np.ndarray]) -> None:
-        self.allowed, self.band = allowed, Band(self.rows, allowed, nonzero=self.nonzero)
-        # window[g][a] = (first, last + 1): the ends e of stage g = [a, e) that are allowed lie in it (a
-        # node reads only those columns; first = last + 1 = 0 where none is)
-        self.window = []
-        for ok in allowed:
-            any_end = ok.any(axis=1)
-            first = np.where(any_end, ok.argmax(axis=1), 0)
-            stop = np.where(any_end, ok.shape[1] - ok[:, ::-1].argmax(axis=1), 0)
-            self.window.append(np.stack([first, stop], axis=1))
-
-    def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
-        """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
-        (planner.cost.model.device_memory; exact with one stage per device)."""
-        from planner.cost.stage_memory import StageMemory
-
-        memory = StageMemory(profile, b, opts, redo_all)
-        valid = np.isfinite(range_matrix(costs.P))
-        return [valid if memory.cap(g) is None else valid & (memory.matrix(g) <= memory.cap(g))
-                for g in range(self.S)]
-
-
-class _Forms:
-    """The forms as arrays: the constants c_k and per stage g a coefficient matrix (forms x terms)."""
-
-    def __init__(self, terms: _Terms, message_s: float):
-        self.terms, self.message_s = terms, message_s
-        self.constant = np.zeros(0)
-        self.coefficients = np.zeros((terms.S, 0, len(_STAGE_TERMS)))  # [g, k, term]
-        self.completion = np.zeros((0, terms.S + 1, terms.L + 1))  # D[k, g, a]
-        self.known: Set[PathForm] = set()
-        # the stage floors' bound (planner.solve.floors): H_g(a, e) per stage, M[g, a], and the split attaining M
-        self.floors: Optional[List[np.ndarray]] = None
-        self.floored = 0  # the forms the floors count (the first ones)
-        self.least = np.full((terms.S + 1, terms.L + 1), -np.inf)
-        self.least_split: Optional[Tuple[int, ...]] = None
-        self.refresh_s = 0.0  # how long the last refresh took
-        self.deadline: Optional[float] = None  # a refresh past it gives up (time.perf_counter())
-
-    def __len__(self) -> int:
-        return len(self.constant)
-
-    def add(self, form: PathForm, complete: bool = True) -> bool:
-        """Take a form (False if known, guarded by a tie, or with a term of no stage); without
-        `complete`, its completions wait for the next refresh (0 until then: every term is a
-        duration, so no completion is below 0)."""
-        if form in self.known or form.crossings:
-            return False
-        S = self.terms.S
-        per_stage = np.zeros((S, 1, len(_STAGE_TERMS)))
-        constant = 0.0
-        on_rank: Dict[int, List[int]] = {}
-        for g, rank in enumerate(self.terms.ranks):
-            on_rank.setdefault(rank, []).append(g)
-        for term, n in form.count().items():
-            if term == ("message",):
-                constant += n * self.message_s
-            elif term[0] in ("reduce", "step") and term[1] in on_rank:  # a device's: the sum over its stages
-                for g in on_rank[term[1]]:
-                    per_stage[g, 0, _STAGE_TERMS.index(term[0])] += n
-            elif term[0] in _STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
-                per_stage[term[1], 0, _STAGE_TERMS.index(term[0])] += n
-            else:
-                return False
-        self.known.add(form)
-        self.constant = np.append(self.constant, constant)
-        self.coefficients = np.concatenate([self.coefficients, per_stage], axis=1)
-        completion = self._completion(per_stage[:, 0, :]) if complete else np.zeros(self.completion.shape[1:])
-        self.completion = np.concatenate([self.completion, completion[None]])
-        return True
-
-    def add_combination(self, lam: np.ndarray) -> None:
-        """Take sum_k lam_k form_k (lam >= 0, sum 1: planner.solve.dual) as one more form; it is
-        no path, so it joins the bound and not `known`."""
-        per_stage = np.einsum("k,gkt->gt", lam, self.coefficients)
-        self.constant = np.append(self.constant, float(lam @ self.constant))
-        self.coefficients = np.concatenate([self.coefficients, per_stage[:, None, :]], axis=1)
-        self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
-
-    def refresh(self, target: float) -> None:
-        """Re-derive the allowed stages for `target`, every form's completions over them, and the stage
-        floors; a range whose floor reaches the target is dropped and the completions follow (twice at most)."""
-        started, kept = time.perf_counter(), self._tables()
-        try:
-            self._refresh(target)
-        except OutOfTime:
-            self._restore(kept)
-        self.refresh_s = time.perf_counter() - started
-
-    def _tables(self):
-        """The completions, floors and M as they are (a refresh past the deadline puts them back)."""
-        return self.completion, self.floors, self.floored, self.least, self.least_split
-
-    def _restore(self, kept) -> None:
-        """Past the deadline: the tables from before the refresh. They still bound every split: taken
-        over a superset of the ranges allowed now (the target only falls), with the same forms or fewer."""
-        self.completion, self.floors, self.floored, self.least, self.least_split = kept
-
-    def _least(self) -> None:  # M and the split attaining it, from the floors of every form counted so far
-        self.floored = len(self)
-        self.least, ends = least_largest(self.floors)
-        self.least_split = split_of(ends) if np.isfinite(self.least[0, 0]) else None
-
-    def extend(self, target: float) -> None:
-        """The floors for the same target with the forms added since the last refresh: their floors
-        joined to the kept ones, which still hold (taken over a superset of the ranges allowed now, with
-        fewer forms), the ranges whose floor reaches the target dropped, M again. A refresh where there
-        are no floors to extend. Its time is not the next refresh's estimate (`refresh_s` stays)."""
-        if self.floors is None:
-            self.refresh(target)
-            return
-        kept = self._tables()
-        try:
-            terms, new = self.terms, slice(self.floored, len(self))
-            terms.restrict(self.known, target)
-            if new.start < new.stop:
-                fresh = stage_floors(self.constant[new], self.coefficients[:, new], terms.band,
-                                     self.completion[new], self.deadline)
-                self.floors = [np.maximum(old, floor) for old, floor in zip(self.floors, fresh)]
-            self.floors = [np.where(allowed, floor, np.inf) for allowed, floor in zip(terms.allowed, self.floors)]
-            self._drop_reached(target)
-            self._least()
-        except OutOfTime:
-            self._restore(kept)
-
-    def _refresh(self, target: float) -> None:
-        terms, deadline = self.terms, self.deadline
-        terms.restrict(self.known, target)
-        self.completion = form_completions(self.coefficients, terms.band, deadline)
-        if not len(self):
-            return
-        for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
-            self.floors = stage_floors(self.constant, self.coefficients, terms.band, self.completion, deadline)
-            if not self._drop_reached(target):
-                break
-            self.completion = form_completions(self.coefficients, terms.band, deadline)
-        self._least()
-
-    def _drop_reached(self, target: float) -> bool:
-        """Drop the allowed ranges whose floor reaches the target; whether any was."""
-        terms = self.terms
-        kept = [allowed & (floor < target) for allowed, floor in zip(terms.allowed, self.floors)]
-        if all((k == a).all() for k, a in zip(kept, terms.allowed)):
-            return False
-        terms.allow(kept)
-        return True
-
-    def floor_bound(self, g: int, a: int) -> np.ndarray:
-        """Over e: no split with stage g = [a, e) is faster than max(H_g(a, e), M[g + 1, e])."""
-        if self.floors is None:
-            return self.least[g + 1]
-        return np.maximum(self.floors[g][a], self.least[g + 1])
-
-    def stage_value(self, forms: slice, g: int, a: int, ends: slice = slice(None)) -> np.ndarray:
-        """V_kg(a, e) for the forms in `forms` and every e in `ends` (all by default): (forms, ends),
-        +inf where stage g = [a, e) is not allowed."""
-        out = self.coefficients[g, forms] @ self.terms.rows[g][:, a, ends]
-        return np.where(self.terms.allowed[g][a][None, ends], out, np.inf)
-
-    def _completion(self, per_stage: np.ndarray) -> np.ndarray:
-        """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
-        splits of [a, L) into stages g..S-1."""
-        return form_completions(per_stage[:, None, :], self.terms.band)[0]
 
 
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
@@ -357,9 +103,9 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
     search) is given each new incumbent at a refresh."""
     started = time.perf_counter()
-    terms = _Terms(profile, b, opts)
+    terms = StageTerms(profile, b, opts)
     L, S = terms.L, terms.S
-    known = _Forms(terms, opts.message_s)
+    known = Forms(terms, opts.message_s)
     known.deadline = None if time_limit is None else started + time_limit
     for form in forms:
         known.add(form, complete=False)  # the first refresh completes them all at once
@@ -446,7 +192,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             strengthen(DUAL_ITERATIONS)
             refreshed = (target, len(known))
         if len(prefix) < len(known):  # forms learned since this node was made: their prefix from its cuts
-            prefix = np.concatenate([prefix, _prefix(known, slice(len(prefix), len(known)), cuts)])
+            prefix = np.concatenate([prefix, form_prefix(known, slice(len(prefix), len(known)), cuts)])
         if g == S - 1:  # the last stage is [a, L): a complete split
             offer(_simulate(profile, list(cuts), b, opts, redo, known))
             if target < refreshed[0] * (1 - REFRESH) or len(known) > refreshed[1] * (1 + REFRESH) + 4:
@@ -477,7 +223,7 @@ FINAL_REFRESH_SHARE = 0.05  # at the time limit, a last refresh when one takes l
 # at most this share again to re-bound the open nodes with every form learned
 
 
-def _open_bound(known: _Forms, stack, target: float, refresh: bool, budget_s: float = math.inf) -> float:
+def _open_bound(known: Forms, stack, target: float, refresh: bool, budget_s: float = math.inf) -> float:
     """The least bound of the nodes left open: each re-bounded with every form known now and (with
     `refresh`) the completions for the final target (a node's bound was computed when it was made, with
     fewer forms: the shallow ones, made first, are the weakest). Nodes go least bound first, so the
@@ -496,24 +242,14 @@ def _open_bound(known: _Forms, stack, target: float, refresh: bool, budget_s: fl
             break
         if time.perf_counter() > deadline:
             return min(least, bound)
-        redone = float((_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf))
+        redone = float((form_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf))
         redone = max(redone, float(known.least[g, a]))
         least = min(least, max(bound, redone))
     return least
 
 
-def _prefix(known: _Forms, forms: slice, cuts: Sequence[int]) -> np.ndarray:
-    """c_k + sum over the fixed stages of V_kh, for the forms in `forms`."""
-    total = np.array(known.constant[forms], dtype=float)
-    a = 0
-    for h, e in enumerate(cuts):
-        total = total + known.stage_value(forms, h, a)[:, e]
-        a = e
-    return total
-
-
 def _simulate(profile: Profile, cuts: List[int], b: int, opts: CostOptions, redo: List[int],
-              known: _Forms) -> Optional[Split]:
+              known: Forms) -> Optional[Split]:
     """The split's cost (its longest path joins the forms); None if it does not fit."""
     try:
         cost = evaluate(profile, cuts, b, opts, redo)

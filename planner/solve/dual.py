@@ -39,7 +39,7 @@ DUAL_TOL = 1e-4  # relative: the model's maximum this close to the best h ends t
 
 class Dual:
     """The cutting-plane ascent, with the splits found kept across calls (a warm start when the forms
-    or the allowed stages change). `forms`: planner.solve.branch._Forms (constant, coefficients
+    or the allowed stages change). `forms`: planner.solve.forms.Forms (constant, coefficients
     [g, k, term], completion, terms.rows, terms.allowed; forms are only ever appended)."""
 
     def __init__(self):

@@ -13,6 +13,7 @@ from planner.cost.options import CostOptions
 from planner.solve import branch
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.exact import structural_forms
+from planner.solve.forms import Forms, StageTerms
 from tests.support.synthetic import drawn_chain, synthetic_profile
 
 
@@ -105,7 +106,7 @@ def test_the_open_nodes_least_bound_first_walk_stops_exactly(problem, ticks):
     def walked(known, stack, target, refresh, budget_s=math.inf):
         got = _open_bound(known, stack, target, refresh)
         every = slice(0, len(known))
-        each = [max(bound, float((branch._prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf)),
+        each = [max(bound, float((branch.form_prefix(known, every, cuts) + known.completion[:, g, a]).max(initial=-math.inf)),
                     float(known.least[g, a])) for bound, g, a, cuts, _ in stack]
         assert got == min(each, default=math.inf)
         calls.append(len(stack))
@@ -191,11 +192,11 @@ def test_a_rank_of_frozen_units_only_is_found_and_bounded_exactly():
             assert found.optimal and math.isclose(found.best.iteration_s, best, rel_tol=1e-9), schedule
             assert found.bound_s <= best * (1 + 1e-9)
         # every form learned, as the search values it, is at most every split's step (a valid bound)
-        known = branch._Forms(branch._Terms(profile, 1, opts), opts.message_s)
+        known = Forms(StageTerms(profile, 1, opts), opts.message_s)
         for form in found.forms:
             known.add(form)
         for cuts in itertools.combinations(range(1, profile.num_units), opts.num_stages - 1):
-            values = branch._prefix(known, slice(0, len(known)), list(cuts) + [profile.num_units])
+            values = branch.form_prefix(known, slice(0, len(known)), list(cuts) + [profile.num_units])
             assert values.max() <= cost_of(profile, list(cuts), 1, opts).iteration_s * (1 + 1e-12), (schedule, cuts)
         if schedule != "interleaved":  # there, one crossing less beats it by 0.6 ms
             reduces = cost_of(profile, found.best.boundaries, 1, opts).durations

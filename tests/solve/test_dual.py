@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
 from planner.cost.options import CostOptions
-from planner.solve.branch import _Forms, _Terms, _prefix
+from planner.solve.forms import Forms, StageTerms, form_prefix
 from planner.solve.dual import Dual
 from planner.solve.floors import Band, form_completions
 from planner.solve.exact import structural_forms
@@ -44,7 +44,7 @@ def test_the_dual_bound_holds_and_beats_every_single_form(problem):
         cost = evaluate(profile, list(cuts), b, opts)
         if cost.feasible:
             steps[cuts] = cost.iteration_s - opts.step_overhead_s
-    known = _Forms(_Terms(profile, b, opts), opts.message_s)
+    known = Forms(StageTerms(profile, b, opts), opts.message_s)
     for form in structural_forms(profile, b, opts):
         known.add(form)
     single = float((known.constant + known.completion[:, 0, 0]).max(initial=-math.inf))
@@ -71,7 +71,7 @@ def test_the_dual_bound_holds_and_beats_every_single_form(problem):
     # as the search's synthetic form: at every split that fits, no form (it included) exceeds the step
     known.add_combination(lam)
     for cuts, step in steps.items():
-        values = _prefix(known, slice(0, len(known)), cuts + (L,))
+        values = form_prefix(known, slice(0, len(known)), cuts + (L,))
         assert np.all(values <= step * (1 + 1e-9))
 
 

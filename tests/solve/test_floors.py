@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
 from planner.cost.options import CostOptions
 from planner.pipeline.schedule import SCHEDULES
-from planner.solve.branch import _Forms, _Terms
+from planner.solve.forms import Forms, StageTerms
 from planner.solve.exact import structural_forms
 from planner.solve.floors import form_completions
 from tests.support.synthetic import drawn_chain, synthetic_profile
@@ -51,7 +51,7 @@ def test_the_floors_hold_for_every_split(problem, learned):
         cost = evaluate(profile, list(cuts), b, opts, redo)
         if cost.feasible:
             steps[cuts] = (cost.iteration_s - opts.step_overhead_s, cost.critical_path)
-    known = _Forms(_Terms(profile, b, opts), opts.message_s)
+    known = Forms(StageTerms(profile, b, opts), opts.message_s)
     for form in structural_forms(profile, b, opts):
         known.add(form)
     if learned:  # some splits' own paths, as the search learns them
@@ -91,7 +91,7 @@ def test_the_floors_couple_the_stages():
     opts = CostOptions(pipeline_ranks=2, global_batch=16, bandwidth=1e12, latency=0.0)
     profile = compute_profile(profile, opts)
     b = 1
-    known = _Forms(_Terms(profile, b, opts), opts.message_s)
+    known = Forms(StageTerms(profile, b, opts), opts.message_s)
     for form in structural_forms(profile, b, opts):
         known.add(form)
     for cut in range(1, 6):
@@ -110,7 +110,7 @@ def test_the_table_estimate_covers_the_tables():
     import random
 
     from planner.cost.cluster import Cluster, DeviceGroup, Link
-    from planner.solve.branch import table_bytes
+    from planner.solve.forms import table_bytes
     from tests.support.synthetic import random_chain
 
     profile = random_chain(random.Random(3), 40, sizes=(2,))
@@ -118,7 +118,7 @@ def test_the_table_estimate_covers_the_tables():
                       links=(Link(1e9, 1e-5),) * 3)
     for opts in (CostOptions(pipeline_ranks=4, global_batch=16), CostOptions(pipeline_ranks=4, global_batch=16,
                                                                                cluster=cluster)):
-        known = _Forms(_Terms(profile, 2, opts), opts.message_s)
+        known = Forms(StageTerms(profile, 2, opts), opts.message_s)
         for form in structural_forms(profile, 2, opts):
             known.add(form)
         known.refresh(math.inf)
@@ -144,7 +144,7 @@ def test_a_refresh_past_its_deadline_keeps_the_tables_it_had():
 
     profile = random_chain(random.Random(5), 12, sizes=(2,))
     opts = CostOptions(pipeline_ranks=3, global_batch=16)
-    known = _Forms(_Terms(profile, 2, opts), opts.message_s)
+    known = Forms(StageTerms(profile, 2, opts), opts.message_s)
     for form in structural_forms(profile, 2, opts):
         known.add(form)
     with pytest.raises(OutOfTime):
