@@ -434,3 +434,52 @@ def lazy_mlp(dim: int = 8, inputs: int = 6, norm: str = "none") -> ModelSpec:
         return (torch.randn(batch_size, inputs, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class BroadcastCut(nn.Module):
+    """`y` and a broadcast view of it (one storage in the model) cross the cut after `a`; `b` saves
+    both. A rank receives each in a storage of its own, the view materialised."""
+
+    def __init__(self, dim: int, copies: int, classes: int):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, classes)
+        self.copies = copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        wide = y.unsqueeze(1).expand(-1, self.copies, -1)
+        return self.head((wide * torch.sigmoid(self.b(y)).unsqueeze(1)).sum(1))
+
+
+def broadcast_cut(dim: int = 16, copies: int = 3, classes: int = 32) -> ModelSpec:
+    """A classifier (cross-entropy: the loss keeps its log-probabilities) over BroadcastCut."""
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randint(0, classes, (batch_size,), generator=g)
+
+    return ModelSpec(module=BroadcastCut(dim, copies, classes), batch=batch, loss=F.cross_entropy)
+
+
+class SelfAttentionChain(nn.Module):
+    """Layers whose input is saved by operations a zero-bubble input part frees (x @ x^T, the
+    scaling by x) and by the layer before it: after a later stage's input part only the layer
+    before still holds it."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            y = F.gelu(torch.softmax(x @ x.transpose(1, 2) / 4.0, -1) @ x)
+            y = torch.exp(torch.sin(y)) * torch.cos(y)
+            x = layer(y).mean(-1, keepdim=True) * x + y
+        return x
+
+
+def self_attention_chain(dim: int = 16, layers: int = 3, seq: int = 12) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, seq, dim, generator=g)
+
+    return ModelSpec(module=SelfAttentionChain(dim, layers), batch=batch, loss=F.mse_loss)

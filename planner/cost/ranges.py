@@ -7,6 +7,7 @@ run at speed sigma costs per micro-batch
     backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
                      - sum_{a<k<e, k-1 not in R} d_k             (what both neighbours save, once)
+                     + [a not in R] first_a                       (its first unit's inputs as received)
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
@@ -19,13 +20,14 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
     backward_input(a, e)  = (k^i + sum gi_l + sum_{l in R} f_l) / sigma
     backward_weight(a, e) = (k^w + sum gw_l + walk(a, e) + sum_{l in R} f_l) / sigma
     walk(a, e)            = sum_{a<=j<k<e} nu_j omega_k
-    weight_held(a, e)     = sum_{a<=l<e-1} ((in_l if l in R else s_l) + k_l) + (in_{e-1} + k_{e-1} if e-1 in R
+    weight_held(a, e)     = sum_{a<=l<e-1} ((in_l if l in R else s_l) + k_l) + (in'_{e-1} + k_{e-1} if e-1 in R
                             else h_{e-1}) - sum_{a<k<e, k-1 not in R} d_k      bytes held from the first to the second
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
 every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
 last one what it held timed alone, h_l; a recomputed one its input and its kept gradients. A
-profile without k_l: sum (in_l if l in R else h_l).)
+profile without k_l: sum (in'_l if l in R else h_l). in'_l = in_l but for the model's last unit, whose
+input part ran the loss's backward: what the loss saved is freed by then.)
 
 The first stage (a = 0) has no input that needs a gradient: its input part only finds that out,
 and its weight part is one whole backward, so everything saved is held until it runs, and so is
@@ -49,6 +51,12 @@ gi_l = g_l - gw_l (a matmul's weight gradient costs what its input gradient does
 (everything saved held until the weight part: an upper bound); one without split_overhead_s gets
 k^i = k^b, k^w = 0 and k^0 = the engine's backward cost.
 
+first_a: what unit a saves beyond s_a when it starts a stage (UnitProfile.first_saved_bytes): a rank
+receives each input in a storage of its own, a broadcast view materialised, where inside a stage two
+inputs may share one or be views of a larger one (0 for most units); in weight_held the first unit
+holds first_saved + k_a, or first_weight_held alone as the stage's only unit (their difference from
+s_a and h_a).
+
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
 k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
@@ -57,7 +65,8 @@ saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (
 `saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
-and the bytes of the model's inputs unit l reads;
+and the bytes of the model's inputs unit l reads, and for the last unit the bytes the loss saves (the
+loss runs on the stage's output, outside a recomputation: its input and target stay held);
 o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
 bytes of gradients backward; a message of n bytes over a link (bandwidth, latency) takes
 latency + n / bandwidth. Arrays are numpy so that solvers read whole matrices at once.
@@ -111,6 +120,12 @@ class RangeCosts:
                             for l, u in enumerate(units)], dtype=float)
         self.h = np.array([u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in units],
                           dtype=float)
+        # a stage's first unit gets its inputs each in a storage of its own (UnitProfile.first_saved_bytes):
+        # what it then saves (holds until its weight part) beyond what it does inside a stage
+        self.first = np.array([u.first_saved_bytes.get(b, u.saved_bytes[b]) - u.saved_bytes[b] for u in units],
+                              dtype=float)
+        self.first_held = np.array([u.first_weight_held_bytes.get(b, self.h[l]) - self.h[l] if u.split_backward
+                                    else self.first[l] for l, u in enumerate(units)], dtype=float)
         # walk(a, e) = WALK[e] - WALK[a] - NU[a] (OMEGA[e] - OMEGA[a]), WALK[e] = sum_{k<e} omega_k NU[k]
         walk = profile.weight_walk_s.get(b, 0.0)
         self.nu = np.array([walk * u.weight_walk_nodes for u in units], dtype=float)
@@ -130,11 +145,20 @@ class RangeCosts:
         self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
         # in_l: what a recomputed unit l keeps, its inputs: the activations crossing cut l and the
-        # model's inputs it reads
-        self.inputs = self.act[:-1] + np.array([u.input_bytes.get(b, 0) for u in units], dtype=float)
+        # model's inputs it reads; the last unit also what the loss saves (it runs after the stage,
+        # outside the recomputation)
+        loss_saved = np.array([u.loss_saved_bytes.get(b, 0) for u in units], dtype=float)
+        self.inputs = self.act[:-1] + np.array([u.input_bytes.get(b, 0) for u in units], dtype=float) + loss_saved
+        # of in_l, what a later stage's recomputed unit still holds after its input part (which ran
+        # the loss's backward and freed what the loss saved) until its weight part
+        self.weight_inputs = self.inputs - loss_saved
         # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (module docstring)
         self.dup = np.array([0.0] + [_shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
                             dtype=float)
+        # of d_k, what unit k still holds after its input part (a zero-bubble stage's last unit, whose
+        # h_k may have let it go while unit k - 1, inside the stage, holds all it saved)
+        self.weight_dup = np.array([0.0] + [_shared(units[k - 1], units[k], b, weight=True)
+                                            for k in range(1, self.num_units)], dtype=float)
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -189,11 +213,16 @@ class RangeCosts:
         if a == 0:
             return self.saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
+        first = 0.0 if a in redo else float(self.first_held[a] if e - 1 == a or not self.kept_known else self.first[a])
         if not self.kept_known:
-            return float(sum(float(self.inputs[l]) if l in redo else float(self.h[l]) for l in range(a, e)))
+            return first + float(sum(float(self.weight_inputs[l]) if l in redo else float(self.h[l])
+                                     for l in range(a, e)))
         held = sum(float(self.inputs[l] if l in redo else self.s[l]) + float(self.k[l]) for l in range(a, e - 1))
-        held += float(self.inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
-        return held - self._shared_once(a, e, redo)
+        held += float(self.weight_inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
+        # the last unit's h: of what it shares with the unit before, only what it still holds
+        lost = float(self.dup[e - 1] - self.weight_dup[e - 1]) if e - 1 > a and e - 2 not in redo and \
+            e - 1 not in redo else 0.0
+        return first + held - self._shared_once(a, e, redo) + lost
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
@@ -208,7 +237,8 @@ class RangeCosts:
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         redo = set(recompute)
         swap = sum(float(self.inputs[l] - self.s[l]) for l in redo if a <= l < e)
-        return float(self.S[e] - self.S[a]) + swap - self._shared_once(a, e, redo)
+        first = 0.0 if a in redo else float(self.first[a])
+        return float(self.S[e] - self.S[a]) + first + swap - self._shared_once(a, e, redo)
 
     def _shared_once(self, a: int, e: int, redo) -> float:
         """What units [a, e) count twice of the storages neighbours share: d_k for the cuts inside
@@ -257,17 +287,21 @@ class RangeCosts:
 
     def saved_at_start(self, recompute_all: bool = False) -> np.ndarray:
         """[a], a = 0 .. L: what a stage starting at unit a adds to `saved_prefix`'s difference (d_a:
-        its first unit shares nothing inside it)."""
-        return np.zeros(self.num_units + 1) if recompute_all else np.append(self.dup, 0.0)
+        its first unit shares nothing inside it; and first_a: its inputs arrive in storages of their own)."""
+        return np.zeros(self.num_units + 1) if recompute_all else np.append(self.dup + self.first, 0.0)
 
     def saved_matrix(self, recompute_all: bool = False) -> np.ndarray:
         """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none."""
         return range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
 
 
-def _shared(before, after, b: int) -> float:
-    """The bytes two neighbouring units both save (their shared_saved_bytes at b, by value)."""
+def _shared(before, after, b: int, weight: bool = False) -> float:
+    """The bytes two neighbouring units both save (their shared_saved_bytes at b, by value); with
+    `weight`, of them those `after` still holds after its input part (weight_shared_bytes; all of
+    them where not measured)."""
     first, second = before.shared_saved_bytes.get(b) or {}, after.shared_saved_bytes.get(b) or {}
+    if weight and b in after.weight_shared_bytes:
+        second = after.weight_shared_bytes[b]
     return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
 
 

@@ -9,7 +9,13 @@ kinds for one split), holds
     static(a, e)                                       its parameters' bytes (planner.cost.model.static_bytes)
     + sum_{a<=l<e} (P_live,g (saved_l - d_l) + P_weight,g weight_l)  per unit
     + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a + P_live,g d_a)   at the cut it starts at
+    + P_live,g first_a + P_weight,g first'_a                       its first unit's inputs as received
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
+
+(first_a, first'_a: planner.cost.ranges; first'_a is first_a where the weight kind counts saved_l + k_l, and
+the first unit's measured difference in h_l where it counts h_l. A later stage of one unit under the
+zero-bubble weight kind holds h_a + first_a here where ranges.weight_held says h_a + first'_a: they differ
+only where inputs share storages and the parts hold them differently; `evaluate` is exact.)
 
 less, for the tied weights (planner.cost.ties), the static bytes of the copies its units count beyond
 the one its rank holds (`tie_static` per copy; plus `tie_whole` - `tie_static` where the rank keeps it
@@ -51,7 +57,7 @@ class HeldTerms:
     """Stage g's held bytes under one count vector, linear in the split (module docstring)."""
 
     per_unit: np.ndarray  # [l]: bytes unit l adds when in the stage
-    at_start: np.ndarray  # [k]: bytes when the stage starts at cut k (0 for the first stage)
+    at_start: np.ndarray  # [k]: bytes when the stage starts at cut k (the first stage: at 0)
     at_end: np.ndarray  # [k]: bytes when the stage ends at cut k (0 for the last stage)
     recompute_saves: np.ndarray  # [l]: bytes recomputing unit l saves (recompute 'auto')
     # [k]: bytes back when unit k - 1 is recomputed with unit k in the stage (what they both saved,
@@ -73,9 +79,11 @@ class StageMemory:
         self.static_per_unit = costs.p * beta_w + costs.t * beta_t
         self._static = prefix_sums(self.static_per_unit)
         # per unit, less what it shares with the unit before (d_l), given back at a stage's start
+        self.recompute_all = recompute_all
         self.saved = costs.inputs if recompute_all else costs.s - costs.dup
-        self.dup_at_cut = costs.saved_at_start(recompute_all)  # [k], k = 0 .. L: d_k, given back where a stage starts
-        self.weight = costs.inputs if recompute_all else costs.h
+        # [k], k = 0 .. L: d_k, given back where a stage starts
+        self.dup_at_cut = np.zeros(costs.num_units + 1) if recompute_all else np.append(costs.dup, 0.0)
+        self.weight = costs.weight_inputs if recompute_all else costs.h
         # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
         self.kept = costs.kept_known and not recompute_all
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
@@ -103,19 +111,26 @@ class StageMemory:
             weight, held = self.saved, c.s
         elif self.kept:
             weight, held = self.saved + c.k, c.s + c.k
-            last[1:] = count("weight") * (c.h - c.s - c.k)
+            # (and of what it shares with the unit before, what its input part let go: d - d', planner.cost.ranges;
+            # also charged to a stage of that unit alone, where nothing is shared: an over-count)
+            last[1:] = count("weight") * (c.h - c.s - c.k + c.dup - c.weight_dup)
         else:
             weight, held = self.weight, c.h
         # the kinds that hold `saved`, whose neighbours' shared bytes count once
         sharing = count("live") + (count("weight") if g == 0 or self.kept else 0)
         dup = self.dup_at_cut
         start = count("inbox") * c.act + count("sent_grad") * c.grad + sharing * dup if g > 0 else zero
+        if not self.recompute_all:  # the first unit's inputs as received (planner.cost.ranges' first_a)
+            first_weight = c.first_held if g > 0 and not self.kept else c.first
+            start = start + np.append(count("live") * c.first + count("weight") * first_weight, 0.0)
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         if g == 0 and g < self.S - 1:
             end = end + count("weight") * c.grad
         # a recomputed unit holds its input (and, in a later stage's weight kind, its kept gradients)
         kept = c.k if g > 0 and self.kept else 0.0
-        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - c.inputs - kept)
+        # (a later stage's input part freed what the loss saved: planner.cost.ranges' in'_l)
+        weight_inputs = c.inputs if g == 0 else c.weight_inputs
+        saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          sharing * dup, last)
 

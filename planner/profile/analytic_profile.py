@@ -23,8 +23,9 @@ from planner.model.failures import NodeRunError, describe_node, model_failure
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
-from planner.profile.measure import blank_unit, record_cut_values, shared_parameters_json
+from planner.profile.measure import as_received, blank_unit, record_cut_values, shared_parameters_json
 from planner.profile.profile import CutProfile, CutValue, Profile
+from planner.profile.saved import loss_saved_bytes, packed
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, backward_seeds
 
@@ -54,7 +55,7 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
         key = saved_key(t)
         if key not in params:
             saved[key] = t.untyped_storage().nbytes()
-        return t
+        return packed(t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with CostCounter(device) as forward:
@@ -143,12 +144,18 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
             produced = [i for i, name in enumerate(io.sent) if name in own]
             fwd, bwd, saved, parts = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
             unit = units[k]
+            received = as_received(args)
+            if received is not None:  # a stage starting with it: its inputs in storages of their own
+                _, _, unit.first_saved_bytes[b], first = _unit_costs(stage, received, produced, io.is_last, spec.loss,
+                                                                     target, device)
+                unit.first_weight_held_bytes[b] = first.held_bytes
             unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
             input_share, weight_share = parts.shares()  # of the ops' costs: the parts' sum is the backward's
             unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
             unit.weight_held_bytes[b], unit.weight_kept_bytes[b] = parts.held_bytes, parts.kept_bytes
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
+        units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target, key=saved_key)
         say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "
             f"backward {sum(u.backward_s[b] for u in units) * 1e3:.3f} ms ({time.perf_counter() - start:.1f} s)")
         del values

@@ -28,14 +28,15 @@ from planner.model.failures import NodeRunError, UnitRunError, first_line, model
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.model.running_stats import keeps_running_statistics
 from planner.profile.allocator import retain_freed_memory
+from planner.profile.analytic import saved_key
 from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from planner.profile.optim import OPTIMIZERS
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
-from planner.profile.saved import SavedBytes
-from planner.profile.splitgrad import measure_backward_parts
-from planner.profile.timing import (UnitCall, UnitTiming, _InputRestore, measure_optimizer_steps, measure_units,
-                                    split_call_overhead, weight_walk)
+from planner.profile.saved import SavedBytes, loss_saved_bytes
+from planner.profile.splitgrad import backward_weight, first_part, forward_and_input_part, measure_backward_parts
+from planner.profile.timing import (UnitCall, UnitTiming, _closures, _InputRestore, measure_optimizer_steps,
+                                    measure_units, split_call_overhead, weight_walk)
 from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -70,7 +71,23 @@ def _stage_item(run: "_Run", values: Dict[str, Any], first: int) -> UnitCall:
     return UnitCall(stage, _prepare_args(values, io.inputs + io.received, flags, run.dev), [], True)
 
 
+def as_received(args: Sequence[Any]) -> Optional[List[Any]]:
+    """A unit's arguments as a stage starting with it gets them, each tensor in a contiguous storage
+    of its own (runtime.comm packs a message's tensors, a broadcast view materialised, and the engine
+    gives each received tensor, and each micro-batch input, a storage of its own); None where that
+    changes no storage (no two share one, none is a view of a larger one)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.layout == torch.strided]
+    storages = [t.untyped_storage() for t in tensors]
+    if len({saved_key(t) for t in tensors}) == len(tensors) and \
+            all(s.nbytes() == t.numel() * t.element_size() for s, t in zip(storages, tensors)):
+        return None
+    return [a.detach().clone(memory_format=torch.contiguous_format).requires_grad_(a.requires_grad)
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided else a for a in args]
+
+
 def _prepare_args(values: Dict[str, Any], names: Sequence[str], grad_flags: Dict[str, bool], device) -> List[Any]:
+    """A unit's arguments as the unit before it in a stage hands them over (sharing storages as in
+    the model), leaves needing a gradient where `grad_flags` says."""
     args = []
     for name in names:
         v = values[name]
@@ -282,13 +299,20 @@ def _measure_size(run: _Run, b: int) -> None:
     measured = _time_units(run, work, values, target, b)
     parts = _time_parts(run, work, values, target, b)
     shared = _shared_saved(run, work, target)
+    first = [_as_first(run, call, target) for call in work]
+    # what the loss holds on the last stage when its last unit is recomputed (outside the recomputation)
+    run.units[L - 1].loss_saved_bytes[b] = loss_saved_bytes(run.spec.loss, captured.output_of(values), target)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
             timing.saved_bytes
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
             unit.weight_kept_bytes[b], unit.weight_calls, unit.weight_walk_nodes = parts[k]
-        unit.shared_saved_bytes[b] = shared[k]
+        unit.shared_saved_bytes[b], unit.weight_shared_bytes[b] = shared[k]
+        if first[k] is not None:  # a stage starting with it holds other storages
+            unit.first_saved_bytes[b] = first[k][0]
+            if unit.split_backward:
+                unit.first_weight_held_bytes[b] = first[k][1]
         unit.input_bytes[b] = sum(_tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(_tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))
@@ -304,6 +328,29 @@ def _measure_size(run: _Run, b: int) -> None:
             f"part {later_weight * 1e3:.3f} ms on top of its units'"
             + (f", and {run.weight_walk[b] * 1e9:.0f} ns per call per autograd node of the stage's earlier units it walks"
                if run.weight_walk.get(b) else ""))
+
+
+def _as_first(run: _Run, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:
+    """(saved bytes, bytes held from its input part to its weight part) of a unit run as a stage's
+    first, its inputs each in a storage of its own (`as_received`); None where that is how it runs
+    inside a stage too. One more forward, and one with its input part."""
+    received = as_received(call.args)
+    if received is None:
+        return None
+    first = UnitCall(call.module, received, call.produced, call.is_last)
+    forward, _ = _closures(first, run.spec.loss, target)
+    counter = SavedBytes(call.module.parameters())
+    with torch.enable_grad():
+        with counter.counting():
+            result = forward()
+        saved = counter.finish()
+        del result
+        trainable = [p for p in call.module.parameters() if p.requires_grad]
+        pending, held, _ = forward_and_input_part(forward, lambda out: first_part(first, out, trainable),
+                                                  list(call.module.parameters()))
+        backward_weight(pending)
+    call.module.zero_grad(set_to_none=True)
+    return saved, held
 
 
 class _StorageNames(torch.fx.Interpreter):
@@ -325,10 +372,12 @@ class _StorageNames(torch.fx.Interpreter):
         return result
 
 
-def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Dict[str, int]]:
+def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Dict[str, int], Dict[str, int]]]:
     """Per unit, the storages its forward saves that hold a value other units may save too
     (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
-    units, and values every stage computes again. One more forward of each unit (`_StorageNames`)."""
+    units, and values every stage computes again; and of them, those it still holds after its input
+    part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit). One more forward of each
+    unit (`_StorageNames`), and its input part."""
     out = []
     for k, call in enumerate(work):
         _, io = run.stages[k]
@@ -336,13 +385,26 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Dict[str
             {n.name for n in call.module.graph.nodes if n.name in run.captured.recomputed}
         naming = _StorageNames(call.module, shareable)
         counter, restore = SavedBytes(call.module.parameters()), _InputRestore(call)  # (the inputs before it runs)
-        with torch.enable_grad(), counter.counting():
-            result = naming.run(*call.args)
-            if call.is_last:
-                run.spec.loss(result, target)
+        with torch.enable_grad():
+            with counter.counting():
+                result = naming.run(*call.args)
+                if call.is_last:
+                    result = run.spec.loss(result, target)
+            shared = {naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
+                      if naming.names.get(ptr) in shareable}
+            held: Dict[str, int] = {}
+            if shared and k > 0:  # which of them the weight part keeps
+                refs = counter.saved_refs()
+                naming.env.clear()  # the interpreter's values would keep their nodes alive
+                pending = first_part(call, result, [p for p in call.module.parameters() if p.requires_grad])
+                del result
+                alive = {ptr for ref, ptr, _ in refs if ref() is not None}
+                held = {naming.names[ptr]: shared[naming.names[ptr]] for ptr in alive
+                        if naming.names.get(ptr) in shared}
+                backward_weight(pending)
+                call.module.zero_grad(set_to_none=True)
         restore()
-        out.append({naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
-                    if naming.names.get(ptr) in shareable})
+        out.append((shared, held))
     return out
 
 

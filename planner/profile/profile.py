@@ -148,6 +148,16 @@ class UnitProfile:
     # besides its cut's activations when recomputed (planner.cost.ranges' in_l). Empty: not
     # measured (older files, analytic and imported profiles): 0
     input_bytes: Dict[int, int] = field(default_factory=dict)
+    # the last unit only: bytes the loss function saves for backward (its input, the target), per
+    # micro-batch size. The loss runs after the stage, outside a recomputed unit's recomputation, so a
+    # recomputed last unit holds them besides its inputs (planner.cost.ranges' in_l). Empty: not
+    # measured (older files, imported profiles): 0
+    loss_saved_bytes: Dict[int, int] = field(default_factory=dict)
+    # saved_bytes and weight_held_bytes when the unit starts a stage, per micro-batch size, where they
+    # differ: a rank receives each input in a storage of its own, while inside a stage two of them may
+    # share one (a tensor and a view of it) or be views of a larger one. Empty: the same
+    first_saved_bytes: Dict[int, int] = field(default_factory=dict)
+    first_weight_held_bytes: Dict[int, int] = field(default_factory=dict)
     # of weight_held_bytes, the gradients kept for the weight part (the rest is saved tensors still
     # referenced), per micro-batch size. Empty: not measured (older files)
     weight_kept_bytes: Dict[int, int] = field(default_factory=dict)
@@ -156,6 +166,10 @@ class UnitProfile:
     # computes again): a stage holding two neighbours that save one counts it once
     # (planner.cost.ranges). Empty: not measured (older files, analytic and imported profiles)
     shared_saved_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # of shared_saved_bytes, those it still holds after its input part (zero-bubble schedules: what
+    # a later stage's last unit and the unit before it hold once until the weight part). Empty: not
+    # measured (older files): all of them
+    weight_shared_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -181,8 +195,14 @@ class UnitProfile:
             **({"buffer_bytes": self.buffer_bytes} if self.buffer_bytes is not None else {}),
             **({"shared_saved_bytes": {str(b): dict(v) for b, v in sorted(self.shared_saved_bytes.items())}}
                if self.shared_saved_bytes else {}),
+            **({"weight_shared_bytes": {str(b): dict(v) for b, v in sorted(self.weight_shared_bytes.items())}}
+               if self.weight_shared_bytes else {}),
             **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **({"input_bytes": _str_keys(self.input_bytes)} if self.input_bytes else {}),
+            **({"loss_saved_bytes": _str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
+            **({"first_saved_bytes": _str_keys(self.first_saved_bytes)} if self.first_saved_bytes else {}),
+            **({"first_weight_held_bytes": _str_keys(self.first_weight_held_bytes)}
+               if self.first_weight_held_bytes else {}),
             **({"weight_calls": self.weight_calls, "weight_walk_nodes": self.weight_walk_nodes}
                if self.weight_calls or self.weight_walk_nodes else {}),
             **({"backward_input_s": _str_keys(self.backward_input_s),
@@ -224,6 +244,12 @@ class UnitProfile:
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
             buffer_bytes=read.count(d["buffer_bytes"], f"{where}.buffer_bytes") if "buffer_bytes" in d else None,
             input_bytes=read.per_size(d.get("input_bytes") or {}, f"{where}.input_bytes", read.count, required=False),
+            loss_saved_bytes=read.per_size(d.get("loss_saved_bytes") or {}, f"{where}.loss_saved_bytes", read.count,
+                                           required=False),
+            first_saved_bytes=read.per_size(d.get("first_saved_bytes") or {}, f"{where}.first_saved_bytes",
+                                            read.count, required=False),
+            first_weight_held_bytes=read.per_size(d.get("first_weight_held_bytes") or {},
+                                                  f"{where}.first_weight_held_bytes", read.count, required=False),
             weight_kept_bytes=read.per_size(d.get("weight_kept_bytes") or {}, f"{where}.weight_kept_bytes", read.count,
                                             required=False),
             weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
@@ -232,8 +258,16 @@ class UnitProfile:
                 d.get("shared_saved_bytes") or {}, f"{where}.shared_saved_bytes",
                 lambda v, at: {str(k): read.count(n, f'{at}["{k}"]') for k, n in read.table(v, at).items()},
                 required=False),
+            weight_shared_bytes=read.per_size(
+                d.get("weight_shared_bytes") or {}, f"{where}.weight_shared_bytes",
+                lambda v, at: {str(k): read.count(n, f'{at}["{k}"]') for k, n in read.table(v, at).items()},
+                required=False),
             **split_values,
         )
+        for b, held in unit.weight_shared_bytes.items():
+            if any(held[name] > unit.shared_saved_bytes.get(b, {}).get(name, -1) for name in held):
+                raise read.error(f'{where}.weight_shared_bytes["{b}"]', "names a value, or more bytes of one, than "
+                                 "the unit's shared_saved_bytes, of which it is a part")
         # parts of what the unit saves and holds: never more than the whole (the cost model subtracts them)
         for b, shared in unit.shared_saved_bytes.items():
             if b in unit.saved_bytes and sum(shared.values()) > unit.saved_bytes[b]:

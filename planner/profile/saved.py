@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -23,6 +23,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What holds a tensor's storage on this process: a sharded parameter's local shard, else the
     tensor itself."""
     return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def packed(tensor: torch.Tensor) -> torch.Tensor:
+    """What a counting pack hook hands autograd: an alias of the saved tensor without its graph. The
+    tensor itself would tie a saved output to the node saving it (node -> saved tensor -> its grad_fn,
+    the node): a cycle nothing collects, so a graph dropped without a backward that frees it (the
+    loss's, after a zero-bubble input part) would stay in memory, and be counted as held."""
+    return tensor.detach()
 
 
 class SavedBytes:
@@ -45,12 +53,13 @@ class SavedBytes:
             yield
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        alias = packed(tensor)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in self.parameter_ptrs and ptr not in self.excluded_ptrs:
             self._storages[ptr] = storage.nbytes()
-            self._refs.append((weakref.ref(tensor), ptr, storage.nbytes()))
-        return tensor
+            self._refs.append((weakref.ref(alias), ptr, storage.nbytes()))
+        return alias
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count these as parameters too (replacing the last call's): the step's compute copies of
@@ -99,3 +108,23 @@ class SavedBytes:
     def release(self, held: int) -> None:
         """A backward ran: what its forward saved is freed."""
         self.live -= held
+
+
+def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any,
+                     key: Callable[[torch.Tensor], int] = lambda t: t.untyped_storage().data_ptr()) -> int:
+    """The bytes `loss` saves for backward on a fresh copy of `output` (as a last stage hands it over)
+    and `target`, each storage once (`key`: its identity; a meta tensor needs another than its data
+    pointer). Parameters it saves are not counted (a rank holds them anyway)."""
+    from torch.utils._pytree import tree_map_only
+
+    fresh = tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()), output)
+    saved: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            saved[key(tensor)] = tensor.untyped_storage().nbytes()
+        return packed(tensor)
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss(fresh, target)
+    return sum(saved.values())

@@ -40,6 +40,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from planner.profile.analytic import saved_key
+from planner.profile.saved import packed
 from planner.profile.timing import UnitCall, _closures, _InputRestore, backward_seeds, sync
 
 # autograd's engine, called without torch.autograd.backward / grad's Python checks: the gradients
@@ -296,7 +297,7 @@ def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[
     refs: List[weakref.ref] = []
 
     def pack(tensor: torch.Tensor) -> _Holder:
-        holder = _Holder(tensor)
+        holder = _Holder(packed(tensor))
         refs.append(weakref.ref(holder))
         return holder
 

@@ -433,6 +433,8 @@ class Program:
                     if g > 0:  # the cut the stage starts at ends stage g - 1
                         held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
                                            if terms.at_start[k] and self.cut_may_end(k, g - 1))
+                    else:  # the first stage starts at unit 0
+                        held += terms.at_start[0] / MIB
                     held += pulp.lpSum(terms.at_end[k] / MIB * self.ends(k, g) for k in range(1, L)
                                        if terms.at_end[k] and self.cut_may_end(k, g))
                     if g == self.S - 1:  # the last stage ends at unit L
