@@ -7,7 +7,7 @@ import math
 import os
 import stat
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Sequence
 
 
 class JsonFileError(ValueError):
@@ -29,6 +29,15 @@ def read_json(path: str, what: str = "file") -> Any:
         raise JsonFileError(f"{what} {path!r} nests its JSON too deeply to be one of this project's files") from None
     except OSError as e:
         raise JsonFileError(f"{what} {path!r} cannot be read: {e.strerror or e}") from None
+
+
+def not_a_regular_file(path: str) -> str:
+    """What `path` is when it exists and is not a regular file ("a directory", "not a regular file": a
+    FIFO or a device, whose read may block or never end), else ""."""
+    try:
+        return _not_a_file(os.stat(path).st_mode)
+    except OSError:
+        return ""
 
 
 def _not_a_file(mode: int) -> str:
@@ -86,12 +95,18 @@ def atomic_path(path: str) -> Iterator[str]:
         raise
 
 
-def check_writable(path: str) -> None:
+def check_writable(path: str, inputs: Sequence[Optional[str]] = ()) -> None:
     """That a file can be written at `path` (its folder made if missing): JsonFileError, one line,
     otherwise -- before the work that produces it, where that is long. A path that names something
-    other than a file (a folder, /dev/null) is refused: the rename would replace it."""
+    other than a file (a folder, /dev/null) is refused: the rename would replace it; so is one of the
+    command's `inputs` (it would be lost)."""
     if not path:
         raise JsonFileError("an output path is empty; name a file to write")
+    for given in inputs:
+        if given and (os.path.abspath(path) == os.path.abspath(given) or
+                      os.path.exists(path) and os.path.exists(given) and os.path.samefile(path, given)):
+            raise JsonFileError(f"output {path!r} is also {given!r}, which this command reads or writes: one "
+                                "would be lost; name another output")
     if len(os.path.basename(path).encode()) > 255:
         raise JsonFileError(f"cannot write {path!r}: its name is too long")
     try:

@@ -74,3 +74,23 @@ def format_bytes(n: float) -> str:
     if abs(n) < 1024 ** 3:
         return f"{n / 1024 ** 2:.1f} MiB"
     return f"{n / 1024 ** 3:.2f} GiB"
+
+
+MAX_LATENCY_S = 3600.0  # a link's latency: beyond an hour, a typo (the solvers' arithmetic needs bounds)
+MIN_BANDWIDTH = 1e3  # bytes/s: below, a typo (a message would take longer than any run)
+
+
+def latency_value(value: Any, what: str) -> float:
+    """A link's latency read from a file: seconds, 0 to MAX_LATENCY_S."""
+    latency = number_value(value, what, positive=False)
+    if latency > MAX_LATENCY_S:
+        raise ValueError(f"{what} is seconds per message, 0 to {MAX_LATENCY_S:g} (got {value!r})")
+    return latency
+
+
+def bandwidth_value(value: Any, what: str) -> float:
+    """A link's bandwidth read from a file (size_value): at least MIN_BANDWIDTH bytes/s."""
+    bandwidth = size_value(value, what)
+    if bandwidth < MIN_BANDWIDTH:
+        raise ValueError(f"{what} is bytes per second, at least {MIN_BANDWIDTH:g} (\"1KB\") (got {value!r})")
+    return bandwidth

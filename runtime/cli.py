@@ -140,9 +140,9 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         raise UsageError("--timeout is seconds a rank may wait for another, more than 0 and at most a week")
     if args.threads < 0 or args.threads > (os.cpu_count() or 1):
         raise UsageError(f"--threads is torch threads per rank, 0 (as profiled) to this host's {os.cpu_count() or 1}")
-    for path in (args.report, args.save_state, args.timeline, args.trace):
-        if path:
-            check_writable(path)  # now, not after the run
+    outputs = [path for path in (args.report, args.save_state, args.timeline, args.trace) if path]
+    for k, path in enumerate(outputs):  # now, not after the run; none of them an input or another output
+        check_writable(path, [args.plan, getattr(args, "init_state", None), *outputs[:k]])
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
     from runtime.options import run_refusal, training_options

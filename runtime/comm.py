@@ -27,12 +27,10 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-_DTYPES: Dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
-    "complex32": torch.complex32,
-}
+from planner.profile.profile import MESSAGE_DTYPES
+
+# the dtypes a message carries, as a profile's cut values name them
+_DTYPES: Dict[str, torch.dtype] = {name: getattr(torch, name) for name in MESSAGE_DTYPES}
 _ALIGN = 16  # bytes: every dtype's view of the byte buffer starts aligned
 
 ACTIVATION, GRADIENT = 0, 1

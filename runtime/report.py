@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List
 
+from planner.fidelity.check import REPORT_SCHEMA_VERSION
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_slowdown, host_speed_lines
 
@@ -78,7 +79,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
         })
     predicted = float(plan.predicted_iteration_s)
     return {
-        "schema_version": 1,
+        "schema_version": REPORT_SCHEMA_VERSION,
         "kind": "report",
         "plan_sha256": plan.digest(),  # the plan file every rank ran (planner check warns on another)
         "model": plan.model,

@@ -79,3 +79,22 @@ def test_an_output_path_is_checked_and_never_replaces_a_folder_or_device(tmp_pat
         write_json_atomic(str(tmp_path / "file" / "out.json"), {"a": 1})
     check_writable(str(tmp_path / "new" / "out.json"))  # a missing folder is made
     assert os.path.isdir(tmp_path / "new")
+
+
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path):
+    """`planner solve p.json -o p.json` replaced the profile with the plan, and `runtime execute
+    --report plan.json` the plan with the report (a fuzz of every command)."""
+    from planner.jsonio import check_writable
+
+    given = tmp_path / "in.json"
+    given.write_text("{}")
+    for path in (str(given), str(tmp_path / "." / "in.json")):
+        with pytest.raises(JsonFileError, match="is also .* which this command reads or writes"):
+            check_writable(path, [str(given)])
+    os.link(given, tmp_path / "hard.json")  # the same file under another name
+    with pytest.raises(JsonFileError, match="is also"):
+        check_writable(str(tmp_path / "hard.json"), [str(given)])
+    with pytest.raises(JsonFileError, match="is also"):  # two outputs, neither written yet
+        check_writable(str(tmp_path / "out.json"), [None, str(tmp_path / "out.json")])
+    check_writable(str(tmp_path / "out.json"), [str(given), None])
+    assert given.read_text() == "{}"

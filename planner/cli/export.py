@@ -6,13 +6,15 @@ import argparse
 import sys
 
 from planner.errors import UsageError
-from planner.jsonio import atomic_path
+from planner.jsonio import atomic_path, check_writable
 from planner.plan.export import FORMATS, export_refusal, torch_snippet, torchtitan_config
 from planner.plan.file import load_plan
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
+    if args.output:
+        check_writable(args.output, [args.plan])
     refusal = export_refusal(plan)
     if refusal:
         raise UsageError(refusal)

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from planner.errors import UsageError
+from planner.jsonio import check_writable
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -48,6 +49,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if len(args.plan) not in (1, len(args.reports)):
         raise UsageError(f"give one --plan for all reports or one per report ({len(args.reports)} reports, "
                          f"{len(args.plan)} plans), in the same order")
+    check_writable(args.output, [args.profile, *args.reports, *args.plan])
     profile = load_profile(args.profile)
     plans = [load_plan(path) for path in args.plan]
     reports = [load_report(path) for path in args.reports]

@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 
 from planner.errors import UsageError
+from planner.jsonio import check_writable
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from planner.profile.pipedream import import_pipedream
     from planner.profile.profile import save_profile
 
+    check_writable(args.output, [args.graph])
     try:
         profile = import_pipedream(args.graph, args.batch_size)
     except ValueError as e:

@@ -108,6 +108,8 @@ def _check_measure_options(args: argparse.Namespace) -> None:
                          "core(s) this process may use")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
+    if not 0 <= args.seed < 2 ** 63:
+        raise UsageError(f"--seed is an integer 0 to 2**63 - 1 (got {args.seed})")
     if args.engine_cost == "measure" and args.device != "cpu":
         raise UsageError("--engine-cost measure times the engine on the CPU; on CUDA a stage's host work overlaps "
                          "its kernels: leave it out, or calibrate from a run")

@@ -9,7 +9,7 @@ from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD, local_sgd_refusal
 from planner.errors import UsageError
 from planner.jsonio import check_writable
 from planner.pipeline.schedule import MAX_MICRO_BATCHES, MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
-from planner.sizes import parse_bytes
+from planner.sizes import MAX_LATENCY_S, MIN_BANDWIDTH, parse_bytes
 
 
 
@@ -114,8 +114,11 @@ def problem_from_args(args: argparse.Namespace):
                          f"the largest profiled micro-batch size ({max(profile.micro_batch_sizes)}); profile larger "
                          "sizes (planner profile --micro-batch-sizes) or use more devices")
     for name, seconds in (("--latency", args.latency), ("--message-cost", args.message_cost)):
-        if seconds is not None and not 0 <= seconds <= 3600:
-            raise UsageError(f"{name} is seconds per message, 0 to 3600 (got {seconds})")
+        if seconds is not None and not 0 <= seconds <= MAX_LATENCY_S:
+            raise UsageError(f"{name} is seconds per message, 0 to {MAX_LATENCY_S:g} (got {seconds})")
+    for name, size in (("--bandwidth", args.bandwidth), ("--dp-bandwidth", args.dp_bandwidth)):
+        if size and parse_bytes(size, name) < MIN_BANDWIDTH:
+            raise UsageError(f"{name} is bytes per second, at least {MIN_BANDWIDTH:g} (\"1KB\") (got {size})")
     if args.schedule == "auto":
         schedules: List[str] = list(SCHEDULES)
     else:
@@ -236,7 +239,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.table import format_plan_table
     from planner.solve.diagnose import InfeasibleError
 
-    check_writable(args.output)  # now, not after the search
+    check_writable(args.output, [args.profile])  # now, not after the search
     profile, opts, devices, schedules, topology = problem_from_args(args)
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import number_value, size_value, speed_value
+from planner.sizes import bandwidth_value, latency_value, size_value, speed_value
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,12 @@ def cluster_from_json(d: Any) -> Cluster:
         speed = speed_value(g.get("speed", 1.0), f"cluster group {i} speed")
         latency = g.get("latency")
         if latency is not None:
-            latency = number_value(latency, f"cluster group {i} latency", positive=False)
+            latency = latency_value(latency, f"cluster group {i} latency")
         groups.append(DeviceGroup(
             name=str(g.get("name", f"group{i}")), devices=g["devices"],
             memory=None if g.get("memory") is None else size_value(g["memory"], f"group {i} memory"),
             speed=speed,
-            bandwidth=None if g.get("bandwidth") is None else size_value(g["bandwidth"], f"group {i} bandwidth"),
+            bandwidth=None if g.get("bandwidth") is None else bandwidth_value(g["bandwidth"], f"group {i} bandwidth"),
             latency=latency))
     links_json = d.get("links", [])
     if not isinstance(links_json, list) or len(links_json) != len(groups) - 1:
@@ -116,11 +116,11 @@ def cluster_from_json(d: Any) -> Cluster:
     for i, link in enumerate(links_json):
         if not isinstance(link, dict) or "bandwidth" not in link:
             raise ValueError(f"cluster link {i} needs \"bandwidth\"")
-        latency = number_value(link.get("latency", 0.0), f"cluster link {i} latency", positive=False)
+        latency = latency_value(link.get("latency", 0.0), f"cluster link {i} latency")
         emulate = link.get("emulate", False)
         if not isinstance(emulate, bool):
             raise ValueError(f"cluster link {i} \"emulate\" must be true or false (got {emulate!r})")
-        links.append(Link(bandwidth=size_value(link["bandwidth"], f"link {i} bandwidth"), latency=latency,
+        links.append(Link(bandwidth=bandwidth_value(link["bandwidth"], f"link {i} bandwidth"), latency=latency,
                           emulate=emulate))
     return Cluster(groups=tuple(groups), links=tuple(links))
 

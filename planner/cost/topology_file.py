@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from planner.jsonio import read_json
-from planner.sizes import number_value, size_value, speed_value
+from planner.sizes import bandwidth_value, latency_value, size_value, speed_value
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ def topology_from_json(d: Any) -> DeviceTopology:
             raise ValueError(f"{where} \"emulate\" must be true or false (got {emulate!r})")
         levels.append(Level(
             name=str(raw.get("name", f"level{i}")), count=count,
-            bandwidth=None if raw.get("bandwidth") is None else size_value(raw["bandwidth"], f"{where} bandwidth"),
-            latency=None if raw.get("latency") is None else number_value(raw["latency"], f"{where} latency", False),
+            bandwidth=None if raw.get("bandwidth") is None else bandwidth_value(raw["bandwidth"], f"{where} bandwidth"),
+            latency=None if raw.get("latency") is None else latency_value(raw["latency"], f"{where} latency"),
             emulate=emulate))
     names = [level.name for level in levels]
     if len(set(names)) != len(names):

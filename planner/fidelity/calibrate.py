@@ -54,7 +54,7 @@ def _check_run(profile: Profile, plan: Plan, report: Dict[str, Any]) -> None:
         for unit_name in r["units"]:
             if unit_name not in names:
                 raise ValueError(f"the report's unit {unit_name!r} is not in the profile")
-    if int(report.get("micro_batch_size", plan.micro_batch_size)) != plan.micro_batch_size:
+    if int(report.get("micro_batch_size") or plan.micro_batch_size) != plan.micro_batch_size:
         raise ValueError("a report and its plan differ in micro-batch size: pass each report with the plan it ran")
     if any(not 0 <= g < len(plan.stages) for r in report["stages"] if r.get("replica", 0) == 0
            for g in r.get("chunks", [r["rank"]])):
@@ -168,9 +168,9 @@ def calibrate_profile(profile: Profile, runs: Sequence[Run]) -> Profile:
              if (report.get("link") or {}).get("bandwidth_bytes_per_s") and not report["link"].get("flat")]
     if links:
         calibration["bandwidth_bytes_per_s"] = statistics.median(float(k["bandwidth_bytes_per_s"]) for k in links)
-        calibration["latency_s"] = statistics.median(float(k.get("latency_s", 0.0)) for k in links)
+        calibration["latency_s"] = statistics.median(float(k.get("latency_s") or 0.0) for k in links)
         calibration["measured_links"] = [{"bandwidth_bytes_per_s": float(k["bandwidth_bytes_per_s"]),
-                                          "latency_s": float(k.get("latency_s", 0.0))} for k in links]
+                                          "latency_s": float(k.get("latency_s") or 0.0)} for k in links]
     first_plan = runs[0][0]
     bandwidth = float(calibration.get("bandwidth_bytes_per_s", first_plan.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH))
     base_latency = float(calibration.get("latency_s", first_plan.latency_s or 0.0))

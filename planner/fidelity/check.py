@@ -8,6 +8,10 @@ from typing import Any, Dict, Optional
 from planner.jsonio import JsonFileError, read_json
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_speed_lines
+from planner.profile.profile import MAX_SECONDS
+
+
+REPORT_SCHEMA_VERSION = 1  # runtime.report writes it
 
 
 def load_report(path: str) -> Dict[str, Any]:
@@ -17,6 +21,10 @@ def load_report(path: str) -> Dict[str, Any]:
         kind = report.get("kind", "no kind") if isinstance(report, dict) else type(report).__name__
         raise JsonFileError(f"{path!r} is not a run report ({kind}); pass the file `runtime execute PLAN "
                             "--report FILE` wrote")
+    version = report.get("schema_version")
+    if version != REPORT_SCHEMA_VERSION:
+        raise JsonFileError(f"report {path!r} has schema_version {version!r}; this planner reads version "
+                            f"{REPORT_SCHEMA_VERSION}: run `runtime execute PLAN --report FILE` again with this version")
     problem = _report_problem(report)
     if problem:
         raise JsonFileError(f"report {path!r} {problem}; pass the file `runtime execute PLAN --report FILE` wrote")
@@ -35,6 +43,12 @@ def other_plan(plan: Plan, report: Dict[str, Any]) -> Optional[str]:
 
 
 def _seconds(x: Any) -> bool:
+    """A measured time or ratio: a number in [0, MAX_SECONDS] (past it, a broken file that would carry
+    into a calibrated profile)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= MAX_SECONDS
+
+
+def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
 
 
@@ -64,12 +78,27 @@ def _report_problem(report: Dict[str, Any]) -> Optional[str]:
                 return f"stages[{k}].{part} lacks forward_s and backward_s in seconds >= 0"
             if not all(_seconds(v) for v in times.values() if isinstance(v, (int, float)) or v is None):
                 return f"stages[{k}].{part} has a time that is not seconds >= 0"
+    ranks = [(r["rank"], r.get("replica", 0)) for r in stages]
+    if len(set(ranks)) != len(ranks):
+        return "names one rank twice under stages"
     slowdown = report.get("host_slowdown")
-    if slowdown is not None and not (isinstance(slowdown, dict) and all(
-            _seconds(slowdown.get(key)) and slowdown[key] > 0 for key in ("fastest", "slowest"))):
-        return "has host_slowdown without ratios fastest and slowest > 0"
-    if not isinstance(report.get("link") or {}, dict):
+    if slowdown is not None:
+        per_rank = slowdown.get("per_rank") if isinstance(slowdown, dict) else None
+        if not (isinstance(per_rank, list) and all(r is None or _seconds(r) and r > 0 for r in per_rank)
+                and any(r is not None for r in per_rank)
+                and all(_seconds(slowdown.get(key)) and slowdown[key] > 0 for key in ("fastest", "slowest"))
+                and slowdown["slowest"] == max(r for r in per_rank if r is not None)
+                and slowdown["fastest"] == min(r for r in per_rank if r is not None)):
+            return "has host_slowdown without ratios > 0 per rank, fastest and slowest among them"
+    link = report.get("link") or {}
+    if not isinstance(link, dict):
         return "has a link that is not an object"
+    for key, ok in (("bandwidth_bytes_per_s", _finite), ("latency_s", _seconds)):
+        if link.get(key) is not None and not ok(link[key]):
+            return f"has link.{key} {link[key]!r}, not a number >= 0"
+    b = report.get("micro_batch_size")
+    if b is not None and not (_index(b) and b > 0):
+        return f"has micro_batch_size {b!r}, not an integer > 0"
     return None
 
 

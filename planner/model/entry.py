@@ -68,6 +68,12 @@ def resolve_entry(entry: str) -> Callable[..., ModelSpec]:
     except ImportError as e:
         raise ModelEntryError(f"cannot import {module_name!r} for model {entry!r}: {e}. "
                               "Is it installed or on PYTHONPATH?") from None
+    except SyntaxError as e:
+        raise ModelEntryError(f"cannot import {module_name!r} for model {entry!r}: a syntax error in {e.filename}, "
+                              f"line {e.lineno}: {e.msg}; fix the module") from None
+    except (Exception, SystemExit) as e:  # the module's own code failed (or exited) while importing
+        raise ModelEntryError(f"importing {module_name!r} for model {entry!r} raised {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}; fix the module") from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ModelEntryError(f"module {module_name!r} has no function {func_name!r}")
@@ -84,8 +90,8 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
         raise ModelEntryError(f"calling {entry} with {args}: {e}") from None
     except ModelEntryError:  # already says what to do
         raise
-    except Exception as e:  # noqa: BLE001 - the model's own code refused its arguments (PLANNER_TRACEBACK=1: where)
-        if os.environ.get("PLANNER_TRACEBACK"):
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the model's own code refused its arguments, or exited
+        if os.environ.get("PLANNER_TRACEBACK"):  # (PLANNER_TRACEBACK=1: where)
             raise
         first = (str(e).strip().splitlines() or [""])[0]
         raise ModelEntryError(f"building {entry} with {args} failed: {type(e).__name__}: {first}; check the model "

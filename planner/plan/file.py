@@ -23,6 +23,7 @@ from planner.pipeline.schedule import MAX_MICRO_BATCHES, SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
+from planner.profile.profile import MESSAGE_DTYPES
 
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
 # (1 had a closed form, `per_step_s` and no durations)
@@ -30,6 +31,8 @@ PLAN_SCHEMA_VERSION = 2
 # step_durations' per-index lists
 PER_INDEX_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 _REMAKE = "re-create it with `planner solve PROFILE`"
+_MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")  # of a stage's memory_bytes, always written
+MAX_HELD_S = 3600.0  # an emulated link holds a message or an exchange at most this long (as --latency's bound)
 
 # What a field's JSON value must be: (check, what the message says was expected)
 _INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
@@ -253,13 +256,17 @@ class Plan:
             raise JsonFileError(f"{where} has malformed step_durations; {_REMAKE}") from None
         if any(not 0 <= x < float("inf") for x in value.values()):
             raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {_REMAKE}")
+        if self.emulated_boundaries and any(value.get(("act", j), 0.0) > MAX_HELD_S or value.get(("grad", j), 0.0) >
+                                            MAX_HELD_S for j in self.emulated_boundaries):
+            raise JsonFileError(f"{where}: an emulated link would hold a message over {MAX_HELD_S:.0f} s "
+                                f"(step_durations); {_REMAKE}")
         boundaries = len(self.stages) - 1
         if any(not 0 <= j < boundaries for j in self.emulated_boundaries):
             raise JsonFileError(f"{where} has emulated_boundaries {self.emulated_boundaries!r}: stage boundaries "
                                 f"0..{boundaries - 1}; {_REMAKE}")
         if self.emulated_exchange_s and (len(self.emulated_exchange_s) != topology.pipeline_ranks or
-                                         any(not 0 <= x < float("inf") for x in self.emulated_exchange_s)):
-            raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds >= 0, one "
+                                         any(not 0 <= x <= MAX_HELD_S for x in self.emulated_exchange_s)):
+            raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds 0..{MAX_HELD_S:.0f}, one "
                                 f"per pipeline rank ({topology.pipeline_ranks}); {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
@@ -290,6 +297,21 @@ class Plan:
             for name in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "comm_s", "time_s",
                          "extra_s", "memory_cap_bytes"):
                 at_least_zero[f"stage {k} {name}"] = getattr(st, name)
+        for k, st in enumerate(self.stages):  # what a rank sends and receives: its message layouts
+            for side, values in (("recv", st.recv), ("send", st.send)):
+                for v in values:
+                    if v["kind"] == "tensor" and not (v.get("dtype") in MESSAGE_DTYPES and _INTS[0](v.get("shape"))
+                                                      and isinstance(v.get("requires_grad", False), bool)):
+                        raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
+                                            f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {_REMAKE}")
+        for k, st in enumerate(self.stages):  # what the tables, the report and the memory checks read
+            missing = [key for key in _MEMORY_KEYS if key not in st.memory_bytes]
+            if missing:
+                raise JsonFileError(f"{where} stage {k} has no memory_bytes {missing[0]!r}; {_REMAKE}")
+            for key, value in st.memory_bytes.items():
+                if not (_NUMBER[0](value) and 0 <= value < math.inf):
+                    raise JsonFileError(f"{where} has stage {k} memory_bytes {key!r} {value!r}: bytes, a finite "
+                                        f"number >= 0; {_REMAKE}")
         for name, value in positive.items():
             if value is not None and not 0 < value < math.inf:
                 raise JsonFileError(f"{where} has {name} {value!r}: a finite number > 0; {_REMAKE}")

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from planner.jsonio import not_a_regular_file
 from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 
 _METRICS = re.compile(r"(\w+)=(\[[^\]]*\]|[-+0-9.eE]+)")
@@ -153,11 +154,14 @@ def graph_to_profile(nodes: List[GraphNode], edges: List[Tuple[str, str]], batch
 
 def import_pipedream(path: str, batch_size: int) -> Profile:
     """Read graph.txt at `path` and convert it (ValueError with the line on malformed input)."""
+    kind = not_a_regular_file(path)
+    if kind:
+        raise ValueError(f"PipeDream graph {path!r} is {kind}; pass a graph.txt file")
     try:
         with open(path, "r", encoding="utf-8") as f:
             text = f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read PipeDream graph {path!r}: {e.strerror}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read PipeDream graph {path!r}: {getattr(e, 'strerror', None) or e}") from None
     name = os.path.basename(path).split(".")[0] or "model"
     nodes, edges = parse_graph(text, where=path)
     return graph_to_profile(nodes, edges, batch_size, name)

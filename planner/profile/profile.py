@@ -34,6 +34,9 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# the dtypes a value crossing a cut may have: those runtime.comm sends
+MESSAGE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                  "complex64", "complex128", "complex32")
 MAX_SECONDS = 1e6  # a time past this (11 days a unit) is a broken file; the solvers' arithmetic needs bounds
 
 
@@ -319,11 +322,18 @@ class CutValue:
             return [read.count(n, f"{at}[{i}]") for i, n in enumerate(value)]
 
         tensor = kind == "tensor"
+        name, dtype, grad = d.get("name", ""), d.get("dtype"), d.get("requires_grad", False)
+        if not (isinstance(name, str) and name):
+            raise read.error(f"{where}.name", f"is {_show(name)}: expected the value's name")
+        if tensor and dtype not in MESSAGE_DTYPES:
+            raise read.error(f"{where}.dtype", f"is {_show(dtype)}: expected one of {', '.join(MESSAGE_DTYPES)}")
+        if not isinstance(grad, bool):
+            raise read.error(f"{where}.requires_grad", f"is {_show(grad)}: expected true or false")
         return cls(
-            name=str(d.get("name", "")),
+            name=name,
             kind=kind,
-            dtype=d.get("dtype"),
-            requires_grad=bool(d.get("requires_grad", False)),
+            dtype=dtype,
+            requires_grad=grad,
             shape=read.per_size(d.get("shape", {}), f"{where}.shape", shape, required=tensor),
             bytes=read.per_size(d.get("bytes", {}), f"{where}.bytes", read.count, required=tensor),
             value=read.per_size(d.get("value", {}), f"{where}.value", lambda v, _: v, required=not tensor),
@@ -542,7 +552,13 @@ def _check_extra(read: _Reader, d: Dict[str, Any], unit_names: set) -> None:
         for key in ("latency_s", "step_overhead_s", "message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
-    read.table(d.get("model") or {}, "model")  # the plan copies its entry, args and seed
+    model = read.table(d.get("model") or {}, "model")  # the plan copies its entry, args and seed
+    entry, args, seed = model.get("entry"), model.get("args", {}), model.get("seed", 0)
+    if entry is not None and not (isinstance(entry, str) and entry):
+        raise read.error("model.entry", f"is {entry!r}, not a model entry (builtin:NAME, package.module:function)")
+    read.table(args if args is not None else {}, "model.args")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
+        raise read.error("model.seed", f"is {seed!r}, not an integer >= 0")
     measured_under = d.get("measured_under") or {}
     read.table(measured_under, "measured_under")
     kernel = read.table(measured_under.get("host_kernel") or {}, "measured_under.host_kernel")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.support.runs import max_abs_diff, processes_running, reference_state, run_cli
+from tests.support.runs import ROOT, max_abs_diff, processes_running, reference_state, run_cli
 
 
 def _no_traceback(result):
@@ -108,12 +108,25 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "profile", "tests.models:bad_batch"], "inputs was a Tensor: wrap it, (x,)"),
     (["planner.cli", "profile", "tests.models:bad_batch", "--model-arg", "kind=target"],
      "target has shape (4,); every batch tensor needs the batch (1) on dim 0"),
+    # a fuzz of every command: a read that never ended, a traceback, a seed no plan could be run with
+    (["planner.cli", "import-pipedream", "/dev/zero", "--batch-size", "1", "-o", "/tmp/never.json"],
+     "is not a regular file; pass a graph.txt file"),
+    (["planner.cli", "profile", "builtin:mlp", "--seed", "-1"], "--seed is an integer 0 to 2**63 - 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = run_cli(args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     _no_traceback(result)
     assert needle in result.stderr
+
+
+def test_a_model_module_that_cannot_be_imported_is_one_line(tmp_path):
+    (tmp_path / "broken_syntax.py").write_text("def build(:\n    pass\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    for entry, needle in (("broken_syntax:build", "a syntax error in"), ("exits:build", "raised SystemExit: 3")):
+        result = run_cli(["planner.cli", "profile", entry], env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+        _no_traceback(result)
 
 
 @pytest.mark.parametrize("main,argv,needle", [
@@ -429,6 +442,11 @@ BAD_PROFILES = [
      "link.rhythm.latency_s is -0.001"),
     (_set(["link", "rhythm"], "fast"), "link.rhythm is \"fast\""),
     (_set(["model"], "x"), "model is \"x\""),
+    # a fuzz of every command: each solved, and the run then failed on a rank (or was told to solve again)
+    (_set(["model", "seed"], -1), "model.seed is -1, not an integer >= 0"),
+    (_set(["model", "entry"], 5), "model.entry is 5, not a model entry"),
+    (_set(["cuts", 0, "values", 0, "dtype"], "float33"), 'cuts[0].values[0].dtype is "float33": expected one of'),
+    (_set(["cuts", 0, "values", 0, "requires_grad"], "yes"), 'cuts[0].values[0].requires_grad is "yes"'),
     (_set(["measured_under"], "x"), "measured_under is \"x\""),
     (_set(["measured_under"], {"host_kernel": {"mean_s": -1.0}}), "measured_under.host_kernel.mean_s is -1.0"),
     (_set(["units", 0, "backward_weight_s"], {"1": 1e-3, "2": 1e-3}), "units[0].backward_input_s is missing"),

@@ -99,9 +99,22 @@ def test_the_cluster_file_reads_sizes_by_the_same_rule():
         return {"groups": [{"devices": 1}, {"devices": 1}], "links": [{"bandwidth": value, "latency": 0.0}]}
 
     assert cluster_from_json(with_bandwidth("100MB")).links[0].bandwidth == 1e8
-    for bad in ([1], True, float("inf")):  # a list was a TypeError traceback; true and inf were accepted
-        with pytest.raises(ValueError, match="link 0 bandwidth"):
+    for bad in ([1], True, float("inf"), 1e-300, "1B"):  # a list was a TypeError traceback; true and inf were
+        with pytest.raises(ValueError, match="link 0 bandwidth"):  # accepted; 1e-300 an IndexError in the solver
             cluster_from_json(with_bandwidth(bad))
+
+
+def test_a_link_latency_past_an_hour_is_refused_in_both_files_and_on_the_command_line(tmp_path):
+    from planner.cost.cluster import cluster_from_json
+    from planner.cost.topology_file import topology_from_json
+
+    # 1e30 s was an IndexError in the solver, 1e308 a PulpError (NaN/inf)
+    for value in (1e30, 1e308, 3601):
+        with pytest.raises(ValueError, match="latency is seconds per message, 0 to 3600"):
+            cluster_from_json({"groups": [{"devices": 1}, {"devices": 1}], "links": [{"bandwidth": 1e9,
+                                                                                      "latency": value}]})
+        with pytest.raises(ValueError, match="latency is seconds per message, 0 to 3600"):
+            topology_from_json({"levels": [{"count": 2, "latency": value}]})
 
 
 def test_the_cluster_file_reads_speeds_and_latencies_by_the_topology_files_rule():

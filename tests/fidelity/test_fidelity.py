@@ -302,7 +302,7 @@ def test_a_report_whose_fields_are_broken_is_one_line(tmp_path):
     from planner.fidelity.check import load_report
     from planner.jsonio import JsonFileError, write_json_atomic
 
-    good = {"kind": "report", "measured_iteration_s": 0.01, "predicted_iteration_s": 0.01,
+    good = {"schema_version": 1, "kind": "report", "measured_iteration_s": 0.01, "predicted_iteration_s": 0.01,
             "stages": [{"rank": 0, "units": ["a"], "measured": {"forward_s": 1e-3, "backward_s": 2e-3},
                         "predicted": {"forward_s": 1e-3, "backward_s": 2e-3}}]}
     path = str(tmp_path / "r.json")
@@ -314,7 +314,18 @@ def test_a_report_whose_fields_are_broken_is_one_line(tmp_path):
                            (lambda r: r["stages"][0].update(chunks=[-1]), "chunks is not a list of stage indices"),
                            (lambda r: r.update(measured_iteration_s=float("nan")), "measured_iteration_s"),
                            (lambda r: r.update(host_slowdown={"fastest": 1.0, "slowest": 0}), "host_slowdown"),
-                           (lambda r: r.update(link="x"), "link that is not an object")):
+                           (lambda r: r.update(link="x"), "link that is not an object"),
+                           # found by a fuzz of every command: each was a traceback or a misleading line
+                           (lambda r: r.update(host_slowdown={"fastest": 1.0, "slowest": 1.0, "per_rank": "x"}),
+                            "ratios > 0 per rank"),
+                           (lambda r: r.update(host_slowdown={"fastest": 0.8, "slowest": 0.9, "per_rank": [1.0]}),
+                            "fastest and slowest among them"),
+                           (lambda r: r.update(link={"latency_s": None, "bandwidth_bytes_per_s": "x"}),
+                            "link.bandwidth_bytes_per_s"),
+                           (lambda r: r.update(micro_batch_size="x"), "micro_batch_size 'x'"),
+                           (lambda r: r["stages"].append(dict(r["stages"][0])), "names one rank twice"),
+                           (lambda r: r.update(schema_version=99), "schema_version 99"),
+                           (lambda r: r.pop("schema_version"), "schema_version None")):
         bad = json.loads(json.dumps(good))
         mutate(bad)
         write_json_atomic(path, bad)

@@ -103,6 +103,12 @@ def test_table_lists_every_stage():
     (lambda p: p["stages"][1].update(forward_s=-1.0), "stage 1 forward_s -1.0: a finite number >= 0"),
     (lambda p: p.update(num_micro_batches=10 ** 9, global_batch=10 ** 9 * p["micro_batch_size"]),
      "1000000000 micro-batches a step, more than 4096"),  # its lists would take minutes and gigabytes
+    # a fuzz of every command: show and simulate stopped with a traceback, execute after training
+    (lambda p: p["stages"][0]["memory_bytes"].update(device_total=None), "stage 0 memory_bytes 'device_total' None"),
+    (lambda p: p["stages"][1]["memory_bytes"].update(total="x"), "stage 1 memory_bytes 'total' 'x'"),
+    (lambda p: p["stages"][1].update(memory_bytes={}), "stage 1 has no memory_bytes 'params'"),
+    (lambda p: p["stages"][1]["recv"][0].update(dtype="float33"), "stage 1 recv value .* has no dtype"),
+    (lambda p: p["stages"][1]["recv"][0].update(shape="x"), "stage 1 recv value .* has no dtype"),
 ])
 def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
     plan = make()[2].to_json()

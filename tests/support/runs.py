@@ -42,7 +42,7 @@ def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, gl
 def run_cli(args: Sequence[str], timeout: float = 240, env: Optional[Dict[str, str]] = None
             ) -> subprocess.CompletedProcess:
     """Run `python -m <args>` from the repository root, capturing output (env: variables to add)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
