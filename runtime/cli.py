@@ -145,6 +145,13 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         check_writable(path, [args.plan, getattr(args, "init_state", None), *outputs[:k]])
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    if args.resume:  # the marker rank 0 reads: one line here, not a rank's error
+        from runtime.checkpoint import CheckpointError, latest
+
+        try:
+            latest(args.checkpoint_dir, plan.digest(), plan.topology().world_size)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
     from runtime.options import run_refusal, training_options
 
     options = training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line

@@ -42,6 +42,9 @@ class InitState:
                                      "give a save_pretrained directory or a state_dict file")
         elif os.path.isfile(path):
             files = [path]
+        elif os.path.exists(path):
+            raise InitStateError(f"--init-state {path!r} is not a regular file; give a state_dict file or a "
+                                 "save_pretrained directory")
         else:
             raise InitStateError(f"--init-state {path!r} does not exist")
         for file in files:
@@ -63,8 +66,12 @@ class InitState:
         try:
             state = torch.load(file, weights_only=True, mmap=True, map_location="cpu")
         except Exception as e:  # a pickle with other objects, a truncated or non-torch file
-            raise InitStateError(f"--init-state {file!r} is not a state_dict saved with torch.save: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            if "weights only load failed" in str(e).lower():  # (torch's text advises weights_only=False: never here)
+                raise InitStateError(f"--init-state {file!r} holds Python objects besides tensors, which the runtime "
+                                     "never unpickles; save the state_dict alone: torch.save(model.state_dict(), "
+                                     "PATH)") from None
+            raise InitStateError(f"--init-state {file!r} is not a state_dict saved with torch.save ("
+                                 f"{type(e).__name__}); save one with torch.save(model.state_dict(), PATH)") from None
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import os
 from typing import Any, Callable, Dict, Iterable
 
@@ -83,6 +84,8 @@ def resolve_entry(entry: str) -> Callable[..., ModelSpec]:
 def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
     """Seed, then call the entry point: the same (entry, args, seed) gives the same weights everywhere."""
     func = resolve_entry(entry)
+    if entry.startswith("builtin:"):
+        _check_builtin_sizes(entry, func, args)
     torch.manual_seed(seed)
     try:
         spec = func(**args)
@@ -103,6 +106,20 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
     materialize_lazy(spec, entry)
     remember_batch(spec.module, spec.batch)  # torch.export captures on an example batch
     return spec
+
+
+MAX_BUILTIN_SIZE = 1 << 20  # a built-in model's integer argument (layers, width, vocabulary): beyond, a typo
+
+
+def _check_builtin_sizes(entry: str, func: Callable[..., ModelSpec], args: Dict[str, Any]) -> None:
+    """A built-in model's integer arguments are sizes and counts: 1 to MAX_BUILTIN_SIZE (layers=-1 built
+    a model without layers, layers=10**22 never finished building)."""
+    parameters = inspect.signature(func).parameters
+    for name, value in args.items():
+        annotation = parameters[name].annotation if name in parameters else None
+        if annotation in (int, "int") and isinstance(value, int) and not isinstance(value, bool) and \
+                not 1 <= value <= MAX_BUILTIN_SIZE:
+            raise ModelEntryError(f"{entry}: {name}={value} is a size, 1 to {MAX_BUILTIN_SIZE}")
 
 
 def model_name(entry: str) -> str:

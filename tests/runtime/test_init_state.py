@@ -3,6 +3,7 @@ stages (built and captured on the meta device), exactly as one process starting 
 import contextlib
 import io
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -69,15 +70,20 @@ def test_bad_init_states_fail_in_one_line(tmp_path):
     save_plan(plan, plan_path)
     (tmp_path / "text.pt").write_text("not a state")
     torch.save([1, 2], str(tmp_path / "list.pt"))
+    torch.save({"w": torch.ones(2), "f": Fraction(1, 3)}, str(tmp_path / "objects.pt"))
     from runtime.cli import main as runtime_main
 
     for bad, words in [(tmp_path / "missing.pt", "does not exist"), (tmp_path / "text.pt", "not a state_dict"),
-                       (tmp_path / "list.pt", "not a state_dict"), (tmp_path, "without *.safetensors")]:
+                       (tmp_path / "list.pt", "not a state_dict"), (tmp_path, "without *.safetensors"),
+                       # torch's own text advised weights_only=False, /dev/zero "did not exist"
+                       (tmp_path / "objects.pt", "holds Python objects besides tensors, which the runtime never "
+                                                 "unpickles"), ("/dev/zero", "is not a regular file")]:
         err = io.StringIO()  # refused before any rank starts: the command in this process
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             code = runtime_main(["execute", plan_path, "--init-state", str(bad)])
         assert code == 2, err.getvalue()
         assert words in err.getvalue() and "Traceback" not in err.getvalue() and len(err.getvalue().splitlines()) == 1
+        assert "weights_only" not in err.getvalue()
     # readable but not this model's: the rank names the entry
     file, state = _state_file(plan, tmp_path / "short")
     state.pop("blocks.0.attn.qkv.weight", None) or state.pop(next(k for k in state if k.endswith("weight")))

@@ -1,0 +1,53 @@
+"""Checkpoint files read on --resume: a marker or a rank file this runtime did not write is one line
+(a fuzz of every command: an AttributeError, a KeyError, a silent restart from step 0, or torch's advice
+to load with weights_only=False, which would unpickle the file)."""
+import json
+
+import pytest
+import torch
+
+from runtime import checkpoint as ckpt
+
+GOOD = {"schema_version": ckpt.CHECKPOINT_SCHEMA_VERSION, "completed_steps": 2, "plan_hash": "abc", "world_size": 2}
+
+
+@pytest.mark.parametrize("marker", [
+    [1, 2], dict(GOOD, completed_steps=-1), dict(GOOD, completed_steps=1.5), dict(GOOD, completed_steps="x"),
+    dict(GOOD, world_size=None), {k: v for k, v in GOOD.items() if k != "completed_steps"},
+    dict(GOOD, schema_version=99), dict(GOOD, plan_hash=5),
+])
+def test_a_marker_this_runtime_did_not_write_is_refused(tmp_path, marker):
+    (tmp_path / "latest.json").write_text(json.dumps(marker))
+    with pytest.raises(ckpt.CheckpointError, match="is not one this runtime wrote"):
+        ckpt.latest(str(tmp_path), "abc", 2)
+
+
+def test_the_marker_is_read(tmp_path):
+    (tmp_path / "latest.json").write_text(json.dumps(GOOD))
+    assert ckpt.latest(str(tmp_path), "abc", 2) == 2
+    with pytest.raises(ckpt.CheckpointError, match="different plan"):
+        ckpt.latest(str(tmp_path), "other", 2)
+    with pytest.raises(ckpt.CheckpointError, match="has 2 ranks"):
+        ckpt.latest(str(tmp_path), "abc", 4)
+
+
+class Payload:
+    def __reduce__(self):  # what unpickling it would run
+        return (print, ("unpickled",))
+
+
+def test_a_rank_file_is_never_unpickled_and_a_foreign_one_is_one_line(tmp_path, capsys):
+    step = tmp_path / "step-000002"
+    step.mkdir()
+    for content in (b"garbage", None, {"completed_steps": 2}):
+        path = step / "rank0.pt"
+        if content is None:
+            torch.save({"chunks": {}, "optimizer": {}, "payload": Payload()}, str(path))
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, str(path))
+        with pytest.raises(ckpt.CheckpointError, match="rank0.pt.* (not a checkpoint this runtime wrote|lacks)") as e:
+            ckpt.load_rank(str(tmp_path), 2, 0)
+        assert "weights_only" not in str(e.value)
+    assert "unpickled" not in capsys.readouterr().out
