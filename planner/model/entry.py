@@ -112,14 +112,15 @@ MAX_BUILTIN_SIZE = 1 << 20  # a built-in model's integer argument (layers, width
 
 
 def _check_builtin_sizes(entry: str, func: Callable[..., ModelSpec], args: Dict[str, Any]) -> None:
-    """A built-in model's integer arguments are sizes and counts: 1 to MAX_BUILTIN_SIZE (layers=-1 built
-    a model without layers, layers=10**22 never finished building)."""
+    """A built-in model's integer arguments are sizes and counts: 0 to MAX_BUILTIN_SIZE (layers=-1 built
+    a model without layers, layers=10**22 never finished building; layers=0 is the engine probe's null
+    stage)."""
     parameters = inspect.signature(func).parameters
     for name, value in args.items():
         annotation = parameters[name].annotation if name in parameters else None
         if annotation in (int, "int") and isinstance(value, int) and not isinstance(value, bool) and \
-                not 1 <= value <= MAX_BUILTIN_SIZE:
-            raise ModelEntryError(f"{entry}: {name}={value} is a size, 1 to {MAX_BUILTIN_SIZE}")
+                not 0 <= value <= MAX_BUILTIN_SIZE:
+            raise ModelEntryError(f"{entry}: {name}={value} is a size, 0 to {MAX_BUILTIN_SIZE}")
 
 
 def model_name(entry: str) -> str:

@@ -356,16 +356,24 @@ def _as_first(run: _Run, call: UnitCall, target: Any) -> Optional[Tuple[int, int
 class _StorageNames(torch.fx.Interpreter):
     """Runs a unit node by node, naming each storage a value occupies after the first node that
     produced it (a view is its base's), or after a `shareable` value it holds (an in-place op's
-    result sent on by that name): `names` {data pointer: node name}."""
+    result sent on by that name): `names` {data pointer: node name}. Every value stays referenced
+    until `forget`: a freed value's address taken by a later one would give that one its name."""
 
     def __init__(self, module: torch.fx.GraphModule, shareable: Set[str]):
         super().__init__(module)
         self.shareable, self.names = shareable, {}
+        self.values: List[torch.Tensor] = []
+
+    def forget(self) -> None:
+        """Drop the run's values (they hold their autograd nodes)."""
+        self.env.clear()
+        self.values.clear()
 
     def run_node(self, node):
         result = super().run_node(node)
         for value in (result if isinstance(result, (tuple, list)) else (result,)):
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr():
+                self.values.append(value)
                 ptr = value.untyped_storage().data_ptr()
                 if ptr not in self.names or (node.name in self.shareable and self.names[ptr] not in self.shareable):
                     self.names[ptr] = node.name
@@ -395,7 +403,7 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Di
             held: Dict[str, int] = {}
             if shared and k > 0:  # which of them the weight part keeps
                 refs = counter.saved_refs()
-                naming.env.clear()  # the interpreter's values would keep their nodes alive
+                naming.forget()  # the interpreter's values would keep their nodes alive
                 pending = first_part(call, result, [p for p in call.module.parameters() if p.requires_grad])
                 del result
                 alive = {ptr for ref, ptr, _ in refs if ref() is not None}
@@ -403,6 +411,7 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Di
                         if naming.names.get(ptr) in shared}
                 backward_weight(pending)
                 call.module.zero_grad(set_to_none=True)
+        naming.forget()
         restore()
         out.append((shared, held))
     return out

@@ -102,7 +102,7 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "profile", "builtin:mlp", "--model-arg", "oops"], "key=value"),
     (["planner.cli", "profile", "builtin:mlp", "--model-arg", "nonsense=1"], "nonsense"),
     (["runtime.cli", "execute", "/nonexistent/plan.json"], "does not exist"),
-    (["planner.cli", "profile", "builtin:mlp", "--model-arg", "dim=-1"], "builtin:mlp: dim=-1 is a size, 1 to"),
+    (["planner.cli", "profile", "builtin:mlp", "--model-arg", "dim=-1"], "builtin:mlp: dim=-1 is a size, 0 to"),
     (["planner.cli", "profile", "builtin:mlp", "--min-time", "inf"], "--warmup and --min-time are seconds"),
     (["planner.cli", "profile", "builtin:mlp", "--threads", "100000"], "--threads is torch threads"),
     (["planner.cli", "profile", "tests.models:bad_batch"], "inputs was a Tensor: wrap it, (x,)"),
@@ -112,9 +112,9 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "import-pipedream", "/dev/zero", "--batch-size", "1", "-o", "/tmp/never.json"],
      "is not a regular file; pass a graph.txt file"),
     (["planner.cli", "profile", "builtin:mlp", "--seed", "-1"], "--seed is an integer 0 to 2**63 - 1"),
-    (["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=-1"], "layers=-1 is a size, 1 to"),
+    (["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=-1"], "layers=-1 is a size, 0 to"),
     (["planner.cli", "profile", "builtin:gpt", "--analytic", "--model-arg", "layers=99999999999999999999999"],
-     "is a size, 1 to"),  # never finished building
+     "is a size, 0 to"),  # never finished building
     (["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "99999999999"], "--micro-batch-sizes needs "
      "integers 1 to"),  # a traceback from the allocator
 ])
