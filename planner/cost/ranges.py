@@ -22,6 +22,7 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
     walk(a, e)            = sum_{a<=j<k<e} nu_j omega_k
     weight_held(a, e)     = sum_{a<=l<e-1} ((in_l if l in R else s_l) + k_l) + (in'_{e-1} + k_{e-1} if e-1 in R
                             else h_{e-1}) - sum_{a<k<e, k-1 not in R} d_k      bytes held from the first to the second
+                            + [a not in R] first'_a + [a < e-1; e-2, e-1 not in R] (d_{e-1} - d'_{e-1})
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
 every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
@@ -53,9 +54,13 @@ k^i = k^b, k^w = 0 and k^0 = the engine's backward cost.
 
 first_a: what unit a saves beyond s_a when it starts a stage (UnitProfile.first_saved_bytes): a rank
 receives each input in a storage of its own, a broadcast view materialised, where inside a stage two
-inputs may share one or be views of a larger one (0 for most units); in weight_held the first unit
-holds first_saved + k_a, or first_weight_held alone as the stage's only unit (their difference from
-s_a and h_a).
+inputs may share one or be views of a larger one (0 for most units). first'_a: the same in weight_held,
+first_a where the unit counts s_a + k_a, first_weight_held_bytes - h_a where it counts h_a (the
+stage's only unit, or a profile without k_l).
+
+d'_k: of d_k, what unit k still holds after its input part (UnitProfile.weight_shared_bytes; d_k where
+not measured): a stage's last unit may let a storage it shares with the unit before go, which that
+unit, inside the stage, still holds.
 
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
