@@ -73,7 +73,7 @@ def atomic_path(path: str) -> Iterator[str]:
     """A temporary path beside `path` (same suffix) to write the file to; renamed onto `path` when
     the block ends, removed if it raises. Readers never see half a file, and a failed write leaves
     none. Every file the project writes whole goes through here (logs are streamed)."""
-    check_writable(path)
+    check_writable(path, make_folder=True)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1],
                                    dir=os.path.dirname(os.path.abspath(path)))
@@ -95,11 +95,12 @@ def atomic_path(path: str) -> Iterator[str]:
         raise
 
 
-def check_writable(path: str, inputs: Sequence[Optional[str]] = ()) -> None:
-    """That a file can be written at `path` (its folder made if missing): JsonFileError, one line,
-    otherwise -- before the work that produces it, where that is long. A path that names something
-    other than a file (a folder, /dev/null) is refused: the rename would replace it; so is one of the
-    command's `inputs` (it would be lost)."""
+def check_writable(path: str, inputs: Sequence[Optional[str]] = (), make_folder: bool = False) -> None:
+    """That a file can be written at `path` (its folder can be made where missing; `make_folder`
+    makes it): JsonFileError, one line, otherwise -- before the work that produces it, where that is
+    long (a run that then fails leaves no new folder). A path that names something other than a file
+    (a folder, /dev/null) is refused: the rename would replace it; so is one of the command's
+    `inputs` (it would be lost)."""
     if not path:
         raise JsonFileError("an output path is empty; name a file to write")
     for given in inputs:
@@ -116,12 +117,23 @@ def check_writable(path: str, inputs: Sequence[Optional[str]] = ()) -> None:
     if kind:
         raise JsonFileError(f"output {path!r} is {kind}; name a file to write")
     directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
+    existing = directory
+    while not os.path.exists(existing):  # the folder that would hold the ones to make
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise JsonFileError(f"cannot write {path!r}: {existing!r} is a file, not a folder")
+    if make_folder:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise JsonFileError(f"cannot write {path!r}: {e.strerror or e} (its folder {directory!r})") from None
+    probe = directory if os.path.isdir(directory) else existing
+    try:  # a file made there and removed: access() says yes to root in /proc, where nothing can be made
+        fd, made = tempfile.mkstemp(prefix=".probe-", dir=probe)
+        os.close(fd)
+        os.unlink(made)
     except OSError as e:
-        raise JsonFileError(f"cannot write {path!r}: {e.strerror or e} (its folder {directory!r})") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise JsonFileError(f"cannot write {path!r}: its folder {directory!r} is not writable")
+        raise JsonFileError(f"cannot write {path!r}: its folder {probe!r} takes no new file ({e.strerror or e})") from None
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

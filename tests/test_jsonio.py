@@ -75,10 +75,15 @@ def test_an_output_path_is_checked_and_never_replaces_a_folder_or_device(tmp_pat
             write_json_atomic(path, {"a": 1})
     assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(JsonFileError, match="cannot write"):  # a folder where a file is
+    with pytest.raises(JsonFileError, match="cannot write .* is a file, not a folder"):  # a file where a folder is
         write_json_atomic(str(tmp_path / "file" / "out.json"), {"a": 1})
-    check_writable(str(tmp_path / "new" / "out.json"))  # a missing folder is made
-    assert os.path.isdir(tmp_path / "new")
+    check_writable(str(tmp_path / "new" / "deeper" / "out.json"))  # a missing folder can be made: not made yet
+    assert not os.path.exists(tmp_path / "new")  # (a run that fails after the check leaves none)
+    write_json_atomic(str(tmp_path / "new" / "deeper" / "out.json"), {"a": 1})
+    if os.path.isdir("/proc"):  # writable to root by access(), yet no file can be made: refused before the run
+        with pytest.raises(JsonFileError, match="takes no new file"):
+            check_writable("/proc/trace.json")
+    assert os.path.isfile(tmp_path / "new" / "deeper" / "out.json")
 
 
 def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path):

@@ -137,7 +137,8 @@ def problem_from_args(args: argparse.Namespace):
         latency=latency,
         step_overhead_s=overhead,
         message_s=message_s,
-        memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device else None,
+        memory_cap=parse_bytes(args.memory_per_device, "--memory-per-device") if args.memory_per_device is not None
+        else None,
         optimizer=args.optimizer,
         dp_bandwidth=dp_bandwidth,
         virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,

@@ -228,11 +228,12 @@ def no_layout_message(num_units: int, opts: CostOptions, devices: Optional[int],
         fewer = " or fewer --virtual-stages" if any(s in MULTI_STAGE_SCHEDULES for s in chunked) else ""
         return (f"{opts.pipeline_ranks} ranks' stages{per_rank} outnumber the profile's {num_units} units; use fewer "
                 f"ranks, a schedule with one stage per rank{fewer}, or profile the model with finer partition units")
-    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    return (f"no way to lay out {devices} devices: p pipeline ranks x d replicas = {devices} needs d dividing the "
-            f"global batch {opts.global_batch} (d in {divisors}) and the p ranks' stages{per_rank} at most the "
-            f"profile's {num_units} units; use another number of devices or global batch, or profile the model with "
-            f"finer partition units")
+    replicas = [d for d in range(1, min(devices, opts.global_batch) + 1)
+                if devices % d == 0 and opts.global_batch % d == 0]
+    return (f"no way to lay out {devices} devices: p pipeline ranks x d replicas = {devices} needs d dividing both "
+            f"{devices} and the global batch {opts.global_batch} (d in {replicas}, so p at least "
+            f"{devices // max(replicas)}) and the p ranks' stages{per_rank} at most the profile's {num_units} units; "
+            f"use another number of devices or global batch, or profile the model with finer partition units")
 
 
 def infeasible_error(profile: Profile, opts: CostOptions, more: str = "more stages") -> InfeasibleError:
