@@ -130,12 +130,15 @@ class _Reads(TorchFunctionMode):
         self.watched, self.read = watched, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") not in _METADATA:
+        result = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        # a property returning a tensor (.T, .data, .real) hands on the values; .shape or .dtype do not
+        if name not in _METADATA or name == "__get__" and isinstance(result, torch.Tensor):
             for leaf in tree_leaves((args, kwargs or {})):
-                name = self.watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-                if name is not None and name not in self.read:
-                    self.read.append(name)
-        return func(*args, **(kwargs or {}))
+                watched = self.watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if watched is not None and watched not in self.read:
+                    self.read.append(watched)
+        return result
 
 
 def state_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any,

@@ -49,6 +49,11 @@ _VALUES = (lambda v: isinstance(v, list) and all(isinstance(x, dict) and isinsta
            "a list of values ({name, kind: tensor|constant, ...})")
 
 
+def _valid_shape(v: Any) -> bool:
+    """A message tensor's shape: sizes >= 0, at most 2**40 elements."""
+    return _INTS[0](v) and all(n >= 0 for n in v) and math.prod(v) <= 1 << 40
+
+
 def _key(kind: Tuple, required: bool = True, **kwargs) -> Any:
     return field(metadata={"json": kind, "required": required}, **kwargs)
 
@@ -300,7 +305,7 @@ class Plan:
         for k, st in enumerate(self.stages):  # what a rank sends and receives: its message layouts
             for side, values in (("recv", st.recv), ("send", st.send)):
                 for v in values:
-                    if v["kind"] == "tensor" and not (v.get("dtype") in MESSAGE_DTYPES and _INTS[0](v.get("shape"))
+                    if v["kind"] == "tensor" and not (v.get("dtype") in MESSAGE_DTYPES and _valid_shape(v.get("shape"))
                                                       and isinstance(v.get("requires_grad", False), bool)):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
                                             f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {_REMAKE}")

@@ -117,7 +117,8 @@ def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any,
     pointer). Parameters it saves are not counted (a rank holds them anyway)."""
     from torch.utils._pytree import tree_map_only
 
-    fresh = tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()), output)
+    fresh = tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point() or
+                                                                                  t.is_complex()), output)
     saved: Dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -178,10 +178,14 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
         # per unit at least (planner.cost.ranges.saved: what a unit shares with the one before counts at most once)
         least = {"none": costs.s - costs.dup, "all": costs.inputs,
                  "auto": np.minimum(costs.s, costs.inputs) - costs.dup}[opts.recompute]
+        # and at a stage's start unit a: d_a + first_a, which first_a (inputs received apart) may make negative
+        at_start = np.zeros(costs.num_units + 1) if opts.recompute == "all" else \
+            np.append(np.minimum(costs.dup + costs.first, 0.0), 0.0)
         # a tie's later uses taken off: no rank holding a stage keeps less (planner.cost.ties)
         copies = tie_copies(tied_weights(profile), costs)
         later = [prefix_sums(later_uses_bytes(copies, profile.num_units, trained)) for trained in (False, True)]
-        memory = (caps, held, static_bytes(costs.P - later[0], costs.T - later[1], opts, profile.dtype), least)
+        memory = (caps, held, static_bytes(costs.P - later[0], costs.T - later[1], opts, profile.dtype), least,
+                  at_start)
     forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
     ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,
                           recompute_all=opts.recompute == "all", memory=memory)

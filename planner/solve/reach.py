@@ -58,9 +58,9 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
             keep &= value <= limit
         ok[g][a[~keep], e[~keep]] = False
     if memory is not None:
-        caps, held, static_prefix, least_per_unit = memory
+        caps, held, static_prefix, least_per_unit, least_at_start = memory
         params = costs.matrix(static_prefix)
-        least = costs.matrix(prefix_sums(least_per_unit))
+        least = costs.matrix(prefix_sums(least_per_unit)) + least_at_start[:, None]
         for g in range(S):
             if caps[g] is not None:
                 ok[g] &= params + held[g] * least <= caps[g] * (1 + 1e-12)

@@ -353,3 +353,24 @@ def test_a_capture_that_fails_leaves_the_model_and_the_generators_as_they_were()
     with pytest.raises(CaptureError):
         capture(module, example_inputs=(torch.randn(2, 4),))
     assert module.calls == 0 and random.getstate() == state
+
+
+def test_a_loss_reading_another_units_buffer_through_a_property_is_refused_too():
+    """.T, .data, .mT hand on the values (a review found them passed: the property's name is __get__,
+    skipped as metadata like .shape); .shape and .dtype still pass."""
+    from planner.model.forward_state import state_read_by_loss
+
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    root[0].register_buffer("table", torch.ones(2, 2))
+    units = [root[0], root[1]]
+    for read in (lambda: root[0].table.T.sum(), lambda: root[0].table.data.sum(), lambda: root[0].table.mT.sum()):
+        with pytest.raises(CaptureError, match="reads the model's buffer '0.table'"):
+            state_read_by_loss(lambda out, target: (out * read()).sum(), root, torch.ones(2), None, units)
+    state_read_by_loss(lambda out, target: out.sum() * root[0].table.shape[0], root, torch.ones(2), None, units)
+
+
+def test_what_a_loss_saves_of_a_complex_output_is_counted():
+    from planner.profile.saved import loss_saved_bytes
+
+    output = torch.randn(4, 8, dtype=torch.complex64)
+    assert loss_saved_bytes(lambda out, target: (out.abs() ** 2).sum(), output, None) >= output.numel() * 8

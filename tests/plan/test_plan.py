@@ -109,6 +109,8 @@ def test_table_lists_every_stage():
     (lambda p: p["stages"][1].update(memory_bytes={}), "stage 1 has no memory_bytes 'params'"),
     (lambda p: p["stages"][1]["recv"][0].update(dtype="float33"), "stage 1 recv value .* has no dtype"),
     (lambda p: p["stages"][1]["recv"][0].update(shape="x"), "stage 1 recv value .* has no dtype"),
+    (lambda p: p["stages"][1]["recv"][0].update(shape=[-4, 8]), "stage 1 recv value .* shape"),  # a rank's traceback
+    (lambda p: p["stages"][1]["recv"][0].update(shape=[1 << 30, 1 << 20]), "stage 1 recv value .* shape"),
 ])
 def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
     plan = make()[2].to_json()

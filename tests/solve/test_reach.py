@@ -37,3 +37,23 @@ def test_conditions_keep_every_faster_split_and_within_only_narrows():
 
 def rng_mask(rng, L):
     return np.array([[rng.random() < 0.6 for _ in range(L + 1)] for _ in range(L + 1)])
+
+
+def test_a_stage_whose_first_unit_saves_less_when_received_is_not_dropped_by_the_memory_precheck():
+    """first_a < -d_a (an input that is a slice of a larger storage inside a stage, its own storage
+    when received): the fixings' least bytes per stage counted the inside-a-stage bytes and dropped a
+    stage that fits (a review of the change)."""
+    import math
+
+    from planner.solve.exact import _fixings
+    from tests.plan.test_plan import small_profile
+
+    profile = small_profile()
+    for b in (1, 2, 4):
+        profile.units[2].first_saved_bytes[b] = profile.units[2].saved_bytes[b] // 4
+    base = CostOptions(pipeline_ranks=3, global_batch=8, latency=1e-5)
+    cap = evaluate(profile, [1, 2], 4, base).device_memory[2]  # the last stage [2, 4) exactly
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, latency=1e-5, memory_cap=cap)
+    assert evaluate(profile, [1, 2], 4, opts).feasible
+    lowest, highest = _fixings(profile, 4, opts, set(), math.inf)
+    assert highest[2] == 2  # unit 2 may be in stage 2: only the split [1, 2] puts it there
