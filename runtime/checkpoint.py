@@ -87,19 +87,23 @@ def latest(directory: str, plan_hash: str, world_size: int) -> Optional[int]:
         meta = read_json(path, what="checkpoint marker")
     except JsonFileError as e:
         raise CheckpointError(str(e)) from None
-    count = lambda key: isinstance(meta.get(key), int) and not isinstance(meta[key], bool) and meta[key] >= 0  # noqa: E731
     if not isinstance(meta, dict) or meta.get("schema_version") != CHECKPOINT_SCHEMA_VERSION or \
-            not count("completed_steps") or not count("world_size") or not isinstance(meta.get("plan_hash"), str):
+            not _count(meta.get("completed_steps")) or not _count(meta.get("world_size")) or \
+            not isinstance(meta.get("plan_hash"), str):
         raise CheckpointError(f"checkpoint marker {path!r} is not one this runtime wrote (schema_version "
                               f"{CHECKPOINT_SCHEMA_VERSION}, completed_steps, world_size, plan_hash); resume from "
                               "another --checkpoint-dir, or start a new one")
-    if meta.get("plan_hash") != plan_hash:
+    if meta["plan_hash"] != plan_hash:
         raise CheckpointError(f"the checkpoint in {directory!r} was written for a different plan; resume with the "
                               "same plan file or use a new --checkpoint-dir")
     if meta["world_size"] != world_size:
-        raise CheckpointError(f"the checkpoint in {directory!r} has {meta.get('world_size')} ranks, this run "
+        raise CheckpointError(f"the checkpoint in {directory!r} has {meta['world_size']} ranks, this run "
                               f"{world_size}")
-    return int(meta["completed_steps"])
+    return meta["completed_steps"]
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def load_rank(directory: str, completed_steps: int, rank: int) -> Dict[str, Any]:
@@ -111,7 +115,7 @@ def load_rank(directory: str, completed_steps: int, rank: int) -> Dict[str, Any]
     except Exception as e:  # noqa: BLE001 - torch's message would advise weights_only=False: never for a file
         raise CheckpointError(f"checkpoint file {path!r} is not a checkpoint this runtime wrote "
                               f"({type(e).__name__}); resume from another --checkpoint-dir") from None
-    if not (isinstance(saved, dict) and isinstance(saved.get("chunks"), dict) and isinstance(saved.get("optimizer"), dict)):
+    if not (isinstance(saved, dict) and all(isinstance(saved.get(key), dict) for key in ("chunks", "optimizer"))):
         raise CheckpointError(f"checkpoint file {path!r} lacks a rank's chunks and optimizer state; resume from "
                               "another --checkpoint-dir")
     return saved

@@ -142,7 +142,7 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         raise UsageError(f"--threads is torch threads per rank, 0 (as profiled) to this host's {os.cpu_count() or 1}")
     outputs = [path for path in (args.report, args.save_state, args.timeline, args.trace) if path]
     for k, path in enumerate(outputs):  # now, not after the run; none of them an input or another output
-        check_writable(path, [args.plan, getattr(args, "init_state", None), *outputs[:k]])
+        check_writable(path, [args.plan, args.init_state, *outputs[:k]])
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
     if args.resume:  # the marker rank 0 reads: one line here, not a rank's error

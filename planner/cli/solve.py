@@ -9,7 +9,7 @@ from planner.cost.localsgd import DEFAULT_SYNC_OVERHEAD, local_sgd_refusal
 from planner.errors import UsageError
 from planner.jsonio import check_writable
 from planner.pipeline.schedule import MAX_MICRO_BATCHES, MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES
-from planner.sizes import MAX_LATENCY_S, MIN_BANDWIDTH, parse_bytes
+from planner.sizes import MAX_LATENCY_S, bandwidth_value, parse_bytes
 
 
 
@@ -117,8 +117,11 @@ def problem_from_args(args: argparse.Namespace):
         if seconds is not None and not 0 <= seconds <= MAX_LATENCY_S:
             raise UsageError(f"{name} is seconds per message, 0 to {MAX_LATENCY_S:g} (got {seconds})")
     for name, size in (("--bandwidth", args.bandwidth), ("--dp-bandwidth", args.dp_bandwidth)):
-        if size and parse_bytes(size, name) < MIN_BANDWIDTH:
-            raise UsageError(f"{name} is bytes per second, at least {MIN_BANDWIDTH:g} (\"1KB\") (got {size})")
+        try:  # the rule a cluster or topology file's links are read by
+            if size:
+                bandwidth_value(size, name)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.schedule == "auto":
         schedules: List[str] = list(SCHEDULES)
     else:

@@ -123,7 +123,8 @@ _METADATA = {"__get__", "size", "dim", "__len__", "numel", "stride", "is_floatin
 
 
 class _Reads(TorchFunctionMode):
-    """Records which of `watched` (tensor id -> name) a torch function is given the values of."""
+    """Records which of `watched` (tensor id -> what it is, "buffer 'a.w'") a torch function is given
+    the values of."""
 
     def __init__(self, watched: Dict[int, str]):
         super().__init__()
@@ -151,7 +152,9 @@ def state_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output:
     last = {id(t) for t in list(units[-1].parameters()) + list(units[-1].buffers())} if units else set()
     in_units = {id(t) for unit in units for t in list(unit.parameters()) + list(unit.buffers())}
     named = [(name, p) for name, p in root.named_parameters() if p.requires_grad and id(p) not in last]
-    constants = {id(t): name for name, t in list(root.named_buffers()) + list(root.named_parameters())
+    kinds = [(name, t, "buffer") for name, t in root.named_buffers()] + \
+        [(name, t, "frozen parameter") for name, t in root.named_parameters()]
+    constants = {id(t): f"{kind} {name!r}" for name, t, kind in kinds
                  if not t.requires_grad and id(t) in in_units and id(t) not in last}
     if not named and not constants:
         return
@@ -176,9 +179,8 @@ def state_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output:
             "whose copy of another stage's weights is never trained, and the term's gradient would reach no "
             "optimizer; add the term in forward (return it with the output, or use the optimizer's weight decay)")
     if reads.read:
-        kind = "buffer" if reads.read[0] in dict(root.named_buffers()) else "frozen parameter"
+        more = f" (and {len(reads.read) - 1} more)" if len(reads.read) > 1 else ""
         raise CaptureError(
-            f"the loss function reads the model's {kind} {reads.read[0]!r}" + (f" (and {len(reads.read) - 1} more)" if len(reads.read) > 1 else "")
-            + ", which a layer before the last uses: a pipeline computes the loss on the last stage alone, which "
-            "does not hold another stage's state; pass the tensor to the loss another way (a tensor the loss "
+            f"the loss function reads the model's {reads.read[0]}{more}, which a layer before the last uses: a "
+            "pipeline computes the loss on the last stage alone, which does not hold another stage's state; pass the tensor to the loss another way (a tensor the loss "
             "function keeps, not registered on the model)")

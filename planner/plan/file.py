@@ -271,7 +271,8 @@ class Plan:
                                 f"0..{boundaries - 1}; {_REMAKE}")
         if self.emulated_exchange_s and (len(self.emulated_exchange_s) != topology.pipeline_ranks or
                                          any(not 0 <= x <= MAX_HELD_S for x in self.emulated_exchange_s)):
-            raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds 0..{MAX_HELD_S:.0f}, one "
+            raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds "
+                                f"0..{MAX_HELD_S:.0f}, one "
                                 f"per pipeline rank ({topology.pipeline_ranks}); {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
@@ -302,14 +303,14 @@ class Plan:
             for name in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "comm_s", "time_s",
                          "extra_s", "memory_cap_bytes"):
                 at_least_zero[f"stage {k} {name}"] = getattr(st, name)
-        for k, st in enumerate(self.stages):  # what a rank sends and receives: its message layouts
+            # what a rank sends and receives: its message layouts
             for side, values in (("recv", st.recv), ("send", st.send)):
                 for v in values:
                     if v["kind"] == "tensor" and not (v.get("dtype") in MESSAGE_DTYPES and _valid_shape(v.get("shape"))
                                                       and isinstance(v.get("requires_grad", False), bool)):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
                                             f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {_REMAKE}")
-        for k, st in enumerate(self.stages):  # what the tables, the report and the memory checks read
+            # what the tables, the report and the memory checks read
             missing = [key for key in _MEMORY_KEYS if key not in st.memory_bytes]
             if missing:
                 raise JsonFileError(f"{where} stage {k} has no memory_bytes {missing[0]!r}; {_REMAKE}")

@@ -79,6 +79,10 @@ class _Reader:
     def count(self, value: Any, where: str) -> int:
         return int(self.number(value, where, f"byte counts must be >= 0 and at most {MAX_BYTES:.0e}", MAX_BYTES))
 
+    def named_counts(self, d: Any, where: str) -> Dict[str, int]:
+        """{value name: bytes}, each a count."""
+        return {str(k): self.count(n, f'{where}["{k}"]') for k, n in self.table(d, where).items()}
+
     def table(self, d: Any, where: str) -> Dict[str, Any]:
         if not isinstance(d, dict):
             raise self.error(where, f"is {_show(d)}: expected an object")
@@ -259,11 +263,11 @@ class UnitProfile:
             weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
             shared_saved_bytes=read.per_size(
                 d.get("shared_saved_bytes") or {}, f"{where}.shared_saved_bytes",
-                lambda v, at: {str(k): read.count(n, f'{at}["{k}"]') for k, n in read.table(v, at).items()},
+                read.named_counts,
                 required=False),
             weight_shared_bytes=read.per_size(
                 d.get("weight_shared_bytes") or {}, f"{where}.weight_shared_bytes",
-                lambda v, at: {str(k): read.count(n, f'{at}["{k}"]') for k, n in read.table(v, at).items()},
+                read.named_counts,
                 required=False),
             **split_values,
         )

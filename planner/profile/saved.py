@@ -12,6 +12,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -115,8 +116,6 @@ def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any,
     """The bytes `loss` saves for backward on a fresh copy of `output` (as a last stage hands it over)
     and `target`, each storage once (`key`: its identity; a meta tensor needs another than its data
     pointer). Parameters it saves are not counted (a rank holds them anyway)."""
-    from torch.utils._pytree import tree_map_only
-
     fresh = tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point() or
                                                                                   t.is_complex()), output)
     saved: Dict[int, int] = {}
