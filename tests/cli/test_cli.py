@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.support.runs import ROOT, max_abs_diff, processes_running, reference_state, run_cli
+from tests.support.runs import ROOT, max_abs_diff, processes_running, reference_state, run_cli, run_here
 
 
 def _no_traceback(result):
@@ -19,7 +19,8 @@ def gpt_profile(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("prof") / "gpt.json")
     result = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "vocab=4096",
                       "--model-arg", "layers=3", "--micro-batch-sizes", "1,2,4", "--repeats", "3",
-                      "--warmup", "0.1", "--min-time", "0.2", "-o", path])  # short: the file's contract, not its times
+                      "--warmup", "0.1", "--min-time", "0.2", "--link", "none", "--engine-cost", "none", "-o", path])
+    # short: the file's contract, not its times (the link and the engine's cost: tests/profile/test_measure.py)
     assert result.returncode == 0, result.stderr
     assert "unit" in result.stdout and "wrote" in result.stdout  # progress while measuring
     return path
@@ -77,8 +78,8 @@ def test_end_to_end_profile_solve_execute(gpt_profile, tmp_path):
 
 def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     plan_path = tmp_path / "plan.json"
-    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
-                      "--memory-per-device", "1MiB", "-o", str(plan_path)])
+    result = run_here(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
+                       "--memory-per-device", "1MiB", "-o", str(plan_path)])
     assert result.returncode == 2
     _no_traceback(result)
     assert not plan_path.exists()
@@ -90,8 +91,8 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     smallest = re.search(r"allow [0-9.]+ [KMG]iB \(([0-9]+) bytes\) per device \(what fits without recomputation",
                          message)
     assert smallest, message
-    fits = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
-                    "--memory-per-device", smallest.group(1), "-o", str(plan_path)])
+    fits = run_here(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
+                     "--memory-per-device", smallest.group(1), "-o", str(plan_path)])
     assert fits.returncode == 0, fits.stderr
 
 
@@ -119,7 +120,7 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
      "integers 1 to"),  # a traceback from the allocator
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
-    result = run_cli(args)
+    result = run_here(args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     _no_traceback(result)
     assert needle in result.stderr
@@ -153,10 +154,10 @@ def test_a_usage_mistake_is_one_line_with_where_the_options_are(capsys, main, ar
 
 
 def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
-    bad = run_cli(["planner.cli", "solve", gpt_profile, "--memory-per-device", "lots"])
+    bad = run_here(["planner.cli", "solve", gpt_profile, "--memory-per-device", "lots"])
     assert bad.returncode == 2 and "16GiB" in bad.stderr
     _no_traceback(bad)
-    odd = run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "-8", "-o", str(tmp_path / "p.json")])
+    odd = run_here(["planner.cli", "solve", gpt_profile, "--global-batch", "-8", "-o", str(tmp_path / "p.json")])
     assert odd.returncode == 2 and "--global-batch" in odd.stderr
     _no_traceback(odd)
 
@@ -174,7 +175,7 @@ def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     (["--time-limit", "nan"], "--time-limit is seconds, more than 0"),
 ])
 def test_solve_numbers_out_of_range_are_refused_before_the_search(gpt_profile, tmp_path, extra, needle):
-    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "2", "-o", str(tmp_path / "p.json"), *extra])
+    result = run_here(["planner.cli", "solve", gpt_profile, "--stages", "2", "-o", str(tmp_path / "p.json"), *extra])
     assert result.returncode == 2 and needle in result.stderr, result.stderr
     _no_traceback(result)
     assert not (tmp_path / "p.json").exists()
@@ -184,7 +185,7 @@ def test_an_output_that_is_a_folder_is_refused_before_the_work(gpt_profile, tmp_
     (tmp_path / "out").mkdir()
     for args in (["planner.cli", "solve", gpt_profile, "-o", str(tmp_path / "out")],
                  ["planner.cli", "profile", "builtin:mlp", "-o", str(tmp_path / "out")]):
-        result = run_cli(args)
+        result = run_here(args)
         assert result.returncode == 2 and "is a directory; name a file to write" in result.stderr, result.stderr
         assert result.stdout == ""  # refused before any work (nothing measured, nothing solved)
         _no_traceback(result)
@@ -192,7 +193,7 @@ def test_an_output_that_is_a_folder_is_refused_before_the_work(gpt_profile, tmp_
 
 def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
     plan_path = str(tmp_path / "plan.json")
-    assert run_cli(["planner.cli", "solve", gpt_profile, "--global-batch", "8", "-o", plan_path]).returncode == 0
+    assert run_here(["planner.cli", "solve", gpt_profile, "--global-batch", "8", "-o", plan_path]).returncode == 0
     with open(plan_path) as f:
         plan = json.load(f)
     plan["model"]["args"]["layers"] = 5  # the graph now has more units than the plan
@@ -306,15 +307,15 @@ def _zombie(pid: int) -> bool:
 
 def test_solve_replicate(gpt_profile, tmp_path):
     plan_path = tmp_path / "plan.json"
-    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
-                      "-o", str(plan_path)])
+    result = run_here(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                       "-o", str(plan_path)])
     assert result.returncode == 0, result.stderr
     assert ("proven optimal" in result.stdout or "best found, gap" in result.stdout) and "[replicas/python" in result.stdout
     with open(plan_path) as f:
         plan = json.load(f)
     replicas = [st.get("replicas", 1) for st in plan["stages"]]
     assert sum(replicas) == plan["pipeline_stages"] == 3
-    help_text = run_cli(["planner.cli", "solve", "--help"]).stdout
+    help_text = run_here(["planner.cli", "solve", "--help"]).stdout
     assert "--replicate" in help_text
 
 
@@ -324,8 +325,8 @@ def test_solve_replicate(gpt_profile, tmp_path):
     (["--gap", "0.01"], "drop --gap"),
 ])
 def test_solve_replicate_refusals_are_one_line(gpt_profile, tmp_path, extra, needle):
-    result = run_cli(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
-                      "-o", str(tmp_path / "plan.json")] + extra)
+    result = run_here(["planner.cli", "solve", gpt_profile, "--stages", "3", "--replicate", "--global-batch", "8",
+                       "-o", str(tmp_path / "plan.json")] + extra)
     assert result.returncode == 2, (result.stdout, result.stderr)
     _no_traceback(result)
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -489,7 +490,7 @@ def test_negative_costs_are_refused_by_planner_solve(tmp_path):
             unit["saved_bytes"] = {b: -n for b, n in unit["saved_bytes"].items()}
 
     bad, out = _profile_json(tmp_path, negative), tmp_path / "plan.json"
-    result = run_cli(["planner.cli", "solve", bad, "--global-batch", "4", "-o", str(out)])
+    result = run_here(["planner.cli", "solve", bad, "--global-batch", "4", "-o", str(out)])
     assert result.returncode == 2 and not out.exists(), result.stdout
     _no_traceback(result)
     assert result.stderr.splitlines() == [f"error: profile {bad!r}: units[0].forward_s[\"1\"] is -0.001: times must "
@@ -515,7 +516,7 @@ def test_solve_without_highspy_falls_back_to_cbc(tmp_path):
     # tied weights send the solve to the integer program (the chain DP does not take them)
     profile, with_highs, without = _profile_json(tmp_path), tmp_path / "highs.json", tmp_path / "cbc.json"
     problem = ["--stages", "2", "--global-batch", "4"]
-    assert run_cli(["planner.cli", "solve", profile, *problem, "-o", str(with_highs)]).returncode == 0
+    assert run_here(["planner.cli", "solve", profile, *problem, "-o", str(with_highs)]).returncode == 0
     result = _without_highspy(["solve", profile, *problem, "-o", str(without)])
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == ["note: highspy cannot be imported here (it comes with pipeplanner: "
@@ -555,13 +556,13 @@ def test_the_measured_per_message_cost_reaches_the_plan(tmp_path):
     plans = {}
     for name, extra in (("measured", []), ("none", ["--message-cost", "0"])):
         out = tmp_path / f"{name}.json"
-        result = run_cli(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "4", "-o", str(out)]
-                         + extra)
+        result = run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "4", "-o", str(out)]
+                          + extra)
         assert result.returncode == 0, result.stderr
         plans[name] = load_plan(str(out))
     assert plans["measured"].message_s == 2e-4 and plans["none"].message_s == 0.0
     assert plans["measured"].predicted_iteration_s > plans["none"].predicted_iteration_s
-    bad = run_cli(["planner.cli", "solve", profile, "--message-cost", "-1", "-o", str(tmp_path / "x.json")])
+    bad = run_here(["planner.cli", "solve", profile, "--message-cost", "-1", "-o", str(tmp_path / "x.json")])
     assert bad.returncode == 2 and "--message-cost" in bad.stderr
 
 

@@ -14,7 +14,7 @@ def gpt_profile(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("prof") / "gpt.json")
     result = run_cli(["planner.cli", "profile", "builtin:gpt", "--model-arg", "layers=6", "--repeats", "3",
                       "--warmup", "0", "--min-time", "0", "--link", "none",
-                      "--quiet", "-o", path])
+                      "--engine-cost", "none", "--quiet", "-o", path])
     assert result.returncode == 0, result.stderr
     return path
 

@@ -14,7 +14,7 @@ from planner.fidelity.simulation import simulate_plan
 from planner.plan.make import make_plan
 from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.solve.api import solve
-from tests.support.runs import execute, plan_with, profile_of, report_of, run_cli
+from tests.support.runs import execute, plan_with, profile_of, report_of, run_cli, run_here
 from tests.support.synthetic import synthetic_profile
 
 
@@ -254,7 +254,7 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     assert "iteration: measured" in checked.stdout and "another plan file" not in checked.stderr
     other_path = str(tmp_path / "other_plan.json")  # the same split, other predictions: checked, with a warning
     save_plan(dataclasses.replace(plan, predicted_iteration_s=plan.predicted_iteration_s * 2), other_path)
-    other = run_cli(["planner.cli", "check", other_path, report_path])
+    other = run_here(["planner.cli", "check", other_path, report_path])
     assert other.returncode == 0 and other.stderr.count("another plan file") == 1, other.stderr
     # every rank timed the host-speed kernel before and after its steps; the profile did too
     # the bytes held for backward, counted by saved-tensor hooks in the first step, are the plan's
@@ -272,16 +272,16 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     assert "host speed during the run" in printed
     assert f"at the run's host speed the plan predicts {scaled * 1e3:.2f} ms" in printed
     out = str(tmp_path / "calibrated.json")
-    calibrated = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, "--plan", plan_path,
-                          "-o", out])
+    calibrated = run_here(["planner.cli", "calibrate", profile_path, report_path, report_path, "--plan", plan_path,
+                           "-o", out])
     assert calibrated.returncode == 0, calibrated.stderr
     assert "per-step overhead" in calibrated.stdout and "from 2 run(s)" in calibrated.stdout
-    mismatched = run_cli(["planner.cli", "calibrate", profile_path, report_path, report_path, report_path,
-                          "--plan", plan_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")])
+    mismatched = run_here(["planner.cli", "calibrate", profile_path, report_path, report_path, report_path,
+                           "--plan", plan_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")])
     assert mismatched.returncode != 0 and "one per report" in mismatched.stderr
     assert not (tmp_path / "no.json").exists()
     # bad input: one line and exit 2, never a traceback
-    not_a_report = run_cli(["planner.cli", "check", plan_path, profile_path])
+    not_a_report = run_here(["planner.cli", "check", plan_path, profile_path])
     assert not_a_report.returncode == 2 and "not a run report" in not_a_report.stderr
     other = json.load(open(report_path))
     other["model"] = dict(other["model"], entry="builtin:mlp")
@@ -289,11 +289,11 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
     write_json_atomic(other_path, other)
     for args in (["check", plan_path, other_path],
                  ["calibrate", profile_path, other_path, "--plan", plan_path, "-o", str(tmp_path / "no.json")]):
-        wrong = run_cli(["planner.cli", *args])
+        wrong = run_here(["planner.cli", *args])
         assert wrong.returncode == 2 and "different model" in wrong.stderr and "Traceback" not in wrong.stderr
     assert not (tmp_path / "no.json").exists()
     assert "calibration" in json.load(open(out))
-    simulated = run_cli(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
+    simulated = run_here(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
     assert simulated.returncode == 0, simulated.stderr
     assert "simulated iteration" in simulated.stdout and (tmp_path / "sim.png").exists()
 

@@ -93,12 +93,13 @@ def test_export_without_an_example_batch_says_how_to_get_one():
     assert capture(net, (torch.randn(2, 4),)).method == "export"
 
 
-def test_uncapturable_model_prints_one_line_not_torch_internals(tmp_path):
-    from tests.support.runs import run_cli
+def test_uncapturable_model_prints_one_line_not_torch_internals(tmp_path, monkeypatch):
+    from tests.support.runs import run_cli, run_here
 
     out = tmp_path / "profile.json"
     command = ["planner.cli", "profile", "tests.models:value_branch", "--link", "none", "-o", str(out)]
-    result = run_cli(command, env={"PLANNER_TRACEBACK": ""})
+    monkeypatch.setenv("PLANNER_TRACEBACK", "")
+    result = run_here(command)
     assert result.returncode == 2 and not out.exists()
     errors = result.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: cannot capture ValueBranch"), result.stderr
@@ -106,7 +107,7 @@ def test_uncapturable_model_prints_one_line_not_torch_internals(tmp_path):
     assert result.stdout.strip().splitlines() == [line for line in result.stdout.strip().splitlines()
                                                   if line.startswith("profiling ")], result.stdout
     # what torch said is still there for a bug report
-    shown = run_cli(command, env={"PLANNER_TRACEBACK": "1"})
+    shown = run_cli(command, env={"PLANNER_TRACEBACK": "1"})  # the interpreter prints it: a process of its own
     assert shown.returncode != 0 and not out.exists()
     assert "Traceback" in shown.stderr and "def forward" in shown.stderr
 

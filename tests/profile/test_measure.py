@@ -16,7 +16,7 @@ from planner.profile.measure import host_drift, profile_model, steadiest_profile
 from planner.profile.profile import Profile
 from planner.profile.timing import UnitCall, measure_units, split_call_overhead, weight_walk
 from runtime import shared_memory
-from tests.support.runs import run_cli
+from tests.support.runs import run_cli, run_here
 
 
 # --- the link fit ----------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def test_co_runners_need_a_cpu_profile():
 def test_profile_cli_measures_the_link_and_solve_uses_it(tmp_path):
     path = str(tmp_path / "mlp.json")
     made = run_cli(["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "2", "--repeats", "1",
-                    "--warmup", "0", "--min-time", "0", "--ranks-per-host", "2", "-o", path])
+                    "--warmup", "0", "--min-time", "0", "--ranks-per-host", "2", "--retries", "0", "-o", path])
     assert made.returncode == 0, made.stderr
     assert "co-runner" in made.stdout and f"link ({_P2P}" in made.stdout
     assert "engine: " in made.stdout and "planner solve adds them to every stage" in made.stdout
@@ -446,7 +446,7 @@ def test_profile_cli_link_none_and_bad_flags(tmp_path):
                          (["--retries", "-1"], "0 or more"),
                          (["--device", "cuda", "--engine-cost", "measure"], "--engine-cost measure times the engine on "
                                                                              "the CPU")):
-        result = run_cli(["planner.cli", "profile", "builtin:mlp", *bad, "-o", path])
+        result = run_here(["planner.cli", "profile", "builtin:mlp", *bad, "-o", path])
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
 
