@@ -28,7 +28,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseException], ...], interrupted: str) -> int:
     """`args.func(args)`, with the user's mistakes (`user_errors`) as one line on stderr and exit
-    code 2, never a traceback (PLANNER_TRACEBACK=1 shows it), and Ctrl-C as `interrupted` and exit code 130."""
+    code 2, never a traceback (PLANNER_TRACEBACK=1 shows it), Ctrl-C as `interrupted` and exit code 130, and a
+    closed output pipe as one line and exit code 141."""
     try:
         return args.func(args)
     except user_errors as e:
@@ -39,3 +40,9 @@ def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseExcepti
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+    except BrokenPipeError:  # what read the output stopped (`| head`): stop too, as a killed pipe writer would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # interpreter exit flushes stdout again; into nothing now
+        os.close(devnull)
+        print("stopped: the command reading this output closed it", file=sys.stderr)
+        return 141  # 128 + SIGPIPE, as a shell reports a writer the pipe killed

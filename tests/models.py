@@ -483,3 +483,28 @@ def self_attention_chain(dim: int = 16, layers: int = 3, seq: int = 12) -> Model
         return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, seq, dim, generator=g)
 
     return ModelSpec(module=SelfAttentionChain(dim, layers), batch=batch, loss=F.mse_loss)
+
+
+class SavedWrite(nn.Module):
+    """A block that writes, in place, a tensor its own sine saved for backward: wrong in any
+    process (autograd refuses the backward), and a counted step must refuse it too."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.first, self.second = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        y = self.first(x)
+        z = torch.sin(y)
+        y.mul_(2)
+        return self.second(z + y)
+
+
+def saved_write(dim: int = 8) -> ModelSpec:
+    module = SavedWrite(dim)
+
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))

@@ -19,13 +19,13 @@ from planner.model.capture import CapturedModel, capture, run_all_nodes
 from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.forward_state import pipeline_spec, state_read_by_loss
-from planner.model.failures import NodeRunError, describe_node, model_failure
+from planner.model.failures import NodeRunError, UnitRunError, describe_node, model_failure, unit_failure
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
 from planner.profile.measure import as_received, blank_unit, record_cut_values, shared_parameters_json
 from planner.profile.profile import CutProfile, CutValue, Profile
-from planner.profile.saved import loss_saved_bytes, packed
+from planner.profile.saved import Packed, loss_saved_bytes, unpack
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, backward_seeds
 
@@ -51,22 +51,28 @@ def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss
     params = {saved_key(p) for p in stage.parameters()}
     saved: Dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> Packed:
         key = saved_key(t)
         if key not in params:
             saved[key] = t.untyped_storage().nbytes()
-        return packed(t)
+        return Packed(t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with CostCounter(device) as forward:
-            out = stage(*args)
-            if is_last:
-                out = loss_fn(out, target)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with CostCounter(device) as forward:
+                out = stage(*args)
+                if is_last:
+                    out = loss_fn(out, target)
+    except Exception as e:  # the model's own error, whatever its type: the caller names unit and operation
+        raise UnitRunError(-1, "forward", e) from e
     call = UnitCall(stage, args, produced, is_last)
-    with CostCounter(device) as backward:
-        tensors, grads = backward_seeds(call, out)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+    try:
+        with CostCounter(device) as backward:
+            tensors, grads = backward_seeds(call, out)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+    except Exception as e:
+        raise UnitRunError(-1, "backward", e) from e
     stage.zero_grad(set_to_none=True)
     # the backward again in its two parts (zero-bubble schedules): their costs and the bytes between
     first: Dict[str, float] = {}
@@ -142,7 +148,10 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                 args.append(v)
             own = {n.name for n in captured.units[k].nodes}
             produced = [i for i, name in enumerate(io.sent) if name in own]
-            fwd, bwd, saved, parts = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
+            try:
+                fwd, bwd, saved, parts = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
+            except UnitRunError as e:
+                raise unit_failure(captured.unit_names[k], L, UnitRunError(k, e.phase, e.cause), stage, args) from e
             unit = units[k]
             received = as_received(args)
             if received is not None:  # a stage starting with it: its inputs in storages of their own

@@ -26,12 +26,32 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
-def packed(tensor: torch.Tensor) -> torch.Tensor:
-    """What a counting pack hook hands autograd: an alias of the saved tensor without its graph. The
-    tensor itself would tie a saved output to the node saving it (node -> saved tensor -> its grad_fn,
-    the node): a cycle nothing collects, so a graph dropped without a backward that frees it (the
-    loss's, after a zero-bubble input part) would stay in memory, and be counted as held."""
-    return tensor.detach()
+class Packed:
+    """What a counting pack hook hands autograd: an alias of the saved tensor without its graph, and
+    the version it was saved at. The tensor itself would tie a saved output to the node saving it
+    (node -> saved tensor -> its grad_fn, the node): a cycle nothing collects, so a graph dropped
+    without a backward that frees it (the loss's, after a zero-bubble input part) would stay in
+    memory, and be counted as held. Autograd does not check what a hook packed against in-place
+    writes, so `unpack` does (the alias shares the tensor's version counter): a forward that writes
+    a saved tensor fails in the counted step as it fails without hooks, not trains on other values."""
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{self.tensor.type()} {list(self.tensor.shape)}] is at version {self.tensor._version}; expected "
+                f"version {self.version} instead (write a copy, or do the in-place operation after the backward)")
+        return self.tensor
+
+
+def unpack(saved: Packed) -> torch.Tensor:
+    """The unpack hook of `Packed`."""
+    return saved.unpack()
 
 
 class SavedBytes:
@@ -50,11 +70,11 @@ class SavedBytes:
     def counting(self) -> Iterator[None]:
         """Count what the forward in this block saves (saved-tensor hooks)."""
         self._storages, self._refs = {}, []
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, unpack):
             yield
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        alias = packed(tensor)
+    def _pack(self, tensor: torch.Tensor) -> Packed:
+        alias = Packed(tensor)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in self.parameter_ptrs and ptr not in self.excluded_ptrs:
@@ -66,10 +86,6 @@ class SavedBytes:
         """Count these as parameters too (replacing the last call's): the step's compute copies of
         the weights (runtime.precision), held once per step, not per micro-batch."""
         self.excluded_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
 
     def saved_storages(self) -> set:
         """Data pointers of the storages the last counted forward saved (parameters excluded)."""
@@ -120,11 +136,11 @@ def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any,
                                                                                   t.is_complex()), output)
     saved: Dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> Packed:
         if not isinstance(tensor, torch.nn.Parameter):
             saved[key(tensor)] = tensor.untyped_storage().nbytes()
-        return packed(tensor)
+        return Packed(tensor)
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         loss(fresh, target)
     return sum(saved.values())

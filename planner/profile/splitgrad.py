@@ -40,7 +40,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from planner.profile.analytic import saved_key
-from planner.profile.saved import packed
+from planner.profile.saved import Packed, unpack
 from planner.profile.timing import UnitCall, _closures, _InputRestore, backward_seeds, sync
 
 # autograd's engine, called without torch.autograd.backward / grad's Python checks: the gradients
@@ -278,15 +278,6 @@ class BackwardParts:
         return (self.input_s / both, self.weight_s / both) if both > 0 else (1.0, 0.0)
 
 
-class _Holder:
-    """What a saved-tensor hook packs: alive exactly as long as autograd keeps the tensor."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-
 def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[object], PendingWeights],
                            params: Sequence[torch.Tensor]) -> Tuple[PendingWeights, int, int]:
     """Run `forward()` and `first_part(its result)`, then drop the result: (what the weight part
@@ -296,12 +287,12 @@ def forward_and_input_part(forward: Callable[[], object], first_part: Callable[[
     key = saved_key
     refs: List[weakref.ref] = []
 
-    def pack(tensor: torch.Tensor) -> _Holder:
-        holder = _Holder(packed(tensor))
+    def pack(tensor: torch.Tensor) -> Packed:
+        holder = Packed(tensor)
         refs.append(weakref.ref(holder))
         return holder
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = forward()
     pending = first_part(out)
     del out

@@ -356,6 +356,23 @@ def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(cap
         run_subcommand(argparse.Namespace(func=lambda _a: {}["x"]), (ValueError,), "interrupted")
 
 
+def test_an_output_pipe_closed_early_is_one_line_not_a_traceback():
+    # `planner profile ... | head -3`: the reader leaves, the next print raised BrokenPipeError
+    code = ("import argparse, sys, time\n"
+            "from planner.errors import run_subcommand\n"
+            "def talks(_args):\n"
+            "    while True:\n"
+            "        print('progress ' * 100, flush=True)\n"
+            "sys.exit(run_subcommand(argparse.Namespace(func=talks), (ValueError,), 'interrupted'))")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    child.stdout.readline()
+    child.stdout.close()
+    err = child.stderr.read()
+    assert child.wait(timeout=60) == 141
+    assert err == "stopped: the command reading this output closed it\n"
+
+
 def test_rank_timeout_has_one_default():
     # runtime execute passes its --timeout to every rank; a torchrun-launched worker gets the same default
     from runtime.cli import build_parser

@@ -253,3 +253,37 @@ def test_a_graph_dropped_without_its_backward_frees_what_it_saved():
     assert counter.held_now(refs, []) >= 4 * 8 * 4  # the log-probabilities, saved by their own node
     del loss
     assert counter.held_now(refs, []) == 0
+
+
+def test_counting_keeps_autograds_check_of_in_place_writes():
+    # autograd does not check what a saved-tensor hook packed: a forward writing a saved tensor
+    # trained on the written values in the counted step (and failed in the next, without hooks)
+    from planner.profile.saved import SavedBytes
+
+    x = torch.randn(4, requires_grad=True)
+    counter = SavedBytes([])
+    with counter.counting():
+        y = x * 2
+        z = y.sin()  # saves y
+        y.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*at version 1; expected version 0"):
+        z.sum().backward()
+    with counter.counting():  # written before it is saved: fine, as without hooks
+        y = x * 2
+        y.mul_(3)
+        z = y.sin()
+    z.sum().backward()
+    assert torch.allclose(x.grad, 6 * torch.cos(6 * x))
+
+
+@pytest.mark.parametrize("analytic", [False, True])
+def test_a_model_writing_a_saved_tensor_is_one_line(tmp_path, capsys, analytic):
+    from planner.cli.main import main as planner_main
+
+    out = tmp_path / "p.json"
+    code = planner_main(["profile", "tests.models:saved_write", "--micro-batch-sizes", "2", "--link", "none",
+                         "--engine-cost", "none", "--min-time", "0", "--quiet", "-o", str(out)]
+                        + (["--analytic"] if analytic else []))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not out.exists() and len(err.splitlines()) == 1, err
+    assert "modified by an inplace operation" in err and "unit 'first'" in err
