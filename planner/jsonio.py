@@ -7,7 +7,7 @@ import math
 import os
 import stat
 import tempfile
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence
 
 
 class JsonFileError(ValueError):
@@ -29,6 +29,14 @@ def read_json(path: str, what: str = "file") -> Any:
         raise JsonFileError(f"{what} {path!r} nests its JSON too deeply to be one of this project's files") from None
     except OSError as e:
         raise JsonFileError(f"{what} {path!r} cannot be read: {e.strerror or e}") from None
+
+
+def refuse_unknown_keys(d: Dict[str, Any], known: Iterable[str], where: str) -> None:
+    """A ValueError naming the keys of `d` not in `known`: a misspelt key (\"memroy\") read as absent
+    would silently drop what it sets, a memory cap included."""
+    extra = sorted(set(d) - set(known))
+    if extra:
+        raise ValueError(f"{where} has unknown key(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
 
 
 def not_a_regular_file(path: str) -> str:

@@ -41,6 +41,8 @@ def size_value(value: Any, what: str) -> float:
         raise ValueError(f"{what} must be a number or a size such as \"100MB\" (got {value!r})")
     if not (number > 0 and math.isfinite(number)):
         raise ValueError(f"{what} must be positive (got {value!r})")
+    if number > MAX_BYTES:  # as parse_bytes: past an exabyte the solvers' arithmetic breaks
+        raise ValueError(f"{what} must be at most {MAX_BYTES:.0e} (got {value!r})")
     return number
 
 

@@ -508,3 +508,23 @@ def saved_write(dim: int = 8) -> ModelSpec:
         return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+
+
+def exits(where: str = "loss", step: int = 0) -> ModelSpec:
+    """A model whose batch or loss function calls sys.exit (at `step` and after, for the batch)."""
+    import sys
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+    def batch(n: int, s: int):
+        if where == "batch" and s >= step:
+            sys.exit(3)
+        g = torch.Generator().manual_seed(s)
+        return (torch.randn(n, 4, generator=g),), torch.randn(n, 4, generator=g)
+
+    def loss(out, target):
+        if where == "loss":
+            sys.exit(3)
+        return F.mse_loss(out, target)
+
+    return ModelSpec(module=module, batch=batch, loss=loss)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from planner.jsonio import read_json
+from planner.jsonio import read_json, refuse_unknown_keys
 from planner.sizes import bandwidth_value, latency_value, size_value, speed_value
 
 
@@ -94,10 +94,12 @@ def cluster_from_json(d: Any) -> Cluster:
     """Validate and convert the JSON object; one-line ValueError on bad input."""
     if not isinstance(d, dict) or not isinstance(d.get("groups"), list) or not d["groups"]:
         raise ValueError("cluster file needs a non-empty \"groups\" list")
+    refuse_unknown_keys(d, ("groups", "links"), "cluster file")
     groups: List[DeviceGroup] = []
     for i, g in enumerate(d["groups"]):
         if not isinstance(g, dict) or not isinstance(g.get("devices"), int) or g["devices"] < 1:
             raise ValueError(f"cluster group {i} needs \"devices\": a positive integer")
+        refuse_unknown_keys(g, ("name", "devices", "memory", "speed", "bandwidth", "latency"), f"cluster group {i}")
         speed = speed_value(g.get("speed", 1.0), f"cluster group {i} speed")
         latency = g.get("latency")
         if latency is not None:
@@ -116,6 +118,7 @@ def cluster_from_json(d: Any) -> Cluster:
     for i, link in enumerate(links_json):
         if not isinstance(link, dict) or "bandwidth" not in link:
             raise ValueError(f"cluster link {i} needs \"bandwidth\"")
+        refuse_unknown_keys(link, ("bandwidth", "latency", "emulate"), f"cluster link {i}")
         latency = latency_value(link.get("latency", 0.0), f"cluster link {i} latency")
         emulate = link.get("emulate", False)
         if not isinstance(emulate, bool):

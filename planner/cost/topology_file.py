@@ -32,9 +32,9 @@ the devices: planner.cost.placement.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from planner.jsonio import read_json
+from planner.jsonio import read_json, refuse_unknown_keys
 from planner.sizes import bandwidth_value, latency_value, size_value, speed_value
 
 
@@ -94,16 +94,12 @@ _LEVEL_KEYS = {"name", "count", "bandwidth", "latency", "emulate"}
 _DEVICE_KEYS = {"memory", "speed"}
 
 
-def _unknown(d: Dict[str, Any], known: set, where: str) -> None:
-    extra = sorted(set(d) - known)
-    if extra:
-        raise ValueError(f"{where} has unknown key(s) {', '.join(extra)}; known: {', '.join(sorted(known))}")
 
 
 def _device(d: Any, where: str, base: Device) -> Device:
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be an object with \"memory\" and/or \"speed\"")
-    _unknown(d, _DEVICE_KEYS, where)
+    refuse_unknown_keys(d, _DEVICE_KEYS, where)
     memory = base.memory if "memory" not in d else size_value(d["memory"], f"{where} memory")
     speed = base.speed if "speed" not in d else speed_value(d["speed"], f"{where} speed")
     return Device(memory=memory, speed=speed)
@@ -113,13 +109,13 @@ def topology_from_json(d: Any) -> DeviceTopology:
     """Validate and convert the JSON object; a one-line ValueError on bad input."""
     if not isinstance(d, dict) or not isinstance(d.get("levels"), list) or not d["levels"]:
         raise ValueError("topology file needs a non-empty \"levels\" list (outermost first, e.g. site, host, device)")
-    _unknown(d, {"levels", "device", "devices"}, "topology file")
+    refuse_unknown_keys(d, {"levels", "device", "devices"}, "topology file")
     levels: List[Level] = []
     for i, raw in enumerate(d["levels"]):
         where = f"level {i}"
         if not isinstance(raw, dict):
             raise ValueError(f"{where} must be an object with \"count\"")
-        _unknown(raw, _LEVEL_KEYS, where)
+        refuse_unknown_keys(raw, _LEVEL_KEYS, where)
         count = raw.get("count")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"{where} needs \"count\": a positive integer (got {count!r})")

@@ -8,6 +8,7 @@ get their parameters here, on one forward of the spec's batch (`materialize_lazy
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import os
@@ -103,9 +104,44 @@ def build_spec(entry: str, args: Dict[str, Any], seed: int) -> ModelSpec:
         raise ModelEntryError(f"{entry} returned {type(spec).__name__}, expected planner.ModelSpec(module=, batch=, loss=)")
     if not isinstance(spec.module, torch.nn.Module):
         raise ModelEntryError(f"{entry}: ModelSpec.module must be a torch.nn.Module")
+    spec.batch, spec.loss = _batch_errors_in_one_line(spec.batch), _loss_exit_raises(spec.loss)
     materialize_lazy(spec, entry)
     remember_batch(spec.module, spec.batch)  # torch.export captures on an example batch
     return spec
+
+
+class ModelExit(RuntimeError):
+    """The model's loss function called sys.exit."""
+
+
+def _loss_exit_raises(loss: Callable) -> Callable:
+    """`loss`, with a SystemExit it raises turned into an error that the profile reports with the
+    unit (the loss's other errors already are) and a rank with its step, not a silent exit."""
+    @functools.wraps(loss)
+    def call(*args, **kwargs):
+        try:
+            return loss(*args, **kwargs)
+        except SystemExit as e:
+            raise ModelExit(f"the model's loss function called sys.exit({e.code!r})") from None
+    return call
+
+
+def _batch_errors_in_one_line(batch: Callable) -> Callable:
+    """`batch`, with what it raises (an error, or sys.exit) as a one-line ModelEntryError: it is
+    called from a dozen places (capture, profile, ranks), none of which can do more with it."""
+    @functools.wraps(batch)
+    def call(*args, **kwargs):
+        try:
+            return batch(*args, **kwargs)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the model's own code, whatever it raised
+            if os.environ.get("PLANNER_TRACEBACK") and not isinstance(e, SystemExit):
+                raise
+            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else \
+                f"raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            raise ModelEntryError(f"the model's batch function {what} (batch size {args[0] if args else '?'}, step "
+                                  f"{args[1] if len(args) > 1 else '?'}); fix it (PLANNER_TRACEBACK=1 shows the stack)"
+                                  ) from None
+    return call
 
 
 MAX_BUILTIN_SIZE = 1 << 20  # a built-in model's integer argument (layers, width, vocabulary): beyond, a typo

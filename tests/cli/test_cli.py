@@ -356,6 +356,26 @@ def test_user_errors_are_one_line_and_exit_2_unless_a_traceback_is_asked_for(cap
         run_subcommand(argparse.Namespace(func=lambda _a: {}["x"]), (ValueError,), "interrupted")
 
 
+def test_a_batch_or_loss_function_that_exits_is_one_line(tmp_path):
+    # sys.exit in the model's own functions: a batch's was a traceback (capture calls it), a loss's
+    # ended the profile silently with its code, and a rank's batch one at step 2 took the run down
+    quick = ["--micro-batch-sizes", "1", "--link", "none", "--engine-cost", "none", "--min-time", "0", "--quiet"]
+    for where, needle in (("loss", "the loss function raised ModelExit: the model's loss function called sys.exit(3)"),
+                          ("batch", "the model's batch function called sys.exit(3) (batch size 2, step 0)")):
+        result = run_here(["planner.cli", "profile", "tests.models:exits", "--model-arg", f"where={where}", *quick,
+                           "-o", str(tmp_path / "no.json")])
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+        assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "no.json").exists()
+    profile, plan = str(tmp_path / "p.json"), str(tmp_path / "plan.json")
+    assert run_here(["planner.cli", "profile", "tests.models:exits", "--model-arg", "where=batch", "--model-arg",
+                     "step=2", *quick, "-o", profile]).returncode == 0
+    assert run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "2", "-o", plan]).returncode == 0
+    ran = run_here(["runtime.cli", "execute", plan, "--steps", "4"])
+    assert ran.returncode == 1 and "step 2/4" in ran.stdout and "step 3/4" not in ran.stdout
+    assert "rank 0 failed: ModelEntryError: the model's batch function called sys.exit(3) (batch size 2, step 2)" \
+        in ran.stderr, ran.stderr
+
+
 def test_an_output_pipe_closed_early_is_one_line_not_a_traceback():
     # `planner profile ... | head -3`: the reader leaves, the next print raised BrokenPipeError
     code = ("import argparse, sys, time\n"

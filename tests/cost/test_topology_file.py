@@ -104,6 +104,25 @@ def test_the_cluster_file_reads_sizes_by_the_same_rule():
             cluster_from_json(with_bandwidth(bad))
 
 
+@pytest.mark.parametrize("raw,message", [
+    # a misspelt key read as absent dropped what it set (the memory cap: a plan that "fits" would not)
+    ({"groups": [{"devices": 1, "memroy": "8GiB"}, {"devices": 1}], "links": [{"bandwidth": 1e9}]},
+     "cluster group 0 has unknown key\\(s\\) memroy; known: bandwidth, devices, latency, memory, name, speed"),
+    ({"groups": [{"devices": 1}, {"devices": 1}], "links": [{"bandwidth": 1e9, "emulated": True}]},
+     "cluster link 0 has unknown key\\(s\\) emulated"),
+    ({"groups": [{"devices": 2}], "link": []}, "cluster file has unknown key\\(s\\) link"),
+    # a number past an exabyte (the option and a size string were refused, a number was not)
+    ({"groups": [{"devices": 2, "memory": 1e300}]}, "group 0 memory must be at most 1e\\+18"),
+])
+def test_bad_cluster_files_are_refused(raw, message):
+    from planner.cost.cluster import cluster_from_json
+
+    with pytest.raises(ValueError, match=message):
+        cluster_from_json(raw)
+    with pytest.raises(ValueError, match="must be at most 1e\\+18"):
+        topology_from_json({"levels": [{"count": 2}], "device": {"memory": 1e19}})
+
+
 def test_a_link_latency_past_an_hour_is_refused_in_both_files_and_on_the_command_line(tmp_path):
     from planner.cost.cluster import cluster_from_json
     from planner.cost.topology_file import topology_from_json
