@@ -345,6 +345,7 @@ class Engine:
         key = (loss.dtype, loss.device)
         if key not in self._seeds:
             self._seeds[key] = torch.ones((), dtype=loss.dtype, device=loss.device) / (self.m * self.trainers)
+            self.saved.hold_apart(self._seeds[key])
         seed = self._seeds[key]
         if loss.numel() == 1 and loss.dim() > 0:
             seed = seed.reshape(loss.shape)

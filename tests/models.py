@@ -528,3 +528,27 @@ def exits(where: str = "loss", step: int = 0) -> ModelSpec:
         return F.mse_loss(out, target)
 
     return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+class FrozenLayers(nn.Module):
+    """Four layers, the first and the third frozen: a stage after the first gets inputs that need
+    no gradient (its weight part reaches the loss's seed)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b, self.c, self.e = (nn.Linear(dim, dim) for _ in range(4))
+        for p in [*self.a.parameters(), *self.c.parameters()]:
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.e(torch.tanh(self.c(torch.relu(self.b(torch.tanh(self.a(x)))))))
+
+
+def frozen_layers(dim: int = 16) -> ModelSpec:
+    module = FrozenLayers(dim)
+
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))

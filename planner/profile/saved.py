@@ -61,6 +61,7 @@ class SavedBytes:
     def __init__(self, params: Iterable[torch.Tensor]):
         self.parameter_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in params}
         self.excluded_ptrs: set = set()  # other tensors held for the whole step (`exclude`)
+        self.apart_ptrs: set = set()  # tensors held for the whole run, not by a micro-batch (`hold_apart`)
         self.live = 0
         self.peak = 0
         self._storages: Dict[int, int] = {}
@@ -87,6 +88,11 @@ class SavedBytes:
         the weights (runtime.precision), held once per step, not per micro-batch."""
         self.excluded_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
 
+    def hold_apart(self, tensor: torch.Tensor) -> None:
+        """`tensor` is held for the whole run, not by a micro-batch that keeps it (the engine's loss
+        seed: a zero-bubble stage whose inputs need no gradient keeps it until its weight part)."""
+        self.apart_ptrs.add(tensor.untyped_storage().data_ptr())
+
     def saved_storages(self) -> set:
         """Data pointers of the storages the last counted forward saved (parameters excluded)."""
         return set(self._storages)
@@ -106,7 +112,7 @@ class SavedBytes:
         storages = {ptr: nbytes for ref, ptr, nbytes in refs if ref() is not None}
         for tensor in kept:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in self.parameter_ptrs:
+            if storage.data_ptr() and storage.data_ptr() not in self.parameter_ptrs | self.apart_ptrs:
                 storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 

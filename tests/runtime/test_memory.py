@@ -145,6 +145,18 @@ def test_zero_bubble_ranks_hold_what_the_plan_says(tmp_path, entry, schedule, cu
     assert weight_held[-1] != saved[-1]  # the last stage keeps another amount than it saved
 
 
+@pytest.mark.parametrize("recompute", [[], [0, 1]])
+def test_a_zero_bubble_stage_after_a_frozen_one_holds_what_the_plan_says(tmp_path, recompute):
+    # its inputs need no gradient, so its weight part keeps the loss's seed: one tensor the engine
+    # holds for the run, counted once per micro-batch waiting for its weight part (+8 bytes)
+    from tests.support.runs import execute, profile_of, report_of
+
+    plan = _fixed_plan(profile_of("tests.models:frozen_layers", sizes=(2,)), [1], "zb-h1", recompute)
+    execute(plan, tmp_path, steps=2)
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
 @pytest.mark.parametrize("entry,cuts", [("builtin:resnet", [3]), ("tests.models:sequential", [3, 6]),
                                         ("tests.models:long_skip", [2])])
 def test_neighbours_that_save_one_tensor_hold_it_once(tmp_path, entry, cuts):
