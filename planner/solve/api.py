@@ -16,6 +16,34 @@ from planner.solve.search import expand_scenarios, search_scenarios
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 
 METHODS = ("ilp", "dp", "brute", "uniform", "params", "block")
+# The search's tables hold values for every unit range [a, e): (L + 1)^2 entries, a few float64
+# tables alive at once (BENCHMARKS.md, "Profiles of thousands of units")
+TABLE_BYTES_PER_RANGE = 80
+
+
+def available_memory() -> Optional[int]:
+    """Bytes this host can still give a process (Linux's MemAvailable); None where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_table_room(num_units: int, available: Optional[int] = None) -> None:
+    """A one-line ValueError, before any table is built, where the search's tables of every unit
+    range would not fit this host's free memory (20,000 units: 25 GB, the run swapping or killed)."""
+    need = TABLE_BYTES_PER_RANGE * (num_units + 1) ** 2
+    free = available_memory() if available is None else available
+    if free is not None and need > free:
+        fits = int((free / TABLE_BYTES_PER_RANGE) ** 0.5) - 1
+        raise ValueError(f"the profile has {num_units:,} units: the search's tables of every unit range need about "
+                         f"{format_bytes(need)}, and this host has {format_bytes(free)} free; solve where more "
+                         f"memory is free, or profile the model as at most {fits:,} units (larger units: "
+                         "docs/profile.md, \"How many units\")")
 
 
 def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] = None,
@@ -69,6 +97,7 @@ def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[Cos
         scenario.validate()
     found: Optional[Solution] = None
     if method in ("ilp", "dp"):
+        check_table_room(profile.num_units)
         found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend,
                                  warm_start=warm_start, gap=gap)
     elif method == "brute":

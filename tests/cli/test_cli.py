@@ -520,6 +520,24 @@ def test_bad_profile_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkey
     assert not out.exists() and not (tmp_path / "calibrated.json").exists()
 
 
+def test_a_profile_whose_tables_would_not_fit_is_refused_before_building_them(tmp_path, monkeypatch):
+    # 20,000 units: the search's tables grew to 25 GB with no output (killed, or the host swapping)
+    from planner.solve import api
+
+    profile, out = _profile_json(tmp_path), tmp_path / "plan.json"
+    monkeypatch.setattr(api, "available_memory", lambda: 1000)  # 80 bytes x 9 ranges fit, not 80 x (3 + 1)^2
+    result = run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "4", "-o", str(out)])
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr == ("error: the profile has 3 units: the search's tables of every unit range need about "
+                             "1.2 KiB, and this host has 1000 B free; solve where more memory is free, or profile "
+                             "the model as at most 2 units (larger units: docs/profile.md, \"How many units\")\n")
+    monkeypatch.setattr(api, "available_memory", lambda: None)  # not known: no check
+    assert run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "4", "-o",
+                     str(out)]).returncode == 0
+    with pytest.raises(ValueError, match="20,000 units: .* need about 29.81 GiB.* at most 14,653 units"):
+        api.check_table_room(20000, available=16 << 30)
+
+
 def test_negative_costs_are_refused_by_planner_solve(tmp_path):
     def negative(data):
         for unit in data["units"]:
