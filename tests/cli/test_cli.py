@@ -1,13 +1,14 @@
 """The three commands as a user runs them: outputs, exit codes, files, and one-line errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.support.runs import ROOT, max_abs_diff, processes_running, reference_state, run_cli, run_here
+from tests.support.runs import ROOT, descendants, max_abs_diff, ranks_left, reference_state, run_cli, run_here
 
 
 def _no_traceback(result):
@@ -199,7 +200,7 @@ def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
     plan["model"]["args"]["layers"] = 5  # the graph now has more units than the plan
     with open(plan_path, "w") as f:
         json.dump(plan, f)
-    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "1"], timeout=120)
+    result = run_here(["runtime.cli", "execute", plan_path, "--steps", "1"])
     assert result.returncode != 0
     assert "re-run `planner profile`" in result.stderr
     _no_traceback(result)
@@ -227,32 +228,14 @@ def test_failing_rank_takes_the_others_down(tmp_path):
     plan_path = str(tmp_path / "plan.json")
     save_plan(plan, plan_path)
     start = time.monotonic()
-    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"], timeout=120)
+    result = run_here(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"])
     elapsed = time.monotonic() - start
     assert result.returncode == 1
     assert "rank 1 failed" in result.stderr and "injected failure in the loss" in result.stderr
     assert result.stderr.count("injected failure") == 1  # printed once
     _no_traceback(result)
     assert elapsed < 30  # the waiting rank was stopped, not left to time out
-    assert processes_running(["runtime.worker", plan_path]) == []
-
-
-def _descendants(pid: int):
-    """The pids of every live process below `pid` (from /proc's parent links)."""
-    children = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    assert ranks_left() == []
 
 
 @pytest.mark.parametrize("launch", ["forkserver", "subprocess"])
@@ -275,11 +258,11 @@ def test_ranks_end_with_a_runtime_execute_killed_by_sigkill(tmp_path, launch):
         while not list(tmp_path.glob("runtime-*/rank1.log")) and time.monotonic() < deadline:
             time.sleep(0.1)  # the ranks have started
         if launch == "subprocess":  # killed while the ranks still import torch, before they ask to end with it
-            while len(_descendants(command.pid)) < 2 and time.monotonic() < deadline:
+            while len(descendants(command.pid)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
         else:
             time.sleep(2.0)  # and are training
-        below = _descendants(command.pid)
+        below = descendants(command.pid)
         assert len(below) >= 2, below
         command.kill()
         command.wait(10)
@@ -290,7 +273,7 @@ def test_ranks_end_with_a_runtime_execute_killed_by_sigkill(tmp_path, launch):
         assert not [pid for pid in below if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
     finally:
         command.kill()
-        for pid in _descendants(command.pid):
+        for pid in descendants(command.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -372,8 +355,8 @@ def test_a_batch_or_loss_function_that_exits_is_one_line(tmp_path):
     assert run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "2", "-o", plan]).returncode == 0
     ran = run_here(["runtime.cli", "execute", plan, "--steps", "4"])
     assert ran.returncode == 1 and "step 2/4" in ran.stdout and "step 3/4" not in ran.stdout
-    assert "rank 0 failed: ModelEntryError: the model's batch function called sys.exit(3) (batch size 2, step 2)" \
-        in ran.stderr, ran.stderr
+    assert re.search(r"rank [01] failed: ModelEntryError: the model's batch function called sys\.exit\(3\) \(batch "
+                     r"size 2, step 2\)", ran.stderr), ran.stderr  # each rank makes the batch: either fails first
 
 
 def test_an_output_pipe_closed_early_is_one_line_not_a_traceback():

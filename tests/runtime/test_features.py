@@ -13,7 +13,7 @@ from runtime.cli import main as runtime_main
 from planner.plan.file import save_plan
 from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, report_of, reference_state,
                             reshape_plan, run_cli)
-from tests.support.runs import processes_running
+from tests.support.runs import ranks_left, run_here
 
 
 def _gpt_plan(cuts, b=2, g=8, schedule="1f1b"):
@@ -91,11 +91,11 @@ def test_rank_killed_with_sigkill_takes_the_others_down(tmp_path):
     plan_path = str(tmp_path / "plan.json")
     save_plan(plan, plan_path)
     start = time.monotonic()
-    result = run_cli(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"], timeout=120)
+    result = run_here(["runtime.cli", "execute", plan_path, "--steps", "3", "--timeout", "60"])
     assert result.returncode == 1
     assert "rank 1 failed: killed by signal SIGKILL" in result.stderr
     assert time.monotonic() - start < 30
-    assert processes_running(["runtime.worker", plan_path]) == []
+    assert ranks_left() == []
 
 
 def test_ranks_with_different_plans_refuse_to_start(tmp_path):

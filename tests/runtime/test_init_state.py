@@ -10,7 +10,7 @@ import torch
 
 from planner.model.entry import build_spec
 from tests.support.runs import (execute, max_abs_diff, plan_with, profile_of, reference_state,
-                                reshape_plan, run_cli)
+                                reshape_plan, run_cli, run_here)
 from planner.plan.file import save_plan
 
 
@@ -88,7 +88,7 @@ def test_bad_init_states_fail_in_one_line(tmp_path):
     file, state = _state_file(plan, tmp_path / "short")
     state.pop("blocks.0.attn.qkv.weight", None) or state.pop(next(k for k in state if k.endswith("weight")))
     torch.save(state, file)
-    result = run_cli(["runtime.cli", "execute", plan_path, "--init-state", file])
+    result = run_here(["runtime.cli", "execute", plan_path, "--init-state", file])
     assert result.returncode == 1 and "has no entry" in result.stderr and "Traceback" not in result.stderr
 
 

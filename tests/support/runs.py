@@ -218,16 +218,32 @@ def run_stages(captured, inputs, cuts):
         values.update(zip(io.sent, result))
 
 
-def processes_running(needles):
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def _children() -> Dict[int, List[int]]:
+    """{pid: its live children's pids}, from /proc's parent links."""
+    children: Dict[int, List[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if all(n in cmdline for n in needles):
-            found.append((pid, cmdline))
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int, children: Optional[Dict[int, List[int]]] = None) -> List[int]:
+    """The pids of every live process below `pid`."""
+    children = _children() if children is None else children
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
     return found
+
+
+def ranks_left() -> List[int]:
+    """Processes alive below this process's children: the ranks an in-process `runtime execute`
+    started from its fork server (a child of this process), which must all have ended."""
+    children = _children()
+    return [pid for child in children.get(os.getpid(), []) for pid in descendants(child, children)]
