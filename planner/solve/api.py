@@ -3,9 +3,10 @@ paths, proven optimal), its fast heuristic alone ('dp'), the brute-force oracle,
 other tools use — all judged by planner.cost.model."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
-from planner.cost.model import compute_profile
+from planner.cost.model import compute_profile, rank_caps
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
@@ -78,6 +79,16 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
                            warm_start=warm_start, gap=gap)
 
 
+def _without_needless_recompute(profile: Profile, opts: CostOptions) -> CostOptions:
+    """`--recompute auto` where no device has a memory cap is `none`: recomputing only adds work to
+    a step whose memory nothing bounds. Said so, the search takes the branch and bound over splits
+    (planner.solve.branch), which does not take per-unit choices, instead of the integer program
+    (nasnetalarge at 16 stages, 10 s: a 16 % slower plan at a 52 % gap, against 4 %)."""
+    if opts.recompute == "auto" and all(cap is None for cap in rank_caps(opts, profile)):
+        return dataclasses.replace(opts, recompute="none")
+    return opts
+
+
 def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOptions], method: str = "ilp",
                     time_limit: Optional[float] = None, backend: Optional[str] = None,
                     warm_start: bool = True, gap: float = OPTIMALITY_GAP) -> Solution:
@@ -92,7 +103,7 @@ def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[Cos
     if gap > OPTIMALITY_GAP and method != "ilp":
         raise ValueError(f"a gap stops the exact search (method ilp); method {method} does not search")
     backend, _ = choose_backend(backend)
-    scenarios = list(scenarios)
+    scenarios = [_without_needless_recompute(profile, scenario) for scenario in scenarios]
     for scenario in scenarios:
         scenario.validate()
     found: Optional[Solution] = None

@@ -47,6 +47,19 @@ def test_recompute_exactly_when_memory_binds():
     assert every.recompute == list(range(p.num_units)) and every.objective > chosen.objective
 
 
+def test_recompute_auto_without_a_cap_searches_as_none():
+    # the CLI's default: --recompute auto with no memory cap went to the integer program (per-unit
+    # choices) where the branch and bound over splits takes it, and ended 16 % slower at a 52 % gap
+    p = chain(L=9)
+    auto = solve(p, CostOptions(pipeline_ranks=3, global_batch=8, recompute="auto"))
+    none = solve(p, CostOptions(pipeline_ranks=3, global_batch=8, recompute="none"))
+    assert auto.backend == none.backend == "branch-and-bound" and auto.status == "optimal"
+    assert auto.boundaries == none.boundaries and auto.objective == none.objective
+    assert auto.recompute == []
+    capped = CostOptions(pipeline_ranks=3, global_batch=8, recompute="auto", memory_cap=3 * (4 << 20) + (8 << 20))
+    assert solve(p, capped).backend != "branch-and-bound"  # a cap: per-unit recomputation is chosen
+
+
 def test_devices_choose_depth_and_replicas():
     # heavy parameters over a slow all-reduce: a deep pipeline (d = 1) wins
     heavy = synthetic_profile([0.01] * 8, [0.02] * 8, [256 << 20] * 8, [1 << 10] * 8, [1 << 10] * 7, sizes=(1, 2))
