@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, List, Optional, Set
 
 import numpy as np
@@ -192,6 +192,47 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     return unit_ranges(ok)
 
 
+RELAXED_SHARE, FITTING_SHARE = 0.6, 0.2  # of the time limit, for the two searches of `_without_recomputation`
+
+
+def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Split],
+                           time_limit: Optional[float], gap: float, target_s: Optional[float]):
+    """What the branch and bound over splits (fast, no per-unit choices) tells a `--recompute auto`
+    scenario under a cap, which the integer program solves next: (best plan, lower bound, settled).
+    Where only the per-device cap bounds memory, no plan beats the best split without the cap
+    (recomputing only adds work): that search's bound is the scenario's, and its plan, when it fits,
+    one of the scenario's (the optimum, when the search finished). Otherwise, or where that plan does
+    not fit, every split that fits without recomputing is a plan of the scenario: the best of them."""
+    plain = replace(opts, recompute="none")
+    if not applies(profile, plain):
+        return best, -math.inf, False
+    bound, fitted = -math.inf, False
+    view = opts.device_view
+    if view is None or all(view.memory(i, None) is None for i in range(opts.pipeline_ranks)):
+        free = replace(plain, memory_cap=None)
+        # the incumbent's split without its recomputation: a plan there, no slower (a search needs one)
+        start = None if best is None else \
+            Split(evaluate(profile, best.boundaries, b, free, []).iteration_s, list(best.boundaries), [])
+        relaxed = branch_and_bound(profile, b, free, start, structural_forms(profile, b, free),
+                                   None if time_limit is None else RELAXED_SHARE * time_limit, gap)
+        bound = relaxed.bound_s
+        if relaxed.best is not None:
+            fits = evaluate(profile, relaxed.best.boundaries, b, opts, [])
+            fitted = fits.feasible
+            if fitted and (best is None or fits.iteration_s < best.iteration_s):
+                best = Split(fits.iteration_s, list(relaxed.best.boundaries), [])
+            if fitted and relaxed.optimal:  # the best split of all fits as it is
+                return best, max(bound, best.iteration_s * (1 - gap)), True
+    if not fitted:
+        cutoff = min(best.iteration_s if best is not None else math.inf, math.inf if target_s is None else target_s)
+        fitting = branch_and_bound(profile, b, plain, None, structural_forms(profile, b, plain),
+                                   None if time_limit is None else FITTING_SHARE * time_limit, gap,
+                                   cutoff if math.isfinite(cutoff) else None)
+        if fitting.best is not None and (best is None or fitting.best.iteration_s < best.iteration_s):
+            best = fitting.best
+    return best, bound, False
+
+
 def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
                    time_limit: Optional[float], backend: str, gap: float = 1e-6,
                    forms: Optional[Set[PathForm]] = None, target_s: Optional[float] = None) -> ScenarioOutcome:
@@ -214,6 +255,12 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
                                  improve=lambda split: local_search(profile, b, opts, split, forms, deadline))
         forms |= found.forms
         return outcome(found.best, found.bound_s, found.optimal, "branch")
+    if opts.recompute == "auto":  # under a cap: the splits' search first, for a plan and a bound
+        best, bound, settled = _without_recomputation(profile, b, opts, best, time_limit, gap, target_s)
+        if settled:
+            return outcome(best, bound, True, "branch")
+        if time_limit is not None and time.perf_counter() - started >= time_limit:
+            return outcome(best, bound, False, "branch")
     if best is not None:
         best = _perturbations(profile, b, opts, best, forms)
     tight = False  # solve the next program to `gap` (a loose one found nothing new)

@@ -202,6 +202,33 @@ def test_solver_matches_brute_force_under_the_exact_model(problem):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=7), st.sampled_from([6000.0, 12000.0, 30000.0]))
+def test_recompute_auto_under_a_cap_matches_brute_force(problem, cap):
+    """The command's default under a cap: the splits' search without recomputation gives the integer
+    program a plan and a bound first (planner.solve.exact._without_recomputation); the result is
+    still the optimum, and never slower than the best plan without recomputation."""
+    profile, opts = problem
+    opts = opts.with_(recompute="auto", memory_cap=cap)
+    try:
+        oracle = solve_brute(profile, opts)
+    except ValueError:
+        return  # too many plans to enumerate
+    try:
+        found = solve(profile, opts)
+    except InfeasibleError:
+        assert oracle is None
+        return
+    assert oracle is not None and found.status == "optimal"
+    assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
+    assert found.bound <= oracle.objective * (1 + 1e-9)
+    try:
+        plain = solve(profile, opts.with_(recompute="none"))
+    except InfeasibleError:
+        return
+    assert found.objective <= plain.objective * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=7))
 def test_the_scenario_bound_holds_for_every_plan(problem):
     """The search skips scenarios and certifies gaps with scenario_lower_bound: no split may beat it."""
