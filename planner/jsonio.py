@@ -31,6 +31,15 @@ def read_json(path: str, what: str = "file") -> Any:
         raise JsonFileError(f"{what} {path!r} cannot be read: {e.strerror or e}") from None
 
 
+def newer_schema(version: Any, expected: int) -> str:
+    """The words for a file whose schema_version is above the one this code reads (a newer release
+    wrote it): remaking it would lose work that upgrading keeps. Empty for any other version."""
+    if isinstance(version, int) and not isinstance(version, bool) and version > expected:
+        return (f"a newer pipeplanner wrote it (schema_version {version}; this one reads {expected}): upgrade "
+                "(pip install -U pipeplanner), or ")
+    return ""
+
+
 def refuse_unknown_keys(d: Dict[str, Any], known: Iterable[str], where: str) -> None:
     """A ValueError naming the keys of `d` not in `known`: a misspelt key (\"memroy\") read as absent
     would silently drop what it sets, a memory cap included."""

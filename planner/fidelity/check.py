@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from planner.jsonio import JsonFileError, read_json
+from planner.jsonio import JsonFileError, newer_schema, read_json
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_speed_lines
 from planner.profile.profile import MAX_SECONDS
@@ -24,7 +24,8 @@ def load_report(path: str) -> Dict[str, Any]:
     version = report.get("schema_version")
     if version != REPORT_SCHEMA_VERSION:
         raise JsonFileError(f"report {path!r} has schema_version {version!r}; this planner reads version "
-                            f"{REPORT_SCHEMA_VERSION}: run `runtime execute PLAN --report FILE` again with this version")
+                            f"{REPORT_SCHEMA_VERSION}: {newer_schema(version, REPORT_SCHEMA_VERSION)}run `runtime "
+                            "execute PLAN --report FILE` again with this version")
     problem = _report_problem(report)
     if problem:
         raise JsonFileError(f"report {path!r} {problem}; pass the file `runtime execute PLAN --report FILE` wrote")

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from planner.cost.localsgd import local_sgd_refusal
 from planner.cost.memory import OPTIMIZER_MOMENTS, PRECISIONS, SHARDS
-from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, newer_schema, read_json, write_json_atomic
 from planner.pipeline.schedule import MAX_MICRO_BATCHES, SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
@@ -217,7 +217,8 @@ class Plan:
             raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {_REMAKE}")
         if d.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise JsonFileError(f"{where} has schema_version {d.get('schema_version')!r}, expected "
-                                f"{PLAN_SCHEMA_VERSION}; {_REMAKE}")
+                                f"{PLAN_SCHEMA_VERSION}; {newer_schema(d.get('schema_version'), PLAN_SCHEMA_VERSION)}"
+                                f"{_REMAKE}")
         values = _fields_from_json(cls, d, where)
         if not isinstance(values["stages"], list) or not values["stages"]:
             raise JsonFileError(f"{where} has no stages; {_REMAKE}")

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from planner.jsonio import JsonFileError, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, newer_schema, read_json, write_json_atomic
 from planner.sizes import MAX_BYTES
 
 PROFILE_SCHEMA_VERSION = 1
@@ -474,7 +474,7 @@ class Profile:
         if version != PROFILE_SCHEMA_VERSION:
             raise JsonFileError(
                 f"profile schema_version {version!r} is not supported (expected {PROFILE_SCHEMA_VERSION}); "
-                "re-run `planner profile` with this version")
+                f"{newer_schema(version, PROFILE_SCHEMA_VERSION)}re-run `planner profile` with this version")
         read = _Reader(source, [])
         sizes = d.get("micro_batch_sizes")
         if not isinstance(sizes, list) or not sizes or any(

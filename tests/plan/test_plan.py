@@ -121,6 +121,30 @@ def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
         load_plan(str(path))
 
 
+def test_a_file_from_a_newer_release_says_upgrade(tmp_path):
+    # re-creating a profile, plan or report means measuring, solving or training again: a newer
+    # release's file was told only that
+    from planner.fidelity.check import REPORT_SCHEMA_VERSION, load_report
+    from planner.profile.profile import PROFILE_SCHEMA_VERSION, Profile
+
+    newer = "a newer pipeplanner wrote it .schema_version {}; this one reads {}.: upgrade"
+    plan = make()[2].to_json()
+    path = str(tmp_path / "plan.json")
+    write_json_atomic(path, dict(plan, schema_version=PLAN_SCHEMA_VERSION + 1))
+    with pytest.raises(JsonFileError, match=newer.format(PLAN_SCHEMA_VERSION + 1, PLAN_SCHEMA_VERSION)):
+        load_plan(path)
+    write_json_atomic(path, dict(plan, schema_version=0))  # older: re-create it, as before
+    with pytest.raises(JsonFileError, match="schema_version 0") as older:
+        load_plan(path)
+    assert "pipeplanner wrote" not in str(older.value)
+    profile = synthetic_profile([0.01] * 3, [0.02] * 3, [0] * 3, [0] * 3, [64] * 2, sizes=(1,)).to_json()
+    with pytest.raises(JsonFileError, match=newer.format(PROFILE_SCHEMA_VERSION + 1, PROFILE_SCHEMA_VERSION)):
+        Profile.from_json(dict(profile, schema_version=PROFILE_SCHEMA_VERSION + 1))
+    write_json_atomic(path, {"kind": "report", "stages": [], "schema_version": REPORT_SCHEMA_VERSION + 1})
+    with pytest.raises(JsonFileError, match=newer.format(REPORT_SCHEMA_VERSION + 1, REPORT_SCHEMA_VERSION)):
+        load_report(path)
+
+
 def test_the_runtime_reads_plans_with_the_same_loader(tmp_path, capsys):
     """`runtime show` refuses what `planner show` refuses, with the same message."""
     from planner.cli.main import main as planner_main
