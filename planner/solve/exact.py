@@ -264,18 +264,24 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     if best is not None:
         best = _perturbations(profile, b, opts, best, forms)
     tight = False  # solve the next program to `gap` (a loose one found nothing new)
+    built_s = 0.0  # how long the last program took to build (a build cannot be stopped at the time limit)
     while True:
         cutoff = min(best.iteration_s if best is not None else math.inf,
                      target_s if target_s is not None else math.inf) * (1 - gap)
+        if best is not None and time_limit is not None and \
+                time.perf_counter() - started + built_s >= time_limit:  # no time to build and solve another
+            return outcome(best, bound, False)
         ranges = _fixings(profile, b, opts, forms, cutoff - opts.step_overhead_s)
         if ranges is None or any(lo > hi for lo, hi in zip(*ranges)):
             return outcome(best, cutoff, True)
+        building = time.perf_counter()
         try:
             program = Program(profile, b, opts, *ranges)
             for form in forms:
                 program.add_form(form, big_m_ms(profile, b, opts, form))
         except _NoSplit:
             return outcome(best, cutoff, True)
+        built_s = time.perf_counter() - building
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
         # far from the incumbent, a loose program finds good splits (tightening the fixings) sooner
         loose = not tight and gap < COARSE_GAP and best is not None and \
