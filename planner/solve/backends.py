@@ -14,9 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
 import re
+import select
+import signal
 import sys
 import tempfile
+import time
 import warnings
 from typing import Iterator, Optional, Tuple
 
@@ -135,7 +139,55 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Optional[float] = None,
-               gap: float = 1e-10               ) -> Tuple[bool, Optional[float], bool]:
+               gap: float = 1e-10) -> Tuple[bool, Optional[float], bool]:
+    """`_run_highs_here` in a forked child, stopped past its time limit (then: not ran). HiGHS 1.16
+    can loop at the root after a restart with an objective bound, past its time limit and deaf to its
+    interrupt callbacks (a 345-column program ran for minutes with a 4 s limit); only a process of its
+    own can be stopped. The child's variable values and status are copied back into `prob`."""
+    if time_limit is None or not hasattr(os, "fork"):
+        return _run_highs_here(prob, time_limit, cutoff, gap)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: solve, send the outcome, leave without running the parent's exit handlers
+        code = 1
+        try:
+            os.close(read_end)
+            result = _run_highs_here(prob, time_limit, cutoff, gap)
+            values = {v.name: v.varValue for v in prob.variables()}
+            payload = pickle.dumps((result, prob.status, prob.sol_status, values))  # our own process: no user file
+            with os.fdopen(write_end, "wb") as out:
+                out.write(payload)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    deadline = time.monotonic() + time_limit + max(HIGHS_GRACE_S, HIGHS_GRACE_SHARE * time_limit)
+    chunks = []
+    with os.fdopen(read_end, "rb") as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return False, None, False
+            chunk = os.read(pipe.fileno(), 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not chunks:
+        return False, None, False
+    result, prob.status, prob.sol_status, values = pickle.loads(b"".join(chunks))
+    for v in prob.variables():
+        v.varValue = values.get(v.name)
+    return result
+
+
+HIGHS_GRACE_S, HIGHS_GRACE_SHARE = 2.0, 0.5  # past its time limit, a HiGHS child is stopped after this
+
+
+def _run_highs_here(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Optional[float] = None,
+                    gap: float = 1e-10) -> Tuple[bool, Optional[float], bool]:
     """Solve with HiGHS through highspy; (proven optimal, MIP dual bound in model units or None, True).
 
     One thread (the machine is shared). Feasibility tolerances are 1e-9 rather than 1e-7: a memory

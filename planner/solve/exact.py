@@ -290,8 +290,8 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
                                gap=COARSE_GAP / 4 if loose else gap / 4)
         if not result.ran:
             if best is None:
-                raise RuntimeError(f"the {backend} solver returned no plan (it crashed); give it more time or "
-                                   "enable the warm start")
+                raise RuntimeError(f"the {backend} solver returned no plan (it crashed, or ran past its time limit and "
+                                   "was stopped); give it more time or enable the warm start")
             return outcome(best, bound, False)
         if not result.below_cutoff:
             proven = result.optimal and math.isfinite(cutoff)

@@ -282,3 +282,34 @@ def test_solver_crash_falls_back_to_the_warm_start(monkeypatch):
     assert found.status in ("optimal", "feasible")
     with pytest.raises(RuntimeError, match="crashed"):
         solve_ilp(p, opts, warm_start=False)
+
+
+def test_a_highs_run_past_its_time_limit_is_stopped(monkeypatch):
+    # HiGHS 1.16 looped at a program's root (an objective bound, after a restart) past its time limit
+    # and its interrupt callbacks: planner solve hung for minutes with --time-limit 10. It runs in a
+    # child process now, stopped past its limit; a finished run's values come back into the program
+    import time
+
+    import pulp
+
+    from planner.solve import backends
+
+    prob = pulp.LpProblem("small", pulp.LpMaximize)
+    x, y = (prob.add_variable(n, 0, 10, cat=c) if hasattr(prob, "add_variable") else pulp.LpVariable(n, 0, 10, cat=c)
+            for n, c in (("x", pulp.LpInteger), ("y", pulp.LpContinuous)))
+    prob += 3 * x + 2 * y
+    prob += x + y <= 7.5
+    optimal, bound, ran = backends._run_highs(prob, time_limit=5.0)
+    assert ran and optimal and (x.varValue, y.varValue) == (7, 0.5) and pulp.value(prob.objective) == 22
+    assert prob.sol_status == pulp.LpSolutionOptimal
+    stuck = backends._run_highs_here
+
+    def loops(*args, **kwargs):  # a HiGHS that never returns (in the child: fork copies this patch)
+        while True:
+            time.sleep(1)
+
+    monkeypatch.setattr(backends, "_run_highs_here", loops)
+    started = time.monotonic()
+    assert backends._run_highs(prob, time_limit=0.2) == (False, None, False)
+    assert time.monotonic() - started < 0.2 + backends.HIGHS_GRACE_S + 2
+    monkeypatch.setattr(backends, "_run_highs_here", stuck)
