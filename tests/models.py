@@ -500,14 +500,17 @@ class SavedWrite(nn.Module):
         return self.second(z + y)
 
 
-def saved_write(dim: int = 8) -> ModelSpec:
-    module = SavedWrite(dim)
-
+def _regression(module: nn.Module, dim: int) -> ModelSpec:
+    """`module` trained towards random targets of width `dim` (mean squared error), batches seeded by step."""
     def batch(n: int, step: int):
         g = torch.Generator().manual_seed(step)
         return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+
+
+def saved_write(dim: int = 8) -> ModelSpec:
+    return _regression(SavedWrite(dim), dim)
 
 
 def exits(where: str = "loss", step: int = 0) -> ModelSpec:
@@ -545,10 +548,4 @@ class FrozenLayers(nn.Module):
 
 
 def frozen_layers(dim: int = 16) -> ModelSpec:
-    module = FrozenLayers(dim)
-
-    def batch(n: int, step: int):
-        g = torch.Generator().manual_seed(step)
-        return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
-
-    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+    return _regression(FrozenLayers(dim), dim)

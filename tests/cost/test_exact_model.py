@@ -181,20 +181,30 @@ def test_planned_memory_is_the_peak_along_the_runtime_lists(problem, rng):
                             abs_tol=1e-6)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(max_units=7))
-def test_solver_matches_brute_force_under_the_exact_model(problem):
-    profile, opts = problem
+def _oracle_and_found(profile, opts):
+    """(the brute-force optimum, the solver's plan); None where there is nothing to compare: too many
+    plans to enumerate, or no plan at all (brute force agreeing)."""
     try:
         oracle = solve_brute(profile, opts)
     except ValueError:
-        return  # too many plans to enumerate
+        return None  # too many plans to enumerate
     try:
         found = solve(profile, opts)
     except InfeasibleError:
         assert oracle is None
-        return
+        return None
     assert oracle is not None
+    return oracle, found
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_units=7))
+def test_solver_matches_brute_force_under_the_exact_model(problem):
+    profile = problem[0]
+    compared = _oracle_and_found(*problem)
+    if compared is None:
+        return
+    oracle, found = compared
     assert found.status == "optimal" and found.gap <= 1e-6  # the MIP's own tolerance
     assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
     again = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
@@ -209,16 +219,11 @@ def test_recompute_auto_under_a_cap_matches_brute_force(problem, cap):
     still the optimum, and never slower than the best plan without recomputation."""
     profile, opts = problem
     opts = opts.with_(recompute="auto", memory_cap=cap)
-    try:
-        oracle = solve_brute(profile, opts)
-    except ValueError:
-        return  # too many plans to enumerate
-    try:
-        found = solve(profile, opts)
-    except InfeasibleError:
-        assert oracle is None
+    compared = _oracle_and_found(profile, opts)
+    if compared is None:
         return
-    assert oracle is not None and found.status == "optimal"
+    oracle, found = compared
+    assert found.status == "optimal"
     assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9)
     assert found.bound <= oracle.objective * (1 + 1e-9)
     try:
