@@ -146,6 +146,8 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
     own can be stopped. The child's variable values and status are copied back into `prob`."""
     if time_limit is None or not hasattr(os, "fork"):
         return _run_highs_here(prob, time_limit, cutoff, gap)
+    sys.stdout.flush()  # else the child, flushing what it inherited, would print the parent's lines again
+    sys.stderr.flush()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: solve, send the outcome, leave without running the parent's exit handlers
