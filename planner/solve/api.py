@@ -36,7 +36,7 @@ def available_memory() -> Optional[int]:
 
 def check_table_room(num_units: int, available: Optional[int] = None) -> None:
     """A one-line ValueError, before any table is built, where the search's tables of every unit
-    range would not fit this host's free memory (20,000 units: 25 GB, the run swapping or killed)."""
+    range would not fit this host's free memory (the run would swap or be killed, silently)."""
     need = TABLE_BYTES_PER_RANGE * (num_units + 1) ** 2
     free = available_memory() if available is None else available
     if free is not None and need > free:
@@ -83,7 +83,7 @@ def _without_needless_recompute(profile: Profile, opts: CostOptions) -> CostOpti
     """`--recompute auto` where no device has a memory cap is `none`: recomputing only adds work to
     a step whose memory nothing bounds. Said so, the search takes the branch and bound over splits
     (planner.solve.branch), which does not take per-unit choices, instead of the integer program
-    (nasnetalarge at 16 stages, 10 s: a 16 % slower plan at a 52 % gap, against 4 %)."""
+    (BENCHMARKS.md, "The command's default on the PipeDream profiles")."""
     if opts.recompute == "auto" and all(cap is None for cap in rank_caps(opts, profile)):
         return dataclasses.replace(opts, recompute="none")
     return opts

@@ -142,8 +142,8 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
                gap: float = 1e-10) -> Tuple[bool, Optional[float], bool]:
     """`_run_highs_here` in a forked child, stopped past its time limit (then: not ran). HiGHS 1.16
     can loop at the root after a restart with an objective bound, past its time limit and deaf to its
-    interrupt callbacks (a 345-column program ran for minutes with a 4 s limit); only a process of its
-    own can be stopped. The child's variable values and status are copied back into `prob`."""
+    interrupt callbacks (BENCHMARKS.md, "HiGHS past its time limit"); only a process of its own can be
+    stopped. The child's variable values and status are copied back into `prob`."""
     if time_limit is None or not hasattr(os, "fork"):
         return _run_highs_here(prob, time_limit, cutoff, gap)
     sys.stdout.flush()  # else the child, flushing what it inherited, would print the parent's lines again
