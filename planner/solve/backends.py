@@ -144,7 +144,7 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
     can loop at the root after a restart with an objective bound, past its time limit and deaf to its
     interrupt callbacks (BENCHMARKS.md, "HiGHS past its time limit"); only a process of its own can be
     stopped. The child's variable values and status are copied back into `prob`."""
-    if time_limit is None or not hasattr(os, "fork"):
+    if time_limit is None or not sys.platform.startswith("linux"):  # macOS: libraries unsafe after a fork
         return _run_highs_here(prob, time_limit, cutoff, gap)
     sys.stdout.flush()  # else the child, flushing what it inherited, would print the parent's lines again
     sys.stderr.flush()
