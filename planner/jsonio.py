@@ -113,8 +113,9 @@ def atomic_path(path: str) -> Iterator[str]:
 
 
 def check_writable(path: str, inputs: Sequence[Optional[str]] = (), make_folder: bool = False) -> None:
-    """That a file can be written at `path` (its folder can be made where missing; `make_folder`
-    makes it): JsonFileError, one line, otherwise -- before the work that produces it, where that is
+    """That a file can be written at `path` (its folder can be made where missing; `make_folder`, for a
+    caller that writes at once, makes it and leaves the test of a new file there to that write):
+    JsonFileError, one line, otherwise -- before the work that produces it, where that is
     long (a run that then fails leaves no new folder). A path that names something other than a file
     (a folder, /dev/null) is refused: the rename would replace it; so is one of the command's
     `inputs` (it would be lost)."""
@@ -139,11 +140,12 @@ def check_writable(path: str, inputs: Sequence[Optional[str]] = (), make_folder:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise JsonFileError(f"cannot write {path!r}: {existing!r} is a file, not a folder")
-    if make_folder:
+    if make_folder:  # the caller writes there now (atomic_path's own temporary file is the probe)
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             raise JsonFileError(f"cannot write {path!r}: {e.strerror or e} (its folder {directory!r})") from None
+        return
     probe = directory if os.path.isdir(directory) else existing
     try:  # a file made there and removed: access() says yes to root in /proc, where nothing can be made
         fd, made = tempfile.mkstemp(prefix=".probe-", dir=probe)

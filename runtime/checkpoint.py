@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from planner.jsonio import JsonFileError, atomic_path, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, atomic_path, newer_schema, read_json, write_json_atomic
 
 CHECKPOINT_SCHEMA_VERSION = 1
 
@@ -87,12 +87,14 @@ def latest(directory: str, plan_hash: str, world_size: int) -> Optional[int]:
         meta = read_json(path, what="checkpoint marker")
     except JsonFileError as e:
         raise CheckpointError(str(e)) from None
-    if not isinstance(meta, dict) or meta.get("schema_version") != CHECKPOINT_SCHEMA_VERSION or \
+    version = meta.get("schema_version") if isinstance(meta, dict) else None
+    if version != CHECKPOINT_SCHEMA_VERSION or \
             not _count(meta.get("completed_steps")) or not _count(meta.get("world_size")) or \
             not isinstance(meta.get("plan_hash"), str):
         raise CheckpointError(f"checkpoint marker {path!r} is not one this runtime wrote (schema_version "
-                              f"{CHECKPOINT_SCHEMA_VERSION}, completed_steps, world_size, plan_hash); resume from "
-                              "another --checkpoint-dir, or start a new one")
+                              f"{CHECKPOINT_SCHEMA_VERSION}, completed_steps, world_size, plan_hash); "
+                              f"{newer_schema(version, CHECKPOINT_SCHEMA_VERSION)}"
+                              "resume from another --checkpoint-dir, or start a new one")
     if meta["plan_hash"] != plan_hash:
         raise CheckpointError(f"the checkpoint in {directory!r} was written for a different plan; resume with the "
                               "same plan file or use a new --checkpoint-dir")

@@ -24,6 +24,7 @@ from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
 from planner.profile.profile import MESSAGE_DTYPES
+from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or an exchange at most this long
 
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
 # (1 had a closed form, `per_step_s` and no durations)
@@ -32,7 +33,6 @@ PLAN_SCHEMA_VERSION = 2
 PER_INDEX_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 _REMAKE = "re-create it with `planner solve PROFILE`"
 _MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")  # of a stage's memory_bytes, always written
-MAX_HELD_S = 3600.0  # an emulated link holds a message or an exchange at most this long (as --latency's bound)
 
 # What a field's JSON value must be: (check, what the message says was expected)
 _INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
@@ -262,18 +262,18 @@ class Plan:
             raise JsonFileError(f"{where} has malformed step_durations; {_REMAKE}") from None
         if any(not 0 <= x < float("inf") for x in value.values()):
             raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {_REMAKE}")
-        if self.emulated_boundaries and any(value.get(("act", j), 0.0) > MAX_HELD_S or value.get(("grad", j), 0.0) >
-                                            MAX_HELD_S for j in self.emulated_boundaries):
-            raise JsonFileError(f"{where}: an emulated link would hold a message over {MAX_HELD_S:.0f} s "
+        if any(max(value.get(("act", j), 0.0), value.get(("grad", j), 0.0)) > MAX_LATENCY_S
+               for j in self.emulated_boundaries):
+            raise JsonFileError(f"{where}: an emulated link would hold a message over {MAX_LATENCY_S:.0f} s "
                                 f"(step_durations); {_REMAKE}")
         boundaries = len(self.stages) - 1
         if any(not 0 <= j < boundaries for j in self.emulated_boundaries):
             raise JsonFileError(f"{where} has emulated_boundaries {self.emulated_boundaries!r}: stage boundaries "
                                 f"0..{boundaries - 1}; {_REMAKE}")
         if self.emulated_exchange_s and (len(self.emulated_exchange_s) != topology.pipeline_ranks or
-                                         any(not 0 <= x <= MAX_HELD_S for x in self.emulated_exchange_s)):
+                                         any(not 0 <= x <= MAX_LATENCY_S for x in self.emulated_exchange_s)):
             raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds "
-                                f"0..{MAX_HELD_S:.0f}, one "
+                                f"0..{MAX_LATENCY_S:.0f}, one "
                                 f"per pipeline rank ({topology.pipeline_ranks}); {_REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks

@@ -154,11 +154,14 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
         code = 1
         try:
             os.close(read_end)
-            result = _run_highs_here(prob, time_limit, cutoff, gap)
-            values = {v.name: v.varValue for v in prob.variables()}
-            payload = pickle.dumps((result, prob.status, prob.sol_status, values))  # our own process: no user file
+            try:
+                result = _run_highs_here(prob, time_limit, cutoff, gap)
+                values = {v.name: v.varValue for v in prob.variables()}
+                outcome = ("solved", result, prob.status, prob.sol_status, values)
+            except Exception as e:  # noqa: BLE001 - raised again in the parent, as in-process
+                outcome = ("raised", f"{type(e).__name__}: {e}")
             with os.fdopen(write_end, "wb") as out:
-                out.write(payload)
+                out.write(pickle.dumps(outcome))  # our own process: no user file
             code = 0
         finally:
             os._exit(code)
@@ -179,7 +182,10 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
     _, status = os.waitpid(pid, 0)
     if status != 0 or not chunks:
         return False, None, False
-    result, prob.status, prob.sol_status, values = pickle.loads(b"".join(chunks))
+    outcome = pickle.loads(b"".join(chunks))
+    if outcome[0] == "raised":
+        raise RuntimeError(f"HiGHS failed: {outcome[1]}")
+    _, result, prob.status, prob.sol_status, values = outcome
     for v in prob.variables():
         v.varValue = values.get(v.name)
     return result

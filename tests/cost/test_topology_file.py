@@ -119,7 +119,10 @@ def test_bad_cluster_files_are_refused(raw, message):
 
     with pytest.raises(ValueError, match=message):
         cluster_from_json(raw)
-    with pytest.raises(ValueError, match="must be at most 1e\\+18"):
+
+
+def test_a_topology_memory_past_an_exabyte_is_refused():
+    with pytest.raises(ValueError, match="\"device\" memory must be at most 1e\\+18"):
         topology_from_json({"levels": [{"count": 2}], "device": {"memory": 1e19}})
 
 

@@ -22,6 +22,12 @@ def test_a_marker_this_runtime_did_not_write_is_refused(tmp_path, marker):
         ckpt.latest(str(tmp_path), "abc", 2)
 
 
+def test_a_newer_releases_marker_says_upgrade(tmp_path):
+    (tmp_path / "latest.json").write_text(json.dumps(dict(GOOD, schema_version=ckpt.CHECKPOINT_SCHEMA_VERSION + 1)))
+    with pytest.raises(ckpt.CheckpointError, match="a newer pipeplanner wrote it .* upgrade"):
+        ckpt.latest(str(tmp_path), "abc", 2)
+
+
 def test_the_marker_is_read(tmp_path):
     (tmp_path / "latest.json").write_text(json.dumps(GOOD))
     assert ckpt.latest(str(tmp_path), "abc", 2) == 2

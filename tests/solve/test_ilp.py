@@ -302,7 +302,6 @@ def test_a_highs_run_past_its_time_limit_is_stopped(monkeypatch):
     optimal, bound, ran = backends._run_highs(prob, time_limit=5.0)
     assert ran and optimal and (x.varValue, y.varValue) == (7, 0.5) and pulp.value(prob.objective) == 22
     assert prob.sol_status == pulp.LpSolutionOptimal
-    stuck = backends._run_highs_here
 
     def loops(*args, **kwargs):  # a HiGHS that never returns (in the child: fork copies this patch)
         while True:
@@ -312,4 +311,10 @@ def test_a_highs_run_past_its_time_limit_is_stopped(monkeypatch):
     started = time.monotonic()
     assert backends._run_highs(prob, time_limit=0.2) == (False, None, False)
     assert time.monotonic() - started < 0.2 + backends.HIGHS_GRACE_S + 2
-    monkeypatch.setattr(backends, "_run_highs_here", stuck)
+
+    def fails(*args, **kwargs):  # an error in the child is raised in the parent, as in-process
+        raise ValueError("no model")
+
+    monkeypatch.setattr(backends, "_run_highs_here", fails)
+    with pytest.raises(RuntimeError, match="HiGHS failed: ValueError: no model"):
+        backends._run_highs(prob, time_limit=5.0)

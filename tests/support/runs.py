@@ -49,8 +49,9 @@ def run_cli(args: Sequence[str], timeout: float = 240, env: Optional[Dict[str, s
 
 def run_here(args: Sequence[str]) -> subprocess.CompletedProcess:
     """`run_cli` in this process (no second torch import: 2 s of a 2-core CI machine a call), for a
-    command refused before its work: args[0] is "planner.cli" or "runtime.cli". Entry points and
-    what a command's process does on its way out are tested through `run_cli`."""
+    test of what the command does, not of its process: args[0] is "planner.cli" or "runtime.cli"
+    (ranks then start from this process's fork server). Entry points, and what a command's process
+    does on its way out, are tested through `run_cli`."""
     import importlib
 
     main = importlib.import_module("planner.cli.main" if args[0] == "planner.cli" else args[0]).main
