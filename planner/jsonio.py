@@ -152,7 +152,8 @@ def check_writable(path: str, inputs: Sequence[Optional[str]] = (), make_folder:
         os.close(fd)
         os.unlink(made)
     except OSError as e:
-        raise JsonFileError(f"cannot write {path!r}: its folder {probe!r} takes no new file ({e.strerror or e})") from None
+        raise JsonFileError(f"cannot write {path!r}: its folder {probe!r} takes no new file "
+                            f"({e.strerror or e})") from None
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

@@ -182,5 +182,5 @@ def state_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output:
         more = f" (and {len(reads.read) - 1} more)" if len(reads.read) > 1 else ""
         raise CaptureError(
             f"the loss function reads the model's {reads.read[0]}{more}, which a layer before the last uses: a "
-            "pipeline computes the loss on the last stage alone, which does not hold another stage's state; pass the tensor to the loss another way (a tensor the loss "
-            "function keeps, not registered on the model)")
+            "pipeline computes the loss on the last stage alone, which does not hold another stage's state; pass "
+            "the tensor to the loss another way (a tensor the loss function keeps, not registered on the model)")

@@ -352,7 +352,8 @@ def test_a_batch_or_loss_function_that_exits_is_one_line(tmp_path):
     profile, plan = str(tmp_path / "p.json"), str(tmp_path / "plan.json")
     assert run_here(["planner.cli", "profile", "tests.models:exits", "--model-arg", "where=batch", "--model-arg",
                      "step=2", *quick, "-o", profile]).returncode == 0
-    assert run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "2", "-o", plan]).returncode == 0
+    solved = run_here(["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "2", "-o", plan])
+    assert solved.returncode == 0, solved.stderr
     ran = run_here(["runtime.cli", "execute", plan, "--steps", "4"])
     assert ran.returncode == 1 and "step 2/4" in ran.stdout and "step 3/4" not in ran.stdout
     assert re.search(r"rank [01] failed: ModelEntryError: the model's batch function called sys\.exit\(3\) \(batch "
