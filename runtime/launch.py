@@ -208,12 +208,14 @@ def launch_local(world_size: int, worker_args: List[str], out_dir: str, threads:
 
 def _first_cause(out_dir: str, failed: List[int], codes: List[Optional[int]]) -> int:
     """A rank killed by a signal (nothing here had stopped any yet), else the rank that wrote its
-    error file first: the others failed because it left."""
+    error file first, exited or not: the others failed because it left. A rank writes its file
+    before it leaves the group, but may still be leaving (printing, tearing down) when the peer
+    that lost it has exited: the exited ranks alone could name the peer."""
     killed = [rank for rank in failed if codes[rank] is not None and codes[rank] < 0]
     if killed:
         return killed[0]
     stamped = []
-    for rank in failed:
+    for rank in range(len(codes)):
         path = os.path.join(out_dir, f"rank{rank}.error")
         if os.path.exists(path):
             stamped.append((os.path.getmtime(path), rank))

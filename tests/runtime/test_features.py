@@ -98,6 +98,21 @@ def test_rank_killed_with_sigkill_takes_the_others_down(tmp_path):
     assert ranks_left() == []
 
 
+def test_the_cause_is_the_first_error_file_even_of_a_rank_still_leaving(tmp_path):
+    # CI: rank 0 wrote its error and was still tearing down when rank 1, which lost its peer, had
+    # exited; naming an exited rank only reported rank 1's "Connection closed by peer"
+    from runtime.launch import _first_cause
+
+    (tmp_path / "rank0.error").write_text("InitStateError: no entry\n")
+    (tmp_path / "rank1.error").write_text("RuntimeError: Connection closed by peer\n")
+    os.utime(tmp_path / "rank0.error", ns=(10 ** 18, 10 ** 18))
+    os.utime(tmp_path / "rank1.error", ns=(10 ** 18 + 10 ** 6, 10 ** 18 + 10 ** 6))
+    assert _first_cause(str(tmp_path), [1], [None, 1]) == 0
+    assert _first_cause(str(tmp_path), [0, 1], [-9, 1]) == 0  # a killed rank is the cause
+    (tmp_path / "rank0.error").unlink()
+    assert _first_cause(str(tmp_path), [1], [None, 1]) == 1
+
+
 def test_ranks_with_different_plans_refuse_to_start(tmp_path):
     import subprocess
     import sys
