@@ -107,8 +107,8 @@ def execute(args: argparse.Namespace) -> int:
     result = launch_local(topology.world_size, _worker_args(args, out_dir, threads, optimizer), out_dir, threads,
                           args.timeout, progress_rank=reporter)
     if not result.ok:
-        print(f"error: rank {result.failed_rank} failed: {result.error}\n"
-              f"(its log: {result.log_path}; all ranks were stopped)", file=sys.stderr)
+        print(f"error: rank {result.failed_rank} failed: {result.error} (its log: {result.log_path}; all ranks "
+              "were stopped)", file=sys.stderr)
         return 1
     ranks = [read_json(os.path.join(out_dir, f"rank{r}.json")) for r in range(topology.world_size)]
     report = build_report(plan, ranks)

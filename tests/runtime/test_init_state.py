@@ -90,6 +90,8 @@ def test_bad_init_states_fail_in_one_line(tmp_path):
     torch.save(state, file)
     result = run_here(["runtime.cli", "execute", plan_path, "--init-state", file])
     assert result.returncode == 1 and "has no entry" in result.stderr and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()  # the cause, the rank's log and that all were stopped
+    assert line.startswith("error: rank ") and "its log" in line
 
 
 @pytest.mark.slow  # about 40 s on 2 cores: writing and paging in 1 GiB
