@@ -148,16 +148,17 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                 args.append(v)
             own = {n.name for n in captured.units[k].nodes}
             produced = [i for i, name in enumerate(io.sent) if name in own]
+            received = as_received(args)
             try:
                 fwd, bwd, saved, parts = _unit_costs(stage, args, produced, io.is_last, spec.loss, target, device)
+                if received is not None:  # a stage starting with it: its inputs in storages of their own
+                    _, _, first_saved, first = _unit_costs(stage, received, produced, io.is_last, spec.loss,
+                                                           target, device)
             except UnitRunError as e:
                 raise unit_failure(captured.unit_names[k], L, UnitRunError(k, e.phase, e.cause), stage, args) from e
             unit = units[k]
-            received = as_received(args)
-            if received is not None:  # a stage starting with it: its inputs in storages of their own
-                _, _, unit.first_saved_bytes[b], first = _unit_costs(stage, received, produced, io.is_last, spec.loss,
-                                                                     target, device)
-                unit.first_weight_held_bytes[b] = first.held_bytes
+            if received is not None:
+                unit.first_saved_bytes[b], unit.first_weight_held_bytes[b] = first_saved, first.held_bytes
             unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = fwd, bwd, saved
             input_share, weight_share = parts.shares()  # of the ops' costs: the parts' sum is the backward's
             unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
