@@ -177,16 +177,31 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
         return hit[1]
 
     def scale(table: Dict[int, int]) -> Dict[int, int]:
-        return {b: int(round(v * ratio)) for b, v in table.items()}
+        # rounded down, every count alike: a part (shared, held, kept) stays within its whole, and
+        # every difference of them the ranges take (planner.cost.ranges) stays >= 0
+        return {b: int(v * ratio) for b, v in table.items()}
+
+    def scale_parts(table: Dict[int, Dict[str, int]]) -> Dict[int, Dict[str, int]]:
+        return {b: {key: int(v * ratio) for key, v in parts.items()} for b, parts in table.items()}
 
     def value(v: CutValue) -> CutValue:
         if v.kind != "tensor" or v.dtype != profile.dtype:  # integer tensors (token ids) keep their size
             return v
         return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
 
+    # every activation count of a unit (a field left in the profile's dtype beside halved saved
+    # bytes made a stage's held bytes negative); the model's inputs are taken as floating too, as
+    # saved_bytes, which holds those a unit saves, already is
     units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)),
                                  trainable_bytes=int(round(u.trainable_bytes * ratio)),
-                                 saved_bytes=scale(u.saved_bytes), output_bytes=scale(u.output_bytes))
+                                 saved_bytes=scale(u.saved_bytes), output_bytes=scale(u.output_bytes),
+                                 weight_held_bytes=scale(u.weight_held_bytes), input_bytes=scale(u.input_bytes),
+                                 loss_saved_bytes=scale(u.loss_saved_bytes),
+                                 first_saved_bytes=scale(u.first_saved_bytes),
+                                 first_weight_held_bytes=scale(u.first_weight_held_bytes),
+                                 weight_kept_bytes=scale(u.weight_kept_bytes),
+                                 shared_saved_bytes=scale_parts(u.shared_saved_bytes),
+                                 weight_shared_bytes=scale_parts(u.weight_shared_bytes))
              for u in profile.units]
     cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
     ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and

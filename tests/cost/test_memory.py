@@ -149,3 +149,37 @@ def test_auto_shard_enumerates_shards_only_with_replicas():
     assert {s for d, s in shards if d == 2} == {"none", "optimizer", "gradients", "parameters"}
     with pytest.raises(ValueError, match="concrete shard"):
         evaluate(_profile(), [2], 2, opts)
+
+
+def test_a_profile_planned_in_another_precision_scales_every_activation_count():
+    # fp32 profile planned at bf16: saved bytes were halved but the counts the ranges subtract from
+    # them (shared storages, the model's inputs, the weight part's held bytes) stayed in fp32 bytes,
+    # which made a stage's held bytes 0 or negative (a plan its own loader refused)
+    import random
+
+    from tests.support.synthetic import random_chain, share_saved
+
+    p = synthetic_profile([1e-3] * 3, [2e-3] * 3, [1000] * 3, [400, 800, 400], [400] * 2, sizes=(1,))
+    share_saved(p, [1, 2])  # 1600 saved, 800 of them shared by neighbours: 800 held, 400 in bf16
+    for precision, held in (("fp32", 800), ("bf16-mixed", 400), ("bf16", 400)):
+        opts = CostOptions(pipeline_ranks=1, global_batch=1, precision=precision)
+        assert evaluate(p, [], 1, opts).stages[0].activation_bytes == held
+    for seed in range(12):
+        rng = random.Random(seed)
+        profile = random_chain(rng, 6, sizes=(1, 2))
+        for unit in profile.units:  # the zero-bubble counts as `planner profile` measures them
+            for b in profile.micro_batch_sizes:
+                unit.backward_input_s[b], unit.backward_weight_s[b] = unit.backward_s[b] / 2, unit.backward_s[b] / 2
+                unit.weight_held_bytes[b] = rng.randint(0, unit.saved_bytes[b])
+                unit.weight_kept_bytes[b] = rng.randint(0, unit.weight_held_bytes[b])
+                unit.first_saved_bytes[b] = unit.saved_bytes[b] + rng.randint(0, 1000)
+        profile.units[-1].loss_saved_bytes = {b: 4096 * b for b in profile.micro_batch_sizes}
+        for schedule, stages, v in (("1f1b", 3, 1), ("gpipe", 3, 1), ("interleaved", 2, 2), ("zb-h1", 3, 1)):
+            for recompute in ("none", "all"):
+                split = sorted(rng.sample(range(1, 6), stages * v - 1))
+                base = CostOptions(pipeline_ranks=stages, global_batch=8, schedule=schedule, virtual_stages=v,
+                                   recompute=recompute)
+                full = evaluate(profile, split, 2, base)
+                half = evaluate(profile, split, 2, base.with_(precision="bf16-mixed"))
+                for a, h in zip(full.stages, half.stages):  # every count halved, each rounded down
+                    assert 0 <= a.activation_bytes / 2 - h.activation_bytes <= 64, (seed, schedule, recompute)
