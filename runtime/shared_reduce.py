@@ -81,15 +81,16 @@ class SharedMemoryReducer:
         self.sequence = 0  # chunks reduced so far: the same on every member
         self.reductions = 0  # tensors reduced (the run's report)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` (contiguous, on the CPU) over the members, in place."""
+    def all_reduce(self, tensor: torch.Tensor, counted: bool = True) -> None:
+        """Sum `tensor` (contiguous, on the CPU) over the members, in place; `reductions` counts the
+        gradient buckets' (`counted`), not the step's loss."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("a shared-memory all-reduce needs one contiguous CPU tensor")
         flat = tensor.view(-1)
         per_chunk = self.slot_bytes // tensor.element_size()
         for start in range(0, flat.numel(), per_chunk):
             self._reduce_chunk(flat[start:start + per_chunk])
-        self.reductions += 1
+        self.reductions += counted
 
     def _reduce_chunk(self, chunk: torch.Tensor) -> None:
         s, slot, d = self.sequence, self.sequence % 2, len(self.members)

@@ -309,7 +309,7 @@ def _train(me: _Rank, first_step: int) -> List[Dict[str, Any]]:
         set_lr(me.optimizer, lr_at(me.options, step))
         stats = me.engine.run_step(step)
         if me.groups.data_parallel_group is not None and me.rank_model.stages[-1].is_last:
-            stats.loss = _mean_over_holders(stats, me.groups)
+            stats.loss = _mean_over_holders(stats, me.groups, _reducer(me))
         steps.append(dict(stats.__dict__))
         if args.progress and is_reporter:
             print(f"step {step + 1}/{args.steps}  loss {stats.loss:.4f}  time {stats.time_s * 1e3:.1f} ms",
@@ -438,12 +438,17 @@ def _measure_link(plan: Plan, topology, rank: int, device: torch.device, local, 
     return dict(fit, samples=samples, repeats=repeats, p2p=transport, **flat)
 
 
-def _mean_over_holders(stats, groups: Groups):
+def _mean_over_holders(stats, groups: Groups, reducer=None):
     """Each holder of the last stage (data-parallel replicas, stage replicas) knows the mean loss
-    of its own micro-batches; the step's loss is the mean over all of them."""
+    of its own micro-batches; the step's loss is the mean over all of them. Summed through the
+    gradient buckets' shared-memory `reducer` where the rank has one (the same group): a gloo
+    collective between steps waits on the kernel's wake-ups, time no step's clock sees."""
     total = (stats.loss or 0.0) * stats.loss_count
     value = torch.tensor([total, float(stats.loss_count)], dtype=torch.float64)
-    dist.all_reduce(value, group=groups.data_parallel_group)
+    if reducer is not None:
+        reducer.all_reduce(value, counted=False)
+    else:
+        dist.all_reduce(value, group=groups.data_parallel_group)
     return float(value[0] / value[1]) if value[1] > 0 else None
 
 

@@ -132,14 +132,17 @@ def test_data_parallel_runs_sum_their_gradients_through_shared_memory_unless_tol
     from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state, reshape_plan
 
     plan = reshape_plan(plan_with(profile_of("builtin:mlp"), [3], 2, 16, "1f1b"), data_parallel=2)  # 2 x 2 ranks
-    reference = reference_state(plan)
+    losses = []
+    reference = reference_state(plan, losses=losses)
     before = set(os.listdir(shared_memory.SHM_DIR))
     for p2p in ("auto", "gloo"):
         state = execute(plan, tmp_path / p2p, extra=["--p2p", p2p])
         assert max_abs_diff(state, reference) <= 1e-5
         with open(tmp_path / p2p / "report.json") as f:
             report = json.load(f)
-        # one bucket per rank, summed once in each of the 3 steps
+        # the step's loss is the mean over both replicas' micro-batches (summed by the same transport)
+        assert [s["loss"] for s in report["steps"]] == pytest.approx(losses, rel=1e-6)  # fp32 losses
+        # one bucket per rank, summed once in each of the 3 steps (the loss is not counted)
         assert [r["shared_memory_reductions"] for r in report["stages"]] == ([3] * 4 if p2p == "auto" else [0] * 4)
         transport = "shared memory" if p2p == "auto" else "torch.distributed"
         assert [r["gradient_all_reduce"] for r in report["stages"]] == [transport] * 4
