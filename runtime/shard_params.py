@@ -64,7 +64,9 @@ def refusal(precision: str, schedule: str, replicated: bool, clipping: bool, che
     if schedule in ZERO_BUBBLE_SCHEDULES:
         return f"the zero-bubble schedule {schedule} with a plan sharding parameters is not supported{fix}"
     if clipping:
-        return f"--clip-grad-norm with a plan sharding parameters is not supported (drop the clipping{fix})"
+        # gradients sharded refuse clipping too (runtime.shard): the optimizer state alone is the fix
+        return ("--clip-grad-norm with a plan sharding parameters is not supported (drop the clipping; re-plan "
+                "with `planner solve --shard optimizer`)")
     if checkpointing:
         return f"--checkpoint-dir with a plan sharding parameters is not supported (drop it{fix})"
     return None

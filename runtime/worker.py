@@ -489,7 +489,8 @@ def _write_error(args, error: BaseException) -> None:
     """OUT_DIR/rank{R}.error: the error in one line (once per rank: the first place it is caught)."""
     if getattr(error, "_pipeplanner_reported", False):
         return
-    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    text = str(error).strip()  # torch's messages may start with a blank line
+    message = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         with atomic_path(os.path.join(args.out_dir, f"rank{os.environ.get('RANK', '?')}.error")) as tmp:

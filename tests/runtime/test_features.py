@@ -113,6 +113,17 @@ def test_the_cause_is_the_first_error_file_even_of_a_rank_still_leaving(tmp_path
     assert _first_cause(str(tmp_path), [1], [None, 1]) == 1
 
 
+def test_a_rank_error_whose_text_starts_with_a_blank_line_names_its_first_line(tmp_path, monkeypatch):
+    # torch's "Can't detach views in-place" starts with a newline: the launcher printed "RuntimeError: "
+    import types
+
+    from runtime.worker import _write_error
+
+    monkeypatch.setenv("RANK", "1")
+    _write_error(types.SimpleNamespace(out_dir=str(tmp_path)), RuntimeError("\n  Can't detach views in-place.\nmore"))
+    assert (tmp_path / "rank1.error").read_text() == "RuntimeError: Can't detach views in-place.\n"
+
+
 def test_ranks_with_different_plans_refuse_to_start(tmp_path):
     import subprocess
     import sys

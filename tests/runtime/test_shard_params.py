@@ -119,3 +119,5 @@ def test_what_sharded_parameters_do_not_run_with_is_refused_in_one_line(tmp_path
         code = runtime_main(["execute", path, "--steps", "1", *extra])
     assert code == 2 and "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
     assert says in err.getvalue() and "re-plan" in err.getvalue()
+    if "--clip-grad-norm" in extra:  # sharded gradients refuse clipping too: not the fix to name
+        assert "--shard optimizer" in err.getvalue() and "--shard gradients" not in err.getvalue()
