@@ -48,6 +48,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
+from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.plan.export import TORCH_SCHEDULE_NAMES, torch_layout_refusal
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
@@ -108,7 +109,7 @@ class StageAsTorchModule(nn.Module):
     micro-batch's loss / (d·m) (one tensor whatever the model's output; torch's loss_fn passes it on)."""
 
     def __init__(self, stage: RankStage, batch: _Batch, device: torch.device, loss: Callable[[Any, Any], Any],
-                 scale: float):
+                 scale: float, split_backward: bool = False):
         super().__init__()
         self.stage_module = stage.module  # registered: its parameters are this module's
         self.stage = stage
@@ -117,6 +118,7 @@ class StageAsTorchModule(nn.Module):
         self.loss, self.scale = loss, scale
         self.wanted = [stage.model_inputs.index(n) for n in stage.io.inputs]
         self.send_tensors = [j for j, v in enumerate(stage.send) if v["kind"] == "tensor"]
+        self.split_backward = split_backward
 
     def forward(self, *received: torch.Tensor, samples: Optional[torch.Tensor] = None) -> Any:
         if self.stage.index == 0:
@@ -126,8 +128,11 @@ class StageAsTorchModule(nn.Module):
         out = self.stage_module(*inputs, *assemble(self.stage, list(received)))
         if self.stage.is_last:  # the loss scaled by its share of the step (the own engine seeds its backward with it)
             return self.loss(out, own_copy(self.batch.targets[i], self.device)) / self.scale
-        # gloo sends contiguous tensors only; a contiguous tensor is returned as itself
-        return tuple(out[j].contiguous() for j in self.send_tensors)
+        # gloo sends contiguous tensors only; a contiguous tensor is returned as itself, and, where the
+        # schedule splits the backward, a view as a copy: torch's input part detaches the stage's outputs
+        # in place, which a view refuses (a Llama layer's output is one)
+        sent = [out[j].contiguous() for j in self.send_tensors]
+        return tuple(t.clone() if self.split_backward and t._is_view() else t for t in sent)
 
 
 def _meta(values: List[Dict[str, Any]]) -> tuple:
@@ -172,7 +177,8 @@ class TorchEngine:
         for stage in rank_model.stages:
             inputs = (torch.empty(b, dtype=torch.int64, device="meta"),) if stage.index == 0 else _meta(stage.recv)
             outputs = _meta(stage.send) if not stage.is_last else (torch.empty((), device="meta", requires_grad=True),)
-            module = StageAsTorchModule(stage, self.batch, device, self.spec.loss, scale)
+            module = StageAsTorchModule(stage, self.batch, device, self.spec.loss, scale,
+                                        split_backward=plan.schedule in ZERO_BUBBLE_SCHEDULES)
             self.stages.append(TimedStage(self, module, stage.index, S, device, input_args=inputs,
                                           output_args=outputs, group=self.pipeline_group))
         schedule_class = getattr(pipelining, TORCH_SCHEDULES[plan.schedule])
@@ -232,6 +238,7 @@ class TimedStage(PipelineStage):
     def __init__(self, engine: "TorchEngine", *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.engine = engine
+        self._whole: set = set()  # chunks whose whole backward ran in the input part's turn
 
     @contextlib.contextmanager
     def _timed(self, key: str, kind: ActionKind, chunk: int):
@@ -254,6 +261,13 @@ class TimedStage(PipelineStage):
         # zero-bubble schedules call it for the input part alone (full_backward=False): what the weight
         # part reads stays held until backward_weight_one_chunk, as the own engine counts it
         whole = kwargs.get("full_backward", True)
+        if not whole and not self.is_first and not self._inputs_need_gradients(bwd_chunk_id):
+            # torch's input part finds its weights through the inputs' gradient functions: with none
+            # (a frozen front, integer inputs) its weight part would update nothing (torch 2.13), so
+            # the whole backward runs now, the weight part's turn passes (torch's own first stage
+            # does it the other way round: nothing now, all in the weight part)
+            kwargs["full_backward"], whole = True, True
+            self._whole.add(bwd_chunk_id)
         with self._timed("backward_s", ActionKind.BACKWARD if whole else ActionKind.BACKWARD_INPUT, bwd_chunk_id):
             out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
             if whole:
@@ -262,7 +276,14 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         # zero-bubble schedules: the weight part of a backward whose input part ran before
+        if bwd_chunk_id in self._whole:
+            self._whole.discard(bwd_chunk_id)
+            return None
         with self._timed("backward_s", ActionKind.BACKWARD_WEIGHT, bwd_chunk_id):
             out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
             self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
         return out
+
+    def _inputs_need_gradients(self, chunk: int) -> bool:
+        _, inputs = self.fwd_cache[chunk]
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)

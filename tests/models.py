@@ -549,3 +549,22 @@ class FrozenLayers(nn.Module):
 
 def frozen_layers(dim: int = 16) -> ModelSpec:
     return _regression(FrozenLayers(dim), dim)
+
+
+class ViewOutputs(nn.Module):
+    """Every layer ends in a view of its result (as a Llama decoder layer's output is): each stage
+    sends a view."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x):
+        n = x.shape[0]
+        for layer in self.layers:
+            x = torch.tanh(layer(x)).view(n, 2, -1).flatten(1)
+        return x
+
+
+def view_outputs(dim: int = 16, layers: int = 4) -> ModelSpec:
+    return _regression(ViewOutputs(dim, layers), dim)

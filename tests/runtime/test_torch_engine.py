@@ -1,8 +1,8 @@
 """`runtime execute --engine torch`: the plan's stages in torch.distributed.pipelining's PipelineStage,
 run by torch's schedule classes, train exactly like one process (2 steps, max abs diff <= 1e-5 fp32):
 a skip over a stage with two outputs and a tuple target (1F1B), interleaved with 2 data-parallel replicas
-and a recomputed unit, a tied-weight Hugging Face Llama (looped BFS). What torch cannot run is refused
-in one line before any rank starts."""
+and a recomputed unit, a tied-weight Hugging Face Llama (looped BFS), ZB-V (also behind a frozen front
+and with views for outputs). What torch cannot run is refused in one line before any rank starts."""
 import dataclasses
 import json
 import os
@@ -25,12 +25,17 @@ def _plan(case):
                             data_parallel=2, schedule="interleaved", recompute={1: ["blocks.0"]})
     if case == "zb-v":  # torch's ScheduleZBVZeroBubble on the V placement: rank 0 runs stages 0 and 3
         return plan_with(profile_of("builtin:gpt", {"layers": 6}), [2, 5, 7], 2, 8, "zb-v")
+    if case == "zb-v-frozen-front":  # stage 1's input needs no gradient: torch's weight part found no weights
+        return plan_with(profile_of("tests.models:frozen_layers"), [1, 2, 3], 2, 4, "zb-v")
+    if case == "zb-v-view-outputs":  # torch's input part detaches the outputs in place: views refused it
+        return plan_with(profile_of("tests.models:view_outputs"), [1, 2, 3], 2, 6, "zb-v")
     pytest.importorskip("transformers")  # "hf-tied-bfs": the embedding (stage 0) is the LM head (stage 3)
     profile = profile_of("hf:LlamaForCausalLM", LLAMA_TIED, sizes=(2,))  # as tests/model/test_hf.py: one profile
     return reshape_plan(plan_with(profile, [1, 3, 5], 2, 4, "gpipe"), virtual_stages=2, schedule="bfs")
 
 
-@pytest.mark.parametrize("case", ["two-outputs-skip", "interleaved-dp2", "hf-tied-bfs", "zb-v"])
+@pytest.mark.parametrize("case", ["two-outputs-skip", "interleaved-dp2", "hf-tied-bfs", "zb-v", "zb-v-frozen-front",
+                                  "zb-v-view-outputs"])
 def test_torch_engine_trains_like_one_process(tmp_path, case):
     plan = _plan(case)
     losses = []
