@@ -162,8 +162,12 @@ class Program:
         self._last: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _last_recomputed's variables
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
+        # a unit saving no more than its inputs frees nothing by recomputing in a stage's live kind,
+        # but may in the zero-bubble weight kind (h_l over its inputs, a later stage's last unit:
+        # planner.cost.stage_memory), where the program weighs it
+        zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
         for l in range(self.L):
-            if c.s[l] > c.inputs[l]:
+            if c.s[l] > c.inputs[l] or zero_bubble:
                 for g in range(self.low[l], self.high[l] + 1):
                     self.rho[l, g] = _var(self.prob, f"r_{l}_{g}", binary=True)
                     self.add(self.rho[l, g] <= self.x(l, g), f"recompute_in_stage_{l}_{g}")

@@ -343,3 +343,27 @@ def test_the_integer_program_values_every_path_of_a_frozen_only_rank_as_the_mode
             for other in costs.values():
                 program.add_form(other.critical_path, 1e9)
             assert program.solve(None, None, "highs").value_s == pytest.approx(cost.iteration_s, rel=1e-9), cuts
+
+
+@pytest.mark.parametrize("schedule,ranks,cuts", [("zb-h1", 2, [1]), ("zb-v", 1, [2])])
+def test_zero_bubble_recompute_auto_finds_the_plan_at_its_own_cap(schedule, ranks, cuts):
+    # the fastest plan at its own memory recomputes the last unit, which saves no more than its inputs
+    # (s_l <= in_l) but frees its weight part's held bytes under zero bubble: the program had no
+    # choice for it and called the cap infeasible (found by a fuzz against brute force)
+    import itertools
+    import os
+
+    from planner.profile.profile import load_profile
+
+    profile = load_profile(os.path.join(os.path.dirname(__file__), "..", "data", "zero_bubble_recompute_profile.json"))
+    opts = CostOptions(pipeline_ranks=ranks, global_batch=24, schedule=schedule,
+                       virtual_stages=2 if schedule == "zb-v" else 1, recompute="auto", optimizer="adamw")
+    need = max(evaluate(profile, cuts, 1, opts, [0, 2]).device_memory)
+    for cap in (need, need + 65536):
+        capped = opts.with_(memory_cap=cap)
+        plans = [evaluate(profile, split, b, capped, list(redo)) for split in ([1], [2]) for b in (1, 2)
+                 for r in range(4) for redo in itertools.combinations(range(3), r)]
+        best = min(c.iteration_s for c in plans if c.feasible)
+        found = solve(profile, capped, time_limit=20)
+        assert found.status == "optimal" and math.isclose(found.objective, best, rel_tol=1e-9), cap
+        assert found.recompute == [0, 2]
