@@ -63,22 +63,24 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
 
 
 def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0,
-                           holders: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+                           holders: Optional[int] = None, extra: Optional[np.ndarray] = None
+                           ) -> Tuple[np.ndarray, np.ndarray]:
     """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
     of this speed and the rank's cap, its stage on n holders (default d; planner.solve.replicas:
-    one table per held count)."""
+    one table per held count, `extra[a, e]` the bytes it holds beside them that recomputation does not free)."""
     L = profile.num_units
     f, g, P, T, A, order = _unit_arrays(profile, b)
     return _tables(L, order.size, order, f, g, static_bytes(P, T, opts, profile.dtype, holders), A, held, speed,
-                   rank_caps(opts, profile)[0], np.arange(L + 1))
+                   rank_caps(opts, profile)[0], np.arange(L + 1), extra)
 
 
-def _tables(L, n, order, f, g, static, A, h, sigma, cap, ends):
+def _tables(L, n, order, f, g, static, A, h, sigma, cap, ends, extra=None):
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
-        need = (static[e] - static[a]) + h * A[a, e] - (np.inf if cap is None else cap)
+        need = (static[e] - static[a]) + h * A[a, e] + (0.0 if extra is None else extra[a, e]) - \
+            (np.inf if cap is None else cap)
         fits = need <= 0
         low[a, e[fits]] = 0.0
         high[a, e[fits]] = 0.0

@@ -164,10 +164,13 @@ class ReplicaTables:
         self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
         self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
         cap = rank_caps(opts, profile)[0]  # no cluster: one cap
-        # received activations (gradients) a device holds before its forward (backward) uses them, and
-        # its sent outputs (input gradients) not yet waited for: at most its ceil(m / r) micro-batches
-        # under 'upper' (every plan found fits), none under 'lower'
-        inbox, gradbox = costs.act[:, None] + costs.grad[:, None], costs.grad[None, :] + costs.act[None, :]
+        # messages held (planner.pipeline.stepgraph.held_peaks): each of a replica device's H = ceil(m / r)
+        # micro-batches is, at any moment, in one state: received and not yet forwarded (in_a) or
+        # backwarded with its input gradient posted (grad_a): at most `before`; or live (at most `held`
+        # of them), its output posted or its gradient received (act_e or grad_e, never both): at most
+        # A + `after`; or none. Under 'upper' the largest such sum (every plan found fits), none under 'lower'
+        message = np.maximum(costs.act, costs.grad)  # 0 at both ends: the first stage receives nothing
+        before, after = message[:, None], message[None, :]
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         unreplicable = range_matrix(prefix_sums(u.running_stats for u in profile.units)) > 0
         for k in range(1, devices + 1):
@@ -176,11 +179,16 @@ class ReplicaTables:
                 held = self.held[r, k] = ceil_div(window, r)
                 key = (held, r)
                 if key not in self.memory:
-                    buffers = ceil_div(self.m, r) * (inbox + gradbox) if held_bound == "upper" else 0.0
                     static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
-                    self.memory[key] = static + held * acts + buffers
+                    H = ceil_div(self.m, r)  # linear in the live count: its largest at held or 0
+                    messages = held * after + (H - held) * before if held_bound == "upper" else None
+                    self.memory[key] = static + held * acts if messages is None else \
+                        static + np.maximum(held * acts + messages, H * before)
                     if recompute_bound is not None:
-                        low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel)
+                        low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel,
+                                                           extra=messages if recompute_bound == "upper" else None)
+                        if recompute_bound == "upper":  # what no recomputation frees must fit too
+                            high = np.where(static + H * before <= cap, high, np.inf)
                         self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
                     elif cap is None:
                         self.fits[key] = self.T
@@ -391,33 +399,43 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     for scenario in scenarios or [opts]:
         check_replicable(profile, scenario)
         auto = scenario.recompute == "auto" and scenario.memory_cap is not None
-        # under a cap, 1f1b's held counts depend on the stages after (suffix_warmups): bounded both ways
-        bounded = auto or (scenario.memory_cap is not None and scenario.schedule == "1f1b")
+        # under a cap the held messages (and 1f1b's held counts: suffix_warmups) depend on the stages
+        # around a stage: bounded both ways
+        bounded = scenario.memory_cap is not None
         if scenario.recompute == "auto" and not auto:  # no cap: recomputing only adds time
             scenario = scenario.with_(recompute="none")
         for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
-            tables = ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, "upper" if auto else None)
-            search = _Search(tables, best.value if best is not None else math.inf)
-            search.run()
             searched += [(scenario, b, auto)] if bounded else []
-            if search.best is None:
-                continue
-            redo = _cheapest_recompute(profile, tables, search.best, b, rank_caps(scenario, profile)[0]) if auto else \
-                (list(range(profile.num_units)) if scenario.recompute == "all" else [])
-            plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
-            value = plain.iteration_s
-            if plain.feasible and (best is None or value < best.value):
-                best = _Found(value, search.best, b, scenario, redo)
+            # under auto, the recomputation tables' bytes freed are an estimate (they leave out the
+            # storages units share): when their plan does not fit, the plans that fit without
+            # recomputing (the memory tables, an upper bound) are searched too
+            for recompute_bound in ("upper", None) if auto else (None,):
+                tables = ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, recompute_bound)
+                search = _Search(tables, best.value if best is not None else math.inf)
+                search.run()
+                if search.best is None:
+                    continue
+                redo = _cheapest_recompute(profile, tables, search.best, b, rank_caps(scenario, profile)[0]) \
+                    if recompute_bound is not None else \
+                    (list(range(profile.num_units)) if scenario.recompute == "all" else [])
+                plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
+                value = plain.iteration_s
+                if plain.feasible and (best is None or value < best.value):
+                    best = _Found(value, search.best, b, scenario, redo)
+                if plain.feasible:
+                    break
     closed_bound = best.value if best is not None else math.inf
     for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
-        lower = _Search(ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
-                                      held_bound="lower"), closed_bound)
+        relaxed = ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
+                                held_bound="lower")
+        lower = _Search(relaxed, closed_bound)
         lower.run()
         closed_bound = min(closed_bound, lower.U)
-        if not auto and lower.best is not None:
-            # the relaxation's plan may fit after all (the upper tables assumed the worst suffix):
-            # then it beats every plan, time not depending on the held counts
-            redo = list(range(profile.num_units)) if other.recompute == "all" else []
+        if lower.best is not None:
+            # the relaxation's plan may fit after all (the upper tables assumed the worst suffix and
+            # messages): without auto it then beats every plan, time not depending on the held counts
+            redo = _cheapest_recompute(profile, relaxed, lower.best, size, rank_caps(other, profile)[0]) if auto \
+                else list(range(profile.num_units)) if other.recompute == "all" else []
             cost = evaluate(profile, lower.best.boundaries, size, _chosen(other, lower.best), redo)
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
