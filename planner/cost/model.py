@@ -71,7 +71,7 @@ from planner.pipeline.schedule import MAX_MICRO_BATCHES, ZERO_BUBBLE_SCHEDULES, 
 from planner.cost import memory as memory_model
 from planner.cost.rank_memory import (_device_caps, _shard, device_memory, fixed_bytes, held_bytes,  # noqa: F401
                                       precision_of, rank_caps, reserve_of, static_bytes, static_factors)
-from planner.profile.profile import CutProfile, CutValue, Profile
+from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
 
 
 def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
@@ -203,6 +203,8 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
                                  shared_saved_bytes=scale_parts(u.shared_saved_bytes),
                                  weight_shared_bytes=scale_parts(u.weight_shared_bytes))
              for u in profile.units]
+    if precision_of(opts, profile.dtype) == "bf16-mixed" and ratio < 1 and units:
+        units[-1] = _loss_in_fp32(units[-1], profile.units[-1], ratio)
     cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
     ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and
             isinstance(e.get("bytes"), (int, float)) else e for e in profile.extra.get("shared_parameters", []) or []]
@@ -214,6 +216,20 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
     if len(_CONVERTED) > 16:
         _CONVERTED.pop(next(iter(_CONVERTED)))
     return converted
+
+
+def _loss_in_fp32(scaled: UnitProfile, measured: UnitProfile, ratio: float) -> UnitProfile:
+    """The last unit under bf16-mixed: autocast runs torch's losses in fp32 (mse, cross-entropy and
+    their kin cast their input up and save it so), so what the loss saves keeps the profile's bytes,
+    in the unit's saved bytes (its forward includes the loss) as on their own; the rest is scaled."""
+    loss = measured.loss_saved_bytes
+
+    def keep_loss(table: Dict[int, int]) -> Dict[int, int]:
+        return {b: int((v - loss.get(b, 0)) * ratio) + loss.get(b, 0) if v >= loss.get(b, 0) else int(v * ratio)
+                for b, v in table.items()}
+
+    return dataclasses.replace(scaled, loss_saved_bytes=dict(loss), saved_bytes=keep_loss(measured.saved_bytes),
+                               first_saved_bytes=keep_loss(measured.first_saved_bytes))
 
 
 def num_micro_batches(opts: CostOptions, b: int) -> int:
