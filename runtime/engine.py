@@ -34,7 +34,7 @@ What the engine holds per micro-batch in flight on a stage (the memory the plan 
   backward on this rank takes it). Stages with recomputed units keep their inputs and outputs
   (recomputation reads them again).
 Once per step, not per micro-batch: under bf16-mixed, the bf16 copy of the weights every forward and
-backward of the step computes with (runtime.precision), counted with the parameters, not as live.
+backward of the step computes with (planner.model.precision), counted with the parameters, not as live.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_
 from runtime.localsgd import ModelAverager
 from runtime.microbatch import assemble, own_copy, replica_micro_batches
 from runtime.outbox import Outbox, completed
-from runtime.precision import ComputeCopy
+from planner.model.precision import ComputeCopy
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
@@ -132,7 +132,7 @@ class Engine:
         self.runners = {st.index: StageRunner(st) for st in rank_model.stages}
         # each stage's own parameters, taken before any step: under bf16-mixed the modules hold the
         # step's compute copies while it runs, and a split backward's weight part must reach the
-        # fp32 masters through them (runtime.precision)
+        # fp32 masters through them (planner.model.precision)
         # the trainable ones, listed once (a split backward takes them so: planner.profile.splitgrad)
         self.stage_params = {st.index: [p for p in st.module.parameters() if p.requires_grad]
                              for st in rank_model.stages}
@@ -150,7 +150,7 @@ class Engine:
         self.groups = groups
         self.trace = trace
         self.autocast = autocast  # torch.autocast's dtype for forwards and losses, or None
-        # bf16-mixed: one compute copy of the weights per step, fp32 masters (runtime.precision)
+        # bf16-mixed: one compute copy of the weights per step, fp32 masters (planner.model.precision)
         self.compute_copy = (ComputeCopy([st.module for st in rank_model.stages], autocast)
                              if autocast is not None else None)
         self.layouts: Dict[Tuple, MessageLayout] = {}  # under autocast: each message's dtypes, once known

@@ -14,14 +14,12 @@ writes them, so a run's merged state can start a run under another plan.
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch
 from torch import nn
-from torch.nn.parameter import UninitializedParameter, is_lazy
 
 
 class InitStateError(ValueError):
@@ -86,31 +84,6 @@ class InitState:
         return self._readers[key]()
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Build modules with their parameters on the meta device (no storage, no initialisation
-    cost) and their buffers where they are made."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        if param is not None and param.device.type != "meta":
-            param = _lazy_on_meta(param) if is_lazy(param) else \
-                nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def _lazy_on_meta(param: nn.Parameter) -> nn.Parameter:
-    """A lazy module's parameter (no shape yet) as one made on meta: the forward that gives it its
-    shape (planner.model.entry.materialize_lazy) then makes it there, without storage."""
-    return UninitializedParameter(requires_grad=param.requires_grad, device="meta", dtype=param.dtype)
-
-
 def model_names(model: nn.Module) -> Dict[int, str]:
     """Each parameter's and buffer's tensor (by id) -> its first name in the model."""
     names: Dict[int, str] = {}
@@ -118,15 +91,6 @@ def model_names(model: nn.Module) -> Dict[int, str]:
             list(model.named_buffers(remove_duplicate=False)):
         names.setdefault(id(tensor), name)
     return names
-
-
-def to_meta(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Move the whole model to meta; returns the buffers' real values by name (the file may not
-    hold them: non-persistent buffers are computed when the model is built)."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)
-               if b.device.type != "meta"}
-    model.to("meta")
-    return buffers
 
 
 def materialise(modules: List[nn.Module], others: List[nn.Module], names: Mapping[int, str], state: InitState,

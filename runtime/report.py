@@ -63,7 +63,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "gradient_all_reduce": r.get("gradient_all_reduce"),  # runtime/shared_reduce.py
             "shared_memory_reductions": r.get("shared_memory_reductions", 0),
             "p2p_note": r.get("p2p_note", ""),
-            "precision_note": r.get("precision_note", ""),  # runtime/casts.py
+            "precision_note": r.get("precision_note", ""),  # planner/model/casts.py
             "host_kernel_s": r.get("host_kernel_s"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),  # the CUDA allocator's peak (None on the CPU)

@@ -34,7 +34,7 @@ data-parallel group here before the step). Frozen parameters are sharded and gat
 others; they have no gradient to reduce.
 
 Refused in one line (`refusal`): replicated stages (a stage's lanes run different micro-batches,
-so their gathers and reduce-scatters would not pair up), bf16-mixed (runtime.precision's one compute copy per step would
+so their gathers and reduce-scatters would not pair up), bf16-mixed (planner.model.precision's one compute copy per step would
 replace the parameters FSDP2 gathers; FSDP2's own mixed precision casts per gather, another
 rounding order than the single-process reference), zero-bubble schedules (their split backward
 reaches the weights after FSDP2 has freed them), gradient clipping (each holder has an n-th of

@@ -29,9 +29,9 @@ from planner.model.running_stats import keeps_running_statistics
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
-from runtime.casts import recast
-from runtime.initstate import (InitState, materialise, meta_example, model_names, parameters_on_meta, release,
-                               to_meta)
+from planner.model.casts import recast
+from planner.model.meta import parameters_on_meta, to_meta
+from runtime.initstate import InitState, materialise, meta_example, model_names, release
 
 
 class PlanMismatchError(RuntimeError):
@@ -164,7 +164,7 @@ class RankModel:
     input_values: Callable[[Any], List[Any]] = lambda inputs: list(inputs)
     # the CPU generator's state right after the model was built: rank 0's random stream (runtime.streams)
     built_rng_state: Optional[torch.Tensor] = None
-    precision_note: str = ""  # why an exported graph keeps its fp32 casts under bf16-mixed (runtime.casts)
+    precision_note: str = ""  # why an exported graph keeps its fp32 casts under bf16-mixed (planner.model.casts)
 
     def parameters(self) -> List[nn.Parameter]:
         """This rank's parameters, each once (a tie within the rank is one parameter)."""
@@ -230,7 +230,7 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
 
 
 def _recast(plan: Plan, captured: CapturedModel, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> str:
-    """An exported graph computing as the run's precision does (runtime.casts), or what it could not
+    """An exported graph computing as the run's precision does (planner.model.casts), or what it could not
     take; the model is built again on meta for it, with the random state kept (every rank draws alike)."""
     with torch.random.fork_rng(devices=[]):
         _, left = recast(captured, lambda: _meta_module(plan), spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], dtype, device)
@@ -260,7 +260,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     storage, on `device`, from the file (runtime.initstate). With `unit_segments` every stage runs
     as one segment per unit (sharded parameters are gathered per unit: runtime.shard_params).
     With `autocast` (bf16-mixed) an exported graph computes as the run's precision does
-    (runtime.casts; what it cannot take is the rank's `precision_note`)."""
+    (planner.model.casts; what it cannot take is the rank's `precision_note`)."""
     device = torch.device(device)
     if init_state is None:
         spec = plan_spec(plan)

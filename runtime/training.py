@@ -3,7 +3,7 @@ schedule, gradient clipping by the global norm, and the precision.
 
 Precision `bf16-mixed` is `torch.autocast(bfloat16)` around every forward and loss, computing with
 one bf16 copy of the weights per step, fp32 master parameters, fp32 gradients accumulated from each
-micro-batch's bf16 ones, fp32 optimizer state (runtime.precision): a single process training the
+micro-batch's bf16 ones, fp32 optimizer state (planner.model.precision): a single process training the
 same way is the reference (tests: equal to it within 1e-5), and the memory per parameter is fp32's
 (4 bytes of weight, 4 of gradient, the optimizer's state) plus 2 bytes of the bf16 copy,
 activations mostly bf16.

@@ -180,7 +180,7 @@ class _Head(nn.Module):
 
 class CastsLikeHF(nn.Module):
     """The casts Hugging Face models make to a tensor's dtype, which torch.export records as
-    constants (runtime.casts): an embedding table (bf16 under bf16-mixed, so the residual stream is
+    constants (planner.model.casts): an embedding table (bf16 under bf16-mixed, so the residual stream is
     too), norms computing in fp32 and casting back, a cast to a weight's dtype, a mask value from
     `torch.finfo`. A branch on a shape makes torch.fx fail, so torch.export captures it. With
     `add_apart` a residual sum is a unit of its own (a cut between them changes what crosses it

@@ -568,3 +568,41 @@ class ViewOutputs(nn.Module):
 
 def view_outputs(dim: int = 16, layers: int = 4) -> ModelSpec:
     return _regression(ViewOutputs(dim, layers), dim)
+
+
+class NormedMLP(nn.Module):
+    """Linear layers each followed by BatchNorm and ReLU (autocast runs batch_norm in fp32: its
+    input cast up, its output fp32) and a last Linear."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU())
+                                    for _ in range(layers))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def normed_mlp(dim: int = 16, layers: int = 3) -> ModelSpec:
+    return _regression(NormedMLP(dim, layers), dim)
+
+
+class TanhEnd(nn.Module):
+    """Linear layers ending in tanh before the loss: the last unit saves its bf16 output (tanh's
+    backward), and the MSE loss saves its own fp32 copy of it under autocast."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def tanh_end(dim: int = 16, layers: int = 4) -> ModelSpec:
+    return _regression(TanhEnd(dim, layers), dim)

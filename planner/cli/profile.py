@@ -9,6 +9,7 @@ import time
 from planner.cli.common import parse_sizes
 from planner.errors import UsageError
 from planner.jsonio import check_writable
+from planner.profile.profile import MEASURED_PRECISIONS
 
 
 def _analytic(args: argparse.Namespace, model_args, sizes, progress):
@@ -92,7 +93,8 @@ def _cores() -> int:
 def _check_measure_options(args: argparse.Namespace) -> None:
     """The options of a measured profile, checked before torch is loaded (a typo fails at once)."""
     if args.dtype:
-        raise UsageError("--dtype is for analytic profiles (measured ones use the model's own dtype)")
+        raise UsageError("--dtype is for analytic profiles (measured ones use the model's own dtype; "
+                         "--precision bf16-mixed measures them as a bf16-mixed run)")
     if args.ranks_per_host < 1:
         raise UsageError("--ranks-per-host must be at least 1")
     if args.ranks_per_host > 1 and args.device != "cpu":
@@ -122,6 +124,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                          "Hugging Face models: --model-arg attn_implementation=eager|sdpa)")
     if args.device_spec and not args.analytic:
         raise UsageError("--device-spec is for analytic profiles: add --analytic")
+    if args.precision != "fp32" and args.analytic:
+        raise UsageError("--precision is for measured profiles (an analytic one casts the model: --dtype)")
     if args.engine_cost == "measure" and args.analytic:
         raise UsageError("--engine-cost measure times this runtime's engine on this CPU; an analytic profile has none")
     if not args.analytic:
@@ -139,13 +143,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         profile = _analytic(args, model_args, sizes, progress)
     else:
         shared = f", {args.ranks_per_host - 1} co-runner(s) loading the other cores" if args.ranks_per_host > 1 else ""
-        print(f"profiling {args.model} {model_args or ''} on {args.device} at micro-batch sizes "
+        mixed = " under bf16-mixed (autocast, bf16 weight copies)" if args.precision == "bf16-mixed" else ""
+        print(f"profiling {args.model} {model_args or ''} on {args.device}{mixed} at micro-batch sizes "
               f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of at least {args.repeats} runs and "
               f"{args.min_time:g} s per size after {args.warmup:g} s warm-up{shared})", flush=True)
         profile = steadiest_profile(lambda: profile_model(
             args.model, model_args, sizes, device=args.device, seed=args.seed, threads=args.threads,
             repeats=args.repeats, progress=progress, warmup_s=args.warmup, min_time_s=args.min_time,
-            co_runners=args.ranks_per_host - 1), args.retries, lambda msg: print(msg, flush=True))
+            co_runners=args.ranks_per_host - 1, precision=args.precision), args.retries,
+            lambda msg: print(msg, flush=True))
         _link(args, profile, sizes)
         _engine_cost(args, profile)
     save_profile(profile, output)
@@ -199,6 +205,12 @@ def register(sub) -> None:
                    help="measure: time what `runtime execute`'s engine adds per forward and backward (its own "
                         "work, on a null stage, about 4 s) and record it, which planner solve adds to every stage "
                         "(default on CPU; none on CUDA)")
+    p.add_argument("--precision", choices=["fp32", *MEASURED_PRECISIONS], default="fp32",
+                   help="bf16-mixed: run every unit as `runtime execute --precision bf16-mixed` runs it (autocast "
+                        "bf16, the bf16 weight copies) while measuring: saved, output and cut bytes are such a "
+                        "run's (what autocast keeps in fp32 too), times are under autocast on this device; plan "
+                        "it at --precision bf16-mixed (the default for such a profile). fp32 (default): the model "
+                        "as built; a bf16-mixed plan of it scales its bytes")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
     p.add_argument("--output", "-o", help="profile JSON to write (default profiles/<model>.json)")
     p.add_argument("--quiet", action="store_true", help="no per-unit progress lines")

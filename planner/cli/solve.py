@@ -147,7 +147,7 @@ def problem_from_args(args: argparse.Namespace):
         virtual_stages=args.virtual_stages if args.schedule in MULTI_STAGE_SCHEDULES else 1,
         cluster=cluster,
         recompute=args.recompute,
-        precision=args.precision or default_precision(profile.dtype),
+        precision=args.precision or profile.precision or default_precision(profile.dtype),
         shard=args.shard,
         reserve_bytes=_reserve_bytes(args.reserve),
     )

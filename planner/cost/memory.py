@@ -13,7 +13,7 @@ So AdamW holds 16 B (fp32), 18 B (bf16-mixed) and 8 B (bf16) per parameter; SGD 
 8, 10 and 4. The bf16-mixed compute copy is held once per stage, for the whole step, not per
 micro-batch: the runtime casts each weight to bf16 once at the step's start and every forward and
 backward of the step computes with that copy, accumulating each micro-batch's gradient into the fp32
-master's in fp32 (runtime/precision.py; a copy per micro-batch in flight, 1.58 B per parameter per
+master's in fp32 (planner/model/precision.py; a copy per micro-batch in flight, 1.58 B per parameter per
 micro-batch on an H200, was what one autocast region per forward held: BENCHMARKS.md, "LLM
 scale"). One-dimensional parameters (biases, normalisation weights) are not copied: the count is
 2 B high for them, a negligible share. 4 + 2 + 4 + 8 = 18 B is also what Megatron-LM holds in bf16

@@ -53,7 +53,9 @@ Memory of rank i: planner.cost.rank_memory (static bytes, the peak of what its l
 Interleaved needs m to be a multiple of p (Megatron's rule).
 
 Precision. Activations and cut messages are counted in the precision's compute dtype: a profile of
-another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured.
+another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured;
+a profile measured at the plan's precision (`planner profile --precision bf16-mixed`) is taken as
+measured, its parameter bytes alone converted.
 """
 from __future__ import annotations
 
@@ -166,11 +168,21 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
     """The profile with its byte counts in the precision's compute dtype (parameters, saved
     activations, outputs and cut tensors scaled by the ratio of the dtypes' sizes; times as
     measured); the profile itself when the dtypes agree. Autocast keeps a few tensors in fp32
-    (softmax and normalisation statistics): a measured fp32 profile planned at bf16 undercounts them."""
-    target = memory_model.COMPUTE_DTYPE[precision_of(opts, profile.dtype)]
+    (softmax and normalisation statistics): a measured fp32 profile planned at bf16 undercounts them.
+    A profile measured at the plan's precision (Profile.precision) has its activation and cut
+    counts as measured, its parameter bytes alone converted; one measured at another precision is
+    refused (which of its tensors autocast kept in fp32 is not known)."""
+    precision = precision_of(opts, profile.dtype, profile.precision)
+    measured = profile.precision is not None
+    if measured and precision != profile.precision:
+        raise ValueError(f"the profile's activation bytes were measured under {profile.precision} (planner profile "
+                         f"--precision {profile.precision}), which cannot be converted to --precision {precision}: plan "
+                         f"it at {profile.precision}, or profile the model again at that precision")
+    target = memory_model.COMPUTE_DTYPE[precision]
     ratio = memory_model.DTYPE_BYTES[target] / memory_model.param_itemsize(profile.dtype)
     if ratio == 1:
         return profile
+    activations = 1.0 if measured else ratio
     key = (id(profile), target)
     hit = _CONVERTED.get(key)
     if hit is not None and hit[0] is profile:
@@ -179,13 +191,14 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
     def scale(table: Dict[int, int]) -> Dict[int, int]:
         # rounded down, every count alike: a part (shared, held, kept) stays within its whole, and
         # every difference of them the ranges take (planner.cost.ranges) stays >= 0
-        return {b: int(v * ratio) for b, v in table.items()}
+        return {b: int(v * activations) for b, v in table.items()}
 
     def scale_parts(table: Dict[int, Dict[str, int]]) -> Dict[int, Dict[str, int]]:
-        return {b: {key: int(v * ratio) for key, v in parts.items()} for b, parts in table.items()}
+        return {b: {key: int(v * activations) for key, v in parts.items()} for b, parts in table.items()}
 
     def value(v: CutValue) -> CutValue:
-        if v.kind != "tensor" or v.dtype != profile.dtype:  # integer tensors (token ids) keep their size
+        # integer tensors (token ids) keep their size; measured ones their measured dtype
+        if v.kind != "tensor" or v.dtype != profile.dtype or measured:
             return v
         return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
 
@@ -203,7 +216,7 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
                                  shared_saved_bytes=scale_parts(u.shared_saved_bytes),
                                  weight_shared_bytes=scale_parts(u.weight_shared_bytes))
              for u in profile.units]
-    if precision_of(opts, profile.dtype) == "bf16-mixed" and ratio < 1 and units:
+    if precision == "bf16-mixed" and activations < 1 and units:
         units[-1] = _loss_in_fp32(units[-1], profile.units[-1], ratio)
     cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
     ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and

@@ -37,9 +37,10 @@ from planner.cost.ties import TieCopy, copy_static, static_surplus
 from planner.profile.profile import Profile
 
 
-def precision_of(opts: CostOptions, dtype: str) -> str:
-    """The precision a plan of a profile of this dtype runs at: the options', else the dtype's default."""
-    return opts.precision or memory_model.default_precision(dtype)
+def precision_of(opts: CostOptions, dtype: str, measured: Optional[str] = None) -> str:
+    """The precision a plan of a profile of this dtype runs at: the options', else the one the
+    profile was measured at (`measured`: Profile.precision), else the dtype's default."""
+    return opts.precision or measured or memory_model.default_precision(dtype)
 
 
 def static_factors(opts: CostOptions, dtype: str, holders: Optional[int] = None) -> Tuple[float, float]:
@@ -76,7 +77,8 @@ def fixed_bytes(profile: Profile, opts: CostOptions) -> float:
     if _shard(opts) == "parameters" and (opts.data_parallel > 1 or opts.replicated):
         largest = max((u.param_bytes for u in profile.units), default=0)
         largest_trainable = max((u.trainable_bytes for u in profile.units), default=0)
-        weights, grads = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype), "parameters")
+        weights, grads = memory_model.gathered_bytes_per_param(precision_of(opts, profile.dtype, profile.precision),
+                                                                 "parameters")
         gathered = (2 * largest * weights + largest_trainable * grads) / memory_model.param_itemsize(profile.dtype)
     return reserve_of(profile, opts) + gathered
 

@@ -246,7 +246,7 @@ class CapturedModel:
                 crossing[k].append(node)
         return crossing
 
-    # --- edits (runtime.casts: a graph taking the run's precision) ---------------------------
+    # --- edits (planner.model.casts: a graph taking the run's precision) ---------------------------
     def crossing_names(self) -> List[List[str]]:
         """The names crossing every cut, derived again from the graph as it is now."""
         self._crossing = self._compute_crossings()

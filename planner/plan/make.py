@@ -73,7 +73,7 @@ def make_plan(profile: Profile, solution: Solution, opts: CostOptions, profile_p
         profile={"path": profile_path, "torch_version": profile.torch_version, "device": profile.device,
                  "device_name": profile.device_name, "threads": profile.threads, "dtype": profile.dtype,
                  "host_kernel_s": profile.host_kernel.get("mean_s")},
-        schedule=cost.schedule, optimizer=opts.optimizer, precision=precision_of(opts, profile.dtype),
+        schedule=cost.schedule, optimizer=opts.optimizer, precision=precision_of(opts, profile.dtype, profile.precision),
         shard=opts.shard, reserve_bytes=reserve_of(profile, opts), global_batch=opts.global_batch,
         data_parallel=cost.data_parallel, sync_every=opts.sync_every if opts.local_sgd else 1,
         averaging_s=averaging_s(solution) if opts.local_sgd else None,

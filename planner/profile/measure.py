@@ -10,9 +10,16 @@ optionally with co-runner processes loading the other cores as other ranks on th
 would, `CoRunners`), bytes saved for backward (planner.profile.saved), parameter bytes, and the
 bytes of every value crossing each cut. The last unit's forward includes the loss, as on the
 runtime's last stage. The link between two ranks is planner.profile.link.
+
+`precision="bf16-mixed"` (`planner profile --precision bf16-mixed`) measures all of it with the units
+run as a bf16-mixed rank runs its stages (`MixedRun`): every byte count is then what such a run holds
+(what autocast keeps in fp32 included), the cut values' dtypes are the run's, and the times are the
+units' under autocast on the measuring device. The profile records it (Profile.precision).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import platform
 import sys
@@ -31,8 +38,9 @@ from planner.profile.allocator import retain_freed_memory
 from planner.profile.analytic import saved_key
 from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
+from planner.profile.mixed import MixedRun
 from planner.profile.optim import OPTIMIZERS
-from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.profile import MEASURED_PRECISIONS, CutProfile, CutValue, Profile, UnitProfile
 from planner.profile.saved import SavedBytes, loss_saved_bytes
 from planner.profile.splitgrad import backward_weight, first_part, forward_and_input_part, measure_backward_parts
 from planner.profile.timing import (UnitCall, UnitTiming, _closures, _InputRestore, measure_optimizer_steps,
@@ -40,6 +48,7 @@ from planner.profile.timing import (UnitCall, UnitTiming, _closures, _InputResto
 from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
+PRECISIONS = ("fp32",) + MEASURED_PRECISIONS  # what a profile measures under: as built, or as a bf16-mixed run
 
 
 def encode_constant(value: Any, where: str) -> Any:
@@ -63,12 +72,21 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _tail_firsts(num_units: int) -> List[int]:
+    """The first units of the stages [first, L) timed whole: the whole model, a later stage from unit
+    1 (its split backward's per-stage cost), and a second from the middle (the weight part's walk
+    and its per-stage cost apart)."""
+    L = num_units
+    return [0] + ([1] if L >= 3 else []) + ([(L + 1) // 2] if L >= 4 else [])
+
+
 def _stage_item(run: "_Run", values: Dict[str, Any], first: int) -> UnitCall:
     """Units [first, L) as the last stage of a run calls them (what crosses cut `first` carries
-    gradients as it does there)."""
-    stage, io = run.captured.stage_module(first, len(run.captured.units))
+    gradients as it does there); the stage module built once (`_prepare`)."""
+    stage, io = run.tails[first]
     flags = {n: run.cut_values[first][n].requires_grad for n in io.received} if first else {}
-    return UnitCall(stage, _prepare_args(values, io.inputs + io.received, flags, run.dev), [], True)
+    return UnitCall(stage, _prepare_args(values, io.inputs + io.received, flags, run.dev), [], True,
+                    run.trainable(stage))
 
 
 def as_received(args: Sequence[Any]) -> Optional[List[Any]]:
@@ -155,7 +173,9 @@ class _Run:
     whole_model: bool
     say: Callable[[str], None]
     co: Optional[CoRunners] = None  # processes loading the other cores while units are timed
+    mixed: Optional[MixedRun] = None  # bf16-mixed: the units run as such a rank runs them
     stages: List[Any] = field(default_factory=list)  # (module, io) of each unit run alone
+    tails: Dict[int, Any] = field(default_factory=dict)  # first -> (module, io) of units [first, L) as one stage
     grad_flags: Dict[str, bool] = field(default_factory=dict)  # which crossing values carry gradients
     units: List[UnitProfile] = field(default_factory=list)
     cut_values: Dict[int, Dict[str, CutValue]] = field(default_factory=dict)
@@ -163,6 +183,14 @@ class _Run:
     stage_overhead: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     split_overhead: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)
     weight_walk: Dict[int, float] = field(default_factory=dict)
+
+    def trainable(self, module: torch.nn.Module) -> Optional[List[torch.Tensor]]:
+        """UnitCall.params of a call of `module`: the masters under bf16-mixed, else the module's (None)."""
+        return self.mixed.trainable(module) if self.mixed is not None else None
+
+    def forwarding(self):
+        """The context a forward outside the stage modules runs in (the whole model's values)."""
+        return self.mixed.autocast() if self.mixed is not None else contextlib.nullcontext()
 
 
 def profile_model(
@@ -178,6 +206,7 @@ def profile_model(
     min_time_s: float = 0.0,
     co_runners: int = 0,
     whole_model: bool = True,
+    precision: str = "fp32",
 ) -> Profile:
     """Capture and measure a model; return its profile (nothing written).
 
@@ -189,18 +218,21 @@ def profile_model(
     measured under is recorded in its `measured_under`. With `whole_model`, the whole model is
     timed as one more item of every round: a unit timed alone pays a call's fixed cost that a
     stage pays once, which the profile keeps apart as `stage_overhead_s` (`split_call_overhead`,
-    forward and backward apart), so that the units and that cost sum to the whole model."""
+    forward and backward apart), so that the units and that cost sum to the whole model.
+    `precision` "bf16-mixed": every unit measured as a bf16-mixed run runs it (`MixedRun`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
     say = progress or (lambda msg: None)
     dev = _device(device, co_runners)
     if threads > 0:
         torch.set_num_threads(threads)
     retain_freed_memory()  # as every rank does: measure without per-micro-batch page faults
-    spec, captured = _capture(entry, model_args, seed, dev, say)
+    spec, captured = _capture(entry, model_args, seed, dev, say, precision)
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
     for b in sizes:
         captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
     run = _Run(spec, captured, dev, repeats, warmup_s, min_time_s, whole_model, say)
-    _prepare(run, sizes[0])
+    _prepare(run, sizes[0], precision)
     run.co = CoRunners(entry, model_args, seed, threads, co_runners) if co_runners > 0 else None
     host_kernel: List[Optional[float]] = []
     try:
@@ -208,8 +240,14 @@ def profile_model(
             say(f"started {co_runners} co-runner process(es): the same model's training step on the other "
                 f"core(s) while measuring, as a {co_runners + 1}-rank run on this host has")
         host_kernel.append(host_kernel_s(run.co, dev))
-        for b in sizes:
-            _measure_size(run, b)
+        if run.mixed is not None:
+            run.mixed.install()
+        try:
+            for b in sizes:
+                _measure_size(run, b)
+        finally:
+            if run.mixed is not None:
+                run.mixed.remove()  # the optimizer steps the fp32 masters
         _measure_optimizer(run)
         host_kernel.append(host_kernel_s(run.co, dev))
         if host_kernel[0]:  # whether it drifted too far is steadiest_profile's to judge
@@ -218,7 +256,7 @@ def profile_model(
     finally:
         if run.co is not None:
             run.co.stop()
-    return _profile(run, entry, model_args, seed, sizes, co_runners, host_kernel)
+    return _profile(run, entry, model_args, seed, sizes, co_runners, host_kernel, precision)
 
 
 def _device(device: str, co_runners: int) -> torch.device:
@@ -235,11 +273,13 @@ def _device(device: str, co_runners: int) -> torch.device:
 
 
 def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.device,
-             say: Callable[[str], None]) -> Tuple[ModelSpec, CapturedModel]:
+             say: Callable[[str], None], precision: str = "fp32") -> Tuple[ModelSpec, CapturedModel]:
     spec: ModelSpec = build_spec(entry, model_args, seed)
     captured: CapturedModel = capture(spec.module)
     spec = pipeline_spec(spec, captured.forward_sets)
     captured.to(dev)
+    if precision == "bf16-mixed":  # an exported graph takes the run's casts, as runtime.stage does
+        _recast(captured, entry, model_args, seed, spec, dev, say)
     L = len(captured.units)
     if captured.fallback_reason:
         say(f"torch.fx failed ({captured.fallback_reason}); used torch.export")
@@ -250,10 +290,34 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
     return spec, captured
 
 
-def _prepare(run: _Run, smallest: int) -> None:
-    """Each unit as a stage of its own, which crossing values carry gradients, and empty records."""
+def _recast(captured: CapturedModel, entry: str, model_args: Dict[str, Any], seed: int, spec: ModelSpec,
+            dev: torch.device, say: Callable[[str], None]) -> None:
+    """planner.model.casts.recast on an exported graph, the model built again on meta for it."""
+    from planner.model.casts import recast
+    from planner.model.meta import parameters_on_meta, to_meta
+    from planner.model.example import EXAMPLE_BATCH_SIZE
+
+    def on_meta() -> torch.nn.Module:
+        with parameters_on_meta():
+            module = build_spec(entry, model_args, seed).module
+        to_meta(module)
+        return module
+
+    with torch.random.fork_rng(devices=[]):
+        _, left = recast(captured, on_meta, spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], MixedRun.dtype, dev)
+    if left:
+        say(f"  bf16-mixed: of the captured graph, {left}")
+
+
+def _prepare(run: _Run, smallest: int, precision: str = "fp32") -> None:
+    """Each unit as a stage of its own (and the stages of units [first, L) that `_time_units` and
+    `_time_parts` time whole), which crossing values carry gradients, and empty records; under
+    bf16-mixed the modules then run as such a run's (`MixedRun`: its graph rules edit the whole
+    model's graph, from which no stage is cut after it)."""
     captured, L = run.captured, len(run.captured.units)
     run.stages = [captured.stage_module(k, k + 1) for k in range(L)]
+    if run.whole_model:
+        run.tails = {first: captured.stage_module(first, L) for first in _tail_firsts(L)}
     # Which crossing values carry gradients: one forward with autograd on, at the smallest size.
     inputs0, target0 = run.spec.batch(smallest, 0)
     problem = batch_problem(inputs0, target0, smallest)
@@ -271,6 +335,9 @@ def _prepare(run: _Run, smallest: int) -> None:
     del probe
     run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}
+    if precision == "bf16-mixed":
+        run.mixed = MixedRun([captured.gm] + [m for m, _ in run.stages] + [m for m, _ in run.tails.values()], run.dev)
+        run.spec = dataclasses.replace(run.spec, loss=run.mixed.loss(run.spec.loss))
 
 
 def _measure_size(run: _Run, b: int) -> None:
@@ -282,7 +349,8 @@ def _measure_size(run: _Run, b: int) -> None:
         raise ModelEntryError(problem)
     inputs, target = to_device(tuple(inputs), dev), to_device(target, dev)
     try:
-        values = run_all_nodes(captured, inputs)
+        with run.forwarding():
+            values = run_all_nodes(captured, inputs)
     except NodeRunError as e:
         raise model_failure(e, b) from e
     record_cut_values(captured, values, b, run.grad_flags, run.cut_values)
@@ -292,7 +360,7 @@ def _measure_size(run: _Run, b: int) -> None:
                              {n: run.cut_values[k][n].requires_grad for n in io.received} if k else {}, dev)
         own = {n.name for n in captured.units[k].nodes}
         produced = [i for i, name in enumerate(io.sent) if name in own]
-        work.append(UnitCall(stage, args, produced, io.is_last))
+        work.append(UnitCall(stage, args, produced, io.is_last, run.trainable(stage)))
         produced_of.append(produced)
     if run.co is not None:
         run.co.load(b)
@@ -337,7 +405,7 @@ def _as_first(run: _Run, call: UnitCall, target: Any) -> Optional[Tuple[int, int
     received = as_received(call.args)
     if received is None:
         return None
-    first = UnitCall(call.module, received, call.produced, call.is_last)
+    first = UnitCall(call.module, received, call.produced, call.is_last, call.params)
     forward, _ = _closures(first, run.spec.loss, target)
     counter = SavedBytes(call.module.parameters())
     with torch.enable_grad():
@@ -345,7 +413,7 @@ def _as_first(run: _Run, call: UnitCall, target: Any) -> Optional[Tuple[int, int
             result = forward()
         saved = counter.finish()
         del result
-        trainable = [p for p in call.module.parameters() if p.requires_grad]
+        trainable = call.trainable()
         pending, held, _ = forward_and_input_part(forward, lambda out: first_part(first, out, trainable),
                                                   list(call.module.parameters()))
         backward_weight(pending)
@@ -395,7 +463,8 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Di
         counter, restore = SavedBytes(call.module.parameters()), _InputRestore(call)  # (the inputs before it runs)
         with torch.enable_grad():
             with counter.counting():
-                result = naming.run(*call.args)
+                with run.forwarding():  # the interpreter does not call the module's forward
+                    result = naming.run(*call.args)
                 if call.is_last:
                     result = run.spec.loss(result, target)
             shared = {naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
@@ -404,7 +473,7 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Di
             if shared and k > 0:  # which of them the weight part keeps
                 refs = counter.saved_refs()
                 naming.forget()  # the interpreter's values would keep their nodes alive
-                pending = first_part(call, result, [p for p in call.module.parameters() if p.requires_grad])
+                pending = first_part(call, result, call.trainable())
                 del result
                 alive = {ptr for ref, ptr, _ in refs if ref() is not None}
                 held = {naming.names[ptr]: shared[naming.names[ptr]] for ptr in alive
@@ -430,9 +499,8 @@ def _time_parts(run: _Run, work: List[UnitCall], values: Dict[str, Any], target:
     cost and the walk's (quadratic in a stage's units). The whole model's input part is the first
     stage's (it runs no autograd). Without it, each unit's parts as timed and the first unit's input part stand in."""
     L = len(work)
-    half = (L + 1) // 2  # a second later stage [half, L): the weight part's walk and its per-stage cost apart
-    extra = [_stage_item(run, values, 0)] + ([_stage_item(run, values, 1)] if L >= 3 else []) + \
-        ([_stage_item(run, values, half)] if L >= 4 else []) if run.whole_model else []
+    half = _tail_firsts(L)[-1]  # the second later stage, [half, L)
+    extra = [_stage_item(run, values, first) for first in _tail_firsts(L)] if run.whole_model else []
     try:
         parts = measure_backward_parts(work + extra, run.spec.loss, target, run.dev, run.repeats)
     except torch.cuda.OutOfMemoryError:  # the model does not fit as one stage here: its units alone
@@ -500,7 +568,7 @@ def _measure_optimizer(run: _Run) -> None:
 
 
 def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes: List[int], co_runners: int,
-             host_kernel: List[Optional[float]]) -> Profile:
+             host_kernel: List[Optional[float]], precision: str = "fp32") -> Profile:
     captured, L = run.captured, len(run.captured.units)
     cuts = [CutProfile(before_unit=k, values=[run.cut_values[k][n.name] for n in captured.crossing(k)])
             for k in range(1, L)]
@@ -533,6 +601,7 @@ def _profile(run: _Run, entry: str, model_args: Dict[str, Any], seed: int, sizes
         stage_overhead_s=run.stage_overhead,
         split_overhead_s=run.split_overhead,
         weight_walk_s={b: w for b, w in run.weight_walk.items() if w},
+        precision=None if precision == "fp32" else precision,
     )
 
 

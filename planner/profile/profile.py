@@ -19,7 +19,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from planner.jsonio import JsonFileError, newer_schema, read_json, write_json_atomic
 from planner.sizes import MAX_BYTES
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2  # the newest this code reads and writes
+# a profile measured under a precision (Profile.precision) is written as version 2: a planner that
+# reads version 1 only would take its bytes for the model's dtype's and scale them again; every
+# other profile stays version 1, which older planners read
+PLAIN_SCHEMA_VERSION = 1
+MEASURED_PRECISIONS = ("bf16-mixed",)  # Profile.precision's values (None: as built)
 
 # Optimizer state bytes held per parameter byte (SGD without momentum: none; Adam: two moments).
 OPTIMIZER_STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adamw": 2.0, "adam": 2.0}
@@ -412,6 +417,11 @@ class Profile:
     # b -> seconds a later stage's weight-part call spends per autograd node of the stage's earlier units
     # it walks (planner.cost.ranges' walk term; UnitProfile.weight_calls, weight_walk_nodes). Empty: none
     weight_walk_s: Dict[int, float] = field(default_factory=dict)
+    # the precision the units ran at while measured: "bf16-mixed" (`planner profile --precision
+    # bf16-mixed`: autocast and the runtime's bf16 compute copies; every activation, output and cut
+    # byte count and every cut dtype is such a run's, param_bytes stay the model's `dtype`), or None:
+    # as built, in `dtype`, no autocast (older, analytic and plain profiles)
+    precision: Optional[str] = None
 
     def stage_overhead(self, b: int) -> Tuple[float, float]:
         """(forward, backward) seconds one stage pays per micro-batch of size b on top of its units:
@@ -437,7 +447,7 @@ class Profile:
 
     def to_json(self) -> Dict[str, Any]:
         d = {
-            "schema_version": self.schema_version,
+            "schema_version": PROFILE_SCHEMA_VERSION if self.precision else PLAIN_SCHEMA_VERSION,
             "kind": "profile",
             "torch_version": self.torch_version,
             "device": self.device,
@@ -462,6 +472,8 @@ class Profile:
                                      for b, parts in sorted(self.split_overhead_s.items())}
         if self.weight_walk_s:
             d["weight_walk_s"] = _str_keys(self.weight_walk_s)
+        if self.precision:
+            d["precision"] = self.precision
         d.update(self.extra)
         return d
 
@@ -471,11 +483,18 @@ class Profile:
         if not isinstance(d, dict) or d.get("kind", "profile") != "profile" or "units" not in d:
             raise JsonFileError("this is not a profile file (no 'units'); make one with `planner profile MODEL`")
         version = d.get("schema_version")
-        if version != PROFILE_SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in (PLAIN_SCHEMA_VERSION, PROFILE_SCHEMA_VERSION):
             raise JsonFileError(
-                f"profile schema_version {version!r} is not supported (expected {PROFILE_SCHEMA_VERSION}); "
+                f"profile schema_version {version!r} is not supported (expected {PLAIN_SCHEMA_VERSION} or "
+                f"{PROFILE_SCHEMA_VERSION}); "
                 f"{newer_schema(version, PROFILE_SCHEMA_VERSION)}re-run `planner profile` with this version")
         read = _Reader(source, [])
+        precision = d.get("precision")
+        if precision is not None and precision not in MEASURED_PRECISIONS:
+            raise read.error("precision", f"is {_show(precision)}: expected {' or '.join(MEASURED_PRECISIONS)} "
+                             "(or no field: measured as built)")
+        if precision is not None and version < PROFILE_SCHEMA_VERSION:
+            raise read.error("precision", f"needs schema_version {PROFILE_SCHEMA_VERSION} (the file says {version})")
         sizes = d.get("micro_batch_sizes")
         if not isinstance(sizes, list) or not sizes or any(
                 isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) < len(sizes):
@@ -512,7 +531,8 @@ class Profile:
         _check_extra(read, d, set(first_of))
         known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
                  "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
-                 "units", "cuts", "stage_overhead_s", "engine_overhead_s", "split_overhead_s", "weight_walk_s"}
+                 "units", "cuts", "stage_overhead_s", "engine_overhead_s", "split_overhead_s", "weight_walk_s",
+                 "precision"}
         return cls(
             model=d.get("model", {}),
             micro_batch_sizes=sizes,
@@ -531,6 +551,7 @@ class Profile:
             engine_overhead_s=engine_overhead,
             split_overhead_s=split,
             weight_walk_s=walk,
+            precision=precision,
         )
 
 

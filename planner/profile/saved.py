@@ -85,7 +85,7 @@ class SavedBytes:
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count these as parameters too (replacing the last call's): the step's compute copies of
-        the weights (runtime.precision), held once per step, not per micro-batch."""
+        the weights (planner.model.precision), held once per step, not per micro-batch."""
         self.excluded_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
 
     def hold_apart(self, tensor: torch.Tensor) -> None:

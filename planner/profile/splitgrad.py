@@ -319,7 +319,7 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
     the bytes held between the two parts."""
     held: List[Tuple[int, int, int, int]] = []
     # listed once, as the runtime's engine does: the trainable ones for the split, all to tell parameters apart
-    params = [[p for p in call.module.parameters() if p.requires_grad] for call in units]
+    params = [call.trainable() for call in units]
     for call, own in zip(units, params):  # the held bytes, once
         forward, _ = _closures(call, loss_fn, target)
         pending, size, kept = forward_and_input_part(

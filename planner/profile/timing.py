@@ -19,12 +19,19 @@ from planner.profile.saved import SavedBytes
 class UnitCall:
     """How to run one unit (or several as one stage): `module(*args)`; `produced`: the indices of
     its outputs that later units use (their gradients drive the backward); the last unit's
-    forward includes the loss."""
+    forward includes the loss; `params`: its trainable parameters as the runtime's engine lists
+    them for a split backward (None: the module's; under bf16-mixed the fp32 masters, while the
+    module holds their compute copies: planner.profile.mixed.MixedRun)."""
 
     module: torch.nn.Module
     args: List[Any]
     produced: List[int]
     is_last: bool
+    params: Optional[List[torch.Tensor]] = None
+
+    def trainable(self) -> List[torch.Tensor]:
+        """The trainable parameters a split backward computes gradients for (`params`)."""
+        return self.params if self.params is not None else [p for p in self.module.parameters() if p.requires_grad]
 
 
 @dataclass

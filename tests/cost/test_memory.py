@@ -183,3 +183,24 @@ def test_a_profile_planned_in_another_precision_scales_every_activation_count():
                 half = evaluate(profile, split, 2, base.with_(precision="bf16"))  # bf16-mixed keeps the loss fp32
                 for a, h in zip(full.stages, half.stages):  # every count halved, each rounded down
                     assert 0 <= a.activation_bytes / 2 - h.activation_bytes <= 64, (seed, schedule, recompute)
+
+
+def test_a_profile_measured_under_bf16_mixed_keeps_its_activations():
+    # planner profile --precision bf16-mixed measured every activation count as the run holds it: a plan
+    # at bf16-mixed (the default for such a profile) takes them as measured, converts only its parameter
+    # bytes, and a plan at another precision is refused (which tensors autocast kept in fp32 is not known)
+    fp32 = _profile()
+    measured = dataclasses.replace(fp32, precision="bf16-mixed")
+    scaled = evaluate(fp32, [2], 2, _opts(precision="bf16-mixed"))
+    for opts in (_opts(), _opts(precision="bf16-mixed")):
+        cost = evaluate(measured, [2], 2, opts)
+        for a, s in zip(cost.stages, scaled.stages):
+            assert (a.param_bytes, a.grad_bytes, a.optimizer_bytes) == (s.param_bytes, s.grad_bytes, s.optimizer_bytes)
+            assert a.activation_bytes == 2 * s.activation_bytes > 0
+    converted = compute_profile(measured, _opts())
+    assert converted.dtype == "bfloat16" and converted.precision == "bf16-mixed"
+    assert converted.units[0].saved_bytes == fp32.units[0].saved_bytes
+    assert converted.cuts[0].values[0].bytes == fp32.cuts[0].values[0].bytes
+    for precision in ("fp32", "bf16"):
+        with pytest.raises(ValueError, match="measured under bf16-mixed"):
+            evaluate(measured, [2], 2, _opts(precision=precision))

@@ -8,7 +8,7 @@ from torch import nn
 
 from planner.model.entry import build_spec
 from planner.model.spec import ModelEntryError, ModelSpec
-from runtime.initstate import parameters_on_meta
+from planner.model.meta import parameters_on_meta
 from tests.models import LazyMLP, lazy_mlp
 from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state
 

@@ -2,6 +2,7 @@
 CLI flags and defaults that carry them into plans. No timing assertions: what is checked is what
 was run, what was recorded and how the recorded numbers are used."""
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -522,3 +523,38 @@ def test_a_failed_engine_probe_is_a_one_line_warning_and_the_profile_stands(monk
     assert err == ["warning: measuring the engine's own cost failed: ImportError: no runtime here; planner solve "
                    "charges no engine cost (--engine-cost none skips measuring it)"]
     assert profile.engine_overhead_s == (0.0, 0.0)
+
+
+def test_a_profile_measured_under_bf16_mixed_says_so_in_its_file(tmp_path):
+    """planner profile --precision bf16-mixed: the cut values have the run's dtypes, the precision is
+    written (as schema_version 2: a planner reading version 1 only would scale its bytes again) and
+    read back; a plain profile stays version 1 without the field; a bad value is refused in one line."""
+    from planner.jsonio import JsonFileError
+
+    path = str(tmp_path / "mixed.json")
+    made = run_here(["planner.cli", "profile", "tests.models:normed_mlp", "--micro-batch-sizes", "2", "--repeats", "1",
+                     "--min-time", "0", "--warmup", "0", "--link", "none", "--engine-cost", "none",
+                     "--precision", "bf16-mixed", "-o", path])
+    assert made.returncode == 0, made.stderr
+    assert "under bf16-mixed" in made.stdout
+    data = json.load(open(path))
+    assert data["precision"] == "bf16-mixed" and data["schema_version"] == 2 and data["dtype"] == "float32"
+    mixed = Profile.from_json(data)
+    assert mixed.precision == "bf16-mixed" and "precision" not in mixed.extra
+    assert {v.dtype for c in mixed.cuts for v in c.values} == {"bfloat16"}
+    plain = Profile.from_json(json.loads(json.dumps(dataclasses.replace(mixed, precision=None).to_json())))
+    assert plain.precision is None and "precision" not in plain.to_json() and plain.to_json()["schema_version"] == 1
+    for bad, where in ((dict(data, precision="fp16"), "precision"), (dict(data, schema_version=1), "precision"),
+                       (dict(data, schema_version=3), "schema_version 3")):
+        with pytest.raises(JsonFileError, match=where):
+            Profile.from_json(bad)
+    refused = run_here(["planner.cli", "profile", "builtin:mlp", "--analytic", "--precision", "bf16-mixed",
+                        "-o", str(tmp_path / "a.json")])
+    assert refused.returncode == 2 and "--precision is for measured profiles" in refused.stderr
+    solved = run_here(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "8", "-o",
+                       str(tmp_path / "plan.json")])
+    assert solved.returncode == 0, solved.stderr
+    assert json.load(open(tmp_path / "plan.json"))["precision"] == "bf16-mixed"  # the profile's, by default
+    other = run_here(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "8", "--precision", "fp32",
+                      "-o", str(tmp_path / "plan32.json")])
+    assert other.returncode == 2 and "measured under bf16-mixed" in other.stderr, other.stderr

@@ -1,5 +1,5 @@
 """Under bf16-mixed an exported graph computes what the model's code computes under bf16
-(runtime.casts): casts to a tensor's dtype, reads of a cast that did nothing in fp32, casts only
+(planner.model.casts): casts to a tensor's dtype, reads of a cast that did nothing in fp32, casts only
 bf16 makes and dtype-made constants, without moving what crosses a cut."""
 import dataclasses
 
@@ -10,9 +10,10 @@ from planner.model.capture import capture
 from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
-from runtime.casts import recast
-from runtime.initstate import InitState, parameters_on_meta, to_meta
-from runtime.precision import ComputeCopy
+from planner.model.casts import recast
+from planner.model.meta import parameters_on_meta, to_meta
+from runtime.initstate import InitState
+from planner.model.precision import ComputeCopy
 from runtime.stage import build_rank
 from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state
 

@@ -1,4 +1,4 @@
-"""bf16-mixed keeps one bf16 copy of a stage's weights per step (runtime.precision), however many
+"""bf16-mixed keeps one bf16 copy of a stage's weights per step (planner.model.precision), however many
 micro-batches are in flight; the masters stay the fp32 parameters."""
 import dataclasses
 
@@ -77,7 +77,7 @@ def test_bf16_mixed_moe_experts_run(tmp_path):
     """Mixtral's experts cast their input to the weights' dtype before an opaque custom operator
     (transformers::grouped_mm_fallback); the graph, captured with fp32 weights, does not hold that
     cast, and the run stopped with 'expected m1 and m2 to have the same dtype'. Under bf16-mixed
-    the graph now computes as one bf16 process does (runtime.casts: the experts' kernel for bf16
+    the graph now computes as one bf16 process does (planner.model.casts: the experts' kernel for bf16
     weights, the casts to an activation's dtype), so the state equals it. As many key/value heads as
     query heads: with fewer, a traced transformers model repeats them where one process asks
     attention to (`enable_gqa`), and their gradients' bf16 sums run in another order."""
@@ -93,9 +93,9 @@ def test_writes_that_need_one_dtype_cast_their_source_to_the_destinations():
     """LLaVA scatters its image features into the text embeddings after casting them to the
     embeddings' dtype; the graph captured by torch.export with fp32 weights holds no such cast, and
     under bf16-mixed (bf16 embeddings, fp32 features) `masked_scatter` and `index_put` refused to
-    mix dtypes. Each such write now casts its source to its destination's dtype (runtime.precision),
+    mix dtypes. Each such write now casts its source to its destination's dtype (planner.model.precision),
     which is what the model's line does in one process."""
-    from runtime.precision import match_written_dtypes
+    from planner.model.precision import match_written_dtypes
 
     class Scatter(torch.nn.Module):
         def forward(self, embeds, features, mask, rows):
@@ -121,7 +121,7 @@ def test_traced_writes_by_keyword_function_or_operator_get_the_cast_too():
     torch.ops directly), and an integer destination keeps its dtype error (a cast would truncate)."""
     import torch.fx
 
-    from runtime.precision import match_written_dtypes
+    from planner.model.precision import match_written_dtypes
 
     class Writes(torch.nn.Module):
         def forward(self, x, mask, source, index):

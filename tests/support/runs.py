@@ -25,12 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @functools.lru_cache(maxsize=None)
-def _profile(entry: str, args_items: tuple, sizes: tuple) -> Profile:
-    return profile_model(entry, dict(args_items), list(sizes), repeats=1)
+def _profile(entry: str, args_items: tuple, sizes: tuple, precision: str = "fp32") -> Profile:
+    return profile_model(entry, dict(args_items), list(sizes), repeats=1, precision=precision)
 
 
-def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (1, 2, 4)) -> Profile:
-    return _profile(entry, tuple(sorted((args or {}).items())), tuple(sizes))
+def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (1, 2, 4),
+               precision: str = "fp32") -> Profile:
+    """The model's profile (cached); `precision` "bf16-mixed": measured as such a run (planner profile --precision)."""
+    return _profile(entry, tuple(sorted((args or {}).items())), tuple(sizes), precision)
 
 
 def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,
@@ -133,8 +135,8 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
         opt = torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.decay)
     autocast = (torch.autocast("cpu", dtype=options.autocast_dtype) if options.autocast_dtype is not None
                 else contextlib.nullcontext())
-    # bf16-mixed: the step's one bf16 copy of the weights, fp32 masters and gradients (runtime.precision)
-    from runtime.precision import ComputeCopy
+    # bf16-mixed: the step's one bf16 copy of the weights, fp32 masters and gradients (planner.model.precision)
+    from planner.model.precision import ComputeCopy
 
     copy = ComputeCopy([spec.module], options.autocast_dtype) if options.autocast_dtype is not None else None
     g, b = plan.global_batch, plan.micro_batch_size

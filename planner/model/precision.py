@@ -47,7 +47,7 @@ source to its destination's dtype (`match_written_dtypes`), as that line of the 
 process (nothing where they agree).
 
 Both rules came first; an exported graph now takes the run's casts and kernels itself
-(runtime.casts), and they stay for what that leaves: a graph whose second export fails, and
+(planner.model.casts), and they stay for what that leaves: a graph whose second export fails, and
 graphs traced by torch.fx that call such operators.
 """
 from __future__ import annotations

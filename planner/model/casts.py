@@ -8,7 +8,7 @@ bf16-mixed, in one process, the same lines compute in bfloat16: the captured gra
 function (bf16 rounding apart from one process: 4e-5 to 2e-3 after 3 steps).
 
 `recast` exports the model a second time as a bf16-mixed run computes it -- built again without
-storage (fake tensors on the run's device: each weight that gets a compute copy in bf16, runtime.precision), under
+storage (fake tensors on the run's device: each weight that gets a compute copy in bf16, planner.model.precision), under
 `torch.autocast` -- and the run's graph takes, node by node, what differs there (`_Recast`). Its
 nodes keep their names and units, and what crosses each cut stays the same (a change that would
 alter it is not made), so the plan's units and messages hold. What could not be taken is returned,
@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from planner.model.capture import CapturedModel, capture
 from planner.model.spec import to_device
-from runtime.precision import gets_compute_copy
+from planner.model.precision import gets_compute_copy
 
 
 def recast(captured: CapturedModel, build_on_meta: Callable[[], nn.Module], example_inputs: Any,
