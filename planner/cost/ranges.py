@@ -32,11 +32,14 @@ input part ran the loss's backward: what the loss saved is freed by then.)
 
 The first stage (a = 0) has no input that needs a gradient: its input part only finds that out,
 and its weight part is one whole backward, so everything saved is held until it runs, and so is
-the gradient its outputs received:
+the gradient its outputs received. So has any stage whose cut a carries no value that requires a
+gradient (everything before it frozen; integer or detached inputs: no CutValue.requires_grad at cut
+a; the runtime's engine then has no input to differentiate, planner.profile.splitgrad.backward_input):
+with such an a (`whole[a]`, whole[0] true),
 
-    backward_input(0, e)  = k^0 / sigma
-    backward_weight(0, e) = backward(0, e)
-    weight_held(0, e)     = saved(0, e) + grad(e)     (the gradient received for its outputs too)
+    backward_input(a, e)  = k^0 / sigma
+    backward_weight(a, e) = backward(a, e)
+    weight_held(a, e)     = saved(a, e) + grad(e)     (the gradient received for its outputs too)
 
 Each of the weight part's calls (omega_k of unit k: its parameter groups) walks the whole graph below
 its frontier (torch's engine finds what leads to the parameters from everything below its roots), so
@@ -146,6 +149,12 @@ class RangeCosts:
         name = "adamw" if optimizer in ("adam", "adamw") else optimizer
         self.o = np.array([float(u.optimizer_s.get(name, 0.0)) for u in units], dtype=float)
         cuts = [profile.cut(k) for k in range(1, self.num_units)]
+        # whole[a]: a stage starting at unit a receives no value that requires a gradient (the first
+        # stage, or one after frozen units / behind integer or detached inputs), so its split backward
+        # is the first stage's: an empty input part and one whole backward as its weight part (module
+        # docstring); whole[L] false (no stage starts there)
+        self.whole = np.array([True] + [not any(v.kind == "tensor" and v.requires_grad for v in c.values)
+                                        for c in cuts] + [False], dtype=bool)
         # act[k], grad[k]: bytes crossing cut k, k = 0 .. L (0 at both ends: nothing crosses them)
         self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
@@ -193,14 +202,14 @@ class RangeCosts:
         return float(self.call_backward + self.G[e] - self.G[a] + redo) / speed
 
     def backward_input(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
-        if a == 0:
+        if self.whole[a]:
             return self.first_input / speed
         redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
         return float(self.later_input + self.gi[a:e].sum() + redo) / speed
 
     def backward_weight(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
         redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
-        if a == 0:
+        if self.whole[a]:
             return float(self.first_call + self.G[e] - self.G[a] + redo) / speed
         return float(self.later_weight + self.gw[a:e].sum() + self.walk(a, e) + redo) / speed
 
@@ -215,7 +224,7 @@ class RangeCosts:
         return np.where(valid, walk, 0.0)
 
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
-        if a == 0:
+        if self.whole[a]:
             return self.saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
         first = 0.0 if a in redo else float(self.first_held[a] if e - 1 == a or not self.kept_known else self.first[a])
@@ -232,11 +241,11 @@ class RangeCosts:
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
         `again` the prefix sums of the recomputed forwards (0: none)."""
-        first_whole = range_matrix(self.G + again)[0] + self.first_call
+        whole = range_matrix(self.G + again)[self.whole] + self.first_call
         backward_input = range_matrix(prefix_sums(self.gi) + again) + self.later_input
         backward_weight = range_matrix(prefix_sums(self.gw) + again) + self.later_weight + self.walk_matrix()
-        backward_input[0] = np.where(np.isfinite(first_whole), self.first_input, np.inf)
-        backward_weight[0] = first_whole
+        backward_input[self.whole] = np.where(np.isfinite(whole), self.first_input, np.inf)
+        backward_weight[self.whole] = whole
         return backward_input, backward_weight
 
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:

@@ -24,7 +24,9 @@ and `row`), (k_i - h_i) copies of each for a rank of several stages (the integer
 
 saved_l (weight_l): what unit l keeps for its backward (until its weight backward: saved_l in the
 first stage, whose input part runs nothing, which also holds the gradient received at the cut it
-ends at, planner.cost.ranges), its input in_l alone when every unit is recomputed; d_l what unit l
+ends at, planner.cost.ranges; so does a later stage starting at a cut no gradient crosses, ranges'
+`whole`: `held`'s `whole`, per start in `matrix`), its input in_l alone when every unit is recomputed;
+d_l what unit l
 and the unit before both save (counted once in a stage holding both; none when every unit is
 recomputed). Under zero-bubble schedules, with the kept gradients measured, a later stage's
 weight_l is saved_l + k_l for each unit but its last, whose h_l comes in at the cut the stage ends
@@ -98,16 +100,19 @@ class StageMemory:
         """What stage g's rank may hold besides the fixed bytes (None: no cap)."""
         return self.caps[self.ranks[g]]
 
-    def held(self, peak: Dict, g: int) -> HeldTerms:
-        """Stage g's terms under the count vector `peak` of its rank."""
+    def held(self, peak: Dict, g: int, whole: Optional[bool] = None) -> HeldTerms:
+        """Stage g's terms under the count vector `peak` of its rank; `whole`: the stage starts where no
+        input carries a gradient, so its weight part is its whole backward (planner.cost.ranges' `whole`:
+        the first stage's terms; None: g == 0)."""
         c = self.costs
+        whole = g == 0 if whole is None else whole
         count = lambda kind: peak.get((kind, g), 0)  # noqa: E731
         zero = np.zeros_like(c.act)
-        # the first stage holds everything saved, and the gradient its outputs received, until its
-        # weight part; a later one, measured so, all each unit saved and kept but its last unit, which
-        # holds h (`last`, by the cut the stage ends at) (planner.cost.ranges)
+        # the first stage (and any whose inputs need no gradient) holds everything saved, and the gradient
+        # its outputs received, until its weight part; a later one, measured so, all each unit saved and
+        # kept but its last unit, which holds h (`last`, by the cut the stage ends at) (planner.cost.ranges)
         last = np.zeros_like(c.act)
-        if g == 0:
+        if whole:
             weight, held = self.saved, c.s
         elif self.kept:
             weight, held = self.saved + c.k, c.s + c.k
@@ -117,19 +122,19 @@ class StageMemory:
         else:
             weight, held = self.weight, c.h
         # the kinds that hold `saved`, whose neighbours' shared bytes count once
-        sharing = count("live") + (count("weight") if g == 0 or self.kept else 0)
+        sharing = count("live") + (count("weight") if whole or self.kept else 0)
         dup = self.dup_at_cut
         start = count("inbox") * c.act + count("sent_grad") * c.grad + sharing * dup if g > 0 else zero
         if not self.recompute_all:  # the first unit's inputs as received (planner.cost.ranges' first_a)
-            first_weight = c.first_held if g > 0 and not self.kept else c.first
+            first_weight = c.first_held if not whole and not self.kept else c.first
             start = start + np.append(count("live") * c.first + count("weight") * first_weight, 0.0)
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
-        if g == 0 and g < self.S - 1:
+        if whole and g < self.S - 1:
             end = end + count("weight") * c.grad
         # a recomputed unit holds its input (and, in a later stage's weight kind, its kept gradients)
-        kept = c.k if g > 0 and self.kept else 0.0
+        kept = c.k if not whole and self.kept else 0.0
         # (a later stage's input part freed what the loss saved: planner.cost.ranges' in'_l)
-        weight_inputs = c.inputs if g == 0 else c.weight_inputs
+        weight_inputs = c.inputs if whole else c.weight_inputs
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          sharing * dup, last)
@@ -148,11 +153,15 @@ class StageMemory:
         valid = np.arange(len(self._static))[None, :] > first[:, None]
         static = np.where(valid, self._static[None, :] - self._static[first][:, None], np.inf)
         held = np.zeros_like(static)
+        # a start whose inputs need no gradient: the first stage's terms (planner.cost.ranges' `whole`)
+        whole = np.ones(len(first), dtype=bool) if g == 0 else self.costs.whole[first]
         for peak in self.peaks[self.ranks[g]]:
-            terms = self.held(peak, g)
-            bytes_ = prefix_sums(terms.per_unit)
-            value = np.where(valid, bytes_[None, :] - bytes_[first][:, None], 0.0)
-            held = np.maximum(held, value + terms.at_start[first][:, None] + terms.at_end[None, :])
+            for kind in {bool(w) for w in whole}:
+                terms = self.held(peak, g, kind)
+                bytes_ = prefix_sums(terms.per_unit)
+                value = np.where(valid, bytes_[None, :] - bytes_[first][:, None], 0.0)
+                value = value + terms.at_start[first][:, None] + terms.at_end[None, :]
+                held = np.where((whole == kind)[:, None], np.maximum(held, value), held)
         if self.ties:
             static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))
         return static + held

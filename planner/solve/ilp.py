@@ -12,7 +12,9 @@ and variables outside each unit's stage range (planner.solve.reach) fixed. Recom
     F_g = (k^f + sum_l f_l x[l][g]) / sigma_i       B_g = (k^b + sum_l g_l x[l][g] + sum_l f_l rho[l][g]) / sigma_i
     (zero-bubble: BI_g, BW_g the same with gi_l (and k^b), gw_l; the 'weight' memory term with h_l; BW_g of
     g > 0 also walk_g = sum_k omega_k NU_k x[k][g] - sum_a NU_a y[a][g], y[a][g] = e[a][g-1] Omega_g linearised
-    exactly (`_walk`): the weight calls' walk of planner.cost.ranges)
+    exactly (`_walk`): the weight calls' walk of planner.cost.ranges; a stage g > 0 starting at a cut no gradient
+    crosses splits as the first: whole_g = sum_k e[k][g-1] over those cuts, and each of BI_g, BW_g and its held
+    bytes a variable at least the later kind - M whole_g and the first's kind - M (1 - whole_g))
     A_g = sum_k e[k][g] (lat + act_k / bw_g)        G_g = sum_k e[k][g] (lat + grad_k / bw_g)      (when > 0)
     R_i = sum_{g on i} sum_l ar_l x[l][g] + lat_i w_i,   w_i >= x[l][g] for ar_l > 0 (w_i binary: the rank
           exchanges anything; its rings' latency lat_i under a placement)
@@ -55,6 +57,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import pulp
 
 from planner.cost.model import (boundary_links, collective_latency, exchange_latency, num_micro_batches, rank_caps,
@@ -195,18 +198,33 @@ class Program:
                 # planner.cost.ranges: a later stage's parts; the first stage's input part runs nothing
                 # and its weight part is its whole backward (a recomputed forward runs once, there)
                 redo = lambda l: c.f[l] if redo_all else 0.0  # noqa: E731  (recomputed in both parts)
-                parts = {"backward_input": (c.gi, c.later_input), "backward_weight": (c.gw, c.later_weight)}
-                if g == 0:
-                    parts = {"backward_input": (0.0 * c.g, c.first_input), "backward_weight": (c.g, c.first_call)}
-                for name, (per_unit, call) in parts.items():
-                    again = g > 0 or name == "backward_weight"
-                    expr = call * MS / sigma + pulp.lpSum((per_unit[l] + again * redo(l)) * MS / sigma * self.x(l, g)
-                                                          for l in units)
-                    if again:
-                        expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
-                    if name == "backward_weight" and g > 0:
-                        expr += self._walk(g, units) * (MS / sigma)
-                    self.term[(name, g)] = self._define(f"{name}_{g}", expr)
+                # (so does a later stage starting where no input carries a gradient: whole_g, `_whole_start`)
+                later = {"backward_input": (c.gi, c.later_input), "backward_weight": (c.gw, c.later_weight)}
+                first = {"backward_input": (0.0 * c.g, c.first_input), "backward_weight": (c.g, c.first_call)}
+                whole = self._whole_start(g)
+                for name in later:
+                    expressions = []
+                    for kind, parts in ((False, later), (True, first)):
+                        if (g == 0 and not kind) or (g > 0 and kind and whole is None):
+                            continue
+                        per_unit, call = parts[name]
+                        again = not kind or name == "backward_weight"
+                        expr = call * MS / sigma + pulp.lpSum((per_unit[l] + again * redo(l)) * MS / sigma * self.x(l, g)
+                                                              for l in units)
+                        if again:
+                            expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+                        if name == "backward_weight" and not kind:
+                            expr += self._walk(g, units) * (MS / sigma)
+                        expressions.append(expr)
+                    if len(expressions) == 1:
+                        self.term[(name, g)] = self._define(f"{name}_{g}", expressions[0])
+                    else:  # at least the kind whole_g says (the rows bound T from below: it takes that one)
+                        most = (c.later_input + c.later_weight + c.first_input + c.first_call + float(
+                            (c.g + c.gi + c.gw + 2 * c.f).sum() + (c.omega * c.NU[:-1]).sum())) * MS / sigma + 1.0
+                        v = _var(self.prob, f"{name}_{g}")
+                        self.add(v >= expressions[0] - most * whole, f"{name}_{g}_later")
+                        self.add(v >= expressions[1] - most * (1 - whole), f"{name}_{g}_whole")
+                        self.term[(name, g)] = v
             if g < S - 1:
                 cuts = [k for k in range(1, L) if self.cut_may_end(k, g)]
                 for kind, gradient in (("act", False), ("grad", True)):
@@ -243,6 +261,12 @@ class Program:
             step -= pulp.lpSum(tie.step_s * MS / speeds[i] * self.tie_held(tie, i) for tie in self.ties)
             self.term[("reduce", i)] = self._define(f"R_{i}", reduce)
             self.term[("step", i)] = self._define(f"O_{i}", step)
+
+    def _whole_start(self, g: int):
+        """1 iff stage g > 0 starts at a cut no value with a gradient crosses (planner.cost.ranges' `whole`:
+        its split backward is the first stage's), a sum of e[k][g - 1]; None where no such cut may start it."""
+        cuts = [k for k in range(1, self.L) if self.costs.whole[k] and self.cut_may_end(k, g - 1)]
+        return pulp.lpSum(self.ends(k, g - 1) for k in cuts) if cuts else None
 
     def _walk(self, g: int, units: List[int]):
         """walk(a, e) of stage g > 0 (planner.cost.ranges), seconds: sum_k omega_k NU[k] x[k][g] - NU[a] Omega_g
@@ -427,27 +451,51 @@ class Program:
             for n, peak in enumerate(memory.peaks[i]):
                 held = 0
                 for g in opts.stages_on(i):
-                    terms = memory.held(peak, g)
-                    held += pulp.lpSum(terms.per_unit[l] / MIB * self.x(l, g) for l in range(L)
-                                       if terms.per_unit[l] and self.may(l, g))
-                    held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
-                                       for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
-                    held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
-                                       if terms.shared_lost[k] and (k - 1, g) in self.rho)
-                    if g > 0:  # the cut the stage starts at ends stage g - 1
-                        held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
-                                           if terms.at_start[k] and self.cut_may_end(k, g - 1))
-                    else:  # the first stage starts at unit 0
-                        held += terms.at_start[0] / MIB
-                    held += pulp.lpSum(terms.at_end[k] / MIB * self.ends(k, g) for k in range(1, L)
-                                       if terms.at_end[k] and self.cut_may_end(k, g))
-                    if g == self.S - 1:  # the last stage ends at unit L
-                        held += terms.at_end[L] / MIB
-                    held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
-                                       for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
+                    whole = self._whole_start(g) if g > 0 and opts.schedule in ZERO_BUBBLE_SCHEDULES else None
+                    if whole is None:
+                        held += self._held(memory, peak, g, None)
+                        continue
+                    # either kind of a later stage (planner.cost.stage_memory's `whole`): at least the one
+                    # whole_g says, the row keeps it no larger
+                    kinds = [self._held(memory, peak, g, kind) for kind in (False, True)]
+                    most = sum(self._most(memory, peak, g, kind) for kind in (False, True)) + 1.0
+                    h = _var(self.prob, f"held_{i}_{n}_{g}", low=-most)
+                    self.add(h >= kinds[0] - most * whole, f"held_{i}_{n}_{g}_later")
+                    self.add(h >= kinds[1] - most * (1 - whole), f"held_{i}_{n}_{g}_whole")
+                    held += h
                 cap = memory.caps[i]
                 cap = math.floor(cap) if beta_w.is_integer() and beta_t.is_integer() else cap
                 self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
+
+    def _most(self, memory: StageMemory, peak: Dict, g: int, whole: bool) -> float:
+        """A bound (MiB) of |stage g's held bytes| under `peak` over every split."""
+        terms = memory.held(peak, g, whole)
+        return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
+                                                     terms.at_start, terms.at_end, terms.last_unit))) / MIB
+
+    def _held(self, memory: StageMemory, peak: Dict, g: int, whole: Optional[bool]):
+        """Stage g's held bytes (MiB) under `peak`, linear in the split (`whole`: StageMemory.held's)."""
+        L = self.L
+        held = 0
+        terms = memory.held(peak, g, whole)
+        held += pulp.lpSum(terms.per_unit[l] / MIB * self.x(l, g) for l in range(L)
+                           if terms.per_unit[l] and self.may(l, g))
+        held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
+                           for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
+        held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
+                           if terms.shared_lost[k] and (k - 1, g) in self.rho)
+        if g > 0:  # the cut the stage starts at ends stage g - 1
+            held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
+                               if terms.at_start[k] and self.cut_may_end(k, g - 1))
+        else:  # the first stage starts at unit 0
+            held += terms.at_start[0] / MIB
+        held += pulp.lpSum(terms.at_end[k] / MIB * self.ends(k, g) for k in range(1, L)
+                           if terms.at_end[k] and self.cut_may_end(k, g))
+        if g == self.S - 1:  # the last stage ends at unit L
+            held += terms.at_end[L] / MIB
+        held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
+                           for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
+        return held
 
     # --- paths ----------------------------------------------------------------------------------
     def add_form(self, form: PathForm, big_m_ms: float) -> None:

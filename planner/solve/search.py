@@ -149,20 +149,25 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     L = profile.num_units
     call = costs.call_forward + costs.call_backward
     if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # planner.cost.ranges: the parts of a later and of the first stage
-        # what one micro-batch's crossing waits for, past the first stage (recomputed forwards run in both parts)
-        chain = costs.F + prefix_sums(costs.gi) + redo
+        # what one micro-batch's crossing waits for, past the first stage (recomputed forwards run in both
+        # parts); a unit a stage whose input part runs nothing may hold (one starting at or before it at a
+        # cut no gradient crosses, ranges' `whole`) adds nothing to it
+        redo_l = costs.f if opts.recompute == "all" else np.zeros(L)
+        whole_from = next((a for a in range(1, L) if costs.whole[a]), L)
+        crossing_part = np.where(np.arange(L) < whole_from, costs.gi + redo_l, 0.0)
+        chain = costs.F + prefix_sums(crossing_part)
         lead = costs.F  # before a rank's first forward; its last W's may overlap the I's upstream
         parts = costs.split_matrices(redo)
         work = costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
         # v > 1: the first stage (units [0, e), e <= L - S + 1) is unknown, so each unit its cheaper
         # case; the chain counts only the units no first stage holds
-        redo_l = costs.f if opts.recompute == "all" else np.zeros(L)
         per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
         later = costs.later_input + costs.later_weight
+        wholes = 1 if whole_from == L else S  # the stages that may split as the first one does
         total = float(costs.F[-1] + per_unit.sum()) + S * costs.call_forward + \
-            min(costs.first_input + costs.first_call, later) + (S - 1) * later
-        through = float(costs.F[-1] + (costs.gi + redo_l)[L - S + 1:].sum()) + S * costs.call_forward + \
-            min(costs.first_input, costs.later_input) + (S - 1) * costs.later_input
+            wholes * min(costs.first_input + costs.first_call, later) + (S - wholes) * later
+        through = float(costs.F[-1] + crossing_part[L - S + 1:].sum()) + S * costs.call_forward + \
+            wholes * min(costs.first_input, costs.later_input) + (S - wholes) * costs.later_input
     else:
         prefix = chain = costs.F + costs.G + redo
         lead = prefix

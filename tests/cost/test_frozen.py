@@ -98,3 +98,26 @@ def test_a_frozen_tie_is_not_all_reduced():
     opts = _opts(data_parallel=1, global_batch=4)
     assert ("tie", "w") in evaluate(trained, [2], 2, opts).durations
     assert ("tie", "w") not in evaluate(frozen, [2], 2, opts).durations
+
+
+def test_a_stage_whose_input_needs_no_gradient_splits_its_backward_as_the_first_does():
+    """Zero-bubble parts of a stage starting at a cut that carries no gradient (everything before it
+    frozen): the runtime's input part has nothing to differentiate (planner.profile.splitgrad), so
+    its weight part is the whole backward and holds all it saved and its outputs' gradient, as the
+    first stage's; the matrices the solvers read say what the ranges do."""
+    from planner.cost.ranges import RangeCosts
+
+    profile = synthetic_profile(forward=[1e-3] * 4, backward=[2e-3] * 4, params=PARAMS, saved=[400] * 4,
+                                cut_act=[80] * 3, cut_grad=[80, 0, 80], sizes=(1, 2))
+    c = RangeCosts(profile, 2)
+    assert list(c.whole) == [True, False, True, False, False]
+    for a, e in [(0, 2), (2, 3), (2, 4)]:
+        assert c.backward_input(a, e) == c.first_input
+        assert c.backward_weight(a, e) == pytest.approx(c.first_call + c.G[e] - c.G[a])
+        assert c.weight_held(a, e) == c.saved(a, e) + c.grad[e]
+    assert c.weight_held(1, 3) != c.saved(1, 3) + c.grad[3]  # a later stage whose input needs a gradient
+    backward_input, backward_weight = c.split_matrices(0.0)
+    for a in range(4):
+        for e in range(a + 1, 5):
+            assert backward_input[a, e] == pytest.approx(c.backward_input(a, e))
+            assert backward_weight[a, e] == pytest.approx(c.backward_weight(a, e))

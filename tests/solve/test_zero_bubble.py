@@ -1,6 +1,7 @@
 """The solver on zero-bubble schedules: the exact search equals brute force on small random chains
 (both backward parts timed, memory capped, recomputation allowed), and `--schedule auto` weighs
 zb-h1 and zb-v against the others on the same exact costs."""
+import itertools
 import random
 
 import pytest
@@ -91,3 +92,40 @@ def test_the_weight_calls_walk_is_quadratic_in_a_stages_units():
                 assert costs.backward_weight(a, e) == pytest.approx(plain + walk, rel=1e-12)
                 assert weight[a, e] == pytest.approx(plain + walk, rel=1e-12)
     assert costs.walk(3, 4) == 0.0  # a unit alone: its own walk is in its timed weight part
+
+
+@pytest.mark.parametrize("schedule,p", [("zb-h1", 3), ("zb-v", 2)])
+@pytest.mark.parametrize("seed", [1, 2, 4])
+def test_solvers_split_a_stage_whose_input_needs_no_gradient_as_the_first(schedule, p, seed):
+    """No gradient crosses cuts 1, 2 and 4 (frozen units before them, or integer inputs): a stage starting
+    there splits its backward as the first stage does, in its times and held bytes (planner.cost.ranges'
+    `whole`); the branch and bound, the integer program and the scenario's bound agree with brute force."""
+    profile = _chain(seed, 6)
+    for k in (1, 2, 4):
+        for value in profile.cut(k).values:
+            value.requires_grad = False
+    free = CostOptions(pipeline_ranks=p, global_batch=8, schedule=schedule, virtual_stages=2 if schedule == "zb-v" else 1,
+                       bandwidth=1e9, latency=2e-5)
+    unlimited = solve(profile, free)
+    # caps each some split's peak (so feasible) and below the fastest's: memory decides, whole starts held more
+    peaks = sorted({max(evaluate(profile, list(cuts), unlimited.micro_batch_size, free).device_memory)
+                    for cuts in itertools.combinations(range(1, 6), free.num_stages - 1)})
+    caps = [cap for cap in peaks if cap < max(unlimited.cost.device_memory)][-3:]
+    if free.virtual_stages == 1:  # the branch and bound's stage memory is each split's, whole starts too
+        from planner.solve.diagnose import memory_matrices
+
+        b = unlimited.micro_batch_size
+        matrices = memory_matrices(profile, b, free)
+        for cuts in itertools.combinations(range(1, 6), p - 1):
+            edges = (0, *cuts, 6)
+            held = [matrices(g)[edges[g], edges[g + 1]] for g in range(p)]
+            assert held == pytest.approx(evaluate(profile, list(cuts), b, free).device_memory, rel=1e-9), cuts
+    for opts in (free, *(free.with_(memory_cap=cap, recompute="auto") for cap in caps)):
+        oracle = solve_brute(profile, opts)
+        found = solve(profile, opts)
+        assert oracle is not None and found.status == "optimal"
+        assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
+        with program_only():
+            program = solve(profile, opts)
+        assert program.status == "optimal" and program.objective == pytest.approx(oracle.objective, rel=1e-9)
+        assert scenario_lower_bound(profile, found.micro_batch_size, found.options) <= found.objective * (1 + 1e-12)
