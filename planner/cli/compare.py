@@ -9,7 +9,7 @@ from planner.errors import UsageError
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.cli.solve import check_plan_flags, ilp_backend, problem_from_args, solve_problem
-    from planner.solve.diagnose import InfeasibleError
+    from planner.solve.diagnose import InfeasibleError, NoPlanInTime
     from planner.solve.solution import OPTIMALITY_GAP
 
     profile, opts, devices, schedules, topology = problem_from_args(args)
@@ -20,6 +20,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except InfeasibleError as e:
         best = None
         print(f"ilp: infeasible: {str(e).splitlines()[0]}")
+    except NoPlanInTime as e:
+        best = None
+        print(f"ilp: {e}")
     except ValueError as e:
         raise UsageError(str(e)) from None
     rows = [("method", "iteration ms", "bottleneck ms", "max memory MiB", "feasible", "b x m", "vs ilp")]

@@ -241,7 +241,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.file import save_plan
     from planner.plan.make import make_plan
     from planner.plan.table import format_plan_table
-    from planner.solve.diagnose import InfeasibleError
+    from planner.solve.diagnose import InfeasibleError, NoPlanInTime
 
     check_writable(args.output, [args.profile])  # now, not after the search
     profile, opts, devices, schedules, topology = problem_from_args(args)
@@ -259,6 +259,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
             solution = solve_problem(profile, opts, devices, schedules, topology, args, args.method, args.backend)
     except InfeasibleError as e:
         print(f"infeasible: {e}", file=sys.stderr)
+        return 2
+    except NoPlanInTime as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -35,6 +35,11 @@ class InfeasibleError(Exception):
         self.min_stages = min_stages  # smallest stage count fitting the given cap, if any
 
 
+class NoPlanInTime(Exception):
+    """The search stopped at its time limit before it found a plan, and did not prove that none
+    fits either (an InfeasibleError says that): more time may find one."""
+
+
 StageCostMatrix = Callable[[int], np.ndarray]  # s -> (L+1) x (L+1) matrix C_s[a, e], inf where e <= a
 
 

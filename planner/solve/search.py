@@ -46,7 +46,7 @@ from planner.cost.options import CostOptions
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES, schedule_virtual_stages
 from planner.cost.ranges import prefix_sums, range_costs
 from planner.profile.profile import Profile
-from planner.solve.diagnose import memory_matrices, min_max_partition
+from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
 
@@ -276,6 +276,10 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             break  # more time did not help it
     bound = min([skipped] + [b for b, _, _ in proven.values()])
     all_proven = all(settled for _, settled, _ in proven.values())
+    if best is None and not all_proven:  # a scenario stopped at the limit with nothing: not a proof
+        within = "its time limit" if time_limit is None else f"the time limit of {time_limit:g} s"
+        raise NoPlanInTime(f"no plan found within {within}, and none proven impossible either; allow more time "
+                           "(--time-limit)")
     if best is None:
         return None
     # the backend names the integer program's solver; scenarios settled by branch and bound ran none

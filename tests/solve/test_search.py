@@ -104,3 +104,30 @@ def test_the_heuristic_plans_interleaved_too():
     fast, exact = solve(p, opts, method="dp"), solve(p, opts)
     assert fast.bound <= exact.objective <= fast.objective
     assert evaluate(p, fast.boundaries, fast.micro_batch_size, opts).iteration_s == pytest.approx(fast.objective)
+
+
+def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, tmp_path, capsys):
+    # a short --time-limit at a tight cap: every scenario stopped with no plan and unproven; the
+    # command said "infeasible" where a plan fits (a fuzz against brute force, 0.1-0.2 s limits)
+    import planner.solve.search as search
+    from planner.cli.main import main
+    from planner.profile.profile import save_profile
+    from planner.solve.diagnose import NoPlanInTime
+    from planner.solve.exact import ScenarioOutcome
+
+    profile = random_chain(random.Random(0), 6)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8)
+    monkeypatch.setattr(search, "heuristic_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, False))
+    with pytest.raises(NoPlanInTime, match="no plan found within the time limit of 0.2 s"):
+        solve(profile, opts, time_limit=0.2)
+    path = str(tmp_path / "p.json")
+    save_profile(profile, path)
+    code = main(["solve", path, "--stages", "2", "--global-batch", "8", "--time-limit", "0.2", "-o",
+                 str(tmp_path / "plan.json")])
+    assert code == 2 and not (tmp_path / "plan.json").exists()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no plan found within") and "infeasible" not in err and len(err.splitlines()) == 1
+    monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, True))
+    with pytest.raises(InfeasibleError):  # each scenario proven to have none
+        solve(profile, opts, time_limit=0.2)
