@@ -97,7 +97,8 @@ def cluster_from_json(d: Any) -> Cluster:
     refuse_unknown_keys(d, ("groups", "links"), "cluster file")
     groups: List[DeviceGroup] = []
     for i, g in enumerate(d["groups"]):
-        if not isinstance(g, dict) or not isinstance(g.get("devices"), int) or g["devices"] < 1:
+        if not isinstance(g, dict) or not isinstance(g.get("devices"), int) or isinstance(g["devices"], bool) \
+                or g["devices"] < 1:
             raise ValueError(f"cluster group {i} needs \"devices\": a positive integer")
         refuse_unknown_keys(g, ("name", "devices", "memory", "speed", "bandwidth", "latency"), f"cluster group {i}")
         speed = speed_value(g.get("speed", 1.0), f"cluster group {i} speed")

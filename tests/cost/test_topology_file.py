@@ -113,6 +113,8 @@ def test_the_cluster_file_reads_sizes_by_the_same_rule():
     ({"groups": [{"devices": 2}], "link": []}, "cluster file has unknown key\\(s\\) link"),
     # a number past an exabyte (the option and a size string were refused, a number was not)
     ({"groups": [{"devices": 2, "memory": 1e300}]}, "group 0 memory must be at most 1e\\+18"),
+    # JSON true is a Python int: it was one device
+    ({"groups": [{"devices": True}, {"devices": 1}]}, "cluster group 0 needs \"devices\": a positive integer"),
 ])
 def test_bad_cluster_files_are_refused(raw, message):
     from planner.cost.cluster import cluster_from_json
