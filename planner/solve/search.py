@@ -276,10 +276,10 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             break  # more time did not help it
     bound = min([skipped] + [b for b, _, _ in proven.values()])
     all_proven = all(settled for _, settled, _ in proven.values())
-    if best is None and not all_proven:  # a scenario stopped at the limit with nothing: not a proof
-        within = "its time limit" if time_limit is None else f"the time limit of {time_limit:g} s"
-        raise NoPlanInTime(f"no plan found within {within}, and none proven impossible either; allow more time "
-                           "(--time-limit)")
+    out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
+    if best is None and not all_proven and out_of_time:  # stopped at the limit with nothing: not a proof
+        raise NoPlanInTime(f"no plan found within the time limit of {time_limit:g} s, and none proven impossible "
+                           "either; allow more time (--time-limit)")
     if best is None:
         return None
     # the backend names the integer program's solver; scenarios settled by branch and bound ran none

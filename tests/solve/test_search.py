@@ -109,6 +109,8 @@ def test_the_heuristic_plans_interleaved_too():
 def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, tmp_path, capsys):
     # a short --time-limit at a tight cap: every scenario stopped with no plan and unproven; the
     # command said "infeasible" where a plan fits (a fuzz against brute force, 0.1-0.2 s limits)
+    import time
+
     import planner.solve.search as search
     from planner.cli.main import main
     from planner.profile.profile import save_profile
@@ -118,7 +120,11 @@ def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, 
     profile = random_chain(random.Random(0), 6)
     opts = CostOptions(pipeline_ranks=2, global_batch=8)
     monkeypatch.setattr(search, "heuristic_plan", lambda *args, **kwargs: None)
-    monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, False))
+    def stopped(*args, **kwargs):  # at the limit, with nothing
+        time.sleep(0.2)
+        return ScenarioOutcome(None, 0.0, False)
+
+    monkeypatch.setattr(search, "solve_scenario", stopped)
     with pytest.raises(NoPlanInTime, match="no plan found within the time limit of 0.2 s"):
         solve(profile, opts, time_limit=0.2)
     path = str(tmp_path / "p.json")
@@ -131,3 +137,6 @@ def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, 
     monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, True))
     with pytest.raises(InfeasibleError):  # each scenario proven to have none
         solve(profile, opts, time_limit=0.2)
+    monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, False))
+    with pytest.raises(InfeasibleError):  # done before the limit: the search's answer (as without a limit)
+        solve(profile, opts, time_limit=60)
