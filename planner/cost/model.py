@@ -161,7 +161,7 @@ def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_byte
     return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
 
 
-_CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}
+_CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}  # (id(profile), precision) -> both
 
 
 def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
@@ -183,7 +183,7 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
     if ratio == 1:
         return profile
     activations = 1.0 if measured else ratio
-    key = (id(profile), target)
+    key = (id(profile), precision)  # bf16 and bf16-mixed share a dtype, not the loss's bytes
     hit = _CONVERTED.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]

@@ -164,6 +164,12 @@ def test_a_profile_planned_in_another_precision_scales_every_activation_count():
     for precision, held in (("fp32", 800), ("bf16-mixed", 400), ("bf16", 400)):
         opts = CostOptions(pipeline_ranks=1, global_batch=1, precision=precision)
         assert evaluate(p, [], 1, opts).stages[0].activation_bytes == held
+    p = synthetic_profile([1e-3] * 3, [2e-3] * 3, [1000] * 3, [400, 800, 400], [400] * 2, sizes=(1,))
+    share_saved(p, [1, 2])
+    p.units[-1].loss_saved_bytes = {1: 200}  # of the last unit's 400: fp32 under bf16-mixed, not under bf16
+    for precision, held in (("bf16", 400), ("bf16-mixed", 500), ("bf16", 400)):  # each its own conversion
+        opts = CostOptions(pipeline_ranks=1, global_batch=1, precision=precision)
+        assert evaluate(p, [], 1, opts).stages[0].activation_bytes == held, precision
     for seed in range(12):
         rng = random.Random(seed)
         profile = random_chain(rng, 6, sizes=(1, 2))
