@@ -323,11 +323,18 @@ def _prepare(run: _Run, smallest: int, precision: str = "fp32") -> None:
     problem = batch_problem(inputs0, target0, smallest)
     if problem:
         raise ModelEntryError(problem)
+    if precision == "bf16-mixed":  # the probe too: an exported graph's casts expect the bf16 copies
+        run.mixed = MixedRun([captured.gm] + [m for m, _ in run.stages] + [m for m, _ in run.tails.values()], run.dev)
+        run.mixed.install()
     with torch.enable_grad():
         try:
-            probe = run_all_nodes(captured, to_device(tuple(inputs0), run.dev), grad=True)
+            with run.forwarding():
+                probe = run_all_nodes(captured, to_device(tuple(inputs0), run.dev), grad=True)
         except NodeRunError as e:
             raise model_failure(e, smallest) from e
+        finally:
+            if run.mixed is not None:
+                run.mixed.remove()
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
@@ -335,8 +342,7 @@ def _prepare(run: _Run, smallest: int, precision: str = "fp32") -> None:
     del probe
     run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}
-    if precision == "bf16-mixed":
-        run.mixed = MixedRun([captured.gm] + [m for m, _ in run.stages] + [m for m, _ in run.tails.values()], run.dev)
+    if run.mixed is not None:
         run.spec = dataclasses.replace(run.spec, loss=run.mixed.loss(run.spec.loss))
 
 

@@ -558,3 +558,16 @@ def test_a_profile_measured_under_bf16_mixed_says_so_in_its_file(tmp_path):
     other = run_here(["planner.cli", "solve", path, "--stages", "2", "--global-batch", "8", "--precision", "fp32",
                       "-o", str(tmp_path / "plan32.json")])
     assert other.returncode == 2 and "measured under bf16-mixed" in other.stderr, other.stderr
+
+
+def test_an_exported_model_profiles_under_bf16_mixed():
+    # its graph takes the run's casts (planner.model.casts): the profile's gradient probe ran it with the
+    # fp32 weights and no autocast, and a ViT stopped at its patch convolution (bf16 input, fp32 bias)
+    pytest.importorskip("transformers")
+    from planner.profile.measure import profile_model
+
+    vit = {"image_size": 32, "patch_size": 8, "num_hidden_layers": 1, "hidden_size": 16, "num_attention_heads": 2,
+           "intermediate_size": 32}
+    profile = profile_model("hf:ViTForImageClassification", vit, [2], repeats=1, precision="bf16-mixed",
+                            whole_model=False)
+    assert profile.precision == "bf16-mixed" and {v.dtype for c in profile.cuts for v in c.values} == {"bfloat16"}
