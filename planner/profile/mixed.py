@@ -23,8 +23,11 @@ class MixedRun:
         from planner.model.precision import ComputeCopy  # the run's own definition of the copies
 
         self.device_type = device.type
+        # each module's trainable parameters, taken before any copy is installed: the fp32 masters,
+        # as the engine takes its stages' (runtime.engine's stage_params)
+        self._trainable: Dict[int, List[torch.Tensor]] = {
+            id(module): [p for p in module.parameters() if p.requires_grad] for module in modules}
         self.copy = ComputeCopy(modules, self.dtype)
-        self.masters: Dict[int, torch.Tensor] = {}  # id(compute copy) -> its master, while installed
         for module in modules:
             module.forward = self._under_autocast(module)
             module.zero_grad = self._zero_grad(module)  # the masters' (a copy's .grad is no gradient)
@@ -51,14 +54,11 @@ class MixedRun:
         return under_autocast
 
     def install(self) -> None:
-        copies = self.copy.install()
-        self.masters = {id(c): master for (_, _, master), c in zip(self.copy.slots, copies)}
+        self.copy.install()
 
     def remove(self) -> None:
         self.copy.remove()
-        self.masters = {}
 
     def trainable(self, module: torch.nn.Module) -> List[torch.Tensor]:
         """The module's trainable parameters as the engine lists them: the masters, each once."""
-        found = [self.masters.get(id(p), p) for p in module.parameters() if p.requires_grad]
-        return list({id(p): p for p in found}.values())
+        return self._trainable[id(module)]

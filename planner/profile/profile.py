@@ -402,7 +402,6 @@ class Profile:
     torch_version: str = ""
     capture: str = "fx"
     repeats: int = 5
-    schema_version: int = PROFILE_SCHEMA_VERSION
     extra: Dict[str, Any] = field(default_factory=dict)
     # b -> (forward, backward) seconds a stage pays once per micro-batch whatever units it holds
     # (a call's fixed cost: Python, autograd's engine start); unit times exclude it. Empty: none.
@@ -445,9 +444,14 @@ class Profile:
             raise IndexError(f"cut {k} out of range 1..{len(self.units) - 1}")
         return self.cuts[k - 1]
 
+    @property
+    def schema_version(self) -> int:
+        """What its file says: 2 where measured under a precision, else 1 (older planners read it)."""
+        return PROFILE_SCHEMA_VERSION if self.precision else PLAIN_SCHEMA_VERSION
+
     def to_json(self) -> Dict[str, Any]:
         d = {
-            "schema_version": PROFILE_SCHEMA_VERSION if self.precision else PLAIN_SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "kind": "profile",
             "torch_version": self.torch_version,
             "device": self.device,
@@ -545,7 +549,6 @@ class Profile:
             torch_version=d.get("torch_version", ""),
             capture=d.get("capture", "fx"),
             repeats=read.count(d.get("repeats", 5), "repeats"),
-            schema_version=version,
             extra={k: v for k, v in d.items() if k not in known},
             stage_overhead_s=overhead,
             engine_overhead_s=engine_overhead,

@@ -201,13 +201,14 @@ class Program:
                 # (so does a later stage starting where no input carries a gradient: whole_g, `_whole_start`)
                 later = {"backward_input": (c.gi, c.later_input), "backward_weight": (c.gw, c.later_weight)}
                 first = {"backward_input": (0.0 * c.g, c.first_input), "backward_weight": (c.g, c.first_call)}
-                whole = self._whole_start(g)
+                whole = self._whole_start(g) if g > 0 else None
+                # the kinds stage g may split as: the first stage only as the first; a later one as a later
+                # stage, and as the first where it may start at such a cut (whole_g then says which)
+                kinds = [True] if g == 0 else [False] + ([True] if whole is not None else [])
                 for name in later:
                     expressions = []
-                    for kind, parts in ((False, later), (True, first)):
-                        if (g == 0 and not kind) or (g > 0 and kind and whole is None):
-                            continue
-                        per_unit, call = parts[name]
+                    for kind in kinds:
+                        per_unit, call = (first if kind else later)[name]
                         again = not kind or name == "backward_weight"
                         expr = call * MS / sigma + pulp.lpSum((per_unit[l] + again * redo(l)) * MS / sigma * self.x(l, g)
                                                               for l in units)

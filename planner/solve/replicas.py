@@ -368,6 +368,15 @@ def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[i
                            min_memory_bytes=least[0])
 
 
+def _recompute_of(profile: Profile, tables: ReplicaTables, plan: ReplicaSplit, b: int, opts: CostOptions,
+                  chosen: bool) -> List[int]:
+    """The units a plan the search found recomputes: with `chosen` (auto, its tables bounding
+    recomputation), the cheapest that fit; else every unit under 'all', none otherwise."""
+    if chosen:
+        return _cheapest_recompute(profile, tables, plan, b, rank_caps(opts, profile)[0])
+    return list(range(profile.num_units)) if opts.recompute == "all" else []
+
+
 def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSplit, b: int, cap: float) -> List[int]:
     """Per stage of the plan, the cheapest recomputation that makes it fit (exact subsets up to
     EXACT_KNAPSACK_UNITS candidates, else greedy by time per byte)."""
@@ -415,9 +424,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                 search.run()
                 if search.best is None:
                     continue
-                redo = _cheapest_recompute(profile, tables, search.best, b, rank_caps(scenario, profile)[0]) \
-                    if recompute_bound is not None else \
-                    (list(range(profile.num_units)) if scenario.recompute == "all" else [])
+                redo = _recompute_of(profile, tables, search.best, b, scenario, recompute_bound is not None)
                 plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
                 value = plain.iteration_s
                 if plain.feasible and (best is None or value < best.value):
@@ -434,8 +441,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         if lower.best is not None:
             # the relaxation's plan may fit after all (the upper tables assumed the worst suffix and
             # messages): without auto it then beats every plan, time not depending on the held counts
-            redo = _cheapest_recompute(profile, relaxed, lower.best, size, rank_caps(other, profile)[0]) if auto \
-                else list(range(profile.num_units)) if other.recompute == "all" else []
+            redo = _recompute_of(profile, relaxed, lower.best, size, other, auto)
             cost = evaluate(profile, lower.best.boundaries, size, _chosen(other, lower.best), redo)
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
