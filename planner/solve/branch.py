@@ -64,6 +64,7 @@ from planner.cost.result import PathForm
 from planner.cost.ties import tied_weights
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
+from planner.solve.floors import OutOfTime
 from planner.solve.forms import TABLE_BYTES, Forms, StageTerms, form_prefix, table_bytes
 from planner.solve.solution import Split
 
@@ -103,10 +104,14 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
     search) is given each new incumbent at a refresh."""
     started = time.perf_counter()
-    terms = StageTerms(profile, b, opts)
+    deadline = None if time_limit is None else started + time_limit
+    try:
+        terms = StageTerms(profile, b, opts, deadline)
+    except OutOfTime:  # no node searched: the incumbent, and no bound but that every duration is >= 0
+        return BranchOutcome(incumbent, opts.step_overhead_s, False, 0, set(forms))
     L, S = terms.L, terms.S
     known = Forms(terms, opts.message_s)
-    known.deadline = None if time_limit is None else started + time_limit
+    known.deadline = deadline
     for form in forms:
         known.add(form, complete=False)  # the first refresh completes them all at once
     redo = list(range(L)) if opts.recompute == "all" else []
@@ -231,8 +236,8 @@ def _open_bound(known: Forms, stack, target: float, refresh: bool, budget_s: flo
     or after `budget_s` seconds (the next node's own bound then stands for the rest)."""
     if not stack:
         return math.inf
-    if refresh:  # cheap (the caller's judgement): past the search's deadline, but let it finish
-        known.deadline = None
+    if refresh:  # cheap (the caller's judgement): past the search's deadline, but given the budget
+        known.deadline = time.perf_counter() + budget_s  # a refresh stopped there keeps the tables it had
         known.refresh(target)
     deadline = time.perf_counter() + budget_s
     every = slice(0, len(known))

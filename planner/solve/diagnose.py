@@ -23,6 +23,7 @@ from planner.cost.stage_memory import StageMemory
 from planner.pipeline.schedule import MAX_MICRO_BATCHES, MULTI_STAGE_SCHEDULES, schedule_virtual_stages
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
+from planner.solve.floors import check_deadline
 
 
 class InfeasibleError(Exception):
@@ -43,15 +44,17 @@ class NoPlanInTime(Exception):
 StageCostMatrix = Callable[[int], np.ndarray]  # s -> (L+1) x (L+1) matrix C_s[a, e], inf where e <= a
 
 
-def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatrix
-                      ) -> Tuple[float, Optional[List[int]]]:
-    """Exact min over contiguous splits of max_s C_s(a_s, e_s): (value, boundaries) or (inf, None)."""
+def min_max_partition(num_units: int, num_stages: int, stage_cost: StageCostMatrix,
+                      deadline: Optional[float] = None) -> Tuple[float, Optional[List[int]]]:
+    """Exact min over contiguous splits of max_s C_s(a_s, e_s): (value, boundaries) or (inf, None).
+    O(S L^2): OutOfTime past `deadline` (time.perf_counter()), checked per stage."""
     L, S = num_units, num_stages
     if not 1 <= S <= L:
         return math.inf, None
     best = np.array(stage_cost(0)[0, :], dtype=float)  # best_0(e)
     choices: List[np.ndarray] = []
     for s in range(1, S):
+        check_deadline(deadline)
         candidates = np.maximum(best[:, None], stage_cost(s))  # [a, e]
         arg = np.argmin(candidates, axis=0)
         best = candidates[arg, np.arange(L + 1)]

@@ -34,7 +34,7 @@ class OutOfTime(Exception):
     """The deadline passed before the tables were done (what was computed is incomplete: discard it)."""
 
 
-def _check(deadline: Optional[float]) -> None:
+def check_deadline(deadline: Optional[float]) -> None:
     if deadline is not None and time.perf_counter() > deadline:
         raise OutOfTime
 
@@ -117,7 +117,7 @@ def form_completions(coefficients: np.ndarray, band: Band, deadline: Optional[fl
     for first in range(0, K, FORMS_PER_CHUNK):
         chunk = slice(first, min(K, first + FORMS_PER_CHUNK))
         for g in range(S - 1, -1, -1):
-            _check(deadline)
+            check_deadline(deadline)
             for block in band.blocks[g]:
                 value = block.values(coefficients[g, chunk][:, used], used)
                 value += D[chunk, g + 1, None, block.e]
@@ -148,7 +148,7 @@ def stage_floors(constant: np.ndarray, coefficients: np.ndarray, band: Band, com
         prefix = np.full((chunk.stop - chunk.start, L + 1), np.inf)
         prefix[:, 0] = 0.0
         for g in range(S):
-            _check(deadline)
+            check_deadline(deadline)
             after = np.full_like(prefix, np.inf)
             for block in band.blocks[g]:
                 through = block.values(coefficients[g, chunk][:, used], used)

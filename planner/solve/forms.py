@@ -15,8 +15,8 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs, range_matrix
 from planner.cost.result import PathForm
 from planner.profile.profile import Profile
-from planner.solve.floors import (Band, OutOfTime, form_completions, least_largest, nonzero_terms, split_of,
-                                  stage_floors)
+from planner.solve.floors import (Band, OutOfTime, check_deadline, form_completions, least_largest, nonzero_terms,
+                                  split_of, stage_floors)
 from planner.solve.reach import stage_conditions
 
 FLOOR_ROUNDS = 2  # floors, then completions over the ranges left: at most this many rounds per refresh
@@ -35,9 +35,10 @@ def table_bytes(num_units: int, opts: CostOptions) -> int:
 
 class StageTerms:
     """Each stage's duration terms over every range [a, e) (seconds; +inf where e <= a), and where
-    each stage fits its device's memory."""
+    each stage fits its device's memory. OutOfTime past `deadline` (time.perf_counter()): at 2,000
+    units they take seconds to build, which a search's time limit may not have."""
 
-    def __init__(self, profile: Profile, b: int, opts: CostOptions):
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None):
         costs = range_costs(profile, b, opts.optimizer)
         L, S = profile.num_units, opts.num_stages
         self.L, self.S = L, S
@@ -49,8 +50,11 @@ class StageTerms:
         m = num_micro_batches(opts, b)
         forward = range_matrix(costs.F) + costs.call_forward
         backward = range_matrix(costs.G + again) + costs.call_backward
+        check_deadline(deadline)
         backward_input, backward_weight = costs.split_matrices(again)
+        check_deadline(deadline)
         params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
+        check_deadline(deadline)
         finite = np.isfinite(params)
         params, trainable = np.where(finite, params, 0.0), np.where(finite, trainable, 0.0)
         regathered = np.where(finite, regathered, 0.0)
@@ -64,6 +68,7 @@ class StageTerms:
         # stages on like devices share one table: (speed, act, grad, reduce, table) of each kind
         distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for g in range(S):
+            check_deadline(deadline)
             speed = speeds[g]
             exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g],
                                  buffer_bytes=buffers)
@@ -89,7 +94,8 @@ class StageTerms:
                 distinct.append((speed, act, grad, reduce, same))
             self.rows.append(same)
         self.nonzero = nonzero_terms(self.rows)
-        self.fits = self._memory(profile, b, opts, costs, redo_all, m)
+        self.fits = self._memory(profile, b, opts, costs, redo_all, deadline)
+        check_deadline(deadline)
         self.allowed: List[np.ndarray] = []  # fits, and may lie in a split faster than the target (restrict)
         self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
         self.allow(list(self.fits))
@@ -115,15 +121,18 @@ class StageTerms:
             stop = np.where(any_end, ok.shape[1] - ok[:, ::-1].argmax(axis=1), 0)
             self.window.append(np.stack([first, stop], axis=1))
 
-    def _memory(self, profile, b, opts, costs, redo_all, m) -> List[np.ndarray]:
+    def _memory(self, profile, b, opts, costs, redo_all, deadline) -> List[np.ndarray]:
         """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
         (planner.cost.model.device_memory; exact with one stage per device)."""
         from planner.cost.stage_memory import StageMemory
 
         memory = StageMemory(profile, b, opts, redo_all)
         valid = np.isfinite(range_matrix(costs.P))
-        return [valid if memory.cap(g) is None else valid & (memory.matrix(g) <= memory.cap(g))
-                for g in range(self.S)]
+        fits = []
+        for g in range(self.S):
+            check_deadline(deadline)
+            fits.append(valid if memory.cap(g) is None else valid & (memory.matrix(g) <= memory.cap(g)))
+        return fits
 
 
 class Forms:

@@ -48,6 +48,7 @@ from planner.cost.ranges import prefix_sums, range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
+from planner.solve.floors import OutOfTime
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
@@ -98,10 +99,14 @@ class _Scenario:
     lower_bound: float  # on every plan of the scenario (seconds)
 
 
-def _balanced_split(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
+def _balanced_split(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None
+                    ) -> Optional[List[int]]:
     costs = range_costs(profile, b)
     table = costs.matrix(costs.F + costs.G)
-    return min_max_partition(profile.num_units, opts.num_stages, lambda g: table)[1]
+    try:
+        return min_max_partition(profile.num_units, opts.num_stages, lambda g: table, deadline)[1]
+    except OutOfTime:
+        return None
 
 
 def _starts(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> List[List[int]]:
@@ -114,11 +119,16 @@ def _starts(profile: Profile, b: int, opts: CostOptions, deadline: Optional[floa
     fast = chain_start(profile, b, opts, deadline)
     if fast is not None:
         starts.append(list(fast.boundaries))
-    balanced = _balanced_split(profile, b, opts)
+    # past the deadline only while there is no start at all (a search needs one)
+    balanced = _balanced_split(profile, b, opts, deadline if starts else None)
     if balanced is not None:
         starts.append(balanced)
     if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
-        least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts))[1]
+        try:
+            least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts),
+                                             deadline if starts else None)[1]
+        except OutOfTime:
+            least_memory = None
         if least_memory is not None:
             starts.append(least_memory)
     return starts
@@ -139,8 +149,10 @@ def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None,
     return local_search(profile, b, opts, best, forms, deadline) if best is not None else None
 
 
-def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
-    """A lower bound of every plan's iteration time in the scenario (module docstring)."""
+def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> float:
+    """A lower bound of every plan's iteration time in the scenario (module docstring). With one stage
+    per device the least over splits of the stages' own bounds, O(S L^2); past `deadline`
+    (time.perf_counter()) the bound of several stages per device instead, which holds for every schedule."""
     costs = range_costs(profile, b, opts.optimizer)
     m, S, p = num_micro_batches(opts, b), opts.num_stages, opts.pipeline_ranks
     speeds = rank_speeds(opts)
@@ -174,7 +186,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
         work = costs.matrix(prefix) + call
         total = float(prefix[-1]) + S * call
         through = float(chain[-1]) + S * call
-    if opts.virtual_stages == 1:
+    loose = max(m * total / (p * fastest), through / fastest)  # the busiest rank's share; one micro-batch's chain
+    if opts.virtual_stages == 1 and (deadline is None or time.perf_counter() < deadline):
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;
@@ -196,16 +209,27 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions) -> float:
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest
 
+        scaled = {}  # speed -> (m work, (m - 1) forward) at that speed: shared by its stages (L^2 each)
+
         def stage(g: int) -> np.ndarray:
             # the rank's own batches between its first forward and its last backward (every message
             # but its first receive and its last send) may lie in the wait: the larger counts
             inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
-            return before + fill[g][:, None] + m * work / speeds[g] + \
-                np.maximum(inside, after + drain[g][None, :] - (m - 1) * forward / speeds[g])
+            if speeds[g] not in scaled:
+                scaled[speeds[g]] = (m * work / speeds[g], (m - 1) * forward / speeds[g])
+            busy, overlapped = scaled[speeds[g]]
+            value = np.subtract(after + drain[g][None, :], overlapped)  # in place below: L^2 each
+            np.maximum(value, inside, out=value)
+            value += busy
+            value += before + fill[g][:, None]
+            return value
 
-        value = min_max_partition(profile.num_units, S, stage)[0]
+        try:
+            value = min_max_partition(profile.num_units, S, stage, deadline)[0]
+        except OutOfTime:
+            value = loose
     else:
-        value = max(m * total / (p * fastest), through / fastest)
+        value = loose
     return value + opts.step_overhead_s
 
 
@@ -219,6 +243,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     started = time.perf_counter()
     # the starts take at most a share of the time limit (the chain search is slow on large profiles)
     deadline = None if time_limit is None else started + STARTS_SHARE * time_limit
+    limit = None if time_limit is None else started + time_limit
     items, started_one = [], False
     for opts in scenarios:
         for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
@@ -227,7 +252,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             start = heuristic_plan(profile, b, opts, deadline=deadline) if (warm_start or method == "dp") and not late \
                 else None
             started_one = started_one or start is not None
-            items.append(_Scenario(opts, b, start, scenario_lower_bound(profile, b, opts)))
+            # the bounds may take the whole limit (a weak one makes the gap, however long the search ran)
+            items.append(_Scenario(opts, b, start, scenario_lower_bound(profile, b, opts, limit)))
     items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
     best = None  # (Split, _Scenario)
     for it in items:

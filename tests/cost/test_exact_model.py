@@ -236,7 +236,8 @@ def test_recompute_auto_under_a_cap_matches_brute_force(problem, cap):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=7))
 def test_the_scenario_bound_holds_for_every_plan(problem):
-    """The search skips scenarios and certifies gaps with scenario_lower_bound: no split may beat it."""
+    """The search skips scenarios and certifies gaps with scenario_lower_bound: no split may beat it,
+    nor the bound it falls back to past its deadline (every schedule's, O(L))."""
     import itertools
 
     from planner.cost.model import candidate_micro_batch_sizes
@@ -251,6 +252,7 @@ def test_the_scenario_bound_holds_for_every_plan(problem):
         best = min(evaluate(profile, list(split), b, opts, redo).iteration_s
                    for split in itertools.combinations(range(1, L), S - 1))
         assert bound <= best * (1 + 1e-12), (b, bound, best)
+        assert scenario_lower_bound(profile, b, opts, deadline=0.0) <= best * (1 + 1e-12), b
 
 
 def test_the_zero_bubble_scenario_bound_counts_only_activations_before_a_rank():

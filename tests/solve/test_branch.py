@@ -3,14 +3,16 @@ size at a time: the same optimum (every schedule, v = 1 and 2, memory caps, reco
 reserves), and a proven bound that is never above it, also when the search stops at its time limit."""
 import itertools
 import math
+from types import SimpleNamespace
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
 from planner.cost.options import CostOptions
-from planner.solve import branch
+from planner.solve import branch, floors
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.exact import structural_forms
 from planner.solve.forms import Forms, StageTerms
@@ -77,7 +79,6 @@ def test_a_search_stopped_early_still_proves_a_valid_bound(problem, ticks):
     """At its time limit the search returns the least bound of the nodes left open, each re-bounded
     with every form learned by then (_open_bound): never above the best split, and its incumbent a
     real one. The clock is a counter (each read one tick), so the search stops after a few nodes."""
-    from types import SimpleNamespace
 
     profile, opts = problem
     profile = compute_profile(profile, opts)
@@ -97,7 +98,6 @@ def test_a_search_stopped_early_still_proves_a_valid_bound(problem, ticks):
 def test_the_open_nodes_least_bound_first_walk_stops_exactly(problem, ticks):
     """_open_bound walks the open nodes least stored bound first and stops at the first whose own
     bound reaches the least re-bounded value: what every node re-bounded gives (no budget here)."""
-    from types import SimpleNamespace
 
     profile, opts = problem
     profile = compute_profile(profile, opts)
@@ -115,8 +115,11 @@ def test_the_open_nodes_least_bound_first_walk_stops_exactly(problem, ticks):
     _open_bound = branch._open_bound
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         clock = itertools.count()
+        # the search's clock ticks at each reading; the tables' (planner.solve.floors) stands still, so
+        # their deadline, on the search's clock, never passes
         with mock.patch.object(branch, "_open_bound", walked), \
-                mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))):
+                mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))), \
+                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
             branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
     assume(calls)  # some search stopped at its limit with nodes open
 
@@ -201,3 +204,24 @@ def test_a_rank_of_frozen_units_only_is_found_and_bounded_exactly():
         if schedule != "interleaved":  # there, one crossing less beats it by 0.6 ms
             reduces = cost_of(profile, found.best.boundaries, 1, opts).durations
             assert min(reduces[("reduce", i)] for i in range(2)) == 0.0, schedule  # the optimum: a frozen-only rank
+
+
+def test_tables_the_time_limit_cannot_pay_for_end_the_search_with_its_incumbent():
+    """At thousands of units the tables take seconds: a search whose limit passes while they are built
+    stops there (no node) with the incumbent and a bound that holds (durations are >= 0), and the
+    tables stop at the deadline rather than after it."""
+    import time
+
+    from planner.solve.floors import OutOfTime
+    from planner.solve.solution import Split
+
+    profile = synthetic_profile([1e-3] * 6, [2e-3] * 6, [10] * 6, [10] * 6, [10] * 5, sizes=(1,))
+    opts = CostOptions(pipeline_ranks=3, global_batch=4, step_overhead_s=1e-4)
+    with pytest.raises(OutOfTime):
+        StageTerms(profile, 1, opts, deadline=time.perf_counter() - 1)
+    incumbent = Split(evaluate(profile, [2, 4], 1, opts).iteration_s, [2, 4], [])
+    with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: 0.0)), \
+            mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 5.0)):
+        outcome = branch_and_bound(profile, 1, opts, incumbent, set(), time_limit=2.0)
+    assert outcome.best is incumbent and not outcome.optimal and outcome.nodes == 0
+    assert outcome.bound_s == opts.step_overhead_s
