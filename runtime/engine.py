@@ -250,7 +250,7 @@ class Engine:
         args = own_copy([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
         counting = self.count_saved
         with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
-            out = runner.stage.module(*args, *state.received)
+            out = runner.stage.module(*args, *self._as_computed(state.received))
             if runner.stage.is_last:  # its share of the step is the backward's seed (_loss_seed)
                 state.loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
             else:
@@ -265,6 +265,19 @@ class Engine:
         runner.drop_inputs(state)
         if g > 0 and self._here(g - 1, i):
             self.runners[g - 1].drop_outputs(step.states[(g - 1, i)])
+
+    def _as_computed(self, received: List[Any]) -> List[Any]:
+        """What the stage's forward reads of its received values. Under autocast, each leaf that
+        needs a gradient as a view of itself: in one process such a value is computed, not a
+        leaf, and torch.autocast caches its casts of fp32 leaves that need a gradient (one bf16
+        cast shared by all its readers, whose bf16 gradients are then summed in bf16 before the
+        cast's backward) but not of other tensors (a cast per reader, each gradient cast to fp32
+        and summed in fp32). The view makes the stage cast as one process does; its gradient
+        reaches the leaf unchanged."""
+        if self.autocast is None:
+            return received
+        return [t.view_as(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t
+                for t in received]
 
     def _autocast(self):
         if self.autocast is None:

@@ -606,3 +606,39 @@ class TanhEnd(nn.Module):
 
 def tanh_end(dim: int = 16, layers: int = 4) -> ModelSpec:
     return _regression(TanhEnd(dim, layers), dim)
+
+
+class RMSNormFP32(nn.Module):
+    """T5's norm: computed in fp32 and scaled by an fp32 weight (one-dimensional: no compute copy),
+    so under autocast its output is fp32 whatever its input's dtype."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class NormedReaders(nn.Module):
+    """An encoder whose output is fp32 under autocast (T5's final norm, RMSNormFP32), read by
+    several Linear layers after it (T5's cross-attention keys and values): cut after the norm,
+    that fp32 value crosses and each reader casts it to bf16."""
+
+    def __init__(self, dim: int, readers: int):
+        super().__init__()
+        self.enc = nn.Linear(dim, dim)
+        self.norm = RMSNormFP32(dim)
+        self.readers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(readers))
+
+    def forward(self, x):
+        e = self.norm(self.enc(x))
+        h = torch.zeros_like(x)
+        for reader in self.readers:
+            h = torch.tanh(reader(e) + h)
+        return h
+
+
+def normed_readers(dim: int = 16, readers: int = 4) -> ModelSpec:
+    return _regression(NormedReaders(dim, readers), dim)
