@@ -32,6 +32,7 @@ from planner.cost.step import stage_in_flight, step_graph
 from planner.cost.ties import later_uses_bytes, tie_copies, tied_weights
 from planner.profile.profile import Profile
 from planner.solve.branch import applies, branch_and_bound
+from planner.solve.floors import OutOfTime, check_deadline
 from planner.solve.ilp import Program, _NoSplit, big_m_ms
 from planner.solve.recompute import recompute_for
 from planner.solve.reach import stage_conditions, unit_ranges
@@ -114,11 +115,17 @@ def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions
 
 
 def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]], recompute: Optional[List[int]],
-             forms: Set[PathForm], below: float) -> Optional[Split]:
+             forms: Set[PathForm], below: float, deadline: Optional[float] = None) -> Optional[Split]:
     """The fastest feasible split of `moves` (the first of equals) if it is faster than `below`: all
     simulated at once (their longest paths join `forms`), then evaluated fastest first until one
-    fits its memory."""
-    redos = [_redo(profile, moved, b, opts, recompute) for moved in moves]
+    fits its memory. Past `deadline` (time.perf_counter()) the moves not yet given their
+    recomputation are left out (choosing it is the slow part under --recompute auto)."""
+    redos = []
+    for moved in moves:
+        if redos and deadline is not None and time.perf_counter() > deadline:
+            moves = moves[:len(redos)]
+            break
+        redos.append(_redo(profile, moved, b, opts, recompute))
     screened = simulate_splits(profile, list(zip(moves, redos)), b, opts)
     forms.update(found[1] for found in screened if found is not None)
     order = sorted((found[0], k) for k, found in enumerate(screened) if found is not None)
@@ -141,7 +148,7 @@ def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, form
             break
         moves = list(_neighbours(best.boundaries, profile.num_units))
         found = _best_of(profile, b, opts, moves, None if opts.recompute == "auto" else best.recompute, forms,
-                         best.iteration_s * (1 - 1e-12))
+                         best.iteration_s * (1 - 1e-12), deadline)
         if found is None:
             break
         best = found
@@ -151,9 +158,11 @@ def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, form
 PERTURBATIONS = 200
 
 
-def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm]) -> Split:
+def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm],
+                   deadline: Optional[float] = None) -> Split:
     """Simulate splits near `start` (a few boundaries moved by one or two units): their longest paths
-    are the forms the program needs near the optimum; a better split found on the way is kept."""
+    are the forms the program needs near the optimum; a better split found on the way is kept (as
+    many as `deadline`, time.perf_counter(), leaves time for)."""
     rng = random.Random(len(start.boundaries) * 7919 + b)
     L, moves = profile.num_units, []
     for _ in range(PERTURBATIONS):
@@ -163,7 +172,7 @@ def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, fo
         if all(0 < x < L for x in moved) and all(x < y for x, y in zip(moved, moved[1:])):
             moves.append(moved)
     found = _best_of(profile, b, opts, moves, None if opts.recompute == "auto" else start.recompute, forms,
-                     start.iteration_s)
+                     start.iteration_s, deadline)
     return found if found is not None else start
 
 
@@ -262,7 +271,7 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         if time_limit is not None and time.perf_counter() - started >= time_limit:
             return outcome(best, bound, False, "branch")
     if best is not None:
-        best = _perturbations(profile, b, opts, best, forms)
+        best = _perturbations(profile, b, opts, best, forms, deadline)
     tight = False  # solve the next program to `gap` (a loose one found nothing new)
     built_s = 0.0  # how long the last program took to build (a build cannot be stopped at the time limit)
     while True:
@@ -275,12 +284,16 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         if ranges is None or any(lo > hi for lo, hi in zip(*ranges)):
             return outcome(best, cutoff, True)
         building = time.perf_counter()
-        try:
-            program = Program(profile, b, opts, *ranges)
+        try:  # with a plan in hand, the build stops at the limit (a search without one needs the program)
+            program = Program(profile, b, opts, *ranges, deadline=deadline if best is not None else None)
             for form in forms:
+                if best is not None:
+                    check_deadline(deadline)
                 program.add_form(form, big_m_ms(profile, b, opts, form))
         except _NoSplit:
             return outcome(best, cutoff, True)
+        except OutOfTime:
+            return outcome(best, bound, False)
         built_s = time.perf_counter() - building
         remaining = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
         # far from the incumbent, a loose program finds good splits (tightening the fixings) sooner

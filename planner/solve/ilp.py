@@ -70,6 +70,7 @@ from planner.cost.ties import tie_copies, tied_weights
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.backends import _run_cbc, _run_highs
+from planner.solve.floors import check_deadline
 
 MS = 1e3  # seconds -> milliseconds
 MIB = float(2 ** 20)  # bytes -> MiB
@@ -100,7 +101,11 @@ def _var(prob: pulp.LpProblem, name: str, binary: bool = False, low: float = 0.0
 class Program:
     """The program for one scenario; rows for path forms are added before each solve."""
 
-    def __init__(self, profile: Profile, b: int, opts: CostOptions, low: Sequence[int], high: Sequence[int]):
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, low: Sequence[int], high: Sequence[int],
+                 deadline: Optional[float] = None):
+        """OutOfTime past `deadline` (time.perf_counter(); checked per stage and device): at a thousand
+        units the rows take seconds to build."""
+        self.deadline = deadline
         self.profile, self.b, self.opts = profile, b, opts
         self.costs = range_costs(profile, b, opts.optimizer)
         L, S, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
@@ -186,6 +191,7 @@ class Program:
         speeds, links = rank_speeds(opts), boundary_links(opts)
         redo_all = opts.recompute == "all"
         for g in range(S):
+            check_deadline(self.deadline)
             sigma = speeds[opts.rank_of_stage(g)]
             units = [l for l in range(L) if self.may(l, g)]
             forward = c.call_forward * MS / sigma + pulp.lpSum(c.f[l] * MS / sigma * self.x(l, g) for l in units)
@@ -441,6 +447,7 @@ class Program:
             return
         beta_w, beta_t = memory.factors
         for i in range(self.p):
+            check_deadline(self.deadline)
             if memory.caps[i] is None:
                 continue
             static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)

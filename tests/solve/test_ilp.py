@@ -318,3 +318,26 @@ def test_a_highs_run_past_its_time_limit_is_stopped(monkeypatch):
     monkeypatch.setattr(backends, "_run_highs_here", fails)
     with pytest.raises(RuntimeError, match="HiGHS failed: ValueError: no model"):
         backends._run_highs(prob, time_limit=5.0)
+
+
+def test_the_program_and_the_moves_before_it_stop_at_the_deadline():
+    """At a thousand units the program's rows and the perturbations' recomputation choices take
+    seconds each: both stop at the search's deadline (the moves given their choice so far are kept)."""
+    import time
+
+    from planner.solve.exact import _best_of
+    from planner.solve.floors import OutOfTime
+    from planner.solve.ilp import Program
+
+    L = 6
+    profile = synthetic_profile([1e-3] * L, [2e-3] * L, [1 << 20] * L, [1 << 20] * L, [1 << 10] * (L - 1), sizes=(1,))
+    opts = CostOptions(pipeline_ranks=3, global_batch=4, recompute="auto", memory_cap=64 << 20)
+    past = time.perf_counter() - 1
+    with pytest.raises(OutOfTime):
+        Program(profile, 1, opts, [0] * L, [2] * L, deadline=past)
+    Program(profile, 1, opts, [0] * L, [2] * L)  # without one it is built
+    moves = [[1, 3], [2, 4], [3, 5]]
+    forms = set()
+    first = _best_of(profile, 1, opts, moves, None, forms, math.inf, deadline=past)
+    assert first is not None and first.boundaries == [1, 3]  # only the first move was given its choice
+    assert _best_of(profile, 1, opts, moves, None, forms, math.inf).boundaries == [2, 4]
