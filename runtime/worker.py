@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from planner.jsonio import atomic_path, write_json_atomic
+from planner.model.failures import first_line
 from planner.pipeline.check import check_schedule
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan, load_plan
@@ -489,8 +490,7 @@ def _write_error(args, error: BaseException) -> None:
     """OUT_DIR/rank{R}.error: the error in one line (once per rank: the first place it is caught)."""
     if getattr(error, "_pipeplanner_reported", False):
         return
-    text = str(error).strip()  # torch's messages may start with a blank line
-    message = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    message = first_line(error)  # torch's messages may start with a blank line
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         with atomic_path(os.path.join(args.out_dir, f"rank{os.environ.get('RANK', '?')}.error")) as tmp:

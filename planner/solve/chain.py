@@ -41,6 +41,7 @@ from planner.cost.model import (boundary_links, cut_times, held_counts, num_micr
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
+from planner.solve.floors import OutOfTime, check_deadline
 
 TOL = 1e-12  # relative tolerance of every prune (objectives are O(1) s; far below the reported gap)
 
@@ -52,7 +53,7 @@ class ChainResult:
 
     objective: float
     boundaries: List[int]
-    min_max: float  # tau*: the least possible max_c T_c (a lower bound on the bottleneck)
+    min_max: float  # tau*: the least possible max_c T_c (a lower bound on the bottleneck; only when exact)
     min_sum: float  # g_lb: the least possible sum_c T_c
     evaluations: int
     exact: bool = True  # False: stopped at the deadline
@@ -97,8 +98,9 @@ class ChainScenario:
         self.tout = [cuts(links[c]) if c < self.C - 1 else cuts(None) for c in range(self.C)]
 
     # -- the band ---------------------------------------------------------------------------
-    def build_band(self, tau_hi: float) -> None:
-        """Tables over starts a in [lo(e), e) for every end e; tau_hi = inf gives the full triangle."""
+    def build_band(self, tau_hi: float, deadline: Optional[float] = None) -> None:
+        """Tables over starts a in [lo(e), e) for every end e; tau_hi = inf gives the full triangle.
+        OutOfTime past `deadline` (time.perf_counter()): the tables are then incomplete."""
         L, W = self.L, self.W
         ends = np.arange(L + 1)
         if math.isfinite(tau_hi) and self.monotone:
@@ -122,6 +124,7 @@ class ChainScenario:
         dFB = self.FB[ends][:, None] - self.FB[safe]
         static = dP * self.beta_w + dT * self.beta_t
         for c in range(self.C):
+            check_deadline(deadline)
             key = (self.sigma[c], id(self.tin[c]), id(self.tout[c])) if self.added is None else ("stage", c)
             if key not in self.raw:
                 t = (W[ends][:, None] - W[safe]) / self.sigma[c] + self.tin[c][safe] + self.tout[c][ends][:, None]
@@ -230,24 +233,37 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
     # max T is <= tau, so the first guess >= the band's own min-max proves it is the true tau*.
     top_t = chain.W[L] / min(chain.sigma) + 2 * max(float(np.max(t)) for t in chain.tin + chain.tout)
     guess = max(chain.W[L] / (C * max(chain.sigma)), float(np.max(np.diff(chain.W))) / max(chain.sigma), 1e-300)
-    while True:
-        chain.build_band(guess)
-        tau_star, split = chain.min_max()
-        if split is not None and tau_star <= guess:
-            break
-        if not math.isfinite(guess):
-            if split is None:
-                return None
-            break
-        guess = tau_star if split is not None else guess * 4
-        if guess >= top_t:
-            guess = math.inf
+    def past() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    try:  # at thousands of units one band takes seconds: past the deadline, no start from here
+        while True:
+            chain.build_band(guess, deadline)
+            tau_star, split = chain.min_max()
+            if split is not None and (tau_star <= guess or past()):  # (late: the band's min-max split, unproven)
+                break
+            if not math.isfinite(guess):
+                if split is None:
+                    return None
+                break
+            guess = tau_star if split is not None else guess * 4
+            if guess >= top_t:
+                guess = math.inf
+    except OutOfTime:
+        return None
     s, top, ex, _ = chain.split_values(split)
     best = (s + (m - 1) * top + ex, split)
     evaluations = [1]
+    unproven = ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=split, min_max=tau_star,
+                           min_sum=g_lb, evaluations=1, exact=False)  # the min-max split, where time ran out
+    if past():  # the tables of every range near the optimum take seconds at thousands of units
+        return unproven
     tau_hi = best[0] if m == 1 else min(best[0], (best[0] - g_lb - eps_lb) / (m - 1))
     tau_hi = max(tau_hi, tau_star)
-    chain.build_band(tau_hi)
+    try:
+        chain.build_band(tau_hi, deadline)
+    except OutOfTime:
+        return unproven
 
     def consider(bounds: List[int]) -> Tuple[float, float, float]:
         total, t_max, e_max, ok = chain.split_values(bounds)

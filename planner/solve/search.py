@@ -48,7 +48,7 @@ from planner.cost.ranges import prefix_sums, range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
-from planner.solve.floors import OutOfTime
+from planner.solve.floors import OutOfTime, check_deadline
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
@@ -101,36 +101,50 @@ class _Scenario:
 
 def _balanced_split(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None
                     ) -> Optional[List[int]]:
+    """The split whose largest stage work is least (OutOfTime past `deadline`)."""
     costs = range_costs(profile, b)
+    check_deadline(deadline)
     table = costs.matrix(costs.F + costs.G)
-    try:
-        return min_max_partition(profile.num_units, opts.num_stages, lambda g: table, deadline)[1]
-    except OutOfTime:
-        return None
+    return min_max_partition(profile.num_units, opts.num_stages, lambda g: table, deadline)[1]
+
+
+def _even_split(profile: Profile, b: int, opts: CostOptions) -> List[int]:
+    """Each stage about 1/S of the forward and backward work (O(L): where the prefix sums cross k/S
+    of the total), one unit at least each."""
+    costs = range_costs(profile, b)
+    work = costs.F + costs.G
+    L, S = profile.num_units, opts.num_stages
+    cuts = np.searchsorted(work, work[-1] * np.arange(1, S) / S)
+    boundaries: List[int] = []
+    for k, cut in enumerate(cuts):  # strictly increasing, leaving a unit for every later stage
+        boundaries.append(int(min(max(cut, boundaries[-1] + 1 if boundaries else 1), L - (S - 1 - k))))
+    return boundaries
 
 
 def _starts(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> List[List[int]]:
     """Splits worth simulating first: the fill-drain chain optimum (v = 1, no tied weights; the best
     the chain search has at `deadline`), a balanced split and, under memory caps, the split with the
-    least peak memory."""
+    least peak memory; past `deadline` (time.perf_counter()) those found, at least an even split of
+    the work (at thousands of units each of the others takes seconds)."""
     from planner.solve.dp import chain_start
 
     starts = []
     fast = chain_start(profile, b, opts, deadline)
     if fast is not None:
         starts.append(list(fast.boundaries))
-    # past the deadline only while there is no start at all (a search needs one)
-    balanced = _balanced_split(profile, b, opts, deadline if starts else None)
-    if balanced is not None:
-        starts.append(balanced)
-    if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
-        try:
+    try:
+        balanced = _balanced_split(profile, b, opts, deadline)
+        if balanced is not None:
+            starts.append(balanced)
+        if opts.virtual_stages == 1 and any(cap is not None for cap in rank_caps(opts, profile)):
             least_memory = min_max_partition(profile.num_units, opts.num_stages, memory_matrices(profile, b, opts),
-                                             deadline if starts else None)[1]
-        except OutOfTime:
-            least_memory = None
-        if least_memory is not None:
-            starts.append(least_memory)
+                                             deadline)[1]
+            if least_memory is not None:
+                starts.append(least_memory)
+    except OutOfTime:
+        pass
+    if not starts and opts.num_stages <= profile.num_units:
+        starts.append(_even_split(profile, b, opts))
     return starts
 
 
@@ -169,8 +183,10 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         crossing_part = np.where(np.arange(L) < whole_from, costs.gi + redo_l, 0.0)
         chain = costs.F + prefix_sums(crossing_part)
         lead = costs.F  # before a rank's first forward; its last W's may overlap the I's upstream
-        parts = costs.split_matrices(redo)
-        work = costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
+
+        def work_matrix() -> np.ndarray:  # (L + 1)^2: made only where read
+            parts = costs.split_matrices(redo)
+            return costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
         # v > 1: the first stage (units [0, e), e <= L - S + 1) is unknown, so each unit its cheaper
         # case; the chain counts only the units no first stage holds
         per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
@@ -183,11 +199,19 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
     else:
         prefix = chain = costs.F + costs.G + redo
         lead = prefix
-        work = costs.matrix(prefix) + call
+
+        def work_matrix() -> np.ndarray:
+            return costs.matrix(prefix) + call
         total = float(prefix[-1]) + S * call
         through = float(chain[-1]) + S * call
     loose = max(m * total / (p * fastest), through / fastest)  # the busiest rank's share; one micro-batch's chain
     if opts.virtual_stages == 1 and (deadline is None or time.perf_counter() < deadline):
+        made = time.perf_counter()
+        work = work_matrix()
+        # what follows is about 6 + 7 S more operations on (L + 1)^2 values, each about as long as this
+        # one (0.5 s at 10,000 units): the loose bound where they would end past the deadline
+        if deadline is not None and time.perf_counter() + (time.perf_counter() - made) * (6 + 7 * S) > deadline:
+            return loose + opts.step_overhead_s
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;

@@ -121,7 +121,7 @@ def test_a_rank_error_whose_text_starts_with_a_blank_line_names_its_first_line(t
 
     monkeypatch.setenv("RANK", "1")
     _write_error(types.SimpleNamespace(out_dir=str(tmp_path)), RuntimeError("\n  Can't detach views in-place.\nmore"))
-    assert (tmp_path / "rank1.error").read_text() == "RuntimeError: Can't detach views in-place.\n"
+    assert (tmp_path / "rank1.error").read_text() == "RuntimeError: Can't detach views in-place\n"
 
 
 def test_ranks_with_different_plans_refuse_to_start(tmp_path):

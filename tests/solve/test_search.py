@@ -140,3 +140,24 @@ def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, 
     monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, False))
     with pytest.raises(InfeasibleError):  # done before the limit: the search's answer (as without a limit)
         solve(profile, opts, time_limit=60)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), L=st.integers(2, 40), S=st.integers(1, 8))
+def test_past_the_starts_deadline_an_even_split_is_the_start(seed, L, S):
+    """Each start but the even split takes O(S L^2) (seconds at thousands of units); past the
+    deadline the search still gets one: a valid split with each stage near 1/S of the work."""
+    import time
+
+    from planner.solve.search import _starts
+
+    if S > L:
+        return
+    profile = random_chain(random.Random(seed), L, sizes=(1,))
+    opts = CostOptions(pipeline_ranks=S, global_batch=4)
+    (split,) = _starts(profile, 1, opts, deadline=time.perf_counter() - 1)
+    assert len(split) == S - 1 and all(a < b for a, b in zip([0] + split, split + [L]))
+    work = [sum(u.forward_s[1] + u.backward_s[1] for u in profile.units[a:e])
+            for a, e in zip([0] + split, split + [L])]
+    largest = max(u.forward_s[1] + u.backward_s[1] for u in profile.units)
+    assert max(work) <= sum(work) / S + 2 * largest + 1e-12

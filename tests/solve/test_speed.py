@@ -71,14 +71,25 @@ def test_banded_chain_solver_is_exact_for_the_fill_drain_form(seed):
 
 def test_chain_search_past_its_deadline_gives_the_split_it_has():
     """The chain search is the solver's first start; on large profiles it took minutes and the time
-    limit only began after it. Past its deadline it stops with a valid split (not claimed exact)."""
+    limit only began after it. Past its deadline it stops with a valid split (not claimed exact), or
+    with none where the deadline came before its first table (the search then starts from an even split)."""
     profile = _chain(60, 4)
     opts = CostOptions(pipeline_ranks=4, global_batch=16, data_parallel=2, bandwidth=1e8, latency=1e-4)
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from planner.solve import chain, floors
+
     exact = solve_chain(profile, 2, opts)
-    cut = solve_chain(profile, 2, opts, deadline=time.perf_counter())
+    # the deadline passes once the first band is made (its tables' clock stands before it)
+    with mock.patch.object(chain, "time", SimpleNamespace(perf_counter=lambda: 2.0)), \
+            mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
+        cut = solve_chain(profile, 2, opts, deadline=1.0)
     assert exact.exact and not cut.exact and cut.evaluations <= exact.evaluations
     assert len(cut.boundaries) == opts.num_stages - 1 and cut.objective >= exact.objective * (1 - 1e-12)
     assert _fill_drain(profile, 2, opts, cut.boundaries) == pytest.approx(cut.objective - opts.step_overhead_s)
+    # past it before any band (one takes seconds at thousands of units): no split from here
+    assert solve_chain(profile, 2, opts, deadline=time.perf_counter() - 1) is None
 
 
 def test_step_overhead_is_added_to_every_objective_and_bound():
