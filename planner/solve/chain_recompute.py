@@ -1,14 +1,20 @@
 """Recomputation bounds per stage range for the chain solver ('auto' recomputation under caps).
 
 Stage c holding [a, e) on rank i (speed sigma, h_c micro-batches in flight) needs to free
-need = M_c(a, e) - cap_i bytes. Recomputing unit l costs f_l / sigma and frees h_c g_l bytes
-(g_l = s_l - in_l > 0). The cheapest cover is a covering knapsack
+need = M_c(a, e) - cap_i bytes. Recomputing unit l costs f_l / sigma and frees h_c g_l(a, e) bytes,
+exactly as planner.cost.ranges counts a stage's saved bytes (`freed_bytes`):
 
-    R_c(a, e) = min { sum_{l in S} f_l / sigma : S in [a, e), h_c sum_{l in S} g_l >= need }.
+    g_l(a, e) = s_l - in_l + [l = a] first_a - [l + 1 < e] d_{l+1}
 
-With the units of [a, e) in increasing order of f_l / g_l (the same order for every c: sigma and
-h_c scale all ratios alike) and prefix sums F_k (freed) and T_k (time) along it, k the first prefix
-with h_c F_k >= need:
+(the first unit's own input storages go with it; a storage unit l shares with unit l + 1 inside
+the stage stays, as l + 1 saves it too), additive over any set of recomputed units. The cheapest
+cover is a covering knapsack
+
+    R_c(a, e) = min { sum_{l in S} f_l / sigma : S in [a, e), h_c sum_{l in S} g_l(a, e) >= need }.
+
+With the units of [a, e) with g_l(a, e) > 0 in increasing order of f_l / g_l(a, e) (the same order
+for every c: sigma and h_c scale all ratios alike) and prefix sums F_k (freed) and T_k (time)
+along it, k the first prefix with h_c F_k >= need:
 
     lower: T_{k-1} + (need / h_c - F_{k-1}) / g_k f_k   (the fractional knapsack: a lower bound)
     upper: T_k                                          (greedy whole units: feasible)
@@ -32,22 +38,29 @@ MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profil
 
 
 def _unit_arrays(profile: Profile, b: int):
-    """Per unit: forward time f, bytes saved by recomputing it g; prefix sums of parameter bytes P
-    and of their trainable part T; the saved bytes A[a, e] of every range (nothing recomputed); the
-    units worth recomputing, cheapest time per byte first."""
-    costs, L = range_costs(profile, b), profile.num_units
-    f, g, A = costs.f, costs.s - costs.inputs, costs.saved_matrix()
-    items = np.array([l for l in range(L) if g[l] > 0], dtype=int)
-    order = items[np.argsort(f[items] / g[items], kind="stable")] if items.size else items
-    return f, g, costs.P, costs.T, A, order
+    """Per unit: forward time f, bytes s_l - in_l saved by recomputing it inside a range (before
+    the ends' corrections of `freed_bytes`), the first-unit extra first_a and the shared bytes d_l;
+    prefix sums of parameter bytes P and of their trainable part T; the saved bytes A[a, e] of
+    every range (nothing recomputed)."""
+    costs = range_costs(profile, b)
+    return costs.f, costs.s - costs.inputs, costs.first, costs.dup, costs.P, costs.T, costs.saved_matrix()
+
+
+def freed_bytes(costs, a: int, e: int) -> np.ndarray:
+    """g_l(a, e), l = a .. e - 1: the bytes one held micro-batch of stage [a, e) frees when unit l is
+    recomputed (module docstring; the difference of planner.cost.ranges.RangeCosts.saved)."""
+    g = (costs.s - costs.inputs)[a:e].astype(float)
+    g[0] += costs.first[a]
+    g[:-1] -= costs.dup[a + 1:e]
+    return g
 
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per stage."""
     L, C = profile.num_units, opts.num_stages
     m = num_micro_batches(opts, b)
-    f, g, P, T, A, order = _unit_arrays(profile, b)
-    n = order.size
+    units = _unit_arrays(profile, b)
+    P, T = units[4], units[5]
     speeds, caps, held = rank_speeds(opts), rank_caps(opts, profile), held_counts(opts, m)
     static = static_bytes(P, T, opts, profile.dtype)  # prefix sums of the parameters' static bytes
     ends = np.arange(L + 1)
@@ -56,39 +69,59 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
     for c in range(C):
         key = (held[c], speeds[opts.rank_of_stage(c)], caps[opts.rank_of_stage(c)])
         if key not in cache:
-            cache[key] = _tables(L, n, order, f, g, static, A, *key, ends)
+            cache[key] = _tables(L, units, static, *key, ends)
         lower.append(cache[key][0])
         upper.append(cache[key][1])
     return lower, upper
 
 
 def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0,
-                           holders: Optional[int] = None, extra: Optional[np.ndarray] = None
-                           ) -> Tuple[np.ndarray, np.ndarray]:
+                           holders: Optional[int] = None, extra: Optional[np.ndarray] = None,
+                           target: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
     of this speed and the rank's cap, its stage on n holders (default d; planner.solve.replicas:
-    one table per held count, `extra[a, e]` the bytes it holds beside them that recomputation does not free)."""
+    one table per held count, `extra[a, e]` the bytes it holds beside them that recomputation does not
+    free). `target[a, e]`, where given, replaces all that: the bytes each held micro-batch must free
+    (<= 0: the range fits as it is; +inf: nothing makes it fit)."""
     L = profile.num_units
-    f, g, P, T, A, order = _unit_arrays(profile, b)
-    return _tables(L, order.size, order, f, g, static_bytes(P, T, opts, profile.dtype, holders), A, held, speed,
-                   rank_caps(opts, profile)[0], np.arange(L + 1), extra)
+    units = _unit_arrays(profile, b)
+    return _tables(L, units, static_bytes(units[4], units[5], opts, profile.dtype, holders), held, speed,
+                   rank_caps(opts, profile)[0], np.arange(L + 1), extra, target)
 
 
-def _tables(L, n, order, f, g, static, A, h, sigma, cap, ends, extra=None):
+def _tables(L, units, static, h, sigma, cap, ends, extra=None, per_sample=None):
+    f, g0, first, dup, _, _, A = units
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
-        need = (static[e] - static[a]) + h * A[a, e] + (0.0 if extra is None else extra[a, e]) - \
-            (np.inf if cap is None else cap)
+        if per_sample is not None:
+            need, h = per_sample[a, e], 1
+        else:
+            need = (static[e] - static[a]) + h * A[a, e] + (0.0 if extra is None else extra[a, e]) - \
+                (np.inf if cap is None else cap)
         fits = need <= 0
         low[a, e[fits]] = 0.0
         high[a, e[fits]] = 0.0
-        if n == 0 or fits.all():
+        if fits.all():
             continue
-        inside = (order[None, :] >= a) & (order[None, :] < e[:, None])  # [e, rank in order]
-        freed = np.cumsum(np.where(inside, g[order][None, :], 0.0), axis=1)
-        spent = np.cumsum(np.where(inside, f[order][None, :], 0.0), axis=1)
+        # g_l(a, e) for units l = a .. L - 1 (columns) of every range [a, e) (rows); 0 outside the range
+        ls = np.arange(a, L)
+        inside = ls[None, :] < e[:, None]
+        g = np.broadcast_to(g0[a:] + np.where(ls == a, first[a], 0.0), inside.shape).copy()
+        shared = np.append(dup[a + 1:], 0.0)  # d_{l+1}: unit l shares with unit l + 1
+        g -= np.where(ls[None, :] + 1 < e[:, None], shared[None, :], 0.0)
+        useful = inside & (g > 0)
+        if not useful.any():
+            continue
+        ratio = np.where(useful, f[a:][None, :] / np.where(useful, g, 1.0), np.inf)
+        if first[a] == 0 and not dup[a + 1:].any():  # g_l(a, e) = s_l - in_l: one order for every range
+            order = np.broadcast_to(np.argsort(ratio[-1], kind="stable"), ratio.shape)
+        else:
+            order = np.argsort(ratio, axis=1, kind="stable")  # per range, cheapest time per byte first
+        g_sorted = np.take_along_axis(np.where(useful, g, 0.0), order, axis=1)
+        f_sorted = np.take_along_axis(np.where(useful, f[a:][None, :], 0.0), order, axis=1)
+        freed, spent = np.cumsum(g_sorted, axis=1), np.cumsum(f_sorted, axis=1)
         target = need / h
         enough = freed >= target[:, None]
         k = np.argmax(enough, axis=1)
@@ -97,7 +130,6 @@ def _tables(L, n, order, f, g, static, A, h, sigma, cap, ends, extra=None):
         kk = k[ok]
         before_f = np.where(kk > 0, freed[rows, kk - 1], 0.0)
         before_t = np.where(kk > 0, spent[rows, kk - 1], 0.0)
-        unit = order[kk]
-        low[a, e[ok]] = (before_t + (target[ok] - before_f) / g[unit] * f[unit]) / sigma
+        low[a, e[ok]] = (before_t + (target[ok] - before_f) / g_sorted[rows, kk] * f_sorted[rows, kk]) / sigma
         high[a, e[ok]] = spent[rows, kk] / sigma
     return low, high

@@ -2,9 +2,10 @@
 
 Recomputing unit l in its stage's backward costs its forward f_l again and lowers what a held
 micro-batch keeps from s_l (its saved bytes) to in_l (its input), so stage g holding h_g
-micro-batches frees h_g (s_l - in_l). The cheapest choice for a stage over its cap by `need`
-bytes is the least sum_{l in R} f_l / sigma with h_g sum_{l in R} (s_l - in_l) >= need; it only
-ever lowers memory and raises time, so the best plan recomputes the least that fits, stage by stage.
+micro-batches frees h_g g_l: g_l = s_l - in_l, corrected at the stage's ends for the storages
+units share (planner.solve.chain_recompute.freed_bytes, as the cost model counts them). The
+cheapest choice for a stage over its cap by `need` bytes is the least sum_{l in R} f_l / sigma
+with h_g sum_{l in R} g_l >= need; it only ever lowers memory and raises time, so the best plan recomputes the least that fits, stage by stage.
 The exact model's memory (planner.cost.model) also holds received buffers, which recomputation
 does not change; `recompute_for` aims at the over-cap bytes and the plan is evaluated again after.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 import itertools
 from typing import List, Optional, Tuple
 
-from planner.cost.model import evaluate, held_counts, input_bytes, rank_speeds
+from planner.cost.model import evaluate, held_counts, rank_speeds
+from planner.cost.ranges import range_costs
+from planner.solve.chain_recompute import freed_bytes
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 
@@ -22,16 +25,18 @@ EXACT_KNAPSACK_UNITS = 16  # recompute 'auto' in the DP/brute: enumerate subsets
 
 def cheapest_recompute(profile: Profile, b: int, first: int, end: int, need_bytes: float, held: int,
                        speed: float, exact: bool = True) -> Optional[Tuple[float, List[int]]]:
-    """Least extra time (and the units) freeing >= need_bytes of held * (s_l - in_l); None if impossible.
+    """Least extra time (and the units) freeing >= need_bytes of held * g_l (chain_recompute.freed_bytes:
+    s_l - in_l, corrected for shared storages); None if impossible.
 
     exact: enumerate subsets (ValueError beyond EXACT_KNAPSACK_UNITS candidates); otherwise greedy by
     time per byte freed (a feasible, not always optimal, choice — used for warm starts only).
     """
     if need_bytes <= 0:
         return 0.0, []
-    inputs = input_bytes(profile, b)
-    items = [(profile.units[l].forward_s[b] / speed, held * (profile.units[l].saved_bytes[b] - inputs[l]), l)
-             for l in range(first, end) if profile.units[l].saved_bytes[b] > inputs[l]]
+    costs = range_costs(profile, b)
+    freed = freed_bytes(costs, first, end)  # per held micro-batch, as the cost model counts the stage
+    items = [(profile.units[l].forward_s[b] / speed, held * float(freed[l - first]), l)
+             for l in range(first, end) if freed[l - first] > 0]
     if sum(freed for _, freed, _ in items) < need_bytes:
         return None
     if not exact:

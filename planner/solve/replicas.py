@@ -70,7 +70,8 @@ from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cu
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs, range_matrix
 from planner.cost.ties import tied_weights
-from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, last_stage_warmup, warmup_before
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, build_schedule, last_stage_warmup, warmup_before
+from planner.pipeline.stepgraph import held_peaks
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 from planner.solve.chain_recompute import recompute_range_tables
@@ -144,25 +145,7 @@ class ReplicaTables:
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
                  recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
-        costs, L = range_costs(profile, b), profile.num_units
-        self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
-        redo_all = opts.recompute == "all"
-        work = range_matrix(costs.work_prefix(redo_all))
-        cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
-        ends = np.arange(L + 1)
-        self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
-            np.where(ends < L, cuts, 0.0)[None, :]
-        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
-        acts = costs.saved_matrix(redo_all)
-        self.max_r = min(devices, self.m)
-        finite = np.isfinite(self.T)
-        exchanged = tuple(np.where(finite, x, 0.0) for x in (params, trainable, regathered))
-        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
-                              np.inf) for r in range(1, self.max_r + 1)}
-        self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
-        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
-        self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
+        costs, L, params, trainable, acts = self._common(profile, b, opts, devices)
         cap = rank_caps(opts, profile)[0]  # no cluster: one cap
         # messages held (planner.pipeline.stepgraph.held_peaks): each of a replica device's H = ceil(m / r)
         # micro-batches is, at any moment, in one state: received and not yet forwarded (in_a) or
@@ -200,6 +183,35 @@ class ReplicaTables:
                     t = self.fits[key]
                     self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
                                                 np.where(np.isfinite(t), t, 0.0), np.inf)
+
+    def _common(self, profile: Profile, b: int, opts: CostOptions, devices: int):
+        """T, E and the dimensions; (costs, L, parameter bytes, trainable bytes, saved bytes) [a, e]."""
+        costs, L = range_costs(profile, b), profile.num_units
+        self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
+        redo_all = opts.recompute == "all"
+        work = range_matrix(costs.work_prefix(redo_all))
+        cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
+        ends = np.arange(L + 1)
+        self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
+            np.where(ends < L, cuts, 0.0)[None, :]
+        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
+        acts = costs.saved_matrix(redo_all)
+        self.max_r = min(devices, self.m)
+        finite = np.isfinite(self.T)
+        exchanged = tuple(np.where(finite, x, 0.0) for x in (params, trainable, regathered))
+        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
+                              np.inf) for r in range(1, self.max_r + 1)}
+        self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
+        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
+        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
+        self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
+        return costs, L, params, trainable, acts
+
+    def recompute_need(self, r: int, k: int, a: int, e: int, cap: float) -> Tuple[float, int]:
+        """(bytes to free, micro-batches held) of stage [a, e) with r replicas and k devices from it
+        to the end: what `cheapest_recompute` covers."""
+        held = self.held[r, k]
+        return float(self.memory[held, r][a, e]) - cap, held
 
     def base(self, r: int, k: int) -> np.ndarray:
         """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
@@ -267,6 +279,76 @@ class ReplicaTables:
     def candidates(self, which) -> np.ndarray:
         """The values which(r, k) (X or E) takes where a stage fits, ascending."""
         return np.unique(np.concatenate([which(r, k)[np.isfinite(self.base(r, k))] for (r, k) in self.held]))
+
+class TupleTables(ReplicaTables):
+    """The tables of one replica tuple (r_0, .., r_{S-1}) with each stage's exact memory: the runtime's
+    lists of that tuple (planner.pipeline.schedule.build_schedule) give every device's held peaks
+    (planner.pipeline.stepgraph.held_peaks), so a stage's memory over [a, e) is the cost model's,
+
+        M_g[a, e] = static_{r_g}[a, e] + max_p (live_p A[a, e] + inbox_p act_a + sent_grad_p grad_a
+                                               + gradbox_p grad_e + sent_act_p act_e),
+
+    p over the peaks of its devices. (r, k) pairs off the tuple are +inf, so the DPs and the search
+    of ReplicaTables run on the tuple alone and every plan they find fits (recomputation 'auto':
+    the greedy whole-unit cover of the bytes each held micro-batch must free for every peak)."""
+
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, replicas: Tuple[int, ...]) -> None:
+        costs, L, params, trainable, acts = self._common(profile, b, opts, sum(replicas))
+        cap = rank_caps(opts, profile)[0]
+        auto = opts.recompute == "auto" and cap is not None
+        lists = build_schedule(opts.schedule, len(replicas), self.m, stage_replicas=list(replicas))
+        unreplicable = range_matrix(prefix_sums(u.running_stats for u in profile.units)) > 0
+        act, grad = costs.act, costs.grad
+        into, out = act[:, None], act[None, :]  # act_a, act_e
+        grad_in, grad_out = grad[:, None], grad[None, :]
+        nothing, zero = np.full((L + 1, L + 1), np.inf), np.zeros((L + 1, L + 1))
+        for k in range(1, self.N + 1):
+            for r in range(1, min(k, self.max_r) + 1):
+                self.held[r, k] = -1
+        self.targets: Dict[int, np.ndarray] = {}
+        device = 0
+        for g, r in enumerate(replicas):
+            k = sum(replicas[g:])
+            static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
+            peaks = [p for lst in lists[device:device + r] for p in held_peaks(lst)]
+            device += r
+            terms = []  # (live, the messages' bytes [a, e])
+            for p in peaks:
+                count = {name: n for (name, stage), n in p.items() if stage == g}
+                terms.append((count.get("live", 0), zero + count.get("inbox", 0) * into + count.get("sent_grad", 0) *
+                              grad_in + count.get("gradbox", 0) * grad_out + count.get("sent_act", 0) * out))
+            held = -2 - g  # a key of its own per stage
+            self.held[r, k] = held
+            none = -nothing  # -inf: the identity of the maxima below
+            memory = static + np.max([none] + [(live * acts if live else 0.0) + msgs for live, msgs in terms], axis=0)
+            self.memory[held, r] = memory = np.maximum(memory, static)  # no peak: nothing held
+            if auto:  # for every peak: live (A - freed) + messages <= cap - static
+                room = cap - static
+                hard = np.max([none] + [msgs for live, msgs in terms if live == 0], axis=0)
+                target = np.max([none] + [acts + (msgs - room) / live for live, msgs in terms if live > 0], axis=0)
+                target = np.where(hard <= room, target, np.inf)
+                self.targets[held] = target
+                _, high = recompute_range_tables(profile, b, opts, 1, holders=r * opts.data_parallel, target=target)
+                fits = self.T + high
+            elif cap is None:
+                fits = self.T
+            else:
+                fits = np.where(memory <= cap, self.T, np.inf)
+            if r > 1:
+                fits = np.where(unreplicable, np.inf, fits)
+            self.fits[held, r] = fits
+            self._x[r, held] = np.where(np.isfinite(fits), (ceil_div(self.m, r) - 1) *
+                                        np.where(np.isfinite(fits), fits, 0.0), np.inf)
+        for (r, k), held in list(self.held.items()):
+            if held == -1:
+                self.memory[-1, r] = self.fits[-1, r] = self._x[r, -1] = nothing
+
+    def recompute_need(self, r: int, k: int, a: int, e: int, cap: float) -> Tuple[float, int]:
+        held = self.held[r, k]
+        if held in self.targets:
+            return float(self.targets[held][a, e]), 1
+        return float(self.memory[held, r][a, e]) - cap, 1
+
 
 class _Search:
     """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead."""
@@ -382,8 +464,7 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
     EXACT_KNAPSACK_UNITS candidates, else greedy by time per byte)."""
     edges, reps, chosen = [0] + list(plan.boundaries) + [profile.num_units], plan.replicas, []
     for g, (a, e, r) in enumerate(zip(edges, edges[1:], reps)):
-        held = tables.held[r, sum(reps[g:])]
-        need = float(tables.memory[held, r][a, e]) - cap
+        need, held = tables.recompute_need(r, sum(reps[g:]), a, e, cap)
         if need > 0:
             try:
                 found = cheapest_recompute(profile, b, a, e, need, held, 1.0, exact=True)
@@ -446,6 +527,8 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
+    if best is None and searched:  # the bounds of the held counts and messages left no plan: exact, tuple by tuple
+        best = _by_tuple(profile, searched)
     plain = _unreplicated(profile, scenarios or [opts])
     if best is None and plain is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
@@ -464,6 +547,47 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                     bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
+
+
+MAX_TUPLES = 512  # replica tuples searched one by one (TupleTables) when the bounded tables find no plan
+
+
+def replica_tuples(devices: int, stages: int, largest: int):
+    """Every tuple of `stages` replica counts in 1..largest summing to `devices`."""
+    if stages == 1:
+        if 1 <= devices <= largest:
+            yield (devices,)
+        return
+    for first in range(1, min(largest, devices - stages + 1) + 1):
+        for rest in replica_tuples(devices - first, stages - 1, largest):
+            yield (first,) + rest
+
+
+def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
+    """The fill-drain form's optimum over every replica tuple with its exact memory (TupleTables),
+    when the bounded tables found no plan under the cap: their held counts and messages are bounded
+    over every tuple at once (ReplicaTables), so a plan that fits only just may lie between their
+    two searches. None when nothing fits or there are more than MAX_TUPLES tuples."""
+    jobs = [(scenario, b, auto, reps) for scenario, b, auto in searched
+            for S in range(1, min(scenario.pipeline_ranks, profile.num_units) + 1)
+            for reps in replica_tuples(scenario.pipeline_ranks, S, min(scenario.pipeline_ranks,
+                                                                       num_micro_batches(scenario, b)))]
+    if len(jobs) > MAX_TUPLES:
+        return None
+    best: Optional[_Found] = None
+    closed = math.inf  # the least fill-drain value found: a tuple that cannot beat it is pruned
+    for scenario, b, auto, reps in jobs:
+        tables = TupleTables(profile, b, scenario, reps)
+        search = _Search(tables, closed)
+        search.run()
+        if search.best is None:
+            continue
+        closed = search.U
+        redo = _recompute_of(profile, tables, search.best, b, scenario, auto)
+        cost = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
+        if cost.feasible and (best is None or cost.iteration_s < best.value):
+            best = _Found(cost.iteration_s, search.best, b, scenario, redo)
+    return best
 
 
 def _unreplicated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solution]:
@@ -493,4 +617,4 @@ def _chosen(scenario: CostOptions, plan: ReplicaSplit) -> CostOptions:
     return scenario.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = the scenario's ranks
 
 
-__all__ = ["solve_replicated", "check_replicable", "ReplicaTables"]
+__all__ = ["solve_replicated", "check_replicable", "ReplicaTables", "TupleTables"]
