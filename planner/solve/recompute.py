@@ -5,7 +5,8 @@ micro-batch keeps from s_l (its saved bytes) to in_l (its input), so stage g hol
 micro-batches frees h_g g_l: g_l = s_l - in_l, corrected at the stage's ends for the storages
 units share (planner.solve.chain_recompute.freed_bytes, as the cost model counts them). The
 cheapest choice for a stage over its cap by `need` bytes is the least sum_{l in R} f_l / sigma
-with h_g sum_{l in R} g_l >= need; it only ever lowers memory and raises time, so the best plan recomputes the least that fits, stage by stage.
+with h_g sum_{l in R} g_l >= need; it only ever lowers memory and raises time, so the best plan
+recomputes the least that fits, stage by stage.
 The exact model's memory (planner.cost.model) also holds received buffers, which recomputation
 does not change; `recompute_for` aims at the over-cap bytes and the plan is evaluated again after.
 """
@@ -15,10 +16,10 @@ import itertools
 from typing import List, Optional, Tuple
 
 from planner.cost.model import evaluate, held_counts, rank_speeds
-from planner.cost.ranges import range_costs
-from planner.solve.chain_recompute import freed_bytes
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
+from planner.solve.chain_recompute import freed_bytes
 
 EXACT_KNAPSACK_UNITS = 16  # recompute 'auto' in the DP/brute: enumerate subsets of at most this many units
 
