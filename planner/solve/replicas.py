@@ -21,10 +21,10 @@ bytes per parameter byte over n = r_g d holders; the last term bounds the receiv
 gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
 end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
 w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
-under a cap it runs with the largest w over all suffixes of (r_g, k_g) (`suffix_warmups`: every plan
-found fits) and again with the smallest (a lower bound, whose plan is taken when it fits the exact
-model: time does not depend on the held counts, so it is then optimal); the gap is 0 when the two meet, as they do
-without a cap or when the cap does not bind.
+under a cap it runs with the largest w over all suffixes of (r_g, k_g) (planner.solve.replica_tables'
+`suffix_warmups`: every plan found fits) and again with the smallest (a lower bound, whose plan is
+taken when it fits the exact model: time does not depend on the held counts, so it is then optimal);
+the gap is 0 when the two meet, as they do without a cap or when the cap does not bind.
 
 Suffix DP. Every per-stage quantity depends only on (a, e, r, k), so for thresholds (tau, eps)
 
@@ -60,34 +60,24 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, cut_times, evaluate,
-                                fixed_bytes, num_micro_batches, rank_caps, stage_call_s,
-                                static_bytes, sync_time)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, evaluate, fixed_bytes,
+                                num_micro_batches, rank_caps)
 from planner.cost.options import CostOptions
-from planner.cost.ranges import prefix_sums, range_costs, range_matrix
+from planner.cost.ranges import range_costs
 from planner.cost.ties import tied_weights
-from planner.pipeline.schedule import ONE_STAGE_SCHEDULES, build_schedule, last_stage_warmup, warmup_before
-from planner.pipeline.stepgraph import held_peaks
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
-from planner.solve.chain_recompute import recompute_range_tables
 from planner.solve.diagnose import InfeasibleError
+from planner.solve.replica_tables import ReplicaSplit, ReplicaTables, TupleTables
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.recompute import cheapest_recompute
 
 TOL = 1e-12  # relative tolerance of every prune
-
-
-@dataclass
-class ReplicaSplit:
-    """A replicated plan's shape: where the stages are cut, and each stage's replica count."""
-
-    boundaries: List[int]
-    replicas: List[int]
 
 
 @dataclass
@@ -99,22 +89,6 @@ class _Found:
     b: int
     scenario: CostOptions
     recompute: List[int]
-
-
-def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
-    """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, by the
-    schedule's rule (planner.pipeline.schedule: `last_stage_warmup`, `warmup_before`), maximised
-    (pick=max) or minimised (pick=min) over every suffix after it. The DP's state (first unit,
-    devices left) does not know the suffix: the largest warm-up gives plans that fit whatever
-    follows, the smallest a lower bound."""
-    table: Dict[Tuple[int, int], int] = {}
-    for k in range(1, devices + 1):
-        for r in range(1, min(k, max_r) + 1):
-            if k == r:
-                table[r, k] = last_stage_warmup(r)
-            else:
-                table[r, k] = pick(warmup_before(table[q, k - r], r, q) for q in range(1, min(k - r, max_r) + 1))
-    return table
 
 
 def replicates_running_stats(profile: Profile, boundaries: List[int], replicas: Tuple[int, ...]) -> bool:
@@ -133,221 +107,6 @@ def check_replicable(profile: Profile, opts: CostOptions) -> None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
     if tied_weights(profile):  # frozen ones too: each rank holds one copy
         raise ValueError("--replicate does not model tied (shared) parameters; solve this profile without --replicate")
-
-
-class ReplicaTables:
-    """Per (r, k): the stage time T' (T plus the recomputation that makes the stage fit, +inf where
-    nothing fits), X = (ceil(m / r) - 1) T' and E_r, at one micro-batch size; the DPs on them.
-
-    recompute_bound ('auto' under a cap only): 'lower' adds the fractional-knapsack recomputation
-    time (planner.solve.chain_recompute), a lower bound on every plan; 'upper' the greedy whole-unit
-    one, which is a feasible plan's."""
-
-    def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
-                 recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
-        costs, L, params, trainable, acts = self._common(profile, b, opts, devices)
-        cap = rank_caps(opts, profile)[0]  # no cluster: one cap
-        # messages held (planner.pipeline.stepgraph.held_peaks): each of a replica device's H = ceil(m / r)
-        # micro-batches is, at any moment, in one state: received and not yet forwarded (in_a) or
-        # backwarded with its input gradient posted (grad_a): at most `before`; or live (at most `held`
-        # of them), its output posted or its gradient received (act_e or grad_e, never both): at most
-        # A + `after`; or none. Under 'upper' the largest such sum (every plan found fits), none under 'lower'
-        message = np.maximum(costs.act, costs.grad)  # 0 at both ends: the first stage receives nothing
-        before, after = message[:, None], message[None, :]
-        warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
-        unreplicable = range_matrix(prefix_sums(u.running_stats for u in profile.units)) > 0
-        for k in range(1, devices + 1):
-            for r in range(1, min(k, self.max_r) + 1):
-                window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
-                held = self.held[r, k] = ceil_div(window, r)
-                key = (held, r)
-                if key not in self.memory:
-                    static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
-                    H = ceil_div(self.m, r)  # linear in the live count: its largest at held or 0
-                    messages = held * after + (H - held) * before if held_bound == "upper" else None
-                    self.memory[key] = static + held * acts if messages is None else \
-                        static + np.maximum(held * acts + messages, H * before)
-                    if recompute_bound is not None:
-                        low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel,
-                                                           extra=messages if recompute_bound == "upper" else None)
-                        if recompute_bound == "upper":  # what no recomputation frees must fit too
-                            high = np.where(static + H * before <= cap, high, np.inf)
-                        self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
-                    elif cap is None:
-                        self.fits[key] = self.T
-                    else:
-                        self.fits[key] = np.where(self.memory[key] <= cap, self.T, np.inf)
-                    if r > 1:  # a range with running statistics is never replicated (planner.model.running_stats)
-                        self.fits[key] = np.where(unreplicable, np.inf, self.fits[key])
-                if (r, held) not in self._x:
-                    t = self.fits[key]
-                    self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
-                                                np.where(np.isfinite(t), t, 0.0), np.inf)
-
-    def _common(self, profile: Profile, b: int, opts: CostOptions, devices: int):
-        """T, E and the dimensions; (costs, L, parameter bytes, trainable bytes, saved bytes) [a, e]."""
-        costs, L = range_costs(profile, b), profile.num_units
-        self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
-        redo_all = opts.recompute == "all"
-        work = range_matrix(costs.work_prefix(redo_all))
-        cuts = np.array(cut_times(profile, b, opts) + [0.0])  # one link: no cluster
-        ends = np.arange(L + 1)
-        self.T = work + stage_call_s(profile, b) + np.where(ends > 0, cuts, 0.0)[:, None] + \
-            np.where(ends < L, cuts, 0.0)[None, :]
-        params, trainable, regathered = range_matrix(costs.P), range_matrix(costs.T), range_matrix(costs.FB)
-        acts = costs.saved_matrix(redo_all)
-        self.max_r = min(devices, self.m)
-        finite = np.isfinite(self.T)
-        exchanged = tuple(np.where(finite, x, 0.0) for x in (params, trainable, regathered))
-        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
-                              np.inf) for r in range(1, self.max_r + 1)}
-        self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
-        self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
-        self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
-        self._x: Dict[Tuple[int, int], np.ndarray] = {}  # (r, held) -> X[a, e]
-        return costs, L, params, trainable, acts
-
-    def recompute_need(self, r: int, k: int, a: int, e: int, cap: float) -> Tuple[float, int]:
-        """(bytes to free, micro-batches held) of stage [a, e) with r replicas and k devices from it
-        to the end: what `cheapest_recompute` covers."""
-        held = self.held[r, k]
-        return float(self.memory[held, r][a, e]) - cap, held
-
-    def base(self, r: int, k: int) -> np.ndarray:
-        """T'[a, e] of stage [a, e) with r replicas and k devices from it to the end."""
-        return self.fits[self.held[r, k], r]
-
-    def X(self, r: int, k: int) -> np.ndarray:
-        return self._x[r, self.held[r, k]]
-
-    def Ek(self, r: int, k: int) -> np.ndarray:
-        return self.E[r]
-
-    def _dp(self, table, combine) -> Tuple[float, Optional[ReplicaSplit]]:
-        """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)."""
-        L, rows = self.L, np.arange(self.L + 1)
-        best = [np.where(rows == L, 0.0, np.inf)]
-        arg_e, arg_r = [None], [None]
-        for k in range(1, self.N + 1):
-            cur, ce, cr = np.full(L + 1, np.inf), np.zeros(L + 1, dtype=int), np.zeros(L + 1, dtype=int)
-            for r in range(1, min(k, self.max_r) + 1):
-                cand = combine(table(r, k), best[k - r][None, :])
-                e = np.argmin(cand, axis=1)
-                val = cand[rows, e]
-                better = val < cur
-                cur, ce, cr = np.where(better, val, cur), np.where(better, e, ce), np.where(better, r, cr)
-            best.append(cur)
-            arg_e.append(ce)
-            arg_r.append(cr)
-        if not math.isfinite(best[self.N][0]):
-            return math.inf, None
-        bounds, reps, a, k = [], [], 0, self.N
-        while a < L:
-            e, r = int(arg_e[k][a]), int(arg_r[k][a])
-            bounds.append(e)
-            reps.append(r)
-            a, k = e, k - r
-        return float(best[self.N][0]), ReplicaSplit(bounds[:-1], reps)
-
-    def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[ReplicaSplit]]:
-        """g(tau, eps): least sum T' with every X <= tau and E <= eps."""
-        cache: Dict[Tuple[int, int], np.ndarray] = {}
-
-        def table(r, k):
-            key = (r, self.held[r, k])
-            if key not in cache:
-                cache[key] = np.where((self.X(r, k) <= tau) & (self.E[r] <= eps), self.base(r, k), np.inf)
-            return cache[key]
-        return self._dp(table, np.add)
-
-    def min_max(self, which) -> Tuple[float, Optional[ReplicaSplit]]:
-        """Least max over stages of which(r, k) (self.X or self.Ek) among memory-feasible plans."""
-        return self._dp(lambda r, k: np.where(np.isfinite(self.base(r, k)), which(r, k), np.inf), np.maximum)
-
-    def min_memory(self) -> Tuple[float, Optional[ReplicaSplit]]:
-        """Least max per-device memory of any plan on N devices under these tables (caps ignored;
-        with the 'upper' buffers a memory in which the plan surely fits)."""
-        return self._dp(lambda r, k: self.memory[self.held[r, k], r], np.maximum)
-
-    def values(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
-        """(sum T', max X, max E) of a plan, read from the tables."""
-        edges, reps = [0] + list(plan.boundaries) + [self.L], plan.replicas
-        parts = [(self.base(r, k)[a, e], self.X(r, k)[a, e], self.E[r][a, e])
-                 for a, e, r, k in zip(edges, edges[1:], reps, [sum(reps[g:]) for g in range(len(reps))])]
-        return float(sum(p[0] for p in parts)), float(max(p[1] for p in parts)), float(max(p[2] for p in parts))
-
-    def candidates(self, which) -> np.ndarray:
-        """The values which(r, k) (X or E) takes where a stage fits, ascending."""
-        return np.unique(np.concatenate([which(r, k)[np.isfinite(self.base(r, k))] for (r, k) in self.held]))
-
-class TupleTables(ReplicaTables):
-    """The tables of one replica tuple (r_0, .., r_{S-1}) with each stage's exact memory: the runtime's
-    lists of that tuple (planner.pipeline.schedule.build_schedule) give every device's held peaks
-    (planner.pipeline.stepgraph.held_peaks), so a stage's memory over [a, e) is the cost model's,
-
-        M_g[a, e] = static_{r_g}[a, e] + max_p (live_p A[a, e] + inbox_p act_a + sent_grad_p grad_a
-                                               + gradbox_p grad_e + sent_act_p act_e),
-
-    p over the peaks of its devices. (r, k) pairs off the tuple are +inf, so the DPs and the search
-    of ReplicaTables run on the tuple alone and every plan they find fits (recomputation 'auto':
-    the greedy whole-unit cover of the bytes each held micro-batch must free for every peak)."""
-
-    def __init__(self, profile: Profile, b: int, opts: CostOptions, replicas: Tuple[int, ...]) -> None:
-        costs, L, params, trainable, acts = self._common(profile, b, opts, sum(replicas))
-        cap = rank_caps(opts, profile)[0]
-        auto = opts.recompute == "auto" and cap is not None
-        lists = build_schedule(opts.schedule, len(replicas), self.m, stage_replicas=list(replicas))
-        unreplicable = range_matrix(prefix_sums(u.running_stats for u in profile.units)) > 0
-        act, grad = costs.act, costs.grad
-        into, out = act[:, None], act[None, :]  # act_a, act_e
-        grad_in, grad_out = grad[:, None], grad[None, :]
-        nothing, zero = np.full((L + 1, L + 1), np.inf), np.zeros((L + 1, L + 1))
-        for k in range(1, self.N + 1):
-            for r in range(1, min(k, self.max_r) + 1):
-                self.held[r, k] = -1
-        self.targets: Dict[int, np.ndarray] = {}
-        device = 0
-        for g, r in enumerate(replicas):
-            k = sum(replicas[g:])
-            static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
-            peaks = [p for lst in lists[device:device + r] for p in held_peaks(lst)]
-            device += r
-            terms = []  # (live, the messages' bytes [a, e])
-            for p in peaks:
-                count = {name: n for (name, stage), n in p.items() if stage == g}
-                terms.append((count.get("live", 0), zero + count.get("inbox", 0) * into + count.get("sent_grad", 0) *
-                              grad_in + count.get("gradbox", 0) * grad_out + count.get("sent_act", 0) * out))
-            held = -2 - g  # a key of its own per stage
-            self.held[r, k] = held
-            none = -nothing  # -inf: the identity of the maxima below
-            memory = static + np.max([none] + [(live * acts if live else 0.0) + msgs for live, msgs in terms], axis=0)
-            self.memory[held, r] = memory = np.maximum(memory, static)  # no peak: nothing held
-            if auto:  # for every peak: live (A - freed) + messages <= cap - static
-                room = cap - static
-                hard = np.max([none] + [msgs for live, msgs in terms if live == 0], axis=0)
-                target = np.max([none] + [acts + (msgs - room) / live for live, msgs in terms if live > 0], axis=0)
-                target = np.where(hard <= room, target, np.inf)
-                self.targets[held] = target
-                _, high = recompute_range_tables(profile, b, opts, 1, holders=r * opts.data_parallel, target=target)
-                fits = self.T + high
-            elif cap is None:
-                fits = self.T
-            else:
-                fits = np.where(memory <= cap, self.T, np.inf)
-            if r > 1:
-                fits = np.where(unreplicable, np.inf, fits)
-            self.fits[held, r] = fits
-            self._x[r, held] = np.where(np.isfinite(fits), (ceil_div(self.m, r) - 1) *
-                                        np.where(np.isfinite(fits), fits, 0.0), np.inf)
-        for (r, k), held in list(self.held.items()):
-            if held == -1:
-                self.memory[-1, r] = self.fits[-1, r] = self._x[r, -1] = nothing
-
-    def recompute_need(self, r: int, k: int, a: int, e: int, cap: float) -> Tuple[float, int]:
-        held = self.held[r, k]
-        if held in self.targets:
-            return float(self.targets[held][a, e]), 1
-        return float(self.memory[held, r][a, e]) - cap, 1
 
 
 class _Search:
@@ -599,10 +358,6 @@ def _unreplicated(profile: Profile, scenarios: List[CostOptions]) -> Optional[So
     return search_scenarios(profile, usable, "ilp") if usable else None
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def busy_bound(profile: Profile, b: int, opts: CostOptions) -> float:
     """A lower bound of every replicated plan's step under the exact model: N devices share the m
     micro-batches' work, and one micro-batch crosses every unit forward and back."""
@@ -617,4 +372,4 @@ def _chosen(scenario: CostOptions, plan: ReplicaSplit) -> CostOptions:
     return scenario.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = the scenario's ranks
 
 
-__all__ = ["solve_replicated", "check_replicable", "ReplicaTables", "TupleTables"]
+__all__ = ["solve_replicated", "check_replicable"]

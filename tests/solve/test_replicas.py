@@ -328,7 +328,7 @@ def test_upper_tables_bound_the_exact_memory(schedule):
     # the search's memory tables under 'upper' (every plan it accepts fits) are never below what
     # the exact model says a stage's devices hold
     from planner.cost.model import compute_profile, fixed_bytes
-    from planner.solve.replicas import ReplicaTables, TupleTables
+    from planner.solve.replica_tables import ReplicaTables, TupleTables
 
     rng = random.Random(5)
     for _ in range(6):
