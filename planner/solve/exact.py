@@ -176,7 +176,10 @@ def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, fo
     return found if found is not None else start
 
 
-def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float):
+def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float,
+             deadline: Optional[float] = None):
+    """Each unit's range of stages in a split faster than `bound` (planner.solve.reach); OutOfTime past
+    `deadline` (O(S L^2) per form family at thousands of units)."""
     costs = range_costs(profile, b, opts.optimizer)
     S = opts.num_stages
     speeds = [rank_speeds(opts)[opts.rank_of_stage(g)] for g in range(S)]
@@ -197,7 +200,7 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
                   at_start)
     forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
     ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,
-                          recompute_all=opts.recompute == "all", memory=memory)
+                          recompute_all=opts.recompute == "all", memory=memory, deadline=deadline)
     return unit_ranges(ok)
 
 
@@ -277,18 +280,23 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     while True:
         cutoff = min(best.iteration_s if best is not None else math.inf,
                      target_s if target_s is not None else math.inf) * (1 - gap)
-        if best is not None and time_limit is not None and \
+        if (best is not None or target_s is not None) and time_limit is not None and \
                 time.perf_counter() - started + built_s >= time_limit:  # no time to build and solve another
             return outcome(best, bound, False)
-        ranges = _fixings(profile, b, opts, forms, cutoff - opts.step_overhead_s)
+        # with a plan in hand (this scenario's or another's), the fixings and the program's build stop at
+        # the limit (a search without one needs the program)
+        late = deadline if best is not None or target_s is not None else None
+        try:
+            ranges = _fixings(profile, b, opts, forms, cutoff - opts.step_overhead_s, late)
+        except OutOfTime:
+            return outcome(best, bound, False)
         if ranges is None or any(lo > hi for lo, hi in zip(*ranges)):
             return outcome(best, cutoff, True)
         building = time.perf_counter()
-        try:  # with a plan in hand, the build stops at the limit (a search without one needs the program)
-            program = Program(profile, b, opts, *ranges, deadline=deadline if best is not None else None)
+        try:
+            program = Program(profile, b, opts, *ranges, deadline=late)
             for form in forms:
-                if best is not None:
-                    check_deadline(deadline)
+                check_deadline(late)
                 program.add_form(form, big_m_ms(profile, b, opts, form))
         except _NoSplit:
             return outcome(best, cutoff, True)

@@ -101,13 +101,13 @@ class StageTerms:
         self.allow(list(self.fits))
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
 
-    def restrict(self, forms: Sequence[PathForm], target: float) -> None:
+    def restrict(self, forms: Sequence[PathForm], target: float, deadline: Optional[float] = None) -> None:
         """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
         step below `target` (planner.solve.reach: a stage too heavy for any split to beat it). Only the
         ranges allowed now are tested: the target only falls and the forms only grow, so no other range
         can come back (and one the floors dropped stays dropped: they only rise)."""
         ok = stage_conditions(self.costs, self.S, self.speeds, [f.count() for f in forms if not f.crossings],
-                              target, recompute_all=self.redo_all, within=self.allowed)
+                              target, recompute_all=self.redo_all, within=self.allowed, deadline=deadline)
         self.allow([fits & good for fits, good in zip(self.fits, ok)])
 
     def allow(self, allowed: List[np.ndarray]) -> None:
@@ -227,7 +227,7 @@ class Forms:
         kept = self._tables()
         try:
             terms, new = self.terms, slice(self.floored, len(self))
-            terms.restrict(self.known, target)
+            terms.restrict(self.known, target, self.deadline)
             if new.start < new.stop:
                 fresh = stage_floors(self.constant[new], self.coefficients[:, new], terms.band,
                                      self.completion[new], self.deadline)
@@ -240,7 +240,7 @@ class Forms:
 
     def _refresh(self, target: float) -> None:
         terms, deadline = self.terms, self.deadline
-        terms.restrict(self.known, target)
+        terms.restrict(self.known, target, self.deadline)
         self.completion = form_completions(self.coefficients, terms.band, deadline)
         if not len(self):
             return

@@ -23,18 +23,21 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from planner.cost.ranges import RangeCosts, prefix_sums
+from planner.solve.floors import check_deadline
 
 
 def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float], forms: Iterable[Mapping],
                      bound: float, recompute_all: bool = False,
                      memory: Optional[Tuple[Sequence[Optional[float]], Sequence[int], np.ndarray, np.ndarray]] = None,
-                     within: Optional[Sequence[np.ndarray]] = None) -> List[np.ndarray]:
+                     within: Optional[Sequence[np.ndarray]] = None,
+                     deadline: Optional[float] = None) -> List[np.ndarray]:
     """ok[g][a, e]: stage g may hold units [a, e) in a split whose step time is below `bound`.
 
     speeds[g]: the speed of stage g's rank; memory: (cap per stage, micro-batches held per stage,
     prefix sums of the units' static parameter bytes, the least bytes each unit can hold for backward) or None;
     within[g]: only these ranges are tested (the rest are not ok) -- the ranges a caller already knows to
-    be the only candidates, as a search whose bound only falls and whose forms only grow does."""
+    be the only candidates, as a search whose bound only falls and whose forms only grow does.
+    OutOfTime past `deadline` (time.perf_counter(), checked per stage and condition: O(L^2) each)."""
     S = num_stages
     fastest = max(speeds)
     work = (costs.F + costs.G) / fastest
@@ -50,6 +53,7 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
         backward = (costs.G + redo)[e] - (costs.G + redo)[a] + costs.call_backward
         keep = np.ones(a.size, dtype=bool)
         for alpha, beta, before, after in conditions:
+            check_deadline(deadline)
             value = ((alpha * forward if alpha else 0.0) + (beta * backward if beta else 0.0)) / speeds[g]
             if before:
                 value = value + before * work[a]  # W(0, a)
@@ -62,6 +66,7 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
         params = costs.matrix(static_prefix)
         least = costs.matrix(prefix_sums(least_per_unit)) + least_at_start[:, None]
         for g in range(S):
+            check_deadline(deadline)
             if caps[g] is not None:
                 ok[g] &= params + held[g] * least <= caps[g] * (1 + 1e-12)
     return ok

@@ -57,3 +57,20 @@ def test_a_stage_whose_first_unit_saves_less_when_received_is_not_dropped_by_the
     assert evaluate(profile, [1, 2], 4, opts).feasible
     lowest, highest = _fixings(profile, 4, opts, set(), math.inf)
     assert highest[2] == 2  # unit 2 may be in stage 2: only the split [1, 2] puts it there
+
+
+def test_conditions_stop_at_the_deadline():
+    # O(L^2) per stage and form family (seconds at thousands of units): a search's time limit stops them
+    import time
+
+    import pytest
+
+    from planner.solve.floors import OutOfTime
+
+    opts = CostOptions(pipeline_ranks=2, global_batch=8)
+    profile = compute_profile(random_chain(random.Random(0), 6, sizes=(2,)), opts)
+    form = evaluate(profile, [3], 2, opts).critical_path.count()
+    costs = range_costs(profile, 2, opts.optimizer)
+    with pytest.raises(OutOfTime):
+        stage_conditions(costs, 2, [1.0] * 2, [form], 1.0, deadline=time.perf_counter() - 1)
+    assert len(stage_conditions(costs, 2, [1.0] * 2, [form], 1.0, deadline=time.perf_counter() + 60)) == 2
