@@ -15,6 +15,7 @@ from typing import List, Optional
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
+from planner.solve.replica_tables import replica_tuples
 from planner.solve.replicas import replicates_running_stats
 from planner.solve.solution import Solution
 
@@ -67,17 +68,6 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
                     recompute=list(redo), options=opts)
 
 
-def compositions(total: int, parts: int, largest: int):
-    """Every tuple of `parts` integers in 1..largest summing to `total`."""
-    if parts == 1:
-        if 1 <= total <= largest:
-            yield (total,)
-        return
-    for first in range(1, min(largest, total - parts + 1) + 1):
-        for rest in compositions(total - first, parts - 1, largest):
-            yield (first,) + rest
-
-
 def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     """The oracle for --replicate: every S <= N = opts.pipeline_ranks, split, replica tuple (sum N) and b,
     judged by planner.cost.model.evaluate, with every recomputation set that opts.recompute allows."""
@@ -87,7 +77,7 @@ def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solu
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
         for S in range(1, min(N, L) + 1):
-            for reps in compositions(N, S, m):
+            for reps in replica_tuples(N, S, m):
                 scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
                 splits = [c for c in itertools.combinations(range(1, L), S - 1)
                           if not replicates_running_stats(profile, list(c), reps)]

@@ -32,6 +32,17 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def replica_tuples(devices: int, stages: int, largest: int):
+    """Every tuple of `stages` replica counts in 1..largest summing to `devices`."""
+    if stages == 1:
+        if 1 <= devices <= largest:
+            yield (devices,)
+        return
+    for first in range(1, min(largest, devices - stages + 1) + 1):
+        for rest in replica_tuples(devices - first, stages - 1, largest):
+            yield (first,) + rest
+
+
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
     """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, by the
     schedule's rule (planner.pipeline.schedule: `last_stage_warmup`, `warmup_before`), maximised

@@ -73,7 +73,7 @@ from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 from planner.solve.diagnose import InfeasibleError
-from planner.solve.replica_tables import ReplicaSplit, ReplicaTables, TupleTables
+from planner.solve.replica_tables import ReplicaSplit, ReplicaTables, TupleTables, replica_tuples
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.recompute import cheapest_recompute
 
@@ -309,17 +309,6 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
 
 
 MAX_TUPLES = 512  # replica tuples searched one by one (TupleTables) when the bounded tables find no plan
-
-
-def replica_tuples(devices: int, stages: int, largest: int):
-    """Every tuple of `stages` replica counts in 1..largest summing to `devices`."""
-    if stages == 1:
-        if 1 <= devices <= largest:
-            yield (devices,)
-        return
-    for first in range(1, min(largest, devices - stages + 1) + 1):
-        for rest in replica_tuples(devices - first, stages - 1, largest):
-            yield (first,) + rest
 
 
 def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
