@@ -68,6 +68,17 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
                     recompute=list(redo), options=opts)
 
 
+def replicated_plan_count(profile: Profile, opts: CostOptions) -> int:
+    """How many plans `solve_brute_replicated` evaluates (before the running-statistics filter)."""
+    L, N, total = profile.num_units, opts.pipeline_ranks, 0
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        m = opts.global_batch // (opts.data_parallel * b)
+        sets = len(_recompute_sets(profile, b, opts))
+        for S in range(1, min(N, L) + 1):
+            total += sum(1 for _ in replica_tuples(N, S, m)) * math.comb(L - 1, S - 1) * sets
+    return total
+
+
 def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     """The oracle for --replicate: every S <= N = opts.pipeline_ranks, split, replica tuple (sum N) and b,
     judged by planner.cost.model.evaluate, with every recomputation set that opts.recompute allows."""
