@@ -78,13 +78,16 @@ def test_branch_and_bound_finds_the_best_split(problem, seeded, dual_first):
 def test_a_search_stopped_early_still_proves_a_valid_bound(problem, ticks):
     """At its time limit the search returns the least bound of the nodes left open, each re-bounded
     with every form learned by then (_open_bound): never above the best split, and its incumbent a
-    real one. The clock is a counter (each read one tick), so the search stops after a few nodes."""
+    real one. The clock is a counter (each read one tick), so the search stops after a few nodes;
+    the tables' clock (planner.solve.floors) stands still: on the real one their deadline, a few
+    ticks, has long passed and every search would stop before its first node."""
 
     profile, opts = problem
     profile = compute_profile(profile, opts)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         clock = itertools.count()
-        with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))):
+        with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))), \
+                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
             found = branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
         best = _every_split(profile, b, opts)
         assert found.bound_s <= best * (1 + 1e-9) or math.isinf(best)
