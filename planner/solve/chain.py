@@ -53,7 +53,7 @@ class ChainResult:
 
     objective: float
     boundaries: List[int]
-    min_max: float  # tau*: the least possible max_c T_c (a lower bound on the bottleneck; only when exact)
+    min_max: float  # tau*: the least possible max_c T_c (a lower bound on the bottleneck; nan unless exact)
     min_sum: float  # g_lb: the least possible sum_c T_c
     evaluations: int
     exact: bool = True  # False: stopped at the deadline
@@ -100,7 +100,7 @@ class ChainScenario:
     # -- the band ---------------------------------------------------------------------------
     def build_band(self, tau_hi: float, deadline: Optional[float] = None) -> None:
         """Tables over starts a in [lo(e), e) for every end e; tau_hi = inf gives the full triangle.
-        OutOfTime past `deadline` (time.perf_counter()): the tables are then incomplete."""
+        OutOfTime past `deadline` (time.perf_counter()): the last band's tables are then kept whole."""
         L, W = self.L, self.W
         ends = np.arange(L + 1)
         if math.isfinite(tau_hi) and self.monotone:
@@ -112,12 +112,10 @@ class ChainScenario:
         K = max(1, int(np.max(ends - lo)))
         a = ends[:, None] - 1 - np.arange(K)[None, :]
         valid = (a >= lo[:, None]) & (a >= 0)
-        self.a_idx = np.where(valid, a, L + 1)  # L + 1: a sentinel whose DP value is +inf
         safe = np.where(valid, a, 0)
-        self.K = K
         base: Dict[tuple, np.ndarray] = {}
-        self.tables: List[np.ndarray] = []
-        self.raw: Dict[tuple, np.ndarray] = {}
+        tables: List[np.ndarray] = []
+        raw: Dict[tuple, np.ndarray] = {}
         dP = self.P[ends][:, None] - self.P[safe]
         dA = self.A[ends][:, None] - self.A[safe] + self.A0[safe]
         dT = self.T[ends][:, None] - self.T[safe]
@@ -126,18 +124,20 @@ class ChainScenario:
         for c in range(self.C):
             check_deadline(deadline)
             key = (self.sigma[c], id(self.tin[c]), id(self.tout[c])) if self.added is None else ("stage", c)
-            if key not in self.raw:
+            if key not in raw:
                 t = (W[ends][:, None] - W[safe]) / self.sigma[c] + self.tin[c][safe] + self.tout[c][ends][:, None]
                 if self.added is not None:
                     t = t + self.added[c][safe, ends[:, None]]
-                self.raw[key] = np.where(valid, t, np.inf)
+                raw[key] = np.where(valid, t, np.inf)
             full = key + (self.caps[c], self.held[c] if self.caps[c] is not None else 0)
             if full not in base:
-                t = self.raw[key]
+                t = raw[key]
                 if self.caps[c] is not None:
                     t = np.where(static + self.held[c] * dA <= self.caps[c], t, np.inf)
                 base[full] = t
-            self.tables.append(base[full])
+            tables.append(base[full])
+        self.a_idx = np.where(valid, a, L + 1)  # L + 1: a sentinel whose DP value is +inf
+        self.K, self.tables, self.raw = K, tables, raw
         self.extra = np.where(valid, self.ar_t * dT + self.ar_f * (dP - dT + dFB), np.inf)
 
     # -- dynamic programs on the band ---------------------------------------------------------
@@ -236,10 +236,12 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
     def past() -> bool:
         return deadline is not None and time.perf_counter() > deadline
 
-    try:  # at thousands of units one band takes seconds: past the deadline, no start from here
+    last = None  # the last complete band's (tau*, split): a start if the next band is not done in time
+    try:  # at thousands of units one band takes seconds: past the deadline, the last band's split (or none)
         while True:
             chain.build_band(guess, deadline)
             tau_star, split = chain.min_max()
+            last = (tau_star, split) if split is not None else last
             if split is not None and (tau_star <= guess or past()):  # (late: the band's min-max split, unproven)
                 break
             if not math.isfinite(guess):
@@ -250,11 +252,13 @@ def solve_chain(profile: Profile, b: int, opts: CostOptions, caps: bool = True,
             if guess >= top_t:
                 guess = math.inf
     except OutOfTime:
-        return None
+        if last is None:
+            return None
+        tau_star, split = last  # read from the last band, whose tables stayed
     s, top, ex, _ = chain.split_values(split)
     best = (s + (m - 1) * top + ex, split)
     evaluations = [1]
-    unproven = ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=split, min_max=tau_star,
+    unproven = ChainResult(objective=best[0] + opts.step_overhead_s, boundaries=split, min_max=math.nan,
                            min_sum=g_lb, evaluations=1, exact=False)  # the min-max split, where time ran out
     if past():  # the tables of every range near the optimum take seconds at thousands of units
         return unproven

@@ -105,7 +105,6 @@ class Program:
                  deadline: Optional[float] = None):
         """OutOfTime past `deadline` (time.perf_counter(); checked per stage and device): at a thousand
         units the rows take seconds to build."""
-        self.deadline = deadline
         self.profile, self.b, self.opts = profile, b, opts
         self.costs = range_costs(profile, b, opts.optimizer)
         L, S, p = profile.num_units, opts.num_stages, opts.pipeline_ranks
@@ -118,8 +117,8 @@ class Program:
         self._recompute_vars()
         self.term: Dict[Tuple, object] = {("message",): opts.message_s * MS}  # every duration term's variable
         self._ties()
-        self._durations()
-        self._memory()
+        self._durations(deadline)
+        self._memory(deadline)
         self.T = _var(self.prob, "T")
         self.prob += self.T + opts.step_overhead_s * MS
         self.forms: List[PathForm] = []
@@ -186,12 +185,12 @@ class Program:
         self.add(v == expression, f"define_{name}")
         return v
 
-    def _durations(self) -> None:
+    def _durations(self, deadline: Optional[float]) -> None:
         c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
         speeds, links = rank_speeds(opts), boundary_links(opts)
         redo_all = opts.recompute == "all"
         for g in range(S):
-            check_deadline(self.deadline)
+            check_deadline(deadline)
             sigma = speeds[opts.rank_of_stage(g)]
             units = [l for l in range(L) if self.may(l, g)]
             forward = c.call_forward * MS / sigma + pulp.lpSum(c.f[l] * MS / sigma * self.x(l, g) for l in units)
@@ -440,14 +439,14 @@ class Program:
                 self.add(v >= rho, f"last_recomputed_{l}_{g}_both")
         return self._last[l, g]
 
-    def _memory(self) -> None:
+    def _memory(self, deadline: Optional[float]) -> None:
         opts, L = self.opts, self.L
         memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
         if all(cap is None for cap in memory.caps):
             return
         beta_w, beta_t = memory.factors
         for i in range(self.p):
-            check_deadline(self.deadline)
+            check_deadline(deadline)
             if memory.caps[i] is None:
                 continue
             static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)

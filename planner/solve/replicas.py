@@ -357,11 +357,12 @@ def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
         search.run()
         if search.best is None:
             continue
-        closed = search.U
         redo = _recompute_of(profile, tables, search.best, b, scenario, auto)
         cost = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
-        if cost.feasible and (best is None or cost.iteration_s < best.value):
-            best = _Found(cost.iteration_s, search.best, b, scenario, redo)
+        if cost.feasible:  # (a plan that does not fit prunes nothing)
+            closed = min(closed, search.U)
+            if best is None or cost.iteration_s < best.value:
+                best = _Found(cost.iteration_s, search.best, b, scenario, redo)
     return best
 
 

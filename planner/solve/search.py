@@ -52,6 +52,9 @@ from planner.solve.floors import OutOfTime, check_deadline
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
+# the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
+# stages' partition, then each stage's matrix and its step of the partition (scenario_lower_bound)
+BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 6, 7
 STARTS_SHARE = 0.3  # of the time limit, at most, for the scenarios' starting plans (heuristic_plan)
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
@@ -208,9 +211,10 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
     if opts.virtual_stages == 1 and (deadline is None or time.perf_counter() < deadline):
         made = time.perf_counter()
         work = work_matrix()
-        # what follows is about 6 + 7 S more operations on (L + 1)^2 values, each about as long as this
-        # one (0.5 s at 10,000 units): the loose bound where they would end past the deadline
-        if deadline is not None and time.perf_counter() + (time.perf_counter() - made) * (6 + 7 * S) > deadline:
+        # the loose bound where the (L + 1)^2 operations still to come, each about as long as this one
+        # (0.5 s at 10,000 units), would end past the deadline
+        still = BOUND_MATRIX_OPERATIONS + BOUND_MATRIX_OPERATIONS_PER_STAGE * S
+        if deadline is not None and time.perf_counter() + (time.perf_counter() - made) * still > deadline:
             return loose + opts.step_overhead_s
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`

@@ -90,6 +90,20 @@ def test_chain_search_past_its_deadline_gives_the_split_it_has():
     assert _fill_drain(profile, 2, opts, cut.boundaries) == pytest.approx(cut.objective - opts.step_overhead_s)
     # past it before any band (one takes seconds at thousands of units): no split from here
     assert solve_chain(profile, 2, opts, deadline=time.perf_counter() - 1) is None
+    # past it while a later band is made: the last whole band's split, its value read from its tables
+    import itertools
+
+    # (here: the first band holds no split, the second the min-max split, the third the search's band)
+    def stopped_in_band(k):  # the tables' clock ticks once per stage of a band: band k runs out
+        ticks = itertools.count()
+        with mock.patch.object(chain, "time", SimpleNamespace(perf_counter=lambda: 0.0)), \
+                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks)))):
+            return solve_chain(profile, 2, opts, deadline=(k - 1) * opts.num_stages + 0.5)
+
+    assert stopped_in_band(2) is None
+    second = stopped_in_band(3)
+    assert not second.exact and second.objective >= exact.objective * (1 - 1e-12)
+    assert _fill_drain(profile, 2, opts, second.boundaries) == pytest.approx(second.objective - opts.step_overhead_s)
 
 
 def test_step_overhead_is_added_to_every_objective_and_bound():
