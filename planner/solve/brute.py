@@ -15,8 +15,7 @@ from typing import List, Optional
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
-from planner.solve.replica_tables import replica_tuples
-from planner.solve.replicas import replicates_running_stats
+from planner.solve.replica_tables import replica_tuples, replicates_running_stats
 from planner.solve.solution import Solution
 
 MAX_COMBINATIONS = 200_000

@@ -43,6 +43,14 @@ def replica_tuples(devices: int, stages: int, largest: int):
             yield (first,) + rest
 
 
+def replicates_running_stats(profile: Profile, boundaries: List[int], replicas: Tuple[int, ...]) -> bool:
+    """Whether a stage with more than one replica holds a unit with running statistics
+    (planner.model.running_stats: such a stage is never replicated)."""
+    ends = [0, *boundaries, profile.num_units]
+    return any(r > 1 and any(u.running_stats for u in profile.units[a:e])
+               for r, a, e in zip(replicas, ends, ends[1:]))
+
+
 def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]:
     """The 1f1b warm-up w_g of a stage with r replicas and k devices from it to the end, by the
     schedule's rule (planner.pipeline.schedule: `last_stage_warmup`, `warmup_before`), maximised

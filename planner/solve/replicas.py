@@ -92,14 +92,6 @@ class _Found:
     recompute: List[int]
 
 
-def replicates_running_stats(profile: Profile, boundaries: List[int], replicas: Tuple[int, ...]) -> bool:
-    """Whether a stage with more than one replica holds a unit with running statistics
-    (planner.model.running_stats: such a stage is never replicated)."""
-    ends = [0, *boundaries, profile.num_units]
-    return any(r > 1 and any(u.running_stats for u in profile.units[a:e])
-               for r, a, e in zip(replicas, ends, ends[1:]))
-
-
 def check_replicable(profile: Profile, opts: CostOptions) -> None:
     """ValueError (saying what to do) unless replicated stages can be solved for these options."""
     if opts.schedule not in ONE_STAGE_SCHEDULES or opts.virtual_stages != 1:

@@ -289,7 +289,7 @@ def test_a_unit_with_running_statistics_is_never_replicated():
     """BatchNorm's running statistics (the profile's running_stats): replicas of its stage would
     each keep their own, and the runtime refuses such a plan, so the solver and its oracle never
     make one; the heavy unit that replication would speed up stays on one device."""
-    from planner.solve.replicas import replicates_running_stats
+    from planner.solve.replica_tables import replicates_running_stats
 
     p = heavy_middle()
     p.units[2].running_stats = True
