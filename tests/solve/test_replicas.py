@@ -118,7 +118,7 @@ def problems(draw):
     return profile, opts
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_solver_equals_brute_force(problem):
     profile, opts = problem
