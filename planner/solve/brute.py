@@ -21,14 +21,24 @@ from planner.solve.solution import Solution
 MAX_COMBINATIONS = 200_000
 
 
-def _recompute_sets(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
-    L = profile.num_units
-    if opts.recompute == "all":
-        return [list(range(L))]
-    if opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
-        return [[]]
+def _shrinkable(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
+    """The units whose recomputation is chosen one by one (--recompute auto under a cap: those saving
+    more than their input); None when the recomputation is fixed (none, all, or no cap)."""
+    if opts.recompute == "all" or opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
+        return None
     inputs = input_bytes(profile, b)
-    shrinkable = [l for l, u in enumerate(profile.units) if u.saved_bytes[b] > inputs[l]]
+    return [l for l, u in enumerate(profile.units) if u.saved_bytes[b] > inputs[l]]
+
+
+def _recompute_set_count(profile: Profile, b: int, opts: CostOptions) -> int:
+    shrinkable = _shrinkable(profile, b, opts)
+    return 1 if shrinkable is None else 2 ** len(shrinkable)
+
+
+def _recompute_sets(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
+    shrinkable = _shrinkable(profile, b, opts)
+    if shrinkable is None:
+        return [list(range(profile.num_units))] if opts.recompute == "all" else [[]]
     return [list(s) for r in range(len(shrinkable) + 1) for s in itertools.combinations(shrinkable, r)]
 
 
@@ -43,11 +53,11 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     if C > L:
         raise ValueError(f"{C} stages requested but the profile has only {L} units")
     sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-    sets = {b: _recompute_sets(profile, b, opts) for b in sizes}
-    combinations = math.comb(L - 1, C - 1) * sum(len(s) for s in sets.values())
+    combinations = math.comb(L - 1, C - 1) * sum(_recompute_set_count(profile, b, opts) for b in sizes)
     if combinations > MAX_COMBINATIONS:
         raise ValueError(f"brute force would evaluate {combinations} plans (limit {MAX_COMBINATIONS}); "
                          "use the ILP solver")
+    sets = {b: _recompute_sets(profile, b, opts) for b in sizes}
     best = None  # (iteration, boundaries, b, recompute, cost)
     for boundaries in itertools.combinations(range(1, L), C - 1):
         for b in sizes:
@@ -67,14 +77,17 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
                     recompute=list(redo), options=opts)
 
 
-def replicated_plan_count(profile: Profile, opts: CostOptions) -> int:
-    """How many plans `solve_brute_replicated` evaluates (before the running-statistics filter)."""
+def replicated_plan_count(profile: Profile, opts: CostOptions, limit: float = math.inf) -> int:
+    """How many plans `solve_brute_replicated` evaluates (before the running-statistics filter); once
+    past `limit`, a number past it (counting the rest takes long: 2^L recomputation sets, the tuples)."""
     L, N, total = profile.num_units, opts.pipeline_ranks, 0
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
-        sets = len(_recompute_sets(profile, b, opts))
+        sets = _recompute_set_count(profile, b, opts)
         for S in range(1, min(N, L) + 1):
             total += sum(1 for _ in replica_tuples(N, S, m)) * math.comb(L - 1, S - 1) * sets
+            if total > limit:  # (the tuples alone grow fast with N)
+                return total
     return total
 
 

@@ -358,8 +358,11 @@ def _enumerated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solu
     from planner.solve.brute import replicated_plan_count, solve_brute_replicated
 
     plain = [s.with_(recompute="none") if s.recompute == "auto" and s.memory_cap is None else s for s in scenarios]
-    if sum(replicated_plan_count(profile, s) for s in plain) > ENUMERATED_PLANS:
-        return None
+    counted = 0
+    for scenario in plain:
+        counted += replicated_plan_count(profile, scenario, ENUMERATED_PLANS - counted)
+        if counted > ENUMERATED_PLANS:
+            return None
     found = [f for f in (solve_brute_replicated(profile, s) for s in plain) if f is not None]
     if not found:
         opts = scenarios[0]
@@ -376,8 +379,16 @@ def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
     """The fill-drain form's optimum over every replica tuple with its exact memory (TupleTables),
     when the bounded tables found no plan under the cap: their held counts and messages are bounded
     over every tuple at once (ReplicaTables), so a plan that fits only just may lie between their
-    two searches. None when nothing fits or there are more than MAX_TUPLES tuples."""
-    jobs = [(scenario, b, auto, reps) for scenario, b, auto in searched
+    two searches. None when nothing fits or there are more than MAX_TUPLES tuples. A (scenario, b) where
+    not even the relaxed tables (the least held counts, no messages) have a plan has none: skipped."""
+    possible = []
+    for scenario, b, auto in searched:
+        relaxed = _Search(ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, "lower" if auto else None,
+                                        held_bound="lower"), math.inf)
+        relaxed.run()
+        if relaxed.best is not None:
+            possible.append((scenario, b, auto))
+    jobs = [(scenario, b, auto, reps) for scenario, b, auto in possible
             for S in range(1, min(scenario.pipeline_ranks, profile.num_units) + 1)
             for reps in replica_tuples(scenario.pipeline_ranks, S, min(scenario.pipeline_ranks,
                                                                        num_micro_batches(scenario, b)))]

@@ -409,3 +409,37 @@ def test_the_plan_is_polished_by_the_exact_model(monkeypatch):
     cost = evaluate(profile, polished.boundaries, polished.micro_batch_size, polished.options, polished.recompute)
     assert cost.feasible and cost.iteration_s == pytest.approx(polished.objective, rel=1e-12)
     assert polished.bound <= polished.objective and sum(polished.options.replicas or (1,) * N) == N
+
+
+def test_counting_plans_does_not_list_the_recomputation_sets():
+    # --recompute auto under a cap: 2^L recomputation sets per split; 100 units counted, never listed (it
+    # took all the host's memory), and --method brute refuses such a profile in one line
+    from planner.solve.brute import replicated_plan_count
+
+    profile = random_chain(random.Random(0), 100, sizes=(1,))
+    opts = CostOptions(pipeline_ranks=4, global_batch=4, memory_cap=1e3, recompute="auto")
+    assert replicated_plan_count(profile, opts, limit=2_000) > 2_000
+    with pytest.raises(ValueError, match="brute force would evaluate"):
+        solve_brute(profile, opts.with_(pipeline_ranks=2))
+
+
+def test_no_plan_is_said_without_searching_every_tuple():
+    # 1,000 bytes per device: not even the relaxed tables (the least held counts, no messages) have a plan,
+    # so no replica tuple is searched with its exact memory (each one's tables cost L^2 and its lists)
+    import planner.solve.replicas as replicas
+
+    profile = random_chain(random.Random(0), 40, sizes=(1, 2))
+    opts = CostOptions(pipeline_ranks=6, global_batch=16, memory_cap=1e3, recompute="auto")
+    built = []
+    original = replicas.TupleTables
+
+    class Counted(original):
+        def __init__(self, *args, **kwargs):
+            built.append(args[-1])
+            super().__init__(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replicas, "TupleTables", Counted)
+        with pytest.raises(InfeasibleError):
+            solve_replicated(profile, opts)
+    assert built == []
