@@ -330,8 +330,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             break  # more time did not help it
     bound = min([skipped] + [b for b, _, _ in proven.values()])
     all_proven = all(settled for _, settled, _ in proven.values())
-    out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
-    if best is None and not all_proven and out_of_time:  # stopped at the limit with nothing: not a proof
+    # stopped with nothing, not a proof: at the limit, or a scenario at its share of it (time left over)
+    if best is None and not all_proven and time_limit is not None:
         raise NoPlanInTime(f"no plan found within the time limit of {time_limit:g} s, and none proven impossible "
                            "either; allow more time (--time-limit)")
     if best is None:

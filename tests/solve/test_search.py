@@ -137,8 +137,10 @@ def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, 
     monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, True))
     with pytest.raises(InfeasibleError):  # each scenario proven to have none
         solve(profile, opts, time_limit=0.2)
+    # a scenario stopped at its share of the limit with nothing is no proof either, though time is left
+    # (the fuzz: bfs v=3 at a tight cap, 2 devices, --time-limit 0.31-0.35 said infeasible; a plan fits)
     monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, False))
-    with pytest.raises(InfeasibleError):  # done before the limit: the search's answer (as without a limit)
+    with pytest.raises(NoPlanInTime):
         solve(profile, opts, time_limit=60)
 
 
