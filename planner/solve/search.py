@@ -329,7 +329,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         if not outcome.optimal and outcome.bound_s <= before:
             break  # more time did not help it
     bound = min([skipped] + [b for b, _, _ in proven.values()])
-    all_proven = all(settled for _, settled, _ in proven.values())
+    # a bound of +inf proves the scenario has no plan (an infeasible program with no cutoff: not 'optimal')
+    all_proven = all(settled or b == math.inf for b, settled, _ in proven.values())
     # stopped with nothing, not a proof: at the limit, or a scenario at its share of it (time left over)
     if best is None and not all_proven and time_limit is not None:
         raise NoPlanInTime(f"no plan found within the time limit of {time_limit:g} s, and none proven impossible "

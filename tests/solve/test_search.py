@@ -1,5 +1,6 @@
 """The search on random chains: the exact search against brute force (small chains) and against its
 own fast heuristic (larger chains), under caps, recomputation, replicas and a per-stage call cost."""
+import math
 import random
 
 import pytest
@@ -141,6 +142,10 @@ def test_a_search_stopped_before_any_plan_is_not_called_infeasible(monkeypatch, 
     # (the fuzz: bfs v=3 at a tight cap, 2 devices, --time-limit 0.31-0.35 said infeasible; a plan fits)
     monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, 0.0, False))
     with pytest.raises(NoPlanInTime):
+        solve(profile, opts, time_limit=60)
+    # an unsettled scenario whose bound is +inf (the program proved it has no split) is a proof
+    monkeypatch.setattr(search, "solve_scenario", lambda *args, **kwargs: ScenarioOutcome(None, math.inf, False))
+    with pytest.raises(InfeasibleError):
         solve(profile, opts, time_limit=60)
 
 
