@@ -145,13 +145,14 @@ def test_traced_writes_by_keyword_function_or_operator_get_the_cast_too():
         integer(torch.zeros(4, 3, dtype=torch.long), mask, source)
 
 
-def test_bf16_mixed_fp32_value_crossing_a_cut_to_several_readers_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])  # zb-h1: the input part's gradient through the view
+def test_bf16_mixed_fp32_value_crossing_a_cut_to_several_readers_trains_like_one_process(tmp_path, schedule):
     """An fp32 value crossing a cut (T5's encoder output, from its fp32 norm) read by several bf16
     layers: torch.autocast caches its bf16 cast of an fp32 leaf that needs a gradient (one cast for
     all readers, their bf16 gradients summed in bf16), and a received value is such a leaf; in one
     process it is computed (a cast per reader, each gradient cast to fp32, summed in fp32). The
     stage reads it through a view, as one process reads it (was 1.2e-3 apart after 2 steps)."""
-    plan = dataclasses.replace(plan_with(profile_of("tests.models:normed_readers"), [2], 2, 8, "1f1b"),
+    plan = dataclasses.replace(plan_with(profile_of("tests.models:normed_readers"), [2], 2, 8, schedule),
                                precision="bf16-mixed")
     assert [v["dtype"] for v in plan.stages[1].recv] == ["float32"]  # the premise: an fp32 value crosses
     state = execute(plan, tmp_path, steps=2, lr=1.0)
