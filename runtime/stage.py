@@ -29,7 +29,7 @@ from planner.model.running_stats import keeps_running_statistics
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
-from planner.model.casts import recast
+from planner.model.casts import recast_model
 from planner.model.meta import parameters_on_meta, to_meta
 from runtime.initstate import InitState, materialise, meta_example, model_names, release
 
@@ -232,16 +232,11 @@ def _segments(captured: CapturedModel, first: int, end: int, recompute: Sequence
 def _recast(plan: Plan, captured: CapturedModel, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> str:
     """An exported graph computing as the run's precision does (planner.model.casts), or what it could not
     take; the model is built again on meta for it, with the random state kept (every rank draws alike)."""
-    with torch.random.fork_rng(devices=[]):
-        _, left = recast(captured, lambda: _meta_module(plan), spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], dtype, device)
+    model = plan.model
+    left = recast_model(captured, model["entry"], model.get("args", {}), int(model.get("seed", 0)),
+                        spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], dtype, device)
     return f"bf16-mixed: of the captured graph, {left}; the run may differ from one bf16-mixed process " \
         f"there by bf16 rounding" if left else ""
-
-
-def _meta_module(plan: Plan) -> nn.Module:
-    module = plan_spec(plan, on_meta=True).module
-    to_meta(module)
-    return module
 
 
 def plan_spec(plan: Plan, on_meta: bool = False) -> ModelSpec:

@@ -9,7 +9,7 @@ import time
 from planner.cli.common import parse_sizes
 from planner.errors import UsageError
 from planner.jsonio import check_writable
-from planner.profile.profile import MEASURED_PRECISIONS
+from planner.profile.profile import PROFILE_PRECISIONS
 
 
 def _analytic(args: argparse.Namespace, model_args, sizes, progress):
@@ -205,7 +205,7 @@ def register(sub) -> None:
                    help="measure: time what `runtime execute`'s engine adds per forward and backward (its own "
                         "work, on a null stage, about 4 s) and record it, which planner solve adds to every stage "
                         "(default on CPU; none on CUDA)")
-    p.add_argument("--precision", choices=["fp32", *MEASURED_PRECISIONS], default="fp32",
+    p.add_argument("--precision", choices=PROFILE_PRECISIONS, default="fp32",
                    help="bf16-mixed: run every unit as `runtime execute --precision bf16-mixed` runs it (autocast "
                         "bf16, the bf16 weight copies) while measuring: saved, output and cut bytes are such a "
                         "run's (what autocast keeps in fp32 too), times are under autocast on this device; plan "

@@ -48,6 +48,16 @@ def recast(captured: CapturedModel, build_on_meta: Callable[[], nn.Module], exam
     return _Recast(captured, mixed.gm).run()
 
 
+def recast_model(captured: CapturedModel, entry: str, model_args: Dict[str, Any], seed: int, example_inputs: Any,
+                 dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """`recast` with the model built again on meta from its entry point (planner.model.meta), the
+    random state kept (every rank, and the profile, draw alike after it): what it could not take, or None."""
+    from planner.model.meta import meta_builder
+
+    with torch.random.fork_rng(devices=[]):
+        return recast(captured, meta_builder(entry, model_args, seed), example_inputs, dtype, device)[1]
+
+
 def _fake_on(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """`module` (on meta) with fake tensors on `device` for its parameters and buffers (no storage),
     of `dtype` where a weight gets a compute copy; one object stays one object (a tied weight)."""

@@ -4,7 +4,7 @@ takes its casts from a meta copy, planner.model.casts)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -43,3 +43,16 @@ def to_meta(model: nn.Module) -> Dict[str, torch.Tensor]:
                if b.device.type != "meta"}
     model.to("meta")
     return buffers
+
+
+def meta_builder(entry: str, model_args: Mapping[str, Any], seed: int) -> Callable[[], nn.Module]:
+    """A function building the model from its entry point with every parameter and buffer on meta
+    (planner.model.casts.recast builds it so, for its second export)."""
+    from planner.model.entry import build_spec
+
+    def build() -> nn.Module:
+        with parameters_on_meta():
+            module = build_spec(entry, dict(model_args), seed).module
+        to_meta(module)
+        return module
+    return build

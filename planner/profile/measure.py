@@ -40,7 +40,7 @@ from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.hostspeed import REFERENCE_KERNEL, SLOWDOWN_WARN, mean_kernel_s
 from planner.profile.mixed import MixedRun
 from planner.profile.optim import OPTIMIZERS
-from planner.profile.profile import MEASURED_PRECISIONS, CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.profile import PROFILE_PRECISIONS, CutProfile, CutValue, Profile, UnitProfile
 from planner.profile.saved import SavedBytes, loss_saved_bytes
 from planner.profile.splitgrad import backward_weight, first_part, forward_and_input_part, measure_backward_parts
 from planner.profile.timing import (UnitCall, UnitTiming, _closures, _InputRestore, measure_optimizer_steps,
@@ -48,7 +48,6 @@ from planner.profile.timing import (UnitCall, UnitTiming, _closures, _InputResto
 from planner.profile.attention import attention_of
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
-PRECISIONS = ("fp32",) + MEASURED_PRECISIONS  # what a profile measures under: as built, or as a bf16-mixed run
 
 
 def encode_constant(value: Any, where: str) -> Any:
@@ -220,8 +219,8 @@ def profile_model(
     stage pays once, which the profile keeps apart as `stage_overhead_s` (`split_call_overhead`,
     forward and backward apart), so that the units and that cost sum to the whole model.
     `precision` "bf16-mixed": every unit measured as a bf16-mixed run runs it (`MixedRun`)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    if precision not in PROFILE_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PROFILE_PRECISIONS)} (got {precision!r})")
     say = progress or (lambda msg: None)
     dev = _device(device, co_runners)
     if threads > 0:
@@ -292,19 +291,11 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
 
 def _recast(captured: CapturedModel, entry: str, model_args: Dict[str, Any], seed: int, spec: ModelSpec,
             dev: torch.device, say: Callable[[str], None]) -> None:
-    """planner.model.casts.recast on an exported graph, the model built again on meta for it."""
-    from planner.model.casts import recast
-    from planner.model.meta import parameters_on_meta, to_meta
+    """planner.model.casts.recast on an exported graph (as runtime.stage does for a bf16-mixed rank)."""
+    from planner.model.casts import recast_model
     from planner.model.example import EXAMPLE_BATCH_SIZE
 
-    def on_meta() -> torch.nn.Module:
-        with parameters_on_meta():
-            module = build_spec(entry, model_args, seed).module
-        to_meta(module)
-        return module
-
-    with torch.random.fork_rng(devices=[]):
-        _, left = recast(captured, on_meta, spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], MixedRun.dtype, dev)
+    left = recast_model(captured, entry, model_args, seed, spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], MixedRun.dtype, dev)
     if left:
         say(f"  bf16-mixed: of the captured graph, {left}")
 

@@ -25,6 +25,7 @@ PROFILE_SCHEMA_VERSION = 2  # the newest this code reads and writes
 # other profile stays version 1, which older planners read
 PLAIN_SCHEMA_VERSION = 1
 MEASURED_PRECISIONS = ("bf16-mixed",)  # Profile.precision's values (None: as built)
+PROFILE_PRECISIONS = ("fp32",) + MEASURED_PRECISIONS  # what a profile is measured under: as built, or one of those
 
 # Optimizer state bytes held per parameter byte (SGD without momentum: none; Adam: two moments).
 OPTIMIZER_STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adamw": 2.0, "adam": 2.0}

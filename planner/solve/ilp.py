@@ -116,6 +116,8 @@ class Program:
         self._staircase()
         self._recompute_vars()
         self.term: Dict[Tuple, object] = {("message",): opts.message_s * MS}  # every duration term's variable
+        # whole_g of each later stage (`_whole_start`), read by its durations and by every memory row
+        self.whole = {g: self._whole_start(g) for g in range(1, S)} if opts.schedule in ZERO_BUBBLE_SCHEDULES else {}
         self._ties()
         self._durations(deadline)
         self._memory(deadline)
@@ -189,6 +191,9 @@ class Program:
         c, opts, L, S, p = self.costs, self.opts, self.L, self.S, self.p
         speeds, links = rank_speeds(opts), boundary_links(opts)
         redo_all = opts.recompute == "all"
+        # a bound (seconds at speed 1) of either split part of any stage, the big-M of a stage's two kinds
+        longest = c.later_input + c.later_weight + c.first_input + c.first_call + float(
+            (c.g + c.gi + c.gw + 2 * c.f).sum() + (c.omega * c.NU[:-1]).sum()) if self.whole else 0.0
         for g in range(S):
             check_deadline(deadline)
             sigma = speeds[opts.rank_of_stage(g)]
@@ -206,7 +211,7 @@ class Program:
                 # (so does a later stage starting where no input carries a gradient: whole_g, `_whole_start`)
                 later = {"backward_input": (c.gi, c.later_input), "backward_weight": (c.gw, c.later_weight)}
                 first = {"backward_input": (0.0 * c.g, c.first_input), "backward_weight": (c.g, c.first_call)}
-                whole = self._whole_start(g) if g > 0 else None
+                whole = self.whole.get(g)
                 # the kinds stage g may split as: the first stage only as the first; a later one as a later
                 # stage, and as the first where it may start at such a cut (whole_g then says which)
                 kinds = [True] if g == 0 else [False] + ([True] if whole is not None else [])
@@ -225,8 +230,7 @@ class Program:
                     if len(expressions) == 1:
                         self.term[(name, g)] = self._define(f"{name}_{g}", expressions[0])
                     else:  # at least the kind whole_g says (the rows bound T from below: it takes that one)
-                        most = (c.later_input + c.later_weight + c.first_input + c.first_call + float(
-                            (c.g + c.gi + c.gw + 2 * c.f).sum() + (c.omega * c.NU[:-1]).sum())) * MS / sigma + 1.0
+                        most = longest * MS / sigma + 1.0
                         v = _var(self.prob, f"{name}_{g}")
                         self.add(v >= expressions[0] - most * whole, f"{name}_{g}_later")
                         self.add(v >= expressions[1] - most * (1 - whole), f"{name}_{g}_whole")
@@ -458,14 +462,15 @@ class Program:
             for n, peak in enumerate(memory.peaks[i]):
                 held = 0
                 for g in opts.stages_on(i):
-                    whole = self._whole_start(g) if g > 0 and opts.schedule in ZERO_BUBBLE_SCHEDULES else None
+                    whole = self.whole.get(g)
                     if whole is None:
-                        held += self._held(memory, peak, g, None)
+                        held += self._held(memory.held(peak, g), g)
                         continue
                     # either kind of a later stage (planner.cost.stage_memory's `whole`): at least the one
                     # whole_g says, the row keeps it no larger
-                    kinds = [self._held(memory, peak, g, kind) for kind in (False, True)]
-                    most = sum(self._most(memory, peak, g, kind) for kind in (False, True)) + 1.0
+                    terms = [memory.held(peak, g, kind) for kind in (False, True)]
+                    kinds = [self._held(t, g) for t in terms]
+                    most = sum(_most(t) for t in terms) + 1.0
                     h = _var(self.prob, f"held_{i}_{n}_{g}", low=-most)
                     self.add(h >= kinds[0] - most * whole, f"held_{i}_{n}_{g}_later")
                     self.add(h >= kinds[1] - most * (1 - whole), f"held_{i}_{n}_{g}_whole")
@@ -474,17 +479,10 @@ class Program:
                 cap = math.floor(cap) if beta_w.is_integer() and beta_t.is_integer() else cap
                 self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
 
-    def _most(self, memory: StageMemory, peak: Dict, g: int, whole: bool) -> float:
-        """A bound (MiB) of |stage g's held bytes| under `peak` over every split."""
-        terms = memory.held(peak, g, whole)
-        return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
-                                                     terms.at_start, terms.at_end, terms.last_unit))) / MIB
-
-    def _held(self, memory: StageMemory, peak: Dict, g: int, whole: Optional[bool]):
-        """Stage g's held bytes (MiB) under `peak`, linear in the split (`whole`: StageMemory.held's)."""
+    def _held(self, terms, g: int):
+        """Stage g's held bytes (MiB) under its terms (StageMemory.held's), linear in the split."""
         L = self.L
         held = 0
-        terms = memory.held(peak, g, whole)
         held += pulp.lpSum(terms.per_unit[l] / MIB * self.x(l, g) for l in range(L)
                            if terms.per_unit[l] and self.may(l, g))
         held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
@@ -551,6 +549,12 @@ class Program:
         else:
             chosen = sorted({l for (l, g), r in self.rho.items() if value(r) > 0.5 and value(self.x(l, g)) > 0.5})
         return ProgramResult(boundaries, chosen, value(self.T) / MS + self.opts.step_overhead_s, bound, optimal, True)
+
+
+def _most(terms) -> float:
+    """A bound (MiB) of |a stage's held bytes| under these terms (StageMemory.held's) over every split."""
+    return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
+                                                 terms.at_start, terms.at_end, terms.last_unit))) / MIB
 
 
 def big_m_ms(profile: Profile, b: int, opts: CostOptions, form: PathForm) -> float:

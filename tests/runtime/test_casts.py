@@ -11,7 +11,7 @@ from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
 from planner.model.casts import recast
-from planner.model.meta import parameters_on_meta, to_meta
+from planner.model.meta import meta_builder
 from runtime.initstate import InitState
 from planner.model.precision import ComputeCopy
 from runtime.stage import build_rank
@@ -21,12 +21,7 @@ ENTRY = "tests.capture_models:casts_like_hf"
 
 
 def _on_meta(args):
-    def build():
-        with parameters_on_meta():
-            module = build_spec(ENTRY, args, 0).module
-        to_meta(module)
-        return module
-    return build
+    return meta_builder(ENTRY, args, 0)
 
 
 def _bf16_forward(module, run):
