@@ -272,11 +272,14 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                 if plain.feasible:
                     break
     closed_bound = best.value if best is not None else math.inf
+    possible = []  # the (scenario, b) whose relaxed tables have a plan, or were pruned before finding one
     for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
         relaxed = ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
                                 held_bound="lower")
         lower = _Search(relaxed, closed_bound)
         lower.run()
+        if lower.best is not None or math.isfinite(closed_bound):
+            possible.append((other, size, auto))
         closed_bound = min(closed_bound, lower.U)
         if lower.best is not None:
             # the relaxation's plan may fit after all (the upper tables assumed the worst suffix and
@@ -286,8 +289,8 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
-    if best is None and searched:  # the bounds of the held counts and messages left no plan: exact, tuple by tuple
-        best = _by_tuple(profile, searched)
+    if best is None and possible:  # the bounds of the held counts and messages left no plan: exact, tuple by tuple
+        best = _by_tuple(profile, possible)
     plain = _unreplicated(profile, scenarios or [opts])
     if best is None and plain is None:
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
@@ -379,16 +382,9 @@ def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
     """The fill-drain form's optimum over every replica tuple with its exact memory (TupleTables),
     when the bounded tables found no plan under the cap: their held counts and messages are bounded
     over every tuple at once (ReplicaTables), so a plan that fits only just may lie between their
-    two searches. None when nothing fits or there are more than MAX_TUPLES tuples. A (scenario, b) where
-    not even the relaxed tables (the least held counts, no messages) have a plan has none: skipped."""
-    possible = []
-    for scenario, b, auto in searched:
-        relaxed = _Search(ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, "lower" if auto else None,
-                                        held_bound="lower"), math.inf)
-        relaxed.run()
-        if relaxed.best is not None:
-            possible.append((scenario, b, auto))
-    jobs = [(scenario, b, auto, reps) for scenario, b, auto in possible
+    two searches. None when nothing fits or there are more than MAX_TUPLES tuples. `searched`: the
+    (scenario, b) not proven to have no plan by the relaxed tables (the least held counts, no messages)."""
+    jobs = [(scenario, b, auto, reps) for scenario, b, auto in searched
             for S in range(1, min(scenario.pipeline_ranks, profile.num_units) + 1)
             for reps in replica_tuples(scenario.pipeline_ranks, S, min(scenario.pipeline_ranks,
                                                                        num_micro_batches(scenario, b)))]
