@@ -37,15 +37,6 @@ from planner.profile.profile import Profile
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
 
 
-def _unit_arrays(profile: Profile, b: int):
-    """Per unit: forward time f, bytes s_l - in_l saved by recomputing it inside a range (before
-    the ends' corrections of `freed_bytes`), the first-unit extra first_a and the shared bytes d_l;
-    prefix sums of parameter bytes P and of their trainable part T; the saved bytes A[a, e] of
-    every range (nothing recomputed)."""
-    costs = range_costs(profile, b)
-    return costs.f, costs.s - costs.inputs, costs.first, costs.dup, costs.P, costs.T, costs.saved_matrix()
-
-
 def freed_bytes(costs, a: int, e: int) -> np.ndarray:
     """g_l(a, e), l = a .. e - 1: the bytes one held micro-batch of stage [a, e) frees when unit l is
     recomputed (module docstring; the difference of planner.cost.ranges.RangeCosts.saved)."""
@@ -57,19 +48,18 @@ def freed_bytes(costs, a: int, e: int) -> np.ndarray:
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per stage."""
-    L, C = profile.num_units, opts.num_stages
+    C = opts.num_stages
     m = num_micro_batches(opts, b)
-    units = _unit_arrays(profile, b)
-    P, T = units[4], units[5]
+    costs = range_costs(profile, b)
+    saved = costs.saved_matrix()  # A[a, e]: nothing recomputed
     speeds, caps, held = rank_speeds(opts), rank_caps(opts, profile), held_counts(opts, m)
-    static = static_bytes(P, T, opts, profile.dtype)  # prefix sums of the parameters' static bytes
-    ends = np.arange(L + 1)
+    static = static_bytes(costs.P, costs.T, opts, profile.dtype)  # prefix sums of the parameters' static bytes
     cache = {}
     lower, upper = [], []
     for c in range(C):
         key = (held[c], speeds[opts.rank_of_stage(c)], caps[opts.rank_of_stage(c)])
         if key not in cache:
-            cache[key] = _tables(L, units, static, *key, ends)
+            cache[key] = _tables(costs, saved, static, *key)
         lower.append(cache[key][0])
         upper.append(cache[key][1])
     return lower, upper
@@ -83,20 +73,23 @@ def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: in
     one table per held count, `extra[a, e]` the bytes it holds beside them that recomputation does not
     free). `target[a, e]`, where given, replaces all that: the bytes each held micro-batch must free
     (<= 0: the range fits as it is; +inf: nothing makes it fit)."""
-    L = profile.num_units
-    units = _unit_arrays(profile, b)
-    return _tables(L, units, static_bytes(units[4], units[5], opts, profile.dtype, holders), held, speed,
-                   rank_caps(opts, profile)[0], np.arange(L + 1), extra, target)
+    costs = range_costs(profile, b)
+    return _tables(costs, costs.saved_matrix(), static_bytes(costs.P, costs.T, opts, profile.dtype, holders), held,
+                   speed, rank_caps(opts, profile)[0], extra, target)
 
 
-def _tables(L, units, static, h, sigma, cap, ends, extra=None, per_sample=None):
-    f, g0, first, dup, _, _, A = units
+def _tables(costs, A, static, h, sigma, cap, extra=None, per_sample=None):
+    """(lower, upper) [a, e] for ranges holding h micro-batches (module docstring); `per_sample[a, e]`:
+    the bytes each held micro-batch must free, given (recompute_range_tables' `target`)."""
+    L, ends = costs.num_units, np.arange(costs.num_units + 1)
+    f = costs.f
+    per = 1 if per_sample is not None else h  # the micro-batches `need` is shared by
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
         e = ends[a + 1:]
         if per_sample is not None:
-            need, h = per_sample[a, e], 1
+            need = per_sample[a, e]
         else:
             need = (static[e] - static[a]) + h * A[a, e] + (0.0 if extra is None else extra[a, e]) - \
                 (np.inf if cap is None else cap)
@@ -105,24 +98,24 @@ def _tables(L, units, static, h, sigma, cap, ends, extra=None, per_sample=None):
         high[a, e[fits]] = 0.0
         if fits.all():
             continue
-        # g_l(a, e) for units l = a .. L - 1 (columns) of every range [a, e) (rows); 0 outside the range
+        # g_l(a, e) for units l = a .. L - 1 (columns) of every range [a, e) (rows); 0 outside the range:
+        # g_l(a, L), with a range's last unit keeping d_{l+1} (it shares it with a unit outside the range)
         ls = np.arange(a, L)
         inside = ls[None, :] < e[:, None]
-        g = np.broadcast_to(g0[a:] + np.where(ls == a, first[a], 0.0), inside.shape).copy()
-        shared = np.append(dup[a + 1:], 0.0)  # d_{l+1}: unit l shares with unit l + 1
-        g -= np.where(ls[None, :] + 1 < e[:, None], shared[None, :], 0.0)
+        shared = np.append(costs.dup[a + 1:], 0.0)  # d_{l+1}: unit l shares with unit l + 1
+        g = freed_bytes(costs, a, L)[None, :] + np.where(ls[None, :] + 1 == e[:, None], shared[None, :], 0.0)
         useful = inside & (g > 0)
         if not useful.any():
             continue
         ratio = np.where(useful, f[a:][None, :] / np.where(useful, g, 1.0), np.inf)
-        if first[a] == 0 and not dup[a + 1:].any():  # g_l(a, e) = s_l - in_l: one order for every range
+        if costs.first[a] == 0 and not costs.dup[a + 1:].any():  # one order for every range
             order = np.broadcast_to(np.argsort(ratio[-1], kind="stable"), ratio.shape)
         else:
             order = np.argsort(ratio, axis=1, kind="stable")  # per range, cheapest time per byte first
         g_sorted = np.take_along_axis(np.where(useful, g, 0.0), order, axis=1)
         f_sorted = np.take_along_axis(np.where(useful, f[a:][None, :], 0.0), order, axis=1)
         freed, spent = np.cumsum(g_sorted, axis=1), np.cumsum(f_sorted, axis=1)
-        target = need / h
+        target = need / per
         enough = freed >= target[:, None]
         k = np.argmax(enough, axis=1)
         ok = enough[np.arange(e.size), k] & ~fits
