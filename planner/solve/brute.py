@@ -99,12 +99,13 @@ def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solu
     best = None  # (iteration, cost, boundaries, b, options, recompute)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
+        sets = _recompute_sets(profile, b, opts)
         for S in range(1, min(N, L) + 1):
             for reps in replica_tuples(N, S, m):
                 scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
                 splits = [c for c in itertools.combinations(range(1, L), S - 1)
                           if not replicates_running_stats(profile, list(c), reps)]
-                for boundaries, redo in itertools.product(splits, _recompute_sets(profile, b, opts)):
+                for boundaries, redo in itertools.product(splits, sets):
                     cost = evaluate(profile, list(boundaries), b, scenario, redo)
                     if cost.feasible and (best is None or cost.iteration_s < best[0]):
                         best = (cost.iteration_s, cost, list(boundaries), b, scenario, redo)
