@@ -241,7 +241,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
     for scenario in scenarios or [opts]:
         check_replicable(profile, scenario)
-    enumerated = _enumerated(profile, scenarios or [opts])
+    enumerated = _enumerated(profile, opts, scenarios or [opts])
     if enumerated is not None:
         return dataclasses.replace(enumerated, seconds=time.perf_counter() - started)
     best: Optional[_Found] = None
@@ -353,7 +353,7 @@ def _moves(boundaries: List[int], reps: List[int], L: int, m: int):
 ENUMERATED_PLANS = 2_000  # fewer plans than this in all: every one simulated (about 1 ms each), the optimum
 
 
-def _enumerated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solution]:
+def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions]) -> Optional[Solution]:
     """Where the scenarios have at most ENUMERATED_PLANS plans (stage count, replica tuple, split, micro-batch
     size, recomputation set), the best of all by the exact model (planner.solve.brute's enumeration): the
     fill-drain form's optimum is not always the simulation's (one small chain in seven); None beyond, and
@@ -367,8 +367,7 @@ def _enumerated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solu
         if counted > ENUMERATED_PLANS:
             return None
     found = [f for f in (solve_brute_replicated(profile, s) for s in plain) if f is not None]
-    if not found:
-        opts = scenarios[0]
+    if not found:  # as the search says it (`opts`: the options asked for)
         raise _infeasible(profile, opts, opts.pipeline_ranks,
                           candidate_micro_batch_sizes(profile, opts.global_batch, opts))
     best = min(found, key=lambda f: f.objective)
