@@ -311,19 +311,22 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         proven[index] = (max(outcome.bound_s, it.lower_bound), outcome.optimal, outcome.best or it.start)
         learned[index] = outcome.forms
     # time left over (scenarios settled early): the unsettled ones again, from their best plans, the
-    # least bound first; each bound proven holds, so a scenario keeps the larger
-    while time_limit is not None and best is not None:
+    # least bound first; each bound proven holds, so a scenario keeps the larger. With no plan yet
+    # too: a scenario stopped at its share with nothing is no answer while the limit has time left
+    while time_limit is not None:
         left = time_limit - (time.perf_counter() - started)
-        open_ones = [index for index, (_, settled, _) in proven.items() if not settled]
+        open_ones = [index for index, (bound_s, settled, _) in proven.items()
+                     if not settled and bound_s < math.inf]  # +inf: proven to have no plan
         if left < RESOLVE_S or not open_ones:
             break
         index = min(open_ones, key=lambda i: proven[i][0])
         it, (before, _, start) = items[index], proven[index]
         outcome = solve_scenario(profile, it.b, it.opts, start, left, backend, gap=scenario_gap(gap),
-                                 forms=learned[index], target_s=best[0].iteration_s if warm_start else None)
+                                 forms=learned[index],
+                                 target_s=best[0].iteration_s if warm_start and best is not None else None)
         learned[index] = outcome.forms
         engines.add(outcome.engine)
-        if outcome.best is not None and outcome.best.iteration_s < best[0].iteration_s:
+        if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
             best = (outcome.best, it)
         proven[index] = (max(before, outcome.bound_s), outcome.optimal, outcome.best or start)
         if not outcome.optimal and outcome.bound_s <= before:

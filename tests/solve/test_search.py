@@ -168,3 +168,27 @@ def test_past_the_starts_deadline_an_even_split_is_the_start(seed, L, S):
             for a, e in zip([0] + split, split + [L])]
     largest = max(u.forward_s[1] + u.backward_s[1] for u in profile.units)
     assert max(work) <= sum(work) / S + 2 * largest + 1e-12
+
+
+def test_time_left_after_scenarios_stopped_with_nothing_goes_to_them_again(monkeypatch):
+    # each scenario's first try stops at its share with no plan while the limit has time left (a
+    # later scenario settled at once): the search said "no plan within the time limit" at a part of it
+    import planner.solve.search as search
+    from planner.solve.exact import ScenarioOutcome
+
+    profile = random_chain(random.Random(1), 6)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8)
+    real, calls = search.solve_scenario, []
+    monkeypatch.setattr(search, "heuristic_plan", lambda *args, **kwargs: None)
+
+    def first_stopped(*args, **kwargs):
+        calls.append(args[1])  # the micro-batch size
+        if len(calls) <= len(search.candidate_micro_batch_sizes(profile, 8, opts)):
+            return ScenarioOutcome(None, 0.0, False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "solve_scenario", first_stopped)
+    found = solve(profile, opts, time_limit=60)
+    exact = solve(profile, opts)
+    assert found.objective == pytest.approx(exact.objective)
+    assert len(calls) > len(search.candidate_micro_batch_sizes(profile, 8, opts))
