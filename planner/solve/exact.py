@@ -33,7 +33,8 @@ from planner.cost.ties import later_uses_bytes, tie_copies, tied_weights
 from planner.profile.profile import Profile
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.floors import OutOfTime, check_deadline
-from planner.solve.ilp import Program, _NoSplit, big_m_ms
+from planner.solve.ilp import Program, big_m_ms
+from planner.solve.ilp_split import NoSplit
 from planner.solve.recompute import recompute_for
 from planner.solve.reach import stage_conditions, unit_ranges
 from planner.solve.solution import Split
@@ -298,7 +299,7 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
             for form in forms:
                 check_deadline(late)
                 program.add_form(form, big_m_ms(profile, b, opts, form))
-        except _NoSplit:
+        except NoSplit:
             return outcome(best, cutoff, True)
         except OutOfTime:
             return outcome(best, bound, False)

@@ -8,7 +8,8 @@ from planner.cost.options import CostOptions
 from planner.cost.placement import Placement
 from planner.cost.topology_file import topology_from_json
 from planner.solve.api import solve
-from planner.solve.ilp import MS, Program, _NoSplit, big_m_ms
+from planner.solve.ilp import Program, big_m_ms
+from planner.solve.ilp_split import MS, NoSplit
 from tests.support.synthetic import synthetic_profile
 
 TIE = 4 << 20  # the tied embedding: in the first unit and in the head, as a capture counts it
@@ -67,7 +68,7 @@ def program_is_the_model(profile, boundaries, options):
     for cap, fits in ((max(cost.device_memory), True), (max(cost.device_memory) - 2 ** 14, False)):
         try:
             program = Program(profile, 1, opts.with_(memory_cap=cap), stage, stage)
-        except _NoSplit:  # a rank without tie variables over its cap: its row is a constant
+        except NoSplit:  # a rank without tie variables over its cap: its row is a constant
             assert not fits
             continue
         program.add_form(cost.critical_path, big_m_ms(profile, 1, opts, cost.critical_path))

@@ -1,0 +1,116 @@
+"""The integer program's memory rows (planner.solve.ilp), the terms of planner.cost.stage_memory: for
+rank i and each of its list's peak vectors P (planner.pipeline.stepgraph.held_peaks),
+
+    sum_{g on i} sum_l x[l][g] P_l beta  +  sum_{g on i} [ P_live,g (sum_l x[l][g] s_l - sum_l rho[l][g] (s_l - in_l))
+        + P_inbox,g sum_k e[k][g-1] act_k + P_gradbox,g sum_k e[k][g] grad_k
+        + P_sent_act,g sum_k e[k][g] act_k + P_sent_grad,g sum_k e[k][g-1] grad_k ]  <=  cap_i
+
+less a tied weight's copies beyond the one a rank holds (planner.solve.ilp_ties).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import pulp
+
+from planner.cost.stage_memory import StageMemory
+from planner.solve.floors import check_deadline
+from planner.solve.ilp_split import MIB, variable
+from planner.solve.ilp_ties import TieRows
+
+
+class MemoryRows(TieRows):
+    """A row per rank and peak of its list: its held bytes within its cap."""
+
+    def _sharing_lost(self, k: int, g: int):
+        """u_kg >= 0, 1 where units k - 1 and k are both in stage g and unit k - 1 is recomputed: what
+        both saved is then held twice (planner.cost.stage_memory's `shared_lost`), so
+        u_kg >= rho_(k-1)g + x_kg - 1 (the memory rows never want it larger)."""
+        if (k, g) not in self._lost:
+            u = self._lost[k, g] = variable(self.prob, f"shared_lost_{k}_{g}")
+            self.add(u >= self.rho[k - 1, g] + self.x(k, g) - 1, f"shared_lost_{k}_{g}")
+        return self._lost[k, g]
+
+    def _last_recomputed(self, l: int, g: int):
+        """v_lg, 1 where unit l is stage g's last unit and recomputed (rho_lg and stage g ends at cut
+        l + 1): its weight-kind correction (planner.cost.stage_memory's `last_unit`) then does not
+        apply. Bounded both ways, as its coefficient may have either sign."""
+        if (l, g) not in self._last:
+            v = self._last[l, g] = variable(self.prob, f"last_recomputed_{l}_{g}")
+            rho = self.rho[l, g]
+            self.add(v <= rho, f"last_recomputed_{l}_{g}_rho")
+            if l + 1 < self.L:
+                ends = self.ends(l + 1, g)
+                self.add(v <= ends, f"last_recomputed_{l}_{g}_ends")
+                self.add(v >= rho + ends - 1, f"last_recomputed_{l}_{g}_both")
+            else:  # unit L - 1 ends the last stage
+                self.add(v >= rho, f"last_recomputed_{l}_{g}_both")
+        return self._last[l, g]
+
+    def _memory(self, deadline: Optional[float]) -> None:
+        opts, L = self.opts, self.L
+        memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
+        if all(cap is None for cap in memory.caps):
+            return
+        beta_w, beta_t = memory.factors
+        for i in range(self.p):
+            check_deadline(deadline)
+            if memory.caps[i] is None:
+                continue
+            static = pulp.lpSum(memory.static_per_unit[l] / MIB * self.x(l, g)
+                                for g in opts.stages_on(i) for l in range(L) if self.may(l, g))
+            static -= pulp.lpSum(copy / MIB * self.tie_held(tie, i) for tie, copy in zip(memory.ties, memory.tie_static))
+            static += pulp.lpSum((whole - copy) / MIB * self.tie_whole(tie, i, memory.shard)
+                                 for tie, copy, whole in zip(memory.ties, memory.tie_static, memory.tie_whole)
+                                 if whole != copy)
+            for n, peak in enumerate(memory.peaks[i]):
+                held = 0
+                for g in opts.stages_on(i):
+                    whole = self.whole.get(g)
+                    if whole is None:
+                        held += self._held(memory.held(peak, g), g)
+                        continue
+                    # either kind of a later stage (planner.cost.stage_memory's `whole`): at least the one
+                    # whole_g says, the row keeps it no larger
+                    terms = [memory.held(peak, g, kind) for kind in (False, True)]
+                    kinds = [self._held(t, g) for t in terms]
+                    most = sum(_most(t) for t in terms) + 1.0
+                    h = variable(self.prob, f"held_{i}_{n}_{g}", low=-most)
+                    self.add(h >= kinds[0] - most * whole, f"held_{i}_{n}_{g}_later")
+                    self.add(h >= kinds[1] - most * (1 - whole), f"held_{i}_{n}_{g}_whole")
+                    held += h
+                cap = memory.caps[i]
+                cap = math.floor(cap) if beta_w.is_integer() and beta_t.is_integer() else cap
+                self.add(static + held <= cap / MIB, f"memory_{i}_{n}")
+
+    def _held(self, terms, g: int):
+        """Stage g's held bytes (MiB) under its terms (StageMemory.held's), linear in the split."""
+        L = self.L
+        held = 0
+        held += pulp.lpSum(terms.per_unit[l] / MIB * self.x(l, g) for l in range(L)
+                           if terms.per_unit[l] and self.may(l, g))
+        held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
+                           for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
+        held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
+                           if terms.shared_lost[k] and (k - 1, g) in self.rho)
+        if g > 0:  # the cut the stage starts at ends stage g - 1
+            held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
+                               if terms.at_start[k] and self.cut_may_end(k, g - 1))
+        else:  # the first stage starts at unit 0
+            held += terms.at_start[0] / MIB
+        held += pulp.lpSum(terms.at_end[k] / MIB * self.ends(k, g) for k in range(1, L)
+                           if terms.at_end[k] and self.cut_may_end(k, g))
+        if g == self.S - 1:  # the last stage ends at unit L
+            held += terms.at_end[L] / MIB
+        held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
+                           for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
+        return held
+
+
+def _most(terms) -> float:
+    """A bound (MiB) of |a stage's held bytes| under these terms (StageMemory.held's) over every split."""
+    return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
+                                                 terms.at_start, terms.at_end, terms.last_unit))) / MIB
+
