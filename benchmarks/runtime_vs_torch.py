@@ -26,7 +26,7 @@ update) is compared between the two as a check that they do the same work; so ar
 
 On a shared machine whole runs are noisy (other jobs come and go between runs), so the benchmark
 also runs an in-process A/B (unless --no-interleaved): in the same 2 processes, our `Engine` (built
-as runtime/worker.py builds it) and torch's schedule take one step each in turn, a barrier before
+as runtime/rank_setup.py builds it) and torch's schedule take one step each in turn, a barrier before
 each, so noise hits both alike; it reports the median paired ratio and the CPU time per step.
 `--cprofile-dir DIR` profiles each system's steps per rank there; `--also-ours LABEL=ROOT` adds a
 column for `runtime execute` from another checkout (to measure a proposed runtime change).
@@ -191,7 +191,7 @@ def torch_step_fn(plan, rank: int, world: int):
 
 
 def our_step_fn(plan, rank: int):
-    """This runtime's Engine on this rank, built as runtime/worker.py builds it (for the in-process A/B),
+    """This runtime's Engine on this rank, built as runtime/rank_setup.py builds it (for the in-process A/B),
     its messages over gloo as theirs are: `runtime execute` sends through shared memory on one host
     (runtime/shared_memory.py), which the whole-run comparison measures."""
     import torch
