@@ -6,10 +6,10 @@ median (20 us back to back), which is what small micro-batches meet on every mes
 (BENCHMARKS.md, "Shared-memory messages"). Here the receiver polls a counter in memory the sender
 writes, so a message costs a copy in and a copy out.
 
-Each ordered pair of ranks (sender, receiver) has a ring: a file in /dev/shm, mapped by both, with
-two byte counters (written by the sender, read by the receiver, in separate cache lines) and a data
-area. A message is a 16-byte record header (tag, byte count) followed by its bytes, streamed
-through the ring: a message larger than the free space goes in pieces as the receiver takes them.
+Each ordered pair of ranks (sender, receiver) has a ring (runtime.shm_ring: a file in /dev/shm,
+mapped by both, with two byte counters and a data area; the files: runtime.shm_files). A message is
+a 16-byte record header (tag, byte count) followed by its bytes, streamed through the ring: a
+message larger than the free space goes in pieces as the receiver takes them.
 The sender creates its ring at its first send to that peer (sized for four such messages, 1 MiB at
 least: a send completes once its bytes are in, which NCCL's rules never count on; its pages are
 allocated at once, so a full /dev/shm is a one-line error, not a SIGBUS) and the receiver opens it at
@@ -24,9 +24,7 @@ A wait polls and yields the processor (os.sched_yield: a rank sharing a core wit
 run), sleeps 50 us between polls once it has waited 20 ms (a peer's long compute), stops within
 0.1 s of then once the peer's process is gone (each rank holds a lock on its liveness file, which
 the kernel releases however the process ends: error, exit or signal), and fails after the run's
-timeout.
-Ordering: the counters are written after the bytes they publish, which x86's memory model (stores
-seen in program order) makes safe without fences; other machines use gloo.
+timeout. Rings need x86 (runtime.shm_files' note on ordering).
 
 Which peers: every rank creates a probe file named by the run's token (`runtime execute`'s launcher
 draws it and removes what is left of the run's files at its end; under torchrun rank 0 draws it) and
@@ -37,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import mmap
 import os
 import platform
 import time
@@ -47,18 +44,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 
 from runtime.comm import MessageError, Operation
+from runtime.shm_files import SHM_DIR, room_for, shm_path
+from runtime.shm_ring import Ring
 
-
-class SharedMemoryFull(RuntimeError):
-    """/dev/shm could not give a ring its pages."""
-
-
-SHM_DIR = "/dev/shm"
 MIN_RING_BYTES = 1 << 20
 # Messages a ring holds: a send that finds no room moves only when its rank next posts or waits
 # (nothing moves bytes in the background), so a receiver could wait through the sender's compute.
 RING_RECORDS = 4
-HEADER_BYTES = 128  # the two counters, each in its own 64-byte cache line
 RECORD_BYTES = 16  # tag, byte count
 SWITCH = -1  # a record's tag: the sender goes on in a new ring of the record's byte count
 RUN_TOKEN = "PIPEPLANNER_RUN_TOKEN"  # set by `runtime execute`'s launcher, which removes the run's files at its end
@@ -67,114 +59,10 @@ SPIN_S = 0.02  # poll without sleeping this long, then sleep between polls
 SLEEP_S = 50e-6
 
 
-def remove_rings(token: str) -> None:
-    """Remove every file of the run `token` from /dev/shm (a rank killed before its receiver opened
-    its ring leaves that ring behind)."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(f"pipeplanner-{token}-"):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
-
-
 def available() -> bool:
-    """Whether this machine can use rings: x86 (the ordering above) with a writable /dev/shm."""
+    """Whether this machine can use rings: x86 (runtime.shm_files' note on ordering) with a writable
+    /dev/shm."""
     return platform.machine().lower() in ("x86_64", "amd64") and os.access(SHM_DIR, os.W_OK)
-
-
-def _path(token: str, what: str) -> str:
-    return os.path.join(SHM_DIR, f"pipeplanner-{token}-{what}")
-
-
-def map_file(path: str, nbytes: Optional[int], what: str) -> mmap.mmap:
-    """Map the file at `path`: a new one of `nbytes` (its pages allocated now: tmpfs files are
-    sparse, and a page it cannot give later is a SIGBUS; it appears whole, by a rename, so a
-    peer never opens it half made), or with `nbytes` None an existing one, whole."""
-    tmp = None
-    if nbytes is None:
-        fd = os.open(path, os.O_RDWR)
-        nbytes = os.fstat(fd).st_size
-    else:
-        tmp = path + ".new"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        if tmp is not None:
-            os.posix_fallocate(fd, 0, nbytes)
-        mapped = mmap.mmap(fd, nbytes)
-    except OSError as e:
-        if tmp is None:
-            raise
-        os.unlink(tmp)
-        raise SharedMemoryFull(f"{SHM_DIR} has no room for a {nbytes / 2**20:.1f} MiB {what} ({e.strerror}): "
-                               f"run with --p2p gloo or enlarge {SHM_DIR} (e.g. docker --shm-size)") from None
-    finally:
-        os.close(fd)
-    if tmp is not None:
-        os.rename(tmp, path)
-    return mapped
-
-
-class _Ring:
-    """One direction between two ranks: the mapping, its two counters and its data area, moved with
-    ctypes (a message costs a few memmoves and counter reads, not tensor operations)."""
-
-    def __init__(self, path: str, size: int, create: bool):
-        self._map = map_file(path, HEADER_BYTES + size if create else None, "message ring")
-        size = len(self._map) - HEADER_BYTES
-        self._anchor = ctypes.c_char.from_buffer(self._map)  # exports the mapping: released by close
-        self._written = ctypes.c_int64.from_buffer(self._map, 0)  # bytes the sender has published
-        self._read = ctypes.c_int64.from_buffer(self._map, 64)  # bytes the receiver has released
-        self.closed = False
-        self._data = ctypes.addressof(self._anchor) + HEADER_BYTES
-        self.size = size
-
-    @property
-    def written(self) -> int:
-        return self._written.value
-
-    @property
-    def read(self) -> int:
-        return self._read.value
-
-    def put(self, address: int, length: int) -> int:
-        """Copy up to `length` bytes from `address` in, as room allows; publish them; how many."""
-        written = self._written.value
-        count = min(length, self.size - (written - self._read.value))
-        if count > 0:
-            self._copy(written, address, count, into_ring=True)
-            self._written.value = written + count  # after the bytes (see the module's note on ordering)
-        return count
-
-    def take(self, address: int, length: int) -> int:
-        """Copy up to `length` published bytes out to `address`; release them; how many."""
-        read = self._read.value
-        count = min(length, self._written.value - read)
-        if count > 0:
-            self._copy(read, address, count, into_ring=False)
-            self._read.value = read + count
-        return count
-
-    def _copy(self, position: int, address: int, count: int, into_ring: bool) -> None:
-        offset = position % self.size
-        first = min(count, self.size - offset)  # the rest wraps around to the start
-        for ring, outside, n in ((self._data + offset, address, first), (self._data, address + first, count - first)):
-            if n > 0:
-                if into_ring:
-                    ctypes.memmove(ring, outside, n)
-                else:
-                    ctypes.memmove(outside, ring, n)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        del self._anchor, self._written, self._read
-        self._map.close()
 
 
 def ring_size(message_bytes: int) -> int:
@@ -202,7 +90,7 @@ class _Pending:
     def record_bytes(self) -> int:
         return RECORD_BYTES + self.nbytes
 
-    def advance(self, ring: _Ring, peer: int) -> bool:
+    def advance(self, ring: Ring, peer: int) -> bool:
         """Move what the ring allows; whether anything moved. A receive that read a SWITCH record
         returns with `switched` set and its header to be read again (from the new ring)."""
         move = ring.put if self.operation.send else ring.take
@@ -254,7 +142,7 @@ class SharedMemoryTransport:
         self.token, self.rank, self.peers, self.timeout_s = token, rank, set(peers), timeout_s
         self._alive = dict(alive or {})  # rank -> a descriptor of its liveness file (connect); ours is locked
         self._checked = 0.0
-        self._rings: Dict[tuple, _Ring] = {}  # (sender, receiver)
+        self._rings: Dict[tuple, Ring] = {}  # (sender, receiver)
         self._generation: Dict[tuple, int] = {}  # how many times the pair's ring was replaced by a larger one
         self._queues: Dict[tuple, List[_Pending]] = {}
         self._created: List[str] = []
@@ -298,7 +186,7 @@ class SharedMemoryTransport:
                 self.messages += 1
         return moved
 
-    def _grow(self, key: tuple, ring: _Ring, first: _Pending) -> Optional[_Ring]:
+    def _grow(self, key: tuple, ring: Ring, first: _Pending) -> Optional[Ring]:
         """Replace the ring by one of RING_RECORDS times `first`'s record: create it, then tell the
         receiver in the old one (a SWITCH record, once there is room for it). None while there is none."""
         if ring.size - (ring.written - ring.read) < RECORD_BYTES:
@@ -311,15 +199,15 @@ class SharedMemoryTransport:
         self._rings[key], self._generation[key] = bigger, generation
         return bigger
 
-    def _create(self, key: tuple, generation: int, first: _Pending) -> _Ring:
+    def _create(self, key: tuple, generation: int, first: _Pending) -> Ring:
         """A new ring of this rank's to the receiver of `key`, sized for `first`'s message."""
         path = self._ring_path(key, generation)
-        ring = _Ring(path, ring_size(first.nbytes), create=True)
+        ring = Ring(path, ring_size(first.nbytes), create=True)
         self._created.append(path)  # removed at close unless the receiver opened (and removed) it
         return ring
 
     def _ring_path(self, key: tuple, generation: int) -> str:
-        return _path(self.token, f"{key[0]}-{key[1]}-{generation}")
+        return shm_path(self.token, f"{key[0]}-{key[1]}-{generation}")
 
     def wait_for(self, pending: _Pending) -> None:
         what = "to take a message" if pending.operation.send else "for a message"
@@ -359,7 +247,7 @@ class SharedMemoryTransport:
         raise RuntimeError(f"rank {peer} is gone (it exited, failed or was killed) while rank {self.rank} "
                            "waited on it")
 
-    def _ring(self, key: tuple, first: _Pending) -> Optional[_Ring]:
+    def _ring(self, key: tuple, first: _Pending) -> Optional[Ring]:
         ring = self._rings.get(key)
         if ring is not None:
             return ring
@@ -369,7 +257,7 @@ class SharedMemoryTransport:
         else:
             path = self._ring_path(key, generation)
             try:
-                ring = _Ring(path, 0, create=False)
+                ring = Ring(path, 0, create=False)
             except FileNotFoundError:  # the sender has not sent yet
                 return None
             os.unlink(path)  # both hold it now: nothing is left in /dev/shm if either dies
@@ -395,15 +283,6 @@ class SharedMemoryTransport:
             os.close(self._alive.pop(peer))
 
 
-def room_for(ring_bytes: int) -> bool:
-    """Whether /dev/shm has `ring_bytes` free."""
-    try:
-        stat = os.statvfs(SHM_DIR)
-    except OSError:
-        return False
-    return stat.f_bavail * stat.f_frsize >= ring_bytes
-
-
 def connect(rank: int, world: int, timeout_s: float, ring_bytes: int = 0) -> Optional[SharedMemoryTransport]:
     """The transport to the ranks sharing this rank's /dev/shm; a collective over the default group
     (every rank calls it, with the same `ring_bytes`: what the run's rings may take on one host).
@@ -419,7 +298,7 @@ def connect(rank: int, world: int, timeout_s: float, ring_bytes: int = 0) -> Opt
     dist.broadcast_object_list(token, src=0)
     # the probe: this rank's liveness file, locked while the process lives (the kernel releases the
     # lock however it ends); the peers that see it share this /dev/shm and keep a descriptor of it
-    probe = _path(token[0], f"probe-{rank}")
+    probe = shm_path(token[0], f"probe-{rank}")
     alive = {rank: os.open(probe, os.O_CREAT | os.O_RDWR, 0o600)}
     try:
         fcntl.flock(alive[rank], fcntl.LOCK_EX)
@@ -427,7 +306,7 @@ def connect(rank: int, world: int, timeout_s: float, ring_bytes: int = 0) -> Opt
         for r in range(world):
             if r != rank:
                 try:
-                    alive[r] = os.open(_path(token[0], f"probe-{r}"), os.O_RDWR)
+                    alive[r] = os.open(shm_path(token[0], f"probe-{r}"), os.O_RDWR)
                 except FileNotFoundError:  # on another host (or in another container)
                     pass
         dist.barrier()

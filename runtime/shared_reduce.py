@@ -35,7 +35,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from runtime.shared_memory import SharedMemoryFull, SharedMemoryTransport, _path, map_file, room_for
+from runtime.shared_memory import SharedMemoryTransport
+from runtime.shm_files import SharedMemoryFull, map_file, room_for, shm_path
 
 SLOT_BYTES = 1 << 20  # a chunk at most: four slots per member bound what a group takes in /dev/shm
 PUBLISHED, REDUCED = 0, 64  # the counters' offsets, each in its own cache line
@@ -96,7 +97,7 @@ class SharedMemoryReducer:
         s, slot, d = self.sequence, self.sequence % 2, len(self.members)
         n, size = chunk.numel(), chunk.element_size()
         ctypes.memmove(self._mine.inputs[slot].data_ptr(), chunk.data_ptr(), n * size)
-        self._mine.published.value = s + 1  # after the bytes (runtime/shared_memory.py's note on ordering)
+        self._mine.published.value = s + 1  # after the bytes (runtime/shm_files.py's note on ordering)
         self._wait(lambda f: f.published.value > s, "for its gradients")
         if d == 2:  # both sum the whole chunk, x0 + x1: the same bits, one phase less
             torch.add(*[f.inputs[slot][:n * size].view(chunk.dtype) for f in self._files], out=chunk)
@@ -172,4 +173,4 @@ def reducer(transport: Optional[SharedMemoryTransport], members: Sequence[int], 
 
 def _name(transport: SharedMemoryTransport, members: List[int], rank: int) -> str:
     # a group by its first rank (the data-parallel groups are disjoint): short for any group's size
-    return _path(transport.token, f"reduce-{members[0]}-{rank}")
+    return shm_path(transport.token, f"reduce-{members[0]}-{rank}")

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from runtime import shared_memory
+from runtime import shared_memory, shm_files
 from runtime.comm import MessageError, Operation, exchange, post
 from runtime.shared_memory import SharedMemoryTransport
 from tests.support.together import run_together
@@ -24,7 +24,7 @@ def _pair(token, timeout_s=20.0):
 
 
 def _left(transport):
-    return [f for f in os.listdir(shared_memory.SHM_DIR) if transport.token in f]
+    return [f for f in os.listdir(shm_files.SHM_DIR) if transport.token in f]
 
 
 def _both(first, second):
@@ -107,7 +107,7 @@ def test_a_full_dev_shm_is_a_one_line_error_and_leaves_nothing(monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
     a, b = _pair("t-full")
-    with pytest.raises(shared_memory.SharedMemoryFull, match="run with --p2p gloo or enlarge /dev/shm"):
+    with pytest.raises(shm_files.SharedMemoryFull, match="run with --p2p gloo or enlarge /dev/shm"):
         post([Operation(True, torch.zeros(4), 1, 0)], True, a)
     assert _left(a) == []
     a.close(), b.close()
@@ -117,7 +117,7 @@ def test_a_wait_on_a_rank_whose_process_is_gone_stops_within_a_tenth_of_a_second
     # liveness files as connect makes them: each rank's locked by it, the other's open; two
     # descriptors of one file conflict even within one process, as two processes' would
     token = "t-alive" + uuid.uuid4().hex[:8]
-    paths = [os.path.join(shared_memory.SHM_DIR, f"pipeplanner-{token}-probe-{r}") for r in (0, 1)]
+    paths = [os.path.join(shm_files.SHM_DIR, f"pipeplanner-{token}-probe-{r}") for r in (0, 1)]
     fds = [os.open(path, os.O_CREAT | os.O_RDWR, 0o600) for path in paths]
     for fd in fds:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -164,7 +164,7 @@ def test_a_run_sends_through_shared_memory_unless_told_gloo(tmp_path):
 
     plan = plan_with(profile_of("builtin:gpt", {"layers": 4}), [2, 4], 2, 8, "1f1b")  # 3 ranks
     reference = reference_state(plan)
-    before = set(os.listdir(shared_memory.SHM_DIR))
+    before = set(os.listdir(shm_files.SHM_DIR))
     for p2p, peers in (("auto", [[1, 2], [0, 2], [0, 1]]), ("gloo", [[], [], []])):
         state = execute(plan, tmp_path / p2p, extra=["--p2p", p2p])
         assert max_abs_diff(state, reference) <= 1e-5
@@ -178,9 +178,9 @@ def test_a_run_sends_through_shared_memory_unless_told_gloo(tmp_path):
         # the link ping-pong of ranks 0 and 1 (3 sizes: 8 B, the cuts', 4 MiB; 12 round trips each)
         messages = [r["shared_memory_messages"] for r in report["stages"]]
         assert messages == ([24 + 72, 48 + 72, 24] if p2p == "auto" else [0, 0, 0])
-    assert not [f for f in set(os.listdir(shared_memory.SHM_DIR)) - before if f.startswith("pipeplanner-")]
+    assert not [f for f in set(os.listdir(shm_files.SHM_DIR)) - before if f.startswith("pipeplanner-")]
 
 
 def test_room_is_what_dev_shm_has_free():
-    free = os.statvfs(shared_memory.SHM_DIR)
-    assert shared_memory.room_for(0) and not shared_memory.room_for(free.f_blocks * free.f_frsize + 1)
+    free = os.statvfs(shm_files.SHM_DIR)
+    assert shm_files.room_for(0) and not shm_files.room_for(free.f_blocks * free.f_frsize + 1)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from runtime import shared_memory, shared_reduce
+from runtime import shared_memory, shared_reduce, shm_files
 from runtime.shared_memory import SharedMemoryTransport
 from runtime.shared_reduce import SharedMemoryReducer, _Member
 from tests.support.together import run_together
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="shared me
 def _group(members, slot_bytes, timeout_s=20.0):
     """One reducer per member, as `reducer` makes them (each member's file, mapped by all)."""
     token = "t-reduce" + uuid.uuid4().hex[:8]
-    paths = {m: shared_memory._path(token, f"reduce-{m}") for m in members}
+    paths = {m: shm_files.shm_path(token, f"reduce-{m}") for m in members}
     files = {m: _Member(paths[m], slot_bytes, create=True) for m in members}
     reducers = []
     for m in members:
@@ -134,7 +134,7 @@ def test_data_parallel_runs_sum_their_gradients_through_shared_memory_unless_tol
     plan = reshape_plan(plan_with(profile_of("builtin:mlp"), [3], 2, 16, "1f1b"), data_parallel=2)  # 2 x 2 ranks
     losses = []
     reference = reference_state(plan, losses=losses)
-    before = set(os.listdir(shared_memory.SHM_DIR))
+    before = set(os.listdir(shm_files.SHM_DIR))
     for p2p in ("auto", "gloo"):
         state = execute(plan, tmp_path / p2p, extra=["--p2p", p2p])
         assert max_abs_diff(state, reference) <= 1e-5
@@ -148,14 +148,14 @@ def test_data_parallel_runs_sum_their_gradients_through_shared_memory_unless_tol
         assert [r["gradient_all_reduce"] for r in report["stages"]] == [transport] * 4
         printed = (tmp_path / p2p / "execute.out").read_text()
         assert ("gradient all-reduce through shared memory on ranks 0-3" in printed) == (p2p == "auto")
-    assert not [f for f in set(os.listdir(shared_memory.SHM_DIR)) - before if f.startswith("pipeplanner-")]
+    assert not [f for f in set(os.listdir(shm_files.SHM_DIR)) - before if f.startswith("pipeplanner-")]
 
 
 def test_a_wait_that_ends_as_the_peer_is_checked_never_checks_this_ranks_own_lock():
     # every member became ready between the wait's ready() and its peer(): the laggard is then this
     # rank; a shared lock on its own liveness file would convert its lock and release it
     token = "t-own" + uuid.uuid4().hex[:8]
-    path = shared_memory._path(token, "probe-0")
+    path = shm_files.shm_path(token, "probe-0")
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     transport = SharedMemoryTransport(token, 0, {1}, 5.0, {0: fd})
@@ -183,12 +183,12 @@ def _two_members_agree(rank, init, token, out):
     refused = shared_reduce.reducer(local, [0, 1], None, 1 << 20)
     shared_reduce.room_for = room
     dist.barrier()  # both have cleaned up
-    left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
+    left = [f for f in os.listdir(shm_files.SHM_DIR) if token in f and "reduce" in f]
     dist.barrier()
     summing = shared_reduce.reducer(local, [0, 1], None, 1 << 20)
     dist.barrier()  # both have unlinked their own file (each does so as its reducer() returns)
     # every member has mapped every file: none is left in /dev/shm while the reducer works
-    mapped_left = [f for f in os.listdir(shared_memory.SHM_DIR) if token in f and "reduce" in f]
+    mapped_left = [f for f in os.listdir(shm_files.SHM_DIR) if token in f and "reduce" in f]
     x = torch.full((300000,), float(rank + 1))  # over a MiB: two chunks
     summing.all_reduce(x)
     with open(f"{out}.{rank}", "w") as f:
@@ -207,4 +207,4 @@ def test_members_agree_to_fall_back_when_one_lacks_room(tmp_path):
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"out.{rank}").read_text())
         assert seen == {"refused": True, "left": [], "sum": [3.0], "mapped_left": []}
-    assert not [f for f in os.listdir(shared_memory.SHM_DIR) if token in f]
+    assert not [f for f in os.listdir(shm_files.SHM_DIR) if token in f]
