@@ -351,3 +351,17 @@ def test_a_profile_measured_under_bf16_mixed_holds_what_the_run_holds(tmp_path, 
     execute(plan, tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_loss_target_sliced_from_the_batch_holds_its_own_storage(tmp_path, schedule):
+    """gpt's target is tokens[:, 1:], a view of the batch's tokens; at b = 1 the loss's reshape keeps it
+    a view, so the profile's loss saved the whole (1, seq + 1) storage, 8 bytes more than the rank,
+    which gives every micro-batch's target a storage of its own (runtime.microbatch.own_copy). The
+    profile now measures on such copies."""
+    from tests.support.runs import execute, profile_of, report_of
+
+    profile = profile_of("builtin:gpt", {"layers": 2}, sizes=(1,))
+    execute(_fixed_plan(profile, [3], schedule, [], b=1, global_batch=4), tmp_path, steps=2)
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
