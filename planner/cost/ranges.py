@@ -7,6 +7,7 @@ run at speed sigma costs per micro-batch
     backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
                      - sum_{a<k<e, k-1 not in R} d_k             (what both neighbours save, once)
+                     - sum_{a<k<e, k in R} r_k                   (what a recomputed unit keeps, held before)
                      + [a not in R] first_a                       (its first unit's inputs as received)
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
@@ -64,6 +65,16 @@ stage's only unit, or a profile without k_l).
 d'_k: of d_k, what unit k still holds after its input part (UnitProfile.weight_shared_bytes; d_k where
 not measured): a stage's last unit may let a storage it shares with the unit before go, which that
 unit, inside the stage, still holds.
+
+r_k: of what a recomputed unit k keeps (its inputs, UnitProfile.recomputed_shared_bytes), the storages the
+unit before holds too, beyond d_k: a skip that unit k - 1 saves and k only passes on (long_skip's encoder
+output), a model input both read (gpt's tokens: the embedding saves them, pos_emb reads their shape). The
+stage holds them once. As counted, the neighbours hold once d_k + r_k where only k is recomputed and r_k
+where both are: r_k = max(0, min(p_k - d_k, q_k)), p_k what the recomputed unit k keeps of what unit k - 1
+saves and q_k of what it keeps when recomputed too (each the bytes by value name). Never more than
+either case holds once (0 where not measured), and additive in the recomputed set (the solvers'
+chain_recompute.freed_bytes): where the two cases differ otherwise (a recomputed k - 1 whose input k
+keeps too, and not in its saved) the plan still counts some twice (an over-count).
 
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
@@ -173,6 +184,10 @@ class RangeCosts:
         # h_k may have let it go while unit k - 1, inside the stage, holds all it saved)
         self.weight_dup = np.array([0.0] + [_shared(units[k - 1], units[k], b, weight=True)
                                             for k in range(1, self.num_units)], dtype=float)
+        # r_k, k = 0 .. L-1 (r_0 = 0): of what a recomputed unit k keeps (its inputs), the bytes the unit
+        # before holds too beyond d_k, counted once in a stage holding both (module docstring)
+        self.redo_dup = np.array([0.0] + [_redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
+                                          for k in range(1, self.num_units)], dtype=float)
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -256,8 +271,10 @@ class RangeCosts:
 
     def _shared_once(self, a: int, e: int, redo) -> float:
         """What units [a, e) count twice of the storages neighbours share: d_k for the cuts inside
-        the range whose unit before is not recomputed (module docstring)."""
-        return sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo)
+        the range whose unit before is not recomputed, and r_k for those whose unit after is (module
+        docstring)."""
+        return sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo) + \
+            sum(float(self.redo_dup[k]) for k in range(a + 1, e) if k in redo)
 
     def params(self, a: int, e: int) -> float:
         return float(self.P[e] - self.P[a])
@@ -297,12 +314,12 @@ class RangeCosts:
     def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
         """Prefix sums of the bytes each unit holds for backward (its input when recomputed; less
         what it shares with the unit before): saved(a, e) = prefix[e] - prefix[a] + saved_at_start[a]."""
-        return prefix_sums(self.inputs) if recompute_all else prefix_sums(self.s - self.dup)
+        return prefix_sums(self.inputs - self.redo_dup) if recompute_all else prefix_sums(self.s - self.dup)
 
     def saved_at_start(self, recompute_all: bool = False) -> np.ndarray:
         """[a], a = 0 .. L: what a stage starting at unit a adds to `saved_prefix`'s difference (d_a:
         its first unit shares nothing inside it; and first_a: its inputs arrive in storages of their own)."""
-        return np.zeros(self.num_units + 1) if recompute_all else np.append(self.dup + self.first, 0.0)
+        return np.append(self.redo_dup, 0.0) if recompute_all else np.append(self.dup + self.first, 0.0)
 
     def saved_matrix(self, recompute_all: bool = False) -> np.ndarray:
         """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none."""
@@ -317,6 +334,20 @@ def _shared(before, after, b: int, weight: bool = False) -> float:
     if weight and b in after.weight_shared_bytes:
         second = after.weight_shared_bytes[b]
     return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
+
+
+def _redo_shared(before, after, b: int, dup: float) -> float:
+    """r_k of units k - 1 (`before`) and k (`after`) at b, `dup` their d_k: of the storages a recomputed
+    `after` keeps (recomputed_shared_bytes), those `before` saves, beyond d_k, and at most those `before`
+    keeps when recomputed itself (what a stage holding both holds once in every case: module
+    docstring); 0 where not measured."""
+    kept = after.recomputed_shared_bytes.get(b)
+    if not kept:
+        return 0.0
+    saved, inputs = before.shared_saved_bytes.get(b) or {}, before.recomputed_shared_bytes.get(b) or {}
+    with_saved = sum(min(saved[v], kept[v]) for v in saved.keys() & kept.keys())
+    with_inputs = sum(min(inputs[v], kept[v]) for v in inputs.keys() & kept.keys())
+    return float(max(0.0, min(with_saved - dup, with_inputs)))
 
 
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()

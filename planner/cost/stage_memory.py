@@ -32,7 +32,9 @@ recomputed). Under zero-bubble schedules, with the kept gradients measured, a la
 weight_l is saved_l + k_l for each unit but its last, whose h_l comes in at the cut the stage ends
 at (`last_unit`). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
 P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1}
-(`shared_lost`) where unit l + 1 is in its stage, and, the stage's last, cancels its `last_unit`.
+(`shared_lost`) where unit l + 1 is in its stage, frees r_l (what it keeps that unit l - 1 holds too,
+planner.cost.ranges) but where it starts the stage (`first_recomputed`), and, the stage's last, cancels
+its `last_unit`. Every unit recomputed, saved_l is in_l - r_l and a stage gives r_a back at its start.
 A rank's peak is the largest over its vectors; with several stages on a rank the sum over them per
 vector. The fixed bytes every device holds are not in it: compare with
 planner.cost.model.rank_caps (the caps less those).
@@ -68,6 +70,9 @@ class HeldTerms:
     # [e], of at_end: the last unit's correction of a later stage's weight kind (h - s - k of unit
     # e - 1), which does not apply when that unit is recomputed (it holds its input alone)
     last_unit: np.ndarray
+    # [l]: bytes back when unit l is recomputed and starts the stage (r_l, of what it keeps, held once
+    # with the unit before, is in recompute_saves: planner.cost.ranges)
+    first_recomputed: np.ndarray
 
 
 class StageMemory:
@@ -82,9 +87,10 @@ class StageMemory:
         self._static = prefix_sums(self.static_per_unit)
         # per unit, less what it shares with the unit before (d_l), given back at a stage's start
         self.recompute_all = recompute_all
-        self.saved = costs.inputs if recompute_all else costs.s - costs.dup
-        # [k], k = 0 .. L: d_k, given back where a stage starts
-        self.dup_at_cut = np.zeros(costs.num_units + 1) if recompute_all else np.append(costs.dup, 0.0)
+        # (every unit recomputed: its input, less r_l, what the unit before keeps too)
+        self.saved = costs.inputs - costs.redo_dup if recompute_all else costs.s - costs.dup
+        # [k], k = 0 .. L: d_k (r_k), given back where a stage starts
+        self.dup_at_cut = np.append(costs.redo_dup if recompute_all else costs.dup, 0.0)
         self.weight = costs.weight_inputs if recompute_all else costs.h
         # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
         self.kept = costs.kept_known and not recompute_all
@@ -136,8 +142,9 @@ class StageMemory:
         # (a later stage's input part freed what the loss saved: planner.cost.ranges' in'_l)
         weight_inputs = c.inputs if whole else c.weight_inputs
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
-        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
-                         sharing * dup, last)
+        redo_dup = 0.0 if self.recompute_all else sharing * c.redo_dup
+        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves + redo_dup,
+                         sharing * dup, last, first_recomputed=redo_dup + np.zeros_like(c.redo_dup))
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""

@@ -382,7 +382,7 @@ def _measure_size(run: _Run, b: int) -> None:
             timing.saved_bytes
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
             unit.weight_kept_bytes[b], unit.weight_calls, unit.weight_walk_nodes = parts[k]
-        unit.shared_saved_bytes[b], unit.weight_shared_bytes[b] = shared[k]
+        unit.shared_saved_bytes[b], unit.weight_shared_bytes[b], unit.recomputed_shared_bytes[b] = shared[k]
         if first[k] is not None:  # a stage starting with it holds other storages
             unit.first_saved_bytes[b] = first[k][0]
             if unit.split_backward:
@@ -454,12 +454,14 @@ class _StorageNames(torch.fx.Interpreter):
         return result
 
 
-def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Dict[str, int], Dict[str, int]]]:
+def _shared_saved(run: _Run, work: List[UnitCall], target: Any
+                  ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]]:
     """Per unit, the storages its forward saves that hold a value other units may save too
     (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
     units, and values every stage computes again; and of them, those it still holds after its input
-    part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit). One more forward of each
-    unit (`_StorageNames`), and its input part."""
+    part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit); and the storages of its
+    arguments, which it keeps when recomputed (UnitProfile.recomputed_shared_bytes). One more forward of
+    each unit (`_StorageNames`), and its input part."""
     out = []
     for k, call in enumerate(work):
         _, io = run.stages[k]
@@ -475,6 +477,12 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Di
                     result = run.spec.loss(result, target)
             shared = {naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
                       if naming.names.get(ptr) in shareable}
+            # recomputed, it keeps its tensor arguments (runtime.stage's checkpoint saves them all)
+            kept = {}
+            for arg in call.args:
+                if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in naming.names:
+                    storage = arg.untyped_storage()
+                    kept[naming.names[storage.data_ptr()]] = storage.nbytes()
             held: Dict[str, int] = {}
             if shared and k > 0:  # which of them the weight part keeps
                 refs = counter.saved_refs()
@@ -488,7 +496,7 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any) -> List[Tuple[Di
                 call.module.zero_grad(set_to_none=True)
         naming.forget()
         restore()
-        out.append((shared, held))
+        out.append((shared, held, kept))
     return out
 
 

@@ -183,6 +183,12 @@ class UnitProfile:
     # a later stage's last unit and the unit before it hold once until the weight part). Empty: not
     # measured (older files): all of them
     weight_shared_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # what the unit keeps when recomputed (its inputs: the values crossing its cut and the model's inputs
+    # it reads, runtime.stage's checkpoint), per micro-batch size, by the value each storage holds, as
+    # shared_saved_bytes names them: the unit before may save one of them (a skip it reads, a model input),
+    # one storage (planner.cost.ranges' r_k). Empty: not measured (older files, analytic and imported
+    # profiles): no storage counted once
+    recomputed_shared_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -210,6 +216,8 @@ class UnitProfile:
                if self.shared_saved_bytes else {}),
             **({"weight_shared_bytes": {str(b): dict(v) for b, v in sorted(self.weight_shared_bytes.items())}}
                if self.weight_shared_bytes else {}),
+            **({"recomputed_shared_bytes": {str(b): dict(v) for b, v in sorted(self.recomputed_shared_bytes.items())}}
+               if self.recomputed_shared_bytes else {}),
             **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **({"input_bytes": _str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": _str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
@@ -273,6 +281,10 @@ class UnitProfile:
                 required=False),
             weight_shared_bytes=read.per_size(
                 d.get("weight_shared_bytes") or {}, f"{where}.weight_shared_bytes",
+                read.named_counts,
+                required=False),
+            recomputed_shared_bytes=read.per_size(
+                d.get("recomputed_shared_bytes") or {}, f"{where}.recomputed_shared_bytes",
                 read.named_counts,
                 required=False),
             **split_values,

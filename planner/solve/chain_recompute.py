@@ -4,10 +4,11 @@ Stage c holding [a, e) on rank i (speed sigma, h_c micro-batches in flight) need
 need = M_c(a, e) - cap_i bytes. Recomputing unit l costs f_l / sigma and frees h_c g_l(a, e) bytes,
 exactly as planner.cost.ranges counts a stage's saved bytes (`freed_bytes`):
 
-    g_l(a, e) = s_l - in_l + [l = a] first_a - [l + 1 < e] d_{l+1}
+    g_l(a, e) = s_l - in_l + [l = a] first_a - [l + 1 < e] d_{l+1} + [l > a] r_l
 
 (the first unit's own input storages go with it; a storage unit l shares with unit l + 1 inside
-the stage stays, as l + 1 saves it too), additive over any set of recomputed units. The cheapest
+the stage stays, as l + 1 saves it too; an input it keeps that unit l - 1 holds too, r_l, is held
+once), additive over any set of recomputed units. The cheapest
 cover is a covering knapsack
 
     R_c(a, e) = min { sum_{l in S} f_l / sigma : S in [a, e), h_c sum_{l in S} g_l(a, e) >= need }.
@@ -43,6 +44,7 @@ def freed_bytes(costs, a: int, e: int) -> np.ndarray:
     g = (costs.s - costs.inputs)[a:e].astype(float)
     g[0] += costs.first[a]
     g[:-1] -= costs.dup[a + 1:e]
+    g[1:] += costs.redo_dup[a + 1:e]
     return g
 
 

@@ -189,8 +189,8 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
         # per unit at least (planner.cost.ranges.saved: what a unit shares with the one before counts at most once)
-        least = {"none": costs.s - costs.dup, "all": costs.inputs,
-                 "auto": np.minimum(costs.s, costs.inputs) - costs.dup}[opts.recompute]
+        least = {"none": costs.s - costs.dup, "all": costs.inputs - costs.redo_dup,
+                 "auto": np.minimum(costs.s, costs.inputs - costs.redo_dup) - costs.dup}[opts.recompute]
         # and at a stage's start unit a: d_a + first_a, which first_a (inputs received apart) may make negative
         at_start = np.zeros(costs.num_units + 1) if opts.recompute == "all" else \
             np.append(np.minimum(costs.dup + costs.first, 0.0), 0.0)

@@ -33,6 +33,15 @@ class MemoryRows(TieRows):
             self.add(u >= self.rho[k - 1, g] + self.x(k, g) - 1, f"shared_lost_{k}_{g}")
         return self._lost[k, g]
 
+    def _first_recomputed(self, l: int, g: int):
+        """w_lg >= 0, 1 where unit l starts stage g > 0 and is recomputed: what it keeps that the unit
+        before holds too (planner.cost.stage_memory's `first_recomputed`) is then held by it alone, so
+        w_lg >= rho_lg + ends(l, g - 1) - 1 (the memory rows never want it larger)."""
+        if (l, g) not in self._first:
+            w = self._first[l, g] = variable(self.prob, f"first_recomputed_{l}_{g}")
+            self.add(w >= self.rho[l, g] + self.ends(l, g - 1) - 1, f"first_recomputed_{l}_{g}")
+        return self._first[l, g]
+
     def _last_recomputed(self, l: int, g: int):
         """v_lg, 1 where unit l is stage g's last unit and recomputed (rho_lg and stage g ends at cut
         l + 1): its weight-kind correction (planner.cost.stage_memory's `last_unit`) then does not
@@ -95,6 +104,9 @@ class MemoryRows(TieRows):
                            for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
         held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
                            if terms.shared_lost[k] and (k - 1, g) in self.rho)
+        if g > 0:
+            held += pulp.lpSum(terms.first_recomputed[l] / MIB * self._first_recomputed(l, g) for l in range(1, L)
+                               if terms.first_recomputed[l] and (l, g) in self.rho and self.cut_may_end(l, g - 1))
         if g > 0:  # the cut the stage starts at ends stage g - 1
             held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
                                if terms.at_start[k] and self.cut_may_end(k, g - 1))
@@ -112,5 +124,6 @@ class MemoryRows(TieRows):
 def _most(terms) -> float:
     """A bound (MiB) of |a stage's held bytes| under these terms (StageMemory.held's) over every split."""
     return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
-                                                 terms.at_start, terms.at_end, terms.last_unit))) / MIB
+                                                 terms.at_start, terms.at_end, terms.last_unit,
+                                                 terms.first_recomputed))) / MIB
 

@@ -98,6 +98,7 @@ class SplitProgram:
         self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
         self._lost: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _sharing_lost's variables
         self._last: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _last_recomputed's variables
+        self._first: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _first_recomputed's variables
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
         # a unit saving no more than its inputs frees nothing by recomputing in a stage's live kind,
@@ -105,7 +106,7 @@ class SplitProgram:
         # planner.cost.stage_memory), where the program weighs it
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
         for l in range(self.L):
-            if c.s[l] > c.inputs[l] or zero_bubble:
+            if c.s[l] + c.redo_dup[l] > c.inputs[l] or zero_bubble:
                 for g in range(self.low[l], self.high[l] + 1):
                     self.rho[l, g] = variable(self.prob, f"r_{l}_{g}", binary=True)
                     self.add(self.rho[l, g] <= self.x(l, g), f"recompute_in_stage_{l}_{g}")

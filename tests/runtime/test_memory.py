@@ -353,6 +353,25 @@ def test_a_profile_measured_under_bf16_mixed_holds_what_the_run_holds(tmp_path, 
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
 
+@pytest.mark.parametrize("entry,args,cuts,schedule,recompute",
+                         [("builtin:gpt", {"layers": 2}, [3], "gpipe", [1]),
+                          ("builtin:gpt", {"layers": 2}, [3], "zb-h1", [0, 1]),
+                          ("tests.models:long_skip", {}, [3], "1f1b", [2])])
+def test_a_recomputed_unit_keeps_once_what_the_unit_before_saved(tmp_path, entry, args, cuts, schedule, recompute):
+    """A recomputed unit keeps its inputs, and the unit before it may save one of them: gpt's tokens,
+    which the embedding saves and pos_emb reads (for their shape), long_skip's encoder output, which
+    mid.0 saves and mid.1 passes on. The stage holds one storage (planner.cost.ranges' r_k); the plan
+    counted both (gpt: 512 bytes per micro-batch over, 2048 on the rank under GPipe; long_skip's
+    recomputed last unit of its first stage: 128, 256 on the rank)."""
+    from tests.support.runs import execute, profile_of, report_of
+
+    profile = profile_of(entry, args, sizes=(2,))
+    assert any(profile.units[k].recomputed_shared_bytes[2] for k in recompute)
+    execute(_fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_a_loss_target_sliced_from_the_batch_holds_its_own_storage(tmp_path, schedule):
     """gpt's target is tokens[:, 1:], a view of the batch's tokens; at b = 1 the loss's reshape keeps it
