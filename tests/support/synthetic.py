@@ -78,7 +78,30 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
     for l, unit in enumerate(profile.units):  # the model's inputs a unit reads (all of them the first)
         if l == 0 or extra.random() < 0.2:
             unit.input_bytes = {b: extra.randint(0, 1 << 20) * b for b in sizes}
+    share_kept(profile, [k for k in range(1, L) if extra.random() < 0.25], extra)
     return profile
+
+
+def share_kept(profile: Profile, cuts: Sequence[int], rng) -> None:
+    """Units k - 1 and k both read a model input (gpt's tokens: the embedding saves them, the next
+    unit reads their shape), for k in `cuts`: unit k - 1 saves it, and each keeps it when recomputed,
+    with unit k's input across cut k (UnitProfile.recomputed_shared_bytes; planner.cost.ranges' r_k)."""
+    left = lambda unit, b: unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())  # noqa: E731
+    for k in cuts:
+        before, after = profile.units[k - 1], profile.units[k]
+        draw = rng.randint(0, 1 << 19)
+        for b in profile.micro_batch_sizes:
+            size = min(draw * b, left(before, b))
+            if size <= 0:
+                continue
+            name = f"input{k}"
+            before.shared_saved_bytes.setdefault(b, {})[name] = size
+            for unit in (before, after):
+                unit.input_bytes[b] = unit.input_bytes.get(b, 0) + size
+                unit.recomputed_shared_bytes.setdefault(b, {})[name] = size
+            crossing = before.shared_saved_bytes[b].get(f"cut{k}")
+            if crossing:  # unit k keeps its input, which unit k - 1 saves too (d_k)
+                after.recomputed_shared_bytes[b][f"cut{k}"] = crossing
 
 
 def share_saved(profile: Profile, cuts: Sequence[int]) -> None:
