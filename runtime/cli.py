@@ -13,7 +13,7 @@ from planner.jsonio import JsonFileError, atomic_path, check_writable, read_json
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.file import Plan, load_plan
-from runtime.options import ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, forwarded
+from runtime.options import ENGINES, OPTIMIZERS, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, forwarded
 
 def check_plan(plan: Plan) -> List[List[sched.Action]]:
     """Everything that can be checked before starting a process (the file itself was checked when
@@ -78,7 +78,7 @@ def execute(args: argparse.Namespace) -> int:
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     optimizer = args.optimizer or plan.optimizer
     _warn_conditions(plan, threads, topology.world_size)
-    if optimizer.rstrip("w") != plan.optimizer.rstrip("w"):
+    if (optimizer == "sgd") != (plan.optimizer == "sgd"):  # Adam and AdamW hold the same state
         print(f"warning: the plan's memory model assumed {plan.optimizer}, this run uses {optimizer}",
               file=sys.stderr)
     print(f"running {args.plan}: {_shape(topology)}, {plan.schedule}, micro-batch {plan.micro_batch_size} x "
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "materialises only its stages")
     ex.add_argument("--report", metavar="PATH", help="write the measured-vs-predicted report JSON here")
     ex.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: as profiled)")
-    ex.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+    ex.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                     help="optimizer (default: the plan's; options below)")
     ex.add_argument("--timeout", type=float, default=RANK_TIMEOUT_S,
                     help=f"seconds a rank may wait on another before giving up (default {RANK_TIMEOUT_S:g})")

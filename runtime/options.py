@@ -26,6 +26,7 @@ P2P_HELP = ("auto (default): messages between the CPU ranks of one host, and the
             "own engine; the torch engine always uses torch.distributed)")
 PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
 SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("sgd", "adam", "adamw")  # what a run steps with (torch.optim's SGD, Adam, AdamW)
 
 
 @dataclass
@@ -33,8 +34,8 @@ class TrainOptions:
     optimizer: str = "sgd"
     lr: float = 0.01
     momentum: float = 0.0  # SGD
-    weight_decay: Optional[float] = None  # SGD's L2 term, AdamW's decoupled decay; None: torch's default
-    betas: Tuple[float, float] = (0.9, 0.999)  # AdamW
+    weight_decay: Optional[float] = None  # SGD's and Adam's L2 term, AdamW's decoupled decay; None: torch's default
+    betas: Tuple[float, float] = (0.9, 0.999)  # Adam, AdamW
     schedule: str = "constant"
     warmup_steps: int = 0
     min_lr: float = 0.0
@@ -44,8 +45,8 @@ class TrainOptions:
 
     def check(self) -> None:
         """ValueError (one line) for options that cannot run."""
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if not 0 < self.lr <= 1e6:  # float32 holds it, and a step can move a weight by a finite amount
             raise ValueError("--lr must be positive, at most 1e6")
         if not (0 <= self.momentum < math.inf and 0 <= (self.weight_decay or 0) < math.inf):
@@ -80,8 +81,8 @@ class TrainOptions:
 _OPTIONS = [
     ("--momentum", dict(type=float, default=0.0, help="SGD momentum (default 0)")),
     ("--weight-decay", dict(type=float, default=None,
-                            help="SGD L2 penalty / AdamW decoupled decay (default: torch's, 0 and 0.01)")),
-    ("--betas", dict(default="0.9,0.999", metavar="B1,B2", help="AdamW betas (default 0.9,0.999)")),
+                            help="SGD and Adam: L2 penalty; AdamW: decoupled decay (default: torch's, 0, 0 and 0.01)")),
+    ("--betas", dict(default="0.9,0.999", metavar="B1,B2", help="Adam and AdamW betas (default 0.9,0.999)")),
     ("--lr-schedule", dict(choices=SCHEDULES, default="constant",
                            help="constant, or cosine from --lr down to --min-lr at the last step (default constant)")),
     ("--warmup-steps", dict(type=int, default=0, help="linear warm-up steps from lr/N to lr (default 0)")),

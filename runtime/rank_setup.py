@@ -110,8 +110,6 @@ def build_engine(me: RankProcess, use_tags: bool) -> None:
     plan, topology, args = me.plan, me.topology, me.args
     me.init_state = InitState(args.init_state) if args.init_state else None
     me.optimizer_name = args.optimizer or plan.optimizer
-    if me.optimizer_name == "adam":
-        me.optimizer_name = "adamw"
     me.options = training_options(args, me.optimizer_name, plan)
     me.rank_model = build_rank(plan, topology, me.pipeline_rank, me.device, me.init_state,
                                unit_segments=plan.shard == "parameters",  # gathered per unit

@@ -28,6 +28,8 @@ def optimizer_arguments(options: TrainOptions) -> Tuple[type, Dict[str, Any]]:
     run gets them, unsharded or sharded (runtime/shard.py, runtime/shard_params.py)."""
     if options.optimizer == "sgd":
         return torch.optim.SGD, dict(lr=options.lr, momentum=options.momentum, weight_decay=options.decay)
+    if options.optimizer == "adam":  # its weight decay an L2 term, as SGD's
+        return torch.optim.Adam, dict(lr=options.lr, betas=options.betas, weight_decay=options.decay)
     return torch.optim.AdamW, dict(lr=options.lr, betas=options.betas, weight_decay=options.decay)
 
 

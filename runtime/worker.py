@@ -27,8 +27,8 @@ import torch.distributed as dist
 from planner.jsonio import atomic_path
 from planner.model.failures import first_line
 from planner.profile.allocator import retain_freed_memory
-from planner.profile.optim import OPTIMIZERS
-from runtime.options import END_WITH_PARENT, ENGINES, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options
+from runtime.options import (END_WITH_PARENT, ENGINES, OPTIMIZERS, P2P, P2P_HELP, RANK_TIMEOUT_S,
+                             add_training_options)
 from runtime.rank_results import write_results
 from runtime.rank_setup import build_engine, check_same_plan, current_rss, resume_step, start_rank
 from runtime.rank_steps import time_host, train_steps

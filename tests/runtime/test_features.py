@@ -51,6 +51,18 @@ def test_adamw(tmp_path):
     assert max_abs_diff(state, reference_state(plan, lr=1e-3, optimizer="adamw")) <= 1e-5
 
 
+def test_a_plan_for_adam_runs_adam(tmp_path):
+    # `planner solve --optimizer adam`: the run steps with torch's Adam (weight decay an L2 term, not
+    # AdamW's decoupled decay); the ranks' argument parser refused the plan's optimizer name
+    import dataclasses
+
+    plan = dataclasses.replace(_gpt_plan([4]), optimizer="adam")
+    state = execute(plan, tmp_path, steps=2, lr=1e-3, extra=["--weight-decay", "0.5"])
+    decay = dict(weight_decay=0.5)
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=1e-3, optimizer="adam", training=decay)) <= 1e-5
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=1e-3, optimizer="adamw", training=decay)) > 1e-4
+
+
 def test_tied_weights_across_stages(tmp_path):
     plan = plan_with(profile_of("tests.models:tied_lm"), [2], 2, 8, "1f1b")  # emb on rank 0, head on rank 1
     state = execute(plan, tmp_path)

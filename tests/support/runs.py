@@ -131,6 +131,8 @@ def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str
     options = TrainOptions(optimizer=optimizer, lr=lr, total_steps=steps, **(training or {}))
     if optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=options.decay)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=lr, betas=options.betas, weight_decay=options.decay)
     else:
         opt = torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.decay)
     autocast = (torch.autocast("cpu", dtype=options.autocast_dtype) if options.autocast_dtype is not None
