@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from planner.plan.runnable import RUN_PRECISIONS, precision_refusal
+
 # "1" in a rank's environment: it ends when the process that started it does (set by runtime.launch,
 # read by runtime.worker)
 END_WITH_PARENT = "PIPEPLANNER_END_WITH_PARENT"
@@ -24,7 +26,7 @@ P2P_HELP = ("auto (default): messages between the CPU ranks of one host, and the
             "all on one host, go through shared memory (x86, where /dev/shm has room; else torch.distributed, and "
             "the report says why), the others through torch.distributed; gloo: all through torch.distributed (the "
             "own engine; the torch engine always uses torch.distributed)")
-PRECISIONS = ("fp32", "bf16-mixed")  # the planner's words (planner.cost.memory); pure bf16 is planned, not run
+PRECISIONS = RUN_PRECISIONS
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")  # what a run steps with (torch.optim's SGD, Adam, AdamW)
 
@@ -120,9 +122,8 @@ def training_options(args: argparse.Namespace, optimizer: str, plan: Any) -> Tra
     if len(betas) != 2:
         raise ValueError(f"--betas {args.betas!r}: write two numbers, e.g. 0.9,0.95")
     planned = getattr(plan, "precision", None) or "fp32"
-    if planned not in PRECISIONS:
-        raise ValueError(f"the plan is for precision {planned}, which this runtime does not run (it runs "
-                         f"{' and '.join(PRECISIONS)}); re-plan with `planner solve --precision bf16-mixed`")
+    if precision_refusal(planned):
+        raise ValueError(precision_refusal(planned))
     if args.precision is not None and hasattr(plan, "precision_mismatch") and plan.precision_mismatch(args.precision):
         raise ValueError(plan.precision_mismatch(args.precision))
     options = TrainOptions(optimizer=optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,

@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
+from planner.plan.runnable import shard_parameters_refusal
 from planner.profile.saved import is_sharded, local_tensor
 from runtime.groups import sum_gradient
 
@@ -56,13 +56,9 @@ from runtime.groups import sum_gradient
 def refusal(precision: str, schedule: str, replicated: bool, clipping: bool, checkpointing: bool) -> Optional[str]:
     """Why a `shard: parameters` run with these options is not run (one line: cause and fix), or None."""
     fix = "; re-plan with `planner solve --shard gradients`"
-    if replicated:  # a stage's lanes run different micro-batches: their gathers would not pair up
-        return ("a plan sharding parameters across replicated stages (--replicate) is not supported; re-plan "
-                "without --replicate or with `planner solve --shard optimizer`")
-    if precision != "fp32":
-        return f"--precision {precision} with a plan sharding parameters is not supported (run it in fp32{fix})"
-    if schedule in ZERO_BUBBLE_SCHEDULES:
-        return f"the zero-bubble schedule {schedule} with a plan sharding parameters is not supported{fix}"
+    refused = shard_parameters_refusal(precision, schedule, replicated)  # the plan's own (planner.plan.runnable)
+    if refused:
+        return refused
     if clipping:
         # gradients sharded refuse clipping too (runtime.shard): the optimizer state alone is the fix
         return ("--clip-grad-norm with a plan sharding parameters is not supported (drop the clipping; re-plan "

@@ -240,6 +240,7 @@ def solve_problem(profile, opts, devices: Optional[int], schedules: List[str], t
 def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.file import save_plan
     from planner.plan.make import make_plan
+    from planner.plan.runnable import plan_refusal
     from planner.plan.table import format_plan_table
     from planner.solve.diagnose import InfeasibleError, NoPlanInTime
 
@@ -271,6 +272,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
     note = _balanced_rhythm_note(profile, solution, opts, args)
     if note:
         print(note)
+    refused = plan_refusal(plan)
+    if refused:  # planned all the same: its memory and time hold for a runtime that runs it
+        print(f"note: `runtime execute` does not run this plan: {refused}", file=sys.stderr)
     print(f"wrote {args.output}")
     return 0
 

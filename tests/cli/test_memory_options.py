@@ -77,3 +77,19 @@ def test_a_run_at_another_precision_is_refused(profile_path, tmp_path):
     raw["precision"] = "fp8"
     with pytest.raises(JsonFileError, match="precision 'fp8'"):
         Plan.from_json(raw)
+
+
+@pytest.mark.parametrize("flags, says", [(["--precision", "bf16"], "precision bf16"),
+                                         (["--shard", "parameters", "--precision", "bf16-mixed"],
+                                          "sharding parameters"),
+                                         (["--shard", "parameters", "--schedule", "zb-h1"], "zero-bubble"),
+                                         (["--shard", "parameters"], None)])
+def test_a_plan_the_runtime_does_not_run_is_written_with_a_note(profile_path, tmp_path, capsys, flags, says):
+    # planned all the same (pure bf16, ZeRO-3 under bf16-mixed: what large models train with), and
+    # `runtime execute` refuses it in one line: the solve says so where it writes it
+    out = str(tmp_path / "plan.json")
+    code = main(["solve", profile_path, "--devices", "2", "--global-batch", "8", *flags, "-o", out])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "`runtime execute` does not run this plan" in line]
+    assert (len(notes) == 1 and says in notes[0] and "re-plan" in notes[0]) if says else not notes

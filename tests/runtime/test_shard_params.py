@@ -102,7 +102,7 @@ def test_a_weight_two_units_of_a_rank_read_is_kept_whole(tmp_path):
 
 
 @pytest.mark.parametrize("schedule, precision, replicas, extra, says", [
-    ("1f1b", "bf16-mixed", None, [], "--precision bf16-mixed"),
+    ("1f1b", "bf16-mixed", None, [], "precision bf16-mixed"),
     ("zb-h1", "fp32", None, [], "zero-bubble"),
     ("1f1b", "fp32", [2, 1], [], "replicated stages"),
     ("1f1b", "fp32", None, ["--clip-grad-norm", "1"], "--clip-grad-norm"),
@@ -119,5 +119,11 @@ def test_what_sharded_parameters_do_not_run_with_is_refused_in_one_line(tmp_path
         code = runtime_main(["execute", path, "--steps", "1", *extra])
     assert code == 2 and "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
     assert says in err.getvalue() and "re-plan" in err.getvalue()
+    from planner.plan.file import load_plan
+    from planner.plan.runnable import plan_refusal
+
+    # the plan's own refusals are the one rule `planner solve` notes on the plans it writes
+    refused = plan_refusal(load_plan(path))
+    assert (refused is not None and refused in err.getvalue()) == (not extra)
     if "--clip-grad-norm" in extra:  # sharded gradients refuse clipping too: not the fix to name
         assert "--shard optimizer" in err.getvalue() and "--shard gradients" not in err.getvalue()
