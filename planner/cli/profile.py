@@ -144,7 +144,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         shared = f", {args.ranks_per_host - 1} co-runner(s) loading the other cores" if args.ranks_per_host > 1 else ""
         mixed = " under bf16-mixed (autocast, bf16 weight copies)" if args.precision == "bf16-mixed" else ""
-        print(f"profiling {args.model} {model_args or ''} on {args.device}{mixed} at micro-batch sizes "
+        named = f"{args.model} {model_args}" if model_args else args.model
+        print(f"profiling {named} on {args.device}{mixed} at micro-batch sizes "
               f"{','.join(map(str, sizes))} ({args.threads} thread(s), median of at least {args.repeats} runs and "
               f"{args.min_time:g} s per size after {args.warmup:g} s warm-up{shared})", flush=True)
         profile = steadiest_profile(lambda: profile_model(
