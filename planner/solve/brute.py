@@ -12,9 +12,12 @@ import math
 import time
 from typing import List, Optional
 
-from planner.cost.model import candidate_micro_batch_sizes, evaluate, input_bytes, rank_caps
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, rank_caps
 from planner.cost.options import CostOptions
+from planner.cost.ranges import range_costs
+from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
+from planner.solve.chain_recompute import freed_bytes
 from planner.solve.replica_tables import replica_tuples, replicates_running_stats
 from planner.solve.solution import Solution
 
@@ -22,12 +25,19 @@ MAX_COMBINATIONS = 200_000
 
 
 def _shrinkable(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
-    """The units whose recomputation is chosen one by one (--recompute auto under a cap: those saving
-    more than their input); None when the recomputation is fixed (none, all, or no cap)."""
+    """The units whose recomputation is chosen one by one (--recompute auto under a cap: those whose
+    recomputation frees bytes in some stage; every unit under zero bubble, whose weight part holds
+    other bytes); None when the recomputation is fixed (none, all, or no cap). A unit freeing nothing
+    anywhere only adds time. It frees the most (chain_recompute.freed_bytes) as the last unit of a
+    stage, first in it ([l, l + 1)) or after one other ([l - 1, l + 1)): what it shares with the unit
+    after it stays with that unit."""
     if opts.recompute == "all" or opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
         return None
-    inputs = input_bytes(profile, b)
-    return [l for l, u in enumerate(profile.units) if u.saved_bytes[b] > inputs[l]]
+    if opts.schedule in ZERO_BUBBLE_SCHEDULES:
+        return list(range(profile.num_units))
+    costs = range_costs(profile, b)
+    return [l for l in range(profile.num_units)
+            if freed_bytes(costs, l, l + 1)[0] > 0 or l > 0 and freed_bytes(costs, l - 1, l + 1)[1] > 0]
 
 
 def _recompute_set_count(profile: Profile, b: int, opts: CostOptions) -> int:
