@@ -21,9 +21,10 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
     backward_input(a, e)  = (k^i + sum gi_l + sum_{l in R} f_l) / sigma
     backward_weight(a, e) = (k^w + sum gw_l + walk(a, e) + sum_{l in R} f_l) / sigma
     walk(a, e)            = sum_{a<=j<k<e} nu_j omega_k
-    weight_held(a, e)     = sum_{a<=l<e-1} ((in_l if l in R else s_l) + k_l) + (in'_{e-1} + k_{e-1} if e-1 in R
-                            else h_{e-1}) - sum_{a<k<e, k-1 not in R} d_k      bytes held from the first to the second
-                            + [a not in R] first'_a + [a < e-1; e-2, e-1 not in R] (d_{e-1} - d'_{e-1})
+    weight_held(a, e)     = sum_{a<=l<e-1} ((in^h_l if l in R else s_l - x_l) + k_l) + (in^h'_{e-1} + k_{e-1}
+                            if e-1 in R else h_{e-1}) - sum_{a<k<e, k-1 not in R} d^h_k
+                            - sum_{a<k<e, k in R} r^h_k                     bytes held from the first to the second
+                            + [a not in R] first'_a + [a < e-1; e-2, e-1 not in R] (d^h_{e-1} - d'_{e-1})
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
 every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
@@ -40,7 +41,16 @@ with such an a (`whole[a]`, whole[0] true),
 
     backward_input(a, e)  = k^0 / sigma
     backward_weight(a, e) = backward(a, e)
-    weight_held(a, e)     = saved(a, e) + grad(e)     (the gradient received for its outputs too)
+    weight_held(a, e)     = held_saved(a, e) + grad(e)     (the gradient received for its outputs too)
+    held_saved(a, e)      = saved(a, e) with s_l - x_l, in^h_l, d^h_k, r^h_k for s_l, in_l, d_k, r_k
+
+x_l: of s_l, what autograd frees as the forward returns, its outputs held (UnitProfile.dropped_saved_bytes):
+saved by a node no output's graph reaches (a routed layer's gate saves its input and argmax cuts the
+graph). The ranks count it as saved (the live kind's s_l) but not as held between the parts. A unit all
+of whose saves go so (or that saves nothing: frozen weights, no input needing a gradient) attaches to no
+graph, so recomputed its checkpoint's kept inputs go too: in^h_l (in^h'_l) is in_l (in'_l) but for such a
+unit, which keeps only what the loss saved (nothing), and r^h_k is r_k but 0 for it. d^h_k: of d_k, the
+storages both units still hold as the forward returns (d_k less the shares either drops).
 
 Each of the weight part's calls (omega_k of unit k: its parameter groups) walks the whole graph below
 its frontier (torch's engine finds what leads to the parameters from everything below its roots), so
@@ -62,7 +72,7 @@ inputs may share one or be views of a larger one (0 for most units). first'_a: t
 first_a where the unit counts s_a + k_a, first_weight_held_bytes - h_a where it counts h_a (the
 stage's only unit, or a profile without k_l).
 
-d'_k: of d_k, what unit k still holds after its input part (UnitProfile.weight_shared_bytes; d_k where
+d'_k: of d^h_k, what unit k still holds after its input part (UnitProfile.weight_shared_bytes; d_k where
 not measured): a stage's last unit may let a storage it shares with the unit before go, which that
 unit, inside the stage, still holds.
 
@@ -180,7 +190,17 @@ class RangeCosts:
         # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (module docstring)
         self.dup = np.array([0.0] + [_shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
                             dtype=float)
-        # of d_k, what unit k still holds after its input part (a zero-bubble stage's last unit, whose
+        # x_l: of s_l, what autograd frees as the forward returns (no node its outputs reach saves it):
+        # counted as saved, never held between the backward parts (module docstring)
+        self.dropped = np.array([sum((u.dropped_saved_bytes.get(b) or {}).values()) for u in units], dtype=float)
+        # a unit all of whose saves are so freed (or that saves nothing) attaches to no graph: recomputed,
+        # its checkpoint's kept inputs go too (where measured)
+        gone = np.array([b in u.dropped_saved_bytes and self.dropped[l] >= self.s[l] for l, u in enumerate(units)],
+                        dtype=bool)
+        # d^h_k: of d_k, what both still hold as the forward returns (the weight kinds' d_k)
+        self.held_dup = np.array([0.0] + [_shared(units[k - 1], units[k], b, held=True)
+                                          for k in range(1, self.num_units)], dtype=float)
+        # of d^h_k, what unit k still holds after its input part (a zero-bubble stage's last unit, whose
         # h_k may have let it go while unit k - 1, inside the stage, holds all it saved)
         self.weight_dup = np.array([0.0] + [_shared(units[k - 1], units[k], b, weight=True)
                                             for k in range(1, self.num_units)], dtype=float)
@@ -188,6 +208,12 @@ class RangeCosts:
         # before holds too beyond d_k, counted once in a stage holding both (module docstring)
         self.redo_dup = np.array([0.0] + [_redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
                                           for k in range(1, self.num_units)], dtype=float)
+        # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later
+        # stage), none of it but what the loss saved where the unit attaches to no graph (`gone`); r_k
+        # counted once with the unit before only where it holds them
+        self.held_inputs = np.where(gone, loss_saved, self.inputs)
+        self.held_weight_inputs = np.where(gone, 0.0, self.weight_inputs)
+        self.held_redo_dup = np.where(gone, 0.0, self.redo_dup)
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -240,18 +266,19 @@ class RangeCosts:
 
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         if self.whole[a]:
-            return self.saved(a, e, recompute) + float(self.grad[e])
+            return self.held_saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
         first = 0.0 if a in redo else float(self.first_held[a] if e - 1 == a or not self.kept_known else self.first[a])
         if not self.kept_known:
-            return first + float(sum(float(self.weight_inputs[l]) if l in redo else float(self.h[l])
+            return first + float(sum(float(self.held_weight_inputs[l]) if l in redo else float(self.h[l])
                                      for l in range(a, e)))
-        held = sum(float(self.inputs[l] if l in redo else self.s[l]) + float(self.k[l]) for l in range(a, e - 1))
-        held += float(self.weight_inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
+        held = sum(float(self.held_weight_inputs[l] if l in redo else self.s[l] - self.dropped[l]) + float(self.k[l])
+                   for l in range(a, e - 1))
+        held += float(self.held_weight_inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
         # the last unit's h: of what it shares with the unit before, only what it still holds
-        lost = float(self.dup[e - 1] - self.weight_dup[e - 1]) if e - 1 > a and e - 2 not in redo and \
+        lost = float(self.held_dup[e - 1] - self.weight_dup[e - 1]) if e - 1 > a and e - 2 not in redo and \
             e - 1 not in redo else 0.0
-        return first + held - self._shared_once(a, e, redo) + lost
+        return first + held - self._shared_once(a, e, redo, held=True) + lost
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
@@ -269,12 +296,22 @@ class RangeCosts:
         first = 0.0 if a in redo else float(self.first[a])
         return float(self.S[e] - self.S[a]) + first + swap - self._shared_once(a, e, redo)
 
-    def _shared_once(self, a: int, e: int, redo) -> float:
+    def held_saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
+        """Of `saved`, what autograd still holds as the forward returns: less x_l, a recomputed unit
+        attached to no graph holding none of its inputs (module docstring)."""
+        redo = set(recompute)
+        first = 0.0 if a in redo else float(self.first[a])
+        held = sum(float(self.held_inputs[l]) if l in redo else float(self.s[l] - self.dropped[l])
+                   for l in range(a, e))
+        return held + first - self._shared_once(a, e, redo, held=True)
+
+    def _shared_once(self, a: int, e: int, redo, held: bool = False) -> float:
         """What units [a, e) count twice of the storages neighbours share: d_k for the cuts inside
         the range whose unit before is not recomputed, and r_k for those whose unit after is (module
-        docstring)."""
-        return sum(float(self.dup[k]) for k in range(a + 1, e) if k - 1 not in redo) + \
-            sum(float(self.redo_dup[k]) for k in range(a + 1, e) if k in redo)
+        docstring); with `held`, of them what both still hold as the forward returns (d^h_k, r^h_k)."""
+        dup, redo_dup = (self.held_dup, self.held_redo_dup) if held else (self.dup, self.redo_dup)
+        return sum(float(dup[k]) for k in range(a + 1, e) if k - 1 not in redo) + \
+            sum(float(redo_dup[k]) for k in range(a + 1, e) if k in redo)
 
     def params(self, a: int, e: int) -> float:
         return float(self.P[e] - self.P[a])
@@ -326,14 +363,22 @@ class RangeCosts:
         return range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
 
 
-def _shared(before, after, b: int, weight: bool = False) -> float:
+def _shared(before, after, b: int, held: bool = False, weight: bool = False) -> float:
     """The bytes two neighbouring units both save (their shared_saved_bytes at b, by value); with
-    `weight`, of them those `after` still holds after its input part (weight_shared_bytes; all of
-    them where not measured)."""
+    `held`, of them those both still hold as the forward returns (less dropped_saved_bytes); with
+    `weight`, those `before` so holds and `after` still holds after its input part
+    (weight_shared_bytes; all of them where not measured)."""
     first, second = before.shared_saved_bytes.get(b) or {}, after.shared_saved_bytes.get(b) or {}
-    if weight and b in after.weight_shared_bytes:
-        second = after.weight_shared_bytes[b]
+    if held or weight:
+        first = _held_shares(before, b)
+        second = after.weight_shared_bytes[b] if weight and b in after.weight_shared_bytes else _held_shares(after, b)
     return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
+
+
+def _held_shares(unit, b: int) -> dict:
+    """Of a unit's shared_saved_bytes at b, what it still holds as its forward returns."""
+    dropped = unit.dropped_saved_bytes.get(b) or {}
+    return {v: n - dropped.get(v, 0) for v, n in (unit.shared_saved_bytes.get(b) or {}).items() if n > dropped.get(v, 0)}
 
 
 def _redo_shared(before, after, b: int, dup: float) -> float:

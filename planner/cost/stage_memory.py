@@ -28,7 +28,8 @@ ends at, planner.cost.ranges; so does a later stage starting at a cut no gradien
 `whole`: `held`'s `whole`, per start in `matrix`), its input in_l alone when every unit is recomputed;
 d_l what unit l
 and the unit before both save (counted once in a stage holding both; none when every unit is
-recomputed). Under zero-bubble schedules, with the kept gradients measured, a later stage's
+recomputed). In the weight kind saved_l, d_l and the recomputed unit's inputs are what autograd still
+holds as the forward returns (planner.cost.ranges' x_l, d^h_l, in^h_l, r^h_l). Under zero-bubble schedules, with the kept gradients measured, a later stage's
 weight_l is saved_l + k_l for each unit but its last, whose h_l comes in at the cut the stage ends
 at (`last_unit`). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
 P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1}
@@ -91,7 +92,11 @@ class StageMemory:
         self.saved = costs.inputs - costs.redo_dup if recompute_all else costs.s - costs.dup
         # [k], k = 0 .. L: d_k (r_k), given back where a stage starts
         self.dup_at_cut = np.append(costs.redo_dup if recompute_all else costs.dup, 0.0)
-        self.weight = costs.weight_inputs if recompute_all else costs.h
+        # the same, of what autograd still holds as the forward returns (the weight kinds': x_l, d^h_k, r^h_k)
+        self.held_saved = costs.held_inputs - costs.held_redo_dup if recompute_all else \
+            costs.s - costs.dropped - costs.held_dup
+        self.held_dup_at_cut = np.append(costs.held_redo_dup if recompute_all else costs.held_dup, 0.0)
+        self.weight = costs.held_weight_inputs if recompute_all else costs.h
         # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
         self.kept = costs.kept_known and not recompute_all
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
@@ -118,19 +123,23 @@ class StageMemory:
         # its outputs received, until its weight part; a later one, measured so, all each unit saved and
         # kept but its last unit, which holds h (`last`, by the cut the stage ends at) (planner.cost.ranges)
         last = np.zeros_like(c.act)
+        # what a unit holds between the parts of the weight kind that counts what it saves: less what
+        # autograd freed as the forward returned (x_l; planner.cost.ranges' held_saved)
+        kept_saved = c.s - c.dropped
         if whole:
-            weight, held = self.saved, c.s
+            weight, held = self.held_saved, kept_saved
         elif self.kept:
-            weight, held = self.saved + c.k, c.s + c.k
-            # (and of what it shares with the unit before, what its input part let go: d - d', planner.cost.ranges;
+            weight, held = self.held_saved + c.k, kept_saved + c.k
+            # (and of what it shares with the unit before, what its input part let go: d^h - d', planner.cost.ranges;
             # also charged to a stage of that unit alone, where nothing is shared: an over-count)
-            last[1:] = count("weight") * (c.h - c.s - c.k + c.dup - c.weight_dup)
+            last[1:] = count("weight") * (c.h - kept_saved - c.k + c.held_dup - c.weight_dup)
         else:
             weight, held = self.weight, c.h
-        # the kinds that hold `saved`, whose neighbours' shared bytes count once
-        sharing = count("live") + (count("weight") if whole or self.kept else 0)
-        dup = self.dup_at_cut
-        start = count("inbox") * c.act + count("sent_grad") * c.grad + sharing * dup if g > 0 else zero
+        # the kinds that hold what units save, whose neighbours' shared bytes count once (d_k in the live
+        # kind; in the weight kind what both still hold, d^h_k)
+        live_share, weight_share = count("live"), (count("weight") if whole or self.kept else 0)
+        start_share = live_share * self.dup_at_cut + weight_share * self.held_dup_at_cut
+        start = count("inbox") * c.act + count("sent_grad") * c.grad + start_share if g > 0 else zero
         if not self.recompute_all:  # the first unit's inputs as received (planner.cost.ranges' first_a)
             first_weight = c.first_held if not whole and not self.kept else c.first
             start = start + np.append(count("live") * c.first + count("weight") * first_weight, 0.0)
@@ -139,12 +148,14 @@ class StageMemory:
             end = end + count("weight") * c.grad
         # a recomputed unit holds its input (and, in a later stage's weight kind, its kept gradients)
         kept = c.k if not whole and self.kept else 0.0
-        # (a later stage's input part freed what the loss saved: planner.cost.ranges' in'_l)
-        weight_inputs = c.inputs if whole else c.weight_inputs
+        # (a later stage's input part freed what the loss saved: planner.cost.ranges' in'_l; none of it
+        # where the unit attaches to no graph)
+        weight_inputs = c.held_inputs if whole else c.held_weight_inputs
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
-        redo_dup = 0.0 if self.recompute_all else sharing * c.redo_dup
+        redo_dup = 0.0 if self.recompute_all else live_share * c.redo_dup + weight_share * c.held_redo_dup
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves + redo_dup,
-                         sharing * dup, last, first_recomputed=redo_dup + np.zeros_like(c.redo_dup))
+                         start_share, last,
+                         first_recomputed=redo_dup + np.zeros_like(c.redo_dup))
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""

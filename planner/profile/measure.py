@@ -382,7 +382,8 @@ def _measure_size(run: _Run, b: int) -> None:
             timing.saved_bytes
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
             unit.weight_kept_bytes[b], unit.weight_calls, unit.weight_walk_nodes = parts[k]
-        unit.shared_saved_bytes[b], unit.weight_shared_bytes[b], unit.recomputed_shared_bytes[b] = shared[k]
+        unit.shared_saved_bytes[b], unit.weight_shared_bytes[b], unit.recomputed_shared_bytes[b], \
+            unit.dropped_saved_bytes[b] = shared[k]
         if first[k] is not None:  # a stage starting with it holds other storages
             unit.first_saved_bytes[b] = first[k][0]
             if unit.split_backward:
@@ -455,13 +456,15 @@ class _StorageNames(torch.fx.Interpreter):
 
 
 def _shared_saved(run: _Run, work: List[UnitCall], target: Any
-                  ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]]:
+                  ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, int]]]:
     """Per unit, the storages its forward saves that hold a value other units may save too
     (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
     units, and values every stage computes again; and of them, those it still holds after its input
-    part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit); and the storages of its
-    arguments, which it keeps when recomputed (UnitProfile.recomputed_shared_bytes). One more forward of
-    each unit (`_StorageNames`), and its input part."""
+    part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit); the storages of its
+    arguments, which it keeps when recomputed (UnitProfile.recomputed_shared_bytes); and the storages it
+    saves that autograd frees as the forward returns, its outputs held (UnitProfile.dropped_saved_bytes,
+    by the same names, "" for the rest). One more forward of each unit (`_StorageNames`), and its input
+    part."""
     out = []
     for k, call in enumerate(work):
         _, io = run.stages[k]
@@ -484,9 +487,16 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any
                     storage = arg.untyped_storage()
                     kept[naming.names[storage.data_ptr()]] = storage.nbytes()
             held: Dict[str, int] = {}
+            refs = counter.saved_refs()
+            naming.forget()  # the interpreter's values would keep their nodes alive
+            # what no node its outputs reach saves: freed now (a storage once, whichever of its packs lives)
+            alive = {ptr for ref, ptr, _ in refs if ref() is not None}
+            dropped: Dict[str, int] = {}
+            for ptr, size in counter.saved_storage_bytes().items():
+                if ptr not in alive:
+                    name = naming.names.get(ptr) if naming.names.get(ptr) in shared else ""
+                    dropped[name] = dropped.get(name, 0) + size
             if shared and k > 0:  # which of them the weight part keeps
-                refs = counter.saved_refs()
-                naming.forget()  # the interpreter's values would keep their nodes alive
                 pending = first_part(call, result, call.trainable())
                 del result
                 alive = {ptr for ref, ptr, _ in refs if ref() is not None}
@@ -496,7 +506,7 @@ def _shared_saved(run: _Run, work: List[UnitCall], target: Any
                 call.module.zero_grad(set_to_none=True)
         naming.forget()
         restore()
-        out.append((shared, held, kept))
+        out.append((shared, held, kept, dropped))
     return out
 
 

@@ -189,6 +189,13 @@ class UnitProfile:
     # one storage (planner.cost.ranges' r_k). Empty: not measured (older files, analytic and imported
     # profiles): no storage counted once
     recomputed_shared_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # of saved_bytes, per micro-batch size, the storages autograd frees as soon as the forward returns
+    # (its outputs held): saved by a node no output reaches, as a gate whose argmax cuts the graph (a
+    # routed layer) or a recomputed unit attached to no graph. The ranks count them as saved, and not
+    # as held between a zero-bubble stage's backward parts (planner.cost.ranges' x_l), by the value each
+    # storage holds as shared_saved_bytes names them ("" for storages no value of the unit names).
+    # Empty: not measured (older files, analytic and imported profiles): none
+    dropped_saved_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -218,6 +225,8 @@ class UnitProfile:
                if self.weight_shared_bytes else {}),
             **({"recomputed_shared_bytes": {str(b): dict(v) for b, v in sorted(self.recomputed_shared_bytes.items())}}
                if self.recomputed_shared_bytes else {}),
+            **({"dropped_saved_bytes": {str(b): dict(v) for b, v in sorted(self.dropped_saved_bytes.items())}}
+               if self.dropped_saved_bytes else {}),
             **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **({"input_bytes": _str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": _str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
@@ -287,6 +296,10 @@ class UnitProfile:
                 d.get("recomputed_shared_bytes") or {}, f"{where}.recomputed_shared_bytes",
                 read.named_counts,
                 required=False),
+            dropped_saved_bytes=read.per_size(
+                d.get("dropped_saved_bytes") or {}, f"{where}.dropped_saved_bytes",
+                read.named_counts,
+                required=False),
             **split_values,
         )
         for b, held in unit.weight_shared_bytes.items():
@@ -298,6 +311,11 @@ class UnitProfile:
             if b in unit.saved_bytes and sum(shared.values()) > unit.saved_bytes[b]:
                 raise read.error(f'{where}.shared_saved_bytes["{b}"]',
                                  f"sums to {sum(shared.values())} bytes: more than the unit's saved_bytes "
+                                 f"({unit.saved_bytes[b]}), of which they are a part")
+        for b, dropped in unit.dropped_saved_bytes.items():
+            if b in unit.saved_bytes and sum(dropped.values()) > unit.saved_bytes[b]:
+                raise read.error(f'{where}.dropped_saved_bytes["{b}"]',
+                                 f"sums to {sum(dropped.values())} bytes: more than the unit's saved_bytes "
                                  f"({unit.saved_bytes[b]}), of which they are a part")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):

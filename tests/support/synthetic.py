@@ -79,7 +79,22 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
         if l == 0 or extra.random() < 0.2:
             unit.input_bytes = {b: extra.randint(0, 1 << 20) * b for b in sizes}
     share_kept(profile, [k for k in range(1, L) if extra.random() < 0.25], extra)
+    drop_saved(profile, [l for l in range(L) if extra.random() < 0.25], extra)
     return profile
+
+
+def drop_saved(profile: Profile, units: Sequence[int], rng) -> None:
+    """Of what each unit in `units` saves, some storages autograd frees as the forward returns (a gate
+    whose argmax cuts the graph; UnitProfile.dropped_saved_bytes, planner.cost.ranges' x_l): a random part
+    of what it shares with no neighbour, or all of it where it shares nothing (it attaches to no graph)."""
+    for l in units:
+        unit, whole = profile.units[l], rng.random() < 0.3
+        for b in profile.micro_batch_sizes:
+            own = unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())
+            if whole and own == unit.saved_bytes[b]:
+                unit.dropped_saved_bytes[b] = {"": own}
+            elif own > 0:
+                unit.dropped_saved_bytes[b] = {"": int(own * rng.random()) // 4 * 4}  # whole elements
 
 
 def share_kept(profile: Profile, cuts: Sequence[int], rng) -> None:
