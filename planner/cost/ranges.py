@@ -28,7 +28,14 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
 every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
-last one what it held timed alone, h_l; a recomputed one its input and its kept gradients. A
+last one what it held timed alone, h_l; a recomputed one its input and its kept gradients. Where
+the stage ends in units that train no parameter (a LoRA model's norm and head), the topmost frontier
+is in t = trained[e], its last unit with a trained parameter: with a <= t < e - 1 and none of
+t .. e - 1 recomputed, the units before t count as above, t holds h_t (less d^h_t - d'_t where t > a,
+first'_a where t = a) and each unit after it its own h_l (what it saved went with the graph above the
+frontier), no d^h_k counted for k > t; otherwise (a recomputed unit among them, or no trained unit in
+the stage) the count above, an over-count. The solvers' stage rows add the difference at the cut the
+stage ends at where the stage holds t (planner.cost.stage_memory's trained_end). A
 profile without k_l: sum (in'_l if l in R else h_l). in'_l = in_l but for the model's last unit, whose
 input part ran the loss's backward: what the loss saved is freed by then.)
 
@@ -164,6 +171,12 @@ class RangeCosts:
         # k_l: of h_l, the gradients kept for the weight part; known: the later stages' weight_held
         # below (each unit but the last holds all it saved, as the graph below the top frontier lives)
         self.kept_known = all(u.split_backward and b in u.weight_kept_bytes for u in units)
+        # trained[e], e = 0 .. L: the last unit before cut e with a parameter that trains (-1: none). After a
+        # later stage's input part autograd frees the graph above its topmost frontier: the units after it
+        # (frozen) and what that unit saved above its own frontier (module docstring)
+        self.trained = np.full(self.num_units + 1, -1, dtype=int)
+        for e in range(1, self.num_units + 1):
+            self.trained[e] = e - 1 if units[e - 1].trainable_bytes > 0 else self.trained[e - 1]
         self.k = np.array([u.weight_kept_bytes.get(b, 0) for u in units], dtype=float)
         self.p = np.array([u.param_bytes for u in units], dtype=float)
         self.t = np.array([u.trainable_bytes for u in units], dtype=float)  # of p, those that train
@@ -272,6 +285,15 @@ class RangeCosts:
         if not self.kept_known:
             return first + float(sum(float(self.held_weight_inputs[l]) if l in redo else float(self.h[l])
                                      for l in range(a, e)))
+        top = int(self.trained[e])
+        if a <= top < e - 1 and not any(l in redo for l in range(top, e)):
+            # the stage ends in frozen units: its last trained unit holds its h, the units after it theirs
+            # (nothing: what they saved went with the graph above the topmost frontier)
+            first = float(self.first_held[a] if top == a else self.first[a]) if a not in redo else 0.0
+            held = sum(float(self.held_weight_inputs[l] if l in redo else self.s[l] - self.dropped[l]) +
+                       float(self.k[l]) for l in range(a, top)) + float(self.h[top:e].sum())
+            lost = float(self.held_dup[top] - self.weight_dup[top]) if top > a and top - 1 not in redo else 0.0
+            return first + held - self._shared_once(a, top + 1, redo, held=True) + lost
         held = sum(float(self.held_weight_inputs[l] if l in redo else self.s[l] - self.dropped[l]) + float(self.k[l])
                    for l in range(a, e - 1))
         held += float(self.held_weight_inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])

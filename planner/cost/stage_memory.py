@@ -31,7 +31,8 @@ and the unit before both save (counted once in a stage holding both; none when e
 recomputed). In the weight kind saved_l, d_l and the recomputed unit's inputs are what autograd still
 holds as the forward returns (planner.cost.ranges' x_l, d^h_l, in^h_l, r^h_l). Under zero-bubble schedules, with the kept gradients measured, a later stage's
 weight_l is saved_l + k_l for each unit but its last, whose h_l comes in at the cut the stage ends
-at (`last_unit`). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
+at (`last_unit`); where the stage ends in frozen units after its last trained unit t and holds t, t holds
+h_t and the frozen ones their h (`trained_end`, by the cut it ends at; planner.cost.ranges). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
 P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1}
 (`shared_lost`) where unit l + 1 is in its stage, frees r_l (what it keeps that unit l - 1 holds too,
 planner.cost.ranges) but where it starts the stage (`first_recomputed`), and, the stage's last, cancels
@@ -74,6 +75,10 @@ class HeldTerms:
     # [l]: bytes back when unit l is recomputed and starts the stage (r_l, of what it keeps, held once
     # with the unit before, is in recompute_saves: planner.cost.ranges)
     first_recomputed: np.ndarray
+    # [e]: bytes added at the cut e the stage ends at where it holds unit trained[e] (its last unit with a
+    # trained parameter, before its last unit) and recomputes none of units trained[e] .. e - 1: that
+    # unit then holds its h, the frozen ones after it theirs (planner.cost.ranges); 0 where not so
+    trained_end: np.ndarray = None
 
 
 class StageMemory:
@@ -123,6 +128,7 @@ class StageMemory:
         # its outputs received, until its weight part; a later one, measured so, all each unit saved and
         # kept but its last unit, which holds h (`last`, by the cut the stage ends at) (planner.cost.ranges)
         last = np.zeros_like(c.act)
+        trained_end = np.zeros_like(c.act)
         # what a unit holds between the parts of the weight kind that counts what it saves: less what
         # autograd freed as the forward returned (x_l; planner.cost.ranges' held_saved)
         kept_saved = c.s - c.dropped
@@ -133,6 +139,7 @@ class StageMemory:
             # (and of what it shares with the unit before, what its input part let go: d^h - d', planner.cost.ranges;
             # also charged to a stage of that unit alone, where nothing is shared: an over-count)
             last[1:] = count("weight") * (c.h - kept_saved - c.k + c.held_dup - c.weight_dup)
+            trained_end = count("weight") * self.trained_correction
         else:
             weight, held = self.weight, c.h
         # the kinds that hold what units save, whose neighbours' shared bytes count once (d_k in the live
@@ -155,7 +162,26 @@ class StageMemory:
         redo_dup = 0.0 if self.recompute_all else live_share * c.redo_dup + weight_share * c.held_redo_dup
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves + redo_dup,
                          start_share, last,
-                         first_recomputed=redo_dup + np.zeros_like(c.redo_dup))
+                         first_recomputed=redo_dup + np.zeros_like(c.redo_dup), trained_end=trained_end)
+
+    @cached_property
+    def trained_correction(self) -> np.ndarray:
+        """[e]: what a later stage's weight kind (kept gradients measured) holds less, per count, where
+        it ends at cut e in frozen units after its last trained unit t = trained[e] and holds t (none of
+        t .. e - 1 recomputed): t holds h_t (less what it shares with the unit before and let go, d'_t),
+        each unit after it its h_l, against `per_unit` and `last_unit`'s count (planner.cost.ranges).
+        Where t starts the stage it holds d^h_t - d'_t more than so counted (an over-count, as a stage
+        of one unit's)."""
+        c = self.costs
+        out = np.zeros_like(c.act)
+        per_unit = c.s - c.dropped - c.held_dup + c.k  # the weight kind's per_unit (kept)
+        for e in range(1, c.num_units + 1):
+            t = int(c.trained[e])
+            if 0 <= t < e - 1:
+                new = c.h[t] - c.weight_dup[t] - per_unit[t] + float((c.h[t + 1:e] - per_unit[t + 1:e]).sum())
+                old = c.h[e - 1] - (c.s[e - 1] - c.dropped[e - 1] + c.k[e - 1]) + c.held_dup[e - 1] - c.weight_dup[e - 1]
+                out[e] = new - old
+        return out
 
     def matrix(self, g: int) -> np.ndarray:
         """M_g[a, e]: bytes stage g = [a, e) holds with nothing else on its rank (+inf where e <= a)."""
@@ -179,6 +205,10 @@ class StageMemory:
                 bytes_ = prefix_sums(terms.per_unit)
                 value = np.where(valid, bytes_[None, :] - bytes_[first][:, None], 0.0)
                 value = value + terms.at_start[first][:, None] + terms.at_end[None, :]
+                # where the stage holds its last trained unit (no recomputation here but every unit's,
+                # under which the weight kind counts no trained_end)
+                holds = first[:, None] <= self.costs.trained[None, :]
+                value = value + np.where(holds, terms.trained_end[None, :], 0.0)
                 held = np.where((whole == kind)[:, None], np.maximum(held, value), held)
         if self.ties:
             static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))

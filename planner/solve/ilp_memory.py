@@ -58,6 +58,23 @@ class MemoryRows(TieRows):
                 self.add(v >= rho, f"last_recomputed_{l}_{g}_both")
         return self._last[l, g]
 
+    def _trained_end(self, e: int, g: int):
+        """v_eg, 1 where stage g ends at cut e, holds unit t = trained[e] (its last unit with a trained
+        parameter) and recomputes none of units t .. e - 1: its weight kind's `trained_end` then applies
+        (planner.cost.stage_memory). Bounded both ways, as its coefficient may have either sign."""
+        if (e, g) not in self._trained:
+            t = int(self.costs.trained[e])
+            v = self._trained[e, g] = variable(self.prob, f"trained_end_{e}_{g}")
+            ends = self.ends(e, g) if e < self.L else 1
+            holds = self.x(t, g)
+            redo = [self.rho[l, g] for l in range(t, e) if (l, g) in self.rho]
+            self.add(v <= ends, f"trained_end_{e}_{g}_ends")
+            self.add(v <= holds, f"trained_end_{e}_{g}_holds")
+            for n, r in enumerate(redo):
+                self.add(v <= 1 - r, f"trained_end_{e}_{g}_redo_{n}")
+            self.add(v >= ends + holds - 1 - pulp.lpSum(redo), f"trained_end_{e}_{g}_all")
+        return self._trained[e, g]
+
     def _memory(self, deadline: Optional[float]) -> None:
         opts, L = self.opts, self.L
         memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
@@ -118,6 +135,9 @@ class MemoryRows(TieRows):
             held += terms.at_end[L] / MIB
         held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
                            for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
+        held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
+                           if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g)
+                           and (self.cut_may_end(e, g) if e < L else g == self.S - 1))
         return held
 
 
@@ -125,5 +145,5 @@ def _most(terms) -> float:
     """A bound (MiB) of |a stage's held bytes| under these terms (StageMemory.held's) over every split."""
     return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
                                                  terms.at_start, terms.at_end, terms.last_unit,
-                                                 terms.first_recomputed))) / MIB
+                                                 terms.first_recomputed, terms.trained_end))) / MIB
 

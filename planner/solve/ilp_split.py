@@ -99,6 +99,7 @@ class SplitProgram:
         self._lost: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _sharing_lost's variables
         self._last: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _last_recomputed's variables
         self._first: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _first_recomputed's variables
+        self._trained: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _trained_end's variables
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
         # a unit saving no more than its inputs frees nothing by recomputing in a stage's live kind,

@@ -60,11 +60,13 @@ def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], p
                    stage_overhead_s=dict(stage_overhead or {}))
 
 
-def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: bool = False) -> Profile:
+def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: bool = False,
+                 frozen: bool = False) -> Profile:
     """A random chain of L units (times growing with b, random parameter, saved and cut bytes, half
     of the cuts' activations saved by both neighbours: `share_saved`, and model inputs read by the
     first unit and some others: what they keep when recomputed); with `stage_overhead`,
-    half of them also charge every stage a random call cost per micro-batch."""
+    half of them also charge every stage a random call cost per micro-batch; with `frozen`, a quarter of
+    the units train no parameter (`freeze`)."""
     per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}  # noqa: E731
     profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
                                 [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
@@ -80,7 +82,17 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
             unit.input_bytes = {b: extra.randint(0, 1 << 20) * b for b in sizes}
     share_kept(profile, [k for k in range(1, L) if extra.random() < 0.25], extra)
     drop_saved(profile, [l for l in range(L) if extra.random() < 0.25], extra)
+    if frozen:
+        freeze(profile, [l for l in range(L) if extra.random() < 0.25])
     return profile
+
+
+def freeze(profile: Profile, units: Sequence[int]) -> None:
+    """The units in `units` train no parameter (a LoRA model's norm and head): a zero-bubble stage ending
+    in them holds, between its backward parts, only what its last trained unit holds timed alone and
+    their own weight_held_bytes (planner.cost.ranges' trained[e])."""
+    for l in units:
+        profile.units[l].trainable_bytes = 0
 
 
 def drop_saved(profile: Profile, units: Sequence[int], rng) -> None:
