@@ -29,6 +29,8 @@ PROFILE_PRECISIONS = ("fp32",) + MEASURED_PRECISIONS  # what a profile is measur
 
 # Optimizer state bytes held per parameter byte (SGD without momentum: none; Adam: two moments).
 OPTIMIZER_STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adamw": 2.0, "adam": 2.0}
+# a unit's storages by the value each holds, per micro-batch size ({size: {value name: bytes}})
+NAMED_STORAGE_FIELDS = ("shared_saved_bytes", "weight_shared_bytes", "recomputed_shared_bytes", "dropped_saved_bytes")
 
 
 def _str_keys(d: Dict[int, Any]) -> Dict[str, Any]:
@@ -219,14 +221,8 @@ class UnitProfile:
             **({"running_stats": True} if self.running_stats else {}),
             **({"optimizer_s": dict(self.optimizer_s)} if self.optimizer_s else {}),
             **({"buffer_bytes": self.buffer_bytes} if self.buffer_bytes is not None else {}),
-            **({"shared_saved_bytes": {str(b): dict(v) for b, v in sorted(self.shared_saved_bytes.items())}}
-               if self.shared_saved_bytes else {}),
-            **({"weight_shared_bytes": {str(b): dict(v) for b, v in sorted(self.weight_shared_bytes.items())}}
-               if self.weight_shared_bytes else {}),
-            **({"recomputed_shared_bytes": {str(b): dict(v) for b, v in sorted(self.recomputed_shared_bytes.items())}}
-               if self.recomputed_shared_bytes else {}),
-            **({"dropped_saved_bytes": {str(b): dict(v) for b, v in sorted(self.dropped_saved_bytes.items())}}
-               if self.dropped_saved_bytes else {}),
+            **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items())}
+               for name in NAMED_STORAGE_FIELDS if getattr(self, name)},
             **({"weight_kept_bytes": _str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **({"input_bytes": _str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": _str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
@@ -284,22 +280,8 @@ class UnitProfile:
                                             required=False),
             weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
             weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
-            shared_saved_bytes=read.per_size(
-                d.get("shared_saved_bytes") or {}, f"{where}.shared_saved_bytes",
-                read.named_counts,
-                required=False),
-            weight_shared_bytes=read.per_size(
-                d.get("weight_shared_bytes") or {}, f"{where}.weight_shared_bytes",
-                read.named_counts,
-                required=False),
-            recomputed_shared_bytes=read.per_size(
-                d.get("recomputed_shared_bytes") or {}, f"{where}.recomputed_shared_bytes",
-                read.named_counts,
-                required=False),
-            dropped_saved_bytes=read.per_size(
-                d.get("dropped_saved_bytes") or {}, f"{where}.dropped_saved_bytes",
-                read.named_counts,
-                required=False),
+            **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)
+               for name in NAMED_STORAGE_FIELDS},
             **split_values,
         )
         for b, held in unit.weight_shared_bytes.items():

@@ -12,6 +12,7 @@ from planner.cost.options import CostOptions
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError
+from tests.support.solvers import both_solvers_match_brute_force
 from tests.support.synthetic import random_chain, synthetic_profile
 
 
@@ -59,15 +60,7 @@ def test_the_heuristic_is_feasible_and_never_beats_the_exact_search(problem):
 @given(chains(max_units=7, max_stages=4), st.sampled_from(["none", "all", "auto"]), st.sampled_from([1, 2]))
 def test_exact_search_equals_brute_force(problem, recompute, replicas):
     profile, opts = problem
-    opts = opts.with_(recompute=recompute, data_parallel=replicas)
-    oracle = solve_brute(profile, opts)
-    if oracle is None:
-        with pytest.raises(InfeasibleError):
-            solve(profile, opts)
-        return
-    found = solve(profile, opts)
-    assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
-    assert found.status == "optimal"
+    both_solvers_match_brute_force(profile, opts.with_(recompute=recompute, data_parallel=replicas), ways=("search",))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -76,19 +69,8 @@ def test_the_program_alone_equals_brute_force_under_recompute_auto(problem, sche
     # the chains' storages shared by neighbours (d_k, r_k: planner.cost.ranges) enter the program's
     # memory rows through the recomputation variables; the branch and bound settles most scenarios
     # before the program is built, so it runs alone here
-    from tests.support.solvers import program_only
-
     profile, opts = problem
-    opts = opts.with_(recompute="auto", schedule=schedule)
-    oracle = solve_brute(profile, opts)
-    with program_only():
-        if oracle is None:
-            with pytest.raises(InfeasibleError):
-                solve(profile, opts)
-            return
-        found = solve(profile, opts)
-    assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
-    assert found.status == "optimal"
+    both_solvers_match_brute_force(profile, opts.with_(recompute="auto", schedule=schedule), ways=("program",))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

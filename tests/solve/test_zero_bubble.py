@@ -12,7 +12,7 @@ from planner.cost.ranges import range_costs
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.search import scenario_lower_bound
-from tests.support.solvers import program_only
+from tests.support.solvers import both_solvers_match_brute_force, program_only
 from tests.support.synthetic import random_chain
 
 
@@ -122,13 +122,8 @@ def test_solvers_split_a_stage_whose_input_needs_no_gradient_as_the_first(schedu
             held = [matrices(g)[edges[g], edges[g + 1]] for g in range(p)]
             assert held == pytest.approx(evaluate(profile, list(cuts), b, free).device_memory, rel=1e-9), cuts
     for opts in (free, *(free.with_(memory_cap=cap, recompute="auto") for cap in caps)):
-        oracle = solve_brute(profile, opts)
-        found = solve(profile, opts)
-        assert oracle is not None and found.status == "optimal"
-        assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
-        with program_only():
-            program = solve(profile, opts)
-        assert program.status == "optimal" and program.objective == pytest.approx(oracle.objective, rel=1e-9)
+        oracle, found = both_solvers_match_brute_force(profile, opts)
+        assert oracle is not None
         assert scenario_lower_bound(profile, found.micro_batch_size, found.options) <= found.objective * (1 + 1e-12)
 
 
@@ -165,11 +160,5 @@ def test_solvers_count_a_stage_ending_in_frozen_units(seed):
         peaks = sorted({max(evaluate(profile, list(cuts), b, free).device_memory)
                         for cuts in splits for b in profile.micro_batch_sizes})
         for opts in [free.with_(memory_cap=cap) for cap in peaks] + [free.with_(memory_cap=peaks[1], recompute="auto")]:
-            oracle = solve_brute(profile, opts)
-            found = solve(profile, opts)
-            assert oracle is not None and found.status == "optimal"
-            assert found.objective == pytest.approx(oracle.objective, rel=1e-9)
-            with program_only():
-                program = solve(profile, opts)
-            assert program.status == "optimal" and program.objective == pytest.approx(oracle.objective, rel=1e-9), \
-                (opts.schedule, opts.memory_cap)
+            oracle, _ = both_solvers_match_brute_force(profile, opts)
+            assert oracle is not None, (opts.schedule, opts.memory_cap)
