@@ -52,9 +52,10 @@ from runtime.comm import (ACTIVATION, GRADIENT, DescribedLayout, MessageError, M
 from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
-from runtime.microbatch import assemble, own_copy, replica_micro_batches
+from runtime.microbatch import assemble, replica_micro_batches
 from runtime.outbox import Outbox, completed
 from planner.model.precision import ComputeCopy
+from planner.model.spec import to_device
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
@@ -247,12 +248,12 @@ class Engine:
             before = step.states[(g - 1, i)]
             state.received = assemble(runner.stage, [before.outputs[j].detach() for j in
                                                            self.runners[g - 1].send_tensors])
-        args = own_copy([step.inputs[i][j] for j in runner.wanted_inputs], self.device)
+        args = to_device([step.inputs[i][j] for j in runner.wanted_inputs], self.device, copy=True)
         counting = self.count_saved
         with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
             out = runner.stage.module(*args, *self._as_computed(state.received))
             if runner.stage.is_last:  # its share of the step is the backward's seed (_loss_seed)
-                state.loss = self.spec.loss(out, own_copy(step.targets[i], self.device))
+                state.loss = self.spec.loss(out, to_device(step.targets[i], self.device, copy=True))
             else:
                 state.outputs = out
         if counting:

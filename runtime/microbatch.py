@@ -46,18 +46,6 @@ def replica_micro_batches(spec: Any, rank_model: Any, global_batch: int, data_pa
             split_micro_batches(mine[1], per_replica, num_micro_batches, "target"))
 
 
-def own_copy(obj: Any, device: torch.device) -> Any:
-    """`obj` on `device` with every tensor in storage of its own (a micro-batch that is a view of
-    the whole batch would keep the whole batch alive, and be counted so, while saved for backward)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, copy=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(own_copy(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: own_copy(v, device) for k, v in obj.items()}
-    return obj
-
-
 def _constant(value: Any) -> Any:
     """Constants arrive as JSON lists; sizes were tuples in the model."""
     if isinstance(value, list):

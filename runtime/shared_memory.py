@@ -44,7 +44,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 
 from runtime.comm import MessageError, Operation
-from runtime.shm_files import SHM_DIR, room_for, shm_path
+from runtime import shm_files
+from runtime.shm_files import room_for, shm_path
 from runtime.shm_ring import Ring
 
 MIN_RING_BYTES = 1 << 20
@@ -62,7 +63,7 @@ SLEEP_S = 50e-6
 def available() -> bool:
     """Whether this machine can use rings: x86 (runtime.shm_files' note on ordering) with a writable
     /dev/shm."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.access(SHM_DIR, os.W_OK)
+    return platform.machine().lower() in ("x86_64", "amd64") and os.access(shm_files.SHM_DIR, os.W_OK)
 
 
 def ring_size(message_bytes: int) -> int:

@@ -50,11 +50,12 @@ from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.plan.export import TORCH_SCHEDULE_NAMES, torch_layout_refusal
+from planner.model.spec import to_device
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
 from runtime.engine import StepStats
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets
-from runtime.microbatch import assemble, own_copy, replica_micro_batches
+from runtime.microbatch import assemble, replica_micro_batches
 from runtime.stage import RankModel, RankStage
 from runtime.timing import StepClock, close_step
 
@@ -124,10 +125,10 @@ class StageAsTorchModule(nn.Module):
         if self.stage.index == 0:
             samples, received = received[0], ()
         i = self.batch.index(samples)
-        inputs = own_copy([self.batch.inputs[i][j] for j in self.wanted], self.device)
+        inputs = to_device([self.batch.inputs[i][j] for j in self.wanted], self.device, copy=True)
         out = self.stage_module(*inputs, *assemble(self.stage, list(received)))
         if self.stage.is_last:  # the loss scaled by its share of the step (the own engine seeds its backward with it)
-            return self.loss(out, own_copy(self.batch.targets[i], self.device)) / self.scale
+            return self.loss(out, to_device(self.batch.targets[i], self.device, copy=True)) / self.scale
         # gloo sends contiguous tensors only; a contiguous tensor is returned as itself, and, where the
         # schedule splits the backward, a view as a copy: torch's input part detaches the stage's outputs
         # in place, which a view refuses (a Llama layer's output is one)

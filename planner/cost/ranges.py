@@ -281,26 +281,23 @@ class RangeCosts:
         if self.whole[a]:
             return self.held_saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
-        first = 0.0 if a in redo else float(self.first_held[a] if e - 1 == a or not self.kept_known else self.first[a])
         if not self.kept_known:
+            first = 0.0 if a in redo else float(self.first_held[a])
             return first + float(sum(float(self.held_weight_inputs[l]) if l in redo else float(self.h[l])
                                      for l in range(a, e)))
+        # the unit holding its h: the stage's last, or, where the stage ends in frozen units, its last
+        # trained one (none of it and them recomputed); those after it hold theirs (what they saved went
+        # with the graph above the topmost frontier)
         top = int(self.trained[e])
-        if a <= top < e - 1 and not any(l in redo for l in range(top, e)):
-            # the stage ends in frozen units: its last trained unit holds its h, the units after it theirs
-            # (nothing: what they saved went with the graph above the topmost frontier)
-            first = float(self.first_held[a] if top == a else self.first[a]) if a not in redo else 0.0
-            held = sum(float(self.held_weight_inputs[l] if l in redo else self.s[l] - self.dropped[l]) +
-                       float(self.k[l]) for l in range(a, top)) + float(self.h[top:e].sum())
-            lost = float(self.held_dup[top] - self.weight_dup[top]) if top > a and top - 1 not in redo else 0.0
-            return first + held - self._shared_once(a, top + 1, redo, held=True) + lost
+        last = top if a <= top < e - 1 and not any(l in redo for l in range(top, e)) else e - 1
+        first = 0.0 if a in redo else float(self.first_held[a] if last == a else self.first[a])
         held = sum(float(self.held_weight_inputs[l] if l in redo else self.s[l] - self.dropped[l]) + float(self.k[l])
-                   for l in range(a, e - 1))
-        held += float(self.held_weight_inputs[e - 1] + self.k[e - 1]) if e - 1 in redo else float(self.h[e - 1])
-        # the last unit's h: of what it shares with the unit before, only what it still holds
-        lost = float(self.held_dup[e - 1] - self.weight_dup[e - 1]) if e - 1 > a and e - 2 not in redo and \
-            e - 1 not in redo else 0.0
-        return first + held - self._shared_once(a, e, redo, held=True) + lost
+                   for l in range(a, last))
+        held += float(self.held_weight_inputs[last] + self.k[last]) if last in redo else float(self.h[last:e].sum())
+        # its h: of what it shares with the unit before, only what it still holds
+        lost = float(self.held_dup[last] - self.weight_dup[last]) if last > a and last - 1 not in redo and \
+            last not in redo else 0.0
+        return first + held - self._shared_once(a, last + 1, redo, held=True) + lost
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),
@@ -394,6 +391,11 @@ def _shared(before, after, b: int, held: bool = False, weight: bool = False) -> 
     if held or weight:
         first = _held_shares(before, b)
         second = after.weight_shared_bytes[b] if weight and b in after.weight_shared_bytes else _held_shares(after, b)
+    return _overlap(first, second)
+
+
+def _overlap(first: dict, second: dict) -> float:
+    """The bytes two units' storages by value name ({name: bytes}) have in common."""
     return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
 
 
@@ -412,9 +414,7 @@ def _redo_shared(before, after, b: int, dup: float) -> float:
     if not kept:
         return 0.0
     saved, inputs = before.shared_saved_bytes.get(b) or {}, before.recomputed_shared_bytes.get(b) or {}
-    with_saved = sum(min(saved[v], kept[v]) for v in saved.keys() & kept.keys())
-    with_inputs = sum(min(inputs[v], kept[v]) for v in inputs.keys() & kept.keys())
-    return float(max(0.0, min(with_saved - dup, with_inputs)))
+    return max(0.0, min(_overlap(saved, kept) - dup, _overlap(inputs, kept)))
 
 
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()

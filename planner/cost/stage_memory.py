@@ -78,7 +78,7 @@ class HeldTerms:
     # [e]: bytes added at the cut e the stage ends at where it holds unit trained[e] (its last unit with a
     # trained parameter, before its last unit) and recomputes none of units trained[e] .. e - 1: that
     # unit then holds its h, the frozen ones after it theirs (planner.cost.ranges); 0 where not so
-    trained_end: np.ndarray = None
+    trained_end: np.ndarray
 
 
 class StageMemory:
@@ -138,7 +138,7 @@ class StageMemory:
             weight, held = self.held_saved + c.k, kept_saved + c.k
             # (and of what it shares with the unit before, what its input part let go: d^h - d', planner.cost.ranges;
             # also charged to a stage of that unit alone, where nothing is shared: an over-count)
-            last[1:] = count("weight") * (c.h - kept_saved - c.k + c.held_dup - c.weight_dup)
+            last[1:] = count("weight") * (self._held_less - c.weight_dup)
             trained_end = count("weight") * self.trained_correction
         else:
             weight, held = self.weight, c.h
@@ -159,10 +159,17 @@ class StageMemory:
         # where the unit attaches to no graph)
         weight_inputs = c.held_inputs if whole else c.held_weight_inputs
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
-        redo_dup = 0.0 if self.recompute_all else live_share * c.redo_dup + weight_share * c.held_redo_dup
+        redo_dup = np.zeros_like(c.redo_dup) if self.recompute_all else \
+            live_share * c.redo_dup + weight_share * c.held_redo_dup
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves + redo_dup,
                          start_share, last,
-                         first_recomputed=redo_dup + np.zeros_like(c.redo_dup), trained_end=trained_end)
+                         first_recomputed=redo_dup, trained_end=trained_end)
+
+    @cached_property
+    def _held_less(self) -> np.ndarray:
+        """Per unit: h_l less what a later stage's weight kind (kept gradients measured) counts for it,
+        all it saved and kept less what it shares with the unit before (planner.cost.ranges)."""
+        return self.costs.h - (self.held_saved + self.costs.k)
 
     @cached_property
     def trained_correction(self) -> np.ndarray:
@@ -172,15 +179,12 @@ class StageMemory:
         each unit after it its h_l, against `per_unit` and `last_unit`'s count (planner.cost.ranges).
         Where t starts the stage it holds d^h_t - d'_t more than so counted (an over-count, as a stage
         of one unit's)."""
-        c = self.costs
+        c, less = self.costs, self._held_less
         out = np.zeros_like(c.act)
-        per_unit = c.s - c.dropped - c.held_dup + c.k  # the weight kind's per_unit (kept)
         for e in range(1, c.num_units + 1):
             t = int(c.trained[e])
-            if 0 <= t < e - 1:
-                new = c.h[t] - c.weight_dup[t] - per_unit[t] + float((c.h[t + 1:e] - per_unit[t + 1:e]).sum())
-                old = c.h[e - 1] - (c.s[e - 1] - c.dropped[e - 1] + c.k[e - 1]) + c.held_dup[e - 1] - c.weight_dup[e - 1]
-                out[e] = new - old
+            if 0 <= t < e - 1:  # t and each unit after it hold their h, where `last_unit` had e - 1 alone
+                out[e] = less[t] - c.weight_dup[t] + float(less[t + 1:e].sum()) - (less[e - 1] - c.weight_dup[e - 1])
         return out
 
     def matrix(self, g: int) -> np.ndarray:

@@ -64,14 +64,16 @@ def batch_problem(inputs: Any, target: Any, size: int) -> Optional[str]:
     return walk(inputs, "inputs") or walk(target, "target")
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) tuple, list or dict to `device`."""
+def to_device(obj: Any, device: torch.device, copy: bool = False) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to `device`; with `copy`, each into a storage
+    of its own (a micro-batch that is a view of the whole batch would keep the whole batch alive, and be
+    counted so, while saved for backward: the engine and the profile give each micro-batch its own)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, copy=copy)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device) for o in obj)
+        return type(obj)(to_device(o, device, copy) for o in obj)
     if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device, copy) for k, v in obj.items()}
     return obj
 
 

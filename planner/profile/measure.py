@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
@@ -338,11 +337,6 @@ def _prepare(run: _Run, smallest: int, precision: str = "fp32") -> None:
         run.spec = dataclasses.replace(run.spec, loss=run.mixed.loss(run.spec.loss))
 
 
-def _own_storages(obj: Any, device: torch.device) -> Any:
-    """`obj` on `device`, every tensor copied into a storage of its own (as runtime.microbatch.own_copy)."""
-    return tree_map_only(torch.Tensor, lambda t: t.to(device, copy=True), obj)
-
-
 def _measure_size(run: _Run, b: int) -> None:
     """Every unit's times and saved bytes at micro-batch size b, and the values crossing each cut."""
     captured, dev, L = run.captured, run.dev, len(run.captured.units)
@@ -350,10 +344,10 @@ def _measure_size(run: _Run, b: int) -> None:
     problem = batch_problem(inputs, target, b)
     if problem:  # the runtime refuses it too (runtime.microbatch): say so before profiling
         raise ModelEntryError(problem)
-    # each in a storage of its own, as the engine gives every micro-batch (runtime.microbatch.own_copy): a
-    # batch's slice of a larger tensor (gpt's target, tokens[:, 1:]) would be saved by the loss as the whole
-    # storage where a view of it is all it reads (+8 bytes on gpt at b = 1)
-    inputs, target = _own_storages(tuple(inputs), dev), _own_storages(target, dev)
+    # each in a storage of its own, as the engine gives every micro-batch: a batch's slice of a larger
+    # tensor (gpt's target, tokens[:, 1:]) would be saved by the loss as the whole storage where a view of
+    # it is all it reads (+8 bytes on gpt at b = 1)
+    inputs, target = to_device(tuple(inputs), dev, copy=True), to_device(target, dev, copy=True)
     try:
         with run.forwarding():
             values = run_all_nodes(captured, inputs)

@@ -289,16 +289,12 @@ class UnitProfile:
                 raise read.error(f'{where}.weight_shared_bytes["{b}"]', "names a value, or more bytes of one, than "
                                  "the unit's shared_saved_bytes, of which it is a part")
         # parts of what the unit saves and holds: never more than the whole (the cost model subtracts them)
-        for b, shared in unit.shared_saved_bytes.items():
-            if b in unit.saved_bytes and sum(shared.values()) > unit.saved_bytes[b]:
-                raise read.error(f'{where}.shared_saved_bytes["{b}"]',
-                                 f"sums to {sum(shared.values())} bytes: more than the unit's saved_bytes "
-                                 f"({unit.saved_bytes[b]}), of which they are a part")
-        for b, dropped in unit.dropped_saved_bytes.items():
-            if b in unit.saved_bytes and sum(dropped.values()) > unit.saved_bytes[b]:
-                raise read.error(f'{where}.dropped_saved_bytes["{b}"]',
-                                 f"sums to {sum(dropped.values())} bytes: more than the unit's saved_bytes "
-                                 f"({unit.saved_bytes[b]}), of which they are a part")
+        for name in ("shared_saved_bytes", "dropped_saved_bytes"):
+            for b, part in getattr(unit, name).items():
+                if b in unit.saved_bytes and sum(part.values()) > unit.saved_bytes[b]:
+                    raise read.error(f'{where}.{name}["{b}"]',
+                                     f"sums to {sum(part.values())} bytes: more than the unit's saved_bytes "
+                                     f"({unit.saved_bytes[b]}), of which they are a part")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):
                 raise read.error(f'{where}.weight_kept_bytes["{b}"]', f"is {kept}: more than the unit's "

@@ -121,10 +121,9 @@ class MemoryRows(TieRows):
                            for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
         held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
                            if terms.shared_lost[k] and (k - 1, g) in self.rho)
-        if g > 0:
+        if g > 0:  # the cut the stage starts at ends stage g - 1
             held += pulp.lpSum(terms.first_recomputed[l] / MIB * self._first_recomputed(l, g) for l in range(1, L)
                                if terms.first_recomputed[l] and (l, g) in self.rho and self.cut_may_end(l, g - 1))
-        if g > 0:  # the cut the stage starts at ends stage g - 1
             held += pulp.lpSum(terms.at_start[k] / MIB * self.ends(k, g - 1) for k in range(1, L)
                                if terms.at_start[k] and self.cut_may_end(k, g - 1))
         else:  # the first stage starts at unit 0

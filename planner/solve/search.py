@@ -294,6 +294,22 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
     skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of a skipped one beats the best by more
+
+    def settle(index: int, start: Optional[Split], seconds: Optional[float], forms=None):
+        """Scenario `index` solved from `start` for `seconds`: its plan may become the best, and the
+        bound it proves joins what it had (each holds, so it keeps the larger)."""
+        nonlocal best
+        it = items[index]
+        before = proven[index][0] if index in proven else it.lower_bound
+        outcome = solve_scenario(profile, it.b, it.opts, start, seconds, backend, gap=scenario_gap(gap), forms=forms,
+                                 target_s=best[0].iteration_s if best is not None and warm_start else None)
+        engines.add(outcome.engine)
+        if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
+            best = (outcome.best, it)
+        proven[index] = (max(before, outcome.bound_s), outcome.optimal, outcome.best or start)
+        learned[index] = outcome.forms
+        return outcome
+
     for index, it in enumerate(items):
         out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
         if best is not None and (out_of_time or it.lower_bound >= best[0].iteration_s * (1 - skip)):
@@ -302,14 +318,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         # the most promising scenario half the time left, each later one an equal share of it (the
         # bound is the least of theirs); what one does not use goes to those after it
         left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - started))
-        remaining = None if left is None else max(left / 2, left / (len(items) - index))
-        outcome = solve_scenario(profile, it.b, it.opts, it.start, remaining, backend, gap=scenario_gap(gap),
-                                 target_s=best[0].iteration_s if best is not None and warm_start else None)
-        engines.add(outcome.engine)
-        if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
-            best = (outcome.best, it)
-        proven[index] = (max(outcome.bound_s, it.lower_bound), outcome.optimal, outcome.best or it.start)
-        learned[index] = outcome.forms
+        settle(index, it.start, None if left is None else max(left / 2, left / (len(items) - index)))
     # time left over (scenarios settled early): the unsettled ones again, from their best plans, the
     # least bound first; each bound proven holds, so a scenario keeps the larger. With no plan yet
     # too: a scenario stopped at its share with nothing is no answer while the limit has time left
@@ -320,15 +329,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         if left < RESOLVE_S or not open_ones:
             break
         index = min(open_ones, key=lambda i: proven[i][0])
-        it, (before, _, start) = items[index], proven[index]
-        outcome = solve_scenario(profile, it.b, it.opts, start, left, backend, gap=scenario_gap(gap),
-                                 forms=learned[index],
-                                 target_s=best[0].iteration_s if warm_start and best is not None else None)
-        learned[index] = outcome.forms
-        engines.add(outcome.engine)
-        if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
-            best = (outcome.best, it)
-        proven[index] = (max(before, outcome.bound_s), outcome.optimal, outcome.best or start)
+        before, _, start = proven[index]
+        outcome = settle(index, start, left, learned[index])
         if not outcome.optimal and outcome.bound_s <= before:
             break  # more time did not help it
     bound = min([skipped] + [b for b, _, _ in proven.values()])

@@ -395,7 +395,7 @@ def test_a_recomputed_unit_keeps_once_what_the_unit_before_saved(tmp_path, entry
 def test_a_loss_target_sliced_from_the_batch_holds_its_own_storage(tmp_path, schedule):
     """gpt's target is tokens[:, 1:], a view of the batch's tokens; at b = 1 the loss's reshape keeps it
     a view, so the profile's loss saved the whole (1, seq + 1) storage, 8 bytes more than the rank,
-    which gives every micro-batch's target a storage of its own (runtime.microbatch.own_copy). The
+    which gives every micro-batch's target a storage of its own (planner.model.spec.to_device with copy). The
     profile now measures on such copies."""
     from tests.support.runs import execute, profile_of, report_of
 

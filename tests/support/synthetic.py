@@ -102,7 +102,7 @@ def drop_saved(profile: Profile, units: Sequence[int], rng) -> None:
     for l in units:
         unit, whole = profile.units[l], rng.random() < 0.3
         for b in profile.micro_batch_sizes:
-            own = unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())
+            own = _unshared(unit, b)
             if whole and own == unit.saved_bytes[b]:
                 unit.dropped_saved_bytes[b] = {"": own}
             elif own > 0:
@@ -113,12 +113,11 @@ def share_kept(profile: Profile, cuts: Sequence[int], rng) -> None:
     """Units k - 1 and k both read a model input (gpt's tokens: the embedding saves them, the next
     unit reads their shape), for k in `cuts`: unit k - 1 saves it, and each keeps it when recomputed,
     with unit k's input across cut k (UnitProfile.recomputed_shared_bytes; planner.cost.ranges' r_k)."""
-    left = lambda unit, b: unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())  # noqa: E731
     for k in cuts:
         before, after = profile.units[k - 1], profile.units[k]
         draw = rng.randint(0, 1 << 19)
         for b in profile.micro_batch_sizes:
-            size = min(draw * b, left(before, b))
+            size = min(draw * b, _unshared(before, b))
             if size <= 0:
                 continue
             name = f"input{k}"
@@ -131,15 +130,19 @@ def share_kept(profile: Profile, cuts: Sequence[int], rng) -> None:
                 after.recomputed_shared_bytes[b][f"cut{k}"] = crossing
 
 
+def _unshared(unit, b: int) -> int:
+    """What a unit saves at b that no value it shares names (the room for another shared part)."""
+    return unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())
+
+
 def share_saved(profile: Profile, cuts: Sequence[int]) -> None:
     """Units k - 1 and k both save the activation crossing cut k (a ReLU's output the next
     convolution saves), for k in `cuts`, as `planner profile` records it (shared_saved_bytes): at
     most what each unit saves, all its shares together."""
-    left = lambda unit, b: unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())  # noqa: E731
     for k in cuts:
         before, after = profile.units[k - 1], profile.units[k]
         for b in profile.micro_batch_sizes:
-            size = min(profile.cut(k).activation_bytes(b), left(before, b), left(after, b))
+            size = min(profile.cut(k).activation_bytes(b), _unshared(before, b), _unshared(after, b))
             if size > 0:
                 before.shared_saved_bytes.setdefault(b, {})[f"cut{k}"] = size
                 after.shared_saved_bytes.setdefault(b, {})[f"cut{k}"] = size
