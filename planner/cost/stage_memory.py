@@ -13,9 +13,9 @@ kinds for one split), holds
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
 
 (first_a, first'_a: planner.cost.ranges; first'_a is first_a where the weight kind counts saved_l + k_l, and
-the first unit's measured difference in h_l where it counts h_l. A later stage of one unit under the
-zero-bubble weight kind holds h_a + first_a here where ranges.weight_held says h_a + first'_a: they differ
-only where inputs share storages and the parts hold them differently; `evaluate` is exact.)
+the first unit's measured difference in h_l where it counts h_l: where a later stage's first unit holds
+its h under the zero-bubble weight kind, with the kept gradients measured, `first_holds` adds
+first'_a - first_a.)
 
 less, for the tied weights (planner.cost.ties), the static bytes of the copies its units count beyond
 the one its rank holds (`tie_static` per copy; plus `tie_whole` - `tie_static` where the rank keeps it
@@ -35,7 +35,8 @@ at (`last_unit`); where the stage ends in frozen units after its last trained un
 h_t and the frozen ones their h (`trained_end`, by the cut it ends at; planner.cost.ranges). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
 P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1}
 (`shared_lost`) where unit l + 1 is in its stage, frees r_l (what it keeps that unit l - 1 holds too,
-planner.cost.ranges) but where it starts the stage (`first_recomputed`), and, the stage's last, cancels
+planner.cost.ranges) but where it starts the stage (`first_recomputed`), where it frees first_a (and
+first'_a) instead, and, the stage's last, cancels
 its `last_unit`. Every unit recomputed, saved_l is in_l - r_l and a stage gives r_a back at its start.
 A rank's peak is the largest over its vectors; with several stages on a rank the sum over them per
 vector. The fixed bytes every device holds are not in it: compare with
@@ -72,13 +73,18 @@ class HeldTerms:
     # [e], of at_end: the last unit's correction of a later stage's weight kind (h - s - k of unit
     # e - 1), which does not apply when that unit is recomputed (it holds its input alone)
     last_unit: np.ndarray
-    # [l]: bytes back when unit l is recomputed and starts the stage (r_l, of what it keeps, held once
-    # with the unit before, is in recompute_saves: planner.cost.ranges)
+    # [l]: bytes back when unit l is recomputed and starts a stage g > 0: r_l (what it keeps, held once
+    # with the unit before, is in recompute_saves) less its inputs as received (first_a, in at_start),
+    # which it then holds no more (planner.cost.ranges); stage 0's unit 0 has its first_0 in recompute_saves
     first_recomputed: np.ndarray
     # [e]: bytes added at the cut e the stage ends at where it holds unit trained[e] (its last unit with a
     # trained parameter, before its last unit) and recomputes none of units trained[e] .. e - 1: that
     # unit then holds its h, the frozen ones after it theirs (planner.cost.ranges); 0 where not so
     trained_end: np.ndarray
+    # [a]: bytes added where the stage starts at unit a, a holds its h (the stage's only unit, or its last
+    # trained unit ending it in frozen ones: trained[e] = a) and is not recomputed: a later stage's weight
+    # kind then counts its inputs as received by h, first'_a, not first_a (planner.cost.ranges)
+    first_holds: np.ndarray
 
 
 class StageMemory:
@@ -129,6 +135,7 @@ class StageMemory:
         # kept but its last unit, which holds h (`last`, by the cut the stage ends at) (planner.cost.ranges)
         last = np.zeros_like(c.act)
         trained_end = np.zeros_like(c.act)
+        first_holds = np.zeros_like(c.first)
         # what a unit holds between the parts of the weight kind that counts what it saves: less what
         # autograd freed as the forward returned (x_l; planner.cost.ranges' held_saved)
         kept_saved = c.s - c.dropped
@@ -140,6 +147,7 @@ class StageMemory:
             # also charged to a stage of that unit alone, where nothing is shared: an over-count)
             last[1:] = count("weight") * (self._held_less - c.weight_dup)
             trained_end = count("weight") * self.trained_correction
+            first_holds = count("weight") * (c.first_held - c.first)
         else:
             weight, held = self.weight, c.h
         # the kinds that hold what units save, whose neighbours' shared bytes count once (d_k in the live
@@ -147,9 +155,12 @@ class StageMemory:
         live_share, weight_share = count("live"), (count("weight") if whole or self.kept else 0)
         start_share = live_share * self.dup_at_cut + weight_share * self.held_dup_at_cut
         start = count("inbox") * c.act + count("sent_grad") * c.grad + start_share if g > 0 else zero
-        if not self.recompute_all:  # the first unit's inputs as received (planner.cost.ranges' first_a)
+        # the first unit's inputs as received (planner.cost.ranges' first_a), none when recomputed
+        first = np.zeros_like(c.first)
+        if not self.recompute_all:
             first_weight = c.first_held if not whole and not self.kept else c.first
-            start = start + np.append(count("live") * c.first + count("weight") * first_weight, 0.0)
+            first = count("live") * c.first + count("weight") * first_weight
+            start = start + np.append(first, 0.0)
         end = count("gradbox") * c.grad + count("sent_act") * c.act if g < self.S - 1 else zero
         if whole and g < self.S - 1:
             end = end + count("weight") * c.grad
@@ -161,9 +172,12 @@ class StageMemory:
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
         redo_dup = np.zeros_like(c.redo_dup) if self.recompute_all else \
             live_share * c.redo_dup + weight_share * c.held_redo_dup
-        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves + redo_dup,
+        saves = saves + redo_dup
+        if g == 0:  # unit 0 starts stage 0
+            saves[0] += first[0]
+        return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          start_share, last,
-                         first_recomputed=redo_dup, trained_end=trained_end)
+                         first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds)
 
     @cached_property
     def _held_less(self) -> np.ndarray:
@@ -211,8 +225,11 @@ class StageMemory:
                 value = value + terms.at_start[first][:, None] + terms.at_end[None, :]
                 # where the stage holds its last trained unit (no recomputation here but every unit's,
                 # under which the weight kind counts no trained_end)
-                holds = first[:, None] <= self.costs.trained[None, :]
-                value = value + np.where(holds, terms.trained_end[None, :], 0.0)
+                trained = self.costs.trained[None, :]
+                value = value + np.where(first[:, None] <= trained, terms.trained_end[None, :], 0.0)
+                # where the first unit holds its h: the only one, or the last trained one
+                holder = (first[:, None] == trained) | (np.arange(len(self._static))[None, :] == first[:, None] + 1)
+                value = value + np.where(holder, np.append(terms.first_holds, 0.0)[first][:, None], 0.0)
                 held = np.where((whole == kind)[:, None], np.maximum(held, value), held)
         if self.ties:
             static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))

@@ -12,12 +12,14 @@ import math
 import time
 from typing import List, Optional
 
+import numpy as np
+
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, rank_caps
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
-from planner.solve.chain_recompute import freed_bytes
+from planner.solve.chain_recompute import frees_somewhere
 from planner.solve.replica_tables import replica_tuples, replicates_running_stats
 from planner.solve.solution import Solution
 
@@ -26,29 +28,25 @@ MAX_COMBINATIONS = 200_000
 
 def _shrinkable(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
     """The units whose recomputation is chosen one by one (--recompute auto under a cap: those whose
-    recomputation frees bytes in some stage; every unit under zero bubble, whose weight part holds
-    other bytes); None when the recomputation is fixed (none, all, or no cap). A unit freeing nothing
-    anywhere only adds time. It frees the most (chain_recompute.freed_bytes) as the last unit of a
-    stage, first in it ([l, l + 1)) or after one other ([l - 1, l + 1)): what it shares with the unit
-    after it stays with that unit."""
+    recomputation frees bytes in some stage, chain_recompute.frees_somewhere; every unit under zero
+    bubble, whose weight part holds other bytes); None when the recomputation is fixed (none, all, or
+    no cap)."""
     if opts.recompute == "all" or opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
         return None
     if opts.schedule in ZERO_BUBBLE_SCHEDULES:
         return list(range(profile.num_units))
-    costs = range_costs(profile, b)
-    return [l for l in range(profile.num_units)
-            if freed_bytes(costs, l, l + 1)[0] > 0 or l > 0 and freed_bytes(costs, l - 1, l + 1)[1] > 0]
+    return [int(l) for l in np.flatnonzero(frees_somewhere(range_costs(profile, b)))]
 
 
-def _recompute_set_count(profile: Profile, b: int, opts: CostOptions) -> int:
-    shrinkable = _shrinkable(profile, b, opts)
+def _set_count(shrinkable: Optional[List[int]]) -> int:
+    """How many recomputation sets brute force tries, given `_shrinkable`'s units."""
     return 1 if shrinkable is None else 2 ** len(shrinkable)
 
 
-def _recompute_sets(profile: Profile, b: int, opts: CostOptions) -> List[List[int]]:
-    shrinkable = _shrinkable(profile, b, opts)
+def _recompute_sets(shrinkable: Optional[List[int]], opts: CostOptions, L: int) -> List[List[int]]:
+    """Every recomputation set brute force tries, given `_shrinkable`'s units."""
     if shrinkable is None:
-        return [list(range(profile.num_units))] if opts.recompute == "all" else [[]]
+        return [list(range(L))] if opts.recompute == "all" else [[]]
     return [list(s) for r in range(len(shrinkable) + 1) for s in itertools.combinations(shrinkable, r)]
 
 
@@ -63,11 +61,12 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     if C > L:
         raise ValueError(f"{C} stages requested but the profile has only {L} units")
     sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-    combinations = math.comb(L - 1, C - 1) * sum(_recompute_set_count(profile, b, opts) for b in sizes)
+    shrinkable = {b: _shrinkable(profile, b, opts) for b in sizes}
+    combinations = math.comb(L - 1, C - 1) * sum(_set_count(units) for units in shrinkable.values())
     if combinations > MAX_COMBINATIONS:
         raise ValueError(f"brute force would evaluate {combinations} plans (limit {MAX_COMBINATIONS}); "
                          "use the ILP solver")
-    sets = {b: _recompute_sets(profile, b, opts) for b in sizes}
+    sets = {b: _recompute_sets(units, opts, L) for b, units in shrinkable.items()}
     best = None  # (iteration, boundaries, b, recompute, cost)
     for boundaries in itertools.combinations(range(1, L), C - 1):
         for b in sizes:
@@ -93,7 +92,7 @@ def replicated_plan_count(profile: Profile, opts: CostOptions, limit: float = ma
     L, N, total = profile.num_units, opts.pipeline_ranks, 0
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
-        sets = _recompute_set_count(profile, b, opts)
+        sets = _set_count(_shrinkable(profile, b, opts))
         for S in range(1, min(N, L) + 1):
             total += sum(1 for _ in replica_tuples(N, S, m)) * math.comb(L - 1, S - 1) * sets
             if total > limit:  # (the tuples alone grow fast with N)
@@ -109,7 +108,7 @@ def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solu
     best = None  # (iteration, cost, boundaries, b, options, recompute)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
         m = opts.global_batch // (opts.data_parallel * b)
-        sets = _recompute_sets(profile, b, opts)
+        sets = _recompute_sets(_shrinkable(profile, b, opts), opts, L)
         for S in range(1, min(N, L) + 1):
             for reps in replica_tuples(N, S, m):
                 scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N

@@ -48,6 +48,14 @@ def freed_bytes(costs, a: int, e: int) -> np.ndarray:
     return g
 
 
+def frees_somewhere(costs) -> np.ndarray:
+    """[l]: whether recomputing unit l frees bytes of the live kind in some stage (`freed_bytes`): the most
+    it frees is as a stage's last unit (what it shares with the unit after it stays with that unit), first
+    in it (its inputs as received go, first_l) or after another (what it keeps that the unit before holds
+    too is held once, r_l). A unit freeing nothing anywhere only adds time."""
+    return costs.s - costs.inputs + np.maximum(costs.first, costs.redo_dup) > 0
+
+
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     """(lower, upper) lists of (L+1) x (L+1) matrices [a, e] of recomputation time per stage."""
     C = opts.num_stages

@@ -19,7 +19,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, List, Optional, Set
+from typing import Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -277,6 +277,7 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     if best is not None:
         best = _perturbations(profile, b, opts, best, forms, deadline)
     tight = False  # solve the next program to `gap` (a loose one found nothing new)
+    excluded: List[Tuple[List[int], List[int]]] = []  # plans the program took as fitting that do not
     built_s = 0.0  # how long the last program took to build (a build cannot be stopped at the time limit)
     while True:
         cutoff = min(best.iteration_s if best is not None else math.inf,
@@ -299,6 +300,8 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
             for form in forms:
                 check_deadline(late)
                 program.add_form(form, big_m_ms(profile, b, opts, form))
+            for plan in excluded:
+                program.exclude(*plan)
         except NoSplit:
             return outcome(best, cutoff, True)
         except OutOfTime:
@@ -333,6 +336,8 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         if len(forms) == before and loose:
             tight = True
             continue
+        if found is None:  # the program took for a plan one `evaluate` rejects (a memory term its rows miss)
+            excluded.append((list(result.boundaries), list(result.recompute)))
         if len(forms) == before and found is not None:
             # the split's own path was known and still the program undervalues it: numerical noise
             return outcome(best, max(bound, min(result.value_s, best.iteration_s)), result.optimal)

@@ -64,6 +64,7 @@ class Program(DurationRows, MemoryRows):
         self.T = variable(self.prob, "T")
         self.prob += self.T + opts.step_overhead_s * MS
         self.forms: List[PathForm] = []
+        self.excluded = 0  # plans cut off (`exclude`)
 
     # --- paths ----------------------------------------------------------------------------------
     def add_form(self, form: PathForm, big_m_ms: float) -> None:
@@ -78,6 +79,21 @@ class Program(DurationRows, MemoryRows):
         else:
             self.add(self.T >= value, f"path_{n}")
         self.forms.append(form)
+
+    def exclude(self, boundaries: Sequence[int], recompute: Sequence[int]) -> None:
+        """A row no split but this one (with this recomputation) satisfies: the program took it for a
+        plan that fits where `evaluate` says it does not (a memory term it does not count), so it is cut
+        off rather than proposed again:
+        sum_g e[k_g][g] + sum_{l in R} rho[l][g_l] - sum_{l not in R} rho[l][g_l] <= S - 2 + |R|."""
+        if any(not self.cut_may_end(k, g) for g, k in enumerate(boundaries)):
+            return  # the program cannot pick it anyway
+        edges = [0, *boundaries, self.L]
+        stage = {l: g for g in range(self.S) for l in range(edges[g], edges[g + 1])}
+        chosen = [r for (l, g), r in self.rho.items() if stage[l] == g and l in recompute]
+        others = [r for (l, g), r in self.rho.items() if stage[l] == g and l not in recompute]
+        self.add(pulp.lpSum(self.ends(k, g) for g, k in enumerate(boundaries)) + pulp.lpSum(chosen) - pulp.lpSum(others)
+                 <= self.S - 2 + len(chosen), f"exclude_{self.excluded}")
+        self.excluded += 1
 
     def warm_start(self, boundaries: Sequence[int], recompute: Sequence[int]) -> None:
         edges = list(boundaries) + [self.L]

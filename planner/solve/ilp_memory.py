@@ -24,56 +24,57 @@ from planner.solve.ilp_ties import TieRows
 class MemoryRows(TieRows):
     """A row per rank and peak of its list: its held bytes within its cap."""
 
+    def _product(self, name: str, ones, zeros=(), exact: bool = True):
+        """v = prod(ones) prod(1 - zeros) of binaries (or 0/1 constants), made once per name: v >= 0,
+        v >= sum(ones) + sum(1 - zeros) - (n - 1), and, `exact`, v <= each factor (a term whose
+        coefficient may be negative needs both; one the memory rows never want larger only the first)."""
+        if name not in self._products:
+            v = self._products[name] = variable(self.prob, name)
+            factors = list(ones) + [1 - z for z in zeros]
+            if exact:
+                for n, factor in enumerate(factors):
+                    self.add(v <= factor, f"{name}_{n}")
+            self.add(v >= pulp.lpSum(factors) - (len(factors) - 1), f"{name}_all")
+        return self._products[name]
+
+    def _end(self, e: int, g: int):
+        """1 where stage g ends at cut e (the last stage at L)."""
+        return self.ends(e, g) if e < self.L else 1
+
     def _sharing_lost(self, k: int, g: int):
-        """u_kg >= 0, 1 where units k - 1 and k are both in stage g and unit k - 1 is recomputed: what
-        both saved is then held twice (planner.cost.stage_memory's `shared_lost`), so
-        u_kg >= rho_(k-1)g + x_kg - 1 (the memory rows never want it larger)."""
-        if (k, g) not in self._lost:
-            u = self._lost[k, g] = variable(self.prob, f"shared_lost_{k}_{g}")
-            self.add(u >= self.rho[k - 1, g] + self.x(k, g) - 1, f"shared_lost_{k}_{g}")
-        return self._lost[k, g]
+        """1 where units k - 1 and k are both in stage g and unit k - 1 is recomputed: what both saved
+        is then held twice (planner.cost.stage_memory's `shared_lost`, a positive term)."""
+        return self._product(f"shared_lost_{k}_{g}", [self.rho[k - 1, g], self.x(k, g)], exact=False)
 
     def _first_recomputed(self, l: int, g: int):
-        """w_lg >= 0, 1 where unit l starts stage g > 0 and is recomputed: what it keeps that the unit
-        before holds too (planner.cost.stage_memory's `first_recomputed`) is then held by it alone, so
-        w_lg >= rho_lg + ends(l, g - 1) - 1 (the memory rows never want it larger)."""
-        if (l, g) not in self._first:
-            w = self._first[l, g] = variable(self.prob, f"first_recomputed_{l}_{g}")
-            self.add(w >= self.rho[l, g] + self.ends(l, g - 1) - 1, f"first_recomputed_{l}_{g}")
-        return self._first[l, g]
+        """1 where unit l starts stage g > 0 and is recomputed: what it keeps that the unit before holds
+        too is then held by it alone, and its inputs as received not at all (`first_recomputed`)."""
+        return self._product(f"first_recomputed_{l}_{g}", [self.rho[l, g], self.ends(l, g - 1)])
 
     def _last_recomputed(self, l: int, g: int):
-        """v_lg, 1 where unit l is stage g's last unit and recomputed (rho_lg and stage g ends at cut
-        l + 1): its weight-kind correction (planner.cost.stage_memory's `last_unit`) then does not
-        apply. Bounded both ways, as its coefficient may have either sign."""
-        if (l, g) not in self._last:
-            v = self._last[l, g] = variable(self.prob, f"last_recomputed_{l}_{g}")
-            rho = self.rho[l, g]
-            self.add(v <= rho, f"last_recomputed_{l}_{g}_rho")
-            if l + 1 < self.L:
-                ends = self.ends(l + 1, g)
-                self.add(v <= ends, f"last_recomputed_{l}_{g}_ends")
-                self.add(v >= rho + ends - 1, f"last_recomputed_{l}_{g}_both")
-            else:  # unit L - 1 ends the last stage
-                self.add(v >= rho, f"last_recomputed_{l}_{g}_both")
-        return self._last[l, g]
+        """1 where unit l is stage g's last unit and recomputed: its weight-kind correction (`last_unit`)
+        then does not apply."""
+        return self._product(f"last_recomputed_{l}_{g}", [self.rho[l, g], self._end(l + 1, g)])
 
     def _trained_end(self, e: int, g: int):
-        """v_eg, 1 where stage g ends at cut e, holds unit t = trained[e] (its last unit with a trained
-        parameter) and recomputes none of units t .. e - 1: its weight kind's `trained_end` then applies
-        (planner.cost.stage_memory). Bounded both ways, as its coefficient may have either sign."""
-        if (e, g) not in self._trained:
-            t = int(self.costs.trained[e])
-            v = self._trained[e, g] = variable(self.prob, f"trained_end_{e}_{g}")
-            ends = self.ends(e, g) if e < self.L else 1
-            holds = self.x(t, g)
-            redo = [self.rho[l, g] for l in range(t, e) if (l, g) in self.rho]
-            self.add(v <= ends, f"trained_end_{e}_{g}_ends")
-            self.add(v <= holds, f"trained_end_{e}_{g}_holds")
-            for n, r in enumerate(redo):
-                self.add(v <= 1 - r, f"trained_end_{e}_{g}_redo_{n}")
-            self.add(v >= ends + holds - 1 - pulp.lpSum(redo), f"trained_end_{e}_{g}_all")
-        return self._trained[e, g]
+        """1 where stage g ends at cut e, holds unit t = trained[e] (its last unit with a trained
+        parameter) and recomputes none of units t .. e - 1: its weight kind's `trained_end` applies."""
+        t = int(self.costs.trained[e])
+        redo = [self.rho[l, g] for l in range(t, e) if (l, g) in self.rho]
+        return self._product(f"trained_end_{e}_{g}", [self._end(e, g), self.x(t, g)], redo)
+
+    def _first_holds(self, a: int, g: int):
+        """1 where stage g > 0 starts at unit a, which holds its h and is not recomputed (`first_holds`):
+        the stage's only unit, or its last trained unit ending it in frozen units (trained[e] = a)."""
+        terms = []
+        if self.cut_may_end(a, g - 1) and (self.cut_may_end(a + 1, g) if a + 1 < self.L else g == self.S - 1):
+            redo = [self.rho[a, g]] if (a, g) in self.rho else []
+            terms.append(self._product(f"first_holds_{a}_{g}", [self.ends(a, g - 1), self._end(a + 1, g)], redo))
+        for e in range(a + 2, self.L + 1):
+            if int(self.costs.trained[e]) == a and (self.cut_may_end(e, g) if e < self.L else g == self.S - 1) \
+                    and self.cut_may_end(a, g - 1):
+                terms.append(self._product(f"first_trained_{e}_{g}", [self.ends(a, g - 1), self._trained_end(e, g)]))
+        return pulp.lpSum(terms)
 
     def _memory(self, deadline: Optional[float]) -> None:
         opts, L = self.opts, self.L
@@ -134,6 +135,9 @@ class MemoryRows(TieRows):
             held += terms.at_end[L] / MIB
         held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
                            for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
+        if g > 0:
+            held += pulp.lpSum(terms.first_holds[a] / MIB * self._first_holds(a, g) for a in range(1, L)
+                               if terms.first_holds[a] and self.may(a, g))
         held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
                            if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g)
                            and (self.cut_may_end(e, g) if e < L else g == self.S - 1))
@@ -144,5 +148,6 @@ def _most(terms) -> float:
     """A bound (MiB) of |a stage's held bytes| under these terms (StageMemory.held's) over every split."""
     return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
                                                  terms.at_start, terms.at_end, terms.last_unit,
-                                                 terms.first_recomputed, terms.trained_end))) / MIB
+                                                 terms.first_recomputed, terms.trained_end,
+                                                 terms.first_holds))) / MIB
 

@@ -24,6 +24,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
+from planner.solve.chain_recompute import frees_somewhere
 
 MS = 1e3  # seconds -> milliseconds
 MIB = float(2 ** 20)  # bytes -> MiB
@@ -96,18 +97,15 @@ class SplitProgram:
     def _recompute_vars(self) -> None:
         c, opts = self.costs, self.opts
         self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
-        self._lost: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _sharing_lost's variables
-        self._last: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _last_recomputed's variables
-        self._first: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _first_recomputed's variables
-        self._trained: Dict[Tuple[int, int], pulp.LpVariable] = {}  # _trained_end's variables
+        self._products: Dict[str, pulp.LpVariable] = {}  # the memory rows' products of binaries, by name
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
-        # a unit saving no more than its inputs frees nothing by recomputing in a stage's live kind,
-        # but may in the zero-bubble weight kind (h_l over its inputs, a later stage's last unit:
-        # planner.cost.stage_memory), where the program weighs it
-        zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
+        # a unit freeing nothing by recomputing in a stage's live kind may in the zero-bubble weight kind
+        # (h_l over its inputs, a later stage's last unit: planner.cost.stage_memory), where the program
+        # weighs every unit
+        useful = frees_somewhere(c) | (opts.schedule in ZERO_BUBBLE_SCHEDULES)
         for l in range(self.L):
-            if c.s[l] + c.redo_dup[l] > c.inputs[l] or zero_bubble:
+            if useful[l]:
                 for g in range(self.low[l], self.high[l] + 1):
                     self.rho[l, g] = variable(self.prob, f"r_{l}_{g}", binary=True)
                     self.add(self.rho[l, g] <= self.x(l, g), f"recompute_in_stage_{l}_{g}")

@@ -341,3 +341,34 @@ def test_the_program_and_the_moves_before_it_stop_at_the_deadline():
     first = _best_of(profile, 1, opts, moves, None, forms, math.inf, deadline=past)
     assert first is not None and first.boundaries == [1, 3]  # only the first move was given its choice
     assert _best_of(profile, 1, opts, moves, None, forms, math.inf).boundaries == [2, 4]
+
+
+@pytest.mark.parametrize("schedule,ranks,virtual,recompute", [("interleaved", 2, 2, "none"), ("1f1b", 2, 1, "auto")])
+def test_a_plan_the_program_takes_for_fitting_wrongly_is_cut_off_not_proposed_again(schedule, ranks, virtual,
+                                                                                     recompute):
+    """Rows that count too few bytes (here: every stage's held bytes at 60 %) make the program pick plans
+    `evaluate` rejects; the search cuts each off (Program.exclude) and ends at brute force's optimum
+    instead of proposing the same plan until its time limit."""
+    from unittest import mock
+
+    from planner.solve.ilp import Program
+    from planner.solve.ilp_memory import MemoryRows
+    from tests.support.synthetic import random_chain
+
+    profile = random_chain(random.Random(0), 6, sizes=(1, 2))
+    free = CostOptions(pipeline_ranks=ranks, virtual_stages=virtual, schedule=schedule, global_batch=8, bandwidth=1e9)
+    peaks = sorted(max(evaluate(profile, list(cuts), 2, free).device_memory)
+                   for cuts in itertools.combinations(range(1, 6), free.num_stages - 1))
+    opts = free.with_(memory_cap=peaks[len(peaks) // 3], recompute=recompute)
+    oracle = solve_brute(profile, opts)
+    held, exclude, cut_off = MemoryRows._held, Program.exclude, []
+
+    def counting(program, boundaries, redo):
+        cut_off.append(list(boundaries))
+        exclude(program, boundaries, redo)
+
+    with program_only(), mock.patch.object(MemoryRows, "_held", lambda self, terms, g: 0.6 * held(self, terms, g)), \
+            mock.patch.object(Program, "exclude", counting):
+        found = solve(profile, opts)
+    assert cut_off, "the rows as patched took no wrong plan: the test shows nothing"
+    assert found.status == "optimal" and found.objective == pytest.approx(oracle.objective, rel=1e-9)

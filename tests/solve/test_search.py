@@ -17,12 +17,12 @@ from tests.support.synthetic import random_chain, synthetic_profile
 
 
 @st.composite
-def chains(draw, max_units=14, max_stages=5, with_cap=True):
+def chains(draw, max_units=14, max_stages=5, with_cap=True, apart=False):
     L = draw(st.integers(2, max_units))
     S = draw(st.integers(1, min(max_stages, L)))
     sizes = tuple(sorted(draw(st.sets(st.sampled_from((1, 2, 4)), min_size=1, max_size=3))))
     rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
-    profile = random_chain(rng, L, sizes, stage_overhead=True)
+    profile = random_chain(rng, L, sizes, stage_overhead=True, apart=apart)
     opts = CostOptions(pipeline_ranks=S, global_batch=draw(st.sampled_from([4, 8, 16])),
                        schedule=draw(st.sampled_from(["1f1b", "gpipe"])), bandwidth=rng.choice([1e8, 1e9, 1e10]),
                        latency=rng.choice([0.0, 1e-4]), message_s=rng.choice([0.0, 5e-5]),
@@ -64,13 +64,28 @@ def test_exact_search_equals_brute_force(problem, recompute, replicas):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains(max_units=6, max_stages=3), st.sampled_from(["1f1b", "gpipe", "zb-h1"]))
+@given(chains(max_units=6, max_stages=3, apart=True), st.sampled_from(["1f1b", "gpipe", "zb-h1"]))
 def test_the_program_alone_equals_brute_force_under_recompute_auto(problem, schedule):
     # the chains' storages shared by neighbours (d_k, r_k: planner.cost.ranges) enter the program's
     # memory rows through the recomputation variables; the branch and bound settles most scenarios
     # before the program is built, so it runs alone here
     profile, opts = problem
     both_solvers_match_brute_force(profile, opts.with_(recompute="auto", schedule=schedule), ways=("program",))
+
+
+@pytest.mark.parametrize("seed", [15, 16, 23, 33])
+def test_a_recomputed_stage_first_unit_frees_its_inputs_as_received(seed):
+    """A unit starting a stage receives its inputs each in a storage of its own (first_a); recomputed, it
+    keeps them alone (planner.cost.ranges): the program counted first_a still, and made no variable for a
+    unit that frees bytes only so, and rejected the best plan under the cap (these seeds)."""
+    rng = random.Random(seed)
+    L = rng.randint(3, 6)
+    S = rng.randint(2, min(3, L))
+    profile = random_chain(rng, L, (1, 2), apart=True)
+    opts = CostOptions(pipeline_ranks=S, global_batch=8, schedule=rng.choice(["1f1b", "gpipe"]), bandwidth=1e9)
+    peak = max(solve(profile, opts, method="dp").cost.device_memory)
+    for share in (0.7, 0.85):
+        both_solvers_match_brute_force(profile, opts.with_(memory_cap=peak * share, recompute="auto"), ways=("program",))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,7 @@ from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.search import scenario_lower_bound
 from tests.support.solvers import both_solvers_match_brute_force, program_only
-from tests.support.synthetic import random_chain
+from tests.support.synthetic import random_chain, receive_apart
 
 
 def _chain(seed: int, L: int, frozen: bool = False):
@@ -35,6 +35,8 @@ def _chain(seed: int, L: int, frozen: bool = False):
         for u in profile.units:
             u.weight_calls, u.weight_walk_nodes = walk.randint(0, 6), walk.randint(0, 300)
         profile.weight_walk_s = {b: walk.uniform(0, 4e-5) * b for b in profile.micro_batch_sizes}
+    if seed % 4 == 2:  # some units' inputs received in storages of their own (first_a)
+        receive_apart(profile, [l for l in range(L) if rng.random() < 0.4], rng)
     return profile
 
 
@@ -134,14 +136,34 @@ def test_solvers_count_a_stage_ending_in_frozen_units(seed):
     saved (planner.cost.ranges' trained[e]); the stage memory's rows, the integer program and the search
     agree with brute force (without the term in the program's rows, zb-v at seed 10 found no plan where
     one fits)."""
-    from planner.solve.diagnose import memory_matrices
-
     profile = _chain(seed, 6, frozen=True)
     for l in (4, 5) if seed % 4 == 0 else (2, 5):
         profile.units[l].trainable_bytes = 0
         profile.units[l].weight_held_bytes = {b: 0 for b in profile.micro_batch_sizes}
         profile.units[l].weight_kept_bytes = {b: 0 for b in profile.micro_batch_sizes}
     assert range_costs(profile, 2).kept_known
+    _memory_decides(profile)
+
+
+@pytest.mark.parametrize("seed", [2, 6])
+def test_solvers_count_a_stage_first_units_inputs_as_its_weight_part_holds_them(seed):
+    """A later stage whose first unit holds its h (the only one) counts that unit's inputs as received as
+    its weight part holds them (first'_a, first_weight_held_bytes), not as its forward saves them
+    (first_a): the stage memory's rows and the integer program against brute force, on a chain where
+    they differ for every unit."""
+    from tests.support.synthetic import receive_apart
+
+    profile = _chain(seed, 6)
+    receive_apart(profile, range(6), random.Random(seed))
+    assert range_costs(profile, 2).kept_known
+    _memory_decides(profile)
+
+
+def _memory_decides(profile):
+    """The stage memory's rows equal `evaluate` on every split of a six-unit chain (zb-h1, 2 and 3 ranks);
+    under caps at splits' peaks, and recomputation, the solvers equal brute force."""
+    from planner.solve.diagnose import memory_matrices
+
     for p in (2, 3):
         free = CostOptions(pipeline_ranks=p, global_batch=8, schedule="zb-h1", bandwidth=1e9, latency=2e-5)
         splits = list(itertools.combinations(range(1, 6), p - 1))
@@ -162,3 +184,4 @@ def test_solvers_count_a_stage_ending_in_frozen_units(seed):
         for opts in [free.with_(memory_cap=cap) for cap in peaks] + [free.with_(memory_cap=peaks[1], recompute="auto")]:
             oracle, _ = both_solvers_match_brute_force(profile, opts)
             assert oracle is not None, (opts.schedule, opts.memory_cap)
+

@@ -61,12 +61,13 @@ def synthetic_profile(forward: Sequence[PerSize], backward: Sequence[PerSize], p
 
 
 def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: bool = False,
-                 frozen: bool = False) -> Profile:
+                 frozen: bool = False, apart: bool = False) -> Profile:
     """A random chain of L units (times growing with b, random parameter, saved and cut bytes, half
     of the cuts' activations saved by both neighbours: `share_saved`, and model inputs read by the
     first unit and some others: what they keep when recomputed); with `stage_overhead`,
     half of them also charge every stage a random call cost per micro-batch; with `frozen`, a quarter of
-    the units train no parameter (`freeze`)."""
+    the units train no parameter (`freeze`); with `apart`, a third of them save more where they start a
+    stage (`receive_apart`)."""
     per = lambda lo, hi: {b: rng.uniform(lo, hi) * (0.5 + b) for b in sizes}  # noqa: E731
     profile = synthetic_profile([per(1e-3, 1e-2) for _ in range(L)], [per(2e-3, 2e-2) for _ in range(L)],
                                 [rng.randint(0, 8 << 20) for _ in range(L)], [rng.randint(0, 4 << 20) for _ in range(L)],
@@ -84,7 +85,22 @@ def random_chain(rng, L: int, sizes: Sequence[int] = (1, 2, 4), stage_overhead: 
     drop_saved(profile, [l for l in range(L) if extra.random() < 0.25], extra)
     if frozen:
         freeze(profile, [l for l in range(L) if extra.random() < 0.25])
+    if apart:
+        receive_apart(profile, [l for l in range(L) if extra.random() < 0.33], extra)
     return profile
+
+
+def receive_apart(profile: Profile, units: Sequence[int], rng) -> None:
+    """Each unit in `units` saves more where it starts a stage: its inputs arrive each in a storage of its
+    own, where inside a stage two are views of one (UnitProfile.first_saved_bytes, planner.cost.ranges'
+    first_a; first_weight_held_bytes where it splits its backward). Recomputed, it keeps its inputs
+    alone, so it frees these bytes too."""
+    for l in units:
+        unit, more = profile.units[l], rng.randint(1 << 16, 4 << 20)
+        unit.first_saved_bytes = {b: s + more * b for b, s in unit.saved_bytes.items()}
+        if unit.split_backward and unit.weight_held_bytes:
+            held = rng.randint(0, 2 * more)  # what of them its weight part still holds: more or less
+            unit.first_weight_held_bytes = {b: h + held * b for b, h in unit.weight_held_bytes.items()}
 
 
 def freeze(profile: Profile, units: Sequence[int]) -> None:
