@@ -85,6 +85,11 @@ class HeldTerms:
     # trained unit ending it in frozen ones: trained[e] = a) and is not recomputed: a later stage's weight
     # kind then counts its inputs as received by h, first'_a, not first_a (planner.cost.ranges)
     first_holds: np.ndarray
+    # [l]: bytes back where unit l holds its h (the stage's last unit, or its last trained one ending it in
+    # frozen units), is not recomputed, and shares nothing with a unit before it that the stage counts: it
+    # starts the stage or that unit is recomputed. `last_unit` and `trained_end` count it as holding, of
+    # what it shares with that unit, what it let go too (d^h_l - d'_l, planner.cost.ranges)
+    alone_shared: np.ndarray
 
 
 class StageMemory:
@@ -136,6 +141,7 @@ class StageMemory:
         last = np.zeros_like(c.act)
         trained_end = np.zeros_like(c.act)
         first_holds = np.zeros_like(c.first)
+        alone_shared = np.zeros_like(c.first)
         # what a unit holds between the parts of the weight kind that counts what it saves: less what
         # autograd freed as the forward returned (x_l; planner.cost.ranges' held_saved)
         kept_saved = c.s - c.dropped
@@ -144,10 +150,11 @@ class StageMemory:
         elif self.kept:
             weight, held = self.held_saved + c.k, kept_saved + c.k
             # (and of what it shares with the unit before, what its input part let go: d^h - d', planner.cost.ranges;
-            # also charged to a stage of that unit alone, where nothing is shared: an over-count)
+            # given back where it shares nothing counted with a unit before it: `alone_shared`)
             last[1:] = count("weight") * (self._held_less - c.weight_dup)
             trained_end = count("weight") * self.trained_correction
             first_holds = count("weight") * (c.first_held - c.first)
+            alone_shared = count("weight") * (c.held_dup - c.weight_dup)
         else:
             weight, held = self.weight, c.h
         # the kinds that hold what units save, whose neighbours' shared bytes count once (d_k in the live
@@ -177,7 +184,8 @@ class StageMemory:
             saves[0] += first[0]
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          start_share, last,
-                         first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds)
+                         first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds,
+                         alone_shared=alone_shared)
 
     @cached_property
     def _held_less(self) -> np.ndarray:
@@ -191,8 +199,7 @@ class StageMemory:
         it ends at cut e in frozen units after its last trained unit t = trained[e] and holds t (none of
         t .. e - 1 recomputed): t holds h_t (less what it shares with the unit before and let go, d'_t),
         each unit after it its h_l, against `per_unit` and `last_unit`'s count (planner.cost.ranges).
-        Where t starts the stage it holds d^h_t - d'_t more than so counted (an over-count, as a stage
-        of one unit's)."""
+        Where t starts the stage, or follows a recomputed unit, `alone_shared` gives d^h_t - d'_t back."""
         c, less = self.costs, self._held_less
         out = np.zeros_like(c.act)
         for e in range(1, c.num_units + 1):
@@ -229,7 +236,8 @@ class StageMemory:
                 value = value + np.where(first[:, None] <= trained, terms.trained_end[None, :], 0.0)
                 # where the first unit holds its h: the only one, or the last trained one
                 holder = (first[:, None] == trained) | (np.arange(len(self._static))[None, :] == first[:, None] + 1)
-                value = value + np.where(holder, np.append(terms.first_holds, 0.0)[first][:, None], 0.0)
+                value = value + np.where(holder, np.append(terms.first_holds - terms.alone_shared, 0.0)[first][:, None],
+                                         0.0)
                 held = np.where((whole == kind)[:, None], np.maximum(held, value), held)
         if self.ties:
             static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))

@@ -76,6 +76,19 @@ class MemoryRows(TieRows):
                 terms.append(self._product(f"first_trained_{e}_{g}", [self.ends(a, g - 1), self._trained_end(e, g)]))
         return pulp.lpSum(terms)
 
+    def _holds_after_recomputed(self, l: int, g: int):
+        """1 where unit l holds its h in stage g (its last unit, or its last trained one ending it in frozen
+        units), is not recomputed and unit l - 1 is (`alone_shared`)."""
+        terms = []
+        if self.cut_may_end(l + 1, g) if l + 1 < self.L else g == self.S - 1:
+            redo = [self.rho[l, g]] if (l, g) in self.rho else []
+            terms.append(self._product(f"after_recomputed_{l}_{g}", [self.rho[l - 1, g], self._end(l + 1, g)], redo))
+        for e in range(l + 2, self.L + 1):
+            if int(self.costs.trained[e]) == l and (self.cut_may_end(e, g) if e < self.L else g == self.S - 1):
+                terms.append(self._product(f"trained_after_recomputed_{e}_{g}",
+                                           [self.rho[l - 1, g], self._trained_end(e, g)]))
+        return pulp.lpSum(terms)
+
     def _memory(self, deadline: Optional[float]) -> None:
         opts, L = self.opts, self.L
         memory = StageMemory(self.profile, self.b, opts, opts.recompute == "all")
@@ -136,8 +149,10 @@ class MemoryRows(TieRows):
         held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
                            for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
         if g > 0:
-            held += pulp.lpSum(terms.first_holds[a] / MIB * self._first_holds(a, g) for a in range(1, L)
-                               if terms.first_holds[a] and self.may(a, g))
+            held += pulp.lpSum((terms.first_holds[a] - terms.alone_shared[a]) / MIB * self._first_holds(a, g)
+                               for a in range(1, L) if (terms.first_holds[a] or terms.alone_shared[a]) and self.may(a, g))
+        held -= pulp.lpSum(terms.alone_shared[l] / MIB * self._holds_after_recomputed(l, g) for l in range(1, L)
+                           if terms.alone_shared[l] and (l - 1, g) in self.rho)
         held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
                            if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g)
                            and (self.cut_may_end(e, g) if e < L else g == self.S - 1))
@@ -149,5 +164,5 @@ def _most(terms) -> float:
     return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
                                                  terms.at_start, terms.at_end, terms.last_unit,
                                                  terms.first_recomputed, terms.trained_end,
-                                                 terms.first_holds))) / MIB
+                                                 terms.first_holds, terms.alone_shared))) / MIB
 

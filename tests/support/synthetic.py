@@ -146,6 +146,16 @@ def share_kept(profile: Profile, cuts: Sequence[int], rng) -> None:
                 after.recomputed_shared_bytes[b][f"cut{k}"] = crossing
 
 
+def let_go(profile: Profile, cuts: Sequence[int], rng) -> None:
+    """Unit k lets part of what it shares with unit k - 1 go in its input part, for k in `cuts` (a stage's
+    last unit freeing a storage the unit before, inside the stage, still holds: UnitProfile.weight_shared_bytes,
+    planner.cost.ranges' d'_k < d^h_k)."""
+    for k in cuts:
+        unit = profile.units[k]
+        for b, shares in unit.shared_saved_bytes.items():
+            unit.weight_shared_bytes[b] = {name: int(n * rng.random()) for name, n in shares.items()}
+
+
 def _unshared(unit, b: int) -> int:
     """What a unit saves at b that no value it shares names (the room for another shared part)."""
     return unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())

@@ -1,0 +1,75 @@
+"""The integer program's memory rows against `evaluate`, split by split and recomputation set by set: the
+program with one split and one set fixed fits each rank's cap at its peak and none a millionth below it (the
+solver's tolerances: bytes). The oracle tests (brute force) see a term only where the optimum sits on it;
+this sees every term each set touches."""
+import itertools
+import random
+
+from unittest import mock
+
+import pulp
+import pytest
+
+from planner.cost.model import evaluate
+from planner.cost.options import CostOptions
+from planner.cost.rank_memory import fixed_bytes
+from planner.solve.ilp import Program
+from planner.solve.ilp_split import NoSplit
+from tests.solve.test_zero_bubble import _chain
+from tests.support.synthetic import let_go, random_chain, receive_apart
+
+L = 5
+
+
+def _fits(profile, b, opts, cuts, redo, caps) -> bool:
+    """Whether the program with this split and these units recomputed meets its memory rows with each rank's
+    device holding at most caps[i] (None: no row); None where it has no choice to recompute one of them
+    (chain_recompute.frees_somewhere)."""
+    stage = [sum(1 for k in cuts if k <= l) for l in range(L)]
+    fixed = fixed_bytes(profile, opts)
+    rows = [None if cap is None else cap - fixed for cap in caps]
+    with mock.patch("planner.cost.stage_memory.rank_caps", lambda *args: rows):
+        try:
+            program = Program(profile, b, opts, stage, stage)
+        except NoSplit:
+            return False
+    if any((l, stage[l]) not in program.rho for l in redo):
+        return None
+    for (l, g), r in program.rho.items():
+        program.add(r == (1 if l in redo else 0), f"fix_{l}_{g}")
+    program.prob.solve(pulp.HiGHS(msg=False) if pulp.HiGHS().available() else pulp.PULP_CBC_CMD(msg=False))
+    return program.prob.status == pulp.LpStatusOptimal
+
+
+def _zero_bubble_chain(seed: int):
+    """Kept gradients measured (even seeds), frozen units, inputs received apart, shares let go."""
+    profile = _chain(seed, L, frozen=True)
+    rng = random.Random(seed)
+    receive_apart(profile, [l for l in range(L) if rng.random() < 0.5], rng)
+    let_go(profile, range(1, L), rng)
+    return profile
+
+
+@pytest.mark.parametrize("schedule,ranks,seed", [("zb-h1", 2, 12), ("zb-h1", 3, 24), ("zb-v", 2, 16), ("1f1b", 2, 3),
+                                                 ("gpipe", 3, 5)])
+def test_the_memory_rows_equal_evaluate_on_every_split_and_recomputation_set(schedule, ranks, seed):
+    if schedule.startswith("zb"):
+        profile = _zero_bubble_chain(seed)
+    else:
+        profile = random_chain(random.Random(seed), L, sizes=(2,), apart=True)
+    base = CostOptions(pipeline_ranks=ranks, virtual_stages=2 if schedule == "zb-v" else 1, global_batch=8,
+                       schedule=schedule, bandwidth=1e9, recompute="auto", memory_cap=1e15)  # (rows: `_fits`)
+    b, checked = 2, 0
+    for cuts in itertools.combinations(range(1, L), base.num_stages - 1):
+        for size in range(3):
+            for redo in itertools.combinations(range(L), size):
+                held = evaluate(profile, list(cuts), b, base, list(redo)).device_memory
+                fits = _fits(profile, b, base, cuts, redo, [peak * (1 + 1e-9) for peak in held])
+                if fits is None:
+                    continue
+                assert fits, (cuts, redo)
+                for i, peak in enumerate(held):  # each rank's rows, the others free
+                    caps = [peak * (1 - 1e-6) if j == i else None for j in range(ranks)]
+                    assert not _fits(profile, b, base, cuts, redo, caps), (cuts, redo, i)
+                checked += 1
+    assert checked > 10
