@@ -64,7 +64,8 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from planner.cost.localsgd import averaging_seconds_per_byte, buffer_averaging_seconds_per_byte
 from planner.cost.options import CostOptions
-from planner.cost.ranges import Split, range_costs  # noqa: F401  (Split: importable from here too)
+from planner.cost.ranges import range_costs
+from planner.cost.split import Split  # noqa: F401  (importable from here too)
 from planner.cost.result import PathForm, PlanCost, StageCost
 from planner.cost.step import StepShape, rank_peaks, run_many, stage_devices, stage_in_flight, step_graph
 from planner.cost.ties import (Surplus, TieCopy, shared_parameters, surplus, tie_copies,  # noqa: F401

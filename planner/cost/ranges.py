@@ -109,13 +109,12 @@ latency + n / bandwidth. Arrays are numpy so that solvers read whole matrices at
 """
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import FrozenSet, Iterable, Tuple
+from typing import Iterable, Tuple
 
 import numpy as np
 
+from planner.cost.shared_storage import redo_shared, shared
 from planner.profile.profile import Profile
 
 WEIGHT_SHARE = 0.5  # of a unit's backward, its weight part, where the profile did not time the parts
@@ -201,7 +200,7 @@ class RangeCosts:
         # the loss's backward and freed what the loss saved) until its weight part
         self.weight_inputs = self.inputs - loss_saved
         # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (module docstring)
-        self.dup = np.array([0.0] + [_shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
+        self.dup = np.array([0.0] + [shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
                             dtype=float)
         # x_l: of s_l, what autograd frees as the forward returns (no node its outputs reach saves it):
         # counted as saved, never held between the backward parts (module docstring)
@@ -211,15 +210,15 @@ class RangeCosts:
         gone = np.array([b in u.dropped_saved_bytes and self.dropped[l] >= self.s[l] for l, u in enumerate(units)],
                         dtype=bool)
         # d^h_k: of d_k, what both still hold as the forward returns (the weight kinds' d_k)
-        self.held_dup = np.array([0.0] + [_shared(units[k - 1], units[k], b, held=True)
+        self.held_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, held=True)
                                           for k in range(1, self.num_units)], dtype=float)
         # of d^h_k, what unit k still holds after its input part (a zero-bubble stage's last unit, whose
         # h_k may have let it go while unit k - 1, inside the stage, holds all it saved)
-        self.weight_dup = np.array([0.0] + [_shared(units[k - 1], units[k], b, weight=True)
+        self.weight_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, weight=True)
                                             for k in range(1, self.num_units)], dtype=float)
         # r_k, k = 0 .. L-1 (r_0 = 0): of what a recomputed unit k keeps (its inputs), the bytes the unit
         # before holds too beyond d_k, counted once in a stage holding both (module docstring)
-        self.redo_dup = np.array([0.0] + [_redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
+        self.redo_dup = np.array([0.0] + [redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
                                           for k in range(1, self.num_units)], dtype=float)
         # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later
         # stage), none of it but what the loss saved where the unit attaches to no graph (`gone`); r_k
@@ -382,41 +381,6 @@ class RangeCosts:
         return range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
 
 
-def _shared(before, after, b: int, held: bool = False, weight: bool = False) -> float:
-    """The bytes two neighbouring units both save (their shared_saved_bytes at b, by value); with
-    `held`, of them those both still hold as the forward returns (less dropped_saved_bytes); with
-    `weight`, those `before` so holds and `after` still holds after its input part
-    (weight_shared_bytes; all of them where not measured)."""
-    first, second = before.shared_saved_bytes.get(b) or {}, after.shared_saved_bytes.get(b) or {}
-    if held or weight:
-        first = _held_shares(before, b)
-        second = after.weight_shared_bytes[b] if weight and b in after.weight_shared_bytes else _held_shares(after, b)
-    return _overlap(first, second)
-
-
-def _overlap(first: dict, second: dict) -> float:
-    """The bytes two units' storages by value name ({name: bytes}) have in common."""
-    return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
-
-
-def _held_shares(unit, b: int) -> dict:
-    """Of a unit's shared_saved_bytes at b, what it still holds as its forward returns."""
-    dropped = unit.dropped_saved_bytes.get(b) or {}
-    return {v: n - dropped.get(v, 0) for v, n in (unit.shared_saved_bytes.get(b) or {}).items() if n > dropped.get(v, 0)}
-
-
-def _redo_shared(before, after, b: int, dup: float) -> float:
-    """r_k of units k - 1 (`before`) and k (`after`) at b, `dup` their d_k: of the storages a recomputed
-    `after` keeps (recomputed_shared_bytes), those `before` saves, beyond d_k, and at most those `before`
-    keeps when recomputed itself (what a stage holding both holds once in every case: module
-    docstring); 0 where not measured."""
-    kept = after.recomputed_shared_bytes.get(b)
-    if not kept:
-        return 0.0
-    saved, inputs = before.shared_saved_bytes.get(b) or {}, before.recomputed_shared_bytes.get(b) or {}
-    return max(0.0, min(_overlap(saved, kept) - dup, _overlap(inputs, kept)))
-
-
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()
 
 
@@ -432,22 +396,3 @@ def range_costs(profile: Profile, b: int, optimizer: str = "sgd") -> RangeCosts:
     while len(_CACHE) > 64:
         _CACHE.popitem(last=False)
     return costs
-
-
-@dataclass(frozen=True)
-class Split:
-    """A plan's units per stage: stage g holds units [edges[g], edges[g + 1]); `redo` is recomputed."""
-
-    costs: RangeCosts
-    edges: Tuple[int, ...]
-    redo: FrozenSet[int]
-    dtype: str = "float32"  # the profile's (planner.cost.memory: bytes per parameter byte)
-    fixed: float = 0.0  # F: bytes every device holds besides its stages (`fixed_bytes`)
-
-    def units(self, g: int) -> Tuple[int, int]:
-        return self.edges[g], self.edges[g + 1]
-
-    @functools.cached_property
-    def stage_of(self) -> Tuple[int, ...]:
-        """The stage of each unit."""
-        return tuple(g for g in range(len(self.edges) - 1) for _ in range(*self.units(g)))

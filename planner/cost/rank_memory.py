@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from planner.cost import memory as memory_model
 from planner.cost.options import CostOptions
-from planner.cost.ranges import Split
+from planner.cost.split import Split
 from planner.cost.step import StepShape, rank_peaks, stage_devices
 from planner.cost.ties import TieCopy, copy_static, static_surplus
 from planner.profile.profile import Profile

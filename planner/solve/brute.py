@@ -50,10 +50,10 @@ def _recompute_sets(shrinkable: Optional[List[int]], opts: CostOptions, L: int) 
     return [list(s) for r in range(len(shrinkable) + 1) for s in itertools.combinations(shrinkable, r)]
 
 
-def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
+def solve_brute(profile: Profile, opts: CostOptions, limit: int = MAX_COMBINATIONS) -> Optional[Solution]:
     """The exact optimum by enumeration, or None when no plan is feasible.
 
-    Raises ValueError when C > L or the search would exceed MAX_COMBINATIONS evaluations.
+    Raises ValueError when C > L or the search would exceed `limit` evaluations.
     """
     opts.validate()
     started = time.perf_counter()
@@ -63,8 +63,8 @@ def solve_brute(profile: Profile, opts: CostOptions) -> Optional[Solution]:
     sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
     shrinkable = {b: _shrinkable(profile, b, opts) for b in sizes}
     combinations = math.comb(L - 1, C - 1) * sum(_set_count(units) for units in shrinkable.values())
-    if combinations > MAX_COMBINATIONS:
-        raise ValueError(f"brute force would evaluate {combinations} plans (limit {MAX_COMBINATIONS}); "
+    if combinations > limit:
+        raise ValueError(f"brute force would evaluate {combinations} plans (limit {limit}); "
                          "use the ILP solver")
     sets = {b: _recompute_sets(units, opts, L) for b, units in shrinkable.items()}
     best = None  # (iteration, boundaries, b, recompute, cost)

@@ -183,9 +183,10 @@ def test_planned_memory_is_the_peak_along_the_runtime_lists(problem, rng):
 
 def _oracle_and_found(profile, opts):
     """(the brute-force optimum, the solver's plan); None where there is nothing to compare: too many
-    plans to enumerate, or no plan at all (brute force agreeing)."""
+    plans to enumerate (over 1,000: a zero-bubble chain of 7 units tries every recomputation set, 5 s),
+    or no plan at all (brute force agreeing)."""
     try:
-        oracle = solve_brute(profile, opts)
+        oracle = solve_brute(profile, opts, limit=1000)
     except ValueError:
         return None  # too many plans to enumerate
     try:
@@ -211,7 +212,7 @@ def test_solver_matches_brute_force_under_the_exact_model(problem):
     assert again.feasible and math.isclose(again.iteration_s, found.objective, rel_tol=1e-12)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=7), st.sampled_from([6000.0, 12000.0, 30000.0]))
 def test_recompute_auto_under_a_cap_matches_brute_force(problem, cap):
     """The command's default under a cap: the splits' search without recomputation gives the integer

@@ -60,13 +60,12 @@ def test_profiling_puts_back_a_model_input_a_unit_writes():
 
 
 def _every_cut_plans(profile, three_stage="all"):
+    """Every 2-stage and every 3-stage split ("all"), or ("adjacent", the larger models) the 3-stage splits
+    [k, k + 1]: each cut position as a first and as a second cut, each unit alone in a middle stage."""
     L = len(profile.units)
-    cuts = [[k] for k in range(1, L)]
     if three_stage == "all":
-        cuts += [list(c) for c in itertools.combinations(range(1, L), 2)]
-    else:  # each position as the first and as the second cut of a 3-stage plan
-        cuts += [[k, k + 1] for k in range(1, L - 1)]
-    return cuts
+        return [[k] for k in range(1, L)] + [list(c) for c in itertools.combinations(range(1, L), 2)]
+    return [[k, k + 1] for k in range(1, L - 1)]
 
 
 @pytest.mark.parametrize("entry,args,three_stage", [
@@ -78,8 +77,8 @@ def _every_cut_plans(profile, three_stage="all"):
     ("builtin:unet", {}, "adjacent"),
 ], ids=["writers", "writers-export", "writers-input", "resnet-inplace-bn", "mobilenet", "unet"])
 def test_every_cut_position_trains_like_one_process(entry, args, three_stage):
-    """Every 2-stage split and 3-stage splits covering every cut position, each stage built and
-    run as a rank builds and runs it (tests/staged.py), against one process: parameters and buffers."""
+    """Splits covering every cut position (`_every_cut_plans`), each stage built and run as a rank builds
+    and runs it (tests/staged.py), against one process: parameters and buffers."""
     profile = profile_of(entry, args, sizes=(2,))
     reference = None
     for cuts in _every_cut_plans(profile, three_stage):

