@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, TextIO
 
 from runtime.options import END_WITH_PARENT
-from runtime.shared_memory import RUN_TOKEN
-from runtime.shm_files import remove_rings
+from runtime.shm_files import RUN_TOKEN, remove_rings
 
 
 # What the fork server imports once for all ranks. torch._dynamo: building the first optimizer imports

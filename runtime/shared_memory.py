@@ -45,7 +45,7 @@ import torch
 
 from runtime.comm import MessageError, Operation
 from runtime import shm_files
-from runtime.shm_files import room_for, shm_path
+from runtime.shm_files import RUN_TOKEN, room_for, shm_path
 from runtime.shm_ring import Ring
 
 MIN_RING_BYTES = 1 << 20
@@ -54,7 +54,6 @@ MIN_RING_BYTES = 1 << 20
 RING_RECORDS = 4
 RECORD_BYTES = 16  # tag, byte count
 SWITCH = -1  # a record's tag: the sender goes on in a new ring of the record's byte count
-RUN_TOKEN = "PIPEPLANNER_RUN_TOKEN"  # set by `runtime execute`'s launcher, which removes the run's files at its end
 ALIVE_EVERY_S = 0.1  # how often a waiting rank checks that its peer's process is still there
 SPIN_S = 0.02  # poll without sleeping this long, then sleep between polls
 SLEEP_S = 50e-6

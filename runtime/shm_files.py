@@ -18,6 +18,8 @@ class SharedMemoryFull(RuntimeError):
 
 
 SHM_DIR = "/dev/shm"
+# names the run's files; set by `runtime execute`'s launcher, which removes them at its end
+RUN_TOKEN = "PIPEPLANNER_RUN_TOKEN"
 
 
 def remove_rings(token: str) -> None:

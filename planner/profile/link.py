@@ -296,7 +296,7 @@ def _run_link_workers(sizes: Sequence[int], threads: int, repeats: int, warmup: 
     port = _free_port()
     token = uuid.uuid4().hex[:16]  # names the pair's shared-memory files, removed below
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(max(threads, 1)),
-               PIPEPLANNER_RUN_TOKEN=token)  # runtime.shared_memory.RUN_TOKEN
+               PIPEPLANNER_RUN_TOKEN=token)  # runtime.shm_files.RUN_TOKEN
     code = "from runtime.link_probe import main; main()"  # the run's transport, measured as a run has it
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(
         {"rank": r, "port": port, "threads": threads, "sizes": list(sizes), "repeats": repeats, "warmup": warmup,

@@ -175,7 +175,7 @@ def _two_members_agree(rank, init, token, out):
     """One of two processes: with no room on rank 1 neither uses shared memory; with room both do."""
     import torch.distributed as dist
 
-    os.environ[shared_memory.RUN_TOKEN] = token
+    os.environ[shm_files.RUN_TOKEN] = token
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     local = shared_memory.connect(rank, 2, 30.0, 0)
     room = shared_reduce.room_for
