@@ -52,8 +52,9 @@ def frees_somewhere(costs) -> np.ndarray:
     """[l]: whether recomputing unit l frees bytes of the live kind in some stage (`freed_bytes`): the most
     it frees is as a stage's last unit (what it shares with the unit after it stays with that unit), first
     in it (its inputs as received go, first_l) or after another (what it keeps that the unit before holds
-    too is held once, r_l). A unit freeing nothing anywhere only adds time."""
-    return costs.s - costs.inputs + np.maximum(costs.first, costs.redo_dup) > 0
+    too is held once, r_l; unit 0 only starts stage 0). A unit freeing nothing anywhere only adds time."""
+    after_another = np.where(np.arange(costs.num_units) > 0, costs.redo_dup, -np.inf)
+    return costs.s - costs.inputs + np.maximum(costs.first, after_another) > 0
 
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:

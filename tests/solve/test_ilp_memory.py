@@ -1,7 +1,7 @@
-"""The integer program's memory rows against `evaluate`, split by split and recomputation set by set: the
-program with one split and one set fixed fits each rank's cap at its peak and none a millionth below it (the
-solver's tolerances: bytes). The oracle tests (brute force) see a term only where the optimum sits on it;
-this sees every term each set touches."""
+"""The integer program's memory rows against `evaluate`, split by split and recomputation set (of up to two
+units) by set: the program with one split and one set fixed fits each rank's cap at its peak and none a
+millionth below it (the solver's tolerances: bytes). The oracle tests (brute force) see a term only where the
+optimum sits on it; this sees every term each set touches."""
 import itertools
 import random
 
