@@ -41,6 +41,10 @@ class MemoryRows(TieRows):
         """1 where stage g ends at cut e (the last stage at L)."""
         return self.ends(e, g) if e < self.L else 1
 
+    def _may_end(self, e: int, g: int) -> bool:
+        """Whether stage g may end at cut e (the last stage at L alone)."""
+        return self.cut_may_end(e, g) if e < self.L else g == self.S - 1
+
     def _sharing_lost(self, k: int, g: int):
         """1 where units k - 1 and k are both in stage g and unit k - 1 is recomputed: what both saved
         is then held twice (planner.cost.stage_memory's `shared_lost`, a positive term)."""
@@ -64,29 +68,24 @@ class MemoryRows(TieRows):
         return self._product(f"trained_end_{e}_{g}", [self._end(e, g), self.x(t, g)], redo)
 
     def _first_holds(self, a: int, g: int):
-        """1 where stage g > 0 starts at unit a, which holds its h and is not recomputed (`first_holds`):
-        the stage's only unit, or its last trained unit ending it in frozen units (trained[e] = a)."""
-        terms = []
-        if self.cut_may_end(a, g - 1) and (self.cut_may_end(a + 1, g) if a + 1 < self.L else g == self.S - 1):
-            redo = [self.rho[a, g]] if (a, g) in self.rho else []
-            terms.append(self._product(f"first_holds_{a}_{g}", [self.ends(a, g - 1), self._end(a + 1, g)], redo))
-        for e in range(a + 2, self.L + 1):
-            if int(self.costs.trained[e]) == a and (self.cut_may_end(e, g) if e < self.L else g == self.S - 1) \
-                    and self.cut_may_end(a, g - 1):
-                terms.append(self._product(f"first_trained_{e}_{g}", [self.ends(a, g - 1), self._trained_end(e, g)]))
-        return pulp.lpSum(terms)
+        """1 where stage g > 0 starts at unit a, which holds its h and is not recomputed (`first_holds`)."""
+        return self._holding(a, g, "first_holds", self.ends(a, g - 1)) if self.cut_may_end(a, g - 1) else 0
 
     def _holds_after_recomputed(self, l: int, g: int):
-        """1 where unit l holds its h in stage g (its last unit, or its last trained one ending it in frozen
-        units), is not recomputed and unit l - 1 is (`alone_shared`)."""
+        """1 where unit l holds its h in stage g, is not recomputed and unit l - 1 is (`alone_shared`)."""
+        return self._holding(l, g, "after_recomputed", self.rho[l - 1, g])
+
+    def _holding(self, l: int, g: int, name: str, factor):
+        """`factor` times 1 where unit l holds its h in stage g and is not recomputed: the stage ends after
+        it, or it is the last trained unit of a stage ending in frozen units at e (`_trained_end`; at
+        most one of these ways is 1)."""
         terms = []
-        if self.cut_may_end(l + 1, g) if l + 1 < self.L else g == self.S - 1:
+        if self._may_end(l + 1, g):
             redo = [self.rho[l, g]] if (l, g) in self.rho else []
-            terms.append(self._product(f"after_recomputed_{l}_{g}", [self.rho[l - 1, g], self._end(l + 1, g)], redo))
+            terms.append(self._product(f"{name}_{l}_{g}", [factor, self._end(l + 1, g)], redo))
         for e in range(l + 2, self.L + 1):
-            if int(self.costs.trained[e]) == l and (self.cut_may_end(e, g) if e < self.L else g == self.S - 1):
-                terms.append(self._product(f"trained_after_recomputed_{e}_{g}",
-                                           [self.rho[l - 1, g], self._trained_end(e, g)]))
+            if int(self.costs.trained[e]) == l and self._may_end(e, g):
+                terms.append(self._product(f"{name}_{l}_{g}_{e}", [factor, self._trained_end(e, g)]))
         return pulp.lpSum(terms)
 
     def _memory(self, deadline: Optional[float]) -> None:
@@ -148,14 +147,14 @@ class MemoryRows(TieRows):
             held += terms.at_end[L] / MIB
         held -= pulp.lpSum(terms.last_unit[l + 1] / MIB * self._last_recomputed(l, g)
                            for (l, gg), r in self.rho.items() if gg == g and terms.last_unit[l + 1])
-        if g > 0:
-            held += pulp.lpSum((terms.first_holds[a] - terms.alone_shared[a]) / MIB * self._first_holds(a, g)
-                               for a in range(1, L) if (terms.first_holds[a] or terms.alone_shared[a]) and self.may(a, g))
+        if g > 0:  # a first unit holding its h shares nothing counted with a unit before it
+            first_alone = terms.first_holds - terms.alone_shared
+            held += pulp.lpSum(first_alone[a] / MIB * self._first_holds(a, g) for a in range(1, L)
+                               if first_alone[a] and self.may(a, g))
         held -= pulp.lpSum(terms.alone_shared[l] / MIB * self._holds_after_recomputed(l, g) for l in range(1, L)
                            if terms.alone_shared[l] and (l - 1, g) in self.rho)
         held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
-                           if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g)
-                           and (self.cut_may_end(e, g) if e < L else g == self.S - 1))
+                           if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g) and self._may_end(e, g))
         return held
 
 

@@ -150,8 +150,6 @@ def test_solvers_count_a_stage_first_units_inputs_as_its_weight_part_holds_them(
     """A later stage whose first unit holds its h (the only one) counts that unit's inputs as received as
     its weight part holds them (first'_a, first_weight_held_bytes), not as its forward saves them
     (first_a): the stage memory's rows on every split, on a chain where they differ for every unit."""
-    from tests.support.synthetic import receive_apart
-
     profile = _chain(seed, 6)
     receive_apart(profile, range(6), random.Random(seed))
     assert range_costs(profile, 2).kept_known
@@ -166,7 +164,6 @@ def test_solvers_count_what_a_stage_holder_lets_go_of_what_it_shares(seed, sched
     otherwise (it starts the stage, or that unit is recomputed; `alone_shared`, both counted it held): the
     stage memory's rows on every split, and the integer program against brute force under a cap with
     recomputation (each of these cases fails without one of the program's two terms)."""
-    from planner.solve.diagnose import memory_matrices
     from tests.support.synthetic import let_go
 
     profile = _chain(seed, 5)
@@ -174,12 +171,7 @@ def test_solvers_count_what_a_stage_holder_lets_go_of_what_it_shares(seed, sched
     opts = CostOptions(pipeline_ranks=ranks, virtual_stages=2 if schedule == "zb-v" else 1, global_batch=8,
                        schedule=schedule, bandwidth=1e9)
     if schedule == "zb-h1":
-        for b in profile.micro_batch_sizes:
-            matrices = memory_matrices(profile, b, opts)
-            for cuts in itertools.combinations(range(1, 5), ranks - 1):
-                edges = (0, *cuts, 5)
-                held = [matrices(g)[edges[g], edges[g + 1]] for g in range(ranks)]
-                assert held == pytest.approx(evaluate(profile, list(cuts), b, opts).device_memory, rel=1e-9), cuts
+        _matrices_equal_evaluate(profile, (ranks,))
     peak = max(solve(profile, opts, method="dp").cost.device_memory)
     oracle, _ = both_solvers_match_brute_force(profile, opts.with_(memory_cap=peak * share, recompute="auto"))
     assert oracle is not None
@@ -202,18 +194,17 @@ def _memory_decides(profile):
             assert oracle is not None, (opts.schedule, opts.memory_cap)
 
 
-def _matrices_equal_evaluate(profile):
+def _matrices_equal_evaluate(profile, ranks=(2, 3)):
     """The branch and bound's stage memory (planner.solve.diagnose.memory_matrices) equals `evaluate` on
-    every split of a six-unit chain (zb-h1, 2 and 3 ranks)."""
+    every split of the chain (zb-h1, these rank counts)."""
     from planner.solve.diagnose import memory_matrices
 
-    for p in (2, 3):
+    L = profile.num_units
+    for p in ranks:
         free = CostOptions(pipeline_ranks=p, global_batch=8, schedule="zb-h1", bandwidth=1e9, latency=2e-5)
-        splits = list(itertools.combinations(range(1, 6), p - 1))
         for b in profile.micro_batch_sizes:
             matrices = memory_matrices(profile, b, free)
-            for cuts in splits:
-                edges = (0, *cuts, 6)
+            for cuts in itertools.combinations(range(1, L), p - 1):
+                edges = (0, *cuts, L)
                 held = [matrices(g)[edges[g], edges[g + 1]] for g in range(p)]
                 assert held == pytest.approx(evaluate(profile, list(cuts), b, free).device_memory, rel=1e-9), cuts
-
