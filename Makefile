@@ -29,8 +29,12 @@ demo: $(STAMP)
 		--timeline $(OUT)/timeline.png
 	$(VENV)/bin/planner check $(OUT)/plan.json $(OUT)/report.json
 
+# Two pytest workers (pytest-xdist), a test file each at a time: most tests run one thread, so the
+# second core would idle (CI: 2 cores). `make test TEST_WORKERS=0` runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 clean:
 	rm -rf $(OUT) profiles/demo-*.json .pytest_cache .hypothesis

@@ -255,10 +255,8 @@ def _open_bound(known: Forms, stack, target: float, refresh: bool, budget_s: flo
 
 def _simulate(profile: Profile, cuts: List[int], b: int, opts: CostOptions, redo: List[int],
               known: Forms) -> Optional[Split]:
-    """The split's cost (its longest path joins the forms); None if it does not fit."""
-    try:
-        cost = evaluate(profile, cuts, b, opts, redo)
-    except ValueError:
-        return None
+    """The split's cost (its longest path joins the forms); None if it does not fit (a scenario
+    `evaluate` refuses raises its ValueError)."""
+    cost = evaluate(profile, cuts, b, opts, redo)
     known.add(cost.critical_path)
     return Split(cost.iteration_s, list(cuts), list(redo)) if cost.feasible else None

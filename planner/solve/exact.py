@@ -105,12 +105,11 @@ def _redo(profile: Profile, boundaries: List[int], b: int, opts: CostOptions,
 
 def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
               forms: Set[PathForm]) -> Optional[Split]:
-    """The candidate if the split is feasible (recording its longest path either way)."""
+    """The candidate if the split is feasible (recording its longest path either way). A ValueError
+    from `evaluate` (a scenario it refuses whatever the split) propagates: taken for an unfitting
+    split, it would have the program cut off every split in turn."""
     redo = _redo(profile, boundaries, b, opts, recompute)
-    try:
-        cost = evaluate(profile, boundaries, b, opts, redo)
-    except ValueError:
-        return None
+    cost = evaluate(profile, boundaries, b, opts, redo)
     forms.add(_form(cost))
     return Split(cost.iteration_s, list(boundaries), list(redo)) if cost.feasible else None
 

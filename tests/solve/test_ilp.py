@@ -372,3 +372,17 @@ def test_a_plan_the_program_takes_for_fitting_wrongly_is_cut_off_not_proposed_ag
         found = solve(profile, opts)
     assert cut_off, "the rows as patched took no wrong plan: the test shows nothing"
     assert found.status == "optimal" and found.objective == pytest.approx(oracle.objective, rel=1e-9)
+
+
+def test_a_scenario_evaluate_refuses_is_its_error_not_a_search_for_a_plan():
+    """`evaluate` refuses this scenario whatever the split (a global batch of 3 over 2 replicas): its
+    ValueError reaches the caller, where the searches took it for splits that do not fit and proved
+    the scenario had no plan (a bound of infinity, "optimal")."""
+    from planner.solve.backends import choose_backend
+    from planner.solve.exact import solve_scenario
+    from tests.support.synthetic import random_chain
+
+    profile = random_chain(random.Random(0), 6, sizes=(1,))
+    opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=3, bandwidth=1e9)
+    with pytest.raises(ValueError, match="does not divide the global batch"):
+        solve_scenario(profile, 1, opts, None, None, choose_backend(None)[0])
