@@ -39,7 +39,6 @@ backward of the step computes with (planner.model.precision), counted with the p
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -47,69 +46,21 @@ import torch
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import (ACTIVATION, GRADIENT, DescribedLayout, MessageError, MessageLayout, Operation, PresenceLayout,
-                          exchange, message_tag, post)
+from runtime.comm import MessageLayout, Operation, exchange, post
 from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
+from runtime.message_actions import MessageActions
 from runtime.microbatch import assemble, replica_micro_batches
 from runtime.outbox import Outbox, completed
 from planner.model.precision import ComputeCopy
 from planner.model.spec import to_device
 from runtime.runner import StageRunner
-from planner.profile.splitgrad import PendingWeights, backward_input, backward_weight
+from planner.profile.splitgrad import backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel
+from runtime.step_state import MicroBatchState, StepState, StepStats
 from runtime.timing import StepClock, close_step
-
-
-@dataclass
-class StepStats:
-    step: int
-    time_s: float = 0.0
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    wait_s: float = 0.0  # in batches of messages: posting, transfer and waiting for the peers
-    reduce_s: float = 0.0
-    optimizer_s: float = 0.0
-    messages: int = 0  # point-to-point operations this rank posted
-    loss: Optional[float] = None  # mean over the micro-batches whose loss this rank computed
-    loss_count: int = 0
-
-
-@dataclass
-class _State:
-    """One micro-batch on one stage."""
-
-    received: List[Any] = field(default_factory=list)  # the stage's inputs from the previous stage
-    outputs: Any = None  # what it sends on (a tuple), until its backward
-    # gradients of those outputs, until backward (None: the output reached no loss, so it has none)
-    grads: List[Optional[torch.Tensor]] = field(default_factory=list)
-    # of the inputs, until sent or taken (zeros where an input got none; `input_present` says which did)
-    input_grads: List[torch.Tensor] = field(default_factory=list)
-    input_present: Tuple[bool, ...] = ()
-    loss: Optional[torch.Tensor] = None
-    saved_bytes: int = 0  # held for backward by this micro-batch's forward
-    saved_refs: Optional[list] = None  # what it saved, weakly (a counted step: SavedBytes.saved_refs)
-
-
-def _own_storages(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Received tensors, each with a storage of its own where the message's buffer holds more (other
-    tensors, a header): one that autograd saves, or a split backward keeps, then holds only itself."""
-    return [t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t for t in tensors]
-
-
-@dataclass
-class _Step:
-    """What one step's actions share: its micro-batches, the micro-batches in flight, the timings."""
-
-    stats: StepStats
-    inputs: List[Any]  # per micro-batch, aligned with the graph's placeholders
-    targets: List[Any]
-    states: Dict[Tuple[int, int], _State] = field(default_factory=dict)  # (stage, micro-batch) -> state
-    losses: List[torch.Tensor] = field(default_factory=list)  # this rank's micro-batches' losses, detached
-    # zero-bubble schedules: (stage, micro-batch) -> (what its weight backward needs, the bytes it still holds)
-    weights: Dict[Tuple[int, int], Tuple[Optional[PendingWeights], int]] = field(default_factory=dict)
 
 
 TraceHook = Callable[[str, int, int, float, float], None]  # (kind, micro-batch, stage, start, end)
@@ -120,7 +71,7 @@ _TIMER = {ActionKind.FORWARD: "forward_s", ActionKind.BACKWARD: "backward_s", Ac
           ActionKind.BACKWARD_WEIGHT: "backward_s"}
 
 
-class Engine:
+class Engine(MessageActions):
     """Runs one rank's instruction list, step after step: each compute action by its kind's
     handler, each batch of communication actions posted together."""
 
@@ -185,12 +136,12 @@ class Engine:
         elif groups.data_parallel_group is not None and not getattr(optimizer, "reduces_gradients", False):
             self.buckets, tied = data_parallel_buckets(rank_model, groups.data_parallel_group)
             self.arming = last_backwards(self.actions, {g: r.stage for g, r in self.runners.items()}, tied)
-        self.handlers: Dict[ActionKind, Callable[[_Step, Action], None]] = {
+        self.handlers: Dict[ActionKind, Callable[[StepState, Action], None]] = {
             ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
             ActionKind.BACKWARD_INPUT: self._backward_input, ActionKind.BACKWARD_WEIGHT: self._backward_weight,
             ActionKind.OPTIMIZER_STEP: self._optimizer_step}
         # communication: (operation to post, what to do with the received buffer once the batch is done)
-        self.messages: Dict[ActionKind, Callable[[_Step, Action], Tuple[Operation, Optional[Callable]]]] = {
+        self.messages: Dict[ActionKind, Callable[[StepState, Action], Tuple[Operation, Optional[Callable]]]] = {
             ActionKind.SEND_ACT: self._send_activations, ActionKind.RECV_ACT: self._receive_activations,
             ActionKind.SEND_GRAD: self._send_gradients, ActionKind.RECV_GRAD: self._receive_gradients}
 
@@ -208,7 +159,7 @@ class Engine:
 
     def run_step(self, step: int) -> StepStats:
         micro_inputs, micro_targets = self._micro_batches(step)
-        current = _Step(StepStats(step=step), micro_inputs, micro_targets)
+        current = StepState(StepStats(step=step), micro_inputs, micro_targets)
         if self.buckets is not None:
             self.buckets.begin_step()
         clock = self.clock
@@ -241,9 +192,9 @@ class Engine:
         return stats
 
     # --- compute ----------------------------------------------------------------------------
-    def _forward(self, step: _Step, action: Action) -> None:
+    def _forward(self, step: StepState, action: Action) -> None:
         g, i = action.stage, action.micro_batch
-        runner, state = self.runners[g], step.states.setdefault((g, i), _State())
+        runner, state = self.runners[g], step.states.setdefault((g, i), MicroBatchState())
         if g > 0 and self._here(g - 1, i):  # handed over in memory by the previous stage
             before = step.states[(g - 1, i)]
             state.received = assemble(runner.stage, [before.outputs[j].detach() for j in
@@ -285,7 +236,7 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _backward(self, step: _Step, action: Action) -> None:
+    def _backward(self, step: StepState, action: Action) -> None:
         """The whole backward of one micro-batch: input and weight gradients together."""
         def run(outputs, grads, inputs, params) -> None:
             torch.autograd.backward(outputs, grads)
@@ -295,7 +246,7 @@ class Engine:
         self._run_backward(step, action, run)
         self.saved.release(self._done(step, action).saved_bytes)
 
-    def _backward_input(self, step: _Step, action: Action) -> None:
+    def _backward_input(self, step: StepState, action: Action) -> None:
         """Zero-bubble schedules' first part: the gradients of the stage's inputs only (runtime.splitgrad);
         what the weight gradients need stays with the micro-batch until its `_backward_weight`."""
         pending = self._run_backward(step, action, backward_input)  # None: no gradient reaches the stage
@@ -308,7 +259,7 @@ class Engine:
             state.saved_refs = None
         step.weights[(action.stage, action.micro_batch)] = (pending, held)
 
-    def _backward_weight(self, step: _Step, action: Action) -> None:
+    def _backward_weight(self, step: StepState, action: Action) -> None:
         """The second part: the stage's weight gradients of one micro-batch; its graph is freed."""
         key = (action.stage, action.micro_batch)
         if key in self.arming:  # the last one of the step completes its parameters' gradients
@@ -318,7 +269,7 @@ class Engine:
             backward_weight(pending)
         self.saved.release(held)
 
-    def _run_backward(self, step: _Step, action: Action, run: Callable) -> Any:
+    def _run_backward(self, step: StepState, action: Action, run: Callable) -> Any:
         """Backward of (stage, micro-batch) by `run(outputs, grads, inputs, params)` (a loss's grad:
         its share of the step, _loss_seed), returning what it returned (None when no gradient reaches
         the stage and it is not run); then the gradients of the stage's inputs wait for their send
@@ -365,13 +316,13 @@ class Engine:
             seed = seed.reshape(loss.shape)
         return seed if loss.grad_fn is not None else seed.clone()
 
-    def _done(self, step: _Step, action: Action) -> _State:
+    def _done(self, step: StepState, action: Action) -> MicroBatchState:
         """The state of a backwarded micro-batch; a first stage's is forgotten (nothing to send back)."""
         key = (action.stage, action.micro_batch)
         return step.states.pop(key) if action.stage == 0 else step.states[key]
 
     # --- communication ---------------------------------------------------------------------------
-    def _run_batch(self, step: _Step, actions: List[Action]) -> None:
+    def _run_batch(self, step: StepState, actions: List[Action]) -> None:
         """Wait for the batch of sends posted before (if any), then post this batch's operations
         together: a batch of sends only is left to complete while the rank computes on
         (runtime.outbox); any other is waited for whole, then what arrived is used."""
@@ -390,94 +341,8 @@ class Engine:
         hold(actions, self.emulated_links)
         completed(operations, after)
 
-    def _tag(self, receiving_stage: int, micro_batch: int, direction: int) -> int:
-        return message_tag(receiving_stage, micro_batch, direction, self.m)
-
-    # Under autocast the plan's dtypes (profiled without it) are not the activations': the first
-    # activation message between two ranks describes itself (comm.DescribedLayout) and later ones
-    # use the dtypes it carried; gradients have the dtypes of the tensors they belong to.
-    def _layout(self, planned: MessageLayout, key: Tuple, tensors: Optional[List[torch.Tensor]] = None):
-        if self.autocast is None:
-            return planned
-        if key not in self.layouts:
-            if tensors is None:
-                return None
-            self.layouts[key] = MessageLayout([(tuple(t.shape), t.dtype) for t in tensors], planned.what)
-        return self.layouts[key]
-
-    def _send_activations(self, step: _Step, action: Action):
-        g, i = action.stage, action.micro_batch
-        runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
-        tensors = [state.outputs[j] for j in runner.send_tensors]
-        layout = self._layout(runner.act_out, ("act out", g, peer))
-        if layout is None:  # the first to this peer: it says its dtypes
-            wire, copied = DescribedLayout(runner.act_out).pack(tensors, self.device)
-            self._layout(runner.act_out, ("act out", g, peer), tensors)
-        else:
-            wire, copied = layout.pack(tensors, self.device)
-        if copied:  # the outputs' storage can go now, not when the wire is sent
-            runner.drop_outputs(state)
-            return Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)), None
-        return (Operation(True, wire, peer, self._tag(g + 1, i, ACTIVATION)),
-                lambda _: runner.drop_outputs(state))
-
-    def _receive_activations(self, step: _Step, action: Action):
-        g, i = action.stage, action.micro_batch
-        runner, peer = self.runners[g], self._peer(g - 1, i)
-        layout = self._layout(runner.act_in, ("act in", g, peer))
-        described = DescribedLayout(runner.act_in) if layout is None else None
-
-        def arrived(wire: torch.Tensor) -> None:
-            if described is not None:
-                tensors, self.layouts[("act in", g, peer)] = described.unpack(wire)
-            else:
-                tensors = layout.unpack(wire)
-            step.states.setdefault((g, i), _State()).received = assemble(runner.stage, _own_storages(tensors))
-
-        buffer = (described or layout).empty(self.device)
-        return Operation(False, buffer, peer, self._tag(g, i, ACTIVATION)), arrived
-
-    def _send_gradients(self, step: _Step, action: Action):
-        g, i = action.stage, action.micro_batch
-        runner, state, peer = self.runners[g], step.states.pop((g, i)), self._peer(g - 1, i)
-        key = ("grad out", g, peer)
-        layout = self._layout(runner.grad_out, key, state.input_grads)
-        known = self.presence.get(key)
-        if known is None:  # the first to this peer says which inputs got a gradient (comm.PresenceLayout)
-            self.presence[key] = state.input_present
-            wire = PresenceLayout(layout).pack(state.input_grads, state.input_present, self.device)
-        else:
-            if state.input_present != known:
-                raise MessageError(
-                    f"the gradient of stage {g}'s input: micro-batch {i} has a gradient for inputs "
-                    f"{_which(state.input_present)} where the first had one for {_which(known)}; the runtime needs "
-                    "the same graph for every micro-batch (as a captured model has)")
-            wire, _ = layout.pack(state.input_grads, self.device)
-        return Operation(True, wire, peer, self._tag(g - 1, i, GRADIENT)), None
-
-    def _receive_gradients(self, step: _Step, action: Action):
-        g, i = action.stage, action.micro_batch
-        runner, state, peer = self.runners[g], step.states[(g, i)], self._peer(g + 1, i)
-        outputs = [state.outputs[j] for j in runner.send_grads]  # the gradients take their dtypes
-        key = ("grad in", g, peer)
-        layout = self._layout(runner.grad_in, key, outputs)
-        # the first from this peer says which outputs got a gradient; a later receive of the same batch
-        # reads the flags in its callback, which runs after this one's (runtime.outbox.completed)
-        framed = PresenceLayout(layout) if key not in self.presence else None
-        if framed is not None:
-            self.presence[key] = None
-
-        def arrived(wire: torch.Tensor) -> None:
-            if framed is not None:
-                grads, self.presence[key] = framed.unpack(wire)
-            else:
-                grads = layout.unpack(wire)
-            state.grads = [grad if present else None for grad, present in zip(_own_storages(grads), self.presence[key])]
-
-        return Operation(False, (framed or layout).empty(self.device), peer, self._tag(g, i, GRADIENT)), arrived
-
     # --- end of step ----------------------------------------------------------------------------
-    def _optimizer_step(self, step: _Step, action: Action) -> None:
+    def _optimizer_step(self, step: StepState, action: Action) -> None:
         self.outbox.drain()
         # a gradient-sharded optimizer (issue 25, runtime/shard.py) reduces the data-parallel gradients
         # itself: then there are no buckets here
@@ -491,7 +356,3 @@ class Engine:
             hook()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def _which(present: Tuple[bool, ...]) -> str:
-    return "[" + ", ".join(str(j) for j, p in enumerate(present) if p) + "]"

@@ -23,7 +23,7 @@ on rank i at speed sigma_i (planner.cost.ranges):
                    an all-reduce, 2 (d - 1) / d T_i, or the sharded exchanges (planner.cost.memory;
                    frozen parameters exchange nothing, except their gathers under `parameters`: for
                    every forward, and for the backwards of units whose backward runs, planner.cost.ranges),
-                   plus its rings' latency under a placement when it exchanges any bytes (`reduce_time`;
+                   plus its rings' latency under a placement when it exchanges any bytes (planner.cost.exchange;
                    under `parameters` one ring's per gather and reduce-scatter the runtime issues);
                    under local SGD (sync_every H > 1) the model averaging's time / H, its trainable
                    parameters and floating-point buffers (planner.cost.localsgd)
@@ -52,17 +52,16 @@ a maximum of sums of these durations; the solvers optimise exactly that (planner
 Memory of rank i: planner.cost.rank_memory (static bytes, the peak of what its list holds, the caps).
 Interleaved needs m to be a multiple of p (Megatron's rule).
 
-Precision. Activations and cut messages are counted in the precision's compute dtype: a profile of
-another dtype is scaled by the ratio of their sizes (`compute_profile`), its times kept as measured;
-a profile measured at the plan's precision (`planner profile --precision bf16-mixed`) is taken as
-measured, its parameter bytes alone converted.
+Precision. Activations and cut messages are counted in the precision's compute dtype
+(planner.cost.compute_dtype: another dtype's profile scaled, one measured at the plan's precision as measured).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from planner.cost.localsgd import averaging_seconds_per_byte, buffer_averaging_seconds_per_byte
+from planner.cost.compute_dtype import compute_profile
+from planner.cost.exchange import (collective_latency, exchange_latency, reduce_time, sync_factors,  # noqa: F401
+                                   sync_time, tie_time, whole_reduce_time)  # (importable from here too)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.split import Split  # noqa: F401  (importable from here too)
@@ -74,178 +73,7 @@ from planner.pipeline.schedule import MAX_MICRO_BATCHES, ZERO_BUBBLE_SCHEDULES, 
 from planner.cost import memory as memory_model
 from planner.cost.rank_memory import (_device_caps, _shard, device_memory, fixed_bytes, held_bytes,  # noqa: F401
                                       precision_of, rank_caps, reserve_of, static_bytes, static_factors)
-from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
-
-
-def sync_factors(opts: CostOptions, dtype: str, m: int, holders: Optional[int] = None,
-                 rank: Optional[int] = None) -> Tuple[float, float]:
-    """Seconds of the data-parallel exchange per trainable and per frozen profile byte (per pass of
-    gathers: forwards, and backwards where they run) over n
-    holders (default the d replicas) at dp_bandwidth, m micro-batches per replica (planner.cost.memory);
-    under local SGD its model averaging's share of a step (planner.cost.localsgd). Under a topology
-    placement, the d replicas of pipeline `rank` exchange hierarchically (planner.cost.placement: its
-    effective bandwidth; rank None: the fastest rank's)."""
-    n, bandwidth = _exchange_link(opts, holders, rank)
-    if opts.local_sgd:  # the model averaging every H steps, charged 1/H per step; frozen: nothing
-        return averaging_seconds_per_byte(precision_of(opts, dtype), n, dtype, bandwidth) / opts.sync_every, 0.0
-    precision, scale = precision_of(opts, dtype), memory_model.param_itemsize(dtype) * bandwidth
-    return (memory_model.sync_bytes_per_param(precision, _shard(opts), n, m) / scale,
-            memory_model.frozen_gather_bytes_per_param(precision, _shard(opts), n, m) / scale)
-
-
-def _exchange_link(opts: CostOptions, holders: Optional[int], rank: Optional[int]) -> Tuple[int, float]:
-    """(n holders, bandwidth) of a data-parallel exchange (`sync_factors`)."""
-    n = opts.data_parallel if holders is None else holders
-    bandwidth = opts.dp_bandwidth if opts.dp_bandwidth is not None else opts.bandwidth
-    if opts.placement is not None and holders is None:
-        bandwidth = opts.placement.exchange_bandwidth(rank, bandwidth)
-    return n, bandwidth
-
-
-def sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts: CostOptions, dtype: str, m: int,
-              holders: Optional[int] = None, rank: Optional[int] = None, buffer_bytes=0.0):
-    """Seconds of the data-parallel exchange for parameters of `param_bytes` profile bytes of which
-    `trainable_bytes` train and, of the frozen ones, `frozen_backward_bytes` belong to units whose
-    backward runs (numbers or numpy arrays; planner.cost.ranges): frozen ones have no gradient to
-    exchange; under ZeRO-3 every one is gathered for the forwards, those for the backwards again.
-    Under local SGD the averaging also all-reduces the `buffer_bytes` of floating-point buffers."""
-    trainable, frozen = sync_factors(opts, dtype, m, holders, rank)
-    seconds = trainable * trainable_bytes + frozen * (param_bytes - trainable_bytes + frozen_backward_bytes)
-    if opts.local_sgd:
-        n, bandwidth = _exchange_link(opts, holders, rank)
-        seconds = seconds + buffer_averaging_seconds_per_byte(n, bandwidth) / opts.sync_every * buffer_bytes
-    return seconds
-
-
-def exchange_latency(opts: CostOptions, rank: int) -> float:
-    """Seconds of latency of pipeline rank's data-parallel exchange per step when it exchanges
-    anything: its rings' under a topology placement with d > 1 (planner.cost.placement), else none
-    (bandwidth-bound); under ZeRO-3 none (its collectives' latency is per collective: `reduce_time`)."""
-    if opts.placement is None or opts.shard == "parameters":
-        return 0.0
-    return opts.placement.exchange_latency(rank, opts.latency)
-
-
-def collective_latency(opts: CostOptions, rank: int) -> float:
-    """Seconds of latency of one ZeRO-3 collective (an all-gather or a reduce-scatter) of pipeline
-    rank's holders under a topology placement: one of the two rings of its exchange's latency
-    (planner.cost.placement); 0 elsewhere."""
-    if opts.placement is None or opts.shard != "parameters":
-        return 0.0
-    return opts.placement.exchange_latency(rank, opts.latency) / 2
-
-
-def whole_reduce_time(whole_bytes, opts: CostOptions, dtype: str, rank: Optional[int] = None):
-    """Seconds of the all-reduce, once per step over pipeline rank's d replicas, of `whole_bytes`
-    trainable profile bytes that ZeRO-3 keeps whole (planner.cost.ties: a tie two of the rank's
-    units use), 2 (d - 1)/d of the gradient, as the plain exchange sends (numbers or numpy arrays)."""
-    n, bandwidth = _exchange_link(opts, None, rank)
-    per_byte = memory_model.sync_bytes_per_param(precision_of(opts, dtype), "none", n, 1)
-    return per_byte / (memory_model.param_itemsize(dtype) * bandwidth) * whole_bytes
-
-
-def reduce_time(param_bytes: float, trainable_bytes: float, frozen_backward_bytes: float, opts: CostOptions,
-                dtype: str, m: int, rank: int, collectives: float = 0.0, buffer_bytes: float = 0.0,
-                whole_bytes: float = 0.0) -> float:
-    """Seconds of pipeline rank's data-parallel exchange per step: its bytes (`sync_time`) and, only
-    when it moves any, its rings' latency. A rank with nothing to exchange (every parameter frozen,
-    no ZeRO-3 gathers) runs no collective (runtime.groups: no bucket, no sharded optimizer). Under
-    ZeRO-3 the latency is per collective the runtime issues: `collectives` per micro-batch (its units'
-    planner.cost.ranges `sharded_collectives`), m micro-batches a step; `whole_bytes`: the trainable
-    bytes it keeps whole, all-reduced once a step (`whole_reduce_time`; bandwidth only). `buffer_bytes`:
-    its units' floating-point buffers, which local SGD averages."""
-    seconds = sync_time(param_bytes, trainable_bytes, frozen_backward_bytes, opts, dtype, m, rank=rank,
-                        buffer_bytes=buffer_bytes)
-    if whole_bytes:
-        seconds += whole_reduce_time(whole_bytes, opts, dtype, rank)
-    seconds += m * collectives * collective_latency(opts, rank)
-    return seconds + exchange_latency(opts, rank) if seconds > 0 else 0.0
-
-
-_CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}  # (id(profile), precision) -> both
-
-
-def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
-    """The profile with its byte counts in the precision's compute dtype (parameters, saved
-    activations, outputs and cut tensors scaled by the ratio of the dtypes' sizes; times as
-    measured); the profile itself when the dtypes agree. Autocast keeps a few tensors in fp32
-    (softmax and normalisation statistics): a measured fp32 profile planned at bf16 undercounts them.
-    A profile measured at the plan's precision (Profile.precision) has its activation and cut
-    counts as measured, its parameter bytes alone converted; one measured at another precision is
-    refused (which of its tensors autocast kept in fp32 is not known)."""
-    precision = precision_of(opts, profile.dtype, profile.precision)
-    measured = profile.precision is not None
-    if measured and precision != profile.precision:
-        raise ValueError(f"the profile's activation bytes were measured under {profile.precision} (planner profile "
-                         f"--precision {profile.precision}), which cannot be converted to --precision {precision}: plan "
-                         f"it at {profile.precision}, or profile the model again at that precision")
-    target = memory_model.COMPUTE_DTYPE[precision]
-    ratio = memory_model.DTYPE_BYTES[target] / memory_model.param_itemsize(profile.dtype)
-    if ratio == 1:
-        return profile
-    activations = 1.0 if measured else ratio
-    key = (id(profile), precision)  # bf16 and bf16-mixed share a dtype, not the loss's bytes
-    hit = _CONVERTED.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-
-    def scale(table: Dict[int, int]) -> Dict[int, int]:
-        # rounded down, every count alike: a part (shared, held, kept) stays within its whole, and
-        # every difference of them the ranges take (planner.cost.ranges) stays >= 0
-        return {b: int(v * activations) for b, v in table.items()}
-
-    def scale_parts(table: Dict[int, Dict[str, int]]) -> Dict[int, Dict[str, int]]:
-        return {b: {key: int(v * activations) for key, v in parts.items()} for b, parts in table.items()}
-
-    def value(v: CutValue) -> CutValue:
-        # integer tensors (token ids) keep their size; measured ones their measured dtype
-        if v.kind != "tensor" or v.dtype != profile.dtype or measured:
-            return v
-        return dataclasses.replace(v, dtype=target, bytes=scale(v.bytes))
-
-    # every activation count of a unit (a field left in the profile's dtype beside halved saved
-    # bytes made a stage's held bytes negative); the model's inputs are taken as floating too, as
-    # saved_bytes, which holds those a unit saves, already is
-    units = [dataclasses.replace(u, param_bytes=int(round(u.param_bytes * ratio)),
-                                 trainable_bytes=int(round(u.trainable_bytes * ratio)),
-                                 saved_bytes=scale(u.saved_bytes), output_bytes=scale(u.output_bytes),
-                                 weight_held_bytes=scale(u.weight_held_bytes), input_bytes=scale(u.input_bytes),
-                                 loss_saved_bytes=scale(u.loss_saved_bytes),
-                                 first_saved_bytes=scale(u.first_saved_bytes),
-                                 first_weight_held_bytes=scale(u.first_weight_held_bytes),
-                                 weight_kept_bytes=scale(u.weight_kept_bytes),
-                                 shared_saved_bytes=scale_parts(u.shared_saved_bytes),
-                                 weight_shared_bytes=scale_parts(u.weight_shared_bytes),
-                                 recomputed_shared_bytes=scale_parts(u.recomputed_shared_bytes),
-                                 dropped_saved_bytes=scale_parts(u.dropped_saved_bytes))
-             for u in profile.units]
-    if precision == "bf16-mixed" and activations < 1 and units:
-        units[-1] = _loss_in_fp32(units[-1], profile.units[-1], ratio)
-    cuts = [CutProfile(c.before_unit, [value(v) for v in c.values]) for c in profile.cuts]
-    ties = [dict(e, bytes=int(round(e["bytes"] * ratio))) if isinstance(e, dict) and
-            isinstance(e.get("bytes"), (int, float)) else e for e in profile.extra.get("shared_parameters", []) or []]
-    extra = dict(profile.extra, computed_from_dtype=profile.dtype)
-    if "shared_parameters" in extra:
-        extra["shared_parameters"] = ties
-    converted = dataclasses.replace(profile, units=units, cuts=cuts, dtype=target, extra=extra)
-    _CONVERTED[key] = (profile, converted)
-    if len(_CONVERTED) > 16:
-        _CONVERTED.pop(next(iter(_CONVERTED)))
-    return converted
-
-
-def _loss_in_fp32(scaled: UnitProfile, measured: UnitProfile, ratio: float) -> UnitProfile:
-    """The last unit under bf16-mixed: autocast runs torch's losses in fp32 (mse, cross-entropy and
-    their kin cast their input up and save it so), so what the loss saves keeps the profile's bytes,
-    in the unit's saved bytes (its forward includes the loss) as on their own; the rest is scaled."""
-    loss = measured.loss_saved_bytes
-
-    def keep_loss(table: Dict[int, int]) -> Dict[int, int]:
-        return {b: int((v - loss.get(b, 0)) * ratio) + loss.get(b, 0) if v >= loss.get(b, 0) else int(v * ratio)
-                for b, v in table.items()}
-
-    return dataclasses.replace(scaled, loss_saved_bytes=dict(loss), saved_bytes=keep_loss(measured.saved_bytes),
-                               first_saved_bytes=keep_loss(measured.first_saved_bytes))
+from planner.profile.profile import Profile
 
 
 def num_micro_batches(opts: CostOptions, b: int) -> int:
@@ -317,11 +145,6 @@ def stage_call_s(profile: Profile, b: int) -> float:
 def input_bytes(profile: Profile, b: int) -> List[int]:
     """in_l: what a recomputed unit keeps, its inputs (planner.cost.ranges)."""
     return [int(x) for x in range_costs(profile, b).inputs]
-
-
-def tie_time(bytes_: int, holders: int, opts: CostOptions) -> float:
-    """All-reduce of a tied weight over n holding ranks: 2 (n - 1) / n bytes / bandwidth (0 when n = 1)."""
-    return 2.0 * (holders - 1) / holders * bytes_ / opts.bandwidth if holders > 1 else 0.0
 
 
 def validate_boundaries(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOptions) -> None:

@@ -27,7 +27,7 @@ sends 1/k of the bytes across. Unequal parts: the slowest part and the smallest 
 cost model charges the bytes as a flat exchange over d at the effective bandwidth
 (d - 1)/d / h(G_i), which is exactly h(G_i) K, plus the rings' latency once per step (whenever
 d > 1 and the rank exchanges any bytes: one holding only frozen parameters runs no collective,
-planner.cost.model.reduce_time; under ZeRO-3 one ring's, lat(G) / 2, per gather and reduce-scatter):
+planner.cost.exchange.reduce_time; under ZeRO-3 one ring's, lat(G) / 2, per gather and reduce-scatter):
 
     lat(G) = lat(part) + 2 (s - 1) latency_l       (a reduce-scatter and an all-gather ring of s steps)
 

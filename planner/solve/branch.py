@@ -100,7 +100,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
                      cutoff_s: Optional[float] = None,
                      improve: Optional[Callable[[Split], Split]] = None) -> BranchOutcome:
     """The best split of (scenario, b) with a proof, or the best found and a bound at the time limit.
-    `profile` is the compute profile (planner.cost.model.compute_profile); `forms` seed the bound;
+    `profile` is the compute profile (planner.cost.compute_dtype.compute_profile); `forms` seed the bound;
     only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
     search) is given each new incumbent at a refresh."""
     started = time.perf_counter()

@@ -5,7 +5,7 @@ import torch
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.profile.optim import make_optimizer
-from runtime.engine import Engine, StepStats, _Step
+from runtime.engine import Engine, StepStats, StepState
 from runtime.groups import Groups
 from runtime.stage import build_rank
 from tests.support.runs import plan_with, profile_of
@@ -34,7 +34,7 @@ def test_sent_outputs_keep_only_their_graph():
     plan = plan_with(profile_of("builtin:mlp"), [3], 4, 8, "1f1b")
     engine = _engine(plan)
     micro_inputs, targets = engine._micro_batches(0)
-    step = _Step(StepStats(step=0), micro_inputs, targets)
+    step = StepState(StepStats(step=0), micro_inputs, targets)
     engine._forward(step, Action(ActionKind.FORWARD, 0, 0))
     runner, state = engine.runners[0], step.states[(0, 0)]
     outputs = [state.outputs[j] for j in runner.send_tensors]
@@ -51,7 +51,7 @@ def test_sent_outputs_keep_only_their_graph():
     state.grads = [torch.ones_like(e) for e in expected]
     engine._backward(step, Action(ActionKind.BACKWARD, 0, 0))
     reference = _engine(plan)
-    ref_step = _Step(StepStats(step=0), micro_inputs, targets)
+    ref_step = StepState(StepStats(step=0), micro_inputs, targets)
     reference._forward(ref_step, Action(ActionKind.FORWARD, 0, 0))
     ref_step.states[(0, 0)].grads = [torch.ones_like(e) for e in expected]
     reference._backward(ref_step, Action(ActionKind.BACKWARD, 0, 0))
@@ -78,7 +78,7 @@ def test_a_sent_copy_frees_the_outputs_at_once():
         engine = Engine(model, plan.instruction_lists()[0], topology, 0, plan.global_batch, plan.num_micro_batches,
                         make_optimizer("sgd", model.parameters(), 0.01), torch.device("cpu"),
                         Groups(topology, 0, model.tied_groups), autocast=autocast)
-        step = _Step(StepStats(step=0), *engine._micro_batches(0))
+        step = StepState(StepStats(step=0), *engine._micro_batches(0))
         engine._forward(step, Action(ActionKind.FORWARD, 0, 0))
         runner, state = engine.runners[0], step.states[(0, 0)]
         assert len(runner.send_tensors) == 1

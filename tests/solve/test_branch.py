@@ -161,7 +161,7 @@ def test_a_cap_the_best_split_meets_exactly_keeps_it(problem):
 def frozen_front_on_two_sites(L=6, frozen=4, gradient_from=None):
     """(profile, options): the first `frozen` of L units frozen, p = 2 x d = 2 placed so that each
     rank's exchange crosses a site link of 0.02 s latency (40 ms of rings, paid only by a rank that
-    exchanges anything: planner.cost.model.reduce_time). Gradients cross the cuts from cut
+    exchanges anything: planner.cost.exchange.reduce_time). Gradients cross the cuts from cut
     `gradient_from` + 1 on (default: none crosses the frozen front)."""
     import dataclasses
 

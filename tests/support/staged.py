@@ -17,7 +17,7 @@ import torch
 from planner.pipeline.schedule import Action, ActionKind
 from planner.plan.file import Plan
 from planner.profile.optim import make_optimizer
-from runtime.engine import Engine, StepStats, _State, _Step
+from runtime.engine import Engine, StepStats, MicroBatchState, StepState
 from runtime.microbatch import assemble
 from runtime.groups import Groups
 from runtime.stage import build_rank, stage_state
@@ -41,7 +41,7 @@ def run_in_process(plan: Plan, steps: int = 3, lr: float = 0.05) -> Dict[str, to
     runners = [next(iter(e.runners.values())) for e in engines]
     for step in range(steps):
         micro_inputs, micro_targets = engines[0]._micro_batches(step)
-        steps_of = [_Step(StepStats(step=step), micro_inputs, micro_targets)
+        steps_of = [StepState(StepStats(step=step), micro_inputs, micro_targets)
                     for _ in engines]
         for i in range(m):
             for s, (engine, runner) in enumerate(zip(engines, runners)):
@@ -50,7 +50,7 @@ def run_in_process(plan: Plan, steps: int = 3, lr: float = 0.05) -> Dict[str, to
                     fresh = [sent[j].detach().clone() for j in runners[s - 1].send_tensors]
                     # sent: the engine now drops what autograd did not save (a send's completion does this)
                     runners[s - 1].drop_outputs(steps_of[s - 1].states[(s - 1, i)])
-                    steps_of[s].states[(s, i)] = _State(received=assemble(runner.stage, fresh))
+                    steps_of[s].states[(s, i)] = MicroBatchState(received=assemble(runner.stage, fresh))
                 engine._forward(steps_of[s], Action(ActionKind.FORWARD, i, s))
         for i in range(m):
             for s in reversed(range(len(engines))):
