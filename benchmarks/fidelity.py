@@ -51,7 +51,8 @@ from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
 from planner.profile.link import measure_link  # noqa: E402
-from planner.profile.measure import profile_model, steadiest_profile  # noqa: E402
+from planner.profile.hostspeed import steadiest_profile  # noqa: E402
+from planner.profile.measure import profile_model  # noqa: E402
 from planner.profile.engine_cost import measure_engine_overhead  # noqa: E402
 from planner.profile.rhythm import rhythm_compute  # noqa: E402
 from planner.solve.api import solve  # noqa: E402

@@ -27,7 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from planner.profile.profile import MESSAGE_DTYPES
+from planner.profile.cut_profile import MESSAGE_DTYPES
 
 # the dtypes a message carries, as a profile's cut values name them
 _DTYPES: Dict[str, torch.dtype] = {name: getattr(torch, name) for name in MESSAGE_DTYPES}

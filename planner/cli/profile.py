@@ -130,7 +130,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UsageError("--engine-cost measure times this runtime's engine on this CPU; an analytic profile has none")
     if not args.analytic:
         _check_measure_options(args)
-    from planner.profile.measure import profile_model, steadiest_profile
+    from planner.profile.hostspeed import steadiest_profile
+    from planner.profile.measure import profile_model
     from planner.profile.profile import save_profile
     from planner.model.entry import model_name, parse_model_args
 

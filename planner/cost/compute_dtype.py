@@ -8,7 +8,9 @@ from typing import Dict, Tuple
 from planner.cost import memory as memory_model
 from planner.cost.options import CostOptions
 from planner.cost.rank_memory import precision_of
-from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.cut_profile import CutProfile, CutValue
+from planner.profile.profile import Profile
+from planner.profile.unit_profile import UnitProfile
 
 
 _CONVERTED: Dict[Tuple[int, str], Tuple[Profile, Profile]] = {}  # (id(profile), precision) -> both

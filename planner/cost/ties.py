@@ -1,7 +1,7 @@
 """Tied weights held once per rank: the copies that the per-unit sums count too many times.
 
 A captured unit's parameter and trainable bytes include every tied weight it uses
-(planner.profile.measure, planner.profile.analytic_profile), so a sum over the units a rank holds
+(planner.profile.records, for measured and analytic profiles alike), so a sum over the units a rank holds
 counts tied weight t once per use. The runtime holds one copy per rank (runtime.stage: one
 parameter object, frozen or not), and a trainable tie whose uses span ranks leaves the
 data-parallel exchange: its gradients are summed in its own all-reduce over every holder

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 from planner.jsonio import JsonFileError, newer_schema, read_json
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_speed_lines
-from planner.profile.profile import MAX_SECONDS
+from planner.profile.reader import MAX_SECONDS
 
 
 REPORT_SCHEMA_VERSION = 1  # runtime.report writes it

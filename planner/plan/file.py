@@ -23,7 +23,7 @@ from planner.pipeline.schedule import MAX_MICRO_BATCHES, SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
-from planner.profile.profile import MESSAGE_DTYPES
+from planner.profile.cut_profile import MESSAGE_DTYPES
 from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or an exchange at most this long
 
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries

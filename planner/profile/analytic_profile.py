@@ -23,8 +23,9 @@ from planner.model.failures import NodeRunError, UnitRunError, describe_node, mo
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
-from planner.profile.measure import as_received, blank_unit, record_cut_values, shared_parameters_json
-from planner.profile.profile import CutProfile, CutValue, Profile
+from planner.profile.cut_profile import CutProfile, CutValue
+from planner.profile.profile import Profile
+from planner.profile.records import as_received, blank_unit, record_cut_values, shared_parameters_json
 from planner.profile.saved import Packed, loss_saved_bytes, unpack
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, backward_seeds

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from planner.jsonio import not_a_regular_file
-from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.cut_profile import CutProfile, CutValue
+from planner.profile.profile import Profile
+from planner.profile.unit_profile import UnitProfile
 
 _METRICS = re.compile(r"(\w+)=(\[[^\]]*\]|[-+0-9.eE]+)")
 

@@ -19,7 +19,7 @@ backward runs them) and from which a parameter is reached through nodes that do 
 - Each parameter group costs the weight part one autograd call, and each call walks the graph below
   its frontier (torch's engine finds what leads to the parameters from the whole graph below its
   roots); the profile times both parts per unit and what a stage pays on top
-  (planner.profile.measure).
+  (planner.profile.run_timing).
 - Between the two, the micro-batch holds what the frontier's subgraph saved (a matmul's input,
   say); the rest of its graph is released once nothing references it.
 - A checkpointed (recomputed) region recomputes its forward in each part that reads what it saved:

@@ -13,7 +13,8 @@ import torch
 from planner.cost.ranges import range_costs
 from planner.profile.corunners import CoRunners
 from planner.profile.link import FlatLinkError, bounding_link_fit, fit_link, fit_measured_link, measure_link
-from planner.profile.measure import host_drift, profile_model, steadiest_profile
+from planner.profile.hostspeed import host_drift, steadiest_profile
+from planner.profile.measure import profile_model
 from planner.profile.profile import Profile
 from planner.profile.timing import UnitCall, measure_units, split_call_overhead, weight_walk
 from runtime import shared_memory

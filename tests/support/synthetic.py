@@ -4,7 +4,9 @@ from __future__ import annotations
 import random
 from typing import Dict, Optional, Sequence, Union
 
-from planner.profile.profile import CutProfile, CutValue, Profile, UnitProfile
+from planner.profile.cut_profile import CutProfile, CutValue
+from planner.profile.profile import Profile
+from planner.profile.unit_profile import UnitProfile
 
 PerSize = Union[float, int, Dict[int, Union[float, int]]]
 

@@ -1,0 +1,113 @@
+"""CutValue and CutProfile: the values crossing each cut of a profile, tensors with their shapes
+and bytes or constants, per micro-batch size.
+
+Cut k (1 <= k < L) is the boundary just before unit k; the values crossing it are those produced
+before unit k and consumed at or after it (skip connections included). Model inputs are never counted
+as crossing: every rank rebuilds the batch itself from the deterministic `batch` function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from planner.profile.reader import Reader, show, str_keys
+
+# the dtypes a value crossing a cut may have: those runtime.comm sends
+MESSAGE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                  "complex64", "complex128", "complex32")
+
+
+@dataclass
+class CutValue:
+    """A value crossing a cut: a tensor (sent point-to-point) or a constant (e.g. a size).
+
+    Constants depend only on the micro-batch size, so the runtime injects them instead of
+    sending them.
+    """
+
+    name: str
+    kind: str  # "tensor" | "constant"
+    dtype: Optional[str] = None
+    requires_grad: bool = False
+    shape: Dict[int, List[int]] = field(default_factory=dict)
+    bytes: Dict[int, int] = field(default_factory=dict)
+    value: Dict[int, Any] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "tensor":
+            d.update(dtype=self.dtype, requires_grad=self.requires_grad,
+                     shape=str_keys(self.shape), bytes=str_keys(self.bytes))
+        else:
+            d["value"] = str_keys(self.value)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], read: "Reader", where: str) -> "CutValue":
+        d = read.table(d, where)
+        kind = d.get("kind")
+        if kind not in ("tensor", "constant"):
+            raise read.error(f"{where}.kind", f"is {show(kind)}: expected \"tensor\" or \"constant\"")
+
+        def shape(value: Any, at: str) -> List[int]:
+            if not isinstance(value, list):
+                raise read.error(at, f"is {show(value)}: expected a list of sizes")
+            return [read.count(n, f"{at}[{i}]") for i, n in enumerate(value)]
+
+        tensor = kind == "tensor"
+        name, dtype, grad = d.get("name", ""), d.get("dtype"), d.get("requires_grad", False)
+        if not (isinstance(name, str) and name):
+            raise read.error(f"{where}.name", f"is {show(name)}: expected the value's name")
+        if tensor and dtype not in MESSAGE_DTYPES:
+            raise read.error(f"{where}.dtype", f"is {show(dtype)}: expected one of {', '.join(MESSAGE_DTYPES)}")
+        if not isinstance(grad, bool):
+            raise read.error(f"{where}.requires_grad", f"is {show(grad)}: expected true or false")
+        return cls(
+            name=name,
+            kind=kind,
+            dtype=dtype,
+            requires_grad=grad,
+            shape=read.per_size(d.get("shape", {}), f"{where}.shape", shape, required=tensor),
+            bytes=read.per_size(d.get("bytes", {}), f"{where}.bytes", read.count, required=tensor),
+            value=read.per_size(d.get("value", {}), f"{where}.value", lambda v, _: v, required=not tensor),
+        )
+
+    def at(self, micro_batch_size: int) -> Dict[str, Any]:
+        """This value's description at one micro-batch size (what a plan's stage carries)."""
+        b = micro_batch_size
+        if self.kind == "tensor":
+            return {"name": self.name, "kind": "tensor", "dtype": self.dtype,
+                    "requires_grad": self.requires_grad, "shape": self.shape[b], "bytes": self.bytes[b]}
+        return {"name": self.name, "kind": "constant", "value": self.value[b]}
+
+
+@dataclass
+class CutProfile:
+    """Cut k: the boundary before unit k."""
+
+    before_unit: int
+    values: List[CutValue]
+
+    def activation_bytes(self, b: int) -> int:
+        """Bytes sent forward across this cut for one micro-batch of size b."""
+        return sum(v.bytes[b] for v in self.values if v.kind == "tensor")
+
+    def gradient_bytes(self, b: int) -> int:
+        """Bytes of gradients sent backward across this cut for one micro-batch of size b."""
+        return sum(v.bytes[b] for v in self.values if v.kind == "tensor" and v.requires_grad)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"before_unit": self.before_unit, "values": [v.to_json() for v in self.values]}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], read: "Reader", where: str, k: int) -> "CutProfile":
+        """Cut k, the k-th entry of the file's cuts (before unit k)."""
+        d = read.table(d, where)
+        if d.get("before_unit") != k or isinstance(d.get("before_unit"), bool):
+            raise read.error(f"{where}.before_unit", f"is {show(d.get('before_unit'))}: cuts are listed in "
+                             f"order, the k-th before unit k (expected {k})")
+        values = d.get("values")
+        if not isinstance(values, list):
+            raise read.error(f"{where}.values", "is missing: expected the list of values crossing the cut")
+        return cls(before_unit=k, values=[CutValue.from_json(v, read, f"{where}.values[{i}]")
+                                          for i, v in enumerate(values)])

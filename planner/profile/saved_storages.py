@@ -1,0 +1,120 @@
+"""The storages a unit's forward saves, each named by the value it holds: those other units may
+save too, those its weight part keeps, those it keeps when recomputed, those autograd frees at once;
+and what it saves and holds as a stage's first unit, its inputs each in a storage of its own.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from planner.profile.profile_run import ProfileRun
+from planner.profile.records import as_received
+from planner.profile.saved import SavedBytes
+from planner.profile.splitgrad import backward_weight, first_part, forward_and_input_part
+from planner.profile.timing import UnitCall, _closures, _InputRestore
+
+
+def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:
+    """(saved bytes, bytes held from its input part to its weight part) of a unit run as a stage's
+    first, its inputs each in a storage of its own (`as_received`); None where that is how it runs
+    inside a stage too. One more forward, and one with its input part."""
+    received = as_received(call.args)
+    if received is None:
+        return None
+    first = UnitCall(call.module, received, call.produced, call.is_last, call.params)
+    forward, _ = _closures(first, run.spec.loss, target)
+    counter = SavedBytes(call.module.parameters())
+    with torch.enable_grad():
+        with counter.counting():
+            result = forward()
+        saved = counter.finish()
+        del result
+        trainable = call.trainable()
+        pending, held, _ = forward_and_input_part(forward, lambda out: first_part(first, out, trainable),
+                                                  list(call.module.parameters()))
+        backward_weight(pending)
+    call.module.zero_grad(set_to_none=True)
+    return saved, held
+
+
+class _StorageNames(torch.fx.Interpreter):
+    """Runs a unit node by node, naming each storage a value occupies after the first node that
+    produced it (a view is its base's), or after a `shareable` value it holds (an in-place op's
+    result sent on by that name): `names` {data pointer: node name}. Every value stays referenced
+    until `forget`: a freed value's address taken by a later one would give that one its name."""
+
+    def __init__(self, module: torch.fx.GraphModule, shareable: Set[str]):
+        super().__init__(module)
+        self.shareable, self.names = shareable, {}
+        self.values: List[torch.Tensor] = []
+
+    def forget(self) -> None:
+        """Drop the run's values (they hold their autograd nodes)."""
+        self.env.clear()
+        self.values.clear()
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        for value in (result if isinstance(result, (tuple, list)) else (result,)):
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr():
+                self.values.append(value)
+                ptr = value.untyped_storage().data_ptr()
+                if ptr not in self.names or (node.name in self.shareable and self.names[ptr] not in self.shareable):
+                    self.names[ptr] = node.name
+        return result
+
+
+def shared_saved(run: ProfileRun, work: List[UnitCall], target: Any
+                  ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, int]]]:
+    """Per unit, the storages its forward saves that hold a value other units may save too
+    (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
+    units, and values every stage computes again; and of them, those it still holds after its input
+    part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit); the storages of its
+    arguments, which it keeps when recomputed (UnitProfile.recomputed_shared_bytes); and the storages it
+    saves that autograd frees as the forward returns, its outputs held (UnitProfile.dropped_saved_bytes,
+    by the same names, "" for the rest). One more forward of each unit (`_StorageNames`), and its input
+    part."""
+    out = []
+    for k, call in enumerate(work):
+        _, io = run.stages[k]
+        shareable = set(io.inputs) | set(io.received) | set(io.sent) | \
+            {n.name for n in call.module.graph.nodes if n.name in run.captured.recomputed}
+        naming = _StorageNames(call.module, shareable)
+        counter, restore = SavedBytes(call.module.parameters()), _InputRestore(call)  # (the inputs before it runs)
+        with torch.enable_grad():
+            with counter.counting():
+                with run.forwarding():  # the interpreter does not call the module's forward
+                    result = naming.run(*call.args)
+                if call.is_last:
+                    result = run.spec.loss(result, target)
+            shared = {naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
+                      if naming.names.get(ptr) in shareable}
+            # recomputed, it keeps its tensor arguments (runtime.stage's checkpoint saves them all)
+            kept = {}
+            for arg in call.args:
+                if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in naming.names:
+                    storage = arg.untyped_storage()
+                    kept[naming.names[storage.data_ptr()]] = storage.nbytes()
+            held: Dict[str, int] = {}
+            refs = counter.saved_refs()
+            naming.forget()  # the interpreter's values would keep their nodes alive
+            # what no node its outputs reach saves: freed now (a storage once, whichever of its packs lives)
+            alive = {ptr for ref, ptr, _ in refs if ref() is not None}
+            dropped: Dict[str, int] = {}
+            for ptr, size in counter.saved_storage_bytes().items():
+                if ptr not in alive:
+                    name = naming.names.get(ptr) if naming.names.get(ptr) in shared else ""
+                    dropped[name] = dropped.get(name, 0) + size
+            if shared and k > 0:  # which of them the weight part keeps
+                pending = first_part(call, result, call.trainable())
+                del result
+                alive = {ptr for ref, ptr, _ in refs if ref() is not None}
+                held = {naming.names[ptr]: shared[naming.names[ptr]] for ptr in alive
+                        if naming.names.get(ptr) in shared}
+                backward_weight(pending)
+                call.module.zero_grad(set_to_none=True)
+        naming.forget()
+        restore()
+        out.append((shared, held, kept, dropped))
+    return out
