@@ -267,7 +267,7 @@ def test_ranks_end_with_a_runtime_execute_killed_by_sigkill(tmp_path, launch):
         assert len(below) >= 2, below
         command.kill()
         command.wait(10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # ranks still importing torch on a loaded machine end after it
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and
                                                   not _zombie(pid) for pid in below):
             time.sleep(0.1)

@@ -224,7 +224,10 @@ def test_profile_with_a_co_runner_records_its_conditions():
     first_input, later_input, later_weight = shared.split_overhead_s[2]
     assert set(shared.split_overhead_s) == {2} and min(first_input, later_input, later_weight) >= 0
     assert first_input < later_input + sum(u.backward_input_s[2] for u in shared.units[1:])
-    assert all(u.backward_input_s[2] >= 0 and u.backward_weight_s[2] > 0 for u in shared.units if u.param_bytes)
+    # (each unit's weight part is fitted against whole stages: under load a small one can come out 0)
+    trained = [u for u in shared.units if u.param_bytes]
+    assert all(u.backward_input_s[2] >= 0 and u.backward_weight_s[2] >= 0 for u in trained)
+    assert sum(u.backward_weight_s[2] for u in trained) > 0
     bare = profile_model("builtin:mlp", {}, [2], repeats=1, whole_model=False)
     assert bare.extra["measured_under"]["whole_model_scale"] is None and bare.stage_overhead_s == {}
     assert bare.split_overhead_s[2][1:] == (0.0, 0.0)  # units as timed alone: nothing kept apart

@@ -224,7 +224,7 @@ def big_profile(L=60, seed=3):
 def test_time_limited_solve_reports_a_valid_bound(backend):
     p = big_profile()
     opts = CostOptions(pipeline_ranks=8, global_batch=32, latency=1e-4, bandwidth=1e9, memory_cap=80e6)
-    found = solve_ilp(p, opts, time_limit=0.05, backend=backend)
+    found = solve_ilp(p, opts, time_limit=0.5, backend=backend)  # (0.05 s: no plan yet on a loaded machine)
     assert found.status in ("optimal", "feasible")
     assert 0 < found.bound <= found.objective + 1e-9
     assert found.gap == pytest.approx((found.objective - found.bound) / found.objective, abs=1e-12)
