@@ -66,7 +66,7 @@ from planner.profile.profile import Profile
 from planner.solve.dual import Dual
 from planner.solve.floors import OutOfTime
 from planner.solve.forms import TABLE_BYTES, Forms, StageTerms, form_prefix, table_bytes
-from planner.solve.solution import Split
+from planner.solve.solution import Candidate
 
 DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the start and at each refresh
 # the dual ascent starts after this many nodes or this share of the time limit (shorter searches never pay for it)
@@ -88,17 +88,17 @@ def applies(profile: Profile, opts: CostOptions) -> bool:
 
 @dataclass
 class BranchOutcome:
-    best: Optional[Split]
+    best: Optional[Candidate]
     bound_s: float  # no split of the scenario is faster (seconds, step overhead included)
     optimal: bool  # the search finished
     nodes: int
     forms: Set[PathForm]  # every form used, those learned included
 
 
-def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
+def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Candidate],
                      forms: Set[PathForm], time_limit: Optional[float], gap: float = 1e-6,
                      cutoff_s: Optional[float] = None,
-                     improve: Optional[Callable[[Split], Split]] = None) -> BranchOutcome:
+                     improve: Optional[Callable[[Candidate], Candidate]] = None) -> BranchOutcome:
     """The best split of (scenario, b) with a proof, or the best found and a bound at the time limit.
     `profile` is the compute profile (planner.cost.compute_dtype.compute_profile); `forms` seed the bound;
     only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
@@ -121,7 +121,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
                  cutoff_s if cutoff_s is not None else math.inf) - overhead
     dual, dual_until = Dual(), math.inf if time_limit is None else started + DUAL_SHARE * time_limit
 
-    def offer(split: Optional[Split]) -> None:  # a candidate: the incumbent if faster
+    def offer(split: Optional[Candidate]) -> None:  # a candidate: the incumbent if faster
         nonlocal best, target
         if split is not None and split.iteration_s - overhead < target:
             best, target = split, split.iteration_s - overhead
@@ -254,9 +254,9 @@ def _open_bound(known: Forms, stack, target: float, refresh: bool, budget_s: flo
 
 
 def _simulate(profile: Profile, cuts: List[int], b: int, opts: CostOptions, redo: List[int],
-              known: Forms) -> Optional[Split]:
+              known: Forms) -> Optional[Candidate]:
     """The split's cost (its longest path joins the forms); None if it does not fit (a scenario
     `evaluate` refuses raises its ValueError)."""
     cost = evaluate(profile, cuts, b, opts, redo)
     known.add(cost.critical_path)
-    return Split(cost.iteration_s, list(cuts), list(redo)) if cost.feasible else None
+    return Candidate(cost.iteration_s, list(cuts), list(redo)) if cost.feasible else None

@@ -14,10 +14,10 @@ from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.solve.chain import solve_chain
 from planner.solve.chain_recompute import MAX_UNITS, recompute_tables
-from planner.solve.solution import Split
+from planner.solve.solution import Candidate
 from planner.solve.recompute import recompute_for
 
-def chain_start(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> Optional[Split]:
+def chain_start(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> Optional[Candidate]:
     """The fill-drain optimum of a v = 1 scenario without tied parameters, simulated: a start for
     the exact search (None when out of scope or nothing fits).
 
@@ -40,4 +40,4 @@ def chain_start(profile: Profile, b: int, opts: CostOptions, deadline: Optional[
     if found is None or redo is None:
         return None
     cost = evaluate(profile, found.boundaries, b, opts, redo)
-    return Split(cost.iteration_s, list(found.boundaries), redo) if cost.feasible else None
+    return Candidate(cost.iteration_s, list(found.boundaries), redo) if cost.feasible else None

@@ -37,7 +37,7 @@ from planner.solve.ilp import Program, big_m_ms
 from planner.solve.ilp_split import NoSplit
 from planner.solve.recompute import recompute_for
 from planner.solve.reach import stage_conditions, unit_ranges
-from planner.solve.solution import Split
+from planner.solve.solution import Candidate
 
 LOCAL_SEARCH_ROUNDS = 50
 COARSE_GAP = 1e-3  # programs solved to this gap while the incumbent is further than it from the bound
@@ -45,7 +45,7 @@ COARSE_GAP = 1e-3  # programs solved to this gap while the incumbent is further 
 
 @dataclass
 class ScenarioOutcome:
-    best: Optional[Split]
+    best: Optional[Candidate]
     bound_s: float  # no plan of the scenario is faster (seconds)
     optimal: bool  # the solver finished (bound_s is the optimum or the cutoff it proved)
     engine: str = "mip"  # what settled it: "mip" (the integer program) or "branch" (planner.solve.branch)
@@ -104,18 +104,18 @@ def _redo(profile: Profile, boundaries: List[int], b: int, opts: CostOptions,
 
 
 def _evaluate(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
-              forms: Set[PathForm]) -> Optional[Split]:
+              forms: Set[PathForm]) -> Optional[Candidate]:
     """The candidate if the split is feasible (recording its longest path either way). A ValueError
     from `evaluate` (a scenario it refuses whatever the split) propagates: taken for an unfitting
     split, it would have the program cut off every split in turn."""
     redo = _redo(profile, boundaries, b, opts, recompute)
     cost = evaluate(profile, boundaries, b, opts, redo)
     forms.add(_form(cost))
-    return Split(cost.iteration_s, list(boundaries), list(redo)) if cost.feasible else None
+    return Candidate(cost.iteration_s, list(boundaries), list(redo)) if cost.feasible else None
 
 
 def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]], recompute: Optional[List[int]],
-             forms: Set[PathForm], below: float, deadline: Optional[float] = None) -> Optional[Split]:
+             forms: Set[PathForm], below: float, deadline: Optional[float] = None) -> Optional[Candidate]:
     """The fastest feasible split of `moves` (the first of equals) if it is faster than `below`: all
     simulated at once (their longest paths join `forms`), then evaluated fastest first until one
     fits its memory. Past `deadline` (time.perf_counter()) the moves not yet given their
@@ -138,8 +138,8 @@ def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]]
     return None
 
 
-def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm],
-                 deadline: Optional[float] = None) -> Split:
+def local_search(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
+                 deadline: Optional[float] = None) -> Candidate:
     """Move one boundary by one unit while that lowers the simulated step (recomputation re-chosen),
     round after round until none does or the deadline (time.perf_counter()) passed."""
     best = start
@@ -158,8 +158,8 @@ def local_search(profile: Profile, b: int, opts: CostOptions, start: Split, form
 PERTURBATIONS = 200
 
 
-def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Split, forms: Set[PathForm],
-                   deadline: Optional[float] = None) -> Split:
+def _perturbations(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
+                   deadline: Optional[float] = None) -> Candidate:
     """Simulate splits near `start` (a few boundaries moved by one or two units): their longest paths
     are the forms the program needs near the optimum; a better split found on the way is kept (as
     many as `deadline`, time.perf_counter(), leaves time for)."""
@@ -207,7 +207,7 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
 RELAXED_SHARE, FITTING_SHARE = 0.6, 0.2  # of the time limit, for the two searches of `_without_recomputation`
 
 
-def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Split],
+def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Candidate],
                            time_limit: Optional[float], gap: float, target_s: Optional[float]):
     """What the branch and bound over splits (fast, no per-unit choices) tells a `--recompute auto`
     scenario under a cap, which the integer program solves next: (best plan, lower bound, settled).
@@ -224,7 +224,7 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
         free = replace(plain, memory_cap=None)
         # the incumbent's split without its recomputation: a plan there, no slower (a search needs one)
         start = None if best is None else \
-            Split(evaluate(profile, best.boundaries, b, free, []).iteration_s, list(best.boundaries), [])
+            Candidate(evaluate(profile, best.boundaries, b, free, []).iteration_s, list(best.boundaries), [])
         relaxed = branch_and_bound(profile, b, free, start, structural_forms(profile, b, free),
                                    None if time_limit is None else RELAXED_SHARE * time_limit, gap)
         bound = relaxed.bound_s
@@ -232,7 +232,7 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
             fits = evaluate(profile, relaxed.best.boundaries, b, opts, [])
             fitted = fits.feasible
             if fitted and (best is None or fits.iteration_s < best.iteration_s):
-                best = Split(fits.iteration_s, list(relaxed.best.boundaries), [])
+                best = Candidate(fits.iteration_s, list(relaxed.best.boundaries), [])
             if fitted and relaxed.optimal:  # the best split of all fits as it is
                 return best, max(bound, best.iteration_s * (1 - gap)), True
     if not fitted:
@@ -245,7 +245,7 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
     return best, bound, False
 
 
-def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Split],
+def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Candidate],
                    time_limit: Optional[float], backend: str, gap: float = 1e-6,
                    forms: Optional[Set[PathForm]] = None, target_s: Optional[float] = None) -> ScenarioOutcome:
     """The best split of (scenario, b), or a proof that none is faster than `incumbent` (a plan of

@@ -49,7 +49,7 @@ from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.floors import OutOfTime, check_deadline
-from planner.solve.solution import OPTIMALITY_GAP, Solution, Split, scenario_gap
+from planner.solve.solution import OPTIMALITY_GAP, Solution, Candidate, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
 # the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
@@ -98,7 +98,7 @@ def expand_scenarios(opts: CostOptions, num_units: int, devices: Optional[int] =
 class _Scenario:
     opts: CostOptions
     b: int
-    start: Optional[Split]  # a good plan found fast (None: none found)
+    start: Optional[Candidate]  # a good plan found fast (None: none found)
     lower_bound: float  # on every plan of the scenario (seconds)
 
 
@@ -152,11 +152,11 @@ def _starts(profile: Profile, b: int, opts: CostOptions, deadline: Optional[floa
 
 
 def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None,
-                   deadline: Optional[float] = None) -> Optional[Split]:
+                   deadline: Optional[float] = None) -> Optional[Candidate]:
     """A good feasible plan fast: the best simulated start, improved by local search (both cut
     short at `deadline`, time.perf_counter())."""
     forms = set() if forms is None else forms
-    best: Optional[Split] = None
+    best: Optional[Candidate] = None
     for boundaries in _starts(profile, b, opts, deadline):
         if best is not None and deadline is not None and time.perf_counter() >= deadline:
             break
@@ -283,7 +283,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             # the bounds may take the whole limit (a weak one makes the gap, however long the search ran)
             items.append(_Scenario(opts, b, start, scenario_lower_bound(profile, b, opts, limit)))
     items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
-    best = None  # (Split, _Scenario)
+    best = None  # (Candidate, _Scenario)
     for it in items:
         if it.start is not None and (best is None or it.start.iteration_s < best[0].iteration_s):
             best = (it.start, it)
@@ -295,7 +295,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
     skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of a skipped one beats the best by more
 
-    def settle(index: int, start: Optional[Split], seconds: Optional[float], forms=None):
+    def settle(index: int, start: Optional[Candidate], seconds: Optional[float], forms=None):
         """Scenario `index` solved from `start` for `seconds`: its plan may become the best, and the
         bound it proves joins what it had (each holds, so it keeps the larger)."""
         nonlocal best

@@ -37,7 +37,7 @@ class Solution:
 
 
 @dataclass
-class Split:
+class Candidate:
     """A plan inside a solver's search: where the stages are cut (unit indices), which units are
     recomputed in backward, and its iteration time by the cost model (seconds)."""
 

@@ -216,13 +216,13 @@ def test_tables_the_time_limit_cannot_pay_for_end_the_search_with_its_incumbent(
     import time
 
     from planner.solve.floors import OutOfTime
-    from planner.solve.solution import Split
+    from planner.solve.solution import Candidate
 
     profile = synthetic_profile([1e-3] * 6, [2e-3] * 6, [10] * 6, [10] * 6, [10] * 5, sizes=(1,))
     opts = CostOptions(pipeline_ranks=3, global_batch=4, step_overhead_s=1e-4)
     with pytest.raises(OutOfTime):
         StageTerms(profile, 1, opts, deadline=time.perf_counter() - 1)
-    incumbent = Split(evaluate(profile, [2, 4], 1, opts).iteration_s, [2, 4], [])
+    incumbent = Candidate(evaluate(profile, [2, 4], 1, opts).iteration_s, [2, 4], [])
     with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: 0.0)), \
             mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 5.0)):
         outcome = branch_and_bound(profile, 1, opts, incumbent, set(), time_limit=2.0)
