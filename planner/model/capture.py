@@ -8,16 +8,14 @@ A unit is a maximal run of graph nodes (in execution order) that belong to the s
 top-level submodule call, looking through containers and stacks of repeated layers
 (planner/model/units.py); the fx tracer and what it refuses are planner/model/fx_trace.py.
 
-In-place operations: a unit boundary never falls between a tensor's producer and an operation
-that writes into it (or into a view of it): such units are joined into one, named after the
-first (`CapturedModel.merges` says which and why; rule and details in planner/model/inplace.py). So an
-`nn.ReLU(inplace=True)` that is a unit of its own joins the unit of the tensor it overwrites,
-and no stage ever writes into a tensor it received. The fx tracer records `a += b` in place
-(`augmented_assign`), as eager PyTorch runs it, where fx alone would record `a = a + b`.
+In-place operations: a unit boundary never falls between a tensor's producer and an operation writing
+into it or a view of it (an `nn.ReLU(inplace=True)` unit joins the unit of the tensor it overwrites:
+`CapturedModel.merges`; planner/model/inplace.py), so no stage writes into a tensor it received. The fx
+tracer records `a += b` in place (`augmented_assign`), as eager PyTorch runs it.
 
-Values whose shape depends on the data (the tokens a mixture of experts routes to each expert)
-never cross a cut either: the units from the one making such a value to the last one reading it are
-joined (`CapturedModel.shape_merges`; rule in planner/model/dynamic_shapes.py).
+Values whose shape depends on the data (the tokens a mixture of experts routes to each expert) never
+cross a cut either: the units from its maker to its last reader are joined (`CapturedModel.shape_merges`;
+planner/model/dynamic_shapes.py).
 
 Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
 a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
@@ -26,10 +24,9 @@ unit). Model inputs never cross: every rank rebuilds the batch itself. Parameter
 inputs, buffers and constants alone (an attention mask, position ids, rotary tables): each stage
 reading one computes it again (planner/model/recomputable.py states the rule).
 
-`CapturedModel.stage_module(first, end)` cuts units [first, end) out as an `fx.GraphModule`
-whose forward takes (model inputs used, values crossing cut `first`) and returns the values
-crossing cut `end` (or the model output for the last stage). Submodules keep their original
-qualified names, so a stage's `state_dict` keys are the model's own.
+`CapturedModel.stage_module(first, end)` cuts units [first, end) out as an `fx.GraphModule` whose forward
+takes (model inputs used, values crossing cut `first`) and returns those crossing cut `end` (the last stage:
+the model output); submodules keep their qualified names, so a stage's `state_dict` keys are the model's.
 """
 from __future__ import annotations
 
@@ -167,7 +164,7 @@ class CapturedModel:
                 "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
         self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
         self.forward_sets = exported.forward_sets
-        return _without_metadata_asserts(exported.gm)
+        return exported.gm
 
     def output_of(self, values: Dict[str, Any]) -> Any:
         """The model's output, as its forward returns it, from `run_all_nodes`' values."""
@@ -375,19 +372,6 @@ class CapturedModel:
                                               units=sorted(units, key=self.unit_index),
                                               bytes=t.numel() * t.element_size(), trainable=t.requires_grad))
         return shared
-
-
-def _without_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
-    """torch.export checks each traced tensor's dtype and device as it was traced
-    (`aten._assert_tensor_metadata`); a run under autocast (bf16-mixed) or on another device
-    legitimately differs, so the checks go (they compute nothing)."""
-    check = torch.ops.aten._assert_tensor_metadata.default
-    for graph_module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
-        for node in [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is check]:
-            if not node.users:
-                graph_module.graph.erase_node(node)
-        graph_module.recompile()
-    return gm
 
 
 def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto") -> CapturedModel:

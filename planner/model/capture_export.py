@@ -140,6 +140,7 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
                            f"(register_buffer) so that the graph updates it")
     info = gm.graph._codegen.pytree_info
     _normalise(gm, module)
+    gm = _without_metadata_asserts(gm)
     return ExportedGraph(gm=gm, in_spec=info.in_spec, out_spec=info.out_spec, fixed_batch=_fixed_batch(gm),
                          forward_sets=forward_sets)
 
@@ -218,6 +219,19 @@ def _body_stack(gm: fx.GraphModule, node: fx.Node) -> Dict[str, Any]:
                 if inner.op.startswith("call_") and inner.meta.get("nn_module_stack"):
                     return inner.meta["nn_module_stack"]
     return {}
+
+
+def _without_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """torch.export checks each traced tensor's dtype and device as it was traced
+    (`aten._assert_tensor_metadata`); a run under autocast (bf16-mixed) or on another device
+    legitimately differs, so the checks go (they compute nothing)."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for graph_module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        for node in [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is check]:
+            if not node.users:
+                graph_module.graph.erase_node(node)
+        graph_module.recompile()
+    return gm
 
 
 def _fixed_batch(gm: fx.GraphModule) -> Optional[int]:

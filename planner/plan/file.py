@@ -9,7 +9,6 @@ planner's predictions sit beside them for comparison. Keys this version does not
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -24,6 +23,8 @@ from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
 from planner.profile.cut_profile import MESSAGE_DTYPES
+from planner.plan.fields import (INT, INT_ROWS, INTS, NAMES, NUMBER, NUMBER_OR_NULL, NUMBERS, OBJECT, REMAKE, TEXT,
+                                  VALUES, fields_from_json, fields_to_json, json_field, not_an_object, valid_shape)
 from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or an exchange at most this long
 
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
@@ -31,60 +32,35 @@ from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or a
 PLAN_SCHEMA_VERSION = 2
 # step_durations' per-index lists
 PER_INDEX_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
-_REMAKE = "re-create it with `planner solve PROFILE`"
 _MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")  # of a stage's memory_bytes, always written
-
-# What a field's JSON value must be: (check, what the message says was expected)
-_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
-_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
-_NUMBER_OR_NULL = (lambda v: v is None or _NUMBER[0](v), "a number or null")
-_TEXT = (lambda v: isinstance(v, str), "a string")
-_OBJECT = (lambda v: isinstance(v, dict), "an object")
-_NAMES = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names")
-_INTS = (lambda v: isinstance(v, list) and all(_INT[0](x) for x in v), "a list of integers")
-_INT_ROWS = (lambda v: isinstance(v, list) and all(_INTS[0](row) for row in v), "a list of lists of integers")
-_NUMBERS = (lambda v: isinstance(v, list) and all(_NUMBER[0](x) for x in v), "a list of numbers")
-_VALUES = (lambda v: isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) and
-                                                 x.get("kind") in ("tensor", "constant") for x in v),
-           "a list of values ({name, kind: tensor|constant, ...})")
-
-
-def _valid_shape(v: Any) -> bool:
-    """A message tensor's shape: sizes >= 0, at most 2**40 elements."""
-    return _INTS[0](v) and all(n >= 0 for n in v) and math.prod(v) <= 1 << 40
-
-
-def _key(kind: Tuple, required: bool = True, **kwargs) -> Any:
-    return field(metadata={"json": kind, "required": required}, **kwargs)
-
 
 @dataclass
 class PlanStage:
     """One entry of `stages`: units [first_unit, end_unit), run as stage `index` on the pipeline
     ranks device .. device + replicas - 1. Times in seconds per micro-batch, bytes per device."""
 
-    index: int = _key(_INT)
-    device: Optional[int] = _key(_INT, required=False, default=None)  # absent: the topology's default
-    units: List[str] = _key(_NAMES, default_factory=list)
-    first_unit: int = _key(_INT, default=0)
-    end_unit: int = _key(_INT, default=0)
-    recompute: List[str] = _key(_NAMES, required=False, default_factory=list)  # units run again in backward
-    forward_s: float = _key(_NUMBER, default=0.0)
-    backward_s: float = _key(_NUMBER, default=0.0)  # recomputed forwards included
+    index: int = json_field(INT)
+    device: Optional[int] = json_field(INT, required=False, default=None)  # absent: the topology's default
+    units: List[str] = json_field(NAMES, default_factory=list)
+    first_unit: int = json_field(INT, default=0)
+    end_unit: int = json_field(INT, default=0)
+    recompute: List[str] = json_field(NAMES, required=False, default_factory=list)  # units run again in backward
+    forward_s: float = json_field(NUMBER, default=0.0)
+    backward_s: float = json_field(NUMBER, default=0.0)  # recomputed forwards included
     # zero-bubble schedules only: the backward's input-gradient and weight-gradient parts
-    backward_input_s: Optional[float] = _key(_NUMBER, required=False, default=None)
-    backward_weight_s: Optional[float] = _key(_NUMBER, required=False, default=None)
-    comm_s: float = _key(_NUMBER, default=0.0)  # transfers charged to this stage
-    time_s: float = _key(_NUMBER, default=0.0)
-    extra_s: float = _key(_NUMBER, required=False, default=0.0)  # once per step: all-reduce, tied weights
-    in_flight: int = _key(_INT, default=1)  # micro-batches whose activations it holds at once
+    backward_input_s: Optional[float] = json_field(NUMBER, required=False, default=None)
+    backward_weight_s: Optional[float] = json_field(NUMBER, required=False, default=None)
+    comm_s: float = json_field(NUMBER, default=0.0)  # transfers charged to this stage
+    time_s: float = json_field(NUMBER, default=0.0)
+    extra_s: float = json_field(NUMBER, required=False, default=0.0)  # once per step: all-reduce, tied weights
+    in_flight: int = json_field(INT, default=1)  # micro-batches whose activations it holds at once
     # params, grads, optimizer, activations, total (this stage) and device_total (its device)
-    memory_bytes: Dict[str, float] = _key(_OBJECT, default_factory=dict)
-    memory_cap_bytes: Optional[float] = _key(_NUMBER_OR_NULL, required=False, default=None)
-    bubble_fraction: Optional[float] = _key(_NUMBER, required=False, default=None)  # of its device
-    recv: List[Dict[str, Any]] = _key(_VALUES, default_factory=list)
-    send: List[Dict[str, Any]] = _key(_VALUES, default_factory=list)
-    replicas: Optional[int] = _key(_INT, required=False, default=None)  # only in replicated plans; absent: 1
+    memory_bytes: Dict[str, float] = json_field(OBJECT, default_factory=dict)
+    memory_cap_bytes: Optional[float] = json_field(NUMBER_OR_NULL, required=False, default=None)
+    bubble_fraction: Optional[float] = json_field(NUMBER, required=False, default=None)  # of its device
+    recv: List[Dict[str, Any]] = json_field(VALUES, default_factory=list)
+    send: List[Dict[str, Any]] = json_field(VALUES, default_factory=list)
+    replicas: Optional[int] = json_field(INT, required=False, default=None)  # only in replicated plans; absent: 1
     extra: Dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     @property
@@ -109,51 +85,51 @@ class Plan:
     of the stages' replicas when some stage is replicated) are `data_parallel`, `virtual_stages`
     and `pipeline_stages`; global_batch = d · num_micro_batches · micro_batch_size."""
 
-    schema_version: int = _key(_INT, default=PLAN_SCHEMA_VERSION)
-    kind: str = _key(_TEXT, default="plan")
-    model: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # {"entry", "args", "seed"}
-    profile: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # which profile, measured under what
-    schedule: str = _key(_TEXT, default="1f1b")
-    optimizer: str = _key(_TEXT, default="sgd")
+    schema_version: int = json_field(INT, default=PLAN_SCHEMA_VERSION)
+    kind: str = json_field(TEXT, default="plan")
+    model: Dict[str, Any] = json_field(OBJECT, default_factory=dict)  # {"entry", "args", "seed"}
+    profile: Dict[str, Any] = json_field(OBJECT, default_factory=dict)  # which profile, measured under what
+    schedule: str = json_field(TEXT, default="1f1b")
+    optimizer: str = json_field(TEXT, default="sgd")
     # planner.cost.memory: the dtypes parameters, gradients and state are kept in, how the stages'
     # data-parallel holders shard them (ZeRO), and the bytes kept free on every device
-    precision: str = _key(_TEXT, required=False, default="fp32")
-    shard: str = _key(_TEXT, required=False, default="none")
-    reserve_bytes: float = _key(_NUMBER, required=False, default=0.0)
-    global_batch: int = _key(_INT, default=1)
-    data_parallel: int = _key(_INT, required=False, default=1)
+    precision: str = json_field(TEXT, required=False, default="fp32")
+    shard: str = json_field(TEXT, required=False, default="none")
+    reserve_bytes: float = json_field(NUMBER, required=False, default=0.0)
+    global_batch: int = json_field(INT, default=1)
+    data_parallel: int = json_field(INT, required=False, default=1)
     # H: 1, the replicas all-reduce gradients every step; H > 1, local SGD: each replica trains alone
     # and they average their models after every H-th step (planner.cost.localsgd); absent: 1
-    sync_every: int = _key(_INT, required=False, default=1)
+    sync_every: int = json_field(INT, required=False, default=1)
     # local SGD only: seconds of one averaging on the slowest rank; step_durations' "reduce" charges
     # it / sync_every per step
-    averaging_s: Optional[float] = _key(_NUMBER, required=False, default=None)
-    pipeline_stages: int = _key(_INT, required=False, default=0)  # 0 in code: derive from the stages
-    virtual_stages: int = _key(_INT, required=False, default=1)
-    micro_batch_size: int = _key(_INT, default=1)
-    num_micro_batches: int = _key(_INT, default=1)  # per data-parallel replica
-    memory_per_device_bytes: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
-    bandwidth_bytes_per_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
-    latency_s: Optional[float] = _key(_NUMBER_OR_NULL, default=None)
-    step_overhead_s: float = _key(_NUMBER, required=False, default=0.0)  # added to the simulated step
-    message_s: float = _key(_NUMBER, required=False, default=0.0)  # the engine's cost per message, each side
+    averaging_s: Optional[float] = json_field(NUMBER, required=False, default=None)
+    pipeline_stages: int = json_field(INT, required=False, default=0)  # 0 in code: derive from the stages
+    virtual_stages: int = json_field(INT, required=False, default=1)
+    micro_batch_size: int = json_field(INT, default=1)
+    num_micro_batches: int = json_field(INT, default=1)  # per data-parallel replica
+    memory_per_device_bytes: Optional[float] = json_field(NUMBER_OR_NULL, default=None)
+    bandwidth_bytes_per_s: Optional[float] = json_field(NUMBER_OR_NULL, default=None)
+    latency_s: Optional[float] = json_field(NUMBER_OR_NULL, default=None)
+    step_overhead_s: float = json_field(NUMBER, required=False, default=0.0)  # added to the simulated step
+    message_s: float = json_field(NUMBER, required=False, default=0.0)  # the engine's cost per message, each side
     # every duration of the step graph (planner.cost.model): {"forward": [s per stage], "backward": [...],
     # "act": [s per boundary], "grad": [...], "message": s, "reduce": [s per pipeline rank], "step": [...],
     # "collectives": [{"term": [...], "ranks": [...], "seconds": s}]}
-    step_durations: Dict[str, Any] = _key(_OBJECT, default_factory=dict)
+    step_durations: Dict[str, Any] = json_field(OBJECT, default_factory=dict)
     # stage boundaries (j: between stages j and j + 1) whose messages cross a link the runtime emulates
     # (planner.cost.cluster: a link with "emulate": true); each message is held for step_durations' time
-    emulated_boundaries: List[int] = _key(_INTS, required=False, default_factory=list)
+    emulated_boundaries: List[int] = json_field(INTS, required=False, default_factory=list)
     # where each (replica, pipeline rank) runs: placement[replica][pipeline rank] = the global rank
     # (device index; planner.cost.placement); absent: replica · p + rank
-    placement: Optional[List[List[int]]] = _key(_INT_ROWS, required=False, default=None)
+    placement: Optional[List[List[int]]] = json_field(INT_ROWS, required=False, default=None)
     # seconds each pipeline rank holds after its data-parallel exchange: the part of it planned over an
     # emulated link (runtime/emulation.py); absent: none
-    emulated_exchange_s: Optional[List[float]] = _key(_NUMBERS, required=False, default=None)
-    stages: List[PlanStage] = _key(None, default_factory=list)
-    predicted_iteration_s: float = _key(_NUMBER, default=0.0)
-    bubble_fraction: float = _key(_NUMBER, default=0.0)
-    solver: Dict[str, Any] = _key(_OBJECT, default_factory=dict)  # method, backend, status, objective, bound, gap
+    emulated_exchange_s: Optional[List[float]] = json_field(NUMBERS, required=False, default=None)
+    stages: List[PlanStage] = json_field(None, default_factory=list)
+    predicted_iteration_s: float = json_field(NUMBER, default=0.0)
+    bubble_fraction: float = json_field(NUMBER, default=0.0)
+    solver: Dict[str, Any] = json_field(OBJECT, default_factory=dict)  # method, backend, status, objective, bound, gap
     extra: Dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     @property
@@ -204,26 +180,26 @@ class Plan:
 
     # --- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> Dict[str, Any]:
-        out = _fields_to_json(self)
+        out = fields_to_json(self)
         if self.sync_every == 1:  # the default: a plan without local SGD reads (and hashes) as before it existed
             del out["sync_every"]
-        out["stages"] = [_fields_to_json(st) for st in self.stages]
+        out["stages"] = [fields_to_json(st) for st in self.stages]
         return out
 
     @classmethod
     def from_json(cls, d: Any, where: str = "plan") -> "Plan":
         """The plan in `d`, checked: JsonFileError (one line, saying how to fix it) otherwise."""
         if not isinstance(d, dict) or d.get("kind") != "plan":
-            raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {_REMAKE}")
+            raise JsonFileError(f"{where} is not a plan file (no \"kind\": \"plan\"); {REMAKE}")
         if d.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise JsonFileError(f"{where} has schema_version {d.get('schema_version')!r}, expected "
                                 f"{PLAN_SCHEMA_VERSION}; {newer_schema(d.get('schema_version'), PLAN_SCHEMA_VERSION)}"
-                                f"{_REMAKE}")
-        values = _fields_from_json(cls, d, where)
+                                f"{REMAKE}")
+        values = fields_from_json(cls, d, where)
         if not isinstance(values["stages"], list) or not values["stages"]:
-            raise JsonFileError(f"{where} has no stages; {_REMAKE}")
-        values["stages"] = [PlanStage(**_fields_from_json(PlanStage, st, f"{where} stage {i}"))
-                            if isinstance(st, dict) else _not_an_object(f"{where} stage {i}")
+            raise JsonFileError(f"{where} has no stages; {REMAKE}")
+        values["stages"] = [PlanStage(**fields_from_json(PlanStage, st, f"{where} stage {i}"))
+                            if isinstance(st, dict) else not_an_object(f"{where} stage {i}")
                             for i, st in enumerate(values["stages"])]
         plan = cls(**values)
         for st, raw in zip(plan.stages, d["stages"]):
@@ -235,46 +211,46 @@ class Plan:
     def _check(self, where: str) -> None:
         for i, st in enumerate(self.stages):
             if st.index != i:
-                raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {_REMAKE}")
+                raise JsonFileError(f"{where} stage {i} has index {st.index!r}; {REMAKE}")
         self._check_units(where)
         self._check_values(where)
         if self.schedule not in SCHEDULES:
-            raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {_REMAKE}")
+            raise JsonFileError(f"{where} has schedule {self.schedule!r}, not one of {', '.join(SCHEDULES)}; {REMAKE}")
         for name, value, known in (("precision", self.precision, PRECISIONS), ("shard", self.shard, SHARDS)):
             if value not in known:
-                raise JsonFileError(f"{where} has {name} {value!r}, not one of {', '.join(known)}; {_REMAKE}")
+                raise JsonFileError(f"{where} has {name} {value!r}, not one of {', '.join(known)}; {REMAKE}")
         self._check_sync(where)
         if not 0 <= self.reserve_bytes < float("inf"):
-            raise JsonFileError(f"{where} has reserve_bytes {self.reserve_bytes!r}: bytes >= 0; {_REMAKE}")
+            raise JsonFileError(f"{where} has reserve_bytes {self.reserve_bytes!r}: bytes >= 0; {REMAKE}")
         try:
             topology = self.topology()
         except TopologyError as e:
-            raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {_REMAKE}") from None
+            raise JsonFileError(f"{where}: {str(e).split('; re-run')[0]}; {REMAKE}") from None
         d, m, b = self.data_parallel, self.num_micro_batches, self.micro_batch_size
         if m > MAX_MICRO_BATCHES:
-            raise JsonFileError(f"{where} has {m} micro-batches a step, more than {MAX_MICRO_BATCHES}; {_REMAKE}")
+            raise JsonFileError(f"{where} has {m} micro-batches a step, more than {MAX_MICRO_BATCHES}; {REMAKE}")
         if min(m, b) < 1 or d * m * b != self.global_batch:
             raise JsonFileError(f"{where}: the global batch {self.global_batch} is not {d} replica(s) x {m} "
-                                f"micro-batches x micro-batch size {b}; {_REMAKE}")
+                                f"micro-batches x micro-batch size {b}; {REMAKE}")
         try:
             value, collectives = self.step_terms()
         except (AttributeError, KeyError, TypeError, ValueError):
-            raise JsonFileError(f"{where} has malformed step_durations; {_REMAKE}") from None
+            raise JsonFileError(f"{where} has malformed step_durations; {REMAKE}") from None
         if any(not 0 <= x < float("inf") for x in value.values()):
-            raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {_REMAKE}")
+            raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {REMAKE}")
         if any(max(value.get(("act", j), 0.0), value.get(("grad", j), 0.0)) > MAX_LATENCY_S
                for j in self.emulated_boundaries):
             raise JsonFileError(f"{where}: an emulated link would hold a message over {MAX_LATENCY_S:.0f} s "
-                                f"(step_durations); {_REMAKE}")
+                                f"(step_durations); {REMAKE}")
         boundaries = len(self.stages) - 1
         if any(not 0 <= j < boundaries for j in self.emulated_boundaries):
             raise JsonFileError(f"{where} has emulated_boundaries {self.emulated_boundaries!r}: stage boundaries "
-                                f"0..{boundaries - 1}; {_REMAKE}")
+                                f"0..{boundaries - 1}; {REMAKE}")
         if self.emulated_exchange_s and (len(self.emulated_exchange_s) != topology.pipeline_ranks or
                                          any(not 0 <= x <= MAX_LATENCY_S for x in self.emulated_exchange_s)):
             raise JsonFileError(f"{where} has emulated_exchange_s {self.emulated_exchange_s!r}: seconds "
                                 f"0..{MAX_LATENCY_S:.0f}, one "
-                                f"per pipeline rank ({topology.pipeline_ranks}); {_REMAKE}")
+                                f"per pipeline rank ({topology.pipeline_ranks}); {REMAKE}")
         if not self.pipeline_stages:  # older files: derived from the stages
             self.pipeline_stages = topology.pipeline_ranks
         for st, device in zip(self.stages, topology.stage_rank):
@@ -289,13 +265,13 @@ class Plan:
         seed_ok = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63
         if not (entry_ok and isinstance(args, dict) and seed_ok):
             raise JsonFileError(f"{where} has model {self.model!r}: an entry name, args (an object) and a seed "
-                                f"(an integer >= 0); {_REMAKE}")
+                                f"(an integer >= 0); {REMAKE}")
         threads = self.profile.get("threads", 1)
         if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 0):
-            raise JsonFileError(f"{where} has profile.threads {threads!r}: an integer >= 0; {_REMAKE}")
+            raise JsonFileError(f"{where} has profile.threads {threads!r}: an integer >= 0; {REMAKE}")
         if self.optimizer not in OPTIMIZER_MOMENTS:  # what the memory model counts
             raise JsonFileError(f"{where} has optimizer {self.optimizer!r}, not one of {', '.join(OPTIMIZER_MOMENTS)}; "
-                                f"{_REMAKE}")
+                                f"{REMAKE}")
         positive = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                     "memory_per_device_bytes": self.memory_per_device_bytes}
         at_least_zero = {"latency_s": self.latency_s, "step_overhead_s": self.step_overhead_s,
@@ -307,24 +283,24 @@ class Plan:
             # what a rank sends and receives: its message layouts
             for side, values in (("recv", st.recv), ("send", st.send)):
                 for v in values:
-                    if v["kind"] == "tensor" and not (v.get("dtype") in MESSAGE_DTYPES and _valid_shape(v.get("shape"))
+                    if v["kind"] == "tensor" and not (v.get("dtype") in MESSAGE_DTYPES and valid_shape(v.get("shape"))
                                                       and isinstance(v.get("requires_grad", False), bool)):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
-                                            f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {_REMAKE}")
+                                            f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {REMAKE}")
             # what the tables, the report and the memory checks read
             missing = [key for key in _MEMORY_KEYS if key not in st.memory_bytes]
             if missing:
-                raise JsonFileError(f"{where} stage {k} has no memory_bytes {missing[0]!r}; {_REMAKE}")
+                raise JsonFileError(f"{where} stage {k} has no memory_bytes {missing[0]!r}; {REMAKE}")
             for key, value in st.memory_bytes.items():
-                if not (_NUMBER[0](value) and 0 <= value < math.inf):
+                if not (NUMBER[0](value) and 0 <= value < math.inf):
                     raise JsonFileError(f"{where} has stage {k} memory_bytes {key!r} {value!r}: bytes, a finite "
-                                        f"number >= 0; {_REMAKE}")
+                                        f"number >= 0; {REMAKE}")
         for name, value in positive.items():
             if value is not None and not 0 < value < math.inf:
-                raise JsonFileError(f"{where} has {name} {value!r}: a finite number > 0; {_REMAKE}")
+                raise JsonFileError(f"{where} has {name} {value!r}: a finite number > 0; {REMAKE}")
         for name, value in at_least_zero.items():
             if value is not None and not 0 <= value < math.inf:
-                raise JsonFileError(f"{where} has {name} {value!r}: a finite number >= 0; {_REMAKE}")
+                raise JsonFileError(f"{where} has {name} {value!r}: a finite number >= 0; {REMAKE}")
 
     def _check_units(self, where: str) -> None:
         """Each stage runs one or more units, the next after the previous stage's ([first_unit,
@@ -334,68 +310,29 @@ class Plan:
             if not st.units or st.first_unit != start or st.end_unit - st.first_unit != len(st.units):
                 raise JsonFileError(f"{where} stage {i} runs units [{st.first_unit}, {st.end_unit}) and names "
                                     f"{len(st.units)}: every stage runs at least one unit, from where the stage "
-                                    f"before it ends ({start}); {_REMAKE}")
+                                    f"before it ends ({start}); {REMAKE}")
             twice = next((u for u in st.units if u in seen or st.units.count(u) > 1), None)
             if twice is not None:
-                raise JsonFileError(f"{where} names unit {twice!r} twice; {_REMAKE}")
+                raise JsonFileError(f"{where} names unit {twice!r} twice; {REMAKE}")
             seen.update(st.units)
             alien = next((u for u in st.recompute if u not in st.units), None)
             if alien is not None:
-                raise JsonFileError(f"{where} stage {i} recomputes {alien!r}, not one of its units; {_REMAKE}")
+                raise JsonFileError(f"{where} stage {i} recomputes {alien!r}, not one of its units; {REMAKE}")
             start = st.end_unit
 
     def _check_sync(self, where: str) -> None:
         """Local SGD needs replicas to average, and planner.cost.localsgd.local_sgd_refusal's rule."""
         H = self.sync_every
         if H < 1:
-            raise JsonFileError(f"{where} has sync_every {H}: the averaging period is at least 1 step; {_REMAKE}")
+            raise JsonFileError(f"{where} has sync_every {H}: the averaging period is at least 1 step; {REMAKE}")
         if H == 1:
             return
         if self.data_parallel < 2:
             raise JsonFileError(f"{where} has sync_every {H} with one data-parallel replica: local SGD averages "
-                                f"replicas; {_REMAKE} --devices N --local-sgd-max H")
+                                f"replicas; {REMAKE} --devices N --local-sgd-max H")
         refusal = local_sgd_refusal(H, self.shard, self.replicated, self.placement is not None)
         if refusal:
-            raise JsonFileError(f"{where} has sync_every {H}: {refusal}; {_REMAKE}")
-
-
-def _not_an_object(where: str):
-    raise JsonFileError(f"{where} is not an object; {_REMAKE}")
-
-
-def _fields_from_json(cls, d: Dict[str, Any], where: str) -> Dict[str, Any]:
-    """The dataclass's fields from their keys: every required key present, every value of its type;
-    other keys go to `extra`."""
-    known = [f for f in dataclasses.fields(cls) if "json" in f.metadata]
-    missing = [f.name for f in known if f.metadata["required"] and f.name not in d]
-    if missing:
-        raise JsonFileError(f"{where} lacks {', '.join(missing)}; {_REMAKE}")
-    values: Dict[str, Any] = {}
-    for f in known:
-        if f.name not in d:
-            continue
-        check = f.metadata["json"]
-        if check is not None and not check[0](d[f.name]):
-            raise JsonFileError(f"{where} has {f.name} {d[f.name]!r}, expected {check[1]}; {_REMAKE}")
-        values[f.name] = d[f.name]
-    names = {f.name for f in known}
-    values["extra"] = {k: v for k, v in d.items() if k not in names}
-    return values
-
-
-def _fields_to_json(obj: Any) -> Dict[str, Any]:
-    """Every field under its key, in order; optional fields that are unset (None) are left out
-    (`memory_per_device_bytes` and the like, required and nullable, are written as null)."""
-    out: Dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        if "json" not in f.metadata:
-            continue
-        value = getattr(obj, f.name)
-        if value is None and not f.metadata["required"] and f.metadata["json"] is not _NUMBER_OR_NULL:
-            continue
-        out[f.name] = value
-    out.update(obj.extra)
-    return out
+            raise JsonFileError(f"{where} has sync_every {H}: {refusal}; {REMAKE}")
 
 
 def load_plan(path: str) -> Plan:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -75,13 +74,13 @@ from planner.cost.ties import tied_weights
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
+from planner.solve.chain import TOL
 from planner.solve.diagnose import InfeasibleError
-from planner.solve.replica_tables import (ReplicaSplit, ReplicaTables, TupleTables, replica_tuples,
-                                         replicates_running_stats)
+from planner.solve.replica_tables import ReplicaSplit, ReplicaTables, TupleTables, replica_tuples
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.recompute import cheapest_recompute
+from planner.solve.replica_polish import polished
 
-TOL = 1e-12  # relative tolerance of every prune
 
 
 @dataclass
@@ -299,7 +298,7 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
     else:
         chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
-    chosen, boundaries, cost = _polished(profile, chosen, b, redo, list(boundaries))
+    chosen, boundaries, cost = polished(profile, chosen, b, redo, list(boundaries))
     bound = min(min(busy_bound(profile, size, other) for other in scenarios or [opts]
                     for size in candidate_micro_batch_sizes(profile, other.global_batch, other)), cost.iteration_s)
     gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
@@ -309,45 +308,6 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
                     bound=cost.iteration_s if optimal else bound,
                     gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
                     backend="python", recompute=redo, options=chosen)
-
-
-POLISH_ROUNDS = 50  # moves kept at most, each the first improving one found
-
-
-def _polished(profile: Profile, chosen: CostOptions, b: int, redo: List[int], boundaries: List[int]):
-    """The plan improved by the exact model, one move at a time (a boundary by one unit, or one device
-    from a stage to another), while a move makes it faster and still fit: the search optimised the
-    fill-drain form, which the simulation of the lists does not always agree with. (options, boundaries,
-    cost) of the plan kept."""
-    L, m = profile.num_units, num_micro_batches(chosen, b)
-    reps = list(chosen.replicas or [1] * (len(boundaries) + 1))
-    best = evaluate(profile, boundaries, b, chosen, redo)
-    for _ in range(POLISH_ROUNDS):
-        for moved, spread in _moves(boundaries, reps, L, m):
-            options = chosen.with_(replicas=tuple(spread) if max(spread) > 1 else ())
-            if replicates_running_stats(profile, moved, tuple(spread)):
-                continue
-            cost = evaluate(profile, moved, b, options, redo)
-            if cost.feasible and cost.iteration_s < best.iteration_s * (1 - TOL):
-                chosen, boundaries, reps, best = options, moved, spread, cost
-                break
-        else:
-            break
-    return chosen, boundaries, best
-
-
-def _moves(boundaries: List[int], reps: List[int], L: int, m: int):
-    """The plans one move away: a boundary by one unit; one device from a replicated stage to another."""
-    for j in range(len(boundaries)):
-        for step in (-1, 1):
-            moved = boundaries[:j] + [boundaries[j] + step] + boundaries[j + 1:]
-            if all(a < e for a, e in zip([0] + moved, moved + [L])):
-                yield moved, reps
-    for g, h in itertools.permutations(range(len(reps)), 2):
-        if reps[g] > 1 and reps[h] < m:
-            spread = list(reps)
-            spread[g], spread[h] = spread[g] - 1, spread[h] + 1
-            yield boundaries, spread
 
 
 ENUMERATED_PLANS = 2_000  # fewer plans than this in all: every one simulated (about 1 ms each), the optimum

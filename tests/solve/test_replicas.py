@@ -395,14 +395,14 @@ def test_upper_tables_bound_the_exact_memory(schedule):
 def test_the_plan_is_polished_by_the_exact_model(monkeypatch):
     # 20 units on 5 devices, 1f1b: the fill-drain form's optimum (stages of 1 and 4 devices) simulates 4 %
     # slower than a plan one move away; the polished plan is simulated, fits and is that much faster
-    import planner.solve.replicas as replicas
+    import planner.solve.replica_polish as replica_polish
 
     rng = random.Random(7)
     L, N = rng.randint(10, 30), rng.randint(4, 8)
     profile = random_chain(rng, L, sizes=(1, 2, 4))
     opts = CostOptions(pipeline_ranks=N, global_batch=16, schedule=rng.choice(["1f1b", "gpipe"]))
     polished = solve_replicated(profile, opts)
-    monkeypatch.setattr(replicas, "POLISH_ROUNDS", 0)
+    monkeypatch.setattr(replica_polish, "POLISH_ROUNDS", 0)
     searched = solve_replicated(profile, opts)
     assert (L, N, opts.schedule) == (20, 5, "1f1b")
     assert polished.objective < searched.objective * 0.99
