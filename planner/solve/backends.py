@@ -201,7 +201,8 @@ def _run_highs_here(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: O
     One thread (the machine is shared). Feasibility tolerances are 1e-9 rather than 1e-7: a memory
     row in MiB over by one byte (1e-6 MiB) must not pass. cutoff (model units, without the
     objective's constant): HiGHS's objective_bound, pruning every node that cannot beat it; when
-    nothing beats it, the problem is marked infeasible and the cutoff is the proven bound.
+    nothing beats it, the problem is marked infeasible and the cutoff is the proven bound. Where
+    HiGHS ends in its own solve error, CBC solves the program instead.
     """
     params = dict(mip_feasibility_tolerance=1e-9, primal_feasibility_tolerance=1e-9)
     if cutoff is not None and math.isfinite(cutoff):
@@ -217,6 +218,10 @@ def _run_highs_here(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: O
     import highspy
     info = prob.solverModel.getInfo()
     status = prob.solverModel.getModelStatus()
+    if status == highspy.HighsModelStatus.kSolveError:
+        # HiGHS doubts its own optimum at these tolerances (a row off by 1.00001e-9 against 1e-9) and
+        # returns no solution, which read as "no plan" where one fits: CBC solves the same program
+        return _run_cbc(prob, time_limit, warm=False, gap=gap)
     has_solution = int(getattr(info, "primal_solution_status", 0)) == 2  # kSolutionStatusFeasible
     if "objective_bound" in params and not has_solution and status in (
             highspy.HighsModelStatus.kObjectiveBound, highspy.HighsModelStatus.kInfeasible):

@@ -386,3 +386,20 @@ def test_a_scenario_evaluate_refuses_is_its_error_not_a_search_for_a_plan():
     opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=3, bandwidth=1e9)
     with pytest.raises(ValueError, match="does not divide the global batch"):
         solve_scenario(profile, 1, opts, None, None, choose_backend(None)[0])
+
+
+def test_a_highs_solve_error_is_solved_by_cbc():
+    """HiGHS ends some programs in its own solve error (its optimum off a row by 1.00001e-9 against its
+    1e-9 tolerance) with no solution, which read as "no plan" where one fits; CBC then solves the same
+    program. This 4-unit chain on 3 stages, without a cap, is one (found by test_highs_agrees_with_cbc)."""
+    profile = synthetic_profile(
+        [{4: 0.009084826423039571}, {4: 0.005078571217805765}, {4: 0.010189871099821803}, {4: 0.008196534159997272}],
+        [{4: 0.012480266764946388}, {4: 0.008908681136935612}, {4: 0.02043502058519562}, {4: 0.0156022611398789}],
+        [0, 0, 0, 0], [{4: 3198616}, {4: 2257248}, {4: 7091312}, {4: 6161508}],
+        [{4: 3060348}, {4: 2360440}, {4: 0}], [{4: 0}, {4: 1180220}, {4: 0}], sizes=(4,))
+    for unit in profile.units:
+        unit.optimizer_s = {"sgd": 0.00075, "adamw": 0.0015}
+    opts = CostOptions(pipeline_ranks=3, global_batch=16, bandwidth=1e10)
+    with program_only():
+        highs = assert_matches_oracle(profile, opts, backend="highs", warm_start=False)
+    assert highs is not None and highs.backend == "highs"
