@@ -3,7 +3,8 @@
 The model is built from its config class with random weights (nothing is downloaded):
 every `--model-arg` except the batch arguments below overrides a config field
 (`num_hidden_layers=4`, `hidden_size=256`, `tie_word_embeddings=True` ...). Caching and
-dropout are switched off, so a pipeline trains exactly like one process. Attention is the
+every random draw of training (dropout, stochastic depth, layer drop, SpecAugment masks) are
+switched off, so a pipeline trains exactly like one process. Attention is the
 implementation Hugging Face picks by default: "sdpa" where the class supports it, else "eager";
 `--model-arg attn_implementation=eager` chooses (profiles record it as `attention`). Batches are synthetic token ids; the loss is the family's usual one, from logits:
 
@@ -19,7 +20,8 @@ implementation Hugging Face picks by default: "sdpa" where the class supports it
 - image classification (`...ForImageClassification`, ViT): random images and labels,
   cross-entropy.
 
-Batch arguments: `seq_len` (default 16) and `target_len` (seq2seq, default seq_len). A field of
+Batch arguments: `seq_len` (default 16), `target_len` (seq2seq, default seq_len) and, for a vision
+model whose config has no `image_size` (ResNet), `image_size` (default 224). A field of
 a nested config is `SUBCONFIG__FIELD` (`text_config__num_hidden_layers=2`,
 `vision_config__image_size=32`). LoRA fine-tuning: `lora_rank`, `lora_alpha`, `lora_targets`
 (planner.model.lora) freeze the model's weights and add peft adapters.
@@ -39,6 +41,7 @@ _CAUSAL = ("ForCausalLM", "LMHeadModel")
 _MASKED = ("ForMaskedLM",)
 _SEQ2SEQ = ("ForConditionalGeneration",)
 _IMAGE_CLASSIFICATION = ("ForImageClassification",)
+DEFAULT_IMAGE_SIZE = 224  # the images' side where the vision config has no image_size
 
 
 def _family(name: str) -> str:
@@ -76,7 +79,7 @@ def default_attention(cls) -> str:
 
 def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
-    no dropout, `attention` (default: `default_attention`; in nested configs too)."""
+    no random draws in training (`_draws_at_random`), `attention` (default: `default_attention`; in nested configs too)."""
     defaults = cls.config_class()
     top = {key: value for key, value in overrides.items() if "__" not in key}
     unknown = [key for key in top if not hasattr(defaults, key)]
@@ -98,10 +101,20 @@ def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     for part in _sub_configs(config):
         part.use_cache = False
         for key, value in part.to_dict().items():
-            if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+            if isinstance(value, float) and _draws_at_random(key):
                 setattr(part, key, 0.0)
         part._attn_implementation = attention or default_attention(cls)
     return config
+
+
+# float config fields of a random draw in training: dropout, stochastic depth (Swin's, ConvNeXt's
+# drop_path_rate), dropped layers (layerdrop), SpecAugment's masks (wav2vec2's mask_time_prob): a rank
+# draws from its own stream (runtime/streams.py), so the pipeline would not train as one process does
+_RANDOM_FIELDS = ("dropout", "drop_path", "layerdrop", "mask_time_prob", "mask_feature_prob")
+
+
+def _draws_at_random(key: str) -> bool:
+    return any(part in key for part in _RANDOM_FIELDS) or key.endswith("_pdrop")
 
 
 def _arrange(cls, named: Dict[str, torch.Tensor]) -> tuple:
@@ -126,6 +139,9 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
             raise ModelEntryError(f"hf:{name}: attn_implementation {attn_implementation!r} is not one this runtime "
                                   "runs on any device; use eager or sdpa")
         lora = split_lora_args(overrides)
+        # a vision config without image_size (HF ResNet): the images' side is a batch argument
+        side = int(overrides.pop("image_size")) if "image_size" in overrides and \
+            not hasattr(cls.config_class(), "image_size") else DEFAULT_IMAGE_SIZE
         config = make_config(cls, overrides, attn_implementation)
         kind = "image-text" if family == "seq2seq" and _image_text(config) else family
         if kind == "image-text":  # the image token: the text vocabulary's last id, never drawn as text
@@ -141,8 +157,8 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
             return torch.randint(0, high, (batch_size, length), generator=g)
 
         def images(g: torch.Generator, batch_size: int) -> torch.Tensor:
-            side = int(vision.image_size)
-            return torch.randn(batch_size, int(getattr(vision, "num_channels", 3)), side, side, generator=g)
+            side_of = int(getattr(vision, "image_size", 0) or side)
+            return torch.randn(batch_size, int(getattr(vision, "num_channels", 3)), side_of, side_of, generator=g)
 
         def batch(batch_size: int, step: int):
             g = torch.Generator().manual_seed(1_000_003 * step + 29)
