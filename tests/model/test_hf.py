@@ -172,3 +172,17 @@ def test_a_vision_config_without_image_size_takes_it_as_a_batch_argument():
     default = build_spec("hf:ResNetForImageClassification", {"embedding_size": 8, "hidden_sizes": [8],
                                                              "depths": [1], "num_labels": 10}, 0)
     assert default.batch(1, 0)[0][0].shape == (1, 3, 224, 224)
+
+
+EFFICIENTNET = {"image_size": 32, "width_coefficient": 0.25, "depth_coefficient": 0.3, "in_channels": (32, 16),
+                "out_channels": (16, 24), "kernel_sizes": (3, 3), "num_block_repeats": (1, 2), "strides": (1, 2),
+                "expand_ratios": (1, 6), "hidden_dim": 320, "num_labels": 10}
+
+
+def test_a_model_torch_fx_captures_returns_its_logits_to_the_loss(tmp_path):
+    # fx captures EfficientNet; its graph returns the output as a plain dict, where the loss read output[0]
+    # (KeyError: 0, blamed on the last unit); drop_connect_rate (0.2 by default) is switched off too
+    profile = profile_of("hf:EfficientNetForImageClassification", EFFICIENTNET, sizes=(2,))
+    assert profile.capture == "fx"
+    assert_trains_like_one_process(plan_with(profile, [len(profile.units) // 2], 2, 4), tmp_path,
+                                   "hf:EfficientNetForImageClassification", EFFICIENTNET)

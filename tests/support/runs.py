@@ -25,14 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @functools.lru_cache(maxsize=None)
-def _profile(entry: str, args_items: tuple, sizes: tuple, precision: str = "fp32") -> Profile:
-    return profile_model(entry, dict(args_items), list(sizes), repeats=1, precision=precision)
+def _profile(entry: str, args_json: str, sizes: tuple, precision: str = "fp32") -> Profile:
+    return profile_model(entry, json.loads(args_json), list(sizes), repeats=1, precision=precision)
 
 
 def profile_of(entry: str, args: Optional[dict] = None, sizes: Sequence[int] = (1, 2, 4),
                precision: str = "fp32") -> Profile:
     """The model's profile (cached); `precision` "bf16-mixed": measured as such a run (planner profile --precision)."""
-    return _profile(entry, tuple(sorted((args or {}).items())), tuple(sizes), precision)
+    return _profile(entry, json.dumps(args or {}, sort_keys=True), tuple(sizes), precision)  # (lists as lists)
 
 
 def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, global_batch: int,

@@ -107,10 +107,11 @@ def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     return config
 
 
-# float config fields of a random draw in training: dropout, stochastic depth (Swin's, ConvNeXt's
-# drop_path_rate), dropped layers (layerdrop), SpecAugment's masks (wav2vec2's mask_time_prob): a rank
-# draws from its own stream (runtime/streams.py), so the pipeline would not train as one process does
-_RANDOM_FIELDS = ("dropout", "drop_path", "layerdrop", "mask_time_prob", "mask_feature_prob")
+# float config fields of a random draw in training: dropout, stochastic depth (Swin's and ConvNeXt's
+# drop_path_rate, EfficientNet's drop_connect_rate), dropped layers (layerdrop), SpecAugment's masks
+# (wav2vec2's mask_time_prob): a rank draws from its own stream (runtime/streams.py), so the pipeline
+# would not train as one process does
+_RANDOM_FIELDS = ("dropout", "drop_path", "drop_connect", "layerdrop", "mask_time_prob", "mask_feature_prob")
 
 
 def _draws_at_random(key: str) -> bool:
@@ -195,7 +196,9 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
             return _arrange(cls, named), labels
 
         def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-            logits = output.logits if hasattr(output, "logits") else output[0]
+            # a graph torch.fx captured returns the model's output as a plain dict (EfficientNet)
+            logits = output["logits"] if isinstance(output, dict) and "logits" in output else \
+                output.logits if hasattr(output, "logits") else output[0]
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                                    ignore_index=-100)
 
