@@ -79,7 +79,8 @@ def default_attention(cls) -> str:
 
 def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
-    no random draws in training (`_draws_at_random`), `attention` (default: `default_attention`; in nested configs too)."""
+    no random draws in training (`_draws_at_random`), `attention` (default: `default_attention`; in
+    nested configs too)."""
     defaults = cls.config_class()
     top = {key: value for key, value in overrides.items() if "__" not in key}
     unknown = [key for key in top if not hasattr(defaults, key)]
