@@ -17,9 +17,8 @@ import numpy as np
 from planner.cost.model import candidate_micro_batch_sizes, evaluate, rank_caps
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
-from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
-from planner.solve.chain_recompute import frees_somewhere
+from planner.solve.chain_recompute import worth_recomputing
 from planner.solve.replica_tables import replica_tuples, replicates_running_stats
 from planner.solve.solution import Solution
 
@@ -28,14 +27,11 @@ MAX_COMBINATIONS = 200_000
 
 def _shrinkable(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
     """The units whose recomputation is chosen one by one (--recompute auto under a cap: those whose
-    recomputation frees bytes in some stage, chain_recompute.frees_somewhere; every unit under zero
-    bubble, whose weight part holds other bytes); None when the recomputation is fixed (none, all, or
+    recomputation may free bytes: chain_recompute.worth_recomputing); None when the recomputation is fixed (none, all, or
     no cap)."""
     if opts.recompute == "all" or opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
         return None
-    if opts.schedule in ZERO_BUBBLE_SCHEDULES:
-        return list(range(profile.num_units))
-    return [int(l) for l in np.flatnonzero(frees_somewhere(range_costs(profile, b)))]
+    return [int(l) for l in np.flatnonzero(worth_recomputing(range_costs(profile, b), opts.schedule))]
 
 
 def _set_count(shrinkable: Optional[List[int]]) -> int:

@@ -33,6 +33,7 @@ import numpy as np
 from planner.cost.model import held_counts, num_micro_batches, rank_caps, rank_speeds, static_bytes
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
+from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
@@ -55,6 +56,13 @@ def frees_somewhere(costs) -> np.ndarray:
     too is held once, r_l; unit 0 only starts stage 0). A unit freeing nothing anywhere only adds time."""
     after_another = np.where(np.arange(costs.num_units) > 0, costs.redo_dup, -np.inf)
     return costs.s - costs.inputs + np.maximum(costs.first, after_another) > 0
+
+
+def worth_recomputing(costs, schedule: str) -> np.ndarray:
+    """[l]: whether `--recompute auto` weighs recomputing unit l (the program's variables, brute force's
+    sets): it frees bytes in some stage (`frees_somewhere`), or the schedule is zero bubble, where a
+    unit's weight part holds other bytes (planner.cost.stage_memory)."""
+    return frees_somewhere(costs) | (schedule in ZERO_BUBBLE_SCHEDULES)
 
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:

@@ -22,9 +22,8 @@ import pulp
 from planner.cost.model import num_micro_batches, rank_caps
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
-from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
-from planner.solve.chain_recompute import frees_somewhere
+from planner.solve.chain_recompute import worth_recomputing
 
 MS = 1e3  # seconds -> milliseconds
 MIB = float(2 ** 20)  # bytes -> MiB
@@ -100,10 +99,7 @@ class SplitProgram:
         self._products: Dict[str, pulp.LpVariable] = {}  # the memory rows' products of binaries, by name
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
-        # a unit freeing nothing by recomputing in a stage's live kind may in the zero-bubble weight kind
-        # (h_l over its inputs, a later stage's last unit: planner.cost.stage_memory), where the program
-        # weighs every unit
-        useful = frees_somewhere(c) | (opts.schedule in ZERO_BUBBLE_SCHEDULES)
+        useful = worth_recomputing(c, opts.schedule)
         for l in range(self.L):
             if useful[l]:
                 for g in range(self.low[l], self.high[l] + 1):

@@ -178,15 +178,15 @@ def test_solvers_count_what_a_stage_holder_lets_go_of_what_it_shares(seed, sched
 
 
 def _memory_decides(profile):
-    """The stage memory's rows equal `evaluate` on every split of a six-unit chain (zb-h1, 2 and 3 ranks);
-    under caps at splits' peaks, and recomputation, the solvers equal brute force."""
+    """The stage memory's rows equal `evaluate` on every split of the chain (zb-h1, 2 and 3 ranks); under
+    caps at splits' peaks, and recomputation, the solvers equal brute force."""
     _matrices_equal_evaluate(profile)
     # caps each some split's peak at some b: where a split fits only as counted so, the count decides (zb-v:
     # two stages a rank, the program's rows sum them)
     for free in (CostOptions(pipeline_ranks=2, global_batch=8, schedule="zb-h1", bandwidth=1e9, latency=2e-5),
                  CostOptions(pipeline_ranks=2, virtual_stages=2, global_batch=8, schedule="zb-v", bandwidth=1e9,
                              latency=2e-5)):
-        splits = list(itertools.combinations(range(1, 6), free.num_stages - 1))
+        splits = list(itertools.combinations(range(1, profile.num_units), free.num_stages - 1))
         peaks = sorted({max(evaluate(profile, list(cuts), b, free).device_memory)
                         for cuts in splits for b in profile.micro_batch_sizes})[::2]  # every other: time
         for opts in [free.with_(memory_cap=cap) for cap in peaks] + [free.with_(memory_cap=peaks[1], recompute="auto")]:
