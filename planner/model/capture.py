@@ -101,7 +101,9 @@ class CapturedModel:
         except BaseException:
             before.put_back()  # the user's model as it was, whatever the trace changed
             raise
-        fixed = before.changed()
+        first = dict(vars(self))
+        fixed = before.changed(lambda: self._capture(module, example, method) or self.gm, first["gm"])
+        vars(self).update(first)  # the first trace's graph and fields, not the second's
         if fixed:
             raise CaptureError(f"cannot capture {type(module).__name__}: {fixed}")
         self.placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]

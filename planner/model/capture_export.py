@@ -30,6 +30,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from planner.errors import CaptureError
+from planner.model.trace_state import PLAIN
 
 # Nodes that only check what export assumed about the example inputs (device, dtype, guards):
 # a stage cut out of the graph runs on other sizes and devices, so they are dropped.
@@ -125,9 +126,12 @@ def export_graph(module: nn.Module, example_inputs: Any) -> ExportedGraph:
     """Export `module` on `example_inputs` (batch of 2 or more) and normalise the graph."""
     args, kwargs = split_inputs(example_inputs)
     try:
-        with _watching_export(module) as forward_sets:
+        with _watching_export(module) as (forward_sets, plain_sets):
             program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_batch(module, args, kwargs),
                                           strict=False)
+        for owner, name, value in plain_sets.values():  # as forward left them (export put them back), for
+            if name in vars(owner):  # PythonState to see what the trace changed, as after an fx trace
+                vars(owner)[name] = value
     except _Dropped as e:
         raise CaptureError(f"with torch.export, {e}") from None
     except Exception as e:  # export raises many types; all mean "cannot capture"
@@ -161,7 +165,9 @@ def _watching_export(root: nn.Module) -> Iterator[List[str]]:
     registered autograd, torch.cond's, checkpoint's) are kept by export and pass.
 
     Export also puts back a plain attribute forward assigns a tensor to (`self.aux = ...`), which its
-    graph does not carry: the list yielded collects their dotted names (planner.model.forward_state)."""
+    graph does not carry: the list yielded first collects their dotted names
+    (planner.model.forward_state). It puts back a number or string forward sets (`self.calls += 1`)
+    too; the dict yielded second holds the last such value set on each (module, name)."""
     BackwardHookFunction = getattr(torch.nn.modules._functions, "BackwardHookFunction", None)  # noqa: N806
 
     apply = torch.autograd.Function.apply.__func__
@@ -184,9 +190,12 @@ def _watching_export(root: nn.Module) -> Iterator[List[str]]:
 
     paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
     forward_sets: List[str] = []
+    plain_sets: Dict[Tuple[int, str], Tuple[nn.Module, str, Any]] = {}
     module_setattr = nn.Module.__setattr__
 
     def recording_setattr(module, name, value):
+        if id(module) in paths and not name.startswith("_") and isinstance(value, PLAIN):
+            plain_sets[(id(module), name)] = (module, name, value)
         if (id(module) in paths and not name.startswith("_") and not isinstance(value, nn.Module)
                 and name not in module._parameters and name not in module._buffers
                 and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))):
@@ -201,7 +210,7 @@ def _watching_export(root: nn.Module) -> Iterator[List[str]]:
             setattr(torch.Tensor, name, guarded_hook(name))
         nn.Module.__setattr__ = recording_setattr
         try:
-            yield forward_sets
+            yield forward_sets, plain_sets
         finally:
             torch.autograd.Function.apply = classmethod(apply)
             for name, original in hooks.items():

@@ -186,3 +186,15 @@ def test_a_model_torch_fx_captures_returns_its_logits_to_the_loss(tmp_path):
     assert profile.capture == "fx"
     assert_trains_like_one_process(plan_with(profile, [len(profile.units) // 2], 2, 4), tmp_path,
                                    "hf:EfficientNetForImageClassification", EFFICIENTNET)
+
+
+FUNNEL = {"block_sizes": [1, 1], "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "vocab_size": 100,
+          "seq_len": 8}
+
+
+def test_an_attribute_forward_sets_afresh_each_call_is_not_refused(tmp_path):
+    # Funnel sets attention_structure.pooling_mult at the start of every forward: traced again from the
+    # value the trace left, it stays and the graph is the same, so it is not state carried between steps
+    profile = profile_of("hf:FunnelForMaskedLM", FUNNEL, sizes=(2,))
+    assert_trains_like_one_process(plan_with(profile, [len(profile.units) // 2], 2, 4), tmp_path,
+                                   "hf:FunnelForMaskedLM", FUNNEL)

@@ -374,3 +374,63 @@ def test_what_a_loss_saves_of_a_complex_output_is_counted():
 
     output = torch.randn(4, 8, dtype=torch.complex64)
     assert loss_saved_bytes(lambda out, target: (out.abs() ** 2).sum(), output, None) >= output.numel() * 8
+
+
+class _Resets(nn.Module):
+    """Sets its attributes afresh each forward (Funnel's pooling_mult): no state between steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.mult, self.scale = nn.Linear(4, 4), None, 1.0
+
+    def forward(self, x):
+        self.mult, self.scale = 1, 0.5
+        for _ in range(2):
+            x = self.a(x) * self.mult * self.scale
+            self.mult *= 2
+        return x
+
+
+class _Switches(nn.Module):
+    """Counts its calls and changes the graph on the fourth: two traces agree, later steps do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x) if self.calls < 4 else -self.a(x)
+
+
+class _InitOnce(nn.Module):
+    """A data-dependent initialisation on the first call (ActNorm): the flag is a fixed point, but
+    the first trace's graph is not that of later steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.initialized = nn.Linear(4, 4), False
+
+    def forward(self, x):
+        if not self.initialized:
+            self.initialized = True
+            return self.a(x) * 2
+        return self.a(x)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_an_attribute_set_afresh_each_forward_is_captured_and_left_as_it_was(method):
+    module, x = _Resets(), torch.randn(2, 4)
+    captured = capture(module, example_inputs=(x,), method=method)
+    assert (module.mult, module.scale) == (None, 1.0)
+    (out,) = torch.utils._pytree.tree_leaves(captured.gm(x))
+    assert torch.allclose(out, module(x))
+
+
+@pytest.mark.parametrize("module", [_Switches(), _InitOnce(), _Warmup()])
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_counter_or_a_first_call_flag_is_refused_though_traced_again(module, method):
+    attribute = "calls" if hasattr(module, "calls") else "initialized"
+    with pytest.raises(CaptureError, match=f"forward changes the attribute '{attribute}'"):
+        capture(module, example_inputs=(torch.randn(2, 4),), method=method)
+    assert getattr(module, attribute) in (0, False)
