@@ -1,11 +1,9 @@
 """Capture a model's graph (torch.fx, else torch.export) and group it into ordered partition units.
 
-`torch.fx.symbolic_trace` is tried first; when it fails (Python control flow on shapes or
-values, library code), `torch.export` captures the model on an example batch instead
-(capture_export.py). Both give an FX graph whose nodes carry `meta["module_stack"]`.
-
-A unit is a maximal run of graph nodes (in execution order) that belong to the same
-top-level submodule call, looking through containers and stacks of repeated layers
+`torch.fx.symbolic_trace` is tried first; when it fails (Python control flow on shapes or values, library
+code), `torch.export` captures the model on an example batch (capture_export.py). Both give an FX graph whose
+nodes carry `meta["module_stack"]`. A unit is a maximal run of graph nodes (in execution order) that belong to
+the same top-level submodule call, looking through containers and stacks of repeated layers
 (planner/model/units.py); the fx tracer and what it refuses are planner/model/fx_trace.py.
 
 In-place operations: a unit boundary never falls between a tensor's producer and an operation writing
