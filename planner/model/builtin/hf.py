@@ -28,6 +28,7 @@ a nested config is `SUBCONFIG__FIELD` (`text_config__num_hidden_layers=2`,
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Dict
 
@@ -77,16 +78,21 @@ def default_attention(cls) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
+@functools.lru_cache(maxsize=None)
+def _defaults(cls):
+    """The class's default config, built once (read only: which fields it has)."""
+    return cls.config_class()
+
+
 def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
     no random draws in training (`_draws_at_random`), `attention` (default: `default_attention`; in
     nested configs too)."""
-    defaults = cls.config_class()
     top = {key: value for key, value in overrides.items() if "__" not in key}
-    unknown = [key for key in top if not hasattr(defaults, key)]
+    unknown = [key for key in top if not hasattr(_defaults(cls), key)]
     # top-level fields go to the constructor, which derives the fields that depend on them
     # (Llama's head_dim from hidden_size / num_attention_heads): set afterwards they would go stale
-    config = cls.config_class(**top) if not unknown else defaults
+    config = cls.config_class(**({} if unknown else top))
     for key, value in overrides.items():
         target, _, field = key.rpartition("__")
         if not target:
@@ -143,7 +149,7 @@ def hf_builder(name: str) -> Callable[..., ModelSpec]:
         lora = split_lora_args(overrides)
         # a vision config without image_size (HF ResNet): the images' side is a batch argument
         side = int(overrides.pop("image_size")) if "image_size" in overrides and \
-            not hasattr(cls.config_class(), "image_size") else DEFAULT_IMAGE_SIZE
+            not hasattr(_defaults(cls), "image_size") else DEFAULT_IMAGE_SIZE
         config = make_config(cls, overrides, attn_implementation)
         kind = "image-text" if family == "seq2seq" and _image_text(config) else family
         if kind == "image-text":  # the image token: the text vocabulary's last id, never drawn as text
