@@ -7,16 +7,19 @@ import random
 
 from unittest import mock
 
+import numpy as np
 import pulp
 import pytest
 
 from planner.cost.model import evaluate
 from planner.cost.options import CostOptions
 from planner.cost.rank_memory import fixed_bytes
+from planner.cost.ranges import RangeCosts, range_costs
+from planner.solve.chain_recompute import worth_recomputing
 from planner.solve.ilp import Program
 from planner.solve.ilp_split import NoSplit
 from tests.solve.test_zero_bubble import _chain
-from tests.support.synthetic import let_go, random_chain, receive_apart
+from tests.support.synthetic import let_go, random_chain, receive_apart, share_kept
 
 L = 5
 
@@ -73,3 +76,43 @@ def test_the_memory_rows_equal_evaluate_on_every_split_and_recomputation_set(sch
                     assert not _fits(profile, b, base, cuts, redo, caps), (cuts, redo, i)
                 checked += 1
     assert checked > 10
+
+
+def _with_units_saving_their_inputs(seed: int):
+    """A random chain where some units save only what they keep when recomputed (an activation
+    reading its input alone): recomputing them frees nothing in a stage, or only where they start
+    one (their inputs received apart: first_a) or after a unit holding one of their inputs (r_l)."""
+    rng = random.Random(seed)
+    profile = random_chain(rng, 6, sizes=(2,), frozen=True, apart=True)
+    share_kept(profile, [k for k in range(1, 6) if rng.random() < 0.5], rng)
+    costs = RangeCosts(profile, 2)  # not range_costs: its cache would keep these costs for the changed profile
+    for l, unit in enumerate(profile.units):
+        saved = unit.saved_bytes[2] + int(costs.inputs[l] - costs.s[l])  # s_l = in_l
+        if rng.random() < 0.5 and saved >= sum(unit.shared_saved_bytes.get(2, {}).values()):
+            if unit.first_saved_bytes:  # half of them: nothing more where they start a stage either
+                unit.first_saved_bytes[2] = saved + (unit.first_saved_bytes[2] - unit.saved_bytes[2]) * (l % 2)
+            unit.saved_bytes[2] = saved
+    return profile
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_a_unit_recomputation_is_not_weighed_for_never_lowers_memory_or_time(schedule, virtual):
+    # brute force (the oracle) and the program both try only chain_recompute.worth_recomputing's units: every
+    # set on these chains, each such unit added to it, leaves every rank's memory and the step no lower
+    opts = CostOptions(pipeline_ranks=2, virtual_stages=virtual, global_batch=8, schedule=schedule, bandwidth=1e9,
+                       recompute="auto", memory_cap=1e15)
+    checked = 0
+    for seed in range(6):
+        profile = _with_units_saving_their_inputs(seed)
+        unworthy = np.flatnonzero(~worth_recomputing(range_costs(profile, 2), schedule)).tolist()
+        for cuts in itertools.combinations(range(1, 6), opts.num_stages - 1):
+            for size in range(7):
+                for redo in itertools.combinations(range(6), size):
+                    base = evaluate(profile, list(cuts), 2, opts, list(redo))
+                    for l in set(unworthy) - set(redo):
+                        more = evaluate(profile, list(cuts), 2, opts, sorted(redo + (l,)))
+                        assert more.iteration_s >= base.iteration_s * (1 - 1e-12), (seed, cuts, redo, l)
+                        assert all(a >= b * (1 - 1e-12) for a, b in zip(more.device_memory, base.device_memory)), \
+                            (seed, cuts, redo, l, more.device_memory, base.device_memory)
+                        checked += 1
+    assert checked > 100
