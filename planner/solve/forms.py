@@ -62,37 +62,41 @@ class StageTerms:
         buffers = np.where(finite, range_matrix(costs.BUF), 0.0)  # averaged under local SGD
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
-        zero = np.zeros((L + 1, L + 1))
-        # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range
+        # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range; stages whose terms are alike
+        # (speed, messages, exchange) share one table: at 1,000 units each is 8 (L + 1)^2 floats
         self.rows: List[np.ndarray] = []
-        # stages on like devices share one table: (speed, act, grad, reduce, table) of each kind
-        distinct: List[Tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        tables: Dict[tuple, np.ndarray] = {}
         for g in range(S):
             check_deadline(deadline)
-            speed = speeds[g]
-            exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g],
-                                 buffer_bytes=buffers)
+            # sync_time is linear in the bytes: its value per trainable, frozen and buffer byte says it all
+            exchange_per_byte = tuple(sync_time(*probe, opts, profile.dtype, m, rank=ranks[g], buffer_bytes=buffer)
+                                      for *probe, buffer in ((1.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0),
+                                                             (0.0, 0.0, 0.0, 1.0)))
             # ZeRO-3 under a placement: one ring's latency per gather and reduce-scatter (planner.cost.model)
-            exchange = exchange + m * collectives * collective_latency(opts, ranks[g])
+            per_collective = m * collective_latency(opts, ranks[g])
             # the stage's share of its device's exchange over the replicas (hierarchical under a placement:
             # per rank); the device's rings' latency is paid when any of its v stages exchanges bytes: each
             # such stage carries 1/v of it (exact for v = 1; at most the latency, so a bound, for v > 1)
             latency = exchange_latency(opts, ranks[g]) / len(opts.stages_on(ranks[g]))
-            reduce = exchange + np.where(exchange > 0, latency, 0.0)
             act = np.array([costs.message_s(e, links[g]) if 0 < e < L and g < S - 1 else 0.0 for e in ends])
             grad = np.array([costs.message_s(e, links[g], gradient=True) if 0 < e < L and g < S - 1 else 0.0
                              for e in ends])  # the messages across boundary g, by where stage g ends
-            same = next((table for (v, a, d, r, table) in distinct if v == speed and np.array_equal(a, act)
-                         and np.array_equal(d, grad) and np.array_equal(r, reduce)), None)
-            if same is None:
-                terms = {"forward": forward / speed, "backward": backward / speed,
-                         "backward_input": backward_input / speed, "backward_weight": backward_weight / speed,
-                         "step": step / speed, "reduce": reduce, "act": np.broadcast_to(act, zero.shape),
-                         "grad": np.broadcast_to(grad, zero.shape)}
-                stacked = np.stack([terms[name] for name in STAGE_TERMS])
-                same = np.where(finite & np.isfinite(stacked), stacked, 0.0)
-                distinct.append((speed, act, grad, reduce, same))
-            self.rows.append(same)
+            key = (speeds[g], exchange_per_byte, per_collective, latency, act.tobytes(), grad.tobytes())
+            if key not in tables:
+                exchange = sync_time(params, trainable, regathered, opts, profile.dtype, m, rank=ranks[g],
+                                     buffer_bytes=buffers)
+                exchange = exchange + per_collective * collectives
+                reduce = exchange + np.where(exchange > 0, latency, 0.0)
+                terms = {"forward": forward, "backward": backward, "backward_input": backward_input,
+                         "backward_weight": backward_weight, "step": step}
+                table = np.zeros((len(STAGE_TERMS), L + 1, L + 1))
+                for t, name in enumerate(STAGE_TERMS):  # in place: no (terms, L + 1, L + 1) temporaries
+                    if name in terms:
+                        np.divide(terms[name], speeds[g], out=table[t], where=finite)
+                    else:  # act and grad by the stage's end: the same on every row
+                        np.copyto(table[t], {"reduce": reduce, "act": act, "grad": grad}[name], where=finite)
+                tables[key] = np.nan_to_num(table, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+            self.rows.append(tables[key])
         self.nonzero = nonzero_terms(self.rows)
         self.fits = self._memory(profile, b, opts, costs, redo_all, deadline)
         check_deadline(deadline)
