@@ -101,6 +101,19 @@ def test_unknown_names_say_what_to_use():
         build_spec("hf:LlamaModel", {}, 0)
 
 
+def test_a_field_kept_in_a_dict_of_the_config_is_taken():
+    # transformers 5 keeps StableLM's partial_rotary_factor in rope_parameters: the constructor takes it
+    from planner.model.builtin.hf import make_config
+    from transformers import StableLmForCausalLM
+
+    assert make_config(StableLmForCausalLM, {"partial_rotary_factor": 0.5}).rope_parameters["partial_rotary_factor"] \
+        == 0.5
+    assert make_config(StableLmForCausalLM, {"rope_parameters__rope_theta": 500.0}).rope_parameters["rope_theta"] \
+        == 500.0
+    with pytest.raises(ModelEntryError, match="no field.*rope_parameters__no_such"):
+        make_config(StableLmForCausalLM, {"rope_parameters__no_such": 1})
+
+
 VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
        "image_size": 16, "patch_size": 4, "num_labels": 10}
 LLAVA = {"text_config__vocab_size": 128, "text_config__hidden_size": 32, "text_config__intermediate_size": 64,

@@ -84,12 +84,18 @@ def _defaults(cls):
     return cls.config_class()
 
 
+def _has_field(config, key: str) -> bool:
+    """Whether the constructor takes `key`: a field of the config, or of a dict field that holds it
+    (transformers 5 keeps partial_rotary_factor and rope_theta in rope_parameters)."""
+    return hasattr(config, key) or any(isinstance(value, dict) and key in value for value in vars(config).values())
+
+
 def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
     """The class's config with `overrides` (`SUB__FIELD` sets a nested config's field), no cache,
     no random draws in training (`_draws_at_random`), `attention` (default: `default_attention`; in
     nested configs too)."""
     top = {key: value for key, value in overrides.items() if "__" not in key}
-    unknown = [key for key in top if not hasattr(_defaults(cls), key)]
+    unknown = [key for key in top if not _has_field(_defaults(cls), key)]
     # top-level fields go to the constructor, which derives the fields that depend on them
     # (Llama's head_dim from hidden_size / num_attention_heads): set afterwards they would go stale
     config = cls.config_class(**({} if unknown else top))
@@ -98,6 +104,9 @@ def make_config(cls, overrides: Dict[str, Any], attention: str = ""):
         if not target:
             continue
         owner = getattr(config, target, None)
+        if isinstance(owner, dict) and field in owner:  # a field of a dict (transformers 5's rope_parameters),
+            setattr(config, target, {**owner, field: value})  # copied: a default dict may be shared
+            continue
         if owner is None or not hasattr(owner, field):
             unknown.append(key)
             continue
