@@ -159,8 +159,8 @@ class CapturedModel:
         except ExportFailure as e:
             where = f" in {e.module_path!r}" if e.module_path else ""
             raise CaptureError(
-                f"cannot capture {type(module).__name__}: {fx_error}; torch.export failed{where}: "
-                f"{first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
+                f"cannot capture {type(module).__name__}: {fx_error or 'torch.export was asked for'}; torch.export "
+                f"failed{where}: {first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
                 "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
         self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
         self.forward_sets = exported.forward_sets

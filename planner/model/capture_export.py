@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import logging
 import os
 import threading
@@ -204,7 +205,21 @@ def _watching_export(root: nn.Module) -> Iterator[List[str]]:
                 forward_sets.append(path)
         module_setattr(module, name, value)
 
+    module_to = nn.Module.to
+
+    def to_unless_unchanged(module, *args, **kwargs):
+        # a router casting itself to its own dtype in forward (`self.classifier = self.classifier.to(
+        # self.dtype)`: Switch Transformers, NLLB-MoE) swaps export's parameters and fails: it changes nothing
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None and all(
+                (device is None or tensor.device == device) and
+                (dtype is None or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.dtype == dtype)
+                for tensor in itertools.chain(module.parameters(), module.buffers())):
+            return module
+        return module_to(module, *args, **kwargs)
+
     with PATCHING:
+        nn.Module.to = to_unless_unchanged
         torch.autograd.Function.apply = classmethod(guarded_apply)
         for name in hooks:
             setattr(torch.Tensor, name, guarded_hook(name))
@@ -216,6 +231,7 @@ def _watching_export(root: nn.Module) -> Iterator[List[str]]:
             for name, original in hooks.items():
                 setattr(torch.Tensor, name, original)
             nn.Module.__setattr__ = module_setattr
+            nn.Module.to = module_to
 
 
 def _body_stack(gm: fx.GraphModule, node: fx.Node) -> Dict[str, Any]:

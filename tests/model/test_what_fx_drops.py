@@ -434,3 +434,25 @@ def test_a_counter_or_a_first_call_flag_is_refused_though_traced_again(module, m
     with pytest.raises(CaptureError, match=f"forward changes the attribute '{attribute}'"):
         capture(module, example_inputs=(torch.randn(2, 4),), method=method)
     assert getattr(module, attribute) in (0, False)
+
+
+class _CastsItsRouter(nn.Module):
+    """Casts a layer to the dtype it has, in forward (Switch Transformers' and NLLB-MoE's routers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.out = nn.Linear(4, 2), nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.router = self.router.to(torch.float32)
+        return self.out(x) * torch.softmax(self.router(x), dim=-1).sum(-1, keepdim=True)
+
+
+def test_a_layer_cast_to_its_own_dtype_in_forward_is_exported():
+    # export swapped the layer's parameters for its own and failed ("Couldn't swap Linear.weight")
+    module, x, to = _CastsItsRouter(), torch.randn(2, 4), nn.Module.to
+    captured = capture(module, example_inputs=(x,), method="export")
+    (out,) = torch.utils._pytree.tree_leaves(captured.gm(x))
+    assert torch.allclose(out, module(x))
+    assert nn.Module.to is to  # put back
+    assert module.to(torch.float64).router.weight.dtype == torch.float64  # a real cast still casts
