@@ -449,6 +449,42 @@ class StarArgs(nn.Module):
         return self.b(torch.tanh(self.a(x)) * kwargs.get("scale", 1.0)) + y
 
 
+class CustomFunctions(nn.Module):
+    """Custom Functions fx cannot take (a branch on a shape): a gradient reversal returning a view of its
+    input, and one with two outputs, a keyword argument and a tensor it gives no gradient to."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        h = Reversal.apply(self.a(x), 0.5)
+        low, high = StraightThroughSplit.apply(self.b(h), torch.ones(x.shape[-1], device=x.device), cut=0.1)
+        return self.c(low * 2.0 + high)
+
+
+class StraightThroughSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cut):
+        return (x * weight).clamp(max=cut), (x * weight).clamp(min=cut)
+
+    @staticmethod
+    def backward(ctx, low, high):  # not autograd's derivative of the clamps
+        return low + 3.0 * high, None, None
+
+
+def custom_functions(dim: int = 4) -> ModelSpec:
+    torch.manual_seed(3)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=CustomFunctions(dim), batch=batch, loss=F.mse_loss)
+
+
 def star_args(dim: int = 4) -> ModelSpec:
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step)

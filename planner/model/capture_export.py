@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from planner.errors import CaptureError
 from planner.model.trace_state import PLAIN
+from planner.model.whole_function import whole_apply
 
 # Nodes that only check what export assumed about the example inputs (device, dtype, guards):
 # a stage cut out of the graph runs on other sizes and devices, so they are dropped.
@@ -160,10 +161,11 @@ PATCHING = threading.Lock()  # capture patches torch process-wide (the guards, f
 
 @contextlib.contextmanager
 def _watching_export(root: nn.Module) -> Iterator[List[str]]:
-    """Export traces through a custom autograd Function's forward (its backward is lost), past a
-    hook registered on a tensor (never called) and past a module's full backward hook: each would
-    train another model, so it stops the capture. torch's own Functions (a custom operator's
-    registered autograd, torch.cond's, checkpoint's) are kept by export and pass.
+    """Export traces through a custom autograd Function's forward (its backward would be lost): each
+    call is kept whole instead (planner.model.whole_function). It traces past a hook registered on a
+    tensor (never called) and past a module's full backward hook: each would train another model, so
+    it stops the capture. torch's own Functions (a custom operator's registered autograd, torch.cond's,
+    checkpoint's) are kept by export and pass.
 
     Export also puts back a plain attribute forward assigns a tensor to (`self.aux = ...`), which its
     graph does not carry: the list yielded first collects their dotted names
@@ -178,9 +180,11 @@ def _watching_export(root: nn.Module) -> Iterator[List[str]]:
         if cls is BackwardHookFunction:
             raise _Dropped("a module's full backward hook (register_full_backward_hook) is lost by an exported graph; "
                            "make the model traceable by torch.fx, which calls a hooked module whole")
-        if not (getattr(cls, "__module__", "") or "").startswith("torch"):
-            raise _Dropped(f"forward calls the custom autograd Function {cls.__name__}, whose backward an exported "
-                           "graph does not keep; make the model traceable by torch.fx, which keeps it as one call")
+        if not (getattr(cls, "__module__", "") or "").startswith("torch"):  # kept whole, its backward with it
+            try:
+                return whole_apply(cls, args, kwargs)
+            except CaptureError as e:
+                raise _Dropped(str(e)) from None
         return apply(cls, *args, **kwargs)
 
     def guarded_hook(name: str):

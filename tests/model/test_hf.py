@@ -211,3 +211,14 @@ def test_an_attribute_forward_sets_afresh_each_call_is_not_refused(tmp_path):
     profile = profile_of("hf:FunnelForMaskedLM", FUNNEL, sizes=(2,))
     assert_trains_like_one_process(plan_with(profile, [len(profile.units) // 2], 2, 4), tmp_path,
                                    "hf:FunnelForMaskedLM", FUNNEL)
+
+
+BLOOM = {"vocab_size": 128, "hidden_size": 32, "n_layer": 2, "n_head": 4, "seq_len": 8}
+
+
+def test_a_custom_autograd_function_in_an_exported_model_trains_like_one_process(tmp_path):
+    # Bloom's training GELU is a custom autograd Function (GeLUFunction): kept whole in the exported graph
+    profile = profile_of("hf:BloomForCausalLM", BLOOM, sizes=(2,))
+    assert profile.capture == "export"
+    for cuts in ([2], [1, 3]):
+        assert_trains_like_one_process(plan_with(profile, cuts, 2, 4), tmp_path, "hf:BloomForCausalLM", BLOOM)

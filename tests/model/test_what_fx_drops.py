@@ -58,18 +58,6 @@ class _TensorHook(nn.Module):
         return self.b(h)
 
 
-class _Function(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-
-    def forward(self, x):
-        from tests.capture_models import Reversal
-        if x.shape[-1] % 2 == 0:
-            x = x * 1.0
-        return Reversal.apply(self.a(x), 0.5)
-
-
 class _HookedBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -114,12 +102,54 @@ class _GradientPenalty(nn.Module):
     (_Carried(), "forward reads self.prev and sets it again .* register it as a buffer"),
     (_TensorHook(False), "registers a hook on a tensor"),  # fx refuses, export refuses
     (_TensorHook(True), "registers a hook on a tensor"),
-    (_Function(), "custom autograd Function Reversal, whose backward an exported graph does not keep"),
     (_HookedBlock(), "a module's full backward hook .* is lost by an exported graph"),
 ])
 def test_what_no_graph_keeps_is_refused_in_one_line(module, match):
     with pytest.raises(CaptureError, match=match):
         capture(module, example_inputs=(torch.randn(2, 4),))
+
+
+FUNCTIONS = "tests.capture_models:custom_functions"
+
+
+def test_a_custom_autograd_function_is_kept_whole_by_export():
+    module, x = build_spec(FUNCTIONS, {}, 0).module, torch.randn(3, 4)
+    captured = capture(module, example_inputs=(x,))
+    assert captured.method == "export"
+    assert sum(n.target is torch.ops.planner.autograd_function.default for n in captured.gm.graph.nodes) == 2
+    (out,) = torch.utils._pytree.tree_leaves(captured.gm(x))
+    out.pow(2).sum().backward()
+    graph_grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module(x).pow(2).sum().backward()
+    for mine, eager in zip(graph_grads, [p.grad for p in module.parameters()]):
+        assert torch.equal(mine, eager)
+
+
+@pytest.mark.parametrize("cuts,schedule,recompute", [([1], "1f1b", []), ([1, 2], "1f1b", []), ([1], "zb-h1", ["b"])])
+def test_custom_functions_kept_whole_train_like_one_process(tmp_path, cuts, schedule, recompute):
+    # recomputed (checkpointed) and with the backward split into its input and weight parts too
+    import dataclasses
+
+    profile = profile_of(FUNCTIONS, sizes=(2,))
+    assert profile.capture == "export"
+    plan = plan_with(profile, cuts, 2, 8, schedule)
+    stages = [dataclasses.replace(stage, recompute=[u for u in stage.units if u in recompute]) for stage in plan.stages]
+    plan = dataclasses.replace(plan, stages=stages)
+    assert_trains_like_one_process(plan, tmp_path, FUNCTIONS, steps=2)
+
+
+class _PassesASize(nn.Module):
+    def forward(self, x):
+        from tests.capture_models import Reversal
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        return Reversal.apply(x, x.shape[0])
+
+
+def test_a_custom_function_given_a_size_is_refused():
+    with pytest.raises(CaptureError, match="passes a size of a tensor to the custom autograd Function Reversal"):
+        capture(_PassesASize(), example_inputs=(torch.randn(3, 4),))
 
 
 def test_recomputation_sees_the_buffers_its_forward_read():
