@@ -117,8 +117,8 @@ def operation_name(node: fx.Node) -> str:
     target = node.target
     if node.op in ("call_method", "call_module"):
         return str(target)
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._schema.name.split('::')[-1]}"
+    if isinstance(target, torch._ops.OpOverload):  # aten.relu_, planner.autograd_function
+        return target._schema.name.replace("::", ".")
     return getattr(target, "__name__", str(target))
 
 

@@ -110,16 +110,22 @@ def _call(key: str) -> _Call:
 @torch.library.custom_op("planner::autograd_function", mutates_args=())
 def autograd_function(key: str, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     call = _call(key)
-    versions, rng = [t._version for t in tensors], torch.get_rng_state()
+    versions, rng = [t._version for t in tensors], _generators(tensors)
     with torch.no_grad():
         outs = call.outputs(tensors)
     if [t._version for t in tensors] != versions:
         raise CaptureError(f"the custom autograd Function {call.function.__name__} writes into its inputs, which an "
                            "exported graph cannot keep as one call")
-    if not torch.equal(torch.get_rng_state(), rng):
+    if any(not torch.equal(now, before) for now, before in zip(_generators(tensors), rng)):
         raise CaptureError(f"the custom autograd Function {call.function.__name__} draws random numbers, so the "
                            "second forward its backward runs would differ from the first")
     return [o.clone() if o._is_view() or any(o is t for t in tensors) else o for o in outs]
+
+
+def _generators(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The states of the random generators the call may draw from: the host's, and its tensors' GPUs'."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(device) for device in sorted(devices, key=str)]
 
 
 @autograd_function.register_fake

@@ -152,6 +152,47 @@ def test_a_custom_function_given_a_size_is_refused():
         capture(_PassesASize(), example_inputs=(torch.randn(3, 4),))
 
 
+class _Noisy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x + 0.1 * torch.rand_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Doubles(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _Calls(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.a, self.function = nn.Linear(4, 4), function
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        return self.function.apply(self.a(x) * 1.0)
+
+
+@pytest.mark.parametrize("function,match", [(_Noisy, "_Noisy draws random numbers, so the second forward"),
+                                            (_Doubles, "_Doubles writes into its inputs")])
+def test_a_custom_function_kept_whole_refuses_what_its_second_forward_would_change(function, match):
+    # found where the graph first runs (the profile's first batch names the operation: planner.autograd_function)
+    captured, x = capture(_Calls(function), example_inputs=(torch.randn(2, 4),)), torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=match):
+        captured.gm(x)
+
+
 def test_recomputation_sees_the_buffers_its_forward_read():
     """spectral_norm's forward reads and updates its vectors: a recomputation on the updated ones
     would give other gradients (BuffersAsInForward)."""
