@@ -36,7 +36,9 @@ Custom operators (`torch.library.custom_op`, outside aten: transformers' MoE exp
 its weights' dtype itself (`input.to(weight.dtype)`), but the graph was captured with fp32 weights,
 where that cast is nothing and is not recorded; so, under bf16-mixed, each custom operator in a
 stage's graph gets autocast's rule (`torch.library.register_autocast`: floating inputs cast to the
-compute dtype), which is what the model's cast does with the bf16 copy in one process.
+compute dtype), which is what the model's cast does with the bf16 copy in one process. Not capture's own
+`planner::autograd_function` (a custom autograd Function kept whole): it runs the Function under autocast on
+its inputs as they come, as one process does.
 
 Writing one tensor into another where both must have one dtype (`masked_scatter`, `index_put`,
 `index_copy`, `index_add`, `scatter` and their kin, with a tensor source) has the same trouble:
@@ -76,7 +78,7 @@ def autocast_custom_ops(modules: Sequence[nn.Module], dtype: torch.dtype) -> Non
             for node in graph_module.graph.nodes:
                 op = node.target
                 if node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and \
-                        op.namespace not in ("aten", "prims"):
+                        op.namespace not in ("aten", "prims", "planner"):
                     name = op._schema.name
                     if name not in _AUTOCAST_REGISTERED:
                         for device_type in ("cpu", "cuda"):

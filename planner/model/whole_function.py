@@ -16,12 +16,13 @@ The call's other arguments (numbers, strings, dtypes) are constants of the node,
 Function under a key the graph names (`register`): every process that captures the model registers
 its calls (the ranks capture it themselves). What cannot be kept so stops the capture in one line:
 a traced size passed as an argument (its value changes with the batch), a function or module passed
-in (its parameters would be no stage's), an output that is not a tensor, or a Function that writes
-into its inputs; a forward drawing random numbers is refused when it runs (the backward's second
-forward would draw others).
+in (its parameters would be no stage's), an output that is neither a tensor nor None. A Function
+writing into its inputs, or drawing random numbers (the backward's second forward would draw
+others), is refused where the graph first runs (the profile's first batch).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -31,7 +32,8 @@ from torch.utils import _pytree as pytree
 from planner.errors import CaptureError
 
 _APPLY = torch.autograd.Function.apply.__func__  # the unpatched apply (capture patches it while tracing)
-_CONSTANTS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_CONSTANTS = (bool, int, float, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+              torch.memory_format, torch.layout)
 
 
 class _Tensor:
@@ -45,26 +47,34 @@ _SLOT = _Tensor()
 
 
 class _Call:
-    """One kind of call: the Function, its arguments' structure and constants; whether it returns one tensor."""
+    """One kind of call: the Function, its arguments' structure and constants; whether it returns one
+    tensor, and where its outputs are None (the operator returns the tensors alone)."""
 
     def __init__(self, function: type, spec: Any, leaves: List[Any]):
         self.function, self.spec, self.leaves = function, spec, leaves
-        self.single = True
+        self.single, self.absent = True, []
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> Tuple[tuple, dict]:
         given = iter(tensors)
         return pytree.tree_unflatten([next(given) if leaf is _SLOT else leaf for leaf in self.leaves], self.spec)
 
     def outputs(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """The Function's forward on these tensors (no copy): its outputs as a list."""
+        """The Function's forward on these tensors (no copy): its tensor outputs as a list."""
         args, kwargs = self.arguments(tensors)
         out = _APPLY(self.function, *args, **kwargs)
         self.single = not isinstance(out, (tuple, list))
         outs = [out] if self.single else list(out)
-        if not all(isinstance(o, torch.Tensor) for o in outs):
+        if not all(isinstance(o, torch.Tensor) or o is None for o in outs):
             raise CaptureError(f"the custom autograd Function {self.function.__name__} returns something other than "
                                "tensors, which an exported graph cannot keep as one call")
-        return outs
+        self.absent = [o is None for o in outs]
+        return [o for o in outs if o is not None]
+
+    def returned(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """What apply returns, from the operator's tensors."""
+        given = iter(tensors)
+        outs = [None if absent else next(given) for absent in self.absent]
+        return outs[0] if self.single else tuple(outs)
 
 
 _CALLS: Dict[str, _Call] = {}
@@ -86,8 +96,10 @@ def register(function: type, args: tuple, kwargs: dict) -> Tuple[str, List[torch
         else:
             raise CaptureError(f"forward passes a {type(leaf).__name__} to the custom autograd Function "
                                f"{function.__name__}, which an exported graph cannot keep as one call")
+    # the class object itself (two classes may share a name: made by a factory, or defined again), kept
+    # alive by its entry so that its id is never another's; the graph and its key are this process's own
     digest = hashlib.sha1(f"{kept!r}{spec!r}".encode()).hexdigest()[:12]  # the constants and structure
-    key = f"{function.__module__}.{function.__qualname__}#{digest}"
+    key = f"{function.__module__}.{function.__qualname__}@{id(function):x}#{digest}"
     if key not in _CALLS:
         _CALLS[key] = _Call(function, spec, kept)
     return key, tensors
@@ -96,13 +108,12 @@ def register(function: type, args: tuple, kwargs: dict) -> Tuple[str, List[torch
 def whole_apply(function: type, args: tuple, kwargs: dict) -> Any:
     """`function.apply(*args, **kwargs)` as one node of the graph being exported."""
     key, tensors = register(function, args, kwargs)
-    outs = autograd_function(key, tensors)
-    return outs[0] if _CALLS[key].single else tuple(outs)
+    return _CALLS[key].returned(autograd_function(key, tensors))
 
 
 def _call(key: str) -> _Call:
     if key not in _CALLS:
-        raise CaptureError(f"the graph calls a custom autograd Function ({key.split('#')[0]}) this process never "
+        raise CaptureError(f"the graph calls a custom autograd Function ({key.split('@')[0]}) this process never "
                            "captured; capture the model in this process before running its graph")
     return _CALLS[key]
 
@@ -138,14 +149,22 @@ def _shapes(key: str, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 def _setup_context(ctx, inputs, output) -> None:
     key, tensors = inputs
     ctx.key = key
+    ctx.autocast = _autocast_state()  # the forward's: its second run in backward computes the same
     ctx.save_for_backward(*tensors)
+
+
+def _autocast_state() -> List[Tuple[str, bool, torch.dtype]]:
+    return [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")]
 
 
 def _backward(ctx, grads):
     tensors = ctx.saved_tensors
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors]
-        outs = _call(ctx.key).outputs(inputs)
+        with contextlib.ExitStack() as modes:  # the forward under its autocast, the backward as the caller's
+            for device, enabled, dtype in ctx.autocast:
+                modes.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            outs = _call(ctx.key).outputs(inputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         wanted = [t for t in inputs if t.requires_grad]
         got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \

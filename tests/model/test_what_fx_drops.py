@@ -139,6 +139,108 @@ def test_custom_functions_kept_whole_train_like_one_process(tmp_path, cuts, sche
     assert_trains_like_one_process(plan, tmp_path, FUNCTIONS, steps=2)
 
 
+def test_custom_functions_kept_whole_train_like_one_process_under_bf16_mixed(tmp_path):
+    # the kept Function runs under autocast on its inputs as they come (not a custom operator's cast rule)
+    import dataclasses
+
+    from tests.support.runs import execute, max_abs_diff, reference_state
+
+    plan = dataclasses.replace(plan_with(profile_of(FUNCTIONS, sizes=(2,)), [1], 2, 4), precision="bf16-mixed")
+    state = execute(plan, tmp_path, steps=2, lr=1.0)
+    assert max_abs_diff(state, reference_state(plan, steps=2, lr=1.0, training={"precision": "bf16-mixed"})) <= 1e-5
+
+
+class _MatmulInside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors  # under autocast: x and grad bf16, w fp32
+        grad = grad.float()
+        return 2.0 * grad @ w.t(), x.t().float() @ grad
+
+
+def test_a_kept_function_runs_again_in_backward_under_its_forwards_autocast():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.w = nn.Linear(4, 4), nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            if x.shape[-1] % 2 == 0:
+                x = x * 1.0
+            return _MatmulInside.apply(self.a(x), self.w)
+
+    torch.manual_seed(0)
+    module, x = Model(), torch.randn(3, 4)
+    captured = capture(module, example_inputs=(x,))
+    grads = []
+    for run in (lambda: torch.utils._pytree.tree_leaves(captured.gm(x))[0], lambda: module(x)):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run()
+        out.float().pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_two_functions_of_one_name_are_two_calls():
+    # a factory makes classes of one qualified name: each graph runs its own (not the first one captured)
+    def scaler(k):
+        class Scaler(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * k
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * k
+        return Scaler
+
+    x = torch.randn(3, 4)
+    for k in (2.0, 5.0):
+        module = _Calls(scaler(k))
+        (out,) = torch.utils._pytree.tree_leaves(capture(module, example_inputs=(x,)).gm(x))
+        assert torch.equal(out, module(x))
+
+
+class _HalfAndNothing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, columns):
+        ctx.columns = columns
+        return x[:, columns] * 2.0, None
+
+    @staticmethod
+    def backward(ctx, grad, nothing):  # not autograd's: 5, not 2
+        whole = grad.new_zeros(grad.shape[0], 4)
+        whole[:, ctx.columns] = 5.0 * grad
+        return whole, None
+
+
+def test_a_kept_function_may_take_a_slice_and_return_none():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[-1] % 2 == 0:
+                x = x * 1.0
+            half, nothing = _HalfAndNothing.apply(self.a(x), slice(0, 2))
+            return half if nothing is None else -half
+
+    module, x = Model(), torch.randn(3, 4)
+    (out,) = torch.utils._pytree.tree_leaves(capture(module, example_inputs=(x,)).gm(x))
+    out.pow(2).sum().backward()
+    graph_grad = module.a.weight.grad.clone()
+    module.zero_grad()
+    module(x).pow(2).sum().backward()
+    assert torch.equal(graph_grad, module.a.weight.grad)
+
+
 class _PassesASize(nn.Module):
     def forward(self, x):
         from tests.capture_models import Reversal
