@@ -11,9 +11,8 @@ into it or a view of it (an `nn.ReLU(inplace=True)` unit joins the unit of the t
 `CapturedModel.merges`; planner/model/inplace.py), so no stage writes into a tensor it received. The fx
 tracer records `a += b` in place (`augmented_assign`), as eager PyTorch runs it.
 
-Values whose shape depends on the data (the tokens a mixture of experts routes to each expert) never
-cross a cut either: the units from its maker to its last reader are joined (`CapturedModel.shape_merges`;
-planner/model/dynamic_shapes.py).
+Values whose shape depends on the data (the tokens a mixture of experts routes to each expert) never cross a
+cut either: the units from maker to last reader are joined (`CapturedModel.shape_merges`; dynamic_shapes.py).
 
 Cut k (1 <= k < L) sits just before unit k. The values crossing it are the nodes produced in
 a unit < k and consumed in a unit >= k (the model's output counts as consumed after the last
@@ -160,8 +159,7 @@ class CapturedModel:
             where = f" in {e.module_path!r}" if e.module_path else ""
             raise CaptureError(
                 f"cannot capture {type(module).__name__}: {fx_error or 'torch.export was asked for'}; torch.export "
-                f"failed{where}: {first_line(e.cause)}. Way out: in that module, replace Python branches on tensor values with "
-                "torch.where / torch.cond, or move the data-dependent step into the batch or loss function") from None
+                f"failed{where}: {first_line(e.cause)}. Way out: in that module, {e.way_out()}") from None
         self.in_spec, self.out_spec, self.fixed_batch = exported.in_spec, exported.out_spec, exported.fixed_batch
         self.forward_sets = exported.forward_sets
         return exported.gm

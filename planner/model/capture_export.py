@@ -62,6 +62,17 @@ class ExportFailure(RuntimeError):
         self.cause = cause
         self.module_path = module_path
 
+    def way_out(self) -> str:
+        """What to change in that module: a tensor made on the host while the model is on the meta
+        device (an analytic profile, a model built without memory) needs the input's device; otherwise
+        it is a Python branch on values, as most export failures are."""
+        message = str(self.cause)
+        if "meta" in message and "device" in message:
+            return ("it makes a tensor on the host (torch.tensor(...), torch.ones(n) without device=) while the model "
+                    "is on the meta device (an analytic profile): make it on the input's device (device=x.device)")
+        return ("replace Python branches on tensor values with torch.where / torch.cond, or move the data-dependent "
+                "step into the batch or loss function")
+
 
 class _TorchRecords(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:

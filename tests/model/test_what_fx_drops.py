@@ -625,3 +625,23 @@ def test_a_layer_cast_to_its_own_dtype_in_forward_is_exported():
     assert torch.allclose(out, module(x))
     assert nn.Module.to is to  # put back
     assert module.to(torch.float64).router.weight.dtype == torch.float64  # a real cast still casts
+
+
+class _HostTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        return self.a(x) * torch.ones(4)  # on the host whatever the model's device
+
+
+def test_a_tensor_made_on_the_host_of_a_meta_model_is_named_as_the_cause():
+    # an analytic profile captures on the meta device; the advice was to replace Python branches
+    with torch.device("meta"):
+        module = _HostTensor()
+    with pytest.raises(CaptureError, match=r"Way out: in that module, it makes a tensor on the host .* "
+                                           r"make it on the input's device \(device=x.device\)$"):
+        capture(module, example_inputs=(torch.randn(2, 4, device="meta"),))
