@@ -111,6 +111,16 @@ def whole_apply(function: type, args: tuple, kwargs: dict) -> Any:
     return _CALLS[key].returned(autograd_function(key, tensors))
 
 
+def kept_whole(gm: Any) -> Dict[str, int]:
+    """The custom Functions an exported graph keeps whole: class name -> calls."""
+    counts: Dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.planner.autograd_function.default:
+            name = _call(node.args[0]).function.__name__
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def _call(key: str) -> _Call:
     if key not in _CALLS:
         raise CaptureError(f"the graph calls a custom autograd Function ({key.split('@')[0]}) this process never "

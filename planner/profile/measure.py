@@ -30,6 +30,7 @@ from planner.model.entry import build_spec
 from planner.model.failures import NodeRunError, model_failure
 from planner.model.forward_state import pipeline_spec
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
+from planner.model.whole_function import kept_whole
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.attention import attention_of
 from planner.profile.corunners import CoRunners, host_kernel_s
@@ -145,6 +146,9 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
         f"{L} units ({', '.join(captured.unit_names[:6])}{', …' if L > 6 else ''})")
     for merge in captured.merges + captured.shape_merges:
         say(f"  {', '.join(map(repr, merge.absorbed))} kept in one unit with {merge.kept!r}: {'; '.join(merge.writes)}")
+    for function, calls in kept_whole(captured.gm).items():
+        say(f"  custom autograd Function {function} kept whole ({calls} call{'s' * (calls > 1)}): its backward "
+            "runs its forward again")
     return spec, captured
 
 

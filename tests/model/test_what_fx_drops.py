@@ -9,6 +9,7 @@ from torch import nn
 
 from planner.errors import CaptureError
 from planner.model.capture import capture
+from planner.model.whole_function import kept_whole
 from planner.model.entry import build_spec
 from runtime.stage import BuffersAsInForward
 from tests.support.runs import assert_trains_like_one_process, plan_with, profile_of, reshape_plan
@@ -116,7 +117,7 @@ def test_a_custom_autograd_function_is_kept_whole_by_export():
     module, x = build_spec(FUNCTIONS, {}, 0).module, torch.randn(3, 4)
     captured = capture(module, example_inputs=(x,))
     assert captured.method == "export"
-    assert sum(n.target is torch.ops.planner.autograd_function.default for n in captured.gm.graph.nodes) == 2
+    assert kept_whole(captured.gm) == {"Reversal": 1, "StraightThroughSplit": 1}
     (out,) = torch.utils._pytree.tree_leaves(captured.gm(x))
     out.pow(2).sum().backward()
     graph_grads = [p.grad.clone() for p in module.parameters()]
@@ -124,6 +125,16 @@ def test_a_custom_autograd_function_is_kept_whole_by_export():
     module(x).pow(2).sum().backward()
     for mine, eager in zip(graph_grads, [p.grad for p in module.parameters()]):
         assert torch.equal(mine, eager)
+
+
+def test_the_profile_says_which_functions_it_kept_whole(tmp_path):
+    from tests.support.runs import run_here
+
+    done = run_here(["planner.cli", "profile", FUNCTIONS, "--micro-batch-sizes", "2", "--repeats", "1", "--warmup", "0",
+                     "-o", str(tmp_path / "p.json")])
+    assert done.returncode == 0, done.stderr
+    assert "custom autograd Function StraightThroughSplit kept whole (1 call): its backward runs its forward " \
+           "again" in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("cuts,schedule,recompute", [([1], "1f1b", []), ([1, 2], "1f1b", []), ([1], "zb-h1", ["b"])])
