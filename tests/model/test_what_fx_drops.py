@@ -131,7 +131,7 @@ def test_the_profile_says_which_functions_it_kept_whole(tmp_path):
     from tests.support.runs import run_here
 
     done = run_here(["planner.cli", "profile", FUNCTIONS, "--micro-batch-sizes", "2", "--repeats", "1", "--warmup", "0",
-                     "-o", str(tmp_path / "p.json")])
+                     "--min-time", "0", "--link", "none", "--engine-cost", "none", "-o", str(tmp_path / "p.json")])
     assert done.returncode == 0, done.stderr
     assert "custom autograd Function StraightThroughSplit kept whole (1 call): its backward runs its forward " \
            "again" in done.stdout + done.stderr
