@@ -26,11 +26,19 @@ class Unit:
 
 
 def _is_repeated_list(module: nn.Module) -> bool:
-    """A container of two or more layers of one type: the layer list of a stack."""
+    """A container of two or more layers of one type, or of one kind (their classes share a base of
+    the model's code, as a hybrid model's attention and state-space layers do): the layer list of a stack."""
     if not isinstance(module, _CONTAINERS):
         return False
     types = [type(child) for child in module.children()]
-    return len(types) >= 2 and len(set(types)) < len(types)
+    if len(types) < 2:
+        return False
+    return len(set(types)) < len(types) or bool(set.intersection(*(_own_bases(t) for t in types)))
+
+
+def _own_bases(cls: type) -> set:
+    """The classes `cls` derives from that are not torch's (nor `object`)."""
+    return {base for base in cls.__mro__ if not base.__module__.startswith(("torch", "builtins"))}
 
 
 def _looked_through(module: nn.Module) -> bool:
