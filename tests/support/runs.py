@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -192,7 +193,9 @@ def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     """The largest difference over every entry of two state_dicts: parameters and (persistent)
     buffers, such as BatchNorm's running statistics and batch counts; both must hold the same keys."""
     assert set(a) == set(b), f"state keys differ: {sorted(set(a) ^ set(b))}"
-    return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
+    # NaN anywhere is an infinite difference (Python's max would drop a NaN that comes after a number)
+    diffs = [(a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
 
 
 def assert_trains_like_one_process(plan: Plan, tmp_path, entry: str, args: Optional[dict] = None,
