@@ -485,6 +485,27 @@ def custom_functions(dim: int = 4) -> ModelSpec:
     return ModelSpec(module=CustomFunctions(dim), batch=batch, loss=F.mse_loss)
 
 
+class ExportsOtherwise(nn.Module):
+    """Takes another path while exported (as transformers' mask code does under tracing)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 0:  # fx cannot trace it: torch.export
+            x = x * 1.0
+        return self.a(x) * 2.0 if torch.compiler.is_exporting() else self.a(x)
+
+
+def exports_otherwise(dim: int = 4) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=ExportsOtherwise(dim), batch=batch, loss=F.mse_loss)
+
+
 def star_args(dim: int = 4) -> ModelSpec:
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step)

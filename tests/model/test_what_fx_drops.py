@@ -656,3 +656,43 @@ def test_a_tensor_made_on_the_host_of_a_meta_model_is_named_as_the_cause():
     with pytest.raises(CaptureError, match=r"Way out: in that module, it makes a tensor on the host .* "
                                            r"make it on the input's device \(device=x.device\)$"):
         capture(module, example_inputs=(torch.randn(2, 4, device="meta"),))
+
+
+class _ExportsOtherwise(nn.Module):
+    """Takes another path while exported (as transformers' mask code does under tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 0:  # fx cannot trace it: torch.export
+            x = x * 1.0
+        h = self.norm(self.a(x))
+        return h * 2.0 if torch.compiler.is_exporting() else h
+
+
+def test_a_graph_computing_otherwise_than_forward_is_refused_and_the_model_left_as_it_was():
+    from planner.model.same_output import check_same_output
+    from planner.model.spec import call_model
+    from planner.model.capture import run_all_nodes
+
+    module, x = _ExportsOtherwise(), torch.randn(3, 4)
+    captured = capture(module, example_inputs=(x,))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(CaptureError, match="does not compute what the model's forward does on the example batch: "
+                                           "its output 0 differs from forward's by"):
+        check_same_output(module, captured.gm, lambda: call_model(module, (x,)),
+                          lambda: captured.output_of(run_all_nodes(captured, (x,))))
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # running statistics too
+    # every profile the suite makes runs the check: no graph computing as forward does is refused
+
+
+def test_the_profile_refuses_a_graph_computing_otherwise_in_one_line(tmp_path):
+    from tests.support.runs import run_here
+
+    done = run_here(["planner.cli", "profile", "tests.capture_models:exports_otherwise", "--micro-batch-sizes", "2",
+                     "--repeats", "1", "--warmup", "0", "--min-time", "0", "--link", "none", "--engine-cost", "none",
+                     "-o", str(tmp_path / "p.json")])
+    assert done.returncode != 0 and not (tmp_path / "p.json").exists()
+    assert done.stderr.count("\n") == 1 and "differs from forward's by" in done.stderr, done.stderr
