@@ -27,9 +27,11 @@ import torch
 
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
+from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.failures import NodeRunError, model_failure
 from planner.model.forward_state import pipeline_spec
-from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
+from planner.model.same_output import check_same_output
+from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, call_model, to_device
 from planner.model.whole_function import kept_whole
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.attention import attention_of
@@ -137,6 +139,7 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
     captured: CapturedModel = capture(spec.module)
     spec = pipeline_spec(spec, captured.forward_sets)
     captured.to(dev)
+    _same_output(spec, captured, dev)
     if precision == "bf16-mixed":  # an exported graph takes the run's casts, as runtime.stage does
         _recast(captured, entry, model_args, seed, spec, dev, say)
     L = len(captured.units)
@@ -152,11 +155,25 @@ def _capture(entry: str, model_args: Dict[str, Any], seed: int, dev: torch.devic
     return spec, captured
 
 
+def _same_output(spec: ModelSpec, captured: CapturedModel, dev: torch.device) -> None:
+    """The fp32 graph computes what forward does on the example batch (planner.model.same_output)."""
+    inputs = spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]
+    problem = batch_problem(inputs, None, EXAMPLE_BATCH_SIZE)
+    if problem:  # the profile says so where it measures
+        return
+    module_device = next((p.device for p in spec.module.parameters()), torch.device("cpu"))
+    try:
+        check_same_output(spec.module, captured.gm,
+                          lambda: call_model(spec.module, to_device(tuple(inputs), module_device, copy=True)),
+                          lambda: captured.output_of(run_all_nodes(captured, to_device(tuple(inputs), dev, copy=True))))
+    except NodeRunError as e:
+        raise model_failure(e, EXAMPLE_BATCH_SIZE) from e
+
+
 def _recast(captured: CapturedModel, entry: str, model_args: Dict[str, Any], seed: int, spec: ModelSpec,
             dev: torch.device, say: Callable[[str], None]) -> None:
     """planner.model.casts.recast on an exported graph (as runtime.stage does for a bf16-mixed rank)."""
     from planner.model.casts import recast_model
-    from planner.model.example import EXAMPLE_BATCH_SIZE
 
     left = recast_model(captured, entry, model_args, seed, spec.batch(EXAMPLE_BATCH_SIZE, 0)[0], MixedRun.dtype, dev)
     if left:
