@@ -27,10 +27,13 @@ class Unit:
 
 def _is_repeated_list(module: nn.Module) -> bool:
     """A container of two or more layers of one type, or of one kind (their classes share a base of
-    the model's code, as a hybrid model's attention and state-space layers do): the layer list of a stack."""
+    the model's code, as a hybrid model's attention and state-space layers do), or a ModuleList of one
+    layer of the model's code: the layer list of a stack."""
     if not isinstance(module, _CONTAINERS):
         return False
     types = [type(child) for child in module.children()]
+    if len(types) == 1:  # a layer list of one layer (a one-layer encoder's `layers`), not a block's part
+        return isinstance(module, nn.ModuleList) and not types[0].__module__.startswith("torch")
     if len(types) < 2:
         return False
     return len(set(types)) < len(types) or bool(set.intersection(*(_own_bases(t) for t in types)))

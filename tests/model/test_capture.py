@@ -181,9 +181,12 @@ class _Hybrid(nn.Module):
         return self.head(self.body(x))
 
 
-def test_a_stack_of_layers_of_one_kind_is_looked_through():
+def test_a_stack_of_layers_of_one_kind_or_of_one_layer_is_looked_through():
     # two layers of two classes of one base (a hybrid model's attention and state-space layers at two layers
     # deep: Jamba's): the stack was one unit; layers sharing nothing but torch's classes still are not split
     assert capture(_Hybrid([_Mixing(), _Gating()])).unit_names == ["body.embed", "body.layers.0", "body.layers.1",
                                                                    "head"]
     assert capture(_Hybrid([nn.Linear(4, 4), nn.Tanh()])).unit_names == ["body", "head"]
+    # a stack of one layer (a one-layer encoder) is a stack too; one of torch's modules in a list is not
+    assert capture(_Hybrid([_Gating()])).unit_names == ["body.embed", "body.layers.0", "head"]
+    assert capture(_Hybrid([nn.Linear(4, 4)])).unit_names == ["body", "head"]
