@@ -2,9 +2,10 @@
 
 A unit is a maximal run of graph nodes (in execution order) that belong to the same top-level
 submodule call. Containers (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`) and "stacks"
-(modules holding a list of repeated layers somewhere below them, like a Hugging Face `LlamaModel`
-or `T5Stack`) are looked through, so a transformer block or a residual block is one unit. Free
-operations between submodule calls join the unit before them (leading ones the first unit).
+(modules holding a list of layers somewhere below them, like a Hugging Face `LlamaModel` or
+`T5Stack`: layers of one type, of one kind as a hybrid model's are, or a ModuleList of one layer)
+are looked through, so a transformer block or a residual block is one unit. Free operations between
+submodule calls join the unit before them (leading ones the first unit).
 """
 from __future__ import annotations
 
