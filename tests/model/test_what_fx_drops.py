@@ -218,6 +218,19 @@ def test_two_functions_of_one_name_are_two_calls():
         assert torch.equal(out, module(x))
 
 
+class _OnExport(nn.Module):
+    """A linear layer after a branch on a shape, which fx cannot trace: torch.export captures it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def first(self, x):
+        if x.shape[-1] % 2 == 0:
+            x = x * 1.0
+        return self.a(x)
+
+
 class _HalfAndNothing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, columns):
@@ -232,15 +245,9 @@ class _HalfAndNothing(torch.autograd.Function):
 
 
 def test_a_kept_function_may_take_a_slice_and_return_none():
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(4, 4)
-
+    class Model(_OnExport):
         def forward(self, x):
-            if x.shape[-1] % 2 == 0:
-                x = x * 1.0
-            half, nothing = _HalfAndNothing.apply(self.a(x), slice(0, 2))
+            half, nothing = _HalfAndNothing.apply(self.first(x), slice(0, 2))
             return half if nothing is None else -half
 
     module, x = Model(), torch.randn(3, 4)
@@ -286,15 +293,13 @@ class _Doubles(torch.autograd.Function):
         return grad * 2.0
 
 
-class _Calls(nn.Module):
+class _Calls(_OnExport):
     def __init__(self, function):
         super().__init__()
-        self.a, self.function = nn.Linear(4, 4), function
+        self.function = function
 
     def forward(self, x):
-        if x.shape[-1] % 2 == 0:
-            x = x * 1.0
-        return self.function.apply(self.a(x) * 1.0)
+        return self.function.apply(self.first(x) * 1.0)
 
 
 @pytest.mark.parametrize("function,match", [(_Noisy, "_Noisy draws random numbers, so the second forward"),
@@ -638,15 +643,9 @@ def test_a_layer_cast_to_its_own_dtype_in_forward_is_exported():
     assert module.to(torch.float64).router.weight.dtype == torch.float64  # a real cast still casts
 
 
-class _HostTensor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-
+class _HostTensor(_OnExport):
     def forward(self, x):
-        if x.shape[-1] % 2 == 0:
-            x = x * 1.0
-        return self.a(x) * torch.ones(4)  # on the host whatever the model's device
+        return self.first(x) * torch.ones(4)  # on the host whatever the model's device
 
 
 def test_a_tensor_made_on_the_host_of_a_meta_model_is_named_as_the_cause():
