@@ -58,8 +58,9 @@ class PythonState:
         `traced`, attributes the trace changed are accepted when a trace from their new values
         changes nothing and gives the same graph."""
         try:
-            reason = self._drawn() or self._moved()
-            if reason and trace_again is not None and traced is not None and not self._drawn():
+            drawn = self._drawn()
+            reason = drawn or self._moved()
+            if reason and not drawn and trace_again is not None and traced is not None:
                 reason = None if _settled(self.root, trace_again, traced) else reason
         finally:
             self.put_back()

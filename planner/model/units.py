@@ -35,7 +35,7 @@ def _is_repeated_list(module: nn.Module) -> bool:
     types = [type(child) for child in module.children()]
     if len(types) == 1:  # a layer list of one layer (a one-layer encoder's `layers`), not a block's part
         return isinstance(module, nn.ModuleList) and not types[0].__module__.startswith("torch")
-    if len(types) < 2:
+    if not types:
         return False
     return len(set(types)) < len(types) or bool(set.intersection(*(_own_bases(t) for t in types)))
 

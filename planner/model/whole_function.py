@@ -140,6 +140,11 @@ def autograd_function(key: str, tensors: List[torch.Tensor]) -> List[torch.Tenso
     if any(not torch.equal(now, before) for now, before in zip(_generators(tensors), rng)):
         raise CaptureError(f"the custom autograd Function {call.function.__name__} draws random numbers, so the "
                            "second forward its backward runs would differ from the first")
+    return _unaliased(outs, tensors)
+
+
+def _unaliased(outs: List[torch.Tensor], tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """An operator's outputs may not alias its inputs: a view or an input returned is copied."""
     return [o.clone() if o._is_view() or any(o is t for t in tensors) else o for o in outs]
 
 
@@ -153,7 +158,7 @@ def _generators(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def _shapes(key: str, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     with torch.no_grad():
         outs = _call(key).outputs(tensors)
-    return [o.clone() if o._is_view() or any(o is t for t in tensors) else o for o in outs]
+    return _unaliased(outs, tensors)
 
 
 def _setup_context(ctx, inputs, output) -> None:

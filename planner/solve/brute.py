@@ -27,8 +27,8 @@ MAX_COMBINATIONS = 200_000
 
 def _shrinkable(profile: Profile, b: int, opts: CostOptions) -> Optional[List[int]]:
     """The units whose recomputation is chosen one by one (--recompute auto under a cap: those whose
-    recomputation may free bytes: chain_recompute.worth_recomputing); None when the recomputation is fixed (none, all, or
-    no cap)."""
+    recomputation may free bytes, chain_recompute.worth_recomputing); None when the recomputation is
+    fixed (none, all, or no cap)."""
     if opts.recompute == "all" or opts.recompute == "none" or all(cap is None for cap in rank_caps(opts, profile)):
         return None
     return [int(l) for l in np.flatnonzero(worth_recomputing(range_costs(profile, b), opts.schedule))]
