@@ -10,7 +10,7 @@ refuses a graph whose output differs by more than rounding (`check_same_output`)
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -22,8 +22,21 @@ from planner.model.trace_state import PythonState
 TOLERANCE = 1e-4  # relative to the output's largest value: fp32 kernels in another order stay far below
 
 
-def _tensors(output: Any) -> List[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+def _tensors(output: Any) -> Dict[str, torch.Tensor]:
+    """The output's tensors by where they sit in it (`['logits']`, `[0]`, `.a`)."""
+    leaves = pytree.tree_flatten_with_path(output)[0]
+    return {pytree.keystr(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
+def _lined_up(expected: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> List[Tuple[str, Any, Any]]:
+    """(where, forward's, the graph's) for the tensors both return at one place (fx returns a ModelOutput
+    as a plain dict, keyed alike); by position where the places differ but the counts agree; else none."""
+    common = [key for key in expected if key in got]
+    if common:
+        return [(f"output{key}" if key else "output", expected[key], got[key]) for key in common]
+    if len(expected) == len(got):
+        return [(f"output {index}", e, g) for index, (e, g) in enumerate(zip(expected.values(), got.values()))]
+    return []
 
 
 def _buffers(*modules: nn.Module) -> Dict[int, torch.Tensor]:
@@ -44,7 +57,8 @@ def check_same_output(module: nn.Module, graph: nn.Module, eager, traced, seed: 
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(seed)
                 try:
-                    outputs.append([t if t.device.type == "meta" else t.detach().cpu() for t in _tensors(run())])
+                    outputs.append({key: t if t.device.type == "meta" else t.detach().cpu()
+                                    for key, t in _tensors(run()).items()})
                 except Exception:
                     if run is traced:
                         raise
@@ -55,16 +69,14 @@ def check_same_output(module: nn.Module, graph: nn.Module, eager, traced, seed: 
     finally:
         state.put_back()
     got, expected = outputs
-    if len(expected) != len(got):  # another structure (fx returns a plain dict): nothing to line up
-        return
-    for index, (e, g) in enumerate(zip(expected, got)):
+    for where, e, g in _lined_up(expected, got):
         if e.shape != g.shape:
-            _refuse(f"its output {index} has shape {tuple(g.shape)}, forward's {tuple(e.shape)}")
+            _refuse(f"its {where} has shape {tuple(g.shape)}, forward's {tuple(e.shape)}")
         if e.device.type == "meta":
             continue
         if not (e.is_floating_point() or e.is_complex()):
             if not torch.equal(e, g):
-                _refuse(f"its output {index} differs from forward's")
+                _refuse(f"its {where} differs from forward's")
             continue
         if not e.numel():
             continue
@@ -73,7 +85,7 @@ def check_same_output(module: nn.Module, graph: nn.Module, eager, traced, seed: 
         apart = torch.where(torch.isnan(e) & torch.isnan(g), 0.0, (e - g).abs())  # NaN where both have it
         scale, diff = float(torch.nan_to_num(e.abs()).max()), float(apart.max())
         if not diff <= TOLERANCE * scale + 1e-6:  # a NaN where forward has none fails too
-            _refuse(f"its output {index} differs from forward's by {diff:.3g} (forward's largest value {scale:.3g})")
+            _refuse(f"its {where} differs from forward's by {diff:.3g} (forward's largest value {scale:.3g})")
 
 
 def _refuse(what: str) -> None:

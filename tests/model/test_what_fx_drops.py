@@ -680,11 +680,25 @@ def test_a_graph_computing_otherwise_than_forward_is_refused_and_the_model_left_
     captured = capture(module, example_inputs=(x,))
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(CaptureError, match="does not compute what the model's forward does on the example batch: "
-                                           "its output 0 differs from forward's by"):
+                                           "its output differs from forward's by"):
         check_same_output(module, captured.gm, lambda: call_model(module, (x,)),
                           lambda: captured.output_of(run_all_nodes(captured, (x,))))
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # running statistics too
     # every profile the suite makes runs the check: no graph computing as forward does is refused
+
+
+def test_outputs_are_lined_up_by_their_place_not_their_count():
+    # fx returns a ModelOutput as a plain dict; one with fewer fields than forward's was not compared
+    from planner.model.same_output import check_same_output
+
+    module, x = nn.Linear(4, 4), torch.randn(3, 4)
+    hidden = module(x).detach()
+    eager = lambda: {"hidden_states": (x, hidden), "logits": hidden, "loss": hidden.sum()}  # noqa: E731
+    check_same_output(module, module, eager, lambda: {"logits": hidden + 1e-7})
+    with pytest.raises(CaptureError, match=r"its output\['logits'\] differs from forward's by 1 "):
+        check_same_output(module, module, eager, lambda: {"logits": hidden + 1.0})
+    with pytest.raises(CaptureError, match=r"its output 1 has shape \(3,\), forward's \(3, 4\)"):
+        check_same_output(module, module, lambda: {"a": x, "b": hidden}, lambda: (x, hidden[:, 0]))  # by position
 
 
 def test_the_profile_refuses_a_graph_computing_otherwise_in_one_line(tmp_path):
