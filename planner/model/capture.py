@@ -99,7 +99,7 @@ class CapturedModel:
             before.put_back()  # the user's model as it was, whatever the trace changed
             raise
         first = dict(vars(self))
-        fixed = before.changed(lambda: self._capture(module, example, method) or self.gm, first["gm"])
+        fixed = before.changed(lambda: self._capture(module, example, method), first["gm"])
         vars(self).update(first)  # the first trace's graph and fields, not the second's
         if fixed:
             raise CaptureError(f"cannot capture {type(module).__name__}: {fixed}")
@@ -125,8 +125,9 @@ class CapturedModel:
                 self._unit_of[node.name] = index
         self._crossing = self._compute_crossings()
 
-    def _capture(self, module: nn.Module, example: Any, method: str) -> None:
-        """The graph: torch.fx, or torch.export where fx cannot take the model (or `method` says)."""
+    def _capture(self, module: nn.Module, example: Any, method: str) -> fx.GraphModule:
+        """The graph (also `self.gm`): torch.fx, or torch.export where fx cannot take the model (or `method`
+        says)."""
         fx_error = None
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
@@ -145,6 +146,7 @@ class CapturedModel:
             if method == "export" or fx_error is not None:
                 self.gm, self.method = self._export(module, example, fx_error), "export"
                 self.fallback_reason = str(fx_error) if fx_error else ""
+        return self.gm
 
     def _export(self, module: nn.Module, example_inputs: Any, fx_error: Optional[CaptureError]) -> fx.GraphModule:
         if example_inputs is None:
