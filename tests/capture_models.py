@@ -335,6 +335,40 @@ def what_fx_drops(dim: int = 8, region: bool = False, tied: bool = False) -> Mod
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
 
 
+class AliasedState(nn.Module):
+    """State that is one tensor under two names: two BatchNorms given one set of running statistics
+    (`bn2.running_mean = bn1.running_mean`), and a weight tied by attribute (`tail.weight =
+    clip.weight`), clipped in place through `.data` units before the tail reads it. Each stage holds
+    its own copy of what it reads: the units writing and reading one tensor must be one."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.f1, self.bn1, self.mid = nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.Linear(dim, dim)
+        self.f2, self.bn2, self.sep = nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.Linear(dim, dim)
+        self.clip, self.gap, self.tail = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(self.bn2, name, getattr(self.bn1, name))
+        self.tail.weight = self.clip.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.bn1(self.f1(x))))
+        h = torch.tanh(self.sep(self.bn2(self.f2(h))))
+        self.clip.weight.data.clamp_(-0.2, 0.2)
+        h = torch.tanh(self.gap(torch.tanh(self.clip(h))))
+        return self.tail(h)
+
+
+def aliased_state(dim: int = 8) -> ModelSpec:
+    torch.manual_seed(3)
+    module = AliasedState(dim)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7 * step + 2)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
 class SpectralChain(nn.Module):
     """Layers under spectral_norm: each forward reads and updates its power-iteration vectors."""
 

@@ -16,8 +16,9 @@ Tensors the graph did not produce:
   from its first write on, the graph makes its values, so later writes join the first write's
   unit, and so does every later unit that reads, after that write, the input itself or a view of
   it made before the write (values made from it at or after the write cross cuts as usual);
-- a parameter or buffer (each stage holds its own): every unit reading the written tensor is
-  merged into one (BatchNorm's running statistics are read and written inside its own unit).
+- a parameter or buffer (each stage holds its own): every unit reading the written tensor, under
+  any of its names, is merged into one (BatchNorm's running statistics are read and written inside
+  its own unit; two BatchNorms given one `running_mean` are one unit).
 
 Writers: modules with `inplace=True` (`nn.ReLU`, `nn.Hardswish`, `nn.SiLU`, `nn.Dropout`, ...),
 functions called with `inplace=True`, `torch.*_` functions (`torch.relu_`), tensor methods
@@ -228,25 +229,51 @@ def _unit_at(reader: fx.Node, unit_of: Dict[fx.Node, int], last_unit: int) -> Op
     return last_unit if reader.op == "output" else unit_of.get(reader)
 
 
-def _holders(graph: fx.Graph, unit_of: Dict[fx.Node, int]) -> Dict[str, List[int]]:
-    """{module path: the units calling it} (a call reads the module's state where the graph does not show)."""
-    calls: Dict[str, List[int]] = {}
-    for node in graph.nodes:
-        if node.op == "call_module" and node in unit_of:
-            calls.setdefault(str(node.target), []).append(unit_of[node])
-    return calls
+class _Holders:
+    """Who reads each parameter and buffer across units: the units calling a module (a call reads its
+    state where the graph does not show), and the units reading it as an attribute (or a view of it).
+    A tensor is known by its identity, not its name: `c.weight = a.weight` or two BatchNorms given one
+    `running_mean` tie modules to one tensor, of which each stage would hold its own copy."""
 
+    def __init__(self, graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int], last_unit: int,
+                 roots: Dict[fx.Node, fx.Node]):
+        self.root = root
+        self.calls: Dict[str, List[int]] = {}  # module path -> the units calling it
+        for node in graph.nodes:
+            if node.op == "call_module" and node in unit_of:
+                self.calls.setdefault(str(node.target), []).append(unit_of[node])
+        self._state = {path: {id(t) for t in [*root.get_submodule(path).parameters(),
+                                               *root.get_submodule(path).buffers()]} for path in self.calls}
+        self._readers: Dict[Any, List[int]] = {}  # a tensor's key -> units reading it as an attribute
+        for node in graph.nodes:
+            base = roots.get(node, node)
+            for user in node.users if base.op == "get_attr" else ():
+                spot = _unit_at(user, unit_of, last_unit)
+                if spot is not None:
+                    self._readers.setdefault(self._key(str(base.target)), []).append(spot)
 
-def _held_by(name: str, calls: Dict[str, List[int]]) -> List[int]:
-    """The units calling a module that holds the state `name`."""
-    return [unit for path, units in calls.items() if name.startswith(path + ".") for unit in units]
+    def _key(self, name: str) -> Any:
+        """The tensor's identity where `name` is a tensor of the root, else the name itself."""
+        try:
+            value = self.root.get_submodule(name.rpartition(".")[0]) if "." in name else self.root
+            value = getattr(value, name.rpartition(".")[2])
+        except (AttributeError, TypeError):
+            return name
+        return id(value) if isinstance(value, torch.Tensor) else name
+
+    def units_reading(self, name: str) -> List[int]:
+        """Every unit reading the state `name`: through an attribute, or by calling a module holding it."""
+        key = self._key(name)
+        called = [unit for path, units in self.calls.items()
+                  if name.startswith(path + ".") or key in self._state[path] for unit in units]
+        return self._readers.get(key, []) + called
 
 
 def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int], last_unit: int,
-                   roots: Dict[fx.Node, fx.Node], calls: Dict[str, List[int]]) -> List[Tuple[int, int, Write]]:
+                   roots: Dict[fx.Node, fx.Node], holders: _Holders) -> List[Tuple[int, int, Write]]:
     """[(first unit, last unit, the write that ties them)] for every write that reaches across
     units, by the module docstring's rule (ranges may overlap; the caller joins them); `roots`:
-    storage_roots, `calls`: _holders."""
+    storage_roots."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     members: Dict[fx.Node, List[fx.Node]] = {}
     for node, r in roots.items():
@@ -273,7 +300,7 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
         at = lambda reader: _unit_at(reader, unit_of, last_unit)  # noqa: E731
         if base.op == "get_attr":  # state each stage holds across steps: every reader with the writer
             spots = [at(reader) for _, reader in readers if at(reader) is not None]
-            spots += _held_by(str(base.target), calls)  # and every call of a module holding it
+            spots += holders.units_reading(str(base.target))  # under any of its names, and modules holding it
             tie(min(spots + [where]), max(spots + [where]), write)
             continue
         # A model input (each rank has its own copy): from the group's first write on, the graph
@@ -308,23 +335,15 @@ def _state_written_by(module: nn.Module) -> List[str]:
     return [f"{hook.name}_{v}" for hook in norms for v in ("u", "v")]
 
 
-def _state_ranges(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int], last_unit: int,
-                  roots: Dict[fx.Node, fx.Node], calls: Dict[str, List[int]]) -> List[Tuple[int, int, str]]:
+def _state_ranges(root: nn.Module, holders: _Holders) -> List[Tuple[int, int, str]]:
     """[(first unit, last unit, why)]: a module writing its own state (`_state_written_by`) and every
     unit reading that state (calling a module that holds it, or reading it as an attribute) are one:
     each stage holds its own copy (a BatchNorm called at two places, an embedding's weight tied to
     an output layer)."""
-    readers_of: Dict[str, List[int]] = {}  # a state name -> units reading it as an attribute (or a view of it)
-    for node in graph.nodes:
-        base = roots.get(node, node)
-        for user in node.users if base.op == "get_attr" else ():
-            spot = _unit_at(user, unit_of, last_unit)
-            if spot is not None:
-                readers_of.setdefault(str(base.target), []).append(spot)
     ranges = []
-    for path in calls:
+    for path in holders.calls:
         written = [f"{path}.{name}" for name in _state_written_by(root.get_submodule(path))]
-        spots = [unit for name in written for unit in readers_of.get(name, []) + _held_by(name, calls)]
+        spots = [unit for name in written for unit in holders.units_reading(name)]
         if spots and min(spots) != max(spots):
             ranges.append((min(spots), max(spots), f"module {path!r} ({type(root.get_submodule(path)).__name__}) writes "
                                                     f"its state {written[0].rsplit('.', 1)[-1]!r} in place and units "
@@ -348,9 +367,10 @@ def writes_across_units(gm: fx.GraphModule, units: Sequence[Sequence[fx.Node]], 
     """The unit ranges to join, by the module docstring's rule, with why (units: each unit's nodes,
     in order; `gm` holds their graph)."""
     unit_of = {node: k for k, nodes in enumerate(units) for node in nodes}
-    roots, calls = storage_roots(gm.graph, gm), _holders(gm.graph, unit_of)
-    joined = join_ranges(units_to_merge(gm.graph, gm, unit_of, len(units) - 1, roots, calls) +
-                         _state_ranges(gm.graph, gm, unit_of, len(units) - 1, roots, calls))
+    roots = storage_roots(gm.graph, gm)
+    holders = _Holders(gm.graph, gm, unit_of, len(units) - 1, roots)
+    joined = join_ranges(units_to_merge(gm.graph, gm, unit_of, len(units) - 1, roots, holders) +
+                         _state_ranges(gm, holders))
     return [Merge(lo, hi, names[lo], list(names[lo + 1:hi + 1]),
                   [_why(gm, w, names, unit_of, roots) if isinstance(w, Write) else w for w in tying])
             for lo, hi, tying in joined]

@@ -12,7 +12,9 @@ from planner.model.capture import capture
 from planner.model.whole_function import kept_whole
 from planner.model.entry import build_spec
 from runtime.stage import BuffersAsInForward
-from tests.support.runs import assert_trains_like_one_process, plan_with, profile_of, reshape_plan
+from tests.support.runs import (assert_trains_like_one_process, max_abs_diff, plan_with, profile_of, reference_state,
+                                reshape_plan)
+from tests.support.staged import run_in_process
 
 DROPS = "tests.capture_models:what_fx_drops"
 
@@ -35,6 +37,24 @@ def test_fx_keeps_functions_and_hooked_modules_whole_and_joins_writers_of_state(
     # an embedding renormalised in place (max_norm) whose weight the output reads: every unit between
     tied = capture(build_spec(DROPS, {"tied": True}, 0).module)
     assert tied.unit_names == ["emb"]
+
+
+def test_state_under_two_names_is_one_unit_with_its_readers():
+    # bn2's statistics are bn1's tensors and tail.weight is clip.weight: known by name only, the
+    # units were not joined, each stage updated or clipped its own copy (1.3e-2 from one process)
+    entry = "tests.capture_models:aliased_state"
+    captured = capture(build_spec(entry, {}, 0).module)
+    assert captured.unit_names == ["f1", "bn1", "sep"]
+    assert [(m.kept, m.absorbed) for m in captured.merges] == [
+        ("bn1", ["mid", "f2", "bn2"]), ("sep", ["clip", "gap", "tail"])]
+    assert "module 'bn2' (BatchNorm1d) writes its state" in " ".join(captured.merges[0].writes)
+    assert "writes into parameter 'clip.weight'" in captured.merges[1].writes[0]
+    profile = profile_of(entry, {}, sizes=(2,))
+    reference = None
+    for cuts in ([1], [2], [1, 2]):
+        plan = plan_with(profile, cuts, 2, 8, "gpipe")
+        reference = reference or reference_state(plan, steps=2)
+        assert max_abs_diff(run_in_process(plan, steps=2), reference) <= 1e-5, cuts
 
 
 def test_modes_inside_forward_go_to_torch_export():
