@@ -102,9 +102,21 @@ def min_memory_plan(profile: Profile, opts: CostOptions) -> Optional[MemoryFloor
     return best
 
 
+def _readings(opts: CostOptions) -> List[CostOptions]:
+    """The recomputation the floors count: the plan's, or under auto none and every unit (a choice of
+    some units may fit in less than both: what is reported from them is hedged)."""
+    return [opts] if opts.recompute != "auto" else [opts.with_(recompute=r) for r in ("none", "all")]
+
+
+def least_memory_plan(profile: Profile, opts: CostOptions) -> Optional[Tuple[MemoryFloor, CostOptions]]:
+    """min_memory_plan of the least of `_readings`, and the reading."""
+    floors = [(floor, reading) for reading in _readings(opts) for floor in [min_memory_plan(profile, reading)] if floor]
+    return min(floors, key=lambda pair: pair[0].memory_bytes) if floors else None
+
+
 def _recomputed(profile: Profile, opts: CostOptions) -> List[int]:
-    """The units the plan recomputes whatever its split: all under --recompute all, else none (under
-    auto the floor is still counted without recomputation: an upper reading of it)."""
+    """The units the plan recomputes whatever its split: all under --recompute all, else none (called
+    under auto directly, the floor is counted without recomputation: an upper reading of it)."""
     return list(range(profile.num_units)) if opts.recompute == "all" else []
 
 
@@ -174,29 +186,32 @@ def diagnose(profile: Profile, opts: CostOptions, more: str = "more stages") -> 
             (["--shard auto (ZeRO over the replicas)"] if opts.data_parallel > 1 and opts.shard == "none" else [])
         return (f"no plan fits the memory per device with {S} ranks x {opts.virtual_stages} stages, schedule "
                 f"{opts.schedule}, data-parallel {opts.data_parallel}; fix: {', '.join(fixes[:-1])} or {fixes[-1]}")
-    floor = min_memory_plan(profile, opts)
+    least = least_memory_plan(profile, opts)
     cap = opts.memory_cap
-    if floor is None:  # cannot happen when S <= L, kept for safety
+    if least is None:  # cannot happen when S <= L, kept for safety
         return f"no split of {L} units into {S} stages exists"
+    floor, counted = least
     if cap is None or floor.memory_bytes <= cap:
         return f"a plan fits: the smallest memory per device for {S} stages is {format_bytes(floor.memory_bytes)}"
-    cost = evaluate(profile, floor.boundaries, floor.micro_batch_size, opts, _recomputed(profile, opts))
+    cost = evaluate(profile, floor.boundaries, floor.micro_batch_size, counted, _recomputed(profile, counted))
     worst = max(range(S), key=lambda s: cost.device_memory[s])
     stage = cost.stages[worst]
+    how = "" if counted is opts else (" when recomputing every unit" if counted.recompute == "all" else
+                                       " without recomputation")
     first_line = (f"no plan fits {format_bytes(cap)} per device with {S} stage{'s' if S != 1 else ''}: even the split that needs "
-                  f"the least memory (micro-batch size {floor.micro_batch_size}) puts "
+                  f"the least memory{how} (micro-batch size {floor.micro_batch_size}) puts "
                   f"{format_bytes(cost.device_memory[worst])} on stage {worst} "
                   f"({_units_text(profile, stage.first_unit, stage.end_unit)}), "
                   f"{format_bytes(cost.device_memory[worst] - cap)} over the cap")
-    fit_stages = smallest_fitting_stages(profile, opts)
-    # under auto the floor is counted without recomputation (`_recomputed`): enough, perhaps not needed
+    fitting = [n for n in (smallest_fitting_stages(profile, reading) for reading in _readings(opts)) if n is not None]
     need = ("at least " if opts.recompute != "auto" else "") + \
         f"{format_bytes(floor.memory_bytes)} ({floor.memory_bytes:.0f} bytes) per device" + \
-        (" (what fits without recomputation; recomputing units may fit in less)" if opts.recompute == "auto" else "")
+        (f" (what fits{how}; recomputing some units may fit in less)" if opts.recompute == "auto" else "")
+    counted_as = " without recomputation or recomputing every unit" if opts.recompute == "auto" else ""
     fix = (f"fix: allow {need}"
-           + (f", or use {fit_stages} stages" if fit_stages is not None else
-              f"; no number of stages up to {L} fits under {format_bytes(cap)}"))
-    return first_line + "\n" + fix
+           + (f", or use {min(fitting)} stages" if fitting else
+              f"; no number of stages up to {L} fits under {format_bytes(cap)}{counted_as}"))
+    return first_line + "; " + fix  # one line: the cause and the fix
 
 
 def no_micro_batch_size(profile: Profile, opts: CostOptions) -> str:
@@ -250,6 +265,6 @@ def infeasible_error(profile: Profile, opts: CostOptions, more: str = "more stag
     floor = None
     simple = opts.virtual_stages == 1 and opts.device_view is None
     if simple and opts.num_stages <= profile.num_units and candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-        found = min_memory_plan(profile, opts)
-        floor = found.memory_bytes if found is not None else None
+        found = least_memory_plan(profile, opts)
+        floor = found[0].memory_bytes if found is not None else None
     return InfeasibleError(message, min_memory_bytes=floor)

@@ -89,8 +89,9 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     assert "stage" in message and "MiB" in message
     # the diagnosis names a memory that fits; solving with it succeeds
     import re
-    # (--recompute auto: the floor without recomputation, which fits, says so)
-    smallest = re.search(r"allow [0-9.]+ [KMG]iB \(([0-9]+) bytes\) per device \(what fits without recomputation",
+    # (--recompute auto: the lesser floor of no recomputation and all, which fits, says which)
+    smallest = re.search(r"allow [0-9.]+ [KMG]iB \(([0-9]+) bytes\) per device \(what fits (without recomputation|"
+                         r"when recomputing every unit)",
                          message)
     assert smallest, message
     fits = run_here(["planner.cli", "solve", gpt_profile, "--stages", "2", "--global-batch", "8",
