@@ -267,6 +267,35 @@ def routed(dim: int = 8, experts: int = 3, layers: int = 2, export: bool = False
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
 
 
+class GatedRows(nn.Module):
+    """Rows whose first feature passes a threshold go through a wide block (`nonzero`, `index_add`): how
+    many rows it saves for backward, and so a unit's activation bytes, the data sets."""
+
+    def __init__(self, dim: int, layers: int, wide: int):
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.wide = nn.ModuleList(nn.Sequential(nn.Linear(dim, wide), nn.Tanh(), nn.Linear(wide, dim))
+                                  for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.wide:
+            sel = (x[:, 0] > 0.5).nonzero().squeeze(1)
+            h = h.index_add(0, sel, block(h[sel]))
+        return self.out(h)
+
+
+def gated_rows(dim: int = 8, layers: int = 3, wide: int = 256) -> ModelSpec:
+    torch.manual_seed(4)
+    module = GatedRows(dim, layers, wide)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
 class Reversal(torch.autograd.Function):
     """A gradient-reversal layer: forward is the identity, backward negates and scales."""
 

@@ -114,10 +114,11 @@ class CapturedModel:
         units = group_units(self.gm, module)
         self.merges = writes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units])
         units = joined(units, self.merges)
-        data_sized = data_sized_nodes(self.gm, self.method, self.input_values(example)
-                                      if self.method == "fx" and example is not None else None)
+        # the nodes whose values' shapes the data sets (a routed block's rows): kept inside units
+        self.data_sized: Set[str] = data_sized_nodes(self.gm, self.method, self.input_values(example)
+                                                     if self.method == "fx" and example is not None else None)
         self.shape_merges = data_sizes_across_units(self.gm, [u.nodes for u in units], [u.name for u in units],
-                                                    data_sized, self.recomputed)
+                                                    self.data_sized, self.recomputed)
         self.units = joined(units, self.shape_merges)
         self._unit_of: Dict[str, int] = {}
         for index, unit in enumerate(self.units):

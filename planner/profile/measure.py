@@ -37,6 +37,7 @@ from planner.profile.allocator import retain_freed_memory
 from planner.profile.attention import attention_of
 from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.cut_profile import CutProfile
+from planner.profile.data_sized import data_sized_json, measuring_step
 from planner.profile.hostspeed import REFERENCE_KERNEL, mean_kernel_s
 from planner.profile.mixed import MixedRun
 from planner.profile.profile import PROFILE_PRECISIONS, Profile
@@ -183,7 +184,7 @@ def _recast(captured: CapturedModel, entry: str, model_args: Dict[str, Any], see
 def _measure_size(run: ProfileRun, b: int) -> None:
     """Every unit's times and saved bytes at micro-batch size b, and the values crossing each cut."""
     captured, dev, L = run.captured, run.dev, len(run.captured.units)
-    inputs, target = run.spec.batch(b, 0)
+    inputs, target = run.spec.batch(b, measuring_step(run, b))
     problem = batch_problem(inputs, target, b)
     if problem:  # the runtime refuses it too (runtime.microbatch): say so before profiling
         raise ModelEntryError(problem)
@@ -271,7 +272,8 @@ def _profile(run: ProfileRun, entry: str, model_args: Dict[str, Any], seed: int,
                                   for m in captured.merges],
                "shape_merges": [{"unit": m.kept, "absorbed": m.absorbed, "values": m.writes}
                                 for m in captured.shape_merges],
-               "measured_under": measured_under, "attention": attention_of(run.spec.module)},
+               "measured_under": measured_under, "attention": attention_of(run.spec.module),
+               **({"data_sized": data_sized_json(run)} if run.data_sized else {})},
         stage_overhead_s=run.stage_overhead,
         split_overhead_s=run.split_overhead,
         weight_walk_s={b: w for b, w in run.weight_walk.items() if w},

@@ -45,6 +45,7 @@ class ProfileRun:
     stage_overhead: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     split_overhead: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)
     weight_walk: Dict[int, float] = field(default_factory=dict)
+    data_sized: Dict[int, Dict[str, Any]] = field(default_factory=dict)  # planner.profile.data_sized, per size
 
     def trainable(self, module: torch.nn.Module) -> Optional[List[torch.Tensor]]:
         """UnitCall.params of a call of `module`: the masters under bf16-mixed, else the module's (None)."""
