@@ -197,6 +197,14 @@ class UnitProfile:
                     raise read.error(f'{where}.{name}["{b}"]',
                                      f"sums to {sum(part.values())} bytes: more than the unit's saved_bytes "
                                      f"({unit.saved_bytes[b]}), of which they are a part")
+        # the storages both name: shared ones by value name, dropped ones by the same names ("" the rest)
+        for b, dropped in unit.dropped_saved_bytes.items():
+            shared = unit.shared_saved_bytes.get(b, {})
+            named = sum(max(shared.get(name, 0), dropped.get(name, 0)) for name in set(shared) | set(dropped))
+            if b in unit.saved_bytes and named > unit.saved_bytes[b]:
+                raise read.error(f'{where}.dropped_saved_bytes["{b}"]',
+                                 f"with the shared_saved_bytes names {named} bytes: more than the unit's "
+                                 f"saved_bytes ({unit.saved_bytes[b]}), of which they are a part")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):
                 raise read.error(f'{where}.weight_kept_bytes["{b}"]', f"is {kept}: more than the unit's "

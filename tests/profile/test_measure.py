@@ -306,6 +306,16 @@ def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
         data["units"][0]["shared_saved_bytes"] = bad
         with pytest.raises(JsonFileError, match="shared_saved_bytes"):
             Profile.from_json(data)
+    # a storage both name counts once; the shared ones and the rest dropped are more than the unit saved
+    # (a fuzzed profile: a stage's weight part held -2.4 MB, and the plan solve wrote was refused on reading)
+    saved = data["units"][0]["saved_bytes"]["2"]
+    data["units"][0]["shared_saved_bytes"] = {"2": {"x": saved // 2}}
+    data["units"][0]["dropped_saved_bytes"] = {"2": {"x": saved // 2, "": saved - saved // 2}}
+    Profile.from_json(data)
+    data["units"][0]["dropped_saved_bytes"] = {"2": {"": saved - saved // 2 + 1}}
+    with pytest.raises(JsonFileError, match=r'dropped_saved_bytes\["2"\] .* more than the unit\'s saved_bytes'):
+        Profile.from_json(data)
+    del data["units"][0]["dropped_saved_bytes"]
     del data["units"][0]["shared_saved_bytes"]
     data["units"][0].update(backward_input_s={"1": 1.0, "2": 1.0}, backward_weight_s={"1": 1.0, "2": 1.0},
                             weight_held_bytes={"1": 8, "2": 8}, weight_kept_bytes={"1": 4, "2": 9})
