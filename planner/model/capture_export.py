@@ -64,12 +64,17 @@ class ExportFailure(RuntimeError):
 
     def way_out(self) -> str:
         """What to change in that module: a tensor made on the host while the model is on the meta
-        device (an analytic profile, a model built without memory) needs the input's device; otherwise
-        it is a Python branch on values, as most export failures are."""
+        device (an analytic profile, a model built without memory) needs the input's device; a tensor
+        read as a size (a FakeTensor where ints are wanted) needs ints; otherwise it is a Python branch
+        on values, as most export failures are."""
         message = str(self.cause)
         if "meta" in message and "device" in message:
             return ("it makes a tensor on the host (torch.tensor(...), torch.ones(n) without device=) while the model "
                     "is on the meta device (an analytic profile): make it on the input's device (device=x.device)")
+        if "FakeTensor" in message and ("size" in message or "int" in message):
+            return ("it uses a tensor's values as a size or a count (pack_padded_sequence's lengths, torch.zeros(n) "
+                    "with n a tensor), which a captured graph cannot keep: pad to a fixed length and mask instead, or "
+                    "make the size a constant")
         return ("replace Python branches on tensor values with torch.where / torch.cond, or move the data-dependent "
                 "step into the batch or loss function")
 

@@ -677,6 +677,23 @@ def test_a_tensor_made_on_the_host_of_a_meta_model_is_named_as_the_cause():
         capture(module, example_inputs=(torch.randn(2, 4, device="meta"),))
 
 
+class _Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+
+
+def test_a_tensor_read_as_a_size_is_named_as_the_cause():
+    # packed sequences take their lengths from a tensor: the advice was to replace Python branches
+    with pytest.raises(CaptureError, match=r"torch.export failed in 'lstm'.* Way out: in that module, it uses a "
+                                           r"tensor's values as a size or a count .* pad to a fixed length"):
+        capture(_Packed(), example_inputs=(torch.randn(2, 5, 4), torch.tensor([5, 3])))
+
+
 class _ExportsOtherwise(nn.Module):
     """Takes another path while exported (as transformers' mask code does under tracing)."""
 
