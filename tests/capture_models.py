@@ -267,27 +267,39 @@ def routed(dim: int = 8, experts: int = 3, layers: int = 2, export: bool = False
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
 
 
-class GatedRows(nn.Module):
-    """Rows whose first feature passes a threshold go through a wide block (`nonzero`, `index_add`): how
-    many rows it saves for backward, and so a unit's activation bytes, the data sets."""
+class GatedBlock(nn.Module):
+    """Rows whose feature `feature` passes a threshold go through a wide block (`nonzero`, `index_add`)."""
 
-    def __init__(self, dim: int, layers: int, wide: int):
+    def __init__(self, dim: int, wide: int, feature: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, dim)
+        self.wide = nn.Sequential(nn.Linear(dim, wide), nn.Tanh(), nn.Linear(wide, dim))
+        self.feature = feature
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        sel = (self.gate(h)[:, self.feature] > 0.0).nonzero().squeeze(1)  # in the gate's unit, with the wide part
+        return h.index_add(0, sel, self.wide(h[sel]))
+
+
+class GatedRows(nn.Module):
+    """Gated blocks: how many rows each saves for backward, and so a unit's activation bytes, the data
+    sets. With `apart`, block k gates on feature k: the blocks' bytes peak on different batches."""
+
+    def __init__(self, dim: int, layers: int, wide: int, apart: bool):
         super().__init__()
         self.inp, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.wide = nn.ModuleList(nn.Sequential(nn.Linear(dim, wide), nn.Tanh(), nn.Linear(wide, dim))
-                                  for _ in range(layers))
+        self.blocks = nn.ModuleList(GatedBlock(dim, wide, k if apart else 0) for k in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        for block in self.wide:
-            sel = (x[:, 0] > 0.5).nonzero().squeeze(1)
-            h = h.index_add(0, sel, block(h[sel]))
+        for block in self.blocks:
+            h = block(h)
         return self.out(h)
 
 
-def gated_rows(dim: int = 8, layers: int = 3, wide: int = 256) -> ModelSpec:
+def gated_rows(dim: int = 8, layers: int = 3, wide: int = 256, apart: bool = False) -> ModelSpec:
     torch.manual_seed(4)
-    module = GatedRows(dim, layers, wide)
+    module = GatedRows(dim, layers, wide, apart)
 
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(step)

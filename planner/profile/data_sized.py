@@ -5,18 +5,21 @@ batch routes, so its activation memory differs from batch to batch; capture keep
 inside units (planner.model.dynamic_shapes) but the bytes a unit saves still follow the data. The
 profile measures every size on one batch, so for such a model it first runs the whole graph on
 each of the first `PROBED_BATCHES` batches of the size, counting what the forward saves, and
-measures on the batch that saved the most: the plan's activation memory is the largest the profile
-saw, not the first batch's (a batch routing more rows than any probed can still hold more; the
-profile's `data_sized` records the spread).
+measures on the batch that saved the most. A unit whose own bytes peaked on another probed batch (two
+routed blocks peaking apart) has the difference added to its held bytes (`add_unit_peaks`). The
+plan's activation memory is then the largest the profile saw, not the first batch's (a batch routing
+more rows than any probed can still hold more; the profile's `data_sized` records the spread).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from planner.model.capture import run_all_nodes
+import torch
+from torch import fx
+
 from planner.model.failures import NodeRunError, model_failure
 from planner.model.spec import ModelEntryError, batch_problem, to_device
-from planner.profile.saved import SavedBytes
+from planner.profile.saved import Packed, local_tensor, unpack
 
 PROBED_BATCHES = 8
 
@@ -24,31 +27,73 @@ PROBED_BATCHES = 8
 def measuring_step(run, b: int) -> int:
     """The step whose batch of size b the profile measures (`run`: planner.profile.profile_run.ProfileRun):
     0, or where the data sets shapes the one of the first PROBED_BATCHES whose forward saves the most
-    (the first of equals), recorded in `run.data_sized[b]`."""
+    (the first of equals), recorded with each unit's peak in `run.data_sized[b]`."""
     captured = run.captured
     if not captured.data_sized:
         return 0
-    saved: List[int] = []
-    params = [*captured.gm.parameters(), *captured.gm.buffers()]
+    per_unit: List[List[int]] = []
     for step in range(PROBED_BATCHES):
         inputs, target = run.spec.batch(b, step)
         problem = batch_problem(inputs, target, b)
         if problem:
             raise ModelEntryError(problem)
-        counter = SavedBytes(params)
         try:
-            with run.forwarding(), counter.counting():
-                values = run_all_nodes(captured, to_device(tuple(inputs), run.dev, copy=True), grad=True)
+            with run.forwarding():
+                per_unit.append(_saved_per_unit(captured, to_device(tuple(inputs), run.dev, copy=True)))
         except NodeRunError as e:
             raise model_failure(e, b) from e
-        saved.append(counter.finish())
-        del values
+    saved = [sum(units) for units in per_unit]
     chosen = saved.index(max(saved))
-    run.data_sized[b] = {"batches": PROBED_BATCHES, "measured_step": chosen, "saved_bytes": [min(saved), max(saved)]}
+    run.data_sized[b] = {"batches": PROBED_BATCHES, "measured_step": chosen, "saved_bytes": [min(saved), max(saved)],
+                         "unit_peaks": [max(units[k] for units in per_unit) - per_unit[chosen][k]
+                                        for k in range(len(captured.units))]}
     if max(saved) > min(saved):
-        run.say(f"  b={b:<4} the data sets some values' shapes: of the first {PROBED_BATCHES} batches the forward "
+        run.say(f"  b={b:<4} the data sets some values' shapes: of the first {PROBED_BATCHES} batches the units "
                 f"saved {min(saved)}..{max(saved)} bytes; measured on batch {chosen}, the largest")
     return chosen
+
+
+def add_unit_peaks(run, b: int) -> None:
+    """Add to each unit's held bytes at size b what it saved more on another probed batch than on the one
+    measured (`measuring_step`); the profile's `data_sized` keeps the amounts (`added_bytes`)."""
+    record = run.data_sized.get(b)
+    if record is None:
+        return
+    peaks = record.pop("unit_peaks")
+    record["added_bytes"] = {}
+    for unit, extra in zip(run.units, peaks):
+        if extra <= 0:
+            continue
+        record["added_bytes"][unit.name] = extra
+        for counts in (unit.saved_bytes, unit.first_saved_bytes, unit.weight_held_bytes, unit.first_weight_held_bytes):
+            if b in counts:
+                counts[b] += extra
+
+
+def _saved_per_unit(captured, inputs) -> List[int]:
+    """The bytes each unit's operations save for backward in one forward of the graph (parameters and
+    buffers not counted; a storage once per unit)."""
+    state = {local_tensor(t).untyped_storage().data_ptr() for t in [*captured.gm.parameters(), *captured.gm.buffers()]}
+    storages: List[Dict[int, int]] = [{} for _ in captured.units]
+    current: List[Optional[int]] = [None]
+
+    def pack(tensor: torch.Tensor) -> Packed:
+        storage = tensor.untyped_storage()
+        if current[0] is not None and storage.data_ptr() and storage.data_ptr() not in state:
+            storages[current[0]][storage.data_ptr()] = storage.nbytes()
+        return Packed(tensor)
+
+    class _Counting(fx.Interpreter):
+        def run_node(self, n):
+            current[0] = captured.unit_of_node(n.name)
+            try:
+                return super().run_node(n)
+            except Exception as e:  # the model's own error: say where it came from
+                raise NodeRunError(n, e) from e
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _Counting(captured.gm).run(*captured.input_values(inputs))
+    return [sum(held.values()) for held in storages]
 
 
 def data_sized_json(run) -> Dict[str, object]:
