@@ -561,16 +561,18 @@ def custom_functions(dim: int = 4) -> ModelSpec:
 
 
 class ExportsOtherwise(nn.Module):
-    """Takes another path while exported (as transformers' mask code does under tracing)."""
+    """Takes another path while exported (as transformers' mask code does under tracing); a BatchNorm
+    whose statistics the check must put back."""
 
     def __init__(self, dim: int):
         super().__init__()
-        self.a = nn.Linear(dim, dim)
+        self.a, self.norm = nn.Linear(dim, dim), nn.BatchNorm1d(dim)
 
     def forward(self, x):
         if x.shape[-1] % 2 == 0:  # fx cannot trace it: torch.export
             x = x * 1.0
-        return self.a(x) * 2.0 if torch.compiler.is_exporting() else self.a(x)
+        h = self.norm(self.a(x))
+        return h * 2.0 if torch.compiler.is_exporting() else h
 
 
 def exports_otherwise(dim: int = 4) -> ModelSpec:

@@ -31,7 +31,7 @@ import inspect
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -380,15 +380,19 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto")
     return CapturedModel(module, example_inputs, method)
 
 
-def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False) -> Dict[str, Any]:
+def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False,
+                  entering: Optional[Callable[[fx.Node], None]] = None) -> Dict[str, Any]:
     """Run the captured model once on a batch's `inputs`, returning every node's value by name
-    (a node that raises: planner.model.failures.NodeRunError, naming it).
+    (a node that raises: planner.model.failures.NodeRunError, naming it); `entering` is told of each
+    node before it runs.
 
     With `grad=True` autograd records the run, so each value's `requires_grad` is meaningful."""
     values: Dict[str, Any] = {}
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n):
+            if entering is not None:
+                entering(n)
             try:
                 result = super().run_node(n)
             except Exception as e:  # the model's own error, whatever its type: say where it came from

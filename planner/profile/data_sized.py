@@ -12,11 +12,11 @@ more rows than any probed can still hold more; the profile's `data_sized` record
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
-from torch import fx
 
+from planner.model.capture import run_all_nodes
 from planner.model.failures import NodeRunError, model_failure
 from planner.model.spec import ModelEntryError, batch_problem, to_device
 from planner.profile.saved import Packed, local_tensor, unpack
@@ -24,13 +24,15 @@ from planner.profile.saved import Packed, local_tensor, unpack
 PROBED_BATCHES = 8
 
 
-def measuring_step(run, b: int) -> int:
-    """The step whose batch of size b the profile measures (`run`: planner.profile.profile_run.ProfileRun):
-    0, or where the data sets shapes the one of the first PROBED_BATCHES whose forward saves the most
-    (the first of equals), recorded with each unit's peak in `run.data_sized[b]`."""
+def measuring_step(run, b: int) -> Tuple[int, List[int]]:
+    """The step whose batch of size b the profile measures (`run`: planner.profile.profile_run.ProfileRun),
+    and what each unit saved at most on another probed batch beyond that one: (0, no units) where no
+    shape follows the data, else the first of the PROBED_BATCHES batches whose units save the most
+    (recorded in `run.data_sized[b]`)."""
     captured = run.captured
     if not captured.data_sized:
-        return 0
+        return 0, []
+    state = {local_tensor(t).untyped_storage().data_ptr() for t in [*captured.gm.parameters(), *captured.gm.buffers()]}
     per_unit: List[List[int]] = []
     for step in range(PROBED_BATCHES):
         inputs, target = run.spec.batch(b, step)
@@ -39,67 +41,56 @@ def measuring_step(run, b: int) -> int:
             raise ModelEntryError(problem)
         try:
             with run.forwarding():
-                per_unit.append(_saved_per_unit(captured, to_device(tuple(inputs), run.dev, copy=True)))
+                per_unit.append(_saved_per_unit(captured, to_device(tuple(inputs), run.dev, copy=True), state))
         except NodeRunError as e:
             raise model_failure(e, b) from e
     saved = [sum(units) for units in per_unit]
     chosen = saved.index(max(saved))
-    run.data_sized[b] = {"batches": PROBED_BATCHES, "measured_step": chosen, "saved_bytes": [min(saved), max(saved)],
-                         "unit_peaks": [max(units[k] for units in per_unit) - per_unit[chosen][k]
-                                        for k in range(len(captured.units))]}
+    run.data_sized[b] = {"batches": PROBED_BATCHES, "measured_step": chosen, "saved_bytes": [min(saved), max(saved)]}
     if max(saved) > min(saved):
         run.say(f"  b={b:<4} the data sets some values' shapes: of the first {PROBED_BATCHES} batches the units "
                 f"saved {min(saved)}..{max(saved)} bytes; measured on batch {chosen}, the largest")
-    return chosen
+    return chosen, [max(units[k] for units in per_unit) - per_unit[chosen][k] for k in range(len(captured.units))]
 
 
-def add_unit_peaks(run, b: int) -> None:
+def add_unit_peaks(run, b: int, peaks: List[int]) -> None:
     """Add to each unit's held bytes at size b what it saved more on another probed batch than on the one
-    measured (`measuring_step`); the profile's `data_sized` keeps the amounts (`added_bytes`)."""
-    record = run.data_sized.get(b)
-    if record is None:
+    measured (`measuring_step`'s second value); the profile's `data_sized` keeps the amounts."""
+    if b not in run.data_sized:
         return
-    peaks = record.pop("unit_peaks")
-    record["added_bytes"] = {}
+    added = run.data_sized[b]["added_bytes"] = {}
     for unit, extra in zip(run.units, peaks):
         if extra <= 0:
             continue
-        record["added_bytes"][unit.name] = extra
+        added[unit.name] = extra
         for counts in (unit.saved_bytes, unit.first_saved_bytes, unit.weight_held_bytes, unit.first_weight_held_bytes):
             if b in counts:
                 counts[b] += extra
 
 
-def _saved_per_unit(captured, inputs) -> List[int]:
-    """The bytes each unit's operations save for backward in one forward of the graph (parameters and
-    buffers not counted; a storage once per unit)."""
-    state = {local_tensor(t).untyped_storage().data_ptr() for t in [*captured.gm.parameters(), *captured.gm.buffers()]}
+def _saved_per_unit(captured, inputs, state: Set[int]) -> List[int]:
+    """The bytes each unit's operations save for backward in one forward of the graph (storages in
+    `state`, the parameters' and buffers', not counted; a storage once per unit)."""
     storages: List[Dict[int, int]] = [{} for _ in captured.units]
-    current: List[Optional[int]] = [None]
+    unit: Optional[int] = None  # the unit of the node running
+
+    def entering(node) -> None:
+        nonlocal unit
+        unit = captured.unit_of_node(node.name)
 
     def pack(tensor: torch.Tensor) -> Packed:
         storage = tensor.untyped_storage()
-        if current[0] is not None and storage.data_ptr() and storage.data_ptr() not in state:
-            storages[current[0]][storage.data_ptr()] = storage.nbytes()
+        if unit is not None and storage.data_ptr() and storage.data_ptr() not in state:
+            storages[unit][storage.data_ptr()] = storage.nbytes()
         return Packed(tensor)
 
-    class _Counting(fx.Interpreter):
-        def run_node(self, n):
-            current[0] = captured.unit_of_node(n.name)
-            try:
-                return super().run_node(n)
-            except Exception as e:  # the model's own error: say where it came from
-                raise NodeRunError(n, e) from e
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        _Counting(captured.gm).run(*captured.input_values(inputs))
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        run_all_nodes(captured, inputs, grad=True, entering=entering)
     return [sum(held.values()) for held in storages]
 
 
 def data_sized_json(run) -> Dict[str, object]:
-    """The profile's record of it (Profile.extra["data_sized"]), or {} where no shape follows the data."""
-    if not run.data_sized:
-        return {}
+    """The profile's record of it (Profile.extra["data_sized"], where some shape follows the data)."""
     units = sorted({k for k, unit in enumerate(run.captured.units)
                     if any(node.name in run.captured.data_sized for node in unit.nodes)})
     return {"units": [run.captured.unit_names[k] for k in units],

@@ -184,7 +184,8 @@ def _recast(captured: CapturedModel, entry: str, model_args: Dict[str, Any], see
 def _measure_size(run: ProfileRun, b: int) -> None:
     """Every unit's times and saved bytes at micro-batch size b, and the values crossing each cut."""
     captured, dev, L = run.captured, run.dev, len(run.captured.units)
-    inputs, target = run.spec.batch(b, measuring_step(run, b))
+    step, peaks = measuring_step(run, b)
+    inputs, target = run.spec.batch(b, step)
     problem = batch_problem(inputs, target, b)
     if problem:  # the runtime refuses it too (runtime.microbatch): say so before profiling
         raise ModelEntryError(problem)
@@ -231,7 +232,7 @@ def _measure_size(run: ProfileRun, b: int) -> None:
                                    if isinstance(values[io.sent[i]], torch.Tensor))
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
                 f"backward {timing.backward_s * 1e3:8.3f} ms  saved {timing.saved_bytes / 2**20:8.2f} MiB")
-    add_unit_peaks(run, b)  # where the data sets shapes: a unit's bytes at their largest probed batch
+    add_unit_peaks(run, b, peaks)  # where the data sets shapes: a unit's bytes at their largest probed batch
     if b in run.stage_overhead:
         call_f, call_b = run.stage_overhead[b]
         run.say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "

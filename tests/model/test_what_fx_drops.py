@@ -694,26 +694,12 @@ def test_a_tensor_read_as_a_size_is_named_as_the_cause():
         capture(_Packed(), example_inputs=(torch.randn(2, 5, 4), torch.tensor([5, 3])))
 
 
-class _ExportsOtherwise(nn.Module):
-    """Takes another path while exported (as transformers' mask code does under tracing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        if x.shape[-1] % 2 == 0:  # fx cannot trace it: torch.export
-            x = x * 1.0
-        h = self.norm(self.a(x))
-        return h * 2.0 if torch.compiler.is_exporting() else h
-
-
 def test_a_graph_computing_otherwise_than_forward_is_refused_and_the_model_left_as_it_was():
     from planner.model.same_output import check_same_output
     from planner.model.spec import call_model
     from planner.model.capture import run_all_nodes
 
-    module, x = _ExportsOtherwise(), torch.randn(3, 4)
+    module, x = build_spec("tests.capture_models:exports_otherwise", {}, 0).module, torch.randn(3, 4)
     captured = capture(module, example_inputs=(x,))
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(CaptureError, match="does not compute what the model's forward does on the example batch: "
