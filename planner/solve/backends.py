@@ -191,6 +191,19 @@ def _run_highs(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: Option
     return result
 
 
+def refused_to_start(model) -> bool:
+    """Whether a HiGHS model's run did not start; its thread scheduler is then ours for the next run.
+    HiGHS keeps one scheduler per process: where another user of HiGHS in it (pulp's HiGHS at its default
+    threads) started it with more threads, a run asking for one is refused, and read as solved it gave a
+    bound of 0."""
+    import highspy
+
+    if model.getModelStatus() != highspy.HighsModelStatus.kNotset:
+        return False
+    highspy.Highs.resetThreadScheduler(False)
+    return True
+
+
 HIGHS_GRACE_S, HIGHS_GRACE_SHARE = 2.0, 0.5  # past its time limit, a HiGHS child is stopped after this
 
 
@@ -210,14 +223,18 @@ def _run_highs_here(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: O
     solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, gapAbs=1e-9, threads=1, **params)
     if not solver.available():  # choose_backend never picks highs then
         raise RuntimeError("the highs backend needs highspy: pip install highspy, or use the cbc backend")
+    import highspy
     try:
         with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
             prob.solve(solver)
+            if refused_to_start(prob.solverModel):
+                prob.solve(solver)
     except pulp.PulpSolverError:
         return False, None, False
-    import highspy
     info = prob.solverModel.getInfo()
     status = prob.solverModel.getModelStatus()
+    if status == highspy.HighsModelStatus.kNotset:  # it did not run: no answer, not a bound of 0
+        return False, None, False
     if status == highspy.HighsModelStatus.kSolveError:
         # HiGHS doubts its own optimum at these tolerances (a row off by 1.00001e-9 against 1e-9) and
         # returns no solution, which read as "no plan" where one fits: CBC solves the same program

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.solve.backends import _quiet_stdout
+from planner.solve.backends import _quiet_stdout, refused_to_start
 from planner.solve.floors import form_completions, split_of
 
 try:
@@ -158,6 +158,8 @@ class _Master:
 
     def solve(self) -> Tuple[Optional[np.ndarray], float]:
         self.solver.run()
+        if refused_to_start(self.solver):
+            self.solver.run()
         if self.solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None, np.inf
         solution = np.asarray(self.solver.getSolution().col_value)

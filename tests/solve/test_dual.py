@@ -6,6 +6,7 @@ import math
 import time
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -102,3 +103,27 @@ def test_the_dynamic_program_finds_the_least_split():
             a = int(ends[k, g, a])
             followed.append(a)
         assert tuple(followed) == best_split
+
+
+def test_the_master_solves_after_another_user_of_highs_in_the_process():
+    # HiGHS keeps one thread scheduler per process: after pulp's HiGHS at 2 threads, the master's LP at one
+    # was refused, and the dual gave no bound at all (planner.solve.backends.refused_to_start)
+    import highspy
+    import pulp
+
+    from planner.solve.dual import _Master
+
+    highspy.Highs.resetThreadScheduler(False)
+    other = pulp.LpProblem("other", pulp.LpMinimize)
+    x = other.add_variable("x", 0, 3, cat=pulp.LpInteger) if hasattr(other, "add_variable") else \
+        pulp.LpVariable("x", 0, 3, cat=pulp.LpInteger)
+    other += x
+    other += x >= 1
+    other.solve(pulp.HiGHS(msg=False, threads=2))
+    master = _Master()
+    for _ in range(2):
+        master.add_form(np.zeros(0))
+    master.add_split(np.array([1.0, 2.0]))
+    master.add_split(np.array([3.0, 0.5]))
+    lam, level = master.solve()  # max over lam of min(lam . (1, 2), lam . (3, 0.5)): lam = (3/7, 4/7)
+    assert level == pytest.approx(11 / 7) and lam == pytest.approx([3 / 7, 4 / 7])

@@ -427,6 +427,32 @@ def test_a_scenario_evaluate_refuses_is_its_error_not_a_search_for_a_plan():
         solve_scenario(profile, 1, opts, None, None, choose_backend(None)[0])
 
 
+@pytest.mark.parametrize("time_limit", [None, 30.0])  # in this process, and in a child forked from it
+def test_highs_proves_after_another_user_of_highs_in_the_process(time_limit):
+    """HiGHS keeps one thread scheduler per process. Where something else in it (pulp's HiGHS at its default
+    threads: the machine's) ran first, a program asking for one thread was refused, read as solved with a
+    bound of 0, and `solve` said 'feasible, gap 2 %' for a plan it proves optimal in a fresh process (found
+    by running tests/solve/test_ilp_memory.py before this file's neighbour, test_zero_bubble.py)."""
+    import highspy
+    import pulp
+
+    from tests.solve.test_zero_bubble import _chain
+
+    highspy.Highs.resetThreadScheduler(False)  # whatever ran before: the other user starts it, with 2 threads
+    other = pulp.LpProblem("other", pulp.LpMinimize)
+    x = other.add_variable("x", 0, 3, cat=pulp.LpInteger) if hasattr(other, "add_variable") else \
+        pulp.LpVariable("x", 0, 3, cat=pulp.LpInteger)
+    other += x
+    other += x >= 1
+    other.solve(pulp.HiGHS(msg=False, threads=2))
+    assert x.varValue == 1
+    opts = CostOptions(pipeline_ranks=3, global_batch=8, schedule="zb-h1", bandwidth=1e9, latency=2e-5,
+                       memory_cap=1e15, recompute="auto")
+    with program_only():
+        found = solve(_chain(1, 6), opts, time_limit=time_limit)
+    assert found.status == "optimal" and found.gap == 0.0 and found.backend == "highs"
+
+
 def test_a_highs_solve_error_is_solved_by_cbc():
     """HiGHS ends some programs in its own solve error (its optimum off a row by 1.00001e-9 against its
     1e-9 tolerance) with no solution, which read as "no plan" where one fits; CBC then solves the same
