@@ -218,30 +218,49 @@ class StageMemory:
 
     def _rows(self, g: int, starts: Optional[List[int]]) -> np.ndarray:
         """The rows of `matrix` for the starts a in `starts` (every cut 0..L for None)."""
-        first = np.arange(len(self._static)) if starts is None else np.asarray(starts)
-        valid = np.arange(len(self._static))[None, :] > first[:, None]
-        static = np.where(valid, self._static[None, :] - self._static[first][:, None], np.inf)
-        held = np.zeros_like(static)
+        cuts = np.arange(len(self._static))
+        first = cuts if starts is None else np.asarray(starts)
+        static = np.where(cuts[None, :] > first[:, None], self._static[None, :] - self._static[first][:, None], np.inf)
+        held = np.zeros_like(static)  # the largest over the rank's count vectors, and at least 0
         # a start whose inputs need no gradient: the first stage's terms (planner.cost.ranges' `whole`)
-        whole = np.ones(len(first), dtype=bool) if g == 0 else self.costs.whole[first]
-        for peak in self.peaks[self.ranks[g]]:
-            for kind in {bool(w) for w in whole}:
-                terms = self.held(peak, g, kind)
-                bytes_ = prefix_sums(terms.per_unit)
-                value = np.where(valid, bytes_[None, :] - bytes_[first][:, None], 0.0)
-                value = value + terms.at_start[first][:, None] + terms.at_end[None, :]
-                # where the stage holds its last trained unit (no recomputation here but every unit's,
-                # under which the weight kind counts no trained_end)
-                trained = self.costs.trained[None, :]
-                value = value + np.where(first[:, None] <= trained, terms.trained_end[None, :], 0.0)
-                # where the first unit holds its h: the only one, or the last trained one
-                holder = (first[:, None] == trained) | (np.arange(len(self._static))[None, :] == first[:, None] + 1)
-                value = value + np.where(holder, np.append(terms.first_holds - terms.alone_shared, 0.0)[first][:, None],
-                                         0.0)
-                held = np.where((whole == kind)[:, None], np.maximum(held, value), held)
+        whole = np.ones(len(first), dtype=bool) if g == 0 else self.costs.whole[first].astype(bool)
+        for kind in (True, False):
+            rows = np.flatnonzero(whole == kind)
+            if len(rows) == 0:
+                continue
+            best = held if len(rows) == len(first) else np.zeros((len(rows), len(cuts)))
+            for peak in self.peaks[self.ranks[g]]:
+                np.maximum(best, self._held_rows(self.held(peak, g, kind), first[rows]), out=best)
+            if best is not held:
+                held[rows] = best
         if self.ties:
             static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))
         return static + held
+
+    def _held_rows(self, terms: HeldTerms, first: np.ndarray) -> np.ndarray:
+        """value[i, e]: what stage [first[i], e) holds under `terms` beyond its static bytes, where e > first[i]
+        (elsewhere any finite number: `_rows` adds +inf there). The terms that hold only where a condition
+        does are added at those cells alone: an (L + 1)^2 table is a few full passes, not one per term."""
+        trained = self.costs.trained
+        bytes_ = prefix_sums(terms.per_unit)
+        value = bytes_[None, :] - bytes_[first][:, None]
+        value += terms.at_start[first][:, None]
+        value += terms.at_end[None, :]
+        # where the stage holds its last trained unit (no recomputation here but every unit's, under which
+        # the weight kind counts no trained_end): a <= trained[e]
+        ends = np.flatnonzero(terms.trained_end)
+        if len(ends):
+            value[:, ends] += np.where(first[:, None] <= trained[ends][None, :], terms.trained_end[ends][None, :], 0.0)
+        # where the first unit holds its h: the stage's only one (e = a + 1), or its last trained one (trained[e] = a)
+        holds = np.append(terms.first_holds - terms.alone_shared, 0.0)[first]
+        rows = np.flatnonzero(holds)
+        if len(rows):
+            at = {int(a): i for i, a in enumerate(first)}
+            cells = {(int(i), int(first[i]) + 1) for i in rows if first[i] + 1 < value.shape[1]}
+            cells |= {(at[int(t)], e) for e, t in enumerate(trained) if int(t) in at and holds[at[int(t)]] != 0}
+            i, e = np.array(sorted(cells)).reshape(-1, 2).T
+            value[i, e] += holds[i]
+        return value
 
     def _tie_rows(self, starts: Optional[List[int]]) -> np.ndarray:
         return range_static_surplus(self.ties, self.tie_static, self.costs.num_units, starts, self.tie_whole,
