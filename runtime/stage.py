@@ -25,7 +25,7 @@ from planner.model.capture import CapturedModel, StageIO, capture
 from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.forward_state import pipeline_spec
-from planner.model.running_stats import keeps_running_statistics
+from planner.model.running_stats import state_writers
 from planner.model.spec import ModelSpec
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
@@ -278,6 +278,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     stages = plan.stages
     ranges = [(s.first_unit, s.end_unit) for s in stages]
     modules = [captured.stage_module(first, end)[0] for first, end in ranges]
+    writers = state_writers(captured) if any(topology.replicas_of(g) > 1 for g in range(len(stages))) else set()
 
     # Which stages use each parameter object (a tied weight is one object under two names).
     canonical = {}
@@ -317,9 +318,12 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
             module: nn.Module = SegmentedStage(_segments(captured, first, end, recompute, unit_segments), io)
         else:
             module = modules[g]
-        if topology.replicas_of(g) > 1 and keeps_running_statistics(module):
-            raise PlanMismatchError(f"stage {g} has BatchNorm: its {topology.replicas_of(g)} replicas would keep "
-                                    "different running statistics; do not replicate this stage")
+        writing = sorted(writers & set(range(first, end))) if topology.replicas_of(g) > 1 else []
+        if writing:
+            names = ", ".join(repr(captured.units[k].name) for k in writing)
+            raise PlanMismatchError(f"stage {g}'s unit(s) {names} write state in their forward (running statistics, "
+                                    f"a running average, a counter): its {topology.replicas_of(g)} replicas would each "
+                                    "write their own copy from their own micro-batches; do not replicate this stage")
         mine.append(RankStage(index=g, num_stages=len(stages), module=module, io=io,
                               recv=list(plan_stage.recv), send=list(plan_stage.send),
                               state_sources={k: source for k, (holder, source) in sources.items() if holder == g},

@@ -435,6 +435,38 @@ def spectral_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
 
 
+class EmaChain(nn.Module):
+    """Linear layers, the middle one keeping an EMA of its input and a step counter in buffers, written in
+    place under no_grad and read by the forward (no norm layer: torch.export wraps the region)."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == len(self.layers) // 2:
+                with torch.no_grad():
+                    self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+                    self.steps += 1
+                x = x - self.mean
+        return x
+
+
+def ema_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
+    torch.manual_seed(4)
+    module = EmaChain(dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(5 * step + 1)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
 class OptionalArguments(nn.Module):
     """forward(x, bias=None, mask=None) with branches on None: the batches give a mask, no bias."""
 

@@ -158,6 +158,12 @@ def written_nodes(node: fx.Node, root: nn.Module) -> List[fx.Node]:
                 if argument.alias_info is not None and argument.alias_info.is_write:
                     value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
                     written.append(_node_arg(value))
+        elif isinstance(target, torch._ops.HigherOrderOperator):  # torch.export's no_grad / autocast regions
+            body = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+            if body is not None:  # its operands follow its body, a graph module: what that writes of them
+                operands = node.args[body + 1:]
+                written.extend(_node_arg(operands[i]) for i in
+                               written_inputs(root.get_submodule(str(node.args[body].target))) if i < len(operands))
         elif target is augmented_assign:
             written.append(_node_arg(node.args[1]))
         elif target is operator.setitem or (getattr(target, "__name__", "") in _AUGMENTED and
@@ -320,29 +326,32 @@ def units_to_merge(graph: fx.Graph, root: nn.Module, unit_of: Dict[fx.Node, int]
     return ranges
 
 
-def _state_written_by(module: nn.Module) -> List[str]:
+def state_written_by(module: nn.Module) -> List[str]:
     """Names (relative to `module`) of the state a module's call writes in place: a normalisation's
     running statistics, an embedding's rows renormalised to `max_norm`, the vectors of the older
-    `torch.nn.utils.spectral_norm`'s power iteration (its forward pre-hook; the parametrization's
-    are buffers of a submodule the call reaches, counted by the same rule through its module)."""
+    `torch.nn.utils.spectral_norm`'s power iteration (its forward pre-hook) and of the parametrization
+    (a submodule of the module it parametrizes, whose call reaches it)."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
     from torch.nn.utils.spectral_norm import SpectralNorm
 
     if getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None:
         return [name for name, _ in module.named_buffers(recurse=False)]
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
         return ["weight"]
+    if isinstance(module, _SpectralNorm):
+        return ["_u", "_v"]
     norms = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, SpectralNorm)]
     return [f"{hook.name}_{v}" for hook in norms for v in ("u", "v")]
 
 
 def _state_ranges(root: nn.Module, holders: _Holders) -> List[Tuple[int, int, str]]:
-    """[(first unit, last unit, why)]: a module writing its own state (`_state_written_by`) and every
+    """[(first unit, last unit, why)]: a module writing its own state (`state_written_by`) and every
     unit reading that state (calling a module that holds it, or reading it as an attribute) are one:
     each stage holds its own copy (a BatchNorm called at two places, an embedding's weight tied to
     an output layer)."""
     ranges = []
     for path in holders.calls:
-        written = [f"{path}.{name}" for name in _state_written_by(root.get_submodule(path))]
+        written = [f"{path}.{name}" for name in state_written_by(root.get_submodule(path))]
         spots = [unit for name in written for unit in holders.units_reading(name)]
         if spots and min(spots) != max(spots):
             ranges.append((min(spots), max(spots), f"module {path!r} ({type(root.get_submodule(path)).__name__}) writes "

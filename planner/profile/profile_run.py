@@ -12,6 +12,7 @@ import torch
 
 from planner.model.capture import CapturedModel, run_all_nodes
 from planner.model.failures import NodeRunError, model_failure
+from planner.model.running_stats import state_writers
 from planner.model.forward_state import state_read_by_loss
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.profile.corunners import CoRunners
@@ -104,7 +105,8 @@ def prepare(run: ProfileRun, smallest: int, precision: str = "fp32") -> None:
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
                        [module for module, _ in run.stages])
     del probe
-    run.units = [blank_unit(u, run.stages[k][0]) for k, u in enumerate(captured.units)]
+    writers = state_writers(captured)
+    run.units = [blank_unit(u, run.stages[k][0], k in writers) for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}
     if run.mixed is not None:
         run.spec = dataclasses.replace(run.spec, loss=run.mixed.loss(run.spec.loss))

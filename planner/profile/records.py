@@ -9,7 +9,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from planner.model.capture import CaptureError, CapturedModel
-from planner.model.running_stats import keeps_running_statistics
 from planner.profile.analytic import saved_key
 from planner.profile.cut_profile import CutValue
 from planner.profile.unit_profile import UnitProfile
@@ -92,12 +91,13 @@ def unit_parameter_bytes(params: Sequence[torch.Tensor]) -> Tuple[int, int]:
             sum(tensor_bytes(p) for p in params if p.requires_grad))
 
 
-def blank_unit(unit, module: torch.nn.Module, buffers: bool = True) -> UnitProfile:
+def blank_unit(unit, module: torch.nn.Module, writes_state: bool, buffers: bool = True) -> UnitProfile:
     """A captured unit's profile entry before any timing: its parameter bytes (trainable ones too),
-    its floating-point buffers' bytes (with `buffers`), whether it keeps running statistics."""
+    its floating-point buffers' bytes (with `buffers`), whether its forward writes state in place
+    (planner.model.running_stats)."""
     param_bytes, trainable = unit_parameter_bytes(module.parameters())
     return UnitProfile(name=unit.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
                        backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in unit.nodes],
                        buffer_bytes=sum(tensor_bytes(b) for b in module.buffers() if b.is_floating_point())
                        if buffers else None,
-                       running_stats=keeps_running_statistics(module))
+                       running_stats=writes_state)

@@ -37,8 +37,8 @@ class UnitProfile:
     # and optimizer state; the rest of param_bytes is frozen. None (older files, imported
     # profiles): every parameter trains
     trainable_bytes: Optional[int] = None
-    # the unit updates buffers in its training forward (BatchNorm's running statistics,
-    # planner.model.running_stats): a stage holding it is never replicated. False in older files
+    # the unit writes state in its training forward (BatchNorm's running statistics, an EMA or counter in a
+    # buffer: planner.model.running_stats): a stage holding it is never replicated. False in older files
     running_stats: bool = False
 
     # bytes of the unit's floating-point buffers (BatchNorm's running statistics): what local SGD's

@@ -44,7 +44,7 @@ def replica_tuples(devices: int, stages: int, largest: int):
 
 
 def replicates_running_stats(profile: Profile, boundaries: List[int], replicas: Tuple[int, ...]) -> bool:
-    """Whether a stage with more than one replica holds a unit with running statistics
+    """Whether a stage with more than one replica holds a unit writing state in its forward
     (planner.model.running_stats: such a stage is never replicated)."""
     ends = [0, *boundaries, profile.num_units]
     return any(r > 1 and any(u.running_stats for u in profile.units[a:e])

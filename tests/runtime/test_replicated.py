@@ -181,3 +181,22 @@ def test_replicas_are_not_ties():
     tied = reshape_plan(plan_with(profile_of("tests.models:tied_lm"), [2], 2, 8, "1f1b"), replicas=[1, 2])
     rank = build_rank(tied, tied.topology(), 2)
     assert [ranks for _, ranks in rank.tied_groups] == [(0, 1, 2)] and len(rank.tied) == 1
+
+
+@pytest.mark.parametrize("entry", ["tests.capture_models:ema_chain", "tests.capture_models:spectral_chain"])
+def test_a_stage_writing_state_in_its_forward_is_never_replicated(entry):
+    # an EMA and a step counter in buffers (no norm layer), spectral norm's power-iteration vectors: each
+    # replica wrote its own copy from its own micro-batches (replicas [1, 2]: a counter at 6 where one process
+    # counts 12, weights 1e-3 off). The profile marks the unit (the solver never replicates it), and the
+    # runtime refuses a plan that does, naming it
+    from runtime.stage import PlanMismatchError, build_rank
+
+    profile = profile_of(entry, sizes=(2,))
+    marked = [u.name for u in profile.units if u.running_stats]
+    assert marked == (["layers.2"] if "ema" in entry else ["layers.0", "layers.1", "layers.2", "layers.3"])
+    plan = reshape_plan(plan_with(profile, [2], 2, 8, "1f1b"), replicas=[1, 2])
+    with pytest.raises(PlanMismatchError, match=r"stage 1's unit\(s\) 'layers.2'.* write state in their forward"):
+        build_rank(plan, plan.topology(), 1)
+    if "ema" in entry:  # the stage before it writes none: replicated, it trains as one process
+        plan = reshape_plan(plan_with(profile, [2], 2, 8, "1f1b"), replicas=[2, 1])
+        build_rank(plan, plan.topology(), 0)
