@@ -467,6 +467,32 @@ def ema_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
 
 
+class AliasCross(nn.Module):
+    """`h` and an alias of it (`kind`: detach, or a view of all of it) both read after unit `a`: a cut there
+    carries both, as two messages, two storages."""
+
+    def __init__(self, dim: int, kind: str):
+        super().__init__()
+        self.a, self.b, self.c, self.head = (nn.Linear(dim, dim) for _ in range(4))
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        alias = h.detach() if self.kind == "detach" else h.view(h.shape[0], -1)[:, :]
+        return self.head(self.b(alias) + self.c(h))
+
+
+def alias_cross(dim: int = 8, kind: str = "detach") -> ModelSpec:
+    torch.manual_seed(6)
+    module = AliasCross(dim, kind)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(3 * step + 5)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
 class OptionalArguments(nn.Module):
     """forward(x, bias=None, mask=None) with branches on None: the batches give a mask, no bias."""
 

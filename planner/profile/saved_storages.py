@@ -65,6 +65,25 @@ class _StorageNames(torch.fx.Interpreter):
         return result
 
 
+def _apart(args: List[Any]) -> List[Any]:
+    """The arguments, each one that is all of a storage an argument before it holds too in a storage of
+    its own. Received across a cut (a value and an alias of it, `h` and `h.detach()`), they arrive as two
+    messages, two storages: what two units save through them must not be named as one, or a stage
+    starting there holds both where the plan counts one (inside a stage it is one: over-planned). A view
+    of part of a storage, or a broadcast one, stays: a copy would save another number of bytes (the
+    stage's first unit is measured as received: `as_first`)."""
+    seen, out = set(), []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.layout == torch.strided and a.untyped_storage().data_ptr():
+            key = a.untyped_storage().data_ptr()
+            whole = a.is_contiguous() and a.untyped_storage().nbytes() == a.numel() * a.element_size()
+            if key in seen and whole:
+                a = a.detach().clone().requires_grad_(a.requires_grad)
+            seen.add(key)
+        out.append(a)
+    return out
+
+
 def shared_saved(run: ProfileRun, work: List[UnitCall], target: Any
                   ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, int]]]:
     """Per unit, the storages its forward saves that hold a value other units may save too
@@ -80,19 +99,19 @@ def shared_saved(run: ProfileRun, work: List[UnitCall], target: Any
         _, io = run.stages[k]
         shareable = set(io.inputs) | set(io.received) | set(io.sent) | \
             {n.name for n in call.module.graph.nodes if n.name in run.captured.recomputed}
-        naming = _StorageNames(call.module, shareable)
+        naming, args = _StorageNames(call.module, shareable), _apart(call.args)
         counter, restore = SavedBytes(call.module.parameters()), _InputRestore(call)  # (the inputs before it runs)
         with torch.enable_grad():
             with counter.counting():
                 with run.forwarding():  # the interpreter does not call the module's forward
-                    result = naming.run(*call.args)
+                    result = naming.run(*args)
                 if call.is_last:
                     result = run.spec.loss(result, target)
             shared = {naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
                       if naming.names.get(ptr) in shareable}
             # recomputed, it keeps its tensor arguments (runtime.stage's checkpoint saves them all)
             kept = {}
-            for arg in call.args:
+            for arg in args:
                 if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in naming.names:
                     storage = arg.untyped_storage()
                     kept[naming.names[storage.data_ptr()]] = storage.nbytes()
