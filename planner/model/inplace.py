@@ -138,6 +138,11 @@ def _node_arg(value: Any) -> Optional[fx.Node]:
     return value if isinstance(value, fx.Node) else None
 
 
+# torch.export's higher-order operations around a region run in another grad or autocast mode: where
+# their body (a graph module) sits among the arguments, its operands after it
+_REGIONS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+
+
 def written_nodes(node: fx.Node, root: nn.Module) -> List[fx.Node]:
     """The graph values `node` writes into (empty for an operation that writes nothing)."""
     first = _node_arg(node.args[0]) if node.args else None
@@ -158,12 +163,11 @@ def written_nodes(node: fx.Node, root: nn.Module) -> List[fx.Node]:
                 if argument.alias_info is not None and argument.alias_info.is_write:
                     value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
                     written.append(_node_arg(value))
-        elif isinstance(target, torch._ops.HigherOrderOperator):  # torch.export's no_grad / autocast regions
-            body = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
-            if body is not None:  # its operands follow its body, a graph module: what that writes of them
-                operands = node.args[body + 1:]
-                written.extend(_node_arg(operands[i]) for i in
-                               written_inputs(root.get_submodule(str(node.args[body].target))) if i < len(operands))
+        elif getattr(target, "__name__", "") in _REGIONS:  # torch.export's no_grad / autocast regions
+            body = _REGIONS[target.__name__]  # its body, a graph module, then its operands: what it writes of them
+            operands = node.args[body + 1:]
+            written.extend(_node_arg(operands[i]) for i in
+                           written_inputs(root.get_submodule(str(node.args[body].target))) if i < len(operands))
         elif target is augmented_assign:
             written.append(_node_arg(node.args[1]))
         elif target is operator.setitem or (getattr(target, "__name__", "") in _AUGMENTED and

@@ -47,6 +47,21 @@ def test_the_units_writing_state_are_the_ones_marked():
             nn.Unflatten(1, (1, 4)), middle, nn.Flatten())) == ({"middle"} if writes else set()), middle
 
 
+def test_a_buffer_written_in_an_autocast_region_is_written_state():
+    class Seen(nn.Module):  # torch.export wraps the region in a higher-order operation (planner.model.inplace)
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(4))
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                self.seen.add_(x.detach().abs().mean(0))
+            return self.lin(x)
+
+    assert _writers(Seen()) == {"middle"}
+
+
 def test_a_weight_clipped_through_data_is_written_state():
     class Clipped(nn.Module):
         def __init__(self):
