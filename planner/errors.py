@@ -25,6 +25,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
+    def _get_value(self, action: argparse.Action, arg_string: str):
+        # an option given '' (`-o ''`, a shell variable left empty) is a mistake, not "left out": it would
+        # write the default file, print to stdout, or skip what was asked
+        if action.option_strings and not arg_string:
+            self.error(f"argument {'/'.join(action.option_strings)}: an empty value; give one, or leave the option out")
+        return super()._get_value(action, arg_string)
+
 
 def run_subcommand(args: argparse.Namespace, user_errors: Tuple[Type[BaseException], ...], interrupted: str) -> int:
     """`args.func(args)`, with the user's mistakes (`user_errors`) as one line on stderr and exit

@@ -13,6 +13,9 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 
 MAX_BYTES = 1e18
 
+# the parameter dtypes a profile may be in, and their bytes per element
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
 
 def parse_bytes(text: str, option: str = "size", least: float = 1.0) -> float:
     """'16GiB' -> 17179869184; '512MiB', '1.5GB', '1e9' and plain byte counts work too; at least

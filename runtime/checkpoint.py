@@ -105,7 +105,29 @@ def latest(directory: str, plan_hash: str, world_size: int) -> Optional[int]:
 
 
 def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 62  # (a torch int64)
+
+
+def restore_rank(saved: Dict[str, Any], stages, optimizer, where: str) -> None:
+    """A rank's stages and optimizer from its checkpoint file (`load_rank`), or one line saying why the file
+    is not this rank's (another rank's, another plan's model: torch's error lists every key)."""
+    for stage in stages:
+        chunk = saved["chunks"].get(str(stage.index))
+        if chunk is None:
+            raise CheckpointError(f"checkpoint {where} holds no stage {stage.index} (it holds "
+                                  f"{', '.join(sorted(saved['chunks'])) or 'none'}): not this rank's file; resume from "
+                                  "the directory this plan's run wrote")
+        try:
+            stage.module.load_state_dict(chunk)
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            first = (str(e).strip().splitlines() or [""])[-1].strip()
+            raise CheckpointError(f"checkpoint {where} does not fit stage {stage.index} ({first}); resume from "
+                                  "the directory this plan's run wrote") from None
+    try:
+        optimizer.load_state_dict(saved["optimizer"])
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"checkpoint {where} holds another optimizer state ({type(e).__name__}: {e}); resume "
+                              "from the directory this plan's run wrote") from None
 
 
 def load_rank(directory: str, completed_steps: int, rank: int) -> Dict[str, Any]:

@@ -66,6 +66,11 @@ def execute(args: argparse.Namespace) -> int:
     from runtime.report import build_report, format_report
 
     plan = load_plan(args.plan)
+    entry = plan.model.get("entry")
+    if entry is None or entry.startswith("pipedream:"):  # planner.profile.pipedream: measured elsewhere
+        raise UsageError(f"the plan has no model to build (model entry {entry!r}: a profile imported from another "
+                         "tool): it can be shown, simulated and exported, not run; profile the model with "
+                         "`planner profile MODEL` and solve that profile to run it")
     lists = check_plan(plan)
     _check_run_options(args, plan)
     if args.engine == "torch":
@@ -130,14 +135,14 @@ def _say_pass_through(plan: Plan) -> None:
 
 
 def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
-    if args.steps < 1:
-        raise UsageError("--steps must be at least 1")
+    if not 1 <= args.steps <= 2 ** 31:  # (checkpoints count steps in a torch int64; a run this long is a typo)
+        raise UsageError(f"--steps must be 1..{2 ** 31} (got {args.steps})")
     if args.checkpoint_every < 0:
         raise UsageError("--checkpoint-every K is steps, K >= 1 (0, the default: none written, --resume only reads)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
-    if not 0 < args.timeout <= 7 * 24 * 3600:
-        raise UsageError("--timeout is seconds a rank may wait for another, more than 0 and at most a week")
+    if not 1.0 <= args.timeout <= 7 * 24 * 3600:  # (below a second a rank cannot even connect to the others)
+        raise UsageError("--timeout is seconds a rank may wait for another, at least 1 and at most a week")
     if args.threads < 0 or args.threads > (os.cpu_count() or 1):
         raise UsageError(f"--threads is torch threads per rank, 0 (as profiled) to this host's {os.cpu_count() or 1}")
     outputs = [path for path in (args.report, args.save_state, args.timeline, args.trace) if path]

@@ -115,7 +115,15 @@ def materialise(modules: List[nn.Module], others: List[nn.Module], names: Mappin
         if tuple(loaded.shape) != tuple(tensor.shape):
             raise InitStateError(f"--init-state {state.path!r}: {name!r} has shape {tuple(loaded.shape)}, the model "
                                  f"{tuple(tensor.shape)}; give the state_dict of this model")
-        if loaded.dtype != tensor.dtype:
+        if loaded.device.type == "meta":
+            raise InitStateError(f"--init-state {state.path!r}: {name!r} is a meta tensor (no values); save the "
+                                 "state_dict of a model with its weights")
+        if loaded.dtype != tensor.dtype and (loaded.is_complex() != tensor.is_complex() or
+                                             loaded.is_floating_point() != tensor.is_floating_point()):
+            raise InitStateError(f"--init-state {state.path!r}: {name!r} is {str(loaded.dtype).replace('torch.', '')}, "
+                                 f"the model {str(tensor.dtype).replace('torch.', '')}; give the state_dict of this "
+                                 "model")
+        if loaded.dtype != tensor.dtype:  # another precision of the same kind (bf16 weights for fp32): cast
             loaded = loaded.to(tensor.dtype)
         if device.type == "cpu" and loaded.is_contiguous():
             return loaded  # a file-mapped tensor: its pages become the rank's (copied on first write)

@@ -179,9 +179,7 @@ def resume_step(me: RankProcess) -> int:
     if done < 0:
         return 0
     saved = ckpt.load_rank(args.checkpoint_dir, done, me.rank)
-    for stage in me.rank_model.stages:
-        stage.module.load_state_dict(saved["chunks"][str(stage.index)])
-    me.optimizer.load_state_dict(saved["optimizer"])
+    ckpt.restore_rank(saved, me.rank_model.stages, me.optimizer, f"{args.checkpoint_dir!r} step {done} rank {me.rank}")
     me.resumed_rng = saved.get("rng")  # set just before the first step (timing the host draws numbers too)
     return done
 

@@ -137,7 +137,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     model_args = parse_model_args(args.model_arg or [])
     output = args.output or os.path.join("profiles", f"{model_name(args.model)}.json")
-    check_writable(output)  # now, not after the measurements
+    check_writable(output, [args.device_spec])  # now, not after the measurements
     start = time.perf_counter()
     progress = (lambda msg: print(msg, flush=True)) if not args.quiet else None
     if args.analytic:

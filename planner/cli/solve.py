@@ -244,7 +244,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.table import format_plan_table
     from planner.solve.diagnose import InfeasibleError, NoPlanInTime
 
-    check_writable(args.output, [args.profile])  # now, not after the search
+    check_writable(args.output, [args.profile, args.cluster, args.topology])  # now, not after the search
     profile, opts, devices, schedules, topology = problem_from_args(args)
     if getattr(args, "calibration_note", None):
         print(args.calibration_note)

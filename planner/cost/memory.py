@@ -65,6 +65,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
+from planner.sizes import DTYPE_BYTES  # noqa: F401  (importable from here too)
+
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 SHARDS = ("none", "optimizer", "gradients", "parameters")
 OPTIMIZER_MOMENTS = {"sgd": 0, "adam": 2, "adamw": 2}  # state tensors per parameter (SGD: no momentum)
@@ -77,7 +79,6 @@ _PRECISION_BYTES = {
 }
 # the dtype activations and messages are computed in
 COMPUTE_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 GIB = 2 ** 30
 # Default reserve per device kind (bytes). GPUs: what a process holds outside PyTorch's allocator,

@@ -161,7 +161,7 @@ def calibrate_profile(profile: Profile, runs: Sequence[Run]) -> Profile:
     for plan, report in runs:
         _check_run(profile, plan, report)
     calibrated, factors = _scale_units(profile, runs)
-    calibration: Dict[str, Any] = dict(profile.extra.get("calibration", {}))
+    calibration: Dict[str, Any] = dict(profile.extra.get("calibration") or {})
     calibration["unit_scale"] = factors
     # a flat ping-pong's bounding fit (runtime.worker) is no measurement of the link: left out
     links = [report["link"] for _, report in runs
@@ -185,7 +185,7 @@ def calibrate_profile(profile: Profile, runs: Sequence[Run]) -> Profile:
     calibration["bandwidth_bytes_per_s"] = bandwidth
     calibration["latency_s"] = latency
     calibration["step_overhead_s"] = max(0.0, statistics.median(left))
-    calibration["runs"] = int(calibration.get("runs", 0)) + len(runs)
+    calibration["runs"] = int(calibration.get("runs") or 0) + len(runs)
     calibrated.extra = dict(calibrated.extra, calibration=calibration)
     return calibrated
 

@@ -22,7 +22,7 @@ def load_report(path: str) -> Dict[str, Any]:
         raise JsonFileError(f"{path!r} is not a run report ({kind}); pass the file `runtime execute PLAN "
                             "--report FILE` wrote")
     version = report.get("schema_version")
-    if version != REPORT_SCHEMA_VERSION:
+    if version != REPORT_SCHEMA_VERSION or isinstance(version, bool):
         raise JsonFileError(f"report {path!r} has schema_version {version!r}; this planner reads version "
                             f"{REPORT_SCHEMA_VERSION}: {newer_schema(version, REPORT_SCHEMA_VERSION)}run `runtime "
                             "execute PLAN --report FILE` again with this version")
@@ -71,7 +71,7 @@ def _report_problem(report: Dict[str, Any]) -> Optional[str]:
         chunks = r.get("chunks", [r["rank"]])
         if not isinstance(chunks, list) or not chunks or not all(_index(g) for g in chunks):
             return f"stages[{k}].chunks is not a list of stage indices"
-        if not isinstance(r.get("units", []), list) or not all(isinstance(u, str) for u in r.get("units", [])):
+        if not isinstance(r.get("units"), list) or not all(isinstance(u, str) for u in r["units"]):
             return f"stages[{k}].units is not a list of names"
         for part in ("measured", "predicted"):
             times = r.get(part)

@@ -30,6 +30,7 @@ from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or a
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
 # (1 had a closed form, `per_step_s` and no durations)
 PLAN_SCHEMA_VERSION = 2
+MAX_THREADS = 4096  # a profile's threads per rank (torch.set_num_threads takes a C int)
 # step_durations' per-index lists
 PER_INDEX_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 _MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")  # of a stage's memory_bytes, always written
@@ -238,6 +239,10 @@ class Plan:
             raise JsonFileError(f"{where} has malformed step_durations; {REMAKE}") from None
         if any(not 0 <= x < float("inf") for x in value.values()):
             raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {REMAKE}")
+        ranks = [r for entry in self.step_durations.get("collectives", []) for r in entry["ranks"]]
+        if any(not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < topology.pipeline_ranks) for r in ranks):
+            raise JsonFileError(f"{where}: step_durations' collectives name ranks outside 0..{topology.pipeline_ranks - 1}; "
+                                f"{REMAKE}")
         if any(max(value.get(("act", j), 0.0), value.get(("grad", j), 0.0)) > MAX_LATENCY_S
                for j in self.emulated_boundaries):
             raise JsonFileError(f"{where}: an emulated link would hold a message over {MAX_LATENCY_S:.0f} s "
@@ -267,8 +272,14 @@ class Plan:
             raise JsonFileError(f"{where} has model {self.model!r}: an entry name, args (an object) and a seed "
                                 f"(an integer >= 0); {REMAKE}")
         threads = self.profile.get("threads", 1)
-        if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 0):
-            raise JsonFileError(f"{where} has profile.threads {threads!r}: an integer >= 0; {REMAKE}")
+        if not (isinstance(threads, int) and not isinstance(threads, bool) and 0 <= threads <= MAX_THREADS):
+            raise JsonFileError(f"{where} has profile.threads {threads!r}: an integer 0..{MAX_THREADS}; {REMAKE}")
+        kernel, version = self.profile.get("host_kernel_s"), self.profile.get("torch_version")
+        if kernel is not None and not (NUMBER[0](kernel) and 0 <= kernel < math.inf):
+            raise JsonFileError(f"{where} has profile.host_kernel_s {kernel!r}: seconds, a finite number >= 0; "
+                                f"{REMAKE}")
+        if version is not None and not isinstance(version, str):
+            raise JsonFileError(f"{where} has profile.torch_version {version!r}: a version string; {REMAKE}")
         if self.optimizer not in OPTIMIZER_MOMENTS:  # what the memory model counts
             raise JsonFileError(f"{where} has optimizer {self.optimizer!r}, not one of {', '.join(OPTIMIZER_MOMENTS)}; "
                                 f"{REMAKE}")
@@ -295,6 +306,10 @@ class Plan:
                 if not (NUMBER[0](value) and 0 <= value < math.inf):
                     raise JsonFileError(f"{where} has stage {k} memory_bytes {key!r} {value!r}: bytes, a finite "
                                         f"number >= 0; {REMAKE}")
+        for k, (before, after) in enumerate(zip(self.stages, self.stages[1:])):
+            if [_layout(v) for v in before.send] != [_layout(v) for v in after.recv]:
+                raise JsonFileError(f"{where}: stage {k} sends other values than stage {k + 1} receives (names, "
+                                    f"dtypes, shapes, requires_grad); {REMAKE}")
         for name, value in positive.items():
             if value is not None and not 0 < value < math.inf:
                 raise JsonFileError(f"{where} has {name} {value!r}: a finite number > 0; {REMAKE}")
@@ -333,6 +348,12 @@ class Plan:
         refusal = local_sgd_refusal(H, self.shard, self.replicated, self.placement is not None)
         if refusal:
             raise JsonFileError(f"{where} has sync_every {H}: {refusal}; {REMAKE}")
+
+
+def _layout(value: Dict[str, Any]) -> Tuple:
+    """A message value as both sides must agree on it."""
+    return (value.get("name"), value.get("kind"), value.get("dtype"), str(value.get("shape")),
+            value.get("requires_grad", False))
 
 
 def load_plan(path: str) -> Plan:

@@ -14,7 +14,6 @@ and a copy micro-benchmark, to check the analytic model against real measurement
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -25,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from planner.jsonio import JsonFileError, read_json
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 DEVICES_DIR = os.path.join(_ROOT, "profiles", "devices")
@@ -68,20 +69,23 @@ def load_device_spec(name_or_path: str, threads: int = 1) -> DeviceSpec:
         raise DeviceSpecError(f"no device spec {name_or_path!r}: use one of {', '.join(shipped)}, cpu-calibrated, "
                               "or a path to a JSON file like profiles/devices/h100.json")
     try:
-        with open(path) as f:
-            d = json.load(f)
+        d = read_json(path, what="device spec")
+    except JsonFileError as e:
+        raise DeviceSpecError(str(e)) from None
+    try:
         spec = DeviceSpec(name=d["name"], peak_flops={k: float(v) for k, v in d["peak_flops"].items()},
                           memory_bandwidth=float(d["memory_bandwidth"]), efficiency=float(d.get("efficiency", 1.0)),
                           memory_bytes=int(d.get("memory_bytes", 0)),
                           op_overhead_s=float(d.get("op_overhead_s", 0.0)), notes=d.get("notes", ""))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
         raise DeviceSpecError(f"device spec {path} is malformed ({type(e).__name__}: {e}); it needs name, "
                               "peak_flops {dtype: FLOP/s}, memory_bandwidth (B/s), efficiency") from None
     rates = list(spec.peak_flops.values()) + [spec.memory_bandwidth]
-    if not all(0 < x < math.inf for x in rates) or not 0 < spec.efficiency <= 1 or \
-            not 0 <= spec.op_overhead_s < math.inf or spec.memory_bytes < 0:
-        raise DeviceSpecError(f"device spec {path}: peak_flops and memory_bandwidth must be finite and > 0, efficiency "
-                              "in (0, 1], op_overhead_s and memory_bytes >= 0")
+    # (a device slower than a kilo-operation per second makes times no profile can hold: MAX_SECONDS)
+    if not all(1e3 <= x < math.inf for x in rates) or not 0 < spec.efficiency <= 1 or \
+            not 0 <= spec.op_overhead_s <= 1.0 or spec.memory_bytes < 0:
+        raise DeviceSpecError(f"device spec {path}: peak_flops and memory_bandwidth must be finite and at least 1e3, "
+                              "efficiency in (0, 1], op_overhead_s 0..1 s and memory_bytes >= 0")
     return spec
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from planner.jsonio import JsonFileError, newer_schema, read_json, write_json_atomic
+from planner.sizes import DTYPE_BYTES
 from planner.profile.cut_profile import MESSAGE_DTYPES, CutProfile, CutValue  # noqa: F401  (importable from here too)
 from planner.profile.reader import MAX_SECONDS, Reader, show, str_keys  # noqa: F401
 from planner.profile.unit_profile import NAMED_STORAGE_FIELDS, UnitProfile  # noqa: F401
@@ -187,7 +188,7 @@ class Profile:
             device=d.get("device", "cpu"),
             device_name=d.get("device_name", ""),
             threads=read.count(d.get("threads", 1), "threads"),
-            dtype=d.get("dtype", "float32"),
+            dtype=_dtype(read, d.get("dtype", "float32")),
             torch_version=d.get("torch_version", ""),
             capture=d.get("capture", "fx"),
             repeats=read.count(d.get("repeats", 5), "repeats"),
@@ -198,6 +199,13 @@ class Profile:
             weight_walk_s=walk,
             precision=precision,
         )
+
+
+def _dtype(read: Reader, value: Any) -> str:
+    """The parameters' dtype (planner.sizes.DTYPE_BYTES)."""
+    if not isinstance(value, str) or value not in DTYPE_BYTES:
+        raise read.error("dtype", f"is {show(value)}: expected one of {', '.join(DTYPE_BYTES)}")
+    return value
 
 
 def _check_extra(read: Reader, d: Dict[str, Any], unit_names: set) -> None:
@@ -222,6 +230,14 @@ def _check_extra(read: Reader, d: Dict[str, Any], unit_names: set) -> None:
         for key in ("latency_s", "step_overhead_s", "message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
+        if fields.get("runs") is not None:  # the runs a calibration took (planner calibrate adds to it)
+            read.number(fields["runs"], f"{part}.runs", "a count of runs is a whole number >= 0", 1e9)
+            if fields["runs"] != int(fields["runs"]):
+                raise read.error(f"{part}.runs", f"is {show(fields['runs'])}: a count of runs is a whole number >= 0")
+    analytic = read.table(d.get("analytic") or {}, "analytic")  # planner.profile.analytic_profile's record
+    spec = read.table(analytic.get("device_spec") or {}, "analytic.device_spec")
+    if spec.get("reserve_bytes") is not None:  # the bytes kept free on every device (planner.cost.memory)
+        read.count(spec["reserve_bytes"], "analytic.device_spec.reserve_bytes")
     model = read.table(d.get("model") or {}, "model")  # the plan copies its entry, args and seed
     entry, args, seed = model.get("entry"), model.get("args", {}), model.get("seed", 0)
     if entry is not None and not (isinstance(entry, str) and entry):

@@ -121,6 +121,10 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
      "is a size, 0 to"),  # never finished building
     (["planner.cli", "profile", "builtin:mlp", "--micro-batch-sizes", "99999999999"], "--micro-batch-sizes needs "
      "integers 1 to"),  # a traceback from the allocator
+    # the twenty-sixth session's fuzz: '' wrote the default profile, printed to stdout, or was ignored
+    (["planner.cli", "profile", "builtin:mlp", "-o", ""], "argument --output/-o: an empty value"),
+    (["planner.cli", "solve", "p.json", "--cluster", ""], "argument --cluster: an empty value"),
+    (["runtime.cli", "execute", "p.json", "--report", ""], "argument --report: an empty value"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = run_here(args)
@@ -481,6 +485,14 @@ BAD_PROFILES = [
     (_set(["units", 0, "backward_weight_s"], {"1": 1e-3, "2": 1e-3}), "units[0].backward_input_s is missing"),
     (lambda d: d["units"][1].update(backward_input_s={"1": 1e-3, "2": 1e-3}, backward_weight_s={"1": -1e-3, "2": 1e-3},
                                     weight_held_bytes={"1": 0, "2": 0}), 'units[1].backward_weight_s["1"] is -0.001'),
+    # the twenty-sixth session's fuzz: tracebacks in solve and calibrate, a plan its own reader refused
+    (_set(["dtype"], ["float32"]), 'dtype is ["float32"]: expected one of float32'),
+    (_set(["dtype"], "zzz"), 'dtype is "zzz": expected one of'),
+    (lambda d: d.update(calibration={"runs": 1e300}), "calibration.runs is 1e+300"),
+    (lambda d: d.update(calibration={"runs": 1.5}), "calibration.runs is 1.5"),
+    (_set(["analytic"], "x"), 'analytic is "x"'),
+    (_set(["analytic"], {"device_spec": {"reserve_bytes": -1e30}}), "analytic.device_spec.reserve_bytes is -1e+30"),
+    (_set(["analytic"], {"device_spec": {"reserve_bytes": [1]}}), "analytic.device_spec.reserve_bytes is [1]"),
 ]
 
 

@@ -78,6 +78,10 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"levels": [{"count": 2, "bandwidth": "1MB", "latency": 0.01}, {"count": 2}]}))
     refused("--topology", str(good), "--devices", "2", says="--devices")
+    before = good.read_text()  # the twenty-sixth session's fuzz: `-o` the topology file replaced it with the plan
+    assert planner_main(["solve", profile, "--topology", str(good), "--stages", "2", "--global-batch", "4",
+                         "-o", str(good)]) == 2
+    assert "which this command reads or writes" in capsys.readouterr().err and good.read_text() == before
     refused("--topology", str(good), "--replicate", says="--replicate")
     assert planner_main(["solve", profile, "--topology", str(good), "--local-sgd-max", "2", "-o", str(plan)]) == 2
     assert "local SGD is not planned on a --topology" in capsys.readouterr().err

@@ -325,7 +325,10 @@ def test_a_report_whose_fields_are_broken_is_one_line(tmp_path):
                            (lambda r: r.update(micro_batch_size="x"), "micro_batch_size 'x'"),
                            (lambda r: r["stages"].append(dict(r["stages"][0])), "names one rank twice"),
                            (lambda r: r.update(schema_version=99), "schema_version 99"),
-                           (lambda r: r.pop("schema_version"), "schema_version None")):
+                           (lambda r: r.pop("schema_version"), "schema_version None"),
+                           # the twenty-sixth session's fuzz: calibrate's KeyError, a flag read as version 1
+                           (lambda r: r["stages"][0].pop("units"), "stages[0].units is not a list of names"),
+                           (lambda r: r.update(schema_version=True), "schema_version True")):
         bad = json.loads(json.dumps(good))
         mutate(bad)
         write_json_atomic(path, bad)

@@ -111,6 +111,17 @@ def test_table_lists_every_stage():
     (lambda p: p["stages"][1]["recv"][0].update(shape="x"), "stage 1 recv value .* has no dtype"),
     (lambda p: p["stages"][1]["recv"][0].update(shape=[-4, 8]), "stage 1 recv value .* shape"),  # a rank's traceback
     (lambda p: p["stages"][1]["recv"][0].update(shape=[1 << 30, 1 << 20]), "stage 1 recv value .* shape"),
+    # the twenty-sixth session's fuzz: a traceback in simulate, failures in the ranks or after training
+    (lambda p: p["step_durations"].setdefault("collectives", []).append({"term": ["x"], "ranks": [0, 9], "seconds": 0.0}),
+     "collectives name ranks outside 0..2"),
+    (lambda p: p["profile"].update(threads=10 ** 30), "profile.threads 10+: an integer 0..4096"),
+    (lambda p: p["profile"].update(host_kernel_s=[1]), r"profile.host_kernel_s \[1\]: seconds"),
+    (lambda p: p["profile"].update(host_kernel_s="abc"), "profile.host_kernel_s .abc.: seconds"),
+    (lambda p: p["profile"].update(torch_version=213), "profile.torch_version 213: a version string"),
+    (lambda p: p["stages"][1]["recv"][0].update(shape=list(reversed(p["stages"][1]["recv"][0]["shape"])) + [1]),
+     "stage 0 sends other values than stage 1 receives"),
+    (lambda p: p["stages"][0]["send"][0].update(requires_grad=not p["stages"][0]["send"][0].get("requires_grad", False)),
+     "stage 0 sends other values than stage 1 receives"),
 ])
 def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
     plan = make()[2].to_json()

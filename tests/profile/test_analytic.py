@@ -25,10 +25,16 @@ def test_shipped_specs_load_and_unknown_names_say_what_exists(tmp_path):
         load_device_spec(str(path))
     good = {"name": "mine", "peak_flops": {"float32": 2e12}, "memory_bandwidth": 1e11}
     for bad in ({"memory_bandwidth": 0}, {"peak_flops": {"float32": float("nan")}}, {"efficiency": 0},
-                {"efficiency": 1.5}, {"op_overhead_s": -1e-6}, {"memory_bytes": -1}):
+                {"efficiency": 1.5}, {"op_overhead_s": -1e-6}, {"memory_bytes": -1},
+                {"peak_flops": {"float32": 1e-300}}):  # (times of 1e303 s: a profile solve refuses, later)
         path.write_text(json.dumps({**good, **bad}))  # a division by zero, or a profile solve refuses, later
-        with pytest.raises(DeviceSpecError, match="finite and > 0, efficiency in"):
+        with pytest.raises(DeviceSpecError, match="finite and at least 1e3, efficiency in"):
             load_device_spec(str(path))
+    path.write_text(json.dumps({**good, "memory_bytes": float("inf")}))  # a traceback (OverflowError)
+    with pytest.raises(DeviceSpecError, match="is malformed .OverflowError"):
+        load_device_spec(str(path))
+    with pytest.raises(DeviceSpecError, match="is not a regular file"):  # read for ever
+        load_device_spec("/dev/zero")
 
 
 def test_matmul_is_compute_bound_and_copy_is_memory_bound():

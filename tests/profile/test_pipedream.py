@@ -71,3 +71,17 @@ def test_gnmt_imports_and_plans(tmp_path, capsys):
         fast = solve(p, CostOptions(pipeline_ranks=S, global_batch=64 * 4 * S), method="dp")
         assert found.objective * (1 - 1e-9) <= fast.objective <= found.objective * 1.02  # the starts are near
     assert import_pipedream(DATA, 64).units[0].forward_s[64] == 0.0
+
+
+def test_a_plan_of_an_imported_profile_is_refused_by_execute_before_any_rank_starts(tmp_path, capsys):
+    # the twenty-sixth session's fuzz: the ranks started, and each failed on "cannot import 'pipedream'"
+    from runtime.cli import main as runtime_main
+
+    profile, plan = str(tmp_path / "gnmt.json"), str(tmp_path / "plan.json")
+    assert main(["import-pipedream", DATA, "--batch-size", "64", "--output", profile]) == 0
+    assert main(["solve", profile, "--stages", "2", "--global-batch", "128", "-o", plan]) == 0
+    capsys.readouterr()
+    assert runtime_main(["execute", plan, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the plan has no model to build (model entry 'pipedream:" in err
+    assert runtime_main(["show", plan]) == 0  # its lists still show

@@ -15,6 +15,7 @@ GOOD = {"schema_version": ckpt.CHECKPOINT_SCHEMA_VERSION, "completed_steps": 2, 
     [1, 2], dict(GOOD, completed_steps=-1), dict(GOOD, completed_steps=1.5), dict(GOOD, completed_steps="x"),
     dict(GOOD, world_size=None), {k: v for k, v in GOOD.items() if k != "completed_steps"},
     dict(GOOD, schema_version=99), dict(GOOD, plan_hash=5),
+    dict(GOOD, completed_steps=10 ** 30),  # a rank overflowed on it (a torch int64)
 ])
 def test_a_marker_this_runtime_did_not_write_is_refused(tmp_path, marker):
     (tmp_path / "latest.json").write_text(json.dumps(marker))
@@ -57,3 +58,25 @@ def test_a_rank_file_is_never_unpickled_and_a_foreign_one_is_one_line(tmp_path, 
             ckpt.load_rank(str(tmp_path), 2, 0)
         assert "weights_only" not in str(e.value)
     assert "unpickled" not in capsys.readouterr().out
+
+
+def test_another_ranks_or_models_file_is_one_line():
+    # the twenty-sixth session's fuzz: rank files swapped gave "KeyError: '0'", a tensor of another shape
+    # torch's first line alone ("Error(s) in loading state_dict for Stage_0_3:")
+    from torch import nn
+
+    class Stage:
+        def __init__(self, index):
+            self.index, self.module = index, nn.Linear(4, 4)
+
+    stages = [Stage(0)]
+    optimizer = torch.optim.SGD(stages[0].module.parameters(), lr=0.1)
+    good = {"chunks": {"0": stages[0].module.state_dict()}, "optimizer": optimizer.state_dict()}
+    ckpt.restore_rank(good, stages, optimizer, "here")
+    with pytest.raises(ckpt.CheckpointError, match="holds no stage 0 .it holds 1.: not this rank's file"):
+        ckpt.restore_rank({"chunks": {"1": good["chunks"]["0"]}, "optimizer": good["optimizer"]}, stages, optimizer,
+                          "here")
+    wrong = {"chunks": {"0": dict(good["chunks"]["0"], weight=torch.zeros(3))}, "optimizer": good["optimizer"]}
+    with pytest.raises(ckpt.CheckpointError, match="does not fit stage 0 .size mismatch for weight") as e:
+        ckpt.restore_rank(wrong, stages, optimizer, "here")
+    assert "\n" not in str(e.value)

@@ -121,3 +121,26 @@ def test_each_rank_holds_its_quarter_of_a_large_model(tmp_path):
     assert len(growth) == 4 and all(0.45 * model_bytes < g < 0.7 * model_bytes for g in growth), growth
     built = [r["built_rss_bytes"] - r["start_rss_bytes"] for r in ranks]
     assert all(g < 0.3 * model_bytes for g in built), built
+
+
+def test_a_tensor_without_values_or_of_another_kind_is_refused(tmp_path):
+    # the twenty-sixth session's fuzz: a meta tensor failed in the rank with torch's advice ("use to_empty()"),
+    # a complex one lost its imaginary part silently
+    from torch import nn
+
+    from runtime.initstate import InitState, InitStateError, materialise, model_names
+
+    for value, words in ((torch.zeros(2, 2, device="meta"), "is a meta tensor"),
+                         (torch.zeros(2, 2, dtype=torch.complex64), "'weight' is complex64, the model float32"),
+                         (torch.zeros(2, 2, dtype=torch.int64), "'weight' is int64, the model float32")):
+        with torch.device("meta"):
+            model = nn.Linear(2, 2)
+        path = str(tmp_path / "state.pt")
+        torch.save({"weight": value, "bias": torch.zeros(2)}, path)
+        with pytest.raises(InitStateError, match=words):
+            materialise([model], [], model_names(model), InitState(path), {}, torch.device("cpu"))
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    torch.save({"weight": torch.ones(2, 2, dtype=torch.float64), "bias": torch.zeros(2)}, path)  # cast: one kind
+    materialise([model], [], model_names(model), InitState(path), {}, torch.device("cpu"))
+    assert model.weight.dtype == torch.float32 and bool((model.weight == 1).all())

@@ -80,7 +80,9 @@ def test_bad_training_options_fail_in_one_line(tmp_path):
                          (["--lr", "1e308"], "at most 1e6"), (["--weight-decay", "nan"], "finite"),
                          (["--timeout", "nan"], "--timeout is seconds"), (["--threads", "100000"], "--threads is"),
                          (["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "-1"], "K >= 1"),
-                         (["--report", str(tmp_path)], "is a directory; name a file to write")]:
+                         (["--report", str(tmp_path)], "is a directory; name a file to write"),
+                         # the twenty-sixth session's fuzz: a rank that could not connect, a step count that overflowed
+                         (["--timeout", "1e-9"], "at least 1"), (["--steps", str(10 ** 22)], "--steps must be 1..")]:
         code, err = _in_process(["execute", path, *flags])  # (test_cli runs the command as a process)
         assert code == 2 and words in err and len(err.splitlines()) == 1, (flags, err)
 
