@@ -175,7 +175,7 @@ def test_bad_memory_size_and_global_batch(gpt_profile, tmp_path):
     (["--bandwidth", "1e-300"], "--bandwidth must be 1 byte to 1e+18"),
     (["--memory-per-device", "1e400"], "--memory-per-device must be 1 byte to 1e+18"),
     (["--global-batch", "10000000"], "more than 4096 micro-batches per replica"),
-    (["-o", ""], "an output path is empty"),
+    (["-o", ""], "argument --output/-o: an empty value"),
     (["--gap", "1.5"], "--gap is a share of the iteration time"),
     (["--gap", "0.01", "--method", "dp"], "--gap applies to --method ilp only"),
     (["--time-limit", "-1"], "--time-limit is seconds, more than 0"),

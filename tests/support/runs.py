@@ -102,7 +102,14 @@ def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, sc
     stages = [dataclasses.replace(s, device=devices[g], replicas=replicas[g],
                                   recompute=list((recompute or {}).get(g, []))) for g, s in enumerate(plan.stages)]
     p = p if virtual_stages > 1 else sum(replicas)
+    # the collectives' members were the stages' ranks (one each): now the ranks running those stages
+    ranks_of = [[devices[g]] if virtual_stages > 1 else list(range(devices[g], devices[g] + replicas[g]))
+                for g in range(num_stages)]
+    durations = dict(plan.step_durations)
+    durations["collectives"] = [dict(c, ranks=sorted({r for g in c["ranks"] for r in ranks_of[g]}))
+                                for c in plan.step_durations.get("collectives", [])]
     return dataclasses.replace(plan, stages=stages, virtual_stages=virtual_stages, pipeline_stages=p,
+                               step_durations=durations,
                                data_parallel=data_parallel, schedule=schedule or plan.schedule,
                                global_batch=plan.micro_batch_size * plan.num_micro_batches * data_parallel)
 
