@@ -493,6 +493,35 @@ def alias_cross(dim: int = 8, kind: str = "detach") -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
 
 
+class SharedTable(nn.Module):
+    """Token ids, an embedding, two layers that both scale by one table computed from the input's shape alone
+    (made again where read, as rotary tables are: planner.model.recomputable) and so both save it, a head."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.a, self.b, self.head = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(ids.shape[1], dtype=torch.float32, device=ids.device)
+        table = torch.sin(steps[:, None] * torch.arange(1, self.a.in_features + 1, device=ids.device) * 0.1)
+        h = torch.tanh(self.a(self.emb(ids))) * table
+        h = torch.tanh(self.b(h)) * table
+        return self.head(h)
+
+
+def shared_table(vocab: int = 32, dim: int = 8, seq: int = 8) -> ModelSpec:
+    torch.manual_seed(7)
+    module = SharedTable(vocab, dim)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(11 * step + 3)
+        return (torch.randint(0, vocab, (batch_size, seq), generator=g),), torch.randn(batch_size, seq, dim,
+                                                                                        generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
 class OptionalArguments(nn.Module):
     """forward(x, bias=None, mask=None) with branches on None: the batches give a mask, no bias."""
 

@@ -87,11 +87,13 @@ r_k: of what a recomputed unit k keeps (its inputs, UnitProfile.recomputed_share
 unit before holds too, beyond d_k: a skip that unit k - 1 saves and k only passes on (long_skip's encoder
 output), a model input both read (gpt's tokens: the embedding saves them, pos_emb reads their shape). The
 stage holds them once. As counted, the neighbours hold once d_k + r_k where only k is recomputed and r_k
-where both are: r_k = max(0, min(p_k - d_k, q_k)), p_k what the recomputed unit k keeps of what unit k - 1
-saves and q_k of what it keeps when recomputed too (each the bytes by value name). Never more than
-either case holds once (0 where not measured), and additive in the recomputed set (the solvers'
-chain_recompute.freed_bytes): where the two cases differ otherwise (a recomputed k - 1 whose input k
-keeps too, and not in its saved) the plan still counts some twice (an over-count).
+where both are: r_k = min(p_k - d_k, q_k), p_k what the recomputed unit k keeps of what unit k - 1
+saves and q_k of what it keeps when recomputed too (each the bytes by value name); negative where k,
+recomputed, no longer saves all it shared with k - 1 (rotary tables both layers save, which a recomputed
+layer makes again inside itself: d_k comes back). Never more than either case holds once (0 where not
+measured), and additive in the recomputed set (the solvers' chain_recompute.freed_bytes): where the two
+cases differ otherwise (a recomputed k - 1 whose input k keeps too, and not in its saved) the plan still
+counts some twice (an over-count).
 
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit

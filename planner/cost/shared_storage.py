@@ -29,11 +29,14 @@ def _held_shares(unit, b: int) -> dict:
 
 def redo_shared(before, after, b: int, dup: float) -> float:
     """r_k of units k - 1 (`before`) and k (`after`) at b, `dup` their d_k: of the storages a recomputed
-    `after` keeps (recomputed_shared_bytes), those `before` saves, beyond d_k, and at most those `before`
+    `after` keeps (recomputed_shared_bytes), those `before` saves, less d_k, and at most those `before`
     keeps when recomputed itself (what a stage holding both holds once in every case: module
-    docstring); 0 where not measured."""
+    docstring); 0 where not measured. Negative where `after`, recomputed, no longer saves what it shared
+    with `before` (rotary tables both layers save, which the recomputed one makes again inside itself):
+    the d_k the stage's count took off comes back (it was 0 there: a rank held 384 bytes a micro-batch
+    more than planned)."""
     kept = after.recomputed_shared_bytes.get(b)
     if not kept:
         return 0.0
     saved, inputs = before.shared_saved_bytes.get(b) or {}, before.recomputed_shared_bytes.get(b) or {}
-    return max(0.0, min(_overlap(saved, kept) - dup, _overlap(inputs, kept)))
+    return min(_overlap(saved, kept) - dup, _overlap(inputs, kept))
