@@ -37,6 +37,12 @@ class MixedRun:
 
     def _under_autocast(self, module: torch.nn.Module) -> Callable[..., Any]:
         def forward(*args, **kwargs):  # the class's forward, read when called (a recompiled graph's)
+            # each argument as the run's stage reads it (runtime.engine's `_as_computed`): a leaf needing a
+            # gradient through a view, so autocast casts it once per reader as it does a computed value,
+            # not once for all (its cache of leaves): T5's decoder blocks saved one bf16 copy of the encoder
+            # output where the run saves one for k and one for v
+            args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+                         for a in args)
             with self.autocast():
                 return type(module).forward(module, *args, **kwargs)
         return forward

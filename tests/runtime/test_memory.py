@@ -461,3 +461,19 @@ def test_a_recomputed_unit_that_no_longer_saves_what_it_shared_is_not_counted_on
     execute(_fixed_plan(profile, [3], schedule, recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] <= rank["predicted_activation_bytes"], rank
+
+
+def test_a_received_value_read_twice_in_a_unit_under_bf16_mixed_holds_what_the_run_holds(tmp_path):
+    """T5's decoder blocks read the encoder output twice (cross-attention's k and v). The profile ran each unit
+    on a leaf needing a gradient, whose bf16 cast autocast caches (one copy for both readers); the run's stage
+    reads its received values through a view, cast once per reader: a decoder rank held 2,048 bytes more than
+    planned. The profile now reads each argument as the run does (planner.profile.mixed)."""
+    pytest.importorskip("transformers")
+    from tests.support.runs import execute, plan_with, profile_of, report_of
+
+    args = dict(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=2, num_heads=4, seq_len=8)
+    profile = profile_of("hf:T5ForConditionalGeneration", args, sizes=(2,), precision="bf16-mixed")
+    cut = [u.name for u in profile.units].index("decoder.embed_tokens")
+    execute(plan_with(profile, [cut], 2, 4, "1f1b"), tmp_path, steps=1, extra=["--precision", "bf16-mixed"])
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
