@@ -424,15 +424,19 @@ class SpectralChain(nn.Module):
         return x
 
 
-def spectral_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
-    torch.manual_seed(3)
-    module = SpectralChain(dim, layers)
-
+def _to_random_targets(module: nn.Module, dim: int, every: int, offset: int) -> ModelSpec:
+    """`module` on batches of `dim` features trained by MSE to random targets, step s drawn from seed
+    every * s + offset."""
     def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(7 * step + 2)
+        g = torch.Generator().manual_seed(every * step + offset)
         return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+def spectral_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
+    torch.manual_seed(3)
+    return _to_random_targets(SpectralChain(dim, layers), dim, 7, 2)
 
 
 class EmaChain(nn.Module):
@@ -458,13 +462,7 @@ class EmaChain(nn.Module):
 
 def ema_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
     torch.manual_seed(4)
-    module = EmaChain(dim, layers)
-
-    def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(5 * step + 1)
-        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
-
-    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+    return _to_random_targets(EmaChain(dim, layers), dim, 5, 1)
 
 
 class AliasCross(nn.Module):
@@ -484,13 +482,7 @@ class AliasCross(nn.Module):
 
 def alias_cross(dim: int = 8, kind: str = "detach") -> ModelSpec:
     torch.manual_seed(6)
-    module = AliasCross(dim, kind)
-
-    def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(3 * step + 5)
-        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
-
-    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+    return _to_random_targets(AliasCross(dim, kind), dim, 3, 5)
 
 
 class SharedTable(nn.Module):

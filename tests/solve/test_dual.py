@@ -108,18 +108,10 @@ def test_the_dynamic_program_finds_the_least_split():
 def test_the_master_solves_after_another_user_of_highs_in_the_process():
     # HiGHS keeps one thread scheduler per process: after pulp's HiGHS at 2 threads, the master's LP at one
     # was refused, and the dual gave no bound at all (planner.solve.backends.refused_to_start)
-    import highspy
-    import pulp
-
     from planner.solve.dual import _Master
+    from tests.support.solvers import highs_started_elsewhere
 
-    highspy.Highs.resetThreadScheduler(False)
-    other = pulp.LpProblem("other", pulp.LpMinimize)
-    x = other.add_variable("x", 0, 3, cat=pulp.LpInteger) if hasattr(other, "add_variable") else \
-        pulp.LpVariable("x", 0, 3, cat=pulp.LpInteger)
-    other += x
-    other += x >= 1
-    other.solve(pulp.HiGHS(msg=False, threads=2))
+    highs_started_elsewhere()
     master = _Master()
     for _ in range(2):
         master.add_form(np.zeros(0))

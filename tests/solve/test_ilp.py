@@ -433,19 +433,10 @@ def test_highs_proves_after_another_user_of_highs_in_the_process(time_limit):
     threads: the machine's) ran first, a program asking for one thread was refused, read as solved with a
     bound of 0, and `solve` said 'feasible, gap 2 %' for a plan it proves optimal in a fresh process (found
     by running tests/solve/test_ilp_memory.py before this file's neighbour, test_zero_bubble.py)."""
-    import highspy
-    import pulp
-
     from tests.solve.test_zero_bubble import _chain
+    from tests.support.solvers import highs_started_elsewhere
 
-    highspy.Highs.resetThreadScheduler(False)  # whatever ran before: the other user starts it, with 2 threads
-    other = pulp.LpProblem("other", pulp.LpMinimize)
-    x = other.add_variable("x", 0, 3, cat=pulp.LpInteger) if hasattr(other, "add_variable") else \
-        pulp.LpVariable("x", 0, 3, cat=pulp.LpInteger)
-    other += x
-    other += x >= 1
-    other.solve(pulp.HiGHS(msg=False, threads=2))
-    assert x.varValue == 1
+    highs_started_elsewhere()
     opts = CostOptions(pipeline_ranks=3, global_batch=8, schedule="zb-h1", bandwidth=1e9, latency=2e-5,
                        memory_cap=1e15, recompute="auto")
     with program_only():

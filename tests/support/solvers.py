@@ -12,6 +12,22 @@ from planner.solve.brute import solve_brute
 from planner.solve.diagnose import InfeasibleError
 
 
+def highs_started_elsewhere() -> None:
+    """HiGHS's thread scheduler started by another user of HiGHS in this process, with 2 threads (pulp's
+    HiGHS at its default threads does so): planner.solve.backends.refused_to_start."""
+    import highspy
+    import pulp
+
+    highspy.Highs.resetThreadScheduler(False)  # whatever ran before: the other user starts it
+    other = pulp.LpProblem("other", pulp.LpMinimize)
+    x = other.add_variable("x", 0, 3, cat=pulp.LpInteger) if hasattr(other, "add_variable") else \
+        pulp.LpVariable("x", 0, 3, cat=pulp.LpInteger)
+    other += x
+    other += x >= 1
+    other.solve(pulp.HiGHS(msg=False, threads=2))
+    assert x.varValue == 1
+
+
 def program_only():
     """The integer program settles every scenario: without this, scenarios the branch and bound
     applies to never build it (planner.solve.exact)."""
