@@ -12,6 +12,7 @@ from planner.errors import OneLineParser, UsageError, run_subcommand
 from planner.jsonio import JsonFileError, atomic_path, check_writable, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
+from planner.plan.fields import REMAKE
 from planner.plan.file import Plan, load_plan
 from runtime.options import ENGINES, OPTIMIZERS, P2P, P2P_HELP, RANK_TIMEOUT_S, add_training_options, forwarded
 
@@ -21,6 +22,24 @@ def check_plan(plan: Plan) -> List[List[sched.Action]]:
     lists = plan.instruction_lists()
     check_schedule(lists, plan.num_micro_batches, placement=plan.topology().rank_running)
     return lists
+
+
+def _entry_problem(entry: Any) -> Optional[str]:
+    """What keeps every rank from building the plan's model, found without importing it (the launcher stays
+    quick to start; whether a module imports, the ranks say): no model (a profile imported from another tool),
+    an entry of no known form, a built-in that does not exist."""
+    from planner.model.builtin import BUILTIN_MODELS
+
+    if entry is None or entry.startswith("pipedream:"):  # planner.profile.pipedream: measured elsewhere
+        return (f"the plan has no model to build (model entry {entry!r}: a profile imported from another tool): it can "
+                "be shown, simulated and exported, not run; profile the model with `planner profile MODEL` and "
+                "solve that profile to run it")
+    kind, _, name = entry.partition(":")
+    if kind == "builtin" and name not in BUILTIN_MODELS:
+        return f"the plan's model {entry!r} is no built-in model ({', '.join(BUILTIN_MODELS)}); {REMAKE}"
+    if kind not in ("builtin", "hf") and not (kind and name):
+        return f"the plan's model {entry!r} is not builtin:NAME, hf:CLASS or package.module:function; {REMAKE}"
+    return None
 
 
 def _merge_states(out_dir: str, ranks: List[int]) -> Dict[str, Any]:
@@ -66,11 +85,9 @@ def execute(args: argparse.Namespace) -> int:
     from runtime.report import build_report, format_report
 
     plan = load_plan(args.plan)
-    entry = plan.model.get("entry")
-    if entry is None or entry.startswith("pipedream:"):  # planner.profile.pipedream: measured elsewhere
-        raise UsageError(f"the plan has no model to build (model entry {entry!r}: a profile imported from another "
-                         "tool): it can be shown, simulated and exported, not run; profile the model with "
-                         "`planner profile MODEL` and solve that profile to run it")
+    problem = _entry_problem(plan.model.get("entry"))
+    if problem:
+        raise UsageError(problem)
     lists = check_plan(plan)
     _check_run_options(args, plan)
     if args.engine == "torch":

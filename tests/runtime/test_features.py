@@ -220,6 +220,16 @@ def test_show_prints_checked_lists_and_bad_plans_fail_before_starting(tmp_path):
                 code = runtime_main(command)
             assert code == 2, (command, out.getvalue(), err.getvalue())
             assert "Traceback" not in err.getvalue() and "error:" in err.getvalue()
+    # a model no rank can build (the twenty-sixth session's fuzz: every rank started, then failed)
+    for entry, words in (("zzz", "is not builtin:NAME, hf:CLASS or package.module:function"),
+                         ("builtin:nope", "is no built-in model")):
+        bad = plan.to_json()
+        bad["model"] = dict(bad["model"], entry=entry)
+        write_json_atomic(path, bad)
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            assert runtime_main(["execute", path]) == 2
+        assert words in err.getvalue() and len(err.getvalue().splitlines()) == 1, err.getvalue()
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "bfs"])
