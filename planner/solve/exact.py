@@ -190,9 +190,10 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
         # per unit at least (planner.cost.ranges.saved: what a unit shares with the one before counts at most once)
         least = {"none": costs.s - costs.dup, "all": costs.inputs - costs.redo_dup,
                  "auto": np.minimum(costs.s, costs.inputs - costs.redo_dup) - costs.dup}[opts.recompute]
-        # and at a stage's start unit a: d_a + first_a, which first_a (inputs received apart) may make negative
-        at_start = np.zeros(costs.num_units + 1) if opts.recompute == "all" else \
-            np.append(np.minimum(costs.dup + costs.first, 0.0), 0.0)
+        # and at a stage's start unit a: d_a + first_a, which first_a (inputs received apart) may make negative;
+        # every unit recomputed, r_a, given back there where negative (the unit keeps in_a alone)
+        at_start = np.append(np.minimum(costs.redo_dup if opts.recompute == "all" else costs.dup + costs.first, 0.0),
+                             0.0)
         # a tie's later uses taken off: no rank holding a stage keeps less (planner.cost.ties)
         copies = tie_copies(tied_weights(profile), costs)
         later = [prefix_sums(later_uses_bytes(copies, profile.num_units, trained)) for trained in (False, True)]

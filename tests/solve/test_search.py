@@ -249,3 +249,34 @@ def test_brute_force_recomputes_a_unit_that_frees_only_what_it_shares():
     with program_only():
         found = solve(profile, opts)
     assert found.objective == pytest.approx(oracle.objective, rel=1e-9) and worth_recomputing(costs, opts.schedule)[2]
+
+
+def test_every_unit_recomputed_a_stage_start_whose_r_is_negative_is_not_fixed_out():
+    # r_k < 0 where recomputed unit k no longer saves the table it shared with k - 1; at a stage's start the
+    # model gives r_a back (the unit keeps in_a). The fixings counted in_a - r_a there, so the split at 2 (the
+    # optimum, fitting its cap exactly) was ruled out: the program alone said infeasible, and without its warm
+    # start the search's optimum was not brute force's (found by the twenty-sixth session's oracle campaign)
+    from planner.cost.model import evaluate
+    from planner.cost.ranges import RangeCosts
+    from planner.solve.exact import _fixings
+    from tests.support.solvers import program_only
+    from tests.support.synthetic import synthetic_profile
+
+    mib, L, b = 1 << 20, 4, 2
+    profile = synthetic_profile([1e-3] * L, [2e-3] * L, [mib] * L, [4 * mib] * L, [mib] * (L - 1), sizes=(b,))
+    before, after = profile.units[1], profile.units[2]
+    before.shared_saved_bytes[b] = {"table": 6 * mib, "ids": 64 * 1024}  # both save the table (d_2)
+    after.shared_saved_bytes[b] = {"table": 6 * mib}
+    for unit in (before, after):  # recomputed, each keeps the ids alone
+        unit.recomputed_shared_bytes[b] = {"ids": 64 * 1024}
+        unit.input_bytes[b] = 64 * 1024
+    assert RangeCosts(profile, b).redo_dup[2] < 0
+    free = CostOptions(pipeline_ranks=2, global_batch=8, schedule="1f1b", bandwidth=1e9, recompute="all")
+    opts = free.with_(memory_cap=max(evaluate(profile, [2], b, free, range(L)).device_memory))
+    assert _fixings(profile, b, opts, set(), math.inf) == ([0, 0, 1, 1], [0, 0, 1, 1])
+    oracle = solve_brute(profile, opts)
+    assert oracle.boundaries == [2]
+    for warm in (True, False):
+        assert solve(profile, opts, warm_start=warm).objective == pytest.approx(oracle.objective, rel=1e-9)
+        with program_only():
+            assert solve(profile, opts, warm_start=warm).objective == pytest.approx(oracle.objective, rel=1e-9)
