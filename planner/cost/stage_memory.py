@@ -115,6 +115,11 @@ class StageMemory:
         self.weight = costs.held_weight_inputs if recompute_all else costs.h
         # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
         self.kept = costs.kept_known and not recompute_all
+        # every unit recomputed, the kept gradients measured: a later stage's weight kind holds each unit's in'^h_l
+        # and k_l, the r^h_k it shares with the unit before once (given back at its start: held_dup_at_cut)
+        self.kept_all = costs.kept_known and recompute_all
+        if self.kept_all:
+            self.weight = costs.held_weight_inputs + costs.k - costs.held_redo_dup
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
@@ -159,7 +164,7 @@ class StageMemory:
             weight, held = self.weight, c.h
         # the kinds that hold what units save, whose neighbours' shared bytes count once (d_k in the live
         # kind; in the weight kind what both still hold, d^h_k)
-        live_share, weight_share = count("live"), (count("weight") if whole or self.kept else 0)
+        live_share, weight_share = count("live"), (count("weight") if whole or self.kept or self.kept_all else 0)
         start_share = live_share * self.dup_at_cut + weight_share * self.held_dup_at_cut
         start = count("inbox") * c.act + count("sent_grad") * c.grad + start_share if g > 0 else zero
         # the first unit's inputs as received (planner.cost.ranges' first_a), none when recomputed
