@@ -28,18 +28,14 @@ def _entry_problem(entry: Any) -> Optional[str]:
     """What keeps every rank from building the plan's model, found without importing it (the launcher stays
     quick to start; whether a module imports, the ranks say): no model (a profile imported from another tool),
     an entry of no known form, a built-in that does not exist."""
-    from planner.model.builtin import BUILTIN_MODELS
+    from planner.model.builtin import entry_form_problem
 
     if entry is None or entry.startswith("pipedream:"):  # planner.profile.pipedream: measured elsewhere
         return (f"the plan has no model to build (model entry {entry!r}: a profile imported from another tool): it can "
                 "be shown, simulated and exported, not run; profile the model with `planner profile MODEL` and "
                 "solve that profile to run it")
-    kind, _, name = entry.partition(":")
-    if kind == "builtin" and name not in BUILTIN_MODELS:
-        return f"the plan's model {entry!r} is no built-in model ({', '.join(BUILTIN_MODELS)}); {REMAKE}"
-    if kind not in ("builtin", "hf") and not (kind and name):
-        return f"the plan's model {entry!r} is not builtin:NAME, hf:CLASS or package.module:function; {REMAKE}"
-    return None
+    problem = entry_form_problem(entry)
+    return f"the plan's {problem}; {REMAKE}" if problem else None
 
 
 def _merge_states(out_dir: str, ranks: List[int]) -> Dict[str, Any]:

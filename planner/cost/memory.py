@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
-from planner.sizes import DTYPE_BYTES  # noqa: F401  (importable from here too)
+from planner.sizes import DTYPE_BYTES
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 SHARDS = ("none", "optimizer", "gradients", "parameters")

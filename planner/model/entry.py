@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable
 
 import torch
 
-from planner.model.builtin import BUILTIN_MODELS
+from planner.model.builtin import entry_form_problem
 from planner.model.example import remember_batch
 from planner.model.lazy import materialize_lazy
 from planner.model.spec import ModelEntryError, ModelSpec
@@ -50,21 +50,17 @@ def _parse_literal(raw: str) -> Any:
 
 
 def resolve_entry(entry: str) -> Callable[..., ModelSpec]:
+    problem = entry_form_problem(entry)
+    if problem:
+        raise ModelEntryError(problem)
     if entry.startswith("hf:"):
         from planner.model.builtin.hf import hf_builder
 
         return hf_builder(entry.split(":", 1)[1])
     if entry.startswith("builtin:"):
-        name = entry.split(":", 1)[1]
-        if name not in BUILTIN_MODELS:
-            raise ModelEntryError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
-        module = importlib.import_module(f"planner.model.builtin.{name}")
+        module = importlib.import_module(f"planner.model.builtin.{entry.split(':', 1)[1]}")
         return module.build
-    module_name, sep, func_name = entry.partition(":")
-    if not sep or not module_name or not func_name:
-        raise ModelEntryError(
-            f"model {entry!r} is not 'builtin:NAME' or 'package.module:function' "
-            f"(built-ins: {', '.join(BUILTIN_MODELS)})")
+    module_name, _, func_name = entry.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -221,8 +221,8 @@ def test_show_prints_checked_lists_and_bad_plans_fail_before_starting(tmp_path):
             assert code == 2, (command, out.getvalue(), err.getvalue())
             assert "Traceback" not in err.getvalue() and "error:" in err.getvalue()
     # a model no rank can build (the twenty-sixth session's fuzz: every rank started, then failed)
-    for entry, words in (("zzz", "is not builtin:NAME, hf:CLASS or package.module:function"),
-                         ("builtin:nope", "is no built-in model")):
+    for entry, words in (("zzz", "the plan's model 'zzz' is not 'builtin:NAME' or 'package.module:function'"),
+                         ("builtin:nope", "the plan's unknown built-in model 'nope'")):
         bad = plan.to_json()
         bad["model"] = dict(bad["model"], entry=entry)
         write_json_atomic(path, bad)
