@@ -80,6 +80,9 @@ class InitState:
     def __contains__(self, key: str) -> bool:
         return key in self._readers
 
+    def keys(self) -> List[str]:
+        return list(self._readers)
+
     def get(self, key: str) -> torch.Tensor:
         return self._readers[key]()
 
@@ -91,6 +94,20 @@ def model_names(model: nn.Module) -> Dict[int, str]:
             list(model.named_buffers(remove_duplicate=False)):
         names.setdefault(id(tensor), name)
     return names
+
+
+def unused_note(state: InitState, model: nn.Module) -> str:
+    """What the run says of the file's entries the model does not name (a checkpoint of another model,
+    a renamed layer): they are not loaded, so a run that only looks right is not taken for one from
+    the file. "" where every entry is the model's."""
+    named = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    named |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    unused = [key for key in state.keys() if key not in named]
+    if not unused:
+        return ""
+    shown = ", ".join(repr(k) for k in unused[:3]) + (", ..." if len(unused) > 3 else "")
+    return (f"warning: --init-state {state.path!r}: {len(unused)} of its {len(state.keys())} entries are not this "
+            f"model's ({shown}) and were not loaded")
 
 
 def materialise(modules: List[nn.Module], others: List[nn.Module], names: Mapping[int, str], state: InitState,

@@ -41,7 +41,8 @@ def write_results(me: RankProcess, first_step: int, steps: List[Dict[str, Any]],
               "gradient_all_reduce": gradient_all_reduce(me),
               "shared_memory_reductions": shared_reducer(me).reductions if shared_reducer(me) else 0,
               "p2p_note": me.p2p_note,
-              "precision_note": me.rank_model.precision_note}
+              "precision_note": me.rank_model.precision_note,
+              "init_state_note": me.rank_model.init_state_note}
     # sharded parameters are gathered by every holder (a collective), saved by one
     gathered = me.sharding.full_states() if me.sharding is not None and args.save_state else [None] * len(stages)
     if args.save_state and topology.replica_of(rank) == 0 and topology.lane_of(pipeline_rank) == 0:

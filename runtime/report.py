@@ -64,6 +64,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "shared_memory_reductions": r.get("shared_memory_reductions", 0),
             "p2p_note": r.get("p2p_note", ""),
             "precision_note": r.get("precision_note", ""),  # planner/model/casts.py
+            "init_state_note": r.get("init_state_note", ""),  # runtime/initstate.py
             "host_kernel_s": r.get("host_kernel_s"),
             "device": r.get("device"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),  # the CUDA allocator's peak (None on the CPU)
@@ -136,8 +137,10 @@ def format_report(report: Dict[str, Any]) -> str:
     if summed:  # runtime/shared_reduce.py; ranks without gradient buckets are in neither
         lines.append(f"gradient all-reduce through shared memory on ranks {_ranges(summed)}" + (
             f", torch.distributed on ranks {_ranges(others)}" if others else ""))
-    # why the rings were not used (every rank decided alike); why a bf16-mixed graph kept fp32 casts
-    notes = {s.get(key) for s in report["stages"] for key in ("p2p_note", "precision_note")} - {"", None}
+    # why the rings were not used (every rank decided alike); why a bf16-mixed graph kept fp32 casts; the
+    # --init-state entries not loaded
+    notes = {s.get(key) for s in report["stages"]
+             for key in ("p2p_note", "precision_note", "init_state_note")} - {"", None}
     lines += sorted(notes)
     return "\n".join(lines)
 

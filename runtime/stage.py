@@ -31,7 +31,7 @@ from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
 from planner.model.casts import recast_model
 from planner.model.meta import parameters_on_meta, to_meta
-from runtime.initstate import InitState, materialise, meta_example, model_names, release
+from runtime.initstate import InitState, materialise, meta_example, model_names, release, unused_note
 
 
 class PlanMismatchError(RuntimeError):
@@ -165,6 +165,7 @@ class RankModel:
     # the CPU generator's state right after the model was built: rank 0's random stream (runtime.streams)
     built_rng_state: Optional[torch.Tensor] = None
     precision_note: str = ""  # why an exported graph keeps its fp32 casts under bf16-mixed (planner.model.casts)
+    init_state_note: str = ""  # the --init-state entries the model does not name (runtime.initstate.unused_note)
 
     def parameters(self) -> List[nn.Parameter]:
         """This rank's parameters, each once (a tie within the rank is one parameter)."""
@@ -261,11 +262,13 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
         spec = plan_spec(plan)
         built_rng_state = torch.get_rng_state()
         captured = capture(spec.module)
+        init_state_note = ""
     else:
         spec = plan_spec(plan, on_meta=True)
         built_rng_state = torch.get_rng_state()
         real_buffers = to_meta(spec.module)
         names = model_names(spec.module)
+        init_state_note = unused_note(init_state, spec.module)
         captured = capture(spec.module, example_inputs=meta_example(spec.batch(EXAMPLE_BATCH_SIZE, 0)[0]))
     # the loss runs on the graph's output: what forward sets on the model is not there (planner.model.forward_state)
     spec = pipeline_spec(spec, captured.forward_sets)
@@ -340,7 +343,7 @@ def build_rank(plan: Plan, topology: Topology, pipeline_rank: int, device: torch
     used = {id(t) for module in modules for t in module.state_dict(keep_vars=True).values()}
     release([spec.module, captured.gm, *modules], used - own)
     return RankModel(spec=spec, stages=mine, tied=tied, tied_groups=tied_groups, precision_note=precision_note,
-                     built_rng_state=built_rng_state,
+                     init_state_note=init_state_note, built_rng_state=built_rng_state,
                      input_values=captured.input_values)
 
 

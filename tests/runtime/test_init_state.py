@@ -40,6 +40,23 @@ def test_init_state_runs_like_one_process_from_it(tmp_path, suffix):
     trained = execute(plan, tmp_path / "run", extra=["--init-state", file])
     assert max_abs_diff(trained, reference_state(plan, init_state=str(tmp_path / "reference.pt"))) <= 1e-5
     assert max_abs_diff(trained, reference_state(plan)) > 1e-3  # not the seed's weights
+    assert "--init-state" not in (tmp_path / "run" / "execute.out").read_text()  # every entry was the model's
+
+
+def test_entries_the_model_does_not_name_are_reported(tmp_path):
+    # a checkpoint of a deeper model, or a renamed layer: its extra entries are not loaded, and the
+    # run says so once (every rank sees the same file) instead of passing in silence
+    plan = _gpt_plan([2])
+    reference, state = _state_file(plan, tmp_path / "reference")
+    state.update({"blocks.9.attn.qkv.weight": torch.ones(3), "old_head.bias": torch.zeros(2)})
+    file = str(tmp_path / "init.pt")
+    torch.save(state, file)
+    trained = execute(plan, tmp_path / "run", steps=1, extra=["--init-state", file])
+    assert max_abs_diff(trained, reference_state(plan, steps=1, init_state=reference)) <= 1e-5
+    printed = (tmp_path / "run" / "execute.out").read_text()
+    (line,) = [line for line in printed.splitlines() if "--init-state" in line]
+    assert line.startswith("warning:") and f"2 of its {len(state)} entries are not this model's" in line
+    assert "'blocks.9.attn.qkv.weight', 'old_head.bias'" in line
 
 
 def test_saved_state_starts_a_run_under_another_plan(tmp_path):
