@@ -25,6 +25,7 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
                             if e-1 in R else h_{e-1}) - sum_{a<k<e, k-1 not in R} d^h_k
                             - sum_{a<k<e, k in R} r^h_k                     bytes held from the first to the second
                             + [a not in R] first'_a + [a < e-1; e-2, e-1 not in R] (d^h_{e-1} - d'_{e-1})
+                            + inner(a, e)        (values it computes from its parameters: planner.cost.inner_weight)
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
 every node below the stage's topmost frontier, so each unit but the last holds all it saved; the
@@ -99,8 +100,7 @@ d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the nex
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
 k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
 the shared tensor still). A stage [a, e) without recomputation:
-saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (`saved_prefix`,
-`saved_at_start`).
+saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (`saved_prefix`, `saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
 and the bytes of the model's inputs unit l reads, and for the last unit the bytes the loss saves (the
@@ -116,6 +116,7 @@ from typing import Iterable, Tuple
 
 import numpy as np
 
+from planner.cost.inner_weight import inner_held, inner_pairs
 from planner.cost.shared_storage import redo_shared, shared
 from planner.profile.profile import Profile
 
@@ -138,9 +139,7 @@ class RangeCosts:
     """Prefix sums of one profile at one micro-batch size (speed 1; divide times by sigma)."""
 
     def __init__(self, profile: Profile, b: int, optimizer: str = "sgd"):
-        units = profile.units
-        self.num_units = len(units)
-        self.b = b
+        units, self.num_units, self.b = profile.units, len(profile.units), b
         self.call_forward, self.call_backward = profile.stage_overhead(b)
         engine = profile.engine_overhead_s[1]
         first_input, later_input, later_weight = profile.split_overhead_s.get(
@@ -155,8 +154,7 @@ class RangeCosts:
                             for u in units], dtype=float)
         self.gi = np.array([u.backward_input_s[b] if u.split_backward else u.backward_s[b] - self.gw[l]
                             for l, u in enumerate(units)], dtype=float)
-        self.h = np.array([u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in units],
-                          dtype=float)
+        self.h = np.array([u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in units], float)
         # a stage's first unit gets its inputs each in a storage of its own (UnitProfile.first_saved_bytes):
         # what it then saves (holds until its weight part) beyond what it does inside a stage
         self.first = np.array([u.first_saved_bytes.get(b, u.saved_bytes[b]) - u.saved_bytes[b] for u in units],
@@ -179,6 +177,7 @@ class RangeCosts:
         for e in range(1, self.num_units + 1):
             self.trained[e] = e - 1 if units[e - 1].trainable_bytes > 0 else self.trained[e - 1]
         self.k = np.array([u.weight_kept_bytes.get(b, 0) for u in units], dtype=float)
+        self.inner = inner_pairs(units, b)  # held more where the stage computes a value it reads (inner_weight)
         self.p = np.array([u.param_bytes for u in units], dtype=float)
         self.t = np.array([u.trainable_bytes for u in units], dtype=float)  # of p, those that train
         name = "adamw" if optimizer in ("adam", "adamw") else optimizer
@@ -283,7 +282,7 @@ class RangeCosts:
             return self.held_saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
         if not self.kept_known:
-            first = 0.0 if a in redo else float(self.first_held[a])
+            first = inner_held(self.inner, a, e) + (0.0 if a in redo else float(self.first_held[a]))
             return first + float(sum(float(self.held_weight_inputs[l]) if l in redo else float(self.h[l])
                                      for l in range(a, e)))
         # the unit holding its h: the stage's last, or, where the stage ends in frozen units, its last
@@ -298,7 +297,7 @@ class RangeCosts:
         # its h: of what it shares with the unit before, only what it still holds
         lost = float(self.held_dup[last] - self.weight_dup[last]) if last > a and last - 1 not in redo and \
             last not in redo else 0.0
-        return first + held - self._shared_once(a, last + 1, redo, held=True) + lost
+        return first + held - self._shared_once(a, last + 1, redo, held=True) + lost + inner_held(self.inner, a, e)
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),

@@ -11,6 +11,7 @@ kinds for one split), holds
     + [g > 0]     (P_inbox,g act_a + P_sent_grad,g grad_a + P_live,g d_a)   at the cut it starts at
     + P_live,g first_a + P_weight,g first'_a                       its first unit's inputs as received
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
+    + [not whole] P_weight,g inner(a, e)       values it computes from its parameters (planner.cost.inner_weight)
 
 (first_a, first'_a: planner.cost.ranges; first'_a is first_a where the weight kind counts saved_l + k_l, and
 the first unit's measured difference in h_l where it counts h_l: where a later stage's first unit holds
@@ -50,6 +51,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from planner.cost.inner_weight import Pair, inner_rows
 from planner.cost.model import num_micro_batches, step_shape
 from planner.cost.rank_memory import rank_caps, static_factors
 from planner.cost.options import CostOptions
@@ -90,6 +92,9 @@ class HeldTerms:
     # starts the stage or that unit is recomputed. `last_unit` and `trained_end` count it as holding, of
     # what it shares with that unit, what it let go too (d^h_l - d'_l, planner.cost.ranges)
     alone_shared: np.ndarray
+    # (k, T, bytes): unit k holds these bytes more where the stage holds unit T too (a value of source T it
+    # reads then carries no gradient from the stage's inputs: planner.cost.inner_weight); none where whole
+    inner: Tuple[Pair, ...] = ()
 
 
 class StageMemory:
@@ -190,7 +195,8 @@ class StageMemory:
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          start_share, last,
                          first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds,
-                         alone_shared=alone_shared)
+                         alone_shared=alone_shared,
+                         inner=() if whole else tuple((k, t, count("weight") * x) for k, t, x in c.inner))
 
     @cached_property
     def _held_less(self) -> np.ndarray:
@@ -251,6 +257,8 @@ class StageMemory:
         value = bytes_[None, :] - bytes_[first][:, None]
         value += terms.at_start[first][:, None]
         value += terms.at_end[None, :]
+        if terms.inner:
+            value += inner_rows(terms.inner, first, value.shape[1])
         # where the stage holds its last trained unit (no recomputation here but every unit's, under which
         # the weight kind counts no trained_end): a <= trained[e]
         ends = np.flatnonzero(terms.trained_end)

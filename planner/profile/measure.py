@@ -45,7 +45,7 @@ from planner.profile.profile_run import ProfileRun, prepare
 from planner.profile.records import prepare_args, record_cut_values, shared_parameters_json, tensor_bytes
 from planner.profile.run_timing import measure_optimizer, time_parts, time_units
 from planner.profile.saved import loss_saved_bytes
-from planner.profile.saved_storages import as_first, shared_saved
+from planner.profile.saved_storages import as_first, inner_weight, shared_saved
 from planner.profile.timing import UnitCall
 
 
@@ -227,6 +227,9 @@ def _measure_size(run: ProfileRun, b: int) -> None:
             unit.first_saved_bytes[b] = first[k][0]
             if unit.split_backward:
                 unit.first_weight_held_bytes[b] = first[k][1]
+        if unit.split_backward and k > 0:  # where its stage computes a value it reads from parameters
+            unit.inner_weight_bytes[b] = inner_weight(run, work[k], k, list(io.received), unit.weight_held_bytes[b],
+                                                      target)
         unit.input_bytes[b] = sum(tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))

@@ -40,6 +40,7 @@ class ProfileRun:
     stages: List[Any] = field(default_factory=list)  # (module, io) of each unit run alone
     tails: Dict[int, Any] = field(default_factory=dict)  # first -> (module, io) of units [first, L) as one stage
     grad_flags: Dict[str, bool] = field(default_factory=dict)  # which crossing values carry gradients
+    sources: Dict[str, int] = field(default_factory=dict)  # `value_sources`
     units: List[UnitProfile] = field(default_factory=list)
     cut_values: Dict[int, Dict[str, CutValue]] = field(default_factory=dict)
     whole_scale: Dict[int, Dict[str, float]] = field(default_factory=dict)
@@ -55,6 +56,22 @@ class ProfileRun:
     def forwarding(self):
         """The context a forward outside the stage modules runs in (the whole model's values)."""
         return self.mixed.autocast() if self.mixed is not None else contextlib.nullcontext()
+
+
+def value_sources(captured: CapturedModel, grad_flags: Dict[str, bool]) -> Dict[str, int]:
+    """Each computed value's source: the first unit whose values its gradient flows back into (through values
+    that carry one; parameters belong to no unit). A stage starting at or before the source of a value it
+    reads computes that value from its own parameters alone: its input part does not reach it, and the
+    weight part keeps the gradients where it meets the stage's inputs (UnitProfile.inner_weight_bytes)."""
+    unit_of = {node.name: k for k, unit in enumerate(captured.units) for node in unit.nodes}
+    sources: Dict[str, int] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        found = [sources[m.name] for m in node.all_input_nodes if grad_flags.get(m.name) and m.name in sources]
+        own = unit_of.get(node.name)
+        sources[node.name] = min(found + ([own] if own is not None else []), default=len(captured.units))
+    return sources
 
 
 def tail_firsts(num_units: int) -> List[int]:
@@ -101,6 +118,7 @@ def prepare(run: ProfileRun, smallest: int, precision: str = "fp32") -> None:
             if run.mixed is not None:
                 run.mixed.remove()
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
+    run.sources = value_sources(captured, run.grad_flags)
     # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
                        [module for module, _ in run.stages])

@@ -61,6 +61,15 @@ class Reader:
         """{value name: bytes}, each a count."""
         return {str(k): self.count(n, f'{where}["{k}"]') for k, n in self.table(d, where).items()}
 
+    def signed_counts(self, d: Any, where: str) -> Dict[str, int]:
+        """{key: bytes more or fewer}, each a whole number of bytes."""
+        out = {}
+        for k, n in self.table(d, where).items():
+            magnitude = self.count(abs(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else n,
+                                   f'{where}["{k}"]')
+            out[str(k)] = -magnitude if n < 0 else magnitude
+        return out
+
     def table(self, d: Any, where: str) -> Dict[str, Any]:
         if not isinstance(d, dict):
             raise self.error(where, f"is {show(d)}: expected an object")

@@ -15,6 +15,46 @@ from planner.profile.splitgrad import backward_weight, first_part, forward_and_i
 from planner.profile.timing import UnitCall, _closures, _InputRestore
 
 
+def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], held: int,
+                 target: Any) -> Dict[str, int]:
+    """{source T: bytes}: what its weight part holds more (less) in a stage starting at a than `held`,
+    measured alone, is the sum of those with T >= a (UnitProfile.inner_weight_bytes). A received value of
+    source T >= a (run.sources; T >= 1: the first stage's weight part holds all anyway) is computed in such
+    a stage from its parameters and carries no gradient from its inputs: the nodes where it meets them keep
+    theirs for the weight part (a shared position bias added to every block's scores). Measured with those
+    values' gradients asked for in the weight part, as parameters' are, at each source in turn."""
+    offset = len(call.args) - len(received)  # the received values follow the model's inputs
+    sources: Dict[int, List[torch.Tensor]] = {}
+    for i, name in enumerate(received):
+        source, arg = run.sources.get(name, 0), call.args[offset + i]
+        if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and _later_start(run, source):
+            sources.setdefault(source, []).append(arg)
+    out: Dict[str, int] = {}
+    forward, _ = _closures(call, run.spec.loss, target)
+    trainable, outside = call.trainable(), []
+    for source in sorted(sources, reverse=True):  # a stage starting at `source` computes all these
+        outside = outside + sources[source]
+        with torch.enable_grad():
+            pending, inside, _ = forward_and_input_part(
+                forward, lambda out: first_part(call, out, trainable + outside, outside=outside),
+                list(call.module.parameters()))
+            backward_weight(pending)
+        call.module.zero_grad(set_to_none=True)
+        for arg in outside:
+            arg.grad = None
+        _InputRestore(call)()
+        if inside != held:
+            out[str(source)] = inside - held
+        held = inside
+    return out
+
+
+def _later_start(run: ProfileRun, source: int) -> bool:
+    """Whether a stage starting at some cut 1..source has an input part: a value crossing it carries a
+    gradient (planner.cost.ranges' `whole` otherwise, whose weight part holds all anyway)."""
+    return any(run.grad_flags.get(node.name) for a in range(1, source + 1) for node in run.captured.crossing(a))
+
+
 def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:
     """(saved bytes, bytes held from its input part to its weight part) of a unit run as a stage's
     first, its inputs each in a storage of its own (`as_received`); None where that is how it runs

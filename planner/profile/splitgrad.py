@@ -358,8 +358,11 @@ def measure_backward_parts(units: Sequence[UnitCall], loss_fn, target, device, r
             for ts, (h, k, calls, nodes) in zip(times, held)]
 
 
-def first_part(call: UnitCall, out, params: Sequence[torch.Tensor]) -> PendingWeights:
+def first_part(call: UnitCall, out, params: Sequence[torch.Tensor], outside: Sequence[torch.Tensor] = ()
+               ) -> PendingWeights:
     """The input backward of one unit's forward result (`params`: the unit's trainable ones), seeded
-    as measure_units seeds the whole one."""
-    inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad]
+    as measure_units seeds the whole one; `outside`: arguments whose gradients are left to the weight part
+    (among `params`), as where its stage computes them (planner.profile.saved_storages.inner_weight)."""
+    inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad
+              and not any(a is o for o in outside)]
     return backward_input(*backward_seeds(call, out), inputs, params)

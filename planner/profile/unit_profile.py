@@ -100,6 +100,14 @@ class UnitProfile:
     # storage holds as shared_saved_bytes names them ("" for storages no value of the unit names).
     # Empty: not measured (older files, analytic and imported profiles): none
     dropped_saved_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # what its weight part holds more (or less) where its stage computes values it reads: per micro-batch
+    # size, {source T (a string): bytes}, the unit holding sum_{T >= a} of them in a stage starting at a
+    # (planner.cost.inner_weight). A value whose gradient flows back only into units from its source on
+    # (planner.profile.profile_run.value_sources) carries none from the inputs of a stage starting at or
+    # before it, and the nodes where it meets them keep their gradients for the weight part (a position
+    # bias shared by every block's scores). Empty: none, or not measured (older files, analytic and
+    # imported profiles)
+    inner_weight_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -126,6 +134,8 @@ class UnitProfile:
             **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items())}
                for name in NAMED_STORAGE_FIELDS if getattr(self, name)},
             **({"weight_kept_bytes": str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
+            **({"inner_weight_bytes": {str(b): dict(v) for b, v in sorted(self.inner_weight_bytes.items()) if v}}
+               if any(self.inner_weight_bytes.values()) else {}),
             **({"input_bytes": str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
             **({"first_saved_bytes": str_keys(self.first_saved_bytes)} if self.first_saved_bytes else {}),
@@ -180,6 +190,8 @@ class UnitProfile:
                                                   f"{where}.first_weight_held_bytes", read.count, required=False),
             weight_kept_bytes=read.per_size(d.get("weight_kept_bytes") or {}, f"{where}.weight_kept_bytes", read.count,
                                             required=False),
+            inner_weight_bytes=read.per_size(d.get("inner_weight_bytes") or {}, f"{where}.inner_weight_bytes",
+                                             read.signed_counts, required=False),
             weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
             weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)
@@ -205,6 +217,13 @@ class UnitProfile:
                 raise read.error(f'{where}.dropped_saved_bytes["{b}"]',
                                  f"with the shared_saved_bytes names {named} bytes: more than the unit's "
                                  f"saved_bytes ({unit.saved_bytes[b]}), of which they are a part")
+        for b, inner in unit.inner_weight_bytes.items():  # what it holds at each start: never below 0
+            held = unit.weight_held_bytes.get(b, 0)
+            for key in sorted(inner, key=lambda key: -int(key) if key.isdigit() else 0):
+                held += inner[key]
+                if held < 0:
+                    raise read.error(f'{where}.inner_weight_bytes["{b}"]', "takes more than the unit's "
+                                     "weight_held_bytes holds")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):
                 raise read.error(f'{where}.weight_kept_bytes["{b}"]', f"is {kept}: more than the unit's "

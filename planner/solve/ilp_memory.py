@@ -153,6 +153,9 @@ class MemoryRows(TieRows):
                                if first_alone[a] and self.may(a, g))
         held -= pulp.lpSum(terms.alone_shared[l] / MIB * self._holds_after_recomputed(l, g) for l in range(1, L)
                            if terms.alone_shared[l] and (l - 1, g) in self.rho)
+        # a value unit k reads computed in the stage from unit t on (planner.cost.inner_weight): both in it
+        held += pulp.lpSum(x / MIB * self._product(f"inner_{k}_{t}_{g}", [self.x(k, g), self.x(t, g)], exact=x < 0)
+                           for k, t, x in terms.inner if x and self.may(k, g) and self.may(t, g))
         held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
                            if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g) and self._may_end(e, g))
         return held
@@ -163,5 +166,6 @@ def _most(terms) -> float:
     return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
                                                  terms.at_start, terms.at_end, terms.last_unit,
                                                  terms.first_recomputed, terms.trained_end,
-                                                 terms.first_holds, terms.alone_shared))) / MIB
+                                                 terms.first_holds, terms.alone_shared))
+                 + sum(abs(x) for _, _, x in terms.inner)) / MIB
 

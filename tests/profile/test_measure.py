@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import random
 
 import pytest
 import torch
@@ -284,6 +285,28 @@ def test_weight_walk_is_what_a_stage_pays_above_its_units_per_node_walked():
     # no more than the units alone (noise, or only a per-stage cost: split_call_overhead's), or nothing walks
     assert weight_walk([1.0, 1.0], [2, 2], [10, 10], [(0, 1.9)]) is None
     assert weight_walk([1.0, 1.0], [2, 0], [10, 10], [(0, 2.5)]) is None
+
+
+def test_inner_weight_bytes_round_trip_and_bad_values_are_refused():
+    # what a unit holds more (less) where its stage computes values it reads (planner.cost.inner_weight):
+    # by source unit, each a unit before it other than the first, never taking more than the unit holds
+    from planner.jsonio import JsonFileError
+    from tests.support.synthetic import random_chain
+
+    p = random_chain(random.Random(0), 4, sizes=(2,))
+    for u in p.units:
+        u.backward_input_s, u.backward_weight_s, u.weight_held_bytes = {2: 1e-3}, {2: 1e-3}, {2: 100}
+    p.units[3].inner_weight_bytes = {2: {"2": -60, "1": 30}}
+    data = json.loads(json.dumps(p.to_json()))
+    assert data["units"][3]["inner_weight_bytes"] == {"2": {"2": -60, "1": 30}}
+    assert Profile.from_json(data).units[3].inner_weight_bytes == {2: {"2": -60, "1": 30}}
+    for bad, words in [({"2": {"0": 8}}, "names unit '0'"), ({"2": {"3": 8}}, "names unit '3'"),
+                       ({"2": {"x": 8}}, "names unit 'x'"), ({"2": {"2": -101}}, "takes more than"),
+                       ({"2": {"2": -60, "1": -41}}, "takes more than"), ({"2": {"1": 1.5e300}}, "byte counts"),
+                       ({"2": {"1": "8"}}, "byte counts"), ({"2": [8]}, "expected an object")]:
+        data["units"][3]["inner_weight_bytes"] = bad
+        with pytest.raises(JsonFileError, match=words):
+            Profile.from_json(data)
 
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():

@@ -477,3 +477,27 @@ def test_a_received_value_read_twice_in_a_unit_under_bf16_mixed_holds_what_the_r
     execute(plan_with(profile, [cut], 2, 4, "1f1b"), tmp_path, steps=1, extra=["--precision", "bf16-mixed"])
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
+@pytest.mark.parametrize("first,held_more", [("decoder.block.0", 2048), ("decoder.block.1", 0),
+                                             ("decoder.embed_tokens", 4096)])
+def test_a_value_a_zero_bubble_stage_computes_from_its_parameters_is_counted(tmp_path, first, held_more):
+    """T5's decoder blocks all add the position bias the first one computes from its parameter. Profiled
+    alone each later block reads it as an input, whose gradient its input part computes; in a stage that
+    also holds the first block it carries none from the stage's inputs, and each later block keeps the
+    gradient of its scores for the weight part: the rank held 6,144 bytes more than planned. The profile
+    now measures what each unit holds where its stage computes such values (planner.cost.inner_weight); the
+    plan is within a seed gradient the first block held alone (2,048 bytes at the peak), or exact where the
+    stage starts after it."""
+    pytest.importorskip("transformers")
+    from tests.support.runs import execute, plan_with, profile_of, report_of
+
+    args = dict(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=3, num_heads=4, seq_len=8)
+    profile = profile_of("hf:T5ForConditionalGeneration", args, sizes=(2,))
+    names = [u.name for u in profile.units]
+    assert profile.units[names.index("decoder.block.1")].inner_weight_bytes[2] == \
+        {str(names.index("decoder.block.0")): 2048}
+    execute(plan_with(profile, [names.index(first)], 2, 4, "zb-h1"), tmp_path, steps=1)
+    first_rank, later = report_of(tmp_path)["stages"]
+    assert first_rank["peak_saved_bytes"] == first_rank["predicted_activation_bytes"]
+    assert later["predicted_activation_bytes"] - later["peak_saved_bytes"] == held_more

@@ -13,7 +13,7 @@ from planner.solve.api import solve
 from planner.solve.brute import solve_brute
 from planner.solve.search import scenario_lower_bound
 from tests.support.solvers import both_solvers_match_brute_force, program_only
-from tests.support.synthetic import random_chain, receive_apart
+from tests.support.synthetic import compute_inside, random_chain, receive_apart
 
 
 def _chain(seed: int, L: int, frozen: bool = False):
@@ -37,6 +37,8 @@ def _chain(seed: int, L: int, frozen: bool = False):
         profile.weight_walk_s = {b: walk.uniform(0, 4e-5) * b for b in profile.micro_batch_sizes}
     if seed % 4 == 2:  # some units' inputs received in storages of their own (first_a)
         receive_apart(profile, [l for l in range(L) if rng.random() < 0.4], rng)
+    if seed % 3 == 0:  # values a stage computes from its parameters change what units hold (inner_weight)
+        compute_inside(profile, rng)
     return profile
 
 

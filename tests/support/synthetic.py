@@ -158,6 +158,24 @@ def let_go(profile: Profile, cuts: Sequence[int], rng) -> None:
             unit.weight_shared_bytes[b] = {name: int(n * rng.random()) for name, n in shares.items()}
 
 
+def compute_inside(profile: Profile, rng, share: float = 0.5) -> None:
+    """Some units read values that earlier units (not the first) compute from their parameters: where a
+    stage holds such a unit and the value's source, the unit holds more, or less, between its weight
+    backward's parts (UnitProfile.inner_weight_bytes, planner.cost.inner_weight); one or two sources
+    each, never taking more than the unit holds."""
+    for k in range(2, profile.num_units):
+        unit = profile.units[k]
+        if rng.random() >= share or not unit.weight_held_bytes:
+            continue
+        sources = rng.sample(range(1, k), min(k - 1, rng.randint(1, 2)))
+        for b, held in unit.weight_held_bytes.items():
+            inner = {}
+            for source in sorted(sources, reverse=True):  # what a stage starting at `source` holds: >= 0
+                inner[str(source)] = rng.randint(-held // 2, held)
+                held += inner[str(source)]
+            unit.inner_weight_bytes[b] = inner
+
+
 def _unshared(unit, b: int) -> int:
     """What a unit saves at b that no value it shares names (the room for another shared part)."""
     return unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())
