@@ -4,7 +4,7 @@ and what it saves and holds as a stage's first unit, its inputs each in a storag
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -17,20 +17,28 @@ from planner.profile.timing import UnitCall, _closures, _InputRestore
 
 def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], held: int,
                  target: Any) -> Dict[str, int]:
+    """`inner_bytes` of unit k in a profiling run."""
+    return inner_bytes(call, k, received, held, run.spec.loss, target, run.sources,
+                       lambda source: later_start(run.captured, run.grad_flags, source))
+
+
+def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, loss_fn, target: Any,
+                sources_of: Dict[str, int], later_start: Callable[[int], bool]) -> Dict[str, int]:
     """{source T: bytes}: what its weight part holds more (less) in a stage starting at a than `held`,
     measured alone, is the sum of those with T >= a (UnitProfile.inner_weight_bytes). A received value of
-    source T >= a (run.sources; T >= 1: the first stage's weight part holds all anyway) is computed in such
+    source T >= a (`sources_of`, planner.profile.profile_run.value_sources; `later_start(T)`: a stage starting
+    at 1..T has an input part, else its weight part holds all anyway) is computed in such
     a stage from its parameters and carries no gradient from its inputs: the nodes where it meets them keep
     theirs for the weight part (a shared position bias added to every block's scores). Measured with those
     values' gradients asked for in the weight part, as parameters' are, at each source in turn."""
     offset = len(call.args) - len(received)  # the received values follow the model's inputs
     sources: Dict[int, List[torch.Tensor]] = {}
     for i, name in enumerate(received):
-        source, arg = run.sources.get(name, 0), call.args[offset + i]
-        if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and _later_start(run, source):
+        source, arg = sources_of.get(name, 0), call.args[offset + i]
+        if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and later_start(source):
             sources.setdefault(source, []).append(arg)
     out: Dict[str, int] = {}
-    forward, _ = _closures(call, run.spec.loss, target)
+    forward, _ = _closures(call, loss_fn, target)
     trainable, outside = call.trainable(), []
     for source in sorted(sources, reverse=True):  # a stage starting at `source` computes all these
         outside = outside + sources[source]
@@ -49,10 +57,10 @@ def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], h
     return out
 
 
-def _later_start(run: ProfileRun, source: int) -> bool:
+def later_start(captured, grad_flags: Dict[str, bool], source: int) -> bool:
     """Whether a stage starting at some cut 1..source has an input part: a value crossing it carries a
     gradient (planner.cost.ranges' `whole` otherwise, whose weight part holds all anyway)."""
-    return any(run.grad_flags.get(node.name) for a in range(1, source + 1) for node in run.captured.crossing(a))
+    return any(grad_flags.get(node.name) for a in range(1, source + 1) for node in captured.crossing(a))
 
 
 def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:
