@@ -74,6 +74,7 @@ DUAL_AFTER_NODES, DUAL_AFTER_SHARE = 10_000, 0.2
 DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the search)
 CUT_ROUNDS = 50  # refreshes in a row while the floors' split teaches a new form (or beats the incumbent)
 CUT_SHARE = 0.3  # of the time limit, at most, for the rounds only a new form asked for
+_largest = np.maximum.reduce  # a node's bound: the ufunc's own method (ndarray.max's Python wrapper costs 2 us)
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 
 
@@ -211,15 +212,20 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             continue
         window = slice(int(first), stop)
         every = slice(0, len(known))
-        value = known.stage_value(every, g, a, window)  # (forms, ends in the window)
-        own = (prefix[:, None] + value + known.completion[:, g + 1, window]).max(axis=0, initial=-math.inf)
+        # (forms, ends in the window); the floors are +inf where a stage is not allowed (once there are any)
+        value = known.stage_value(every, g, a, window, masked=known.floors is None)
+        own = _largest(prefix[:, None] + value + known.completion[:, g + 1, window], axis=0, initial=-math.inf)
         # the parent's bound holds for its children
-        bounds = np.maximum(np.maximum(own, known.floor_bound(g, a)[window]), bound)
-        ends = np.flatnonzero(bounds < target * (1 - gap))
+        bounds = np.maximum(np.maximum(own, known.floor_bound(g, a, window)), bound)
+        ends = (bounds < target * (1 - gap)).nonzero()[0]
+        if not len(ends):
+            continue
         # worst first: the best is expanded next (by the bound, then by the forms' own where the floors tie)
-        for j in ends[np.lexsort((own[ends], bounds[ends]))[::-1]]:
-            e = int(first) + int(j)
-            stack.append((float(bounds[j]), g + 1, e, cuts + (e,), prefix + value[:, j]))
+        ends = ends[np.lexsort((own[ends], bounds[ends]))[::-1]]
+        prefixes = (prefix[:, None] + value[:, ends]).T.copy()  # each child's, one row apiece
+        for j, child in zip(ends.tolist(), prefixes):
+            e = int(first) + j
+            stack.append((float(bounds[j]), g + 1, e, cuts + (e,), child))
     # nothing left beats the target by more than the gap
     return BranchOutcome(best, target * (1 - gap) + overhead, True, nodes, known.known)
 

@@ -264,17 +264,18 @@ class Forms:
         terms.allow(kept)
         return True
 
-    def floor_bound(self, g: int, a: int) -> np.ndarray:
-        """Over e: no split with stage g = [a, e) is faster than max(H_g(a, e), M[g + 1, e])."""
+    def floor_bound(self, g: int, a: int, ends: slice = slice(None)) -> np.ndarray:
+        """Over e in `ends`: no split with stage g = [a, e) is faster than max(H_g(a, e), M[g + 1, e])
+        (+inf where the stage is not allowed, once there are floors)."""
         if self.floors is None:
-            return self.least[g + 1]
-        return np.maximum(self.floors[g][a], self.least[g + 1])
+            return self.least[g + 1, ends]
+        return np.maximum(self.floors[g][a, ends], self.least[g + 1, ends])
 
-    def stage_value(self, forms: slice, g: int, a: int, ends: slice = slice(None)) -> np.ndarray:
+    def stage_value(self, forms: slice, g: int, a: int, ends: slice = slice(None), masked: bool = True) -> np.ndarray:
         """V_kg(a, e) for the forms in `forms` and every e in `ends` (all by default): (forms, ends),
-        +inf where stage g = [a, e) is not allowed."""
+        +inf where stage g = [a, e) is not allowed (with `masked`; else any number there)."""
         out = self.coefficients[g, forms] @ self.terms.rows[g][:, a, ends]
-        return np.where(self.terms.allowed[g][a][None, ends], out, np.inf)
+        return np.where(self.terms.allowed[g][a][None, ends], out, np.inf) if masked else out
 
     def _completion(self, per_stage: np.ndarray) -> np.ndarray:
         """D[g, a] for one form (per_stage[g]: its counts of stage g's terms): its least sum over the
