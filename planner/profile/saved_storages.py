@@ -1,6 +1,7 @@
 """The storages a unit's forward saves, each named by the value it holds: those other units may
 save too, those its weight part keeps, those it keeps when recomputed, those autograd frees at once;
-and what it saves and holds as a stage's first unit, its inputs each in a storage of its own.
+what it saves and holds as a stage's first unit, its inputs each in a storage of its own; and what it
+holds where its stage computes values it reads from parameters (`inner_bytes`).
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], h
 
 
 def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, loss_fn, target: Any,
-                sources_of: Dict[str, int], later_start: Callable[[int], bool]) -> Dict[str, int]:
+                sources_of: Dict[str, int], input_part: Callable[[int], bool]) -> Dict[str, int]:
     """{source T: bytes}: what its weight part holds more (less) in a stage starting at a than `held`,
     measured alone, is the sum of those with T >= a (UnitProfile.inner_weight_bytes). A received value of
-    source T >= a (`sources_of`, planner.profile.profile_run.value_sources; `later_start(T)`: a stage starting
-    at 1..T has an input part, else its weight part holds all anyway) is computed in such
+    source T >= a (`sources_of`, planner.profile.profile_run.value_sources; `input_part(T)`: a stage starting
+    at 1..T has one, else its weight part holds all anyway) is computed in such
     a stage from its parameters and carries no gradient from its inputs: the nodes where it meets them keep
     theirs for the weight part (a shared position bias added to every block's scores). Measured with those
     values' gradients asked for in the weight part, as parameters' are, at each source in turn."""
@@ -35,7 +36,7 @@ def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, loss_fn,
     sources: Dict[int, List[torch.Tensor]] = {}
     for i, name in enumerate(received):
         source, arg = sources_of.get(name, 0), call.args[offset + i]
-        if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and later_start(source):
+        if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and input_part(source):
             sources.setdefault(source, []).append(arg)
     out: Dict[str, int] = {}
     forward, _ = _closures(call, loss_fn, target)
