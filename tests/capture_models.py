@@ -669,3 +669,31 @@ def star_args(dim: int = 4) -> ModelSpec:
         return (x, y), target
 
     return ModelSpec(module=StarArgs(dim), batch=batch, loss=F.mse_loss)
+
+
+class GatedLayers(nn.Module):
+    """A gate made from a parameter by a unit of its own, read by every layer: `h + gate * tanh(W h)`. A
+    stage holding the gate's unit computes it from its parameters (no gradient from the stage's inputs)."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.gate = nn.Linear(1, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate = torch.sigmoid(self.gate(torch.ones(1, 1)))
+        for layer in self.layers:
+            h = h + gate * torch.tanh(layer(h))
+        return self.out(h)
+
+
+def gated_layers(dim: int = 16, layers: int = 4) -> ModelSpec:
+    module = GatedLayers(dim, layers)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7 * step + 2)
+        return (torch.randn(batch_size, 8, dim, generator=g),), torch.randn(batch_size, 8, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

@@ -8,13 +8,19 @@ computes. A value whose gradient flows back only into units from its source T on
 gradient from the inputs of a stage starting at a <= T: the input part does not reach it, and the nodes
 where it meets values that do keep their gradients for the weight part (where every value it meets is such
 a one too, less may be held). The profile measures unit k with the values of source >= T so, for each
-source T of its inputs: with the pairs (k, T, x), x what it then holds more than with those of source > T
-so (negative: less), a stage [a, e) whose weight part is not its whole backward (a > 0,
-planner.cost.ranges' `whole`) holds
+source T of its inputs: what it then holds more (less) than with those of source > T so, Dh_kT, and of
+that its kept gradients, Dk_kT. A stage [a, e) whose weight part is not its whole backward (a > 0,
+planner.cost.ranges' `whole`) holds, per micro-batch between its parts,
 
     inner(a, e) = sum_{(k, T, x): a <= T, k < e} x          (T < k: both units in the stage)
 
-per micro-batch between its parts, with or without recomputation (what is kept are gradients).
+over pairs (k, T, x): (k, T, Dk_kT) for every such unit, as each holds its kept gradients; and the rest,
+Da = max(Dh_kT - Dk_kT, 0) (the saved tensors it still holds), only where unit k counts its h rather than all
+it saved (planner.cost.ranges: a stage's last unit, or its last trained one ending it in frozen units):
+(k, T, Da) and, k training parameters, (F_k, T, -Da) with F_k the next unit that does (so that the sum is
+Da for k < e <= F_k: the units after k in the stage all frozen). A frozen unit, or a unit under recomputation,
+may so count Da where it does not hold it (an over-count, never under: Da >= 0). Without the kept part
+measured, (k, T, Dh_kT).
 """
 from __future__ import annotations
 
@@ -26,9 +32,20 @@ Pair = Tuple[int, int, float]  # (reader unit k, source unit T, bytes x)
 
 
 def inner_pairs(units: Sequence, b: int) -> List[Pair]:
-    """The pairs of a profile's units at micro-batch size b."""
-    return [(k, int(source), float(x)) for k, unit in enumerate(units)
-            for source, x in unit.inner_weight_bytes.get(b, {}).items() if x]
+    """The pairs of a profile's units at micro-batch size b (module docstring)."""
+    trains = [k for k, unit in enumerate(units) if unit.trainable_bytes > 0]
+    pairs: List[Pair] = []
+    for k, unit in enumerate(units):
+        held, kept = unit.inner_weight_bytes.get(b, {}), unit.inner_kept_bytes.get(b)
+        for source, x in held.items():
+            if kept is None:
+                pairs.append((k, int(source), float(x)))
+                continue
+            pairs.append((k, int(source), float(kept.get(source, 0))))
+            rest = max(float(x) - kept.get(source, 0), 0.0)
+            after = next((f for f in trains if f > k), None) if unit.trainable_bytes > 0 else None
+            pairs += [(k, int(source), rest)] + ([(after, int(source), -rest)] if after is not None else [])
+    return [pair for pair in pairs if pair[2]]
 
 
 def inner_held(pairs: Sequence[Pair], a: int, e: int) -> float:

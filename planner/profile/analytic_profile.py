@@ -170,9 +170,9 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
             unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
             unit.weight_held_bytes[b], unit.weight_kept_bytes[b] = parts.held_bytes, parts.kept_bytes
             if k > 0:  # where its stage computes a value it reads from parameters (as a measured profile)
-                unit.inner_weight_bytes[b] = inner_bytes(
-                    UnitCall(stage, args, produced, io.is_last), k, list(io.received), parts.held_bytes, spec.loss,
-                    target, sources, lambda source: later_start(captured, grad_flags, source))
+                unit.inner_weight_bytes[b], unit.inner_kept_bytes[b] = inner_bytes(
+                    UnitCall(stage, args, produced, io.is_last), k, list(io.received), parts.held_bytes,
+                    parts.kept_bytes, spec.loss, target, sources, lambda source: later_start(captured, grad_flags, source))
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target, key=saved_key)

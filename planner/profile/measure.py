@@ -228,8 +228,8 @@ def _measure_size(run: ProfileRun, b: int) -> None:
             if unit.split_backward:
                 unit.first_weight_held_bytes[b] = first[k][1]
         if unit.split_backward and k > 0:  # where its stage computes a value it reads from parameters
-            unit.inner_weight_bytes[b] = inner_weight(run, work[k], k, list(io.received), unit.weight_held_bytes[b],
-                                                      target)
+            unit.inner_weight_bytes[b], unit.inner_kept_bytes[b] = inner_weight(
+                run, work[k], k, list(io.received), unit.weight_held_bytes[b], unit.weight_kept_bytes[b], target)
         unit.input_bytes[b] = sum(tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))

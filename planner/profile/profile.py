@@ -155,11 +155,12 @@ class Profile:
             if first_of.setdefault(u.name, i) != i:
                 raise read.error(f"units[{i}].name", f"{u.name!r} repeats units[{first_of[u.name]}].name: "
                                  "unit names are unique")
-            for b, inner in u.inner_weight_bytes.items():  # sources: units before it, the first excepted
-                wrong = next((key for key in inner if not (key.isdigit() and 1 <= int(key) < i)), None)
-                if wrong is not None:
-                    raise read.error(f'units[{i}].inner_weight_bytes["{b}"]', f"names unit {wrong!r}: a source is "
-                                     f"the index of a unit before it other than the first (1..{i - 1})")
+            for name in ("inner_weight_bytes", "inner_kept_bytes"):  # sources: units before it, the first excepted
+                for b, inner in getattr(u, name).items():
+                    wrong = next((key for key in inner if not (key.isdigit() and 1 <= int(key) < i)), None)
+                    if wrong is not None:
+                        raise read.error(f'units[{i}].{name}["{b}"]', f"names unit {wrong!r}: a source is the "
+                                         f"index of a unit before it other than the first (1..{i - 1})")
         cuts_json = d.get("cuts", [])
         if not isinstance(cuts_json, list) or len(cuts_json) != len(units) - 1:
             found = len(cuts_json) if isinstance(cuts_json, list) else show(cuts_json)

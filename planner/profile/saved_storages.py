@@ -16,17 +16,19 @@ from planner.profile.splitgrad import backward_weight, first_part, forward_and_i
 from planner.profile.timing import UnitCall, _closures, _InputRestore
 
 
-def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], held: int,
-                 target: Any) -> Dict[str, int]:
+def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], held: int, kept: int,
+                 target: Any) -> Tuple[Dict[str, int], Dict[str, int]]:
     """`inner_bytes` of unit k in a profiling run."""
-    return inner_bytes(call, k, received, held, run.spec.loss, target, run.sources,
+    return inner_bytes(call, k, received, held, kept, run.spec.loss, target, run.sources,
                        lambda source: later_start(run.captured, run.grad_flags, source))
 
 
-def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, loss_fn, target: Any,
-                sources_of: Dict[str, int], input_part: Callable[[int], bool]) -> Dict[str, int]:
+def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, kept: int, loss_fn, target: Any,
+                sources_of: Dict[str, int], input_part: Callable[[int], bool]
+                ) -> Tuple[Dict[str, int], Dict[str, int]]:
     """{source T: bytes}: what its weight part holds more (less) in a stage starting at a than `held`,
-    measured alone, is the sum of those with T >= a (UnitProfile.inner_weight_bytes). A received value of
+    measured alone, is the sum of those with T >= a (UnitProfile.inner_weight_bytes); and the same of the
+    gradients it keeps, of which `kept` alone (inner_kept_bytes). A received value of
     source T >= a (`sources_of`, planner.profile.profile_run.value_sources; `input_part(T)`: a stage starting
     at 1..T has one, else its weight part holds all anyway) is computed in such
     a stage from its parameters and carries no gradient from its inputs: the nodes where it meets them keep
@@ -39,12 +41,13 @@ def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, loss_fn,
         if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and input_part(source):
             sources.setdefault(source, []).append(arg)
     out: Dict[str, int] = {}
+    out_kept: Dict[str, int] = {}
     forward, _ = _closures(call, loss_fn, target)
     trainable, outside = call.trainable(), []
     for source in sorted(sources, reverse=True):  # a stage starting at `source` computes all these
         outside = outside + sources[source]
         with torch.enable_grad():
-            pending, inside, _ = forward_and_input_part(
+            pending, inside, inside_kept = forward_and_input_part(
                 forward, lambda out: first_part(call, out, trainable + outside, outside=outside),
                 list(call.module.parameters()))
             backward_weight(pending)
@@ -52,10 +55,10 @@ def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, loss_fn,
         for arg in outside:
             arg.grad = None
         _InputRestore(call)()
-        if inside != held:
-            out[str(source)] = inside - held
-        held = inside
-    return out
+        if inside != held or inside_kept != kept:
+            out[str(source)], out_kept[str(source)] = inside - held, inside_kept - kept
+        held, kept = inside, inside_kept
+    return out, out_kept
 
 
 def later_start(captured, grad_flags: Dict[str, bool], source: int) -> bool:

@@ -108,6 +108,9 @@ class UnitProfile:
     # bias shared by every block's scores). Empty: none, or not measured (older files, analytic and
     # imported profiles)
     inner_weight_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # of each, the gradients it keeps (the rest: saved tensors it still holds, which only a unit holding its h
+    # counts apart from all it saved). Empty: not measured (all of it counted as held)
+    inner_kept_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -134,8 +137,8 @@ class UnitProfile:
             **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items())}
                for name in NAMED_STORAGE_FIELDS if getattr(self, name)},
             **({"weight_kept_bytes": str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
-            **({"inner_weight_bytes": {str(b): dict(v) for b, v in sorted(self.inner_weight_bytes.items()) if v}}
-               if any(self.inner_weight_bytes.values()) else {}),
+            **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items()) if v}
+               for name in ("inner_weight_bytes", "inner_kept_bytes") if any(getattr(self, name).values())},
             **({"input_bytes": str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
             **({"first_saved_bytes": str_keys(self.first_saved_bytes)} if self.first_saved_bytes else {}),
@@ -190,8 +193,8 @@ class UnitProfile:
                                                   f"{where}.first_weight_held_bytes", read.count, required=False),
             weight_kept_bytes=read.per_size(d.get("weight_kept_bytes") or {}, f"{where}.weight_kept_bytes", read.count,
                                             required=False),
-            inner_weight_bytes=read.per_size(d.get("inner_weight_bytes") or {}, f"{where}.inner_weight_bytes",
-                                             read.signed_counts, required=False),
+            **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.signed_counts, required=False)
+               for name in ("inner_weight_bytes", "inner_kept_bytes")},
             weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
             weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)

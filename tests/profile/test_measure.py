@@ -296,10 +296,15 @@ def test_inner_weight_bytes_round_trip_and_bad_values_are_refused():
     p = random_chain(random.Random(0), 4, sizes=(2,))
     for u in p.units:
         u.backward_input_s, u.backward_weight_s, u.weight_held_bytes = {2: 1e-3}, {2: 1e-3}, {2: 100}
-    p.units[3].inner_weight_bytes = {2: {"2": -60, "1": 30}}
+    p.units[3].inner_weight_bytes, p.units[3].inner_kept_bytes = {2: {"2": -60, "1": 30}}, {2: {"2": -70, "1": 10}}
     data = json.loads(json.dumps(p.to_json()))
     assert data["units"][3]["inner_weight_bytes"] == {"2": {"2": -60, "1": 30}}
-    assert Profile.from_json(data).units[3].inner_weight_bytes == {2: {"2": -60, "1": 30}}
+    read = Profile.from_json(data).units[3]
+    assert (read.inner_weight_bytes, read.inner_kept_bytes) == ({2: {"2": -60, "1": 30}}, {2: {"2": -70, "1": 10}})
+    data["units"][3]["inner_kept_bytes"] = {"2": {"3": 8}}
+    with pytest.raises(JsonFileError, match=r"inner_kept_bytes.*names unit '3'"):
+        Profile.from_json(data)
+    del data["units"][3]["inner_kept_bytes"]
     for bad, words in [({"2": {"0": 8}}, "names unit '0'"), ({"2": {"3": 8}}, "names unit '3'"),
                        ({"2": {"x": 8}}, "names unit 'x'"), ({"2": {"2": -101}}, "takes more than"),
                        ({"2": {"2": -60, "1": -41}}, "takes more than"), ({"2": {"1": 1.5e300}}, "byte counts"),

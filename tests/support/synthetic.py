@@ -169,11 +169,14 @@ def compute_inside(profile: Profile, rng, share: float = 0.5) -> None:
             continue
         sources = rng.sample(range(1, k), min(k - 1, rng.randint(1, 2)))
         for b, held in unit.weight_held_bytes.items():
-            inner = {}
+            inner, kept = {}, {}
             for source in sorted(sources, reverse=True):  # what a stage starting at `source` holds: >= 0
                 inner[str(source)] = rng.randint(-held // 2, held)
+                kept[str(source)] = inner[str(source)] - rng.randint(0, held // 4)  # the rest: saved tensors
                 held += inner[str(source)]
             unit.inner_weight_bytes[b] = inner
+            if rng.random() < 0.8:  # else not measured: all of it counted as held
+                unit.inner_kept_bytes[b] = kept
 
 
 def _unshared(unit, b: int) -> int:
