@@ -16,11 +16,13 @@ planner.cost.ranges' `whole`) holds, per micro-batch between its parts,
 
 over pairs (k, T, x): (k, T, Dk_kT) for every such unit, as each holds its kept gradients; and the rest,
 Da = max(Dh_kT - Dk_kT, 0) (the saved tensors it still holds), only where unit k counts its h rather than all
-it saved (planner.cost.ranges: a stage's last unit, or its last trained one ending it in frozen units):
-(k, T, Da) and, k training parameters, (F_k, T, -Da) with F_k the next unit that does (so that the sum is
-Da for k < e <= F_k: the units after k in the stage all frozen). A frozen unit, or a unit under recomputation,
-may so count Da where it does not hold it (an over-count, never under: Da >= 0). Without the kept part
-measured, (k, T, Dh_kT).
+it saved (planner.cost.ranges: the units from the stage's last trained one on, where that one is followed by
+frozen units only, else its last unit): with F_k the next unit that trains, (k, T, Da) and (F_k, T, -Da)
+(the sum is Da for k < e <= F_k: the units after k in the stage all frozen); for a frozen unit k with t the
+last unit before it that trains, so with min(T, t) for T where t >= a, and where t < a <= T only as the
+stage's last unit (e = k + 1: pairs at k and k + 1). A unit under recomputation may so count Da where it does
+not hold it (an over-count, never under: Da >= 0). Without the kept part measured, (k, T, Dh_kT). Pairs
+that never apply (T < 1, k = L) are left out.
 """
 from __future__ import annotations
 
@@ -33,19 +35,28 @@ Pair = Tuple[int, int, float]  # (reader unit k, source unit T, bytes x)
 
 def inner_pairs(units: Sequence, b: int) -> List[Pair]:
     """The pairs of a profile's units at micro-batch size b (module docstring)."""
+    L = len(units)
     trains = [k for k, unit in enumerate(units) if unit.trainable_bytes > 0]
     pairs: List[Pair] = []
     for k, unit in enumerate(units):
         held, kept = unit.inner_weight_bytes.get(b, {}), unit.inner_kept_bytes.get(b)
+        after = next((f for f in trains if f > k), L)  # F_k: units k + 1 .. F_k - 1 are frozen
+        before = max((t for t in trains if t < k), default=-1)  # the last unit before k that trains
         for source, x in held.items():
+            T = int(source)
             if kept is None:
-                pairs.append((k, int(source), float(x)))
+                pairs.append((k, T, float(x)))
                 continue
-            pairs.append((k, int(source), float(kept.get(source, 0))))
+            pairs.append((k, T, float(kept.get(source, 0))))
             rest = max(float(x) - kept.get(source, 0), 0.0)
-            after = next((f for f in trains if f > k), None) if unit.trainable_bytes > 0 else None
-            pairs += [(k, int(source), rest)] + ([(after, int(source), -rest)] if after is not None else [])
-    return [pair for pair in pairs if pair[2]]
+            if unit.trainable_bytes > 0:  # it holds its h where the units after it in the stage are frozen
+                pairs += [(k, T, rest), (after, T, -rest)]
+                continue
+            # frozen: so too where a unit before it in the stage trains; else only as the stage's last unit
+            low = min(T, before)
+            pairs += [(k, low, rest), (after, low, -rest),
+                      (k, T, rest), (k + 1, T, -rest), (k, low, -rest), (k + 1, low, rest)]
+    return [(k, T, x) for k, T, x in pairs if x and k < L and T >= 1]
 
 
 def inner_held(pairs: Sequence[Pair], a: int, e: int) -> float:

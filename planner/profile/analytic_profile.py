@@ -26,7 +26,7 @@ from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, 
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
 from planner.profile.cut_profile import CutProfile, CutValue
 from planner.profile.profile import Profile
-from planner.profile.profile_run import value_sources
+from planner.profile.profile_run import carries_gradient, value_sources
 from planner.profile.records import as_received, blank_unit, record_cut_values, shared_parameters_json
 from planner.profile.saved_storages import inner_bytes, later_start
 from planner.profile.saved import Packed, loss_saved_bytes, unpack
@@ -136,7 +136,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         probe = _run_on_meta(captured, inputs0, sizes[0], grad=True)
     state_read_by_loss(spec.loss, spec.module, captured.output_of(probe), target0, [module for module, _ in stages])
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
-    sources = value_sources(captured, grad_flags)
+    sources = value_sources(captured, carries_gradient(probe))
     del probe
     writers = state_writers(captured)
     units = [blank_unit(u, stages[k][0], k in writers, buffers=False) for k, u in enumerate(captured.units)]

@@ -58,6 +58,18 @@ class ProfileRun:
         return self.mixed.autocast() if self.mixed is not None else contextlib.nullcontext()
 
 
+def carries_gradient(values: Dict[str, Any]) -> Dict[str, bool]:
+    """Which of a grad-enabled run's values carry a gradient: a tensor that requires one, or a tuple, list or
+    dict holding one (a `chunk`'s parts reach their readers through the tuple's node)."""
+    def carries(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.requires_grad
+        if isinstance(value, (tuple, list)):
+            return any(carries(v) for v in value)
+        return isinstance(value, dict) and any(carries(v) for v in value.values())
+    return {name: carries(value) for name, value in values.items()}
+
+
 def value_sources(captured: CapturedModel, grad_flags: Dict[str, bool]) -> Dict[str, int]:
     """Each computed value's source: the first unit whose values its gradient flows back into (through values
     that carry one; parameters belong to no unit). A stage starting at or before the source of a value it
@@ -118,7 +130,7 @@ def prepare(run: ProfileRun, smallest: int, precision: str = "fp32") -> None:
             if run.mixed is not None:
                 run.mixed.remove()
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
-    run.sources = value_sources(captured, run.grad_flags)
+    run.sources = value_sources(captured, carries_gradient(probe))
     # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
                        [module for module, _ in run.stages])
