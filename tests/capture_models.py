@@ -697,3 +697,45 @@ def gated_layers(dim: int = 16, layers: int = 4) -> ModelSpec:
         return (torch.randn(batch_size, 8, dim, generator=g),), torch.randn(batch_size, 8, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class _Modulated(nn.Module):
+    """A block modulated by a conditioning vector: its `mod` unit makes (shift, scale) in one chunk, which
+    its (frozen) `norm` unit applies (the parts cross the cut through a tuple node), then an MLP of units."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mod = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.mod(F.silu(c)).unsqueeze(1).chunk(2, dim=-1)
+        return h + self.mlp(self.norm(h) * (1 + scale) + shift)
+
+
+class Conditioned(nn.Module):
+    """DiT-like: a label embedding (a model input that needs no gradient) read by every block's modulation."""
+
+    def __init__(self, dim: int, blocks: int, classes: int):
+        super().__init__()
+        self.inp, self.labels = nn.Linear(dim, dim), nn.Embedding(classes, dim)
+        self.blocks = nn.ModuleList(_Modulated(dim) for _ in range(blocks))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, c = self.inp(x), self.labels(y)
+        for block in self.blocks:
+            h = block(h, c)
+        return self.out(h)
+
+
+def conditioned(dim: int = 16, blocks: int = 3, classes: int = 5) -> ModelSpec:
+    module = Conditioned(dim, blocks, classes)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(5 * step + 4)
+        return (torch.randn(batch_size, 8, dim, generator=g), torch.randint(0, classes, (batch_size,), generator=g)), \
+            torch.randn(batch_size, 8, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
