@@ -20,17 +20,20 @@ it saved (planner.cost.ranges: the units from the stage's last trained one on, w
 frozen units only, else its last unit): with F_k the next unit that trains, (k, T, Da) and (F_k, T, -Da)
 (the sum is Da for k < e <= F_k: the units after k in the stage all frozen); for a frozen unit k with t the
 last unit before it that trains, so with min(T, t) for T where t >= a, and where t < a <= T only as the
-stage's last unit (e = k + 1: pairs at k and k + 1). A unit under recomputation may so count Da where it does
-not hold it (an over-count, never under: Da >= 0). Without the kept part measured, (k, T, Dh_kT). Pairs
-that never apply (T < 1, k = L) are left out.
+stage's last unit (e = k + 1: pairs at k and k + 1); none of them where unit k is recomputed (it holds its
+inputs and kept gradients). A unit after a recomputed one may so count Da where it does not hold it
+(planner.cost.ranges then has the stage's last unit hold h): an over-count, never under (Da >= 0). Without
+the kept part measured, (k, T, Dh_kT). Pairs that never apply (T < 1, k = L) are left out.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-Pair = Tuple[int, int, float]  # (reader unit k, source unit T, bytes x)
+# (reader unit k, source unit T, bytes x, holder h): h >= 0 where x is unit h's saved part, held only where h
+# is not recomputed (a recomputed unit holds its inputs and kept gradients); -1 where it always applies
+Pair = Tuple[int, int, float, int]
 
 
 def inner_pairs(units: Sequence, b: int) -> List[Pair]:
@@ -45,28 +48,30 @@ def inner_pairs(units: Sequence, b: int) -> List[Pair]:
         for source, x in held.items():
             T = int(source)
             if kept is None:
-                pairs.append((k, T, float(x)))
+                pairs.append((k, T, float(x), -1))
                 continue
-            pairs.append((k, T, float(kept.get(source, 0))))
+            pairs.append((k, T, float(kept.get(source, 0)), -1))
             rest = max(float(x) - kept.get(source, 0), 0.0)
             if unit.trainable_bytes > 0:  # it holds its h where the units after it in the stage are frozen
-                pairs += [(k, T, rest), (after, T, -rest)]
+                pairs += [(k, T, rest, k), (after, T, -rest, k)]
                 continue
             # frozen: so too where a unit before it in the stage trains; else only as the stage's last unit
             low = min(T, before)
-            pairs += [(k, low, rest), (after, low, -rest),
-                      (k, T, rest), (k + 1, T, -rest), (k, low, -rest), (k + 1, low, rest)]
-    return [(k, T, x) for k, T, x in pairs if x and k < L and T >= 1]
+            pairs += [(k, low, rest, k), (after, low, -rest, k), (k, T, rest, k), (k + 1, T, -rest, k),
+                      (k, low, -rest, k), (k + 1, low, rest, k)]
+    return [pair for pair in pairs if pair[2] and pair[0] < L and pair[1] >= 1]
 
 
-def inner_held(pairs: Sequence[Pair], a: int, e: int) -> float:
-    """inner(a, e) (module docstring) of a stage that is not whole."""
-    return float(sum(x for k, source, x in pairs if a <= source and k < e))
+def inner_held(pairs: Sequence[Pair], a: int, e: int, recompute: Iterable[int] = ()) -> float:
+    """inner(a, e) (module docstring) of a stage that is not whole, recomputing `recompute`."""
+    redo = set(recompute)
+    return float(sum(x for k, source, x, holder in pairs if a <= source and k < e and holder not in redo))
 
 
 def inner_rows(pairs: Sequence[Pair], starts: np.ndarray, cuts: int) -> np.ndarray:
-    """inner(a, e) for a in `starts` (rows) and e = 0 .. cuts - 1 (columns); cells with e <= a hold any value."""
+    """inner(a, e) for a in `starts` (rows) and e = 0 .. cuts - 1 (columns), no unit recomputed; cells with
+    e <= a hold any value."""
     out = np.zeros((len(starts), cuts))
-    for k, source, x in pairs:
+    for k, source, x, _ in pairs:
         out[np.ix_(starts <= source, np.arange(k + 1, cuts))] += x
     return out

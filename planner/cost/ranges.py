@@ -282,7 +282,7 @@ class RangeCosts:
             return self.held_saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
         if not self.kept_known:
-            first = inner_held(self.inner, a, e) + (0.0 if a in redo else float(self.first_held[a]))
+            first = inner_held(self.inner, a, e, redo) + (0.0 if a in redo else float(self.first_held[a]))
             return first + float(sum(float(self.held_weight_inputs[l]) if l in redo else float(self.h[l])
                                      for l in range(a, e)))
         # the unit holding its h: the stage's last, or, where the stage ends in frozen units, its last
@@ -297,7 +297,8 @@ class RangeCosts:
         # its h: of what it shares with the unit before, only what it still holds
         lost = float(self.held_dup[last] - self.weight_dup[last]) if last > a and last - 1 not in redo and \
             last not in redo else 0.0
-        return first + held - self._shared_once(a, last + 1, redo, held=True) + lost + inner_held(self.inner, a, e)
+        inner = inner_held(self.inner, a, e, redo)
+        return first + held - self._shared_once(a, last + 1, redo, held=True) + lost + inner
 
     def split_matrices(self, again) -> Tuple[np.ndarray, np.ndarray]:
         """(backward_input, backward_weight) over every range [a, e) at speed 1 (+inf where e <= a),

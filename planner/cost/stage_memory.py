@@ -92,8 +92,9 @@ class HeldTerms:
     # starts the stage or that unit is recomputed. `last_unit` and `trained_end` count it as holding, of
     # what it shares with that unit, what it let go too (d^h_l - d'_l, planner.cost.ranges)
     alone_shared: np.ndarray
-    # (k, T, bytes): unit k holds these bytes more where the stage holds unit T too (a value of source T it
-    # reads then carries no gradient from the stage's inputs: planner.cost.inner_weight); none where whole
+    # (k, T, bytes, h): these bytes more where the stage holds units T and k and does not recompute h (if h >= 0: a
+    # value of source T its units read carries no gradient from its inputs: planner.cost.inner_weight); none
+    # where whole, and no h >= 0 where every unit is recomputed
     inner: Tuple[Pair, ...] = ()
 
 
@@ -196,7 +197,8 @@ class StageMemory:
                          start_share, last,
                          first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds,
                          alone_shared=alone_shared,
-                         inner=() if whole else tuple((k, t, count("weight") * x) for k, t, x in c.inner))
+                         inner=() if whole else tuple((k, t, count("weight") * x, h) for k, t, x, h in c.inner
+                                                      if h < 0 or not self.recompute_all))
 
     @cached_property
     def _held_less(self) -> np.ndarray:

@@ -153,9 +153,11 @@ class MemoryRows(TieRows):
                                if first_alone[a] and self.may(a, g))
         held -= pulp.lpSum(terms.alone_shared[l] / MIB * self._holds_after_recomputed(l, g) for l in range(1, L)
                            if terms.alone_shared[l] and (l - 1, g) in self.rho)
-        # a value unit k reads computed in the stage from unit t on (planner.cost.inner_weight): both in it
-        held += pulp.lpSum(x / MIB * self._product(f"inner_{k}_{t}_{g}", [self.x(k, g), self.x(t, g)], exact=x < 0)
-                           for k, t, x in terms.inner if x and self.may(k, g) and self.may(t, g))
+        # a value unit k reads computed in the stage from unit t on (planner.cost.inner_weight): both in it, and
+        # where h >= 0, h not recomputed
+        held += pulp.lpSum(x / MIB * self._product(f"inner_{k}_{t}_{h}_{g}", [self.x(k, g), self.x(t, g)],
+                                                   [self.rho[h, g]] if (h, g) in self.rho else [], exact=x < 0)
+                           for k, t, x, h in terms.inner if x and self.may(k, g) and self.may(t, g))
         held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
                            if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g) and self._may_end(e, g))
         return held
@@ -167,5 +169,5 @@ def _most(terms) -> float:
                                                  terms.at_start, terms.at_end, terms.last_unit,
                                                  terms.first_recomputed, terms.trained_end,
                                                  terms.first_holds, terms.alone_shared))
-                 + sum(abs(x) for _, _, x in terms.inner)) / MIB
+                 + sum(abs(x) for _, _, x, _ in terms.inner)) / MIB
 
