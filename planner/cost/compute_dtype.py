@@ -70,7 +70,8 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
                                  recomputed_shared_bytes=scale_parts(u.recomputed_shared_bytes),
                                  dropped_saved_bytes=scale_parts(u.dropped_saved_bytes),
                                  inner_weight_bytes=scale_parts(u.inner_weight_bytes),
-                                 inner_kept_bytes=scale_parts(u.inner_kept_bytes))
+                                 inner_kept_bytes=scale_parts(u.inner_kept_bytes),
+                                 inner_seed_bytes=scale_parts(u.inner_seed_bytes))
              for u in profile.units]
     if precision == "bf16-mixed" and activations < 1 and units:
         units[-1] = _loss_in_fp32(units[-1], profile.units[-1], ratio)

@@ -23,7 +23,9 @@ last unit before it that trains, so with min(T, t) for T where t >= a, and where
 stage's last unit (e = k + 1: pairs at k and k + 1); none of them where unit k is recomputed (it holds its
 inputs and kept gradients). A unit after a recomputed one may so count Da where it does not hold it
 (planner.cost.ranges then has the stage's last unit hold h): an over-count, never under (Da >= 0). Without
-the kept part measured, (k, T, Dh_kT). Pairs that never apply (T < 1, k = L) are left out.
+the kept part measured, (k, T, Dh_kT). A unit j >= 1 whose output v is made from its parameters alone keeps
+v's gradient when profiled alone (UnitProfile.inner_seed_bytes, in its k_j) but not in a stage holding v's
+last reader R_v: (R_v, j, -bytes of v). Pairs that never apply (T < 1, k = L) are left out.
 """
 from __future__ import annotations
 
@@ -36,9 +38,11 @@ import numpy as np
 Pair = Tuple[int, int, float, int]
 
 
-def inner_pairs(units: Sequence, b: int) -> List[Pair]:
-    """The pairs of a profile's units at micro-batch size b (module docstring)."""
+def inner_pairs(units: Sequence, b: int, crossing: Sequence[Sequence[str]] = ()) -> List[Pair]:
+    """The pairs of a profile's units at micro-batch size b (module docstring); `crossing[c - 1]`: the names
+    of the values crossing cut c."""
     L = len(units)
+    last_reader = {name: c for c, names in enumerate(crossing, start=1) for name in names}
     trains = [k for k, unit in enumerate(units) if unit.trainable_bytes > 0]
     pairs: List[Pair] = []
     for k, unit in enumerate(units):
@@ -59,6 +63,10 @@ def inner_pairs(units: Sequence, b: int) -> List[Pair]:
             low = min(T, before)
             pairs += [(k, low, rest, k), (after, low, -rest, k), (k, T, rest, k), (k + 1, T, -rest, k),
                       (k, low, -rest, k), (k + 1, low, rest, k)]
+        # its outputs made from its parameters alone: their gradients, kept alone, kept in a stage only where
+        # the value crosses the stage's end (some reader after it)
+        pairs += [(last_reader[name], k, -float(x), -1) for name, x in unit.inner_seed_bytes.get(b, {}).items()
+                  if name in last_reader]
     return [pair for pair in pairs if pair[2] and pair[0] < L and pair[1] >= 1]
 
 

@@ -177,7 +177,7 @@ class RangeCosts:
         for e in range(1, self.num_units + 1):
             self.trained[e] = e - 1 if units[e - 1].trainable_bytes > 0 else self.trained[e - 1]
         self.k = np.array([u.weight_kept_bytes.get(b, 0) for u in units], dtype=float)
-        self.inner = inner_pairs(units, b)  # held more where the stage computes a value it reads (inner_weight)
+        self.inner = inner_pairs(units, b, [[v.name for v in c.values] for c in profile.cuts])  # (inner_weight)
         self.p = np.array([u.param_bytes for u in units], dtype=float)
         self.t = np.array([u.trainable_bytes for u in units], dtype=float)  # of p, those that train
         name = "adamw" if optimizer in ("adam", "adamw") else optimizer

@@ -173,6 +173,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                 unit.inner_weight_bytes[b], unit.inner_kept_bytes[b] = inner_bytes(
                     UnitCall(stage, args, produced, io.is_last), k, list(io.received), parts.held_bytes,
                     parts.kept_bytes, spec.loss, target, sources, lambda source: later_start(captured, grad_flags, source))
+                unit.inner_seed_bytes[b] = {io.sent[i]: _nbytes(values[io.sent[i]]) for i in produced
+                                            if sources.get(io.sent[i]) == k and grad_flags.get(io.sent[i])}
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target, key=saved_key)

@@ -230,6 +230,9 @@ def _measure_size(run: ProfileRun, b: int) -> None:
         if unit.split_backward and k > 0:  # where its stage computes a value it reads from parameters
             unit.inner_weight_bytes[b], unit.inner_kept_bytes[b] = inner_weight(
                 run, work[k], k, list(io.received), unit.weight_held_bytes[b], unit.weight_kept_bytes[b], target)
+            # its outputs made from its parameters alone: profiled alone it keeps their gradients (seeds)
+            unit.inner_seed_bytes[b] = {io.sent[i]: tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
+                                        if run.sources.get(io.sent[i]) == k and run.grad_flags.get(io.sent[i])}
         unit.input_bytes[b] = sum(tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))

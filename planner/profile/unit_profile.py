@@ -111,6 +111,10 @@ class UnitProfile:
     # of each, the gradients it keeps (the rest: saved tensors it still holds, which only a unit holding its h
     # counts apart from all it saved). Empty: not measured (all of it counted as held)
     inner_kept_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # of weight_kept_bytes, per micro-batch size, the gradients of its outputs made from its parameters alone
+    # (their source is this unit) by value name: profiled alone it keeps them, inside a stage holding every
+    # reader of one nothing does. Empty: none, or not measured
+    inner_seed_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -138,7 +142,8 @@ class UnitProfile:
                for name in NAMED_STORAGE_FIELDS if getattr(self, name)},
             **({"weight_kept_bytes": str_keys(self.weight_kept_bytes)} if self.weight_kept_bytes else {}),
             **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items()) if v}
-               for name in ("inner_weight_bytes", "inner_kept_bytes") if any(getattr(self, name).values())},
+               for name in ("inner_weight_bytes", "inner_kept_bytes", "inner_seed_bytes")
+               if any(getattr(self, name).values())},
             **({"input_bytes": str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
             **({"first_saved_bytes": str_keys(self.first_saved_bytes)} if self.first_saved_bytes else {}),
@@ -195,6 +200,8 @@ class UnitProfile:
                                             required=False),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.signed_counts, required=False)
                for name in ("inner_weight_bytes", "inner_kept_bytes")},
+            inner_seed_bytes=read.per_size(d.get("inner_seed_bytes") or {}, f"{where}.inner_seed_bytes",
+                                           read.named_counts, required=False),
             weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
             weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)
@@ -227,6 +234,10 @@ class UnitProfile:
                 if held < 0:
                     raise read.error(f'{where}.inner_weight_bytes["{b}"]', "takes more than the unit's "
                                      "weight_held_bytes holds")
+        for b, seeds in unit.inner_seed_bytes.items():
+            if sum(seeds.values()) > unit.weight_kept_bytes.get(b, 0):
+                raise read.error(f'{where}.inner_seed_bytes["{b}"]', f"sums to {sum(seeds.values())} bytes: more than "
+                                 "the unit's weight_kept_bytes, of which they are a part")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):
                 raise read.error(f'{where}.weight_kept_bytes["{b}"]', f"is {kept}: more than the unit's "

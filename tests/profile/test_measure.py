@@ -312,6 +312,14 @@ def test_inner_weight_bytes_round_trip_and_bad_values_are_refused():
         data["units"][3]["inner_weight_bytes"] = bad
         with pytest.raises(JsonFileError, match=words):
             Profile.from_json(data)
+    # of its kept gradients, those of outputs made from its parameters alone: never more than all it keeps
+    p.units[3].weight_kept_bytes = {2: 50}
+    p.units[3].inner_seed_bytes = {2: {"x": 40}}
+    data = json.loads(json.dumps(p.to_json()))
+    assert Profile.from_json(data).units[3].inner_seed_bytes == {2: {"x": 40}}
+    data["units"][3]["inner_seed_bytes"] = {"2": {"x": 51}}
+    with pytest.raises(JsonFileError, match=r"inner_seed_bytes.*more than the unit's weight_kept_bytes"):
+        Profile.from_json(data)
 
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():

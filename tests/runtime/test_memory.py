@@ -479,16 +479,16 @@ def test_a_received_value_read_twice_in_a_unit_under_bf16_mixed_holds_what_the_r
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
 
-@pytest.mark.parametrize("first,held_more", [("decoder.block.0", 2048), ("decoder.block.1", 0),
-                                             ("decoder.embed_tokens", 4096)])
-def test_a_value_a_zero_bubble_stage_computes_from_its_parameters_is_counted(tmp_path, first, held_more):
+@pytest.mark.parametrize("first", ["decoder.block.0", "decoder.block.1", "decoder.embed_tokens"])
+def test_a_value_a_zero_bubble_stage_computes_from_its_parameters_is_counted(tmp_path, first):
     """T5's decoder blocks all add the position bias the first one computes from its parameter. Profiled
     alone each later block reads it as an input, whose gradient its input part computes; in a stage that
     also holds the first block it carries none from the stage's inputs, and each later block keeps the
     gradient of its scores for the weight part: the rank held 6,144 bytes more than planned. The profile
-    now measures what each unit holds where its stage computes such values (planner.cost.inner_weight); the
-    plan is within a seed gradient the first block held alone (2,048 bytes at the peak), or exact where the
-    stage starts after it."""
+    now measures what each unit holds where its stage computes such values (planner.cost.inner_weight), and
+    the gradients of a unit's outputs made from its parameters alone, which it keeps profiled alone and the
+    stage does not (the bias, the decoder's embedding): exact (12,288 bytes over before where the stage starts
+    at the decoder's embedding)."""
     pytest.importorskip("transformers")
     from tests.support.runs import execute, plan_with, profile_of, report_of
 
@@ -498,9 +498,8 @@ def test_a_value_a_zero_bubble_stage_computes_from_its_parameters_is_counted(tmp
     assert profile.units[names.index("decoder.block.1")].inner_weight_bytes[2] == \
         {str(names.index("decoder.block.0")): 2048}
     execute(plan_with(profile, [names.index(first)], 2, 4, "zb-h1"), tmp_path, steps=1)
-    first_rank, later = report_of(tmp_path)["stages"]
-    assert first_rank["peak_saved_bytes"] == first_rank["predicted_activation_bytes"]
-    assert later["predicted_activation_bytes"] - later["peak_saved_bytes"] == held_more
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
 
 @pytest.mark.parametrize("cuts", [[1], [2], [1, 4]])
@@ -508,15 +507,14 @@ def test_a_gate_every_layer_reads_is_counted_where_its_stage_computes_it(tmp_pat
     """A gate made from a parameter by its own unit multiplies every layer's update. In a stage holding the
     gate's unit, each layer keeps its product's gradient and the tensors it saved for the gate's side until
     the weight part: planned 28,936 and 10,504 bytes where the ranks held 37,000 and 16,648 (+28 %, +58 %).
-    Now within the gate's own output gradient (128 bytes at the peak), and exact where the stage starts
-    after it."""
+    Now exact but for 128 bytes on the middle rank of three."""
     from tests.support.runs import execute, plan_with, profile_of, report_of
 
     profile = profile_of("tests.capture_models:gated_layers", sizes=(2,))
     execute(plan_with(profile, cuts, 2, 4, "zb-h1"), tmp_path, steps=1)
     for rank in report_of(tmp_path)["stages"]:
         held, planned = rank["peak_saved_bytes"], rank["predicted_activation_bytes"]
-        assert held <= planned <= held + (128 if cuts[0] == 1 and rank["rank"] == 1 else 0), rank
+        assert held <= planned <= held + (128 if len(cuts) == 2 and rank["rank"] == 1 else 0), rank
 
 
 @pytest.mark.parametrize("cuts,over", [([1], 0.035), ([2], 0.005), ([3], 0.005)])

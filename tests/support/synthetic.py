@@ -162,7 +162,8 @@ def compute_inside(profile: Profile, rng, share: float = 0.5) -> None:
     """Some units read values that earlier units (not the first) compute from their parameters: where a
     stage holds such a unit and the value's source, the unit holds more, or less, between its weight
     backward's parts (UnitProfile.inner_weight_bytes, planner.cost.inner_weight); one or two sources
-    each, never taking more than the unit holds."""
+    each, never taking more than the unit holds; each source keeps, alone, the gradient of an output it
+    makes from its parameters (inner_seed_bytes), which a stage holding that value's last reader does not."""
     for k in range(2, profile.num_units):
         unit = profile.units[k]
         if rng.random() >= share or not unit.weight_held_bytes:
@@ -177,6 +178,10 @@ def compute_inside(profile: Profile, rng, share: float = 0.5) -> None:
             unit.inner_weight_bytes[b] = inner
             if rng.random() < 0.8:  # else not measured: all of it counted as held
                 unit.inner_kept_bytes[b] = kept
+        for source in sources:  # the source's output, made from its parameters: its gradient kept alone
+            maker, crossing = profile.units[source], profile.cut(source + 1).values[0]
+            for b, kept in maker.weight_kept_bytes.items():
+                maker.inner_seed_bytes[b] = {crossing.name: rng.randint(0, kept)}
 
 
 def _unshared(unit, b: int) -> int:
