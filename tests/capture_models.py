@@ -730,8 +730,11 @@ class Conditioned(nn.Module):
         return self.out(h)
 
 
-def conditioned(dim: int = 16, blocks: int = 3, classes: int = 5) -> ModelSpec:
+def conditioned(dim: int = 16, blocks: int = 3, classes: int = 5, frozen_labels: bool = False) -> ModelSpec:
+    """`frozen_labels`: the label embedding trains not, so each block's modulation is made from its `mod`
+    unit's parameters alone."""
     module = Conditioned(dim, blocks, classes)
+    module.labels.weight.requires_grad_(not frozen_labels)
 
     def batch(batch_size: int, step: int):
         g = torch.Generator().manual_seed(5 * step + 4)

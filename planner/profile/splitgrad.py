@@ -130,7 +130,7 @@ class PendingWeights:
 
 
 def _groups(params: Sequence[Tuple[torch.Tensor, Node]], consumers: Dict[Node, List[Node]], on_input_path: Set[Node],
-            seeds: Dict[Node, Tuple[torch.Tensor, torch.Tensor]]) -> List[_Group]:
+            seeds: Dict[Node, Dict[int, Tuple[torch.Tensor, torch.Tensor]]]) -> List[_Group]:
     """The parameters (each with the node its gradient enters) grouped by the subgraphs above them up
     to the input path (one walk up from all of them: a node reached from two parameters joins their
     groups), with each group's frontier nodes and seed outputs."""
@@ -166,9 +166,9 @@ def _groups(params: Sequence[Tuple[torch.Tensor, Node]], consumers: Dict[Node, L
         if node in on_input_path:
             groups[find(i)].frontier.append(node)
         elif node in seeds:
-            tensor, grad = seeds[node]
-            groups[find(i)].seeds.append(tensor)
-            groups[find(i)].seed_grads.append(grad)
+            for tensor, grad in seeds[node].values():
+                groups[find(i)].seeds.append(tensor)
+                groups[find(i)].seed_grads.append(grad)
     return list(groups.values())
 
 
@@ -194,13 +194,15 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     input_nodes = [n for n in (_node_of(t) for t in wanted) if n is not None and n in consumers]
     # the nodes the input backward runs: every node from which an input is reached
     on_input_path, _ = _above(input_nodes, consumers, stop=set())
-    seeds: Dict[Node, Tuple[torch.Tensor, torch.Tensor]] = {}
+    # by node and output: the parts of one multi-output node (a chunk's) are outputs of their own
+    seeds: Dict[Node, Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {}
     for t, g in pairs:
         if t.grad_fn not in on_input_path:
-            if t.grad_fn in seeds:  # one output twice: its gradients add up
-                seeds[t.grad_fn] = (t, seeds[t.grad_fn][1] + g)
+            outputs = seeds.setdefault(t.grad_fn, {})
+            if t.output_nr in outputs:  # one output twice: its gradients add up
+                outputs[t.output_nr] = (t, outputs[t.output_nr][1] + g)
             else:
-                seeds[t.grad_fn] = (t, g)
+                outputs[t.output_nr] = (t, g)
     pending = PendingWeights(groups=_groups(trainable, consumers, on_input_path, seeds),
                              graph_nodes=len(set(consumers) | {t.grad_fn for t, _ in pairs}))
     reached = [t for t in wanted if _node_of(t) in on_input_path]

@@ -85,6 +85,31 @@ def test_two_parts_give_the_whole_backward(recompute, input_grad):
         assert torch.allclose(input_grad_after_first_part, x2.grad, atol=1e-6)
 
 
+def test_the_parts_of_one_node_reaching_no_input_keep_their_own_gradients():
+    # a later stage whose outputs include a chunk's parts made from its parameters alone (no input reaches
+    # them): one autograd node, two outputs. Their seeds were taken as one output's, the sum of both
+    # gradients on one part, and the weight part gave the chunk's source a wrong gradient (5e-4 off in a
+    # run of a frozen-conditioned model under ZB-H1)
+    torch.manual_seed(0)
+    lin, mod = nn.Linear(4, 4), nn.Linear(3, 8)
+    x, c = torch.randn(2, 4, requires_grad=True), torch.randn(2, 3)  # c needs no gradient
+    whole_model = copy.deepcopy((lin, mod))
+    grads = [torch.randn(2, 4) for _ in range(3)]
+
+    def run(lin, mod, x):
+        shift, scale = mod(c).chunk(2, dim=-1)
+        return [lin(x), shift, scale]
+
+    outs = run(*whole_model, x.detach().clone().requires_grad_())
+    torch.autograd.backward(outs, grads)
+    outs = run(lin, mod, x)
+    pending = backward_input(outs, grads, [x], [*lin.parameters(), *mod.parameters()])
+    backward_weight(pending)
+    for split, whole in zip([*lin.parameters(), *mod.parameters()], [*whole_model[0].parameters(),
+                                                                     *whole_model[1].parameters()]):
+        assert torch.equal(split.grad, whole.grad)
+
+
 def test_buckets_are_armed_at_the_last_weight_backward():
     lists = build_schedule("zb-h1", 2, 4)
     stage = SimpleNamespace(module=nn.Linear(2, 2))  # what last_backwards reads of a stage

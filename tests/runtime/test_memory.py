@@ -534,3 +534,4 @@ def test_a_conditioning_every_block_reads_is_planned_from_its_source(tmp_path, c
     for rank in report_of(tmp_path)["stages"]:
         held, planned = rank["peak_saved_bytes"], rank["predicted_activation_bytes"]
         assert held <= planned <= held * (1 + over), rank
+

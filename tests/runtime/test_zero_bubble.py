@@ -4,6 +4,7 @@ placement, data parallelism (the last weight backward completes a gradient bucke
 and recomputation."""
 import dataclasses
 
+import pytest
 import torch
 
 from tests.support.runs import (assert_trains_like_one_process, execute, max_abs_diff, plan_with, profile_of,
@@ -49,3 +50,14 @@ def test_zb_h1_with_a_first_stage_nothing_trains_through(tmp_path):
     # its input and weight parts have nothing to do (an IndexError before)
     plan = plan_with(profile_of("tests.models:frozen_tied_lm"), [2], 1, 4, "zb-h1")
     assert_trains_like_one_process(plan, tmp_path, "tests.models:frozen_tied_lm")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_a_stage_sending_a_chunks_parts_made_from_its_parameters_trains_exactly(tmp_path, schedule):
+    # the label embedding frozen, stage [1, 3) ends in a block's `mod` unit whose (shift, scale) parts of one
+    # chunk, made from its parameters alone, go to the next stage: under ZB-H1 its weight part took both
+    # parts' gradients as one's (5e-4 off one process; planner.profile.splitgrad's seeds by output)
+    profile = profile_of("tests.capture_models:conditioned", {"frozen_labels": True}, sizes=(2,))
+    assert [u.name for u in profile.units][1:4] == ["labels", "blocks.0.mod", "blocks.0.norm"]
+    plan = plan_with(profile, [1, 3], 2, 4, schedule)
+    assert max_abs_diff(execute(plan, tmp_path, steps=2), reference_state(plan, steps=2)) <= 1e-5
