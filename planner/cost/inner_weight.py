@@ -29,7 +29,7 @@ last reader R_v: (R_v, j, -bytes of v). Pairs that never apply (T < 1, k = L) ar
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
@@ -67,7 +67,11 @@ def inner_pairs(units: Sequence, b: int, crossing: Sequence[Sequence[str]] = ())
         # the value crosses the stage's end (some reader after it)
         pairs += [(last_reader[name], k, -float(x), -1) for name, x in unit.inner_seed_bytes.get(b, {}).items()
                   if name in last_reader]
-    return [pair for pair in pairs if pair[2] and pair[0] < L and pair[1] >= 1]
+    merged: Dict[Tuple[int, int, int], float] = {}  # one pair per (k, T, h): those that cancel go
+    for k, T, x, h in pairs:
+        if k < L and T >= 1:
+            merged[k, T, h] = merged.get((k, T, h), 0.0) + x
+    return [(k, T, x, h) for (k, T, h), x in merged.items() if x]
 
 
 def inner_held(pairs: Sequence[Pair], a: int, e: int, recompute: Iterable[int] = ()) -> float:

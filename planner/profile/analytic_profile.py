@@ -26,9 +26,9 @@ from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, 
 from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memory_efficient
 from planner.profile.cut_profile import CutProfile, CutValue
 from planner.profile.profile import Profile
-from planner.profile.profile_run import carries_gradient, value_sources
+from planner.profile.profile_run import InnerSources
 from planner.profile.records import as_received, blank_unit, record_cut_values, shared_parameters_json
-from planner.profile.saved_storages import inner_bytes, later_start
+from planner.profile.saved_storages import inner_counts
 from planner.profile.saved import Packed, loss_saved_bytes, unpack
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, backward_seeds
@@ -136,7 +136,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
         probe = _run_on_meta(captured, inputs0, sizes[0], grad=True)
     state_read_by_loss(spec.loss, spec.module, captured.output_of(probe), target0, [module for module, _ in stages])
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
-    sources = value_sources(captured, carries_gradient(probe))
+    inner = InnerSources.of(captured, probe, grad_flags)
     del probe
     writers = state_writers(captured)
     units = [blank_unit(u, stages[k][0], k in writers, buffers=False) for k, u in enumerate(captured.units)]
@@ -169,12 +169,10 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
             input_share, weight_share = parts.shares()  # of the ops' costs: the parts' sum is the backward's
             unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
             unit.weight_held_bytes[b], unit.weight_kept_bytes[b] = parts.held_bytes, parts.kept_bytes
-            if k > 0:  # where its stage computes a value it reads from parameters (as a measured profile)
-                unit.inner_weight_bytes[b], unit.inner_kept_bytes[b] = inner_bytes(
-                    UnitCall(stage, args, produced, io.is_last), k, list(io.received), parts.held_bytes,
-                    parts.kept_bytes, spec.loss, target, sources, lambda source: later_start(captured, grad_flags, source))
-                unit.inner_seed_bytes[b] = {io.sent[i]: _nbytes(values[io.sent[i]]) for i in produced
-                                            if sources.get(io.sent[i]) == k and grad_flags.get(io.sent[i])}
+            if k > 0:  # where its stage computes values it reads from its parameters (as a measured profile)
+                unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b] = inner_counts(
+                    UnitCall(stage, args, produced, io.is_last), k, list(io.received), [io.sent[i] for i in produced],
+                    values, parts.held_bytes, parts.kept_bytes, spec.loss, target, inner)
             unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target, key=saved_key)

@@ -45,7 +45,7 @@ from planner.profile.profile_run import ProfileRun, prepare
 from planner.profile.records import prepare_args, record_cut_values, shared_parameters_json, tensor_bytes
 from planner.profile.run_timing import measure_optimizer, time_parts, time_units
 from planner.profile.saved import loss_saved_bytes
-from planner.profile.saved_storages import as_first, inner_weight, shared_saved
+from planner.profile.saved_storages import as_first, inner_counts, shared_saved
 from planner.profile.timing import UnitCall
 
 
@@ -227,12 +227,10 @@ def _measure_size(run: ProfileRun, b: int) -> None:
             unit.first_saved_bytes[b] = first[k][0]
             if unit.split_backward:
                 unit.first_weight_held_bytes[b] = first[k][1]
-        if unit.split_backward and k > 0:  # where its stage computes a value it reads from parameters
-            unit.inner_weight_bytes[b], unit.inner_kept_bytes[b] = inner_weight(
-                run, work[k], k, list(io.received), unit.weight_held_bytes[b], unit.weight_kept_bytes[b], target)
-            # its outputs made from its parameters alone: profiled alone it keeps their gradients (seeds)
-            unit.inner_seed_bytes[b] = {io.sent[i]: tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
-                                        if run.sources.get(io.sent[i]) == k and run.grad_flags.get(io.sent[i])}
+        if unit.split_backward and k > 0:  # where its stage computes values it reads from its parameters
+            unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b] = inner_counts(
+                work[k], k, list(io.received), [io.sent[i] for i in produced_of[k]], values,
+                unit.weight_held_bytes[b], unit.weight_kept_bytes[b], run.spec.loss, target, run.inner)
         unit.input_bytes[b] = sum(tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))
         unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced_of[k]
                                    if isinstance(values[io.sent[i]], torch.Tensor))

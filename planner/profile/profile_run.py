@@ -40,7 +40,7 @@ class ProfileRun:
     stages: List[Any] = field(default_factory=list)  # (module, io) of each unit run alone
     tails: Dict[int, Any] = field(default_factory=dict)  # first -> (module, io) of units [first, L) as one stage
     grad_flags: Dict[str, bool] = field(default_factory=dict)  # which crossing values carry gradients
-    sources: Dict[str, int] = field(default_factory=dict)  # `value_sources`
+    inner: Optional["InnerSources"] = None  # the values' sources (planner.profile.saved_storages.inner_counts)
     units: List[UnitProfile] = field(default_factory=list)
     cut_values: Dict[int, Dict[str, CutValue]] = field(default_factory=dict)
     whole_scale: Dict[int, Dict[str, float]] = field(default_factory=dict)
@@ -84,6 +84,25 @@ def value_sources(captured: CapturedModel, grad_flags: Dict[str, bool]) -> Dict[
         own = unit_of.get(node.name)
         sources[node.name] = min(found + ([own] if own is not None else []), default=len(captured.units))
     return sources
+
+
+@dataclass
+class InnerSources:
+    """What planner.profile.saved_storages.inner_counts reads of a profile's graph, found once: each value's
+    source (`value_sources`), which values carry a gradient, and the first cut (>= 1) a stage
+    starting at which has an input part (a value crossing it carries a gradient; planner.cost.ranges'
+    `whole` before it, whose weight part holds all anyway)."""
+
+    sources: Dict[str, int]
+    grad_flags: Dict[str, bool]
+    first_input: int
+
+    @classmethod
+    def of(cls, captured: CapturedModel, probe: Dict[str, Any], grad_flags: Dict[str, bool]) -> "InnerSources":
+        """From a grad-enabled run's values (`probe`) and their gradient flags."""
+        L = len(captured.units)
+        first = next((a for a in range(1, L) if any(grad_flags.get(n.name) for n in captured.crossing(a))), L)
+        return cls(value_sources(captured, carries_gradient(probe)), grad_flags, first)
 
 
 def tail_firsts(num_units: int) -> List[int]:
@@ -130,7 +149,7 @@ def prepare(run: ProfileRun, smallest: int, precision: str = "fp32") -> None:
             if run.mixed is not None:
                 run.mixed.remove()
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
-    run.sources = value_sources(captured, carries_gradient(probe))
+    run.inner = InnerSources.of(captured, probe, run.grad_flags)
     # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
                        [module for module, _ in run.stages])

@@ -1,44 +1,41 @@
 """The storages a unit's forward saves, each named by the value it holds: those other units may
 save too, those its weight part keeps, those it keeps when recomputed, those autograd frees at once;
 what it saves and holds as a stage's first unit, its inputs each in a storage of its own; and what it
-holds where its stage computes values it reads from parameters (`inner_bytes`).
+holds where its stage computes values it reads from parameters (`inner_counts`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from planner.profile.profile_run import ProfileRun
-from planner.profile.records import as_received
+from planner.profile.profile_run import InnerSources, ProfileRun
+from planner.profile.records import as_received, tensor_bytes
 from planner.profile.saved import SavedBytes
 from planner.profile.splitgrad import backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, _InputRestore
 
 
-def inner_weight(run: ProfileRun, call: UnitCall, k: int, received: List[str], held: int, kept: int,
-                 target: Any) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """`inner_bytes` of unit k in a profiling run."""
-    return inner_bytes(call, k, received, held, kept, run.spec.loss, target, run.sources,
-                       lambda source: later_start(run.captured, run.grad_flags, source))
+def inner_counts(call: UnitCall, k: int, received: List[str], sent: List[str], values: Dict[str, Any], held: int,
+                 kept: int, loss_fn, target: Any, graph: InnerSources
+                 ) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]:
+    """Unit k's (UnitProfile.) inner_weight_bytes, inner_kept_bytes and inner_seed_bytes.
 
-
-def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, kept: int, loss_fn, target: Any,
-                sources_of: Dict[str, int], input_part: Callable[[int], bool]
-                ) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """{source T: bytes}: what its weight part holds more (less) in a stage starting at a than `held`,
-    measured alone, is the sum of those with T >= a (UnitProfile.inner_weight_bytes); and the same of the
-    gradients it keeps, of which `kept` alone (inner_kept_bytes). A received value of
-    source T >= a (`sources_of`, planner.profile.profile_run.value_sources; `input_part(T)`: a stage starting
-    at 1..T has one, else its weight part holds all anyway) is computed in such
-    a stage from its parameters and carries no gradient from its inputs: the nodes where it meets them keep
-    theirs for the weight part (a shared position bias added to every block's scores). Measured with those
-    values' gradients asked for in the weight part, as parameters' are, at each source in turn."""
+    The first: {source T: bytes}, what its weight part holds more (less) in a stage starting at a than `held`,
+    measured alone, is the sum of those with T >= a; the second the same of the gradients it keeps, of which
+    `kept` alone. A received value of source T >= a (with 1 <= T: a stage starting at 0 is whole) is computed
+    in such a stage from its parameters and carries no gradient from its inputs: the nodes where it meets them
+    keep theirs for the weight part (a shared position bias added to every block's scores). Measured with those
+    values' gradients asked for in the weight part, as parameters' are, at each source in turn. The third: of
+    its outputs (`sent` names, `values` their tensors) those made from its parameters alone (their source is
+    k), whose gradients it keeps alone (as seeds) and a stage holding all their readers does not."""
+    seeds = {name: tensor_bytes(values[name]) for name in sent
+             if graph.sources.get(name) == k and graph.grad_flags.get(name) and isinstance(values[name], torch.Tensor)}
     offset = len(call.args) - len(received)  # the received values follow the model's inputs
     sources: Dict[int, List[torch.Tensor]] = {}
     for i, name in enumerate(received):
-        source, arg = sources_of.get(name, 0), call.args[offset + i]
-        if 1 <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad and input_part(source):
+        source, arg = graph.sources.get(name, 0), call.args[offset + i]
+        if graph.first_input <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad:
             sources.setdefault(source, []).append(arg)
     out: Dict[str, int] = {}
     out_kept: Dict[str, int] = {}
@@ -58,13 +55,7 @@ def inner_bytes(call: UnitCall, k: int, received: List[str], held: int, kept: in
         if inside != held or inside_kept != kept:
             out[str(source)], out_kept[str(source)] = inside - held, inside_kept - kept
         held, kept = inside, inside_kept
-    return out, out_kept
-
-
-def later_start(captured, grad_flags: Dict[str, bool], source: int) -> bool:
-    """Whether a stage starting at some cut 1..source has an input part: a value crossing it carries a
-    gradient (planner.cost.ranges' `whole` otherwise, whose weight part holds all anyway)."""
-    return any(grad_flags.get(node.name) for a in range(1, source + 1) for node in captured.crossing(a))
+    return out, out_kept, seeds
 
 
 def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:

@@ -364,7 +364,7 @@ def first_part(call: UnitCall, out, params: Sequence[torch.Tensor], outside: Seq
                ) -> PendingWeights:
     """The input backward of one unit's forward result (`params`: the unit's trainable ones), seeded
     as measure_units seeds the whole one; `outside`: arguments whose gradients are left to the weight part
-    (among `params`), as where its stage computes them (planner.profile.saved_storages.inner_weight)."""
+    (among `params`), as where its stage computes them (planner.profile.saved_storages.inner_counts)."""
     inputs = [a for a in call.args if isinstance(a, torch.Tensor) and a.requires_grad
               and not any(a is o for o in outside)]
     return backward_input(*backward_seeds(call, out), inputs, params)
