@@ -27,7 +27,7 @@ from planner.profile.attention import ATTENTION_CHOICES, attention_of, use_memor
 from planner.profile.cut_profile import CutProfile, CutValue
 from planner.profile.profile import Profile
 from planner.profile.profile_run import InnerSources
-from planner.profile.records import as_received, blank_unit, record_cut_values, shared_parameters_json
+from planner.profile.records import as_received, blank_unit, record_cut_values, shared_parameters_json, tensor_bytes
 from planner.profile.saved_storages import inner_counts
 from planner.profile.saved import Packed, loss_saved_bytes, unpack
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
@@ -42,10 +42,6 @@ def _meta(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _meta(v) for k, v in obj.items()}
     return obj
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _unit_costs(stage, args: List[Any], produced: List[int], is_last: bool, loss_fn, target,
@@ -173,7 +169,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                 unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b] = inner_counts(
                     UnitCall(stage, args, produced, io.is_last), k, list(io.received), [io.sent[i] for i in produced],
                     values, parts.held_bytes, parts.kept_bytes, spec.loss, target, inner)
-            unit.output_bytes[b] = sum(_nbytes(values[io.sent[i]]) for i in produced
+            unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target, key=saved_key)
         say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "
