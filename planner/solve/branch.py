@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -66,6 +66,8 @@ from planner.profile.profile import Profile
 from planner.solve.dual import Dual
 from planner.solve.floors import OutOfTime
 from planner.solve.forms import TABLE_BYTES, Forms, StageTerms, form_prefix, table_bytes
+from planner.solve.recompute import recompute_for
+from planner.solve.recompute_bound import bounded
 from planner.solve.solution import Candidate
 
 DUAL_ITERATIONS, DUAL_REFRESH_ITERATIONS = 500, 30  # dual ascent steps at the start and at each refresh
@@ -78,11 +80,14 @@ _largest = np.maximum.reduce  # a node's bound: the ufunc's own method (ndarray.
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 
 
-def applies(profile: Profile, opts: CostOptions) -> bool:
+def applies(profile: Profile, opts: CostOptions, chosen: bool = False) -> bool:
     """Whether every duration term of this scenario belongs to one stage (module docstring), on a
-    profile small enough for its tables."""
+    profile small enough for its tables; with `chosen`, also where each split's recomputation is
+    chosen (`--recompute auto` with one stage per device: the search's terms then bound it,
+    planner.solve.recompute_bound, and a leaf's own choice may exceed them)."""
+    fixed = opts.recompute in ("none", "all") or chosen and bounded(opts)
     return (table_bytes(profile.num_units, opts) <= TABLE_BYTES and not opts.replicated
-            and opts.recompute in ("none", "all") and not shared_parameters(profile)
+            and fixed and not shared_parameters(profile)
             and not (opts.shard == "parameters" and opts.data_parallel > 1 and tied_weights(profile))
             and opts.num_stages <= profile.num_units)
 
@@ -115,7 +120,10 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     known.deadline = deadline
     for form in forms:
         known.add(form, complete=False)  # the first refresh completes them all at once
-    redo = list(range(L)) if opts.recompute == "all" else []
+    # the units recomputed: fixed, or (recompute 'auto' under a cap) chosen per split, the terms then
+    # a bound a split's own choice may exceed: the least such leaf bound stands for those leaves
+    redo = None if terms.redo_bound else list(range(L)) if opts.recompute == "all" else []
+    loose = math.inf
     overhead = opts.step_overhead_s
     best = incumbent
     target = min(best.iteration_s if best is not None else math.inf,
@@ -186,7 +194,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if time_limit is not None and time.perf_counter() - started > time_limit:
             share = FINAL_REFRESH_SHARE * time_limit
             bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
-                        target * (1 - gap))
+                        target * (1 - gap), loose)
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -200,7 +208,12 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if len(prefix) < len(known):  # forms learned since this node was made: their prefix from its cuts
             prefix = np.concatenate([prefix, form_prefix(known, slice(len(prefix), len(known)), cuts)])
         if g == S - 1:  # the last stage is [a, L): a complete split
-            offer(_simulate(profile, list(cuts), b, opts, redo, known))
+            found = _simulate(profile, list(cuts), b, opts, redo, known)
+            offer(found)
+            if redo is None:  # its recomputation chosen: exact only where it meets the terms' bound
+                below = _split_bound(known, cuts + (L,))
+                if below < target * (1 - gap) and (found is None or found.iteration_s - overhead > below * (1 + 1e-9)):
+                    loose = min(loose, max(bound, below))
             if target < refreshed[0] * (1 - REFRESH) or len(known) > refreshed[1] * (1 + REFRESH) + 4:
                 strengthen(DUAL_REFRESH_ITERATIONS)  # tighter: nodes made before keep their (valid) bounds
                 refreshed = (target, len(known))
@@ -226,8 +239,10 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         for j, child in zip(ends.tolist(), prefixes):
             e = int(first) + j
             stack.append((float(bounds[j]), g + 1, e, cuts + (e,), child))
-    # nothing left beats the target by more than the gap
-    return BranchOutcome(best, target * (1 - gap) + overhead, True, nodes, known.known)
+    # nothing left beats the target by more than the gap (but the leaves whose recomputation was chosen
+    # above their bound: the least of those bounds)
+    bound = min(target * (1 - gap), loose)
+    return BranchOutcome(best, max(bound, 0.0) + overhead, loose >= target * (1 - gap), nodes, known.known)
 
 
 FINAL_REFRESH_SHARE = 0.05  # at the time limit, a last refresh when one takes less than this share of it, and
@@ -259,10 +274,28 @@ def _open_bound(known: Forms, stack, target: float, refresh: bool, budget_s: flo
     return least
 
 
-def _simulate(profile: Profile, cuts: List[int], b: int, opts: CostOptions, redo: List[int],
+def _split_bound(known: Forms, ends: Sequence[int]) -> float:
+    """max_k form_k(split) for the complete split with these stage ends (+inf where a stage is no
+    longer allowed: no split through it beats the target)."""
+    total, a = np.array(known.constant, dtype=float), 0
+    for g, e in enumerate(ends):
+        if not known.terms.allowed[g][a, e]:
+            return math.inf
+        total += known.coefficients[g] @ known.terms.rows[g][:, a, e]
+        a = e
+    return float(total.max(initial=-math.inf))
+
+
+def _simulate(profile: Profile, cuts: List[int], b: int, opts: CostOptions, redo: Optional[List[int]],
               known: Forms) -> Optional[Candidate]:
     """The split's cost (its longest path joins the forms); None if it does not fit (a scenario
-    `evaluate` refuses raises its ValueError)."""
+    `evaluate` refuses raises its ValueError). `redo` None: the least recomputation each stage needs
+    (planner.solve.recompute.recompute_for, whole units by time per byte freed)."""
+    if redo is None:
+        redo = recompute_for(profile, cuts, b, opts, exact=False)
+        if redo is None:  # no recomputation makes it fit
+            known.add(evaluate(profile, cuts, b, opts, []).critical_path)
+            return None
     cost = evaluate(profile, cuts, b, opts, redo)
     known.add(cost.critical_path)
     return Candidate(cost.iteration_s, list(cuts), list(redo)) if cost.feasible else None

@@ -206,16 +206,29 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
 
 
 RELAXED_SHARE, FITTING_SHARE = 0.6, 0.2  # of the time limit, for the two searches of `_without_recomputation`
+CHOSEN_SHARE = 0.8  # of the time limit, for the splits' search bounding each split's recomputation
 
 
 def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Candidate],
-                           time_limit: Optional[float], gap: float, target_s: Optional[float]):
+                           time_limit: Optional[float], gap: float, target_s: Optional[float],
+                           forms: Optional[Set[PathForm]] = None):
     """What the branch and bound over splits (fast, no per-unit choices) tells a `--recompute auto`
     scenario under a cap, which the integer program solves next: (best plan, lower bound, settled).
-    Where only the per-device cap bounds memory, no plan beats the best split without the cap
-    (recomputing only adds work): that search's bound is the scenario's, and its plan, when it fits,
-    one of the scenario's (the optimum, when the search finished). Otherwise, or where that plan does
-    not fit, every split that fits without recomputing is a plan of the scenario: the best of them."""
+    With one stage per device it searches the splits with each stage's least recomputation as a bound
+    (planner.solve.recompute_bound) and each split's own (whole units) as its plan: settled where every
+    split it reached met its bound. Otherwise, where only the per-device cap bounds memory, no plan
+    beats the best split without the cap (recomputing only adds work): that search's bound is the
+    scenario's, and its plan, when it fits, one of the scenario's (the optimum, when the search
+    finished); or, where that plan does not fit, every split that fits without recomputing is a plan
+    of the scenario: the best of them."""
+    if applies(profile, opts, chosen=True):
+        deadline = None if time_limit is None else time.perf_counter() + time_limit
+        found = branch_and_bound(profile, b, opts, best, set(forms or ()), None if time_limit is None
+                                 else CHOSEN_SHARE * time_limit, gap, target_s,
+                                 improve=lambda split: local_search(profile, b, opts, split, forms or set(), deadline))
+        if forms is not None:
+            forms |= found.forms
+        return found.best, found.bound_s, found.optimal
     plain = replace(opts, recompute="none")
     if not applies(profile, plain):
         return best, -math.inf, False
@@ -269,7 +282,7 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         forms |= found.forms
         return outcome(found.best, found.bound_s, found.optimal, "branch")
     if opts.recompute == "auto":  # under a cap: the splits' search first, for a plan and a bound
-        best, bound, settled = _without_recomputation(profile, b, opts, best, time_limit, gap, target_s)
+        best, bound, settled = _without_recomputation(profile, b, opts, best, time_limit, gap, target_s, forms)
         if settled:
             return outcome(best, bound, True, "branch")
         if time_limit is not None and time.perf_counter() - started >= time_limit:

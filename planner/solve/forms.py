@@ -18,6 +18,7 @@ from planner.profile.profile import Profile
 from planner.solve.floors import (Band, OutOfTime, check_deadline, form_completions, least_largest, nonzero_terms,
                                   split_of, stage_floors)
 from planner.solve.reach import stage_conditions
+from planner.solve.recompute_bound import bounded, least_recompute
 
 FLOOR_ROUNDS = 2  # floors, then completions over the ranges left: at most this many rounds per refresh
 STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
@@ -29,14 +30,19 @@ def table_bytes(num_units: int, opts: CostOptions) -> int:
     device, at most one per stage where devices differ), the floors and the allowed ranges per stage
     (the band's gathered terms, at most floors.BAND_BYTES, come on top)."""
     S, cells = opts.num_stages, (num_units + 1) ** 2
-    tables = S if opts.device_view is not None else 2  # like devices: inner stages and the last one
+    # like devices: inner stages and the last one; a stage apiece where devices differ or each adds its
+    # own least recomputation (planner.solve.recompute_bound)
+    tables = S if opts.device_view is not None or bounded(opts) else 2
     return (tables * len(STAGE_TERMS) * 8 + S * (8 + 3)) * cells
 
 
 class StageTerms:
     """Each stage's duration terms over every range [a, e) (seconds; +inf where e <= a), and where
     each stage fits its device's memory. OutOfTime past `deadline` (time.perf_counter()): at 2,000
-    units they take seconds to build, which a search's time limit may not have."""
+    units they take seconds to build, which a search's time limit may not have. Under `--recompute
+    auto` (one stage per device, planner.solve.recompute_bound) each stage's backward carries the least
+    recomputation its range needs to fit, and a range fits where some recomputation makes it: the
+    terms then bound a split's step from below, which its own recomputation may exceed (`redo_bound`)."""
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None):
         costs = range_costs(profile, b, opts.optimizer)
@@ -62,6 +68,13 @@ class StageTerms:
         buffers = np.where(finite, range_matrix(costs.BUF), 0.0)  # averaged under local SGD
         step = range_matrix(costs.O)
         ends = np.arange(L + 1)
+        from planner.cost.stage_memory import StageMemory
+
+        memory = StageMemory(profile, b, opts, redo_all)
+        # R_g[a, e]: the least recomputation stage g = [a, e) needs to fit (None: recomputation is fixed)
+        self.redo_bound = bounded(opts) and any(memory.cap(g) is not None for g in range(S))
+        least = least_recompute(memory, costs, opts, b) if self.redo_bound else None
+        check_deadline(deadline)
         # rows[g][t, a, e] = term t of stage g = [a, e), 0 where not a range; stages whose terms are alike
         # (speed, messages, exchange) share one table: at 1,000 units each is 8 (L + 1)^2 floats
         self.rows: List[np.ndarray] = []
@@ -95,10 +108,17 @@ class StageTerms:
                         np.divide(terms[name], speeds[g], out=table[t], where=finite)
                     else:  # act and grad by the stage's end: the same on every row
                         np.copyto(table[t], {"reduce": reduce, "act": act, "grad": grad}[name], where=finite)
-                tables[key] = np.nan_to_num(table, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
-            self.rows.append(tables[key])
+                table[~np.isfinite(table)] = 0.0  # in place (nan_to_num takes three passes and copies)
+                tables[key] = table
+            table = tables[key]
+            # a stage whose ranges need recomputation to fit: its like stages' table, its own backward
+            if least is not None and (least[g][np.isfinite(least[g])] > 0).any():
+                table = table.copy()
+                backward_row = table[STAGE_TERMS.index("backward")]
+                np.add(backward_row, least[g], out=backward_row, where=finite & np.isfinite(least[g]))
+            self.rows.append(table)
         self.nonzero = nonzero_terms(self.rows)
-        self.fits = self._memory(profile, b, opts, costs, redo_all, deadline)
+        self.fits = self._memory(memory, costs, least, deadline)
         check_deadline(deadline)
         self.allowed: List[np.ndarray] = []  # fits, and may lie in a split faster than the target (restrict)
         self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
@@ -125,17 +145,18 @@ class StageTerms:
             stop = np.where(any_end, ok.shape[1] - ok[:, ::-1].argmax(axis=1), 0)
             self.window.append(np.stack([first, stop], axis=1))
 
-    def _memory(self, profile, b, opts, costs, redo_all, deadline) -> List[np.ndarray]:
+    def _memory(self, memory, costs, least, deadline) -> List[np.ndarray]:
         """fits[g][a, e]: stage g = [a, e) fits its device with nothing else on it
-        (planner.cost.model.device_memory; exact with one stage per device)."""
-        from planner.cost.stage_memory import StageMemory
-
-        memory = StageMemory(profile, b, opts, redo_all)
+        (planner.cost.model.device_memory; exact with one stage per device), with some recomputation
+        where `least` (R_g) is given."""
         valid = np.isfinite(range_matrix(costs.P))
         fits = []
         for g in range(self.S):
             check_deadline(deadline)
-            fits.append(valid if memory.cap(g) is None else valid & (memory.matrix(g) <= memory.cap(g)))
+            if least is not None:
+                fits.append(valid & np.isfinite(least[g]))
+            else:
+                fits.append(valid if memory.cap(g) is None else valid & (memory.matrix(g) <= memory.cap(g)))
         return fits
 
 

@@ -30,7 +30,8 @@ def cheapest_recompute(profile: Profile, b: int, first: int, end: int, need_byte
     s_l - in_l, corrected for shared storages); None if impossible.
 
     exact: enumerate subsets (ValueError beyond EXACT_KNAPSACK_UNITS candidates); otherwise greedy by
-    time per byte freed (a feasible, not always optimal, choice — used for warm starts only).
+    time per byte freed, the slowest units needless at the end dropped (a feasible, not always optimal,
+    choice: the warm starts, and the leaves of the branch and bound, which bounds them from below).
     """
     if need_bytes <= 0:
         return 0.0, []
@@ -48,6 +49,13 @@ def cheapest_recompute(profile: Profile, b: int, first: int, end: int, need_byte
             cost += t
             if freed >= need_bytes:
                 break
+        # the last unit taken may make earlier ones needless: drop the slowest while the rest still fit
+        times = {l: (t, f) for t, f, l in items}
+        for l in sorted(chosen, key=lambda l: -times[l][0]):
+            if freed - times[l][1] >= need_bytes:
+                chosen.remove(l)
+                freed -= times[l][1]
+                cost -= times[l][0]
         return cost, sorted(chosen)
     if len(items) > EXACT_KNAPSACK_UNITS:
         raise ValueError(f"exact recomputation choice over {len(items)} units of one stage is too large for "

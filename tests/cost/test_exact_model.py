@@ -215,9 +215,10 @@ def test_solver_matches_brute_force_under_the_exact_model(problem):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_units=7), st.sampled_from([6000.0, 12000.0, 30000.0]))
 def test_recompute_auto_under_a_cap_matches_brute_force(problem, cap):
-    """The command's default under a cap: the splits' search without recomputation gives the integer
-    program a plan and a bound first (planner.solve.exact._without_recomputation); the result is
-    still the optimum, and never slower than the best plan without recomputation."""
+    """The command's default under a cap: the splits' search (with each stage's least recomputation as
+    its bound where one stage runs per device, else without recomputation) gives the integer program a
+    plan and a bound first (planner.solve.exact._without_recomputation); the result is still the
+    optimum, and never slower than the best plan without recomputation."""
     profile, opts = problem
     opts = opts.with_(recompute="auto", memory_cap=cap)
     compared = _oracle_and_found(profile, opts)

@@ -31,7 +31,7 @@ def highs_started_elsewhere() -> None:
 def program_only():
     """The integer program settles every scenario: without this, scenarios the branch and bound
     applies to never build it (planner.solve.exact)."""
-    return mock.patch("planner.solve.exact.applies", lambda *args: False)
+    return mock.patch("planner.solve.exact.applies", lambda *args, **kwargs: False)
 
 
 def exact_rows():

@@ -1,0 +1,176 @@
+"""The least time `--recompute auto` can add to a stage range so that it fits its device: a lower
+bound, per stage and range, that lets the branch and bound over splits (planner.solve.branch) search
+recomputation under a memory cap with one stage per device (1F1B, GPipe).
+
+Stage g = [a, e) on rank i (speed sigma_i, cap c_i) holds M_g(a, e) bytes with nothing recomputed
+(planner.cost.stage_memory.StageMemory.matrix), so it must free
+
+    y_g(a, e) = (M_g(a, e) - c_i) / h_g        per held micro-batch (h_g: planner.cost.model.held_counts).
+
+Recomputing unit l adds f_l / sigma_i to the stage's backward and frees at most h_g max(0, g_l(a, e))
+(planner.solve.chain_recompute.freed_bytes; a unit whose g_l < 0 costs bytes, frees none), so every
+recomputation set that fits costs at least the covering knapsack's value, and at least its linear
+relaxation's
+
+    R_g(a, e) = min { sum_l f_l x_l : sum_l max(0, g_l(a, e)) x_l >= y_g(a, e), 0 <= x_l <= 1 } / sigma_i,
+
++inf where every unit of the range recomputed frees less than y (the range never fits). By duality,
+for every rho >= 0
+
+    phi(rho) = rho y - sum_{a <= l < e} max(0, rho max(0, g_l) - f_l)  <=  R sigma,
+
+with equality at the ratio f_l / g_l where the cheapest cover per byte runs out. phi is concave and
+piecewise linear with its breaks at the range's own ratios, so its largest value over a grid holding
+every unit's ratio (in each of the positions a unit takes in a range: g_l differs at a range's first
+and last unit) is the relaxation's value exactly; each cell finds it by bisection over the grid.
+The sums over a range are prefix sums per grid point: the first unit, the units inside and the last
+unit each take their own g (chain_recompute.freed_bytes):
+
+    first (e > a + 1): s_a - in_a + first_a - d_{a+1}       alone (e = a + 1): s_a - in_a + first_a
+    inside:            s_l - in_l - d_{l+1} + r_l            last (l = e - 1 > a): s_l - in_l + r_l
+
+A split's time with its best recomputation is at least its time with these added to each stage's
+backward (the step is monotone in every duration); the split's own recomputation (chosen per stage,
+planner.solve.recompute.recompute_for) gives an upper bound: the search treats the two as a leaf's
+bound and value (planner.solve.branch).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from planner.cost.model import held_counts, num_micro_batches, rank_speeds
+from planner.cost.options import CostOptions
+from planner.cost.stage_memory import StageMemory
+from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
+
+BLOCK = 1 << 16  # cells per bisection batch (each holds a few arrays of this many floats per grid lookup)
+
+
+def bounded(opts: CostOptions) -> bool:
+    """Whether the tables bound this scenario's recomputation: one stage per device, no weight part
+    (zero-bubble memory depends on recomputation beyond freed_bytes), not replicated."""
+    return opts.recompute == "auto" and opts.schedule in ONE_STAGE_SCHEDULES and opts.virtual_stages == 1 \
+        and not opts.replicated
+
+
+def least_recompute(memory: StageMemory, costs, opts: CostOptions, b: int) -> List[np.ndarray]:
+    """R_g[a, e] per stage g (seconds at the stage's speed; 0 where the range fits as it is, +inf where
+    no recomputation makes it fit or e <= a)."""
+    items = _Items(costs)
+    held = held_counts(opts, num_micro_batches(opts, b))
+    speeds = rank_speeds(opts)
+    tables: List[np.ndarray] = []
+    for g in range(opts.num_stages):
+        M, cap = memory.matrix(g), memory.cap(g)
+        table = np.where(np.isfinite(M), 0.0, np.inf)
+        if cap is not None:
+            a, e = np.nonzero(np.isfinite(M) & (M > cap))
+            if len(a):
+                y = (M[a, e] - cap) / max(held[g], 1)
+                table[a, e] = items.least(a, e, y) / speeds[opts.rank_of_stage(g)]
+        tables.append(table)
+    return tables
+
+
+KINDS = ("alone", "first", "inside", "last")  # the positions a unit takes in a range (module docstring)
+TIES = 4  # units kept per ratio: a cell branches on one of them that it holds (none found: no branching)
+
+
+class _Items:
+    """The units as a covering knapsack's items over every range: their g in each position, the
+    grid of ratios, the penalties' prefix sums per grid point (module docstring)."""
+
+    def __init__(self, costs):
+        f = np.asarray(costs.f, dtype=float)
+        live = np.asarray(costs.s - costs.inputs, dtype=float)
+        dup_next = np.append(np.asarray(costs.dup, dtype=float)[1:], 0.0)  # d_{l+1}, 0 for the last unit
+        redo = np.asarray(costs.redo_dup, dtype=float)
+        first = np.asarray(costs.first, dtype=float)
+        self.f = f
+        self.g = np.stack([np.maximum(live + first, 0.0), np.maximum(live + first - dup_next, 0.0),
+                           np.maximum(live - dup_next + redo, 0.0), np.maximum(live + redo, 0.0)])  # [kind, l]
+        useful = self.g > 0
+        kind, unit = np.nonzero(useful)
+        ratio = f[unit] / self.g[kind, unit]
+        self.rho, where = np.unique(np.concatenate([[0.0], ratio]), return_inverse=True)
+        where = where[1:]
+        # per grid point, up to TIES (kind, unit) items of that ratio (-1: none)
+        self.tied = np.full((len(self.rho), TIES, 2), -1)
+        order = np.argsort(where, kind="stable")
+        rank = np.zeros(len(where), dtype=int)
+        sorted_where = where[order]
+        starts = np.searchsorted(sorted_where, sorted_where, side="left")
+        rank[order] = np.arange(len(where)) - starts
+        keep = rank < TIES
+        self.tied[where[keep], rank[keep]] = np.stack([kind[keep], unit[keep]], axis=1)
+        # pen[kind][k, l] = max(0, rho_k g_l - f_l); inside: prefix sums over l (a range's inner units)
+        self.pen = np.maximum(self.rho[None, :, None] * self.g[:, None, :] - f[None, None, :], 0.0)
+        self.inside = np.concatenate([np.zeros((len(self.rho), 1)), np.cumsum(self.pen[2], axis=1)], axis=1)
+        self.most = np.concatenate([[0.0], np.cumsum(self.g[2])])  # the same at rho -> inf: all freed
+
+    def least(self, a: np.ndarray, e: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Per cell (a, e, y): the relaxation's value, raised by branching on one unit at its optimal
+        ratio (module docstring), +inf where the range cannot free y."""
+        out = np.full(len(a), np.inf)
+        freed = self._freed(a, e)
+        can = np.flatnonzero(freed >= y * (1 - 1e-12))  # the others never fit: +inf
+        for lo_cell in range(0, len(can), BLOCK):
+            cells = can[lo_cell:lo_cell + BLOCK]
+            out[cells] = self._least(a[cells], e[cells], y[cells], freed[cells])
+        return out
+
+    def _freed(self, a, e):
+        """What recomputing every unit of [a, e) frees per held micro-batch."""
+        alone, last = e == a + 1, e - 1
+        hi, lo = np.maximum(last, a + 1), a + 1
+        return np.where(alone, self.g[0][a], self.g[1][a] + self.g[3][last] + self.most[hi] - self.most[lo])
+
+    def _least(self, a, e, y, freed):
+        alone, last = e == a + 1, e - 1
+        hi, lo = np.maximum(last, a + 1), a + 1  # the inner units a+1 .. e-2 (none where e <= a + 2)
+        pen, rho = self.pen, self.rho
+
+        def ends(k):  # sum over the range of max(0, rho_k g_l - f_l)
+            return np.where(alone, pen[0][k, a], pen[1][k, a] + pen[3][k, last] + self.inside[k, hi] - self.inside[k, lo])
+
+        phi = lambda k, z=y: rho[k] * z - ends(k)  # noqa: E731
+        k = self._argmax(phi, len(a))
+        value = np.maximum(phi(k), 0.0)
+        # branch on one unit u of the range at the optimal ratio: with it, f_u + the rest covering y - g_u;
+        # without it, the rest covering y (x_u is 0 or 1, so the lesser of the two holds)
+        kind, unit = self._held_item(k, a, e)
+        found = kind >= 0
+        kind_, unit_ = np.where(found, kind, 0), np.where(found, unit, 0)
+        g_u, f_u = self.g[kind_, unit_], self.f[unit_]
+        pen_u = lambda k: np.maximum(rho[k] * g_u - f_u, 0.0)  # noqa: E731
+        without = lambda k: phi(k) + pen_u(k)  # noqa: E731
+        rest = lambda k: phi(k) - rho[k] * g_u + pen_u(k)  # noqa: E731
+        out_branch = np.where(freed - g_u >= y * (1 - 1e-12), without(self._argmax(without, len(a))), np.inf)
+        in_branch = f_u + np.maximum(rest(self._argmax(rest, len(a))), 0.0)
+        return np.where(found, np.maximum(value, np.minimum(in_branch, out_branch)), value)
+
+    def _argmax(self, phi, n: int) -> np.ndarray:
+        """Per cell, the grid index where the concave phi is largest (bisection)."""
+        top = len(self.rho) - 1
+        lo, hi = np.zeros(n, dtype=int), np.full(n, top)
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                return lo
+            mid = (lo + hi) // 2
+            rising = phi(np.minimum(mid + 1, top)) > phi(mid)
+            lo = np.where(open_ & rising, mid + 1, lo)
+            hi = np.where(open_ & ~rising, mid, hi)
+
+    def _held_item(self, k, a, e):
+        """(kind, unit) per cell: a unit of ratio rho_k in the position the range gives it, or (-1, -1)."""
+        kind, unit = np.full(len(a), -1), np.full(len(a), -1)
+        for t in range(TIES):
+            c_kind, c_unit = self.tied[k, t, 0], self.tied[k, t, 1]
+            position = np.select([e == a + 1, c_unit == a, c_unit == e - 1], [0, 1, 3], 2)
+            inside = (c_unit >= a) & (c_unit < e) & (c_kind == position) & (c_unit >= 0)
+            take = inside & (kind < 0)
+            kind, unit = np.where(take, c_kind, kind), np.where(take, c_unit, unit)
+        return kind, unit
