@@ -206,7 +206,7 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
 
 
 RELAXED_SHARE, FITTING_SHARE = 0.6, 0.2  # of the time limit, for the two searches of `_without_recomputation`
-CHOSEN_SHARE = 0.8  # of the time limit, for the splits' search bounding each split's recomputation
+CHOSEN_SHARE = 1.0  # of the time limit, for the splits' search bounding each split's recomputation
 
 
 def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Candidate],

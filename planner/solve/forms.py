@@ -110,14 +110,11 @@ class StageTerms:
                         np.copyto(table[t], {"reduce": reduce, "act": act, "grad": grad}[name], where=finite)
                 table[~np.isfinite(table)] = 0.0  # in place (nan_to_num takes three passes and copies)
                 tables[key] = table
-            table = tables[key]
-            # a stage whose ranges need recomputation to fit: its like stages' table, its own backward
-            if least is not None and (least[g][np.isfinite(least[g])] > 0).any():
-                table = table.copy()
-                backward_row = table[STAGE_TERMS.index("backward")]
-                np.add(backward_row, least[g], out=backward_row, where=finite & np.isfinite(least[g]))
-            self.rows.append(table)
+            self.rows.append(tables[key])
         self.nonzero = nonzero_terms(self.rows)
+        # R_g joins a stage's backward once a range allowed for it needs recomputation (`restrict`): a
+        # table apiece costs 8 (L + 1)^2 floats, and the like stages' table alone is a (weaker) bound
+        self.least, self.own = least, [False] * S
         self.fits = self._memory(memory, costs, least, deadline)
         check_deadline(deadline)
         self.allowed: List[np.ndarray] = []  # fits, and may lie in a split faster than the target (restrict)
@@ -132,7 +129,22 @@ class StageTerms:
         can come back (and one the floors dropped stays dropped: they only rise)."""
         ok = stage_conditions(self.costs, self.S, self.speeds, [f.count() for f in forms if not f.crossings],
                               target, recompute_all=self.redo_all, within=self.allowed, deadline=deadline)
-        self.allow([fits & good for fits, good in zip(self.fits, ok)])
+        allowed = [fits & good for fits, good in zip(self.fits, ok)]
+        if self.least is not None:
+            self._own_backward(allowed)
+        self.allow(allowed)
+
+    def _own_backward(self, allowed: List[np.ndarray]) -> None:
+        """Each stage with an allowed range that needs recomputation to fit gets its own table: its like
+        stages' terms, its backward with R_g added (once: the allowed ranges only shrink)."""
+        backward = STAGE_TERMS.index("backward")
+        for g, ok in enumerate(allowed):
+            least = self.least[g]
+            if self.own[g] or not (ok & (least > 0) & np.isfinite(least)).any():
+                continue
+            table = self.rows[g].copy()
+            np.add(table[backward], least, out=table[backward], where=np.isfinite(least))
+            self.rows[g], self.own[g] = table, True
 
     def allow(self, allowed: List[np.ndarray]) -> None:
         self.allowed, self.band = allowed, Band(self.rows, allowed, nonzero=self.nonzero)

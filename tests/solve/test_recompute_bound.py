@@ -21,15 +21,18 @@ from tests.support.synthetic import random_chain
 
 
 def _capped(seed: int):
-    """A random chain, 1F1B or GPipe, and a cap between what recomputing everything needs and what
-    recomputing nothing needs, at one split (so recomputation decides what fits)."""
+    """A random chain, 1F1B or GPipe (d = 2 with ZeRO too), and a cap between what recomputing
+    everything needs and what recomputing nothing needs, at one split (so recomputation decides what
+    fits)."""
     rng = random.Random(seed)
     L = rng.randint(3, 8)
     profile = random_chain(rng, L, sizes=(1, 2), frozen=rng.random() < 0.3, apart=rng.random() < 0.5)
     S = rng.randint(2, min(4, L))
     d = rng.choice([1, 1, 2])
     opts = CostOptions(pipeline_ranks=S, global_batch=d * 2 * rng.choice([1, 2, 4]) * S,
-                       schedule=rng.choice(["1f1b", "gpipe"]), data_parallel=d, recompute="auto")
+                       schedule=rng.choice(["1f1b", "gpipe"]), data_parallel=d, recompute="auto",
+                       optimizer=rng.choice(["sgd", "adamw"]),
+                       shard=rng.choice(["none", "optimizer", "parameters"]) if d > 1 else "none")
     cuts = sorted(rng.sample(range(1, L), S - 1))
     plain = max(evaluate(profile, cuts, 2, opts, []).device_memory)
     everything = max(evaluate(profile, cuts, 2, opts, list(range(L))).device_memory)
