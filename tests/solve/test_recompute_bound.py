@@ -5,19 +5,24 @@ split and subset."""
 import itertools
 import math
 import random
+from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate, held_counts, num_micro_batches
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.stage_memory import StageMemory
+from planner.solve import branch, floors
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.chain_recompute import freed_bytes
 from planner.solve.exact import structural_forms
 from planner.solve.recompute_bound import bounded, least_recompute
-from tests.support.synthetic import random_chain
+from tests.support.synthetic import drawn_chain, random_chain
 
 
 def _capped(seed: int):
@@ -38,6 +43,19 @@ def _capped(seed: int):
     everything = max(evaluate(profile, cuts, 2, opts, list(range(L))).device_memory)
     cap = everything + rng.random() * max(plain - everything, 0.0)
     return profile, opts.with_(memory_cap=cap), cuts
+
+
+def _binding(seed: int):
+    """As `_capped`, with the cap where no split fits without recomputation and some split fits with
+    it (None where the chain has no such cap)."""
+    profile, opts, _ = _capped(seed)
+    L, S = profile.num_units, opts.num_stages
+    splits = [list(cuts) for cuts in itertools.combinations(range(1, L), S - 1)]
+    plain = min(max(evaluate(profile, cuts, 2, opts, []).device_memory) for cuts in splits)
+    everything = min(max(evaluate(profile, cuts, 2, opts, list(range(L))).device_memory) for cuts in splits)
+    if everything >= plain:
+        return None
+    return profile, opts.with_(memory_cap=everything + random.Random(seed).uniform(0.1, 0.9) * (plain - everything))
 
 
 def _fractional(costs, a, e, y):
@@ -122,11 +140,15 @@ def _every_plan(profile, b, opts):
     return best
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_the_search_with_chosen_recomputation_never_claims_more_than_it_has(seed):
-    """The branch and bound alone (its leaves' recomputation greedy): a bound never above the best plan
-    over every split and subset, a plan at least as slow as it, and 'optimal' only for the optimum."""
-    profile, opts, _ = _capped(seed)
+    """The branch and bound alone (its leaves' recomputation greedy), where every plan recomputes: a
+    bound never above the best plan over every split and subset, a plan at least as slow as it, and
+    'optimal' only for the optimum (most of them: the greedy choice meets the bound)."""
+    drawn = _binding(seed)
+    if drawn is None:
+        pytest.skip("recomputing every unit needs as much memory as none on this chain")
+    profile, opts = drawn
     profile = compute_profile(profile, opts)
     assert bounded(opts) and applies(profile, opts, chosen=True) and not applies(profile, opts)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
@@ -143,9 +165,65 @@ def test_the_search_with_chosen_recomputation_never_claims_more_than_it_has(seed
             assert math.isclose(found.best.iteration_s, best, rel_tol=1e-9)
 
 
+def test_the_search_settles_most_chains_where_every_plan_recomputes():
+    """The greedy whole-unit choice meets the raised relaxation on most small chains (24 of 30 scenarios
+    here): the integer program is left the rest, not every one."""
+    settled = scenarios = 0
+    for seed in range(16):
+        drawn = _binding(seed)
+        if drawn is None:
+            continue
+        profile, opts = drawn
+        profile = compute_profile(profile, opts)
+        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+            found = branch_and_bound(profile, b, opts, None, structural_forms(profile, b, opts), time_limit=None)
+            scenarios += 1
+            settled += found.optimal
+    assert scenarios >= 20 and settled >= 0.7 * scenarios
+
+
 def test_zero_bubble_and_several_stages_per_device_keep_the_program():
     for schedule, v in (("zb-h1", 1), ("interleaved", 2), ("bfs", 2)):
         opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule=schedule, virtual_stages=v,
                            recompute="auto", memory_cap=1e6)
         assert not bounded(opts)
     assert not bounded(CostOptions(pipeline_ranks=2, global_batch=8, recompute="none", memory_cap=1e6))
+
+
+@st.composite
+def _drawn(draw):
+    L = draw(st.integers(3, 6))
+    profile = drawn_chain(draw, L)
+    p = draw(st.integers(2, min(4, L)))
+    d = draw(st.sampled_from([1, 1, 2]))
+    opts = CostOptions(pipeline_ranks=p, global_batch=d * 2 * p * draw(st.sampled_from([1, 2])),
+                       schedule=draw(st.sampled_from(["1f1b", "gpipe"])), data_parallel=d,
+                       bandwidth=draw(st.sampled_from([2e5, 1e8])), latency=draw(st.sampled_from([0.0, 5e-5])),
+                       message_s=draw(st.sampled_from([0.0, 2e-5])), optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+                       memory_cap=draw(st.sampled_from([4000.0, 6000.0, 12000.0, 30000.0])), recompute="auto",
+                       step_overhead_s=draw(st.sampled_from([0.0, 1e-3])),
+                       reserve_bytes=draw(st.sampled_from([None, 1500.0])))
+    return profile, opts
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_drawn(), st.sampled_from([None, 3.0, 12.0, 40.0]))
+def test_a_bounded_search_stopped_or_not_proves_a_valid_bound(problem, ticks):
+    """Drawn chains (messages, latency, reserves, AdamW, d = 2): the search with chosen recomputation,
+    run to the end or stopped after a few clock ticks (test_branch's counter clock), never reports a
+    bound above the best plan over every split and subset, nor an incumbent below it, and settles only
+    on the optimum."""
+    profile, opts = problem
+    profile = compute_profile(profile, opts)
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        clock = itertools.count()
+        with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))), \
+                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
+            found = branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
+        best = _every_plan(profile, b, opts)
+        assert found.bound_s <= best * (1 + 1e-9) or math.isinf(best)
+        if found.best is not None:
+            assert found.best.iteration_s >= best * (1 - 1e-9)
+        if found.optimal:
+            assert (found.best is None and math.isinf(best)) or \
+                math.isclose(found.best.iteration_s, best, rel_tol=1e-9)
