@@ -140,15 +140,15 @@ def _every_plan(profile, b, opts):
     return best
 
 
-@pytest.mark.parametrize("seed", range(16))
+BINDING = [seed for seed in range(40) if _binding(seed) is not None][:16]  # chains that have such a cap
+
+
+@pytest.mark.parametrize("seed", BINDING)
 def test_the_search_with_chosen_recomputation_never_claims_more_than_it_has(seed):
     """The branch and bound alone (its leaves' recomputation greedy), where every plan recomputes: a
     bound never above the best plan over every split and subset, a plan at least as slow as it, and
     'optimal' only for the optimum (most of them: the greedy choice meets the bound)."""
-    drawn = _binding(seed)
-    if drawn is None:
-        pytest.skip("recomputing every unit needs as much memory as none on this chain")
-    profile, opts = drawn
+    profile, opts = _binding(seed)
     profile = compute_profile(profile, opts)
     assert bounded(opts) and applies(profile, opts, chosen=True) and not applies(profile, opts)
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
@@ -166,14 +166,11 @@ def test_the_search_with_chosen_recomputation_never_claims_more_than_it_has(seed
 
 
 def test_the_search_settles_most_chains_where_every_plan_recomputes():
-    """The greedy whole-unit choice meets the raised relaxation on most small chains (24 of 30 scenarios
-    here): the integer program is left the rest, not every one."""
+    """The greedy whole-unit choice meets the raised relaxation on most small chains (about three in
+    four scenarios here): the integer program is left the rest, not every one."""
     settled = scenarios = 0
-    for seed in range(16):
-        drawn = _binding(seed)
-        if drawn is None:
-            continue
-        profile, opts = drawn
+    for seed in BINDING:
+        profile, opts = _binding(seed)
         profile = compute_profile(profile, opts)
         for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
             found = branch_and_bound(profile, b, opts, None, structural_forms(profile, b, opts), time_limit=None)
