@@ -6,9 +6,9 @@ run at speed sigma costs per micro-batch
     forward(a, e)  = (k^f + sum_{a<=l<e} f_l) / sigma
     backward(a, e) = (k^b + sum_{a<=l<e} g_l + sum_{l in R, a<=l<e} f_l) / sigma      (R: recomputed)
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
-                     - sum_{a<k<e, k-1 not in R} d_k             (what both neighbours save, once)
-                     - sum_{a<k<e, k in R} r_k                   (what a recomputed unit keeps, held before)
+                     - sum_{a<k<e} o_k                            (what both neighbours hold, once)
                      + [a not in R] first_a                       (its first unit's inputs as received)
+    o_k            = d_k, p_k, u_k or q_k as neither of units k - 1, k is in R, only k, only k - 1, both
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
@@ -22,9 +22,8 @@ what the recomputed region saved again, planner.pipeline.zerobubble):
     backward_weight(a, e) = (k^w + sum gw_l + walk(a, e) + sum_{l in R} f_l) / sigma
     walk(a, e)            = sum_{a<=j<k<e} nu_j omega_k
     weight_held(a, e)     = sum_{a<=l<e-1} ((in^h_l if l in R else s_l - x_l) + k_l) + (in^h'_{e-1} + k_{e-1}
-                            if e-1 in R else h_{e-1}) - sum_{a<k<e, k-1 not in R} d^h_k
-                            - sum_{a<k<e, k in R} r^h_k                     bytes held from the first to the second
-                            + [a not in R] first'_a + [a < e-1; e-2, e-1 not in R] (d^h_{e-1} - d'_{e-1})
+                            if e-1 in R else h_{e-1}) - sum_{a<k<e} o^h_k   bytes held from the first to the second
+                            + [a not in R] first'_a + [a < e-1; e-1 not in R] (o^h_{e-1} - o'_{e-1})
                             + inner(a, e)        (values it computes from its parameters: planner.cost.inner_weight)
 
 (k_l: the gradients unit l keeps for its weight part. After the input part autograd still holds
@@ -50,7 +49,7 @@ with such an a (`whole[a]`, whole[0] true),
     backward_input(a, e)  = k^0 / sigma
     backward_weight(a, e) = backward(a, e)
     weight_held(a, e)     = held_saved(a, e) + grad(e)     (the gradient received for its outputs too)
-    held_saved(a, e)      = saved(a, e) with s_l - x_l, in^h_l, d^h_k, r^h_k for s_l, in_l, d_k, r_k
+    held_saved(a, e)      = saved(a, e) with s_l - x_l, in^h_l, o^h_k for s_l, in_l, o_k
 
 x_l: of s_l, what autograd frees as the forward returns, its outputs held (UnitProfile.dropped_saved_bytes):
 saved by a node no output's graph reaches (a routed layer's gate saves its input and argmax cuts the
@@ -84,17 +83,24 @@ d'_k: of d^h_k, what unit k still holds after its input part (UnitProfile.weight
 not measured): a stage's last unit may let a storage it shares with the unit before go, which that
 unit, inside the stage, still holds.
 
-r_k: of what a recomputed unit k keeps (its inputs, UnitProfile.recomputed_shared_bytes), the storages the
-unit before holds too, beyond d_k: a skip that unit k - 1 saves and k only passes on (long_skip's encoder
-output), a model input both read (gpt's tokens: the embedding saves them, pos_emb reads their shape). The
-stage holds them once. As counted, the neighbours hold once d_k + r_k where only k is recomputed and r_k
-where both are: r_k = min(p_k - d_k, q_k), p_k what the recomputed unit k keeps of what unit k - 1
-saves and q_k of what it keeps when recomputed too (each the bytes by value name); negative where k,
-recomputed, no longer saves all it shared with k - 1 (rotary tables both layers save, which a recomputed
-layer makes again inside itself: d_k comes back). Never more than either case holds once (0 where not
-measured), and additive in the recomputed set (the solvers' chain_recompute.freed_bytes): where the two
-cases differ otherwise (a recomputed k - 1 whose input k keeps too, and not in its saved) the plan still
-counts some twice (an over-count).
+p_k, u_k, q_k: what a stage holding units k - 1 and k holds once of what both hold where one or both are
+recomputed (`shares`, by value name; a recomputed unit keeps its inputs, UnitProfile.recomputed_shared_bytes):
+p_k, only k recomputed, what it keeps of what unit k - 1 saves (a skip that unit k - 1 saves and k only passes
+on, long_skip's encoder output; a model input both read, gpt's tokens: the embedding saves them, pos_emb reads
+their shape; less than d_k where k, recomputed, no longer saves all it shared with k - 1: rotary tables both
+layers save, which a recomputed layer makes again inside itself); u_k, only k - 1 recomputed, what it keeps of
+what unit k saves (an input both read, which k saves: a scale's table each layer multiplies by); q_k, both, what
+both keep (a value every layer reads: a gate, a position table; one storage, which each layer's checkpoint
+keeps). p_k = d_k + r_k where unit k's kept storages are not measured (q_k = 0 then, u_k where unit k - 1's
+are not). o^h_k:
+the same of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k: less x; a recomputed unit
+attached to no graph keeps none of its inputs); o'_k: of o^h_k with unit k not recomputed, what unit k still
+holds after its input part (d'_k, u'_k: weight_shared_bytes). The sum of o_k is exact for two neighbours (a
+storage three units hold, the middle one not, still counts twice: an over-count) but not additive in the
+recomputed set: the solvers' rows hold each cut's pair of recomputed neighbours as a product
+(planner.cost.stage_memory's `pair`); the additive forms (chain_recompute.freed_bytes, the greedy's) count
+r_k = min(p_k - d_k, q_k) where k is recomputed, whichever k - 1 is, and nothing for u_k: never more than the
+two cases hold once (an upper bound of the bytes held; the lower bounds take max(p_k - d_k, q_k - u_k)).
 
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
@@ -117,7 +123,7 @@ from typing import Iterable, Tuple
 import numpy as np
 
 from planner.cost.inner_weight import inner_held, inner_pairs
-from planner.cost.shared_storage import redo_shared, shared
+from planner.cost.shared_storage import redo_shared, redo_shares, shared, weight_redo_share
 from planner.profile.profile import Profile
 
 WEIGHT_SHARE = 0.5  # of a unit's backward, its weight part, where the profile did not time the parts
@@ -218,7 +224,7 @@ class RangeCosts:
         self.weight_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, weight=True)
                                             for k in range(1, self.num_units)], dtype=float)
         # r_k, k = 0 .. L-1 (r_0 = 0): of what a recomputed unit k keeps (its inputs), the bytes the unit
-        # before holds too beyond d_k, counted once in a stage holding both (module docstring)
+        # before holds too beyond d_k, recomputed or not, at least: the solvers' additive forms (module docstring)
         self.redo_dup = np.array([0.0] + [redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
                                           for k in range(1, self.num_units)], dtype=float)
         # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later
@@ -227,6 +233,21 @@ class RangeCosts:
         self.held_inputs = np.where(gone, loss_saved, self.inputs)
         self.held_weight_inputs = np.where(gone, 0.0, self.weight_inputs)
         self.held_redo_dup = np.where(gone, 0.0, self.redo_dup)
+        # [k, x, y], k = 0 .. L-1 (0 at k = 0): the bytes units k - 1 and k both hold, x: unit k - 1 recomputed,
+        # y: unit k; a stage holding both counts them once: d_k, p_k, u_k, q_k (module docstring); held_shares
+        # of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k)
+        self.shares, self.held_shares = np.zeros((self.num_units, 2, 2)), np.zeros((self.num_units, 2, 2))
+        # [k, x]: of held_shares[k, x, 0], what unit k still holds after its input part (d'_k, u'_k)
+        self.weight_shares = np.zeros((self.num_units, 2))
+        for k in range(1, self.num_units):
+            before, after = units[k - 1], units[k]
+            # (unit k's kept storages not measured: r_k = 0, it keeps what it shares with unit k - 1, d_k)
+            measured = bool(after.recomputed_shared_bytes.get(b))
+            p, u, q = redo_shares(before, after, b)
+            self.shares[k] = [[self.dup[k], p if measured else self.dup[k]], [u, q]]
+            p, u, q = redo_shares(before, after, b, held=True, gone=(gone[k - 1], gone[k]))
+            self.held_shares[k] = [[self.held_dup[k], p if measured else self.held_dup[k]], [u, q]]
+            self.weight_shares[k] = [self.weight_dup[k], weight_redo_share(before, after, b, gone[k - 1])]
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -295,8 +316,9 @@ class RangeCosts:
                    for l in range(a, last))
         held += float(self.held_weight_inputs[last] + self.k[last]) if last in redo else float(self.h[last:e].sum())
         # its h: of what it shares with the unit before, only what it still holds
-        lost = float(self.held_dup[last] - self.weight_dup[last]) if last > a and last - 1 not in redo and \
-            last not in redo else 0.0
+        before = int(last - 1 in redo)
+        lost = float(self.held_shares[last, before, 0] - self.weight_shares[last, before]) \
+            if last > a and last not in redo else 0.0
         inner = inner_held(self.inner, a, e, redo)
         return first + held - self._shared_once(a, last + 1, redo, held=True) + lost + inner
 
@@ -326,12 +348,11 @@ class RangeCosts:
         return held + first - self._shared_once(a, e, redo, held=True)
 
     def _shared_once(self, a: int, e: int, redo, held: bool = False) -> float:
-        """What units [a, e) count twice of the storages neighbours share: d_k for the cuts inside
-        the range whose unit before is not recomputed, and r_k for those whose unit after is (module
-        docstring); with `held`, of them what both still hold as the forward returns (d^h_k, r^h_k)."""
-        dup, redo_dup = (self.held_dup, self.held_redo_dup) if held else (self.dup, self.redo_dup)
-        return sum(float(dup[k]) for k in range(a + 1, e) if k - 1 not in redo) + \
-            sum(float(redo_dup[k]) for k in range(a + 1, e) if k in redo)
+        """What units [a, e) count twice of the storages neighbours share: o_k for each cut k inside the
+        range, d_k, p_k, u_k or q_k as neither unit, the one after, the one before or both are recomputed
+        (module docstring); with `held`, of them what both still hold as the forward returns (o^h_k)."""
+        table = self.held_shares if held else self.shares
+        return float(sum(table[k, int(k - 1 in redo), int(k in redo)] for k in range(a + 1, e)))
 
     def params(self, a: int, e: int) -> float:
         return float(self.P[e] - self.P[a])
@@ -371,12 +392,12 @@ class RangeCosts:
     def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
         """Prefix sums of the bytes each unit holds for backward (its input when recomputed; less
         what it shares with the unit before): saved(a, e) = prefix[e] - prefix[a] + saved_at_start[a]."""
-        return prefix_sums(self.inputs - self.redo_dup) if recompute_all else prefix_sums(self.s - self.dup)
+        return prefix_sums(self.inputs - self.shares[:, 1, 1]) if recompute_all else prefix_sums(self.s - self.dup)
 
     def saved_at_start(self, recompute_all: bool = False) -> np.ndarray:
         """[a], a = 0 .. L: what a stage starting at unit a adds to `saved_prefix`'s difference (d_a:
         its first unit shares nothing inside it; and first_a: its inputs arrive in storages of their own)."""
-        return np.append(self.redo_dup, 0.0) if recompute_all else np.append(self.dup + self.first, 0.0)
+        return np.append(self.shares[:, 1, 1], 0.0) if recompute_all else np.append(self.dup + self.first, 0.0)
 
     def saved_matrix(self, recompute_all: bool = False) -> np.ndarray:
         """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none."""

@@ -1,6 +1,7 @@
 """The storages two neighbouring units both hold, from the profile's storages by value name
 (UnitProfile.shared_saved_bytes, weight_shared_bytes, recomputed_shared_bytes, dropped_saved_bytes): the
-d_k, d^h_k, d'_k and r_k of planner.cost.ranges, which a stage holding both counts once."""
+d_k, d^h_k, d'_k, r_k and the recomputed pairs' p_k, u_k, q_k (u'_k) of planner.cost.ranges, which a stage
+holding both counts once."""
 from __future__ import annotations
 
 
@@ -40,3 +41,23 @@ def redo_shared(before, after, b: int, dup: float) -> float:
         return 0.0
     saved, inputs = before.shared_saved_bytes.get(b) or {}, before.recomputed_shared_bytes.get(b) or {}
     return min(_overlap(saved, kept) - dup, _overlap(inputs, kept))
+
+
+def redo_shares(before, after, b: int, held: bool = False, gone=(False, False)):
+    """(p_k, u_k, q_k) of units k - 1 (`before`) and k (`after`) at b: the bytes both hold where only `after`
+    is recomputed (what it keeps, recomputed_shared_bytes, of what `before` saves), only `before` is (what
+    `before` keeps of what `after` saves) and both are (what both keep); with `held`, of them those both still
+    hold as the forward returns (a unit's saves less dropped_saved_bytes; a recomputed unit attached to no
+    graph, `gone`, holds none of what it keeps). 0 where not measured."""
+    saved_before, saved_after = (_held_shares(before, b), _held_shares(after, b)) if held else \
+        (before.shared_saved_bytes.get(b) or {}, after.shared_saved_bytes.get(b) or {})
+    kept_before = {} if gone[0] else before.recomputed_shared_bytes.get(b) or {}
+    kept_after = {} if gone[1] else after.recomputed_shared_bytes.get(b) or {}
+    return _overlap(saved_before, kept_after), _overlap(kept_before, saved_after), _overlap(kept_before, kept_after)
+
+
+def weight_redo_share(before, after, b: int, gone: bool = False) -> float:
+    """u'_k: of u^h_k (`redo_shares`, held), what `after`, not recomputed, still holds after its input part
+    (weight_shared_bytes; all of them where not measured): a zero-bubble stage's last unit after a recomputed one."""
+    kept = {} if gone else before.recomputed_shared_bytes.get(b) or {}
+    return _overlap(kept, after.weight_shared_bytes[b] if b in after.weight_shared_bytes else _held_shares(after, b))

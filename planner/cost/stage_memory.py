@@ -34,11 +34,12 @@ holds as the forward returns (planner.cost.ranges' x_l, d^h_l, in^h_l, r^h_l). U
 weight_l is saved_l + k_l for each unit but its last, whose h_l comes in at the cut the stage ends
 at (`last_unit`); where the stage ends in frozen units after its last trained unit t and holds t, t holds
 h_t and the frozen ones their h (`trained_end`, by the cut it ends at; planner.cost.ranges). Recomputing unit l alone (recompute 'auto') saves P_live,g (s_l - in_l) +
-P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1}
-(`shared_lost`) where unit l + 1 is in its stage, frees r_l (what it keeps that unit l - 1 holds too,
+P_weight,g (h_l - in_l) (s_l - in_l in a later stage's weight kind so measured), gives back d_{l+1} - u_{l+1}
+(`shared_lost`) where unit l + 1 is in its stage, frees p_l - d_l (what it keeps that unit l - 1 holds too,
 planner.cost.ranges) but where it starts the stage (`first_recomputed`), where it frees first_a (and
-first'_a) instead, and, the stage's last, cancels
-its `last_unit`. Every unit recomputed, saved_l is in_l - r_l and a stage gives r_a back at its start.
+first'_a) instead, and, the stage's last, cancels its `last_unit`; units l - 1 and l both recomputed hold
+q_l + d_l - p_l - u_l less than those count (`pair`). Every unit recomputed, saved_l is in_l - q_l and a
+stage gives q_a back at its start.
 A rank's peak is the largest over its vectors; with several stages on a rank the sum over them per
 vector. The fixed bytes every device holds are not in it: compare with
 planner.cost.model.rank_caps (the caps less those).
@@ -70,7 +71,8 @@ class HeldTerms:
     at_end: np.ndarray  # [k]: bytes when the stage ends at cut k (0 for the last stage)
     recompute_saves: np.ndarray  # [l]: bytes recomputing unit l saves (recompute 'auto')
     # [k]: bytes back when unit k - 1 is recomputed with unit k in the stage (what they both saved,
-    # counted once in per_unit, is then held twice: planner.cost.ranges)
+    # counted once in per_unit, is then held twice, but what unit k saves of unit k - 1's kept inputs:
+    # d_k - u_k, planner.cost.ranges)
     shared_lost: np.ndarray
     # [e], of at_end: the last unit's correction of a later stage's weight kind (h - s - k of unit
     # e - 1), which does not apply when that unit is recomputed (it holds its input alone)
@@ -92,6 +94,12 @@ class HeldTerms:
     # starts the stage or that unit is recomputed. `last_unit` and `trained_end` count it as holding, of
     # what it shares with that unit, what it let go too (d^h_l - d'_l, planner.cost.ranges)
     alone_shared: np.ndarray
+    # [l]: bytes back where unit l holds its h and is not recomputed, and unit l - 1 is: alone_shared less what it
+    # still holds of what unit l - 1 keeps recomputed (u^h_l - u'_l, planner.cost.ranges)
+    after_recomputed: np.ndarray = None
+    # [k]: bytes less where units k - 1 and k are both in the stage and both recomputed, beyond what
+    # recompute_saves and shared_lost count (q_k + d_k - p_k - u_k per kind: planner.cost.ranges)
+    pair: np.ndarray = None
     # (k, T, bytes, h): these bytes more where the stage holds units T and k and does not recompute h (if h >= 0: a
     # value of source T its units read carries no gradient from its inputs: planner.cost.inner_weight); none
     # where whole, and no h >= 0 where every unit is recomputed
@@ -110,22 +118,23 @@ class StageMemory:
         self._static = prefix_sums(self.static_per_unit)
         # per unit, less what it shares with the unit before (d_l), given back at a stage's start
         self.recompute_all = recompute_all
-        # (every unit recomputed: its input, less r_l, what the unit before keeps too)
-        self.saved = costs.inputs - costs.redo_dup if recompute_all else costs.s - costs.dup
-        # [k], k = 0 .. L: d_k (r_k), given back where a stage starts
-        self.dup_at_cut = np.append(costs.redo_dup if recompute_all else costs.dup, 0.0)
-        # the same, of what autograd still holds as the forward returns (the weight kinds': x_l, d^h_k, r^h_k)
-        self.held_saved = costs.held_inputs - costs.held_redo_dup if recompute_all else \
+        # (every unit recomputed: its input, less q_l, what the unit before, recomputed, keeps too)
+        both, held_both = costs.shares[:, 1, 1], costs.held_shares[:, 1, 1]
+        self.saved = costs.inputs - both if recompute_all else costs.s - costs.dup
+        # [k], k = 0 .. L: d_k (q_k), given back where a stage starts
+        self.dup_at_cut = np.append(both if recompute_all else costs.dup, 0.0)
+        # the same, of what autograd still holds as the forward returns (the weight kinds': x_l, d^h_k, q^h_k)
+        self.held_saved = costs.held_inputs - held_both if recompute_all else \
             costs.s - costs.dropped - costs.held_dup
-        self.held_dup_at_cut = np.append(costs.held_redo_dup if recompute_all else costs.held_dup, 0.0)
+        self.held_dup_at_cut = np.append(held_both if recompute_all else costs.held_dup, 0.0)
         self.weight = costs.held_weight_inputs if recompute_all else costs.h
         # a later stage's weight kind, each unit but its last holding all it saved (planner.cost.ranges)
         self.kept = costs.kept_known and not recompute_all
         # every unit recomputed, the kept gradients measured: a later stage's weight kind holds each unit's in'^h_l
-        # and k_l, the r^h_k it shares with the unit before once (given back at its start: held_dup_at_cut)
+        # and k_l, the q^h_k it shares with the unit before once (given back at its start: held_dup_at_cut)
         self.kept_all = costs.kept_known and recompute_all
         if self.kept_all:
-            self.weight = costs.held_weight_inputs + costs.k - costs.held_redo_dup
+            self.weight = costs.held_weight_inputs + costs.k - held_both
         self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
         self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
         self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
@@ -153,6 +162,7 @@ class StageMemory:
         trained_end = np.zeros_like(c.act)
         first_holds = np.zeros_like(c.first)
         alone_shared = np.zeros_like(c.first)
+        after_recomputed = np.zeros_like(c.first)
         # what a unit holds between the parts of the weight kind that counts what it saves: less what
         # autograd freed as the forward returned (x_l; planner.cost.ranges' held_saved)
         kept_saved = c.s - c.dropped
@@ -166,6 +176,8 @@ class StageMemory:
             trained_end = count("weight") * self.trained_correction
             first_holds = count("weight") * (c.first_held - c.first)
             alone_shared = count("weight") * (c.held_dup - c.weight_dup)
+            # (after a recomputed unit it shares u^h with it, of which it still holds u': planner.cost.ranges)
+            after_recomputed = alone_shared - count("weight") * (c.held_shares[:, 1, 0] - c.weight_shares[:, 1])
         else:
             weight, held = self.weight, c.h
         # the kinds that hold what units save, whose neighbours' shared bytes count once (d_k in the live
@@ -188,15 +200,21 @@ class StageMemory:
         # where the unit attaches to no graph)
         weight_inputs = c.held_inputs if whole else c.held_weight_inputs
         saves = count("live") * (c.s - c.inputs) + count("weight") * (held - weight_inputs - kept)
-        redo_dup = np.zeros_like(c.redo_dup) if self.recompute_all else \
-            live_share * c.redo_dup + weight_share * c.held_redo_dup
+        # what unit l, recomputed, shares with the unit before beyond d_l (p_l - d_l: planner.cost.ranges); with
+        # unit l - 1 recomputed, not unit l, they share u_l, not d_l (`shared_lost`); both recomputed, q_l
+        # (`pair`: what is then held less than those two changes count)
+        share = lambda x, y: live_share * c.shares[:, x, y] + weight_share * c.held_shares[:, x, y]  # noqa: E731
+        redo_dup = np.zeros_like(c.redo_dup) if self.recompute_all else share(0, 1) - share(0, 0)
+        shared_lost = np.append(share(0, 0) - share(1, 0), 0.0)
+        pair = np.zeros_like(c.redo_dup) if self.recompute_all else \
+            share(1, 1) + share(0, 0) - share(0, 1) - share(1, 0)
         saves = saves + redo_dup
         if g == 0:  # unit 0 starts stage 0
             saves[0] += first[0]
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
-                         start_share, last,
+                         shared_lost, last,
                          first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds,
-                         alone_shared=alone_shared,
+                         alone_shared=alone_shared, after_recomputed=after_recomputed, pair=pair,
                          inner=() if whole else tuple((k, t, count("weight") * x, h) for k, t, x, h in c.inner
                                                       if h < 0 or not self.recompute_all))
 

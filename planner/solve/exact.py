@@ -188,11 +188,14 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
         # per unit at least (planner.cost.ranges.saved: what a unit shares with the one before counts at most once)
-        least = {"none": costs.s - costs.dup, "all": costs.inputs - costs.redo_dup,
-                 "auto": np.minimum(costs.s, costs.inputs - costs.redo_dup) - costs.dup}[opts.recompute]
+        # (of what it shares with the unit before: d, p, u or q as neither, it, that one or both are recomputed)
+        share = costs.shares
+        least = {"none": costs.s - costs.dup, "all": costs.inputs - share[:, 1, 1],
+                 "auto": np.minimum(costs.s - np.maximum(share[:, 0, 0], share[:, 1, 0]),
+                                    costs.inputs - np.maximum(share[:, 0, 1], share[:, 1, 1]))}[opts.recompute]
         # and at a stage's start unit a: d_a + first_a, which first_a (inputs received apart) may make negative;
-        # every unit recomputed, r_a, given back there where negative (the unit keeps in_a alone)
-        at_start = np.append(np.minimum(costs.redo_dup if opts.recompute == "all" else costs.dup + costs.first, 0.0),
+        # every unit recomputed, q_a, given back there where negative (never: the unit keeps in_a alone)
+        at_start = np.append(np.minimum(share[:, 1, 1] if opts.recompute == "all" else costs.dup + costs.first, 0.0),
                              0.0)
         # a tie's later uses taken off: no rank holding a stage keeps less (planner.cost.ties)
         copies = tie_copies(tied_weights(profile), costs)

@@ -28,14 +28,16 @@ class MemoryRows(TieRows):
         """v = prod(ones) prod(1 - zeros) of binaries (or 0/1 constants), made once per name: v >= 0,
         v >= sum(ones) + sum(1 - zeros) - (n - 1), and, `exact`, v <= each factor (a term whose
         coefficient may be negative needs both; one the memory rows never want larger only the first)."""
+        factors = list(ones) + [1 - z for z in zeros]
         if name not in self._products:
             v = self._products[name] = variable(self.prob, name)
-            factors = list(ones) + [1 - z for z in zeros]
-            if exact:
-                for n, factor in enumerate(factors):
-                    self.add(v <= factor, f"{name}_{n}")
             self.add(v >= pulp.lpSum(factors) - (len(factors) - 1), f"{name}_all")
-        return self._products[name]
+        v = self._products[name]
+        if exact and name not in self._exact:  # (made so before for a term that wants it no larger)
+            self._exact.add(name)
+            for n, factor in enumerate(factors):
+                self.add(v <= factor, f"{name}_{n}")
+        return v
 
     def _end(self, e: int, g: int):
         """1 where stage g ends at cut e (the last stage at L)."""
@@ -45,10 +47,14 @@ class MemoryRows(TieRows):
         """Whether stage g may end at cut e (the last stage at L alone)."""
         return self.cut_may_end(e, g) if e < self.L else g == self.S - 1
 
-    def _sharing_lost(self, k: int, g: int):
+    def _sharing_lost(self, k: int, g: int, exact: bool = False):
         """1 where units k - 1 and k are both in stage g and unit k - 1 is recomputed: what both saved
-        is then held twice (planner.cost.stage_memory's `shared_lost`, a positive term)."""
-        return self._product(f"shared_lost_{k}_{g}", [self.rho[k - 1, g], self.x(k, g)], exact=False)
+        is then held twice (planner.cost.stage_memory's `shared_lost`; `exact` where it is negative)."""
+        return self._product(f"shared_lost_{k}_{g}", [self.rho[k - 1, g], self.x(k, g)], exact=exact)
+
+    def _both_recomputed(self, k: int, g: int):
+        """1 where units k - 1 and k are both recomputed in stage g (planner.cost.stage_memory's `pair`)."""
+        return self._product(f"both_recomputed_{k}_{g}", [self.rho[k - 1, g], self.rho[k, g]])
 
     def _first_recomputed(self, l: int, g: int):
         """1 where unit l starts stage g > 0 and is recomputed: what it keeps that the unit before holds
@@ -132,8 +138,10 @@ class MemoryRows(TieRows):
                            if terms.per_unit[l] and self.may(l, g))
         held -= pulp.lpSum(terms.recompute_saves[l] / MIB * r
                            for (l, gg), r in self.rho.items() if gg == g and terms.recompute_saves[l])
-        held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g) for k in range(1, L)
-                           if terms.shared_lost[k] and (k - 1, g) in self.rho)
+        held += pulp.lpSum(terms.shared_lost[k] / MIB * self._sharing_lost(k, g, terms.shared_lost[k] < 0)
+                           for k in range(1, L) if terms.shared_lost[k] and (k - 1, g) in self.rho)
+        held -= pulp.lpSum(terms.pair[k] / MIB * self._both_recomputed(k, g) for k in range(1, L)
+                           if terms.pair[k] and (k - 1, g) in self.rho and (k, g) in self.rho)
         if g > 0:  # the cut the stage starts at ends stage g - 1
             held += pulp.lpSum(terms.first_recomputed[l] / MIB * self._first_recomputed(l, g) for l in range(1, L)
                                if terms.first_recomputed[l] and (l, g) in self.rho and self.cut_may_end(l, g - 1))
@@ -151,8 +159,8 @@ class MemoryRows(TieRows):
             first_alone = terms.first_holds - terms.alone_shared
             held += pulp.lpSum(first_alone[a] / MIB * self._first_holds(a, g) for a in range(1, L)
                                if first_alone[a] and self.may(a, g))
-        held -= pulp.lpSum(terms.alone_shared[l] / MIB * self._holds_after_recomputed(l, g) for l in range(1, L)
-                           if terms.alone_shared[l] and (l - 1, g) in self.rho)
+        held -= pulp.lpSum(terms.after_recomputed[l] / MIB * self._holds_after_recomputed(l, g) for l in range(1, L)
+                           if terms.after_recomputed[l] and (l - 1, g) in self.rho)
         # a value unit k reads computed in the stage from unit t on (planner.cost.inner_weight): both in it, and
         # where h >= 0, h not recomputed
         held += pulp.lpSum(x / MIB * self._product(f"inner_{k}_{t}_{h}_{g}", [self.x(k, g), self.x(t, g)],
@@ -168,6 +176,7 @@ def _most(terms) -> float:
     return float(sum(np.abs(t).sum() for t in (terms.per_unit, terms.recompute_saves, terms.shared_lost,
                                                  terms.at_start, terms.at_end, terms.last_unit,
                                                  terms.first_recomputed, terms.trained_end,
-                                                 terms.first_holds, terms.alone_shared))
+                                                 terms.first_holds, terms.alone_shared, terms.after_recomputed,
+                                                 terms.pair))
                  + sum(abs(x) for _, _, x, _ in terms.inner)) / MIB
 

@@ -97,6 +97,7 @@ class SplitProgram:
         c, opts = self.costs, self.opts
         self.rho: Dict[Tuple[int, int], pulp.LpVariable] = {}
         self._products: Dict[str, pulp.LpVariable] = {}  # the memory rows' products of binaries, by name
+        self._exact: set = set()  # of them, those bounded by each factor too (MemoryRows._product)
         if opts.recompute != "auto" or all(cap is None for cap in rank_caps(opts, self.profile)):
             return
         useful = worth_recomputing(c, opts.schedule)

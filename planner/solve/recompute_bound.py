@@ -24,10 +24,13 @@ piecewise linear with its breaks at the range's own ratios, so its largest value
 every unit's ratio (in each of the positions a unit takes in a range: g_l differs at a range's first
 and last unit) is the relaxation's value exactly; each cell finds it by bisection over the grid.
 The sums over a range are prefix sums per grid point: the first unit, the units inside and the last
-unit each take their own g (chain_recompute.freed_bytes):
+unit each take their own g (`freed_at_most`):
 
-    first (e > a + 1): s_a - in_a + first_a - d_{a+1}       alone (e = a + 1): s_a - in_a + first_a
-    inside:            s_l - in_l - d_{l+1} + r_l            last (l = e - 1 > a): s_l - in_l + r_l
+    first (e > a + 1): s_a - in_a + first_a - d_{a+1} + u_{a+1}    alone (e = a + 1): s_a - in_a + first_a
+    inside:            s_l - in_l - d_{l+1} + u_{l+1} + r'_l         last (l = e - 1 > a): s_l - in_l + r'_l
+
+(r'_l = max(p_l - d_l, q_l - u_l): what unit l shares with the unit before, recomputed or not, at most; the
+pairs a set recomputes free no more than these sum to: planner.cost.ranges' p, u, q)
 
 A split's time with its best recomputation is at least its time with these added to each stage's
 backward (the step is monotone in every duration); the split's own recomputation (chosen per stage,
@@ -78,16 +81,33 @@ KINDS = ("alone", "first", "inside", "last")  # the positions a unit takes in a 
 TIES = 4  # units kept per ratio: a cell branches on one of them that it holds (none found: no branching)
 
 
+def _parts(costs):
+    """Per unit: s_l - in_l, first_l, d_{l+1} - u_{l+1} (what it no longer shares with unit l + 1 recomputed;
+    0 for the last unit) and r'_l (module docstring)."""
+    share = np.asarray(costs.shares, dtype=float)
+    dup_next = np.append(share[1:, 0, 0] - share[1:, 1, 0], 0.0)
+    redo = np.maximum(share[:, 0, 1] - share[:, 0, 0], share[:, 1, 1] - share[:, 1, 0])
+    return np.asarray(costs.s - costs.inputs, dtype=float), np.asarray(costs.first, dtype=float), dup_next, redo
+
+
+def freed_at_most(costs, a: int, e: int) -> np.ndarray:
+    """g_l(a, e), l = a .. e - 1, as the bound takes them (module docstring): what recomputing unit l in
+    stage [a, e) frees at most, the sum over a recomputed set at least what it frees (planner.cost.ranges)."""
+    live, first, dup_next, redo = _parts(costs)
+    g = live[a:e].copy()
+    g[0] += first[a]
+    g[:-1] -= dup_next[a:e - 1]
+    g[1:] += redo[a + 1:e]
+    return g
+
+
 class _Items:
     """The units as a covering knapsack's items over every range: their g in each position, the
     grid of ratios, the penalties' prefix sums per grid point (module docstring)."""
 
     def __init__(self, costs):
         f = np.asarray(costs.f, dtype=float)
-        live = np.asarray(costs.s - costs.inputs, dtype=float)
-        dup_next = np.append(np.asarray(costs.dup, dtype=float)[1:], 0.0)  # d_{l+1}, 0 for the last unit
-        redo = np.asarray(costs.redo_dup, dtype=float)
-        first = np.asarray(costs.first, dtype=float)
+        live, first, dup_next, redo = _parts(costs)
         self.f = f
         self.g = np.stack([np.maximum(live + first, 0.0), np.maximum(live + first - dup_next, 0.0),
                            np.maximum(live - dup_next + redo, 0.0), np.maximum(live + redo, 0.0)])  # [kind, l]

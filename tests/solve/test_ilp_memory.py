@@ -19,7 +19,7 @@ from planner.solve.chain_recompute import worth_recomputing
 from planner.solve.ilp import Program
 from planner.solve.ilp_split import NoSplit
 from tests.solve.test_zero_bubble import _chain
-from tests.support.synthetic import let_go, random_chain, receive_apart, share_kept
+from tests.support.synthetic import keep_read, let_go, random_chain, receive_apart, share_kept
 
 L = 5
 
@@ -60,6 +60,24 @@ def test_the_memory_rows_equal_evaluate_on_every_split_and_recomputation_set(sch
         profile = _zero_bubble_chain(seed)
     else:
         profile = random_chain(random.Random(seed), L, sizes=(2,), apart=True)
+    _rows_equal_evaluate(profile, schedule, ranks)
+
+
+@pytest.mark.parametrize("schedule,ranks,seed", [("zb-h1", 2, 12), ("zb-h1", 3, 13), ("zb-v", 2, 16), ("1f1b", 2, 7)])
+def test_the_memory_rows_equal_evaluate_where_recomputed_neighbours_keep_one_value(schedule, ranks, seed):
+    # units reading one value made before them (a gate every layer multiplies by) each keep it recomputed: two
+    # neighbours recomputed hold it once (q_k), and a unit after a recomputed one that saves it too (u_k).
+    # The rows' pair of recomputed neighbours and their shared_lost less u_k
+    rng = random.Random(seed)
+    profile = _zero_bubble_chain(seed) if schedule.startswith("zb") else \
+        random_chain(rng, L, sizes=(2,), apart=True)
+    keep_read(profile, range(1, L), rng)
+    costs = RangeCosts(profile, 2)
+    assert (costs.shares[:, 1, 1] > costs.redo_dup).any() and (costs.shares[:, 1, 0] > 0).any()
+    _rows_equal_evaluate(profile, schedule, ranks)
+
+
+def _rows_equal_evaluate(profile, schedule, ranks):
     base = CostOptions(pipeline_ranks=ranks, virtual_stages=2 if schedule == "zb-v" else 1, global_batch=8,
                        schedule=schedule, bandwidth=1e9, recompute="auto", memory_cap=1e15)  # (rows: `_fits`)
     b, checked = 2, 0
@@ -118,14 +136,17 @@ def test_a_unit_recomputation_is_not_weighed_for_never_lowers_memory_or_time(sch
     assert checked > 100
 
 
-@pytest.mark.parametrize("schedule,ranks,seed", [("zb-h1", 2, 12), ("zb-h1", 3, 24), ("zb-h1", 2, 16)])
-def test_every_unit_recomputed_the_stage_tables_equal_evaluate(schedule, ranks, seed):
+@pytest.mark.parametrize("schedule,ranks,seed,read", [("zb-h1", 2, 12, False), ("zb-h1", 3, 24, False),
+                                                      ("zb-h1", 2, 16, False), ("zb-h1", 2, 12, True)])
+def test_every_unit_recomputed_the_stage_tables_equal_evaluate(schedule, ranks, seed, read):
     # zero bubble, kept gradients measured, every unit recomputed: a later stage's weight part holds each unit's
     # in'^h_l and its kept gradients k_l, the r^h_k shared with the unit before once. The tables the branch and
     # bound and the program read counted in'^h_l alone (11.7-18.3 MB short on the oracle campaign's chains)
     from planner.solve.diagnose import memory_matrices
 
     profile = _zero_bubble_chain(seed)
+    if read:  # (each recomputed unit keeping a value its neighbour keeps too: q_k, held once)
+        keep_read(profile, range(1, L), random.Random(seed))
     opts = CostOptions(pipeline_ranks=ranks, global_batch=8, schedule=schedule, bandwidth=1e9, recompute="all")
     assert range_costs(profile, 2).kept_known
     matrices = memory_matrices(profile, 2, opts)  # (one stage per rank: each stage's table is its rank's)

@@ -19,10 +19,9 @@ from planner.cost.ranges import range_costs
 from planner.cost.stage_memory import StageMemory
 from planner.solve import branch, floors
 from planner.solve.branch import applies, branch_and_bound
-from planner.solve.chain_recompute import freed_bytes
 from planner.solve.exact import structural_forms
-from planner.solve.recompute_bound import bounded, least_recompute
-from tests.support.synthetic import drawn_chain, random_chain
+from planner.solve.recompute_bound import bounded, freed_at_most, least_recompute
+from tests.support.synthetic import drawn_chain, keep_read, random_chain
 
 
 def _capped(seed: int):
@@ -32,6 +31,8 @@ def _capped(seed: int):
     rng = random.Random(seed)
     L = rng.randint(3, 8)
     profile = random_chain(rng, L, sizes=(1, 2), frozen=rng.random() < 0.3, apart=rng.random() < 0.5)
+    if rng.random() < 0.5:  # neighbours that both keep a value they read (the pairs' p, u, q)
+        keep_read(profile, [k for k in range(1, L) if rng.random() < 0.5], rng)
     S = rng.randint(2, min(4, L))
     d = rng.choice([1, 1, 2])
     opts = CostOptions(pipeline_ranks=S, global_batch=d * 2 * rng.choice([1, 2, 4]) * S,
@@ -60,8 +61,9 @@ def _binding(seed: int):
 
 def _fractional(costs, a, e, y):
     """The covering knapsack's linear relaxation over units [a, e), by its greedy (cheapest time per
-    byte first)."""
-    g = np.maximum(freed_bytes(costs, a, e), 0.0)
+    byte first), of what each unit frees at most (the cost model's recomputed pairs may free more than
+    chain_recompute.freed_bytes counts)."""
+    g = np.maximum(freed_at_most(costs, a, e), 0.0)
     spent, freed = 0.0, 0.0
     for l in sorted((l for l in range(a, e) if g[l - a] > 0), key=lambda l: costs.f[l] / g[l - a]):
         take = min(1.0, (y - freed) / g[l - a])
@@ -96,6 +98,32 @@ def test_the_bound_is_below_every_recomputation_that_fits(seed):
             continue
         relaxed = _fractional(costs, a, e, need / held[g])
         assert bound >= relaxed * (1 - 1e-9) - 1e-15  # at least the relaxation
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_no_recomputation_frees_more_than_its_units_bound(seed):
+    """What a stage holds with any set R of its units recomputed is at least what it holds with none,
+    less h_g sum_{l in R} max(0, g_l): the bound's per-unit bytes (`freed_at_most`) are at least what
+    any set frees, neighbours that both keep a value they read included (planner.cost.ranges' p, u, q)."""
+    rng = random.Random(seed)
+    L = rng.randint(3, 7)
+    profile = random_chain(rng, L, sizes=(2,), frozen=rng.random() < 0.3, apart=rng.random() < 0.5)
+    keep_read(profile, [k for k in range(1, L) if rng.random() < 0.6], rng)
+    S = rng.randint(1, min(3, L))
+    opts = CostOptions(pipeline_ranks=S, global_batch=2 * S * rng.choice([1, 2, 4]),
+                       schedule=rng.choice(["1f1b", "gpipe"]), recompute="auto")
+    cuts = sorted(rng.sample(range(1, L), S - 1))
+    ends, costs = [0] + cuts + [L], range_costs(profile, 2)
+    plain = evaluate(profile, cuts, 2, opts, [])
+    held = held_counts(opts, plain.num_micro_batches)
+    for r in range(1, L + 1):
+        for redo in itertools.combinations(range(L), r):
+            memory = evaluate(profile, cuts, 2, opts, list(redo)).device_memory
+            for g in range(S):
+                a, e = ends[g], ends[g + 1]
+                freed = np.maximum(freed_at_most(costs, a, e), 0.0)
+                least = plain.device_memory[g] - held[g] * sum(freed[l - a] for l in redo if a <= l < e)
+                assert memory[g] >= least - 1e-6 * max(1.0, abs(least)), (redo, g)
 
 
 def test_branching_on_a_unit_raises_a_lumpy_cover():

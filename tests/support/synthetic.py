@@ -148,6 +148,29 @@ def share_kept(profile: Profile, cuts: Sequence[int], rng) -> None:
                 after.recomputed_shared_bytes[b][f"cut{k}"] = crossing
 
 
+def keep_read(profile: Profile, cuts: Sequence[int], rng) -> None:
+    """Units k - 1 and k both read a value made before them (a gate, a position table: each layer reads
+    it), for k in `cuts`: each keeps it when recomputed, and unit k - 1 does not save it, unit k saves
+    it or not (UnitProfile.recomputed_shared_bytes, shared_saved_bytes; planner.cost.ranges' q_k, u_k:
+    what the two hold once where both, or unit k - 1 alone, are recomputed)."""
+    for k in cuts:
+        before, after = profile.units[k - 1], profile.units[k]
+        draw, saves = rng.randint(0, 1 << 19), rng.random() < 0.5
+        for b in profile.micro_batch_sizes:
+            size = min(draw * b, _unshared(after, b)) if saves else draw * b
+            if size <= 0:
+                continue
+            name = f"read{k}"
+            if saves:
+                after.shared_saved_bytes.setdefault(b, {})[name] = size
+            for unit in (before, after):
+                unit.input_bytes[b] = unit.input_bytes.get(b, 0) + size
+                unit.recomputed_shared_bytes.setdefault(b, {})[name] = size
+            crossing = (before.shared_saved_bytes.get(b) or {}).get(f"cut{k}")
+            if crossing:  # unit k keeps its input, which unit k - 1 saves too (d_k)
+                after.recomputed_shared_bytes[b][f"cut{k}"] = crossing
+
+
 def let_go(profile: Profile, cuts: Sequence[int], rng) -> None:
     """Unit k lets part of what it shares with unit k - 1 go in its input part, for k in `cuts` (a stage's
     last unit freeing a storage the unit before, inside the stage, still holds: UnitProfile.weight_shared_bytes,
