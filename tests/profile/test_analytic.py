@@ -76,8 +76,9 @@ def test_hf_model_profiles_on_meta_in_bfloat16():
 def test_an_analytic_profile_counts_what_a_stage_computes_from_its_parameters():
     # T5's decoder blocks read the position bias the first one computes from its table: in a stage holding
     # that block each later one keeps its scores' gradient for the weight part (planner.cost.inner_weight),
-    # found on meta as measured (a measured profile counts 2 x 4 heads x 8 x 8 fp32 bytes a block; the meta
-    # count is 1,024, its cause not investigated)
+    # found on meta as measured (a measured profile counts 2 x 4 heads x 8 x 8 fp32 bytes a block, the S x S
+    # scores' gradient of CPU's math attention; on meta, costed as the memory-efficient kernel a GPU runs
+    # (docs/profile.md, --attention flash), each block keeps its (2, 4, 8, 4) output's gradient: 1,024)
     pytest.importorskip("transformers")
     args = dict(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=3, num_heads=4, seq_len=8)
     profile = analytic_profile("hf:T5ForConditionalGeneration", args, [2], FLAT, dtype="float32")
