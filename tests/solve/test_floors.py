@@ -106,18 +106,24 @@ def test_the_floors_couple_the_stages():
 
 def test_the_table_estimate_covers_the_tables():
     """branch.table_bytes (which decides whether the search runs or the integer program) is at least
-    what the search's tables take: like devices, and four devices of four speeds."""
+    what the search's tables take: like devices, four devices of four speeds, and a cap that every stage's
+    long ranges need recomputation under."""
     import random
 
     from planner.cost.cluster import Cluster, DeviceGroup, Link
+    from planner.cost.stage_memory import StageMemory
     from planner.solve.forms import table_bytes
     from tests.support.synthetic import random_chain
 
     profile = random_chain(random.Random(3), 40, sizes=(2,))
     cluster = Cluster(groups=tuple(DeviceGroup(f"g{i}", 1, speed=1.0 + i / 4) for i in range(4)),
                       links=(Link(1e9, 1e-5),) * 3)
+    # (and under --recompute auto with a cap most ranges need recomputation under: a table of its own per stage,
+    # planner.solve.recompute_bound)
+    capped = CostOptions(pipeline_ranks=4, global_batch=16, recompute="auto", memory_cap=float(
+        StageMemory(profile, 2, CostOptions(pipeline_ranks=4, global_batch=16), False).matrix(0)[0, 10]))
     for opts in (CostOptions(pipeline_ranks=4, global_batch=16), CostOptions(pipeline_ranks=4, global_batch=16,
-                                                                               cluster=cluster)):
+                                                                               cluster=cluster), capped):
         known = Forms(StageTerms(profile, 2, opts), opts.message_s)
         for form in structural_forms(profile, 2, opts):
             known.add(form)
@@ -127,7 +133,7 @@ def test_the_table_estimate_covers_the_tables():
         taken = sum(tables.values()) + sum(f.nbytes for f in known.floors) + \
             sum(a.nbytes for a in terms.allowed) + sum(f.nbytes for f in terms.fits)
         assert taken <= table_bytes(profile.num_units, opts)
-        assert len(tables) == (2 if opts.cluster is None else 4)
+        assert len(tables) == (2 if opts.cluster is None and opts.memory_cap is None else 4)
 
 
 def test_a_refresh_past_its_deadline_keeps_the_tables_it_had():
