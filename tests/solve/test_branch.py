@@ -16,6 +16,7 @@ from planner.solve import branch, floors
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.exact import structural_forms
 from planner.solve.forms import Forms, StageTerms
+from tests.support.solvers import stopped_searches, ticking_clock
 from tests.support.synthetic import drawn_chain, synthetic_profile
 
 
@@ -82,17 +83,7 @@ def test_a_search_stopped_early_still_proves_a_valid_bound(problem, ticks):
     the tables' clock (planner.solve.floors) stands still: on the real one their deadline, a few
     ticks, has long passed and every search would stop before its first node."""
 
-    profile, opts = problem
-    profile = compute_profile(profile, opts)
-    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-        clock = itertools.count()
-        with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))), \
-                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
-            found = branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
-        best = _every_split(profile, b, opts)
-        assert found.bound_s <= best * (1 + 1e-9) or math.isinf(best)
-        if found.best is not None:
-            assert found.best.iteration_s >= best * (1 - 1e-9)
+    for found, _ in stopped_searches(*problem, ticks, _every_split):
         if not found.optimal:
             assert found.bound_s <= (found.best.iteration_s if found.best else math.inf)
 
@@ -117,12 +108,7 @@ def test_the_open_nodes_least_bound_first_walk_stops_exactly(problem, ticks):
 
     _open_bound = branch._open_bound
     for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-        clock = itertools.count()
-        # the search's clock ticks at each reading; the tables' (planner.solve.floors) stands still, so
-        # their deadline, on the search's clock, never passes
-        with mock.patch.object(branch, "_open_bound", walked), \
-                mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))), \
-                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
+        with mock.patch.object(branch, "_open_bound", walked), ticking_clock():
             branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
     assume(calls)  # some search stopped at its limit with nodes open
 

@@ -5,8 +5,6 @@ split and subset."""
 import itertools
 import math
 import random
-from types import SimpleNamespace
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,10 +15,10 @@ from planner.cost.model import candidate_micro_batch_sizes, compute_profile, eva
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.stage_memory import StageMemory
-from planner.solve import branch, floors
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.exact import structural_forms
 from planner.solve.recompute_bound import bounded, freed_at_most, least_recompute
+from tests.support.solvers import stopped_searches
 from tests.support.synthetic import drawn_chain, keep_read, random_chain
 
 
@@ -238,17 +236,7 @@ def test_a_bounded_search_stopped_or_not_proves_a_valid_bound(problem, ticks):
     run to the end or stopped after a few clock ticks (test_branch's counter clock), never reports a
     bound above the best plan over every split and subset, nor an incumbent below it, and settles only
     on the optimum."""
-    profile, opts = problem
-    profile = compute_profile(profile, opts)
-    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-        clock = itertools.count()
-        with mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))), \
-                mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
-            found = branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
-        best = _every_plan(profile, b, opts)
-        assert found.bound_s <= best * (1 + 1e-9) or math.isinf(best)
-        if found.best is not None:
-            assert found.best.iteration_s >= best * (1 - 1e-9)
+    for found, best in stopped_searches(*problem, ticks, _every_plan):
         if found.optimal:
             assert (found.best is None and math.isinf(best)) or \
                 math.isclose(found.best.iteration_s, best, rel_tol=1e-9)

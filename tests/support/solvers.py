@@ -58,3 +58,37 @@ def both_solvers_match_brute_force(profile, opts, ways=("search", "program")):
         assert found.status == "optimal", (opts.schedule, way)
         assert math.isclose(found.objective, oracle.objective, rel_tol=1e-9), (opts.schedule, way)
     return oracle, found
+
+
+def ticking_clock():
+    """The search's clock as a counter (each read one tick), so a search with time_limit=n stops after a few
+    nodes; the tables' clock (planner.solve.floors) stands still: on the real one their deadline, a few ticks,
+    has long passed and every search would stop before its first node. A context manager."""
+    import itertools
+    from types import SimpleNamespace
+
+    from planner.solve import branch, floors
+
+    clock = itertools.count()
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(branch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)))))
+    stack.enter_context(mock.patch.object(floors, "time", SimpleNamespace(perf_counter=lambda: 0.0)))
+    return stack
+
+
+def stopped_searches(profile, opts, ticks, best_of):
+    """The branch and bound of every micro-batch size of (profile, opts), stopped after `ticks` clock reads
+    (`ticking_clock`; None: run to the end), each checked against `best_of(profile, b, opts)`, the best plan
+    over every split (+inf: none): a bound never above it, an incumbent never below it. Yields (found, best)."""
+    from planner.cost.model import candidate_micro_batch_sizes, compute_profile
+    from planner.solve.branch import branch_and_bound
+
+    profile = compute_profile(profile, opts)
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        with ticking_clock():
+            found = branch_and_bound(profile, b, opts, None, set(), time_limit=ticks)
+        best = best_of(profile, b, opts)
+        assert found.bound_s <= best * (1 + 1e-9) or math.isinf(best)
+        if found.best is not None:
+            assert found.best.iteration_s >= best * (1 - 1e-9)
+        yield found, best
