@@ -56,9 +56,14 @@ def _form(cost: PlanCost) -> PathForm:
     return cost.critical_path
 
 
-def structural_forms(profile: Profile, b: int, opts: CostOptions) -> Set[PathForm]:
+STRUCTURAL_SHARE = 0.1  # of a scenario's time limit, at most, for its structural forms (3 S + 8 simulations)
+
+
+def structural_forms(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> Set[PathForm]:
     """Longest paths of the scenario's graph (no tied-weight collectives) under made-up durations:
-    one stage slower than the rest at several ratios, and all nearly equal."""
+    all nearly equal, and one stage slower than the rest at several ratios; past `deadline`
+    (time.perf_counter()) those found (each is a simulation of the step: 0.1 s at 64 stages and 512
+    micro-batches, so 3 S + 8 of them outlast a short limit)."""
     S = opts.num_stages
     m = num_micro_batches(opts, b)
     graph = step_graph(step_shape(opts, m))
@@ -74,12 +79,13 @@ def structural_forms(profile: Profile, b: int, opts: CostOptions) -> Set[PathFor
         timeline = graph.run(value)
         forms.add(PathForm(tuple(sorted(timeline.critical.items(), key=repr))))
 
-    for g in range(S):
-        for level in (0.0, 0.5, 0.9):
-            add([1.0 if h == g else level for h in range(S)])
     rng = random.Random(S * 1000 + m)
-    for _ in range(8):
-        add([1.0 + rng.uniform(-0.05, 0.05) for _ in range(S)])
+    shapes = [[1.0 + rng.uniform(-0.05, 0.05) for _ in range(S)] for _ in range(8)]
+    shapes += [[1.0 if h == g else level for h in range(S)] for g in range(S) for level in (0.0, 0.5, 0.9)]
+    for forward in shapes:
+        if forms and deadline is not None and time.perf_counter() > deadline:
+            break
+        add(forward)
     return forms
 
 
@@ -212,6 +218,11 @@ RELAXED_SHARE, FITTING_SHARE = 0.6, 0.2  # of the time limit, for the two search
 CHOSEN_SHARE = 1.0  # of the time limit, for the splits' search bounding each split's recomputation
 
 
+def _share_end(time_limit: Optional[float]) -> Optional[float]:
+    """The deadline of the structural forms of a search given `time_limit` from now."""
+    return None if time_limit is None else time.perf_counter() + STRUCTURAL_SHARE * time_limit
+
+
 def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Candidate],
                            time_limit: Optional[float], gap: float, target_s: Optional[float],
                            forms: Optional[Set[PathForm]] = None):
@@ -242,7 +253,7 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
         # the incumbent's split without its recomputation: a plan there, no slower (a search needs one)
         start = None if best is None else \
             Candidate(evaluate(profile, best.boundaries, b, free, []).iteration_s, list(best.boundaries), [])
-        relaxed = branch_and_bound(profile, b, free, start, structural_forms(profile, b, free),
+        relaxed = branch_and_bound(profile, b, free, start, structural_forms(profile, b, free, _share_end(time_limit)),
                                    None if time_limit is None else RELAXED_SHARE * time_limit, gap)
         bound = relaxed.bound_s
         if relaxed.best is not None:
@@ -254,7 +265,7 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
                 return best, max(bound, best.iteration_s * (1 - gap)), True
     if not fitted:
         cutoff = min(best.iteration_s if best is not None else math.inf, math.inf if target_s is None else target_s)
-        fitting = branch_and_bound(profile, b, plain, None, structural_forms(profile, b, plain),
+        fitting = branch_and_bound(profile, b, plain, None, structural_forms(profile, b, plain, _share_end(time_limit)),
                                    None if time_limit is None else FITTING_SHARE * time_limit, gap,
                                    cutoff if math.isfinite(cutoff) else None)
         if fitting.best is not None and (best is None or fitting.best.iteration_s < best.iteration_s):
@@ -268,7 +279,8 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     """The best split of (scenario, b), or a proof that none is faster than `incumbent` (a plan of
     this scenario) or `target_s` (the best plan of any scenario) by more than `gap`."""
     started = time.perf_counter()
-    forms = set(forms or ()) | structural_forms(profile, b, opts)
+    forms = set(forms or ()) | structural_forms(profile, b, opts, None if time_limit is None
+                                                else started + STRUCTURAL_SHARE * time_limit)
     best = incumbent
     if best is not None:
         forms.add(_form(evaluate(profile, best.boundaries, b, opts, best.recompute)))

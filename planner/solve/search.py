@@ -6,7 +6,7 @@ boundaries and recomputation are solved inside each scenario. Each scenario firs
 fast (the fill-drain chain optimum and a balanced split, simulated, then improved by local search)
 and a lower bound that holds for every split under the exact model:
 
-    v = 1:  min over splits of max_g  W(0, a_g) / sigma_max + m (k + W(a_g, e_g)) / sigma_g
+    v = 1:  min over splits of max_g  W(0, a_g) / sigma_max + m (k + W(a_g, e_g) + R_g(a_g, e_g)) / sigma_g
                                       + max(0, W(e_g, L) / sigma_max - (m - 1) F_g)
             (stage g's rank runs m forwards and backwards, after micro-batch 0 crossed the stages
             before it and before the last micro-batch's backward crosses them again; between the
@@ -15,7 +15,10 @@ and a lower bound that holds for every split under the exact model:
             (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition).
             The crossings count too: each boundary before g (after g) costs at least its cheapest
             message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
-            forward and last backward (the cost per message of each) can fill the wait: the larger counts
+            forward and last backward (the cost per message of each) can fill the wait: the larger counts.
+            Under a memory cap R_g is +inf where the range never fits its device (no stage holds it) and,
+            under `--recompute auto` with 1F1B or GPipe, the least recomputation it needs to fit
+            (planner.solve.recompute_bound; 0 otherwise)
     v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
@@ -238,6 +241,10 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         after = (chain[-1] - chain)[None, :] / fastest
 
         scaled = {}  # speed -> (m work, (m - 1) forward) at that speed: shared by its stages (L^2 each)
+        try:
+            fitting = _fitting_terms(profile, b, opts, deadline)
+        except OutOfTime:
+            fitting = None
 
         def stage(g: int) -> np.ndarray:
             # the rank's own batches between its first forward and its last backward (every message
@@ -250,6 +257,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             np.maximum(value, inside, out=value)
             value += busy
             value += before + fill[g][:, None]
+            if fitting is not None:
+                value += fitting[g]
             return value
 
         try:
@@ -259,6 +268,31 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
     else:
         value = loose
     return value + opts.step_overhead_s
+
+
+def _fitting_terms(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None
+                   ) -> Optional[List[np.ndarray]]:
+    """Per stage g, what a split pays for stage g = [a, e) to fit its device (one stage per device),
+    beyond its work: +inf where it never fits, and under `--recompute auto` (1F1B, GPipe) m times the
+    least recomputation R_g(a, e) it needs (planner.solve.recompute_bound), 0 elsewhere; None where
+    no device has a cap, or recomputation is chosen per unit under another schedule (no such bound)."""
+    from planner.cost.stage_memory import StageMemory
+    from planner.solve.recompute_bound import bounded, least_recompute
+
+    memory = StageMemory(profile, b, opts, opts.recompute == "all")
+    S = opts.num_stages
+    if all(memory.cap(g) is None for g in range(S)) or (opts.recompute == "auto" and not bounded(opts)):
+        return None
+    if opts.recompute == "auto":
+        m = num_micro_batches(opts, b)
+        return [m * table for table in least_recompute(memory, range_costs(profile, b, opts.optimizer), opts, b)]
+    terms = []
+    for g in range(S):
+        check_deadline(deadline)
+        cap = memory.cap(g)
+        terms.append(np.zeros((profile.num_units + 1,) * 2) if cap is None else
+                     np.where(memory.matrix(g) <= cap, 0.0, np.inf))
+    return terms
 
 
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
@@ -272,16 +306,21 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     # the starts take at most a share of the time limit (the chain search is slow on large profiles)
     deadline = None if time_limit is None else started + STARTS_SHARE * time_limit
     limit = None if time_limit is None else started + time_limit
+    # the bounds may take the whole limit (a weak one makes the gap, however long the search ran); one of
+    # +inf proves the scenario has no plan (no split fits its devices)
+    bounded = [(k, opts, b, scenario_lower_bound(profile, b, opts, limit)) for opts in scenarios
+               for k, b in enumerate(candidate_micro_batch_sizes(profile, opts.global_batch, opts))]
     items, started_one = [], False
-    for opts in scenarios:
-        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-            # past the deadline only until one scenario has a plan: each start is a simulation of its lists
-            late = started_one and deadline is not None and time.perf_counter() >= deadline
-            start = heuristic_plan(profile, b, opts, deadline=deadline) if (warm_start or method == "dp") and not late \
-                else None
-            started_one = started_one or start is not None
-            # the bounds may take the whole limit (a weak one makes the gap, however long the search ran)
-            items.append(_Scenario(opts, b, start, scenario_lower_bound(profile, b, opts, limit)))
+    # the starts layout by layout for each micro-batch size in turn (the starts' share of the time may not
+    # reach every size of the first layouts: each layout gets its first before any its second), none where
+    # no split fits; past the deadline only until one scenario has a plan: each start is a simulation of
+    # its lists
+    for _, opts, b, lower in sorted(bounded, key=lambda item: item[0]):
+        late = started_one and deadline is not None and time.perf_counter() >= deadline
+        start = heuristic_plan(profile, b, opts, deadline=deadline) \
+            if (warm_start or method == "dp") and not late and lower < math.inf else None
+        started_one = started_one or start is not None
+        items.append(_Scenario(opts, b, start, lower))
     items.sort(key=lambda it: (it.start.iteration_s if it.start else math.inf, it.lower_bound))
     best = None  # (Candidate, _Scenario)
     for it in items:

@@ -280,3 +280,50 @@ def test_every_unit_recomputed_a_stage_start_whose_r_is_negative_is_not_fixed_ou
         assert solve(profile, opts, warm_start=warm).objective == pytest.approx(oracle.objective, rel=1e-9)
         with program_only():
             assert solve(profile, opts, warm_start=warm).objective == pytest.approx(oracle.objective, rel=1e-9)
+
+
+def _layouts(profile, cap):
+    """Every p x d of 8 devices for `profile` under `cap`, 1F1B, recomputation chosen."""
+    from planner.solve.search import expand_scenarios
+
+    opts = CostOptions(pipeline_ranks=1, global_batch=16, memory_cap=cap, recompute="auto", optimizer="adamw")
+    return expand_scenarios(opts, profile.num_units, devices=8)
+
+
+def test_a_layout_no_split_fits_is_proven_empty_and_gets_no_start():
+    """Few pipeline ranks hold too many parameters for the cap whatever they recompute: their bound is
+    +inf (no stage range fits its device), so no start is sought for them (each a search of its own,
+    seconds at a large profile) and the plan and bound come from the layouts that fit."""
+    from unittest import mock
+
+    from planner.cost.model import candidate_micro_batch_sizes
+    from planner.solve import search
+    from planner.solve.diagnose import min_memory_plan
+
+    profile = random_chain(random.Random(5), 12, sizes=(1, 2))
+    for unit in profile.units:
+        unit.param_bytes = unit.trainable_bytes = 4 << 20
+    # a cap between what 4 and 8 pipeline ranks need with every unit recomputed
+    floors = {o.pipeline_ranks: min_memory_plan(profile, o.with_(recompute="all")).memory_bytes
+              for o in _layouts(profile, None)}
+    assert floors[4] > floors[8]
+    scenarios = _layouts(profile, (floors[4] + floors[8]) / 2)
+    bounds = {(o.pipeline_ranks, b): search.scenario_lower_bound(profile, b, o) for o in scenarios
+              for b in candidate_micro_batch_sizes(profile, o.global_batch, o)}
+    assert {p for (p, _), bound in bounds.items() if math.isinf(bound)} == {1, 2, 4}
+    started = []
+    real = search.heuristic_plan
+    with mock.patch.object(search, "heuristic_plan",
+                           lambda profile, b, opts, **kw: started.append(opts.pipeline_ranks) or real(profile, b, opts, **kw)):
+        found = search.search_scenarios(profile, scenarios, "ilp", time_limit=30)
+    assert set(started) == {8} and found.options.pipeline_ranks == 8 and found.status == "optimal"
+
+
+def test_the_structural_forms_stop_at_their_deadline():
+    from planner.solve.exact import structural_forms
+
+    profile = random_chain(random.Random(1), 12, sizes=(2,))
+    opts = CostOptions(pipeline_ranks=6, global_batch=24)
+    every = structural_forms(profile, 2, opts)
+    assert len(structural_forms(profile, 2, opts, deadline=0.0)) == 1  # the first one, then the deadline
+    assert structural_forms(profile, 2, opts, deadline=math.inf) == every
