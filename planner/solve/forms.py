@@ -121,6 +121,7 @@ class StageTerms:
         self.band: Optional[Band] = None  # where the allowed ranges lie (planner.solve.floors)
         self.allow(list(self.fits))
         self.costs, self.speeds, self.redo_all, self.ranks = costs, speeds, redo_all, ranks
+        self.zero_bubble = opts.schedule == "zb-h1"
 
     def restrict(self, forms: Sequence[PathForm], target: float, deadline: Optional[float] = None) -> None:
         """allowed[g][a, e]: stage g = [a, e) fits and meets every form's per-stage condition for a
@@ -138,12 +139,19 @@ class StageTerms:
         """Each stage with an allowed range that needs recomputation to fit gets its own table: its like
         stages' terms, its backward with R_g added (once: the allowed ranges only shrink)."""
         backward = STAGE_TERMS.index("backward")
+        # zero bubble: a recomputed forward runs in both parts, the input part's only where the stage's
+        # input carries a gradient (planner.cost.ranges' `whole`: the first stage's input part runs nothing)
+        parts = [] if not self.zero_bubble else \
+            [(STAGE_TERMS.index("backward_input"), ~self.costs.whole[:, None]),
+             (STAGE_TERMS.index("backward_weight"), True)]
         for g, ok in enumerate(allowed):
             least = self.least[g]
             if self.own[g] or not (ok & (least > 0) & np.isfinite(least)).any():
                 continue
             table = self.rows[g].copy()
             np.add(table[backward], least, out=table[backward], where=np.isfinite(least))
+            for term, rows in parts:
+                np.add(table[term], least, out=table[term], where=np.isfinite(least) & rows)
             self.rows[g], self.own[g] = table, True
 
     def allow(self, allowed: List[np.ndarray]) -> None:

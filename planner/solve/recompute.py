@@ -81,6 +81,8 @@ def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOpt
         return [] if plain.feasible else None
     if opts.virtual_stages != 1:
         return None
+    if opts.schedule == "zb-h1":
+        return _zero_bubble_recompute(profile, boundaries, b, opts, plain)
     speeds, held, chosen = rank_speeds(opts), held_counts(opts, plain.num_micro_batches), []
     for c, st in enumerate(plain.stages):
         cap = plain.device_caps[c]
@@ -92,3 +94,46 @@ def recompute_for(profile: Profile, boundaries: List[int], b: int, opts: CostOpt
             return None
         chosen += found[1]
     return chosen
+
+
+def _zero_bubble_recompute(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, plain
+                           ) -> Optional[List[int]]:
+    """zb-h1 (one stage per device): per stage over its cap, its units by time per byte they free at most
+    (planner.solve.recompute_bound.zero_bubble_freed_at_most, both count kinds), taken until those bytes
+    cover the over-cap ones, then one more at a time while the cost model says the stage does not fit; the
+    slowest needless ones dropped after. Recomputation frees less than those bytes where neighbours or a
+    stage's tail interact, so the cost model decides; None where every such unit recomputed does not fit."""
+    from planner.cost.model import compute_profile
+    from planner.cost.stage_memory import StageMemory
+    from planner.solve.recompute_bound import zero_bubble_freed_at_most
+
+    memory = StageMemory(compute_profile(profile, opts), b, opts, False)
+    chosen: List[int] = []
+    for c, st in enumerate(plain.stages):
+        cap = plain.device_caps[c]
+        need = plain.device_memory[c] - cap if cap is not None else 0.0
+        if need <= 0:
+            continue
+        a, e = st.first_unit, st.end_unit
+        most = zero_bubble_freed_at_most(memory, c, a, e)
+        f = memory.costs.f
+        order = sorted((l for l in range(a, e) if most[l - a] > 0), key=lambda l: f[l] / most[l - a])
+        if sum(most[l - a] for l in order) < need * (1 - 1e-12):
+            return None
+        fits = lambda redo: evaluate(profile, boundaries, b, opts, redo).device_memory[c] <= cap  # noqa: E731
+        redo, covered, n = [], 0.0, 0
+        while n < len(order) and covered < need:
+            redo.append(order[n])
+            covered += most[order[n] - a]
+            n += 1
+        while not fits(redo):
+            if n == len(order):
+                return None
+            redo.append(order[n])
+            n += 1
+        for l in sorted(redo, key=lambda l: -f[l]):  # the slowest needless ones go
+            rest = [u for u in redo if u != l]
+            if fits(rest):
+                redo = rest
+        chosen += sorted(redo)
+    return sorted(chosen)

@@ -32,6 +32,13 @@ unit each take their own g (`freed_at_most`):
 (r'_l = max(p_l - d_l, q_l - u_l): what unit l shares with the unit before, recomputed or not, at most; the
 pairs a set recomputes free no more than these sum to: planner.cost.ranges' p, u, q)
 
+zb-h1 (one stage per device too) holds a second kind, "weight" (micro-batches between their input and
+weight backward), whose terms change with recomputation beyond g_l (planner.cost.stage_memory.HeldTerms).
+There each unit's bytes are `zero_bubble_kinds`: per position, with the counts in them, the most over
+the rank's count vectors, at least what any set frees under the vector attaining M_g (its derivation
+there), and y = M_g(a, e) - c_i; R_g is added to both backward parts (the input part's only where the
+stage's input carries a gradient: the first stage's input part runs nothing).
+
 A split's time with its best recomputation is at least its time with these added to each stage's
 backward (the step is monotone in every duration); the split's own recomputation (chosen per stage,
 planner.solve.recompute.recompute_for) gives an upper bound: the search treats the two as a leaf's
@@ -52,16 +59,18 @@ BLOCK = 1 << 16  # cells per bisection batch (each holds a few arrays of this ma
 
 
 def bounded(opts: CostOptions) -> bool:
-    """Whether the tables bound this scenario's recomputation: one stage per device, no weight part
-    (zero-bubble memory depends on recomputation beyond freed_bytes), not replicated."""
-    return opts.recompute == "auto" and opts.schedule in ONE_STAGE_SCHEDULES and opts.virtual_stages == 1 \
-        and not opts.replicated
+    """Whether the tables bound this scenario's recomputation: one stage per device (1F1B, GPipe, and
+    zb-h1, whose weight kind the per-unit bytes of `zero_bubble_kinds` bound), not replicated."""
+    return opts.recompute == "auto" and opts.schedule in ONE_STAGE_SCHEDULES + ("zb-h1",) \
+        and opts.virtual_stages == 1 and not opts.replicated
 
 
 def least_recompute(memory: StageMemory, costs, opts: CostOptions, b: int) -> List[np.ndarray]:
     """R_g[a, e] per stage g (seconds at the stage's speed; 0 where the range fits as it is, +inf where
     no recomputation makes it fit or e <= a)."""
-    items = _Items(costs)
+    if opts.schedule == "zb-h1":
+        return _zero_bubble_least(memory, costs, opts)
+    items = _Items.of(costs)
     held = held_counts(opts, num_micro_batches(opts, b))
     speeds = rank_speeds(opts)
     tables: List[np.ndarray] = []
@@ -75,6 +84,103 @@ def least_recompute(memory: StageMemory, costs, opts: CostOptions, b: int) -> Li
                 table[a, e] = items.least(a, e, y) / speeds[opts.rank_of_stage(g)]
         tables.append(table)
     return tables
+
+
+def _zero_bubble_least(memory: StageMemory, costs, opts: CostOptions) -> List[np.ndarray]:
+    """zb-h1's R_g[a, e]: the same knapsack over the bytes each unit frees at most under every count vector
+    of the rank (`zero_bubble_kinds`, counts included: y is the stage's over-cap bytes, not per micro-batch)."""
+    speeds, f = rank_speeds(opts), np.asarray(costs.f, dtype=float)
+    items: dict = {}
+    tables: List[np.ndarray] = []
+    for g in range(opts.num_stages):
+        M, cap = memory.matrix(g), memory.cap(g)
+        table = np.where(np.isfinite(M), 0.0, np.inf)
+        if cap is not None:
+            a, e = np.nonzero(np.isfinite(M) & (M > cap))
+            whole = np.ones(len(a), dtype=bool) if g == 0 else costs.whole[a].astype(bool)
+            for kind in (True, False):
+                cells = np.flatnonzero(whole == kind)
+                if len(cells) == 0:
+                    continue
+                kinds = zero_bubble_kinds(memory, g, kind)
+                key = kinds.tobytes()
+                if key not in items:  # (one at a time: at 1,000 units each holds ~0.1 GB of penalties)
+                    items = {key: _Items(f, kinds)}
+                y = M[a[cells], e[cells]] - cap
+                table[a[cells], e[cells]] = items[key].least(a[cells], e[cells], y) / speeds[opts.rank_of_stage(g)]
+        tables.append(table)
+    return tables
+
+
+def zero_bubble_kinds(memory: StageMemory, g: int, whole: bool) -> np.ndarray:
+    """[kind, l] (KINDS: alone, first, inside, last): at most what recomputing unit l frees of stage g's held
+    bytes (planner.cost.stage_memory.HeldTerms, counts included) under zb-h1, in each position a unit takes
+    in a range, the largest over the rank's count vectors, and at least 0; `whole`: the stage starts where
+    no input carries a gradient (g == 0 always). What a set R frees under vector v (the stage's held bytes
+    with none recomputed less with R, StageMemory.held's terms as planner.solve.ilp_memory writes them) is
+
+        sum_{l in R} saves_l - [a in R, g > 0] first_recomputed_a + [e - 1 in R] last_unit_e
+        - sum_{k - 1 in R, a < k < e} shared_lost_k + sum_{k - 1, k in R} pair_k          (neighbours)
+        + fh_a [a holds h, a in R or (trained[e] = a) any of a .. e - 1 in R]            (first_holds - alone_shared)
+        + sum_{l holds h, l not in R, l - 1 in R} after_recomputed_l
+        + te_e [a <= trained[e], any of trained[e] .. e - 1 in R]                        (trained_end)
+        + sum_{(k, T, x, h) applying, h in R} x                                          (inner_weight)
+
+    and no more than sum_{l in R} of the unit's entry in its position: the pair's q - d share goes to its
+    second unit (max(0, pair_k): with shared_lost_k on the first, at least each of the three cases), each
+    indicator's positive part to every unit that may set it (fh to a first unit followed by frozen ones and to
+    those frozen units; after_recomputed_{l+1} to unit l wherever it is not last; te_e to units trained[e] .. e - 1
+    of any range: the most over the e it may end at; an inner pair's x to its holder h wherever it is)."""
+    c, L = memory.costs, memory.costs.num_units
+    later = g > 0
+    trains = np.asarray(c.t, dtype=float) > 0
+    trained = np.asarray(c.trained, dtype=int)
+    out = np.zeros((len(KINDS), L))
+    for peak in memory.peaks[memory.ranks[g]]:
+        t = memory.held(peak, g, whole)
+        saves = np.asarray(t.recompute_saves, dtype=float)
+        start = saves - (t.first_recomputed if later else 0.0)
+        lost_next, last = t.shared_lost[1:L + 1], t.last_unit[1:L + 1]
+        pair = np.maximum(t.pair, 0.0)
+        fh = (t.first_holds - t.alone_shared) if later else np.zeros(L)
+        after = np.append(np.maximum(t.after_recomputed[1:], 0.0), 0.0)  # unit l + 1's, to unit l
+        # fh_a in the trained case: a first unit that trains followed by a frozen one (trained[a + 2] = a), and
+        # the frozen units l after the trained t = trained[l + 1] < l of a stage starting at t
+        fh_first = np.zeros(L)
+        ok = np.flatnonzero(trained[2:] == np.arange(L - 1))
+        fh_first[ok] = np.maximum(fh[ok], 0.0)
+        tail_of = trained[1:]
+        tail = (tail_of >= 0) & (tail_of < np.arange(L))
+        fh_tail = np.where(tail, np.maximum(fh[np.maximum(tail_of, 0)], 0.0), 0.0)
+        # te_e to units trained[e] .. e - 1: for unit l the most over e in [l + 1, the next unit that trains]
+        te = np.maximum(t.trained_end, 0.0)
+        te_best = np.zeros(L)
+        for l in range(L - 1, -1, -1):
+            te_best[l] = max(te[l + 1], te_best[l + 1] if l + 1 < L and not trains[l + 1] else 0.0)
+        inner = np.zeros(L)
+        for _, _, x, h in t.inner:
+            if h >= 0 and x > 0:
+                inner[h] += x
+        common = te_best + inner
+        kinds = np.stack([start + last + fh + common,
+                          start - lost_next + after + fh_first + common,
+                          saves + pair - lost_next + after + fh_tail + common,
+                          saves + pair + last + fh_tail + common])
+        np.maximum(out, kinds, out=out)
+    return out
+
+
+def zero_bubble_freed_at_most(memory: StageMemory, g: int, a: int, e: int) -> np.ndarray:
+    """Per unit l = a .. e - 1 of stage g = [a, e) under zb-h1: at most what recomputing it frees of the
+    stage's held bytes (`zero_bubble_kinds` in its position; the sum over a set at least what the set frees)."""
+    whole = g == 0 or bool(memory.costs.whole[a])
+    kinds = zero_bubble_kinds(memory, g, whole)
+    position = np.full(e - a, 2)
+    if e == a + 1:
+        position[0] = 0
+    else:
+        position[0], position[-1] = 1, 3
+    return kinds[position, np.arange(a, e)]
 
 
 KINDS = ("alone", "first", "inside", "last")  # the positions a unit takes in a range (module docstring)
@@ -105,12 +211,17 @@ class _Items:
     """The units as a covering knapsack's items over every range: their g in each position, the
     grid of ratios, the penalties' prefix sums per grid point (module docstring)."""
 
-    def __init__(self, costs):
-        f = np.asarray(costs.f, dtype=float)
+    @classmethod
+    def of(cls, costs) -> "_Items":
+        """The live kind's items, per held micro-batch (module docstring)."""
         live, first, dup_next, redo = _parts(costs)
+        return cls(np.asarray(costs.f, dtype=float),
+                   np.stack([live + first, live + first - dup_next, live - dup_next + redo, live + redo]))
+
+    def __init__(self, f: np.ndarray, g: np.ndarray):
+        """f: [l] each unit's forward; g: [kind, l] what it frees at most in each position (KINDS)."""
         self.f = f
-        self.g = np.stack([np.maximum(live + first, 0.0), np.maximum(live + first - dup_next, 0.0),
-                           np.maximum(live - dup_next + redo, 0.0), np.maximum(live + redo, 0.0)])  # [kind, l]
+        self.g = np.maximum(np.asarray(g, dtype=float), 0.0)  # [kind, l]
         useful = self.g > 0
         kind, unit = np.nonzero(useful)
         ratio = f[unit] / self.g[kind, unit]
