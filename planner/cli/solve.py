@@ -63,6 +63,9 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
                    help=f"seconds: returns the best plan found with its gap (default {DEFAULT_TIME_LIMIT_S:.0f}; most "
                         "problems are proven optimal in well under a second); inf searches to the proof")
+    s.add_argument("--quiet", action="store_true",
+                   help="no progress lines (on a terminal the search says on stderr each time its best plan or "
+                        "bound moves)")
     s.add_argument("--gap", type=float, default=None, metavar="FRACTION",
                    help="stop the exact search once no plan can be faster than the one found by more than this "
                         "share, e.g. 0.01 (default: proven optimal)")
@@ -233,8 +236,11 @@ def solve_problem(profile, opts, devices: Optional[int], schedules: List[str], t
                          else schedules, virtual_stages=options.virtual_stages if scenario else args.virtual_stages)
 
         return solve_local_sgd(profile, opts, args.local_sgd_max, args.sync_overhead, run)
+    # on a terminal, a line each time the search moves its best plan or bound (a minute may pass silently else)
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) \
+        if sys.stderr.isatty() and not getattr(args, "quiet", False) else None
     return solve(profile, opts, method=method, time_limit=args.time_limit, backend=backend, gap=gap,
-                 devices=devices, schedules=schedules, virtual_stages=args.virtual_stages)
+                 devices=devices, schedules=schedules, virtual_stages=args.virtual_stages, progress=progress)
 
 
 def cmd_solve(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ other tools use — all judged by planner.cost.model."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from planner.cost.model import compute_profile, rank_caps
 from planner.cost.options import CostOptions
@@ -60,14 +60,16 @@ def solve_ilp(profile: Profile, opts: CostOptions, time_limit: Optional[float] =
 def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: Optional[float] = None,
           backend: Optional[str] = None, devices: Optional[int] = None,
           schedules: Optional[Sequence[str]] = None, warm_start: bool = True,
-          virtual_stages: Optional[int] = None, gap: float = OPTIMALITY_GAP) -> Solution:
+          virtual_stages: Optional[int] = None, gap: float = OPTIMALITY_GAP,
+          progress: Optional[Callable[[str], None]] = None) -> Solution:
     """The best plan for (profile, opts) by `method`; raises InfeasibleError when none exists.
 
     devices: choose p x d = devices (opts.pipeline_ranks is then ignored); schedules: candidate
     schedules to choose from (default: opts.schedule alone); virtual_stages: v for interleaved/bfs;
     backend: the ILP's MIP solver, 'highs' or 'cbc' (default: highs, cbc where highspy cannot be
     imported; planner.solve.backends.choose_backend); gap: the exact search stops once no plan can
-    be faster than its plan by more than this share (default: proven optimal).
+    be faster than its plan by more than this share (default: proven optimal); progress: told the best
+    plan and the bound in one line each time a scenario's search moves them (planner.solve.search).
     """
     opts.validate()
     if devices is not None and devices < 1:
@@ -76,7 +78,7 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     if not scenarios:
         raise InfeasibleError(no_layout_message(profile.num_units, opts, devices, list(schedules or [opts.schedule])))
     return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend,
-                           warm_start=warm_start, gap=gap)
+                           warm_start=warm_start, gap=gap, progress=progress)
 
 
 def _without_needless_recompute(profile: Profile, opts: CostOptions) -> CostOptions:
@@ -91,7 +93,8 @@ def _without_needless_recompute(profile: Profile, opts: CostOptions) -> CostOpti
 
 def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOptions], method: str = "ilp",
                     time_limit: Optional[float] = None, backend: Optional[str] = None,
-                    warm_start: bool = True, gap: float = OPTIMALITY_GAP) -> Solution:
+                    warm_start: bool = True, gap: float = OPTIMALITY_GAP,
+                    progress: Optional[Callable[[str], None]] = None) -> Solution:
     """The best plan over these concrete scenarios of `opts` by `method` (solve's rules), as ONE
     search: time_limit bounds the whole search and the certificate (bound, gap, status) holds over
     every scenario; raises InfeasibleError when none has a plan."""
@@ -110,7 +113,7 @@ def solve_scenarios(profile: Profile, opts: CostOptions, scenarios: Sequence[Cos
     if method in ("ilp", "dp"):
         check_table_room(profile.num_units)
         found = search_scenarios(profile, scenarios, method, time_limit=time_limit, backend=backend,
-                                 warm_start=warm_start, gap=gap)
+                                 warm_start=warm_start, gap=gap, progress=progress)
     elif method == "brute":
         best = None
         for scenario in scenarios:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -297,12 +297,27 @@ def _fitting_terms(profile: Profile, b: int, opts: CostOptions, deadline: Option
 
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,
                      backend: str = "highs", warm_start: bool = True,
-                     gap: float = OPTIMALITY_GAP) -> Optional[Solution]:
+                     gap: float = OPTIMALITY_GAP, progress: Optional[Callable[[str], None]] = None) -> Optional[Solution]:
     """Best plan over the scenarios by `method` ('ilp': exact with a certificate, the search done
     once no plan can be faster than the one found by more than `gap`; 'dp': the fast heuristic
     alone, with the scenarios' lower bounds as its bound, or the exact search where the heuristic
-    finds no plan that fits); None when nothing fits."""
+    finds no plan that fits); None when nothing fits. `progress` is told, in one line each, the best
+    plan and the bound over every scenario whenever a scenario's search moved them."""
     started = time.perf_counter()
+    said = [None]  # the (plan, bound) last told
+
+    def tell() -> None:
+        if progress is None:
+            return
+        bound = min([proven[i][0] if i in proven else it.lower_bound for i, it in enumerate(items)], default=math.inf)
+        plan = best[0].iteration_s if best is not None else math.inf
+        if said[0] == (plan, bound):
+            return
+        said[0] = (plan, bound)
+        where = "" if best is None else \
+            f" ({_layout(best[1].opts)}, micro-batch {best[1].b})"
+        gap_text = f", gap {100 * (plan - bound) / plan:.2f} %" if math.isfinite(plan) and math.isfinite(bound) else ""
+        progress(f"{time.perf_counter() - started:6.1f} s  best {_ms(plan)}{where}, bound {_ms(bound)}{gap_text}")
     # the starts take at most a share of the time limit (the chain search is slow on large profiles)
     deadline = None if time_limit is None else started + STARTS_SHARE * time_limit
     limit = None if time_limit is None else started + time_limit
@@ -310,6 +325,10 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     # +inf proves the scenario has no plan (no split fits its devices)
     bounded = [(k, opts, b, scenario_lower_bound(profile, b, opts, limit)) for opts in scenarios
                for k, b in enumerate(candidate_micro_batch_sizes(profile, opts.global_batch, opts))]
+    if progress is not None:
+        empty = sum(1 for *_, lower in bounded if lower == math.inf)
+        progress(f"{time.perf_counter() - started:6.1f} s  {len(bounded)} scenarios (layout x micro-batch size)"
+                 + (f", {empty} with no split that fits" if empty else "") + "; starting plans next")
     items, started_one = [], False
     # the starts layout by layout for each micro-batch size in turn (the starts' share of the time may not
     # reach every size of the first layouts: each layout gets its first before any its second), none where
@@ -326,11 +345,12 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     for it in items:
         if it.start is not None and (best is None or it.start.iteration_s < best[0].iteration_s):
             best = (it.start, it)
+    proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
+    tell()
     if method == "dp" and best is not None:  # with no plan found, the exact search decides feasibility
         bound = min((it.lower_bound for it in items), default=math.inf)
         return _solution(profile, best, bound, False, started, "dp", "python", OPTIMALITY_GAP)  # no search
     skipped, engines = math.inf, set()
-    proven = {}  # index of a scenario solved -> (its proven bound, settled, its best plan)
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
     skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of a skipped one beats the best by more
 
@@ -347,6 +367,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
             best = (outcome.best, it)
         proven[index] = (max(before, outcome.bound_s), outcome.optimal, outcome.best or start)
         learned[index] = outcome.forms
+        tell()
         return outcome
 
     for index, it in enumerate(items):
@@ -384,6 +405,16 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     # the backend names the integer program's solver; scenarios settled by branch and bound ran none
     used = backend if "mip" in engines or not engines else "branch-and-bound"
     return _solution(profile, best, bound, all_proven, started, "ilp", used, gap)
+
+
+def _layout(opts: CostOptions) -> str:
+    """p x d schedule (v) of a scenario, as the progress lines name it."""
+    v = f" v={opts.virtual_stages}" if opts.virtual_stages > 1 else ""
+    return f"{opts.pipeline_ranks} x {opts.data_parallel} {opts.schedule}{v}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if math.isfinite(seconds) else "none"
 
 
 def _solution(profile: Profile, best, bound: float, proven: bool, started: float, method: str,

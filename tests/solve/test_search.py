@@ -327,3 +327,16 @@ def test_the_structural_forms_stop_at_their_deadline():
     every = structural_forms(profile, 2, opts)
     assert len(structural_forms(profile, 2, opts, deadline=0.0)) == 1  # the first one, then the deadline
     assert structural_forms(profile, 2, opts, deadline=math.inf) == every
+
+
+def test_the_search_tells_its_progress_in_lines():
+    """solve(progress=...) hears the scenarios counted, then a line each time the best plan or the bound moved;
+    the last one is the solution's."""
+    profile = random_chain(random.Random(4), 9, sizes=(1, 2))
+    lines = []
+    found = solve(profile, CostOptions(pipeline_ranks=1, global_batch=8), devices=4, progress=lines.append)
+    assert "scenarios (layout x micro-batch size)" in lines[0] and len(lines) >= 2
+    assert f"best {found.objective * 1e3:.1f} ms ({found.options.pipeline_ranks} x {found.options.data_parallel}" \
+        in lines[-1] and f"bound {found.bound * 1e3:.1f} ms" in lines[-1]
+    told = [line.split(" s  ", 1)[1] for line in lines[1:]]  # said again only when something moved
+    assert all(a != b for a, b in zip(told, told[1:]))
