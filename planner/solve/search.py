@@ -17,7 +17,7 @@ and a lower bound that holds for every split under the exact model:
             message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
             forward and last backward (the cost per message of each) can fill the wait: the larger counts.
             Under a memory cap R_g is +inf where the range never fits its device (no stage holds it) and,
-            under `--recompute auto` with 1F1B or GPipe, the least recomputation it needs to fit
+            under `--recompute auto` with 1F1B, GPipe or zb-h1, the least recomputation it needs to fit
             (planner.solve.recompute_bound; 0 otherwise)
     v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
 
@@ -273,7 +273,7 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
 def _fitting_terms(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None
                    ) -> Optional[List[np.ndarray]]:
     """Per stage g, what a split pays for stage g = [a, e) to fit its device (one stage per device),
-    beyond its work: +inf where it never fits, and under `--recompute auto` (1F1B, GPipe) m times the
+    beyond its work: +inf where it never fits, and under `--recompute auto` (1F1B, GPipe, zb-h1) m times the
     least recomputation R_g(a, e) it needs (planner.solve.recompute_bound), 0 elsewhere; None where
     no device has a cap, or recomputation is chosen per unit under another schedule (no such bound)."""
     from planner.cost.stage_memory import StageMemory
@@ -323,18 +323,18 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     limit = None if time_limit is None else started + time_limit
     # the bounds may take the whole limit (a weak one makes the gap, however long the search ran); one of
     # +inf proves the scenario has no plan (no split fits its devices)
-    bounded = [(k, opts, b, scenario_lower_bound(profile, b, opts, limit)) for opts in scenarios
-               for k, b in enumerate(candidate_micro_batch_sizes(profile, opts.global_batch, opts))]
+    rated = [(k, opts, b, scenario_lower_bound(profile, b, opts, limit)) for opts in scenarios
+             for k, b in enumerate(candidate_micro_batch_sizes(profile, opts.global_batch, opts))]
     if progress is not None:
-        empty = sum(1 for *_, lower in bounded if lower == math.inf)
-        progress(f"{time.perf_counter() - started:6.1f} s  {len(bounded)} scenarios (layout x micro-batch size)"
+        empty = sum(1 for *_, lower in rated if lower == math.inf)
+        progress(f"{time.perf_counter() - started:6.1f} s  {len(rated)} scenarios (layout x micro-batch size)"
                  + (f", {empty} with no split that fits" if empty else "") + "; starting plans next")
     items, started_one = [], False
     # the starts layout by layout for each micro-batch size in turn (the starts' share of the time may not
     # reach every size of the first layouts: each layout gets its first before any its second), none where
     # no split fits; past the deadline only until one scenario has a plan: each start is a simulation of
     # its lists
-    for _, opts, b, lower in sorted(bounded, key=lambda item: item[0]):
+    for _, opts, b, lower in sorted(rated, key=lambda item: item[0]):
         late = started_one and deadline is not None and time.perf_counter() >= deadline
         start = heuristic_plan(profile, b, opts, deadline=deadline) \
             if (warm_start or method == "dp") and not late and lower < math.inf else None
@@ -371,6 +371,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         return outcome
 
     for index, it in enumerate(items):
+        if it.lower_bound == math.inf:  # proven to have no plan (no split fits its devices)
+            continue
         out_of_time = time_limit is not None and time.perf_counter() - started >= time_limit
         if best is not None and (out_of_time or it.lower_bound >= best[0].iteration_s * (1 - skip)):
             skipped = min(skipped, it.lower_bound)  # its bound stands for it
