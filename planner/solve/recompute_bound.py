@@ -69,9 +69,10 @@ def least_recompute(memory: StageMemory, costs, opts: CostOptions, b: int) -> Li
     """R_g[a, e] per stage g (seconds at the stage's speed; 0 where the range fits as it is, +inf where
     no recomputation makes it fit or e <= a)."""
     if opts.schedule == "zb-h1":
-        return _zero_bubble_least(memory, costs, opts)
-    items = _Items.of(costs)
-    held = held_counts(opts, num_micro_batches(opts, b))
+        least = _zero_bubble_cells(memory, costs)
+    else:
+        items, held = _Items.of(costs), held_counts(opts, num_micro_batches(opts, b))
+        least = lambda g, a, e, over: items.least(a, e, over / max(held[g], 1))  # noqa: E731 (per held micro-batch)
     speeds = rank_speeds(opts)
     tables: List[np.ndarray] = []
     for g in range(opts.num_stages):
@@ -80,36 +81,33 @@ def least_recompute(memory: StageMemory, costs, opts: CostOptions, b: int) -> Li
         if cap is not None:
             a, e = np.nonzero(np.isfinite(M) & (M > cap))
             if len(a):
-                y = (M[a, e] - cap) / max(held[g], 1)
-                table[a, e] = items.least(a, e, y) / speeds[opts.rank_of_stage(g)]
+                table[a, e] = least(g, a, e, M[a, e] - cap) / speeds[opts.rank_of_stage(g)]
         tables.append(table)
     return tables
 
 
-def _zero_bubble_least(memory: StageMemory, costs, opts: CostOptions) -> List[np.ndarray]:
-    """zb-h1's R_g[a, e]: the same knapsack over the bytes each unit frees at most under every count vector
-    of the rank (`zero_bubble_kinds`, counts included: y is the stage's over-cap bytes, not per micro-batch)."""
-    speeds, f = rank_speeds(opts), np.asarray(costs.f, dtype=float)
+def _zero_bubble_cells(memory: StageMemory, costs):
+    """zb-h1's relaxation per cell, least(g, a, e, over): the same knapsack over the bytes each unit frees at
+    most under every count vector of the rank (`zero_bubble_kinds`, counts included: `over`, the stage's
+    over-cap bytes, is not per micro-batch), by whether the stage starts where no input carries a gradient."""
+    f = np.asarray(costs.f, dtype=float)
     items: dict = {}
-    tables: List[np.ndarray] = []
-    for g in range(opts.num_stages):
-        M, cap = memory.matrix(g), memory.cap(g)
-        table = np.where(np.isfinite(M), 0.0, np.inf)
-        if cap is not None:
-            a, e = np.nonzero(np.isfinite(M) & (M > cap))
-            whole = np.ones(len(a), dtype=bool) if g == 0 else costs.whole[a].astype(bool)
-            for kind in (True, False):
-                cells = np.flatnonzero(whole == kind)
-                if len(cells) == 0:
-                    continue
-                kinds = zero_bubble_kinds(memory, g, kind)
-                key = kinds.tobytes()
-                if key not in items:  # (one at a time: at 1,000 units each holds ~0.1 GB of penalties)
-                    items = {key: _Items(f, kinds)}
-                y = M[a[cells], e[cells]] - cap
-                table[a[cells], e[cells]] = items[key].least(a[cells], e[cells], y) / speeds[opts.rank_of_stage(g)]
-        tables.append(table)
-    return tables
+
+    def least(g: int, a: np.ndarray, e: np.ndarray, over: np.ndarray) -> np.ndarray:
+        out = np.empty(len(a))
+        whole = np.ones(len(a), dtype=bool) if g == 0 else costs.whole[a].astype(bool)
+        for kind in (True, False):
+            cells = np.flatnonzero(whole == kind)
+            if len(cells) == 0:
+                continue
+            kinds = zero_bubble_kinds(memory, g, kind)
+            key = kinds.tobytes()
+            if key not in items:  # (one at a time: at 1,000 units each holds ~0.1 GB of penalties)
+                items.clear()
+                items[key] = _Items(f, kinds)
+            out[cells] = items[key].least(a[cells], e[cells], over[cells])
+        return out
+    return least
 
 
 def zero_bubble_kinds(memory: StageMemory, g: int, whole: bool) -> np.ndarray:
