@@ -19,7 +19,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_spe
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs
 from planner.cost.result import PathForm, PlanCost
-from planner.cost.step import stage_in_flight, step_graph
+from planner.cost.step import run_many, stage_in_flight, step_graph
 from planner.cost.ties import later_uses_bytes, tie_copies, tied_weights
 from planner.profile.profile import Profile
 from planner.solve.branch import applies, branch_and_bound
@@ -57,13 +57,14 @@ def _form(cost: PlanCost) -> PathForm:
 
 
 STRUCTURAL_SHARE = 0.1  # of a scenario's time limit, at most, for its structural forms (3 S + 8 simulations)
+STRUCTURAL_BATCH = 16  # duration sets simulated at once (planner.cost.step.run_many), the deadline read between
 
 
 def structural_forms(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> Set[PathForm]:
     """Longest paths of the scenario's graph (no tied-weight collectives) under made-up durations:
-    all nearly equal, and one stage slower than the rest at several ratios; past `deadline`
-    (time.perf_counter()) those found (each is a simulation of the step: 0.1 s at 64 stages and 512
-    micro-batches, so 3 S + 8 of them outlast a short limit)."""
+    all nearly equal, and one stage slower than the rest at several ratios, simulated a batch at a
+    time; past `deadline` (time.perf_counter()) those found (at 64 stages and 512 micro-batches a step's
+    simulation takes 0.1 s alone, so 3 S + 8 of them may outlast a short limit)."""
     S = opts.num_stages
     m = num_micro_batches(opts, b)
     graph = step_graph(step_shape(opts, m))
@@ -71,21 +72,21 @@ def structural_forms(profile: Profile, b: int, opts: CostOptions, deadline: Opti
     ratio = float(costs.G[-1] / costs.F[-1]) if costs.F[-1] > 0 else 2.0
     forms: Set[PathForm] = set()
 
-    def add(forward: List[float]) -> None:
+    def durations(forward: List[float]) -> Dict[Tuple, float]:
         value = {("forward", g): f for g, f in enumerate(forward)}
         value.update({("backward", g): f * ratio for g, f in enumerate(forward)})
         value.update({(part, g): f * ratio / 2 for g, f in enumerate(forward)
                       for part in ("backward_input", "backward_weight")})
-        timeline = graph.run(value)
-        forms.add(PathForm(tuple(sorted(timeline.critical.items(), key=repr))))
+        return value
 
     rng = random.Random(S * 1000 + m)
     shapes = [[1.0 + rng.uniform(-0.05, 0.05) for _ in range(S)] for _ in range(8)]
     shapes += [[1.0 if h == g else level for h in range(S)] for g in range(S) for level in (0.0, 0.5, 0.9)]
-    for forward in shapes:
+    for first in range(0, len(shapes), STRUCTURAL_BATCH):
         if forms and deadline is not None and time.perf_counter() > deadline:
             break
-        add(forward)
+        for timeline in run_many(graph, [durations(f) for f in shapes[first:first + STRUCTURAL_BATCH]]):
+            forms.add(PathForm(tuple(sorted(timeline.critical.items(), key=repr))))
     return forms
 
 
