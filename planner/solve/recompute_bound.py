@@ -1,6 +1,6 @@
 """The least time `--recompute auto` can add to a stage range so that it fits its device: a lower
 bound, per stage and range, that lets the branch and bound over splits (planner.solve.branch) search
-recomputation under a memory cap with one stage per device (1F1B, GPipe).
+recomputation under a memory cap with one stage per device (1F1B, GPipe, zb-h1: below).
 
 Stage g = [a, e) on rank i (speed sigma_i, cap c_i) holds M_g(a, e) bytes with nothing recomputed
 (planner.cost.stage_memory.StageMemory.matrix), so it must free
@@ -8,7 +8,7 @@ Stage g = [a, e) on rank i (speed sigma_i, cap c_i) holds M_g(a, e) bytes with n
     y_g(a, e) = (M_g(a, e) - c_i) / h_g        per held micro-batch (h_g: planner.cost.model.held_counts).
 
 Recomputing unit l adds f_l / sigma_i to the stage's backward and frees at most h_g max(0, g_l(a, e))
-(planner.solve.chain_recompute.freed_bytes; a unit whose g_l < 0 costs bytes, frees none), so every
+(`freed_at_most`, below; a unit whose g_l < 0 costs bytes, frees none), so every
 recomputation set that fits costs at least the covering knapsack's value, and at least its linear
 relaxation's
 
@@ -31,6 +31,12 @@ unit each take their own g (`freed_at_most`):
 
 (r'_l = max(p_l - d_l, q_l - u_l): what unit l shares with the unit before, recomputed or not, at most; the
 pairs a set recomputes free no more than these sum to: planner.cost.ranges' p, u, q)
+
+Whole units: a cover that needs a fraction of one large unit pays all of it (a stage that must free
+60 MiB whose one useful unit frees 192 MiB). So each cell branches on one unit u of the range at the
+relaxation's ratio: x_u = 1 costs f_u plus the rest covering y - g_u, x_u = 0 the rest covering y
+(each again a relaxation: phi with u's term taken out), and the lesser of the two, when above the
+relaxation, is the cell's value (still at most every whole-unit cover's time).
 
 zb-h1 (one stage per device too) holds a second kind, "weight" (micro-batches between their input and
 weight backward), whose terms change with recomputation beyond g_l (planner.cost.stage_memory.HeldTerms).
