@@ -228,11 +228,9 @@ class RangeCosts:
         self.redo_dup = np.array([0.0] + [redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
                                           for k in range(1, self.num_units)], dtype=float)
         # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later
-        # stage), none of it but what the loss saved where the unit attaches to no graph (`gone`); r_k
-        # counted once with the unit before only where it holds them
+        # stage), none of it but what the loss saved where the unit attaches to no graph (`gone`)
         self.held_inputs = np.where(gone, loss_saved, self.inputs)
         self.held_weight_inputs = np.where(gone, 0.0, self.weight_inputs)
-        self.held_redo_dup = np.where(gone, 0.0, self.redo_dup)
         # [k, x, y], k = 0 .. L-1 (0 at k = 0): the bytes units k - 1 and k both hold, x: unit k - 1 recomputed,
         # y: unit k; a stage holding both counts them once: d_k, p_k, u_k, q_k (module docstring); held_shares
         # of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k)

@@ -77,7 +77,7 @@ class HeldTerms:
     # [e], of at_end: the last unit's correction of a later stage's weight kind (h - s - k of unit
     # e - 1), which does not apply when that unit is recomputed (it holds its input alone)
     last_unit: np.ndarray
-    # [l]: bytes back when unit l is recomputed and starts a stage g > 0: r_l (what it keeps, held once
+    # [l]: bytes back when unit l is recomputed and starts a stage g > 0: p_l - d_l (what it keeps, held once
     # with the unit before, is in recompute_saves) less its inputs as received (first_a, in at_start),
     # which it then holds no more (planner.cost.ranges); stage 0's unit 0 has its first_0 in recompute_saves
     first_recomputed: np.ndarray
@@ -96,10 +96,10 @@ class HeldTerms:
     alone_shared: np.ndarray
     # [l]: bytes back where unit l holds its h and is not recomputed, and unit l - 1 is: alone_shared less what it
     # still holds of what unit l - 1 keeps recomputed (u^h_l - u'_l, planner.cost.ranges)
-    after_recomputed: np.ndarray = None
+    after_recomputed: np.ndarray
     # [k]: bytes less where units k - 1 and k are both in the stage and both recomputed, beyond what
     # recompute_saves and shared_lost count (q_k + d_k - p_k - u_k per kind: planner.cost.ranges)
-    pair: np.ndarray = None
+    pair: np.ndarray
     # (k, T, bytes, h): these bytes more where the stage holds units T and k and does not recompute h (if h >= 0: a
     # value of source T its units read carries no gradient from its inputs: planner.cost.inner_weight); none
     # where whole, and no h >= 0 where every unit is recomputed

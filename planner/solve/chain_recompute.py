@@ -49,17 +49,24 @@ def freed_bytes(costs, a: int, e: int) -> np.ndarray:
     return g
 
 
+def shared_redo_most(costs) -> np.ndarray:
+    """r'_l = max(p_l - d_l, q_l - u_l): of what unit l, recomputed, shares with the unit before, what a stage
+    holding both counts once beyond d_l, the unit before recomputed or not, at most (planner.cost.ranges' p, u,
+    q; at least r_l, `freed_bytes`' additive count)."""
+    share = costs.shares
+    return np.maximum(share[:, 0, 1] - share[:, 0, 0], share[:, 1, 1] - share[:, 1, 0])
+
+
 def frees_somewhere(costs) -> np.ndarray:
     """[l]: whether recomputing unit l frees bytes of the live kind in some stage (`freed_bytes`): the most
     it frees is as a stage's last unit (what it shares with the unit after it stays with that unit), first
     in it (its inputs as received go, first_l) or after another (what it keeps that the unit before holds
     too is held once, r_l; unit 0 only starts stage 0). A unit freeing nothing anywhere only adds time.
     Where the neighbours are recomputed too (planner.cost.ranges' p, u, q: what two units share as either
-    or both are), at most max(p_l - d_l, q_l - u_l) after the unit before and max(u - d, q - p) of unit l + 1's
+    or both are), at most r'_l after the unit before (`shared_redo_most`) and max(u - d, q - p) of unit l + 1's
     before it (0 where that one is not in the stage)."""
     share = costs.shares
-    before = np.maximum(share[:, 0, 1] - share[:, 0, 0], share[:, 1, 1] - share[:, 1, 0])
-    after_another = np.where(np.arange(costs.num_units) > 0, np.maximum(costs.redo_dup, before), -np.inf)
+    after_another = np.where(np.arange(costs.num_units) > 0, shared_redo_most(costs), -np.inf)
     nxt = np.append(np.maximum(share[1:, 1, 0] - share[1:, 0, 0], share[1:, 1, 1] - share[1:, 0, 1]), 0.0)
     return costs.s - costs.inputs + np.maximum(costs.first, after_another) + np.maximum(nxt, 0.0) > 0
 

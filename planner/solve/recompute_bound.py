@@ -60,6 +60,7 @@ from planner.cost.model import held_counts, num_micro_batches, rank_speeds
 from planner.cost.options import CostOptions
 from planner.cost.stage_memory import StageMemory
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
+from planner.solve.chain_recompute import shared_redo_most
 
 BLOCK = 1 << 16  # cells per bisection batch (each holds a few arrays of this many floats per grid lookup)
 
@@ -196,7 +197,7 @@ def _parts(costs):
     0 for the last unit) and r'_l (module docstring)."""
     share = np.asarray(costs.shares, dtype=float)
     dup_next = np.append(share[1:, 0, 0] - share[1:, 1, 0], 0.0)
-    redo = np.maximum(share[:, 0, 1] - share[:, 0, 0], share[:, 1, 1] - share[:, 1, 0])
+    redo = shared_redo_most(costs)
     return np.asarray(costs.s - costs.inputs, dtype=float), np.asarray(costs.first, dtype=float), dup_next, redo
 
 
