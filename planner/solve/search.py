@@ -16,10 +16,14 @@ and a lower bound that holds for every split under the exact model:
             The crossings count too: each boundary before g (after g) costs at least its cheapest
             message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
             forward and last backward (the cost per message of each) can fill the wait: the larger counts.
+            Where larger, a stage's term is B_g(a_g, e_g) + m R_g / sigma_g instead: its rank's own
+            computes and its blocking batches' waits at the stage's cuts (planner.solve.rank_busy).
             Under a memory cap R_g is +inf where the range never fits its device (no stage holds it) and,
             under `--recompute auto` with 1F1B, GPipe or zb-h1, the least recomputation it needs to fit
             (planner.solve.recompute_bound; 0 otherwise)
-    v > 1:  max( m (W + S k) / (p sigma_max),  (W + S k) / sigma_max )   (the busiest rank, one micro-batch)
+    v > 1:  max( (m (W + S k) / sigma_max + min over cuts sum_g waits_g) / p,  (W + S k) / sigma_max,
+                 min over splits of max_g B_g(a_g, e_g) )
+            (the busiest rank, one micro-batch, the busiest stage's rank)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
 'all'). Zero-bubble schedules: W counts both backward parts (and a recomputed forward in each), while
@@ -52,12 +56,13 @@ from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.floors import OutOfTime, check_deadline
+from planner.solve.rank_busy import CutWaits, rank_busy
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Candidate, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
 # the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
 # stages' partition, then each stage's matrix and its step of the partition (scenario_lower_bound)
-BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 6, 7
+BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 6, 11
 STARTS_SHARE = 0.3  # of the time limit, at most, for the scenarios' starting plans (heuristic_plan)
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
@@ -211,7 +216,12 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         total = float(prefix[-1]) + S * call
         through = float(chain[-1]) + S * call
     loose = max(m * total / (p * fastest), through / fastest)  # the busiest rank's share; one micro-batch's chain
-    if opts.virtual_stages == 1 and (deadline is None or time.perf_counter() < deadline):
+    cut_busy = None  # planner.solve.rank_busy: per stage, what its rank's blocking batches wait at its cuts
+    if not opts.replicated:
+        counts = rank_busy(opts, m)
+        cut_busy = CutWaits(counts, costs, opts, L)
+        loose = max(loose, (m * total / fastest + cut_busy.least_sum()) / p)
+    if deadline is None or time.perf_counter() < deadline:
         made = time.perf_counter()
         work = work_matrix()
         # the loose bound where the (L + 1)^2 operations still to come, each about as long as this one
@@ -219,6 +229,9 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         still = BOUND_MATRIX_OPERATIONS + BOUND_MATRIX_OPERATIONS_PER_STAGE * S
         if deadline is not None and time.perf_counter() + (time.perf_counter() - made) * still > deadline:
             return loose + opts.step_overhead_s
+        if opts.virtual_stages > 1:  # each stage's rank: its own computes and waits at its cuts
+            return max(loose, _busiest_stage(work, m, counts.speeds, cut_busy, L, S, deadline)
+                       if cut_busy is not None else loose) + opts.step_overhead_s
         forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;
@@ -257,6 +270,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             np.maximum(value, inside, out=value)
             value += busy
             value += before + fill[g][:, None]
+            if cut_busy is not None:  # or its rank's computes and its batches' waits at its cuts
+                np.maximum(value, busy + cut_busy.matrix(g), out=value)
             if fitting is not None:
                 value += fitting[g]
             return value
@@ -268,6 +283,17 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
     else:
         value = loose
     return value + opts.step_overhead_s
+
+
+def _busiest_stage(work: np.ndarray, m: int, speeds, cut_busy: CutWaits, L: int, S: int,
+                   deadline: Optional[float]) -> float:
+    """min over splits of max_g B_g(a_g, e_g) (planner.solve.rank_busy); 0 past the deadline."""
+    def stage(g: int) -> np.ndarray:
+        return m * work / speeds[g] + cut_busy.matrix(g)
+    try:
+        return min_max_partition(L, S, stage, deadline)[0]
+    except OutOfTime:
+        return 0.0
 
 
 def _fitting_terms(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None
