@@ -62,7 +62,7 @@ from planner.solve.solution import OPTIMALITY_GAP, Solution, Candidate, scenario
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
 # the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
 # stages' partition, then each stage's matrix and its step of the partition (scenario_lower_bound)
-BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 6, 11
+BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 12, 11
 STARTS_SHARE = 0.3  # of the time limit, at most, for the scenarios' starting plans (heuristic_plan)
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
@@ -223,16 +223,16 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         loose = max(loose, (m * total / fastest + cut_busy.least_sum()) / p)
     if deadline is None or time.perf_counter() < deadline:
         made = time.perf_counter()
-        work = work_matrix()
+        forward = costs.matrix(costs.F) + costs.call_forward
         # the loose bound where the (L + 1)^2 operations still to come, each about as long as this one
         # (0.5 s at 10,000 units), would end past the deadline
         still = BOUND_MATRIX_OPERATIONS + BOUND_MATRIX_OPERATIONS_PER_STAGE * S
         if deadline is not None and time.perf_counter() + (time.perf_counter() - made) * still > deadline:
             return loose + opts.step_overhead_s
+        work = work_matrix()
         if opts.virtual_stages > 1:  # each stage's rank: its own computes and waits at its cuts
             return max(loose, _busiest_stage(work, m, counts.speeds, cut_busy, L, S, deadline)
                        if cut_busy is not None else loose) + opts.step_overhead_s
-        forward = costs.matrix(costs.F) + costs.call_forward
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;
         # under zero bubble only the activation's precedes the rank (the gradients going back up may
