@@ -54,7 +54,7 @@ from runtime.message_actions import MessageActions
 from runtime.microbatch import assemble, replica_micro_batches
 from runtime.outbox import Outbox, completed
 from planner.model.precision import ComputeCopy
-from planner.model.spec import to_device
+from planner.model.spec import loss_problem, to_device
 from runtime.runner import StageRunner
 from planner.profile.splitgrad import backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
@@ -205,6 +205,9 @@ class Engine(MessageActions):
             out = runner.stage.module(*args, *self._as_computed(state.received))
             if runner.stage.is_last:  # its share of the step is the backward's seed (_loss_seed)
                 state.loss = self.spec.loss(out, to_device(step.targets[i], self.device, copy=True))
+                problem = loss_problem(state.loss)  # what one process's loss.backward() would refuse
+                if problem is not None:
+                    raise ValueError(problem)
             else:
                 state.outputs = out
         if counting:

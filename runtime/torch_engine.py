@@ -50,7 +50,7 @@ from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.plan.export import TORCH_SCHEDULE_NAMES, torch_layout_refusal
-from planner.model.spec import to_device
+from planner.model.spec import loss_problem, to_device
 from planner.profile.saved import SavedBytes
 from runtime.comm import torch_dtype
 from runtime.engine import StepStats
@@ -128,7 +128,11 @@ class StageAsTorchModule(nn.Module):
         inputs = to_device([self.batch.inputs[i][j] for j in self.wanted], self.device, copy=True)
         out = self.stage_module(*inputs, *assemble(self.stage, list(received)))
         if self.stage.is_last:  # the loss scaled by its share of the step (the own engine seeds its backward with it)
-            return self.loss(out, to_device(self.batch.targets[i], self.device, copy=True)) / self.scale
+            loss = self.loss(out, to_device(self.batch.targets[i], self.device, copy=True))
+            problem = loss_problem(loss)  # what one process's loss.backward() would refuse
+            if problem is not None:
+                raise ValueError(problem)
+            return loss / self.scale
         # gloo sends contiguous tensors only; a contiguous tensor is returned as itself, and, where the
         # schedule splits the backward, a view as a copy: torch's input part detaches the stage's outputs
         # in place, which a view refuses (a Llama layer's output is one)

@@ -138,6 +138,9 @@ def _write_error(args, error: BaseException) -> None:
     if getattr(error, "_pipeplanner_reported", False):
         return
     message = first_line(error)  # torch's messages may start with a blank line
+    if error.__cause__ is not None and message.endswith("failed to run forward:"):
+        # torch.distributed.pipelining (--engine torch) wraps a stage's own error, its cause, in this
+        message = f"{message} {first_line(error.__cause__)}"
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         with atomic_path(os.path.join(args.out_dir, f"rank{os.environ.get('RANK', '?')}.error")) as tmp:

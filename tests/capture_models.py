@@ -742,3 +742,24 @@ def conditioned(dim: int = 16, blocks: int = 3, classes: int = 5, frozen_labels:
             torch.randn(batch_size, 8, dim, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+def bad_loss(kind: str = "mean", dim: int = 8) -> ModelSpec:
+    """A small classifier whose loss returns what no backward starts from: `vector` (reduction='none'),
+    `number` (a Python float), `no_grad` (accuracy: through argmax and a comparison); `mean` is right."""
+    module = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, 3))
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7 * step + 2)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randint(0, 3, (batch_size,), generator=g)
+
+    def loss(out: torch.Tensor, target: torch.Tensor):
+        if kind == "vector":
+            return F.cross_entropy(out, target, reduction="none")
+        if kind == "number":
+            return F.cross_entropy(out, target).item()
+        if kind == "no_grad":
+            return (out.argmax(-1) == target).float().mean()
+        return F.cross_entropy(out, target)
+
+    return ModelSpec(module=module, batch=batch, loss=loss)

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import CaptureError
-from planner.model.spec import ModelSpec
+from planner.model.spec import ModelSpec, loss_problem
 
 
 class _Read(BaseException):
@@ -140,6 +140,23 @@ class _Reads(TorchFunctionMode):
                 if watched is not None and watched not in self.read:
                     self.read.append(watched)
         return result
+
+
+def loss_value_refused(loss: Callable[[Any, Any], Any], output: Any, target: Any) -> None:
+    """Refuse (CaptureError, one line) a loss whose value no backward can start from
+    (planner.model.spec.loss_problem: a number, a vector, a value that needs no gradient), computed on
+    the whole model's `output` (with autograd). The last unit run alone would fail its backward with a
+    misleading cause, or pass: its inputs are fresh leaves that need gradients."""
+    with torch.enable_grad():
+        try:
+            value = loss(output, target)
+        except CaptureError:
+            raise
+        except Exception:  # the loss's own failure: the profile's first timed call names it (failures.py)
+            return
+    problem = loss_problem(value)
+    if problem is not None:
+        raise CaptureError(problem)
 
 
 def state_read_by_loss(loss: Callable[[Any, Any], Any], root: nn.Module, output: Any, target: Any,

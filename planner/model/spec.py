@@ -64,6 +64,23 @@ def batch_problem(inputs: Any, target: Any, size: int) -> Optional[str]:
     return walk(inputs, "inputs") or walk(target, "target")
 
 
+def loss_problem(value: Any) -> Optional[str]:
+    """What is wrong with a value `ModelSpec.loss` returned (None: nothing): the pipeline starts each
+    micro-batch's backward from it, so it must be one number, a tensor that needs a gradient, as
+    `loss.backward()` in one process needs it."""
+    if not isinstance(value, torch.Tensor):
+        return (f"the loss function returned a {type(value).__name__}, not a tensor; fix: return the loss tensor "
+                "itself (no float(), .item() or .tolist() on it)")
+    if value.numel() != 1:
+        return (f"the loss function returned a tensor of shape {tuple(value.shape)}, not one number; fix: return "
+                "the micro-batch's mean loss (reduction='mean', or .mean() of per-sample losses)")
+    if not value.requires_grad:
+        return ("the loss function returned a value that needs no gradient, so no parameter would train (one "
+                "process's loss.backward() refuses it too); fix: compute it from the output's floating-point "
+                "values, not through detach(), argmax or a comparison")
+    return None
+
+
 def to_device(obj: Any, device: torch.device, copy: bool = False) -> Any:
     """Move every tensor in a (nested) tuple, list or dict to `device`; with `copy`, each into a storage
     of its own (a micro-batch that is a view of the whole batch would keep the whole batch alive, and be

@@ -19,7 +19,7 @@ from planner.model.capture import CapturedModel, capture, run_all_nodes
 from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.running_stats import state_writers
-from planner.model.forward_state import pipeline_spec, state_read_by_loss
+from planner.model.forward_state import loss_value_refused, pipeline_spec, state_read_by_loss
 from planner.model.failures import NodeRunError, UnitRunError, describe_node, model_failure, unit_failure
 from planner.model.spec import ModelSpec
 from planner.profile.analytic import CostCounter, DeviceSpec, device_spec_json, saved_key
@@ -130,6 +130,7 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
     inputs0, target0 = meta_batch(sizes[0])
     with torch.enable_grad():
         probe = _run_on_meta(captured, inputs0, sizes[0], grad=True)
+    loss_value_refused(spec.loss, captured.output_of(probe), target0)
     state_read_by_loss(spec.loss, spec.module, captured.output_of(probe), target0, [module for module, _ in stages])
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     inner = InnerSources.of(captured, probe, grad_flags)

@@ -13,7 +13,7 @@ import torch
 from planner.model.capture import CapturedModel, run_all_nodes
 from planner.model.failures import NodeRunError, model_failure
 from planner.model.running_stats import state_writers
-from planner.model.forward_state import state_read_by_loss
+from planner.model.forward_state import loss_value_refused, state_read_by_loss
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
 from planner.profile.corunners import CoRunners
 from planner.profile.cut_profile import CutValue
@@ -150,6 +150,7 @@ def prepare(run: ProfileRun, smallest: int, precision: str = "fp32") -> None:
                 run.mixed.remove()
     run.grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     run.inner = InnerSources.of(captured, probe, run.grad_flags)
+    loss_value_refused(run.spec.loss, captured.output_of(probe), to_device(target0, run.dev))
     # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
                        [module for module, _ in run.stages])

@@ -732,3 +732,22 @@ def test_the_profile_refuses_a_graph_computing_otherwise_in_one_line(tmp_path):
                      "-o", str(tmp_path / "p.json")])
     assert done.returncode != 0 and not (tmp_path / "p.json").exists()
     assert done.stderr.count("\n") == 1 and "differs from forward's by" in done.stderr, done.stderr
+
+
+def test_a_loss_no_backward_can_start_from_is_refused_for_its_cause():
+    """A vector, a Python number or a value that needs no gradient: refused by both profiles in one line
+    saying so (the last unit's backward failed with advice about in-place operations, or passed)."""
+    from planner.profile.analytic import DeviceSpec
+    from planner.profile.analytic_profile import analytic_profile
+
+    device = DeviceSpec(name="test", peak_flops={"float32": 1e12}, memory_bandwidth=1e11, efficiency=0.5)
+    refusals = {"vector": r"returned a tensor of shape \(2,\), not one number; fix: .*reduction='mean'",
+                "number": "returned a float, not a tensor; fix: return the loss tensor itself",
+                "no_grad": "returned a value that needs no gradient, so no parameter would train"}
+    for kind, match in refusals.items():
+        with pytest.raises(CaptureError, match=match):
+            profile_of("tests.capture_models:bad_loss", {"kind": kind}, sizes=(2,))
+        if kind != "number":  # a meta tensor has no number: the analytic profile's loss raises (named at its unit)
+            with pytest.raises(CaptureError, match=match):
+                analytic_profile("tests.capture_models:bad_loss", {"kind": kind}, [2], device)
+    profile_of("tests.capture_models:bad_loss", {"kind": "mean"}, sizes=(2,))

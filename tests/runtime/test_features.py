@@ -256,3 +256,27 @@ def test_resume_with_adamw_and_dropout_is_exact(tmp_path):
     assert [s["step"] for s in resumed_steps] == [2, 3]
     assert [s["loss"] for s in resumed_steps] == straight_losses[2:]
     assert max_abs_diff(resumed, straight) == 0
+
+
+def test_a_loss_no_backward_can_start_from_stops_the_run_in_one_line(tmp_path):
+    """A loss changed after profiling to a vector, a number or a value that needs no gradient: the last
+    rank says so (it stopped on torch's shape mismatch or a missing `detach`, or, for a value that needs
+    no gradient, trained nothing where one process's backward refuses); under --engine torch too, whose
+    stage wraps the error ("[Stage 1] failed to run forward:") with the cause after it."""
+    plan = plan_with(profile_of("tests.capture_models:bad_loss", {"kind": "mean"}, sizes=(2,)), [2], 2, 4)
+    path = str(tmp_path / "plan.json")
+    cases = [("vector", "own", "returned a tensor of shape (2,), not one number"),
+             ("number", "own", "returned a float, not a tensor"),
+             ("no_grad", "own", "returned a value that needs no gradient"),
+             ("no_grad", "torch", "failed to run forward: ValueError: the loss function returned a value that needs "
+                                  "no gradient")]
+    for kind, engine, words in cases:
+        bad = plan.to_json()
+        bad["model"] = dict(bad["model"], args={"kind": kind})
+        write_json_atomic(path, bad)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = runtime_main(["execute", path, "--steps", "1", "--engine", engine])
+        errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+        assert code == 1 and len(errors) == 1 and "rank 1 failed: " in errors[0], (kind, engine, err.getvalue())
+        assert words in errors[0], (kind, engine, errors[0])
