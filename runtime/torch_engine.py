@@ -134,10 +134,12 @@ class StageAsTorchModule(nn.Module):
                 raise ValueError(problem)
             return loss / self.scale
         # gloo sends contiguous tensors only; a contiguous tensor is returned as itself, and, where the
-        # schedule splits the backward, a view as a copy: torch's input part detaches the stage's outputs
-        # in place, which a view refuses (a Llama layer's output is one)
+        # schedule splits the backward, a view or a value that needs a gradient as a copy: torch's input
+        # part detaches the stage's outputs in place, which a view refuses (a Llama layer's output is one)
+        # and which breaks the weight part where a later unit of the stage saved that value (a residual a
+        # LayerNorm read, sent on to the next stage: "a saved tensor that has been detached in-place")
         sent = [out[j].contiguous() for j in self.send_tensors]
-        return tuple(t.clone() if self.split_backward and t._is_view() else t for t in sent)
+        return tuple(t.clone() if self.split_backward and (t._is_view() or t.requires_grad) else t for t in sent)
 
 
 def _meta(values: List[Dict[str, Any]]) -> tuple:

@@ -763,3 +763,25 @@ def bad_loss(kind: str = "mean", dim: int = 8) -> ModelSpec:
         return F.cross_entropy(out, target)
 
     return ModelSpec(module=module, batch=batch, loss=loss)
+
+
+class _SavedAndSent(nn.Module):
+    """u = b(h) is read by c (a Linear saves its input) in the unit after it and skips to f: cut after a
+    and after c, the stage [b, c] sends on a value it also saved."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b, self.c, self.e, self.f = (nn.Linear(dim, dim) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.b(self.a(x))
+        return self.f(self.e(torch.tanh(self.c(u))) + u)
+
+
+def saved_and_sent(dim: int = 8) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(3 * step + 5)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=_SavedAndSent(dim), batch=batch, loss=F.mse_loss)
+
