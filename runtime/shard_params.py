@@ -43,10 +43,12 @@ hold).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import functools
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from planner.plan.runnable import shard_parameters_refusal
 from planner.profile.saved import is_sharded, local_tensor
@@ -97,6 +99,23 @@ def _prefetch_where_backward_runs(stage: Any) -> None:
         segment.module.set_modules_to_backward_prefetch([previous])
 
 
+def _refuse_parameter_views(whole_names: Set[str], module: nn.Module, args: Any, output: Any) -> None:
+    """Refuse (ValueError, one line) a unit whose output shares storage with one of its sharded
+    parameters (`self.latents.expand(batch, -1, -1)`, a parameter returned as it is): FSDP2 frees the
+    gathered parameters when the unit's forward ends, so the units after it would read freed memory
+    (the rank died of SIGSEGV, or read garbage). Runs as a forward hook before FSDP2's own."""
+    gathered = {p.untyped_storage().data_ptr(): name for name, p in module.named_parameters()
+                if name not in whole_names and p.untyped_storage().data_ptr()}
+    for value in tree_leaves(output):
+        name = gathered.get(value.untyped_storage().data_ptr()) if isinstance(value, torch.Tensor) else None
+        if name is not None:
+            raise ValueError(
+                f"a unit passes on a view of its own parameter {name!r} (shape {tuple(value.shape)}), which "
+                "`shard: parameters` (FSDP2) frees when the unit's forward ends, before the units after it read "
+                "it; fix: re-plan with `planner solve --shard gradients` (or optimizer), or copy it in the model's "
+                "forward (`.clone()`, or `.contiguous()` after `expand`)")
+
+
 class ParameterSharding:
     """This rank's stage modules sharded over `group` (module docstring), and their optimizer:
     `optimizer_for` gives what runtime.worker steps."""
@@ -122,11 +141,15 @@ class ParameterSharding:
                                  if uses[id(p)] > 1 and id(p) not in tied_ids}.values())
         whole = tied_ids | {id(p) for p in self.shared_here}
         mesh = DeviceMesh.from_group(group, device.type)
+        kept = [{name for name, p in module.named_parameters() if id(p) in whole} for module in self.units or modules]
         for module in self.units + modules:  # bottom-up, as fully_shard requires
             fully_shard(module, mesh=mesh, reshard_after_forward=True,
                         ignored_params={p for p in module.parameters() if id(p) in whole} or None)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+        for module, whole_names in zip(self.units or modules, kept):
+            # before FSDP2's post-forward hook (which frees the gathered parameters): prepended
+            module.register_forward_hook(functools.partial(_refuse_parameter_views, whole_names), prepend=True)
         for stage in stages:
             _prefetch_where_backward_runs(stage)
         self.local: Any = None

@@ -785,3 +785,30 @@ def saved_and_sent(dim: int = 8) -> ModelSpec:
 
     return ModelSpec(module=_SavedAndSent(dim), batch=batch, loss=F.mse_loss)
 
+
+class _Latents(nn.Module):
+    """Perceiver-style: a learned latent array expanded to the batch in the first unit (a view of the
+    parameter, `copy=False`) and read by the next unit (a LayerNorm saves it)."""
+
+    def __init__(self, dim: int, latents: int, copy: bool):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.latents = nn.Parameter(torch.randn(latents, dim) * 0.2)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, dim)
+        self.copy = copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        lat = self.latents.unsqueeze(0).expand(x.shape[0], -1, -1)
+        if self.copy:
+            lat = lat.contiguous()
+        return self.out(torch.cat([self.norm(lat), h], 1)).mean(1)
+
+
+def latents(dim: int = 8, latents: int = 4, seq: int = 3, copy: bool = False) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(11 * step + 1)
+        return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=_Latents(dim, latents, copy), batch=batch, loss=F.mse_loss)

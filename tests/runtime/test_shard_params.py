@@ -127,3 +127,22 @@ def test_what_sharded_parameters_do_not_run_with_is_refused_in_one_line(tmp_path
     assert (refused is not None and refused in err.getvalue()) == (not extra)
     if "--clip-grad-norm" in extra:  # sharded gradients refuse clipping too: not the fix to name
         assert "--shard optimizer" in err.getvalue() and "--shard gradients" not in err.getvalue()
+
+
+def test_a_unit_passing_on_a_view_of_its_parameter_is_refused_in_one_line(tmp_path):
+    """A latent array expanded to the batch in one unit and read in the next (a Perceiver): FSDP2 freed the
+    gathered parameter when the first unit's forward ended and the rank died of SIGSEGV (sweep 29). Now the
+    run stops in one line naming the parameter; copied in the model (`.contiguous()`), it trains exactly."""
+    plan = _plan("tests.capture_models:latents", {}, [])  # one stage, 2 replicas
+    path = os.path.join(str(tmp_path), "plan.json")
+    save_plan(plan, path)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert runtime_main(["execute", path, "--steps", "1"]) == 1
+    errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "SIGSEGV" not in errors[0], err.getvalue()
+    assert "a unit passes on a view of its own parameter 'latents' (shape (2, 4, 8))" in errors[0], errors[0]
+    assert "--shard gradients" in errors[0]
+    copied = _plan("tests.capture_models:latents", {"copy": True}, [])
+    state = execute(copied, tmp_path / "copied", steps=2)
+    assert max_abs_diff(state, reference_state(copied, steps=2)) <= 1e-5
