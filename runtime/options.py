@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from planner.plan.runnable import RUN_PRECISIONS, precision_refusal
+from planner.cost.memory import RUN_PRECISIONS, precision_refusal
 
 # "1" in a rank's environment: it ends when the process that started it does (set by runtime.launch,
 # read by runtime.worker)

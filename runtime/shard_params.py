@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from planner.plan.runnable import shard_parameters_refusal
+from planner.cost.memory import shard_parameters_refusal
 from planner.profile.saved import is_sharded, local_tensor
 from runtime.groups import sum_gradient
 

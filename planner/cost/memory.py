@@ -65,11 +65,37 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
+from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.sizes import DTYPE_BYTES
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 SHARDS = ("none", "optimizer", "gradients", "parameters")
 OPTIMIZER_MOMENTS = {"sgd": 0, "adam": 2, "adamw": 2}  # state tensors per parameter (SGD: no momentum)
+
+RUN_PRECISIONS = ("fp32", "bf16-mixed")  # what `runtime execute` runs; pure bf16 is planned, not run
+
+
+def precision_refusal(precision: str) -> Optional[str]:
+    """Why a plan for `precision` does not run (one line: cause and fix), or None."""
+    if precision in RUN_PRECISIONS:
+        return None
+    return (f"the plan is for precision {precision}, which this runtime does not run (it runs "
+            f"{' and '.join(RUN_PRECISIONS)}); re-plan with `planner solve --precision bf16-mixed`")
+
+
+def shard_parameters_refusal(precision: str, schedule: str, replicated: bool) -> Optional[str]:
+    """Why parameters sharded across data-parallel holders (ZeRO-3) do not run with this precision,
+    schedule and stage replicas (one line: cause and fix), or None."""
+    fix = "; re-plan with `planner solve --shard gradients`"
+    if replicated:  # a stage's lanes run different micro-batches: their gathers would not pair up
+        return ("a plan sharding parameters across replicated stages (--replicate) is not supported; re-plan "
+                "without --replicate or with `planner solve --shard optimizer`")
+    if precision != "fp32":
+        return f"precision {precision} with a plan sharding parameters is not supported (plan it in fp32{fix})"
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return f"the zero-bubble schedule {schedule} with a plan sharding parameters is not supported{fix}"
+    return None
+
 
 # (params, compute copy, grads, master, one optimizer moment): bytes per parameter, unsharded
 _PRECISION_BYTES = {

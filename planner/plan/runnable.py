@@ -1,5 +1,7 @@
 """What `runtime execute` runs, as far as a plan alone decides it: the one rule the runtime refuses
-plans by (runtime.options, runtime.shard_params) and `planner solve` notes on the plans it writes.
+plans by (runtime.options, runtime.shard_params) and `planner solve` notes on the plans it writes. Its
+rules per precision and sharding are planner.cost.memory's (`--shard auto` chooses only among those
+that run).
 
 Plans beyond it are still planned: pure bf16 and parameter sharding under bf16-mixed are what large
 models train with elsewhere, and their memory and time are planned as for this runtime's plans.
@@ -8,31 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
-
-RUN_PRECISIONS = ("fp32", "bf16-mixed")  # planner.cost.memory's words; pure bf16 is planned, not run
-
-
-def precision_refusal(precision: str) -> Optional[str]:
-    """Why a plan for `precision` does not run (one line: cause and fix), or None."""
-    if precision in RUN_PRECISIONS:
-        return None
-    return (f"the plan is for precision {precision}, which this runtime does not run (it runs "
-            f"{' and '.join(RUN_PRECISIONS)}); re-plan with `planner solve --precision bf16-mixed`")
-
-
-def shard_parameters_refusal(precision: str, schedule: str, replicated: bool) -> Optional[str]:
-    """Why parameters sharded across data-parallel holders (ZeRO-3) do not run with this precision,
-    schedule and stage replicas (one line: cause and fix), or None."""
-    fix = "; re-plan with `planner solve --shard gradients`"
-    if replicated:  # a stage's lanes run different micro-batches: their gathers would not pair up
-        return ("a plan sharding parameters across replicated stages (--replicate) is not supported; re-plan "
-                "without --replicate or with `planner solve --shard optimizer`")
-    if precision != "fp32":
-        return f"precision {precision} with a plan sharding parameters is not supported (plan it in fp32{fix})"
-    if schedule in ZERO_BUBBLE_SCHEDULES:
-        return f"the zero-bubble schedule {schedule} with a plan sharding parameters is not supported{fix}"
-    return None
+from planner.cost.memory import precision_refusal, shard_parameters_refusal
 
 
 def plan_refusal(plan: Any) -> Optional[str]:

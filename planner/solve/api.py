@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Sequence
 
-from planner.cost.model import compute_profile, rank_caps
+from planner.cost.memory import shard_parameters_refusal
+from planner.cost.model import compute_profile, precision_of, rank_caps
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
@@ -75,6 +76,9 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     if devices is not None and devices < 1:
         raise ValueError(f"--devices must be at least 1 (got {devices})")
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
+    if opts.shard == "auto":  # only shardings `runtime execute` runs with the scenario's schedule and precision
+        scenarios = [s for s in scenarios if s.shard != "parameters" or shard_parameters_refusal(
+            precision_of(s, profile.dtype, profile.precision), s.schedule, s.replicated) is None]
     if not scenarios:
         raise InfeasibleError(no_layout_message(profile.num_units, opts, devices, list(schedules or [opts.schedule])))
     return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend,

@@ -142,6 +142,20 @@ def test_solvers_respect_static_memory_and_choose_the_shard(method):
     assert fixed.options.shard == "optimizer" and max(fixed.cost.device_memory) <= cap
 
 
+def test_auto_shard_chooses_only_what_the_runtime_runs():
+    """16 units of 1 MiB parameters on 2 x 2 devices under 12 MB: only parameters sharded (ZeRO-3) fits.
+    1F1B in fp32 takes it; zero-bubble and bf16-mixed plans sharding parameters the runtime refuses, so
+    `--shard auto` no longer chooses them there (it wrote such a plan with a note that it does not run)."""
+    profile = synthetic_profile([1e-3] * 16, [2e-3] * 16, [1 << 20] * 16, [1000] * 16, [100] * 15)
+    opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=8, shard="auto", precision="fp32",
+                       recompute="none", memory_cap=12e6, optimizer="sgd")
+    assert solve(profile, opts, method="brute").options.shard == "parameters"
+    for refused in (opts.with_(schedule="zb-h1"), opts.with_(precision="bf16-mixed")):
+        assert solve(profile, refused.with_(memory_cap=None), method="brute").options.shard != "parameters"
+        with pytest.raises(InfeasibleError):
+            solve(profile, refused, method="brute")
+
+
 def test_auto_shard_enumerates_shards_only_with_replicas():
     opts = _opts(shard="auto")
     shards = {(o.data_parallel, o.shard) for o in expand_scenarios(opts, 4, devices=4)}
