@@ -7,7 +7,9 @@ from typing import Any, Dict, List
 from planner.fidelity.check import REPORT_SCHEMA_VERSION
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_slowdown, host_speed_lines
+from planner.sizes import format_bytes
 
+HELD_TOLERANCE = 1e-3  # of the planned bytes: what rounding in a rank's count may add
 MEASURED_KEYS = ("forward_s", "backward_s", "wait_s", "reduce_s", "optimizer_s", "time_s")
 
 
@@ -118,6 +120,7 @@ def format_report(report: Dict[str, Any]) -> str:
                      f"{me['wait_s'] * 1e3:>10.2f}  "
                      f"{(s.get('peak_saved_bytes') or 0) / 2**20:>10.2f} {s.get('predicted_activation_bytes', 0) / 2**20:>10.2f}"
                      f"  {span}")
+    lines += _held_above_plan(report)
     for s in report["stages"]:
         if s.get("peak_memory_bytes") is not None:
             lines.append(f"rank {s['rank']} device memory: peak {s['peak_memory_bytes'] / 2**20:.1f} MiB (CUDA allocator), "
@@ -143,6 +146,21 @@ def format_report(report: Dict[str, Any]) -> str:
              for key in ("p2p_note", "precision_note", "init_state_note")} - {"", None}
     lines += sorted(notes)
     return "\n".join(lines)
+
+
+def _held_above_plan(report: Dict[str, Any]) -> List[str]:
+    """A note naming the ranks that held more for backward than the plan says (the plan is sized by it),
+    with why where it is known: torch's ZBV orders its weight backwards by its own rules."""
+    over = [(s["rank"], s["peak_saved_bytes"], s["predicted_activation_bytes"]) for s in report["stages"]
+            if s.get("peak_saved_bytes") and s.get("predicted_activation_bytes") is not None
+            and s["peak_saved_bytes"] > s["predicted_activation_bytes"] * (1 + HELD_TOLERANCE)]
+    if not over:
+        return []
+    why = (" (--engine torch orders zb-v's weight backwards by its own rules; the plan is for this project's lists)"
+           if report.get("engine") == "torch" and report.get("schedule") == "zb-v" else "")
+    return ["note: held for backward more than planned on " + ", ".join(
+        f"rank {rank} ({format_bytes(held)}" + (f", {100 * (held / planned - 1):+.1f} %)" if planned else ")")
+        for rank, held, planned in over) + why]
 
 
 def _ranges(ranks: List[int]) -> str:

@@ -549,3 +549,21 @@ def test_a_conditioning_every_block_reads_is_planned_from_its_source(tmp_path, c
         held, planned = rank["peak_saved_bytes"], rank["predicted_activation_bytes"]
         assert held <= planned <= held * (1 + over), rank
 
+
+
+def test_the_report_notes_a_rank_holding_more_than_planned(tmp_path):
+    """The plan is sized by what each rank holds for backward: a run holding more says so under its table
+    (torch's ZBV, which orders the weight backwards itself, held 12 % more on a feature pyramid)."""
+    from runtime.report import format_report
+    from tests.support.runs import execute, report_of
+
+    execute(plan_with(profile_of("builtin:mlp"), [3], 2, 8, "1f1b"), tmp_path, steps=2)
+    report = report_of(tmp_path)
+    assert report["stages"][1]["peak_saved_bytes"] == report["stages"][1]["predicted_activation_bytes"] > 0
+    assert "held for backward more" not in format_report(report)
+    planned = report["stages"][1]["predicted_activation_bytes"]
+    report["stages"][1]["peak_saved_bytes"] = round(planned * 1.1)
+    notes = [line for line in format_report(report).splitlines() if line.startswith("note: held")]
+    assert len(notes) == 1 and "rank 1 (" in notes[0] and "+10.0 %)" in notes[0] and "rank 0" not in notes[0]
+    report.update(engine="torch", schedule="zb-v")
+    assert "--engine torch orders zb-v's weight backwards" in format_report(report)
