@@ -246,6 +246,7 @@ def solve_problem(profile, opts, devices: Optional[int], schedules: List[str], t
 def cmd_solve(args: argparse.Namespace) -> int:
     from planner.plan.file import save_plan
     from planner.plan.make import make_plan
+    from planner.cost.memory import parameter_view_refusal
     from planner.plan.runnable import plan_refusal
     from planner.plan.table import format_plan_table
     from planner.solve.diagnose import InfeasibleError, NoPlanInTime
@@ -279,6 +280,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if note:
         print(note)
     refused = plan_refusal(plan)
+    if refused is None and plan.shard == "parameters" and plan.data_parallel > 1:
+        refused = parameter_view_refusal(profile.units)
     if refused:  # planned all the same: its memory and time hold for a runtime that runs it
         print(f"note: `runtime execute` does not run this plan: {refused}", file=sys.stderr)
     print(f"wrote {args.output}")

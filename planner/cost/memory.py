@@ -97,6 +97,17 @@ def shard_parameters_refusal(precision: str, schedule: str, replicated: bool) ->
     return None
 
 
+def parameter_view_refusal(units) -> Optional[str]:
+    """Why parameters sharded across data-parallel holders (ZeRO-3) do not run for a profile whose `units`
+    (UnitProfile) include one passing on a view of its own parameter (planner.model.parameter_views), or None."""
+    named = [u.name for u in units if getattr(u, "parameter_view", False)]
+    if not named:
+        return None
+    return (f"unit {named[0]!r} passes on a view of its own parameter to the units after it, which sharding "
+            "parameters frees when the unit's forward ends; re-plan with `planner solve --shard gradients`, or copy "
+            "it in the model's forward (`.contiguous()` after `expand`, or `.clone()`)")
+
+
 # (params, compute copy, grads, master, one optimizer moment): bytes per parameter, unsharded
 _PRECISION_BYTES = {
     "fp32": (4, 0, 4, 0, 4),

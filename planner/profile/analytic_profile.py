@@ -18,6 +18,7 @@ from planner.errors import CaptureError
 from planner.model.capture import CapturedModel, capture, run_all_nodes
 from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
+from planner.model.parameter_views import units_passing_parameter_views
 from planner.model.running_stats import state_writers
 from planner.model.forward_state import loss_value_refused, pipeline_spec, state_read_by_loss
 from planner.model.failures import NodeRunError, UnitRunError, describe_node, model_failure, unit_failure
@@ -134,9 +135,11 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
     state_read_by_loss(spec.loss, spec.module, captured.output_of(probe), target0, [module for module, _ in stages])
     grad_flags = {n: bool(isinstance(v, torch.Tensor) and v.requires_grad) for n, v in probe.items()}
     inner = InnerSources.of(captured, probe, grad_flags)
+    views = units_passing_parameter_views(captured, probe)
     del probe
     writers = state_writers(captured)
-    units = [blank_unit(u, stages[k][0], k in writers, buffers=False) for k, u in enumerate(captured.units)]
+    units = [blank_unit(u, stages[k][0], k in writers, buffers=False, parameter_view=k in views)
+             for k, u in enumerate(captured.units)]
     cut_values: Dict[int, Dict[str, CutValue]] = {k: {} for k in range(1, L)}
     for b in sizes:
         inputs, target = meta_batch(b)

@@ -12,6 +12,7 @@ import torch
 
 from planner.model.capture import CapturedModel, run_all_nodes
 from planner.model.failures import NodeRunError, model_failure
+from planner.model.parameter_views import units_passing_parameter_views
 from planner.model.running_stats import state_writers
 from planner.model.forward_state import loss_value_refused, state_read_by_loss
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, to_device
@@ -154,9 +155,11 @@ def prepare(run: ProfileRun, smallest: int, precision: str = "fp32") -> None:
     # a loss reading what forward sets on the model, or state the last stage does not hold, stops here in one line
     state_read_by_loss(run.spec.loss, run.spec.module, captured.output_of(probe), to_device(target0, run.dev),
                        [module for module, _ in run.stages])
+    views = units_passing_parameter_views(captured, probe)
     del probe
     writers = state_writers(captured)
-    run.units = [blank_unit(u, run.stages[k][0], k in writers) for k, u in enumerate(captured.units)]
+    run.units = [blank_unit(u, run.stages[k][0], k in writers, parameter_view=k in views)
+                 for k, u in enumerate(captured.units)]
     run.cut_values = {k: {} for k in range(1, L)}
     if run.mixed is not None:
         run.spec = dataclasses.replace(run.spec, loss=run.mixed.loss(run.spec.loss))

@@ -91,13 +91,15 @@ def unit_parameter_bytes(params: Sequence[torch.Tensor]) -> Tuple[int, int]:
             sum(tensor_bytes(p) for p in params if p.requires_grad))
 
 
-def blank_unit(unit, module: torch.nn.Module, writes_state: bool, buffers: bool = True) -> UnitProfile:
+def blank_unit(unit, module: torch.nn.Module, writes_state: bool, buffers: bool = True,
+               parameter_view: bool = False) -> UnitProfile:
     """A captured unit's profile entry before any timing: its parameter bytes (trainable ones too),
     its floating-point buffers' bytes (with `buffers`), whether its forward writes state in place
-    (planner.model.running_stats)."""
+    (planner.model.running_stats) and whether it passes on a view of its parameter
+    (planner.model.parameter_views)."""
     param_bytes, trainable = unit_parameter_bytes(module.parameters())
     return UnitProfile(name=unit.name, param_bytes=param_bytes, trainable_bytes=trainable, forward_s={},
                        backward_s={}, saved_bytes={}, output_bytes={}, nodes=[n.name for n in unit.nodes],
                        buffer_bytes=sum(tensor_bytes(b) for b in module.buffers() if b.is_floating_point())
                        if buffers else None,
-                       running_stats=writes_state)
+                       running_stats=writes_state, parameter_view=parameter_view)

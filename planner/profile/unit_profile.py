@@ -40,6 +40,9 @@ class UnitProfile:
     # the unit writes state in its training forward (BatchNorm's running statistics, an EMA or counter in a
     # buffer: planner.model.running_stats): a stage holding it is never replicated. False in older files
     running_stats: bool = False
+    # a value a later unit reads is one of the unit's parameters or a view of it (planner.model.parameter_views):
+    # the unit does not run with its parameters sharded (ZeRO-3). False in older files
+    parameter_view: bool = False
 
     # bytes of the unit's floating-point buffers (BatchNorm's running statistics): what local SGD's
     # averaging exchanges besides the trainable parameters (runtime.localsgd), in their own dtype.
@@ -136,6 +139,7 @@ class UnitProfile:
             "output_bytes": str_keys(self.output_bytes),
             "nodes": list(self.nodes),
             **({"running_stats": True} if self.running_stats else {}),
+            **({"parameter_view": True} if self.parameter_view else {}),
             **({"optimizer_s": dict(self.optimizer_s)} if self.optimizer_s else {}),
             **({"buffer_bytes": self.buffer_bytes} if self.buffer_bytes is not None else {}),
             **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items())}
@@ -171,9 +175,10 @@ class UnitProfile:
             missing = next(k for k in _SPLIT_BACKWARD if k not in d)
             raise read.error(f"{where}.{missing}", f"is missing: a unit with {split[0]} needs all of "
                              f"{', '.join(_SPLIT_BACKWARD)}")
-        running_stats = d.get("running_stats", False)
-        if not isinstance(running_stats, bool):
-            raise read.error(f"{where}.running_stats", f"is {show(running_stats)}: expected true or false")
+        flags = {key: d.get(key, False) for key in ("running_stats", "parameter_view")}
+        for key, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise read.error(f"{where}.{key}", f"is {show(flag)}: expected true or false")
         parts = {"backward_input_s": read.seconds, "backward_weight_s": read.seconds, "weight_held_bytes": read.count}
         split_values = {k: read.per_size(d[k], f"{where}.{k}", parts[k]) for k in split}
         unit = cls(
@@ -185,7 +190,7 @@ class UnitProfile:
             saved_bytes=read.per_size(d.get("saved_bytes"), f"{where}.saved_bytes", read.count),
             output_bytes=read.per_size(d.get("output_bytes", {}), f"{where}.output_bytes", read.count, required=False),
             nodes=_names(d.get("nodes", []), read, f"{where}.nodes"),
-            running_stats=running_stats,
+            **flags,
             optimizer_s={str(k): read.seconds(v, f'{where}.optimizer_s["{k}"]')
                          for k, v in read.table(d.get("optimizer_s") or {}, f"{where}.optimizer_s").items()},
             buffer_bytes=read.count(d["buffer_bytes"], f"{where}.buffer_bytes") if "buffer_bytes" in d else None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Sequence
 
-from planner.cost.memory import shard_parameters_refusal
+from planner.cost.memory import parameter_view_refusal, shard_parameters_refusal
 from planner.cost.model import compute_profile, precision_of, rank_caps
 from planner.cost.options import CostOptions
 from planner.profile.profile import Profile
@@ -77,7 +77,8 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
         raise ValueError(f"--devices must be at least 1 (got {devices})")
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
     if opts.shard == "auto":  # only shardings `runtime execute` runs with the scenario's schedule and precision
-        scenarios = [s for s in scenarios if s.shard != "parameters" or shard_parameters_refusal(
+        views = parameter_view_refusal(profile.units)
+        scenarios = [s for s in scenarios if s.shard != "parameters" or views is None and shard_parameters_refusal(
             precision_of(s, profile.dtype, profile.precision), s.schedule, s.replicated) is None]
     if not scenarios:
         raise InfeasibleError(no_layout_message(profile.num_units, opts, devices, list(schedules or [opts.schedule])))

@@ -7,7 +7,8 @@ import pytest
 from planner.cli.main import main
 from planner.jsonio import JsonFileError
 from planner.plan.file import Plan, load_plan
-from planner.profile.profile import save_profile
+from planner.profile.profile import load_profile, save_profile
+from tests.support.runs import profile_of
 from tests.support.synthetic import synthetic_profile
 
 
@@ -93,3 +94,20 @@ def test_a_plan_the_runtime_does_not_run_is_written_with_a_note(profile_path, tm
     assert code == 0, err
     notes = [line for line in err.splitlines() if "`runtime execute` does not run this plan" in line]
     assert (len(notes) == 1 and says in notes[0] and "re-plan" in notes[0]) if says else not notes
+
+
+def test_a_unit_passing_on_a_parameter_view_is_said_where_parameters_are_sharded(tmp_path, capsys):
+    """A learned latent array expanded to the batch and read by the next unit (a Perceiver): the profile
+    marks the unit; `--shard parameters` is planned with a note naming it, `--shard auto` does not choose it."""
+    profile = profile_of("tests.capture_models:latents", {}, sizes=(2,))
+    assert [u.parameter_view for u in profile.units] == [True] + [False] * (len(profile.units) - 1)
+    path = str(tmp_path / "profile.json")
+    save_profile(profile, path)
+    assert load_profile(path).units[0].parameter_view
+    out = str(tmp_path / "plan.json")
+    for shard, noted in (("parameters", True), ("gradients", False)):
+        assert main(["solve", path, "--devices", "2", "--global-batch", "8", "--shard", shard,
+                     "-o", out]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if "does not run this plan" in line]
+        assert load_plan(out).data_parallel == 2  # the two devices as data-parallel replicas (the faster here)
+        assert bool(notes) == noted and (not noted or "unit 'inp' passes on a view of its own parameter" in notes[0])

@@ -145,7 +145,8 @@ def test_solvers_respect_static_memory_and_choose_the_shard(method):
 def test_auto_shard_chooses_only_what_the_runtime_runs():
     """16 units of 1 MiB parameters on 2 x 2 devices under 12 MB: only parameters sharded (ZeRO-3) fits.
     1F1B in fp32 takes it; zero-bubble and bf16-mixed plans sharding parameters the runtime refuses, so
-    `--shard auto` no longer chooses them there (it wrote such a plan with a note that it does not run)."""
+    `--shard auto` no longer chooses them there (it wrote such a plan with a note that it does not run), nor
+    for a profile with a unit passing on a view of its parameter."""
     profile = synthetic_profile([1e-3] * 16, [2e-3] * 16, [1 << 20] * 16, [1000] * 16, [100] * 15)
     opts = CostOptions(pipeline_ranks=2, data_parallel=2, global_batch=8, shard="auto", precision="fp32",
                        recompute="none", memory_cap=12e6, optimizer="sgd")
@@ -154,6 +155,9 @@ def test_auto_shard_chooses_only_what_the_runtime_runs():
         assert solve(profile, refused.with_(memory_cap=None), method="brute").options.shard != "parameters"
         with pytest.raises(InfeasibleError):
             solve(profile, refused, method="brute")
+    profile.units[3].parameter_view = True  # a unit passing on a view of its parameter (planner.model.parameter_views)
+    with pytest.raises(InfeasibleError):
+        solve(profile, opts, method="brute")
 
 
 def test_auto_shard_enumerates_shards_only_with_replicas():

@@ -751,3 +751,22 @@ def test_a_loss_no_backward_can_start_from_is_refused_for_its_cause():
             with pytest.raises(CaptureError, match=match):
                 analytic_profile("tests.capture_models:bad_loss", {"kind": kind}, [2], device)
     profile_of("tests.capture_models:bad_loss", {"kind": "mean"}, sizes=(2,))
+
+
+def test_units_passing_on_a_view_of_their_parameter_are_found():
+    """A latent array expanded to the batch and read by the next unit: found on both captures, on the run's
+    own values (a copy made by `.contiguous()` is not a view where the batch is larger than one)."""
+    from planner.model.capture import capture, run_all_nodes
+    from planner.model.entry import build_spec
+    from planner.model.parameter_views import units_passing_parameter_views
+
+    for args, b, found in (({}, 2, ["inp"]), ({"copy": True}, 2, []), ({"copy": True}, 1, ["inp"])):
+        spec = build_spec("tests.capture_models:latents", args, 0)
+        inputs, _ = spec.batch(b, 0)
+        for method in ("fx", "export"):
+            captured = capture(spec.module, inputs, method)
+            views = units_passing_parameter_views(captured, run_all_nodes(captured, tuple(inputs), grad=True))
+            assert [captured.units[k].name for k in views] == found, (args, b, method)
+    spec = build_spec("builtin:gpt", {"layers": 2}, 0)
+    captured = capture(spec.module, spec.batch(2, 0)[0])
+    assert not units_passing_parameter_views(captured, run_all_nodes(captured, tuple(spec.batch(2, 0)[0])))
