@@ -58,6 +58,7 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
     """The best plan over every placement (module docstring); InfeasibleError if none fits.
     pipeline_ranks: only placements of that depth; time_limit and gap: for the whole search."""
     from planner.solve.api import solve_scenarios
+    from planner.solve.diagnose import InfeasibleError, no_layout_message
 
     opts.validate()
     if not candidates(topology, opts, profile.num_units, pipeline_ranks):
@@ -65,4 +66,8 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
                          f"(d must divide the global batch {opts.global_batch}, p at most the {profile.num_units} "
                          "units" + (f", p = --stages {pipeline_ranks}" if pipeline_ranks else "") + ")")
     scenarios = topology_scenarios(opts, topology, profile.num_units, pipeline_ranks, schedules, virtual_stages)
+    if not scenarios:  # every shape's ranks hold more stages than the units (zb-v, interleaved, bfs): say so, as
+        # planner.solve.api.solve does, rather than diagnose options no scenario has (shard 'auto', p = N)
+        raise InfeasibleError(no_layout_message(profile.num_units, opts, topology.num_devices,
+                                                list(schedules or [opts.schedule])))
     return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend, gap=gap)

@@ -10,6 +10,7 @@ from planner.cost.model import evaluate
 from planner.cost.options import CostOptions
 from planner.cost.placement import Placement
 from planner.cost.topology_file import topology_from_json
+from planner.solve.diagnose import InfeasibleError
 from planner.solve.placed import candidates, shapes, solve_on_topology
 from tests.support.synthetic import synthetic_profile
 
@@ -108,3 +109,16 @@ def test_the_time_limit_bounds_the_whole_placement_search(monkeypatch):
     assert clock["now"] > 0  # the search did solve scenarios under the limit
     assert found.objective == pytest.approx(brute(profile, opts, topology)[0], rel=1e-9)
     assert found.status == "optimal" and found.bound <= found.objective
+
+
+@pytest.mark.parametrize("shard", ["none", "auto"])
+def test_no_shape_with_its_stages_within_the_units_is_said_so(shard):
+    # 3 devices, global batch 4: only p = 3, d = 1, and zb-v's 6 stages outnumber the 5 units. Before the fix
+    # the diagnosis costed the request itself: shard 'auto' raised "cost a plan with a concrete shard",
+    # 'none' said "a plan fits" (seed 1265 of the brute-force fuzz, /tmp/brute29/clifuzz.py)
+    L = 5
+    profile = synthetic_profile([0.001] * L, [0.002] * L, [1 << 20] * L, [1 << 20] * L, [1 << 16] * (L - 1), sizes=(1, 2))
+    topology = topology_from_json({"levels": [{"name": "device", "count": 3, "bandwidth": "1MB"}]})
+    opts = CostOptions(pipeline_ranks=3, global_batch=4, memory_cap=64 << 20, shard=shard)
+    with pytest.raises(InfeasibleError, match="no way to lay out 3 devices"):
+        solve_on_topology(profile, opts, topology, schedules=["zb-v"], virtual_stages=2)
