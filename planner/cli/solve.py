@@ -343,8 +343,8 @@ def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules:
     if args.schedule not in ONE_STAGE_SCHEDULES + ("auto",):
         raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")
     schedules = list(ONE_STAGE_SCHEDULES) if args.schedule == "auto" else [args.schedule]
-    scenarios = [opts.with_(schedule=s) for s in schedules] if devices is None else \
-        expand_scenarios(opts, 10 ** 9, devices, schedules)
+    # (expand_scenarios also gives --shard auto its concrete shards: none alone where d = 1)
+    scenarios = expand_scenarios(opts, 10 ** 9, devices, schedules)
     if not scenarios:
         raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
     return solve_replicated(profile, scenarios[0], scenarios)

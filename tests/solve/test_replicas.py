@@ -443,3 +443,18 @@ def test_no_plan_is_said_without_searching_every_tuple():
         with pytest.raises(InfeasibleError):
             solve_replicated(profile, opts)
     assert built == []
+
+
+def test_replicate_takes_shard_auto_on_one_replica(tmp_path, capsys):
+    # `solve --stages N --replicate --shard auto` (no --devices: d = 1, so shard none): before the fix its
+    # scenarios kept shard 'auto' and the cost model refused it ("cost a plan with a concrete shard");
+    # seeds 2051 and 2286 of the brute-force CLI fuzz (/tmp/brute29/clifuzz.py)
+    from planner.cli.main import main
+    from planner.profile.profile import save_profile
+
+    path = str(tmp_path / "profile.json")
+    save_profile(three_units(), path)
+    rc = main(["solve", path, "--stages", "3", "--global-batch", "8", "--replicate", "--shard", "auto",
+               "--quiet", "-o", str(tmp_path / "plan.json")])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "plan.json").exists()
