@@ -335,6 +335,7 @@ def _check_local_sgd(args: argparse.Namespace, opts, devices: Optional[int], pla
 def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules: List[str], args: argparse.Namespace):
     """--replicate: N = --stages devices per data-parallel replica (or every p x d = --devices), shared
     by S <= N stages with r_g replicas each (planner.solve.replicas)."""
+    from planner.solve.api import runnable_shardings
     from planner.solve.replicas import solve_replicated
     from planner.solve.search import expand_scenarios
 
@@ -344,7 +345,7 @@ def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules:
         raise UsageError(f"--replicate needs --schedule 1f1b, gpipe or auto (got {args.schedule})")
     schedules = list(ONE_STAGE_SCHEDULES) if args.schedule == "auto" else [args.schedule]
     # (expand_scenarios also gives --shard auto its concrete shards: none alone where d = 1)
-    scenarios = expand_scenarios(opts, 10 ** 9, devices, schedules)
+    scenarios = runnable_shardings(profile, opts, expand_scenarios(opts, 10 ** 9, devices, schedules), replicated=True)
     if not scenarios:
         raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
     return solve_replicated(profile, scenarios[0], scenarios)

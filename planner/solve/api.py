@@ -4,7 +4,7 @@ other tools use — all judged by planner.cost.model."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from planner.cost.memory import parameter_view_refusal, shard_parameters_refusal
 from planner.cost.model import compute_profile, precision_of, rank_caps
@@ -76,14 +76,23 @@ def solve(profile: Profile, opts: CostOptions, method: str = "ilp", time_limit: 
     if devices is not None and devices < 1:
         raise ValueError(f"--devices must be at least 1 (got {devices})")
     scenarios = expand_scenarios(opts, profile.num_units, devices, schedules, virtual_stages)
-    if opts.shard == "auto":  # only shardings `runtime execute` runs with the scenario's schedule and precision
-        views = parameter_view_refusal(profile.units)
-        scenarios = [s for s in scenarios if s.shard != "parameters" or views is None and shard_parameters_refusal(
-            precision_of(s, profile.dtype, profile.precision), s.schedule, s.replicated) is None]
+    scenarios = runnable_shardings(profile, opts, scenarios)
     if not scenarios:
         raise InfeasibleError(no_layout_message(profile.num_units, opts, devices, list(schedules or [opts.schedule])))
     return solve_scenarios(profile, opts, scenarios, method=method, time_limit=time_limit, backend=backend,
                            warm_start=warm_start, gap=gap, progress=progress)
+
+
+def runnable_shardings(profile: Profile, opts: CostOptions, scenarios: Sequence[CostOptions],
+                       replicated: bool = False) -> List[CostOptions]:
+    """Under `--shard auto`, the scenarios whose sharding `runtime execute` runs: no parameters (ZeRO-3)
+    where the schedule, precision or replicated stages refuse it, or the model passes on a view of a
+    parameter (planner.cost.memory); a shard the user named is planned as asked (with a note)."""
+    if opts.shard != "auto":
+        return list(scenarios)
+    views = parameter_view_refusal(profile.units)
+    return [s for s in scenarios if s.shard != "parameters" or views is None and shard_parameters_refusal(
+        precision_of(s, profile.dtype, profile.precision), s.schedule, replicated or s.replicated) is None]
 
 
 def _without_needless_recompute(profile: Profile, opts: CostOptions) -> CostOptions:

@@ -57,7 +57,7 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
                       virtual_stages: Optional[int] = None, gap: float = OPTIMALITY_GAP) -> Solution:
     """The best plan over every placement (module docstring); InfeasibleError if none fits.
     pipeline_ranks: only placements of that depth; time_limit and gap: for the whole search."""
-    from planner.solve.api import solve_scenarios
+    from planner.solve.api import runnable_shardings, solve_scenarios
     from planner.solve.diagnose import InfeasibleError, no_layout_message
 
     opts.validate()
@@ -65,7 +65,8 @@ def solve_on_topology(profile: Profile, opts: CostOptions, topology: DeviceTopol
         raise ValueError(f"no pipeline depth p with p x d = the topology's {topology.num_devices} devices fits "
                          f"(d must divide the global batch {opts.global_batch}, p at most the {profile.num_units} "
                          "units" + (f", p = --stages {pipeline_ranks}" if pipeline_ranks else "") + ")")
-    scenarios = topology_scenarios(opts, topology, profile.num_units, pipeline_ranks, schedules, virtual_stages)
+    scenarios = runnable_shardings(profile, opts, topology_scenarios(opts, topology, profile.num_units, pipeline_ranks,
+                                                                     schedules, virtual_stages))
     if not scenarios:  # every shape's ranks hold more stages than the units (zb-v, interleaved, bfs): say so, as
         # planner.solve.api.solve does, rather than diagnose options no scenario has (shard 'auto', p = N)
         raise InfeasibleError(no_layout_message(profile.num_units, opts, topology.num_devices,

@@ -155,6 +155,14 @@ def test_auto_shard_chooses_only_what_the_runtime_runs():
         assert solve(profile, refused.with_(memory_cap=None), method="brute").options.shard != "parameters"
         with pytest.raises(InfeasibleError):
             solve(profile, refused, method="brute")
+    from planner.cost.topology_file import topology_from_json
+    from planner.solve.placed import solve_on_topology
+
+    four = topology_from_json({"levels": [{"name": "device", "count": 4, "bandwidth": "10GB"}]})
+    placed = opts.with_(pipeline_ranks=4, data_parallel=1)  # on a topology too: p x d = 4 chosen there
+    assert solve_on_topology(profile, placed, four, pipeline_ranks=2).options.shard == "parameters"
+    with pytest.raises(InfeasibleError):
+        solve_on_topology(profile, placed.with_(schedule="zb-h1"), four, pipeline_ranks=2)
     profile.units[3].parameter_view = True  # a unit passing on a view of its parameter (planner.model.parameter_views)
     with pytest.raises(InfeasibleError):
         solve(profile, opts, method="brute")
