@@ -181,7 +181,7 @@ class Profile:
         engine = read.table(d.get("engine_overhead_s") or {}, "engine_overhead_s")
         engine_overhead = (read.seconds(engine.get("forward", 0.0), "engine_overhead_s.forward"),
                            read.seconds(engine.get("backward", 0.0), "engine_overhead_s.backward"))
-        _check_extra(read, d, set(first_of))
+        _check_extra(read, d, {u.name: u.param_bytes for u in units})
         known = {"schema_version", "kind", "torch_version", "device", "device_name", "threads", "dtype",
                  "capture", "repeats", "model", "micro_batch_sizes", "optimizer_state_bytes_per_param_byte",
                  "units", "cuts", "stage_overhead_s", "engine_overhead_s", "split_overhead_s", "weight_walk_s",
@@ -214,18 +214,25 @@ def _dtype(read: Reader, value: Any) -> str:
     return value
 
 
-def _check_extra(read: Reader, d: Dict[str, Any], unit_names: set) -> None:
-    """The optional parts a solve reads: tied parameters, the measured link, a calibration."""
+def _check_extra(read: Reader, d: Dict[str, Any], param_bytes: Dict[str, int]) -> None:
+    """The optional parts a solve reads: tied parameters (each unit's param_bytes counts the ties it uses,
+    so they never add up to more), the measured link, a calibration."""
     shared = d.get("shared_parameters") or []
     if not isinstance(shared, list):
         raise read.error("shared_parameters", "is not a list")
+    tied: Dict[str, int] = {}
     for i, entry in enumerate(shared):
         where = f"shared_parameters[{i}]"
         entry = read.table(entry, where)
-        read.count(entry.get("bytes"), f"{where}.bytes")
+        size = read.count(entry.get("bytes"), f"{where}.bytes")
         units = entry.get("units")
-        if not isinstance(units, list) or any(u not in unit_names for u in units):
+        if not isinstance(units, list) or any(u not in param_bytes for u in units):
             raise read.error(f"{where}.units", f"is {show(units)}: expected names of the profile's units")
+        for u in dict.fromkeys(units):  # each unit once, in the entry's order
+            tied[u] = tied.get(u, 0) + size
+            if tied[u] > param_bytes[u]:
+                raise read.error(f"{where}.bytes", f"brings the tied parameters unit {u!r} uses to {tied[u]} bytes, "
+                                 f"more than its param_bytes ({param_bytes[u]}), which count them")
     for part in ("link", "calibration"):
         fields = d.get(part) or {}
         read.table(fields, part)

@@ -466,6 +466,8 @@ BAD_PROFILES = [
      'stage_overhead_s["1"].forward is -0.0001'),
     (_set(["shared_parameters", 0, "bytes"], -400), "shared_parameters[0].bytes is -400"),
     (_set(["shared_parameters", 0, "units"], ["u0", "head"]), "shared_parameters[0].units is [\"u0\", \"head\"]"),
+    # a solver fuzz's profile: ties bigger than a unit's parameters, which count them (the program went infeasible)
+    (_set(["shared_parameters", 0, "bytes"], 500), "shared_parameters[0].bytes brings the tied parameters unit 'u0'"),
     (_set(["link", "bandwidth_bytes_per_s"], -1e9), "link.bandwidth_bytes_per_s is -1000000000.0"),
     (_set(["link", "latency_s"], -1e-4), "link.latency_s is -0.0001"),
     (_set(["link", "message_s"], -1e-6), "link.message_s is -1e-06"),
