@@ -208,8 +208,11 @@ def compute_inside(profile: Profile, rng, share: float = 0.5) -> None:
 
 
 def _unshared(unit, b: int) -> int:
-    """What a unit saves at b that no value it shares names (the room for another shared part)."""
-    return unit.saved_bytes[b] - sum(unit.shared_saved_bytes.get(b, {}).values())
+    """What a unit saves at b that no value it shares or drops names (the room for another shared part: the
+    profile's loader refuses more, planner.profile.unit_profile)."""
+    shared, dropped = unit.shared_saved_bytes.get(b, {}), unit.dropped_saved_bytes.get(b, {})
+    return unit.saved_bytes[b] - sum(max(shared.get(name, 0), dropped.get(name, 0))
+                                     for name in set(shared) | set(dropped))
 
 
 def share_saved(profile: Profile, cuts: Sequence[int]) -> None:
