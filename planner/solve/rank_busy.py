@@ -84,9 +84,10 @@ class CutWaits:
         links = boundary_links(opts)
         inside = (np.arange(L + 1) > 0) & (np.arange(L + 1) < L)
 
-        def transfers(link, gradient: bool) -> np.ndarray:  # +inf at 0 and L: no such cut
-            return np.array([costs.message_s(c, link, gradient=gradient) if inside[c] else np.inf
-                             for c in range(L + 1)])
+        def transfers(link, gradient: bool) -> np.ndarray:  # RangeCosts.message_s at every cut; +inf at 0 and L
+            bandwidth, latency = link
+            size = costs.grad if gradient else costs.act
+            return np.where(inside, np.where(size > 0, latency + size / bandwidth, 0.0), np.inf)
 
         # per stage the activation received at each start a and the gradient at each end e; the first
         # stage starts at 0 only and the last ends at L only, receiving nothing there
