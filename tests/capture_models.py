@@ -812,3 +812,33 @@ def latents(dim: int = 8, latents: int = 4, seq: int = 3, copy: bool = False) ->
         return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=_Latents(dim, latents, copy), batch=batch, loss=F.mse_loss)
+
+
+class _TwoTowers(nn.Module):
+    """CLIP-like: an image tower on the stage's input side and a text tower from token ids, which a later stage
+    holding it computes from its parameters alone (no gradient from the stage's inputs), fused by in-batch
+    logits."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.img = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+        self.tok = nn.Embedding(vocab, dim)
+        self.txt = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, image: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        i = F.normalize(self.img(image), dim=-1)
+        t = F.normalize(self.txt(self.tok(ids)).mean(1), dim=-1)
+        return self.scale * i @ t.t()
+
+
+def two_towers(dim: int = 8, vocab: int = 16, seq: int = 3) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(13 * step + 5)
+        return (torch.randn(batch_size, dim, generator=g), torch.randint(0, vocab, (batch_size, seq), generator=g)), None
+
+    def loss(logits: torch.Tensor, _) -> torch.Tensor:
+        labels = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+    return ModelSpec(module=_TwoTowers(dim, vocab), batch=batch, loss=loss)

@@ -25,7 +25,11 @@ inputs and kept gradients). A unit after a recomputed one may so count Da where 
 (planner.cost.ranges then has the stage's last unit hold h): an over-count, never under (Da >= 0). Without
 the kept part measured, (k, T, Dh_kT). A unit j >= 1 whose output v is made from its parameters alone keeps
 v's gradient when profiled alone (UnitProfile.inner_seed_bytes, in its k_j) but not in a stage holding v's
-last reader R_v: (R_v, j, -bytes of v). Pairs that never apply (T < 1, k = L) are left out.
+last reader R_v: (R_v, j, -bytes of v). So too an output v of unit k whose source is T < k (made
+from values of sources >= T and its parameters): measured with the values of source >= T left to the weight part, unit k keeps v's gradient
+(in Dk_kT), which a stage from T on holding R_v does not (a text tower computed from token ids: each layer's
+output; UnitProfile.inner_seed_sources names T): (R_v, T, -bytes of v). Pairs that never apply (T < 1, k = L)
+are left out.
 """
 from __future__ import annotations
 
@@ -65,8 +69,8 @@ def inner_pairs(units: Sequence, b: int, crossing: Sequence[Sequence[str]] = ())
                       (k, low, -rest, k), (k + 1, low, rest, k)]
         # its outputs made from its parameters alone: their gradients, kept alone, kept in a stage only where
         # the value crosses the stage's end (some reader after it)
-        pairs += [(last_reader[name], k, -float(x), -1) for name, x in unit.inner_seed_bytes.get(b, {}).items()
-                  if name in last_reader]
+        pairs += [(last_reader[name], unit.inner_seed_sources.get(name, k), -float(x), -1)
+                  for name, x in unit.inner_seed_bytes.get(b, {}).items() if name in last_reader]
     merged: Dict[Tuple[int, int, int], float] = {}  # one pair per (k, T, h): those that cancel go
     for k, T, x, h in pairs:
         if k < L and T >= 1:

@@ -170,7 +170,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
             unit.backward_input_s[b], unit.backward_weight_s[b] = bwd * input_share, bwd * weight_share
             unit.weight_held_bytes[b], unit.weight_kept_bytes[b] = parts.held_bytes, parts.kept_bytes
             if k > 0:  # where its stage computes values it reads from its parameters (as a measured profile)
-                unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b] = inner_counts(
+                unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b], \
+                    unit.inner_seed_sources = inner_counts(
                     UnitCall(stage, args, produced, io.is_last), k, list(io.received), [io.sent[i] for i in produced],
                     values, parts.held_bytes, parts.kept_bytes, spec.loss, target, inner)
             unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced

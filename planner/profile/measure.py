@@ -228,7 +228,8 @@ def _measure_size(run: ProfileRun, b: int) -> None:
             if unit.split_backward:
                 unit.first_weight_held_bytes[b] = first[k][1]
         if unit.split_backward and k > 0:  # where its stage computes values it reads from its parameters
-            unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b] = inner_counts(
+            unit.inner_weight_bytes[b], unit.inner_kept_bytes[b], unit.inner_seed_bytes[b], \
+                    unit.inner_seed_sources = inner_counts(
                 work[k], k, list(io.received), [io.sent[i] for i in produced_of[k]], values,
                 unit.weight_held_bytes[b], unit.weight_kept_bytes[b], run.spec.loss, target, run.inner)
         unit.input_bytes[b] = sum(tensor_bytes(values[n]) for n in io.inputs if isinstance(values[n], torch.Tensor))

@@ -161,6 +161,10 @@ class Profile:
                     if wrong is not None:
                         raise read.error(f'units[{i}].{name}["{b}"]', f"names unit {wrong!r}: a source is the "
                                          f"index of a unit before it other than the first (1..{i - 1})")
+            wrong = next((name for name, T in u.inner_seed_sources.items() if not 1 <= T < i), None)
+            if wrong is not None:
+                raise read.error(f'units[{i}].inner_seed_sources["{wrong}"]', f"is {u.inner_seed_sources[wrong]}: a "
+                                 f"source is the index of a unit before it other than the first (1..{i - 1})")
         cuts_json = d.get("cuts", [])
         if not isinstance(cuts_json, list) or len(cuts_json) != len(units) - 1:
             found = len(cuts_json) if isinstance(cuts_json, list) else show(cuts_json)

@@ -18,8 +18,8 @@ from planner.profile.timing import UnitCall, _closures, _InputRestore
 
 def inner_counts(call: UnitCall, k: int, received: List[str], sent: List[str], values: Dict[str, Any], held: int,
                  kept: int, loss_fn, target: Any, graph: InnerSources
-                 ) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, int]]:
-    """Unit k's (UnitProfile.) inner_weight_bytes, inner_kept_bytes and inner_seed_bytes.
+                 ) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, int]]:
+    """Unit k's (UnitProfile.) inner_weight_bytes, inner_kept_bytes, inner_seed_bytes and inner_seed_sources.
 
     The first: {source T: bytes}, what its weight part holds more (less) in a stage starting at a than `held`,
     measured alone, is the sum of those with T >= a; the second the same of the gradients it keeps, of which
@@ -28,26 +28,40 @@ def inner_counts(call: UnitCall, k: int, received: List[str], sent: List[str], v
     keep theirs for the weight part (a shared position bias added to every block's scores). Measured with those
     values' gradients asked for in the weight part, as parameters' are, at each source in turn. The third: of
     its outputs (`sent` names, `values` their tensors) those made from its parameters alone (their source is
-    k), whose gradients it keeps alone (as seeds) and a stage holding all their readers does not."""
-    seeds = {name: tensor_bytes(values[name]) for name in sent
-             if graph.sources.get(name) == k and graph.grad_flags.get(name) and isinstance(values[name], torch.Tensor)}
+    k), whose gradients it keeps alone (as seeds) and a stage holding all their readers does not; and those made
+    from received values too, all of one source T < k (a text tower's layers, computed from token ids): measured
+    with the values of source >= T left to the weight part, it keeps their gradients (in inner_kept_bytes[T]),
+    which such a stage does not either. The fourth: those outputs' sources T < k, by name."""
     offset = len(call.args) - len(received)  # the received values follow the model's inputs
     sources: Dict[int, List[torch.Tensor]] = {}
     for i, name in enumerate(received):
         source, arg = graph.sources.get(name, 0), call.args[offset + i]
         if graph.first_input <= source < k and isinstance(arg, torch.Tensor) and arg.requires_grad:
             sources.setdefault(source, []).append(arg)
+    seeds = {name: tensor_bytes(values[name]) for name in sent
+             if graph.sources.get(name) == k and graph.grad_flags.get(name) and isinstance(values[name], torch.Tensor)}
+    seed_sources: Dict[str, int] = {}
     out: Dict[str, int] = {}
     out_kept: Dict[str, int] = {}
     forward, _ = _closures(call, loss_fn, target)
     trainable, outside = call.trainable(), []
     for source in sorted(sources, reverse=True):  # a stage starting at `source` computes all these
         outside = outside + sources[source]
+        seeded: List[str] = []  # the outputs whose gradients it keeps as seeds (names only: no tensor kept alive)
+
+        def part(result, outside=outside, seeded=seeded):
+            pending = first_part(call, result, trainable + outside, outside=outside)
+            if not call.is_last:
+                kept_outputs = {id(t) for group in pending.groups for t in group.seeds}
+                seeded.extend(name for name, i in zip(sent, call.produced) if id(result[i]) in kept_outputs)
+            return pending
+
         with torch.enable_grad():
-            pending, inside, inside_kept = forward_and_input_part(
-                forward, lambda out: first_part(call, out, trainable + outside, outside=outside),
-                list(call.module.parameters()))
+            pending, inside, inside_kept = forward_and_input_part(forward, part, list(call.module.parameters()))
             backward_weight(pending)
+        for name in seeded:  # made from values of this source (and its parameters): kept from here on
+            if graph.sources.get(name) == source and graph.grad_flags.get(name) and name not in seeds:
+                seeds[name], seed_sources[name] = tensor_bytes(values[name]), source
         call.module.zero_grad(set_to_none=True)
         for arg in outside:
             arg.grad = None
@@ -55,7 +69,7 @@ def inner_counts(call: UnitCall, k: int, received: List[str], sent: List[str], v
         if inside != held or inside_kept != kept:
             out[str(source)], out_kept[str(source)] = inside - held, inside_kept - kept
         held, kept = inside, inside_kept
-    return out, out_kept, seeds
+    return out, out_kept, seeds, seed_sources
 
 
 def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:

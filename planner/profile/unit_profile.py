@@ -118,6 +118,12 @@ class UnitProfile:
     # (their source is this unit) by value name: profiled alone it keeps them, inside a stage holding every
     # reader of one nothing does. Empty: none, or not measured
     inner_seed_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # of inner_seed_bytes, the outputs made from values it reads too, all of source T (a unit before it): not in
+    # weight_kept_bytes but in inner_kept_bytes[T] (measured with those values' gradients left to the weight
+    # part, it keeps such an output's gradient; a stage starting at or before T and holding the output's last
+    # reader does not: a text tower's layers, computed from token ids), {value name: T}; a name not here: T is
+    # this unit. Empty: none, or not measured
+    inner_seed_sources: Dict[str, int] = field(default_factory=dict)
     # its weight part's autograd calls (parameter groups) and the autograd nodes of its backward graph:
     # each later call of its stage walks these nodes (Profile.weight_walk_s; planner.cost.ranges). 0: not
     # measured (older files)
@@ -148,6 +154,7 @@ class UnitProfile:
             **{name: {str(b): dict(v) for b, v in sorted(getattr(self, name).items()) if v}
                for name in ("inner_weight_bytes", "inner_kept_bytes", "inner_seed_bytes")
                if any(getattr(self, name).values())},
+            **({"inner_seed_sources": dict(self.inner_seed_sources)} if self.inner_seed_sources else {}),
             **({"input_bytes": str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
             **({"first_saved_bytes": str_keys(self.first_saved_bytes)} if self.first_saved_bytes else {}),
@@ -207,6 +214,7 @@ class UnitProfile:
                for name in ("inner_weight_bytes", "inner_kept_bytes")},
             inner_seed_bytes=read.per_size(d.get("inner_seed_bytes") or {}, f"{where}.inner_seed_bytes",
                                            read.named_counts, required=False),
+            inner_seed_sources=read.named_counts(d.get("inner_seed_sources") or {}, f"{where}.inner_seed_sources"),
             weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
             weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)
@@ -239,9 +247,10 @@ class UnitProfile:
                 if held < 0:
                     raise read.error(f'{where}.inner_weight_bytes["{b}"]', "takes more than the unit's "
                                      "weight_held_bytes holds")
-        for b, seeds in unit.inner_seed_bytes.items():
-            if sum(seeds.values()) > unit.weight_kept_bytes.get(b, 0):
-                raise read.error(f'{where}.inner_seed_bytes["{b}"]', f"sums to {sum(seeds.values())} bytes: more than "
+        for b, seeds in unit.inner_seed_bytes.items():  # those of its own source (inner_seed_sources names the rest)
+            own = sum(n for name, n in seeds.items() if name not in unit.inner_seed_sources)
+            if own > unit.weight_kept_bytes.get(b, 0):
+                raise read.error(f'{where}.inner_seed_bytes["{b}"]', f"sums to {own} bytes: more than "
                                  "the unit's weight_kept_bytes, of which they are a part")
         for b, kept in unit.weight_kept_bytes.items():
             if kept > unit.weight_held_bytes.get(b, kept):

@@ -320,6 +320,16 @@ def test_inner_weight_bytes_round_trip_and_bad_values_are_refused():
     data["units"][3]["inner_seed_bytes"] = {"2": {"x": 51}}
     with pytest.raises(JsonFileError, match=r"inner_seed_bytes.*more than the unit's weight_kept_bytes"):
         Profile.from_json(data)
+    # those made from values of a source before it too (inner_seed_sources) are in inner_kept_bytes, not in
+    # weight_kept_bytes; a source is a unit before it, the first excepted
+    data["units"][3]["inner_seed_sources"] = {"x": 2}
+    assert Profile.from_json(data).units[3].inner_seed_sources == {"x": 2}
+    assert Profile.from_json(json.loads(json.dumps(Profile.from_json(data).to_json()))).units[3].inner_seed_sources \
+        == {"x": 2}
+    for bad in (0, 3, -1):
+        data["units"][3]["inner_seed_sources"] = {"x": bad}
+        with pytest.raises(JsonFileError, match=r"inner_seed_sources|byte counts"):
+            Profile.from_json(data)
 
 
 def test_profile_stage_overhead_round_trips_and_bad_values_are_refused():
