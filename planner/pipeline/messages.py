@@ -22,6 +22,8 @@ over rounds.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from planner.pipeline.actions import BACKWARD_KINDS, Action, ActionKind
@@ -64,33 +66,41 @@ def _ends(message: Tuple[str, int, int]) -> Tuple[Action, Action, int, int]:
 
 def _replay(orders: Sequence[Sequence[Action]], num_stages: int,
             weights: Optional[Sequence[float]] = None) -> List[List[Tuple[float, float]]]:
-    """(start, end) of every compute in a replay with free messages, forward w_g, backward 2 w_g."""
+    """(start, end) of every compute in a replay with free messages, forward w_g, backward 2 w_g: the
+    earliest start runs next (the lower rank first among equals). Each rank waits in the heap once its
+    next compute's input is made (a start, fixed from then on), or for that input (`waiting`)."""
     ranks = len(orders)
     cursor, clock = [0] * ranks, [0.0] * ranks
     ready: Dict[Tuple[str, int, int], float] = {}
+    waiting: Dict[Tuple[str, int, int], int] = {}  # message -> the rank whose next compute needs it
+    heap: List[Tuple[float, int]] = []
     times: List[List[Tuple[float, float]]] = [[] for _ in range(ranks)]
-    left = sum(len(o) for o in orders)
-    while left:
-        best = None
-        for r in range(ranks):
-            if cursor[r] == len(orders[r]):
-                continue
-            action = orders[r][cursor[r]]
-            need = needed_message(action, num_stages)
-            if need is not None and need not in ready:
-                continue
-            start = max(clock[r], ready[need] if need is not None else 0.0)
-            if best is None or (start, r) < best[:2]:
-                best = (start, r, action)
-        if best is None:
-            raise ValueError("the compute orders cannot finish: a rank waits for a value that is never computed")
-        start, r, action = best
+
+    def next_of(r: int) -> None:
+        if cursor[r] == len(orders[r]):
+            return
+        need = needed_message(orders[r][cursor[r]], num_stages)
+        if need is not None and need not in ready:
+            waiting[need] = r
+        else:
+            heapq.heappush(heap, (max(clock[r], ready[need] if need is not None else 0.0), r))
+
+    for r in range(ranks):
+        next_of(r)
+    while heap:
+        start, r = heapq.heappop(heap)
+        action = orders[r][cursor[r]]
         end = start + _REPLAY_COST[action.kind] * (weights[action.stage] if weights is not None else 1.0)
         times[r].append((start, end))
-        clock[r], cursor[r], left = end, cursor[r] + 1, left - 1
+        clock[r], cursor[r] = end, cursor[r] + 1
         made = produced_message(action, num_stages)
         if made is not None:
             ready[made] = end
+            if made in waiting:
+                next_of(waiting.pop(made))
+        next_of(r)
+    if any(cursor[r] < len(orders[r]) for r in range(ranks)):
+        raise ValueError("the compute orders cannot finish: a rank waits for a value that is never computed")
     return times
 
 
@@ -107,13 +117,15 @@ def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position
     # batch points: (k, 0) before compute k, (k, 1) after it; each holds communication actions
     points: List[Dict[Tuple[int, int], List[Action]]] = [dict() for _ in range(ranks)]
 
+    ends = [[end for _, end in rank_times] for rank_times in times]  # nondecreasing along each rank
+
     def receive_point(r: int, t: float) -> Tuple[int, int]:
-        for k, (start, end) in enumerate(times[r]):
-            if start >= t:
-                return (k, 0)
-            if end >= t:
-                return (k, 1)
-        raise ValueError(f"rank {r} receives a message after its last compute")
+        """The rank's first point at or after t: before the first compute ending at or after t if it
+        starts then or later, else after it."""
+        k = bisect.bisect_left(ends[r], t)
+        if k == len(ends[r]):
+            raise ValueError(f"rank {r} receives a message after its last compute")
+        return (k, 0) if times[r][k][0] >= t else (k, 1)
 
     def point_time(r: int, point: Tuple[int, int]) -> float:
         k, side = point
