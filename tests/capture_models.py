@@ -842,3 +842,28 @@ def two_towers(dim: int = 8, vocab: int = 16, seq: int = 3) -> ModelSpec:
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
     return ModelSpec(module=_TwoTowers(dim, vocab), batch=batch, loss=loss)
+
+
+class _SavedTwoApart(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.act = nn.ReLU()
+        self.side = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.inp(x))  # the ReLU saves h (its output)
+        a = self.side(h.mean(1, keepdim=True))  # reads h, saves its mean only
+        return self.head(self.out(h) + a)  # `out` saves h again: two units apart
+
+
+def saved_two_apart(dim: int = 8, seq: int = 4) -> ModelSpec:
+    """A storage two units that are not neighbours both save, none between them (an FPN's feature map its ReLU
+    saves and a shared head's convolution two units on saves again; planner.cost.ranges' gap)."""
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7 * step + 3)
+        return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, seq, dim, generator=g)
+
+    return ModelSpec(module=_SavedTwoApart(dim), batch=batch, loss=F.mse_loss)

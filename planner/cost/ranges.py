@@ -8,7 +8,9 @@ run at speed sigma costs per micro-batch
     saved(a, e)    = sum_{a<=l<e} (in_l if l in R else s_l)       bytes held for backward
                      - sum_{a<k<e} o_k                            (what both neighbours hold, once)
                      + [a not in R] first_a                       (its first unit's inputs as received)
+                     - gap(a, e)                                  (what two units that are not neighbours hold, once)
     o_k            = d_k, p_k, u_k or q_k as neither of units k - 1, k is in R, only k, only k - 1, both
+    gap(a, e)      = sum x over (l, j, x): a <= l, j < e, none of l .. j in R   (`gaps`, below)
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them
@@ -102,6 +104,16 @@ recomputed set: the solvers' rows hold each cut's pair of recomputed neighbours 
 r_k = min(p_k - d_k, q_k) where k is recomputed, whichever k - 1 is, and nothing for u_k: never more than the
 two cases hold once (an upper bound of the bytes held; the lower bounds take max(p_k - d_k, q_k - u_k)).
 
+gaps (l, j, x), j >= l + 2: x bytes of one storage (by value name) that units l and j both save and no unit
+between them does (shared_storage.gap_shares: an FPN's feature map its ReLU saves as output and a head two units
+on as input; a Perceiver's encoded inputs both cross attentions save; a model input read at both ends of a stage).
+The d_k count it once per holder; a stage holding l .. j holds it once. Only where none of l .. j is recomputed
+(a recomputed unit between keeps its cut's values, this one among them, and the neighbours' p_k, u_k count that;
+a recomputed end keeps its inputs: an over-count left, never under); additive in the split, not in R (the
+solvers' additive forms take x off each of l .. j's freed bytes: an upper bound of the bytes held). held_gaps: the
+same of what both still hold as the forward returns (held_saved; a later zero-bubble stage's weight_held, whose
+last unit holds its h, counts none: an over-count left).
+
 d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
 as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
 k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
@@ -123,7 +135,7 @@ from typing import Iterable, Tuple
 import numpy as np
 
 from planner.cost.inner_weight import inner_held, inner_pairs
-from planner.cost.shared_storage import redo_shared, redo_shares, shared, weight_redo_share
+from planner.cost.shared_storage import gap_shares, redo_shared, redo_shares, shared, weight_redo_share
 from planner.profile.profile import Profile
 
 WEIGHT_SHARE = 0.5  # of a unit's backward, its weight part, where the profile did not time the parts
@@ -246,6 +258,11 @@ class RangeCosts:
             p, u, q = redo_shares(before, after, b, held=True, gone=(gone[k - 1], gone[k]))
             self.held_shares[k] = [[self.held_dup[k], p if measured else self.held_dup[k]], [u, q]]
             self.weight_shares[k] = [self.weight_dup[k], weight_redo_share(before, after, b, gone[k - 1])]
+        # (l, j, bytes): a storage units l and j >= l + 2 both save and none between them does, which the d_k count
+        # twice in a stage holding l .. j none of which it recomputes (`gap`, module docstring); of what both still
+        # hold as the forward returns (the held kinds')
+        self.gaps = gap_shares(units, b)
+        self.held_gaps = gap_shares(units, b, held=True)
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -334,7 +351,7 @@ class RangeCosts:
         redo = set(recompute)
         swap = sum(float(self.inputs[l] - self.s[l]) for l in redo if a <= l < e)
         first = 0.0 if a in redo else float(self.first[a])
-        return float(self.S[e] - self.S[a]) + first + swap - self._shared_once(a, e, redo)
+        return float(self.S[e] - self.S[a]) + first + swap - self._shared_once(a, e, redo) - self.gap(a, e, redo)
 
     def held_saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         """Of `saved`, what autograd still holds as the forward returns: less x_l, a recomputed unit
@@ -343,7 +360,22 @@ class RangeCosts:
         first = 0.0 if a in redo else float(self.first[a])
         held = sum(float(self.held_inputs[l]) if l in redo else float(self.s[l] - self.dropped[l])
                    for l in range(a, e))
-        return held + first - self._shared_once(a, e, redo, held=True)
+        return held + first - self._shared_once(a, e, redo, held=True) - self.gap(a, e, redo, held=True)
+
+    def gap(self, a: int, e: int, recompute: Iterable[int] = (), held: bool = False) -> float:
+        """What units [a, e) count twice of the storages two of them save that are not neighbours, no unit between
+        saving it: gap(a, e) = sum of (l, j, x) in `gaps` with a <= l, j < e, none of l .. j recomputed (module
+        docstring); with `held`, `held_gaps`."""
+        redo = set(recompute)
+        return float(sum(x for l, j, x in (self.held_gaps if held else self.gaps)
+                         if a <= l and j < e and not any(m in redo for m in range(l, j + 1))))
+
+    def gap_matrix(self, held: bool = False) -> np.ndarray:
+        """gap(a, e) over every cell [a, e], nothing recomputed (0 where it holds no pair)."""
+        out = np.zeros((self.num_units + 1,) * 2)
+        for l, j, x in (self.held_gaps if held else self.gaps):
+            out[:l + 1, j + 1:] += x
+        return out
 
     def _shared_once(self, a: int, e: int, redo, held: bool = False) -> float:
         """What units [a, e) count twice of the storages neighbours share: o_k for each cut k inside the
@@ -389,7 +421,8 @@ class RangeCosts:
 
     def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
         """Prefix sums of the bytes each unit holds for backward (its input when recomputed; less
-        what it shares with the unit before): saved(a, e) = prefix[e] - prefix[a] + saved_at_start[a]."""
+        what it shares with the unit before): saved(a, e) = prefix[e] - prefix[a] + saved_at_start[a]
+        - gap_matrix()[a, e] (the last where not every unit is recomputed)."""
         return prefix_sums(self.inputs - self.shares[:, 1, 1]) if recompute_all else prefix_sums(self.s - self.dup)
 
     def saved_at_start(self, recompute_all: bool = False) -> np.ndarray:
@@ -398,8 +431,10 @@ class RangeCosts:
         return np.append(self.shares[:, 1, 1], 0.0) if recompute_all else np.append(self.dup + self.first, 0.0)
 
     def saved_matrix(self, recompute_all: bool = False) -> np.ndarray:
-        """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none."""
-        return range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
+        """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none (the gaps
+        only where none is: the gap term applies where none of its units l .. j is recomputed)."""
+        saved = range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
+        return saved if recompute_all else saved - self.gap_matrix()
 
 
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()

@@ -61,3 +61,22 @@ def weight_redo_share(before, after, b: int, gone: bool = False) -> float:
     (weight_shared_bytes; all of them where not measured): a zero-bubble stage's last unit after a recomputed one."""
     kept = {} if gone else before.recomputed_shared_bytes.get(b) or {}
     return _overlap(kept, after.weight_shared_bytes[b] if b in after.weight_shared_bytes else _held_shares(after, b))
+
+
+def gap_shares(units, b: int, held: bool = False):
+    """[(l, j, bytes)]: storages units l and j >= l + 2 both save (shared_saved_bytes, by value name) that no unit
+    between them saves: consecutive holders of one value that are not neighbours (FPN's feature map, which its
+    ReLU saves as output and the shared head's convolution two units on as input; a Perceiver's encoded inputs,
+    which both cross attentions save; a model input read at both ends of a stage). The d_k of neighbours count
+    such a storage once per holder: a stage holding l .. j without recomputing any of them holds it once more
+    than it saves (planner.cost.ranges' gap term). With `held`, of what both still hold as the forward returns."""
+    dicts = [_held_shares(unit, b) if held else (unit.shared_saved_bytes.get(b) or {}) for unit in units]
+    last: dict = {}  # value name -> the last unit so far saving it
+    out: dict = {}
+    for j, saves in enumerate(dicts):
+        for name, n in saves.items():
+            l = last.get(name)
+            if l is not None and l < j - 1:
+                out[l, j] = out.get((l, j), 0.0) + float(min(dicts[l][name], n))
+            last[name] = j
+    return [(l, j, x) for (l, j), x in sorted(out.items()) if x]

@@ -12,6 +12,8 @@ kinds for one split), holds
     + P_live,g first_a + P_weight,g first'_a                       its first unit's inputs as received
     + [g < S - 1] (P_gradbox,g grad_e + P_sent_act,g act_e)          at the cut it ends at
     + [not whole] P_weight,g inner(a, e)       values it computes from its parameters (planner.cost.inner_weight)
+    - (P_live,g + [whole] P_weight,g) gap(a, e)    storages two units that are not neighbours save, once
+                                                   (planner.cost.ranges; pairs (l, j) none of l .. j recomputed)
 
 (first_a, first'_a: planner.cost.ranges; first'_a is first_a where the weight kind counts saved_l + k_l, and
 the first unit's measured difference in h_l where it counts h_l: where a later stage's first unit holds
@@ -104,6 +106,9 @@ class HeldTerms:
     # value of source T its units read carries no gradient from its inputs: planner.cost.inner_weight); none
     # where whole, and no h >= 0 where every unit is recomputed
     inner: Tuple[Pair, ...] = ()
+    # (l, j, bytes): these bytes less where the stage holds units l and j and recomputes none of l .. j (a storage
+    # both save that no unit between them does: planner.cost.ranges' gap); none where every unit is recomputed
+    gaps: Tuple[Tuple[int, int, float], ...] = ()
 
 
 class StageMemory:
@@ -211,12 +216,20 @@ class StageMemory:
         saves = saves + redo_dup
         if g == 0:  # unit 0 starts stage 0
             saves[0] += first[0]
+        # storages two units that are not neighbours save: the live kind's, and the weight kind's where it counts
+        # what units save (a whole stage; a later one's last unit holds its h: not counted, planner.cost.ranges)
+        gaps: Dict[Tuple[int, int], float] = {}
+        if not self.recompute_all:
+            for table, n in ((c.gaps, live_share), (c.held_gaps, count("weight") if whole else 0)):
+                for l, j, x in table:
+                    gaps[l, j] = gaps.get((l, j), 0.0) + n * x
         return HeldTerms(count("live") * self.saved + count("weight") * weight, start, end + last, saves,
                          shared_lost, last,
                          first_recomputed=redo_dup - first, trained_end=trained_end, first_holds=first_holds,
                          alone_shared=alone_shared, after_recomputed=after_recomputed, pair=pair,
                          inner=() if whole else tuple((k, t, count("weight") * x, h) for k, t, x, h in c.inner
-                                                      if h < 0 or not self.recompute_all))
+                                                      if h < 0 or not self.recompute_all),
+                         gaps=tuple((l, j, x) for (l, j), x in gaps.items() if x))
 
     @cached_property
     def _held_less(self) -> np.ndarray:
@@ -279,6 +292,8 @@ class StageMemory:
         value += terms.at_end[None, :]
         if terms.inner:
             value += inner_rows(terms.inner, first, value.shape[1])
+        if terms.gaps:  # (no unit recomputed here: every unit's recomputation has none)
+            value -= inner_rows([(j, l, x, -1) for l, j, x in terms.gaps], first, value.shape[1])
         # where the stage holds its last trained unit (no recomputation here but every unit's, under which
         # the weight kind counts no trained_end): a <= trained[e]
         ends = np.flatnonzero(terms.trained_end)

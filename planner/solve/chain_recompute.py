@@ -46,6 +46,11 @@ def freed_bytes(costs, a: int, e: int) -> np.ndarray:
     g[0] += costs.first[a]
     g[:-1] -= costs.dup[a + 1:e]
     g[1:] += costs.redo_dup[a + 1:e]
+    # recomputing any of units l .. j of a gap in the stage counts its storage twice again (ranges' gap): each
+    # takes it off, an upper bound of the bytes held where several of them are recomputed
+    for l, j, x in costs.gaps:
+        if a <= l and j < e:
+            g[l - a:j - a + 1] -= x
     return g
 
 

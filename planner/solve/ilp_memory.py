@@ -166,6 +166,11 @@ class MemoryRows(TieRows):
         held += pulp.lpSum(x / MIB * self._product(f"inner_{k}_{t}_{h}_{g}", [self.x(k, g), self.x(t, g)],
                                                    [self.rho[h, g]] if (h, g) in self.rho else [], exact=x < 0)
                            for k, t, x, h in terms.inner if x and self.may(k, g) and self.may(t, g))
+        # a storage units l and j both save, none between them (planner.cost.ranges' gap): both in the stage, none of
+        # l .. j recomputed
+        held -= pulp.lpSum(x / MIB * self._product(f"gap_{l}_{j}_{g}", [self.x(l, g), self.x(j, g)],
+                                                   [self.rho[m, g] for m in range(l, j + 1) if (m, g) in self.rho])
+                           for l, j, x in terms.gaps if x and self.may(l, g) and self.may(j, g))
         held += pulp.lpSum(terms.trained_end[e] / MIB * self._trained_end(e, g) for e in range(1, L + 1)
                            if terms.trained_end[e] and self.may(int(self.costs.trained[e]), g) and self._may_end(e, g))
         return held
@@ -178,5 +183,5 @@ def _most(terms) -> float:
                                                  terms.first_recomputed, terms.trained_end,
                                                  terms.first_holds, terms.alone_shared, terms.after_recomputed,
                                                  terms.pair))
-                 + sum(abs(x) for _, _, x, _ in terms.inner)) / MIB
+                 + sum(abs(x) for _, _, x, _ in terms.inner) + sum(abs(x) for _, _, x in terms.gaps)) / MIB
 

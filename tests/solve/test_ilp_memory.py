@@ -77,6 +77,23 @@ def test_the_memory_rows_equal_evaluate_where_recomputed_neighbours_keep_one_val
     _rows_equal_evaluate(profile, schedule, ranks)
 
 
+@pytest.mark.parametrize("schedule,ranks,seed", [("zb-h1", 2, 12), ("1f1b", 2, 7), ("gpipe", 3, 5)])
+def test_the_memory_rows_equal_evaluate_where_units_apart_save_one_storage(schedule, ranks, seed):
+    # units 0 and 2, and 1 and 4, save one storage that no unit between them saves (planner.cost.ranges' gap): the
+    # rows take it off where the stage holds both and recomputes none of the units from one to the other
+    rng = random.Random(seed)
+    profile = _zero_bubble_chain(seed) if schedule.startswith("zb") else \
+        random_chain(rng, L, sizes=(2,), apart=True)
+    for l, j in ((0, 2), (1, 4)):
+        for unit in (profile.units[l], profile.units[j]):
+            size = 64 * rng.randint(1, 64)
+            unit.saved_bytes[2] += size
+            unit.shared_saved_bytes.setdefault(2, {})[f"apart{l}"] = size
+    costs = RangeCosts(profile, 2)
+    assert [(l, j) for l, j, _ in costs.gaps] == [(0, 2), (1, 4)]
+    _rows_equal_evaluate(profile, schedule, ranks)
+
+
 def _rows_equal_evaluate(profile, schedule, ranks):
     base = CostOptions(pipeline_ranks=ranks, virtual_stages=2 if schedule == "zb-v" else 1, global_batch=8,
                        schedule=schedule, bandwidth=1e9, recompute="auto", memory_cap=1e15)  # (rows: `_fits`)
