@@ -372,10 +372,12 @@ class RangeCosts:
 
     def gap_matrix(self, held: bool = False) -> np.ndarray:
         """gap(a, e) over every cell [a, e], nothing recomputed (0 where it holds no pair)."""
+        # each pair adds x to every cell a <= l, e >= j + 1: placed at (l, j + 1), summed over a from the
+        # bottom and over e from the left (O(L^2) however many pairs)
         out = np.zeros((self.num_units + 1,) * 2)
         for l, j, x in (self.held_gaps if held else self.gaps):
-            out[:l + 1, j + 1:] += x
-        return out
+            out[l, j + 1] += x
+        return np.cumsum(np.cumsum(out[::-1], axis=0)[::-1], axis=1)
 
     def _shared_once(self, a: int, e: int, redo, held: bool = False) -> float:
         """What units [a, e) count twice of the storages neighbours share: o_k for each cut k inside the
