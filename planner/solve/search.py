@@ -217,7 +217,7 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         through = float(chain[-1]) + S * call
     loose = max(m * total / (p * fastest), through / fastest)  # the busiest rank's share; one micro-batch's chain
     cut_busy = None  # planner.solve.rank_busy: per stage, what its rank's blocking batches wait at its cuts
-    if not opts.replicated:
+    if not opts.replicated and (deadline is None or time.perf_counter() < deadline):  # (reads the lists)
         counts = rank_busy(opts, m)
         cut_busy = CutWaits(counts, costs, opts, L)
         loose = max(loose, (m * total / fastest + cut_busy.least_sum()) / p)
