@@ -235,7 +235,7 @@ class Plan:
                                 f"micro-batches x micro-batch size {b}; {REMAKE}")
         try:
             value, collectives = self.step_terms()
-        except (AttributeError, KeyError, TypeError, ValueError):
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError):  # (int(inf): a rank of Infinity)
             raise JsonFileError(f"{where} has malformed step_durations; {REMAKE}") from None
         if any(not 0 <= x < float("inf") for x in value.values()):
             raise JsonFileError(f"{where}: step_durations must be finite seconds >= 0; {REMAKE}")
@@ -280,6 +280,10 @@ class Plan:
                                 f"{REMAKE}")
         if version is not None and not isinstance(version, str):
             raise JsonFileError(f"{where} has profile.torch_version {version!r}: a version string; {REMAKE}")
+        for key in ("objective", "bound", "gap", "seconds", "requested_gap"):  # what planner show prints
+            number = self.solver.get(key)
+            if number is not None and not NUMBER[0](number):
+                raise JsonFileError(f"{where} has solver.{key} {number!r}: a number or null; {REMAKE}")
         if self.optimizer not in OPTIMIZER_MOMENTS:  # what the memory model counts
             raise JsonFileError(f"{where} has optimizer {self.optimizer!r}, not one of {', '.join(OPTIMIZER_MOMENTS)}; "
                                 f"{REMAKE}")

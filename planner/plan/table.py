@@ -90,5 +90,5 @@ def _summary(plan: Plan, cap) -> List[str]:
         requested = solver.get("requested_gap")  # --gap: the search stopped once within it
         if requested is not None and (solver.get("gap") or 0.0) <= requested:
             certificate += f" (within the {100 * requested:.2f}% asked for: proven)"
-    out.append(f"{certificate} [{solver.get('method')}/{solver.get('backend')}, {solver.get('seconds', 0.0):.2f} s]")
+    out.append(f"{certificate} [{solver.get('method')}/{solver.get('backend')}, {solver.get('seconds') or 0.0:.2f} s]")
     return out

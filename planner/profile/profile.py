@@ -259,7 +259,10 @@ def _check_extra(read: Reader, d: Dict[str, Any], param_bytes: Dict[str, int]) -
     entry, args, seed = model.get("entry"), model.get("args", {}), model.get("seed", 0)
     if entry is not None and not (isinstance(entry, str) and entry):
         raise read.error("model.entry", f"is {entry!r}, not a model entry (builtin:NAME, package.module:function)")
-    read.table(args if args is not None else {}, "model.args")
+    read.table(args, "model.args")  # null too: the plan's reader refuses it
+    version = d.get("torch_version")  # the plan copies it, and its reader takes a string only
+    if version is not None and not isinstance(version, str):
+        raise read.error("torch_version", f"is {show(version)}: expected a version string")
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
         raise read.error("model.seed", f"is {seed!r}, not an integer >= 0")
     measured_under = d.get("measured_under") or {}

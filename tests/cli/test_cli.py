@@ -495,6 +495,9 @@ BAD_PROFILES = [
     (_set(["analytic"], "x"), 'analytic is "x"'),
     (_set(["analytic"], {"device_spec": {"reserve_bytes": -1e30}}), "analytic.device_spec.reserve_bytes is -1e+30"),
     (_set(["analytic"], {"device_spec": {"reserve_bytes": [1]}}), "analytic.device_spec.reserve_bytes is [1]"),
+    # the twenty-ninth session's fuzz: solved, and the plan written was refused by every reader of plans
+    (_set(["torch_version"], [1, 2]), "torch_version is [1, 2]: expected a version string"),
+    (_set(["model", "args"], None), "model.args is null: expected an object"),
 ]
 
 

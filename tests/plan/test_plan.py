@@ -75,6 +75,8 @@ def test_table_lists_every_stage():
     assert "proven optimal for this cost model (gap 0.00%)" in table
     plan.solver.update(status="feasible", gap=0.0123, bound=0.5)
     assert "best found, gap 1.23% from the bound 500.000 ms" in format_plan_table(plan)
+    plan.solver.update(seconds=None)  # a hand-edited plan's null (a traceback in planner show before)
+    assert "branch-and-bound, 0.00 s]" in format_plan_table(plan) or ", 0.00 s]" in format_plan_table(plan)
     no_cap = make(cap=None)[2]
     assert "/ cap" not in format_plan_table(no_cap)
 
@@ -118,6 +120,11 @@ def test_table_lists_every_stage():
     (lambda p: p["profile"].update(host_kernel_s=[1]), r"profile.host_kernel_s \[1\]: seconds"),
     (lambda p: p["profile"].update(host_kernel_s="abc"), "profile.host_kernel_s .abc.: seconds"),
     (lambda p: p["profile"].update(torch_version=213), "profile.torch_version 213: a version string"),
+    # the twenty-ninth session's fuzz: tracebacks in show (the certificate's numbers) and in every reader (a rank
+    # of Infinity)
+    (lambda p: p["solver"].update(seconds=[1]), r"solver.seconds \[1\]: a number or null"),
+    (lambda p: p["solver"].update(gap={"a": 1}), "solver.gap {'a': 1}: a number or null"),
+    (lambda p: p["solver"].update(bound="x"), "solver.bound 'x': a number or null"),
     (lambda p: p["stages"][1]["recv"][0].update(shape=list(reversed(p["stages"][1]["recv"][0]["shape"])) + [1]),
      "stage 0 sends other values than stage 1 receives"),
     (lambda p: p["stages"][0]["send"][0].update(requires_grad=not p["stages"][0]["send"][0].get("requires_grad", False)),
@@ -129,6 +136,17 @@ def test_load_plan_rejects_bad_files(tmp_path, mutate, match):
     path = tmp_path / "bad.json"
     write_json_atomic(str(path), plan)
     with pytest.raises(JsonFileError, match=match):
+        load_plan(str(path))
+
+
+def test_a_collective_rank_of_infinity_is_one_line(tmp_path):
+    # the twenty-ninth session's fuzz: an OverflowError's traceback in show, simulate and export (int(inf))
+    plan = make()[2].to_json()
+    plan["step_durations"].setdefault("collectives", []).append({"term": ["x"], "ranks": [0, float("inf")],
+                                                                 "seconds": 0.0})
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(plan))  # Infinity, as json.dump writes it (write_json_atomic writes null)
+    with pytest.raises(JsonFileError, match="malformed step_durations"):
         load_plan(str(path))
 
 
