@@ -533,6 +533,17 @@ def exits(where: str = "loss", step: int = 0) -> ModelSpec:
     return ModelSpec(module=module, batch=batch, loss=loss)
 
 
+def odd_batch(kind: str = "none") -> ModelSpec:
+    """A model whose batch function returns no (inputs, target) pair: None, or three values."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+    def batch(n: int, s: int):
+        x = torch.randn(n, 4, generator=torch.Generator().manual_seed(s))
+        return None if kind == "none" else ((x,), x, x)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
 class FrozenLayers(nn.Module):
     """Four layers, the first and the third frozen: a stage after the first gets inputs that need
     no gradient (its weight part reaches the loss's seed)."""

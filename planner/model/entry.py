@@ -128,7 +128,7 @@ def _batch_errors_in_one_line(batch: Callable) -> Callable:
     @functools.wraps(batch)
     def call(*args, **kwargs):
         try:
-            return batch(*args, **kwargs)
+            pair = batch(*args, **kwargs)
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the model's own code, whatever it raised
             if os.environ.get("PLANNER_TRACEBACK") and not isinstance(e, SystemExit):
                 raise
@@ -137,6 +137,12 @@ def _batch_errors_in_one_line(batch: Callable) -> Callable:
             raise ModelEntryError(f"the model's batch function {what} (batch size {args[0] if args else '?'}, step "
                                   f"{args[1] if len(args) > 1 else '?'}); fix it (PLANNER_TRACEBACK=1 shows the stack)"
                                   ) from None
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):  # every caller unpacks it (a traceback before)
+            got = f"a {type(pair).__name__} of {len(pair)}" if isinstance(pair, (tuple, list)) else \
+                type(pair).__name__
+            raise ModelEntryError(f"the model's batch function returned {got}, not the pair (inputs, target); fix it: "
+                                  "return e.g. ((x,), y) (ModelSpec.batch)")
+        return pair
     return call
 
 

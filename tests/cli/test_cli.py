@@ -142,6 +142,17 @@ def test_a_model_module_that_cannot_be_imported_is_one_line(tmp_path):
         _no_traceback(result)
 
 
+def test_a_batch_function_returning_no_pair_is_one_line(tmp_path):
+    # the twenty-ninth session's fuzz: a batch function returning None was a traceback in capture (it unpacks it)
+    quick = ["--micro-batch-sizes", "1", "--link", "none", "--engine-cost", "none", "--min-time", "0", "--quiet"]
+    for kind, got in (("none", "returned NoneType"), ("three", "returned a tuple of 3")):
+        result = run_here(["planner.cli", "profile", "tests.models:odd_batch", "--model-arg", f"kind={kind}", *quick,
+                           "-o", str(tmp_path / "no.json")])
+        assert result.returncode == 2 and f"the model's batch function {got}, not the pair (inputs, target)" in \
+            result.stderr, result.stderr
+        assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "no.json").exists()
+
+
 @pytest.mark.parametrize("main,argv,needle", [
     ("planner", ["solve"], "the following arguments are required: profile"),
     ("planner", [], "the following arguments are required: command"),
