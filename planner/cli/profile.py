@@ -110,6 +110,8 @@ def _check_measure_options(args: argparse.Namespace) -> None:
                          "core(s) this process may use")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
+    if args.repeats < 1:  # (a profile recording -3 was refused by planner solve)
+        raise UsageError(f"--repeats is timed runs per unit, at least 1 (got {args.repeats})")
     if not 0 <= args.seed < 2 ** 63:
         raise UsageError(f"--seed is an integer 0 to 2**63 - 1 (got {args.seed})")
     if args.engine_cost == "measure" and args.device != "cpu":
@@ -128,6 +130,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UsageError("--precision is for measured profiles (an analytic one casts the model: --dtype)")
     if args.engine_cost == "measure" and args.analytic:
         raise UsageError("--engine-cost measure times this runtime's engine on this CPU; an analytic profile has none")
+    if args.link == "measure" and args.analytic:  # (it was ignored: the profile had no link)
+        raise UsageError("--link measure times messages between two processes of this host; an analytic profile "
+                         "measures nothing: give planner solve --bandwidth/--latency, or leave --analytic out")
+    if args.ranks_per_host != 1 and args.analytic:
+        raise UsageError("--ranks-per-host loads the other cores while measuring; an analytic profile measures "
+                         "nothing: leave it out, or leave --analytic out")
     if not args.analytic:
         _check_measure_options(args)
     from planner.profile.hostspeed import steadiest_profile

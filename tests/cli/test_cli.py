@@ -125,6 +125,11 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "profile", "builtin:mlp", "-o", ""], "argument --output/-o: an empty value"),
     (["planner.cli", "solve", "p.json", "--cluster", ""], "argument --cluster: an empty value"),
     (["runtime.cli", "execute", "p.json", "--report", ""], "argument --report: an empty value"),
+    # the twenty-ninth session's fuzz: a profile recording repeats -3, which planner solve refused; options an
+    # analytic profile ignored
+    (["planner.cli", "profile", "builtin:mlp", "--repeats", "-3"], "--repeats is timed runs per unit, at least 1"),
+    (["planner.cli", "profile", "builtin:mlp", "--analytic", "--link", "measure"], "an analytic profile measures"),
+    (["planner.cli", "profile", "builtin:mlp", "--analytic", "--ranks-per-host", "2"], "an analytic profile measures"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = run_here(args)
