@@ -167,9 +167,12 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         from runtime.checkpoint import CheckpointError, latest
 
         try:
-            latest(args.checkpoint_dir, plan.digest(), plan.topology().world_size)
+            done = latest(args.checkpoint_dir, plan.digest(), plan.topology().world_size)
         except CheckpointError as e:
             raise UsageError(str(e)) from None
+        if done is not None and done >= args.steps:  # (it trained nothing and reported 0 ms, exit 0)
+            raise UsageError(f"the checkpoint in {args.checkpoint_dir!r} has completed {done} steps, and --steps "
+                             f"{args.steps} counts all steps: nothing is left to train; give --steps above {done}")
     from runtime.options import run_refusal, training_options
 
     options = training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line

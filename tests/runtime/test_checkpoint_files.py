@@ -80,3 +80,24 @@ def test_another_ranks_or_models_file_is_one_line():
     with pytest.raises(ckpt.CheckpointError, match="does not fit stage 0 .size mismatch for weight") as e:
         ckpt.restore_rank(wrong, stages, optimizer, "here")
     assert "\n" not in str(e.value)
+
+
+def test_resuming_a_run_that_has_all_its_steps_is_refused(tmp_path):
+    # the twenty-ninth session's fuzz: --resume from a checkpoint at or past --steps trained nothing, printed
+    # measured 0.00 ms (error -100 %) and wrote a report planner check and calibrate refuse, with exit 0
+    from tests.support.runs import run_here
+
+    profile, plan, checkpoints = (str(tmp_path / name) for name in ("profile.json", "plan.json", "checkpoints"))
+    quick = ["--micro-batch-sizes", "1", "--link", "none", "--engine-cost", "none", "--min-time", "0", "--warmup",
+             "0", "--repeats", "1", "--quiet"]
+    for args in (["planner.cli", "profile", "builtin:mlp", *quick, "-o", profile],
+                 ["planner.cli", "solve", profile, "--stages", "2", "--global-batch", "2", "--quiet", "-o", plan],
+                 ["runtime.cli", "execute", plan, "--steps", "1", "--checkpoint-dir", checkpoints,
+                  "--checkpoint-every", "1"]):
+        assert run_here(args).returncode == 0, args
+    report = tmp_path / "report.json"
+    result = run_here(["runtime.cli", "execute", plan, "--steps", "1", "--resume", "--checkpoint-dir", checkpoints,
+                       "--report", str(report)])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "has completed 1 steps" in result.stderr and "give --steps above 1" in result.stderr
+    assert not report.exists()
