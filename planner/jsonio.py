@@ -85,6 +85,22 @@ def _umask() -> int:
         return mask
 
 
+def image_format(path: str, option: str) -> str:
+    """The picture format `path` names by its suffix ("png" where it has none), one matplotlib writes:
+    JsonFileError, one line, otherwise -- before the work. Its savefig is given it: a path without a suffix
+    made matplotlib add ".png" to atomic_path's temporary file, and the empty file was renamed onto `path`."""
+    suffix = os.path.splitext(path)[1][1:].lower()
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # the drawing says what to install
+        return suffix or "png"
+    known = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in known:
+        raise JsonFileError(f"{option} {path!r}: matplotlib writes no .{suffix} picture; name a .png file (or "
+                            f"{', '.join('.' + k for k in sorted(known) if k != 'png')})")
+    return suffix or "png"
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """A temporary path beside `path` (same suffix) to write the file to; renamed onto `path` when

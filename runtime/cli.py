@@ -9,7 +9,7 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from planner.errors import OneLineParser, UsageError, run_subcommand
-from planner.jsonio import JsonFileError, atomic_path, check_writable, read_json, write_json_atomic
+from planner.jsonio import JsonFileError, atomic_path, check_writable, image_format, read_json, write_json_atomic
 from planner.pipeline import schedule as sched
 from planner.pipeline.check import check_schedule
 from planner.plan.fields import REMAKE
@@ -161,6 +161,8 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
     outputs = [path for path in (args.report, args.save_state, args.timeline, args.trace) if path]
     for k, path in enumerate(outputs):  # now, not after the run; none of them an input or another output
         check_writable(path, [args.plan, args.init_state, *outputs[:k]])
+    if args.timeline:  # a picture matplotlib writes (the run failed after training)
+        image_format(args.timeline, "--timeline")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
     if args.resume:  # the marker rank 0 reads: one line here, not a rank's error

@@ -5,13 +5,16 @@ import argparse
 import sys
 
 from planner.errors import UsageError
-from planner.jsonio import check_writable
+from planner.jsonio import check_writable, image_format
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from planner.fidelity.simulation import format_simulation, simulate_plan
     from planner.plan.file import load_plan
 
+    if args.timeline:  # before the work: a picture over the plan read lost it
+        check_writable(args.timeline, [args.plan])
+        image_format(args.timeline, "--timeline")
     plan = load_plan(args.plan)
     sim = simulate_plan(plan)
     print(format_simulation(sim))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from planner.errors import UsageError
-from planner.jsonio import atomic_path
+from planner.jsonio import atomic_path, check_writable, image_format
 from planner.plan.file import Plan, load_plan
 
 
@@ -45,13 +45,16 @@ def draw_plan(plan: Plan, path: str) -> None:
     bottom.legend()
     fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp)
+        fig.savefig(tmp, format=image_format(path, "--png"))
     plt.close(fig)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     from planner.plan.table import format_plan_table
 
+    if args.png:  # before the work: a picture over the plan read lost it
+        check_writable(args.png, [args.plan])
+        image_format(args.png, "--png")
     plan = load_plan(args.plan)
     print(format_plan_table(plan))
     if args.png:

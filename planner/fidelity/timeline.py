@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from planner.jsonio import atomic_path
+from planner.jsonio import atomic_path, image_format
 
 _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "backward_input": "#dd8452", "backward_weight": "#937860",
             "recv_act": "#cccccc", "recv_grad": "#cccccc",
@@ -46,7 +46,7 @@ def timeline_png(rank_events: Dict[int, List[List[Any]]], predicted: Sequence[An
                loc="upper right", fontsize=7, ncol=6)
     fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120)
+        fig.savefig(tmp, dpi=120, format=image_format(path, "--timeline"))
     plt.close(fig)
 
 

@@ -670,3 +670,25 @@ def test_solve_reads_the_balanced_rhythm_as_an_upper_reading(tmp_path, capsys):
     _, longer = solved(1e-2)
     assert float(re.search(r"would take ([0-9.]+) ms", longer[0]).group(1)) > float(slow)
     assert solved(5e-3, ["--latency", "1e-5"])[1] == []
+
+
+def test_pictures_are_written_where_named_and_never_over_the_plan(tmp_path):
+    # the twenty-ninth session's fuzz: a --png/--timeline path without a suffix got an empty file (matplotlib added
+    # ".png" to the temporary file, left beside it), one naming the plan replaced it with a picture, and a suffix
+    # matplotlib does not write was its own message after the work (after training, for runtime execute)
+    plan = str(tmp_path / "plan.png")
+    assert run_here(["planner.cli", "solve", "tests/data/zero_bubble_recompute_profile.json", "--stages", "2",
+                     "--quiet", "-o", plan]).returncode == 0
+    before = open(plan, "rb").read()
+    for command, option in (("show", "--png"), ("simulate", "--timeline")):
+        picture = tmp_path / f"{command}-picture"
+        assert run_here(["planner.cli", command, option, str(picture), plan]).returncode == 0
+        assert open(picture, "rb").read(4) == b"\x89PNG"
+        for path, needle in ((plan, "which this command reads"), (str(tmp_path / "p.txt"), "writes no .txt picture")):
+            result = run_here(["planner.cli", command, option, path, plan])
+            assert result.returncode == 2 and needle in result.stderr and result.stderr.count("\n") == 1, result.stderr
+            assert result.stdout == ""  # refused before the work
+    ran = run_here(["runtime.cli", "execute", plan, "--timeline", str(tmp_path / "t.txt")])
+    assert ran.returncode == 2 and "--timeline" in ran.stderr and "writes no .txt picture" in ran.stderr, ran.stderr
+    assert open(plan, "rb").read() == before and not list(tmp_path.glob(".tmp-*"))
+    assert not (tmp_path / "p.txt").exists() and not (tmp_path / "t.txt").exists()
