@@ -57,14 +57,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     plans = [load_plan(path) for path in args.plan]
     reports = [load_report(path) for path in args.reports]
     runs = list(zip(plans * len(reports) if len(plans) == 1 else plans, reports))
-    for (plan, report), path in zip(runs, args.reports):
-        warning = other_plan(plan, report)
-        if warning:
-            print(f"{path}: {warning}", file=sys.stderr)
     try:
         calibrated = calibrate_profile(profile, runs)
     except ValueError as e:  # a report or plan of another model, units the profile lacks
         raise UsageError(f"{e}; calibrate a profile with reports of runs of the same model") from None
+    for (plan, report), path in zip(runs, args.reports):  # after the refusals: an error stays one line
+        warning = other_plan(plan, report)
+        if warning:
+            print(f"{path}: {warning}", file=sys.stderr)
     save_profile(calibrated, args.output)
     c = calibrated.extra["calibration"]
     (f_lo, f_hi), (b_lo, b_hi) = factor_range(c, "forward"), factor_range(c, "backward")

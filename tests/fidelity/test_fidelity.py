@@ -292,6 +292,14 @@ def test_check_and_calibrate_commands_on_a_real_run(tmp_path):
         wrong = run_here(["planner.cli", *args])
         assert wrong.returncode == 2 and "different model" in wrong.stderr and "Traceback" not in wrong.stderr
     assert not (tmp_path / "no.json").exists()
+    # a plan of another model, which the report did not run: the refusal alone (the twenty-ninth session's fuzz:
+    # the warning that the report is of another plan file came first, two lines)
+    other_model = str(tmp_path / "other_model.json")
+    save_plan(dataclasses.replace(plan, model=dict(plan.model, seed=plan.model.get("seed", 0) + 1)), other_model)
+    wrong = run_here(["planner.cli", "calibrate", profile_path, report_path, "--plan", other_model, "-o",
+                      str(tmp_path / "no.json")])
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "different model" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "no.json").exists()
     assert "calibration" in json.load(open(out))
     simulated = run_here(["planner.cli", "simulate", plan_path, "--timeline", str(tmp_path / "sim.png")])
     assert simulated.returncode == 0, simulated.stderr
