@@ -29,7 +29,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--memory-per-device", help="memory cap per device, e.g. 16GiB or 512MiB (default: none)")
     s.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES) + ["auto"],
                    help="pipeline schedule; auto lets the solver choose (default 1f1b)")
-    s.add_argument("--virtual-stages", type=int, default=2,
+    s.add_argument("--virtual-stages", type=int, default=None,
                    help="stages per device for interleaved/bfs (default 2)")
     s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
                    help="activation recomputation per unit: auto = where memory needs it (default auto)")
@@ -90,6 +90,11 @@ def problem_from_args(args: argparse.Namespace):
     from planner.cost.options import CostOptions
     from planner.profile.profile import load_profile
 
+    if args.virtual_stages is not None and args.schedule not in (*MULTI_STAGE_SCHEDULES, "auto"):  # (was ignored)
+        raise UsageError(f"--virtual-stages applies to interleaved and bfs, not --schedule {args.schedule}"
+                         + (" (it runs 2 stages per device)" if args.schedule == "zb-v" else "") + "; drop it")
+    if args.virtual_stages is None:
+        args.virtual_stages = 2
     profile = load_profile(args.profile)
     cluster = None
     if args.cluster:

@@ -130,6 +130,9 @@ def test_infeasible_memory_exits_2_with_diagnosis(gpt_profile, tmp_path):
     (["planner.cli", "profile", "builtin:mlp", "--repeats", "-3"], "--repeats is timed runs per unit, at least 1"),
     (["planner.cli", "profile", "builtin:mlp", "--analytic", "--link", "measure"], "an analytic profile measures"),
     (["planner.cli", "profile", "builtin:mlp", "--analytic", "--ranks-per-host", "2"], "an analytic profile measures"),
+    (["planner.cli", "solve", "p.json", "--schedule", "zb-v", "--virtual-stages", "3"],
+     "--virtual-stages applies to interleaved and bfs, not --schedule zb-v (it runs 2 stages per device)"),
+    (["planner.cli", "compare", "p.json", "--virtual-stages", "4"], "--virtual-stages applies to interleaved and bfs"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = run_here(args)
