@@ -154,6 +154,9 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
         raise UsageError("--checkpoint-every K is steps, K >= 1 (0, the default: none written, --resume only reads)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir and not args.checkpoint_every and not args.resume:  # (it wrote nothing, and said nothing)
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} alone writes no checkpoint: add --checkpoint-every K "
+                         "to save one every K steps, or --resume to continue from the last one there")
     if not 1.0 <= args.timeout <= 7 * 24 * 3600:  # (below a second a rank cannot even connect to the others)
         raise UsageError("--timeout is seconds a rank may wait for another, at least 1 and at most a week")
     if args.threads < 0 or args.threads > (os.cpu_count() or 1):

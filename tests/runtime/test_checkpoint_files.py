@@ -101,3 +101,7 @@ def test_resuming_a_run_that_has_all_its_steps_is_refused(tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "has completed 1 steps" in result.stderr and "give --steps above 1" in result.stderr
     assert not report.exists()
+    # --checkpoint-dir without --checkpoint-every or --resume wrote nothing and said nothing
+    alone = run_here(["runtime.cli", "execute", plan, "--steps", "1", "--checkpoint-dir", str(tmp_path / "new")])
+    assert alone.returncode == 2 and "alone writes no checkpoint: add --checkpoint-every K" in alone.stderr, alone.stderr
+    assert alone.stderr.count("\n") == 1 and not (tmp_path / "new").exists()
