@@ -190,10 +190,14 @@ def _check_units(plan: Plan, captured: CapturedModel) -> None:
     if planned != actual:
         first_difference = next((i for i, (a, b) in enumerate(zip(planned, actual)) if a != b),
                                 min(len(planned), len(actual)))
+        def name(names: List[str]) -> str:
+            return repr(names[first_difference]) if first_difference < len(names) else "none"
+
+        # (the same counts read "has 6 units but the plan names 6": say which names differ)
         raise PlanMismatchError(
-            f"the model's graph has {len(actual)} units but the plan names {len(planned)}, first difference at "
-            f"unit {first_difference}; the model changed since it was profiled: re-run `planner profile` and "
-            "`planner solve`")
+            f"the model's graph has {len(actual)} units and the plan names {len(planned)}; unit {first_difference} "
+            f"is {name(actual)} in the graph and {name(planned)} in the plan; the model changed since it was "
+            "profiled (or the plan was edited): re-run `planner profile` and `planner solve`")
 
 
 def _check_values(where: str, planned: List[Dict[str, Any]], actual: List[str]) -> None:

@@ -229,6 +229,16 @@ def test_plan_for_a_changed_model_is_refused(gpt_profile, tmp_path):
     assert result.returncode != 0
     assert "re-run `planner profile`" in result.stderr
     _no_traceback(result)
+    # the same count, a unit renamed by hand: its names (the twenty-ninth session's fuzz: "the model's graph has
+    # 6 units but the plan names 6, first difference at unit 0")
+    plan["model"]["args"]["layers"] = gpt_layers = json.load(open(gpt_profile))["model"]["args"].get("layers", 2)
+    first = plan["stages"][0]["units"][0]
+    plan["stages"][0]["units"][0] = "renamed"
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    result = run_here(["runtime.cli", "execute", plan_path, "--steps", "1"])
+    assert result.returncode != 0 and f"unit 0 is {first!r} in the graph and 'renamed' in the plan" in result.stderr, \
+        (gpt_layers, result.stderr)
 
 
 def test_a_script_without_a_main_guard_is_told_why_its_ranks_stop(tmp_path):
