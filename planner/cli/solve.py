@@ -30,7 +30,7 @@ def add_problem_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES) + ["auto"],
                    help="pipeline schedule; auto lets the solver choose (default 1f1b)")
     s.add_argument("--virtual-stages", type=int, default=None,
-                   help="stages per device for interleaved/bfs (default 2)")
+                   help="stages per device for interleaved/bfs (default 2; --schedule auto compares 2, 3 and 4)")
     s.add_argument("--recompute", default="auto", choices=["auto", "none", "all"],
                    help="activation recomputation per unit: auto = where memory needs it (default auto)")
     s.add_argument("--bandwidth", default=None,
@@ -93,7 +93,7 @@ def problem_from_args(args: argparse.Namespace):
     if args.virtual_stages is not None and args.schedule not in (*MULTI_STAGE_SCHEDULES, "auto"):  # (was ignored)
         raise UsageError(f"--virtual-stages applies to interleaved and bfs, not --schedule {args.schedule}"
                          + (" (it runs 2 stages per device)" if args.schedule == "zb-v" else "") + "; drop it")
-    if args.virtual_stages is None:
+    if args.virtual_stages is None and args.schedule != "auto":  # under auto the search compares 2, 3 and 4
         args.virtual_stages = 2
     profile = load_profile(args.profile)
     cluster = None
@@ -110,7 +110,7 @@ def problem_from_args(args: argparse.Namespace):
                                                           topology.num_devices if topology else 2)
     if stages < 1 or (args.devices is not None and args.devices < 1):
         raise UsageError("--stages/--devices must be at least 1")
-    if args.virtual_stages < 2:
+    if args.virtual_stages is not None and args.virtual_stages < 2:
         raise UsageError("--virtual-stages must be at least 2 (it only applies to interleaved and bfs)")
     width = args.devices if args.devices is not None else stages
     global_batch = max(profile.micro_batch_sizes) * width * 2 if args.global_batch is None else args.global_batch

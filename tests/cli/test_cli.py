@@ -705,3 +705,24 @@ def test_pictures_are_written_where_named_and_never_over_the_plan(tmp_path):
     assert ran.returncode == 2 and "--timeline" in ran.stderr and "writes no .txt picture" in ran.stderr, ran.stderr
     assert open(plan, "rb").read() == before and not list(tmp_path.glob(".tmp-*"))
     assert not (tmp_path / "p.txt").exists() and not (tmp_path / "t.txt").exists()
+
+
+@pytest.mark.parametrize("flags, v", [(["--schedule", "auto"], None), (["--schedule", "auto", "--virtual-stages", "3"], 3),
+                                      (["--schedule", "interleaved"], 2), (["--schedule", "bfs", "--virtual-stages", "4"], 4)])
+def test_schedule_auto_compares_the_stages_per_device(gpt_profile, tmp_path, monkeypatch, flags, v):
+    """--schedule auto leaves v to the search (2, 3 and 4: planner.solve.search.VIRTUAL_STAGES), as issue 18 asks
+    of the choice; it planned interleaved and bfs with --virtual-stages' default 2 alone."""
+    import planner.solve.api as api
+    from planner.cli.main import main
+
+    seen = []
+    real = api.solve
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("virtual_stages"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "solve", spy)
+    assert main(["solve", gpt_profile, "--devices", "2", "--global-batch", "8", "--time-limit", "10", *flags,
+                 "-o", str(tmp_path / "plan.json")]) == 0
+    assert seen == [v]
