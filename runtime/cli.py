@@ -180,7 +180,7 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
                              f"{args.steps} counts all steps: nothing is left to train; give --steps above {done}")
     from runtime.options import run_refusal, training_options
 
-    options = training_options(args, args.optimizer or "sgd", plan)  # each option checked here, once, in one line
+    options = training_options(args, args.optimizer or plan.optimizer, plan)  # each option checked here, once
     refused = run_refusal(plan, options, bool(args.checkpoint_dir))  # local SGD's, ZeRO-2's and ZeRO-3's rules
     if refused:
         raise UsageError(refused)

@@ -27,6 +27,7 @@ P2P_HELP = ("auto (default): messages between the CPU ranks of one host, and the
             "the report says why), the others through torch.distributed; gloo: all through torch.distributed (the "
             "own engine; the torch engine always uses torch.distributed)")
 PRECISIONS = RUN_PRECISIONS
+DEFAULT_BETAS = (0.9, 0.999)  # torch's Adam and AdamW
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("sgd", "adam", "adamw")  # what a run steps with (torch.optim's SGD, Adam, AdamW)
 
@@ -37,7 +38,7 @@ class TrainOptions:
     lr: float = 0.01
     momentum: float = 0.0  # SGD
     weight_decay: Optional[float] = None  # SGD's and Adam's L2 term, AdamW's decoupled decay; None: torch's default
-    betas: Tuple[float, float] = (0.9, 0.999)  # Adam, AdamW
+    betas: Tuple[float, float] = DEFAULT_BETAS  # Adam, AdamW
     schedule: str = "constant"
     warmup_steps: int = 0
     min_lr: float = 0.0
@@ -59,6 +60,15 @@ class TrainOptions:
             raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr < math.inf:
             raise ValueError("--warmup-steps and --min-lr must be 0 or more (finite)")
+        if self.min_lr > self.lr:  # (the cosine would raise the rate from --lr towards it)
+            raise ValueError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the floor the rate decays to; give one "
+                             "below --lr")
+        if self.optimizer == "sgd" and tuple(self.betas) != DEFAULT_BETAS:  # (they were ignored)
+            raise ValueError("--betas are Adam's and AdamW's; this run steps with sgd: give --optimizer adam or adamw, "
+                             "or drop --betas")
+        if self.optimizer != "sgd" and self.momentum:
+            raise ValueError(f"--momentum is SGD's; this run steps with {self.optimizer} (its --betas set its moments): "
+                             "drop --momentum, or give --optimizer sgd")
         if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
             raise ValueError("--clip-grad-norm must be a positive finite number")
         if self.precision not in PRECISIONS:
@@ -84,7 +94,8 @@ _OPTIONS = [
     ("--momentum", dict(type=float, default=0.0, help="SGD momentum (default 0)")),
     ("--weight-decay", dict(type=float, default=None,
                             help="SGD and Adam: L2 penalty; AdamW: decoupled decay (default: torch's, 0, 0 and 0.01)")),
-    ("--betas", dict(default="0.9,0.999", metavar="B1,B2", help="Adam and AdamW betas (default 0.9,0.999)")),
+    ("--betas", dict(default=",".join(map(str, DEFAULT_BETAS)), metavar="B1,B2",
+                      help="Adam and AdamW betas (default 0.9,0.999)")),
     ("--lr-schedule", dict(choices=SCHEDULES, default="constant",
                            help="constant, or cosine from --lr down to --min-lr at the last step (default constant)")),
     ("--warmup-steps", dict(type=int, default=0, help="linear warm-up steps from lr/N to lr (default 0)")),

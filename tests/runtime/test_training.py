@@ -82,7 +82,11 @@ def test_bad_training_options_fail_in_one_line(tmp_path):
                          (["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "-1"], "K >= 1"),
                          (["--report", str(tmp_path)], "is a directory; name a file to write"),
                          # the twenty-sixth session's fuzz: a rank that could not connect, a step count that overflowed
-                         (["--timeout", "1e-9"], "at least 1"), (["--steps", str(10 ** 22)], "--steps must be 1..")]:
+                         (["--timeout", "1e-9"], "at least 1"), (["--steps", str(10 ** 22)], "--steps must be 1.."),
+                         # the twenty-ninth session's fuzz: options the run ignored
+                         (["--betas", "0.5,0.9"], "--betas are Adam's and AdamW's; this run steps with sgd"),
+                         (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is SGD's; this run steps with adamw"),
+                         (["--lr", "0.01", "--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.01")]:
         code, err = _in_process(["execute", path, *flags])  # (test_cli runs the command as a process)
         assert code == 2 and words in err and len(err.splitlines()) == 1, (flags, err)
 
