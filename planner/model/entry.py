@@ -33,6 +33,9 @@ def parse_model_args(pairs: Iterable[str]) -> Dict[str, Any]:
         key = key.strip()
         if not sep or not key.isidentifier():
             raise ModelEntryError(f"--model-arg {pair!r} is not of the form key=value (e.g. --model-arg layers=4)")
+        if key in args:  # (the last one won, silently)
+            raise ModelEntryError(f"--model-arg {key} is given twice ({args[key]!r} and {_parse_literal(raw.strip())!r}); "
+                                  "give it once")
         args[key] = _parse_literal(raw.strip())
     return args
 

@@ -133,9 +133,12 @@ def test_a_failing_loss_is_told_what_the_loss_gets():
 
 def test_model_arguments_take_lists_of_numbers():
     from planner.model.entry import parse_model_args
+    from planner.model.spec import ModelEntryError
 
     assert parse_model_args(["depths=[2,2,6]", "dims=(8, 16)", "name=[x", "n=3", "flag=true"]) == \
         {"depths": [2, 2, 6], "dims": [8, 16], "name": "[x", "n": 3, "flag": True}
+    with pytest.raises(ModelEntryError, match="--model-arg layers is given twice .2 and 4.; give it once"):
+        parse_model_args(["layers=2", "width=8", "layers=4"])  # (the last one won, silently: a fuzz's finding)
 
 
 class _Layer(nn.Module):
