@@ -21,7 +21,7 @@ end is at least the sum of its stages' B_g, so every split's step is at least ma
 min-max partition) and at least the mean over the p ranks of sum_g B_g (the cheapest cuts for the
 transfers, a dynamic program over the boundaries).
 With several stages per device (v > 1) this is the bound that sees one heavy unit or an expensive
-cut; the one-stage-per-device bound (planner.solve.search) adds it stage by stage.
+cut; the one-stage-per-device bound (planner.solve.scenario_bound) adds it stage by stage.
 """
 from __future__ import annotations
 

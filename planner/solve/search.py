@@ -4,34 +4,8 @@ each solved under the exact model (planner.solve.exact), with the global certifi
 The decisions that change the shape of the lists (p, d, schedule, v, b) are enumerated; the
 boundaries and recomputation are solved inside each scenario. Each scenario first gets a good plan
 fast (the fill-drain chain optimum and a balanced split, simulated, then improved by local search)
-and a lower bound that holds for every split under the exact model:
-
-    v = 1:  min over splits of max_g  W(0, a_g) / sigma_max + m (k + W(a_g, e_g) + R_g(a_g, e_g)) / sigma_g
-                                      + max(0, W(e_g, L) / sigma_max - (m - 1) F_g)
-            (stage g's rank runs m forwards and backwards, after micro-batch 0 crossed the stages
-            before it and before the last micro-batch's backward crosses them again; between the
-            forward and the backward of the first micro-batch it backwards, that micro-batch
-            crosses every later stage and back, while the rank has at most m - 1 other forwards
-            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition).
-            The crossings count too: each boundary before g (after g) costs at least its cheapest
-            message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
-            forward and last backward (the cost per message of each) can fill the wait: the larger counts.
-            Where larger, a stage's term is B_g(a_g, e_g) + m R_g / sigma_g instead: its rank's own
-            computes and its blocking batches' waits at the stage's cuts (planner.solve.rank_busy).
-            Under a memory cap R_g is +inf where the range never fits its device (no stage holds it) and,
-            under `--recompute auto` with 1F1B, GPipe or zb-h1, the least recomputation it needs to fit
-            (planner.solve.recompute_bound; 0 otherwise)
-    v > 1:  max( (m (W + S k) / sigma_max + min over cuts sum_g waits_g) / p,  (W + S k) / sigma_max,
-                 min over splits of max_g B_g(a_g, e_g) )
-            (the busiest rank, one micro-batch, the busiest stage's rank)
-
-plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
-'all'). Zero-bubble schedules: W counts both backward parts (and a recomputed forward in each), while
-the crossing after a stage and the one micro-batch of v > 1 count forward and input backward only
-(nothing waits for a weight backward), the one before it forwards only, with only the activation
-messages of the boundaries before it (its last weight backwards may overlap the input backwards
-and the gradient messages upstream). Scenarios are solved from the most promising; one whose bound
-is not below the best plan found is skipped, and the global bound is the minimum over scenarios of
+and a lower bound that holds for every split under the exact model (planner.solve.scenario_bound).
+Scenarios are solved from the most promising; one whose bound is not below the best plan found is skipped, and the global bound is the minimum over scenarios of
 their proven bounds (a skipped scenario contributes its bound), so the reported gap is a true gap.
 Under a time limit the first scenario solved gets half the time left and each later one at least an
 equal share of it; time they leave goes to the unsettled ones again (a scenario keeps the larger of
@@ -47,22 +21,18 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from planner.cost.memory import SHARDS
-from planner.cost.model import (boundary_links, candidate_micro_batch_sizes, evaluate, num_micro_batches,
-                                rank_caps, rank_speeds)
+from planner.cost.model import candidate_micro_batch_sizes, evaluate, rank_caps
 from planner.cost.options import CostOptions
-from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES, schedule_virtual_stages
-from planner.cost.ranges import prefix_sums, range_costs
+from planner.pipeline.schedule import schedule_virtual_stages
+from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import _evaluate, local_search, solve_scenario
 from planner.solve.floors import OutOfTime, check_deadline
-from planner.solve.rank_busy import CutWaits, rank_busy
+from planner.solve.scenario_bound import scenario_lower_bound
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Candidate, scenario_gap
 
 RESOLVE_S = 0.5  # time left (seconds) worth solving an unsettled scenario again
-# the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
-# stages' partition, then each stage's matrix and its step of the partition (scenario_lower_bound)
-BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 12, 11
 STARTS_SHARE = 0.3  # of the time limit, at most, for the scenarios' starting plans (heuristic_plan)
 VIRTUAL_STAGES = (2, 3, 4)  # v compared when a chunked schedule is chosen without --virtual-stages
 
@@ -172,153 +142,6 @@ def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None,
         if found is not None and (best is None or found.iteration_s < best.iteration_s):
             best = found
     return local_search(profile, b, opts, best, forms, deadline) if best is not None else None
-
-
-def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> float:
-    """A lower bound of every plan's iteration time in the scenario (module docstring). With one stage
-    per device the least over splits of the stages' own bounds, O(S L^2); past `deadline`
-    (time.perf_counter()) the bound of several stages per device instead, which holds for every schedule."""
-    costs = range_costs(profile, b, opts.optimizer)
-    m, S, p = num_micro_batches(opts, b), opts.num_stages, opts.pipeline_ranks
-    speeds = rank_speeds(opts)
-    fastest = max(speeds)
-    redo = costs.F if opts.recompute == "all" else 0.0
-    L = profile.num_units
-    call = costs.call_forward + costs.call_backward
-    if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # planner.cost.ranges: the parts of a later and of the first stage
-        # what one micro-batch's crossing waits for, past the first stage (recomputed forwards run in both
-        # parts); a unit a stage whose input part runs nothing may hold (one starting at or before it at a
-        # cut no gradient crosses, ranges' `whole`) adds nothing to it
-        redo_l = costs.f if opts.recompute == "all" else np.zeros(L)
-        whole_from = next((a for a in range(1, L) if costs.whole[a]), L)
-        crossing_part = np.where(np.arange(L) < whole_from, costs.gi + redo_l, 0.0)
-        chain = costs.F + prefix_sums(crossing_part)
-        lead = costs.F  # before a rank's first forward; its last W's may overlap the I's upstream
-
-        def work_matrix() -> np.ndarray:  # (L + 1)^2: made only where read
-            parts = costs.split_matrices(redo)
-            return costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
-        # v > 1: the first stage (units [0, e), e <= L - S + 1) is unknown, so each unit its cheaper
-        # case; the chain counts only the units no first stage holds
-        per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
-        later = costs.later_input + costs.later_weight
-        wholes = 1 if whole_from == L else S  # the stages that may split as the first one does
-        total = float(costs.F[-1] + per_unit.sum()) + S * costs.call_forward + \
-            wholes * min(costs.first_input + costs.first_call, later) + (S - wholes) * later
-        through = float(costs.F[-1] + crossing_part[L - S + 1:].sum()) + S * costs.call_forward + \
-            wholes * min(costs.first_input, costs.later_input) + (S - wholes) * costs.later_input
-    else:
-        prefix = chain = costs.F + costs.G + redo
-        lead = prefix
-
-        def work_matrix() -> np.ndarray:
-            return costs.matrix(prefix) + call
-        total = float(prefix[-1]) + S * call
-        through = float(chain[-1]) + S * call
-    loose = max(m * total / (p * fastest), through / fastest)  # the busiest rank's share; one micro-batch's chain
-    cut_busy = None  # planner.solve.rank_busy: per stage, what its rank's blocking batches wait at its cuts
-    if not opts.replicated and (deadline is None or time.perf_counter() < deadline):  # (reads the lists)
-        counts = rank_busy(opts, m)
-        cut_busy = CutWaits(counts, costs, opts, L)
-        loose = max(loose, (m * total / fastest + cut_busy.least_sum()) / p)
-    if deadline is None or time.perf_counter() < deadline:
-        made = time.perf_counter()
-        forward = costs.matrix(costs.F) + costs.call_forward
-        # the loose bound where the (L + 1)^2 operations still to come, each about as long as this one
-        # (0.5 s at 10,000 units), would end past the deadline
-        still = BOUND_MATRIX_OPERATIONS + BOUND_MATRIX_OPERATIONS_PER_STAGE * S
-        if deadline is not None and time.perf_counter() + (time.perf_counter() - made) * still > deadline:
-            return loose + opts.step_overhead_s
-        work = work_matrix()
-        if opts.virtual_stages > 1:  # each stage's rank: its own computes and waits at its cuts
-            return max(loose, _busiest_stage(work, m, counts.speeds, cut_busy, L, S, deadline)
-                       if cut_busy is not None else loose) + opts.step_overhead_s
-        forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
-        # crossing boundary j at cut position c: both messages' transfers and the cost per message;
-        # under zero bubble only the activation's precedes the rank (the gradients going back up may
-        # overlap its own weight backwards, as `lead` says)
-        links = boundary_links(opts)
-        zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
-
-        def crossing(link, both: bool) -> np.ndarray:
-            return np.array([costs.message_s(c, link) + both * costs.message_s(c, link, gradient=True)
-                             if 0 < c < L else np.inf for c in range(L + 1)]) + (1 + both) * opts.message_s
-        # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
-        fill = np.zeros((S, L + 1))
-        drain = np.zeros((S, L + 1))
-        for j, link in enumerate(links):
-            fill[j + 1:] += np.minimum.accumulate(crossing(link, not zero_bubble))
-            drain[:j + 1] += np.minimum.accumulate(crossing(link, True)[::-1])[::-1]
-        fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
-        before = lead[:, None] / fastest
-        after = (chain[-1] - chain)[None, :] / fastest
-
-        scaled = {}  # speed -> (m work, (m - 1) forward) at that speed: shared by its stages (L^2 each)
-        try:
-            fitting = _fitting_terms(profile, b, opts, deadline)
-        except OutOfTime:
-            fitting = None
-
-        def stage(g: int) -> np.ndarray:
-            # the rank's own batches between its first forward and its last backward (every message
-            # but its first receive and its last send) may lie in the wait: the larger counts
-            inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
-            if speeds[g] not in scaled:
-                scaled[speeds[g]] = (m * work / speeds[g], (m - 1) * forward / speeds[g])
-            busy, overlapped = scaled[speeds[g]]
-            value = np.subtract(after + drain[g][None, :], overlapped)  # in place below: L^2 each
-            np.maximum(value, inside, out=value)
-            value += busy
-            value += before + fill[g][:, None]
-            if cut_busy is not None:  # or its rank's computes and its batches' waits at its cuts
-                np.maximum(value, busy + cut_busy.matrix(g), out=value)
-            if fitting is not None:
-                value += fitting[g]
-            return value
-
-        try:
-            value = min_max_partition(profile.num_units, S, stage, deadline)[0]
-        except OutOfTime:
-            value = loose
-    else:
-        value = loose
-    return value + opts.step_overhead_s
-
-
-def _busiest_stage(work: np.ndarray, m: int, speeds, cut_busy: CutWaits, L: int, S: int,
-                   deadline: Optional[float]) -> float:
-    """min over splits of max_g B_g(a_g, e_g) (planner.solve.rank_busy); 0 past the deadline."""
-    def stage(g: int) -> np.ndarray:
-        return m * work / speeds[g] + cut_busy.matrix(g)
-    try:
-        return min_max_partition(L, S, stage, deadline)[0]
-    except OutOfTime:
-        return 0.0
-
-
-def _fitting_terms(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None
-                   ) -> Optional[List[np.ndarray]]:
-    """Per stage g, what a split pays for stage g = [a, e) to fit its device (one stage per device),
-    beyond its work: +inf where it never fits, and under `--recompute auto` (1F1B, GPipe, zb-h1) m times the
-    least recomputation R_g(a, e) it needs (planner.solve.recompute_bound), 0 elsewhere; None where
-    no device has a cap, or recomputation is chosen per unit under another schedule (no such bound)."""
-    from planner.cost.stage_memory import StageMemory
-    from planner.solve.recompute_bound import bounded, least_recompute
-
-    memory = StageMemory(profile, b, opts, opts.recompute == "all")
-    S = opts.num_stages
-    if all(memory.cap(g) is None for g in range(S)) or (opts.recompute == "auto" and not bounded(opts)):
-        return None
-    if opts.recompute == "auto":
-        m = num_micro_batches(opts, b)
-        return [m * table for table in least_recompute(memory, range_costs(profile, b, opts.optimizer), opts, b)]
-    terms = []
-    for g in range(S):
-        check_deadline(deadline)
-        cap = memory.cap(g)
-        terms.append(np.zeros((profile.num_units + 1,) * 2) if cap is None else
-                     np.where(memory.matrix(g) <= cap, 0.0, np.inf))
-    return terms
 
 
 def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str, time_limit: Optional[float] = None,

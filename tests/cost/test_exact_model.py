@@ -243,7 +243,7 @@ def test_the_scenario_bound_holds_for_every_plan(problem):
     import itertools
 
     from planner.cost.model import candidate_micro_batch_sizes
-    from planner.solve.search import scenario_lower_bound
+    from planner.solve.scenario_bound import scenario_lower_bound
 
     profile, opts = problem
     opts = opts.with_(memory_cap=None)
@@ -263,7 +263,7 @@ def test_the_zero_bubble_scenario_bound_counts_only_activations_before_a_rank():
     the bound once charged both and exceeded the best split."""
     import itertools
 
-    from planner.solve.search import scenario_lower_bound
+    from planner.solve.scenario_bound import scenario_lower_bound
     from tests.support.synthetic import synthetic_profile
 
     f = {1: 0.00390625, 2: 0.0078125, 4: 0.015625}

@@ -80,6 +80,7 @@ def test_the_time_limit_bounds_the_whole_placement_search(monkeypatch):
     # every scenario solve "uses all the time it is given" on a clock the search reads: 7 placements
     # solved one by one, each under the whole limit, would take several limits; one search takes one
     import planner.solve.floors as floors
+    import planner.solve.scenario_bound as scenario_bound
     import planner.solve.search as search
 
     clock = {"now": 0.0}
@@ -97,6 +98,7 @@ def test_the_time_limit_bounds_the_whole_placement_search(monkeypatch):
 
     monkeypatch.setattr(search, "solve_scenario", using_its_time)
     monkeypatch.setattr(search, "time", Clock)
+    monkeypatch.setattr(scenario_bound, "time", Clock)  # the scenarios' bounds keep the limit too
     monkeypatch.setattr(floors, "time", Clock)  # the scenarios' bounds read it (planner.solve.floors.check_deadline)
     L, limit = 6, 10.0
     profile = synthetic_profile([0.001 * (1 + u % 3) for u in range(L)], [0.002] * L, [1 << 20] * L, [0] * L,

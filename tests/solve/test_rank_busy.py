@@ -12,7 +12,7 @@ from planner.cost.step import step_graph, step_lists
 from planner.pipeline.actions import COMM_KINDS, SENDS, ActionKind
 from planner.pipeline.stepgraph import batches_of
 from planner.solve.rank_busy import CutWaits, rank_busy
-from planner.solve.search import scenario_lower_bound
+from planner.solve.scenario_bound import scenario_lower_bound
 from tests.support.synthetic import random_chain, synthetic_profile
 
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3), ("bfs", 2), ("zb-v", 2)]

@@ -11,7 +11,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.solve.api import solve
 from planner.solve.brute import solve_brute
-from planner.solve.search import scenario_lower_bound
+from planner.solve.scenario_bound import scenario_lower_bound
 from tests.support.solvers import both_solvers_match_brute_force, program_only
 from tests.support.synthetic import compute_inside, random_chain, receive_apart
 
