@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from planner.jsonio import JsonFileError, newer_schema, read_json
+from planner.fidelity.simulation import replay_s
 from planner.plan.file import Plan
 from planner.profile.hostspeed import host_speed_lines
 from planner.profile.reader import MAX_SECONDS
@@ -126,8 +127,9 @@ def check_report(plan: Plan, report: Dict[str, Any]) -> Dict[str, Any]:
                       "backward": (me["backward_s"], pr["backward_s"], _rel(me["backward_s"], pr["backward_s"])),
                       "waiting_s": me.get("wait_s", me.get("recv_wait_s", 0.0) + me.get("send_wait_s", 0.0))})
     measured, predicted = report["measured_iteration_s"], plan.predicted_iteration_s
+    replayed = replay_s(plan, report)
     return {"ranks": ranks, "iteration": (measured, predicted, _rel(measured, predicted)),
-            "host_slowdown": report.get("host_slowdown")}
+            "replayed": (measured, replayed, _rel(measured, replayed)), "host_slowdown": report.get("host_slowdown")}
 
 
 def format_check(result: Dict[str, Any]) -> str:
@@ -142,5 +144,10 @@ def format_check(result: Dict[str, Any]) -> str:
     me, pr, rel = result["iteration"]
     lines.append(f"iteration: measured {me * 1e3:.2f} ms, predicted {pr * 1e3:.2f} ms, error "
                  f"{'n/a' if rel is None else f'{rel * 100:+.1f}%'}")
+    if result.get("replayed"):
+        _, replayed, rel = result["replayed"]
+        lines.append(f"at the run's measured compute the plan's lists take {replayed * 1e3:.2f} ms, error "
+                     f"{'n/a' if rel is None else f'{rel * 100:+.1f}%'} (what is left: waits, messages, per-action "
+                     "work; the rest of the error above is the compute's speed)")
     lines += host_speed_lines(result.get("host_slowdown"), pr, me)
     return "\n".join(lines)

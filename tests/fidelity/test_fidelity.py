@@ -10,7 +10,7 @@ from planner.cost.model import evaluate
 from planner.cost.options import CostOptions
 from planner.fidelity.calibrate import calibrate_profile
 from planner.fidelity.check import check_report
-from planner.fidelity.simulation import simulate_plan
+from planner.fidelity.simulation import replay_s, simulate_plan
 from planner.plan.make import make_plan
 from planner.profile.hostspeed import at_host_speed, host_slowdown, host_speed_lines, reference_kernel_s, slowdown_warning
 from planner.solve.api import solve
@@ -95,6 +95,69 @@ def _fake_report(plan, forward_scale, backward_scale, measured_iteration_s, link
                                      "recv_wait_s": 0.0, "send_wait_s": 0.0},
                         "predicted": {"forward_s": m * s.forward_s, "backward_s": m * s.backward_s}}
                        for g, s in enumerate(plan.stages)]}
+
+
+def _staged_plan(times, schedule, m=8, forward_scale=1.0, backward_scale=1.0):
+    """A plan of len(times) one-unit stages (forward t, backward 2t, scaled), 2 per rank under the
+    schedules that run several, no transfers."""
+    from planner.pipeline.schedule import schedule_virtual_stages
+    from planner.solve.solution import Solution
+
+    n, v = len(times), schedule_virtual_stages(schedule) or 2
+    v = 1 if schedule in ("1f1b", "gpipe", "zb-h1") else v
+    profile = synthetic_profile(forward=[{1: forward_scale * t} for t in times],
+                                backward=[{1: 2 * backward_scale * t} for t in times], params=[0] * n,
+                                saved=[{1: 0}] * n, cut_act=[{1: 0}] * (n - 1), sizes=(1,))
+    opts = CostOptions(pipeline_ranks=n // v, global_batch=m, schedule=schedule, virtual_stages=v)
+    cost = evaluate(profile, list(range(1, n)), 1, opts)
+    solution = Solution(boundaries=list(range(1, n)), micro_batch_size=1, num_micro_batches=m, cost=cost,
+                        status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
+                        method="fixed", backend="none")
+    return make_plan(profile, solution, opts, "test")
+
+
+def _rank_report(plan, forward_scale, backward_scale, optimizer_s=None):
+    """What a run of `plan` reports per pipeline rank when its forwards took forward_scale[r] and its
+    backwards backward_scale[r] times the plan's."""
+    m, stages = plan.num_micro_batches, []
+    for r, actions in enumerate(plan.instruction_lists()):
+        chunks = sorted({a.stage for a in actions if a.kind.value == "forward"})
+        forward = sum(m * plan.stages[g].forward_s for g in chunks)
+        backward = sum(m * plan.stages[g].backward_s for g in chunks)
+        measured = {"forward_s": forward * forward_scale[r], "backward_s": backward * backward_scale[r]}
+        if optimizer_s is not None:
+            measured["optimizer_s"] = optimizer_s[r]
+        stages.append({"rank": r, "stage": r, "replica": 0, "chunks": chunks,
+                       "units": [u for g in chunks for u in plan.stages[g].units], "measured": measured,
+                       "predicted": {"forward_s": forward, "backward_s": backward}})
+    return {"model": plan.model, "measured_iteration_s": 1.0, "stages": stages}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "bfs", "zb-h1", "zb-v"])
+def test_replay_simulates_the_lists_at_the_compute_the_run_measured(schedule):
+    times = [1.0, 3.0, 2.0, 2.0]
+    plan = _staged_plan(times, schedule)
+    ranks = len(plan.instruction_lists())
+    # a run at the plan's own speed replays to the plan's prediction
+    assert replay_s(plan, _rank_report(plan, [1.0] * ranks, [1.0] * ranks)) == pytest.approx(
+        plan.predicted_iteration_s, rel=1e-12)
+    # every forward 1.5x, every backward (both parts of a split one) 2x: the plan of a profile so timed
+    slow = _staged_plan(times, schedule, forward_scale=1.5, backward_scale=2.0)
+    assert replay_s(plan, _rank_report(plan, [1.5] * ranks, [2.0] * ranks)) == pytest.approx(
+        slow.predicted_iteration_s, rel=1e-9)
+    assert slow.predicted_iteration_s > plan.predicted_iteration_s * 1.5
+
+
+def test_replay_takes_each_ranks_own_speed_and_its_measured_optimizer_step():
+    plan = _plan([1.0, 1.0], 4, "gpipe")
+    base = plan.predicted_iteration_s
+    # rank 1 computing 2x: the step is the plan of stages 1 and 2 s
+    assert replay_s(plan, _rank_report(plan, [1.0, 2.0], [1.0, 2.0])) == pytest.approx(
+        _plan([1.0, 2.0], 4, "gpipe").predicted_iteration_s)
+    # rank 0 ends the step (its last backward comes after rank 1's): its measured step is on the path
+    assert replay_s(plan, _rank_report(plan, [1.0, 1.0], [1.0, 1.0], optimizer_s=[0.5, 0.0])) == pytest.approx(base + 0.5)
+    result = check_report(plan, dict(_rank_report(plan, [1.0, 1.0], [1.0, 1.0]), measured_iteration_s=base * 1.1))
+    assert result["replayed"][1] == pytest.approx(base) and result["replayed"][2] == pytest.approx(0.1)
 
 
 def test_calibration_scales_units_and_records_overhead():
