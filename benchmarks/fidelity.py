@@ -7,6 +7,10 @@ calibration round.
                                           # small micro-batches, on models held out from the model's development
     .venv/bin/python benchmarks/fidelity.py --schedule zb-h1 --stages 2 --models mlp,gpt
                                           # the same grid under a zero-bubble schedule (default 1f1b)
+    .venv/bin/python benchmarks/fidelity.py --stages 2 --schedule 1f1b,interleaved,zb-v \
+        --model hf:BertForMaskedLM --model-arg hidden_size=64 --model-arg num_hidden_layers=4 --models builtin:unet
+                                          # any model spec (each --model with its own --model-args) under
+                                          # several schedules (interleaved and bfs: --virtual-stages per rank)
 
 By default built-in gpt and resnet x stages {1, 2} x micro-batches {2, 4, 8} x micro-batch sizes {2, 4}:
 profile (afresh before each pass over the grid: a shared machine drifts over minutes) the way the
@@ -42,11 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # them and "other processes" means other jobs (forked from runtime.launch's fork server they would not be)
 os.environ.setdefault("PIPEPLANNER_LAUNCH", "subprocess")
 from common import run_plan  # noqa: E402
+from fidelity_grid import (DEFAULT_MODELS, MODELS, add_grid_options, grid_models, grid_schedules,  # noqa: E402,F401
+                           rank_lines, virtual_stages_of)
 
 from planner.cost.model import evaluate  # noqa: E402
 from planner.cost.options import CostOptions  # noqa: E402
 from planner.fidelity.calibrate import calibrate_profile, solve_link  # noqa: E402
-from planner.fidelity.simulation import simulate_plan  # noqa: E402
+from planner.fidelity.simulation import replay_s, simulate_plan  # noqa: E402
 from planner.jsonio import write_json_atomic  # noqa: E402
 from planner.plan.make import make_plan  # noqa: E402
 from planner.profile.hostspeed import SLOWDOWN_WARN, at_host_speed, worst_ratio  # noqa: E402
@@ -57,14 +63,6 @@ from planner.profile.engine_cost import measure_engine_overhead  # noqa: E402
 from planner.profile.rhythm import rhythm_compute  # noqa: E402
 from planner.solve.api import solve  # noqa: E402
 
-MODELS = {
-    "gpt": ("builtin:gpt", {"vocab": 8192, "dim": 64, "layers": 4, "seq_len": 32}),
-    "resnet": ("builtin:resnet", {"width": 16, "blocks": 4, "image": 32}),
-    # not used while the exact model was developed: the held-out pair of the small-micro-batch grid
-    "mlp": ("builtin:mlp", {"inputs": 256, "dim": 512, "layers": 8, "outputs": 64}),
-    "mobilenet": ("builtin:mobilenet", {"blocks": 6, "width": 0.5, "image": 32}),
-}
-DEFAULT_MODELS = ("gpt", "resnet")
 STAGES = (1, 2)
 MICRO_BATCHES = (2, 4, 8)
 SIZES = (2, 4)
@@ -82,8 +80,9 @@ def only_size(profile, b):
     return p
 
 
-def plan_for(profile, stages, m, b, opts_extra=None, schedule="1f1b"):
-    opts = CostOptions(pipeline_ranks=stages, global_batch=m * b, schedule=schedule, **(opts_extra or {}))
+def plan_for(profile, stages, m, b, opts_extra=None, schedule="1f1b", virtual_stages=1):
+    opts = CostOptions(pipeline_ranks=stages, global_batch=m * b, schedule=schedule, virtual_stages=virtual_stages,
+                       **(opts_extra or {}))
     solution = solve(only_size(profile, b), opts, method="ilp")
     return make_plan(profile, solution, opts, "benchmark"), opts
 
@@ -94,8 +93,8 @@ def plan_fixed(profile, plan, opts_extra=None):
 
     b, m = plan.micro_batch_size, plan.num_micro_batches
     boundaries = [s.first_unit for s in plan.stages[1:]]
-    opts = CostOptions(pipeline_ranks=len(plan.stages), global_batch=m * b, schedule=plan.schedule,
-                       **(opts_extra or {}))
+    opts = CostOptions(pipeline_ranks=plan.pipeline_stages, global_batch=m * b, schedule=plan.schedule,
+                       virtual_stages=plan.virtual_stages, **(opts_extra or {}))
     cost = evaluate(only_size(profile, b), boundaries, b, opts)
     solution = Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=m, cost=cost, status="fixed",
                         objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
@@ -152,7 +151,7 @@ def profiles_for(entry, model_args, args):
     for stages in args.stage_counts:
         profiles[stages] = steadiest_profile(lambda: profile_model(
             entry, model_args, list(args.size_list), device=args.device, threads=1, repeats=7, warmup_s=args.warmup,
-            min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0), RETRIES,
+            min_time_s=args.min_time, co_runners=stages - 1 if args.co_runners else 0), args.retries,
             lambda msg: print(f"  profile for {stages} stage(s): {msg}", flush=True))
     if args.link:
         cut_bytes = {c.activation_bytes(b) for c in profiles[min(profiles)].cuts for b in args.size_list}
@@ -167,12 +166,12 @@ def profiles_for(entry, model_args, args):
     return profiles
 
 
-def run_point(plan, profile, steps):
+def run_point(plan, profile, steps, retries=RETRIES):
     """One grid point of one pass: run it; run again (at most RETRIES times) while the run's host
     speed is off the profile's by more than SLOWDOWN_WARN, keeping the try closest to the profile's
     speed. The first try is kept beside it (the error without re-measurement)."""
     tries = []
-    for _ in range(RETRIES + 1):
+    for _ in range(retries + 1):
         report, other = measured_run(plan, steps)
         tries.append({"measured_s": report["measured_iteration_s"], "other": other, "report": report,
                       "host_off": host_off(report)})
@@ -184,12 +183,14 @@ def run_point(plan, profile, steps):
     return dict(best, plan=plan, profile=profile, predicted_s=predicted,
                 at_host_speed_s=predicted if scaled is None else scaled,
                 simulated_s=simulate_plan(plan).iteration_s, first_measured_s=tries[0]["measured_s"],
+                replayed_s=replay_s(plan, best["report"]),
                 tries=len(tries), host_off_tries=[t["host_off"] for t in tries])
 
 
 def run_passes(name, args):
-    """Every pass over the grid for one model: {(S, m, b): plan}, {(S, m, b): [run per pass]}."""
-    entry, model_args = MODELS[name]
+    """Every pass over the grid for one model, every schedule: {(schedule, S, m, b): plan},
+    {(schedule, S, m, b): [run per pass]}."""
+    entry, model_args = args.model_table[name]
     plans, runs = None, None
     for rep in range(args.passes):
         # Whole passes over the grid, each profiled afresh just before its runs: the machine's speed
@@ -200,36 +201,40 @@ def run_passes(name, args):
             print(f"{name} pass {rep + 1}: link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                   f"latency {link['latency_s'] * 1e6:.0f} us", flush=True)
         if plans is None:  # the splits are solved once (first pass) and kept, so each point is one plan
-            plans = {(stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]),
-                                              args.schedule)[0]
-                     for stages in args.stage_counts for m in args.m_list for b in args.size_list}
+            plans = {(schedule, stages, m, b): plan_for(profiles[stages], stages, m, b, link_options(profiles[stages]),
+                                                        schedule, virtual_stages_of(schedule, args.virtual_stages))[0]
+                     for schedule in args.schedule_list for stages in args.stage_counts
+                     for m in args.m_list for b in args.size_list}
             runs = {key: [] for key in plans}
         for key, plan in plans.items():
-            profile = profiles[key[0]]
-            run = run_point(plan_fixed(profile, plan, link_options(profile)), profile, args.steps)
+            profile = profiles[key[1]]
+            run = run_point(plan_fixed(profile, plan, link_options(profile)), profile, args.steps, args.retries)
             runs[key].append(run)
-            print(f"{name:6} pass {rep + 1} S={key[0]} m={key[1]} b={key[2]}: predicted "
+            print(f"{name:6} pass {rep + 1} {key[0]} S={key[1]} m={key[2]} b={key[3]}: predicted "
                   f"{run['predicted_s'] * 1e3:7.2f} ms, measured {run['measured_s'] * 1e3:7.2f} ms, host speed off "
                   f"{', '.join(f'{h * 100:.0f}' for h in run['host_off_tries'])} %"
                   + (f" (other processes: {run['other']:.2f} cores)" if run["other"] is not None else ""), flush=True)
     return plans, runs
 
 
-def grid_rows(name, plans, runs):
+def grid_rows(name, plans, runs, schedule="1f1b"):
     rows = []
     for (stages, m, b), plan in plans.items():
         done = runs[(stages, m, b)]
         others = [r["other"] for r in done if r["other"] is not None]
-        rows.append({"model": name, "stages": stages, "m": m, "b": b,
+        rows.append({"model": name, "schedule": schedule, "stages": stages, "m": m, "b": b,
                      "split": [s.units[0] for s in plan.stages],
                      "predicted_s": statistics.median(r["predicted_s"] for r in done),
                      "simulated_s": statistics.median(r["simulated_s"] for r in done),
                      "at_host_speed_s": statistics.median(r["at_host_speed_s"] for r in done),
+                     "replayed_s": statistics.median(r["replayed_s"] for r in done),
                      "measured_s": statistics.median(r["measured_s"] for r in done),
                      "first_measured_s": statistics.median(r["first_measured_s"] for r in done),
                      "predicted_runs_s": [r["predicted_s"] for r in done],
                      "measured_runs_s": [r["measured_s"] for r in done],
                      "tries": [r["tries"] for r in done],
+                     "ranks_runs": [rank_lines(r["report"]) for r in done],
+                     "host_ratio_runs": [worst_ratio(r["report"].get("host_slowdown")) for r in done],
                      "other_cores_max": max(others) if others else None})
     return rows
 
@@ -256,12 +261,16 @@ def calibrate_rows(rows, plans, runs, passes, stage_counts=STAGES, points=CALIBR
     return calibrations
 
 
-def summarize(name, rows, runs, calibrations):
+def summarize(name, rows, runs, calibrations, schedule="1f1b"):
     cal = calibrations[max(calibrations)].extra["calibration"]
     every = [r for done in runs.values() for r in done]
-    return {"model": name, "points": len(rows), "mape_before_pct": mape(rows, "predicted_s"),
+    return {"model": name, "schedule": schedule, "points": len(rows),
+            "max_error_pct": max(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows) * 100, "mape_before_pct": mape(rows, "predicted_s"),
             "mape_after_pct": mape(rows, "calibrated_s"), "mape_simulated_pct": mape(rows, "simulated_s"),
             "mape_at_host_speed_pct": mape(rows, "at_host_speed_s"),
+            "mape_replayed_pct": mape(rows, "replayed_s"),
+            "signed_replayed_pct": statistics.mean((r["replayed_s"] - r["measured_s"]) / r["measured_s"]
+                                                   for r in rows) * 100,
             "mape_first_tries_pct": mape(rows, "predicted_s", "first_measured_s"),
             "signed_before_pct": statistics.mean((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
                                                  for r in rows) * 100,
@@ -274,24 +283,25 @@ def summarize(name, rows, runs, calibrations):
 
 def print_tables(summary, all_rows):
     print()
-    print("| model | points | MAPE before | MAPE before, first tries | mean signed error | "
-          "MAPE simulated | MAPE at the runs' host speed | MAPE after one calibration | runs re-measured (still off) | per-step overhead "
+    print("| model | schedule | points | MAPE before | largest error | MAPE before, first tries | mean signed error | "
+          "MAPE simulated | MAPE at the runs' host speed | MAPE replayed at the runs' compute | MAPE after one calibration | runs re-measured (still off) | per-step overhead "
           "(1 stage) | link after calibration (2 stages) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:
-        print(f"| {s['model']} | {s['points']} | {s['mape_before_pct']:.1f} % | {s['mape_first_tries_pct']:.1f} % | "
+        print(f"| {s['model']} | {s['schedule']} | {s['points']} | {s['mape_before_pct']:.1f} % | "
+              f"{s['max_error_pct']:.1f} % | {s['mape_first_tries_pct']:.1f} % | "
               f"{s['signed_before_pct']:+.1f} % | {s['mape_simulated_pct']:.1f} % | {s['mape_at_host_speed_pct']:.1f} % | "
-              f"{s['mape_after_pct']:.1f} % | "
+              f"{s['mape_replayed_pct']:.1f} % ({s['signed_replayed_pct']:+.1f} %) | {s['mape_after_pct']:.1f} % | "
               f"{s['remeasured_runs']} of {s['runs']} ({s['runs_off_after_retries']}) | "
               f"{s['step_overhead_ms']:.2f} ms | {s['link_gbps']:.2f} GB/s, {s['latency_us']:.0f} us |")
     print()
-    print("| model | S | m | b | predicted ms (median) | simulated ms | calibrated ms | measured ms (median) | "
+    print("| model | schedule | S | m | b | predicted ms (median) | simulated ms | replayed ms | calibrated ms | measured ms (median) | "
           "passes: predicted / measured ms | tries | other processes, cores (max) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in all_rows:
         other = "" if r["other_cores_max"] is None else f"{r['other_cores_max']:.2f}"
-        print(f"| {r['model']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['simulated_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+        print(f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['m']} | {r['b']} | {r['predicted_s'] * 1e3:.2f} | "
+              f"{r['simulated_s'] * 1e3:.2f} | {r['replayed_s'] * 1e3:.2f} | {r['calibrated_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
               f"{', '.join(f'{p * 1e3:.1f}/{t * 1e3:.1f}' for p, t in zip(r['predicted_runs_s'], r['measured_runs_s']))} | "
               f"{'/'.join(map(str, r['tries']))} | {other} |")
 
@@ -302,7 +312,9 @@ def main():
     parser.add_argument("--passes", type=int, default=5,
                         help="passes over the grid; a point's measured time is the median over passes (default 5)")
     parser.add_argument("--json", help="write all rows here")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--retries", type=int, default=RETRIES,
+                        help=f"runs (and profiles) measured again, at most this many times, while the host's speed is "
+                             f"off the profile's by more than 10 %% (default {RETRIES})")
     parser.add_argument("--micro-batches", default=",".join(map(str, MICRO_BATCHES)),
                         help="micro-batch counts m of the grid (default 2,4,8)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="micro-batch sizes b (default 2,4)")
@@ -318,14 +330,15 @@ def main():
                              "--engine-cost none)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="profile and run on this device (cuda: one GPU per stage; no co-runners, no gloo link)")
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"],
-                        help="the plans' schedule (one stage per rank; default 1f1b)")
+    add_grid_options(parser)  # --models, --model SPEC --model-arg K=V, --schedule, --virtual-stages
     parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="stage counts of the grid (default 1,2)")
     args = parser.parse_args()
     try:
         args.stage_counts = sorted({int(s) for s in args.stages.split(",")})
     except ValueError:
         sys.exit(f"error: --stages {args.stages!r} must be comma-separated integers, e.g. 1,2")
+    if args.retries < 0:
+        sys.exit(f"error: --retries must be >= 0 (got {args.retries})")
     if not args.stage_counts or args.stage_counts[0] < 1:
         sys.exit("error: --stages needs positive integers")
     try:
@@ -333,8 +346,11 @@ def main():
         args.size_list = sorted({int(x) for x in args.sizes.split(",")})
     except ValueError:
         sys.exit("error: --micro-batches and --sizes are comma-separated integers, e.g. 8,16")
-    if unknown := [m for m in args.models.split(",") if m not in MODELS]:
-        sys.exit(f"error: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    try:
+        args.schedule_list = grid_schedules(args.schedule, args.virtual_stages)
+        args.model_table = grid_models(args.models, getattr(args, "spec_models", None))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     # the calibration round's runs: the middle micro-batch count at (up to) the two smallest sizes
     args.calibration_points = tuple((args.m_list[len(args.m_list) // 2], b) for b in args.size_list[:2])
     if args.device == "cuda":
@@ -350,12 +366,15 @@ def main():
         args.co_runners, args.link = False, False
     started = time.time()
     all_rows, summary = [], []
-    for name in args.models.split(","):
-        plans, runs = run_passes(name, args)
-        rows = grid_rows(name, plans, runs)
-        calibrations = calibrate_rows(rows, plans, runs, args.passes, args.stage_counts, args.calibration_points)
-        summary.append(summarize(name, rows, runs, calibrations))
-        all_rows += rows
+    for name in args.model_table:
+        every_plan, every_run = run_passes(name, args)
+        for schedule in args.schedule_list:
+            plans = {key[1:]: plan for key, plan in every_plan.items() if key[0] == schedule}
+            runs = {key[1:]: done for key, done in every_run.items() if key[0] == schedule}
+            rows = grid_rows(name, plans, runs, schedule)
+            calibrations = calibrate_rows(rows, plans, runs, args.passes, args.stage_counts, args.calibration_points)
+            summary.append(summarize(name, rows, runs, calibrations, schedule))
+            all_rows += rows
     print_tables(summary, all_rows)
     print(f"\n{time.time() - started:.0f} s")
     if args.json:
