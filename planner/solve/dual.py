@@ -46,7 +46,7 @@ class Dual:
         self.splits: List[Tuple[int, ...]] = []  # stage ends e_0 .. e_{S-1} = L
         self.stage_terms: List[np.ndarray] = []  # t_g of each split: (S, terms)
         self.values = np.zeros((0, 0))  # [split, form]: form_k(split)
-        self.master: Optional[_Master] = None
+        self.master: Optional[SimplexMaster] = None
 
     def ascend(self, forms, found: Callable[[Tuple[int, ...]], None], deadline: float,
                iterations: int, goal: Callable[[], float] = lambda: np.inf) -> Tuple[Optional[np.ndarray], float]:
@@ -97,7 +97,7 @@ class Dual:
             np.zeros((0, len(forms) - K)))
         self.values = np.concatenate([self.values, columns], axis=1)
         if self.master is None:
-            self.master = _Master()
+            self.master = SimplexMaster()
         for k in range(K, len(forms)):
             self.master.add_form(self.values[:, k])
 
@@ -122,14 +122,14 @@ class Dual:
         self.splits = [s for s, k in zip(self.splits, keep) if k]
         self.stage_terms = [t for t, k in zip(self.stage_terms, keep) if k]
         self.values = self.values[np.array(keep, dtype=bool)]
-        self.master = _Master()
+        self.master = SimplexMaster()
         for k in range(self.values.shape[1]):
             self.master.add_form(np.zeros(0))
         for value in self.values:
             self.master.add_split(value)
 
 
-class _Master:
+class SimplexMaster:
     """max over lam in the simplex of min_j lam.values[j] as a linear program kept in HiGHS (column 0
     the level t, then one weight per form; row 0: sum lam = 1, then t - lam.values[j] <= 0 per split),
     re-solved warm as splits (rows) and forms (columns) are added."""

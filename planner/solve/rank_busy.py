@@ -2,31 +2,34 @@
 blocking batches wait for, and the cost per message of each operation.
 
 A rank runs its list in order (planner.pipeline.stepgraph): a compute takes its duration, a batch
-that receives anything ends no sooner than its post plus the transfer of each of its operations, and
-every operation costs `message` on its rank. So for any split the rank ends no sooner than
+that receives anything ends no sooner than its post plus the transfer of each of its operations, its
+sends included (a send is done only once its message crossed), and every operation costs `message` on
+its rank. So for any split the rank ends no sooner than
 
-    sum over its computes + sum over its blocking batches of the mean of their receives' transfers
-                          + n_ops * message
+    sum over its computes + sum over its blocking batches of their longest transfer + n_ops * message
 
-(receives in one batch cross together: the batch waits for the longest, at least their mean; a batch
-of sends only is posted without waiting). Each receive is a message across a boundary next to one of
-the rank's own stages: the activation at the stage's first cut a_g, the gradient at its last e_g.
-Summed per stage:
+(a batch of sends only is posted without waiting). Each message crosses a boundary next to one of the
+rank's own stages: the activation received and the gradient sent at the stage's first cut a_g, the
+activation sent and the gradient received at its last e_g. A batch's operations at one cut of one stage
+(a "side") wait for the longest of their transfers there, a function of that cut alone; a batch with
+several sides receiving waits for the longest side, at least their mean (each weighs one over their
+number), except one receiving at both cuts of one stage alone, which waits for the larger of the two
+(`both`: a function of the stage's range). Summed per stage:
 
-    B_g(a, e) = m W(a, e) / sigma_g + A_g(a) + E_g(e) + n_g * message
+    B_g(a, e) = m W(a, e) / sigma_g + A_g(a) + E_g(e) + sum_both max(.,.) + n_g * message
 
-with A_g(a) = n^act_g t^act_{g-1}(a) and E_g(e) = n^grad_g t^grad_g(e), the counts (each receive weighed
-by one over the receives in its batch) and n_g (the stage's operations) read from the lists. A rank's
-end is at least the sum of its stages' B_g, so every split's step is at least max_g B_g (an exact
-min-max partition) and at least the mean over the p ranks of sum_g B_g (the cheapest cuts for the
-transfers, a dynamic program over the boundaries).
+with A_g (E_g) the weighted sides at its first (last) cut and n_g the stage's operations, all read from
+the lists. A rank's end is at least the sum of its stages' B_g, so every split's step is at least max_g
+B_g (an exact min-max partition) and at least the mean over the p ranks of sum_g B_g (the cheapest cuts
+for the transfers, a dynamic program over the boundaries).
 With several stages per device (v > 1) this is the bound that sees one heavy unit or an expensive
 cut; the one-stage-per-device bound (planner.solve.scenario_bound) adds it stage by stage.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, FrozenSet, List, Tuple
 
 import numpy as np
 
@@ -34,46 +37,115 @@ from planner.cost.model import boundary_links, rank_speeds, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts
 from planner.cost.step import step_lists
-from planner.pipeline.actions import ActionKind
+from planner.pipeline.actions import BACKWARD_KINDS, ActionKind
 from planner.pipeline.stepgraph import batches_of
 
+Payloads = FrozenSet[str]  # of one side: "act" (activation bytes) and / or "grad" (gradient bytes)
 _RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+# each message kind: (the side of its stage it crosses, its payload)
+_SIDE = {ActionKind.RECV_ACT: ("start", "act"), ActionKind.SEND_GRAD: ("start", "grad"),
+         ActionKind.SEND_ACT: ("end", "act"), ActionKind.RECV_GRAD: ("end", "grad")}
 
 
 @dataclass(frozen=True)
 class RankBusy:
-    """Per stage g: its receives (activations at its first cut, gradients at its last), each weighed by
-    one over the receives of its batch, except the batches receiving one activation and one gradient of
-    g alone (`together`: they wait for the longer of the two); its operations; its rank's speed."""
+    """Per stage g: the sides its blocking batches wait for, weighed (module docstring): at its first cut
+    (`starts`), at its last (`ends`), at both (`both`, the larger of the two); its operations; its
+    rank's speed."""
 
-    activations: Tuple[float, ...]  # n^act_g, across boundary g - 1
-    gradients: Tuple[float, ...]  # n^grad_g, across boundary g
-    together: Tuple[int, ...]  # n^both_g
+    starts: Tuple[Dict[Payloads, float], ...]
+    ends: Tuple[Dict[Payloads, float], ...]
+    both: Tuple[Dict[Tuple[Payloads, Payloads], int], ...]
     operations: Tuple[int, ...]
     speeds: Tuple[float, ...]
+    # per stage: the forwards its rank runs between the stage's forward and backward of the micro-batch
+    # it backwards first (what may fill the wait for that micro-batch's crossing of the later stages)
+    filling: Tuple[int, ...] = ()
+
+    def weight(self, g: int) -> float:
+        """The blocking batches stage g's sides stand for (each batch weighs one over its stages)."""
+        return sum(self.starts[g].values()) + sum(self.ends[g].values()) + sum(self.both[g].values())
 
 
-def rank_busy(opts: CostOptions, m: int) -> RankBusy:
-    """The counts of the scenario's lists (one rank per stage: no replicated stages)."""
+REGIONS = ("all", "between_computes", "first_wait")
+
+
+def rank_busy(opts: CostOptions, m: int, region: str = "all") -> RankBusy:
+    """The counts of the scenario's lists (one rank per stage: no replicated stages), over each rank's
+    whole list, or (planner.solve.scenario_bound, planner.solve.rank_span) over the batches between its
+    first and last compute ("between_computes": what comes before and after lies in its fill and drain),
+    or between the forward and the backward of the micro-batch it backwards first ("first_wait": what
+    the rank may do while that micro-batch crosses the later stages and back)."""
+    if region not in REGIONS:
+        raise ValueError(f"region {region!r}: one of {', '.join(REGIONS)}")
     shape = step_shape(opts, m)
     S = opts.num_stages
-    activations, gradients, together, operations = [0.0] * S, [0.0] * S, [0] * S, [0] * S
+    starts = [defaultdict(float) for _ in range(S)]
+    ends = [defaultdict(float) for _ in range(S)]
+    both = [defaultdict(int) for _ in range(S)]
+    operations, filling = [0] * S, [0] * S
     for actions in step_lists(shape):
-        for item in batches_of(actions):
+        _count_filling(actions, filling)
+        items = batches_of(actions)
+        computes = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
+        if region == "between_computes":
+            items = items[computes[0]:computes[-1]] if computes else []
+        elif region == "first_wait":
+            items = _first_wait(items, computes)
+        for item in items:
             if not isinstance(item, tuple):
                 continue
+            sides: Dict[Tuple[int, str], set] = defaultdict(set)
+            receiving = set()
             for a in item:
                 operations[a.stage] += 1
-            received = [a for a in item if a.kind in _RECEIVES]  # none: posted without waiting
-            kinds = sorted(a.kind.value for a in received)
-            if kinds == ["recv_act", "recv_grad"] and received[0].stage == received[1].stage:
-                together[received[0].stage] += 1
+                side, payload = _SIDE[a.kind]
+                sides[(a.stage, side)].add(payload)
+                if a.kind in _RECEIVES:
+                    receiving.add((a.stage, side))
+            if not receiving:  # sends only: posted without waiting
                 continue
-            for a in received:  # the batch waits for the longest: at least their mean
-                (gradients if a.kind == ActionKind.RECV_GRAD else activations)[a.stage] += 1 / len(received)
+            waited = sorted(receiving)
+            if len(waited) == 2 and waited[0][0] == waited[1][0]:  # both cuts of one stage ("end" < "start")
+                g = waited[0][0]
+                both[g][(frozenset(sides[(g, "start")]), frozenset(sides[(g, "end")]))] += 1
+                continue
+            for g, side in waited:  # the longest side: at least their mean
+                (starts if side == "start" else ends)[g][frozenset(sides[(g, side)])] += 1 / len(waited)
     speeds = rank_speeds(opts)
-    return RankBusy(tuple(activations), tuple(gradients), tuple(together), tuple(operations),
-                    tuple(speeds[shape.rank_of(g)] for g in range(S)))
+    return RankBusy(tuple(map(dict, starts)), tuple(map(dict, ends)), tuple(map(dict, both)), tuple(operations),
+                    tuple(speeds[shape.rank_of(g)] for g in range(S)), tuple(filling))
+
+
+def _first_wait(items: List[object], computes: List[int]) -> List[object]:
+    """The items strictly between the forward and the backward of the micro-batch a rank backwards first."""
+    first = next((i for i in computes if items[i].kind in BACKWARD_KINDS), None)
+    if first is None:
+        return []
+    key = (items[first].stage, items[first].micro_batch)
+    forward = next(i for i in computes if items[i].kind == ActionKind.FORWARD
+                   and (items[i].stage, items[i].micro_batch) == key)
+    return items[forward + 1:first]
+
+
+def cut_transfers(costs: RangeCosts, link: Tuple[float, float], gradient: bool = False) -> np.ndarray:
+    """RangeCosts.message_s at every cut 0 .. L: the activation's (gradient's) seconds over `link`."""
+    bandwidth, latency = link
+    size = costs.grad if gradient else costs.act
+    return np.where(size > 0, latency + size / bandwidth, 0.0)
+
+
+def _count_filling(actions, filling: List[int]) -> None:
+    """filling[g] for each stage g of one rank's list (RankBusy.filling)."""
+    before = {}  # (stage, micro-batch) -> the forwards the rank ran before that forward
+    forwards, backed = 0, set()
+    for a in actions:
+        if a.kind == ActionKind.FORWARD:
+            before[(a.stage, a.micro_batch)] = forwards
+            forwards += 1
+        elif a.kind in BACKWARD_KINDS and a.stage not in backed:  # the stage's first backward
+            backed.add(a.stage)
+            filling[a.stage] = forwards - before[(a.stage, a.micro_batch)] - 1
 
 
 class CutWaits:
@@ -84,39 +156,64 @@ class CutWaits:
         links = boundary_links(opts)
         inside = (np.arange(L + 1) > 0) & (np.arange(L + 1) < L)
 
-        def transfers(link, gradient: bool) -> np.ndarray:  # RangeCosts.message_s at every cut; +inf at 0 and L
-            bandwidth, latency = link
-            size = costs.grad if gradient else costs.act
-            return np.where(inside, np.where(size > 0, latency + size / bandwidth, 0.0), np.inf)
+        def transfers(link, payload: str) -> np.ndarray:  # the masks below keep a stage off the cuts it cannot have
+            return np.where(inside, cut_transfers(costs, link, payload == "grad"), 0.0)
 
-        # per stage the activation received at each start a and the gradient at each end e; the first
-        # stage starts at 0 only and the last ends at L only, receiving nothing there
+        # per stage the messages at each start a (boundary g - 1) and end e (boundary g); the first stage
+        # starts at 0 only and the last ends at L only, crossing nothing there
         first = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
-        self.act = [first if g == 0 else transfers(links[g - 1], False) for g in range(S)]
-        self.grad = [first[::-1] if g == S - 1 else transfers(links[g], True) for g in range(S)]
+        self._at_start = [{} if g == 0 else {k: transfers(links[g - 1], k) for k in ("act", "grad")}
+                          for g in range(S)]
+        self._at_end = [{} if g == S - 1 else {k: transfers(links[g], k) for k in ("act", "grad")}
+                        for g in range(S)]
+        self._start_mask = [first if g == 0 else np.where(inside, 0.0, np.inf) for g in range(S)]
+        self._end_mask = [first[::-1] if g == S - 1 else np.where(inside, 0.0, np.inf) for g in range(S)]
         self.busy, self.message_s = busy, opts.message_s
 
-    def _start(self, g: int, together_share: float) -> np.ndarray:
-        count = self.busy.activations[g] + together_share * self.busy.together[g]
-        return _times(count, self.act[g]) + self.busy.operations[g] * self.message_s
+    def _side(self, tables, payloads: Payloads) -> np.ndarray:
+        """The longest of a side's transfers at every cut (0 at a model end, where nothing crosses)."""
+        if not tables:
+            return 0.0
+        return np.maximum.reduce([tables[k] for k in sorted(payloads)])
 
-    def _end(self, g: int, together_share: float) -> np.ndarray:
-        return _times(self.busy.gradients[g] + together_share * self.busy.together[g], self.grad[g])
+    def start(self, g: int, both_share: float) -> np.ndarray:
+        """A_g(a) + n_g message, plus `both_share` of each `both` batch's wait at a (+inf where g cannot start)."""
+        out = self._start_mask[g] + self.busy.operations[g] * self.message_s
+        for payloads, weight in self.busy.starts[g].items():
+            out = out + weight * self._side(self._at_start[g], payloads)
+        for (at_start, _), count in self.busy.both[g].items():
+            out = out + both_share * count * self._side(self._at_start[g], at_start)
+        return out
+
+    def end(self, g: int, both_share: float) -> np.ndarray:
+        """E_g(e), plus `both_share` of each `both` batch's wait at e (+inf where g cannot end)."""
+        out = self._end_mask[g].copy()
+        for payloads, weight in self.busy.ends[g].items():
+            out = out + weight * self._side(self._at_end[g], payloads)
+        for (_, at_end), count in self.busy.both[g].items():
+            out = out + both_share * count * self._side(self._at_end[g], at_end)
+        return out
 
     def matrix(self, g: int) -> np.ndarray:
-        """[a, e]: A_g(a) + E_g(e) + n^both_g max(t^act(a), t^grad(e)) + n_g message."""
-        out = self._start(g, 0.0)[:, None] + self._end(g, 0.0)[None, :]
-        if self.busy.together[g]:
-            out += self.busy.together[g] * np.maximum(self.act[g][:, None], self.grad[g][None, :])
+        """[a, e]: A_g(a) + E_g(e) + each `both` batch's larger wait + n_g message."""
+        return self.add_to(np.zeros((len(self._start_mask[g]),) * 2), g)
+
+    def add_to(self, out: np.ndarray, g: int, sign: float = 1.0) -> np.ndarray:
+        """out += sign * matrix(g), in place (no (L + 1)^2 temporary where no batch waits at both cuts)."""
+        out += sign * self.start(g, 0.0)[:, None]
+        out += sign * self.end(g, 0.0)[None, :]
+        for (at_start, at_end), count in self.busy.both[g].items():
+            out += sign * count * np.maximum(np.asarray(self._side(self._at_start[g], at_start))[..., None],
+                                             np.asarray(self._side(self._at_end[g], at_end))[None, ...])
         return out
 
     def least_sum(self) -> float:
-        """min over cuts 0 < c_0 < ... < c_{S-2} < L of what every stage waits for, summed (each batch
-        of two receives as their mean, which the longer is at least): a dynamic program over the
+        """min over cuts 0 < c_0 < ... < c_{S-2} < L of what every stage waits for, summed (each `both`
+        batch as the mean of its two sides, which the larger is at least): a dynamic program over the
         boundaries, boundary j at cut c costing E_j(c) + A_{j+1}(c)."""
-        S = len(self.act)
-        starts = [self._start(g, 0.5) for g in range(S)]
-        ends = [self._end(g, 0.5) for g in range(S)]
+        S = len(self._start_mask)
+        starts = [self.start(g, 0.5) for g in range(S)]
+        ends = [self.end(g, 0.5) for g in range(S)]
         total = float(starts[0][0] + ends[-1][-1])
         best = None  # best[c]: the least over the first j + 1 cuts with cut j at c
         for j in range(S - 1):
@@ -124,8 +221,3 @@ class CutWaits:
             best = here if best is None else \
                 here + np.concatenate(([np.inf], np.minimum.accumulate(best)[:-1]))  # a cut left of c
         return total + (float(np.min(best)) if best is not None else 0.0)
-
-
-def _times(count: float, seconds: np.ndarray) -> np.ndarray:
-    """count * seconds, +inf where no cut is (also for a count of 0)."""
-    return np.where(np.isfinite(seconds), count * np.where(np.isfinite(seconds), seconds, 0.0), np.inf)

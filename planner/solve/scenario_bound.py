@@ -44,11 +44,12 @@ from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.floors import OutOfTime, check_deadline
-from planner.solve.rank_busy import CutWaits, rank_busy
+from planner.solve.rank_busy import CutWaits, cut_transfers, rank_busy
+from planner.solve.rank_span import rank_span_bound
 
 # the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
 # stages' partition, then each stage's matrix and its step of the partition (scenario_lower_bound)
-BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 12, 11
+BOUND_MATRIX_OPERATIONS, BOUND_MATRIX_OPERATIONS_PER_STAGE = 12, 19
 
 
 def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: Optional[float] = None) -> float:
@@ -108,7 +109,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         work = work_matrix()
         if opts.virtual_stages > 1:  # each stage's rank: its own computes and waits at its cuts
             busiest = _busiest_stage(work, m, cut_busy, L, S, deadline) if cut_busy is not None else 0.0
-            return max(loose, busiest) + opts.step_overhead_s
+            spans = rank_span_bound(costs, opts, m, L, deadline) if cut_busy is not None else 0.0
+            return max(loose, busiest, spans) + opts.step_overhead_s
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;
         # under zero bubble only the activation's precedes the rank (the gradients going back up may
@@ -117,8 +119,9 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
 
         def crossing(link, both: bool) -> np.ndarray:
-            return np.array([costs.message_s(c, link) + both * costs.message_s(c, link, gradient=True)
-                             if 0 < c < L else np.inf for c in range(L + 1)]) + (1 + both) * opts.message_s
+            inside = (np.arange(L + 1) > 0) & (np.arange(L + 1) < L)
+            seconds = cut_transfers(costs, link) + both * cut_transfers(costs, link, gradient=True)
+            return np.where(inside, seconds, np.inf) + (1 + both) * opts.message_s
         # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
         fill = np.zeros((S, L + 1))
         drain = np.zeros((S, L + 1))
@@ -129,7 +132,13 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest
 
-        scaled = {}  # speed -> (m work, (m - 1) forward) at that speed: shared by its stages (L^2 each)
+        scaled = {}  # speed -> (m work, forward) at that speed: shared by its stages (L^2 each)
+
+        def filling(g: int) -> int:  # the forwards that may fill stage g's wait: from its rank's list
+            return cut_busy.busy.filling[g] if cut_busy is not None else m - 1
+        if cut_busy is not None:
+            middle = CutWaits(rank_busy(opts, m, "between_computes"), costs, opts, L)
+            first_wait = CutWaits(rank_busy(opts, m, "first_wait"), costs, opts, L)
         try:
             fitting = _fitting_terms(profile, b, opts, deadline)
         except OutOfTime:
@@ -140,14 +149,23 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             # but its first receive and its last send) may lie in the wait: the larger counts
             inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
             if speeds[g] not in scaled:
-                scaled[speeds[g]] = (m * work / speeds[g], (m - 1) * forward / speeds[g])
-            busy, overlapped = scaled[speeds[g]]
+                scaled[speeds[g]] = (m * work / speeds[g], forward / speeds[g])
+            busy, one_forward = scaled[speeds[g]]
+            overlapped = filling(g) * one_forward
             value = np.subtract(after + drain[g][None, :], overlapped)  # in place below: L^2 each
             np.maximum(value, inside, out=value)
             value += busy
             value += before + fill[g][:, None]
             if cut_busy is not None:  # or its rank's computes and its batches' waits at its cuts
-                np.maximum(value, busy + cut_busy.matrix(g), out=value)
+                np.maximum(value, cut_busy.add_to(busy.copy(), g), out=value)
+                # or its span: the fill, every compute and the waits of the batches between its first and
+                # last, the drain, and what of the wait for its first backward's micro-batch the forwards
+                # and batches run meanwhile (`first_wait`) leave
+                span = first_wait.add_to(np.subtract(after + drain[g][None, :], overlapped), g, -1.0)
+                np.maximum(span, 0.0, out=span)
+                span += busy
+                span += before + fill[g][:, None]
+                np.maximum(value, middle.add_to(span, g), out=value)
             if fitting is not None:
                 value += fitting[g]
             return value
@@ -169,7 +187,7 @@ def _busiest_stage(work: np.ndarray, m: int, cut_busy: CutWaits, L: int, S: int,
         speed = cut_busy.busy.speeds[g]
         if speed not in scaled:
             scaled[speed] = m * work / speed
-        return scaled[speed] + cut_busy.matrix(g)
+        return cut_busy.add_to(scaled[speed].copy(), g)
     try:
         return min_max_partition(L, S, stage, deadline)[0]
     except OutOfTime:

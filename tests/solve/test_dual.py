@@ -108,11 +108,11 @@ def test_the_dynamic_program_finds_the_least_split():
 def test_the_master_solves_after_another_user_of_highs_in_the_process():
     # HiGHS keeps one thread scheduler per process: after pulp's HiGHS at 2 threads, the master's LP at one
     # was refused, and the dual gave no bound at all (planner.solve.backends.refused_to_start)
-    from planner.solve.dual import _Master
+    from planner.solve.dual import SimplexMaster
     from tests.support.solvers import highs_started_elsewhere
 
     highs_started_elsewhere()
-    master = _Master()
+    master = SimplexMaster()
     for _ in range(2):
         master.add_form(np.zeros(0))
     master.add_split(np.array([1.0, 2.0]))
