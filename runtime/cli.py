@@ -175,7 +175,9 @@ def _check_run_options(args: argparse.Namespace, plan: Plan) -> None:
             done = latest(args.checkpoint_dir, plan.digest(), plan.topology().world_size)
         except CheckpointError as e:
             raise UsageError(str(e)) from None
-        if done is not None and done >= args.steps:  # (it trained nothing and reported 0 ms, exit 0)
+        if done is None:  # a job restarted with the command it was first launched with: said, not refused
+            print(f"note: no checkpoint in {args.checkpoint_dir!r} yet: --resume starts at step 0", file=sys.stderr)
+        elif done >= args.steps:  # (it trained nothing and reported 0 ms, exit 0)
             raise UsageError(f"the checkpoint in {args.checkpoint_dir!r} has completed {done} steps, and --steps "
                              f"{args.steps} counts all steps: nothing is left to train; give --steps above {done}")
     from runtime.options import run_refusal, training_options

@@ -105,3 +105,9 @@ def test_resuming_a_run_that_has_all_its_steps_is_refused(tmp_path):
     alone = run_here(["runtime.cli", "execute", plan, "--steps", "1", "--checkpoint-dir", str(tmp_path / "new")])
     assert alone.returncode == 2 and "alone writes no checkpoint: add --checkpoint-every K" in alone.stderr, alone.stderr
     assert alone.stderr.count("\n") == 1 and not (tmp_path / "new").exists()
+    # --resume where no checkpoint is yet (a job's first launch) trains from step 0 and says so
+    first = run_here(["runtime.cli", "execute", plan, "--steps", "1", "--resume", "--checkpoint-dir",
+                      str(tmp_path / "fresh"), "--checkpoint-every", "1"])
+    assert first.returncode == 0 and "no checkpoint in" in first.stderr and "starts at step 0" in first.stderr, \
+        first.stderr
+    assert (tmp_path / "fresh" / "latest.json").exists()
