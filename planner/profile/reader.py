@@ -54,8 +54,13 @@ class Reader:
     def seconds(self, value: Any, where: str) -> float:
         return self.number(value, where, f"times must be finite, >= 0 and at most {MAX_SECONDS:.0e}", MAX_SECONDS)
 
-    def count(self, value: Any, where: str) -> int:
-        return int(self.number(value, where, f"byte counts must be >= 0 and at most {MAX_BYTES:.0e}", MAX_BYTES))
+    def count(self, value: Any, where: str, what: str = "byte counts") -> int:
+        """A whole number >= 0 (a fraction is refused: 0.5 bytes read as 0 before)."""
+        rule = f"{what} must be whole numbers >= 0 and at most {MAX_BYTES:.0e}"
+        number = self.number(value, where, rule, MAX_BYTES)
+        if number != int(number):
+            raise self.error(where, f"is {show(value)}: {rule}")
+        return int(number)
 
     def named_counts(self, d: Any, where: str) -> Dict[str, int]:
         """{value name: bytes}, each a count."""

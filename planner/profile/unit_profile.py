@@ -215,8 +215,9 @@ class UnitProfile:
             inner_seed_bytes=read.per_size(d.get("inner_seed_bytes") or {}, f"{where}.inner_seed_bytes",
                                            read.named_counts, required=False),
             inner_seed_sources=read.named_counts(d.get("inner_seed_sources") or {}, f"{where}.inner_seed_sources"),
-            weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls"),
-            weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes"),
+            weight_calls=read.count(d.get("weight_calls", 0), f"{where}.weight_calls", "call counts"),
+            weight_walk_nodes=read.count(d.get("weight_walk_nodes", 0), f"{where}.weight_walk_nodes",
+                                         "node counts"),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)
                for name in NAMED_STORAGE_FIELDS},
             **split_values,

@@ -476,9 +476,13 @@ BAD_PROFILES = [
     (_set(["units", 0, "forward_s", "1"], "fast"), 'units[0].forward_s["1"] is "fast"'),
     (_set(["units", 1, "saved_bytes", "1"], -5), 'units[1].saved_bytes["1"] is -5: byte counts must be'),
     (_set(["units", 2, "param_bytes"], -400), "units[2].param_bytes is -400"),
+    # read as 0 before (int() of 0.5), and threads / repeats said "byte counts" (the last fuzz's minor list)
+    (_set(["units", 1, "saved_bytes", "1"], 0.5), 'units[1].saved_bytes["1"] is 0.5: byte counts must be whole numbers'),
+    (_set(["repeats"], 2.5), "repeats is 2.5: repeat counts must be whole numbers"),
+    (_set(["threads"], -1), "threads is -1: thread counts must be whole numbers"),
     (_set(["units", 2, "param_bytes"], 10 ** 400), "units[2].param_bytes is 1000"),  # no float holds it
     (_set(["units", 1, "saved_bytes", "1"], 1e300),
-     'units[1].saved_bytes["1"] is 1e+300: byte counts must be >= 0 and at most'),
+     'units[1].saved_bytes["1"] is 1e+300: byte counts must be whole numbers >= 0 and at most'),
     (_set(["link", "latency_s"], 1e20), "link.latency_s is 1e+20: times must be finite, >= 0 and at most 1e+06"),
     (_set(["units", 0, "nodes"], 5), "units[0].nodes is 5: expected a list of node names"),
     (_set(["units", 0, "optimizer_s"], {"sgd": -1e-3}), 'units[0].optimizer_s["sgd"] is -0.001'),
