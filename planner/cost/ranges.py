@@ -81,43 +81,8 @@ inputs may share one or be views of a larger one (0 for most units). first'_a: t
 first_a where the unit counts s_a + k_a, first_weight_held_bytes - h_a where it counts h_a (the
 stage's only unit, or a profile without k_l).
 
-d'_k: of d^h_k, what unit k still holds after its input part (UnitProfile.weight_shared_bytes; d_k where
-not measured): a stage's last unit may let a storage it shares with the unit before go, which that
-unit, inside the stage, still holds.
-
-p_k, u_k, q_k: what a stage holding units k - 1 and k holds once of what both hold where one or both are
-recomputed (`shares`, by value name; a recomputed unit keeps its inputs, UnitProfile.recomputed_shared_bytes):
-p_k, only k recomputed, what it keeps of what unit k - 1 saves (a skip that unit k - 1 saves and k only passes
-on, long_skip's encoder output; a model input both read, gpt's tokens: the embedding saves them, pos_emb reads
-their shape; less than d_k where k, recomputed, no longer saves all it shared with k - 1: rotary tables both
-layers save, which a recomputed layer makes again inside itself); u_k, only k - 1 recomputed, what it keeps of
-what unit k saves (an input both read, which k saves: a scale's table each layer multiplies by); q_k, both, what
-both keep (a value every layer reads: a gate, a position table; one storage, which each layer's checkpoint
-keeps). p_k = d_k + r_k where unit k's kept storages are not measured (q_k = 0 then, u_k where unit k - 1's
-are not). o^h_k:
-the same of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k: less x; a recomputed unit
-attached to no graph keeps none of its inputs); o'_k: of o^h_k with unit k not recomputed, what unit k still
-holds after its input part (d'_k, u'_k: weight_shared_bytes). The sum of o_k is exact for two neighbours (a
-storage three units hold, the middle one not, still counts twice: an over-count) but not additive in the
-recomputed set: the solvers' rows hold each cut's pair of recomputed neighbours as a product
-(planner.cost.stage_memory's `pair`); the additive forms (chain_recompute.freed_bytes, the greedy's) count
-r_k = min(p_k - d_k, q_k) where k is recomputed, whichever k - 1 is, and nothing for u_k: never more than the
-two cases hold once (an upper bound of the bytes held; the lower bounds take max(p_k - d_k, q_k - u_k)).
-
-gaps (l, j, x), j >= l + 2: x bytes of one storage (by value name) that units l and j both save and no unit
-between them does (shared_storage.gap_shares: an FPN's feature map its ReLU saves as output and a head two units
-on as input; a Perceiver's encoded inputs both cross attentions save; a model input read at both ends of a stage).
-The d_k count it once per holder; a stage holding l .. j holds it once. Only where none of l .. j is recomputed
-(a recomputed unit between keeps its cut's values, this one among them, and the neighbours' p_k, u_k count that;
-a recomputed end keeps its inputs: an over-count left, never under); additive in the split, not in R (the
-solvers' additive forms take x off each of l .. j's freed bytes: an upper bound of the bytes held). held_gaps: the
-same of what both still hold as the forward returns (held_saved; a later zero-bubble stage's weight_held, whose
-last unit holds its h, counts none: an over-count left).
-
-d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
-as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
-k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
-the shared tensor still). A stage [a, e) without recomputation:
+d_k, d^h_k, d'_k, r_k, the recomputed neighbours' p_k, u_k, q_k (o^h_k, o'_k) and the non-neighbours' gaps:
+planner.cost.shared_storage, where each is defined. A stage [a, e) without recomputation:
 saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (`saved_prefix`, `saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
@@ -218,7 +183,7 @@ class RangeCosts:
         # of in_l, what a later stage's recomputed unit still holds after its input part (which ran
         # the loss's backward and freed what the loss saved) until its weight part
         self.weight_inputs = self.inputs - loss_saved
-        # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (module docstring)
+        # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (planner.cost.shared_storage)
         self.dup = np.array([0.0] + [shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
                             dtype=float)
         # x_l: of s_l, what autograd frees as the forward returns (no node its outputs reach saves it):
@@ -236,7 +201,7 @@ class RangeCosts:
         self.weight_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, weight=True)
                                             for k in range(1, self.num_units)], dtype=float)
         # r_k, k = 0 .. L-1 (r_0 = 0): of what a recomputed unit k keeps (its inputs), the bytes the unit
-        # before holds too beyond d_k, recomputed or not, at least: the solvers' additive forms (module docstring)
+        # before holds too beyond d_k, recomputed or not, at least: the solvers' additive forms (planner.cost.shared_storage)
         self.redo_dup = np.array([0.0] + [redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
                                           for k in range(1, self.num_units)], dtype=float)
         # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later
@@ -244,7 +209,7 @@ class RangeCosts:
         self.held_inputs = np.where(gone, loss_saved, self.inputs)
         self.held_weight_inputs = np.where(gone, 0.0, self.weight_inputs)
         # [k, x, y], k = 0 .. L-1 (0 at k = 0): the bytes units k - 1 and k both hold, x: unit k - 1 recomputed,
-        # y: unit k; a stage holding both counts them once: d_k, p_k, u_k, q_k (module docstring); held_shares
+        # y: unit k; a stage holding both counts them once: d_k, p_k, u_k, q_k (planner.cost.shared_storage); held_shares
         # of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k)
         self.shares, self.held_shares = np.zeros((self.num_units, 2, 2)), np.zeros((self.num_units, 2, 2))
         # [k, x]: of held_shares[k, x, 0], what unit k still holds after its input part (d'_k, u'_k)
@@ -259,7 +224,7 @@ class RangeCosts:
             self.held_shares[k] = [[self.held_dup[k], p if measured else self.held_dup[k]], [u, q]]
             self.weight_shares[k] = [self.weight_dup[k], weight_redo_share(before, after, b, gone[k - 1])]
         # (l, j, bytes): a storage units l and j >= l + 2 both save and none between them does, which the d_k count
-        # twice in a stage holding l .. j none of which it recomputes (`gap`, module docstring); of what both still
+        # twice in a stage holding l .. j none of which it recomputes (`gap`, planner.cost.shared_storage); of what both still
         # hold as the forward returns (the held kinds')
         self.gaps = gap_shares(units, b)
         self.held_gaps = gap_shares(units, b, held=True)
@@ -364,8 +329,8 @@ class RangeCosts:
 
     def gap(self, a: int, e: int, recompute: Iterable[int] = (), held: bool = False) -> float:
         """What units [a, e) count twice of the storages two of them save that are not neighbours, no unit between
-        saving it: gap(a, e) = sum of (l, j, x) in `gaps` with a <= l, j < e, none of l .. j recomputed (module
-        docstring); with `held`, `held_gaps`."""
+        saving it: gap(a, e) = sum of (l, j, x) in `gaps` with a <= l, j < e, none of l .. j recomputed
+        (planner.cost.shared_storage); with `held`, `held_gaps`."""
         redo = set(recompute)
         return float(sum(x for l, j, x in (self.held_gaps if held else self.gaps)
                          if a <= l and j < e and not any(m in redo for m in range(l, j + 1))))
@@ -382,7 +347,7 @@ class RangeCosts:
     def _shared_once(self, a: int, e: int, redo, held: bool = False) -> float:
         """What units [a, e) count twice of the storages neighbours share: o_k for each cut k inside the
         range, d_k, p_k, u_k or q_k as neither unit, the one after, the one before or both are recomputed
-        (module docstring); with `held`, of them what both still hold as the forward returns (o^h_k)."""
+        (planner.cost.shared_storage); with `held`, of them what both still hold as the forward returns (o^h_k)."""
         table = self.held_shares if held else self.shares
         return float(sum(table[k, int(k - 1 in redo), int(k in redo)] for k in range(a + 1, e)))
 

@@ -1,7 +1,46 @@
 """The storages two neighbouring units both hold, from the profile's storages by value name
 (UnitProfile.shared_saved_bytes, weight_shared_bytes, recomputed_shared_bytes, dropped_saved_bytes): the
 d_k, d^h_k, d'_k, r_k and the recomputed pairs' p_k, u_k, q_k (u'_k) of planner.cost.ranges, which a stage
-holding both counts once."""
+holding both counts once, and the gaps of two units that are not neighbours.
+
+d_k: the bytes units k - 1 and k both save (one storage: a ReLU's output the next convolution saves
+as its input; UnitProfile.shared_saved_bytes), which a stage holding both holds once, unless unit
+k - 1 is recomputed (it then saves its input, not its output; a recomputed unit k saves its input,
+the shared tensor still).
+
+d'_k: of d^h_k, what unit k still holds after its input part (UnitProfile.weight_shared_bytes; d_k where
+not measured): a stage's last unit may let a storage it shares with the unit before go, which that
+unit, inside the stage, still holds.
+
+p_k, u_k, q_k: what a stage holding units k - 1 and k holds once of what both hold where one or both are
+recomputed (`shares`, by value name; a recomputed unit keeps its inputs, UnitProfile.recomputed_shared_bytes):
+p_k, only k recomputed, what it keeps of what unit k - 1 saves (a skip that unit k - 1 saves and k only passes
+on, long_skip's encoder output; a model input both read, gpt's tokens: the embedding saves them, pos_emb reads
+their shape; less than d_k where k, recomputed, no longer saves all it shared with k - 1: rotary tables both
+layers save, which a recomputed layer makes again inside itself); u_k, only k - 1 recomputed, what it keeps of
+what unit k saves (an input both read, which k saves: a scale's table each layer multiplies by); q_k, both, what
+both keep (a value every layer reads: a gate, a position table; one storage, which each layer's checkpoint
+keeps). p_k = d_k + r_k where unit k's kept storages are not measured (q_k = 0 then, u_k where unit k - 1's
+are not). o^h_k:
+the same of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k: less x; a recomputed unit
+attached to no graph keeps none of its inputs); o'_k: of o^h_k with unit k not recomputed, what unit k still
+holds after its input part (d'_k, u'_k: weight_shared_bytes). The sum of o_k is exact for two neighbours (a
+storage three units hold, the middle one not, still counts twice: an over-count) but not additive in the
+recomputed set: the solvers' rows hold each cut's pair of recomputed neighbours as a product
+(planner.cost.stage_memory's `pair`); the additive forms (chain_recompute.freed_bytes, the greedy's) count
+r_k = min(p_k - d_k, q_k) where k is recomputed, whichever k - 1 is, and nothing for u_k: never more than the
+two cases hold once (an upper bound of the bytes held; the lower bounds take max(p_k - d_k, q_k - u_k)).
+
+gaps (l, j, x), j >= l + 2: x bytes of one storage (by value name) that units l and j both save and no unit
+between them does (shared_storage.gap_shares: an FPN's feature map its ReLU saves as output and a head two units
+on as input; a Perceiver's encoded inputs both cross attentions save; a model input read at both ends of a stage).
+The d_k count it once per holder; a stage holding l .. j holds it once. Only where none of l .. j is recomputed
+(a recomputed unit between keeps its cut's values, this one among them, and the neighbours' p_k, u_k count that;
+a recomputed end keeps its inputs: an over-count left, never under); additive in the split, not in R (the
+solvers' additive forms take x off each of l .. j's freed bytes: an upper bound of the bytes held). held_gaps: the
+same of what both still hold as the forward returns (held_saved; a later zero-bubble stage's weight_held, whose
+last unit holds its h, counts none: an over-count left).
+"""
 from __future__ import annotations
 
 
