@@ -4,7 +4,8 @@ skips those whose bound is not below its best plan, and counts it for those it d
 
     v = 1:  min over splits of max_g  W(0, a_g) / sigma_max + m (k + W(a_g, e_g) + R_g(a_g, e_g)) / sigma_g
                                       + max(0, W(e_g, L) / sigma_max - (m - 1) F_g)
-            (stage g's rank runs m forwards and backwards, after micro-batch 0 crossed the stages
+            (stage g's rank runs m forwards and backwards (a replicated stage's busiest replica
+            ceil(m / r_g), and m above reads so), after micro-batch 0 crossed the stages
             before it and before the last micro-batch's backward crosses them again; between the
             forward and the backward of the first micro-batch it backwards, that micro-batch
             crosses every later stage and back, while the rank has at most m - 1 other forwards
@@ -132,10 +133,11 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest
 
-        scaled = {}  # speed -> (m work, forward) at that speed: shared by its stages (L^2 each)
+        scaled = {}  # (speed, micro-batches) -> (their work, forward) at that speed: shared by its stages (L^2 each)
+        runs = stage_runs(opts, m)
 
         def filling(g: int) -> int:  # the forwards that may fill stage g's wait: from its rank's list
-            return cut_busy.busy.filling[g] if cut_busy is not None else m - 1
+            return cut_busy.busy.filling[g] if cut_busy is not None else runs[g] - 1
         if cut_busy is not None:
             middle = CutWaits(rank_busy(opts, m, "between_computes"), costs, opts, L)
             first_wait = CutWaits(rank_busy(opts, m, "first_wait"), costs, opts, L)
@@ -147,10 +149,11 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         def stage(g: int) -> np.ndarray:
             # the rank's own batches between its first forward and its last backward (every message
             # but its first receive and its last send) may lie in the wait: the larger counts
-            inside = ((g < S - 1) * 2 * m + (g > 0) * (2 * m - 2)) * opts.message_s
-            if speeds[g] not in scaled:
-                scaled[speeds[g]] = (m * work / speeds[g], forward / speeds[g])
-            busy, one_forward = scaled[speeds[g]]
+            n = runs[g]  # a replicated stage: its busiest replica's micro-batches
+            inside = ((g < S - 1) * 2 * n + (g > 0) * (2 * n - 2)) * opts.message_s
+            if (speeds[g], n) not in scaled:
+                scaled[(speeds[g], n)] = (n * work / speeds[g], forward / speeds[g])
+            busy, one_forward = scaled[(speeds[g], n)]
             overlapped = filling(g) * one_forward
             value = np.subtract(after + drain[g][None, :], overlapped)  # in place below: L^2 each
             np.maximum(value, inside, out=value)
@@ -179,6 +182,14 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
     return value + opts.step_overhead_s
 
 
+def stage_runs(opts: CostOptions, m: int) -> List[int]:
+    """Per stage, the micro-batches its busiest device runs: m, or, for a stage on r_g replicas (each runs
+    every r_g-th micro-batch), ceil(m / r_g)."""
+    if not opts.replicated:
+        return [m] * opts.num_stages
+    return [-(-m // r) for r in opts.replicas]
+
+
 def _busiest_stage(work: np.ndarray, m: int, cut_busy: CutWaits, L: int, S: int, deadline: Optional[float]) -> float:
     """min over splits of max_g B_g(a_g, e_g) (planner.solve.rank_busy); 0 past the deadline."""
     scaled = {}  # speed -> m W / speed, shared by the stages of ranks of that speed
@@ -199,10 +210,13 @@ def _fitting_terms(profile: Profile, b: int, opts: CostOptions, deadline: Option
     """Per stage g, what a split pays for stage g = [a, e) to fit its device (one stage per device),
     beyond its work: +inf where it never fits, and under `--recompute auto` (1F1B, GPipe, zb-h1) m times the
     least recomputation R_g(a, e) it needs (planner.solve.recompute_bound), 0 elsewhere; None where
-    no device has a cap, or recomputation is chosen per unit under another schedule (no such bound)."""
+    no device has a cap, recomputation is chosen per unit under another schedule (no such bound), or stages
+    are replicated (StageMemory counts a stage on one device)."""
     from planner.cost.stage_memory import StageMemory
     from planner.solve.recompute_bound import bounded, least_recompute
 
+    if opts.replicated:  # StageMemory counts a stage on one device (a replica holds fewer micro-batches)
+        return None
     memory = StageMemory(profile, b, opts, opts.recompute == "all")
     S = opts.num_stages
     if all(memory.cap(g) is None for g in range(S)) or (opts.recompute == "auto" and not bounded(opts)):

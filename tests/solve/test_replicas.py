@@ -458,3 +458,38 @@ def test_replicate_takes_shard_auto_on_one_replica(tmp_path, capsys):
                "--quiet", "-o", str(tmp_path / "plan.json")])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("replicas", [(2,), (1, 2), (2, 1), (3,), (1, 3), (2, 2), (1, 1, 2)])
+def test_the_scenario_bound_holds_for_replicated_stages(schedule, replicas):
+    """scenario_lower_bound of a scenario with replicated stages: a stage on r_g devices runs ceil(m / r_g)
+    micro-batches on its busiest one, not m. Counting m, one stage on two devices was bound at twice
+    its only plan's step (and (1, 2) above the best split's)."""
+    from planner.solve.scenario_bound import scenario_lower_bound
+
+    S = len(replicas)
+    for L, m, seed in ((S, 4, 0), (S + 1, 5, 1), (S + 2, 7, 2)):
+        profile = random_chain(random.Random(seed), L, sizes=(1,))
+        opts = CostOptions(pipeline_ranks=sum(replicas), global_batch=m, schedule=schedule, replicas=replicas,
+                           bandwidth=1e8, message_s=1e-4, optimizer="sgd")
+        best = min(evaluate(profile, list(cuts), 1, opts).iteration_s
+                   for cuts in itertools.combinations(range(1, L), S - 1))
+        assert scenario_lower_bound(profile, 1, opts) <= best * (1 + 1e-12), (L, m)
+    one = synthetic_profile([1e-3] * 2, [2e-3] * 2, [0] * 2, [0] * 2, [0], sizes=(1,))
+    opts = CostOptions(pipeline_ranks=2, global_batch=4, schedule=schedule, replicas=(2,), optimizer="sgd")
+    assert scenario_lower_bound(one, 1, opts) == pytest.approx(evaluate(one, [], 1, opts).iteration_s)  # 12 ms
+
+
+def test_the_scenario_bound_lets_a_replicated_stage_fit_as_its_replicas_shard():
+    """One stage on three devices sharding its parameters (ZeRO-3 over its replicas) fits a cap that the
+    whole stage on one device does not: the scenario bound said no split fits (+inf) where one does."""
+    from planner.solve.scenario_bound import scenario_lower_bound
+
+    profile = synthetic_profile([1e-3] * 2, [2e-3] * 2, [8 << 20] * 2, [1 << 20] * 2, [1 << 10], sizes=(1,))
+    opts = CostOptions(pipeline_ranks=3, global_batch=4, schedule="1f1b", replicas=(3,), shard="parameters",
+                       optimizer="adamw")
+    plan = evaluate(profile, [], 1, opts.with_(memory_cap=max(evaluate(profile, [], 1, opts).device_memory)))
+    assert plan.feasible
+    capped = opts.with_(memory_cap=max(plan.device_memory))
+    assert scenario_lower_bound(profile, 1, capped) <= plan.iteration_s * (1 + 1e-12)
