@@ -8,19 +8,24 @@ skips those whose bound is not below its best plan, and counts it for those it d
             ceil(m / r_g), and m above reads so), after micro-batch 0 crossed the stages
             before it and before the last micro-batch's backward crosses them again; between the
             forward and the backward of the first micro-batch it backwards, that micro-batch
-            crosses every later stage and back, while the rank has at most m - 1 other forwards
-            (F_g = (k^f + F(a_g, e_g)) / sigma_g each) to fill the wait; an exact min-max partition).
+            crosses every later stage and back, while the rank runs c_g other forwards (F_g = (k^f +
+            F(a_g, e_g)) / sigma_g each; c_g read from its list: 1F1B's warm-up, GPipe's m - 1) to fill the
+            wait; an exact min-max partition).
             The crossings count too: each boundary before g (after g) costs at least its cheapest
             message pair at a cut left of a_g (right of e_g); the rank's own batches between its first
             forward and last backward (the cost per message of each) can fill the wait: the larger counts.
-            Where larger, a stage's term is B_g(a_g, e_g) + m R_g / sigma_g instead: its rank's own
-            computes and its blocking batches' waits at the stage's cuts (planner.solve.rank_busy).
+            Where larger, a stage's term is B_g(a_g, e_g) + O_g(a_g, e_g) + m R_g / sigma_g instead: its rank's
+            own computes, its blocking batches' waits at the stage's cuts (planner.solve.rank_busy) and its
+            optimizer step O_g (none where weights are tied); or its span: the fill and drain as above, every
+            compute, the waits of the batches between its first and last compute, and max(0, the first wait
+            less the c_g forwards and the waits of the batches run meanwhile).
             Under a memory cap R_g is +inf where the range never fits its device (no stage holds it) and,
             under `--recompute auto` with 1F1B, GPipe or zb-h1, the least recomputation it needs to fit
             (planner.solve.recompute_bound; 0 otherwise)
-    v > 1:  max( (m (W + S k) / sigma_max + min over cuts sum_g waits_g) / p,  (W + S k) / sigma_max,
-                 min over splits of max_g B_g(a_g, e_g) )
-            (the busiest rank, one micro-batch, the busiest stage's rank)
+    v > 1:  max( (m (W + S k) / sigma_max + min over cuts sum_g waits_g + O(0, L) / sigma_max) / p,
+                 (W + S k) / sigma_max,  min over splits of max_g B_g(a_g, e_g) + O_g(a_g, e_g),
+                 the ranks' spans (planner.solve.rank_span) )
+            (the busiest rank, one micro-batch, the busiest stage's rank, each rank's fill, work and drain)
 
 plus the step overhead (W: the units' forward and backward work, with the recomputed forward under
 'all'). Zero-bubble schedules: W counts both backward parts (and a recomputed forward in each), while
@@ -95,10 +100,13 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         total = float(prefix[-1]) + S * call
         through = float(chain[-1]) + S * call
     loose = max(m * total / (p * fastest), through / fastest)  # the busiest rank's share; one micro-batch's chain
+    # each rank's optimizer step after its list (planner.pipeline.stepgraph), over its units; none where weights
+    # are tied (a rank's copies of a tie fewer than its units count)
+    optimizer = np.zeros(L + 1) if profile.extra.get("shared_parameters") else costs.O
     cut_busy = None  # planner.solve.rank_busy: per stage, what its rank's blocking batches wait at its cuts
     if not opts.replicated and (deadline is None or time.perf_counter() < deadline):  # (reads the lists)
         cut_busy = CutWaits(rank_busy(opts, m), costs, opts, L)
-        loose = max(loose, (m * total / fastest + cut_busy.least_sum()) / p)
+        loose = max(loose, (m * total / fastest + cut_busy.least_sum() + optimizer[-1] / fastest) / p)
     if deadline is None or time.perf_counter() < deadline:
         made = time.perf_counter()
         forward = costs.matrix(costs.F) + costs.call_forward
@@ -109,7 +117,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             return loose + opts.step_overhead_s
         work = work_matrix()
         if opts.virtual_stages > 1:  # each stage's rank: its own computes and waits at its cuts
-            busiest = _busiest_stage(work, m, cut_busy, L, S, deadline) if cut_busy is not None else 0.0
+            busiest = _busiest_stage(m * work + costs.matrix(optimizer), cut_busy, L, S, deadline) \
+                if cut_busy is not None else 0.0
             spans = rank_span_bound(costs, opts, m, L, deadline) if cut_busy is not None else 0.0
             return max(loose, busiest, spans) + opts.step_overhead_s
         forward = np.where(np.isfinite(forward), forward, 0.0)  # e <= a: +inf comes from `work`
@@ -133,7 +142,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest
 
-        scaled = {}  # (speed, micro-batches) -> (their work, forward) at that speed: shared by its stages (L^2 each)
+        scaled = {}  # (speed, micro-batches) -> (their work, forward, step) at that speed: shared by its stages
+        steps = costs.matrix(optimizer)
         runs = stage_runs(opts, m)
 
         def filling(g: int) -> int:  # the forwards that may fill stage g's wait: from its rank's list
@@ -152,15 +162,15 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             n = runs[g]  # a replicated stage: its busiest replica's micro-batches
             inside = ((g < S - 1) * 2 * n + (g > 0) * (2 * n - 2)) * opts.message_s
             if (speeds[g], n) not in scaled:
-                scaled[(speeds[g], n)] = (n * work / speeds[g], forward / speeds[g])
-            busy, one_forward = scaled[(speeds[g], n)]
+                scaled[(speeds[g], n)] = (n * work / speeds[g], forward / speeds[g], steps / speeds[g])
+            busy, one_forward, step = scaled[(speeds[g], n)]
             overlapped = filling(g) * one_forward
             value = np.subtract(after + drain[g][None, :], overlapped)  # in place below: L^2 each
             np.maximum(value, inside, out=value)
             value += busy
             value += before + fill[g][:, None]
-            if cut_busy is not None:  # or its rank's computes and its batches' waits at its cuts
-                np.maximum(value, cut_busy.add_to(busy.copy(), g), out=value)
+            if cut_busy is not None:  # or its rank's computes, its batches' waits at its cuts and its step
+                np.maximum(value, cut_busy.add_to(busy + step, g), out=value)
                 # or its span: the fill, every compute and the waits of the batches between its first and
                 # last, the drain, and what of the wait for its first backward's micro-batch the forwards
                 # and batches run meanwhile (`first_wait`) leave
@@ -190,14 +200,15 @@ def stage_runs(opts: CostOptions, m: int) -> List[int]:
     return [-(-m // r) for r in opts.replicas]
 
 
-def _busiest_stage(work: np.ndarray, m: int, cut_busy: CutWaits, L: int, S: int, deadline: Optional[float]) -> float:
-    """min over splits of max_g B_g(a_g, e_g) (planner.solve.rank_busy); 0 past the deadline."""
-    scaled = {}  # speed -> m W / speed, shared by the stages of ranks of that speed
+def _busiest_stage(busy: np.ndarray, cut_busy: CutWaits, L: int, S: int, deadline: Optional[float]) -> float:
+    """min over splits of max_g B_g(a_g, e_g) (planner.solve.rank_busy) plus the stage's optimizer step, `busy`
+    the micro-batches' work and the step at speed 1; 0 past the deadline."""
+    scaled = {}  # speed -> busy / speed, shared by the stages of ranks of that speed
 
     def stage(g: int) -> np.ndarray:
         speed = cut_busy.busy.speeds[g]
         if speed not in scaled:
-            scaled[speed] = m * work / speed
+            scaled[speed] = busy / speed
         return cut_busy.add_to(scaled[speed].copy(), g)
     try:
         return min_max_partition(L, S, stage, deadline)[0]
