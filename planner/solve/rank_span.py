@@ -4,8 +4,8 @@ does between its first and its last compute, and the drain after it.
 Rank r runs stages G_r; g0 = min G_r. Its first compute is a forward, of a micro-batch that crossed every
 stage before g0 first; under 1F1B-like lists its last compute is a backward, whose gradient crosses every
 stage before g0 again. Between them the rank runs all its computes and the batches its list puts there, each
-as planner.solve.rank_busy counts them (a blocking batch no sooner than its post plus its receives'
-transfers, every operation `message`). So for every split
+as planner.solve.rank_busy counts them (a blocking batch no sooner than its post plus its longest
+transfer, every operation `message`). So for every split
 
     T >= fill_r(a_g0) + sum_{g in G_r} M_g(a_g, e_g) + drain_r(a_g0)
 
@@ -158,7 +158,7 @@ def rank_span_bound(costs: RangeCosts, opts: CostOptions, m: int, num_units: int
 def _prefix_argmin(values: np.ndarray) -> np.ndarray:
     """[e]: an index a <= e of the least of values[:e + 1]."""
     running = np.minimum.accumulate(values)
-    # the first index where the running minimum reaches its value at e
+    # the last index up to e where the running minimum was set: its value is the minimum at e
     idx = np.arange(len(values))
     marks = np.where(values == running, idx, 0)
     return np.maximum.accumulate(marks)
