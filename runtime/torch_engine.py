@@ -277,6 +277,10 @@ class TimedStage(PipelineStage):
             self._whole.add(bwd_chunk_id)
         with self._timed("backward_s", ActionKind.BACKWARD if whole else ActionKind.BACKWARD_INPUT, bwd_chunk_id):
             out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            if bwd_chunk_id in self.bwd_cache:  # gloo sends contiguous tensors only: torch's input part hands
+                # on autograd's gradients as they are (a concatenation's are views of one tensor)
+                self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g
+                                                     for g in self.bwd_cache[bwd_chunk_id])
             if whole:
                 self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
         return out

@@ -867,3 +867,32 @@ def saved_two_apart(dim: int = 8, seq: int = 4) -> ModelSpec:
         return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, seq, dim, generator=g)
 
     return ModelSpec(module=_SavedTwoApart(dim), batch=batch, loss=F.mse_loss)
+
+
+
+
+class _Joined(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(2 * dim, dim)
+
+    def forward(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.cat([h, u], -1))
+
+
+class _CatInputs(nn.Module):
+    """The last unit, c, reads its two inputs through one concatenation, whose backward hands each its
+    gradient as a narrow view of one tensor (not contiguous): cut before c, the gradients its stage sends."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b, self.d = (nn.Linear(dim, dim) for _ in range(3))
+        self.c = _Joined(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(h, self.d(torch.tanh(self.b(h))))
+
+
+def cat_inputs(dim: int = 8) -> ModelSpec:
+    return ModelSpec(module=_CatInputs(dim), batch=saved_and_sent(dim).batch, loss=F.mse_loss)
