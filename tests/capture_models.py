@@ -896,3 +896,23 @@ class _CatInputs(nn.Module):
 
 def cat_inputs(dim: int = 8) -> ModelSpec:
     return ModelSpec(module=_CatInputs(dim), batch=saved_and_sent(dim).batch, loss=F.mse_loss)
+
+
+def _ctc(log_probs: torch.Tensor, target) -> torch.Tensor:
+    labels, lengths = target
+    frames = torch.full((log_probs.shape[0],), log_probs.shape[1], dtype=torch.long)
+    return F.ctc_loss(log_probs.transpose(0, 1), labels, frames, lengths)
+
+
+def ctc_labels(dim: int = 8, frames: int = 10, classes: int = 6) -> ModelSpec:
+    """A CTC loss, whose saved alignment table is as long as the micro-batch's longest label sequence:
+    the bytes the last unit holds follow the target's values (label lengths 1-4 by sample and step)."""
+    module = nn.Sequential(nn.Linear(5, dim), nn.Tanh(), nn.Linear(dim, classes), nn.LogSoftmax(-1))
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        labels = torch.randint(1, classes, (batch_size, 4), generator=g)
+        lengths = 1 + (torch.arange(batch_size) + step) % 4
+        return (torch.randn(batch_size, frames, 5, generator=g),), (labels, lengths)
+
+    return ModelSpec(module=module, batch=batch, loss=_ctc)
