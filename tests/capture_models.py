@@ -916,3 +916,26 @@ def ctc_labels(dim: int = 8, frames: int = 10, classes: int = 6) -> ModelSpec:
         return (torch.randn(batch_size, frames, 5, generator=g),), (labels, lengths)
 
     return ModelSpec(module=module, batch=batch, loss=_ctc)
+
+
+class _LateEmbedding(nn.Module):
+    """Token ids embedded by the second unit, whose input from the first (x's features) only passes
+    through it: cut around it, that stage's one weight is reached from the model's ids alone."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.a, self.d = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.emb, self.c = nn.Embedding(vocab, dim), _Joined(dim)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.d(torch.tanh(self.c(h, self.emb(ids))))
+
+
+def late_embedding(dim: int = 8, vocab: int = 12) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(7 * step + 2)
+        x, target = torch.randn(batch_size, dim, generator=g), torch.randn(batch_size, dim, generator=g)
+        return (x, torch.randint(0, vocab, (batch_size,), generator=g)), target
+
+    return ModelSpec(module=_LateEmbedding(dim, vocab), batch=batch, loss=F.mse_loss)
