@@ -45,7 +45,8 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
+from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups,
+                                                    reverse_closure)
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
@@ -310,8 +311,16 @@ class TimedStage(PipelineStage):
             in_graph = set(graph) | {node for parents in graph.values() for node in parents}
             weights = [node for node in (_get_grad_fn_or_grad_acc(p) for p in self.submod.parameters()
                                          if p.requires_grad) if node in in_graph]
-            needing = [_get_grad_fn_or_grad_acc(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-            groups = get_param_groups(list(filter(None, needing)), weights, graph) if needing else []
+            needing = list(filter(None, (_get_grad_fn_or_grad_acc(t) for t in inputs
+                                         if isinstance(t, torch.Tensor) and t.requires_grad)))
+            groups = get_param_groups(needing, weights, graph) if needing else []
             reached = set().union(*(group["params"] for group in groups))
-            self._reached = all(node in reached for node in weights)
+            # and no two groups share a node below their meeting with the inputs' paths (`emb(ids) + pos`
+            # read by a cross-attention): torch's weight part runs one autograd.grad per group without
+            # retaining the graph, and the second stopped ("backward through the graph a second time")
+            above, _ = reverse_closure(needing, set(), graph)
+            owner: Dict[Any, int] = {}
+            apart = all(owner.setdefault(node, k) == k for k, group in enumerate(groups) for weight in group["params"]
+                        for node in reverse_closure([weight], above, graph)[0])
+            self._reached = apart and all(node in reached for node in weights)
         return self._reached

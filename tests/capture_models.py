@@ -939,3 +939,36 @@ def late_embedding(dim: int = 8, vocab: int = 12) -> ModelSpec:
         return (x, torch.randint(0, vocab, (batch_size,), generator=g)), target
 
     return ModelSpec(module=_LateEmbedding(dim, vocab), batch=batch, loss=F.mse_loss)
+
+
+
+class _Seq2Seq(nn.Module):
+    """One embedding for source and target (tied to the output layer), a position parameter added to
+    both, one projection applied at both ends, an encoder and a decoder layer whose cross-attention reads
+    the encoder's output under a padding mask. Cut [2, 3, 5] (zb-v): stage 2 embeds the target and runs
+    the decoder layer on the received memory, where torch's param groups share nodes."""
+
+    def __init__(self, vocab: int, dim: int, seq: int):
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
+        self.enc = nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True)
+        self.dec = nn.TransformerDecoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        m = self.enc(self.proj(self.emb(src) + self.pos), src_key_padding_mask=pad)
+        h = self.dec(self.emb(tgt) + self.pos, m, memory_key_padding_mask=pad)
+        return self.out(self.proj(h)).flatten(0, 1)
+
+
+def seq2seq(vocab: int = 16, dim: int = 8, seq: int = 5) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 3)
+        src, tgt = (torch.randint(1, vocab, (batch_size, seq + 1), generator=g) for _ in range(2))
+        pad = torch.arange(seq).unsqueeze(0) >= torch.randint(2, seq + 1, (batch_size, 1), generator=g)
+        return (src[:, :-1], tgt[:, :-1], pad), tgt[:, 1:]
+
+    return ModelSpec(module=_Seq2Seq(vocab, dim, seq), batch=batch,
+                     loss=lambda logits, target: F.cross_entropy(logits, target.flatten()))

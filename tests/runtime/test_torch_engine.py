@@ -35,6 +35,8 @@ def _plan(case):
         return plan_with(profile_of("tests.capture_models:cat_inputs", sizes=(2,)), [1, 2, 3], 2, 4, "zb-v")
     if case == "zb-v-late-embedding":  # ... and stage 1's embedding, reached from the ids alone, never moved (sweep 30)
         return plan_with(profile_of("tests.capture_models:late_embedding", sizes=(2,)), [1, 2, 3], 2, 4, "zb-v")
+    if case == "zb-v-seq2seq":  # ... and stage 2's weight part, two of torch's param groups sharing nodes, stopped
+        return plan_with(profile_of("tests.capture_models:seq2seq", sizes=(2,)), [2, 3, 5], 2, 4, "zb-v")
     pytest.importorskip("transformers")  # "hf-tied-bfs": the embedding (stage 0) is the LM head (stage 3)
     profile = profile_of("hf:LlamaForCausalLM", LLAMA_TIED, sizes=(2,))  # as tests/model/test_hf.py: one profile
     return reshape_plan(plan_with(profile, [1, 3, 5], 2, 4, "gpipe"), virtual_stages=2, schedule="bfs")
@@ -42,7 +44,7 @@ def _plan(case):
 
 @pytest.mark.parametrize("case", ["two-outputs-skip", "interleaved-dp2", "hf-tied-bfs", "zb-v", "zb-v-frozen-front",
                                   "zb-v-view-outputs", "zb-v-saved-and-sent", "zb-v-cat-inputs",
-                                  "zb-v-late-embedding"])
+                                  "zb-v-late-embedding", "zb-v-seq2seq"])
 def test_torch_engine_trains_like_one_process(tmp_path, case):
     plan = _plan(case)
     losses = []
