@@ -315,12 +315,15 @@ class TimedStage(PipelineStage):
                                          if isinstance(t, torch.Tensor) and t.requires_grad)))
             groups = get_param_groups(needing, weights, graph) if needing else []
             reached = set().union(*(group["params"] for group in groups))
-            # and no two groups share a node below their meeting with the inputs' paths (`emb(ids) + pos`
-            # read by a cross-attention): torch's weight part runs one autograd.grad per group without
-            # retaining the graph, and the second stopped ("backward through the graph a second time")
+            # and no two weights whose paths share a node meet the inputs' paths at different nodes (`emb(ids)
+            # + pos` read by a cross-attention): torch then groups them by the order it meets those nodes in
+            # (a set's), two groups may share that node, and its weight part, one autograd.grad per group
+            # without retaining the graph, stopped ("backward through the graph a second time")
             above, _ = reverse_closure(needing, set(), graph)
-            owner: Dict[Any, int] = {}
-            apart = all(owner.setdefault(node, k) == k for k, group in enumerate(groups) for weight in group["params"]
-                        for node in reverse_closure([weight], above, graph)[0])
+            meets: Dict[Any, frozenset] = {}  # node on a weight's own path -> where that weight meets the inputs'
+            apart = True
+            for weight in weights:
+                closure, met = reverse_closure([weight], above, graph)
+                apart = apart and all(meets.setdefault(node, frozenset(met)) == met for node in closure)
             self._reached = apart and all(node in reached for node in weights)
         return self._reached

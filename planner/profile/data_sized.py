@@ -79,7 +79,10 @@ def add_loss_peak(run, b: int, output, target) -> None:
     shapes = [tuple(t.shape) for t in tree_leaves(target) if isinstance(t, torch.Tensor)]
     counts = []
     for step in range(PROBED_BATCHES):
-        probe = to_device(run.spec.batch(b, step)[1], run.dev, copy=True)
+        try:
+            probe = to_device(run.spec.batch(b, step)[1], run.dev, copy=True)
+        except Exception:  # a batch the model cannot make at a later step: the run reports it at that step
+            break
         if [tuple(t.shape) for t in tree_leaves(probe) if isinstance(t, torch.Tensor)] == shapes:
             counts.append(loss_saved_bytes(run.spec.loss, output, probe))
     extra = max(counts, default=0) - loss_saved_bytes(run.spec.loss, output, target)
