@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups,
+                                                    reverse_closure)
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
@@ -246,6 +248,7 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.engine = engine
         self._whole: set = set()  # chunks whose whole backward ran in the input part's turn
+        self._reached: Optional[bool] = None  # _weights_reached, once known
 
     @contextlib.contextmanager
     def _timed(self, key: str, kind: ActionKind, chunk: int):
@@ -268,15 +271,20 @@ class TimedStage(PipelineStage):
         # zero-bubble schedules call it for the input part alone (full_backward=False): what the weight
         # part reads stays held until backward_weight_one_chunk, as the own engine counts it
         whole = kwargs.get("full_backward", True)
-        if not whole and not self.is_first and not self._inputs_need_gradients(bwd_chunk_id):
+        if not whole and not self.is_first and not self._weights_reached(bwd_chunk_id):
             # torch's input part finds its weights through the inputs' gradient functions: with none
-            # (a frozen front, integer inputs) its weight part would update nothing (torch 2.13), so
+            # (a frozen front, integer inputs) its weight part would update nothing (torch 2.13), and a
+            # weight only the model's own inputs reach (a later stage's embedding of token ids) none, so
             # the whole backward runs now, the weight part's turn passes (torch's own first stage
             # does it the other way round: nothing now, all in the weight part)
             kwargs["full_backward"], whole = True, True
             self._whole.add(bwd_chunk_id)
         with self._timed("backward_s", ActionKind.BACKWARD if whole else ActionKind.BACKWARD_INPUT, bwd_chunk_id):
             out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            if bwd_chunk_id in self.bwd_cache:  # gloo sends contiguous tensors only: torch's input part hands
+                # on autograd's gradients as they are (a concatenation's are views of one tensor)
+                self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g
+                                                     for g in self.bwd_cache[bwd_chunk_id])
             if whole:
                 self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
         return out
@@ -291,6 +299,31 @@ class TimedStage(PipelineStage):
             self.engine.saved.release(self.engine.held.pop((self.stage_index, bwd_chunk_id), 0))
         return out
 
-    def _inputs_need_gradients(self, chunk: int) -> bool:
-        _, inputs = self.fwd_cache[chunk]
-        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    def _weights_reached(self, chunk: int) -> bool:
+        """Whether torch's split backward reaches every trainable weight the stage's graph reads: its
+        weight part takes the weights whose gradient paths meet the inputs' (torch's own param groups).
+        The same for every micro-batch of a stage: found on the first, then kept."""
+        if self._reached is None:
+            outputs, inputs = self.fwd_cache[chunk]
+            outputs = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+                       if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            graph = construct_reverse_graph(list(filter(None, map(_get_grad_fn_or_grad_acc, outputs))))
+            in_graph = set(graph) | {node for parents in graph.values() for node in parents}
+            weights = [node for node in (_get_grad_fn_or_grad_acc(p) for p in self.submod.parameters()
+                                         if p.requires_grad) if node in in_graph]
+            needing = list(filter(None, (_get_grad_fn_or_grad_acc(t) for t in inputs
+                                         if isinstance(t, torch.Tensor) and t.requires_grad)))
+            groups = get_param_groups(needing, weights, graph) if needing else []
+            reached = set().union(*(group["params"] for group in groups))
+            # and no two weights whose paths share a node meet the inputs' paths at different nodes (`emb(ids)
+            # + pos` read by a cross-attention): torch then groups them by the order it meets those nodes in
+            # (a set's), two groups may share that node, and its weight part, one autograd.grad per group
+            # without retaining the graph, stopped ("backward through the graph a second time")
+            above, _ = reverse_closure(needing, set(), graph)
+            meets: Dict[Any, frozenset] = {}  # node on a weight's own path -> where that weight meets the inputs'
+            apart = True
+            for weight in weights:
+                closure, met = reverse_closure([weight], above, graph)
+                apart = apart and all(meets.setdefault(node, frozenset(met)) == met for node in closure)
+            self._reached = apart and all(node in reached for node in weights)
+        return self._reached

@@ -44,7 +44,7 @@ from planner.model.capture_export import ExportFailure, export_graph, split_inpu
 from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
 from planner.model.failures import NodeRunError, first_line
 from planner.model.example import EXAMPLE_BATCH_SIZE, example_batch, filled_varargs, none_arguments
-from planner.model.fx_trace import Unpipelinable, trace_fx
+from planner.model.fx_trace import Unpipelinable, refuse_reserved_names, trace_fx
 from planner.model.inplace import writes_across_units
 from planner.model.recomputable import needed_inputs, recomputable_nodes
 from planner.model.trace_state import PythonState
@@ -130,6 +130,7 @@ class CapturedModel:
         """The graph (also `self.gm`): torch.fx, or torch.export where fx cannot take the model (or `method`
         says)."""
         fx_error = None
+        refuse_reserved_names(module)  # `self.code = nn.Parameter(...)`: fx and torch.export both fail on it
         with torch_quiet():  # a failure is one CaptureError line, not torch's graph dump and warnings
             if method in ("auto", "fx"):
                 try:

@@ -160,6 +160,19 @@ def _function_apply(function: type) -> Callable:
     return _APPLIES[function]
 
 
+def refuse_reserved_names(module: nn.Module) -> None:
+    """Unpipelinable (no graph would do) where a parameter, buffer or submodule of the root is named like
+    an attribute of torch.fx's GraphModule (`code`, `graph`, ...), which holds the root's own tensors
+    under their names, captured by fx and torch.export alike (both fail on it, in torch's words)."""
+    reserved = set(dir(fx.GraphModule(nn.Module(), fx.Graph()))) - set(dir(nn.Module()))
+    for kind, names in (("parameter", module._parameters), ("buffer", module._buffers), ("submodule", module._modules)):
+        clash = next((name for name in names if name in reserved), None)
+        if clash is not None:
+            raise Unpipelinable(f"cannot capture {type(module).__name__}: its {kind} {clash!r} has the name of an "
+                                f"attribute of the graph module that holds a captured model (torch.fx and "
+                                f"torch.export alike); rename it (e.g. {clash + '_'!r})")
+
+
 def trace_fx(module: nn.Module, as_none: Set[str]) -> fx.GraphModule:
     """The model's graph as torch.fx traces it, nodes tagged with their module stack, the arguments in
     `as_none` traced as None; CaptureError (one line) where fx cannot record what forward does."""

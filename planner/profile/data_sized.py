@@ -8,18 +8,21 @@ each of the first `PROBED_BATCHES` batches of the size, counting what the forwar
 measures on the batch that saved the most. A unit whose own bytes peaked on another probed batch (two
 routed blocks peaking apart) has the difference added to its held bytes (`add_unit_peaks`). The
 plan's activation memory is then the largest the profile saw, not the first batch's (a batch routing
-more rows than any probed can still hold more; the profile's `data_sized` records the spread).
+more rows than any probed can still hold more; the profile's `data_sized` records the spread). What
+the loss saves can follow the target's values alone (CTC): for every model the loss runs on the measured
+output with each probed batch's target, and the last unit gets what it saved more (`add_loss_peak`).
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from planner.model.capture import run_all_nodes
 from planner.model.failures import NodeRunError, model_failure
 from planner.model.spec import ModelEntryError, batch_problem, to_device
-from planner.profile.saved import Packed, local_tensor, unpack
+from planner.profile.saved import Packed, local_tensor, loss_saved_bytes, unpack
 
 PROBED_BATCHES = 8
 
@@ -66,6 +69,32 @@ def add_unit_peaks(run, b: int, peaks: List[int]) -> None:
         for counts in (unit.saved_bytes, unit.first_saved_bytes, unit.weight_held_bytes, unit.first_weight_held_bytes):
             if b in counts:
                 counts[b] += extra
+
+
+def add_loss_peak(run, b: int, output, target) -> None:
+    """Add to the last unit's held bytes at size b what the loss saves more on another probed batch's
+    target than on the measured one's (`target`), from the measured `output`: what a loss saves can
+    follow the target's values where the graph's shapes do not (CTC's alignment table is as long as the
+    batch's longest label sequence). Targets of other shapes than the measured one are not probed."""
+    shapes = [tuple(t.shape) for t in tree_leaves(target) if isinstance(t, torch.Tensor)]
+    counts = []
+    for step in range(PROBED_BATCHES):
+        try:
+            probe = to_device(run.spec.batch(b, step)[1], run.dev, copy=True)
+        except Exception:  # a batch the model cannot make at a later step: the run reports it at that step
+            break
+        if [tuple(t.shape) for t in tree_leaves(probe) if isinstance(t, torch.Tensor)] == shapes:
+            counts.append(loss_saved_bytes(run.spec.loss, output, probe))
+    extra = max(counts, default=0) - loss_saved_bytes(run.spec.loss, output, target)
+    if extra <= 0:
+        return
+    last = run.units[-1]
+    for held in (last.saved_bytes, last.first_saved_bytes, last.loss_saved_bytes):
+        if b in held:
+            held[b] += extra
+    run.data_sized.setdefault(b, {"batches": PROBED_BATCHES})["loss_added_bytes"] = extra
+    run.say(f"  b={b:<4} the loss saves {extra} bytes more on another of the first {PROBED_BATCHES} targets than on "
+            f"the measured one's: added to {last.name}")
 
 
 def _saved_per_unit(captured, inputs, state: Set[int]) -> List[int]:

@@ -37,7 +37,7 @@ from planner.profile.allocator import retain_freed_memory
 from planner.profile.attention import attention_of
 from planner.profile.corunners import CoRunners, host_kernel_s
 from planner.profile.cut_profile import CutProfile
-from planner.profile.data_sized import add_unit_peaks, data_sized_json, measuring_step
+from planner.profile.data_sized import add_loss_peak, add_unit_peaks, data_sized_json, measuring_step
 from planner.profile.hostspeed import REFERENCE_KERNEL, mean_kernel_s
 from planner.profile.mixed import MixedRun
 from planner.profile.profile import PROFILE_PRECISIONS, Profile
@@ -238,6 +238,7 @@ def _measure_size(run: ProfileRun, b: int) -> None:
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
                 f"backward {timing.backward_s * 1e3:8.3f} ms  saved {timing.saved_bytes / 2**20:8.2f} MiB")
     add_unit_peaks(run, b, peaks)  # where the data sets shapes: a unit's bytes at their largest probed batch
+    add_loss_peak(run, b, captured.output_of(values), target)  # ... and the loss's, at its largest probed target
     if b in run.stage_overhead:
         call_f, call_b = run.stage_overhead[b]
         run.say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "

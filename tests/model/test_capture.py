@@ -80,6 +80,29 @@ def test_both_paths_failing_names_the_module_and_a_way_out():
     assert "'gate'" in message and "torch.fx" in message and "torch.export" in message and "Way out" in message
 
 
+class _Coded(nn.Module):
+    """A hypernetwork's learned code held by the root as `self.code`: GraphModule's own `code` (its Python
+    source), so torch.fx's and torch.export's graph modules both fail to take it, in torch's words."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        setattr(self, name, nn.Parameter(torch.randn(3, 4)))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) @ getattr(self, self.name).t()
+
+
+@pytest.mark.parametrize("method", ["auto", "export"])
+def test_a_root_parameter_named_like_the_graph_modules_code_is_refused_in_one_line(method):
+    with pytest.raises(CaptureError) as info:
+        capture(_Coded("code"), (torch.randn(2, 4),), method=method)
+    message = str(info.value)
+    assert "\n" not in message and "'code'" in message and "rename it" in message
+    assert capture(_Coded("codes"), (torch.randn(2, 4),)).method == "fx"  # another name is taken
+
+
 def test_export_without_an_example_batch_says_how_to_get_one():
     net = _Net()
 

@@ -199,6 +199,23 @@ def test_bytes_the_data_sets_are_planned_at_the_largest_batch_probed(tmp_path, s
     assert routed["added_bytes"] == {}
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_what_the_loss_saves_is_planned_at_the_largest_target_probed(tmp_path, schedule):
+    """CTC's alignment table is as long as the micro-batch's longest label sequence: measured on the
+    first batch's target alone (labels of 1-2), the last rank held more than planned (the eighth sweep's
+    CTC model: 5,124 bytes on 4,804). The profile adds what the loss saves more on another of the first 8
+    targets (labels of up to 4)."""
+    from tests.support.runs import execute, max_abs_diff, reference_state, report_of
+
+    profile = profile_of("tests.capture_models:ctc_labels", sizes=(2,))
+    assert profile.extra["data_sized"]["sizes"]["2"]["loss_added_bytes"] > 0
+    plan = plan_with(profile, [2], 2, 8, schedule)
+    state = execute(plan, tmp_path, steps=2)
+    assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] <= rank["predicted_activation_bytes"], rank
+
+
 @pytest.mark.parametrize("recompute", [[], [2]])
 def test_a_zero_bubble_stage_whose_input_needs_no_gradient_holds_what_the_plan_says(tmp_path, recompute):
     """frozen_tied_lm cut after its frozen embedding and first block: the later stage's input needs no

@@ -31,13 +31,20 @@ def _plan(case):
         return plan_with(profile_of("tests.models:view_outputs"), [1, 2, 3], 2, 6, "zb-v")
     if case == "zb-v-saved-and-sent":  # ... and a value stage 1 saved and sent broke its weight part (sweep 29)
         return plan_with(profile_of("tests.capture_models:saved_and_sent", sizes=(2,)), [1, 3, 4], 2, 4, "zb-v")
+    if case == "zb-v-cat-inputs":  # ... and stage 2's input gradients, views of its concatenation's, stopped gloo (sweep 30)
+        return plan_with(profile_of("tests.capture_models:cat_inputs", sizes=(2,)), [1, 2, 3], 2, 4, "zb-v")
+    if case == "zb-v-late-embedding":  # ... and stage 1's embedding, reached from the ids alone, never moved (sweep 30)
+        return plan_with(profile_of("tests.capture_models:late_embedding", sizes=(2,)), [1, 2, 3], 2, 4, "zb-v")
+    if case == "zb-v-seq2seq":  # ... and stage 2's weight part, two of torch's param groups sharing nodes, stopped
+        return plan_with(profile_of("tests.capture_models:seq2seq", sizes=(2,)), [2, 3, 5], 2, 4, "zb-v")
     pytest.importorskip("transformers")  # "hf-tied-bfs": the embedding (stage 0) is the LM head (stage 3)
     profile = profile_of("hf:LlamaForCausalLM", LLAMA_TIED, sizes=(2,))  # as tests/model/test_hf.py: one profile
     return reshape_plan(plan_with(profile, [1, 3, 5], 2, 4, "gpipe"), virtual_stages=2, schedule="bfs")
 
 
 @pytest.mark.parametrize("case", ["two-outputs-skip", "interleaved-dp2", "hf-tied-bfs", "zb-v", "zb-v-frozen-front",
-                                  "zb-v-view-outputs", "zb-v-saved-and-sent"])
+                                  "zb-v-view-outputs", "zb-v-saved-and-sent", "zb-v-cat-inputs",
+                                  "zb-v-late-embedding", "zb-v-seq2seq"])
 def test_torch_engine_trains_like_one_process(tmp_path, case):
     plan = _plan(case)
     losses = []
