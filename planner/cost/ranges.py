@@ -10,7 +10,7 @@ run at speed sigma costs per micro-batch
                      + [a not in R] first_a                       (its first unit's inputs as received)
                      - gap(a, e)                                  (what two units that are not neighbours hold, once)
     o_k            = d_k, p_k, u_k or q_k as neither of units k - 1, k is in R, only k, only k - 1, both
-    gap(a, e)      = sum x over (l, j, x): a <= l, j < e, none of l .. j in R   (`gaps`, below)
+    gap(a, e)      = sum x over (l, j, x): a <= l, j < e, none of l .. j in R   (`gaps`: shared_storage)
     params(a, e)   = sum_{a<=l<e} P_l                              parameter bytes
     trainable(a, e) = sum_{a<=l<e} T_l                             of them, those that train (T_l <= P_l)
     step(a, e)     = sum_{a<=l<e} o_l / sigma                      one optimizer step over them

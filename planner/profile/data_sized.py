@@ -73,9 +73,10 @@ def add_unit_peaks(run, b: int, peaks: List[int]) -> None:
 
 def add_loss_peak(run, b: int, output, target) -> None:
     """Add to the last unit's held bytes at size b what the loss saves more on another probed batch's
-    target than on the measured one's (`target`), from the measured `output`: what a loss saves can
-    follow the target's values where the graph's shapes do not (CTC's alignment table is as long as the
-    batch's longest label sequence). Targets of other shapes than the measured one are not probed."""
+    target than on the measured one's (`target`; its count already in the unit's loss_saved_bytes), from the
+    measured `output`: what a loss saves can follow the target's values where the graph's shapes do not (CTC's
+    alignment table is as long as the batch's longest label sequence). Targets of other shapes than the
+    measured one are not probed."""
     shapes = [tuple(t.shape) for t in tree_leaves(target) if isinstance(t, torch.Tensor)]
     counts = []
     for step in range(PROBED_BATCHES):
@@ -85,10 +86,10 @@ def add_loss_peak(run, b: int, output, target) -> None:
             break
         if [tuple(t.shape) for t in tree_leaves(probe) if isinstance(t, torch.Tensor)] == shapes:
             counts.append(loss_saved_bytes(run.spec.loss, output, probe))
-    extra = max(counts, default=0) - loss_saved_bytes(run.spec.loss, output, target)
+    last = run.units[-1]
+    extra = max(counts, default=0) - last.loss_saved_bytes[b]  # (the measured target's, measure._measure_size)
     if extra <= 0:
         return
-    last = run.units[-1]
     for held in (last.saved_bytes, last.first_saved_bytes, last.loss_saved_bytes):
         if b in held:
             held[b] += extra

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,8 +58,9 @@ class RankBusy:
     both: Tuple[Dict[Tuple[Payloads, Payloads], int], ...]
     operations: Tuple[int, ...]
     speeds: Tuple[float, ...]
-    # per stage: the forwards its rank runs between the stage's forward and backward of the micro-batch
-    # it backwards first (what may fill the wait for that micro-batch's crossing of the later stages)
+    # per stage its rank backwards first (one stage per device: every stage; 0 for the others): the forwards
+    # the rank runs between that micro-batch's forward and backward (what may fill the wait for its crossing
+    # of the later stages)
     filling: Tuple[int, ...] = ()
 
     def weight(self, g: int) -> float:
@@ -85,13 +86,15 @@ def rank_busy(opts: CostOptions, m: int, region: str = "all") -> RankBusy:
     both = [defaultdict(int) for _ in range(S)]
     operations, filling = [0] * S, [0] * S
     for actions in step_lists(shape):
-        _count_filling(actions, filling)
         items = batches_of(actions)
         computes = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
+        stage, waiting = _first_wait(items, computes)
+        if stage is not None:  # the forwards the rank runs meanwhile
+            filling[stage] = sum(1 for item in waiting if not isinstance(item, tuple) and item.kind == ActionKind.FORWARD)
         if region == "between_computes":
             items = items[computes[0]:computes[-1]] if computes else []
         elif region == "first_wait":
-            items = _first_wait(items, computes)
+            items = waiting
         for item in items:
             if not isinstance(item, tuple):
                 continue
@@ -117,15 +120,16 @@ def rank_busy(opts: CostOptions, m: int, region: str = "all") -> RankBusy:
                     tuple(speeds[shape.rank_of(g)] for g in range(S)), tuple(filling))
 
 
-def _first_wait(items: List[object], computes: List[int]) -> List[object]:
-    """The items strictly between the forward and the backward of the micro-batch a rank backwards first."""
+def _first_wait(items: List[object], computes: List[int]) -> Tuple[Optional[int], List[object]]:
+    """The stage of the micro-batch a rank backwards first, and the items strictly between that micro-batch's
+    forward and backward there ((None, []) for a list without a backward)."""
     first = next((i for i in computes if items[i].kind in BACKWARD_KINDS), None)
     if first is None:
-        return []
+        return None, []
     key = (items[first].stage, items[first].micro_batch)
     forward = next(i for i in computes if items[i].kind == ActionKind.FORWARD
                    and (items[i].stage, items[i].micro_batch) == key)
-    return items[forward + 1:first]
+    return key[0], items[forward + 1:first]
 
 
 def cut_transfers(costs: RangeCosts, link: Tuple[float, float], gradient: bool = False) -> np.ndarray:
@@ -135,17 +139,22 @@ def cut_transfers(costs: RangeCosts, link: Tuple[float, float], gradient: bool =
     return np.where(size > 0, latency + size / bandwidth, 0.0)
 
 
-def _count_filling(actions, filling: List[int]) -> None:
-    """filling[g] for each stage g of one rank's list (RankBusy.filling)."""
-    before = {}  # (stage, micro-batch) -> the forwards the rank ran before that forward
-    forwards, backed = 0, set()
-    for a in actions:
-        if a.kind == ActionKind.FORWARD:
-            before[(a.stage, a.micro_batch)] = forwards
-            forwards += 1
-        elif a.kind in BACKWARD_KINDS and a.stage not in backed:  # the stage's first backward
-            backed.add(a.stage)
-            filling[a.stage] = forwards - before[(a.stage, a.micro_batch)] - 1
+def crossing_s(costs: RangeCosts, opts: CostOptions, link: Tuple[float, float], payloads: Sequence[str]) -> np.ndarray:
+    """At every cut 0 .. L: one message of each payload ("act", "grad") across a boundary there over `link`,
+    each with its cost per message; +inf at 0 and L, where no boundary lies."""
+    L = len(costs.act) - 1
+    inside = (np.arange(L + 1) > 0) & (np.arange(L + 1) < L)
+    seconds = sum(cut_transfers(costs, link, payload == "grad") for payload in payloads)
+    return np.where(inside, seconds, np.inf) + len(payloads) * opts.message_s
+
+
+def crossings_before(costs: RangeCosts, opts: CostOptions, payloads: Sequence[str]) -> np.ndarray:
+    """[g, a]: the least the boundaries before stage g take where stage g starts at a (each at its cheapest cut
+    <= a, crossing_s; +inf where none fits)."""
+    out = np.zeros((opts.num_stages, len(costs.act)))
+    for j, link in enumerate(boundary_links(opts)):
+        out[j + 1:] += np.minimum.accumulate(crossing_s(costs, opts, link, payloads))
+    return out
 
 
 class CutWaits:
@@ -178,20 +187,20 @@ class CutWaits:
 
     def start(self, g: int, both_share: float) -> np.ndarray:
         """A_g(a) + n_g message, plus `both_share` of each `both` batch's wait at a (+inf where g cannot start)."""
-        out = self._start_mask[g] + self.busy.operations[g] * self.message_s
-        for payloads, weight in self.busy.starts[g].items():
-            out = out + weight * self._side(self._at_start[g], payloads)
-        for (at_start, _), count in self.busy.both[g].items():
-            out = out + both_share * count * self._side(self._at_start[g], at_start)
-        return out
+        return self._cut(g, both_share, 0) + self.busy.operations[g] * self.message_s
 
     def end(self, g: int, both_share: float) -> np.ndarray:
         """E_g(e), plus `both_share` of each `both` batch's wait at e (+inf where g cannot end)."""
-        out = self._end_mask[g].copy()
-        for payloads, weight in self.busy.ends[g].items():
-            out = out + weight * self._side(self._at_end[g], payloads)
-        for (_, at_end), count in self.busy.both[g].items():
-            out = out + both_share * count * self._side(self._at_end[g], at_end)
+        return self._cut(g, both_share, 1)
+
+    def _cut(self, g: int, both_share: float, side: int) -> np.ndarray:
+        """The weighted waits at stage g's first (side 0) or last (side 1) cut, every cut."""
+        tables = (self._at_start, self._at_end)[side][g]
+        out = (self._start_mask, self._end_mask)[side][g].copy()
+        for payloads, weight in (self.busy.starts, self.busy.ends)[side][g].items():
+            out = out + weight * self._side(tables, payloads)
+        for pair, count in self.busy.both[g].items():
+            out = out + both_share * count * self._side(tables, pair[side])
         return out
 
     def matrix(self, g: int) -> np.ndarray:

@@ -30,12 +30,12 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import boundary_links, rank_speeds
+from planner.cost.model import rank_speeds
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, prefix_sums
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.solve.dual import SimplexMaster, highspy
-from planner.solve.rank_busy import CutWaits, cut_transfers, rank_busy
+from planner.solve.rank_busy import CutWaits, crossings_before, rank_busy
 
 ITERATIONS = 200  # cutting-plane steps at most (each O(S L) and a small linear program)
 TOLERANCE = 1e-4  # relative: the model's maximum this close to the bound ends the ascent
@@ -50,30 +50,15 @@ class RankSpans:
         speeds = rank_speeds(opts)
         fastest = max(speeds)
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
-        redo_l = costs.f if opts.recompute == "all" else np.zeros(L)
-        if zero_bubble:  # each unit its cheaper backward case, each stage its cheaper call
-            per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
-            work = costs.F + prefix_sums(per_unit)
-            call = costs.call_forward + min(costs.first_input + costs.first_call,
-                                            costs.later_input + costs.later_weight)
-        else:
-            work = costs.F + costs.G + prefix_sums(redo_l)
-            call = costs.call_forward + costs.call_backward
-        links = boundary_links(opts)
-        inside = (np.arange(L + 1) > 0) & (np.arange(L + 1) < L)
-
-        def crossing(link, gradient: bool) -> np.ndarray:  # one message across a boundary at each cut
-            return np.where(inside, cut_transfers(costs, link, gradient) + opts.message_s, np.inf)
-
-        fill = np.zeros((S, L + 1))  # [g0, a]: the crossings before g0 at cuts <= a
-        drain = np.zeros((S, L + 1))
-        for j, link in enumerate(links):
-            fill[j + 1:] += np.minimum.accumulate(crossing(link, False))
-            drain[j + 1:] += np.minimum.accumulate(crossing(link, True))
+        work, call = least_work(costs, opts)
         g0s = np.arange(S)[:, None]
-        fill += (costs.F[None, :] + g0s * costs.call_forward) / fastest
-        drain += (costs.G[None, :] + prefix_sums(redo_l)[None, :] + g0s * costs.call_backward) / fastest
-        ends = fill if zero_bubble else fill + drain
+        fill = crossings_before(costs, opts, ("act",)) + (costs.F[None, :] + g0s * costs.call_forward) / fastest
+        if zero_bubble:
+            ends = fill
+        else:
+            redo = costs.F if opts.recompute == "all" else 0.0
+            ends = fill + crossings_before(costs, opts, ("grad",)) + \
+                (costs.G[None, :] + redo + g0s * costs.call_backward) / fastest
 
         waits = CutWaits(rank_busy(opts, m, "between_computes"), costs, opts, L)
         self.ranks = [opts.rank_of_stage(g) for g in range(S)]
@@ -126,6 +111,19 @@ class RankSpans:
         for g, r in enumerate(self.ranks):
             out[r] += self.u[g][ends[g]] + self.w[g][starts[g]]
         return out
+
+
+def least_work(costs: RangeCosts, opts: CostOptions) -> Tuple[np.ndarray, float]:
+    """(prefix sums over the units of what a stage's forward and backward take at least per micro-batch at speed 1,
+    what a stage's calls add at least): forward and backward with the recomputed forward under 'all'; zero-bubble
+    lists each unit's cheaper backward case (whole, or both parts each with the recomputed forward) and the
+    cheaper of the first stage's and a later stage's calls (planner.cost.ranges)."""
+    redo_l = costs.f if opts.recompute == "all" else np.zeros(len(costs.f))
+    if opts.schedule in ZERO_BUBBLE_SCHEDULES:
+        per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
+        return costs.F + prefix_sums(per_unit), costs.call_forward + min(costs.first_input + costs.first_call,
+                                                                         costs.later_input + costs.later_weight)
+    return costs.F + costs.G + prefix_sums(redo_l), costs.call_forward + costs.call_backward
 
 
 def rank_span_bound(costs: RangeCosts, opts: CostOptions, m: int, num_units: int,

@@ -50,8 +50,8 @@ from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.floors import OutOfTime, check_deadline
-from planner.solve.rank_busy import CutWaits, cut_transfers, rank_busy
-from planner.solve.rank_span import rank_span_bound
+from planner.solve.rank_busy import CutWaits, crossing_s, crossings_before, rank_busy
+from planner.solve.rank_span import least_work, rank_span_bound
 
 # the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
 # stages' partition, then each stage's matrix and its step of the partition (scenario_lower_bound)
@@ -84,11 +84,10 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             return costs.matrix(costs.F) + costs.call_forward + parts[0] + parts[1]
         # v > 1: the first stage (units [0, e), e <= L - S + 1) is unknown, so each unit its cheaper
         # case; the chain counts only the units no first stage holds
-        per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
-        later = costs.later_input + costs.later_weight
+        least, least_call = least_work(costs, opts)
         wholes = 1 if whole_from == L else S  # the stages that may split as the first one does
-        total = float(costs.F[-1] + per_unit.sum()) + S * costs.call_forward + \
-            wholes * min(costs.first_input + costs.first_call, later) + (S - wholes) * later
+        total = float(least[-1]) + wholes * least_call + \
+            (S - wholes) * (costs.call_forward + costs.later_input + costs.later_weight)
         through = float(costs.F[-1] + crossing_part[L - S + 1:].sum()) + S * costs.call_forward + \
             wholes * min(costs.first_input, costs.later_input) + (S - wholes) * costs.later_input
     else:
@@ -128,22 +127,17 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         links = boundary_links(opts)
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
 
-        def crossing(link, both: bool) -> np.ndarray:
-            inside = (np.arange(L + 1) > 0) & (np.arange(L + 1) < L)
-            seconds = cut_transfers(costs, link) + both * cut_transfers(costs, link, gradient=True)
-            return np.where(inside, seconds, np.inf) + (1 + both) * opts.message_s
         # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
-        fill = np.zeros((S, L + 1))
+        fill = crossings_before(costs, opts, ("act",) if zero_bubble else ("act", "grad"))
         drain = np.zeros((S, L + 1))
         for j, link in enumerate(links):
-            fill[j + 1:] += np.minimum.accumulate(crossing(link, not zero_bubble))
-            drain[:j + 1] += np.minimum.accumulate(crossing(link, True)[::-1])[::-1]
+            drain[:j + 1] += np.minimum.accumulate(crossing_s(costs, opts, link, ("act", "grad"))[::-1])[::-1]
         fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest
 
         scaled = {}  # (speed, micro-batches) -> (their work, forward, step) at that speed: shared by its stages
-        steps = costs.matrix(optimizer)
+        steps = costs.matrix(optimizer) if cut_busy is not None else None  # (read with the rank's waits)
         runs = stage_runs(opts, m)
 
         def filling(g: int) -> int:  # the forwards that may fill stage g's wait: from its rank's list
@@ -162,7 +156,8 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
             n = runs[g]  # a replicated stage: its busiest replica's micro-batches
             inside = ((g < S - 1) * 2 * n + (g > 0) * (2 * n - 2)) * opts.message_s
             if (speeds[g], n) not in scaled:
-                scaled[(speeds[g], n)] = (n * work / speeds[g], forward / speeds[g], steps / speeds[g])
+                scaled[(speeds[g], n)] = (n * work / speeds[g], forward / speeds[g],
+                                          None if steps is None else steps / speeds[g])
             busy, one_forward, step = scaled[(speeds[g], n)]
             overlapped = filling(g) * one_forward
             value = np.subtract(after + drain[g][None, :], overlapped)  # in place below: L^2 each
