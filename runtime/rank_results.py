@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 import torch
 
 from planner.jsonio import atomic_path, write_json_atomic
+from planner.profile.subnormal import flushing
 from runtime.rank_setup import RankProcess
 from runtime.rank_transport import gradient_all_reduce, shared_reducer, shared_transport
 from runtime.stage import stage_state
@@ -27,7 +28,8 @@ def write_results(me: RankProcess, first_step: int, steps: List[Dict[str, Any]],
     result = {"rank": rank, "pipeline_rank": pipeline_rank, "replica": topology.replica_of(rank),
               "lane": topology.lane_of(pipeline_rank), "chunks": [st.index for st in stages],
               "micro_batches": {str(st.index): len(topology.micro_batches_of(pipeline_rank, st.index, m))
-                                for st in stages}, "threads": me.threads, "device": str(me.device),
+                                for st in stages}, "threads": me.threads, "flush_subnormals": flushing(),
+              "device": str(me.device),
               "optimizer": me.optimizer_name, "engine": args.engine, "first_step": first_step, "steps": steps, "peak_memory_bytes": peak, "peak_rss_bytes": rss,
               "start_rss_bytes": me.start_rss, "built_rss_bytes": me.built_rss,
               "peak_saved_bytes": me.engine.saved.peak, "param_bytes": static, "link": link,

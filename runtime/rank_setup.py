@@ -13,6 +13,7 @@ import torch.distributed as dist
 from planner.pipeline.check import check_schedule
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan, load_plan
+from planner.profile.subnormal import set_flushing
 from runtime import checkpoint as ckpt
 from runtime.emulation import exchange_delay, link_delays
 from runtime.engine import Engine
@@ -102,6 +103,7 @@ def start_rank(args) -> RankProcess:
             raise RuntimeError(refusal(plan, args.precision))
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
+    set_flushing(bool(plan.profile.get("flush_subnormals")))  # the arithmetic the plan was timed on
     return RankProcess(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
 
 

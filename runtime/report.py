@@ -60,6 +60,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "predicted": {kind: sum(counts.get(str(g), m) * float(getattr(plan.stages[g], kind)) for g in stages)
                           for kind in ("forward_s", "backward_s")},
             "threads": r.get("threads"),
+            "flush_subnormals": r.get("flush_subnormals"),  # as the rank computed (planner.profile.subnormal)
             "shared_memory_peers": r.get("shared_memory_peers", []),  # runtime/shared_memory.py
             "shared_memory_messages": r.get("shared_memory_messages", 0),
             "gradient_all_reduce": r.get("gradient_all_reduce"),  # runtime/shared_reduce.py

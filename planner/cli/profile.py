@@ -160,7 +160,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         profile = steadiest_profile(lambda: profile_model(
             args.model, model_args, sizes, device=args.device, seed=args.seed, threads=args.threads,
             repeats=args.repeats, progress=progress, warmup_s=args.warmup, min_time_s=args.min_time,
-            co_runners=args.ranks_per_host - 1, precision=args.precision), args.retries,
+            co_runners=args.ranks_per_host - 1, precision=args.precision,
+            flush_subnormals=not args.keep_subnormals), args.retries,
             lambda msg: print(msg, flush=True))
         _link(args, profile, sizes)
         _engine_cost(args, profile)
@@ -190,6 +191,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device to measure on (default cpu)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while measuring; match the threads each rank will have (default 1)")
+    p.add_argument("--keep-subnormals", action="store_true",
+                   help="time (and have the plan's ranks compute) on subnormal floats; by default both flush them to "
+                        "zero on the CPU, so a unit's time does not depend on the weights' values (docs/fidelity.md)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per unit, after warm-up (median; default 7)")
     p.add_argument("--warmup", type=float, default=0.5,
                    help="seconds of untimed warm-up rounds over all units first (default 0.5)")

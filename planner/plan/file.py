@@ -274,6 +274,9 @@ class Plan:
         threads = self.profile.get("threads", 1)
         if not (isinstance(threads, int) and not isinstance(threads, bool) and 0 <= threads <= MAX_THREADS):
             raise JsonFileError(f"{where} has profile.threads {threads!r}: an integer 0..{MAX_THREADS}; {REMAKE}")
+        flush = self.profile.get("flush_subnormals", False)
+        if not isinstance(flush, bool):  # what every rank computes under (planner.profile.subnormal)
+            raise JsonFileError(f"{where} has profile.flush_subnormals {flush!r}: true or false; {REMAKE}")
         kernel, version = self.profile.get("host_kernel_s"), self.profile.get("torch_version")
         if kernel is not None and not (NUMBER[0](kernel) and 0 <= kernel < math.inf):
             raise JsonFileError(f"{where} has profile.host_kernel_s {kernel!r}: seconds, a finite number >= 0; "

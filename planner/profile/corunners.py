@@ -15,6 +15,7 @@ import torch
 from planner.model.entry import build_spec
 from planner.profile.allocator import retain_freed_memory
 from planner.profile.hostspeed import reference_kernel_s
+from planner.profile.subnormal import set_flushing
 
 
 def co_runner_main(argv: Optional[Sequence[str]] = None) -> None:
@@ -27,6 +28,7 @@ def co_runner_main(argv: Optional[Sequence[str]] = None) -> None:
 
     config = json.loads((argv if argv is not None else sys.argv[1:])[0])
     torch.set_num_threads(max(int(config["threads"]), 1))
+    set_flushing(bool(config.get("flush_subnormals")))  # computing as the ranks will
     retain_freed_memory()
     spec = build_spec(config["entry"], config["args"], int(config["seed"]))
     from planner.model.spec import call_model
@@ -63,12 +65,13 @@ class CoRunners:
     each runs the model's training step with the same threads (see `co_runner_main`)."""
 
     def __init__(self, entry: str, model_args: Dict[str, Any], seed: int, threads: int, count: int,
-                 timeout_s: float = 120.0):
+                 flush_subnormals: bool = False, timeout_s: float = 120.0):
         import json
         import select
         import subprocess
 
-        config = json.dumps({"entry": entry, "args": dict(model_args), "seed": seed, "threads": threads})
+        config = json.dumps({"entry": entry, "args": dict(model_args), "seed": seed, "threads": threads,
+                             "flush_subnormals": bool(flush_subnormals)})
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                    OMP_NUM_THREADS=str(max(threads, 1)))
         code = "from planner.profile.corunners import co_runner_main; co_runner_main()"

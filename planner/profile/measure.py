@@ -46,6 +46,7 @@ from planner.profile.records import prepare_args, record_cut_values, shared_para
 from planner.profile.run_timing import measure_optimizer, time_parts, time_units
 from planner.profile.saved import loss_saved_bytes
 from planner.profile.saved_storages import as_first, inner_counts, shared_saved
+from planner.profile.subnormal import flushed
 from planner.profile.timing import UnitCall
 
 
@@ -69,6 +70,7 @@ def profile_model(
     co_runners: int = 0,
     whole_model: bool = True,
     precision: str = "fp32",
+    flush_subnormals: bool = True,
 ) -> Profile:
     """Capture and measure a model; return its profile (nothing written).
 
@@ -81,44 +83,47 @@ def profile_model(
     timed as one more item of every round: a unit timed alone pays a call's fixed cost that a
     stage pays once, which the profile keeps apart as `stage_overhead_s` (`split_call_overhead`,
     forward and backward apart), so that the units and that cost sum to the whole model.
-    `precision` "bf16-mixed": every unit measured as a bf16-mixed run runs it (`MixedRun`)."""
+    `precision` "bf16-mixed": every unit measured as a bf16-mixed run runs it (`MixedRun`).
+    `flush_subnormals`: time with subnormal floats flushed to zero, as the plan's ranks then compute
+    (planner.profile.subnormal; this process's setting is restored after)."""
     if precision not in PROFILE_PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PROFILE_PRECISIONS)} (got {precision!r})")
     say = progress or (lambda msg: None)
     dev = _device(device, co_runners)
     if threads > 0:
         torch.set_num_threads(threads)
-    retain_freed_memory()  # as every rank does: measure without per-micro-batch page faults
-    spec, captured = _capture(entry, model_args, seed, dev, say, precision)
-    sizes = sorted(set(int(b) for b in micro_batch_sizes))
-    for b in sizes:
-        captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
-    run = ProfileRun(spec, captured, dev, repeats, warmup_s, min_time_s, whole_model, say)
-    prepare(run, sizes[0], precision)
-    run.co = CoRunners(entry, model_args, seed, threads, co_runners) if co_runners > 0 else None
-    host_kernel: List[Optional[float]] = []
-    try:
-        if run.co is not None:
-            say(f"started {co_runners} co-runner process(es): the same model's training step on the other "
-                f"core(s) while measuring, as a {co_runners + 1}-rank run on this host has")
-        host_kernel.append(host_kernel_s(run.co, dev))
-        if run.mixed is not None:
-            run.mixed.install()
+    with flushed(flush_subnormals) as flush:
+        retain_freed_memory()  # as every rank does: measure without per-micro-batch page faults
+        spec, captured = _capture(entry, model_args, seed, dev, say, precision)
+        sizes = sorted(set(int(b) for b in micro_batch_sizes))
+        for b in sizes:
+            captured.check_batch_size(b, f"profile with --micro-batch-sizes {captured.fixed_batch}")
+        run = ProfileRun(spec, captured, dev, repeats, warmup_s, min_time_s, whole_model, say)
+        prepare(run, sizes[0], precision)
+        run.co = CoRunners(entry, model_args, seed, threads, co_runners, flush) if co_runners > 0 else None
+        host_kernel: List[Optional[float]] = []
         try:
-            for b in sizes:
-                _measure_size(run, b)
-        finally:
+            if run.co is not None:
+                say(f"started {co_runners} co-runner process(es): the same model's training step on the other "
+                    f"core(s) while measuring, as a {co_runners + 1}-rank run on this host has")
+            host_kernel.append(host_kernel_s(run.co, dev))
             if run.mixed is not None:
-                run.mixed.remove()  # the optimizer steps the fp32 masters
-        measure_optimizer(run)
-        host_kernel.append(host_kernel_s(run.co, dev))
-        if host_kernel[0]:  # whether it drifted too far is steadiest_profile's to judge
-            say(f"  host speed: reference kernel {host_kernel[0] * 1e6:.0f} us before, {host_kernel[1] * 1e6:.0f} us "
-                "after")
-    finally:
-        if run.co is not None:
-            run.co.stop()
-    return _profile(run, entry, model_args, seed, sizes, co_runners, host_kernel, precision)
+                run.mixed.install()
+            try:
+                for b in sizes:
+                    _measure_size(run, b)
+            finally:
+                if run.mixed is not None:
+                    run.mixed.remove()  # the optimizer steps the fp32 masters
+            measure_optimizer(run)
+            host_kernel.append(host_kernel_s(run.co, dev))
+            if host_kernel[0]:  # whether it drifted too far is steadiest_profile's to judge
+                say(f"  host speed: reference kernel {host_kernel[0] * 1e6:.0f} us before, "
+                    f"{host_kernel[1] * 1e6:.0f} us after")
+        finally:
+            if run.co is not None:
+                run.co.stop()
+        return _profile(run, entry, model_args, seed, sizes, co_runners, host_kernel, precision, flush)
 
 
 def _device(device: str, co_runners: int) -> torch.device:
@@ -252,7 +257,7 @@ def _measure_size(run: ProfileRun, b: int) -> None:
                if run.weight_walk.get(b) else ""))
 
 def _profile(run: ProfileRun, entry: str, model_args: Dict[str, Any], seed: int, sizes: List[int], co_runners: int,
-             host_kernel: List[Optional[float]], precision: str = "fp32") -> Profile:
+             host_kernel: List[Optional[float]], precision: str = "fp32", flush: bool = False) -> Profile:
     captured, L = run.captured, len(run.captured.units)
     cuts = [CutProfile(before_unit=k, values=[run.cut_values[k][n.name] for n in captured.crossing(k)])
             for k in range(1, L)]
@@ -260,7 +265,7 @@ def _profile(run: ProfileRun, entry: str, model_args: Dict[str, Any], seed: int,
         "threads": torch.get_num_threads(), "repeats": run.repeats, "warmup_s": run.warmup_s,
         "min_time_s": run.min_time_s, "order": "round-robin", "co_runners": co_runners,
         "co_runner_load": "the model's training step at the measured micro-batch size" if co_runners else None,
-        "cpu_count": os.cpu_count(),
+        "cpu_count": os.cpu_count(), "flush_subnormals": flush,
         "whole_model_scale": {str(b): s for b, s in run.whole_scale.items()} or None,
         "host_kernel": {"kernel": REFERENCE_KERNEL, "before_s": host_kernel[0], "after_s": host_kernel[1],
                         "mean_s": mean_kernel_s(host_kernel)} if host_kernel[0] else None}

@@ -78,6 +78,12 @@ class Profile:
         return (self.extra.get("measured_under") or {}).get("host_kernel") or {}
 
     @property
+    def flush_subnormals(self) -> bool:
+        """Whether the units were timed with subnormal floats flushed to zero (planner.profile.subnormal),
+        as the plan's ranks then compute; False for analytic and older profiles (they computed on them)."""
+        return bool((self.extra.get("measured_under") or {}).get("flush_subnormals"))
+
+    @property
     def num_units(self) -> int:
         return len(self.units)
 
@@ -270,6 +276,9 @@ def _check_extra(read: Reader, d: Dict[str, Any], param_bytes: Dict[str, int]) -
     kernel = read.table(measured_under.get("host_kernel") or {}, "measured_under.host_kernel")
     if kernel.get("mean_s") is not None:  # runs compare their own kernel's time with it
         read.seconds(kernel["mean_s"], "measured_under.host_kernel.mean_s")
+    flush = measured_under.get("flush_subnormals")
+    if flush is not None and not isinstance(flush, bool):  # the plan's ranks compute as it says
+        raise read.error("measured_under.flush_subnormals", f"is {show(flush)}: expected true or false")
     rhythm = (d.get("link") or {}).get("rhythm")
     if rhythm is not None:  # planner.profile.rhythm's record; planner solve reads its latency
         read.table(rhythm, "link.rhythm")

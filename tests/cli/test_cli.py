@@ -517,6 +517,7 @@ BAD_PROFILES = [
     (_set(["cuts", 0, "values", 0, "requires_grad"], "yes"), 'cuts[0].values[0].requires_grad is "yes"'),
     (_set(["measured_under"], "x"), "measured_under is \"x\""),
     (_set(["measured_under"], {"host_kernel": {"mean_s": -1.0}}), "measured_under.host_kernel.mean_s is -1.0"),
+    (_set(["measured_under"], {"flush_subnormals": "yes"}), 'measured_under.flush_subnormals is "yes"'),
     (_set(["units", 0, "backward_weight_s"], {"1": 1e-3, "2": 1e-3}), "units[0].backward_input_s is missing"),
     (lambda d: d["units"][1].update(backward_input_s={"1": 1e-3, "2": 1e-3}, backward_weight_s={"1": -1e-3, "2": 1e-3},
                                     weight_held_bytes={"1": 0, "2": 0}), 'units[1].backward_weight_s["1"] is -0.001'),

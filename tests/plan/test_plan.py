@@ -99,6 +99,7 @@ def test_table_lists_every_stage():
     (lambda p: p["model"].update(entry=7), "has model"),
     (lambda p: p["model"].update(seed="x"), "has model"),
     (lambda p: p["profile"].update(threads=-3), "profile.threads -3"),
+    (lambda p: p["profile"].update(flush_subnormals=1), "profile.flush_subnormals 1: true or false"),
     (lambda p: p.update(optimizer="zzz"), "optimizer 'zzz', not one of sgd, adam, adamw"),
     (lambda p: p.update(bandwidth_bytes_per_s=-1.0), "bandwidth_bytes_per_s -1.0: a finite number > 0"),
     (lambda p: p.update(latency_s=-1e-6), "latency_s -1e-06: a finite number >= 0"),

@@ -9,6 +9,7 @@ import torch
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
 from planner.plan.file import Plan
+from planner.profile.subnormal import flushed
 from runtime import checkpoint as ckpt
 from runtime.microbatch import split_micro_batches
 from runtime.options import TrainOptions
@@ -16,7 +17,13 @@ from runtime.stage import build_rank, stage_state
 from runtime.training import lr_at
 
 
-def local_sgd_reference(plan: Plan, steps: int, sync_every: int, lr: float = 0.05, optimizer: str = "sgd",
+def local_sgd_reference(plan: Plan, *args, **kwargs) -> List[Dict[str, torch.Tensor]]:
+    """`_local_sgd_reference` computing as the plan's ranks do (subnormals flushed where the profile was)."""
+    with flushed(bool(plan.profile.get("flush_subnormals"))):
+        return _local_sgd_reference(plan, *args, **kwargs)
+
+
+def _local_sgd_reference(plan: Plan, steps: int, sync_every: int, lr: float = 0.05, optimizer: str = "sgd",
                         training: Optional[Dict[str, object]] = None) -> List[Dict[str, torch.Tensor]]:
     """d model copies from the same initial state, copy r trained alone on replica r's m
     micro-batches of each global batch (samples [r G/d, (r+1) G/d), as the runtime splits them),

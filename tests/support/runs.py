@@ -17,6 +17,7 @@ import torch
 from planner.model.entry import build_spec
 from planner.model.spec import call_model
 from planner.plan.file import Plan, save_plan
+from planner.profile.subnormal import flushed
 from planner.plan.make import plan_for_split
 from planner.profile.measure import profile_model
 from planner.profile.profile import Profile
@@ -114,7 +115,14 @@ def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, sc
                                global_batch=plan.micro_batch_size * plan.num_micro_batches * data_parallel)
 
 
-def reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
+def reference_state(plan: Plan, *args, **kwargs) -> Dict[str, torch.Tensor]:
+    """`_reference_state` computing as the plan's ranks do: subnormal floats flushed where the profile
+    was timed so (planner.profile.subnormal)."""
+    with flushed(bool(plan.profile.get("flush_subnormals"))):
+        return _reference_state(plan, *args, **kwargs)
+
+
+def _reference_state(plan: Plan, steps: int = 3, lr: float = 0.05, optimizer: str = "sgd",
                     losses: Optional[List[float]] = None, first_step: int = 0,
                     buffers_of_replica: Optional[int] = None, init_state: Optional[str] = None,
                     training: Optional[Dict[str, object]] = None,
