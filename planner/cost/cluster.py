@@ -105,8 +105,11 @@ def cluster_from_json(d: Any) -> Cluster:
         latency = g.get("latency")
         if latency is not None:
             latency = latency_value(latency, f"cluster group {i} latency")
+        name = g.get("name", f"group{i}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"cluster group {i} \"name\" must be a non-empty string (got {name!r})")
         groups.append(DeviceGroup(
-            name=str(g.get("name", f"group{i}")), devices=g["devices"],
+            name=name, devices=g["devices"],
             memory=None if g.get("memory") is None else size_value(g["memory"], f"group {i} memory"),
             speed=speed,
             bandwidth=None if g.get("bandwidth") is None else bandwidth_value(g["bandwidth"], f"group {i} bandwidth"),

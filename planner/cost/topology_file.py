@@ -122,8 +122,11 @@ def topology_from_json(d: Any) -> DeviceTopology:
         emulate = raw.get("emulate", False)
         if not isinstance(emulate, bool):
             raise ValueError(f"{where} \"emulate\" must be true or false (got {emulate!r})")
+        name = raw.get("name", f"level{i}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where} \"name\" must be a non-empty string (got {name!r})")
         levels.append(Level(
-            name=str(raw.get("name", f"level{i}")), count=count,
+            name=name, count=count,
             bandwidth=None if raw.get("bandwidth") is None else bandwidth_value(raw["bandwidth"], f"{where} bandwidth"),
             latency=None if raw.get("latency") is None else latency_value(raw["latency"], f"{where} latency"),
             emulate=emulate))

@@ -340,6 +340,9 @@ class Plan:
             alien = next((u for u in st.recompute if u not in st.units), None)
             if alien is not None:
                 raise JsonFileError(f"{where} stage {i} recomputes {alien!r}, not one of its units; {REMAKE}")
+            if st.in_flight < 0:  # the report divides the planned activations by it
+                raise JsonFileError(f"{where} stage {i} has in_flight {st.in_flight}: micro-batches held at once, "
+                                    f">= 0; {REMAKE}")
             start = st.end_unit
 
     def _check_sync(self, where: str) -> None:

@@ -36,6 +36,7 @@ BAD = [
     ({"levels": [{"count": 2, "bandwidth": -5}]}, "bandwidth must be positive"),
     ({"levels": [{"count": 2, "latency": -1}]}, "latency must be a non-negative number"),
     ({"levels": [{"count": 2, "emulate": "yes"}]}, "\"emulate\" must be true or false"),
+    ({"levels": [{"count": 2, "name": ["a"]}]}, "level 0 \"name\" must be a non-empty string"),
     ({"levels": [{"count": 2, "bandwith": "1GB"}]}, "unknown key\\(s\\) bandwith"),
     ({"levels": [{"count": 2, "name": "a"}, {"count": 2, "name": "a"}]}, "distinct names"),
     ({"levels": [{"count": 2}], "device": {"speed": 0}}, "speed must be a positive number"),
@@ -119,6 +120,9 @@ def test_the_cluster_file_reads_sizes_by_the_same_rule():
     ({"groups": [{"devices": 2, "memory": 1e300}]}, "group 0 memory must be at most 1e\\+18"),
     # JSON true is a Python int: it was one device
     ({"groups": [{"devices": True}, {"devices": 1}]}, "cluster group 0 needs \"devices\": a positive integer"),
+    # any JSON value was a name (str() of it; a fuzz's minor)
+    ({"groups": [{"devices": 1}, {"devices": 1, "name": {"x": 1}}], "links": [{"bandwidth": 1e9}]},
+     "cluster group 1 \"name\" must be a non-empty string"),
 ])
 def test_bad_cluster_files_are_refused(raw, message):
     from planner.cost.cluster import cluster_from_json

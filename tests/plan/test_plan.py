@@ -96,6 +96,7 @@ def test_table_lists_every_stage():
     (lambda p: p["stages"][1].update(first_unit=p["stages"][1]["first_unit"] + 1), "stage 1 runs units"),
     (lambda p: p["stages"][1]["units"].__setitem__(0, p["stages"][0]["units"][0]), "names unit 'embed' twice"),
     (lambda p: p["stages"][1].update(recompute=["embed"]), "stage 1 recomputes 'embed', not one of its units"),
+    (lambda p: p["stages"][1].update(in_flight=-1), "stage 1 has in_flight -1"),  # show read it (a fuzz's minor)
     (lambda p: p["model"].update(entry=7), "has model"),
     (lambda p: p["model"].update(seed="x"), "has model"),
     (lambda p: p["profile"].update(threads=-3), "profile.threads -3"),
