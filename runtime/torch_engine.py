@@ -39,14 +39,13 @@ and waiting, which it does not expose). Traces have the compute actions, not the
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups,
-                                                    reverse_closure)
 
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
@@ -61,9 +60,63 @@ from runtime.microbatch import assemble, replica_micro_batches
 from runtime.stage import RankModel, RankStage
 from runtime.timing import StepClock, close_step
 
+# torch's own split-backward helpers, private to it (`TimedStage._weights_reached` reads its param groups): torch 2.4
+# has none, 2.5 other signatures, and a later torch may move them, so a torch without them is refused in one line
+# (`torch_refusal`), never an error importing the runtime
+try:
+    from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
+                                                        get_param_groups, reverse_closure)
+except ImportError as e:
+    _HELPERS_MISSING: Optional[str] = str(e)
+else:
+    _HELPERS_MISSING = None
+
 # torch's schedule classes: those `planner export` names, and ZBV, which the export does not write
 TORCH_SCHEDULES = {**{name: "Schedule" + torch_name for name, torch_name in TORCH_SCHEDULE_NAMES.items()},
                    "zb-v": "ScheduleZBVZeroBubble"}
+
+# the first torch whose _backward helpers take the reverse graph as `_weights_reached` passes it (pytorch#136678,
+# merged after 2.5's branch cut)
+HELPERS_TORCH = "2.6"
+# the helpers `_weights_reached` calls -> how many positional arguments it passes each
+_HELPERS = {"construct_reverse_graph": 1, "get_param_groups": 3, "reverse_closure": 3, "_get_grad_fn_or_grad_acc": 1}
+
+
+def _helper_missing() -> Optional[str]:
+    """The first of torch's split-backward helpers this torch lacks, or has taking other arguments, or None."""
+    if _HELPERS_MISSING is not None:
+        return next((name for name in _HELPERS if name in _HELPERS_MISSING), next(iter(_HELPERS)))
+    for name, count in _HELPERS.items():
+        try:
+            inspect.signature(globals()[name]).bind(*range(count))
+        except (TypeError, ValueError):
+            return name
+    return None
+
+
+def torch_refusal(schedule: str) -> Optional[str]:
+    """Why the installed torch cannot run `schedule` under --engine torch (one line: cause and fix), or None:
+    torch's schedule class must take the arguments this engine passes (`scale_grads`, `step(return_outputs=)`),
+    and a zero-bubble schedule needs torch's private split-backward helpers."""
+    fix = "use --engine own (the default) or upgrade torch"
+    name = TORCH_SCHEDULES[schedule]
+    cls = getattr(pipelining, name, None)
+    if cls is None:
+        lacks: Optional[str] = f"torch.distributed.pipelining.{name}"
+    elif "scale_grads" not in inspect.signature(cls).parameters:
+        lacks = f"{name}(scale_grads=)"
+    elif "return_outputs" not in inspect.signature(cls.step).parameters:
+        lacks = f"{name}.step(return_outputs=)"
+    else:
+        lacks = None
+    if lacks:
+        return (f"--engine torch needs a newer torch, with {lacks} (torch 2.13 has it; this torch is "
+                f"{torch.__version__}); {fix}")
+    helper = _helper_missing() if schedule in ZERO_BUBBLE_SCHEDULES else None
+    if helper:
+        return (f"--engine torch needs torch >= {HELPERS_TORCH} with torch.distributed.pipelining._backward.{helper} "
+                f"as {schedule}'s split backward calls it (this torch is {torch.__version__}); {fix}")
+    return None
 
 
 def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
@@ -71,6 +124,9 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     if plan.schedule not in TORCH_SCHEDULES:
         return (f"--engine torch has no schedule {plan.schedule!r} (torch has no one-stage-per-device zero-bubble "
                 f"class; it runs {', '.join(TORCH_SCHEDULES)}); run it with --engine own")
+    installed = torch_refusal(plan.schedule)
+    if installed:
+        return installed
     layout = torch_layout_refusal(plan)
     if layout:
         cause, fix = layout

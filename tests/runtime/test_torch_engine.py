@@ -82,6 +82,46 @@ def test_refusals_are_one_line_before_any_rank_starts(tmp_path, capsys):
     assert not [n for n in os.listdir(str(tmp_path)) if n != "plan.json"]
 
 
+def test_a_torch_without_what_the_engine_calls_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """A torch whose pipelining._backward lacks a split-backward helper (torch 2.4 has none; a later torch may move
+    them) or has it taking other arguments (torch 2.5): the runtime still imports, a zb-v run stops in one line
+    naming the helper and the fix, before any rank starts; other schedules need no helper. A schedule class whose
+    step() takes no return_outputs (an older torch) is refused for every schedule."""
+    import importlib
+    import sys
+
+    import runtime
+    import runtime.torch_engine
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import _backward
+
+    profile = profile_of("tests.capture_models:saved_and_sent", sizes=(2,))
+    zbv, gpipe = plan_with(profile, [1, 3, 4], 2, 4, "zb-v"), plan_with(profile, [2], 2, 4, "gpipe")
+
+    # the helper missing (torch 2.4), and torch 2.5's, which takes no reverse graph
+    for simulate in (lambda patch: patch.delattr(_backward, "get_param_groups"),
+                     lambda patch: patch.setattr(_backward, "get_param_groups", lambda inputs, params: [])):
+        with monkeypatch.context() as patch:  # (undone after each: the module as imported here comes back)
+            patch.delitem(sys.modules, "runtime.torch_engine")  # imported again, as on that torch
+            patch.setattr(runtime, "torch_engine", runtime.torch_engine)
+            simulate(patch)
+            engine = importlib.import_module("runtime.torch_engine")
+            assert _refused(tmp_path, zbv) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+            assert "needs torch >= 2.6 with torch.distributed.pipelining._backward.get_param_groups" in err, err
+            assert "use --engine own (the default) or upgrade torch" in err, err
+            assert engine.refusal(gpipe) is None
+    assert not [n for n in os.listdir(str(tmp_path)) if n != "plan.json"]
+
+    class OlderGPipe(pipelining.ScheduleGPipe):
+        def step(self, *args, target=None, losses=None, **kwargs):  # torch's before return_outputs
+            return None
+
+    monkeypatch.setattr(pipelining, "ScheduleGPipe", OlderGPipe)
+    assert "needs a newer torch, with ScheduleGPipe.step(return_outputs=)" in runtime.torch_engine.refusal(gpipe)
+
+
 def test_torch_engine_refuses_stages_torch_would_place_elsewhere():
     from runtime.torch_engine import refusal
 
