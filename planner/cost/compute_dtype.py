@@ -48,6 +48,10 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
     def scale_parts(table: Dict[int, Dict[str, int]]) -> Dict[int, Dict[str, int]]:
         return {b: {key: int(v * activations) for key, v in parts.items()} for b, parts in table.items()}
 
+    def scale_views(table: Dict[int, Dict[str, Dict[str, int]]]) -> Dict[int, Dict[str, Dict[str, int]]]:
+        return {b: {x: {v: int(n * activations) for v, n in views.items()} for x, views in parts.items()}
+                for b, parts in table.items()}
+
     def value(v: CutValue) -> CutValue:
         # integer tensors (token ids) keep their size; measured ones their measured dtype
         if v.kind != "tensor" or v.dtype != profile.dtype or measured:
@@ -71,7 +75,9 @@ def compute_profile(profile: Profile, opts: CostOptions) -> Profile:
                                  dropped_saved_bytes=scale_parts(u.dropped_saved_bytes),
                                  inner_weight_bytes=scale_parts(u.inner_weight_bytes),
                                  inner_kept_bytes=scale_parts(u.inner_kept_bytes),
-                                 inner_seed_bytes=scale_parts(u.inner_seed_bytes))
+                                 inner_seed_bytes=scale_parts(u.inner_seed_bytes),
+                                 received_parts=scale_views(u.received_parts),
+                                 received_saved_parts=scale_views(u.received_saved_parts))
              for u in profile.units]
     if precision == "bf16-mixed" and activations < 1 and units:
         units[-1] = _loss_in_fp32(units[-1], profile.units[-1], ratio)

@@ -82,8 +82,10 @@ first_a where the unit counts s_a + k_a, first_weight_held_bytes - h_a where it 
 stage's only unit, or a profile without k_l).
 
 d_k, d^h_k, d'_k, r_k, the recomputed neighbours' p_k, u_k, q_k (o^h_k, o'_k) and the non-neighbours' gaps:
-planner.cost.shared_storage, where each is defined. A stage [a, e) without recomputation:
-saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (`saved_prefix`, `saved_at_start`).
+planner.cost.shared_storage, where each is defined; a stage starting where it receives views of one storage
+apart counts them, s_l and h_l as it receives them (planner.cost.received: `at`). A stage [a, e) without
+recomputation: saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term of its start (`saved_prefix`,
+`saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
 and the bytes of the model's inputs unit l reads, and for the last unit the bytes the loss saves (the
@@ -95,12 +97,13 @@ latency + n / bandwidth. Arrays are numpy so that solvers read whole matrices at
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
 from planner.cost.inner_weight import inner_held, inner_pairs
-from planner.cost.shared_storage import gap_shares, redo_shared, redo_shares, shared, weight_redo_share
+from planner.cost.received import saved_correction, views as received_views
+from planner.cost.shared_storage import storage_terms
 from planner.profile.profile import Profile
 
 WEIGHT_SHARE = 0.5  # of a unit's backward, its weight part, where the profile did not time the parts
@@ -183,51 +186,9 @@ class RangeCosts:
         # of in_l, what a later stage's recomputed unit still holds after its input part (which ran
         # the loss's backward and freed what the loss saved) until its weight part
         self.weight_inputs = self.inputs - loss_saved
-        # d_k, k = 0 .. L-1 (d_0 = 0): bytes units k - 1 and k both save (planner.cost.shared_storage)
-        self.dup = np.array([0.0] + [shared(units[k - 1], units[k], b) for k in range(1, self.num_units)],
-                            dtype=float)
-        # x_l: of s_l, what autograd frees as the forward returns (no node its outputs reach saves it):
-        # counted as saved, never held between the backward parts (module docstring)
-        self.dropped = np.array([sum((u.dropped_saved_bytes.get(b) or {}).values()) for u in units], dtype=float)
-        # a unit all of whose saves are so freed (or that saves nothing) attaches to no graph: recomputed,
-        # its checkpoint's kept inputs go too (where measured)
-        gone = np.array([b in u.dropped_saved_bytes and self.dropped[l] >= self.s[l] for l, u in enumerate(units)],
-                        dtype=bool)
-        # d^h_k: of d_k, what both still hold as the forward returns (the weight kinds' d_k)
-        self.held_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, held=True)
-                                          for k in range(1, self.num_units)], dtype=float)
-        # of d^h_k, what unit k still holds after its input part (a zero-bubble stage's last unit, whose
-        # h_k may have let it go while unit k - 1, inside the stage, holds all it saved)
-        self.weight_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, weight=True)
-                                            for k in range(1, self.num_units)], dtype=float)
-        # r_k, k = 0 .. L-1 (r_0 = 0): of what a recomputed unit k keeps (its inputs), the bytes the unit
-        # before holds too beyond d_k, recomputed or not, at least: the solvers' additive forms (planner.cost.shared_storage)
-        self.redo_dup = np.array([0.0] + [redo_shared(units[k - 1], units[k], b, float(self.dup[k]))
-                                          for k in range(1, self.num_units)], dtype=float)
-        # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later
-        # stage), none of it but what the loss saved where the unit attaches to no graph (`gone`)
-        self.held_inputs = np.where(gone, loss_saved, self.inputs)
-        self.held_weight_inputs = np.where(gone, 0.0, self.weight_inputs)
-        # [k, x, y], k = 0 .. L-1 (0 at k = 0): the bytes units k - 1 and k both hold, x: unit k - 1 recomputed,
-        # y: unit k; a stage holding both counts them once: d_k, p_k, u_k, q_k (planner.cost.shared_storage); held_shares
-        # of what both still hold as the forward returns (d^h_k, p^h_k, u^h_k, q^h_k)
-        self.shares, self.held_shares = np.zeros((self.num_units, 2, 2)), np.zeros((self.num_units, 2, 2))
-        # [k, x]: of held_shares[k, x, 0], what unit k still holds after its input part (d'_k, u'_k)
-        self.weight_shares = np.zeros((self.num_units, 2))
-        for k in range(1, self.num_units):
-            before, after = units[k - 1], units[k]
-            # (unit k's kept storages not measured: r_k = 0, it keeps what it shares with unit k - 1, d_k)
-            measured = bool(after.recomputed_shared_bytes.get(b))
-            p, u, q = redo_shares(before, after, b)
-            self.shares[k] = [[self.dup[k], p if measured else self.dup[k]], [u, q]]
-            p, u, q = redo_shares(before, after, b, held=True, gone=(gone[k - 1], gone[k]))
-            self.held_shares[k] = [[self.held_dup[k], p if measured else self.held_dup[k]], [u, q]]
-            self.weight_shares[k] = [self.weight_dup[k], weight_redo_share(before, after, b, gone[k - 1])]
-        # (l, j, bytes): a storage units l and j >= l + 2 both save and none between them does, which the d_k count
-        # twice in a stage holding l .. j none of which it recomputes (`gap`, planner.cost.shared_storage); of what both still
-        # hold as the forward returns (the held kinds')
-        self.gaps = gap_shares(units, b)
-        self.held_gaps = gap_shares(units, b, held=True)
+        # d_k, x_l, d^h_k, d'_k, r_k, in^h_l, in^h'_l, the shares o_k of neighbours and the gaps of units apart
+        # (planner.cost.shared_storage.storage_terms)
+        vars(self).update(storage_terms(units, b, self.s, self.inputs, loss_saved))
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)
@@ -247,6 +208,13 @@ class RangeCosts:
         # backward where that runs, and reduce-scatters its gradients where it trains
         self.collectives = (self.p > 0) * (1.0 + self.runs) + (self.t > 0)
         self.COLL = prefix_sums(self.collectives)
+        # {a: RangeCosts}: the storage terms a stage starting at cut a sees, where it receives a storage apart
+        # (planner.cost.received); every per-range count of such a stage reads them (`at`)
+        self.views = received_views(self, profile)
+
+    def at(self, a: int) -> "RangeCosts":
+        """The costs a stage starting at unit a sees: its view where it receives a storage apart, else these."""
+        return self.views.get(a, self)
 
     # --- one range -------------------------------------------------------------------------
     def forward(self, a: int, e: int, speed: float = 1.0) -> float:
@@ -279,6 +247,8 @@ class RangeCosts:
         return np.where(valid, walk, 0.0)
 
     def weight_held(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
+        if a in self.views:
+            return self.views[a].weight_held(a, e, recompute)
         if self.whole[a]:
             return self.held_saved(a, e, recompute) + float(self.grad[e])
         redo = set(recompute)
@@ -313,6 +283,8 @@ class RangeCosts:
         return backward_input, backward_weight
 
     def saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
+        if a in self.views:
+            return self.views[a].saved(a, e, recompute)
         redo = set(recompute)
         swap = sum(float(self.inputs[l] - self.s[l]) for l in redo if a <= l < e)
         first = 0.0 if a in redo else float(self.first[a])
@@ -321,6 +293,8 @@ class RangeCosts:
     def held_saved(self, a: int, e: int, recompute: Iterable[int] = ()) -> float:
         """Of `saved`, what autograd still holds as the forward returns: less x_l, a recomputed unit
         attached to no graph holding none of its inputs (module docstring)."""
+        if a in self.views:
+            return self.views[a].held_saved(a, e, recompute)
         redo = set(recompute)
         first = 0.0 if a in redo else float(self.first[a])
         held = sum(float(self.held_inputs[l]) if l in redo else float(self.s[l] - self.dropped[l])
@@ -398,10 +372,14 @@ class RangeCosts:
         return np.append(self.shares[:, 1, 1], 0.0) if recompute_all else np.append(self.dup + self.first, 0.0)
 
     def saved_matrix(self, recompute_all: bool = False) -> np.ndarray:
-        """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none (the gaps
-        only where none is: the gap term applies where none of its units l .. j is recomputed)."""
+        """saved(a, e) over every range [a, e) (+inf where e <= a), every unit recomputed or none."""
         saved = range_matrix(self.saved_prefix(recompute_all)) + self.saved_at_start(recompute_all)[:, None]
-        return saved if recompute_all else saved - self.gap_matrix()
+        correction = self.saved_correction(recompute_all)
+        return saved if correction is None else saved + correction
+
+    def saved_correction(self, recompute_all: bool = False) -> Optional[np.ndarray]:
+        """saved_matrix less its prefix form, 0 where e <= a; None where 0 (planner.cost.received)."""
+        return saved_correction(self, recompute_all)
 
 
 _CACHE: "OrderedDict[tuple, Tuple[Profile, RangeCosts]]" = OrderedDict()

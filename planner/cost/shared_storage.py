@@ -40,8 +40,17 @@ a recomputed end keeps its inputs: an over-count left, never under); additive in
 solvers' additive forms take x off each of l .. j's freed bytes: an upper bound of the bytes held). held_gaps: the
 same of what both still hold as the forward returns (held_saved; a later zero-bubble stage's weight_held, whose
 last unit holds its h, counts none: an over-count left).
+
+All of these name a storage as it is inside a stage. Views of one storage crossing a cut (a coupling layer's
+x[:, :k] and x[:, k:]) arrive apart at a stage starting there, each a storage of its own: such a stage counts
+them by the views it receives (planner.cost.received, which makes these terms, `storage_terms`, of the units as
+it sees them).
 """
 from __future__ import annotations
+
+from typing import Any, Dict
+
+import numpy as np
 
 
 def shared(before, after, b: int, held: bool = False, weight: bool = False) -> float:
@@ -119,3 +128,50 @@ def gap_shares(units, b: int, held: bool = False):
                 out[l, j] = out.get((l, j), 0.0) + float(min(dicts[l][name], n))
             last[name] = j
     return [(l, j, x) for (l, j), x in sorted(out.items()) if x]
+
+
+def storage_terms(units, b: int, s: np.ndarray, inputs: np.ndarray, loss_saved: np.ndarray) -> Dict[str, Any]:
+    """planner.cost.ranges.RangeCosts' terms of the storages units save, of `units` at b (s_l, in_l and what the
+    loss saves, per unit, given): dup (d_k), dropped (x_l), held_dup (d^h_k), weight_dup (d'_k), redo_dup (r_k),
+    held_inputs and held_weight_inputs (in^h_l, in^h'_l), shares, held_shares, weight_shares (o_k, o^h_k, o'_k by
+    which of units k - 1, k are recomputed), gaps and held_gaps (module docstring). Index k = 0 holds 0."""
+    L = len(units)
+    pairs = range(1, L)
+    out: Dict[str, Any] = {}
+    # d_k: bytes units k - 1 and k both save
+    out["dup"] = dup = np.array([0.0] + [shared(units[k - 1], units[k], b) for k in pairs], dtype=float)
+    # x_l: of s_l, what autograd frees as the forward returns (no node its outputs reach saves it): counted as
+    # saved, never held between the backward parts
+    out["dropped"] = dropped = np.array([sum((u.dropped_saved_bytes.get(b) or {}).values()) for u in units], float)
+    # a unit all of whose saves are so freed (or that saves nothing) attaches to no graph: recomputed, its
+    # checkpoint's kept inputs go too (where measured)
+    gone = np.array([b in u.dropped_saved_bytes and dropped[l] >= s[l] for l, u in enumerate(units)], dtype=bool)
+    # d^h_k: of d_k, what both still hold as the forward returns (the weight kinds' d_k); d'_k: of d^h_k, what unit
+    # k still holds after its input part (a zero-bubble stage's last unit may let go what unit k - 1 holds)
+    out["held_dup"] = held_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, held=True) for k in pairs])
+    out["weight_dup"] = weight_dup = np.array([0.0] + [shared(units[k - 1], units[k], b, weight=True) for k in pairs])
+    # r_k: of what a recomputed unit k keeps (its inputs), the bytes the unit before holds too beyond d_k,
+    # recomputed or not, at least: the solvers' additive forms
+    out["redo_dup"] = np.array([0.0] + [redo_shared(units[k - 1], units[k], b, float(dup[k])) for k in pairs])
+    # what a recomputed unit holds between the backward parts: in_l (whole[a]) or in'_l (a later stage), none of
+    # it but what the loss saved where the unit attaches to no graph (`gone`)
+    out["held_inputs"] = np.where(gone, loss_saved, inputs)
+    out["held_weight_inputs"] = np.where(gone, 0.0, inputs - loss_saved)
+    # [k, x, y]: the bytes units k - 1 and k both hold, x: unit k - 1 recomputed, y: unit k (d_k, p_k, u_k, q_k);
+    # held_shares of what both still hold as the forward returns; weight_shares [k, x]: of held_shares[k, x, 0],
+    # what unit k still holds after its input part (d'_k, u'_k)
+    shares, held_shares, weight_shares = np.zeros((L, 2, 2)), np.zeros((L, 2, 2)), np.zeros((L, 2))
+    for k in pairs:
+        before, after = units[k - 1], units[k]
+        # (unit k's kept storages not measured: r_k = 0, it keeps what it shares with unit k - 1, d_k)
+        measured = bool(after.recomputed_shared_bytes.get(b))
+        p, u, q = redo_shares(before, after, b)
+        shares[k] = [[dup[k], p if measured else dup[k]], [u, q]]
+        p, u, q = redo_shares(before, after, b, held=True, gone=(gone[k - 1], gone[k]))
+        held_shares[k] = [[held_dup[k], p if measured else held_dup[k]], [u, q]]
+        weight_shares[k] = [weight_dup[k], weight_redo_share(before, after, b, gone[k - 1])]
+    out.update(shares=shares, held_shares=held_shares, weight_shares=weight_shares)
+    # (l, j, bytes): a storage units l and j >= l + 2 both save and none between them does; of what both still hold
+    # as the forward returns (the held kinds')
+    out["gaps"], out["held_gaps"] = gap_shares(units, b), gap_shares(units, b, held=True)
+    return out

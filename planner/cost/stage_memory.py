@@ -42,12 +42,15 @@ planner.cost.ranges) but where it starts the stage (`first_recomputed`), where i
 first'_a) instead, and, the stage's last, cancels its `last_unit`; units l - 1 and l both recomputed hold
 q_l + d_l - p_l - u_l less than those count (`pair`). Every unit recomputed, saved_l is in_l - q_l and a
 stage gives q_a back at its start.
-A rank's peak is the largest over its vectors; with several stages on a rank the sum over them per
-vector. The fixed bytes every device holds are not in it: compare with
-planner.cost.model.rank_caps (the caps less those).
+A stage starting at a cut where it receives views of one storage apart holds these terms of the units as it
+receives them (planner.cost.received: the costs' view there, `views`; its row of `matrix` is that view's, and
+the program adds the difference where the stage starts there). A rank's peak is the largest over its vectors;
+with several stages on a rank the sum over them per vector. The fixed bytes every device holds are not in it:
+compare with planner.cost.model.rank_caps (the caps less those).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
@@ -116,13 +119,42 @@ class StageMemory:
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, recompute_all: bool):
         costs = range_costs(profile, b, opts.optimizer)
-        self.costs, self.S = costs, opts.num_stages
+        self.S = opts.num_stages
         self.factors: Tuple[float, float] = static_factors(opts, profile.dtype)
         beta_w, beta_t = self.factors
         self.static_per_unit = costs.p * beta_w + costs.t * beta_t
         self._static = prefix_sums(self.static_per_unit)
-        # per unit, less what it shares with the unit before (d_l), given back at a stage's start
         self.recompute_all = recompute_all
+        self._derive(costs)
+        self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
+        self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
+        self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
+        self.ties = tie_copies(tied_weights(profile), costs)  # frozen ones too
+        self.tie_static = copy_static(self.ties, self.factors)  # one copy's static bytes, per tie
+        self.tie_whole = copy_static(self.ties, static_factors(opts, profile.dtype, 1))  # kept whole (kept_whole)
+        self.shard = opts.shard
+        # {a: StageMemory}: the terms of a stage starting at cut a where it receives a storage apart (the costs'
+        # view there, planner.cost.received)
+        self.views: Dict[int, "StageMemory"] = {a: self._view(view) for a, view in costs.views.items()}
+
+    def _view(self, costs) -> "StageMemory":
+        """These terms with `costs` (a start's view: planner.cost.received), its own views none."""
+        view = copy.copy(self)
+        for name in ("_held_less", "trained_correction"):  # (cached from these costs)
+            vars(view).pop(name, None)
+        view._derive(costs)
+        view.views = {}
+        return view
+
+    def at(self, a: int) -> "StageMemory":
+        """The terms a stage starting at unit a holds: its view where it receives a storage apart, else these."""
+        return self.views.get(a, self)
+
+    def _derive(self, costs) -> None:
+        """The per-unit and per-cut terms read from the range costs (module docstring)."""
+        self.costs = costs
+        recompute_all = self.recompute_all
+        # per unit, less what it shares with the unit before (d_l), given back at a stage's start
         # (every unit recomputed: its input, less q_l, what the unit before, recomputed, keeps too)
         both, held_both = costs.shares[:, 1, 1], costs.held_shares[:, 1, 1]
         self.saved = costs.inputs - both if recompute_all else costs.s - costs.dup
@@ -140,13 +172,6 @@ class StageMemory:
         self.kept_all = costs.kept_known and recompute_all
         if self.kept_all:
             self.weight = costs.held_weight_inputs + costs.k - held_both
-        self.ranks = [opts.rank_of_stage(g) for g in range(self.S)]
-        self.peaks = rank_peaks(step_shape(opts, num_micro_batches(opts, b)))
-        self.caps: List[Optional[float]] = rank_caps(opts, profile)  # per rank, less the fixed bytes
-        self.ties = tie_copies(tied_weights(profile), costs)  # frozen ones too
-        self.tie_static = copy_static(self.ties, self.factors)  # one copy's static bytes, per tie
-        self.tie_whole = copy_static(self.ties, static_factors(opts, profile.dtype, 1))  # kept whole (kept_whole)
-        self.shard = opts.shard
 
     def cap(self, g: int) -> Optional[float]:
         """What stage g's rank may hold besides the fixed bytes (None: no cap)."""
@@ -279,7 +304,11 @@ class StageMemory:
                 held[rows] = best
         if self.ties:
             static = static - (self._tie_surplus if starts is None else self._tie_rows(starts))
-        return static + held
+        out = static + held
+        for i, a in enumerate(first):  # a start receiving a storage apart: its view's row
+            if int(a) in self.views:
+                out[i] = self.views[int(a)]._rows(g, [int(a)])[0]
+        return out
 
     def _held_rows(self, terms: HeldTerms, first: np.ndarray) -> np.ndarray:
         """value[i, e]: what stage [first[i], e) holds under `terms` beyond its static bytes, where e > first[i]

@@ -228,9 +228,14 @@ def _measure_size(run: ProfileRun, b: int) -> None:
         (unit.backward_input_s[b], unit.backward_weight_s[b]), unit.weight_held_bytes[b], \
             unit.weight_kept_bytes[b], unit.weight_calls, unit.weight_walk_nodes = parts[k]
         unit.shared_saved_bytes[b], unit.weight_shared_bytes[b], unit.recomputed_shared_bytes[b], \
-            unit.dropped_saved_bytes[b] = shared[k]
+            unit.dropped_saved_bytes[b], apart = shared[k]
         if first[k] is not None:  # a stage starting with it holds other storages
             unit.first_saved_bytes[b] = first[k][0]
+            # its arguments viewing one storage, and those whose own storage it then saves (planner.cost.received)
+            index = {name: i for i, name in enumerate(list(io.inputs) + list(io.received))}
+            unit.received_parts[b] = apart
+            unit.received_saved_parts[b] = {x: saved for x, views in apart.items() if (saved := {
+                v: n for v, n in views.items() if index[v] in first[k][2]})}
             if unit.split_backward:
                 unit.first_weight_held_bytes[b] = first[k][1]
         if unit.split_backward and k > 0:  # where its stage computes values it reads from its parameters

@@ -72,10 +72,11 @@ def inner_counts(call: UnitCall, k: int, received: List[str], sent: List[str], v
     return out, out_kept, seeds, seed_sources
 
 
-def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int]]:
-    """(saved bytes, bytes held from its input part to its weight part) of a unit run as a stage's
-    first, its inputs each in a storage of its own (`as_received`); None where that is how it runs
-    inside a stage too. One more forward, and one with its input part."""
+def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int, int, Set[int]]]:
+    """(saved bytes, bytes held from its input part to its weight part, the indices of the arguments whose
+    storage it saves) of a unit run as a stage's first, its inputs each in a storage of its own
+    (`as_received`); None where that is how it runs inside a stage too. One more forward, and one with its
+    input part."""
     received = as_received(call.args)
     if received is None:
         return None
@@ -86,13 +87,32 @@ def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int
         with counter.counting():
             result = forward()
         saved = counter.finish()
+        stored = counter.saved_storage_bytes()
+        own = {i for i, arg in enumerate(received) if isinstance(arg, torch.Tensor) and
+               arg.untyped_storage().data_ptr() in stored}
         del result
         trainable = call.trainable()
         pending, held, _ = forward_and_input_part(forward, lambda out: first_part(first, out, trainable),
                                                   list(call.module.parameters()))
         backward_weight(pending)
     call.module.zero_grad(set_to_none=True)
-    return saved, held
+    return saved, held, own
+
+
+def received_parts(args: List[Any], names: List[str], storage_names: Dict[int, str]) -> Dict[str, Dict[str, int]]:
+    """{X: {v: bytes}}: the storages two or more of the arguments view, or one views part of, by their name
+    X (`storage_names`: data pointer -> name), each argument v (`names`, aligned with `args`) viewing one
+    with the bytes of v alone, as a stage starting with the unit receives it (UnitProfile.received_parts)."""
+    groups: Dict[int, List[int]] = {}
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and arg.layout == torch.strided and arg.untyped_storage().data_ptr():
+            groups.setdefault(arg.untyped_storage().data_ptr(), []).append(i)
+    out: Dict[str, Dict[str, int]] = {}
+    for ptr, members in groups.items():
+        whole = args[members[0]].untyped_storage().nbytes()
+        if (len(members) > 1 or whole > tensor_bytes(args[members[0]])) and ptr in storage_names:
+            out[storage_names[ptr]] = {names[i]: tensor_bytes(args[i]) for i in members}
+    return out
 
 
 class _StorageNames(torch.fx.Interpreter):
@@ -142,15 +162,15 @@ def _apart(args: List[Any]) -> List[Any]:
 
 
 def shared_saved(run: ProfileRun, work: List[UnitCall], target: Any
-                  ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, int]]]:
+                 ) -> List[Tuple[Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, int], Dict[str, Dict]]]:
     """Per unit, the storages its forward saves that hold a value other units may save too
     (UnitProfile.shared_saved_bytes), by that value's name: its inputs, its outputs for later
     units, and values every stage computes again; and of them, those it still holds after its input
     part (UnitProfile.weight_shared_bytes: a zero-bubble stage's last unit); the storages of its
     arguments, which it keeps when recomputed (UnitProfile.recomputed_shared_bytes); and the storages it
     saves that autograd frees as the forward returns, its outputs held (UnitProfile.dropped_saved_bytes,
-    by the same names, "" for the rest). One more forward of each unit (`_StorageNames`), and its input
-    part."""
+    by the same names, "" for the rest); and the storages its arguments view apart (`received_parts`).
+    One more forward of each unit (`_StorageNames`), and its input part."""
     out = []
     for k, call in enumerate(work):
         _, io = run.stages[k]
@@ -166,6 +186,7 @@ def shared_saved(run: ProfileRun, work: List[UnitCall], target: Any
                     result = run.spec.loss(result, target)
             shared = {naming.names[ptr]: size for ptr, size in counter.saved_storage_bytes().items()
                       if naming.names.get(ptr) in shareable}
+            parts = received_parts(args, list(io.inputs) + list(io.received), naming.names)
             # recomputed, it keeps its tensor arguments (runtime.stage's checkpoint saves them all)
             kept = {}
             for arg in args:
@@ -192,5 +213,5 @@ def shared_saved(run: ProfileRun, work: List[UnitCall], target: Any
                 call.module.zero_grad(set_to_none=True)
         naming.forget()
         restore()
-        out.append((shared, held, kept, dropped))
+        out.append((shared, held, kept, dropped, parts))
     return out

@@ -10,6 +10,8 @@ from planner.profile.reader import Reader, show, str_keys
 
 # a unit's storages by the value each holds, per micro-batch size ({size: {value name: bytes}})
 NAMED_STORAGE_FIELDS = ("shared_saved_bytes", "weight_shared_bytes", "recomputed_shared_bytes", "dropped_saved_bytes")
+# a unit's storages its arguments view apart ({size: {storage name: {value name: bytes}}}: UnitProfile.received_parts)
+RECEIVED_FIELDS = ("received_parts", "received_saved_parts")
 _SPLIT_BACKWARD = ("backward_input_s", "backward_weight_s", "weight_held_bytes")
 
 
@@ -17,6 +19,30 @@ def _names(value: Any, read: "Reader", where: str) -> List[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise read.error(where, f"is {show(value)}: expected a list of node names")
     return list(value)
+
+
+def _parts_reader(read: "Reader"):
+    """Reads one size's {storage name: {value name: bytes}} (UnitProfile.received_parts)."""
+    def parts(value: Any, where: str) -> Dict[str, Dict[str, int]]:
+        out = {str(x): read.named_counts(v, f'{where}["{x}"]') for x, v in read.table(value, where).items()}
+        for x, views in out.items():
+            if not views:
+                raise read.error(f'{where}["{x}"]', "is empty: a storage received apart has one argument viewing it "
+                                 "at least")
+        return out
+    return parts
+
+
+def _check_received(unit: "UnitProfile", read: "Reader", where: str) -> None:
+    """received_saved_parts within received_parts (the same bytes), each storage one the unit saves."""
+    for b, saved in unit.received_saved_parts.items():
+        parts, shared = unit.received_parts.get(b, {}), unit.shared_saved_bytes.get(b, {})
+        for x, views in saved.items():
+            at = f'{where}.received_saved_parts["{b}"]["{x}"]'
+            if x not in shared:
+                raise read.error(at, "names a storage the unit's shared_saved_bytes does not (it saves a part of it)")
+            if any(parts.get(x, {}).get(v) != n for v, n in views.items()):
+                raise read.error(at, "names an argument, or bytes of one, that received_parts does not")
 
 
 @dataclass
@@ -103,6 +129,14 @@ class UnitProfile:
     # storage holds as shared_saved_bytes names them ("" for storages no value of the unit names).
     # Empty: not measured (older files, analytic and imported profiles): none
     dropped_saved_bytes: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    # the storages two or more of its arguments view, or one views part of (a coupling layer's x[:, :k] and
+    # x[:, k:]), which a stage receives each in a storage of its own, per micro-batch size: {X: {v: bytes}}, X
+    # the storage's name as shared_saved_bytes gives it, v each argument (a value crossing its cut) viewing it and
+    # the bytes of v alone (planner.cost.received); received_saved_parts: of them, those whose own storage it
+    # saves when its arguments arrive so. Recorded (maybe empty) wherever first_saved_bytes is; absent (older
+    # files): not measured, and a stage starting at the unit shares none of its storages with later units
+    received_parts: Dict[int, Dict[str, Dict[str, int]]] = field(default_factory=dict)
+    received_saved_parts: Dict[int, Dict[str, Dict[str, int]]] = field(default_factory=dict)
     # what its weight part holds more (or less) where its stage computes values it reads: per micro-batch
     # size, {source T (a string): bytes}, the unit holding sum_{T >= a} of them in a stage starting at a
     # (planner.cost.inner_weight). A value whose gradient flows back only into units from its source on
@@ -155,6 +189,9 @@ class UnitProfile:
                for name in ("inner_weight_bytes", "inner_kept_bytes", "inner_seed_bytes")
                if any(getattr(self, name).values())},
             **({"inner_seed_sources": dict(self.inner_seed_sources)} if self.inner_seed_sources else {}),
+            **{name: {str(b): {x: dict(views) for x, views in parts.items()}
+                      for b, parts in sorted(getattr(self, name).items())}
+               for name in RECEIVED_FIELDS if getattr(self, name)},
             **({"input_bytes": str_keys(self.input_bytes)} if self.input_bytes else {}),
             **({"loss_saved_bytes": str_keys(self.loss_saved_bytes)} if self.loss_saved_bytes else {}),
             **({"first_saved_bytes": str_keys(self.first_saved_bytes)} if self.first_saved_bytes else {}),
@@ -220,8 +257,11 @@ class UnitProfile:
                                          "node counts"),
             **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", read.named_counts, required=False)
                for name in NAMED_STORAGE_FIELDS},
+            **{name: read.per_size(d.get(name) or {}, f"{where}.{name}", _parts_reader(read), required=False)
+               for name in RECEIVED_FIELDS},
             **split_values,
         )
+        _check_received(unit, read, where)
         for b, held in unit.weight_shared_bytes.items():
             if any(held[name] > unit.shared_saved_bytes.get(b, {}).get(name, -1) for name in held):
                 raise read.error(f'{where}.weight_shared_bytes["{b}"]', "names a value, or more bytes of one, than "

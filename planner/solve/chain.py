@@ -75,7 +75,9 @@ class ChainScenario:
         self.FB = costs.FB  # ... and of the frozen ones, those gathered again for a backward (ZeRO-3)
         self.A = costs.saved_prefix(redo_all)  # saved(a, e) = A[e] - A[a] + A0[a]
         self.A0 = costs.saved_at_start(redo_all)
-        self.gaps = costs.gap_matrix() if costs.gaps and not redo_all else None  # less gap(a, e), nothing recomputed
+        # what the prefix form misses (planner.cost.ranges' gap, nothing recomputed; the starts receiving a storage
+        # apart, planner.cost.received): [a, e], None where nothing
+        self.correction = costs.saved_correction(redo_all)
         speeds, held, links = rank_speeds(opts), held_counts(opts, self.m), boundary_links(opts)
         self.sigma = [speeds[opts.rank_of_stage(c)] for c in range(self.C)]
         device_caps = rank_caps(opts, profile)
@@ -119,8 +121,8 @@ class ChainScenario:
         raw: Dict[tuple, np.ndarray] = {}
         dP = self.P[ends][:, None] - self.P[safe]
         dA = self.A[ends][:, None] - self.A[safe] + self.A0[safe]
-        if self.gaps is not None:  # storages two units that are not neighbours save (planner.cost.ranges' gap)
-            dA = dA - self.gaps[safe, ends[:, None]]
+        if self.correction is not None:
+            dA = dA + self.correction[safe, ends[:, None]]
         dT = self.T[ends][:, None] - self.T[safe]
         dFB = self.FB[ends][:, None] - self.FB[safe]
         static = dP * self.beta_w + dT * self.beta_t

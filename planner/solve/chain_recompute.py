@@ -8,7 +8,8 @@ exactly as planner.cost.ranges counts a stage's saved bytes (`freed_bytes`):
 
 (the first unit's own input storages go with it; a storage unit l shares with unit l + 1 inside
 the stage stays, as l + 1 saves it too; an input it keeps that unit l - 1 holds too, r_l, is held
-once), additive over any set of recomputed units. The cheapest
+once), additive over any set of recomputed units; in the terms a stage starting at a sees where it
+receives views of one storage apart (planner.cost.received). The cheapest
 cover is a covering knapsack
 
     R_c(a, e) = min { sum_{l in S} f_l / sigma : S in [a, e), h_c sum_{l in S} g_l(a, e) >= need }.
@@ -41,7 +42,9 @@ MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profil
 
 def freed_bytes(costs, a: int, e: int) -> np.ndarray:
     """g_l(a, e), l = a .. e - 1: the bytes one held micro-batch of stage [a, e) frees when unit l is
-    recomputed (module docstring; the difference of planner.cost.ranges.RangeCosts.saved)."""
+    recomputed (module docstring; the difference of planner.cost.ranges.RangeCosts.saved), in the terms a stage
+    starting at a sees (a storage received apart there: planner.cost.received)."""
+    costs = costs.at(a)
     g = (costs.s - costs.inputs)[a:e].astype(float)
     g[0] += costs.first[a]
     g[:-1] -= costs.dup[a + 1:e]
@@ -70,10 +73,13 @@ def frees_somewhere(costs) -> np.ndarray:
     Where the neighbours are recomputed too (planner.cost.ranges' p, u, q: what two units share as either
     or both are), at most r'_l after the unit before (`shared_redo_most`) and max(u - d, q - p) of unit l + 1's
     before it (0 where that one is not in the stage)."""
-    share = costs.shares
-    after_another = np.where(np.arange(costs.num_units) > 0, shared_redo_most(costs), -np.inf)
-    nxt = np.append(np.maximum(share[1:, 1, 0] - share[1:, 0, 0], share[1:, 1, 1] - share[1:, 0, 1]), 0.0)
-    return costs.s - costs.inputs + np.maximum(costs.first, after_another) + np.maximum(nxt, 0.0) > 0
+    out = np.zeros(costs.num_units, dtype=bool)
+    for terms in (costs, *costs.views.values()):  # (and where a stage receives a storage apart: planner.cost.received)
+        share = terms.shares
+        after_another = np.where(np.arange(terms.num_units) > 0, shared_redo_most(terms), -np.inf)
+        nxt = np.append(np.maximum(share[1:, 1, 0] - share[1:, 0, 0], share[1:, 1, 1] - share[1:, 0, 1]), 0.0)
+        out |= terms.s - terms.inputs + np.maximum(terms.first, after_another) + np.maximum(nxt, 0.0) > 0
+    return out
 
 
 def worth_recomputing(costs, schedule: str) -> np.ndarray:
@@ -139,13 +145,14 @@ def _tables(costs, A, static, h, sigma, cap, extra=None, per_sample=None):
         # g_l(a, L), with a range's last unit keeping d_{l+1} (it shares it with a unit outside the range)
         ls = np.arange(a, L)
         inside = ls[None, :] < e[:, None]
-        shared = np.append(costs.dup[a + 1:], 0.0)  # d_{l+1}: unit l shares with unit l + 1
+        seen = costs.at(a)  # (a storage received apart at a: planner.cost.received)
+        shared = np.append(seen.dup[a + 1:], 0.0)  # d_{l+1}: unit l shares with unit l + 1
         g = freed_bytes(costs, a, L)[None, :] + np.where(ls[None, :] + 1 == e[:, None], shared[None, :], 0.0)
         useful = inside & (g > 0)
         if not useful.any():
             continue
         ratio = np.where(useful, f[a:][None, :] / np.where(useful, g, 1.0), np.inf)
-        if costs.first[a] == 0 and not costs.dup[a + 1:].any():  # one order for every range
+        if seen.first[a] == 0 and not seen.dup[a + 1:].any():  # one order for every range
             order = np.broadcast_to(np.argsort(ratio[-1], kind="stable"), ratio.shape)
         else:
             order = np.argsort(ratio, axis=1, kind="stable")  # per range, cheapest time per byte first

@@ -194,25 +194,38 @@ def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], 
     memory = None
     if any(cap is not None for cap in caps):
         held = stage_in_flight(step_shape(opts, num_micro_batches(opts, b)))
-        # per unit at least (planner.cost.ranges.saved: what a unit shares with the one before counts at most once)
-        # (of what it shares with the unit before: d, p, u or q as neither, it, that one or both are recomputed)
-        share = costs.shares
-        least = {"none": costs.s - costs.dup, "all": costs.inputs - share[:, 1, 1],
-                 "auto": np.minimum(costs.s - np.maximum(share[:, 0, 0], share[:, 1, 0]),
-                                    costs.inputs - np.maximum(share[:, 0, 1], share[:, 1, 1]))}[opts.recompute]
-        # and at a stage's start unit a: d_a + first_a, which first_a (inputs received apart) may make negative;
-        # every unit recomputed, q_a, given back there where negative (never: the unit keeps in_a alone)
-        at_start = np.append(np.minimum(share[:, 1, 1] if opts.recompute == "all" else costs.dup + costs.first, 0.0),
-                             0.0)
         # a tie's later uses taken off: no rank holding a stage keeps less (planner.cost.ties)
         copies = tie_copies(tied_weights(profile), costs)
         later = [prefix_sums(later_uses_bytes(copies, profile.num_units, trained)) for trained in (False, True)]
-        memory = (caps, held, static_bytes(costs.P - later[0], costs.T - later[1], opts, profile.dtype), least,
-                  at_start)
+        memory = (caps, held, static_bytes(costs.P - later[0], costs.T - later[1], opts, profile.dtype),
+                  least_saved(costs, opts.recompute))
     forms_dicts = [f.count() for f in forms if not f.crossings]  # guarded paths do not hold for every split
     ok = stage_conditions(costs, S, speeds, forms_dicts if math.isfinite(bound) else [], bound,
                           recompute_all=opts.recompute == "all", memory=memory, deadline=deadline)
     return unit_ranges(ok)
+
+
+def least_saved(costs, recompute: str) -> np.ndarray:
+    """[a, e]: at most what stage [a, e) saves per micro-batch under `recompute` (planner.cost.ranges.saved; +inf
+    where e <= a): per unit what it shares with the one before counted at most once (d, p, u or q as neither, it,
+    that one or both are recomputed), at its start unit a d_a + first_a where negative (first_a: inputs received
+    apart; every unit recomputed, q_a, never negative), every gap taken off (none recomputed), and a start
+    receiving a storage apart its own terms' row (planner.cost.received)."""
+    out = None
+    for a, terms in ((None, costs), *costs.views.items()):
+        share = terms.shares
+        least = {"none": terms.s - terms.dup, "all": terms.inputs - share[:, 1, 1],
+                 "auto": np.minimum(terms.s - np.maximum(share[:, 0, 0], share[:, 1, 0]),
+                                    terms.inputs - np.maximum(share[:, 0, 1], share[:, 1, 1]))}[recompute]
+        at_start = np.append(np.minimum(share[:, 1, 1] if recompute == "all" else terms.dup + terms.first, 0.0), 0.0)
+        matrix = costs.matrix(prefix_sums(least)) + at_start[:, None]
+        if recompute != "all" and terms.gaps:
+            matrix = matrix - terms.gap_matrix()
+        if out is None:
+            out = matrix
+        else:
+            out[a] = matrix[a]
+    return out
 
 
 RELAXED_SHARE, FITTING_SHARE = 0.6, 0.2  # of the time limit, for the two searches of `_without_recomputation`

@@ -22,7 +22,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from planner.cost.ranges import RangeCosts, prefix_sums
+from planner.cost.ranges import RangeCosts
 from planner.solve.floors import check_deadline
 
 
@@ -34,7 +34,8 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
     """ok[g][a, e]: stage g may hold units [a, e) in a split whose step time is below `bound`.
 
     speeds[g]: the speed of stage g's rank; memory: (cap per stage, micro-batches held per stage,
-    prefix sums of the units' static parameter bytes, the least bytes each unit can hold for backward) or None;
+    prefix sums of the units' static parameter bytes, the least bytes each range [a, e] can hold for backward
+    per micro-batch: planner.solve.exact.least_saved) or None;
     within[g]: only these ranges are tested (the rest are not ok) -- the ranges a caller already knows to
     be the only candidates, as a search whose bound only falls and whose forms only grow does.
     OutOfTime past `deadline` (time.perf_counter(), checked per stage and condition: O(L^2) each)."""
@@ -62,9 +63,8 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
             keep &= value <= limit
         ok[g][a[~keep], e[~keep]] = False
     if memory is not None:
-        caps, held, static_prefix, least_per_unit, least_at_start = memory
+        caps, held, static_prefix, least = memory
         params = costs.matrix(static_prefix)
-        least = costs.matrix(prefix_sums(least_per_unit)) + least_at_start[:, None]
         for g in range(S):
             check_deadline(deadline)
             if caps[g] is not None:

@@ -30,7 +30,9 @@ unit each take their own g (`freed_at_most`):
     inside:            s_l - in_l - d_{l+1} + u_{l+1} + r'_l         last (l = e - 1 > a): s_l - in_l + r'_l
 
 (r'_l = max(p_l - d_l, q_l - u_l): what unit l shares with the unit before, recomputed or not, at most; the
-pairs a set recomputes free no more than these sum to: planner.cost.ranges' p, u, q)
+pairs a set recomputes free no more than these sum to: planner.cost.ranges' p, u, q; where a stage starting
+at some cut receives views of one storage apart, each of these the most over every start's terms, d - u the
+least: planner.cost.received)
 
 Whole units: a cover that needs a fraction of one large unit pays all of it (a stage that must free
 60 MiB whose one useful unit frees 192 MiB). So each cell branches on one unit u of the range at the
@@ -136,6 +138,12 @@ def zero_bubble_kinds(memory: StageMemory, g: int, whole: bool) -> np.ndarray:
     indicator's positive part to every unit that may set it (fh to a first unit followed by frozen ones and to
     those frozen units; after_recomputed_{l+1} to unit l wherever it is not last; te_e to units trained[e] .. e - 1
     of any range: the most over the e it may end at; an inner pair's x to its holder h wherever it is)."""
+    # the most over every start's terms too (a storage received apart: planner.cost.received)
+    return np.maximum.reduce([_kinds(m, g, whole) for m in (memory, *memory.views.values())])
+
+
+def _kinds(memory: StageMemory, g: int, whole: bool) -> np.ndarray:
+    """`zero_bubble_kinds` under these terms alone (memory.views not read)."""
     c, L = memory.costs, memory.costs.num_units
     later = g > 0
     trains = np.asarray(c.t, dtype=float) > 0
@@ -194,11 +202,16 @@ TIES = 4  # units kept per ratio: a cell branches on one of them that it holds (
 
 def _parts(costs):
     """Per unit: s_l - in_l, first_l, d_{l+1} - u_{l+1} (what it no longer shares with unit l + 1 recomputed;
-    0 for the last unit) and r'_l (module docstring)."""
-    share = np.asarray(costs.shares, dtype=float)
-    dup_next = np.append(share[1:, 0, 0] - share[1:, 1, 0], 0.0)
-    redo = shared_redo_most(costs)
-    return np.asarray(costs.s - costs.inputs, dtype=float), np.asarray(costs.first, dtype=float), dup_next, redo
+    0 for the last unit) and r'_l (module docstring); where a stage receives a storage apart, the most (least:
+    d - u, taken off) of these and its view's (planner.cost.received), as every start does."""
+    parts = None
+    for terms in (costs, *costs.views.values()):
+        share = np.asarray(terms.shares, dtype=float)
+        mine = (np.asarray(terms.s - terms.inputs, dtype=float), np.asarray(terms.first, dtype=float),
+                -np.append(share[1:, 0, 0] - share[1:, 1, 0], 0.0), shared_redo_most(terms))
+        parts = mine if parts is None else tuple(np.maximum(x, y) for x, y in zip(parts, mine))
+    live, first, less_next, redo = parts
+    return live, first, -less_next, redo
 
 
 def freed_at_most(costs, a: int, e: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from planner.solve.chain_recompute import worth_recomputing
 from planner.solve.ilp import Program
 from planner.solve.ilp_split import NoSplit
 from tests.solve.test_zero_bubble import _chain
-from tests.support.synthetic import keep_read, let_go, random_chain, receive_apart, share_kept
+from tests.support.synthetic import keep_read, let_go, random_chain, receive_apart, share_kept, views_apart
 
 L = 5
 
@@ -91,6 +91,21 @@ def test_the_memory_rows_equal_evaluate_where_units_apart_save_one_storage(sched
             unit.shared_saved_bytes.setdefault(2, {})[f"apart{l}"] = size
     costs = RangeCosts(profile, 2)
     assert [(l, j) for l, j, _ in costs.gaps] == [(0, 2), (1, 4)]
+    _rows_equal_evaluate(profile, schedule, ranks)
+
+
+@pytest.mark.parametrize("schedule,ranks,seed", [("zb-h1", 2, 12), ("zb-h1", 3, 24), ("zb-v", 2, 16), ("1f1b", 2, 7),
+                                                 ("gpipe", 3, 5)])
+def test_the_memory_rows_equal_evaluate_where_a_stage_receives_views_apart(schedule, ranks, seed):
+    # views of one storage crossing cuts 1 .. 3 and 3 .. 4 (a coupling layer's halves): a stage starting there
+    # holds each view apart (planner.cost.received); the rows add each start's difference where the stage starts
+    # there, recomputed units and pairs of them included
+    rng = random.Random(seed)
+    profile = _zero_bubble_chain(seed) if schedule.startswith("zb") else \
+        random_chain(rng, L, sizes=(2,), apart=True)
+    views_apart(profile, 1, 3, rng)
+    views_apart(profile, 3, 4, rng, parts=3)
+    assert sorted(RangeCosts(profile, 2).views) == [1, 2, 3, 4]
     _rows_equal_evaluate(profile, schedule, ranks)
 
 

@@ -76,3 +76,35 @@ def test_conditions_stop_at_the_deadline():
     timed = stage_conditions(costs, 2, [1.0] * 2, [form], 1.0, deadline=time.perf_counter() + 60)
     untimed = stage_conditions(costs, 2, [1.0] * 2, [form], 1.0)
     assert all(np.array_equal(x, y) for x, y in zip(timed, untimed)) and len(timed) == 2
+
+
+def test_the_memory_precheck_counts_no_stage_above_what_it_saves():
+    """The fixings' least bytes per range (planner.solve.exact.least_saved) are at most what the range saves under
+    every recomputation set the mode allows: the storages two units apart save, held once (a gap), and the views a
+    stage receives apart (planner.cost.received) taken as that stage counts them; it counted neither, and would
+    drop a stage that fits."""
+    import itertools
+    import random
+
+    from planner.cost.ranges import RangeCosts
+    from planner.solve.exact import least_saved
+    from tests.support.synthetic import random_chain, views_apart
+
+    for seed in range(6):
+        rng = random.Random(seed)
+        profile = random_chain(rng, 6, sizes=(2,), apart=True)
+        for l, j in ((0, 2), (2, 5)):  # a storage units l and j save, none between them
+            for unit in (profile.units[l], profile.units[j]):
+                unit.saved_bytes[2] += 4096
+                unit.shared_saved_bytes.setdefault(2, {})[f"apart{l}"] = 4096
+        views_apart(profile, 1, 4, rng)
+        costs = RangeCosts(profile, 2)
+        assert costs.gaps and costs.views
+        for mode in ("none", "auto", "all"):
+            least = least_saved(costs, mode)
+            for a in range(6):
+                for e in range(a + 1, 7):
+                    sets = {"none": [()], "all": [tuple(range(a, e))],
+                            "auto": [r for n in range(e - a + 1) for r in itertools.combinations(range(a, e), n)]}
+                    for redo in sets[mode]:
+                        assert least[a, e] <= costs.saved(a, e, redo) + 1e-6, (seed, mode, a, e, redo)

@@ -22,7 +22,7 @@ from planner.solve.recompute_bound import bounded, freed_at_most, least_recomput
 from tests.solve.test_zero_bubble import _chain
 from tests.support.solvers import stopped_searches
 from tests.support.synthetic import (compute_inside, drawn_chain, freeze, keep_read, let_go, random_chain,
-                                     receive_apart, share_kept)
+                                     receive_apart, share_kept, views_apart)
 
 
 def _zero_bubble_chain(seed: int):
@@ -157,6 +157,39 @@ def test_no_recomputation_frees_more_than_its_units_bound(seed):
                 freed = np.maximum(freed_at_most(costs, a, e), 0.0)
                 least = plain.device_memory[g] - held[g] * sum(freed[l - a] for l in redo if a <= l < e)
                 assert memory[g] >= least - 1e-6 * max(1.0, abs(least)), (redo, g)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_no_recomputation_frees_more_than_its_units_bound_where_views_arrive_apart(seed, schedule):
+    """The same where a stage receives views of one storage apart (planner.cost.received: each start's terms,
+    the most over them per unit in the bound's items)."""
+    rng = random.Random(seed)
+    if schedule == "zb-h1":
+        rng, profile = _zero_bubble_chain(seed)
+    else:
+        profile = random_chain(rng, rng.randint(3, 7), sizes=(2,), apart=rng.random() < 0.5)
+    L = profile.num_units
+    views_apart(profile, 1, L - 1, rng, parts=rng.randint(2, 3))
+    S = rng.randint(1, min(3, L))
+    opts = CostOptions(pipeline_ranks=S, global_batch=2 * S * rng.choice([1, 2, 4]), schedule=schedule,
+                       recompute="auto")
+    cuts = sorted(rng.sample(range(1, L), S - 1))
+    ends, costs = [0] + cuts + [L], range_costs(profile, 2)
+    memory = StageMemory(compute_profile(profile, opts), 2, opts, False)
+    plain = evaluate(profile, cuts, 2, opts, [])
+    held = held_counts(opts, plain.num_micro_batches)
+    for r in range(1, L + 1):
+        for redo in itertools.combinations(range(L), r):
+            memory_now = evaluate(profile, cuts, 2, opts, list(redo)).device_memory
+            for g in range(S):
+                a, e = ends[g], ends[g + 1]
+                if schedule == "zb-h1":
+                    most = zero_bubble_freed_at_most(memory, g, a, e)
+                else:
+                    most = held[g] * np.maximum(freed_at_most(costs, a, e), 0.0)
+                least = plain.device_memory[g] - sum(most[l - a] for l in redo if a <= l < e)
+                assert memory_now[g] >= least - 1e-6 * max(1.0, abs(least)), (redo, g)
 
 
 # past the first 40 chains, ones where a term of the weight kind frees the most a unit can free: a later

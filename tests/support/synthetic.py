@@ -105,6 +105,45 @@ def receive_apart(profile: Profile, units: Sequence[int], rng) -> None:
             unit.first_weight_held_bytes = {b: h + held * b for b, h in unit.weight_held_bytes.items()}
 
 
+def views_apart(profile: Profile, k: int, last: int, rng, parts: int = 2) -> None:
+    """A storage X that unit k - 1 makes crosses cuts k .. last as `parts` views of it (a coupling layer's
+    x[:, :c] and x[:, c:]), every unit k .. last reading them all: some of those units save X (views of it:
+    the whole storage inside a stage; a random nonempty set of the views, each in a storage of its own, where
+    they arrive so) and each keeps X recomputed (UnitProfile.received_parts, received_saved_parts; the stage
+    starting at a cut k .. last receives the views apart: planner.cost.received)."""
+    draws = [rng.randint(1, 1 << 16) for _ in range(parts)]
+    names = [f"view{k}_{i}" for i in range(parts)]
+    for c in range(k, last + 1):
+        profile.cut(c).values.extend(CutValue(name=v, kind="tensor", dtype="float32", requires_grad=True,
+                                              shape={b: [n * b] for b in profile.micro_batch_sizes},
+                                              bytes={b: 4 * n * b for b in profile.micro_batch_sizes})
+                                     for v, n in zip(names, draws))
+    X = f"whole{k}"
+    for j in range(k, last + 1):
+        unit, saves = profile.units[j], rng.random() < 0.6
+        saved = rng.sample(names, rng.randint(1, parts)) if saves else []
+        for b in profile.micro_batch_sizes:
+            views = {v: 4 * n * b for v, n in zip(names, draws)}
+            whole = sum(views.values())
+            own = sum(views[v] for v in saved)
+            unit.first_saved_bytes[b] = unit.first_saved_bytes.get(b, unit.saved_bytes[b]) + (own - whole if saves
+                                                                                               else 0)
+            unit.received_parts.setdefault(b, {})[X] = views
+            unit.received_saved_parts.setdefault(b, {})
+            unit.recomputed_shared_bytes.setdefault(b, {})[X] = whole
+            if saves:
+                unit.saved_bytes[b] += whole
+                unit.first_saved_bytes[b] += whole
+                unit.shared_saved_bytes.setdefault(b, {})[X] = whole
+                unit.received_saved_parts[b][X] = {v: views[v] for v in saved}
+                if unit.split_backward:  # held after its input part too
+                    held = unit.first_weight_held_bytes.get(b, unit.weight_held_bytes[b])
+                    unit.first_weight_held_bytes[b] = held + own
+                    unit.weight_held_bytes[b] += whole
+                    if b in unit.weight_shared_bytes:
+                        unit.weight_shared_bytes[b][X] = whole
+
+
 def freeze(profile: Profile, units: Sequence[int]) -> None:
     """The units in `units` train no parameter (a LoRA model's norm and head): a zero-bubble stage ending
     in them holds, between its backward parts, only what its last trained unit holds timed alone and
