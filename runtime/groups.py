@@ -28,6 +28,9 @@ class Groups:
                  per_replica: bool = False):
         self.topology, self.rank = topology, rank
         self.tie_groups: Dict[str, Any] = {}
+        self.tie_ranks: Dict[str, Tuple[int, ...]] = {}  # each tie group's global ranks
+        # each tie's shared-memory all-reduce where its holders share this host (runtime.rank_transport)
+        self.tie_reducers: Dict[str, Any] = {}
         self.tie_reached: Dict[str, bool] = {}  # whether some holder's backward reaches the tie
         self.data_parallel_group = None  # the holders of this rank's stages, when more than one
         self.data_parallel_ranks: Tuple[int, ...] = ()  # their global ranks
@@ -48,7 +51,7 @@ class Groups:
                 ranks = [topology.global_rank(r, q) for r in replicas for q in positions]
                 group = dist.new_group(ranks)
                 if rank in ranks:
-                    self.tie_groups[name] = group
+                    self.tie_groups[name], self.tie_ranks[name] = group, tuple(ranks)
 
     def pipeline_group(self) -> Any:
         """The ranks of this rank's pipeline (None: all of them, with one replica). Every rank asks
@@ -73,19 +76,26 @@ class Groups:
                 flag = torch.tensor([float(param.grad is not None)], device=param.device)
                 dist.all_reduce(flag, group=group)
                 self.tie_reached[name] = bool(flag.item() > 0)
-            sum_gradient(param, group)
+            sum_gradient(param, group, self.tie_reducers.get(name))
             if not self.tie_reached[name]:  # no holder's backward reached it: None, as in one process
                 param.grad = None
         if buckets is not None:
             buckets.finish()
 
 
-def sum_gradient(param: torch.nn.Parameter, group: Any) -> None:
-    """Sum a parameter's gradient over `group` in place; one that got none this step joins with
-    zeros (every member must take part)."""
+def sum_gradient(param: torch.nn.Parameter, group: Any, reducer: Any = None) -> None:
+    """Sum a parameter's gradient over `group` in place (through `reducer`, a shared-memory
+    all-reduce over the same ranks, where given); one that got none this step joins with zeros
+    (every member must take part)."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    dist.all_reduce(param.grad, group=group)
+    if reducer is not None:  # every member has one, or none has (shared_reduce.reducer)
+        flat = param.grad.contiguous()
+        reducer.all_reduce(flat, counted=False)
+        if flat is not param.grad:
+            param.grad.copy_(flat)
+    else:
+        dist.all_reduce(param.grad, group=group)
 
 
 class GradientBuckets:

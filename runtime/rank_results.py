@@ -11,7 +11,7 @@ import torch
 from planner.jsonio import atomic_path, write_json_atomic
 from planner.profile.subnormal import flushing
 from runtime.rank_setup import RankProcess
-from runtime.rank_transport import gradient_all_reduce, shared_reducer, shared_transport
+from runtime.rank_transport import gradient_all_reduce, shared_reducer, shared_transport, tie_all_reduce
 from runtime.stage import stage_state
 
 
@@ -42,6 +42,7 @@ def write_results(me: RankProcess, first_step: int, steps: List[Dict[str, Any]],
               # and how many through shared memory
               "gradient_all_reduce": gradient_all_reduce(me),
               "shared_memory_reductions": shared_reducer(me).reductions if shared_reducer(me) else 0,
+              "tie_all_reduce": tie_all_reduce(me),  # the tied weights' sum, the same way (None: no tie)
               "p2p_note": me.p2p_note,
               "precision_note": me.rank_model.precision_note,
               "init_state_note": me.rank_model.init_state_note}

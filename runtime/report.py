@@ -65,6 +65,7 @@ def build_report(plan: Plan, rank_results: List[Dict[str, Any]]) -> Dict[str, An
             "shared_memory_messages": r.get("shared_memory_messages", 0),
             "gradient_all_reduce": r.get("gradient_all_reduce"),  # runtime/shared_reduce.py
             "shared_memory_reductions": r.get("shared_memory_reductions", 0),
+            "tie_all_reduce": r.get("tie_all_reduce"),
             "p2p_note": r.get("p2p_note", ""),
             "precision_note": r.get("precision_note", ""),  # planner/model/casts.py
             "init_state_note": r.get("init_state_note", ""),  # runtime/initstate.py

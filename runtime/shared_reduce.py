@@ -136,12 +136,13 @@ class SharedMemoryReducer:
         self._files = []
 
 
-def reducer(transport: Optional[SharedMemoryTransport], members: Sequence[int], group, largest_bytes: int
-            ) -> Optional[SharedMemoryReducer]:
+def reducer(transport: Optional[SharedMemoryTransport], members: Sequence[int], group, largest_bytes: int,
+            kind: str = "reduce") -> Optional[SharedMemoryReducer]:
     """A reducer for the group `group` of global ranks `members` (this rank one of them), sized for
     tensors up to `largest_bytes`; a collective over `group` (every member calls it). None, for every
     member, where some member has no transport to all the others (another host, or none: `transport`
-    None) or its /dev/shm lacks room for the group's files."""
+    None) or its /dev/shm lacks room for the group's files. `kind` names the group's files apart from
+    another kind's whose first rank is the same (the data-parallel groups', "reduce"; a tie's)."""
     members = sorted(members)
     rank = dist.get_rank()
     slot = slot_size(largest_bytes)
@@ -150,7 +151,7 @@ def reducer(transport: Optional[SharedMemoryTransport], members: Sequence[int], 
     mine = None
     if usable:
         try:
-            mine = _Member(_name(transport, members, rank), slot, create=True)
+            mine = _Member(_name(transport, members, rank, kind), slot, create=True)
         except (SharedMemoryFull, OSError):
             mine = None
     made = torch.tensor([int(mine is not None)], dtype=torch.int64)
@@ -158,19 +159,19 @@ def reducer(transport: Optional[SharedMemoryTransport], members: Sequence[int], 
     if not int(made):                                          # some could not: all agree
         if mine is not None:
             mine.close()
-            os.unlink(_name(transport, members, rank))
+            os.unlink(_name(transport, members, rank, kind))
         return None
     files = {rank: mine}
     try:
         for m in members:
             if m != rank:
-                files[m] = _Member(_name(transport, members, m), slot, create=False)
+                files[m] = _Member(_name(transport, members, m, kind), slot, create=False)
     finally:
         dist.barrier(group=group)  # every member has mapped every file: nothing need stay in /dev/shm
-        os.unlink(_name(transport, members, rank))
+        os.unlink(_name(transport, members, rank, kind))
     return SharedMemoryReducer(transport, members, slot, files)
 
 
-def _name(transport: SharedMemoryTransport, members: List[int], rank: int) -> str:
-    # a group by its first rank (the data-parallel groups are disjoint): short for any group's size
-    return shm_path(transport.token, f"reduce-{members[0]}-{rank}")
+def _name(transport: SharedMemoryTransport, members: List[int], rank: int, kind: str = "reduce") -> str:
+    # a group by its kind and first rank (the groups of one kind are disjoint): short for any group's size
+    return shm_path(transport.token, f"{kind}-{members[0]}-{rank}")

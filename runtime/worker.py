@@ -32,7 +32,8 @@ from runtime.options import (END_WITH_PARENT, ENGINES, OPTIMIZERS, P2P, P2P_HELP
 from runtime.rank_results import write_results
 from runtime.rank_setup import build_engine, check_same_plan, current_rss, resume_step, start_rank
 from runtime.rank_steps import time_host, train_steps
-from runtime.rank_transport import measure_rank_link, shared_reducer, shared_transport, use_shared_memory
+from runtime.rank_transport import (close_tie_reducers, measure_rank_link, shared_reducer, shared_transport,
+                                    use_shared_memory)
 
 
 def _parse(argv):
@@ -95,6 +96,7 @@ def run(args) -> None:
     finally:
         if shared_reducer(me) is not None:
             shared_reducer(me).close()
+        close_tie_reducers(me)
         if shared_transport(me) is not None:
             shared_transport(me).close()
         dist.destroy_process_group()
