@@ -132,7 +132,8 @@ class ReplicaTables:
                     if recompute_bound is not None:
                         static, H, messages = parts(held, r)
                         low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel,
-                                                           extra=messages if recompute_bound == "upper" else None)
+                                                           extra=messages if recompute_bound == "upper" else None,
+                                                           deadline=deadline)
                         if recompute_bound == "upper":  # what no recomputation frees must fit too
                             high = np.where(static + H * before <= cap, high, np.inf)
                         fits = self.T + (low if recompute_bound == "lower" else high)
@@ -314,7 +315,8 @@ class TupleTables(ReplicaTables):
                 target = np.max([none] + [acts + (msgs - room) / live for live, msgs in terms if live > 0], axis=0)
                 target = np.where(hard <= room, target, np.inf)
                 self.targets[held] = target
-                _, high = recompute_range_tables(profile, b, opts, 1, holders=r * opts.data_parallel, target=target)
+                _, high = recompute_range_tables(profile, b, opts, 1, holders=r * opts.data_parallel, target=target,
+                                                 deadline=deadline)
                 fits = self.T + high
             elif cap is None:
                 fits = self.T

@@ -524,6 +524,12 @@ def test_replicate_keeps_its_time_limit_on_a_long_chain(tmp_path, capsys):
     assert time.perf_counter() - started <= 2.0 + TIME_MARGIN(2.0)
     _valid(profile, found, opts)
     assert found.status == "feasible"  # stopped: the bound does not meet the plan, so no optimum is claimed
+    # under a cap with --recompute auto: the recomputation tables (O(L^3) each) stop at the limit too
+    capped = opts.with_(memory_cap=1.5e9, recompute="auto")
+    started = time.perf_counter()
+    found = solve_replicated(profile, capped, time_limit=2.0)
+    assert time.perf_counter() - started <= 2.0 + TIME_MARGIN(2.0)
+    _valid(profile, found, capped)
     path, out = str(tmp_path / "chain.json"), str(tmp_path / "plan.json")
     save_profile(profile, path)
     started = time.perf_counter()
