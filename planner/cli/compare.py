@@ -93,12 +93,15 @@ class _NoPlan(Exception):
 def _replicated_or_none(profile, opts, devices, schedules, args):
     """The --replicate optimum (planner solve --replicate), or None when no replicated plan fits."""
     from planner.cli.solve import solve_replicated_from_args
-    from planner.solve.diagnose import InfeasibleError
+    from planner.solve.diagnose import InfeasibleError, NoPlanInTime
 
     try:
         return solve_replicated_from_args(profile, opts, devices, schedules, args)
     except InfeasibleError as e:
         print(f"replicas: infeasible: {str(e).splitlines()[0]}")
+        return None
+    except NoPlanInTime as e:
+        print(f"replicas: {e}")
         return None
     except (UsageError, ValueError) as e:  # the other rows are solved: say why this one is not
         print(f"replicas: not available: {str(e).splitlines()[0]}")

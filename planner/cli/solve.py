@@ -264,7 +264,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         args.backend = ilp_backend(args.backend)
     check_plan_flags(args, opts, devices, topology)
     if args.replicate and args.gap is not None:
-        raise UsageError("--replicate has its own solver, which runs to its proof; drop --gap")
+        raise UsageError("--replicate has its own solver, which runs to its proof or --time-limit; drop --gap")
     try:
         if args.replicate:
             solution = solve_replicated_from_args(profile, opts, devices, schedules, args)
@@ -353,7 +353,7 @@ def solve_replicated_from_args(profile, opts, devices: Optional[int], schedules:
     scenarios = runnable_shardings(profile, opts, expand_scenarios(opts, 10 ** 9, devices, schedules), replicated=True)
     if not scenarios:
         raise UsageError(f"no data-parallel degree d divides both --devices {devices} and the global batch")
-    return solve_replicated(profile, scenarios[0], scenarios)
+    return solve_replicated(profile, scenarios[0], scenarios, time_limit=getattr(args, "time_limit", None))
 
 
 def register(sub) -> None:

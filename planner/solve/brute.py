@@ -96,28 +96,41 @@ def replicated_plan_count(profile: Profile, opts: CostOptions, limit: float = ma
     return total
 
 
-def solve_brute_replicated(profile: Profile, opts: CostOptions) -> Optional[Solution]:
+def solve_brute_replicated(profile: Profile, opts: CostOptions, deadline: Optional[float] = None
+                           ) -> Optional[Solution]:
     """The oracle for --replicate: every S <= N = opts.pipeline_ranks, split, replica tuple (sum N) and b,
-    judged by planner.cost.model.evaluate, with every recomputation set that opts.recompute allows."""
+    judged by planner.cost.model.evaluate, with every recomputation set that opts.recompute allows.
+    Past `deadline` (time.perf_counter()), once a plan fits, the best so far: status 'feasible' with the
+    bound 0 (the caller knows a better one)."""
     started = time.perf_counter()
     L, N = profile.num_units, opts.pipeline_ranks
+
+    def plans():  # (b, options, boundaries, recomputation) of every plan
+        for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+            m = opts.global_batch // (opts.data_parallel * b)
+            sets = _recompute_sets(_shrinkable(profile, b, opts), opts, L)
+            for S in range(1, min(N, L) + 1):
+                for reps in replica_tuples(N, S, m):
+                    scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
+                    splits = [c for c in itertools.combinations(range(1, L), S - 1)
+                              if not replicates_running_stats(profile, list(c), reps)]
+                    for boundaries, redo in itertools.product(splits, sets):
+                        yield b, scenario, list(boundaries), redo
+
     best = None  # (iteration, cost, boundaries, b, options, recompute)
-    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
-        m = opts.global_batch // (opts.data_parallel * b)
-        sets = _recompute_sets(_shrinkable(profile, b, opts), opts, L)
-        for S in range(1, min(N, L) + 1):
-            for reps in replica_tuples(N, S, m):
-                scenario = opts.with_(replicas=reps if max(reps) > 1 else ())  # sum(reps) = N
-                splits = [c for c in itertools.combinations(range(1, L), S - 1)
-                          if not replicates_running_stats(profile, list(c), reps)]
-                for boundaries, redo in itertools.product(splits, sets):
-                    cost = evaluate(profile, list(boundaries), b, scenario, redo)
-                    if cost.feasible and (best is None or cost.iteration_s < best[0]):
-                        best = (cost.iteration_s, cost, list(boundaries), b, scenario, redo)
+    stopped = False
+    for b, scenario, boundaries, redo in plans():
+        if deadline is not None and best is not None and time.perf_counter() > deadline:
+            stopped = True
+            break
+        cost = evaluate(profile, boundaries, b, scenario, redo)
+        if cost.feasible and (best is None or cost.iteration_s < best[0]):
+            best = (cost.iteration_s, cost, boundaries, b, scenario, redo)
     if best is None:
         return None
     iteration, cost, boundaries, b, scenario, redo = best
     return Solution(boundaries=boundaries, micro_batch_size=b, num_micro_batches=cost.num_micro_batches, cost=cost,
-                    status="optimal", objective=iteration, bound=iteration, gap=0.0,
+                    status="feasible" if stopped else "optimal", objective=iteration,
+                    bound=0.0 if stopped else iteration, gap=1.0 if stopped else 0.0,
                     seconds=time.perf_counter() - started, method="brute", backend="python", recompute=redo,
                     options=scenario)

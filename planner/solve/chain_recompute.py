@@ -36,6 +36,7 @@ from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
+from planner.solve.floors import check_deadline
 
 MAX_UNITS = 200  # O(L^2 n) work per distinct (h_c, sigma, cap): used for profiles up to this size
 
@@ -110,26 +111,30 @@ def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[
 
 def recompute_range_tables(profile: Profile, b: int, opts: CostOptions, held: int, speed: float = 1.0,
                            holders: Optional[int] = None, extra: Optional[np.ndarray] = None,
-                           target: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+                           target: Optional[np.ndarray] = None, deadline: Optional[float] = None
+                           ) -> Tuple[np.ndarray, np.ndarray]:
     """(lower, upper) recomputation time [a, e] of a range holding `held` micro-batches on a device
     of this speed and the rank's cap, its stage on n holders (default d; planner.solve.replicas:
     one table per held count, `extra[a, e]` the bytes it holds beside them that recomputation does not
     free). `target[a, e]`, where given, replaces all that: the bytes each held micro-batch must free
-    (<= 0: the range fits as it is; +inf: nothing makes it fit)."""
+    (<= 0: the range fits as it is; +inf: nothing makes it fit). OutOfTime past `deadline`
+    (time.perf_counter(), read once per first unit a: O(L^2 log L) each, seconds in all at 1,000 units)."""
     costs = range_costs(profile, b)
     return _tables(costs, costs.saved_matrix(), static_bytes(costs.P, costs.T, opts, profile.dtype, holders), held,
-                   speed, rank_caps(opts, profile)[0], extra, target)
+                   speed, rank_caps(opts, profile)[0], extra, target, deadline)
 
 
-def _tables(costs, A, static, h, sigma, cap, extra=None, per_sample=None):
+def _tables(costs, A, static, h, sigma, cap, extra=None, per_sample=None, deadline=None):
     """(lower, upper) [a, e] for ranges holding h micro-batches (module docstring); `per_sample[a, e]`:
-    the bytes each held micro-batch must free, given (recompute_range_tables' `target`)."""
+    the bytes each held micro-batch must free, given (recompute_range_tables' `target`). Only the ranges
+    that do not fit as they are get the knapsack's sort (those that fit: 0)."""
     L, ends = costs.num_units, np.arange(costs.num_units + 1)
     f = costs.f
     per = 1 if per_sample is not None else h  # the micro-batches `need` is shared by
     low = np.full((L + 1, L + 1), np.inf)
     high = np.full((L + 1, L + 1), np.inf)
     for a in range(L):
+        check_deadline(deadline)
         e = ends[a + 1:]
         if per_sample is not None:
             need = per_sample[a, e]
@@ -141,6 +146,8 @@ def _tables(costs, A, static, h, sigma, cap, extra=None, per_sample=None):
         high[a, e[fits]] = 0.0
         if fits.all():
             continue
+        e, need = e[~fits], need[~fits]  # the ranges that must recompute
+        fits = np.zeros(e.size, dtype=bool)
         # g_l(a, e) for units l = a .. L - 1 (columns) of every range [a, e) (rows); 0 outside the range:
         # g_l(a, L), with a range's last unit keeping d_{l+1} (it shares it with a unit outside the range)
         ls = np.arange(a, L)

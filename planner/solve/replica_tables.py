@@ -19,6 +19,7 @@ from planner.pipeline.schedule import build_schedule, last_stage_warmup, warmup_
 from planner.pipeline.stepgraph import held_peaks
 from planner.profile.profile import Profile
 from planner.solve.chain_recompute import recompute_range_tables
+from planner.solve.floors import check_deadline
 
 
 @dataclass
@@ -67,16 +68,34 @@ def suffix_warmups(devices: int, max_r: int, pick) -> Dict[Tuple[int, int], int]
     return table
 
 
+class _Lazy(dict):
+    """key -> value made on first reading (`make(*key)`): the memory tables, which nothing reads
+    without a cap but the diagnosis of a search that found no plan."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(*key)
+        return value
+
+
 class ReplicaTables:
     """Per (r, k): the stage time T' (T plus the recomputation that makes the stage fit, +inf where
     nothing fits), X = (ceil(m / r) - 1) T' and E_r, at one micro-batch size; the DPs on them.
 
     recompute_bound ('auto' under a cap only): 'lower' adds the fractional-knapsack recomputation
     time (planner.solve.chain_recompute), a lower bound on every plan; 'upper' the greedy whole-unit
-    one, which is a feasible plan's."""
+    one, which is a feasible plan's. deadline (time.perf_counter()): building the tables and each DP
+    stop past it (planner.solve.floors.OutOfTime; at 1,251 units a table is 1,252^2 values, and
+    one DP reads one per (r, k)). Tables that do not depend on the held count (no cap) are one
+    array shared by every (r, k) with the same value, and the memory tables are made when read."""
 
     def __init__(self, profile: Profile, b: int, opts: CostOptions, devices: int,
-                 recompute_bound: Optional[str] = None, held_bound: str = "upper") -> None:
+                 recompute_bound: Optional[str] = None, held_bound: str = "upper",
+                 deadline: Optional[float] = None) -> None:
+        self.deadline = deadline
         costs, L, params, trainable, acts = self._common(profile, b, opts, devices)
         cap = rank_caps(opts, profile)[0]  # no cluster: one cap
         # messages held (planner.pipeline.stepgraph.held_peaks): each of a replica device's H = ceil(m / r)
@@ -88,36 +107,58 @@ class ReplicaTables:
         before, after = message[:, None], message[None, :]
         warmups = suffix_warmups(devices, self.max_r, max if held_bound == "upper" else min)
         unreplicable = range_matrix(prefix_sums(u.running_stats for u in profile.units)) > 0
+        stateful = bool(unreplicable.any())
+        unreplicated_T: Optional[np.ndarray] = None  # T without the ranges that hold running statistics
+
+        def parts(held: int, r: int):
+            """(static bytes [a, e], micro-batches per replica device H, the held messages' bytes or None)."""
+            static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
+            H = ceil_div(self.m, r)  # linear in the live count: its largest at held or 0
+            return static, H, (held * after + (H - held) * before if held_bound == "upper" else None)
+
+        def memory(held: int, r: int) -> np.ndarray:
+            static, H, messages = parts(held, r)
+            return static + held * acts if messages is None else \
+                static + np.maximum(held * acts + messages, H * before)
+        self.memory = _Lazy(memory)
+        shared: Dict[Tuple[int, int], np.ndarray] = {}  # (id of T', ceil(m / r) - 1) -> X: one array per value
         for k in range(1, devices + 1):
             for r in range(1, min(k, self.max_r) + 1):
+                check_deadline(deadline)
                 window = self.m if opts.schedule == "gpipe" else min(warmups[r, k] + 1, self.m)
                 held = self.held[r, k] = ceil_div(window, r)
                 key = (held, r)
-                if key not in self.memory:
-                    static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
-                    H = ceil_div(self.m, r)  # linear in the live count: its largest at held or 0
-                    messages = held * after + (H - held) * before if held_bound == "upper" else None
-                    self.memory[key] = static + held * acts if messages is None else \
-                        static + np.maximum(held * acts + messages, H * before)
+                if key not in self.fits:
                     if recompute_bound is not None:
+                        static, H, messages = parts(held, r)
                         low, high = recompute_range_tables(profile, b, opts, held, holders=r * opts.data_parallel,
-                                                           extra=messages if recompute_bound == "upper" else None)
+                                                           extra=messages if recompute_bound == "upper" else None,
+                                                           deadline=deadline)
                         if recompute_bound == "upper":  # what no recomputation frees must fit too
                             high = np.where(static + H * before <= cap, high, np.inf)
-                        self.fits[key] = self.T + (low if recompute_bound == "lower" else high)
-                    elif cap is None:
-                        self.fits[key] = self.T
+                        fits = self.T + (low if recompute_bound == "lower" else high)
+                    elif cap is None:  # the same T for every held count
+                        fits = self.T
                     else:
-                        self.fits[key] = np.where(self.memory[key] <= cap, self.T, np.inf)
-                    if r > 1:  # a range with running statistics is never replicated (planner.model.running_stats)
-                        self.fits[key] = np.where(unreplicable, np.inf, self.fits[key])
+                        fits = np.where(self.memory[key] <= cap, self.T, np.inf)
+                    if r > 1 and stateful:  # a range with running statistics is never replicated
+                        if fits is self.T:  # (planner.model.running_stats): one array for every such r
+                            if unreplicated_T is None:
+                                unreplicated_T = np.where(unreplicable, np.inf, self.T)
+                            fits = unreplicated_T
+                        else:
+                            fits = np.where(unreplicable, np.inf, fits)
+                    self.fits[key] = fits
                 if (r, held) not in self._x:
-                    t = self.fits[key]
-                    self._x[r, held] = np.where(np.isfinite(t), (ceil_div(self.m, r) - 1) *
-                                                np.where(np.isfinite(t), t, 0.0), np.inf)
+                    t, times = self.fits[key], ceil_div(self.m, r) - 1
+                    if (id(t), times) not in shared:
+                        shared[id(t), times] = np.where(np.isfinite(t), times * np.where(np.isfinite(t), t, 0.0),
+                                                        np.inf)
+                    self._x[r, held] = shared[id(t), times]
 
     def _common(self, profile: Profile, b: int, opts: CostOptions, devices: int):
         """T, E and the dimensions; (costs, L, parameter bytes, trainable bytes, saved bytes) [a, e]."""
+        check_deadline(self.deadline)
         costs, L = range_costs(profile, b), profile.num_units
         self.L, self.N, self.m = L, devices, num_micro_batches(opts, b)
         redo_all = opts.recompute == "all"
@@ -131,8 +172,11 @@ class ReplicaTables:
         self.max_r = min(devices, self.m)
         finite = np.isfinite(self.T)
         exchanged = tuple(np.where(finite, x, 0.0) for x in (params, trainable, regathered))
-        self.E = {r: np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
-                              np.inf) for r in range(1, self.max_r + 1)}
+        self.E = {}
+        for r in range(1, self.max_r + 1):
+            check_deadline(self.deadline)
+            self.E[r] = np.where(finite, sync_time(*exchanged, opts, profile.dtype, self.m, r * opts.data_parallel),
+                                 np.inf)
         self.held: Dict[Tuple[int, int], int] = {}  # (r, k) -> micro-batches held per replica device
         self.memory: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> M[a, e] without recomputation
         self.fits: Dict[Tuple[int, int], np.ndarray] = {}  # (held, r) -> T'[a, e]
@@ -156,16 +200,19 @@ class ReplicaTables:
         return self.E[r]
 
     def _dp(self, table, combine) -> Tuple[float, Optional[ReplicaSplit]]:
-        """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)."""
+        """best_k(a) = min over (e, r) of combine(table(r, k)[a, e], best_{k-r}(e)); the plan of best_N(0)
+        (of best_N only its row a = 0). OutOfTime past the tables' deadline."""
         L, rows = self.L, np.arange(self.L + 1)
         best = [np.where(rows == L, 0.0, np.inf)]
         arg_e, arg_r = [None], [None]
         for k in range(1, self.N + 1):
-            cur, ce, cr = np.full(L + 1, np.inf), np.zeros(L + 1, dtype=int), np.zeros(L + 1, dtype=int)
+            check_deadline(self.deadline)
+            n = 1 if k == self.N else L + 1  # all N devices from unit a on: a = 0 alone
+            cur, ce, cr = np.full(n, np.inf), np.zeros(n, dtype=int), np.zeros(n, dtype=int)
             for r in range(1, min(k, self.max_r) + 1):
-                cand = combine(table(r, k), best[k - r][None, :])
+                cand = combine(table(r, k)[:n], best[k - r][None, :])
                 e = np.argmin(cand, axis=1)
-                val = cand[rows, e]
+                val = cand[rows[:n], e]
                 better = val < cur
                 cur, ce, cr = np.where(better, val, cur), np.where(better, e, ce), np.where(better, r, cr)
             best.append(cur)
@@ -183,10 +230,10 @@ class ReplicaTables:
 
     def min_sum(self, tau: float = math.inf, eps: float = math.inf) -> Tuple[float, Optional[ReplicaSplit]]:
         """g(tau, eps): least sum T' with every X <= tau and E <= eps."""
-        cache: Dict[Tuple[int, int], np.ndarray] = {}
+        cache: Dict[Tuple[int, int, int], np.ndarray] = {}
 
-        def table(r, k):
-            key = (r, self.held[r, k])
+        def table(r, k):  # one per distinct (X, E, T') arrays: the tables share them where they are equal
+            key = (id(self.X(r, k)), id(self.E[r]), id(self.base(r, k)))
             if key not in cache:
                 cache[key] = np.where((self.X(r, k) <= tau) & (self.E[r] <= eps), self.base(r, k), np.inf)
             return cache[key]
@@ -209,8 +256,13 @@ class ReplicaTables:
         return float(sum(p[0] for p in parts)), float(max(p[1] for p in parts)), float(max(p[2] for p in parts))
 
     def candidates(self, which) -> np.ndarray:
-        """The values which(r, k) (X or E) takes where a stage fits, ascending."""
-        return np.unique(np.concatenate([which(r, k)[np.isfinite(self.base(r, k))] for (r, k) in self.held]))
+        """The values which(r, k) (X or E) takes where a stage fits, ascending (each distinct pair of
+        arrays read once)."""
+        pairs = {}
+        for (r, k) in self.held:
+            values, base = which(r, k), self.base(r, k)
+            pairs.setdefault((id(values), id(base)), (values, base))
+        return np.unique(np.concatenate([values[np.isfinite(base)] for values, base in pairs.values()]))
 
 class TupleTables(ReplicaTables):
     """The tables of one replica tuple (r_0, .., r_{S-1}) with each stage's exact memory: the runtime's
@@ -224,7 +276,9 @@ class TupleTables(ReplicaTables):
     of ReplicaTables run on the tuple alone and every plan they find fits (recomputation 'auto':
     the greedy whole-unit cover of the bytes each held micro-batch must free for every peak)."""
 
-    def __init__(self, profile: Profile, b: int, opts: CostOptions, replicas: Tuple[int, ...]) -> None:
+    def __init__(self, profile: Profile, b: int, opts: CostOptions, replicas: Tuple[int, ...],
+                 deadline: Optional[float] = None) -> None:
+        self.deadline = deadline
         costs, L, params, trainable, acts = self._common(profile, b, opts, sum(replicas))
         cap = rank_caps(opts, profile)[0]
         auto = opts.recompute == "auto" and cap is not None
@@ -240,6 +294,7 @@ class TupleTables(ReplicaTables):
         self.targets: Dict[int, np.ndarray] = {}
         device = 0
         for g, r in enumerate(replicas):
+            check_deadline(deadline)
             k = sum(replicas[g:])
             static = static_bytes(params, trainable, opts, profile.dtype, r * opts.data_parallel)
             peaks = [p for lst in lists[device:device + r] for p in held_peaks(lst)]
@@ -260,7 +315,8 @@ class TupleTables(ReplicaTables):
                 target = np.max([none] + [acts + (msgs - room) / live for live, msgs in terms if live > 0], axis=0)
                 target = np.where(hard <= room, target, np.inf)
                 self.targets[held] = target
-                _, high = recompute_range_tables(profile, b, opts, 1, holders=r * opts.data_parallel, target=target)
+                _, high = recompute_range_tables(profile, b, opts, 1, holders=r * opts.data_parallel, target=target,
+                                                 deadline=deadline)
                 fits = self.T + high
             elif cap is None:
                 fits = self.T

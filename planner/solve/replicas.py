@@ -75,8 +75,10 @@ from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
 from planner.solve.chain import TOL
-from planner.solve.diagnose import InfeasibleError
-from planner.solve.replica_tables import ReplicaSplit, ReplicaTables, TupleTables, replica_tuples
+from planner.solve.diagnose import InfeasibleError, NoPlanInTime
+from planner.solve.floors import OutOfTime, check_deadline
+from planner.solve.replica_tables import (ReplicaSplit, ReplicaTables, TupleTables, replica_tuples,
+                                          replicates_running_stats)
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.recompute import cheapest_recompute
 from planner.solve.replica_polish import polished
@@ -105,16 +107,36 @@ def check_replicable(profile: Profile, opts: CostOptions) -> None:
 
 
 class _Search:
-    """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead."""
+    """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead.
+
+    `run` stops at the tables' deadline (each DP reads the clock): `best` is then the best plan found,
+    and `stopped` says the search is not complete (its plan is not the closed form's optimum)."""
 
     def __init__(self, tables: ReplicaTables, incumbent: float) -> None:
         self.t, self.U, self.best = tables, incumbent, None
+        self.stopped = False
+
+    def run(self, deadline: Optional[float] = None) -> None:
+        """The first plans (the least sum, the least max X, the least max E: three DPs) by the tables'
+        deadline, then the branch and bound by `deadline` too (the earlier of the two); past either,
+        `stopped` and the best plan found so far."""
+        try:
+            self._first_plans()
+            if deadline is not None:
+                self.t.deadline = deadline if self.t.deadline is None else min(deadline, self.t.deadline)
+            self._thresholds()
+        except OutOfTime:
+            self.stopped = True
+
+    def _first_plans(self) -> None:
+        tables = self.t
         self.g_top, top = tables.min_sum()
         self.tau_star, by_x = tables.min_max(tables.X)
         self.eps_star, by_e = tables.min_max(tables.Ek)
         for plan in (top, by_x, by_e):
             if plan is not None:
                 self.consider(plan)
+        check_deadline(tables.deadline)  # (the candidates: a sort of up to (r, k) pairs x L^2 / 2 values)
         self.x_values = tables.candidates(tables.X)
         self.e_values = tables.candidates(tables.Ek)
         self.x_values = self.x_values[self.x_values >= self.tau_star]
@@ -160,7 +182,7 @@ class _Search:
                 heapq.heappush(heap, (g_right + values[mid + 1], mid + 1, hi, g_right))
         return min(lower, found[0]), found[0], found[1]
 
-    def run(self) -> None:
+    def _thresholds(self) -> None:
         values = self.e_values
         if not math.isfinite(self.g_top) or values.size == 0:
             return
@@ -183,16 +205,25 @@ class _Search:
                 heapq.heappush(heap, (f_right + values[mid + 1], mid + 1, hi, f_right, False))
 
 
-def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[int]) -> InfeasibleError:
+def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[int],
+                deadline: Optional[float] = None) -> InfeasibleError:
+    """Why no replicated plan fits, with the least memory one needs (its tables: past `deadline`, said
+    without it)."""
     if not sizes:
         return InfeasibleError(f"no profiled micro-batch size ({', '.join(map(str, profile.micro_batch_sizes))}) "
                                f"divides the global batch {opts.global_batch} over {opts.data_parallel} "
                                "data-parallel replicas; change --global-batch")
     least = None  # (memory, b)
-    for b in sizes:
-        value, plan = ReplicaTables(profile, b, opts, devices).min_memory()
-        if plan is not None and (least is None or value < least[0]):
-            least = (value + fixed_bytes(profile, opts), b)
+    try:
+        for b in sizes:
+            value, plan = ReplicaTables(profile, b, opts, devices, deadline=deadline).min_memory()
+            if plan is not None and (least is None or value < least[0]):
+                least = (value + fixed_bytes(profile, opts), b)
+    except OutOfTime:
+        cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
+        return InfeasibleError(f"the replicated search found no plan on {devices} devices within {cap} per device "
+                               "(the least memory one needs was not computed within the time limit); allow more "
+                               "memory or use more --stages")
     if least is None:
         return InfeasibleError(f"no replicated plan fills {devices} devices: at most {profile.num_units} stages "
                                "with no more replicas than micro-batches each; use fewer --stages or a larger "
@@ -228,56 +259,143 @@ def _cheapest_recompute(profile: Profile, tables: ReplicaTables, plan: ReplicaSp
     return sorted(chosen)
 
 
-def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None
-                     ) -> Solution:
+UNREPLICATED_SHARE = 0.25  # of the time limit: the exact search for one stage per device (first)
+CLOSED_FORM_SHARE = 0.8  # of the time limit: the closed form's tables and searches end by then; the moves, the rest
+
+
+def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[List[CostOptions]] = None,
+                     time_limit: Optional[float] = None) -> Solution:
     """The best replicated plan: opts.pipeline_ranks (or each scenario's) = N devices per data-parallel
     replica, shared by S <= N stages: the fill-drain form's optimum (module docstring) for recompute
     none/all (and auto without a cap), its simulated time reported with the busy-time bound; under
     auto with a cap the plan uses greedy-then-exact per-stage recomputation and the bound comes
     from the fractional-knapsack tables, so the gap is 0 only when they meet. Raises ValueError for
-    what it does not model, InfeasibleError when nothing fits."""
+    what it does not model, InfeasibleError when nothing fits.
+
+    time_limit (seconds) bounds the whole solve: the plan with one stage per device gets the first
+    UNREPLICATED_SHARE of it, the closed form's tables and searches stop by CLOSED_FORM_SHARE (a search
+    cut short keeps the best plan it found; one stage on all N devices is then a candidate too) and the
+    moves by the limit. The bound is the busy-time bound whether or not a search was complete, so the
+    status is 'optimal' only where it meets the plan; NoPlanInTime where nothing was found in time and
+    nothing proven not to fit."""
     started = time.perf_counter()
+    deadline = None if time_limit is None else started + time_limit
     profile = compute_profile(profile, opts)  # activations and messages in the precision's compute dtype
-    for scenario in scenarios or [opts]:
+    scenarios = scenarios or [opts]
+    for scenario in scenarios:
         check_replicable(profile, scenario)
-    enumerated = _enumerated(profile, opts, scenarios or [opts])
+    enumerated = _enumerated(profile, opts, scenarios, deadline)
     if enumerated is not None:
         return dataclasses.replace(enumerated, seconds=time.perf_counter() - started)
-    best: Optional[_Found] = None
-    searched = []  # (scenario, b) under auto recomputation with a cap
-    for scenario in scenarios or [opts]:
+    plain, complete = _unreplicated(profile, scenarios, None if time_limit is None else UNREPLICATED_SHARE * time_limit)
+    closed_end = None if time_limit is None else started + CLOSED_FORM_SHARE * time_limit
+    best, searched_all = _closed_form(profile, scenarios, closed_end)
+    complete = complete and searched_all
+    if not searched_all:  # a search cut short: every device one stage's replica (data parallel) too
+        best = _better(best, _one_stage(profile, scenarios, deadline))
+    if best is None and plain is None:
+        if not complete:
+            raise _no_plan_in_time(time_limit)
+        sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
+        raise _infeasible(profile, opts, opts.pipeline_ranks, sizes, deadline)
+    if best is None or (plain is not None and plain.objective < best.value):
+        chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
+    else:
+        chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
+    chosen, boundaries, cost = polished(profile, chosen, b, redo, list(boundaries), deadline)
+    bound = min(_busy_bound(profile, scenarios), cost.iteration_s)
+    gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
+    optimal = gap <= OPTIMALITY_GAP
+    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
+                    cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
+                    bound=cost.iteration_s if optimal else bound,
+                    gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
+                    backend="python", recompute=redo, options=chosen)
+
+
+def _no_plan_in_time(time_limit: Optional[float]) -> NoPlanInTime:
+    return NoPlanInTime(f"no replicated plan found within the time limit of {time_limit:g} s, and none proven "
+                        "impossible either; allow more time (--time-limit)")
+
+
+def _better(best: Optional[_Found], other: Optional[_Found]) -> Optional[_Found]:
+    return other if best is None or (other is not None and other.value < best.value) else best
+
+
+def _busy_bound(profile: Profile, scenarios: List[CostOptions]) -> float:
+    """The least busy-time bound over the scenarios and their micro-batch sizes: it holds for every plan."""
+    return min(busy_bound(profile, size, other) for other in scenarios
+               for size in candidate_micro_batch_sizes(profile, other.global_batch, other))
+
+
+def _closed_form(profile: Profile, scenarios: List[CostOptions], end: Optional[float]
+                 ) -> Tuple[Optional[_Found], bool]:
+    """The fill-drain form's searches (module docstring) over the scenarios and micro-batch sizes, each
+    plan judged by the exact model: (the best plan that fits, whether every search was complete). Past
+    `end` (time.perf_counter()) each search stops with the plan it has; every pass gets an equal share
+    of the time left, and what one leaves goes to those after it."""
+    jobs = []  # (scenario, b, auto, bounded)
+    for scenario in scenarios:
         auto = scenario.recompute == "auto" and scenario.memory_cap is not None
         # under a cap the held messages (and 1f1b's held counts: suffix_warmups) depend on the stages
         # around a stage: bounded both ways
         bounded = scenario.memory_cap is not None
         if scenario.recompute == "auto" and not auto:  # no cap: recomputing only adds time
             scenario = scenario.with_(recompute="none")
-        for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
-            searched += [(scenario, b, auto)] if bounded else []
-            # under auto, the recomputation tables' bytes freed are an estimate (they leave out the
-            # storages units share): when their plan does not fit, the plans that fit without
-            # recomputing (the memory tables, an upper bound) are searched too
-            for recompute_bound in ("upper", None) if auto else (None,):
-                tables = ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, recompute_bound)
-                search = _Search(tables, best.value if best is not None else math.inf)
-                search.run()
-                if search.best is None:
-                    continue
-                redo = _recompute_of(profile, tables, search.best, b, scenario, recompute_bound is not None)
-                plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
-                value = plain.iteration_s
-                if plain.feasible and (best is None or value < best.value):
-                    best = _Found(value, search.best, b, scenario, redo)
-                if plain.feasible:
-                    break
+        jobs += [(scenario, b, auto, bounded) for b in candidate_micro_batch_sizes(profile, scenario.global_batch,
+                                                                                   scenario)]
+    passes = len(jobs) + sum(1 for *_, bounded in jobs if bounded)  # the searches and the bounded ones' lower ones
+    done = [0]
+
+    def share() -> Optional[float]:
+        """The deadline of the next pass: an equal share of the time left."""
+        if end is None:
+            return None
+        now = time.perf_counter()
+        return now + max(0.0, end - now) / max(1, passes - done[0])
+
+    best: Optional[_Found] = None
+    complete = True
+    searched = []  # (scenario, b) under a cap
+    for scenario, b, auto, bounded in jobs:
+        searched += [(scenario, b, auto)] if bounded else []
+        # under auto, the recomputation tables' bytes freed are an estimate (they leave out the
+        # storages units share): when their plan does not fit, the plans that fit without
+        # recomputing (the memory tables, an upper bound) are searched too
+        for recompute_bound in ("upper", None) if auto else (None,):
+            try:
+                tables = ReplicaTables(profile, b, scenario, scenario.pipeline_ranks, recompute_bound, deadline=end)
+            except OutOfTime:
+                complete = False
+                break
+            search = _Search(tables, best.value if best is not None else math.inf)
+            search.run(share())
+            complete = complete and not search.stopped
+            if search.best is None:
+                continue
+            redo = _recompute_of(profile, tables, search.best, b, scenario, recompute_bound is not None)
+            plain = evaluate(profile, search.best.boundaries, b, _chosen(scenario, search.best), redo)
+            value = plain.iteration_s
+            if plain.feasible and (best is None or value < best.value):
+                best = _Found(value, search.best, b, scenario, redo)
+            if plain.feasible:
+                break
+        done[0] += 1
     closed_bound = best.value if best is not None else math.inf
     possible = []  # the (scenario, b) whose relaxed tables have a plan, or were pruned before finding one
     for other, size, auto in searched:  # the lower-bound tables, pruned by the plan found
-        relaxed = ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
-                                held_bound="lower")
+        try:
+            relaxed = ReplicaTables(profile, size, other, other.pipeline_ranks, "lower" if auto else None,
+                                    held_bound="lower", deadline=end)
+        except OutOfTime:
+            complete = False
+            possible.append((other, size, auto))  # not proven to have no plan
+            continue
         lower = _Search(relaxed, closed_bound)
-        lower.run()
-        if lower.best is not None or math.isfinite(closed_bound):
+        lower.run(share())
+        done[0] += 1
+        complete = complete and not lower.stopped
+        if lower.best is not None or math.isfinite(closed_bound) or lower.stopped:
             possible.append((other, size, auto))
         closed_bound = min(closed_bound, lower.U)
         if lower.best is not None:
@@ -289,35 +407,48 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
     if best is None and possible:  # the bounds of the held counts and messages left no plan: exact, tuple by tuple
-        best = _by_tuple(profile, possible)
-    plain = _unreplicated(profile, scenarios or [opts])
-    if best is None and plain is None:
-        sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-        raise _infeasible(profile, opts, opts.pipeline_ranks, sizes)
-    if best is None or (plain is not None and plain.objective < best.value):
-        chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
-    else:
-        chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
-    chosen, boundaries, cost = polished(profile, chosen, b, redo, list(boundaries))
-    bound = min(min(busy_bound(profile, size, other) for other in scenarios or [opts]
-                    for size in candidate_micro_batch_sizes(profile, other.global_batch, other)), cost.iteration_s)
-    gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
-    optimal = gap <= OPTIMALITY_GAP
-    return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
-                    cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
-                    bound=cost.iteration_s if optimal else bound,
-                    gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
-                    backend="python", recompute=redo, options=chosen)
+        best, tuples_done = _by_tuple(profile, possible, end)
+        complete = complete and tuples_done
+    return best, complete
+
+
+def _one_stage(profile: Profile, scenarios: List[CostOptions], deadline: Optional[float]) -> Optional[_Found]:
+    """One stage on all N devices (r = N: data parallelism inside the replica), the fastest that fits
+    over the scenarios and micro-batch sizes (recomputing nothing, else, under auto, everything): the
+    plan kept where a search was cut short before it found a better one (one simulation each)."""
+    best: Optional[_Found] = None
+    L = profile.num_units
+    for scenario in scenarios:
+        if scenario.recompute == "auto" and scenario.memory_cap is None:
+            scenario = scenario.with_(recompute="none")
+        N = scenario.pipeline_ranks
+        split = ReplicaSplit([], [N])
+        if replicates_running_stats(profile, [], (N,)):
+            continue
+        for b in candidate_micro_batch_sizes(profile, scenario.global_batch, scenario):
+            if N > num_micro_batches(scenario, b):  # a replica per micro-batch at most
+                continue
+            sets = {"none": [[]], "all": [list(range(L))]}.get(scenario.recompute, [[], list(range(L))])
+            for redo in sets:
+                if deadline is not None and best is not None and time.perf_counter() > deadline:
+                    return best
+                cost = evaluate(profile, [], b, _chosen(scenario, split), redo)
+                if cost.feasible:
+                    best = _better(best, _Found(cost.iteration_s, split, b, scenario, redo))
+                    break
+    return best
 
 
 ENUMERATED_PLANS = 2_000  # fewer plans than this in all: every one simulated (about 1 ms each), the optimum
 
 
-def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions]) -> Optional[Solution]:
+def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions],
+                deadline: Optional[float] = None) -> Optional[Solution]:
     """Where the scenarios have at most ENUMERATED_PLANS plans (stage count, replica tuple, split, micro-batch
     size, recomputation set), the best of all by the exact model (planner.solve.brute's enumeration): the
     fill-drain form's optimum is not always the simulation's (one small chain in seven); None beyond, and
-    raises InfeasibleError where none fits."""
+    raises InfeasibleError where none fits. Past `deadline` (about 1 ms a plan), once a plan fits, the best
+    simulated so far, with the busy-time bound."""
     from planner.solve.brute import replicated_plan_count, solve_brute_replicated
 
     plain = [s.with_(recompute="none") if s.recompute == "auto" and s.memory_cap is None else s for s in scenarios]
@@ -326,35 +457,52 @@ def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions
         counted += replicated_plan_count(profile, scenario, ENUMERATED_PLANS - counted)
         if counted > ENUMERATED_PLANS:
             return None
-    found = [f for f in (solve_brute_replicated(profile, s) for s in plain) if f is not None]
+    found, complete = [], True
+    for scenario in plain:
+        one = solve_brute_replicated(profile, scenario, deadline)
+        if one is not None:
+            complete = complete and one.status == "optimal"  # else stopped at the deadline
+            found.append(one)
     if not found:  # as the search says it (`opts`: the options asked for)
         raise _infeasible(profile, opts, opts.pipeline_ranks,
                           candidate_micro_batch_sizes(profile, opts.global_batch, opts))
     best = min(found, key=lambda f: f.objective)
+    if not complete:  # the enumeration was stopped: the plan is the best simulated, the bound the busy time's
+        bound = min(_busy_bound(profile, plain), best.objective)
+        gap = max(0.0, (best.objective - bound) / best.objective) if best.objective > 0 else 0.0
+        optimal = gap <= OPTIMALITY_GAP
+        best = dataclasses.replace(best, status="optimal" if optimal else "feasible",
+                                   bound=best.objective if optimal else bound, gap=0.0 if optimal else gap)
     return dataclasses.replace(best, method="replicas", backend="enumeration")
 
 
 MAX_TUPLES = 512  # replica tuples searched one by one (TupleTables) when the bounded tables find no plan
 
 
-def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
+def _by_tuple(profile: Profile, searched, end: Optional[float] = None) -> Tuple[Optional[_Found], bool]:
     """The fill-drain form's optimum over every replica tuple with its exact memory (TupleTables),
     when the bounded tables found no plan under the cap: their held counts and messages are bounded
     over every tuple at once (ReplicaTables), so a plan that fits only just may lie between their
     two searches. None when nothing fits or there are more than MAX_TUPLES tuples. `searched`: the
-    (scenario, b) not proven to have no plan by the relaxed tables (the least held counts, no messages)."""
+    (scenario, b) not proven to have no plan by the relaxed tables (the least held counts, no messages).
+    Past `end` (time.perf_counter()) the best found so far; (the plan, whether every tuple was searched)."""
     jobs = [(scenario, b, auto, reps) for scenario, b, auto in searched
             for S in range(1, min(scenario.pipeline_ranks, profile.num_units) + 1)
             for reps in replica_tuples(scenario.pipeline_ranks, S, min(scenario.pipeline_ranks,
                                                                        num_micro_batches(scenario, b)))]
     if len(jobs) > MAX_TUPLES:
-        return None
+        return None, True
     best: Optional[_Found] = None
     closed = math.inf  # the least fill-drain value found: a tuple that cannot beat it is pruned
     for scenario, b, auto, reps in jobs:
-        tables = TupleTables(profile, b, scenario, reps)
+        try:
+            tables = TupleTables(profile, b, scenario, reps, deadline=end)
+        except OutOfTime:
+            return best, False
         search = _Search(tables, closed)
         search.run()
+        if search.stopped:
+            return best, False
         if search.best is None:
             continue
         redo = _recompute_of(profile, tables, search.best, b, scenario, auto)
@@ -363,16 +511,23 @@ def _by_tuple(profile: Profile, searched) -> Optional[_Found]:
             closed = min(closed, search.U)
             if best is None or cost.iteration_s < best.value:
                 best = _Found(cost.iteration_s, search.best, b, scenario, redo)
-    return best
+    return best, True
 
 
-def _unreplicated(profile: Profile, scenarios: List[CostOptions]) -> Optional[Solution]:
+def _unreplicated(profile: Profile, scenarios: List[CostOptions], time_limit: Optional[float] = None
+                  ) -> Tuple[Optional[Solution], bool]:
     """The exact search's best plan with one stage per device (every r_g = 1), where N <= L: the
-    replicated plan must beat it under the exact model to be chosen."""
+    replicated plan must beat it under the exact model to be chosen. (The plan, False where the search
+    stopped at `time_limit` seconds before it found any, rather than proving none fits.)"""
     from planner.solve.search import search_scenarios
 
     usable = [s.with_(replicas=()) for s in scenarios if s.pipeline_ranks <= profile.num_units]
-    return search_scenarios(profile, usable, "ilp") if usable else None
+    if not usable:
+        return None, True
+    try:
+        return search_scenarios(profile, usable, "ilp", time_limit=time_limit), True
+    except NoPlanInTime:
+        return None, False
 
 
 def busy_bound(profile: Profile, b: int, opts: CostOptions) -> float:

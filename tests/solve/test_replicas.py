@@ -493,3 +493,97 @@ def test_the_scenario_bound_lets_a_replicated_stage_fit_as_its_replicas_shard():
     assert plan.feasible
     capped = opts.with_(memory_cap=max(plan.device_memory))
     assert scenario_lower_bound(profile, 1, capped) <= plan.iteration_s * (1 + 1e-12)
+
+
+TIME_MARGIN = lambda limit: max(1.0, 0.2 * limit)  # noqa: E731  (docs/solve.md, "Replicated stages")
+
+
+def _valid(profile, found, opts):
+    """The plan is its simulation, fits, uses the N devices, and its bound and gap are the certificate's."""
+    cost = evaluate(profile, found.boundaries, found.micro_batch_size, found.options, found.recompute)
+    assert cost.feasible and cost.iteration_s == pytest.approx(found.objective, rel=1e-12)
+    assert sum(found.options.replicas or (1,) * opts.pipeline_ranks) == opts.pipeline_ranks
+    assert 0 < found.bound <= found.objective
+    assert found.gap == pytest.approx((found.objective - found.bound) / found.objective, abs=1e-12)
+    assert (found.status == "optimal") == (found.gap <= 1e-6)
+
+
+def test_replicate_keeps_its_time_limit_on_a_long_chain(tmp_path, capsys):
+    # 300 units on 8 devices (3 micro-batch sizes): the whole search takes minutes (the fill-drain form's
+    # branch and bound, one O(N^2 L^2) DP a step, on PipeDream's nasnetalarge still running after 620 s);
+    # --time-limit 2 bounds the solve and the command, and the plan is the best found with the busy-time bound
+    from planner.cli.main import main
+    from planner.profile.profile import save_profile
+    import json
+    import time
+
+    profile = random_chain(random.Random(0), 300)
+    opts = CostOptions(pipeline_ranks=8, global_batch=64)
+    started = time.perf_counter()
+    found = solve_replicated(profile, opts, time_limit=2.0)
+    assert time.perf_counter() - started <= 2.0 + TIME_MARGIN(2.0)
+    _valid(profile, found, opts)
+    assert found.status == "feasible"  # stopped: the bound does not meet the plan, so no optimum is claimed
+    # under a cap with --recompute auto: the recomputation tables (O(L^3) each) stop at the limit too
+    capped = opts.with_(memory_cap=1.5e9, recompute="auto")
+    started = time.perf_counter()
+    found = solve_replicated(profile, capped, time_limit=2.0)
+    assert time.perf_counter() - started <= 2.0 + TIME_MARGIN(2.0)
+    _valid(profile, found, capped)
+    path, out = str(tmp_path / "chain.json"), str(tmp_path / "plan.json")
+    save_profile(profile, path)
+    started = time.perf_counter()
+    rc = main(["solve", path, "--stages", "8", "--replicate", "--global-batch", "64", "--time-limit", "2",
+               "--quiet", "-o", out])
+    assert time.perf_counter() - started <= 2.0 + TIME_MARGIN(2.0)
+    assert rc == 0, capsys.readouterr().err
+    with open(out) as f:
+        plan = json.load(f)
+    assert plan["solver"]["status"] == "feasible" and 0 < plan["solver"]["bound"] <= plan["solver"]["objective"]
+
+
+def test_a_search_cut_short_keeps_a_plan_and_the_true_bound():
+    # a limit too short for any table (L = 120): one stage on every device, or the unreplicated
+    # search's plan, is kept, polished within the limit, and its gap is against the busy-time bound
+    from planner.solve.replicas import busy_bound
+
+    profile = random_chain(random.Random(3), 120, sizes=(1, 2))
+    for cap in (None, 5e8):  # one stage on every device; the unreplicated plan
+        opts = CostOptions(pipeline_ranks=6, global_batch=32, memory_cap=cap)
+        found = solve_replicated(profile, opts, time_limit=1e-3)
+        _valid(profile, found, opts)
+        least = min(busy_bound(profile, b, opts) for b in (1, 2))
+        assert found.bound == pytest.approx(min(least, found.objective), rel=1e-12)
+
+
+def test_small_problems_stopped_in_their_enumeration_keep_the_best_so_far(monkeypatch):
+    import planner.solve.replicas as replicas
+
+    monkeypatch.setattr(replicas, "ENUMERATED_PLANS", 2_000)
+    profile = random_chain(random.Random(1), 6, sizes=(1, 2))
+    opts = CostOptions(pipeline_ranks=4, global_batch=8)
+    whole = solve_replicated(profile, opts)
+    assert whole.backend == "enumeration" and whole.status == "optimal"
+    stopped = solve_replicated(profile, opts, time_limit=1e-9)  # the first plan that fits, then stopped
+    assert stopped.backend == "enumeration" and stopped.objective >= whole.objective
+    _valid(profile, stopped, opts)
+    assert stopped.bound <= whole.objective  # the busy-time bound, not the enumeration's own word
+
+
+def test_no_plan_found_in_time_is_said_in_one_line(tmp_path, capsys, monkeypatch):
+    # nothing found before the limit and nothing proven not to fit (here: the unreplicated search stopped
+    # with nothing, the closed form's tables not built, one stage on every device over the cap): not
+    # "infeasible", but one line asking for more time, exit 2
+    from planner.cli.main import main
+    from planner.profile.profile import save_profile
+    import planner.solve.replicas as replicas
+
+    monkeypatch.setattr(replicas, "_unreplicated", lambda *args, **kwargs: (None, False))
+    path = str(tmp_path / "chain.json")
+    save_profile(random_chain(random.Random(0), 300), path)
+    rc = main(["solve", path, "--stages", "8", "--replicate", "--global-batch", "64", "--time-limit", "0.001",
+               "--memory-per-device", "800MB", "--quiet", "-o", str(tmp_path / "plan.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "plan.json").exists()
+    assert err.strip().splitlines() == ["error: no replicated plan found within the time limit of 0.001 s, and none "
+                                        "proven impossible either; allow more time (--time-limit)"]
