@@ -2,51 +2,12 @@
 
 Plans are judged by the exact model (planner.cost.model: the simulation of the replicated lists).
 Where the scenarios have at most ENUMERATED_PLANS plans, every one is simulated (the optimum, proven).
-Beyond, they are chosen by an exact search over a closed form of it, the fill-drain form below, whose
+Beyond, they are chosen by an exact search over a closed form of it, the fill-drain form F, whose
 optimum is then improved one move at a time under the exact model (`_polished`); its simulated time is
 reported, and the certificate is the busy-time bound `busy_bound` (every device shares the micro-batches'
 work; it holds for every replicated plan), a true but loose gap. The exact search's plan with one stage per device is a
-candidate too: a replicated plan is chosen only when its simulated step is shorter. The closed form:
-
-The problem. N devices per data-parallel replica; choose S <= N stages (contiguous unit ranges
-[a_g, e_g)), replica counts r_g >= 1 with sum_g r_g = N and r_g <= m, and the micro-batch size b,
-minimising
-
-    F = sum_g T_g + max_g X_g + max_g E_g (+ step overhead, a constant)
-    T_g = T(a_g, e_g)                        (compute + transfers; no cluster, so no position term
-                                              beyond "has a predecessor / a successor")
-    X_g = (ceil(m / r_g) - 1) T_g            E_g = the exchange of P(a_g, e_g) over n = r_g d holders
-
-subject to M_g = P_g beta_g + h_g A_g + ceil(m / r_g) (in_{a_g} + grad_{e_g}) <= cap (beta_g: static
-bytes per parameter byte over n = r_g d holders; the last term bounds the received activations and
-gradients a device holds before using them), k_g = sum_{h>=g} r_h the devices from stage g to the
-end; gpipe: h_g = ceil(m / r_g); 1f1b: h_g = ceil(min(w_g + 1, m) / r_g) with the runtime's warm-up
-w_g = w_{g+1} + max(r_g, r_{g+1}), which depends on the whole suffix. The DP knows (r_g, k_g) only, so
-under a cap it runs with the largest w over all suffixes of (r_g, k_g) (planner.solve.replica_tables'
-`suffix_warmups`: every plan found fits) and again with the smallest (a lower bound, whose plan is
-taken when it fits the exact model: time does not depend on the held counts, so it is then optimal);
-the gap is 0 when the two meet, as they do without a cap or when the cap does not bind.
-
-Suffix DP. Every per-stage quantity depends only on (a, e, r, k), so for thresholds (tau, eps)
-
-    g(tau, eps) = min sum_g T_g  subject to  X_g <= tau, E_g <= eps, M_g <= cap
-    best_0(L) = 0;  best_k(a) = min_{e > a, 1 <= r <= min(k, m)} T(a, e) [allowed] + best_{k-r}(e)
-
-is exact (state: first unit a of the suffix, devices k it uses; answer best_N(0)); O(N^2 L^2) per DP.
-
-Thresholds (the proof). OPT = min over (tau, eps) in the candidate values (the values X and E
-take) of g(tau, eps) + tau + eps: the optimal plan is feasible at its own maxima, and any plan
-found at (tau, eps) has maxima <= (tau, eps), so its true F is no larger than the bound. g is
-non-increasing in both arguments. Inner search, eps fixed, over tau: when the plan found at tau
-has max X = x, g is constant on [x, tau] (that plan is feasible at x), so one DP settles every
-threshold there; an interval of thresholds [tau_lo, tau_hi] whose right end is known to have
-g >= g_r costs at least g_r + tau_lo + eps, and is discarded when that reaches the incumbent.
-This branch and bound returns F(eps) = min_tau g(tau, eps) + tau exactly, or a lower bound on it
-(the least bound among discarded intervals) when nothing at eps beats the incumbent. Outer search
-over eps: F(eps) is non-increasing, so the same branch and bound on F(eps) + eps with those
-lower bounds is exact. Every discarded set is bounded below by the incumbent (up to the relative
-tolerance TOL), so the plan returned is optimal: the solver reports gap 0 only after the search
-is complete. The micro-batch sizes are enumerated, each seeded with the best plan so far.
+candidate too: a replicated plan is chosen only when its simulated step is shorter. F (with T_g, A_g) and its
+exact search: planner.solve.replica_search.
 
 Recomputation. 'none' and 'all' fix T and A (exact; 'auto' without a cap is 'none', recomputing
 only adds time). 'auto' under a cap: T' = T + the recomputation time that makes the range fit
@@ -58,13 +19,10 @@ searches is reported: 0 only when they meet.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
-
-import numpy as np
 
 from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, evaluate, fixed_bytes,
                                 num_micro_batches, rank_caps)
@@ -74,15 +32,14 @@ from planner.cost.ties import tied_weights
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.sizes import format_bytes
-from planner.solve.chain import TOL
 from planner.solve.diagnose import InfeasibleError, NoPlanInTime
-from planner.solve.floors import OutOfTime, check_deadline
+from planner.solve.floors import OutOfTime
 from planner.solve.replica_tables import (ReplicaSplit, ReplicaTables, TupleTables, replica_tuples,
                                           replicates_running_stats)
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.recompute import cheapest_recompute
 from planner.solve.replica_polish import polished
-
+from planner.solve.replica_search import ReplicaSearch
 
 
 @dataclass
@@ -104,105 +61,6 @@ def check_replicable(profile: Profile, opts: CostOptions) -> None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
     if tied_weights(profile):  # frozen ones too: each rank holds one copy
         raise ValueError("--replicate does not model tied (shared) parameters; solve this profile without --replicate")
-
-
-class _Search:
-    """The branch and bound of the module docstring at one micro-batch size; incumbent U excludes the overhead.
-
-    `run` stops at the tables' deadline (each DP reads the clock): `best` is then the best plan found,
-    and `stopped` says the search is not complete (its plan is not the closed form's optimum)."""
-
-    def __init__(self, tables: ReplicaTables, incumbent: float) -> None:
-        self.t, self.U, self.best = tables, incumbent, None
-        self.stopped = False
-
-    def run(self, deadline: Optional[float] = None) -> None:
-        """The first plans (the least sum, the least max X, the least max E: three DPs) by the tables'
-        deadline, then the branch and bound by `deadline` too (the earlier of the two); past either,
-        `stopped` and the best plan found so far."""
-        try:
-            self._first_plans()
-            if deadline is not None:
-                self.t.deadline = deadline if self.t.deadline is None else min(deadline, self.t.deadline)
-            self._thresholds()
-        except OutOfTime:
-            self.stopped = True
-
-    def _first_plans(self) -> None:
-        tables = self.t
-        self.g_top, top = tables.min_sum()
-        self.tau_star, by_x = tables.min_max(tables.X)
-        self.eps_star, by_e = tables.min_max(tables.Ek)
-        for plan in (top, by_x, by_e):
-            if plan is not None:
-                self.consider(plan)
-        check_deadline(tables.deadline)  # (the candidates: a sort of up to (r, k) pairs x L^2 / 2 values)
-        self.x_values = tables.candidates(tables.X)
-        self.e_values = tables.candidates(tables.Ek)
-        self.x_values = self.x_values[self.x_values >= self.tau_star]
-        self.e_values = self.e_values[self.e_values >= self.eps_star]
-
-    def consider(self, plan: ReplicaSplit) -> Tuple[float, float, float]:
-        s, x, e = self.t.values(plan)
-        if s + x + e < self.U:
-            self.U, self.best = s + x + e, plan
-        return s, x, e
-
-    def inner(self, eps: float) -> Tuple[float, float, Optional[float]]:
-        """(lower bound on F(eps), best sum + max X found with max E <= eps, that plan's max E)."""
-        values = self.x_values
-        found: Tuple[float, Optional[float]] = (math.inf, None)
-        lower = math.inf
-        heap = [(-math.inf, 0, len(values) - 1, math.inf)]
-        while heap:
-            _, lo, hi, g_right = heapq.heappop(heap)
-            floor = g_right if math.isfinite(g_right) else self.g_top
-            cut = min(hi, int(np.searchsorted(values, self.U * (1 + TOL) - eps - floor, side="right")) - 1)
-            if cut < hi:
-                lower = min(lower, floor + values[max(cut + 1, lo)])
-            hi = cut
-            if lo > hi:
-                continue
-            if math.isfinite(g_right) and g_right + values[lo] + eps >= self.U * (1 - TOL):
-                lower = min(lower, g_right + values[lo])
-                continue
-            mid = hi if not math.isfinite(g_right) else (lo + hi) // 2
-            g, plan = self.t.min_sum(float(values[mid]), eps)
-            if plan is None:  # nothing at or below values[mid]
-                if mid + 1 <= hi:
-                    heapq.heappush(heap, (g_right + values[mid + 1], mid + 1, hi, g_right))
-                continue
-            s, x, e = self.consider(plan)
-            if s + x < found[0]:
-                found = (s + x, e)
-            k = int(np.searchsorted(values, x, side="left"))  # g is constant on [x, values[mid]]
-            if k > lo:
-                heapq.heappush(heap, (g + values[lo], lo, k - 1, g))
-            if mid + 1 <= hi:
-                heapq.heappush(heap, (g_right + values[mid + 1], mid + 1, hi, g_right))
-        return min(lower, found[0]), found[0], found[1]
-
-    def _thresholds(self) -> None:
-        values = self.e_values
-        if not math.isfinite(self.g_top) or values.size == 0:
-            return
-        base = self.g_top + self.tau_star  # F(eps) >= base for every eps
-        heap = [(base + values[0], 0, len(values) - 1, base, True)]
-        while heap:
-            _, lo, hi, f_right, first = heapq.heappop(heap)
-            hi = min(hi, int(np.searchsorted(values, self.U * (1 + TOL) - f_right, side="right")) - 1)
-            if lo > hi or f_right + values[lo] >= self.U * (1 - TOL):
-                continue
-            mid = hi if first else (lo + hi) // 2
-            f_low, f, e_act = self.inner(float(values[mid]))
-            f_low = max(f_low, f_right)
-            right = mid - 1
-            if e_act is not None and f_low >= f:  # F exact at mid and constant on [e_act, values[mid]]
-                right = int(np.searchsorted(values, e_act, side="left")) - 1
-            if right >= lo:
-                heapq.heappush(heap, (f_low + values[lo], lo, right, f_low, False))
-            if mid + 1 <= hi:
-                heapq.heappush(heap, (f_right + values[mid + 1], mid + 1, hi, f_right, False))
 
 
 def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[int],
@@ -368,7 +226,7 @@ def _closed_form(profile: Profile, scenarios: List[CostOptions], end: Optional[f
             except OutOfTime:
                 complete = False
                 break
-            search = _Search(tables, best.value if best is not None else math.inf)
+            search = ReplicaSearch(tables, best.value if best is not None else math.inf)
             search.run(share())
             complete = complete and not search.stopped
             if search.best is None:
@@ -391,7 +249,7 @@ def _closed_form(profile: Profile, scenarios: List[CostOptions], end: Optional[f
             complete = False
             possible.append((other, size, auto))  # not proven to have no plan
             continue
-        lower = _Search(relaxed, closed_bound)
+        lower = ReplicaSearch(relaxed, closed_bound)
         lower.run(share())
         done[0] += 1
         complete = complete and not lower.stopped
@@ -499,7 +357,7 @@ def _by_tuple(profile: Profile, searched, end: Optional[float] = None) -> Tuple[
             tables = TupleTables(profile, b, scenario, reps, deadline=end)
         except OutOfTime:
             return best, False
-        search = _Search(tables, closed)
+        search = ReplicaSearch(tables, closed)
         search.run()
         if search.stopped:
             return best, False
