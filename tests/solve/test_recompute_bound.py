@@ -146,7 +146,16 @@ def test_no_recomputation_frees_more_than_its_units_bound(seed):
     opts = CostOptions(pipeline_ranks=S, global_batch=2 * S * rng.choice([1, 2, 4]),
                        schedule=rng.choice(["1f1b", "gpipe"]), recompute="auto")
     cuts = sorted(rng.sample(range(1, L), S - 1))
-    ends, costs = [0] + cuts + [L], range_costs(profile, 2)
+    costs = range_costs(profile, 2)
+    _assert_frees_at_most(profile, opts, cuts,
+                          lambda g, a, e, held: held[g] * np.maximum(freed_at_most(costs, a, e), 0.0))
+
+
+def _assert_frees_at_most(profile, opts, cuts, most) -> None:
+    """Every recomputed set R: each stage g = [a, e) holds at least its plain memory less sum_{l in R} most(g, a, e,
+    held)[l - a] (held: the stage's micro-batches held at once)."""
+    L, S = profile.num_units, len(cuts) + 1
+    ends = [0] + cuts + [L]
     plain = evaluate(profile, cuts, 2, opts, [])
     held = held_counts(opts, plain.num_micro_batches)
     for r in range(1, L + 1):
@@ -154,8 +163,8 @@ def test_no_recomputation_frees_more_than_its_units_bound(seed):
             memory = evaluate(profile, cuts, 2, opts, list(redo)).device_memory
             for g in range(S):
                 a, e = ends[g], ends[g + 1]
-                freed = np.maximum(freed_at_most(costs, a, e), 0.0)
-                least = plain.device_memory[g] - held[g] * sum(freed[l - a] for l in redo if a <= l < e)
+                bound = most(g, a, e, held)
+                least = plain.device_memory[g] - sum(bound[l - a] for l in redo if a <= l < e)
                 assert memory[g] >= least - 1e-6 * max(1.0, abs(least)), (redo, g)
 
 
@@ -175,21 +184,15 @@ def test_no_recomputation_frees_more_than_its_units_bound_where_views_arrive_apa
     opts = CostOptions(pipeline_ranks=S, global_batch=2 * S * rng.choice([1, 2, 4]), schedule=schedule,
                        recompute="auto")
     cuts = sorted(rng.sample(range(1, L), S - 1))
-    ends, costs = [0] + cuts + [L], range_costs(profile, 2)
+    costs = range_costs(profile, 2)
     memory = StageMemory(compute_profile(profile, opts), 2, opts, False)
-    plain = evaluate(profile, cuts, 2, opts, [])
-    held = held_counts(opts, plain.num_micro_batches)
-    for r in range(1, L + 1):
-        for redo in itertools.combinations(range(L), r):
-            memory_now = evaluate(profile, cuts, 2, opts, list(redo)).device_memory
-            for g in range(S):
-                a, e = ends[g], ends[g + 1]
-                if schedule == "zb-h1":
-                    most = zero_bubble_freed_at_most(memory, g, a, e)
-                else:
-                    most = held[g] * np.maximum(freed_at_most(costs, a, e), 0.0)
-                least = plain.device_memory[g] - sum(most[l - a] for l in redo if a <= l < e)
-                assert memory_now[g] >= least - 1e-6 * max(1.0, abs(least)), (redo, g)
+
+    def most(g, a, e, held):
+        if schedule == "zb-h1":
+            return zero_bubble_freed_at_most(memory, g, a, e)
+        return held[g] * np.maximum(freed_at_most(costs, a, e), 0.0)
+
+    _assert_frees_at_most(profile, opts, cuts, most)
 
 
 # past the first 40 chains, ones where a term of the weight kind frees the most a unit can free: a later
