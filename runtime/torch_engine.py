@@ -131,9 +131,6 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
     if layout:
         cause, fix = layout
         return f"--engine torch cannot run a plan with {cause}; run it with --engine own, or {fix}"
-    counts = _micro_batch_refusal(plan)
-    if counts:
-        return counts
     if getattr(plan, "emulated_boundaries", None) or getattr(plan, "emulated_exchange_s", None):
         return ("--engine torch cannot hold messages for an emulated slow link (torch posts its own messages); run "
                 "it with --engine own, or re-plan without an emulated link")
@@ -141,18 +138,6 @@ def refusal(plan: Any, precision: Optional[str] = None) -> Optional[str]:
         return ("--engine torch runs fp32 plans only (torch's stages receive the plan's dtypes, which autocast "
                 "changes); run it with --engine own, or re-plan with --precision fp32")
     return None
-
-
-def _micro_batch_refusal(plan: Any) -> Optional[str]:
-    """The micro-batch count torch's Schedule1F1B refuses when built (on every rank, after the ranks
-    started: "rank 1 failed: ValueError: Number of microbatches (2) must be greater than or equal to the
-    number of stages (3)"), said before: it needs m >= its stages (p). The project's engine runs it."""
-    m, p = int(plan.num_micro_batches), int(plan.pipeline_stages)
-    if plan.schedule != "1f1b" or m >= p:
-        return None
-    return (f"--engine torch cannot run {m} micro-batch(es) a step on {p} pipeline ranks: torch's "
-            f"{TORCH_SCHEDULES[plan.schedule]} needs at least as many micro-batches as stages ({p}); run it with "
-            "--engine own, or re-plan with a global batch that gives as many")
 
 
 def pass_through_bytes(plan: Any) -> List[int]:
