@@ -32,7 +32,8 @@ def torch_layout_refusal(plan: Plan) -> Optional[Tuple[str, str]]:
     (cause: a noun phrase after "a plan with", the re-planning that removes it), or None. Its layout,
     the one definition the export and `runtime execute --engine torch` both check: one stage per
     device; stage g on pipeline rank g mod p (the V for zb-v); replica r's pipeline rank i on rank
-    r p + i; every replica holding whole state (no sharding) and averaging every step (no local SGD)."""
+    r p + i; every replica holding whole state (no sharding) and averaging every step (no local SGD); under 1F1B
+    at least as many micro-batches as stages."""
     topology = plan.topology()
     if topology.replicated:
         return ("replicated stages (a stage on several devices; torch's stages are one per device)",
@@ -48,6 +49,10 @@ def torch_layout_refusal(plan: Plan) -> Optional[Tuple[str, str]]:
     if plan.sync_every > 1:
         return (f"local SGD (its replicas average their models every {plan.sync_every} steps)",
                 "re-plan with --local-sgd-max 1")
+    m, p = plan.num_micro_batches, topology.pipeline_ranks
+    if plan.schedule == "1f1b" and m < p:  # Schedule1F1B raises it when built, on every rank
+        return (f"{m} micro-batch(es) a step on {p} pipeline ranks under 1F1B (torch's Schedule1F1B needs at least "
+                "as many micro-batches as stages)", f"re-plan with a global batch that gives at least {p}")
     return None
 
 

@@ -54,9 +54,25 @@ def prepare_args(values: Dict[str, Any], names: Sequence[str], grad_flags: Dict[
         if isinstance(v, torch.Tensor):
             v = v.detach().to(device)
             if grad_flags.get(name, False):
-                v.requires_grad_(True)
+                v = _grad_leaf(v)
         args.append(v)
     return args
+
+
+def _grad_leaf(v: torch.Tensor) -> torch.Tensor:
+    """`v` needing a gradient, in its own storage. A view whose elements share memory (an `expand`ed
+    value handed on) cannot be a leaf: a second gradient reaching it is added in place into the first,
+    itself a broadcast view ("more than one element of the written-to tensor refers to a single memory
+    location"). Such a value becomes a view of a leaf spanning its storage: the same storage (saved
+    bytes are counted per storage), its gradient summed over the shared elements as autograd does in
+    the model (the runtime receives such a value as a contiguous copy: planner.profile.records.as_received)."""
+    if v.layout != torch.strided or torch._debug_has_internal_overlap(v) == 0:  # 0: no overlap
+        return v.requires_grad_(True)
+    storage = v.untyped_storage()
+    whole = v.new_empty(0).set_(storage, 0, (storage.nbytes() // v.element_size(),), (1,)).requires_grad_(True)
+    view = whole.as_strided(v.shape, v.stride(), v.storage_offset())
+    view.retain_grad()  # the input part's gradient lands in its .grad as in a leaf's (planner.profile.splitgrad)
+    return view
 
 
 def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, grad_flags: Dict[str, bool],

@@ -219,3 +219,31 @@ def saved_two_apart(dim: int = 8, seq: int = 4) -> ModelSpec:
         return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, seq, dim, generator=g)
 
     return ModelSpec(module=_SavedTwoApart(dim), batch=batch, loss=F.mse_loss)
+
+
+class Broadcast(nn.Module):
+    """A value `expand`ed to four times its storage handed from unit a to b and to the head: its elements
+    share memory, so the unit reading it cannot be given it as a leaf (a second gradient reaching it is
+    added in place into the first, itself a broadcast view)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(dim, 2 * dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.randn(4, dim) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        e = h[:, :x.shape[1]].unsqueeze(1).expand(-1, 4, -1)
+        u = torch.tanh(self.b(e * self.scale)).mean(1)
+        return self.c(u) * e.sum(1)
+
+
+def broadcast(dim: int = 8) -> ModelSpec:
+    torch.manual_seed(8)
+    module = Broadcast(dim)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(3 * step + 1)
+        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

@@ -88,3 +88,15 @@ def test_export_refuses_a_sharded_plan_in_one_line(tmp_path, capsys):
                                shard="optimizer")
     code, out = _export(tmp_path, plan, "torchtitan", capsys)
     assert code == 2 and len(out.err.strip().splitlines()) == 1 and "--shard none" in out.err
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torchtitan"])
+def test_export_refuses_fewer_1f1b_micro_batches_than_stages_in_one_line(tmp_path, capsys, fmt):
+    """Three stages, two micro-batches, 1F1B: the export wrote a script (and a config) whose Schedule1F1B raises
+    when built ("Number of microbatches (2) must be greater than or equal to the number of stages (3)"); GPipe
+    takes any count."""
+    plan = plan_with(profile_of("builtin:gpt"), [2, 4], 4, 8, "1f1b")
+    code, out = _export(tmp_path, plan, fmt, capsys)
+    assert code == 2 and len(out.err.strip().splitlines()) == 1 and "at least 3" in out.err, out.err
+    code, out = _export(tmp_path, plan_with(profile_of("builtin:gpt"), [2, 4], 4, 8, "gpipe"), fmt, capsys)
+    assert code == 0, out.err

@@ -623,3 +623,20 @@ def test_a_storage_two_units_apart_save_is_held_once(tmp_path, schedule, cuts, r
             assert rank["peak_saved_bytes"] <= rank["predicted_activation_bytes"], rank
         else:
             assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
+@pytest.mark.parametrize("schedule,cuts", [("1f1b", [1]), ("zb-h1", [2])])
+def test_a_broadcast_view_handed_on_profiles_and_trains(tmp_path, schedule, cuts):
+    """An `expand`ed value (elements sharing memory) that unit a hands to b and to the head: the profile
+    gave b it as a leaf needing a gradient, and its second gradient was added in place into the first, a
+    broadcast view: `planner profile` stopped with a traceback ("more than one element of the written-to
+    tensor refers to a single memory location"). Now exact, and held = planned."""
+    from tests.support.runs import execute, max_abs_diff, reference_state, report_of
+
+    profile = profile_of("tests.capture_models:broadcast", sizes=(2,))
+    assert [u.name for u in profile.units] == ["a", "b", "c"]
+    plan = _fixed_plan(profile, cuts, schedule, [])
+    state = execute(plan, tmp_path, steps=2)
+    assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
