@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
 from planner.model.capture_export import ExportFailure, export_graph, split_inputs, torch_quiet
 from planner.model.dynamic_shapes import data_sized_nodes, data_sizes_across_units
-from planner.model.failures import NodeRunError, first_line
+from planner.model.failures import NodeRunError, eager_failure, first_line
 from planner.model.example import EXAMPLE_BATCH_SIZE, example_batch, filled_varargs, none_arguments
 from planner.model.fx_trace import Unpipelinable, refuse_reserved_names, trace_fx
 from planner.model.inplace import writes_across_units
@@ -160,6 +160,9 @@ class CapturedModel:
             raise CaptureError(f"cannot capture {type(module).__name__}: {fx_error or 'torch.export was asked for'}; "
                                f"{e}") from None
         except ExportFailure as e:
+            eager = eager_failure(module, example_inputs)
+            if eager is not None:  # not a capture problem: the model's own code raises on its example batch
+                raise eager from None
             where = f" in {e.module_path!r}" if e.module_path else ""
             raise CaptureError(
                 f"cannot capture {type(module).__name__}: {fx_error or 'torch.export was asked for'}; torch.export "
@@ -404,3 +407,4 @@ def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False,
     with torch.set_grad_enabled(grad):
         _Recorder(captured.gm).run(*captured.input_values(inputs))
     return values
+

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
-from torch import fx
+import torch
+from torch import fx, nn
 
 from planner.errors import CaptureError
 from planner.model.inplace import operation_name
@@ -88,3 +89,18 @@ def model_failure(error: NodeRunError, batch_size: int) -> CaptureError:
     return CaptureError(f"the captured model failed on a batch of {batch_size}: {describe_node(error.node)} raised "
                         f"{first_line(error.cause)}; fix the model or its batch function (PLANNER_TRACEBACK=1 shows "
                         "the stack)")
+
+def eager_failure(module: nn.Module, example_inputs: Any) -> Optional[CaptureError]:
+    """Where torch.export failed: the model's own code as the cause, when the model simply run on
+    `example_inputs` (without gradients) raises too (its error, in one line), else None."""
+    from planner.model.spec import call_model
+
+    if any(p.is_meta for p in module.parameters()):  # (an analytic profile: ExportFailure.way_out knows meta's errors)
+        return None
+    try:
+        with torch.no_grad():
+            call_model(module, example_inputs)
+    except Exception as e:  # noqa: BLE001 (any error of the user's code is the answer)
+        return CaptureError(f"{type(module).__name__} raises when run on its example batch, outside any capture: "
+                            f"{first_line(e)}; fix the model or its arguments (--model-arg)")
+    return None

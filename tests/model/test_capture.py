@@ -72,6 +72,29 @@ class _Net(nn.Module):
         return self.gate(self.fc(x))
 
 
+class _Refuses(nn.Module):
+    """A model whose own code raises, whatever captures it (an unknown argument)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.fc, self.mode = nn.Linear(4, 4), mode
+
+    def forward(self, x):
+        if self.mode != "ok":
+            raise ValueError(f"unknown mode {self.mode!r}")
+        return self.fc(x)
+
+
+def test_a_model_that_raises_by_itself_is_named_so_not_given_capture_advice():
+    # the ninth sweep: "Way out: replace Python branches on tensor values with torch.where" for a model that
+    # raised on an unknown argument
+    with pytest.raises(CaptureError, match=r"^_Refuses raises when run on its example batch, outside any capture: "
+                                           r"ValueError: unknown mode 'bogus'; fix the model") as info:
+        capture(_Refuses("bogus"), (torch.randn(2, 4),))
+    assert "Way out" not in str(info.value)
+    capture(_Refuses("ok"), (torch.randn(2, 4),))
+
+
 def test_both_paths_failing_names_the_module_and_a_way_out():
     with pytest.raises(CaptureError) as info:
         capture(_Net(), (torch.randn(2, 4),))
