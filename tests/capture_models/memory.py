@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.model.spec import ModelSpec
+from tests.capture_models.writes import to_random_targets
 
 
 class AliasCross(nn.Module):
@@ -240,10 +241,4 @@ class Broadcast(nn.Module):
 
 def broadcast(dim: int = 8) -> ModelSpec:
     torch.manual_seed(8)
-    module = Broadcast(dim)
-
-    def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(3 * step + 1)
-        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
-
-    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+    return to_random_targets(Broadcast(dim), dim, 3, 1)

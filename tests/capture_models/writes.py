@@ -139,13 +139,7 @@ class AliasedState(nn.Module):
 
 def aliased_state(dim: int = 8) -> ModelSpec:
     torch.manual_seed(3)
-    module = AliasedState(dim)
-
-    def batch(batch_size: int, step: int):
-        g = torch.Generator().manual_seed(7 * step + 2)
-        return (torch.randn(batch_size, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
-
-    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+    return to_random_targets(AliasedState(dim), dim, 7, 2)
 
 
 class SpectralChain(nn.Module):
@@ -162,7 +156,7 @@ class SpectralChain(nn.Module):
         return x
 
 
-def _to_random_targets(module: nn.Module, dim: int, every: int, offset: int) -> ModelSpec:
+def to_random_targets(module: nn.Module, dim: int, every: int, offset: int) -> ModelSpec:
     """`module` on batches of `dim` features trained by MSE to random targets, step s drawn from seed
     every * s + offset."""
     def batch(batch_size: int, step: int):
@@ -174,7 +168,7 @@ def _to_random_targets(module: nn.Module, dim: int, every: int, offset: int) -> 
 
 def spectral_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
     torch.manual_seed(3)
-    return _to_random_targets(SpectralChain(dim, layers), dim, 7, 2)
+    return to_random_targets(SpectralChain(dim, layers), dim, 7, 2)
 
 
 class EmaChain(nn.Module):
@@ -200,7 +194,7 @@ class EmaChain(nn.Module):
 
 def ema_chain(dim: int = 8, layers: int = 4) -> ModelSpec:
     torch.manual_seed(4)
-    return _to_random_targets(EmaChain(dim, layers), dim, 5, 1)
+    return to_random_targets(EmaChain(dim, layers), dim, 5, 1)
 
 
 class _Gate(nn.Module):
