@@ -103,7 +103,7 @@ def start_rank(args) -> RankProcess:
             raise RuntimeError(refusal(plan, args.precision))
     threads = args.threads or int(plan.profile.get("threads", 1) or 1)
     torch.set_num_threads(threads)
-    set_flushing(bool(plan.profile.get("flush_subnormals")))  # the arithmetic the plan was timed on
+    set_flushing(plan.flush_subnormals)  # the arithmetic the plan was timed on
     return RankProcess(args, plan, topology, rank, world, _device_for(plan, local_rank), threads)
 
 

@@ -407,4 +407,3 @@ def run_all_nodes(captured: CapturedModel, inputs: Any, grad: bool = False,
     with torch.set_grad_enabled(grad):
         _Recorder(captured.gm).run(*captured.input_values(inputs))
     return values
-

@@ -90,6 +90,7 @@ def model_failure(error: NodeRunError, batch_size: int) -> CaptureError:
                         f"{first_line(error.cause)}; fix the model or its batch function (PLANNER_TRACEBACK=1 shows "
                         "the stack)")
 
+
 def eager_failure(module: nn.Module, example_inputs: Any) -> Optional[CaptureError]:
     """Where torch.export failed: the model's own code as the cause, when the model simply run on
     `example_inputs` (without gradients) raises too (its error, in one line), else None."""

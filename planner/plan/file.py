@@ -137,6 +137,12 @@ class Plan:
     def replicated(self) -> bool:
         return any(st.replica_count > 1 for st in self.stages)
 
+    @property
+    def flush_subnormals(self) -> bool:
+        """Whether every rank flushes subnormal floats, as the profile was timed (planner.profile.subnormal;
+        absent in older plans and those of analytic profiles: False)."""
+        return self.profile.get("flush_subnormals", False) is True
+
     def topology(self) -> Topology:
         """Where every stage runs (planner.pipeline.topology); TopologyError if inconsistent."""
         return topology_of([st.device for st in self.stages], [st.replica_count for st in self.stages],

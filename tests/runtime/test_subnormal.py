@@ -63,7 +63,7 @@ def test_ranks_compute_as_the_profile_did(tmp_path):
     for flush in (True, False):
         plan = plan_with(profile_model(ENTRY, {}, [2], repeats=1, whole_model=False, flush_subnormals=flush),
                          [3], 2, 8, "1f1b")
-        assert bool(plan.profile.get("flush_subnormals")) is flush
+        assert plan.flush_subnormals is flush
         out = tmp_path / str(flush)
         states[flush] = execute(plan, out, steps=2)
         assert {r["flush_subnormals"] for r in report_of(out)["stages"]} == {flush}

@@ -19,7 +19,7 @@ from runtime.training import lr_at
 
 def local_sgd_reference(plan: Plan, *args, **kwargs) -> List[Dict[str, torch.Tensor]]:
     """`_local_sgd_reference` computing as the plan's ranks do (subnormals flushed where the profile was)."""
-    with flushed(bool(plan.profile.get("flush_subnormals"))):
+    with flushed(plan.flush_subnormals):
         return _local_sgd_reference(plan, *args, **kwargs)
 
 

@@ -118,7 +118,7 @@ def reshape_plan(plan: Plan, virtual_stages: int = 1, data_parallel: int = 1, sc
 def reference_state(plan: Plan, *args, **kwargs) -> Dict[str, torch.Tensor]:
     """`_reference_state` computing as the plan's ranks do: subnormal floats flushed where the profile
     was timed so (planner.profile.subnormal)."""
-    with flushed(bool(plan.profile.get("flush_subnormals"))):
+    with flushed(plan.flush_subnormals):
         return _reference_state(plan, *args, **kwargs)
 
 
