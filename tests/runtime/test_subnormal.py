@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from planner.model.spec import ModelSpec
 from planner.plan.file import load_plan
 from planner.profile.measure import profile_model
 from planner.profile.subnormal import flushed, flushing
+from tests.capture_models.writes import to_random_targets
 from tests.support.runs import execute, max_abs_diff, plan_with, report_of, reference_state, run_here
 
 TINY = 2.0 ** -140  # subnormal in fp32: zero where subnormals are flushed
@@ -26,12 +26,7 @@ class SubnormalGate(nn.Module):
 
 def subnormal_gate(dim: int = 8) -> ModelSpec:
     module = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim), SubnormalGate(), nn.Linear(dim, dim))
-
-    def batch(n: int, step: int):
-        g = torch.Generator().manual_seed(step)
-        return (torch.randn(n, dim, generator=g),), torch.randn(n, dim, generator=g)
-
-    return ModelSpec(module=module, batch=batch, loss=lambda out, target: F.mse_loss(out, target))
+    return to_random_targets(module, dim, 1, 0)
 
 
 ENTRY = "tests.runtime.test_subnormal:subnormal_gate"
