@@ -161,14 +161,21 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
     else:
         chosen, b, redo, boundaries = _chosen(best.scenario, best.split), best.b, best.recompute, best.split.boundaries
     chosen, boundaries, cost = polished(profile, chosen, b, redo, list(boundaries), deadline)
-    bound = min(_busy_bound(profile, scenarios), cost.iteration_s)
-    gap = max(0.0, (cost.iteration_s - bound) / cost.iteration_s) if cost.iteration_s > 0 else 0.0
-    optimal = gap <= OPTIMALITY_GAP
+    status, bound, gap = _certified(cost.iteration_s, _busy_bound(profile, scenarios))
     return Solution(boundaries=list(boundaries), micro_batch_size=b, num_micro_batches=cost.num_micro_batches,
-                    cost=cost, status="optimal" if optimal else "feasible", objective=cost.iteration_s,
-                    bound=cost.iteration_s if optimal else bound,
-                    gap=0.0 if optimal else gap, seconds=time.perf_counter() - started, method="replicas",
-                    backend="python", recompute=redo, options=chosen)
+                    cost=cost, status=status, objective=cost.iteration_s, bound=bound, gap=gap,
+                    seconds=time.perf_counter() - started, method="replicas", backend="python", recompute=redo,
+                    options=chosen)
+
+
+def _certified(objective: float, bound: float) -> Tuple[str, float, float]:
+    """(status, bound, gap) of a plan of this simulated step against a lower bound (the busy time's): 'optimal',
+    with the bound the plan's own, where the gap is at most OPTIMALITY_GAP."""
+    bound = min(bound, objective)
+    gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+    if gap <= OPTIMALITY_GAP:
+        return "optimal", objective, 0.0
+    return "feasible", bound, gap
 
 
 def _no_plan_in_time(time_limit: Optional[float]) -> NoPlanInTime:
@@ -326,11 +333,8 @@ def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions
                           candidate_micro_batch_sizes(profile, opts.global_batch, opts))
     best = min(found, key=lambda f: f.objective)
     if not complete:  # the enumeration was stopped: the plan is the best simulated, the bound the busy time's
-        bound = min(_busy_bound(profile, plain), best.objective)
-        gap = max(0.0, (best.objective - bound) / best.objective) if best.objective > 0 else 0.0
-        optimal = gap <= OPTIMALITY_GAP
-        best = dataclasses.replace(best, status="optimal" if optimal else "feasible",
-                                   bound=best.objective if optimal else bound, gap=0.0 if optimal else gap)
+        status, bound, gap = _certified(best.objective, _busy_bound(profile, plain))
+        best = dataclasses.replace(best, status=status, bound=bound, gap=gap)
     return dataclasses.replace(best, method="replicas", backend="enumeration")
 
 

@@ -568,6 +568,10 @@ def test_small_problems_stopped_in_their_enumeration_keep_the_best_so_far(monkey
     assert stopped.backend == "enumeration" and stopped.objective >= whole.objective
     _valid(profile, stopped, opts)
     assert stopped.bound <= whole.objective  # the busy-time bound, not the enumeration's own word
+    # ... and it did stop: the bound is the busy time's (the complete enumeration's is its optimum), no optimum claimed
+    least = min(replicas.busy_bound(profile, b, opts) for b in (1, 2))
+    assert least < whole.objective and stopped.bound == pytest.approx(least, rel=1e-12)
+    assert stopped.status == "feasible"
 
 
 def test_no_plan_found_in_time_is_said_in_one_line(tmp_path, capsys, monkeypatch):
