@@ -129,13 +129,14 @@ def views(costs, profile: Profile) -> Dict[int, object]:
     none (its `at` is itself). Made over the units from a to the last holder of a storage named apart (the
     terms of the rest are the profile's)."""
     b, out, L = costs.b, {}, costs.num_units
+    starts = apart_starts(profile, b)
+    if not starts:  # (most profiles: nothing more to read)
+        return out
     loss_saved = costs.inputs - costs.weight_inputs
     last: Dict[object, int] = {}  # a storage's name -> the last unit naming it
     for l, unit in enumerate(profile.units):
-        for name in NAMED_STORAGE_FIELDS:
-            for x in getattr(unit, name).get(b) or {}:
-                last[x] = l
-    for a, apart in sorted(apart_starts(profile, b).items()):
+        last.update(dict.fromkeys(_names(unit, b), l))
+    for a, apart in sorted(starts.items()):
         units = seen_from(profile, b, a, apart)
         named = {x for j, parts in apart.items() for x in (parts or _names(profile.units[j], b))}
         lo, hi = a, min(L, max([max(apart) + 2] + [last.get(x, 0) + 2 for x in named]))
@@ -162,7 +163,7 @@ def views(costs, profile: Profile) -> Dict[int, object]:
 
 
 def _names(unit, b: int) -> set:
-    """Every storage name an older profile's unit gives (renamed apart where it starts a stage)."""
+    """Every storage name a unit gives at b (an older profile's renamed apart where it starts a stage)."""
     return {x for name in NAMED_STORAGE_FIELDS for x in getattr(unit, name).get(b) or {}}
 
 

@@ -27,6 +27,7 @@ from planner.cost.model import (evaluate, num_micro_batches, rank_caps, rank_spe
                                 simulate_splits, static_bytes, step_shape)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs
+from planner.cost.received import gap_row
 from planner.cost.result import PathForm, PlanCost
 from planner.cost.step import run_many, stage_in_flight, step_graph
 from planner.cost.ties import later_uses_bytes, tie_copies, tied_weights
@@ -211,20 +212,21 @@ def least_saved(costs, recompute: str) -> np.ndarray:
     that one or both are recomputed), at its start unit a d_a + first_a where negative (first_a: inputs received
     apart; every unit recomputed, q_a, never negative), every gap taken off (none recomputed), and a start
     receiving a storage apart its own terms' row (planner.cost.received)."""
-    out = None
+    out, cuts = None, np.arange(costs.num_units + 1)
     for a, terms in ((None, costs), *costs.views.items()):
         share = terms.shares
         least = {"none": terms.s - terms.dup, "all": terms.inputs - share[:, 1, 1],
                  "auto": np.minimum(terms.s - np.maximum(share[:, 0, 0], share[:, 1, 0]),
                                     terms.inputs - np.maximum(share[:, 0, 1], share[:, 1, 1]))}[recompute]
         at_start = np.append(np.minimum(share[:, 1, 1] if recompute == "all" else terms.dup + terms.first, 0.0), 0.0)
-        matrix = costs.matrix(prefix_sums(least)) + at_start[:, None]
-        if recompute != "all" and terms.gaps:
-            matrix = matrix - terms.gap_matrix()
-        if out is None:
-            out = matrix
-        else:
-            out[a] = matrix[a]
+        prefix = prefix_sums(least)
+        if a is None:  # every range
+            out = costs.matrix(prefix) + at_start[:, None]
+            if recompute != "all" and terms.gaps:
+                out = out - terms.gap_matrix()
+            continue
+        row = np.where(cuts > a, prefix - prefix[a], np.inf) + at_start[a]  # a start's own row alone
+        out[a] = row if recompute == "all" else row - gap_row(terms, a)
     return out
 
 

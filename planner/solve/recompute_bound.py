@@ -208,10 +208,10 @@ def _parts(costs):
     for terms in (costs, *costs.views.values()):
         share = np.asarray(terms.shares, dtype=float)
         mine = (np.asarray(terms.s - terms.inputs, dtype=float), np.asarray(terms.first, dtype=float),
-                -np.append(share[1:, 0, 0] - share[1:, 1, 0], 0.0), shared_redo_most(terms))
-        parts = mine if parts is None else tuple(np.maximum(x, y) for x, y in zip(parts, mine))
-    live, first, less_next, redo = parts
-    return live, first, -less_next, redo
+                np.append(share[1:, 0, 0] - share[1:, 1, 0], 0.0), shared_redo_most(terms))
+        parts = mine if parts is None else tuple(
+            most(x, y) for most, x, y in zip((np.maximum, np.maximum, np.minimum, np.maximum), parts, mine))
+    return parts
 
 
 def freed_at_most(costs, a: int, e: int) -> np.ndarray:

@@ -126,14 +126,12 @@ def views_apart(profile: Profile, k: int, last: int, rng, parts: int = 2) -> Non
             views = {v: 4 * n * b for v, n in zip(names, draws)}
             whole = sum(views.values())
             own = sum(views[v] for v in saved)
-            unit.first_saved_bytes[b] = unit.first_saved_bytes.get(b, unit.saved_bytes[b]) + (own - whole if saves
-                                                                                               else 0)
+            unit.first_saved_bytes[b] = unit.first_saved_bytes.get(b, unit.saved_bytes[b]) + own  # (its views alone)
             unit.received_parts.setdefault(b, {})[X] = views
             unit.received_saved_parts.setdefault(b, {})
             unit.recomputed_shared_bytes.setdefault(b, {})[X] = whole
             if saves:
                 unit.saved_bytes[b] += whole
-                unit.first_saved_bytes[b] += whole
                 unit.shared_saved_bytes.setdefault(b, {})[X] = whole
                 unit.received_saved_parts[b][X] = {v: views[v] for v in saved}
                 if unit.split_backward:  # held after its input part too
