@@ -49,8 +49,8 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
         print("warning: " + link["warning"], file=sys.stderr, flush=True)
     print(f"link ({link['p2p']}, two processes on this host): latency {link['latency_s'] * 1e6:.0f} us "
           f"({_rhythm_note(link)}), "
-          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['message_s'] * 1e6:.1f} us per message in a batch "
-          f"({len(link['samples'])} message sizes, median of {link['repeats']} round trips), all-reduce "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s ({len(link['samples'])} message sizes, median of "
+          f"{link['repeats']} round trips), {_message_note(link)}, all-reduce "
           f"{link['allreduce']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s per replica ({link['allreduce']['transport']}); planner solve uses them unless "
           "--bandwidth/--latency/--message-cost/--dp-bandwidth are given", flush=True)
 
@@ -79,7 +79,16 @@ def _rhythm_note(link) -> str:
     if not rhythm:
         return "back to back"
     return (f"back to back; {rhythm['latency_s'] * 1e6:.0f} us between two balanced stages' computations of "
-            f"{(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms, not charged")
+            f"{(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms")
+
+
+def _message_note(link) -> str:
+    """What a plan charges per message operation and where it was read."""
+    charged = f"{link['message_s'] * 1e6:.1f} us per message operation"
+    if (link.get("rhythm") or {}).get("message_s") is None:
+        return charged + " in a batch"
+    return (charged + f" between computations, through the engine (back to back in a batch "
+            f"{link.get('transport_message_s', 0.0) * 1e6:.1f} us)")
 
 
 def _cores() -> int:

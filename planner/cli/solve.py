@@ -297,13 +297,14 @@ def _balanced_rhythm_note(profile, solution, opts, args: argparse.Namespace) -> 
     """What the plan's step would be if every message cost what `planner profile` measured between
     two balanced stages' computations (link.rhythm, planner.profile.rhythm): an upper reading for a
     host where waiting on a message is slow, shown when it differs by 5 % or more. None without a
-    rhythm, with the user's own --latency, with one stage, or under a placement (whose levels have
+    rhythm, with a rhythm read into the charged per-message cost (link.rhythm.message_s: profiles
+    measured since it is), with the user's own --latency, with one stage, or under a placement (whose levels have
     their own latencies)."""
     from planner.cost.model import evaluate
 
     rhythm = (profile.extra.get("link") or {}).get("rhythm")  # checked by the profile's loader
     scenario = solution.options or opts
-    if rhythm is None or args.latency is not None or scenario.num_stages < 2 or \
+    if rhythm is None or rhythm.get("message_s") is not None or args.latency is not None or scenario.num_stages < 2 or \
             rhythm["latency_s"] <= scenario.latency or scenario.placement is not None:
         return None
     latency = float(rhythm["latency_s"])

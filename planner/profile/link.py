@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from planner.profile.rhythm import rhythm_steps, stand_in, summarise
+from planner.profile.rhythm import rhythm_message_cost, rhythm_steps, stand_in, summarise
 
 
 class FlatLinkError(ValueError):
@@ -255,28 +255,34 @@ def measure_link(message_bytes: Sequence[int], threads: int = 1, repeats: int = 
     over loopback; "p2p" in the result says which), ping-pong at each of `message_bytes` (the plan's real cut sizes,
     plus a small and a large message for the fit), `repeats` rounds over all sizes after `warmup`;
     each size's one-way time is the median of its round trips / 2.
-    Then batches of 1 and 8 tiny messages each way posted together give the cost per message in a
-    batch (`message_s`: what the engine pays per operation besides latency and transfer).
+    Then batches of 1 and 8 tiny messages each way posted together, back to back, give the bare
+    transport's cost per operation in a batch (`transport_message_s`).
     Last, all-reduces of 1 MiB and of the runtime's gradient bucket between the two processes:
     `allreduce.bandwidth_bytes_per_s` is the rate of the data-parallel gradient exchange.
     The ping-pong alone is measured again (up to `attempts` in all, in the same two processes) when
     its times do not grow with size, then fit by bounding_link_fit, with "warning" saying so
     (fit_measured_link, measure_pair).
     With `rhythm` = (forward s, backward s) of a stage per micro-batch, the two processes then run
-    a two-stage step's lists with that much stand-in compute on both (planner.profile.rhythm):
-    `rhythm.latency_s` is what a message cost between two perfectly balanced stages' computations.
-    It is recorded, not charged (`latency_s` stays the ping-pong's): the cost is the balance's, it
-    vanishes when one stage is a third faster (planner/profile/rhythm.py).
-    Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "samples": [[bytes, one-way s], ...],
+    a two-stage step's lists with that much stand-in compute on both, every batch of messages
+    through the runtime's engine (runtime.message_rhythm): `rhythm.message_s` is the cost per
+    operation with which the step graph of those lists takes the measured step
+    (planner.profile.rhythm.rhythm_message_cost), and `message_s`, what a plan charges per operation
+    besides latency and transfer, is the larger of it and the transport's (without a rhythm, the
+    transport's). `rhythm.latency_s` reads the same step as a one-way latency (recorded, not charged).
+    Returns {"latency_s", "bandwidth_bytes_per_s", "message_s", "transport_message_s", "samples": [[bytes, one-way s], ...],
     "batches": [[messages, s], ...], "allreduce": {"bandwidth_bytes_per_s", "samples"}, ...}."""
     sizes = sorted({max(int(n), 4) for n in message_bytes} | {8, 4 << 20})
     rhythm = stand_in(*rhythm) if rhythm else None  # the compute the workers time (capped once, here)
     measured = _run_link_workers(sizes, threads, repeats, warmup, timeout_s, attempts, rhythm, p2p)
     fit, warning = measured["fit"], measured["warning"]
     reduced = measured["allreduce"]
+    transport = fit_message_cost(measured["batches"])
+    message = transport
     if measured.get("rhythm"):
-        fit = dict(fit, rhythm=summarise(measured["rhythm"], *rhythm))
-    return dict(fit, message_s=fit_message_cost(measured["batches"]), backend="gloo", p2p=measured["p2p"],
+        record = summarise(measured["rhythm"], *rhythm)
+        record["message_s"] = rhythm_message_cost(record["step_s"], *rhythm, fit["latency_s"], record["micro_batches"])
+        fit, message = dict(fit, rhythm=record), max(transport, record["message_s"])
+    return dict(fit, message_s=message, transport_message_s=transport, backend="gloo", p2p=measured["p2p"],
                 between="two processes on this host", threads=threads, repeats=repeats,
                 samples=measured["samples"], batches=measured["batches"],
                 allreduce={"bandwidth_bytes_per_s": all_reduce_rate(reduced), "samples": reduced, "members": 2,

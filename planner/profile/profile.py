@@ -250,7 +250,7 @@ def _check_extra(read: Reader, d: Dict[str, Any], param_bytes: Dict[str, int]) -
             where = f"{part}.bandwidth_bytes_per_s"
             if not read.number(fields["bandwidth_bytes_per_s"], where, "a bandwidth is finite and > 0") > 0:
                 raise read.error(where, "is 0: a bandwidth is finite and > 0")
-        for key in ("latency_s", "step_overhead_s", "message_s"):
+        for key in ("latency_s", "step_overhead_s", "message_s", "transport_message_s"):
             if fields.get(key) is not None:
                 read.seconds(fields[key], f"{part}.{key}")
         if fields.get("runs") is not None:  # the runs a calibration took (planner calibrate adds to it)
@@ -284,6 +284,8 @@ def _check_extra(read: Reader, d: Dict[str, Any], param_bytes: Dict[str, int]) -
         read.table(rhythm, "link.rhythm")
         for key in ("latency_s", "forward_s", "backward_s"):
             read.seconds(rhythm.get(key), f"link.rhythm.{key}")
+        if rhythm.get("message_s") is not None:  # the per-operation cost read from it (older profiles lack it)
+            read.seconds(rhythm["message_s"], "link.rhythm.message_s")
     reduced = (d.get("link") or {}).get("allreduce")
     if reduced is not None:
         read.table(reduced, "link.allreduce")

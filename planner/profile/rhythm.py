@@ -46,7 +46,39 @@ def rhythm_latency(step_s: float, forward_s: float, backward_s: float, micro_bat
     return max(0.0, (step_s - compute) / (micro_batches + 2))
 
 
-class _Compute:
+def rhythm_message_cost(step_s: float, forward_s: float, backward_s: float, latency_s: float,
+                        micro_batches: int = MICRO_BATCHES) -> float:
+    """The cost per operation (`message_s`: each message once on its sender's side, once on its
+    receiver's) with which planner.cost's step graph of the two-stage 1F1B lists, stages of
+    `forward_s` / `backward_s` and messages of `latency_s`, takes `step_s`: what the lists run
+    through the engine measured (runtime.message_rhythm), read the way a plan charges it. The step
+    graph's step grows with the per-operation cost (piecewise linearly), so bisection finds it;
+    0 where the step is no longer than the lists at no cost (noise)."""
+    from planner.pipeline.schedule import build_schedule
+    from planner.pipeline.simulate import simulate
+
+    if micro_batches < 4:
+        raise ValueError("the rhythm needs at least four micro-batches")
+    lists = build_schedule("1f1b", 2, micro_batches)
+    value = {("forward", 0): forward_s, ("forward", 1): forward_s, ("backward", 0): backward_s,
+             ("backward", 1): backward_s, ("act", 0): latency_s, ("grad", 0): latency_s}
+
+    def step(message_s: float) -> float:
+        return simulate(lists, {**value, ("message",): message_s}, lambda g, i: g)[0].step_s
+
+    free = step(0.0)
+    if not step_s > free * (1 + 1e-9):
+        return 0.0
+    low, high = 0.0, step_s - free  # at least one operation on the path: high is enough
+    while step(high) < step_s:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) < step_s else (low, middle)
+    return high
+
+
+class StandInCompute:
     """Stand-in compute: small matmuls until a deadline (a rank computes on its own thread)."""
 
     def __init__(self) -> None:
@@ -74,7 +106,7 @@ def rhythm_steps(rank: int, forward_s: float, backward_s: float, post,
     from planner.pipeline.schedule import build_schedule
     from planner.pipeline.stepgraph import batches_of
 
-    compute = _Compute()
+    compute = StandInCompute()
     peer = 1 - rank
     items = batches_of(build_schedule("1f1b", 2, micro_batches)[rank])  # computes, and batches as tuples
     cycle = (micro_batches + 1) * (forward_s + backward_s) + 1e-3

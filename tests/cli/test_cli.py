@@ -509,6 +509,9 @@ BAD_PROFILES = [
     (_set(["link", "rhythm"], {"latency_s": -1e-3, "forward_s": 1e-3, "backward_s": 1e-3}),
      "link.rhythm.latency_s is -0.001"),
     (_set(["link", "rhythm"], "fast"), "link.rhythm is \"fast\""),
+    (_set(["link", "rhythm"], {"latency_s": 1e-3, "forward_s": 1e-3, "backward_s": 1e-3, "message_s": -1e-5}),
+     "link.rhythm.message_s is -1e-05"),
+    (_set(["link", "transport_message_s"], -1e-6), "link.transport_message_s is -1e-06"),
     (_set(["model"], "x"), "model is \"x\""),
     # a fuzz of every command: each solved, and the run then failed on a rank (or was told to solve again)
     (_set(["model", "seed"], -1), "model.seed is -1, not an integer >= 0"),
@@ -668,13 +671,15 @@ def test_solve_reads_the_balanced_rhythm_as_an_upper_reading(tmp_path, capsys):
     from planner.cli.main import main
     from planner.plan.file import load_plan
 
-    def solved(rhythm_latency, extra=()):
+    def solved(rhythm_latency, extra=(), rhythm_message_s=None):
         def with_rhythm(data):
-            data["link"] = {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9, "message_s": 0.0,
+            data["link"] = {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9, "message_s": rhythm_message_s or 0.0,
                             "rhythm": {"forward_s": 1e-3, "backward_s": 2e-3, "micro_batches": 8, "steps": 5,
                                        "step_s": 0.05, "latency_s": rhythm_latency}}
+            if rhythm_message_s is not None:
+                data["link"]["rhythm"]["message_s"] = rhythm_message_s
 
-        folder = tmp_path / str(rhythm_latency)
+        folder = tmp_path / f"{rhythm_latency}-{rhythm_message_s}"
         profile, out = _profile_json(folder, with_rhythm), folder / "plan.json"
         assert main(["solve", profile, "--stages", "2", "--global-batch", "4", "-o", str(out), *extra]) == 0
         lines = [l for l in capsys.readouterr().out.splitlines() if "between two balanced stages" in l]
@@ -688,6 +693,8 @@ def test_solve_reads_the_balanced_rhythm_as_an_upper_reading(tmp_path, capsys):
     _, longer = solved(1e-2)
     assert float(re.search(r"would take ([0-9.]+) ms", longer[0]).group(1)) > float(slow)
     assert solved(5e-3, ["--latency", "1e-5"])[1] == []
+    # a rhythm read into the per-message cost the plan charges (link.rhythm.message_s): no second reading
+    assert solved(5e-3, rhythm_message_s=4e-5)[1] == []
 
 
 def test_pictures_are_written_where_named_and_never_over_the_plan(tmp_path):

@@ -130,7 +130,8 @@ def test_measure_link_times_gloo_when_told():
 
 
 def test_measure_link_pings_the_requested_sizes_between_two_processes():
-    from planner.profile.rhythm import rhythm_latency
+    from planner.profile.link import fit_message_cost
+    from planner.profile.rhythm import rhythm_latency, rhythm_message_cost
 
     link = measure_link([12288, 4096], repeats=3, warmup=1, rhythm=(2e-4, 4e-4))
     assert [n for n, _ in link["samples"]] == [8, 4096, 12288, 4 << 20]
@@ -139,7 +140,7 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     assert link["p2p"] == _P2P and link["repeats"] == 3  # the transport a CPU run's ranks use
     # batches of 1 and 8 tiny messages each way: the per-operation cost of a batch
     assert [k for k, _ in link["batches"]] == [1, 8] and all(t > 0 for _, t in link["batches"])
-    assert link["message_s"] >= 0
+    assert link["transport_message_s"] == fit_message_cost(link["batches"]) >= 0
     # all-reduces of 1 MiB and of the runtime's gradient bucket: the rate at the bucket size
     from runtime.groups import GradientBuckets
     import inspect
@@ -152,9 +153,13 @@ def test_measure_link_pings_the_requested_sizes_between_two_processes():
     rhythm = link["rhythm"]
     assert rhythm["forward_s"] == 2e-4 and rhythm["backward_s"] == 4e-4 and rhythm["steps"] >= 5
     assert rhythm["step_s"] >= 9 * 6e-4  # (m + 1)(F + B) of compute at least
-    # recorded, not charged: the plan's latency is the ping-pong's fit
+    # the plan's latency is the ping-pong's fit; the rhythm, run through the engine (runtime.message_rhythm), is read
+    # as the per-operation cost with which the step graph of its lists takes its step, and charged where larger
     assert link["latency_s"] == pytest.approx(fit_link(link["samples"])["latency_s"])
     assert rhythm["latency_s"] == pytest.approx(rhythm_latency(rhythm["step_s"], 2e-4, 4e-4, rhythm["micro_batches"]))
+    assert rhythm["message_s"] == pytest.approx(rhythm_message_cost(rhythm["step_s"], 2e-4, 4e-4, link["latency_s"],
+                                                                    rhythm["micro_batches"]))
+    assert link["message_s"] == max(link["transport_message_s"], rhythm["message_s"])
 
 
 def test_the_all_reduce_rate_is_the_full_buckets():
