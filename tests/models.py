@@ -653,3 +653,12 @@ class NormedReaders(nn.Module):
 
 def normed_readers(dim: int = 16, readers: int = 4) -> ModelSpec:
     return _regression(NormedReaders(dim, readers), dim)
+
+
+def frozen_embedding_lm(layers: int = 3) -> ModelSpec:
+    """tied_lm with its head untied and its embedding frozen (fine-tuning over fixed embeddings): the
+    embedding's unit has no backward (no parameter that trains, integer inputs), the others do."""
+    spec = tied_lm(layers=layers)
+    spec.module.head.weight = nn.Parameter(spec.module.emb.weight.detach().clone())
+    spec.module.emb.weight.requires_grad_(False)
+    return spec
