@@ -653,3 +653,40 @@ class NormedReaders(nn.Module):
 
 def normed_readers(dim: int = 16, readers: int = 4) -> ModelSpec:
     return _regression(NormedReaders(dim, readers), dim)
+
+
+def frozen_embedding_lm(layers: int = 3) -> ModelSpec:
+    """tied_lm with its head untied and its embedding frozen (fine-tuning over fixed embeddings): the
+    embedding's unit has no backward (no parameter that trains, integer inputs), the others do."""
+    spec = tied_lm(layers=layers)
+    spec.module.head.weight = nn.Parameter(spec.module.emb.weight.detach().clone())
+    spec.module.emb.weight.requires_grad_(False)
+    return spec
+
+
+
+class LatentAttention(nn.Module):
+    """A Perceiver-IO's cross-attention: a latent parameter expanded over the batch crosses a cut as the query
+    of batch_first nn.MultiheadAttention layers (the expanded value reaches the later unit as a view of a leaf
+    spanning its storage: planner.profile)."""
+
+    def __init__(self, dim: int, latents: int, layers: int, heads: int):
+        super().__init__()
+        self.latent = nn.Parameter(torch.randn(latents, dim))
+        self.embed = nn.Linear(dim, dim)
+        self.attention = nn.ModuleList(nn.MultiheadAttention(dim, heads, batch_first=True) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        query = self.latent.expand(x.shape[0], -1, -1)
+        x = self.embed(x)
+        for attention in self.attention:
+            query = query + attention(query, x, x, need_weights=False)[0]
+        return query.mean(1)
+
+
+def latent_attention(dim: int = 16, latents: int = 4, layers: int = 2, heads: int = 2, seq: int = 6) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=LatentAttention(dim, latents, layers, heads), batch=batch, loss=F.mse_loss)

@@ -187,6 +187,10 @@ def evaluate(profile: Profile, boundaries: Sequence[int], b: int, opts: CostOpti
     redo: FrozenSet[int] = frozenset(recompute)
     if any(not 0 <= l < L for l in redo):
         raise ValueError(f"recomputed unit index out of range 0..{L - 1}: {sorted(redo)}")
+    # a unit whose backward needs nothing is never recomputed (it would keep its inputs for nothing): not in the
+    # plan's lists, which the runtime runs (planner.cost.shared_storage.never_recomputed)
+    recomputable = range_costs(profile, b, opts.optimizer).recomputable
+    redo = frozenset(l for l in redo if recomputable[l])
     m = num_micro_batches(opts, b)
     split, shape, value, copies = _step_of(profile, boundaries, redo, b, opts)
     timeline = step_graph(shape).run(value)

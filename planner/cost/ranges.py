@@ -103,7 +103,7 @@ import numpy as np
 
 from planner.cost.inner_weight import inner_held, inner_pairs
 from planner.cost.received import saved_correction, views as received_views
-from planner.cost.shared_storage import storage_terms
+from planner.cost.shared_storage import never_recomputed, storage_terms
 from planner.profile.profile import Profile
 
 WEIGHT_SHARE = 0.5  # of a unit's backward, its weight part, where the profile did not time the parts
@@ -211,6 +211,7 @@ class RangeCosts:
         # {a: RangeCosts}: the storage terms a stage starting at cut a sees, where it receives a storage apart
         # (planner.cost.received); every per-range count of such a stage reads them (`at`)
         self.views = received_views(self, profile)
+        never_recomputed(self)  # recomputable, again (f where recomputed), AGAIN; the others never recomputed
 
     def at(self, a: int) -> "RangeCosts":
         """The costs a stage starting at unit a sees: its view where it receives a storage apart, else these."""
@@ -221,17 +222,17 @@ class RangeCosts:
         return float(self.call_forward + self.F[e] - self.F[a]) / speed
 
     def backward(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
-        redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
+        redo = sum(float(self.again[l]) for l in recompute if a <= l < e)
         return float(self.call_backward + self.G[e] - self.G[a] + redo) / speed
 
     def backward_input(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
         if self.whole[a]:
             return self.first_input / speed
-        redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
+        redo = sum(float(self.again[l]) for l in recompute if a <= l < e)
         return float(self.later_input + self.gi[a:e].sum() + redo) / speed
 
     def backward_weight(self, a: int, e: int, speed: float = 1.0, recompute: Iterable[int] = ()) -> float:
-        redo = sum(float(self.f[l]) for l in recompute if a <= l < e)
+        redo = sum(float(self.again[l]) for l in recompute if a <= l < e)
         if self.whole[a]:
             return float(self.first_call + self.G[e] - self.G[a] + redo) / speed
         return float(self.later_weight + self.gw[a:e].sum() + self.walk(a, e) + redo) / speed
@@ -357,8 +358,8 @@ class RangeCosts:
         return range_matrix(prefix)
 
     def work_prefix(self, recompute_all: bool = False) -> np.ndarray:
-        """Prefix sums of f + g per unit (plus f again when every unit is recomputed)."""
-        return self.F + self.G + (self.F if recompute_all else 0.0)
+        """Prefix sums of f + g per unit (plus f again when every unit is recomputed: `again`)."""
+        return self.F + self.G + (self.AGAIN if recompute_all else 0.0)
 
     def saved_prefix(self, recompute_all: bool = False) -> np.ndarray:
         """Prefix sums of the bytes each unit holds for backward (its input when recomputed; less

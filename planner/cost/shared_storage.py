@@ -175,3 +175,43 @@ def storage_terms(units, b: int, s: np.ndarray, inputs: np.ndarray, loss_saved: 
     # as the forward returns (the held kinds')
     out["gaps"], out["held_gaps"] = gap_shares(units, b), gap_shares(units, b, held=True)
     return out
+
+
+def never_recomputed(costs) -> None:
+    """Sets planner.cost.ranges.RangeCosts `costs`' (and its views') recomputable[l]: unit l trains a parameter,
+    a value crossing cut l carries a gradient, or it holds bytes for its backward; again[l]: the forward a
+    recomputation of unit l runs again (f_l, 0 where not recomputable) and AGAIN its prefix sums. A unit none of
+    whose backward needs anything (a frozen embedding reading token ids: autograd builds no graph for it, so it
+    saves nothing) would only keep its inputs recomputed and run its forward again: it is never recomputed
+    (planner.cost.model's evaluate leaves it out of a plan's recomputation, whose lists the runtime runs), and
+    its terms where it is recomputed are its plain ones, so that every count (of a set of units, or the matrices
+    of every unit recomputed) counts it as not recomputed: as its inputs (in_l, in^h_l, in^h'_l) what it saves
+    (nothing), and as what it and its neighbours share (o_k, o^h_k, o'_k, r_k) what they share where it is not
+    recomputed."""
+    holds = (costs.s > 0) | (costs.h > 0) | (costs.k > 0) | (costs.first != 0) | (costs.first_held != 0)
+    recomputable = (costs.t > 0) | ~costs.whole[:-1] | holds
+    again = np.where(recomputable, costs.f, 0.0)
+    for one in [costs, *costs.views.values()]:
+        one.recomputable, one.again, one.AGAIN = recomputable, again, np.concatenate([[0.0], np.cumsum(again)])
+        if not recomputable.all():
+            _plain_when_recomputed(one, ~recomputable)
+
+
+def _plain_when_recomputed(costs, plain: np.ndarray) -> None:
+    """The terms of the units in `plain` where recomputed: those where not (never_recomputed)."""
+    loss_saved = costs.inputs - costs.weight_inputs
+    costs.inputs = np.where(plain, costs.s, costs.inputs)
+    costs.weight_inputs = costs.inputs - loss_saved
+    held = costs.s - costs.dropped
+    costs.held_inputs = np.where(plain, held, costs.held_inputs)
+    costs.held_weight_inputs = np.where(plain, held, costs.held_weight_inputs)
+    costs.redo_dup = np.where(plain, 0.0, costs.redo_dup)
+    shares, held_shares, weight_shares = costs.shares.copy(), costs.held_shares.copy(), costs.weight_shares.copy()
+    for l in np.flatnonzero(plain):
+        for table in (shares, held_shares):  # [k, x, y]: x unit k - 1 recomputed, y unit k
+            table[l, :, 1] = table[l, :, 0]
+            if l + 1 < costs.num_units:
+                table[l + 1, 1, :] = table[l + 1, 0, :]
+        if l + 1 < costs.num_units:
+            weight_shares[l + 1, 1] = weight_shares[l + 1, 0]
+    costs.shares, costs.held_shares, costs.weight_shares = shares, held_shares, weight_shares

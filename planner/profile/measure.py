@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +49,9 @@ from planner.profile.saved import loss_saved_bytes
 from planner.profile.saved_storages import as_first, inner_counts, shared_saved
 from planner.profile.subnormal import flushed
 from planner.profile.timing import UnitCall
+
+# torch's warning where a gradient accumulated into a leaf is laid out otherwise than the leaf (AccumulateGrad)
+LAYOUT_NOTE = "grad and param do not obey the gradient layout contract"
 
 
 def _device_name(device: torch.device) -> str:
@@ -110,8 +114,14 @@ def profile_model(
             if run.mixed is not None:
                 run.mixed.install()
             try:
-                for b in sizes:
-                    _measure_size(run, b)
+                with warnings.catch_warnings():
+                    # a unit's timed backward accumulates into the profile's own leaves of its inputs, made to
+                    # time it and thrown away; a layer may lay their gradients out otherwise (batch_first
+                    # MultiheadAttention transposes them), and torch's note on it concerns those copies'
+                    # strides, not the model's parameters or the run
+                    warnings.filterwarnings("ignore", message=LAYOUT_NOTE, category=UserWarning)
+                    for b in sizes:
+                        _measure_size(run, b)
             finally:
                 if run.mixed is not None:
                     run.mixed.remove()  # the optimizer steps the fp32 masters

@@ -86,8 +86,9 @@ def frees_somewhere(costs) -> np.ndarray:
 def worth_recomputing(costs, schedule: str) -> np.ndarray:
     """[l]: whether `--recompute auto` weighs recomputing unit l (the program's variables, brute force's
     sets): it frees bytes in some stage (`frees_somewhere`), or the schedule is zero bubble, where a
-    unit's weight part holds other bytes (planner.cost.stage_memory)."""
-    return frees_somewhere(costs) | (schedule in ZERO_BUBBLE_SCHEDULES)
+    unit's weight part holds other bytes (planner.cost.stage_memory); never a unit whose backward needs
+    nothing (planner.cost.shared_storage.never_recomputed)."""
+    return (frees_somewhere(costs) | (schedule in ZERO_BUBBLE_SCHEDULES)) & costs.recomputable
 
 
 def recompute_tables(profile: Profile, b: int, opts: CostOptions) -> Tuple[List[np.ndarray], List[np.ndarray]]:

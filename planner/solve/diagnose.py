@@ -37,8 +37,9 @@ class InfeasibleError(Exception):
 
 
 class NoPlanInTime(Exception):
-    """The search stopped at its time limit before it found a plan, and did not prove that none
-    fits either (an InfeasibleError says that): more time may find one."""
+    """The search stopped before it found a plan, and did not prove that none fits either (an
+    InfeasibleError says that): at its time limit (more time may find one), or, under --replicate, at
+    more replica tuples than it searches one by one (the message says what to do)."""
 
 
 StageCostMatrix = Callable[[int], np.ndarray]  # s -> (L+1) x (L+1) matrix C_s[a, e], inf where e <= a

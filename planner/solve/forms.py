@@ -49,7 +49,7 @@ class StageTerms:
         L, S = profile.num_units, opts.num_stages
         self.L, self.S = L, S
         redo_all = opts.recompute == "all"
-        again = costs.F if redo_all else 0.0
+        again = costs.AGAIN if redo_all else 0.0
         ranks = [opts.rank_of_stage(g) for g in range(S)]
         device_speeds, links = rank_speeds(opts), boundary_links(opts)
         speeds = [device_speeds[ranks[g]] for g in range(S)]

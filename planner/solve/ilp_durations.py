@@ -44,14 +44,14 @@ class DurationRows(TieRows):
             units = [l for l in range(L) if self.may(l, g)]
             forward = c.call_forward * MS / sigma + pulp.lpSum(c.f[l] * MS / sigma * self.x(l, g) for l in units)
             backward = c.call_backward * MS / sigma + pulp.lpSum(
-                (c.g[l] + (c.f[l] if redo_all else 0.0)) * MS / sigma * self.x(l, g) for l in units)
-            backward += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+                (c.g[l] + (c.again[l] if redo_all else 0.0)) * MS / sigma * self.x(l, g) for l in units)
+            backward += pulp.lpSum(c.again[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
             self.term[("forward", g)] = self._define(f"F_{g}", forward)
             self.term[("backward", g)] = self._define(f"B_{g}", backward)
             if opts.schedule in ZERO_BUBBLE_SCHEDULES:
                 # planner.cost.ranges: a later stage's parts; the first stage's input part runs nothing
                 # and its weight part is its whole backward (a recomputed forward runs once, there)
-                redo = lambda l: c.f[l] if redo_all else 0.0  # noqa: E731  (recomputed in both parts)
+                redo = lambda l: c.again[l] if redo_all else 0.0  # noqa: E731  (recomputed in both parts)
                 # (so does a later stage starting where no input carries a gradient: whole_g, `_whole_start`)
                 later = {"backward_input": (c.gi, c.later_input), "backward_weight": (c.gw, c.later_weight)}
                 first = {"backward_input": (0.0 * c.g, c.first_input), "backward_weight": (c.g, c.first_call)}
@@ -67,7 +67,7 @@ class DurationRows(TieRows):
                         expr = call * MS / sigma + pulp.lpSum((per_unit[l] + again * redo(l)) * MS / sigma * self.x(l, g)
                                                               for l in units)
                         if again:
-                            expr += pulp.lpSum(c.f[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
+                            expr += pulp.lpSum(c.again[l] * MS / sigma * r for (l, gg), r in self.rho.items() if gg == g)
                         if name == "backward_weight" and not kind:
                             expr += self._walk(g, units) * (MS / sigma)
                         expressions.append(expr)

@@ -56,7 +56,7 @@ class RankSpans:
         if zero_bubble:
             ends = fill
         else:
-            redo = costs.F if opts.recompute == "all" else 0.0
+            redo = costs.AGAIN if opts.recompute == "all" else 0.0
             ends = fill + crossings_before(costs, opts, ("grad",)) + \
                 (costs.G[None, :] + redo + g0s * costs.call_backward) / fastest
 
@@ -118,7 +118,7 @@ def least_work(costs: RangeCosts, opts: CostOptions) -> Tuple[np.ndarray, float]
     what a stage's calls add at least): forward and backward with the recomputed forward under 'all'; zero-bubble
     lists each unit's cheaper backward case (whole, or both parts each with the recomputed forward) and the
     cheaper of the first stage's and a later stage's calls (planner.cost.ranges)."""
-    redo_l = costs.f if opts.recompute == "all" else np.zeros(len(costs.f))
+    redo_l = costs.again if opts.recompute == "all" else np.zeros(len(costs.f))
     if opts.schedule in ZERO_BUBBLE_SCHEDULES:
         per_unit = np.minimum(costs.g + redo_l, costs.gi + costs.gw + 2 * redo_l)
         return costs.F + prefix_sums(per_unit), costs.call_forward + min(costs.first_input + costs.first_call,

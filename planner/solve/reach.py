@@ -42,7 +42,7 @@ def stage_conditions(costs: RangeCosts, num_stages: int, speeds: Sequence[float]
     S = num_stages
     fastest = max(speeds)
     work = (costs.F + costs.G) / fastest
-    redo = costs.F if recompute_all else 0.0
+    redo = costs.AGAIN if recompute_all else 0.0
     limit = bound * (1 + 1e-9) + 1e-15
     valid = np.isfinite(costs.matrix(costs.F))
     ok = [valid.copy() if within is None else valid & within[g] for g in range(S)]

@@ -24,21 +24,21 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, evaluate, fixed_bytes,
-                                num_micro_batches, rank_caps)
+from planner.cost.model import (candidate_micro_batch_sizes, compute_profile, evaluate, num_micro_batches,
+                                rank_caps)
 from planner.cost.options import CostOptions
 from planner.cost.ranges import range_costs
 from planner.cost.ties import tied_weights
 from planner.pipeline.schedule import ONE_STAGE_SCHEDULES
 from planner.profile.profile import Profile
-from planner.sizes import format_bytes
-from planner.solve.diagnose import InfeasibleError, NoPlanInTime
+from planner.solve.diagnose import NoPlanInTime
 from planner.solve.floors import OutOfTime
 from planner.solve.replica_tables import (ReplicaSplit, ReplicaTables, TupleTables, replica_tuples,
                                           replicates_running_stats)
 from planner.solve.solution import OPTIMALITY_GAP, Solution
 from planner.solve.recompute import cheapest_recompute
 from planner.solve.replica_polish import polished
+from planner.solve.replica_refusals import infeasible, no_plan_in_time, too_many_tuples
 from planner.solve.replica_search import ReplicaSearch
 
 
@@ -61,36 +61,6 @@ def check_replicable(profile: Profile, opts: CostOptions) -> None:
         raise ValueError("--replicate does not model a heterogeneous --cluster; drop one of them")
     if tied_weights(profile):  # frozen ones too: each rank holds one copy
         raise ValueError("--replicate does not model tied (shared) parameters; solve this profile without --replicate")
-
-
-def _infeasible(profile: Profile, opts: CostOptions, devices: int, sizes: List[int],
-                deadline: Optional[float] = None) -> InfeasibleError:
-    """Why no replicated plan fits, with the least memory one needs (its tables: past `deadline`, said
-    without it)."""
-    if not sizes:
-        return InfeasibleError(f"no profiled micro-batch size ({', '.join(map(str, profile.micro_batch_sizes))}) "
-                               f"divides the global batch {opts.global_batch} over {opts.data_parallel} "
-                               "data-parallel replicas; change --global-batch")
-    least = None  # (memory, b)
-    try:
-        for b in sizes:
-            value, plan = ReplicaTables(profile, b, opts, devices, deadline=deadline).min_memory()
-            if plan is not None and (least is None or value < least[0]):
-                least = (value + fixed_bytes(profile, opts), b)
-    except OutOfTime:
-        cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
-        return InfeasibleError(f"the replicated search found no plan on {devices} devices within {cap} per device "
-                               "(the least memory one needs was not computed within the time limit); allow more "
-                               "memory or use more --stages")
-    if least is None:
-        return InfeasibleError(f"no replicated plan fills {devices} devices: at most {profile.num_units} stages "
-                               "with no more replicas than micro-batches each; use fewer --stages or a larger "
-                               "--global-batch")
-    cap = format_bytes(opts.memory_cap) if opts.memory_cap is not None else "unlimited memory"
-    return InfeasibleError(f"the replicated search found no plan on {devices} devices within {cap} per device; "
-                           f"one fits in {format_bytes(least[0])} (micro-batch size {least[1]}): allow at least "
-                           f"{format_bytes(least[0])} ({math.ceil(least[0])} bytes) or use more --stages",
-                           min_memory_bytes=least[0])
 
 
 def _recompute_of(profile: Profile, tables: ReplicaTables, plan: ReplicaSplit, b: int, opts: CostOptions,
@@ -147,15 +117,17 @@ def solve_replicated(profile: Profile, opts: CostOptions, scenarios: Optional[Li
         return dataclasses.replace(enumerated, seconds=time.perf_counter() - started)
     plain, complete = _unreplicated(profile, scenarios, None if time_limit is None else UNREPLICATED_SHARE * time_limit)
     closed_end = None if time_limit is None else started + CLOSED_FORM_SHARE * time_limit
-    best, searched_all = _closed_form(profile, scenarios, closed_end)
+    best, searched_all, unsearched_tuples = _closed_form(profile, scenarios, closed_end)
     complete = complete and searched_all
     if not searched_all:  # a search cut short: every device one stage's replica (data parallel) too
         best = _better(best, _one_stage(profile, scenarios, deadline))
     if best is None and plain is None:
+        if unsearched_tuples:  # more time would not search them: say what would
+            raise too_many_tuples(unsearched_tuples, MAX_TUPLES, opts.pipeline_ranks)
         if not complete:
-            raise _no_plan_in_time(time_limit)
+            raise no_plan_in_time(time_limit)
         sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-        raise _infeasible(profile, opts, opts.pipeline_ranks, sizes, deadline)
+        raise infeasible(profile, opts, opts.pipeline_ranks, sizes, deadline)
     if best is None or (plain is not None and plain.objective < best.value):
         chosen, b, redo, boundaries = plain.options, plain.micro_batch_size, plain.recompute, plain.boundaries
     else:
@@ -178,11 +150,6 @@ def _certified(objective: float, bound: float) -> Tuple[str, float, float]:
     return "feasible", bound, gap
 
 
-def _no_plan_in_time(time_limit: Optional[float]) -> NoPlanInTime:
-    return NoPlanInTime(f"no replicated plan found within the time limit of {time_limit:g} s, and none proven "
-                        "impossible either; allow more time (--time-limit)")
-
-
 def _better(best: Optional[_Found], other: Optional[_Found]) -> Optional[_Found]:
     return other if best is None or (other is not None and other.value < best.value) else best
 
@@ -194,9 +161,10 @@ def _busy_bound(profile: Profile, scenarios: List[CostOptions]) -> float:
 
 
 def _closed_form(profile: Profile, scenarios: List[CostOptions], end: Optional[float]
-                 ) -> Tuple[Optional[_Found], bool]:
+                 ) -> Tuple[Optional[_Found], bool, int]:
     """The fill-drain form's searches (module docstring) over the scenarios and micro-batch sizes, each
-    plan judged by the exact model: (the best plan that fits, whether every search was complete). Past
+    plan judged by the exact model: (the best plan that fits, whether every search was complete, the
+    replica tuples left unsearched for being more than MAX_TUPLES: 0 where none was). Past
     `end` (time.perf_counter()) each search stops with the plan it has; every pass gets an equal share
     of the time left, and what one leaves goes to those after it."""
     jobs = []  # (scenario, b, auto, bounded)
@@ -271,10 +239,11 @@ def _closed_form(profile: Profile, scenarios: List[CostOptions], end: Optional[f
             value = cost.iteration_s
             if cost.feasible and (best is None or value < best.value):
                 best = _Found(value, lower.best, size, other, redo)
+    unsearched = 0
     if best is None and possible:  # the bounds of the held counts and messages left no plan: exact, tuple by tuple
-        best, tuples_done = _by_tuple(profile, possible, end)
+        best, tuples_done, unsearched = _by_tuple(profile, possible, end)
         complete = complete and tuples_done
-    return best, complete
+    return best, complete, unsearched
 
 
 def _one_stage(profile: Profile, scenarios: List[CostOptions], deadline: Optional[float]) -> Optional[_Found]:
@@ -329,7 +298,7 @@ def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions
             complete = complete and one.status == "optimal"  # else stopped at the deadline
             found.append(one)
     if not found:  # as the search says it (`opts`: the options asked for)
-        raise _infeasible(profile, opts, opts.pipeline_ranks,
+        raise infeasible(profile, opts, opts.pipeline_ranks,
                           candidate_micro_batch_sizes(profile, opts.global_batch, opts))
     best = min(found, key=lambda f: f.objective)
     if not complete:  # the enumeration was stopped: the plan is the best simulated, the bound the busy time's
@@ -341,30 +310,32 @@ def _enumerated(profile: Profile, opts: CostOptions, scenarios: List[CostOptions
 MAX_TUPLES = 512  # replica tuples searched one by one (TupleTables) when the bounded tables find no plan
 
 
-def _by_tuple(profile: Profile, searched, end: Optional[float] = None) -> Tuple[Optional[_Found], bool]:
+def _by_tuple(profile: Profile, searched, end: Optional[float] = None) -> Tuple[Optional[_Found], bool, int]:
     """The fill-drain form's optimum over every replica tuple with its exact memory (TupleTables),
     when the bounded tables found no plan under the cap: their held counts and messages are bounded
     over every tuple at once (ReplicaTables), so a plan that fits only just may lie between their
-    two searches. None when nothing fits or there are more than MAX_TUPLES tuples. `searched`: the
-    (scenario, b) not proven to have no plan by the relaxed tables (the least held counts, no messages).
-    Past `end` (time.perf_counter()) the best found so far; (the plan, whether every tuple was searched)."""
+    two searches. None when nothing fits or there are more than MAX_TUPLES tuples (then none is
+    searched: not a proof that none fits). `searched`: the (scenario, b) not proven to have no plan by
+    the relaxed tables (the least held counts, no messages). Past `end` (time.perf_counter()) the best
+    found so far; (the plan, whether every tuple was searched, the tuples left unsearched for being
+    more than MAX_TUPLES)."""
     jobs = [(scenario, b, auto, reps) for scenario, b, auto in searched
             for S in range(1, min(scenario.pipeline_ranks, profile.num_units) + 1)
             for reps in replica_tuples(scenario.pipeline_ranks, S, min(scenario.pipeline_ranks,
                                                                        num_micro_batches(scenario, b)))]
     if len(jobs) > MAX_TUPLES:
-        return None, True
+        return None, False, len(jobs)
     best: Optional[_Found] = None
     closed = math.inf  # the least fill-drain value found: a tuple that cannot beat it is pruned
     for scenario, b, auto, reps in jobs:
         try:
             tables = TupleTables(profile, b, scenario, reps, deadline=end)
         except OutOfTime:
-            return best, False
+            return best, False, 0
         search = ReplicaSearch(tables, closed)
         search.run()
         if search.stopped:
-            return best, False
+            return best, False, 0
         if search.best is None:
             continue
         redo = _recompute_of(profile, tables, search.best, b, scenario, auto)
@@ -373,7 +344,7 @@ def _by_tuple(profile: Profile, searched, end: Optional[float] = None) -> Tuple[
             closed = min(closed, search.U)
             if best is None or cost.iteration_s < best.value:
                 best = _Found(cost.iteration_s, search.best, b, scenario, redo)
-    return best, True
+    return best, True, 0
 
 
 def _unreplicated(profile: Profile, scenarios: List[CostOptions], time_limit: Optional[float] = None

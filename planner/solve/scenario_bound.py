@@ -66,14 +66,14 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
     m, S, p = num_micro_batches(opts, b), opts.num_stages, opts.pipeline_ranks
     speeds = rank_speeds(opts)
     fastest = max(speeds)
-    redo = costs.F if opts.recompute == "all" else 0.0
+    redo = costs.AGAIN if opts.recompute == "all" else 0.0
     L = profile.num_units
     call = costs.call_forward + costs.call_backward
     if opts.schedule in ZERO_BUBBLE_SCHEDULES:  # planner.cost.ranges: the parts of a later and of the first stage
         # what one micro-batch's crossing waits for, past the first stage (recomputed forwards run in both
         # parts); a unit a stage whose input part runs nothing may hold (one starting at or before it at a
         # cut no gradient crosses, ranges' `whole`) adds nothing to it
-        redo_l = costs.f if opts.recompute == "all" else np.zeros(L)
+        redo_l = costs.again if opts.recompute == "all" else np.zeros(L)
         whole_from = next((a for a in range(1, L) if costs.whole[a]), L)
         crossing_part = np.where(np.arange(L) < whole_from, costs.gi + redo_l, 0.0)
         chain = costs.F + prefix_sums(crossing_part)

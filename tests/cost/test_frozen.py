@@ -121,3 +121,33 @@ def test_a_stage_whose_input_needs_no_gradient_splits_its_backward_as_the_first_
         for e in range(a + 1, 5):
             assert backward_input[a, e] == pytest.approx(c.backward_input(a, e))
             assert backward_weight[a, e] == pytest.approx(c.backward_weight(a, e))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_recompute_all_leaves_a_unit_without_a_backward_alone(schedule):
+    # unit 0 (the frozen embedding) trains nothing, reads no value carrying a gradient and saves nothing: its
+    # backward needs nothing. Under --recompute all every solver recomputed it all the same (its forward, 50 ms here, run again
+    # and its inputs kept); now none does, and a plan and its bound are those of every other unit recomputed
+    from planner.solve.brute import solve_brute
+    from planner.solve.replicas import busy_bound
+    from planner.solve.scenario_bound import scenario_lower_bound
+
+    profile = _profile(TRAINABLE)
+    nothing = {1: 0, 2: 0}  # (autograd builds no graph for it)
+    profile = dataclasses.replace(profile, units=[dataclasses.replace(profile.units[0], forward_s={1: 5e-2, 2: 5e-2},
+                                                                      saved_bytes=nothing, weight_held_bytes=nothing),
+                                                  *profile.units[1:]])
+    opts = _opts(data_parallel=1, schedule=schedule, recompute="all")
+    others = evaluate(profile, [2], 2, opts, [1, 2, 3])
+    every = evaluate(profile, [2], 2, opts, [0, 1, 2, 3])
+    assert [st.recompute for st in every.stages] == [[1], [2, 3]]
+    assert every.iteration_s == others.iteration_s and every.device_memory == others.device_memory
+    oracle = solve_brute(profile, opts)
+    # the bounds of every plan (they charged its forward again: 0.416 s against a 0.254 s optimum under 1f1b)
+    assert scenario_lower_bound(profile, 2, opts) <= oracle.objective * (1 + 1e-9)
+    assert busy_bound(profile, 2, opts) <= oracle.objective * (1 + 1e-9)
+    for method in ("ilp", "dp"):
+        found = solve(profile, opts, method=method)
+        assert 0 not in [l for st in found.cost.stages for l in st.recompute]
+        assert found.objective == pytest.approx(oracle.objective, rel=1e-9) or method == "dp"
+        assert found.bound <= oracle.objective * (1 + 1e-9)

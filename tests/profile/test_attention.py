@@ -49,3 +49,23 @@ def test_hf_config_follows_overrides_and_default_attention():
     assert config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="attn_implementation 'flash_attention_2'"):
         build_spec("hf:LlamaForCausalLM", dict(LLAMA, seq_len=8, attn_implementation="flash_attention_2"), 0)
+
+
+def test_profiling_batch_first_multihead_attention_emits_no_layout_warning():
+    # a latent expanded over the batch crosses a cut as the query of batch_first MultiheadAttention layers: the
+    # profile times each unit's backward into its own leaves of the unit's inputs, whose gradients the layer lays
+    # out transposed, and `planner profile` printed torch's "gradient layout contract" UserWarning about them
+    import warnings
+
+    from planner.profile.measure import profile_model
+
+    before = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # (torch warns once a process: always here, whatever ran before)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            profile = profile_model("tests.models:latent_attention", {}, [2], repeats=1)
+    finally:
+        torch.set_warn_always(before)
+    assert [u.name for u in profile.units] == ["embed", "attention.0", "attention.1"]
+    assert not [w for w in seen if "gradient layout contract" in str(w.message)]

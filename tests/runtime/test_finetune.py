@@ -73,3 +73,24 @@ def test_lora_llama_trains_like_one_process_and_saves_its_adapters(tmp_path, sch
         assert plan.stages[1].memory_bytes["weight_held_per_micro_batch"] == profile.units[3].weight_held_bytes[1]
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_recompute_all_leaves_a_frozen_embedding_alone(tmp_path, schedule):
+    # the embedding trains nothing and reads integer tokens: its backward computes nothing. Under --recompute
+    # all it was recomputed all the same, keeping its tokens (128 B a micro-batch) and running its forward again
+    # for nothing; the plan now recomputes every other unit, and the ranks hold what it says and train exactly
+    from planner.cost.options import CostOptions
+    from planner.plan.make import make_plan
+    from planner.solve.api import solve
+    from tests.support.runs import assert_trains_like_one_process
+
+    entry = "tests.models:frozen_embedding_lm"
+    profile = profile_of(entry, sizes=(2,))
+    assert [u.trainable_bytes > 0 for u in profile.units] == [False, True, True, True, True]
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule=schedule, recompute="all")
+    plan = make_plan(profile, solve(profile, opts), opts, "")
+    assert [name for st in plan.stages for name in st.recompute] == [u.name for u in profile.units[1:]]
+    assert_trains_like_one_process(plan, tmp_path, entry, steps=2)
+    for rank in report_of(tmp_path)["stages"]:
+        assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank

@@ -445,6 +445,26 @@ def test_no_plan_is_said_without_searching_every_tuple():
     assert built == []
 
 
+@pytest.mark.parametrize("seed,cap", [(2757, 20469432.0), (4065, 25284770.0)])
+def test_tuples_too_many_to_search_are_not_said_infeasible(monkeypatch, seed, cap):
+    # the bounded tables find no plan and only the exact tables of each replica tuple find the one that
+    # fits (as in the test above); with more tuples than MAX_TUPLES none is searched, and the solve said
+    # "infeasible" (with a least memory above the cap the plan fits in): now one line that none was found
+    # and none proven impossible, and what to do
+    import planner.solve.replicas as replicas
+    from planner.solve.diagnose import NoPlanInTime
+
+    profile, opts = _fuzz_case(seed, cap)
+    assert solve_brute_replicated(profile, opts).cost.feasible
+    monkeypatch.setattr(replicas, "MAX_TUPLES", 1)
+    with pytest.raises(NoPlanInTime) as refused:
+        solve_replicated(profile, opts)
+    said = str(refused.value)
+    assert not isinstance(refused.value, InfeasibleError) and "\n" not in said
+    assert "too many to search exhaustively (at most 1)" in said and "none proven impossible" in said
+    assert "allow more memory per device" in said
+
+
 def test_replicate_takes_shard_auto_on_one_replica(tmp_path, capsys):
     # `solve --stages N --replicate --shard auto` (no --devices: d = 1, so shard none): before the fix its
     # scenarios kept shard 'auto' and the cost model refused it ("cost a plan with a concrete shard");
