@@ -1,8 +1,9 @@
 """Pipeline schedules as data: one instruction list per pipeline rank, built by pure functions.
 
 A schedule decides the order of each rank's forwards and backwards (the builders below);
-planner.pipeline.messages adds the messages between ranks, one rule for every schedule, so that
-the lists cannot deadlock under NCCL's rules (planner.pipeline.check proves it for each plan).
+planner.pipeline.messages adds the messages between ranks, one rule for every schedule but
+replicated stages' 1F1B (planner.pipeline.pulled), so that the lists cannot deadlock under NCCL's
+rules (planner.pipeline.check proves it for each plan).
 The engine executes the lists in order; planner.pipeline.stepgraph says what that costs.
 """
 from __future__ import annotations
