@@ -64,7 +64,8 @@ def place_pulled_messages(orders: Sequence[Sequence[Action]], num_stages: int, p
         for n, (k, message) in enumerate(remote):
             if message in served:
                 continue
-            ready = [later for _, later in remote[n + 1:] if later not in served and made_at[later] <= leave[r][k] + _TIE]
+            ready = [later for _, later in remote[n + 1:]
+                     if later not in served and made_at[later] <= leave[r][k] + _TIE]
             for taken in [message] + ready:
                 served.add(taken)
                 meets[taken] = leave[r][k]
