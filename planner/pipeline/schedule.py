@@ -1,8 +1,9 @@
 """Pipeline schedules as data: one instruction list per pipeline rank, built by pure functions.
 
 A schedule decides the order of each rank's forwards and backwards (the builders below);
-planner.pipeline.messages adds the messages between ranks, one rule for every schedule, so that
-the lists cannot deadlock under NCCL's rules (planner.pipeline.check proves it for each plan).
+planner.pipeline.messages adds the messages between ranks, one rule for every schedule but
+replicated stages' 1F1B (planner.pipeline.pulled), so that the lists cannot deadlock under NCCL's
+rules (planner.pipeline.check proves it for each plan).
 The engine executes the lists in order; planner.pipeline.stepgraph says what that costs.
 """
 from __future__ import annotations
@@ -12,7 +13,9 @@ import functools
 from typing import List, Sequence
 
 from planner.pipeline.actions import Action, ActionKind  # noqa: F401  (the lists' vocabulary, re-exported)
+from planner.pipeline.check import check_pair_order
 from planner.pipeline.messages import place_messages
+from planner.pipeline.pulled import place_pulled_messages
 from planner.pipeline.stepgraph import StepGraph
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES, v_placement, zero_bubble_orders
 
@@ -189,7 +192,7 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
                              "(the micro-batch count)")
         offsets = [sum(stage_replicas[:g]) for g in range(num_stages)]
         return _replicated_lists(replicated(name, stage_replicas, num_micro_batches), stage_replicas,
-                                 lambda g, i: offsets[g] + i % stage_replicas[g])
+                                 lambda g, i: offsets[g] + i % stage_replicas[g], pulled=name == "1f1b")
     if num_stages % virtual_stages:
         raise ValueError(f"{num_stages} stages do not divide into {virtual_stages} virtual stages per device")
     p = num_stages // virtual_stages
@@ -223,13 +226,25 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, virtual_s
     return place_messages(orders, num_stages, lambda g, i: ranks[g])
 
 
-def _replicated_lists(orders: List[List[Action]], stage_replicas: Sequence[int], position) -> List[List[Action]]:
+def _replicated_lists(orders: List[List[Action]], stage_replicas: Sequence[int], position,
+                      pulled: bool = False) -> List[List[Action]]:
     """Messages placed for replicated stages: a replicated stage's ranks are busy r_g times as long
-    per micro-batch, so the replay weighs stage g by r_g; of the two placements (senders post at once,
-    or wait for the busy receiver's point), the one whose step under those weights and NCCL's rules
-    is shorter (the first on a tie)."""
+    per micro-batch, so the replay weighs stage g by r_g. 1F1B (`pulled`): planner.pipeline.pulled's
+    rule (receive when needed, send just before the receiver asks), whose every result passes
+    check_schedule's pair order and step graph here. GPipe, or were a pulled result ever refused: of
+    the two placements of planner.pipeline.messages (senders post at once, or wait for the busy
+    receiver's point), the one whose step under those weights and NCCL's rules is shorter (the first
+    on a tie)."""
     S = len(stage_replicas)
     weights = [float(r) for r in stage_replicas]
+    if pulled:
+        lists = place_pulled_messages(orders, S, position, weights)
+        try:
+            check_pair_order(lists, position)
+            StepGraph(lists, position)
+            return lists
+        except ValueError:
+            pass
     value = {("forward", g): w for g, w in enumerate(weights)}
     value.update({("backward", g): 2 * w for g, w in enumerate(weights)})
     best = None

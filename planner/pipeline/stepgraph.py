@@ -35,7 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from planner.pipeline.actions import BACKWARD_KINDS, COMM_KINDS, SENDS, Action, ActionKind, message_of
+from planner.pipeline.actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, SENDS, Action, ActionKind, message_of
 
 Term = Tuple
 Position = Callable[[int, int], int]  # (stage, micro-batch) -> pipeline rank
@@ -257,7 +257,9 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
                   backward (what the weight gradients still need);
     ("sent_act", g) / ("sent_grad", g) stage g's outputs (the gradients of its inputs) posted in a
                   batch of sends only and not yet waited for: they are held until the rank's next
-                  batch (a send in a batch with receives is done before the next compute).
+                  batch (a send in a batch with receives is done before the next compute); and those
+                  whose send comes only after a later compute (planner.pipeline.pulled), held from
+                  that compute on until their send is done.
 
     Memory at a moment is the sum of count x bytes per micro-batch of each term, so the peak memory
     of any sizes is the largest of these vectors' sums."""
@@ -271,19 +273,56 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
         peaks[:] = [p for p in peaks if not all(snapshot.get(k, 0) >= v for k, v in p.items())]
         peaks.append(snapshot)
 
+    sent = {message_of(a) for a in actions if a.kind in SENDS}
+    posted: List[Term] = []  # the terms of the last batch of sends only, until the next batch waits for it
+    fresh: List[Tuple] = []  # (message, term) made by the last compute and not yet posted
+    unsent: Dict[Tuple, Term] = {}  # message -> term: made before the last compute, not yet posted
     for item in batches_of(actions):
         if isinstance(item, tuple):
-            for term in [t for t in counts if t[0] in ("sent_act", "sent_grad")]:
-                counts[term] = 0  # the sends of the batch before are waited for first (runtime.engine drains them
-                # before it makes this batch's buffers)
-            if all(a.kind in SENDS for a in item):
-                for a in item:
-                    counts[("sent_act" if a.kind is ActionKind.SEND_ACT else "sent_grad", a.stage)] += 1
+            for term in posted:  # the sends of the batch before are waited for first (runtime.engine
+                counts[term] -= 1  # drains them before it makes this batch's buffers)
+            posted = []
+            only_sends = all(a.kind in SENDS for a in item)
+            done: List[Term] = []  # held sends this batch completes before the next compute
+            for a in item:
+                if a.kind not in SENDS:
+                    continue
+                message, term = message_of(a), _sent_term(a)
+                if message in unsent:  # already counted since a later compute
+                    del unsent[message]
+                    (posted if only_sends else done).append(term)
+                elif only_sends:
+                    counts[term] += 1
+                    posted.append(term)
+            fresh = [(m, t) for m, t in fresh if m not in {message_of(a) for a in item}]
         for a in (item if isinstance(item, tuple) else (item,)):
+            if a.kind in COMPUTE_KINDS:
+                for message, term in fresh:  # a compute runs before their send: they are held
+                    unsent[message] = term
+                    counts[term] += 1
+                fresh = []
             _hold(a, counts, record)
+            made = _made(a)
+            if made is not None and made[0] in sent:
+                fresh.append(made)
         if isinstance(item, tuple):
+            for term in done:
+                counts[term] -= 1
             record()  # what arrived and what was posted, held while the next compute starts
     return peaks
+
+
+def _sent_term(send: Action) -> Term:
+    return ("sent_act" if send.kind is ActionKind.SEND_ACT else "sent_grad", send.stage)
+
+
+def _made(a: Action) -> Optional[Tuple[Tuple[str, int, int], Term]]:
+    """(message, held_peaks term) of the value compute `a` makes for another stage, if it can make one."""
+    if a.kind is ActionKind.FORWARD:
+        return ("act", a.stage, a.micro_batch), ("sent_act", a.stage)
+    if a.kind in BACKWARD_KINDS and a.stage > 0:
+        return ("grad", a.stage - 1, a.micro_batch), ("sent_grad", a.stage)
+    return None
 
 
 def _hold(a: Action, counts: Counter, record: Callable[[], None]) -> None:
