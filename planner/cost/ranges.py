@@ -88,7 +88,8 @@ recomputation: saved(a, e) = sum_{a<=l<e} (s_l - d_l) + d_a, a prefix and a term
 `saved_at_start`).
 
 (k^f, k^b: the profile's per-stage call cost at b; in_l: activation bytes crossing cut l (in_0 = 0)
-and the bytes of the model's inputs unit l reads, and for the last unit the bytes the loss saves (the
+and the bytes of the model's inputs unit l reads, each storage once (views of one storage inside a stage;
+apart where a stage starts: shared_storage.kept_inputs), and for the last unit the bytes the loss saves (the
 loss runs on the stage's output, outside a recomputation: its input and target stay held);
 o_l: the profiled optimizer step of unit l.) Cut k's messages: act(k) bytes forward, grad(k)
 bytes of gradients backward; a message of n bytes over a link (bandwidth, latency) takes
@@ -178,17 +179,15 @@ class RangeCosts:
         # act[k], grad[k]: bytes crossing cut k, k = 0 .. L (0 at both ends: nothing crosses them)
         self.act = np.array([0.0] + [c.activation_bytes(b) for c in cuts] + [0.0], dtype=float)
         self.grad = np.array([0.0] + [c.gradient_bytes(b) for c in cuts] + [0.0], dtype=float)
-        # in_l: what a recomputed unit l keeps, its inputs: the activations crossing cut l and the
-        # model's inputs it reads; the last unit also what the loss saves (it runs after the stage,
-        # outside the recomputation)
+        # what a recomputed unit l keeps where it starts a stage, its inputs as received: the activations
+        # crossing cut l and the model's inputs it reads; the last unit also what the loss saves (it runs after
+        # the stage, outside the recomputation). in_l, in'_l (inputs, weight_inputs: inside a stage, each storage
+        # once; of them, what a later stage's recomputed unit holds after its input part, which ran the loss's
+        # backward), d_k, x_l, d^h_k, d'_k, r_k, in^h_l, in^h'_l, the shares o_k of neighbours and the gaps of
+        # units apart: planner.cost.shared_storage.storage_terms
         loss_saved = np.array([u.loss_saved_bytes.get(b, 0) for u in units], dtype=float)
-        self.inputs = self.act[:-1] + np.array([u.input_bytes.get(b, 0) for u in units], dtype=float) + loss_saved
-        # of in_l, what a later stage's recomputed unit still holds after its input part (which ran
-        # the loss's backward and freed what the loss saved) until its weight part
-        self.weight_inputs = self.inputs - loss_saved
-        # d_k, x_l, d^h_k, d'_k, r_k, in^h_l, in^h'_l, the shares o_k of neighbours and the gaps of units apart
-        # (planner.cost.shared_storage.storage_terms)
-        vars(self).update(storage_terms(units, b, self.s, self.inputs, loss_saved))
+        self.received_inputs = self.act[:-1] + np.array([u.input_bytes.get(b, 0) for u in units], float) + loss_saved
+        vars(self).update(storage_terms(units, b, self.s, self.received_inputs, loss_saved))
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))
         self.T = prefix_sums(self.t)
         # floating-point buffer bytes (local SGD averages them too; 0 where the profile has none)

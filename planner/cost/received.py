@@ -109,8 +109,11 @@ def _seen(unit, b: int, apart: Optional[Dict[str, Dict[str, int]]], first: bool)
         counts["saved_bytes"] = {**unit.saved_bytes, b: unit.saved_bytes[b] - less}
         if unit.split_backward:
             counts["weight_held_bytes"] = {**unit.weight_held_bytes, b: unit.weight_held_bytes[b] - held_less}
+    # the storages it receives apart are no longer views of one storage among its arguments (in_l as received)
+    parts = {**unit.received_parts, b: {x: v for x, v in unit.received_parts[b].items() if x not in apart}} \
+        if apart else unit.received_parts
     return dataclasses.replace(
-        unit, shared_saved_bytes={b: shared}, recomputed_shared_bytes={b: kept} if kept else {},
+        unit, received_parts=parts, shared_saved_bytes={b: shared}, recomputed_shared_bytes={b: kept} if kept else {},
         weight_shared_bytes={} if held is None else {b: held},
         dropped_saved_bytes={b: dropped} if b in unit.dropped_saved_bytes else {}, **counts)
 
@@ -144,7 +147,7 @@ def views(costs, profile: Profile) -> Dict[int, object]:
         s, h = costs.s.copy(), costs.h.copy()
         s[lo:hi] = [u.saved_bytes[b] for u in window]
         h[lo:hi] = [u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in window]
-        terms = storage_terms(window, b, s[lo:hi], costs.inputs[lo:hi], loss_saved[lo:hi])
+        terms = storage_terms(window, b, s[lo:hi], costs.received_inputs[lo:hi], loss_saved[lo:hi])
         view = copy.copy(costs)
         for name, value in terms.items():
             if name in ("gaps", "held_gaps"):

@@ -130,14 +130,37 @@ def gap_shares(units, b: int, held: bool = False):
     return [(l, j, x) for (l, j), x in sorted(out.items()) if x]
 
 
-def storage_terms(units, b: int, s: np.ndarray, inputs: np.ndarray, loss_saved: np.ndarray) -> Dict[str, Any]:
-    """planner.cost.ranges.RangeCosts' terms of the storages units save, of `units` at b (s_l, in_l and what the
-    loss saves, per unit, given): dup (d_k), dropped (x_l), held_dup (d^h_k), weight_dup (d'_k), redo_dup (r_k),
+def kept_inputs(units, b: int, received: np.ndarray) -> np.ndarray:
+    """in_l, what a recomputed unit l keeps inside a stage (its checkpoint's arguments, each storage once), from
+    `received`, the same as a stage starting at l receives them (each value a storage of its own: the bytes of
+    the values crossing cut l, the model inputs it reads, what the loss saves). Arguments viewing one storage X
+    (UnitProfile.received_parts: an unrolled LSTM's x and its step x[:, t], a block's sequence and its class
+    token) are X once inside, kept[X] bytes (recomputed_shared_bytes), where received they are each view's bytes:
+    a recomputed LSTM step planned 64 bytes a micro-batch more than its rank held. And a view of part of X alone
+    (a head reading the last block's class token) keeps all of X: 192 bytes a micro-batch more than planned. Where
+    a unit before holds X under another name (its x, where the view's reader names X after the view), X counts
+    twice: an over-count, never under. A stage starting where such views arrive apart sees the unit without them
+    (planner.cost.received) and counts `received`."""
+    out = np.array(received, dtype=float)
+    for l, unit in enumerate(units):
+        kept = unit.recomputed_shared_bytes.get(b) or {}
+        for x, views in (unit.received_parts.get(b) or {}).items():
+            if x in kept:
+                out[l] += kept[x] - sum(views.values())
+    return out
+
+
+def storage_terms(units, b: int, s: np.ndarray, received: np.ndarray, loss_saved: np.ndarray) -> Dict[str, Any]:
+    """planner.cost.ranges.RangeCosts' terms of the storages units save, of `units` at b (s_l, what a recomputed
+    unit keeps where it starts a stage and what the loss saves, per unit, given): inputs and weight_inputs (in_l,
+    in'_l: `kept_inputs`), dup (d_k), dropped (x_l), held_dup (d^h_k), weight_dup (d'_k), redo_dup (r_k),
     held_inputs and held_weight_inputs (in^h_l, in^h'_l), shares, held_shares, weight_shares (o_k, o^h_k, o'_k by
     which of units k - 1, k are recomputed), gaps and held_gaps (module docstring). Index k = 0 holds 0."""
     L = len(units)
     pairs = range(1, L)
     out: Dict[str, Any] = {}
+    out["inputs"] = inputs = kept_inputs(units, b, received)
+    out["weight_inputs"] = inputs - loss_saved
     # d_k: bytes units k - 1 and k both save
     out["dup"] = dup = np.array([0.0] + [shared(units[k - 1], units[k], b) for k in pairs], dtype=float)
     # x_l: of s_l, what autograd frees as the forward returns (no node its outputs reach saves it): counted as

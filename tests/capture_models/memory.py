@@ -1,6 +1,7 @@
 """Test models for what crosses a cut and what a stage saves: an alias beside its tensor, a table
 two layers save, values made from parameters alone (a gate, a conditioning, a text tower), a view
-of a parameter passed on, one storage saved two units apart."""
+of a parameter passed on, one storage saved two units apart, a recurrent cell's steps and class-token blocks reading
+a sequence and a view of it."""
 from __future__ import annotations
 
 import torch
@@ -242,3 +243,73 @@ class Broadcast(nn.Module):
 def broadcast(dim: int = 8) -> ModelSpec:
     torch.manual_seed(8)
     return to_random_targets(Broadcast(dim), dim, 3, 1)
+
+
+class _CellStep(nn.Module):
+    """One time step of a recurrent cell that every step shares."""
+
+    def __init__(self, cell: nn.Module, lstm: bool):
+        super().__init__()
+        self.cell, self.lstm = cell, lstm
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor):
+        return self.cell(x, (h, c)) if self.lstm else (self.cell(x, h), c)
+
+
+class Unrolled(nn.Module):
+    """An unrolled LSTM (GRU) cell, one unit per time step, all steps one cell's weights: each step reads the
+    projected sequence and its own step of it, x[:, t], a view of that one storage (recomputed, a step keeps
+    both: one storage inside a stage, two where received)."""
+
+    def __init__(self, dim: int, steps: int, lstm: bool):
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        cell = nn.LSTMCell(dim, dim) if lstm else nn.GRUCell(dim, dim)
+        self.steps = nn.ModuleList(_CellStep(cell, lstm) for _ in range(steps))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        h = c = torch.zeros_like(x[:, 0])
+        for t, step in enumerate(self.steps):
+            h, c = step(x[:, t], h, c)
+        return self.out(h)
+
+
+def unrolled(dim: int = 8, steps: int = 3, cell: str = "lstm") -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(5 * step + 2)
+        return (torch.randn(batch_size, steps, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=Unrolled(dim, steps, cell == "lstm"), batch=batch, loss=F.mse_loss)
+
+
+class _ClassBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.seq, self.cls = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.seq(h) + self.cls(cls).unsqueeze(1))
+
+
+class ClassToken(nn.Module):
+    """Blocks each reading the sequence and its class token h[:, 0], a view of it (a ViT's pooled query)."""
+
+    def __init__(self, dim: int, blocks: int):
+        super().__init__()
+        self.embed, self.head = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_ClassBlock(dim) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, h[:, 0])
+        return self.head(h[:, 0])
+
+
+def class_token(dim: int = 8, blocks: int = 3, seq: int = 4) -> ModelSpec:
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(3 * step + 1)
+        return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=ClassToken(dim, blocks), batch=batch, loss=F.mse_loss)

@@ -1,0 +1,68 @@
+"""Recomputed units keep their checkpoint's arguments, each storage once: a sequence and a view of it (an unrolled
+LSTM's x and its step x[:, t], a block's h and its class token h[:, 0]) are one storage inside a stage and two
+where a stage receives them, and a view of part of a storage (a head reading the last block's class token) keeps
+all of it (planner.cost.shared_storage.kept_inputs). The plan counted each view's message bytes everywhere: under
+zero bubble with recomputation the first rank planned 10-19 % more than it held and a later one 8 % less (a
+recomputed head's token view keeping the whole sequence). Held = planned to the byte, trained as one process."""
+import pytest
+
+from planner.cost.ranges import range_costs
+from tests.runtime.test_memory import _fixed_plan
+from tests.support.runs import execute, max_abs_diff, profile_of, reference_state, report_of
+
+
+def _held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
+    profile = profile_of(entry, args, sizes=(2,))
+    plan = _zero_bubble_plan(profile, cuts, schedule, recompute)
+    state = execute(plan, tmp_path, steps=1)
+    assert max_abs_diff(state, reference_state(plan, steps=1)) <= 1e-5
+    return [(rank["peak_saved_bytes"], rank["predicted_activation_bytes"]) for rank in report_of(tmp_path)["stages"]]
+
+
+def _zero_bubble_plan(profile, cuts, schedule, recompute):
+    if schedule != "zb-v":
+        return _fixed_plan(profile, cuts, schedule, recompute)
+    from planner.cost.model import evaluate
+    from planner.cost.options import CostOptions
+    from planner.plan.make import make_plan
+    from planner.solve.solution import Solution
+
+    opts = CostOptions(pipeline_ranks=(len(cuts) + 1) // 2, virtual_stages=2, global_batch=8, schedule="zb-v",
+                       recompute="auto")
+    cost = evaluate(profile, cuts, 2, opts, recompute)
+    solution = Solution(boundaries=cuts, micro_batch_size=2, num_micro_batches=4, cost=cost, status="fixed",
+                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
+                        backend="none")
+    return make_plan(profile, solution, opts, "")
+
+
+def test_a_unit_keeping_a_view_and_its_storage_keeps_the_storage_once():
+    profile = profile_of("tests.capture_models:class_token", sizes=(2,))
+    costs = range_costs(profile, 2)
+    # blocks.1 reads h (256 B) and h[:, 0] (64 B): one storage inside a stage, two received
+    assert costs.received_inputs[2] == 320 and costs.inputs[2] == 256
+    # the head reads h[:, 0] alone: recomputed it keeps all of h (and what the loss saves)
+    assert costs.inputs[4] - (costs.received_inputs[4] - 64) == 256
+
+
+@pytest.mark.parametrize("entry,args,cuts,schedule,recompute", [
+    ("tests.capture_models:class_token", {}, [2], "zb-h1", [0, 1, 2, 3, 4]),
+    ("tests.capture_models:class_token", {}, [3], "zb-h1", [1, 2]),
+    ("tests.capture_models:class_token", {}, [2], "1f1b", [0, 1, 2, 3, 4]),
+    ("tests.capture_models:unrolled", {}, [3], "zb-h1", [1, 2]),
+    ("tests.capture_models:unrolled", {"cell": "gru"}, [3], "zb-h1", [1, 2]),
+])
+def test_recomputed_views_of_one_storage_are_held_as_planned(tmp_path, entry, args, cuts, schedule, recompute):
+    for held, planned in _held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
+        assert held == planned
+
+
+@pytest.mark.parametrize("entry,args,cuts,recompute", [
+    ("tests.capture_models:class_token", {"blocks": 4}, [3, 4, 5], [0, 1, 2, 3, 4, 5]),
+    ("tests.capture_models:unrolled", {"steps": 4}, [3, 4, 5], [1, 2]),
+])
+def test_zb_v_first_rank_with_recomputed_views_is_held_as_planned(tmp_path, entry, args, cuts, recompute):
+    """Rank 0 runs the V's first and last stages; rank 1's two stages hand values over in memory, where views
+    stay views (not what this test is about: its count is another matter, see BENCHMARKS.md)."""
+    (held, planned), _ = _held_and_planned(tmp_path, entry, args, cuts, "zb-v", recompute)
+    assert held == planned
