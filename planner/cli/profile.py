@@ -57,7 +57,7 @@ def _link(args: argparse.Namespace, profile, sizes) -> None:
 
 def _engine_cost(args: argparse.Namespace, profile) -> None:
     """--engine-cost measure: what the runtime's engine adds per micro-batch to every stage's compute,
-    timed on a null stage (runtime.engine_probe, in a process of its own)."""
+    timed in a two-stage pipeline of a small model (runtime.engine_probe, in a process of its own)."""
     if not _measuring(args.engine_cost, args):
         return
     from planner.profile.engine_cost import measure_engine_overhead
@@ -70,8 +70,8 @@ def _engine_cost(args: argparse.Namespace, profile) -> None:
         return
     forward, backward = profile.engine_overhead_s
     print(f"engine: {forward * 1e6:.0f} us per forward, {backward * 1e6:.0f} us per backward of the runtime's own "
-          "work (a null stage run by the engine against the bare stage); planner solve adds them to every stage's "
-          "micro-batch", flush=True)
+          "work (two stages of a small model run by the engine, each action less its compute); planner solve adds "
+          "them to every stage's micro-batch", flush=True)
 
 
 def _rhythm_note(link) -> str:
@@ -226,8 +226,8 @@ def register(sub) -> None:
                         "shared memory between processes of this host; gloo: gloo over loopback")
     p.add_argument("--engine-cost", choices=["measure", "none"], default=None,
                    help="measure: time what `runtime execute`'s engine adds per forward and backward (its own "
-                        "work, on a null stage, about 4 s) and record it, which planner solve adds to every stage "
-                        "(default on CPU; none on CUDA)")
+                        "work, in a two-stage pipeline of a small model, about 5 s) and record it, which planner "
+                        "solve adds to every stage (default on CPU; none on CUDA)")
     p.add_argument("--precision", choices=PROFILE_PRECISIONS, default="fp32",
                    help="bf16-mixed: run every unit as `runtime execute --precision bf16-mixed` runs it (autocast "
                         "bf16, the bf16 weight copies) while measuring: saved, output and cut bytes are such a "

@@ -50,7 +50,7 @@ class Profile:
     # (a call's fixed cost: Python, autograd's engine start); unit times exclude it. Empty: none.
     stage_overhead_s: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     # (forward, backward) seconds the runtime's engine adds per micro-batch to every stage's compute
-    # (runtime.engine_probe: its per-action work, measured on a null stage); (0, 0): not measured
+    # (runtime.engine_probe: its per-action work, measured in a two-stage pipeline); (0, 0): not measured
     engine_overhead_s: Tuple[float, float] = (0.0, 0.0)
     # b -> seconds of a split backward's own cost per micro-batch (planner.cost.ranges):
     # (the first stage's input part, a later stage's input part and weight part on top of its units'
