@@ -39,8 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if config.get("p2p", "auto") == "auto":  # room for a ring each way of the largest message
             local = connect(rank, 2, float(config["timeout_s"]), 2 * ring_size(max(config["sizes"])))
             summing = reducer(local, [0, 1], None, max(config["allreduce_sizes"]))
-        measured = dict(measure_pair(rank, dict(config, rhythm=None), post=poster(local),
-                                     reduce=summing and summing.all_reduce),
+        measured = dict(measure_pair(rank, config, post=poster(local), reduce=summing and summing.all_reduce),
                         p2p="shared memory" if local else "gloo", allreduce_p2p="shared memory" if summing else "gloo")
         dist.barrier()
         if config.get("rhythm"):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from planner.profile.rhythm import rhythm_message_cost, rhythm_steps, stand_in, summarise
+from planner.profile.rhythm import rhythm_message_cost, stand_in, summarise
 
 
 class FlatLinkError(ValueError):
@@ -109,14 +109,15 @@ def measure_pair(rank: int, config: Dict[str, Any], ping: Optional[Callable[[], 
     """Both ranks of the pair (the default process group), each calling it: the ping-pong (`ping`,
     default ping_pong at the config's sizes: [[bytes, one-way seconds], ...]), measured again while
     its times do not grow with size (fit_measured_link, up to the config's "attempts": both ranks
-    decide on rank 0's samples), then once each the batches, the all-reduces and the rhythm. The
-    point-to-point messages go through `post` (dist_post's signature) when given, as a run's do, and
-    the all-reduces through `reduce` (an in-place sum over the pair), as a run's gradient buckets do.
-    {"samples", "fit", "warning", "ping_pongs" (how many ran), "batches", "allreduce", "rhythm"}."""
+    decide on rank 0's samples), then once each the batches and the all-reduces (the rhythm, through
+    the engine: runtime.link_probe). The point-to-point messages go through `post` (dist_post's
+    signature) when given, as a run's do, and the all-reduces through `reduce` (an in-place sum over
+    the pair), as a run's gradient buckets do.
+    {"samples", "fit", "warning", "ping_pongs" (how many ran), "batches", "allreduce"}."""
     import torch.distributed as dist
 
     repeats, warmup = int(config["repeats"]), int(config["warmup"])
-    batched = post or dist_post  # the batches and the rhythm post as the runtime does
+    batched = post or dist_post  # the batches post as the runtime does
     if ping is None:
         ping = lambda: ping_pong(rank == 0, 1 - rank, config["sizes"], repeats, warmup, post=post)  # noqa: E731
     pings = 0
@@ -132,8 +133,7 @@ def measure_pair(rank: int, config: Dict[str, Any], ping: Optional[Callable[[], 
     return {"samples": measured["samples"], "fit": fit, "warning": warning, "ping_pongs": pings,
             "batches": batch_exchange(1 - rank, BATCH_COUNTS, repeats, warmup, post=batched),
             "allreduce": all_reduce_times(config["allreduce_sizes"], int(config["allreduce_repeats"]), 1,
-                                          reduce=reduce),
-            "rhythm": rhythm_steps(rank, *config["rhythm"], batched) if config.get("rhythm") else None}
+                                          reduce=reduce)}
 
 
 def _timed_rounds(message_bytes: Sequence[int], repeats: int, warmup: int, device: Optional[torch.device],

@@ -1,21 +1,19 @@
 """What a message costs in a pipeline's rhythm: two processes on this host run the instruction
 lists of a two-stage 1F1B step (planner.pipeline.schedule, the lists the runtime executes) with the
-same stand-in compute on both, and the time the step takes beyond its compute, per message on its
-critical path, is the one-way latency the messages met.
+same stand-in compute on both, every batch of messages through the runtime's engine
+(runtime.message_rhythm, which the link probe's processes run), and the time the step takes beyond
+its compute is read two ways: as the per-operation cost a plan charges (`rhythm_message_cost`,
+charged as `link.message_s`) and as a one-way latency per message on the critical path
+(`rhythm_latency`, recorded and printed).
 
 Why measure it: a ping-pong keeps both processes exchanging back to back, while a pipeline's ranks
-compute between messages. On the shared 2-core VM this project is developed on, two balanced stages
-paid about a millisecond per message over gloo where the ping-pong measured under 100 us, and the
-same lists with one stage a third faster paid nothing measurable (BENCHMARKS.md, "Small
-micro-batches"): the cost came with exchanges both sides wait on at once, a rank sleeping in gloo's
-wait. Through the runtime's shared memory (runtime/shared_memory.py, polled) it is 43 us. A plan's
-latency stays the ping-pong's; the rhythm's is recorded in the profile (`link.rhythm`) and printed,
-as the bound of what a balanced split of this model may pay per message on this host.
+compute between messages, and after compute a message's Python (the engine's packing, the post, the
+completion) costs several times what it costs hot (BENCHMARKS.md, "Messages between computations").
+Over gloo the cost came with exchanges both sides wait on at once, a rank sleeping in gloo's wait
+(BENCHMARKS.md, "Small micro-batches").
 
-The lists are run as the runtime runs them: the communication actions of one batch posted together
-(batch_isend_irecv), a batch of sends only left in flight until the rank's next batch. With forward
-F and backward B per stage and micro-batch, m >= 4 micro-batches and a one-way latency lam <= F + B
-per message, planner.cost's step graph of these lists gives
+With forward F and backward B per stage and micro-batch, m >= 4 micro-batches and a one-way latency
+lam <= F + B per message, planner.cost's step graph of these lists gives
 
     step = (m + 1)(F + B) + (m + 2) lam
 
@@ -93,46 +91,6 @@ class StandInCompute:
 def stand_in(forward_s: float, backward_s: float) -> Tuple[float, float]:
     """The stand-in compute timed for (forward, backward): each capped at MAX_COMPUTE_S."""
     return min(forward_s, MAX_COMPUTE_S), min(backward_s, MAX_COMPUTE_S)
-
-
-def rhythm_steps(rank: int, forward_s: float, backward_s: float, post,
-                 micro_batches: int = MICRO_BATCHES) -> List[float]:
-    """Seconds per step of the lists with (forward_s, backward_s) of compute (`stand_in`'s, capped by
-    the caller), one per timed step, on rank 0 (rank 1 runs the same call and
-    returns []). Both ranks of the default process group (world size 2) must call it together.
-    Messages go through `post` (planner.profile.link.dist_post or the runtime's transport, which
-    runtime.link_probe hands in)."""
-    from planner.pipeline.actions import SENDS, ActionKind
-    from planner.pipeline.schedule import build_schedule
-    from planner.pipeline.stepgraph import batches_of
-
-    compute = StandInCompute()
-    peer = 1 - rank
-    items = batches_of(build_schedule("1f1b", 2, micro_batches)[rank])  # computes, and batches as tuples
-    cycle = (micro_batches + 1) * (forward_s + backward_s) + 1e-3
-    steps = WARMUP_STEPS + max(MIN_STEPS, min(50, int(BUDGET_S / cycle)))
-    times: List[float] = []
-    for step in range(steps):
-        started = time.perf_counter()
-        in_flight: List = []  # a batch of sends only, posted and not yet waited for
-        for item in items:
-            if not isinstance(item, tuple):
-                compute(forward_s if item.kind is ActionKind.FORWARD else backward_s)
-                continue
-            for work in in_flight:
-                work.wait()
-            works = post([(a.kind in SENDS, torch.zeros(64), peer, 0) for a in item])
-            in_flight = works if all(a.kind in SENDS for a in item) else []
-            if not in_flight:
-                for work in works:
-                    work.wait()
-        for work in in_flight:
-            work.wait()
-        if step >= WARMUP_STEPS:
-            times.append(time.perf_counter() - started)
-    # rank 0 starts its next step when its last backward ends, rank 1 waits for that step's first
-    # activation: steps follow each other with no barrier, as a run's do
-    return times if rank == 0 else []
 
 
 def summarise(times: List[float], forward_s: float, backward_s: float,
