@@ -78,14 +78,21 @@ def two_stage_engine(model: Tuple[str, Dict[str, Any]] = PROBE_MODEL) -> Engine:
     profile = profile_model(*model, [1], threads=0, repeats=1, min_time_s=0.0, whole_model=False)
     plan = plan_for_split(profile, [probe_cut(profile)], 1, MICRO_BATCHES)
     topology = Topology(num_stages=2, pipeline_ranks=1, virtual_stages=2, data_parallel=1, stage_rank=(0, 0))
-    rank_model = build_rank(plan, topology, 0, torch.device("cpu"))
-    groups = Groups(topology, 0, rank_model.tied_groups)  # one rank, no process group: no reductions
-    optimizer = torch.optim.SGD(rank_model.trainable() or [torch.zeros(1, requires_grad=True)], lr=0.0)
     actions = [Action(kind, i, g) for i in range(MICRO_BATCHES)
                for kind, g in ((ActionKind.FORWARD, 0), (ActionKind.FORWARD, 1),
                                (ActionKind.BACKWARD, 1), (ActionKind.BACKWARD, 0))]
     actions.append(Action(ActionKind.OPTIMIZER_STEP))
-    return Engine(rank_model, actions, topology, 0, plan.global_batch, MICRO_BATCHES, optimizer,
+    return rank_engine(plan, topology, 0, actions)
+
+
+def rank_engine(plan, topology: Topology, rank: int, actions: List[Action]) -> Engine:
+    """The CPU Engine of `rank` running `actions` of `plan` (its micro-batches as the plan has them),
+    with an optimizer of learning rate 0: a probe's, whose steps leave the model as it was. Without
+    a process group the rank's groups reduce nothing."""
+    rank_model = build_rank(plan, topology, rank, torch.device("cpu"))
+    groups = Groups(topology, rank, rank_model.tied_groups)
+    optimizer = torch.optim.SGD(rank_model.trainable() or [torch.zeros(1, requires_grad=True)], lr=0.0)
+    return Engine(rank_model, actions, topology, rank, plan.global_batch, plan.num_micro_batches, optimizer,
                   torch.device("cpu"), groups)
 
 

@@ -36,18 +36,11 @@ def message_engine(rank: int, local, micro_batches: int):
     None: gloo) as a run's."""
     from planner.plan.make import plan_for_split
     from planner.profile.measure import profile_model
-    from runtime.engine import Engine
-    from runtime.groups import Groups
-    from runtime.stage import build_rank
+    from runtime.engine_probe import rank_engine
 
     profile = profile_model(*MESSAGE_MODEL, [1], threads=0, repeats=1, min_time_s=0.0, whole_model=False)
     plan = plan_for_split(profile, [1], 1, micro_batches)
-    topology = plan.topology()
-    rank_model = build_rank(plan, topology, rank, torch.device("cpu"))
-    groups = Groups(topology, rank, rank_model.tied_groups)
-    optimizer = torch.optim.SGD(rank_model.trainable() or [torch.zeros(1, requires_grad=True)], lr=0.0)
-    engine = Engine(rank_model, plan.instruction_lists()[rank], topology, rank, plan.global_batch, micro_batches,
-                    optimizer, torch.device("cpu"), groups)
+    engine = rank_engine(plan, plan.topology(), rank, plan.instruction_lists()[rank])
     engine.local = local
     runner = engine.runners[rank]
     runner.kept_outputs, runner.kept_inputs = set(), set()  # as a run knows them after its first forward
