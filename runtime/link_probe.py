@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from planner.profile.link import measure_pair
-from planner.profile.rhythm import MICRO_BATCHES
 from runtime.comm import Operation, post
 from runtime.message_rhythm import engine_rhythm_steps
 from runtime.shared_memory import connect, ring_size
@@ -43,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         p2p="shared memory" if local else "gloo", allreduce_p2p="shared memory" if summing else "gloo")
         dist.barrier()
         if config.get("rhythm"):
-            measured["rhythm"] = engine_rhythm_steps(rank, local, *config["rhythm"], MICRO_BATCHES)
+            measured["rhythm"] = engine_rhythm_steps(rank, local, *config["rhythm"])
             dist.barrier()
         if rank == 0:
             print(json.dumps(measured), flush=True)

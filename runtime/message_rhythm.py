@@ -22,9 +22,8 @@ from typing import List
 
 import torch
 
-from planner.pipeline.actions import ActionKind
-from planner.pipeline.stepgraph import batches_of
-from planner.profile.rhythm import WARMUP_STEPS, MIN_STEPS, BUDGET_S, StandInCompute
+from planner.pipeline.actions import COMM_KINDS, ActionKind
+from planner.profile.rhythm import MICRO_BATCHES, WARMUP_STEPS, StandInCompute, rhythm_step_count
 
 # The model whose cut the engine's messages cross: two units, a (1, 8) activation needing a gradient
 MESSAGE_MODEL = ("builtin:mlp", {"inputs": 8, "dim": 8, "layers": 0, "outputs": 8})
@@ -47,7 +46,8 @@ def message_engine(rank: int, local, micro_batches: int):
     return engine
 
 
-def engine_rhythm_steps(rank: int, local, forward_s: float, backward_s: float, micro_batches: int) -> List[float]:
+def engine_rhythm_steps(rank: int, local, forward_s: float, backward_s: float,
+                        micro_batches: int = MICRO_BATCHES) -> List[float]:
     """Seconds per step of the two-stage 1F1B lists run through the engine (module docstring) with
     `forward_s` / `backward_s` of stand-in compute per forward / backward, one per timed step, on rank
     0 (rank 1 runs the same call and returns []). What a stand-in forward leaves for the messages
@@ -58,16 +58,14 @@ def engine_rhythm_steps(rank: int, local, forward_s: float, backward_s: float, m
     engine = message_engine(rank, local, micro_batches)
     runner, compute = engine.runners[rank], StandInCompute()
     leaf = torch.zeros(1, requires_grad=True)
-    items = batches_of(engine.actions)
-    cycle = (micro_batches + 1) * (forward_s + backward_s) + 1e-3
-    steps = WARMUP_STEPS + max(MIN_STEPS, min(50, int(BUDGET_S / cycle)))
     times: List[float] = []
-    for n in range(steps):
+    for n in range(rhythm_step_count(forward_s, backward_s, micro_batches)):
         started = time.perf_counter()
         step = StepState(StepStats(step=n), [], [])
-        for item in items:
-            if isinstance(item, tuple):
-                engine._run_batch(step, list(item))
+        for group in engine.program:  # the engine's own grouping of its list, as Engine.run_step walks it
+            item = engine.actions[group[0]]
+            if item.kind in COMM_KINDS:
+                engine._run_batch(step, [engine.actions[k] for k in group])
             elif item.kind is ActionKind.FORWARD:
                 compute(forward_s)
                 state = step.states.setdefault((rank, item.micro_batch), MicroBatchState())

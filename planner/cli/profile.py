@@ -79,7 +79,7 @@ def _rhythm_note(link) -> str:
     if not rhythm:
         return "back to back"
     return (f"back to back; {rhythm['latency_s'] * 1e6:.0f} us between two balanced stages' computations of "
-            f"{(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms")
+            f"{(rhythm['forward_s'] + rhythm['backward_s']) * 1e3:.1f} ms, not charged")
 
 
 def _message_note(link) -> str:

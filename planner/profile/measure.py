@@ -118,7 +118,8 @@ def profile_model(
                     # a unit's timed backward accumulates into the profile's own leaves of its inputs, made to
                     # time it and thrown away; a layer may lay their gradients out otherwise (batch_first
                     # MultiheadAttention transposes them), and torch's note on it concerns those copies'
-                    # strides, not the model's parameters or the run
+                    # strides, not the run. Filtered over the whole measurement (a filter per timed call
+                    # costs microseconds each): a note on the parameters' copies the profile steps is hidden too
                     warnings.filterwarnings("ignore", message=LAYOUT_NOTE, category=UserWarning)
                     for b in sizes:
                         _measure_size(run, b)

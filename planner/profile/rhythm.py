@@ -67,9 +67,8 @@ def rhythm_message_cost(step_s: float, forward_s: float, backward_s: float, late
     free = step(0.0)
     if not step_s > free * (1 + 1e-9):
         return 0.0
-    low, high = 0.0, step_s - free  # at least one operation on the path: high is enough
-    while step(high) < step_s:
-        high *= 2
+    # at least one operation lies on the longest path, so step(x) >= free + x and step(high) >= step_s
+    low, high = 0.0, step_s - free
     for _ in range(60):
         middle = (low + high) / 2
         low, high = (middle, high) if step(middle) < step_s else (low, middle)
@@ -86,6 +85,12 @@ class StandInCompute:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             torch.mm(self.a, self.b)
+
+
+def rhythm_step_count(forward_s: float, backward_s: float, micro_batches: int = MICRO_BATCHES) -> int:
+    """Steps to run (WARMUP_STEPS untimed first): at least MIN_STEPS timed, at most 50, within BUDGET_S."""
+    cycle = (micro_batches + 1) * (forward_s + backward_s) + 1e-3
+    return WARMUP_STEPS + max(MIN_STEPS, min(50, int(BUDGET_S / cycle)))
 
 
 def stand_in(forward_s: float, backward_s: float) -> Tuple[float, float]:
