@@ -664,7 +664,6 @@ def frozen_embedding_lm(layers: int = 3) -> ModelSpec:
     return spec
 
 
-
 class LatentAttention(nn.Module):
     """A Perceiver-IO's cross-attention: a latent parameter expanded over the batch crosses a cut as the query
     of batch_first nn.MultiheadAttention layers (the expanded value reaches the later unit as a view of a leaf

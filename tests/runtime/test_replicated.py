@@ -114,10 +114,9 @@ def test_replicated_step_within_the_closed_form():
     costs = {0: (1.0, 2.0, 0.0, 0.0), 1: (3.0, 6.0, 0.0, 0.0)}
     # the closed form sum T + max_g (ceil(m / r_g) - 1) T_g = 12 + max(11 * 3, 3 * 9); 47 before
     # planner.pipeline.pulled (66 before the replay weighed replicated stages)
-    assert _step_s([1, 3], 12, "1f1b", costs) <= 12 + 33
-    # and no more than GPipe's 43, which no list beats: the three replicas start their 36 units of
-    # work at 1, 2 and 3 at the earliest, and stage 0 then runs the three last backwards (2 each) one
-    # after the other: max(37 + 6, 38 + 4, 39 + 2) = 43
+    # -- within it, and no more than GPipe's 43, which no list beats: the three replicas start their 36
+    # units of work at 1, 2 and 3 at the earliest, and stage 0 then runs the three last backwards (2 each)
+    # one after the other: max(37 + 6, 38 + 4, 39 + 2) = 43
     assert _step_s([1, 3], 12, "1f1b", costs) == pytest.approx(43)
 
 
