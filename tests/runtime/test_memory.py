@@ -254,15 +254,15 @@ def test_neighbours_that_save_one_tensor_hold_it_once(tmp_path, entry, cuts):
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank["rank"]
 
 
-def _fixed_plan(profile, cuts, schedule, recompute, b=2, global_batch=8, precision=None):
-    """The plan of one split and recomputation (not solved)."""
+def _fixed_plan(profile, cuts, schedule, recompute, b=2, global_batch=8, precision=None, virtual_stages=1):
+    """The plan of one split and recomputation (not solved); `virtual_stages` stages per rank (zb-v: 2)."""
     from planner.cost.model import evaluate
     from planner.cost.options import CostOptions
     from planner.plan.make import make_plan
     from planner.solve.solution import Solution
 
-    opts = CostOptions(pipeline_ranks=len(cuts) + 1, global_batch=global_batch, schedule=schedule, recompute="auto",
-                       precision=precision)
+    opts = CostOptions(pipeline_ranks=(len(cuts) + 1) // virtual_stages, virtual_stages=virtual_stages,
+                       global_batch=global_batch, schedule=schedule, recompute="auto", precision=precision)
     cost = evaluate(profile, cuts, b, opts, recompute)
     solution = Solution(boundaries=cuts, micro_batch_size=b, num_micro_batches=global_batch // b, cost=cost,
                         status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,

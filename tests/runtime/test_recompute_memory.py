@@ -13,27 +13,10 @@ from tests.support.runs import execute, max_abs_diff, profile_of, reference_stat
 
 def _held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
     profile = profile_of(entry, args, sizes=(2,))
-    plan = _zero_bubble_plan(profile, cuts, schedule, recompute)
+    plan = _fixed_plan(profile, cuts, schedule, recompute, virtual_stages=2 if schedule == "zb-v" else 1)
     state = execute(plan, tmp_path, steps=1)
     assert max_abs_diff(state, reference_state(plan, steps=1)) <= 1e-5
     return [(rank["peak_saved_bytes"], rank["predicted_activation_bytes"]) for rank in report_of(tmp_path)["stages"]]
-
-
-def _zero_bubble_plan(profile, cuts, schedule, recompute):
-    if schedule != "zb-v":
-        return _fixed_plan(profile, cuts, schedule, recompute)
-    from planner.cost.model import evaluate
-    from planner.cost.options import CostOptions
-    from planner.plan.make import make_plan
-    from planner.solve.solution import Solution
-
-    opts = CostOptions(pipeline_ranks=(len(cuts) + 1) // 2, virtual_stages=2, global_batch=8, schedule="zb-v",
-                       recompute="auto")
-    cost = evaluate(profile, cuts, 2, opts, recompute)
-    solution = Solution(boundaries=cuts, micro_batch_size=2, num_micro_batches=4, cost=cost, status="fixed",
-                        objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0, method="fixed",
-                        backend="none")
-    return make_plan(profile, solution, opts, "")
 
 
 def test_a_unit_keeping_a_view_and_its_storage_keeps_the_storage_once():
