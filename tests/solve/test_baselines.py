@@ -117,3 +117,21 @@ def test_compare_plans_what_solve_plans_on_a_topology_and_with_local_sgd(tmp_pat
         assert f"p {solved['pipeline_stages']} x d {solved['data_parallel']}" in out
         for name in ("uniform", "params", "block"):
             assert rows[name][4] == "yes" and float(rows[name][-1].rstrip("x")) >= 1.0 - 1e-3, (flags, out)
+
+
+def test_compare_counts_the_units_the_plan_recomputes(tmp_path, capsys):
+    # under --recompute all the solver names every unit, a frozen embedding that saves nothing too, which the
+    # plan never recomputes (its backward needs nothing: RangeCosts.recomputable): compare counted it
+    import dataclasses
+
+    p = lopsided()
+    nothing = {b: 0 for b in p.micro_batch_sizes}
+    p = dataclasses.replace(p, units=[dataclasses.replace(p.units[0], trainable_bytes=0, saved_bytes=nothing,
+                                                          weight_held_bytes=nothing), *p.units[1:]])
+    path = str(tmp_path / "p.json")
+    save_profile(p, path)
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, recompute="all")
+    best = solve(p, opts)
+    assert len(best.recompute) == 6  # the solver's list
+    assert main(["compare", path, "--stages", "2", "--global-batch", "8", "--recompute", "all"]) == 0
+    assert "5 units recomputed" in capsys.readouterr().out
