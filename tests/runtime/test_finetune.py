@@ -83,14 +83,22 @@ def test_recompute_all_leaves_a_frozen_embedding_alone(tmp_path, schedule):
     from planner.cost.options import CostOptions
     from planner.plan.make import make_plan
     from planner.solve.api import solve
+    from runtime.stage import build_rank
     from tests.support.runs import assert_trains_like_one_process
 
     entry = "tests.models:frozen_embedding_lm"
     profile = profile_of(entry, sizes=(2,))
     assert [u.trainable_bytes > 0 for u in profile.units] == [False, True, True, True, True]
     opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule=schedule, recompute="all")
-    plan = make_plan(profile, solve(profile, opts), opts, "")
+    solution = solve(profile, opts)
+    assert 0 in solution.recompute  # the solver names every unit: the plan's lists leave the embedding out
+    plan = make_plan(profile, solution, opts, "")
     assert [name for st in plan.stages for name in st.recompute] == [u.name for u in profile.units[1:]]
+    # what the ranks recompute: each recomputed unit a checkpointed segment of its own, the embedding none
+    embedding = profile.units[0].name
+    for rank, st in enumerate(plan.stages):
+        (stage,) = build_rank(plan, plan.topology(), rank).stages
+        assert [seg.recompute for seg in stage.module.segments] == [u != embedding for u in st.units], st.units
     assert_trains_like_one_process(plan, tmp_path, entry, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
