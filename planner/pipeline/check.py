@@ -25,9 +25,14 @@ def check_schedule(lists: List[List[Action]], num_micro_batches: int, placement:
     _check_every_micro_batch_forwarded(owner, num_micro_batches)
     for r, actions in enumerate(lists):
         _check_rank(r, actions, owner, placement)
-    runs = placement if placement is not None else (lambda g, i: owner[(g, i)])
-    check_pair_order(lists, runs)
-    StepGraph(lists, runs)  # DeadlockError (a ValueError) says where the ranks wait
+    check_messages(lists, placement if placement is not None else (lambda g, i: owner[(g, i)]))
+
+
+def check_messages(lists: List[List[Action]], placement: Placement) -> None:
+    """Raise ValueError unless the lists' messages meet under NCCL's rules: each pair of ranks posts them in
+    the same order on both sides (`check_pair_order`), and the lists compile into a step graph."""
+    check_pair_order(lists, placement)
+    StepGraph(lists, placement)  # DeadlockError (a ValueError) says where the ranks wait
 
 
 def _forward_owners(lists: List[List[Action]]) -> Dict[Tuple[int, int], int]:

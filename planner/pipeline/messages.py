@@ -54,7 +54,7 @@ def produced_message(action: Action, num_stages: int) -> Optional[Tuple[str, int
     return None
 
 
-def _ends(message: Tuple[str, int, int]) -> Tuple[Action, Action, int, int]:
+def message_ends(message: Tuple[str, int, int]) -> Tuple[Action, Action, int, int]:
     """(send action, receive action, sending stage, receiving stage) of a message."""
     kind, boundary, i = message
     if kind == "act":
@@ -64,7 +64,7 @@ def _ends(message: Tuple[str, int, int]) -> Tuple[Action, Action, int, int]:
             boundary + 1, boundary)
 
 
-def _replay(orders: Sequence[Sequence[Action]], num_stages: int,
+def replay(orders: Sequence[Sequence[Action]], num_stages: int,
             weights: Optional[Sequence[float]] = None) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute in a replay with free messages, forward w_g, backward 2 w_g: the
     earliest start runs next (the lower rank first among equals). Each rank waits in the heap once its
@@ -113,7 +113,7 @@ def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position
     sent at the sender's first point from that moment on (the receiver then waits for the sender's
     point, not the sender for the receiver's compute)."""
     ranks = len(orders)
-    times = _replay(orders, num_stages, weights) if not lockstep else _lockstep_times(orders, num_stages)
+    times = replay(orders, num_stages, weights) if not lockstep else _lockstep_times(orders, num_stages)
     # batch points: (k, 0) before compute k, (k, 1) after it; each holds communication actions
     points: List[Dict[Tuple[int, int], List[Action]]] = [dict() for _ in range(ranks)]
 
@@ -136,7 +136,7 @@ def place_messages(orders: Sequence[Sequence[Action]], num_stages: int, position
             made = produced_message(action, num_stages)
             if made is None:
                 continue
-            send, receive, _, to_stage = _ends(made)
+            send, receive, _, to_stage = message_ends(made)
             dst = position(to_stage, action.micro_batch)
             if dst == r:
                 continue  # handed over in memory

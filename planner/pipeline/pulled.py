@@ -27,8 +27,9 @@ k - 1 ends and leaving when compute k starts:
    receives with the sends meeting as the gap leaves (one batch), then the sends meeting later.
 
 In the replay every batch then completes when it is posted, so the lists run as the replay does
-and cannot deadlock (check_schedule proves each result; were one ever refused,
-planner.pipeline.schedule's placement would be used instead). On the 60 random pipelines of
+and cannot deadlock (planner.pipeline.schedule checks each result all the same, and check_schedule
+every plan's lists; tests/pipeline/test_pulled.py on every tuple of up to three stages of up to four
+replicas). On the 60 random pipelines of
 tests/runtime/test_replicated.py none is slower than GPipe, and replicas [1, 3], m = 12 simulate
 43 (BENCHMARKS.md, "Replicated 1F1B's messages").
 """
@@ -38,7 +39,7 @@ import bisect
 from typing import Dict, List, Sequence, Tuple
 
 from planner.pipeline.actions import Action, ActionKind
-from planner.pipeline.messages import Position, _ends, _replay, needed_message, produced_message
+from planner.pipeline.messages import Position, message_ends, needed_message, produced_message, replay
 
 _TIE = 1e-9  # the replay's times are sums of small integers: equal times compare equal within this
 _BEFORE, _AT, _AFTER = 0, 1, 2  # a send's meeting time against its gap's leaving time (rule 3)
@@ -48,7 +49,7 @@ def place_pulled_messages(orders: Sequence[Sequence[Action]], num_stages: int, p
                           weights: Sequence[float]) -> List[List[Action]]:
     """Complete lists (compute, numbered batches, optimizer step) for the compute orders of ranks
     running one stage each, by the module's rule; `weights[g]`: stage g's relative cost in the replay."""
-    times = _replay(orders, num_stages, weights)
+    times = replay(orders, num_stages, weights)
     arrive = [[0.0] + [end for _, end in rank] for rank in times]
     leave = [[start for start, _ in rank] + [rank[-1][1] if rank else 0.0] for rank in times]
     made_at = {produced_message(a, num_stages): times[r][k][1]
@@ -58,8 +59,7 @@ def place_pulled_messages(orders: Sequence[Sequence[Action]], num_stages: int, p
     meets: Dict[Tuple[str, int, int], float] = {}
     sequence = 0
     for r, order in enumerate(orders):
-        remote = [(k, needed_message(a, num_stages)) for k, a in enumerate(order)
-                  if _remote_input(a, num_stages, position, r)]
+        remote = _remote_inputs(order, num_stages, position, r)
         served = set()
         for n, (k, message) in enumerate(remote):
             if message in served:
@@ -69,17 +69,17 @@ def place_pulled_messages(orders: Sequence[Sequence[Action]], num_stages: int, p
             for taken in [message] + ready:
                 served.add(taken)
                 meets[taken] = leave[r][k]
-                gaps[r].setdefault(k, []).append((leave[r][k], _AT, sequence, _ends(taken)[1]))
+                gaps[r].setdefault(k, []).append((leave[r][k], _AT, sequence, message_ends(taken)[1]))
                 sequence += 1
     for r, order in enumerate(orders):
         for k, a in enumerate(order):
             message = produced_message(a, num_stages)
-            if message is None or position(_ends(message)[3], a.micro_batch) == r:
+            if message is None or position(message_ends(message)[3], a.micro_batch) == r:
                 continue
             meet = meets[message]
             gap = max(k + 1, bisect.bisect_right(arrive[r], meet + _TIE) - 1)
             side = _BEFORE if meet < leave[r][gap] - _TIE else _AT if meet <= leave[r][gap] + _TIE else _AFTER
-            gaps[r].setdefault(gap, []).append((meet, side, sequence, _ends(message)[0]))
+            gaps[r].setdefault(gap, []).append((meet, side, sequence, message_ends(message)[0]))
             sequence += 1
     lists: List[List[Action]] = []
     batch = 0
@@ -98,7 +98,12 @@ def place_pulled_messages(orders: Sequence[Sequence[Action]], num_stages: int, p
     return lists
 
 
-def _remote_input(action: Action, num_stages: int, position: Position, rank: int) -> bool:
-    """Whether the compute needs a value another rank makes."""
-    message = needed_message(action, num_stages)
-    return message is not None and position(_ends(message)[2], action.micro_batch) != rank
+def _remote_inputs(order: Sequence[Action], num_stages: int, position: Position,
+                   rank: int) -> List[Tuple[int, Tuple[str, int, int]]]:
+    """(k, message) of each compute k of the rank's order that needs a value another rank makes."""
+    out = []
+    for k, action in enumerate(order):
+        message = needed_message(action, num_stages)
+        if message is not None and position(message_ends(message)[2], action.micro_batch) != rank:
+            out.append((k, message))
+    return out

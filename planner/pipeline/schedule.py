@@ -13,7 +13,7 @@ import functools
 from typing import List, Sequence
 
 from planner.pipeline.actions import Action, ActionKind  # noqa: F401  (the lists' vocabulary, re-exported)
-from planner.pipeline.check import check_pair_order
+from planner.pipeline.check import check_messages
 from planner.pipeline.messages import place_messages
 from planner.pipeline.pulled import place_pulled_messages
 from planner.pipeline.stepgraph import StepGraph
@@ -230,21 +230,16 @@ def _replicated_lists(orders: List[List[Action]], stage_replicas: Sequence[int],
                       pulled: bool = False) -> List[List[Action]]:
     """Messages placed for replicated stages: a replicated stage's ranks are busy r_g times as long
     per micro-batch, so the replay weighs stage g by r_g. 1F1B (`pulled`): planner.pipeline.pulled's
-    rule (receive when needed, send just before the receiver asks), whose every result passes
-    check_schedule's pair order and step graph here. GPipe, or were a pulled result ever refused: of
-    the two placements of planner.pipeline.messages (senders post at once, or wait for the busy
-    receiver's point), the one whose step under those weights and NCCL's rules is shorter (the first
-    on a tie)."""
+    rule (receive when needed, send just before the receiver asks), whose results cannot deadlock (its
+    docstring); each is checked all the same (ValueError were one ever refused). GPipe: of the two
+    placements of planner.pipeline.messages (senders post at once, or wait for the busy receiver's
+    point), the one whose step under those weights and NCCL's rules is shorter (the first on a tie)."""
     S = len(stage_replicas)
     weights = [float(r) for r in stage_replicas]
     if pulled:
         lists = place_pulled_messages(orders, S, position, weights)
-        try:
-            check_pair_order(lists, position)
-            StepGraph(lists, position)
-            return lists
-        except ValueError:
-            pass
+        check_messages(lists, position)
+        return lists
     value = {("forward", g): w for g, w in enumerate(weights)}
     value.update({("backward", g): 2 * w for g, w in enumerate(weights)})
     best = None

@@ -5,7 +5,7 @@ import itertools
 from planner.pipeline import schedule as sched
 from planner.pipeline.actions import Action
 from planner.pipeline.check import check_schedule
-from planner.pipeline.messages import _replay
+from planner.pipeline.messages import replay
 from planner.pipeline.pulled import place_pulled_messages
 from planner.pipeline.stepgraph import StepGraph, held_peaks
 
@@ -30,8 +30,8 @@ def test_every_batch_completes_as_the_replay_posts_it():
             value = {}
             for g, w in enumerate(weights):
                 value.update({("forward", g): w, ("backward", g): 2 * w})
-            replay = max(times[-1][1] for times in _replay(orders, len(replicas), weights))
-            assert StepGraph(lists, _position(replicas)).run(value).step_s == replay, (replicas, m)
+            last = max(times[-1][1] for times in replay(orders, len(replicas), weights))
+            assert StepGraph(lists, _position(replicas)).run(value).step_s == last, (replicas, m)
 
 
 def _list(text):
