@@ -35,7 +35,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from planner.pipeline.actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, SENDS, Action, ActionKind, message_of
+from planner.pipeline.actions import (BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, SENDS, Action, ActionKind, message_of,
+                                      peer_stage)
+from planner.pipeline.messages import produced_message
 
 Term = Tuple
 Position = Callable[[int, int], int]  # (stage, micro-batch) -> pipeline rank
@@ -273,7 +275,9 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
         peaks[:] = [p for p in peaks if not all(snapshot.get(k, 0) >= v for k, v in p.items())]
         peaks.append(snapshot)
 
-    sent = {message_of(a) for a in actions if a.kind in SENDS}
+    sent = {message_of(a): _sent_term(a) for a in actions if a.kind in SENDS}  # message -> its held term
+    # the stages its messages reach: a compute's message beyond them (the last stage's output) is never sent
+    reach = 1 + max((peer_stage(a) for a in actions if a.kind in SENDS), default=0)
     posted: List[Term] = []  # the terms of the last batch of sends only, until the next batch waits for it
     fresh: List[Tuple] = []  # (message, term) made by the last compute and not yet posted
     unsent: Dict[Tuple, Term] = {}  # message -> term: made before the last compute, not yet posted
@@ -287,14 +291,16 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
             for a in item:
                 if a.kind not in SENDS:
                     continue
-                message, term = message_of(a), _sent_term(a)
+                message = message_of(a)
+                term = sent[message]
                 if message in unsent:  # already counted since a later compute
                     del unsent[message]
                     (posted if only_sends else done).append(term)
                 elif only_sends:
                     counts[term] += 1
                     posted.append(term)
-            fresh = [(m, t) for m, t in fresh if m not in {message_of(a) for a in item}]
+            in_batch = {message_of(a) for a in item}
+            fresh = [(m, t) for m, t in fresh if m not in in_batch]
         for a in (item if isinstance(item, tuple) else (item,)):
             if a.kind in COMPUTE_KINDS:
                 for message, term in fresh:  # a compute runs before their send: they are held
@@ -302,9 +308,9 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
                     counts[term] += 1
                 fresh = []
             _hold(a, counts, record)
-            made = _made(a)
-            if made is not None and made[0] in sent:
-                fresh.append(made)
+            made = produced_message(a, reach)
+            if made in sent:
+                fresh.append((made, sent[made]))
         if isinstance(item, tuple):
             for term in done:
                 counts[term] -= 1
@@ -314,15 +320,6 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
 
 def _sent_term(send: Action) -> Term:
     return ("sent_act" if send.kind is ActionKind.SEND_ACT else "sent_grad", send.stage)
-
-
-def _made(a: Action) -> Optional[Tuple[Tuple[str, int, int], Term]]:
-    """(message, held_peaks term) of the value compute `a` makes for another stage, if it can make one."""
-    if a.kind is ActionKind.FORWARD:
-        return ("act", a.stage, a.micro_batch), ("sent_act", a.stage)
-    if a.kind in BACKWARD_KINDS and a.stage > 0:
-        return ("grad", a.stage - 1, a.micro_batch), ("sent_grad", a.stage)
-    return None
 
 
 def _hold(a: Action, counts: Counter, record: Callable[[], None]) -> None:
