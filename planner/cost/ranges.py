@@ -185,7 +185,7 @@ class RangeCosts:
         # once; of them, what a later stage's recomputed unit holds after its input part, which ran the loss's
         # backward), d_k, x_l, d^h_k, d'_k, r_k, in^h_l, in^h'_l, the shares o_k of neighbours and the gaps of
         # units apart: planner.cost.shared_storage.storage_terms
-        loss_saved = np.array([u.loss_saved_bytes.get(b, 0) for u in units], dtype=float)
+        self.loss_saved = loss_saved = np.array([u.loss_saved_bytes.get(b, 0) for u in units], dtype=float)
         self.received_inputs = self.act[:-1] + np.array([u.input_bytes.get(b, 0) for u in units], float) + loss_saved
         vars(self).update(storage_terms(units, b, self.s, self.received_inputs, loss_saved))
         self.F, self.G, self.S, self.P, self.O = (prefix_sums(x) for x in (self.f, self.g, self.s, self.p, self.o))

@@ -135,7 +135,6 @@ def views(costs, profile: Profile) -> Dict[int, object]:
     starts = apart_starts(profile, b)
     if not starts:  # (most profiles: nothing more to read)
         return out
-    loss_saved = costs.inputs - costs.weight_inputs
     last: Dict[object, int] = {}  # a storage's name -> the last unit naming it
     for l, unit in enumerate(profile.units):
         last.update(dict.fromkeys(_names(unit, b), l))
@@ -147,7 +146,7 @@ def views(costs, profile: Profile) -> Dict[int, object]:
         s, h = costs.s.copy(), costs.h.copy()
         s[lo:hi] = [u.saved_bytes[b] for u in window]
         h[lo:hi] = [u.weight_held_bytes[b] if u.split_backward else u.saved_bytes[b] for u in window]
-        terms = storage_terms(window, b, s[lo:hi], costs.received_inputs[lo:hi], loss_saved[lo:hi])
+        terms = storage_terms(window, b, s[lo:hi], costs.received_inputs[lo:hi], costs.loss_saved[lo:hi])
         view = copy.copy(costs)
         for name, value in terms.items():
             if name in ("gaps", "held_gaps"):

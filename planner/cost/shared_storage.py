@@ -221,13 +221,12 @@ def never_recomputed(costs) -> None:
 
 
 def _plain_when_recomputed(costs, plain: np.ndarray) -> None:
-    """The terms of the units in `plain` where recomputed: those where not (never_recomputed)."""
-    loss_saved = costs.inputs - costs.weight_inputs
-    costs.inputs = np.where(plain, costs.s, costs.inputs)
-    costs.weight_inputs = costs.inputs - loss_saved
-    held = costs.s - costs.dropped
-    costs.held_inputs = np.where(plain, held, costs.held_inputs)
-    costs.held_weight_inputs = np.where(plain, held, costs.held_weight_inputs)
+    """The terms of the units in `plain` where recomputed: those where not (never_recomputed). Such a unit saves
+    nothing (s_l = x_l = 0: it would be recomputable), so it keeps and holds nothing recomputed either."""
+    costs.inputs = np.where(plain, 0.0, costs.inputs)
+    costs.weight_inputs = costs.inputs - costs.loss_saved
+    costs.held_inputs = np.where(plain, 0.0, costs.held_inputs)
+    costs.held_weight_inputs = np.where(plain, 0.0, costs.held_weight_inputs)
     costs.redo_dup = np.where(plain, 0.0, costs.redo_dup)
     shares, held_shares, weight_shares = costs.shares.copy(), costs.held_shares.copy(), costs.weight_shares.copy()
     for l in np.flatnonzero(plain):
