@@ -21,12 +21,13 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.model.capture import CapturedModel, StageIO, capture
+from planner.model.capture import CapturedModel, capture
 from planner.model.example import EXAMPLE_BATCH_SIZE
 from planner.model.entry import build_spec
 from planner.model.forward_state import pipeline_spec
 from planner.model.running_stats import state_writers
 from planner.model.spec import ModelSpec
+from planner.model.stage_graph import StageIO
 from planner.pipeline.topology import Topology
 from planner.plan.file import Plan
 from planner.model.casts import recast_model

@@ -21,9 +21,8 @@ unit). Model inputs never cross: every rank rebuilds the batch itself. Parameter
 inputs, buffers and constants alone (an attention mask, position ids, rotary tables): each stage
 reading one computes it again (planner/model/recomputable.py states the rule).
 
-`CapturedModel.stage_module(first, end)` cuts units [first, end) out as an `fx.GraphModule` whose forward
-takes (model inputs used, values crossing cut `first`) and returns those crossing cut `end` (the last stage:
-the model output); submodules keep their qualified names, so a stage's `state_dict` keys are the model's.
+`CapturedModel.stage_module(first, end)` cuts units [first, end) out as a stage's graph module
+(planner/model/stage_graph.py).
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
-from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from planner.errors import CaptureError  # noqa: F401  (defined without torch: the CLI catches it)
@@ -46,19 +44,10 @@ from planner.model.failures import NodeRunError, eager_failure, first_line
 from planner.model.example import EXAMPLE_BATCH_SIZE, example_batch, filled_varargs, none_arguments
 from planner.model.fx_trace import Unpipelinable, refuse_reserved_names, trace_fx
 from planner.model.inplace import writes_across_units
-from planner.model.recomputable import needed_inputs, recomputable_nodes
+from planner.model.recomputable import recomputable_nodes
+from planner.model.stage_graph import StageIO, stage_io, stage_module
 from planner.model.trace_state import PythonState
 from planner.model.units import group_units, joined
-
-@dataclass
-class StageIO:
-    """The signature of a stage module: what it takes and what it returns, by node name."""
-
-    inputs: List[str]  # model input names used by the stage, in the model's order
-    received: List[str]  # values crossing the stage's first cut, in graph order
-    sent: List[str]  # values crossing its end cut, in graph order (empty for the last stage)
-    is_last: bool
-
 
 @dataclass
 class SharedParameter:
@@ -283,64 +272,13 @@ class CapturedModel:
         raise KeyError(name)
 
     def stage_io(self, first: int, end: int) -> StageIO:
-        nodes = [n for u in self.units[first:end] for n in u.nodes]
-        if end == len(self.units):
-            nodes.append(next(n for n in self.gm.graph.nodes if n.op == "output"))
-        used_inputs = {s.name for n in nodes for s in n.all_input_nodes if s.op == "placeholder"}
-        # what the stage computes again instead of receiving reads model inputs too
-        inside = {n.name for n in nodes}
-        again = {s for n in nodes for s in n.all_input_nodes if s.name in self.recomputed and s.name not in inside}
-        used_inputs |= needed_inputs(self.gm, self.recomputed, again)
-        return StageIO(
-            inputs=[p for p in self.placeholders if p in used_inputs],
-            received=[n.name for n in self._crossing[first]] if first > 0 else [],
-            sent=[n.name for n in self._crossing[end]] if end < len(self.units) else [],
-            is_last=end == len(self.units),
-        )
+        """What units [first, end) take and return (planner.model.stage_graph)."""
+        return stage_io(self, first, end)
 
     def stage_module(self, first: int, end: int) -> Tuple[fx.GraphModule, StageIO]:
-        """Units [first, end) as a GraphModule: forward(*inputs, *received) -> tuple(sent) or model output."""
-        if not 0 <= first < end <= len(self.units):
-            raise ValueError(f"bad unit range [{first}, {end}) for {len(self.units)} units")
-        io = self.stage_io(first, end)
-        graph = fx.Graph()
-        env: Dict[fx.Node, fx.Node] = {}
-        by_name = {n.name: n for n in self.gm.graph.nodes}
-        for name in io.inputs + io.received:
-            env[by_name[name]] = graph.placeholder(name)
-
-        def lookup(node: fx.Node) -> fx.Node:
-            if node not in env:
-                if node.name in self.recomputed:  # computed again here from inputs and buffers
-                    for source in node.all_input_nodes:
-                        lookup(source)
-                    env[node] = graph.node_copy(node, lookup)
-                elif node.op != "get_attr":
-                    raise CaptureError(f"stage [{first}, {end}) needs {node.name!r}, which does not reach it")
-                else:
-                    env[node] = graph.node_copy(node)  # parameters and buffers are read where used
-            return env[node]
-
-        for unit in self.units[first:end]:
-            for node in unit.nodes:
-                for source in node.all_input_nodes:
-                    lookup(source)
-                env[node] = graph.node_copy(node, lookup)
-        if io.is_last:
-            output = next(n for n in self.gm.graph.nodes if n.op == "output")
-            for source in output.all_input_nodes:
-                lookup(source)
-            graph.output(fx.map_arg(output.args[0], lookup), type_expr=output.type)
-        else:
-            graph.output(tuple(env[by_name[name]] for name in io.sent))
-        if io.is_last and self.out_spec is not None:
-            # The loss sees the model's real output type (tuple, dict, ModelOutput dataclass ...).
-            names = io.inputs + io.received
-            graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(
-                orig_args=names, in_spec=pytree.tree_structure((tuple(names), {})), out_spec=self.out_spec)))
-        graph.lint()
-        stage = fx.GraphModule(self.gm, graph, class_name=f"Stage_{first}_{end}")
-        return stage, io
+        """Units [first, end) as a GraphModule: forward(*inputs, *received) -> tuple(sent) or model output
+        (planner.model.stage_graph)."""
+        return stage_module(self, first, end)
 
     def shared_parameters(self) -> List[SharedParameter]:
         """Parameter tensors read by more than one unit (tied weights), each once: read through a
