@@ -149,7 +149,9 @@ def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]]
 def local_search(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
                  deadline: Optional[float] = None) -> Candidate:
     """Move one boundary by one unit while that lowers the simulated step (recomputation re-chosen),
-    round after round until none does or the deadline (time.perf_counter()) passed."""
+    round after round until none does or the deadline (time.perf_counter()) passed. With several stages
+    per device (v > 1), where no such move helps, a run of consecutive boundaries moved together
+    (`_shifted`) is tried before it stops."""
     best = start
     for _ in range(LOCAL_SEARCH_ROUNDS):
         if deadline is not None and time.perf_counter() > deadline:
@@ -157,10 +159,51 @@ def local_search(profile: Profile, b: int, opts: CostOptions, start: Candidate, 
         moves = list(_neighbours(best.boundaries, profile.num_units))
         found = _best_of(profile, b, opts, moves, None if opts.recompute == "auto" else best.recompute, forms,
                          best.iteration_s * (1 - 1e-12), deadline)
+        if found is None and opts.virtual_stages > 1:
+            found = _shifted(profile, b, opts, best, forms, deadline)
         if found is None:
             break
         best = found
     return best
+
+
+SHIFT_BATCH = 64  # chain shifts simulated at once; the first batch with a faster split ends the round
+
+
+def _shifts(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
+    """Every run of 2 or more consecutive boundaries moved one unit together, shortest runs first: a unit
+    handed along the stages between them (one stage's range shifted whole). With several stages per
+    device the best splits differ from their neighbours in such runs (a device's two stages lie far
+    apart, and what one gives up another far away must take)."""
+    n = len(boundaries)
+    for length in range(2, n + 1):
+        for j in range(n - length + 1):
+            for step in (-1, 1):
+                moved = list(boundaries)
+                for k in range(j, j + length):
+                    moved[k] += step
+                low = moved[j - 1] if j > 0 else 0
+                high = moved[j + length] if j + length < n else num_units
+                if low < moved[j] and moved[j + length - 1] < high:
+                    yield moved
+
+
+def _shifted(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
+             deadline: Optional[float] = None) -> Optional[Candidate]:
+    """A split faster than `start` among its chain shifts (`_shifts`), simulated SHIFT_BATCH at a time (the
+    fastest of the first batch holding a faster one that fits), or None; only its longest path joins `forms`
+    (the S^2 screened paths would slow every node of a later search). None past `deadline`."""
+    moves = list(_shifts(start.boundaries, profile.num_units))
+    recompute = None if opts.recompute == "auto" else start.recompute
+    for first in range(0, len(moves), SHIFT_BATCH):
+        if deadline is not None and time.perf_counter() > deadline:
+            return None
+        found = _best_of(profile, b, opts, moves[first:first + SHIFT_BATCH], recompute, set(),
+                         start.iteration_s * (1 - 1e-12), deadline)
+        if found is not None:
+            forms.add(_form(evaluate(profile, found.boundaries, b, opts, found.recompute)))
+            return found
+    return None
 
 
 PERTURBATIONS = 200

@@ -183,9 +183,16 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     # reach every size of the first layouts: each layout gets its first before any its second), none where
     # no split fits; past the deadline only until one scenario has a plan: each start is a simulation of
     # its lists
-    for _, opts, b, lower in sorted(rated, key=lambda item: item[0]):
+    # (several stages per device: each an equal share of what is left of it, as their local search's chain
+    # shifts, planner.solve.exact._shifted, could take it all)
+    ordered = sorted(rated, key=lambda item: item[0])
+    for index, (_, opts, b, lower) in enumerate(ordered):
         late = started_one and deadline is not None and time.perf_counter() >= deadline
-        start = heuristic_plan(profile, b, opts, deadline=deadline) \
+        own = deadline
+        if deadline is not None and opts.virtual_stages > 1:
+            now = time.perf_counter()
+            own = now + max(0.0, deadline - now) / (len(ordered) - index)
+        start = heuristic_plan(profile, b, opts, deadline=own) \
             if (warm_start or method == "dp") and not late and lower < math.inf else None
         started_one = started_one or start is not None
         items.append(_Scenario(opts, b, start, lower))

@@ -341,3 +341,48 @@ def test_the_search_tells_its_progress_in_lines():
         in lines[-1] and f"bound {found.bound * 1e3:.1f} ms" in lines[-1]
     told = [line.split(" s  ", 1)[1] for line in lines[1:]]  # said again only when something moved
     assert all(a != b for a, b in zip(told, told[1:]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_chain_shifts_move_runs_of_boundaries_and_keep_every_stage(seed):
+    """planner.solve.exact._shifts: every run of two or more consecutive boundaries moved one unit together,
+    each a valid split (a unit at least per stage), all of them where nothing blocks a move."""
+    from planner.solve.exact import _shifts
+
+    rng = random.Random(seed)
+    L, S = rng.randint(6, 20), rng.randint(3, 6)
+    boundaries = sorted(rng.sample(range(1, L), S - 1))
+    seen = list(_shifts(boundaries, L))
+    expected = []
+    for j1 in range(S - 1):
+        for j2 in range(j1 + 1, S - 1):
+            for step in (-1, 1):
+                moved = [c + step if j1 <= k <= j2 else c for k, c in enumerate(boundaries)]
+                if all(0 < c < L for c in moved) and all(x < y for x, y in zip(moved, moved[1:])):
+                    expected.append(moved)
+    assert sorted(seen) == sorted(expected)
+    assert len(set(map(tuple, seen))) == len(seen)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_interleaved_local_search_ends_where_no_chain_shift_helps(seed):
+    """With several stages per device the local search stops only at a split no single-boundary move and no
+    chain shift makes faster (unlimited time), never slower than its start."""
+    from planner.cost.model import simulate_splits
+    from planner.solve.exact import _neighbours, _shifts, local_search
+    from planner.solve.solution import Candidate
+
+    rng = random.Random(seed)
+    p = rng.randint(2, 3)
+    L = rng.randint(2 * p + 2, 2 * p + 8)
+    profile = random_chain(rng, L, sizes=(1,))
+    opts = CostOptions(pipeline_ranks=p, global_batch=2 * p, schedule=rng.choice(["interleaved", "bfs"]),
+                       virtual_stages=2, optimizer="sgd")
+    start = sorted(rng.sample(range(1, L), 2 * p - 1))
+    cost = evaluate(profile, start, 1, opts)
+    found = local_search(profile, 1, opts, Candidate(cost.iteration_s, start, []), set())
+    assert found.iteration_s <= cost.iteration_s
+    assert evaluate(profile, found.boundaries, 1, opts).iteration_s == pytest.approx(found.iteration_s, rel=1e-12)
+    moves = list(_neighbours(found.boundaries, L)) + list(_shifts(found.boundaries, L))
+    steps = [s for s, _ in filter(None, simulate_splits(profile, [(m, []) for m in moves], 1, opts))]
+    assert min(steps) >= found.iteration_s * (1 - 1e-12)
