@@ -38,7 +38,9 @@ fit its device's memory is never placed. A complete split is simulated: a faster
 incumbent, and its longest path joins the forms when the known ones undervalued it (so the bound
 tightens as the search learns).
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
-(re-bounded with every form learned) is the proven bound.
+(re-bounded with every form learned) is the proven bound, or, where higher, what the floors prove for a
+target below the incumbent's (a split faster than T has every stage allowed for T, so every split is at
+least min(T, M(T)), and M(T) rises as T falls: `_probed_bound`, in the time kept for it at the end).
 
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
 its stages' parameters (linear in the bytes), so each stage carries its share (of the latency,
