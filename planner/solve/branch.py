@@ -38,7 +38,9 @@ fit its device's memory is never placed. A complete split is simulated: a faster
 incumbent, and its longest path joins the forms when the known ones undervalued it (so the bound
 tightens as the search learns).
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
-(re-bounded with every form learned) is the proven bound.
+(re-bounded with every form learned) is the proven bound, or, where higher, what the floors prove for a
+target below the incumbent's (a split faster than T has every stage allowed for T, so every split is at
+least min(T, M(T)), and M(T) rises as T falls: `_probed_bound`, in the time kept for it at the end).
 
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
 its stages' parameters (linear in the bytes), so each stage carries its share (of the latency,
@@ -191,10 +193,12 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
         (-math.inf, 0, 0, (), known.constant.copy())]
     while stack:
-        if time_limit is not None and time.perf_counter() - started > time_limit:
+        if time_limit is not None and time.perf_counter() - started > time_limit - _final_share(known, time_limit):
             share = FINAL_REFRESH_SHARE * time_limit
             bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
                         target * (1 - gap), loose)
+            # the floors for lower targets than the incumbent's prove more (`_probed_bound`)
+            bound = max(bound, _probed_bound(known, bound, target * (1 - gap), started + time_limit))
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -247,6 +251,47 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
 
 FINAL_REFRESH_SHARE = 0.05  # at the time limit, a last refresh when one takes less than this share of it, and
 # at most this share again to re-bound the open nodes with every form learned
+# at the end of the time limit where the search has not finished: the open nodes' bound (FINAL_REFRESH_SHARE
+# twice) and the probes of the floors below the target (`_probed_bound`), PROBE_REFRESHES refreshes' time for
+# these, at most PROBE_SHARE of the limit in all; none where a refresh takes more than PROBE_LARGEST of the
+# limit (1,000 units at 10 s: the search's last seconds find its better plans, BENCHMARKS.md)
+PROBE_REFRESHES, PROBE_SHARE, PROBE_LARGEST = 2.5, 0.2, 0.05
+PROBES = 12  # probes at most (each a refresh of the floors, more rounds of it than the search's)
+PROBE_STEP = 1 / 3  # each probe's target: this share of the way from the bound proven to the least not proven
+
+
+def _final_share(known: Forms, time_limit: float) -> float:
+    """The seconds at the end of the time limit kept for the bound of a search that did not finish (none
+    where a refresh is long for the limit: the search runs to the limit and the open nodes' bound follows,
+    as without probes)."""
+    if known.refresh_s > PROBE_LARGEST * time_limit:
+        return 0.0
+    return min(PROBE_SHARE * time_limit, 2 * FINAL_REFRESH_SHARE * time_limit + PROBE_REFRESHES * known.refresh_s)
+
+
+def _probed_bound(known: Forms, low: float, high: float, deadline: float) -> float:
+    """A bound of every split above `low` (one already proven) where the floors for targets below the
+    search's `high` give one (Forms.probe: min(T, M(T)) holds for every T, and M(T) only rises as T
+    falls): a search for the T where M(T) meets T (each probe's target a third of the way from the bound
+    proven to the least target not proven, M below it), each probe's bound kept, the probes stopped at
+    `deadline` (time.perf_counter()) or after PROBES. Where no form is known, or no probe ends in
+    time, `low`."""
+    if not len(known) or not math.isfinite(high):
+        return low
+    known.deadline = deadline
+    best = max(low, 0.0)  # every duration is >= 0
+    top = high
+    for _ in range(PROBES):
+        if top - best <= 1e-4 * top or time.perf_counter() + known.refresh_s > deadline:
+            break
+        T = best + PROBE_STEP * (top - best)
+        probed = known.probe(T)
+        if probed is None:  # past the deadline
+            break
+        best = max(best, probed)
+        if probed < T:  # M(T) < T: the bound meets the target lower down
+            top = T
+    return best
 
 
 def _open_bound(known: Forms, stack, target: float, refresh: bool, budget_s: float = math.inf) -> float:

@@ -21,6 +21,7 @@ from planner.solve.reach import stage_conditions
 from planner.solve.recompute_bound import bounded, least_recompute
 
 FLOOR_ROUNDS = 2  # floors, then completions over the ranges left: at most this many rounds per refresh
+PROBE_ROUNDS = 8  # the same in a probe below the target (`Forms.probe`): the ranges dropped there raise M most
 STAGE_TERMS = ("forward", "backward", "backward_input", "backward_weight", "act", "grad", "reduce", "step")
 TABLE_BYTES = 2 << 30  # beyond, the integer program (BENCHMARKS.md: 0.74 GB at 1,251 units and 16 like stages)
 
@@ -237,15 +238,35 @@ class Forms:
         self.coefficients = np.concatenate([self.coefficients, per_stage[:, None, :]], axis=1)
         self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
 
-    def refresh(self, target: float) -> None:
+    def refresh(self, target: float, rounds: int = FLOOR_ROUNDS) -> bool:
         """Re-derive the allowed stages for `target`, every form's completions over them, and the stage
-        floors; a range whose floor reaches the target is dropped and the completions follow (twice at most)."""
+        floors; a range whose floor reaches the target is dropped and the completions follow (`rounds`
+        times at most). False where the deadline passed first (the tables from before are kept)."""
         started, kept = time.perf_counter(), self._tables()
         try:
-            self._refresh(target)
+            self._refresh(target, rounds)
+            done = True
         except OutOfTime:
             self._restore(kept)
+            done = False
         self.refresh_s = time.perf_counter() - started
+        return done
+
+    def probe(self, target: float, rounds: int = PROBE_ROUNDS) -> Optional[float]:
+        """A bound of every split from the floors for a lower `target` than the search's: a split faster
+        than `target` has every stage allowed for it, so its step is at least M[0, 0] over the ranges
+        allowed then; every split's step is at least min(target, that M). As the target falls more
+        ranges drop and M rises, so the best such bound lies where M meets the target
+        (planner.solve.branch's `_probed_bound` seeks it). The allowed stages and the tables are put
+        back after (a probe above this one must start from them); None past the deadline."""
+        allowed, kept = list(self.terms.allowed), self._tables()
+        try:
+            if not self.refresh(target, rounds):
+                return None
+            return min(target, float(self.least[0, 0]))
+        finally:
+            self.terms.allow(allowed)
+            self._restore(kept)
 
     def _tables(self):
         """The completions, floors and M as they are (a refresh past the deadline puts them back)."""
@@ -283,13 +304,13 @@ class Forms:
         except OutOfTime:
             self._restore(kept)
 
-    def _refresh(self, target: float) -> None:
+    def _refresh(self, target: float, rounds: int = FLOOR_ROUNDS) -> None:
         terms, deadline = self.terms, self.deadline
         terms.restrict(self.known, target, self.deadline)
         self.completion = form_completions(self.coefficients, terms.band, deadline)
         if not len(self):
             return
-        for _ in range(FLOOR_ROUNDS):  # the floors over a superset of the final allowed stages still hold
+        for _ in range(rounds):  # the floors over a superset of the final allowed stages still hold
             self.floors = stage_floors(self.constant, self.coefficients, terms.band, self.completion, deadline)
             if not self._drop_reached(target):
                 break

@@ -214,3 +214,78 @@ def test_tables_the_time_limit_cannot_pay_for_end_the_search_with_its_incumbent(
         outcome = branch_and_bound(profile, 1, opts, incumbent, set(), time_limit=2.0)
     assert outcome.best is incumbent and not outcome.optimal and outcome.nodes == 0
     assert outcome.bound_s == opts.step_overhead_s
+
+
+def _forms_of(profile, b, opts, rng, splits=6):
+    """The search's tables with the structural forms and the longest paths of a few random splits."""
+    terms = StageTerms(profile, b, opts)
+    known = Forms(terms, opts.message_s)
+    forms = set(structural_forms(profile, b, opts))
+    L, S = profile.num_units, opts.num_stages
+    redo = list(range(L)) if opts.recompute == "all" else []
+    for _ in range(splits):
+        cuts = sorted(rng.sample(range(1, L), S - 1))
+        forms.add(evaluate(profile, cuts, b, opts, redo).critical_path)
+    for form in forms:
+        known.add(form, complete=False)
+    return known
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(), st.integers(0, 2 ** 16), st.lists(st.sampled_from([0.5, 0.9, 0.97, 0.99, 1.0, 1.001, 1.02, 1.1,
+                                                                   1.5, 3.0]), min_size=1, max_size=4))
+def test_a_probe_below_the_target_never_passes_the_best_split(problem, seed, ratios):
+    """Forms.probe(T) = min(T, M(T)), the floors for a target T below the search's, holds for every split
+    whatever T (a split faster than T has every stage allowed for T); the search for the T where M meets T
+    (branch._probed_bound) too; and a probe puts the allowed stages and tables back."""
+    import random
+
+    import numpy as np
+
+    profile, opts = problem
+    profile = compute_profile(profile, opts)
+    for b in candidate_micro_batch_sizes(profile, opts.global_batch, opts):
+        best = _every_split(profile, b, opts)
+        assume(math.isfinite(best) and best > 0)
+        known = _forms_of(profile, b, opts, random.Random(seed))
+        start = best * 1.2
+        known.refresh(start)
+        allowed = [ok.copy() for ok in known.terms.allowed]
+        least = known.least.copy()
+        for ratio in ratios:
+            probed = known.probe(best * ratio)
+            assert probed is not None and probed <= best * (1 + 1e-9)
+            assert all((ok == was).all() for ok, was in zip(known.terms.allowed, allowed))
+            assert np.array_equal(known.least, least)
+        found = branch._probed_bound(known, -math.inf, start, math.inf)
+        assert found <= best * (1 + 1e-9)
+        assert found >= 0.0
+
+
+def test_the_probes_seek_where_the_floors_meet_the_target():
+    """_probed_bound against a made-up M(T) that rises as T falls (as the floors do): each probe's
+    min(T, M(T)) kept, and the search ends near the T where M(T) = T, never above it; at the deadline or
+    without forms it keeps the bound it was given."""
+
+    class Made:
+        refresh_s = 0.0
+
+        def __init__(self, M, forms=1):
+            self.M, self.forms, self.targets = M, forms, []
+
+        def __len__(self):
+            return self.forms
+
+        def probe(self, target):
+            self.targets.append(target)
+            return min(target, self.M(target))
+
+    for M in (lambda T: 10.0 - 0.5 * T, lambda T: 7.0 if T < 6.5 else 6.0, lambda T: math.inf if T < 5.0 else 4.0):
+        crossing = max(T / 1000 for T in range(1, 10_000) if M(T / 1000) >= T / 1000)
+        made = Made(M)
+        found = branch._probed_bound(made, 1.0, 9.0, math.inf)
+        assert found <= crossing + 1e-3  # (the grid's step)
+        assert found >= crossing - (9.0 - 1.0) * (2 / 3) ** branch.PROBES - 1e-3
+        assert len(made.targets) <= branch.PROBES
+    assert branch._probed_bound(Made(lambda T: 9.0, forms=0), 1.0, 9.0, math.inf) == 1.0
+    assert branch._probed_bound(Made(lambda T: 9.0), 1.0, 9.0, -1.0) == 1.0  # past its deadline
