@@ -15,7 +15,9 @@ Communication runs in batches (runtime.program): a batch's sends and receives ar
 and waited for entirely before the next action, except a batch of sends only, which is waited for
 before the rank's next batch or the end of its step (runtime.outbox). Stages on the same rank hand values over in
 memory: the forward of stage g + 1 takes stage g's outputs of that micro-batch (as leaves sharing
-their storage), the backward of stage g takes the gradients stage g + 1's backward left on them.
+their storage), the backward of stage g takes the gradients stage g + 1's backward left on them; a view
+of a larger storage goes over as a copy, as a message's tensors arrive (step_state.own_storages), not
+pinning the rest of that storage.
 
 What the engine holds per micro-batch in flight on a stage (the memory the plan models):
 - from its forward to its backward, what autograd saved for backward (each storage once,
@@ -59,7 +61,7 @@ from runtime.runner import StageRunner
 from planner.profile.splitgrad import backward_input, backward_weight
 from runtime.program import COMMUNICATION, batches
 from runtime.stage import RankModel
-from runtime.step_state import MicroBatchState, StepState, StepStats
+from runtime.step_state import MicroBatchState, StepState, StepStats, own_storages
 from runtime.timing import StepClock, close_step
 
 
@@ -197,8 +199,8 @@ class Engine(MessageActions):
         runner, state = self.runners[g], step.states.setdefault((g, i), MicroBatchState())
         if g > 0 and self._here(g - 1, i):  # handed over in memory by the previous stage
             before = step.states[(g - 1, i)]
-            state.received = assemble(runner.stage, [before.outputs[j].detach() for j in
-                                                           self.runners[g - 1].send_tensors])
+            state.received = assemble(runner.stage, own_storages([before.outputs[j].detach() for j in
+                                                                       self.runners[g - 1].send_tensors]))
         args = to_device([step.inputs[i][j] for j in runner.wanted_inputs], self.device, copy=True)
         counting = self.count_saved
         with self.saved.counting() if counting else contextlib.nullcontext(), self._autocast():
@@ -289,7 +291,8 @@ class Engine(MessageActions):
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here
                 after = step.states.pop((g + 1, i))
-                state.grads = [grad if present else None for grad, present in zip(after.input_grads, after.input_present)]
+                state.grads = [grad if present else None
+                               for grad, present in zip(own_storages(after.input_grads), after.input_present)]
             pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
                      if grad is not None and isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
             if pairs:

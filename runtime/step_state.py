@@ -43,7 +43,8 @@ class MicroBatchState:
 
 def own_storages(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """Received tensors, each with a storage of its own where the message's buffer holds more (other
-    tensors, a header): one that autograd saves, or a split backward keeps, then holds only itself."""
+    tensors, a header), or, handed over in memory by a stage of the same rank, where it views a larger
+    storage: one that autograd saves, or a split backward keeps, then holds only itself."""
     return [t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t for t in tensors]
 
 
