@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from planner.profile.splitgrad import PendingWeights
+from planner.profile.splitgrad import PendingWeights, own_storage
 
 
 @dataclass
@@ -45,7 +45,7 @@ def own_storages(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """Received tensors, each with a storage of its own where the message's buffer holds more (other
     tensors, a header), or, handed over in memory by a stage of the same rank, where it views a larger
     storage: one that autograd saves, or a split backward keeps, then holds only itself."""
-    return [t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t for t in tensors]
+    return [own_storage(t) for t in tensors]
 
 
 @dataclass

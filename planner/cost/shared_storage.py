@@ -224,7 +224,7 @@ def _plain_when_recomputed(costs, plain: np.ndarray) -> None:
     """The terms of the units in `plain` where recomputed: those where not (never_recomputed). Such a unit saves
     nothing (s_l = x_l = 0: it would be recomputable), so it keeps and holds nothing recomputed either."""
     costs.inputs = np.where(plain, 0.0, costs.inputs)
-    costs.weight_inputs = costs.inputs - costs.loss_saved
+    costs.weight_inputs = np.where(plain, 0.0, costs.inputs - costs.loss_saved)
     costs.held_inputs = np.where(plain, 0.0, costs.held_inputs)
     costs.held_weight_inputs = np.where(plain, 0.0, costs.held_weight_inputs)
     costs.redo_dup = np.where(plain, 0.0, costs.redo_dup)

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from planner.errors import CaptureError
 from planner.model.recomputable import needed_inputs
 
+
 @dataclass
 class StageIO:
     """The signature of a stage module: what it takes and what it returns, by node name."""

@@ -65,7 +65,7 @@ def message_ends(message: Tuple[str, int, int]) -> Tuple[Action, Action, int, in
 
 
 def replay(orders: Sequence[Sequence[Action]], num_stages: int,
-            weights: Optional[Sequence[float]] = None) -> List[List[Tuple[float, float]]]:
+           weights: Optional[Sequence[float]] = None) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute in a replay with free messages, forward w_g, backward 2 w_g: the
     earliest start runs next (the lower rank first among equals). Each rank waits in the heap once its
     next compute's input is made (a start, fixed from then on), or for that input (`waiting`)."""

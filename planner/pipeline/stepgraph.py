@@ -31,12 +31,12 @@ boundary g, between stages g and g + 1), ("message",), a collective's own term (
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from planner.pipeline.actions import (BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, SENDS, Action, ActionKind, message_of,
-                                      peer_stage)
+from planner.pipeline.actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, SENDS, Action, ActionKind, message_of
 from planner.pipeline.messages import produced_message
 
 Term = Tuple
@@ -276,8 +276,6 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
         peaks.append(snapshot)
 
     sent = {message_of(a): _sent_term(a) for a in actions if a.kind in SENDS}  # message -> its held term
-    # the stages its messages reach: a compute's message beyond them (the last stage's output) is never sent
-    reach = 1 + max((peer_stage(a) for a in actions if a.kind in SENDS), default=0)
     posted: List[Term] = []  # the terms of the last batch of sends only, until the next batch waits for it
     fresh: List[Tuple] = []  # (message, term) made by the last compute and not yet posted
     unsent: Dict[Tuple, Term] = {}  # message -> term: made before the last compute, not yet posted
@@ -308,7 +306,7 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
                     counts[term] += 1
                 fresh = []
             _hold(a, counts, record)
-            made = produced_message(a, reach)
+            made = produced_message(a, sys.maxsize)  # one no send carries (the last stage's output) is not in `sent`
             if made in sent:
                 fresh.append((made, sent[made]))
         if isinstance(item, tuple):

@@ -8,7 +8,7 @@ backward runs them) and from which a parameter is reached through nodes that do 
 - `backward_input` runs autograd towards the inputs only (each node computes just the outputs a
   path to an input needs: a matmul's input gradient, not its weight gradient), sets each input's
   `.grad`, and keeps the gradients that arrived at every frontier node (a view of a larger storage,
-  a concatenation's, as a copy: `_own_storage`), plus each output that reaches no input at all (a
+  a concatenation's, as a copy: `own_storage`), plus each output that reaches no input at all (a
   first stage's outputs, a branch off the inputs) with its gradient.
 - `backward_weight` runs autograd from those kept gradients to the parameters and accumulates the
   result into their `.grad` as a whole backward would (post-accumulate hooks included), freeing the
@@ -213,7 +213,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
 
     def keep(node: Node):
         def hook(grad_outputs):
-            pending.kept[node] = tuple(_own_storage(g) for g in grad_outputs)
+            pending.kept[node] = tuple(own_storage(g) for g in grad_outputs)
         return hook
 
     try:
@@ -231,13 +231,15 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     return pending
 
 
-def _own_storage(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A kept gradient in a storage of its own where it views a larger one (a concatenation's backward
-    hands each input a narrow view of one gradient): kept as the view, it would pin all of that storage
-    until the weight part, the other views' bytes included (an input's gradient, sent on long before)."""
-    if grad is None or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size():
-        return grad
-    return grad.clone()
+def own_storage(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`tensor` in a storage of its own where it views a larger one (a copy), else itself. A kept
+    gradient: a concatenation's backward hands each input a narrow view of one gradient, which kept
+    as it is would pin all of that storage until the weight part, the other views' bytes included (an
+    input's gradient, sent on long before). Sparse and nested tensors have no one storage: as they are."""
+    if tensor is None or tensor.layout is not torch.strided or \
+            tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 def backward_weight(pending: PendingWeights) -> None:

@@ -40,7 +40,8 @@ tightens as the search learns).
 When the search ends the incumbent is optimal; at the time limit the least bound of the nodes left
 (re-bounded with every form learned) is the proven bound, or, where higher, what the floors prove for a
 target below the incumbent's (a split faster than T has every stage allowed for T, so every split is at
-least min(T, M(T)), and M(T) rises as T falls: `_probed_bound`, in the time kept for it at the end).
+least min(T, M(T)), and M(T) rises as T falls: `_probed_bound`, in the time kept for it at the end; a
+search the probes leave time for goes on).
 
 A device with several stages (v > 1): its gradient exchange and its optimizer step are sums over
 its stages' parameters (linear in the bytes), so each stage carries its share (of the latency,
@@ -192,13 +193,23 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     # a node: (bound, stage g, start a, the split's boundaries so far, prefix per form known then)
     stack: List[Tuple[float, int, int, Tuple[int, ...], np.ndarray]] = [
         (-math.inf, 0, 0, (), known.constant.copy())]
+    proven = None  # the bound at the probes below the incumbent's target (`_probed_bound`), once
     while stack:
-        if time_limit is not None and time.perf_counter() - started > time_limit - _final_share(known, time_limit):
+        if time_limit is not None and proven is None and \
+                time.perf_counter() - started > time_limit - _final_share(known, time_limit):
             share = FINAL_REFRESH_SHARE * time_limit
             bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
                         target * (1 - gap), loose)
-            # the floors for lower targets than the incumbent's prove more (`_probed_bound`)
-            bound = max(bound, _probed_bound(known, bound, target * (1 - gap), started + time_limit))
+            # the floors for lower targets than the incumbent's prove more (`_probed_bound`); the probes
+            # leave the nodes and the tables as they were, so a search they leave time for goes on
+            proven = max(bound, _probed_bound(known, bound, target * (1 - gap), started + time_limit))
+            known.deadline = deadline
+        if time_limit is not None and time.perf_counter() - started > time_limit:
+            if proven is not None:  # a bound of every split, whatever the incumbent since
+                return BranchOutcome(best, max(min(proven, target), 0.0) + overhead, False, nodes, known.known)
+            share = FINAL_REFRESH_SHARE * time_limit
+            bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
+                        target * (1 - gap), loose)
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):
@@ -261,9 +272,10 @@ PROBE_STEP = 1 / 3  # each probe's target: this share of the way from the bound 
 
 
 def _final_share(known: Forms, time_limit: float) -> float:
-    """The seconds at the end of the time limit kept for the bound of a search that did not finish (none
-    where a refresh is long for the limit: the search runs to the limit and the open nodes' bound follows,
-    as without probes)."""
+    """The seconds at the end of the time limit kept for the bound of a search that did not finish: the
+    open nodes' and the probes of the floors below the target (`_probed_bound`), the search going on
+    where they end early (none where a refresh is long for the limit: the search runs to the limit and
+    the open nodes' bound follows, as without probes)."""
     if known.refresh_s > PROBE_LARGEST * time_limit:
         return 0.0
     return min(PROBE_SHARE * time_limit, 2 * FINAL_REFRESH_SHARE * time_limit + PROBE_REFRESHES * known.refresh_s)

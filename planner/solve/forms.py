@@ -259,13 +259,14 @@ class Forms:
         ranges drop and M rises, so the best such bound lies where M meets the target
         (planner.solve.branch's `_probed_bound` seeks it). The allowed stages and the tables are put
         back after (a probe above this one must start from them); None past the deadline."""
-        allowed, kept = list(self.terms.allowed), self._tables()
+        terms = self.terms
+        allowed, kept = (terms.allowed, terms.band, terms.window), self._tables()  # a restriction makes new ones
         try:
             if not self.refresh(target, rounds):
                 return None
             return min(target, float(self.least[0, 0]))
         finally:
-            self.terms.allow(allowed)
+            terms.allowed, terms.band, terms.window = allowed
             self._restore(kept)
 
     def _tables(self):

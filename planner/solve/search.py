@@ -27,7 +27,8 @@ from planner.pipeline.schedule import schedule_virtual_stages
 from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
-from planner.solve.exact import _evaluate, local_search, solve_scenario
+from planner.solve.exact import solve_scenario
+from planner.solve.local_search import candidate_of, local_search
 from planner.solve.floors import OutOfTime, check_deadline
 from planner.solve.scenario_bound import scenario_lower_bound
 from planner.solve.solution import OPTIMALITY_GAP, Solution, Candidate, scenario_gap
@@ -138,7 +139,7 @@ def heuristic_plan(profile: Profile, b: int, opts: CostOptions, forms=None,
     for boundaries in _starts(profile, b, opts, deadline):
         if best is not None and deadline is not None and time.perf_counter() >= deadline:
             break
-        found = _evaluate(profile, boundaries, b, opts, None, forms)
+        found = candidate_of(profile, boundaries, b, opts, None, forms)
         if found is not None and (best is None or found.iteration_s < best.iteration_s):
             best = found
     return local_search(profile, b, opts, best, forms, deadline) if best is not None else None
@@ -183,8 +184,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
     # reach every size of the first layouts: each layout gets its first before any its second), none where
     # no split fits; past the deadline only until one scenario has a plan: each start is a simulation of
     # its lists
-    # (several stages per device: each an equal share of what is left of it, as their local search's chain
-    # shifts, planner.solve.exact._shifted, could take it all)
+    # (several stages per device: each what is left of it shared among the scenarios still to start, as
+    # their local search's chain shifts, planner.solve.local_search._shifted, could take it all)
     ordered = sorted(rated, key=lambda item: item[0])
     for index, (_, opts, b, lower) in enumerate(ordered):
         late = started_one and deadline is not None and time.perf_counter() >= deadline

@@ -43,3 +43,15 @@ def test_a_kept_gradient_viewing_a_concatenations_gradient_keeps_only_itself():
     for p, q in zip([*d.parameters(), *c.parameters()], [*whole_d.parameters(), *whole_c.parameters()]):
         assert torch.equal(p.grad, q.grad)
     assert torch.equal(h.grad, x.grad)
+
+
+def test_own_storage_copies_only_a_view_of_more():
+    from runtime.step_state import own_storages
+
+    whole = torch.randn(4, 6)
+    row = whole[1]
+    sparse = torch.eye(3).to_sparse()
+    got = own_storages([whole, row, sparse])
+    assert got[0] is whole and got[2] is sparse  # a storage of its own already; a sparse tensor has none
+    assert got[1] is not row and torch.equal(got[1], row)
+    assert got[1].untyped_storage().nbytes() == row.numel() * row.element_size()

@@ -3,6 +3,7 @@ size at a time: the same optimum (every schedule, v = 1 and 2, memory caps, reco
 reserves), and a proven bound that is never above it, also when the search stops at its time limit."""
 import itertools
 import math
+import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -260,6 +261,14 @@ def test_a_probe_below_the_target_never_passes_the_best_split(problem, seed, rat
         found = branch._probed_bound(known, -math.inf, start, math.inf)
         assert found <= best * (1 + 1e-9)
         assert found >= 0.0
+        # a probe past its deadline (OutOfTime inside the refresh) leaves the very tables it found
+        terms = known.terms
+        before = (terms.allowed, terms.band, terms.window, known.completion, known.floors, known.least)
+        known.deadline = time.perf_counter() - 1.0
+        assert known.probe(best * 0.9) is None
+        after = (terms.allowed, terms.band, terms.window, known.completion, known.floors, known.least)
+        assert all(x is y for x, y in zip(before, after))
+        known.deadline = None
 
 
 def test_the_probes_seek_where_the_floors_meet_the_target():

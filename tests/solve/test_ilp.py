@@ -364,7 +364,7 @@ def test_the_program_and_the_moves_before_it_stop_at_the_deadline():
     seconds each: both stop at the search's deadline (the moves given their choice so far are kept)."""
     import time
 
-    from planner.solve.exact import _best_of
+    from planner.solve.local_search import _best_of
     from planner.solve.floors import OutOfTime
     from planner.solve.ilp import Program
 

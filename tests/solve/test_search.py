@@ -345,9 +345,9 @@ def test_the_search_tells_its_progress_in_lines():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_chain_shifts_move_runs_of_boundaries_and_keep_every_stage(seed):
-    """planner.solve.exact._shifts: every run of two or more consecutive boundaries moved one unit together,
+    """planner.solve.local_search._shifts: every run of two or more consecutive boundaries moved one unit together,
     each a valid split (a unit at least per stage), all of them where nothing blocks a move."""
-    from planner.solve.exact import _shifts
+    from planner.solve.local_search import _shifts
 
     rng = random.Random(seed)
     L, S = rng.randint(6, 20), rng.randint(3, 6)
@@ -369,7 +369,7 @@ def test_the_interleaved_local_search_ends_where_no_chain_shift_helps(seed):
     """With several stages per device the local search stops only at a split no single-boundary move and no
     chain shift makes faster (unlimited time), never slower than its start."""
     from planner.cost.model import simulate_splits
-    from planner.solve.exact import _neighbours, _shifts, local_search
+    from planner.solve.local_search import _shifts, local_search, neighbours
     from planner.solve.solution import Candidate
 
     rng = random.Random(seed)
@@ -383,6 +383,6 @@ def test_the_interleaved_local_search_ends_where_no_chain_shift_helps(seed):
     found = local_search(profile, 1, opts, Candidate(cost.iteration_s, start, []), set())
     assert found.iteration_s <= cost.iteration_s
     assert evaluate(profile, found.boundaries, 1, opts).iteration_s == pytest.approx(found.iteration_s, rel=1e-12)
-    moves = list(_neighbours(found.boundaries, L)) + list(_shifts(found.boundaries, L))
+    moves = list(neighbours(found.boundaries, L)) + list(_shifts(found.boundaries, L))
     steps = [s for s, _ in filter(None, simulate_splits(profile, [(m, []) for m in moves], 1, opts))]
     assert min(steps) >= found.iteration_s * (1 - 1e-12)
