@@ -107,11 +107,11 @@ class BranchOutcome:
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Candidate],
                      forms: Set[PathForm], time_limit: Optional[float], gap: float = 1e-6,
                      cutoff_s: Optional[float] = None,
-                     improve: Optional[Callable[[Candidate], Candidate]] = None) -> BranchOutcome:
+                     improve: Optional[Callable[[Candidate, Optional[float]], Candidate]] = None) -> BranchOutcome:
     """The best split of (scenario, b) with a proof, or the best found and a bound at the time limit.
     `profile` is the compute profile (planner.cost.compute_dtype.compute_profile); `forms` seed the bound;
     only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
-    search) is given each new incumbent at a refresh."""
+    search) is given each new incumbent at a refresh, and the time (time.perf_counter()) it must end by."""
     started = time.perf_counter()
     deadline = None if time_limit is None else started + time_limit
     try:
@@ -141,8 +141,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     def met(ends: Tuple[int, ...]) -> None:  # a split the dual ascent or the floors attain: simulated, a candidate
         offer(_simulate(profile, list(ends[:-1]), b, opts, redo, known))
 
-    def affordable() -> bool:  # a refresh ends before the time limit (as long as the last one took)
-        return time_limit is None or time.perf_counter() + known.refresh_s < started + time_limit
+    def searching_until() -> Optional[float]:  # the search's own time: the limit less what is kept for the bound
+        return None if time_limit is None else started + time_limit - _final_share(known, time_limit)
+
+    def affordable() -> bool:  # a refresh ends in the search's time (as long as the last one took)
+        return time_limit is None or time.perf_counter() + known.refresh_s < searching_until()
 
     def refresh() -> None:  # allowed stages, completions and floors for the target; the floors' split a candidate
         # cutting planes: the split attaining M is simulated, and its longest path, when new, is a form
@@ -163,7 +166,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             fresh = best is not None and tuple(best.boundaries) not in improved
             if improve is not None and fresh and affordable():
                 improved.add(tuple(best.boundaries))
-                offer(improve(best))
+                offer(improve(best, searching_until()))
             if cutting:
                 cutting_s += time.perf_counter() - round_started
             if target < before:
@@ -195,8 +198,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         (-math.inf, 0, 0, (), known.constant.copy())]
     proven = None  # the bound at the probes below the incumbent's target (`_probed_bound`), once
     while stack:
-        if time_limit is not None and proven is None and \
-                time.perf_counter() - started > time_limit - _final_share(known, time_limit):
+        if time_limit is not None and proven is None and time.perf_counter() > searching_until():
             share = FINAL_REFRESH_SHARE * time_limit
             bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
                         target * (1 - gap), loose)

@@ -86,6 +86,11 @@ def structural_forms(profile: Profile, b: int, opts: CostOptions, deadline: Opti
     return forms
 
 
+def _earlier(*deadlines: Optional[float]) -> Optional[float]:
+    """The earliest of the deadlines given (None: none)."""
+    return min((d for d in deadlines if d is not None), default=None)
+
+
 def _fixings(profile: Profile, b: int, opts: CostOptions, forms: Set[PathForm], bound: float,
              deadline: Optional[float] = None):
     """Each unit's range of stages in a split faster than `bound` (planner.solve.reach); OutOfTime past
@@ -157,7 +162,8 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
         deadline = None if time_limit is None else time.perf_counter() + time_limit
         found = branch_and_bound(profile, b, opts, best, set(forms or ()), None if time_limit is None
                                  else CHOSEN_SHARE * time_limit, gap, target_s,
-                                 improve=lambda split: local_search(profile, b, opts, split, forms or set(), deadline))
+                                 improve=lambda split, until: local_search(profile, b, opts, split, forms or set(),
+                                                                           _earlier(deadline, until)))
         if forms is not None:
             forms |= found.forms
         return found.best, found.bound_s, found.optimal
@@ -211,7 +217,8 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
     if applies(profile, opts):  # every term a stage's: branch and bound over the splits (planner.solve.branch)
         # the whole time: its floors bound a stopped search closer than the program would in what is left
         found = branch_and_bound(profile, b, opts, best, forms, time_limit, gap, target_s,
-                                 improve=lambda split: local_search(profile, b, opts, split, forms, deadline))
+                                 improve=lambda split, until: local_search(profile, b, opts, split, forms,
+                                                                           _earlier(deadline, until)))
         forms |= found.forms
         return outcome(found.best, found.bound_s, found.optimal, "branch")
     if opts.recompute == "auto":  # under a cap: the splits' search first, for a plan and a bound

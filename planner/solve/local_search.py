@@ -52,11 +52,13 @@ def candidate_of(profile: Profile, boundaries: List[int], b: int, opts: CostOpti
 
 
 def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]], recompute: Optional[List[int]],
-             forms: Set[PathForm], below: float, deadline: Optional[float] = None) -> Optional[Candidate]:
+             forms: Set[PathForm], below: float, deadline: Optional[float] = None,
+             screened_forms: Optional[Set[PathForm]] = None) -> Optional[Candidate]:
     """The fastest feasible split of `moves` (the first of equals) if it is faster than `below`: all
-    simulated at once (their longest paths join `forms`), then evaluated fastest first until one
-    fits its memory. Past `deadline` (time.perf_counter()) the moves not yet given their
-    recomputation are left out (choosing it is the slow part under --recompute auto)."""
+    simulated at once (their longest paths join `screened_forms`, by default `forms`), then evaluated
+    fastest first until one fits its memory (the longest paths of those join `forms`). Past `deadline`
+    (time.perf_counter()) the moves not yet given their recomputation are left out (choosing it is the
+    slow part under --recompute auto)."""
     redos = []
     for moved in moves:
         if redos and deadline is not None and time.perf_counter() > deadline:
@@ -64,7 +66,7 @@ def _best_of(profile: Profile, b: int, opts: CostOptions, moves: List[List[int]]
             break
         redos.append(_redo(profile, moved, b, opts, recompute))
     screened = simulate_splits(profile, list(zip(moves, redos)), b, opts)
-    forms.update(found[1] for found in screened if found is not None)
+    (forms if screened_forms is None else screened_forms).update(found[1] for found in screened if found is not None)
     order = sorted((found[0], k) for k, found in enumerate(screened) if found is not None)
     for step, k in order:
         if not step < below:
@@ -120,17 +122,17 @@ def _shifts(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
 def _shifted(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
              deadline: Optional[float] = None) -> Optional[Candidate]:
     """A split faster than `start` among its chain shifts (`_shifts`), simulated SHIFT_BATCH at a time (the
-    fastest of the first batch holding a faster one that fits), or None; only its longest path joins `forms`
-    (the S^2 screened paths would slow every node of a later search). None past `deadline`."""
+    fastest of the first batch holding a faster one that fits), or None; only the longest paths of the splits
+    evaluated in full (it, and any faster that did not fit) join `forms` (the S^2 screened paths would slow
+    every node of a later search). None past `deadline`."""
     moves = list(_shifts(start.boundaries, profile.num_units))
     recompute = None if opts.recompute == "auto" else start.recompute
     for first in range(0, len(moves), SHIFT_BATCH):
         if deadline is not None and time.perf_counter() > deadline:
             return None
-        found = _best_of(profile, b, opts, moves[first:first + SHIFT_BATCH], recompute, set(),
-                         start.iteration_s * (1 - 1e-12), deadline)
+        found = _best_of(profile, b, opts, moves[first:first + SHIFT_BATCH], recompute, forms,
+                         start.iteration_s * (1 - 1e-12), deadline, screened_forms=set())
         if found is not None:
-            forms.add(evaluate(profile, found.boundaries, b, opts, found.recompute).critical_path)
             return found
     return None
 
