@@ -8,7 +8,7 @@ from planner.profile.optim import make_optimizer
 from runtime.engine import Engine, StepStats, StepState
 from runtime.groups import Groups
 from runtime.stage import build_rank
-from tests.support.runs import plan_with, profile_of
+from tests.support.runs import fixed_plan, plan_with, profile_of
 
 
 def _engine(plan, rank=0):
@@ -151,7 +151,7 @@ def test_a_zero_bubble_stage_after_a_frozen_one_holds_what_the_plan_says(tmp_pat
     # holds for the run, counted once per micro-batch waiting for its weight part (+8 bytes)
     from tests.support.runs import execute, profile_of, report_of
 
-    plan = _fixed_plan(profile_of("tests.models:frozen_layers", sizes=(2,)), [1], "zb-h1", recompute)
+    plan = fixed_plan(profile_of("tests.models:frozen_layers", sizes=(2,)), [1], "zb-h1", recompute)
     execute(plan, tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
@@ -171,7 +171,7 @@ def test_what_autograd_frees_as_the_forward_returns_is_not_held_between_the_part
 
     profile = profile_of(entry, sizes=(2,))
     assert any(sum(u.dropped_saved_bytes[2].values()) for u in profile.units) or recompute
-    execute(_fixed_plan(profile, [2], "zb-h1", recompute), tmp_path, steps=2)
+    execute(fixed_plan(profile, [2], "zb-h1", recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
@@ -225,7 +225,7 @@ def test_a_zero_bubble_stage_whose_input_needs_no_gradient_holds_what_the_plan_s
     over; recomputing unit 2, 14600 against 12420)."""
     from tests.support.runs import execute, profile_of, report_of
 
-    plan = _fixed_plan(profile_of("tests.models:frozen_tied_lm", sizes=(2,)), [2], "zb-h1", recompute,
+    plan = fixed_plan(profile_of("tests.models:frozen_tied_lm", sizes=(2,)), [2], "zb-h1", recompute,
                        global_batch=4)
     execute(plan, tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
@@ -254,22 +254,6 @@ def test_neighbours_that_save_one_tensor_hold_it_once(tmp_path, entry, cuts):
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank["rank"]
 
 
-def _fixed_plan(profile, cuts, schedule, recompute, b=2, global_batch=8, precision=None, virtual_stages=1):
-    """The plan of one split and recomputation (not solved); `virtual_stages` stages per rank (zb-v: 2)."""
-    from planner.cost.model import evaluate
-    from planner.cost.options import CostOptions
-    from planner.plan.make import make_plan
-    from planner.solve.solution import Solution
-
-    opts = CostOptions(pipeline_ranks=(len(cuts) + 1) // virtual_stages, virtual_stages=virtual_stages,
-                       global_batch=global_batch, schedule=schedule, recompute="auto", precision=precision)
-    cost = evaluate(profile, cuts, b, opts, recompute)
-    solution = Solution(boundaries=cuts, micro_batch_size=b, num_micro_batches=global_batch // b, cost=cost,
-                        status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
-                        method="fixed", backend="none")
-    return make_plan(profile, solution, opts, "")
-
-
 def test_the_loss_holds_fp32_under_bf16_mixed(tmp_path):
     # an fp32 profile planned at bf16-mixed halves what units save, but autocast runs the loss (mse
     # here) in fp32: it casts its input up and saves that and the target, as in the profile (the last
@@ -277,7 +261,7 @@ def test_the_loss_holds_fp32_under_bf16_mixed(tmp_path):
     # (a Linear, an LM head); docs/memory.md says what is left
     from tests.support.runs import execute, profile_of, report_of
 
-    plan = _fixed_plan(profile_of("tests.models:frozen_layers", sizes=(2,)), [2], "1f1b", [], precision="bf16-mixed")
+    plan = fixed_plan(profile_of("tests.models:frozen_layers", sizes=(2,)), [2], "1f1b", [], precision="bf16-mixed")
     assert plan.precision == "bf16-mixed"
     execute(plan, tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
@@ -291,7 +275,7 @@ def test_recomputed_units_hold_what_the_plan_says(tmp_path, schedule, recompute)
     unit before it saved; it no longer saves its output, which the unit after it shares."""
     from tests.support.runs import execute, report_of
 
-    execute(_fixed_plan(profile_of("builtin:resnet"), [3], schedule, recompute), tmp_path, steps=2)
+    execute(fixed_plan(profile_of("builtin:resnet"), [3], schedule, recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == pytest.approx(rank["predicted_activation_bytes"], rel=2e-3), rank["rank"]
 
@@ -306,7 +290,7 @@ def test_a_recomputed_last_unit_holds_what_the_loss_saved(tmp_path, schedule):
     profile = profile_of("builtin:gpt", {"layers": 2}, sizes=(2,))
     last = profile.num_units - 1
     assert profile.units[last].loss_saved_bytes[2] >= 2 * 16 * 4096 * 4  # b x seq x vocab, fp32
-    execute(_fixed_plan(profile, [2], schedule, [last]), tmp_path, steps=2)
+    execute(fixed_plan(profile, [2], schedule, [last]), tmp_path, steps=2)
     first, last_rank = report_of(tmp_path)["stages"]
     assert last_rank["peak_saved_bytes"] == last_rank["predicted_activation_bytes"]
     assert first["peak_saved_bytes"] <= first["predicted_activation_bytes"]
@@ -325,7 +309,7 @@ def test_values_sharing_a_storage_and_a_dropped_loss_hold_what_the_plan_says(tmp
 
     profile = profile_of("tests.models:broadcast_cut", sizes=(2,))
     assert profile.num_units == 3
-    execute(_fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
+    execute(fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank["rank"]
 
@@ -340,7 +324,7 @@ def test_a_later_stage_holds_a_shared_input_its_last_unit_let_go_once(tmp_path):
     profile = profile_of("tests.models:self_attention_chain", sizes=(2,))
     last = profile.units[-1]
     assert set(last.weight_shared_bytes[2]) < set(last.shared_saved_bytes[2])
-    execute(_fixed_plan(profile, [1], "zb-h1", []), tmp_path, steps=2)
+    execute(fixed_plan(profile, [1], "zb-h1", []), tmp_path, steps=2)
     first, later = report_of(tmp_path)["stages"]
     assert later["peak_saved_bytes"] == later["predicted_activation_bytes"]
     assert first["peak_saved_bytes"] <= first["predicted_activation_bytes"]
@@ -405,7 +389,7 @@ def test_a_profile_measured_under_bf16_mixed_holds_what_the_run_holds(tmp_path, 
 
     profile = profile_of(entry, sizes=(2,), precision="bf16-mixed")
     assert profile.precision == "bf16-mixed"
-    plan = _fixed_plan(profile, cuts, schedule, [])
+    plan = fixed_plan(profile, cuts, schedule, [])
     assert plan.precision == "bf16-mixed"
     execute(plan, tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
@@ -426,7 +410,7 @@ def test_a_recomputed_unit_keeps_once_what_the_unit_before_saved(tmp_path, entry
 
     profile = profile_of(entry, args, sizes=(2,))
     assert any(profile.units[k].recomputed_shared_bytes[2] for k in recompute)
-    execute(_fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
+    execute(fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
@@ -440,7 +424,7 @@ def test_a_loss_target_sliced_from_the_batch_holds_its_own_storage(tmp_path, sch
     from tests.support.runs import execute, profile_of, report_of
 
     profile = profile_of("builtin:gpt", {"layers": 2}, sizes=(1,))
-    execute(_fixed_plan(profile, [3], schedule, [], b=1, global_batch=4), tmp_path, steps=2)
+    execute(fixed_plan(profile, [3], schedule, [], b=1, global_batch=4), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
@@ -458,7 +442,7 @@ def test_a_value_and_its_alias_crossing_one_cut_hold_two_storages(tmp_path, kind
 
     profile = profile_of("tests.capture_models:alias_cross", {"kind": kind}, sizes=(2,))
     assert [u.name for u in profile.units] == ["a", "b", "c", "head"]
-    execute(_fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
+    execute(fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         if cuts == [1] and schedule != "zb-h1":
             assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank["rank"]
@@ -475,7 +459,7 @@ def test_a_recomputed_unit_that_no_longer_saves_what_it_shared_is_not_counted_on
 
     profile = profile_of("tests.capture_models:shared_table", sizes=(2,))
     assert [u.name for u in profile.units] == ["emb", "a", "b", "head"]
-    execute(_fixed_plan(profile, [3], schedule, recompute), tmp_path, steps=2)
+    execute(fixed_plan(profile, [3], schedule, recompute), tmp_path, steps=2)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] <= rank["predicted_activation_bytes"], rank
 
@@ -543,7 +527,7 @@ def test_recomputed_readers_of_a_gate_hold_it_once(tmp_path, recompute):
     from tests.support.runs import execute, profile_of, report_of
 
     profile = profile_of("tests.capture_models:gated_layers", sizes=(2,))
-    execute(_fixed_plan(profile, [1], "zb-h1", recompute, global_batch=4), tmp_path, steps=1)
+    execute(fixed_plan(profile, [1], "zb-h1", recompute, global_batch=4), tmp_path, steps=1)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
@@ -582,7 +566,7 @@ def test_a_tower_a_zero_bubble_stage_computes_from_its_parameters_keeps_no_gradi
     profile = profile_of("tests.capture_models:two_towers", sizes=(2,))
     names = [u.name for u in profile.units]
     assert profile.units[names.index("txt.0")].inner_seed_sources == {"txt_0": names.index("tok")}
-    execute(_fixed_plan(profile, cuts, "zb-h1", recompute, global_batch=4), tmp_path, steps=1)
+    execute(fixed_plan(profile, cuts, "zb-h1", recompute, global_batch=4), tmp_path, steps=1)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
@@ -617,7 +601,7 @@ def test_a_storage_two_units_apart_save_is_held_once(tmp_path, schedule, cuts, r
     from tests.support.runs import execute, profile_of, report_of
 
     profile = profile_of("tests.capture_models:saved_two_apart", sizes=(2,))
-    execute(_fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=1)
+    execute(fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=1)
     for rank in report_of(tmp_path)["stages"]:
         if recompute == [1, 3]:
             assert rank["peak_saved_bytes"] <= rank["predicted_activation_bytes"], rank
@@ -635,7 +619,7 @@ def test_a_broadcast_view_handed_on_profiles_and_trains(tmp_path, schedule, cuts
 
     profile = profile_of("tests.capture_models:broadcast", sizes=(2,))
     assert [u.name for u in profile.units] == ["a", "b", "c"]
-    plan = _fixed_plan(profile, cuts, schedule, [])
+    plan = fixed_plan(profile, cuts, schedule, [])
     state = execute(plan, tmp_path, steps=2)
     assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
     for rank in report_of(tmp_path)["stages"]:

@@ -9,8 +9,7 @@ micro-batch on 152 planned under 1F1B; 96 more than planned under GPipe's four m
 net_out was planned b's whole storage (24 over)."""
 import pytest
 
-from tests.runtime.test_memory import _fixed_plan
-from tests.support.runs import execute, profile_of, report_of
+from tests.support.runs import execute, fixed_plan, profile_of, report_of
 
 FLOW = "tests.flow_models:glow"
 
@@ -26,7 +25,7 @@ FLOW = "tests.flow_models:glow"
 ])
 def test_views_a_stage_receives_apart_hold_what_the_plan_says(tmp_path, args, schedule, cuts, recompute):
     profile = profile_of(FLOW, args, sizes=(2,))
-    execute(_fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=1)
+    execute(fixed_plan(profile, cuts, schedule, recompute), tmp_path, steps=1)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
 
@@ -35,6 +34,6 @@ def test_views_a_stage_receives_apart_hold_what_the_plan_says(tmp_path, args, sc
 def test_recomputed_ends_over_views_received_apart_are_planned_no_lower_than_held(tmp_path, schedule, recompute):
     # a recomputed net_in keeps both views, which the affine two units on saves one of: no pair takes it off
     # (an over-count left, as for any recomputed end of a gap: planner.cost.shared_storage)
-    execute(_fixed_plan(profile_of(FLOW, sizes=(2,)), [7], schedule, recompute), tmp_path, steps=1)
+    execute(fixed_plan(profile_of(FLOW, sizes=(2,)), [7], schedule, recompute), tmp_path, steps=1)
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] <= rank["predicted_activation_bytes"], rank

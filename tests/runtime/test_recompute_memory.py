@@ -7,16 +7,7 @@ recomputed head's token view keeping the whole sequence). Held = planned to the 
 import pytest
 
 from planner.cost.ranges import range_costs
-from tests.runtime.test_memory import _fixed_plan
-from tests.support.runs import execute, max_abs_diff, profile_of, reference_state, report_of
-
-
-def _held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
-    profile = profile_of(entry, args, sizes=(2,))
-    plan = _fixed_plan(profile, cuts, schedule, recompute, virtual_stages=2 if schedule == "zb-v" else 1)
-    state = execute(plan, tmp_path, steps=1)
-    assert max_abs_diff(state, reference_state(plan, steps=1)) <= 1e-5
-    return [(rank["peak_saved_bytes"], rank["predicted_activation_bytes"]) for rank in report_of(tmp_path)["stages"]]
+from tests.support.runs import held_and_planned, profile_of
 
 
 def test_a_unit_keeping_a_view_and_its_storage_keeps_the_storage_once():
@@ -36,7 +27,7 @@ def test_a_unit_keeping_a_view_and_its_storage_keeps_the_storage_once():
     ("tests.capture_models:unrolled", {"cell": "gru"}, [3], "zb-h1", [1, 2]),
 ])
 def test_recomputed_views_of_one_storage_are_held_as_planned(tmp_path, entry, args, cuts, schedule, recompute):
-    for held, planned in _held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
+    for held, planned in held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
         assert held == planned
 
 
@@ -47,5 +38,5 @@ def test_recomputed_views_of_one_storage_are_held_as_planned(tmp_path, entry, ar
 def test_zb_v_ranks_with_recomputed_views_are_held_as_planned(tmp_path, entry, args, cuts, recompute):
     """Rank 0 runs the V's first and last stages; rank 1's two stages hand values over in memory, each view
     in a storage of its own as a message's (tests/runtime/test_view_memory.py)."""
-    for held, planned in _held_and_planned(tmp_path, entry, args, cuts, "zb-v", recompute):
+    for held, planned in held_and_planned(tmp_path, entry, args, cuts, "zb-v", recompute):
         assert held == planned

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from planner.profile.splitgrad import backward_input, backward_weight
-from tests.runtime.test_recompute_memory import _held_and_planned
+from tests.support.runs import held_and_planned
 
 
 @pytest.mark.parametrize("entry,args,cuts,schedule,recompute", [
@@ -21,7 +21,7 @@ from tests.runtime.test_recompute_memory import _held_and_planned
     ("tests.capture_models:cat_inputs", {}, [2], "zb-h1", []),
 ])
 def test_views_of_a_larger_storage_are_held_as_planned(tmp_path, entry, args, cuts, schedule, recompute):
-    for held, planned in _held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
+    for held, planned in held_and_planned(tmp_path, entry, args, cuts, schedule, recompute):
         assert held == planned
 
 

@@ -43,6 +43,33 @@ def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, gl
     return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "test")
 
 
+def fixed_plan(profile: Profile, cuts: List[int], schedule: str, recompute: List[int], b: int = 2, global_batch: int = 8,
+               precision: Optional[str] = None, virtual_stages: int = 1) -> Plan:
+    """The plan of one split and recomputation (not solved); `virtual_stages` stages per rank (zb-v: 2)."""
+    from planner.cost.model import evaluate
+    from planner.cost.options import CostOptions
+    from planner.plan.make import make_plan
+    from planner.solve.solution import Solution
+
+    opts = CostOptions(pipeline_ranks=(len(cuts) + 1) // virtual_stages, virtual_stages=virtual_stages,
+                       global_batch=global_batch, schedule=schedule, recompute="auto", precision=precision)
+    cost = evaluate(profile, cuts, b, opts, recompute)
+    solution = Solution(boundaries=cuts, micro_batch_size=b, num_micro_batches=global_batch // b, cost=cost,
+                        status="fixed", objective=cost.iteration_s, bound=cost.iteration_s, gap=0.0, seconds=0.0,
+                        method="fixed", backend="none")
+    return make_plan(profile, solution, opts, "")
+
+
+def held_and_planned(tmp_path, entry: str, args: dict, cuts: List[int], schedule: str, recompute: List[int]) -> list:
+    """(bytes a rank held, bytes the plan says) per rank of one step of a fixed plan, its parameters checked
+    against one process's (1e-5)."""
+    profile = profile_of(entry, args, sizes=(2,))
+    plan = fixed_plan(profile, cuts, schedule, recompute, virtual_stages=2 if schedule == "zb-v" else 1)
+    state = execute(plan, tmp_path, steps=1)
+    assert max_abs_diff(state, reference_state(plan, steps=1)) <= 1e-5
+    return [(rank["peak_saved_bytes"], rank["predicted_activation_bytes"]) for rank in report_of(tmp_path)["stages"]]
+
+
 def run_cli(args: Sequence[str], timeout: float = 240, env: Optional[Dict[str, str]] = None
             ) -> subprocess.CompletedProcess:
     """Run `python -m <args>` from the repository root, capturing output (env: variables to add)."""
