@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,7 +37,7 @@ import numpy as np
 from planner.cost.model import boundary_links, rank_speeds, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts
-from planner.cost.step import step_lists
+from planner.cost.step import StepShape, step_lists
 from planner.pipeline.actions import BACKWARD_KINDS, ActionKind
 from planner.pipeline.stepgraph import batches_of
 
@@ -71,28 +72,44 @@ class RankBusy:
 REGIONS = ("all", "between_computes", "first_wait")
 
 
-def rank_busy(opts: CostOptions, m: int, region: str = "all") -> RankBusy:
+def rank_busy(opts: CostOptions, m: int, region: str = "all", anchor: Tuple[str, int] = ("F", 0)) -> RankBusy:
     """The counts of the scenario's lists (one rank per stage: no replicated stages), over each rank's
     whole list, or (planner.solve.scenario_bound, planner.solve.rank_span) over the batches between its
     first and last compute ("between_computes": what comes before and after lies in its fill and drain),
     or between the forward and the backward of the micro-batch it backwards first ("first_wait": what
-    the rank may do while that micro-batch crosses the later stages and back)."""
+    the rank may do while that micro-batch crosses the later stages and back). Another `anchor` (with
+    "between_computes"): from that compute on instead (anchor_index; planner.solve.rank_span's later fills)."""
     if region not in REGIONS:
         raise ValueError(f"region {region!r}: one of {', '.join(REGIONS)}")
     shape = step_shape(opts, m)
-    S = opts.num_stages
+    speeds = rank_speeds(opts)
+    starts, ends, both, operations, filling = _counts(shape, region, anchor)  # (shared: read only)
+    return RankBusy(starts, ends, both, operations, tuple(speeds[shape.rank_of(g)] for g in range(opts.num_stages)),
+                    filling)
+
+
+@lru_cache(maxsize=1024)
+def rank_items(shape: StepShape) -> Tuple[Tuple[object, ...], ...]:
+    """Each rank's list as planner.pipeline.stepgraph.batches_of groups it (fixed by the shape: cached)."""
+    return tuple(tuple(batches_of(actions)) for actions in step_lists(shape))
+
+
+@lru_cache(maxsize=1024)
+def _counts(shape: StepShape, region: str, anchor: Tuple[str, int]) -> tuple:
+    """rank_busy's counts but the speeds: (starts, ends, both, operations, filling), fixed by the shape."""
+    S = shape.num_stages
     starts = [defaultdict(float) for _ in range(S)]
     ends = [defaultdict(float) for _ in range(S)]
     both = [defaultdict(int) for _ in range(S)]
     operations, filling = [0] * S, [0] * S
-    for actions in step_lists(shape):
-        items = batches_of(actions)
+    for items in rank_items(shape):
         computes = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
+        begin = anchor_index(items, anchor) if anchor != ("F", 0) else computes[0] if computes else 0
         stage, waiting = _first_wait(items, computes)
         if stage is not None:  # the forwards the rank runs meanwhile
             filling[stage] = sum(1 for item in waiting if not isinstance(item, tuple) and item.kind == ActionKind.FORWARD)
         if region == "between_computes":
-            items = items[computes[0]:computes[-1]] if computes else []
+            items = items[begin:computes[-1]] if computes else ()
         elif region == "first_wait":
             items = waiting
         for item in items:
@@ -115,9 +132,18 @@ def rank_busy(opts: CostOptions, m: int, region: str = "all") -> RankBusy:
                 continue
             for g, side in waited:  # the longest side: at least their mean
                 (starts if side == "start" else ends)[g][frozenset(sides[(g, side)])] += 1 / len(waited)
-    speeds = rank_speeds(opts)
-    return RankBusy(tuple(map(dict, starts)), tuple(map(dict, ends)), tuple(map(dict, both)), tuple(operations),
-                    tuple(speeds[shape.rank_of(g)] for g in range(S)), tuple(filling))
+    return tuple(map(dict, starts)), tuple(map(dict, ends)), tuple(map(dict, both)), tuple(operations), tuple(filling)
+
+
+def anchor_index(items: List[object], anchor: Tuple[str, int]) -> int:
+    """The index in a rank's items of its anchor (kind, c): the first forward ("F") or backward ("B": whole or
+    input part) of the rank's c-th stage in model order (0 for a list without computes)."""
+    stages = sorted({item.stage for item in items if not isinstance(item, tuple)})
+    if not stages:
+        return 0
+    kinds = (ActionKind.FORWARD,) if anchor[0] == "F" else BACKWARD_KINDS
+    return next(i for i, item in enumerate(items) if not isinstance(item, tuple)
+                and item.kind in kinds and item.stage == stages[anchor[1]])
 
 
 def _first_wait(items: List[object], computes: List[int]) -> Tuple[Optional[int], List[object]]:

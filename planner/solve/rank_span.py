@@ -17,76 +17,112 @@ transfer, every operation `message`). So for every split
 in G under 'all'). Zero-bubble lists may end a rank on a weight backward nothing waits for: no drain, and
 W(a, e) the forward plus each unit's cheaper backward case and the cheaper stage call (as the loose bound).
 
-The bound is the least over splits of max_r T_r. Its Lagrangian: for weights lambda_r >= 0 summing to 1,
-min over splits of sum_r lambda_r T_r is below it. W is additive (prefix sums) and a batch receiving an
+The same holds from any of the rank's computes on (an anchor): what its list runs from it on follows it.
+Each rank has 2 v rows, T_{r,x}, one per anchor x: the first forward of each of its stages g (fill_r above
+with g for g0: micro-batch 0 crossed every stage before g, fill(a_g)) and the first backward (whole, or
+input part) of each (its micro-batch's forwards through every stage, then its backward down to g + 1:
+before(a_g) + turn_g(e_g), the boundaries before g at cuts <= a_g and those from g on at cuts >= e_g, the
+backwards of the stages after g as least as their parts can take). Each row counts the rank's computes from
+its anchor on per stage and kind (later_counts: forward, whole backward, input and weight parts, a weight
+part alone) and the batches between its anchor and its last compute, then the drain. Boundaries between two
+stages of one rank cross nothing (zb-v's p - 1, p; every boundary at p = 1). The rows at the first forward
+of g0 are T_r above.
+
+The bound is the least over splits of max_rows T. Its Lagrangian: for weights lambda >= 0 on the rows
+summing to 1, min over splits of sum lambda T is below it. W is additive (prefix sums) and a batch receiving an
 activation and a gradient of one stage waits for the longer, at least their mean, so each stage's term is
 u_g(e) + w_g(a) and that least is a dynamic program over the boundaries with prefix minima, O(S L). The
-weights by cutting planes: each split found is a cut of the model max_lambda min_j lambda . T(split_j).
+weights by cutting planes: each split found is a cut of the model max_lambda min_j lambda . T(split_j),
+from the ranks' whole spans weighed alike.
 """
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
+from collections import defaultdict
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import rank_speeds
+from planner.cost.model import boundary_links, rank_speeds, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, prefix_sums
+from planner.cost.step import StepShape
+from planner.pipeline.actions import ActionKind
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.solve.dual import SimplexMaster, highspy
-from planner.solve.rank_busy import CutWaits, crossings_before, rank_busy
+from planner.solve.rank_busy import CutWaits, anchor_index, crossing_s, rank_busy, rank_items
 
 ITERATIONS = 200  # cutting-plane steps at most (each O(S L) and a small linear program)
 TOLERANCE = 1e-4  # relative: the model's maximum this close to the bound ends the ascent
 
 
 class RankSpans:
-    """Per stage the separable parts u_g(e), w_g(a) of its rank's span (module docstring), +inf where a
-    stage cannot start (end) at that cut."""
+    """Per stage g and per row i of its rank (its span from anchor i on, `anchors`: i = 0 its whole span;
+    module docstring) the separable parts u_g(e), w_g(a), +inf where a stage cannot start (end) at that
+    cut. Rank r's rows are r per_rank .. r per_rank + per_rank - 1."""
 
     def __init__(self, costs: RangeCosts, opts: CostOptions, m: int, num_units: int):
-        L, S = num_units, opts.num_stages
+        L, S, p = num_units, opts.num_stages, opts.pipeline_ranks
+        v = S // p
         speeds = rank_speeds(opts)
         fastest = max(speeds)
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
-        work, call = least_work(costs, opts)
-        g0s = np.arange(S)[:, None]
-        fill = crossings_before(costs, opts, ("act",)) + (costs.F[None, :] + g0s * costs.call_forward) / fastest
+        gs = np.arange(S)[:, None]
+        before = _crossings(costs, opts, ("act",))
+        fill = before + (costs.F[None, :] + gs * costs.call_forward) / fastest
+        redo_l = costs.again if opts.recompute == "all" else np.zeros(L)
         if zero_bubble:
-            ends = fill
+            drain = np.zeros_like(fill)
+            # a later stage's input part: the units before the first cut no gradient crosses (ranges' `whole`: a
+            # stage starting there runs nothing in it)
+            whole_from = next((a for a in range(1, L) if costs.whole[a]), L)
+            back, back_call = prefix_sums(np.where(np.arange(L) < whole_from, costs.gi + redo_l, 0.0)), \
+                min(costs.first_input, costs.later_input)
         else:
-            redo = costs.AGAIN if opts.recompute == "all" else 0.0
-            ends = fill + crossings_before(costs, opts, ("grad",)) + \
-                (costs.G[None, :] + redo + g0s * costs.call_backward) / fastest
+            drain = _crossings(costs, opts, ("grad",)) + \
+                (costs.G[None, :] + prefix_sums(redo_l) + gs * costs.call_backward) / fastest
+            back, back_call = prefix_sums(costs.g + redo_l), costs.call_backward
+        # before the first backward of stage g: its micro-batch's forwards through every stage (the boundaries
+        # before g at cuts <= a_g, fill; from g on at cuts >= e_g) and its backward down to g + 1
+        turn = _crossings(costs, opts, ("act", "grad"), after=True) + \
+            (costs.F[-1] + S * costs.call_forward + back[-1] - back[None, :] + (S - 1 - gs) * back_call) / fastest
 
-        waits = CutWaits(rank_busy(opts, m, "between_computes"), costs, opts, L)
         self.ranks = [opts.rank_of_stage(g) for g in range(S)]
-        self.first = {}
-        for g, r in enumerate(self.ranks):
-            self.first.setdefault(r, g)
-        self.p, self.S, self.L = opts.pipeline_ranks, S, L
-        self.u: List[np.ndarray] = []
-        self.w: List[np.ndarray] = []
-        for g, r in enumerate(self.ranks):
-            scale = m / speeds[r]
-            self.u.append(scale * work + waits.end(g, 0.5))
-            w = scale * (call - work) + waits.start(g, 0.5)
-            if self.first[r] == g:
-                w = w + ends[g]
-            self.w.append(w)
-        # each as its finite part and +inf where the stage cannot start (end) there: weighed fast
-        self._finite_u = [np.where(np.isfinite(u), u, 0.0) for u in self.u]
-        self._mask_u = [np.where(np.isfinite(u), 0.0, np.inf) for u in self.u]
-        self._finite_w = [np.where(np.isfinite(w), w, 0.0) for w in self.w]
-        self._mask_w = [np.where(np.isfinite(w), 0.0, np.inf) for w in self.w]
+        self.anchors = [(kind, c) for kind in ("F", "B") for c in range(v)]  # each rank's rows
+        self.p, self.per_rank, self.S, self.L = p, len(self.anchors), S, L
+        chunks = [sorted(g for g in range(S) if self.ranks[g] == r) for r in range(p)]
+        parts = compute_parts(costs, opts)
+        u = np.zeros((S, self.per_rank, L + 1))
+        w = np.zeros((S, self.per_rank, L + 1))
+        for i, anchor in enumerate(self.anchors):
+            waits = CutWaits(rank_busy(opts, m, "between_computes", anchor), costs, opts, L)
+            counts = later_counts(opts, m, anchor)
+            for g, r in enumerate(self.ranks):
+                for kind, n in counts[g].items():
+                    prefix, call = parts[kind]
+                    u[g, i] += n * prefix / speeds[r]
+                    w[g, i] += n * (call - prefix) / speeds[r]
+                u[g, i] += waits.end(g, 0.5)
+                w[g, i] += waits.start(g, 0.5)
+                if g == chunks[r][anchor[1]]:
+                    w[g, i] += fill[g] if anchor[0] == "F" else before[g]
+                    u[g, i] += turn[g] if anchor[0] == "B" else 0.0
+                if g == chunks[r][0]:
+                    w[g, i] += drain[g]
+        self.u, self.w = u, w
+        # each as its finite part and +inf where the stage cannot start (end) there (in any row): weighed fast
+        self._finite_u, self._finite_w = np.where(np.isfinite(u), u, 0.0), np.where(np.isfinite(w), w, 0.0)
+        self._mask_u = np.where(np.isfinite(u).all(axis=1), 0.0, np.inf)
+        self._mask_w = np.where(np.isfinite(w).all(axis=1), 0.0, np.inf)
 
     def least(self, weights: np.ndarray) -> Tuple[float, List[int]]:
-        """min over splits of sum_r weights_r T_r, and a split reaching it (boundaries)."""
-        L = self.L
+        """min over splits of sum_rows weights_row T_row, and a split reaching it (boundaries)."""
+        L, k = self.L, self.per_rank
         best, choices = None, []
         for g, r in enumerate(self.ranks):
-            u, w = self._finite_u[g] * weights[r] + self._mask_u[g], self._finite_w[g] * weights[r] + self._mask_w[g]
+            lam = weights[r * k:(r + 1) * k]
+            u, w = lam @ self._finite_u[g] + self._mask_u[g], lam @ self._finite_w[g] + self._mask_w[g]
             if best is None:
                 here = u + w[0]
                 here[0] = np.inf  # a stage holds a unit at least
@@ -105,12 +141,55 @@ class RankSpans:
         return value, sorted(boundaries)
 
     def spans(self, boundaries: List[int]) -> np.ndarray:
-        """T_r of one split, per rank."""
-        starts, ends = [0] + list(boundaries), list(boundaries) + [self.L]
-        out = np.zeros(self.p)
+        """T of one split, per row."""
+        starts, ends, k = [0] + list(boundaries), list(boundaries) + [self.L], self.per_rank
+        out = np.zeros(self.p * k)
         for g, r in enumerate(self.ranks):
-            out[r] += self.u[g][ends[g]] + self.w[g][starts[g]]
+            out[r * k:(r + 1) * k] += self.u[g][:, ends[g]] + self.w[g][:, starts[g]]
         return out
+
+
+def compute_parts(costs: RangeCosts, opts: CostOptions) -> Dict[str, Tuple[np.ndarray, float]]:
+    """Per kind of compute in a rank's list, (prefix sums over the units of what it takes at least per
+    micro-batch at speed 1, what its call adds at least): "F" a forward, "B" a whole backward (with the
+    recomputed forward under 'all'), "IW" a zero-bubble micro-batch's input and weight parts together (each
+    unit's cheaper case, least_work), "W" a weight part alone (whole or split, each unit's cheaper), "I" an
+    input part alone (the first stage's runs nothing but its call)."""
+    redo_l = costs.again if opts.recompute == "all" else np.zeros(len(costs.f))
+    work, call = least_work(costs, opts)
+    pair = (work - costs.F, call - costs.call_forward) if opts.schedule in ZERO_BUBBLE_SCHEDULES else \
+        (prefix_sums(costs.g + redo_l), costs.call_backward)
+    return {"F": (costs.F, costs.call_forward), "B": (prefix_sums(costs.g + redo_l), costs.call_backward),
+            "IW": pair, "W": (prefix_sums(np.minimum(costs.g, costs.gw) + redo_l),
+                              min(costs.first_call, costs.later_weight)),
+            "I": (np.zeros(len(costs.f) + 1), min(costs.first_input, costs.later_input))}
+
+
+def later_counts(opts: CostOptions, m: int, anchor: Tuple[str, int]) -> List[Dict[str, int]]:
+    """Per stage, its computes in its rank's list from the rank's anchor on (rank_busy.anchor_index), by kind
+    (compute_parts; a micro-batch's input and weight parts both there count once as "IW")."""
+    return [dict(c) for c in _later_counts(step_shape(opts, m), anchor)]
+
+
+@lru_cache(maxsize=1024)
+def _later_counts(shape: StepShape, anchor: Tuple[str, int]) -> Tuple[Dict[str, int], ...]:
+    """later_counts, fixed by the shape (cached)."""
+    counts: List[Dict[str, int]] = [defaultdict(int) for _ in range(shape.num_stages)]
+    for items in rank_items(shape):
+        computes = [item for item in items[anchor_index(items, anchor):] if not isinstance(item, tuple)]
+        weights = {(a.stage, a.micro_batch) for a in computes if a.kind == ActionKind.BACKWARD_WEIGHT}
+        inputs = {(a.stage, a.micro_batch) for a in computes if a.kind == ActionKind.BACKWARD_INPUT}
+        for a in computes:
+            key = (a.stage, a.micro_batch)
+            if a.kind == ActionKind.FORWARD:
+                counts[a.stage]["F"] += 1
+            elif a.kind == ActionKind.BACKWARD:
+                counts[a.stage]["B"] += 1
+            elif a.kind == ActionKind.BACKWARD_INPUT:
+                counts[a.stage]["IW" if key in weights else "I"] += 1
+            elif a.kind == ActionKind.BACKWARD_WEIGHT and key not in inputs:
+                counts[a.stage]["W"] += 1
+    return tuple(dict(c) for c in counts)
 
 
 def least_work(costs: RangeCosts, opts: CostOptions) -> Tuple[np.ndarray, float]:
@@ -134,9 +213,12 @@ def rank_span_bound(costs: RangeCosts, opts: CostOptions, m: int, num_units: int
         return 0.0
     spans = RankSpans(costs, opts, m, num_units)
     master = SimplexMaster()
-    for _ in range(spans.p):
+    rows = spans.p * spans.per_rank
+    for _ in range(rows):
         master.add_form(np.zeros(0))
-    weights, model, bound, seen = np.full(spans.p, 1.0 / spans.p), np.inf, 0.0, set()
+    # the first step weighs each rank's whole span alike (the other anchors' rows none)
+    weights, model, bound, seen = np.zeros(rows), np.inf, 0.0, set()
+    weights[::spans.per_rank] = 1.0 / spans.p
     for _ in range(iterations):
         value, boundaries = spans.least(weights)
         if not np.isfinite(value):
@@ -151,6 +233,21 @@ def rank_span_bound(costs: RangeCosts, opts: CostOptions, m: int, num_units: int
         if weights is None:
             break
     return bound
+
+
+def _crossings(costs: RangeCosts, opts: CostOptions, payloads: Tuple[str, ...], after: bool = False) -> np.ndarray:
+    """rank_busy.crossings_before over the boundaries between stages of two ranks only (stages on one rank
+    hand their values over in memory: zb-v's stages p - 1 and p, every boundary where p = 1); `after`: [g, e]
+    the least the boundaries from stage g on take where it ends at e (each at its cheapest cut >= e)."""
+    out = np.zeros((opts.num_stages, len(costs.act)))
+    for j, link in enumerate(boundary_links(opts)):
+        if opts.rank_of_stage(j) != opts.rank_of_stage(j + 1):
+            seconds = crossing_s(costs, opts, link, payloads)
+            if after:
+                out[:j + 1] += np.minimum.accumulate(seconds[::-1])[::-1]
+            else:
+                out[j + 1:] += np.minimum.accumulate(seconds)
+    return out
 
 
 def _prefix_argmin(values: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ def test_the_weighted_least_is_the_least_over_every_split(seed):
     """RankSpans.least: the dynamic program over the boundaries against every split, for random weights."""
     profile, opts, L = _case(seed)
     spans = RankSpans(range_costs(profile, 2, "sgd"), opts, opts.global_batch // 2, L)
-    weights = np.random.default_rng(seed).dirichlet(np.ones(opts.pipeline_ranks))
+    weights = np.random.default_rng(seed).dirichlet(np.ones(spans.p * spans.per_rank))  # one per rank and anchor
     value, boundaries = spans.least(weights)
     every = [float(weights @ spans.spans(list(c))) for c in itertools.combinations(range(1, L), opts.num_stages - 1)]
     assert value == pytest.approx(min(every), rel=1e-12, abs=1e-15)
@@ -62,6 +62,47 @@ def test_the_bound_holds_for_every_split(seed):
         assert rank_span_bound(range_costs(profile, b, "sgd"), opts, m, L) + opts.step_overhead_s <= \
             best * (1 + 1e-9)
         assert scenario_lower_bound(profile, b, opts) <= best * (1 + 1e-9)
+
+
+MULTI = [("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("bfs", 2), ("bfs", 3), ("bfs", 4), ("zb-v", 2)]
+
+
+@pytest.mark.parametrize("seed", range(70))
+def test_every_anchor_s_row_holds_at_every_split(seed):
+    """Each rank's rows from each anchor (the first forward and the first backward of each of its stages),
+    against every split of random chains: every schedule with v >= 2 (v <= 4, p <= 4, one rank included),
+    m from 1 to 4 p + 3 (interleaved: multiples of p), slow links, per-message cost, latency, recompute
+    none / all, frozen units, stage call costs; and the bound against the best split."""
+    rng = random.Random(1000 + seed)
+    schedule, v = MULTI[seed % len(MULTI)]
+    p = rng.randint(1, 4)
+    L, m = rng.randint(p * v, p * v + 3), rng.randint(1, 4 * p + 3)
+    if schedule == "interleaved":
+        m = p * max(1, m // p)
+    b = rng.choice([1, 2])
+    profile = random_chain(rng, L, sizes=(1, 2), frozen=rng.random() < 0.4, stage_overhead=rng.random() < 0.4)
+    opts = CostOptions(pipeline_ranks=p, global_batch=m * b, schedule=schedule, virtual_stages=v,
+                       bandwidth=rng.choice([5e1, 2e3, 5e5, 1e8]), message_s=rng.choice([0.0, 1e-4, 1e-3]),
+                       latency=rng.choice([0.0, 1e-4, 1e-3]), recompute=rng.choice(["none", "all"]), optimizer="sgd")
+    redo = list(range(L)) if opts.recompute == "all" else []
+    costs = range_costs(profile, b, "sgd")
+    spans, best = RankSpans(costs, opts, m, L), np.inf
+    for cuts in itertools.combinations(range(1, L), opts.num_stages - 1):
+        step = evaluate(profile, list(cuts), b, opts, redo).iteration_s
+        assert spans.spans(list(cuts)).max() <= step * (1 + 1e-9), (cuts, spans.spans(list(cuts)), step)
+        best = min(best, step)
+    assert rank_span_bound(costs, opts, m, L) <= best * (1 + 1e-9)
+
+
+def test_a_rank_s_second_stage_waits_for_micro_batch_0():
+    """Breadth-first on two devices, two stages each, one micro-batch, four equal units: rank 0's first
+    backward, of stage 0, waits for micro-batch 0's forwards through every stage and its backward down to
+    stage 1. The ranks' whole spans saw 9 of the step's 12 ms (rank 1: stage 0's forward, its own computes,
+    stage 0's backward); the row from that backward on sees the whole chain: the step."""
+    profile = synthetic_profile([1e-3] * 4, [2e-3] * 4, [0] * 4, [0] * 4, [0] * 3, sizes=(1,))
+    opts = CostOptions(pipeline_ranks=2, global_batch=1, schedule="bfs", virtual_stages=2, optimizer="sgd")
+    best = min(evaluate(profile, list(c), 1, opts).iteration_s for c in itertools.combinations(range(1, 4), 3))
+    assert rank_span_bound(range_costs(profile, 1, "sgd"), opts, 1, 4) == pytest.approx(best, rel=1e-9)
 
 
 def test_the_spans_see_each_rank_s_two_stages():
