@@ -147,6 +147,11 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     def affordable() -> bool:  # a refresh ends in the search's time (as long as the last one took)
         return time_limit is None or time.perf_counter() + known.refresh_s < searching_until()
 
+    def open_bound() -> float:  # every split's bound at the time limit: the open nodes', re-bounded in a share of it
+        share = FINAL_REFRESH_SHARE * time_limit
+        return min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
+                   target * (1 - gap), loose)
+
     def refresh() -> None:  # allowed stages, completions and floors for the target; the floors' split a candidate
         # cutting planes: the split attaining M is simulated, and its longest path, when new, is a form
         # the next floors count at that split -- again until it is known (or it beat the incumbent)
@@ -199,19 +204,14 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     proven = None  # the bound at the probes below the incumbent's target (`_probed_bound`), once
     while stack:
         if time_limit is not None and proven is None and time.perf_counter() > searching_until():
-            share = FINAL_REFRESH_SHARE * time_limit
-            bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
-                        target * (1 - gap), loose)
+            bound = open_bound()
             # the floors for lower targets than the incumbent's prove more (`_probed_bound`); the probes
             # leave the nodes and the tables as they were, so a search they leave time for goes on
             proven = max(bound, _probed_bound(known, bound, target * (1 - gap), started + time_limit))
             known.deadline = deadline
         if time_limit is not None and time.perf_counter() - started > time_limit:
-            if proven is not None:  # a bound of every split, whatever the incumbent since
-                return BranchOutcome(best, max(min(proven, target), 0.0) + overhead, False, nodes, known.known)
-            share = FINAL_REFRESH_SHARE * time_limit
-            bound = min(_open_bound(known, stack, target * (1 - gap), known.refresh_s < share, share),
-                        target * (1 - gap), loose)
+            # the probes' bound holds for every split, whatever the incumbent since
+            bound = open_bound() if proven is None else min(proven, target)
             return BranchOutcome(best, max(bound, 0.0) + overhead, False, nodes, known.known)
         bound, g, a, cuts, prefix = stack.pop()
         if bound >= target * (1 - gap):

@@ -21,14 +21,24 @@ LOCAL_SEARCH_ROUNDS = 50
 
 
 def neighbours(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
-    for j in range(len(boundaries)):
-        for step in (-1, 1):
-            moved = list(boundaries)
-            moved[j] += step
-            low = moved[j - 1] if j > 0 else 0
-            high = moved[j + 1] if j + 1 < len(moved) else num_units
-            if low < moved[j] < high:
-                yield moved
+    """Every split with one boundary moved by one unit (each stage keeping a unit at least)."""
+    return _runs_moved(boundaries, num_units, range(1, 2))
+
+
+def _runs_moved(boundaries: List[int], num_units: int, lengths: Iterable[int]) -> Iterable[List[int]]:
+    """Every run of consecutive boundaries of each of `lengths` moved one unit together, in that order, where
+    each stage keeps a unit at least."""
+    n = len(boundaries)
+    for length in lengths:
+        for j in range(n - length + 1):
+            for step in (-1, 1):
+                moved = list(boundaries)
+                for k in range(j, j + length):
+                    moved[k] += step
+                low = moved[j - 1] if j > 0 else 0
+                high = moved[j + length] if j + length < n else num_units
+                if low < moved[j] and moved[j + length - 1] < high:
+                    yield moved
 
 
 def _redo(profile: Profile, boundaries: List[int], b: int, opts: CostOptions,
@@ -41,7 +51,7 @@ def _redo(profile: Profile, boundaries: List[int], b: int, opts: CostOptions,
 
 
 def candidate_of(profile: Profile, boundaries: List[int], b: int, opts: CostOptions, recompute: List[int],
-              forms: Set[PathForm]) -> Optional[Candidate]:
+                 forms: Set[PathForm]) -> Optional[Candidate]:
     """The candidate if the split is feasible (recording its longest path either way). A ValueError
     from `evaluate` (a scenario it refuses whatever the split) propagates: taken for an unfitting
     split, it would have the program cut off every split in turn."""
@@ -106,17 +116,7 @@ def _shifts(boundaries: List[int], num_units: int) -> Iterable[List[int]]:
     handed along the stages between them (one stage's range shifted whole). With several stages per
     device the best splits differ from their neighbours in such runs (a device's two stages lie far
     apart, and what one gives up another far away must take)."""
-    n = len(boundaries)
-    for length in range(2, n + 1):
-        for j in range(n - length + 1):
-            for step in (-1, 1):
-                moved = list(boundaries)
-                for k in range(j, j + length):
-                    moved[k] += step
-                low = moved[j - 1] if j > 0 else 0
-                high = moved[j + length] if j + length < n else num_units
-                if low < moved[j] and moved[j + length - 1] < high:
-                    yield moved
+    return _runs_moved(boundaries, num_units, range(2, len(boundaries) + 1))
 
 
 def _shifted(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
@@ -141,7 +141,7 @@ PERTURBATIONS = 200
 
 
 def perturbations(profile: Profile, b: int, opts: CostOptions, start: Candidate, forms: Set[PathForm],
-                   deadline: Optional[float] = None) -> Candidate:
+                  deadline: Optional[float] = None) -> Candidate:
     """Simulate splits near `start` (a few boundaries moved by one or two units): their longest paths
     are the forms the program needs near the optimum; a better split found on the way is kept (as
     many as `deadline`, time.perf_counter(), leaves time for)."""

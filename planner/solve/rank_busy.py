@@ -104,7 +104,7 @@ def _counts(shape: StepShape, region: str, anchor: Tuple[str, int]) -> tuple:
     operations, filling = [0] * S, [0] * S
     for items in rank_items(shape):
         computes = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
-        begin = anchor_index(items, anchor) if anchor != ("F", 0) else computes[0] if computes else 0
+        begin = anchor_index(items, anchor)  # ("F", 0): the rank's first compute
         stage, waiting = _first_wait(items, computes)
         if stage is not None:  # the forwards the rank runs meanwhile
             filling[stage] = sum(1 for item in waiting if not isinstance(item, tuple) and item.kind == ActionKind.FORWARD)
@@ -174,12 +174,20 @@ def crossing_s(costs: RangeCosts, opts: CostOptions, link: Tuple[float, float], 
     return np.where(inside, seconds, np.inf) + len(payloads) * opts.message_s
 
 
-def crossings_before(costs: RangeCosts, opts: CostOptions, payloads: Sequence[str]) -> np.ndarray:
+def crossings_before(costs: RangeCosts, opts: CostOptions, payloads: Sequence[str], after: bool = False) -> np.ndarray:
     """[g, a]: the least the boundaries before stage g take where stage g starts at a (each at its cheapest cut
-    <= a, crossing_s; +inf where none fits)."""
+    <= a, crossing_s; +inf where none fits); `after`: [g, e], the boundaries from stage g on where it ends at e
+    (each at its cheapest cut >= e). Only boundaries between stages of two ranks count: stages on one rank
+    hand their values over in memory (zb-v's stages p - 1 and p, every boundary where p = 1)."""
     out = np.zeros((opts.num_stages, len(costs.act)))
     for j, link in enumerate(boundary_links(opts)):
-        out[j + 1:] += np.minimum.accumulate(crossing_s(costs, opts, link, payloads))
+        if opts.rank_of_stage(j) == opts.rank_of_stage(j + 1):
+            continue
+        seconds = crossing_s(costs, opts, link, payloads)
+        if after:
+            out[:j + 1] += np.minimum.accumulate(seconds[::-1])[::-1]
+        else:
+            out[j + 1:] += np.minimum.accumulate(seconds)
     return out
 
 

@@ -44,14 +44,14 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from planner.cost.model import boundary_links, rank_speeds, step_shape
+from planner.cost.model import rank_speeds, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.ranges import RangeCosts, prefix_sums
 from planner.cost.step import StepShape
 from planner.pipeline.actions import ActionKind
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.solve.dual import SimplexMaster, highspy
-from planner.solve.rank_busy import CutWaits, anchor_index, crossing_s, rank_busy, rank_items
+from planner.solve.rank_busy import CutWaits, anchor_index, crossings_before, rank_busy, rank_items
 
 ITERATIONS = 200  # cutting-plane steps at most (each O(S L) and a small linear program)
 TOLERANCE = 1e-4  # relative: the model's maximum this close to the bound ends the ascent
@@ -69,7 +69,7 @@ class RankSpans:
         fastest = max(speeds)
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
         gs = np.arange(S)[:, None]
-        before = _crossings(costs, opts, ("act",))
+        before = crossings_before(costs, opts, ("act",))
         fill = before + (costs.F[None, :] + gs * costs.call_forward) / fastest
         redo_l = costs.again if opts.recompute == "all" else np.zeros(L)
         if zero_bubble:
@@ -80,12 +80,12 @@ class RankSpans:
             back, back_call = prefix_sums(np.where(np.arange(L) < whole_from, costs.gi + redo_l, 0.0)), \
                 min(costs.first_input, costs.later_input)
         else:
-            drain = _crossings(costs, opts, ("grad",)) + \
+            drain = crossings_before(costs, opts, ("grad",)) + \
                 (costs.G[None, :] + prefix_sums(redo_l) + gs * costs.call_backward) / fastest
             back, back_call = prefix_sums(costs.g + redo_l), costs.call_backward
         # before the first backward of stage g: its micro-batch's forwards through every stage (the boundaries
         # before g at cuts <= a_g, fill; from g on at cuts >= e_g) and its backward down to g + 1
-        turn = _crossings(costs, opts, ("act", "grad"), after=True) + \
+        turn = crossings_before(costs, opts, ("act", "grad"), after=True) + \
             (costs.F[-1] + S * costs.call_forward + back[-1] - back[None, :] + (S - 1 - gs) * back_call) / fastest
 
         self.ranks = [opts.rank_of_stage(g) for g in range(S)]
@@ -233,21 +233,6 @@ def rank_span_bound(costs: RangeCosts, opts: CostOptions, m: int, num_units: int
         if weights is None:
             break
     return bound
-
-
-def _crossings(costs: RangeCosts, opts: CostOptions, payloads: Tuple[str, ...], after: bool = False) -> np.ndarray:
-    """rank_busy.crossings_before over the boundaries between stages of two ranks only (stages on one rank
-    hand their values over in memory: zb-v's stages p - 1 and p, every boundary where p = 1); `after`: [g, e]
-    the least the boundaries from stage g on take where it ends at e (each at its cheapest cut >= e)."""
-    out = np.zeros((opts.num_stages, len(costs.act)))
-    for j, link in enumerate(boundary_links(opts)):
-        if opts.rank_of_stage(j) != opts.rank_of_stage(j + 1):
-            seconds = crossing_s(costs, opts, link, payloads)
-            if after:
-                out[:j + 1] += np.minimum.accumulate(seconds[::-1])[::-1]
-            else:
-                out[j + 1:] += np.minimum.accumulate(seconds)
-    return out
 
 
 def _prefix_argmin(values: np.ndarray) -> np.ndarray:

@@ -43,14 +43,14 @@ from typing import List, Optional
 
 import numpy as np
 
-from planner.cost.model import boundary_links, num_micro_batches, rank_speeds
+from planner.cost.model import num_micro_batches, rank_speeds
 from planner.cost.options import CostOptions
 from planner.cost.ranges import prefix_sums, range_costs
 from planner.pipeline.schedule import ZERO_BUBBLE_SCHEDULES
 from planner.profile.profile import Profile
 from planner.solve.diagnose import min_max_partition
 from planner.solve.floors import OutOfTime, check_deadline
-from planner.solve.rank_busy import CutWaits, crossing_s, crossings_before, rank_busy
+from planner.solve.rank_busy import CutWaits, crossings_before, rank_busy
 from planner.solve.rank_span import least_work, rank_span_bound
 
 # the one-stage-per-device bound's operations on (L + 1)^2 arrays after its first: a few before the
@@ -124,14 +124,11 @@ def scenario_lower_bound(profile: Profile, b: int, opts: CostOptions, deadline: 
         # crossing boundary j at cut position c: both messages' transfers and the cost per message;
         # under zero bubble only the activation's precedes the rank (the gradients going back up may
         # overlap its own weight backwards, as `lead` says)
-        links = boundary_links(opts)
         zero_bubble = opts.schedule in ZERO_BUBBLE_SCHEDULES
 
         # the boundaries before stage g lie at cuts <= a_g, those from g on at cuts >= e_g
         fill = crossings_before(costs, opts, ("act",) if zero_bubble else ("act", "grad"))
-        drain = np.zeros((S, L + 1))
-        for j, link in enumerate(links):
-            drain[:j + 1] += np.minimum.accumulate(crossing_s(costs, opts, link, ("act", "grad"))[::-1])[::-1]
+        drain = crossings_before(costs, opts, ("act", "grad"), after=True)
         fill, drain = np.where(np.isfinite(fill), fill, 0.0), np.where(np.isfinite(drain), drain, 0.0)
         before = lead[:, None] / fastest
         after = (chain[-1] - chain)[None, :] / fastest

@@ -42,11 +42,11 @@ def test_it_runs_the_lists_the_message_cost_inverts(engines):
 
 
 def test_the_steps_walk_every_batch_with_the_stand_in_compute_between(monkeypatch):
-    built = {}
+    posts, lists = {}, {}  # per rank: the batches it posted, its engine's list
 
     def stubbed(rank, local, micro_batches):  # the real engine, its posts recorded instead of made
         engine = real(rank, local, micro_batches)
-        posted = built.setdefault(rank, [])
+        posted = posts.setdefault(rank, [])
 
         def run_batch(step, actions):
             for a in actions:  # a send packs what the stand-in left (rank 0's outputs, rank 1's input gradients)
@@ -56,7 +56,7 @@ def test_the_steps_walk_every_batch_with_the_stand_in_compute_between(monkeypatc
             posted.append([str(a) for a in actions])
 
         engine._run_batch = run_batch
-        built[("lists", rank)] = engine.actions
+        lists[rank] = engine.actions
         return engine
 
     computed = []
@@ -74,10 +74,9 @@ def test_the_steps_walk_every_batch_with_the_stand_in_compute_between(monkeypatc
         times = message_rhythm.engine_rhythm_steps(rank, None, 1e-3, 2e-3, micro_batches=M)
         assert len(times) == (steps - rhythm.WARMUP_STEPS if rank == 0 else 0)
         assert all(t >= 0 for t in times)
-        lists = built[("lists", rank)]
-        batches = [[str(a) for a in group] for group in _grouped(lists) if group[0].kind in COMM_KINDS]
-        assert built[rank] == batches * steps
-        compute = [1e-3 if a.kind is ActionKind.FORWARD else 2e-3 for a in lists
+        batches = [[str(a) for a in group] for group in _grouped(lists[rank]) if group[0].kind in COMM_KINDS]
+        assert posts[rank] == batches * steps
+        compute = [1e-3 if a.kind is ActionKind.FORWARD else 2e-3 for a in lists[rank]
                    if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
         assert computed == compute * steps and len(compute) == 2 * M
 
@@ -94,4 +93,3 @@ def test_the_step_count_keeps_within_the_budget():
     assert rhythm.MICRO_BATCHES >= 4
     with pytest.raises(ValueError, match="four micro-batches"):
         rhythm.rhythm_message_cost(1.0, 1e-3, 1e-3, 0.0, 3)
-
