@@ -11,8 +11,8 @@ from tests.capture_models.writes import (aliased_state, counter, ema_chain, forw
                                          spectral_chain, writers)
 from tests.capture_models.zb_split import cat_inputs, late_embedding, saved_and_sent, seq2seq
 
-__all__ = ["Reversal", "alias_cross", "aliased_state", "bad_loss", "broadcast", "casts_like_hf", "cat_inputs", "class_token", "conditioned",
-           "counter", "ctc_labels", "custom_functions", "ema_chain", "exports_otherwise", "forward_state",
-           "gated_layers", "gated_rows", "hidden_write", "late_embedding", "latents", "optional_arguments",
-           "per_sample", "routed", "saved_and_sent", "saved_two_apart", "seq2seq", "shared_table", "spectral_chain",
-           "star_args", "two_towers", "unrolled", "what_fx_drops", "writers"]
+__all__ = ["Reversal", "alias_cross", "aliased_state", "bad_loss", "broadcast", "casts_like_hf", "cat_inputs",
+           "class_token", "conditioned", "counter", "ctc_labels", "custom_functions", "ema_chain",
+           "exports_otherwise", "forward_state", "gated_layers", "gated_rows", "hidden_write", "late_embedding",
+           "latents", "optional_arguments", "per_sample", "routed", "saved_and_sent", "saved_two_apart", "seq2seq",
+           "shared_table", "spectral_chain", "star_args", "two_towers", "unrolled", "what_fx_drops", "writers"]

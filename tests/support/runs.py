@@ -43,8 +43,8 @@ def plan_with(profile: Profile, boundaries: List[int], micro_batch_size: int, gl
     return plan_for_split(profile, boundaries, micro_batch_size, global_batch, schedule, "test")
 
 
-def fixed_plan(profile: Profile, cuts: List[int], schedule: str, recompute: List[int], b: int = 2, global_batch: int = 8,
-               precision: Optional[str] = None, virtual_stages: int = 1) -> Plan:
+def fixed_plan(profile: Profile, cuts: List[int], schedule: str, recompute: List[int], b: int = 2,
+               global_batch: int = 8, precision: Optional[str] = None, virtual_stages: int = 1) -> Plan:
     """The plan of one split and recomputation (not solved); `virtual_stages` stages per rank (zb-v: 2)."""
     from planner.cost.model import evaluate
     from planner.cost.options import CostOptions
