@@ -24,6 +24,8 @@ weights maximise its best split's value min_split sum_k lam_k form_k (the Lagran
 the best single form's), found by cutting planes once the search has run a while (a short search
 never pays for it) and again at each refresh; the splits they meet are simulated (candidates, and
 their paths new forms). With v = 1 the single forms are already close and the ascent is skipped.
+With v > 1 the linear relaxation of the lists' graph (planner.solve.flow_bound) gives one more
+combination, of every path at once (its flow), when the search has run as long as the dual waits for.
 Each form's own best completion still dodges alone; the stage floors (planner.solve.floors) do not:
 H_g(a, e), the least step of a split with stage g = [a, e) under every form, bounds every stage at
 once, so min over splits of max_g H_g (a min-max partition, M) bounds a node too, and a range
@@ -68,6 +70,7 @@ from planner.cost.ties import tied_weights
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
 from planner.solve.floors import OutOfTime
+from planner.solve.flow_bound import flow_form
 from planner.solve.forms import TABLE_BYTES, Forms, StageTerms, form_prefix, table_bytes
 from planner.solve.recompute import recompute_for
 from planner.solve.recompute_bound import bounded
@@ -80,6 +83,7 @@ DUAL_SHARE = 0.8  # of the time limit, for the dual ascents (the rest: the searc
 CUT_ROUNDS = 50  # refreshes in a row while the floors' split teaches a new form (or beats the incumbent)
 CUT_SHARE = 0.3  # of the time limit, at most, for the rounds only a new form asked for
 _largest = np.maximum.reduce  # a node's bound: the ufunc's own method (ndarray.max's Python wrapper costs 2 us)
+FLOW_SHARE = 0.3  # of the time limit, at most, for the linear relaxation's flow (planner.solve.flow_bound)
 REFRESH = 0.01  # re-derive the allowed stages and completions when the target or the forms moved this much
 
 
@@ -182,6 +186,16 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
                 break
 
     def strengthen(iterations: int) -> None:  # the allowed stages for the target, then the dual's combination
+        nonlocal flowed
+        if dualized and not flowed and opts.virtual_stages > 1:  # each form alone dodges: the flow holds them all
+            flowed = True
+            # in what is left of the limit after it and a refresh (the probes may have begun)
+            left = None if time_limit is None else \
+                min(FLOW_SHARE * time_limit, started + time_limit - time.perf_counter() - 2 * known.refresh_s)
+            flow = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s, left, terms.allowed) \
+                if left is None or left > 0 else None
+            if flow is not None:
+                known.add_weighted(flow.constant, flow.per_stage)
         refresh()
         single = float((known.constant + known.completion[:, 0, 0]).max(initial=-math.inf))
         if not dualized or single >= target * (1 - gap) or opts.virtual_stages == 1:
@@ -193,7 +207,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if target < before:  # a split the ascent met is the new incumbent
             refresh()
 
-    nodes, dualized, cutting_s = 0, False, 0.0
+    nodes, dualized, cutting_s, flowed = 0, False, 0.0, False
     tried: Set[Tuple[int, ...]] = set()  # the floors' splits simulated
     improved: Set[Tuple[int, ...]] = set()  # the incumbents given to `improve`
     refresh()  # the allowed stages for the target (the dual joins later, if at all)

@@ -233,8 +233,12 @@ class Forms:
     def add_combination(self, lam: np.ndarray) -> None:
         """Take sum_k lam_k form_k (lam >= 0, sum 1: planner.solve.dual) as one more form; it is
         no path, so it joins the bound and not `known`."""
-        per_stage = np.einsum("k,gkt->gt", lam, self.coefficients)
-        self.constant = np.append(self.constant, float(lam @ self.constant))
+        self.add_weighted(float(lam @ self.constant), np.einsum("k,gkt->gt", lam, self.coefficients))
+
+    def add_weighted(self, constant: float, per_stage: np.ndarray) -> None:
+        """Take constant + sum_g per_stage[g] . t_g, a convex combination of paths (one of known forms,
+        or planner.solve.flow_bound's flow through every path), as one more form of the bound."""
+        self.constant = np.append(self.constant, constant)
         self.coefficients = np.concatenate([self.coefficients, per_stage[:, None, :]], axis=1)
         self.completion = np.concatenate([self.completion, self._completion(per_stage)[None]])
 
