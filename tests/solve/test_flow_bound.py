@@ -36,6 +36,17 @@ def chains(draw):
     return profile, opts
 
 
+def _scenario(problem, largest: bool):
+    """(compute profile, options, micro-batch size: the largest or the least the scenario allows, its
+    stage terms); a draw without a size or with more stages than units is rejected."""
+    profile, opts = problem
+    profile = compute_profile(profile, opts)
+    sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
+    assume(sizes and opts.num_stages <= profile.num_units)
+    b = sizes[-1] if largest else sizes[0]
+    return profile, opts, b, StageTerms(profile, b, opts)
+
+
 def _form_value(flow, terms, ends):
     total, a = flow.constant, 0
     for g, e in enumerate(ends):
@@ -52,14 +63,8 @@ def _separable_everywhere(terms, S):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_the_flow_form_lies_below_every_split_and_its_least_is_the_lp(problem):
-    profile, opts = problem
-    profile = compute_profile(profile, opts)
-    sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-    assume(sizes)
-    b = sizes[-1]
+    profile, opts, b, terms = _scenario(problem, largest=True)
     L, S = profile.num_units, opts.num_stages
-    assume(S <= L)
-    terms = StageTerms(profile, b, opts)
     flow = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s)
     assert flow is not None
     assert np.all(flow.per_stage >= 0) and flow.constant >= 0
@@ -82,14 +87,9 @@ def test_the_flow_form_lies_below_every_split_and_its_least_is_the_lp(problem):
 def test_a_window_of_ends_sharpens_the_lp_and_the_form_still_holds_everywhere(problem, rng):
     """The LP over the splits whose stages end in given windows (the search's ranges for its target)
     is at least the LP over all, and its form a bound of every split, those outside too."""
-    profile, opts = problem
-    profile = compute_profile(profile, opts)
-    sizes = candidate_micro_batch_sizes(profile, opts.global_batch, opts)
-    assume(sizes)
-    b = sizes[0]
+    profile, opts, b, terms = _scenario(problem, largest=False)
     L, S = profile.num_units, opts.num_stages
-    assume(2 <= S <= L)
-    terms = StageTerms(profile, b, opts)
+    assume(S >= 2)
     split = sorted(rng.sample(range(1, L), S - 1)) + [L]
     allowed = []
     for g in range(S):  # stage g may end within one unit of the chosen split's end
