@@ -18,13 +18,12 @@ The step graph of the lists (planner.pipeline.stepgraph) gives each node n an en
 (a node with one predecessor is an expression, E_p + its durations, not a column: nothing else bounds
 it from below), and min T over fractional y is a lower bound of every split's step (the LP); where
 each stage's end is confined to a window (the search's ranges for its target: `allowed`), of every
-split in them. Its dual is a flow
-through the graph: a convex combination of the graph's paths (the start to a rank's end), whose
-weights on the duration terms make one form f(split) = c + sum_g w_g . t_g(a_g, e_g), below every
-split's step (each path is) and, by total unimodularity, as low at its best split as the LP. The
-flow is read from the LP's duals and made exact by a backward pass (each node's outflow split
-over its incoming edges in the duals' proportions), so the form is a combination of paths whatever
-the solver's tolerances; its least value over the allowed splits is what it proves
+split in them. Its dual is a flow through the graph: a convex combination of the graph's paths (the
+start to a rank's end), whose weights on the duration terms make one form f(split) = c + sum_g w_g .
+t_g(a_g, e_g), below every split's step (each path is) and, by total unimodularity, as low at its best
+split as the LP. The flow is read from the LP's duals and made exact by a backward pass (each node's
+outflow split over its incoming edges in the duals' proportions), so the form is a combination of
+paths whatever the solver's tolerances; its least value over the allowed splits is what it proves
 (planner.solve.forms' completions). The branch and bound takes it as one more form: on interleaved
 and bfs lists, where each form alone dodges by shrinking its own stages, it holds every path at once.
 """
@@ -32,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -40,7 +40,8 @@ from planner.cost.model import num_micro_batches, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.step import step_graph
 from planner.solve.backends import _quiet_stdout
-from planner.solve.forms import STAGE_TERMS
+from planner.solve.floors import OutOfTime, check_deadline
+from planner.solve.forms import STAGE_TERMS, stages_on_ranks, term_parts
 
 try:
     import highspy
@@ -51,12 +52,14 @@ LP_NONZEROS = 400_000  # beyond, the program takes seconds (BENCHMARKS.md): the 
 SEPARABLE_TOL = 1e-9  # relative: a table this close to A[a] + B[e] is taken as separable
 
 
+@dataclass
 class FlowForm:
     """The flow's form: constant + sum_g per_stage[g] . t_g (STAGE_TERMS order), and the LP's value
     (`lp_s`, to the interior point method's tolerance: the form's least split is the bound it proves)."""
 
-    def __init__(self, constant: float, per_stage: np.ndarray, lp_s: float, seconds: float, rows: int):
-        self.constant, self.per_stage, self.lp_s, self.seconds, self.rows = constant, per_stage, lp_s, seconds, rows
+    constant: float
+    per_stage: np.ndarray
+    lp_s: float
 
 
 def separable(table: np.ndarray, g: int, S: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
@@ -69,13 +72,14 @@ def separable(table: np.ndarray, g: int, S: int) -> Optional[Tuple[np.ndarray, n
     A = np.zeros(L + 1)
     B[e_lo:e_hi + 1] = table[a_lo, e_lo:e_hi + 1]
     A[a_lo:a_hi + 1] = table[a_lo:a_hi + 1, e_hi] - table[a_lo, e_hi]
-    a, e = np.triu_indices(L + 1, 1)
-    keep = (a >= a_lo) & (a <= a_hi) & (e >= e_lo) & (e <= e_hi)
-    a, e = a[keep], e[keep]
-    if not a.size:
+    a, e = np.arange(a_lo, a_hi + 1)[:, None], np.arange(e_lo, e_hi + 1)[None, :]
+    ranges = e > a  # the block's entries that are ranges
+    if not ranges.any():
         return A, B
-    scale = float(np.abs(table[a, e]).max())
-    return (A, B) if float(np.abs(table[a, e] - A[a] - B[e]).max()) <= SEPARABLE_TOL * scale else None
+    block = table[a_lo:a_hi + 1, e_lo:e_hi + 1]
+    scale = float(np.abs(block[ranges]).max())
+    error = float(np.abs(block - A[a] - B[e])[ranges].max())
+    return (A, B) if error <= SEPARABLE_TOL * scale else None
 
 
 def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOptions, b: int, message_s: float,
@@ -86,37 +90,40 @@ def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOption
     lets them (the branch and bound's ranges for its target: the LP sharper for the splits it seeks, the
     form a bound of every split); None where no split is allowed, the program is too large, does not
     finish in `time_limit` seconds or HiGHS is missing."""
-    started = time.perf_counter()
-    if highspy is None:
+    if highspy is None or time_limit is not None and time_limit <= 0:
         return None
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
     S, L = len(rows), rows[0].shape[1] - 1
     windows = end_windows(S, L, allowed)
-    if windows is None:
+    if windows is None or _size(rows, windows) > LP_NONZEROS:
         return None
-    graph = step_graph(step_shape(opts, num_micro_batches(opts, b)))
-    program = _Program(rows, ranks, graph, message_s, windows)
-    if program.nonzeros() > LP_NONZEROS:
+    try:
+        graph = step_graph(step_shape(opts, num_micro_batches(opts, b)))
+        program = _Program(rows, ranks, graph, message_s, windows, deadline)
+        solved = program.solve(None if deadline is None else deadline - time.perf_counter())
+    except OutOfTime:
         return None
-    solved = program.solve(None if time_limit is None else time_limit - (time.perf_counter() - started))
     if solved is None:
         return None
     value, duals = solved
-    weights = program.path_weights(duals)
     per_stage = np.zeros((S, len(STAGE_TERMS)))
     constant = 0.0
-    on_rank: Dict[int, List[int]] = {}
-    for g, rank in enumerate(ranks):
-        on_rank.setdefault(rank, []).append(g)
-    for term, w in weights.items():
+    on_rank = stages_on_ranks(ranks)
+    for term, w in program.path_weights(duals).items():
         if term == ("message",):
             constant += w * message_s
-        elif term[0] in ("reduce", "step"):
-            for g in on_rank.get(term[1], ()):
-                per_stage[g, STAGE_TERMS.index(term[0])] += w
-        elif term[0] in STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
-            per_stage[term[1], STAGE_TERMS.index(term[0])] += w
-        # any other term (a collective's) is dropped: the form stays below each path
-    return FlowForm(constant, per_stage, value, time.perf_counter() - started, len(program.lower))
+        for g, t in term_parts(term, S, on_rank) or ():  # a collective's is dropped: the form stays below each path
+            per_stage[g, t] += w
+    return FlowForm(constant, per_stage, value)
+
+
+def _size(rows: Sequence[np.ndarray], windows: Sequence[Tuple[int, int]]) -> int:
+    """The program's nonzeros but the graph's, at most: the staircases' rows (two entries each, two
+    rows per end a window leaves open) and each stage term's row (its stage's two windows)."""
+    S = len(rows)
+    widths = [0] + [hi - lo + 1 for lo, hi in windows] + [0]  # stage g's start: window g - 1, its end: g
+    terms = sum(int(table[g].any()) for g in range(S) for table in rows[g])  # their first start's row: O(L)
+    return 4 * sum(widths) + terms * (1 + 2 * max(widths))
 
 
 def end_windows(S: int, L: int, allowed: Optional[Sequence[np.ndarray]] = None) -> Optional[List[Tuple[int, int]]]:
@@ -144,7 +151,7 @@ class _Program:
     stage term (= its linear function of y) and one for the per-message cost."""
 
     def __init__(self, rows: Sequence[np.ndarray], ranks: Sequence[int], graph, message_s: float,
-                 windows: Sequence[Tuple[int, int]]):
+                 windows: Sequence[Tuple[int, int]], deadline: Optional[float] = None):
         S, L = len(rows), rows[0].shape[1] - 1
         self.S, self.L, self.graph = S, L, graph
         inf = highspy.kHighsInf
@@ -162,22 +169,24 @@ class _Program:
         self.start = [0]
         self.lower: List[float] = []
         self.upper: List[float] = []
-        for g in range(S - 1):
-            for u in range(1, L):
+        for g, (lo, hi) in enumerate(self.windows):  # rows with a column only (the windows make the rest hold)
+            for u in range(max(1, lo), min(L - 1, hi) + 1):
                 self._row_y({(g, u): 1.0, (g, u + 1): -1.0}, {}, 0.0, inf)  # a staircase
-                if g > 0:
-                    self._row_y({(g, u + 1): 1.0, (g - 1, u): -1.0}, {}, 0.0, inf)  # e_g >= e_{g-1} + 1
+            if g > 0:  # e_g >= e_{g-1} + 1
+                before = self.windows[g - 1]
+                for u in range(max(1, min(lo - 1, before[0] + 1)), min(L - 1, max(hi - 1, before[1])) + 1):
+                    self._row_y({(g, u + 1): 1.0, (g - 1, u): -1.0}, {}, 0.0, inf)
+        check_deadline(deadline)
         self._tables, self._stage_col = rows, {}
-        on_rank: Dict[int, List[int]] = {}
-        for g, rank in enumerate(ranks):
-            on_rank.setdefault(rank, []).append(g)
-        self._on_rank, self._message = on_rank, self._fixed(message_s)
+        self._on_rank, self._message = stages_on_ranks(ranks), self._fixed(message_s)
         self._term_cols: Dict[tuple, List[int]] = {}
         # a node with one predecessor ends at its predecessor's end plus its durations (nothing else
         # bounds it from below), an expression; one with several gets a column, a row per predecessor
         self.edges: List[Tuple[int, int, Optional[tuple], Optional[int]]] = []  # (node, pred, edge term, row)
         ends: List[Dict[int, float]] = []
         for n, node in enumerate(graph.nodes):
+            if n % 1024 == 0:
+                check_deadline(deadline)
             own: Dict[int, float] = {}
             for term in node.terms:
                 for k in self._columns(term):
@@ -247,12 +256,8 @@ class _Program:
         if term not in self._term_cols:
             if term == ("message",):
                 cols = [self._message]
-            elif term[0] in ("reduce", "step"):
-                cols = [self._stage(g, STAGE_TERMS.index(term[0])) for g in self._on_rank.get(term[1], ())]
-            elif term[0] in STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < self.S:
-                cols = [self._stage(term[1], STAGE_TERMS.index(term[0]))]
             else:
-                cols = []
+                cols = [self._stage(g, t) for g, t in term_parts(term, self.S, self._on_rank) or ()]
             self._term_cols[term] = [k for k in cols if k is not None]
         return self._term_cols[term]
 
@@ -314,8 +319,9 @@ class _Program:
         edges in their duals' proportions (the first edge where all are 0): an exact convex
         combination of the graph's paths."""
         graph = self.graph
+        # HiGHS's duals of these >= rows are >= 0 at a minimum; the sign is read, not assumed
         sign = 1.0 if sum(duals[r] for _, r in self.last_rows) >= 0 else -1.0
-        share = np.maximum(sign * duals, 0.0)
+        share = np.maximum(sign * np.where(np.isfinite(duals), duals, 0.0), 0.0)
         out = np.zeros(len(graph.nodes))
         ends = np.array([share[r] for _, r in self.last_rows])
         ends = ends / ends.sum() if ends.sum() > 0 else np.eye(len(ends))[0]

@@ -37,6 +37,25 @@ def table_bytes(num_units: int, opts: CostOptions) -> int:
     return (tables * len(STAGE_TERMS) * 8 + S * (8 + 3)) * cells
 
 
+def stages_on_ranks(ranks: Sequence[int]) -> Dict[int, List[int]]:
+    """rank -> the stages it runs, from each stage's rank."""
+    on_rank: Dict[int, List[int]] = {}
+    for g, rank in enumerate(ranks):
+        on_rank.setdefault(rank, []).append(g)
+    return on_rank
+
+
+def term_parts(term: Tuple, num_stages: int, on_rank: Dict[int, List[int]]) -> Optional[List[Tuple[int, int]]]:
+    """The (stage, STAGE_TERMS index) pairs whose sum is a duration term of the step graph: a stage's
+    own, or a device's gradient exchange and optimizer step as the sum over its stages; None for a
+    term no stage owns (the per-message cost, a collective's)."""
+    if term[0] in ("reduce", "step") and term[1] in on_rank:
+        return [(g, STAGE_TERMS.index(term[0])) for g in on_rank[term[1]]]
+    if term[0] in STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < num_stages:
+        return [(term[1], STAGE_TERMS.index(term[0]))]
+    return None
+
+
 class StageTerms:
     """Each stage's duration terms over every range [a, e) (seconds; +inf where e <= a), and where
     each stage fits its device's memory. OutOfTime past `deadline` (time.perf_counter()): at 2,000
@@ -210,19 +229,16 @@ class Forms:
         S = self.terms.S
         per_stage = np.zeros((S, 1, len(STAGE_TERMS)))
         constant = 0.0
-        on_rank: Dict[int, List[int]] = {}
-        for g, rank in enumerate(self.terms.ranks):
-            on_rank.setdefault(rank, []).append(g)
+        on_rank = stages_on_ranks(self.terms.ranks)
         for term, n in form.count().items():
             if term == ("message",):
                 constant += n * self.message_s
-            elif term[0] in ("reduce", "step") and term[1] in on_rank:  # a device's: the sum over its stages
-                for g in on_rank[term[1]]:
-                    per_stage[g, 0, STAGE_TERMS.index(term[0])] += n
-            elif term[0] in STAGE_TERMS and isinstance(term[1], int) and 0 <= term[1] < S:
-                per_stage[term[1], 0, STAGE_TERMS.index(term[0])] += n
-            else:
+                continue
+            parts = term_parts(term, S, on_rank)
+            if parts is None:
                 return False
+            for g, t in parts:
+                per_stage[g, 0, t] += n
         self.known.add(form)
         self.constant = np.append(self.constant, constant)
         self.coefficients = np.concatenate([self.coefficients, per_stage], axis=1)

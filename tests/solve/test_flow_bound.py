@@ -122,6 +122,9 @@ def test_end_windows_follow_each_other_and_an_empty_one_is_none():
     assert end_windows(S, L, allowed) == [(5, 5), (6, 6)]  # stage 0 must end before stage 1
     allowed[1][:] = False
     assert end_windows(S, L, allowed) is None
+    allowed = [np.triu(np.ones((L + 1, L + 1), dtype=bool), 1) for _ in range(S)]
+    allowed[0][:, :4] = False  # stage 0 ends at 4 at least: stage 1 at 5
+    assert end_windows(S, L, allowed) == [(4, 6), (5, 7)]
 
 
 def test_separable_reads_a_table_over_the_ranges_its_stage_can_hold():
@@ -137,6 +140,9 @@ def test_separable_reads_a_table_over_the_ranges_its_stage_can_hold():
             assert math.isclose(parts[0][a] + parts[1][e], table[a, e])
     table[3, 5] += 1.0  # a range stage 1 can hold (a in 1..5) no longer separable
     assert separable(table, 1, S) is None
+    near = A[:, None] + B[None, :]
+    near[2, 6] *= 1 + 1e-6  # close, not within the tolerance
+    assert separable(near, 1, S) is None
     first = table.copy()
     first[0, 4] += 5.0  # stage 0 always starts at 0: any row 0 is separable
     assert separable(first, 0, S) is not None
@@ -160,7 +166,7 @@ def test_a_term_not_separable_is_left_out_of_the_lp_and_the_form_still_holds():
     whole = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s)
     assert flow.lp_s < whole.lp_s  # without stage 1's forward
     terms.rows = rows
-    steps = {cuts: evaluate(profile, list(cuts), b, opts).iteration_s
+    steps = {cuts: evaluate(profile, list(cuts), b, opts).iteration_s - opts.step_overhead_s
              for cuts in itertools.combinations(range(1, L), S - 1)}
     values = {cuts: _form_value(flow, terms, cuts + (L,)) for cuts in steps}
     assert all(values[c] <= steps[c] * (1 + 1e-9) for c in steps)
