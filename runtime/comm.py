@@ -22,7 +22,7 @@ step distinct.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,14 @@ class MessageError(RuntimeError):
 
 class MessageLayout:
     """The tensors of one message ((shape, dtype) each, in the plan's order) and how they sit in
-    the one tensor that travels."""
+    the one tensor that travels. `orders`: per tensor, the order its dimensions lie in memory
+    (planner.profile.cut_profile.dense_order; None: the shape's own): it travels in that order and
+    is received as a view of the buffer with those strides, as the sender's stage made it."""
 
-    def __init__(self, tensors: Sequence[Tuple[Tuple[int, ...], torch.dtype]], what: str):
+    def __init__(self, tensors: Sequence[Tuple[Tuple[int, ...], torch.dtype]], what: str,
+                 orders: Optional[Sequence[Optional[Sequence[int]]]] = None):
         self.tensors = [(tuple(shape), dtype) for shape, dtype in tensors]
+        self.orders = [None if o is None else tuple(o) for o in (orders or [None] * len(self.tensors))]
         self.what = what
         self.offsets: List[int] = []
         total = 0
@@ -91,7 +95,7 @@ class MessageLayout:
         before the send completes)."""
         self.check(tensors)
         if len(tensors) == 1:
-            return _wire_of(tensors[0])
+            return _wire_of(tensors[0], self.orders[0])
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         for t, view in zip(tensors, self.views(flat)):
             view.copy_(t.detach())
@@ -101,6 +105,7 @@ class MessageLayout:
         """A buffer to receive the message into."""
         if len(self.tensors) == 1:
             shape, dtype = self.tensors[0]
+            shape = _in_order(shape, self.orders[0])
             if dtype.is_complex:  # the real view it travels as (_wire_of)
                 return torch.empty((*shape, 2), dtype=dtype.to_real(), device=device)
             return torch.empty(shape, dtype=dtype, device=device)
@@ -109,13 +114,15 @@ class MessageLayout:
     def unpack(self, wire: torch.Tensor) -> List[torch.Tensor]:
         """The message's tensors: views of the buffer that travelled (they share its storage)."""
         if len(self.tensors) == 1:
-            return [torch.view_as_complex(wire) if self.tensors[0][1].is_complex else wire]
+            return [_from_order(torch.view_as_complex(wire) if self.tensors[0][1].is_complex else wire,
+                                self.orders[0])]
         return self.views(wire)
 
     def views(self, flat: torch.Tensor, start: int = 0) -> List[torch.Tensor]:
         """The tensors as views of a byte buffer holding the message from byte `start` on."""
-        return [flat[start + offset:start + offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
-                for offset, (shape, dtype) in zip(self.offsets, self.tensors)]
+        return [_from_order(flat[start + offset:start + offset + _numel(shape) * _itemsize(dtype)].view(dtype)
+                            .view(_in_order(shape, order)), order)
+                for offset, (shape, dtype), order in zip(self.offsets, self.tensors, self.orders)]
 
 
 class PresenceLayout:
@@ -152,11 +159,24 @@ class PresenceLayout:
         return self.layout.views(wire, self.header), present
 
 
-def _wire_of(tensor: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-    """The one tensor of a message as it travels, contiguous, a complex one as its real view (gloo
-    and NCCL move floating and integer tensors); and whether that is a copy (a non-contiguous or a
-    lazily conjugated tensor, which `view_as_real` cannot view, is)."""
+def _in_order(shape: Tuple[int, ...], order: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
+    """The shape with its dimensions in memory order (the travelling buffer's)."""
+    return shape if order is None else tuple(shape[d] for d in order)
+
+
+def _from_order(buffer: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
+    """The tensor a buffer in memory order holds: a view with the sender's strides."""
+    return buffer if order is None else buffer.permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+def _wire_of(tensor: torch.Tensor, order: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, bool]:
+    """The one tensor of a message as it travels, contiguous in `order` (its dimensions in memory
+    order, None: its shape's), a complex one as its real view (gloo and NCCL move floating and
+    integer tensors); and whether that is a copy (a tensor not dense in that order, or a lazily
+    conjugated one, which `view_as_real` cannot view, is)."""
     tensor = tensor.detach()
+    if order is not None:
+        tensor = tensor.permute(order)
     copied = not tensor.is_contiguous() or tensor.is_conj()
     wire = tensor.resolve_conj().contiguous()
     return (torch.view_as_real(wire) if wire.is_complex() else wire), copied
@@ -250,4 +270,4 @@ class DescribedLayout:
         dtypes = [_CODES[c] for c in codes]
         tensors = [wire[offset:offset + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
                    for offset, shape, dtype in zip(self.offsets, self.shapes, dtypes)]
-        return tensors, MessageLayout(list(zip(self.shapes, dtypes)), self.planned.what)
+        return tensors, MessageLayout(list(zip(self.shapes, dtypes)), self.planned.what, self.planned.orders)

@@ -28,7 +28,8 @@ class StageRunner:
         self.wanted_inputs = [stage.model_inputs.index(n) for n in stage.io.inputs]
 
         def layout(values, indices, what):
-            return MessageLayout([(tuple(values[j]["shape"]), torch_dtype(values[j]["dtype"])) for j in indices], what)
+            return MessageLayout([(tuple(values[j]["shape"]), torch_dtype(values[j]["dtype"])) for j in indices], what,
+                                 [values[j].get("order") for j in indices])
 
         g = stage.index
         self.act_in = layout(stage.recv, self.recv_tensors, f"stage {g}'s input")

@@ -689,3 +689,48 @@ def latent_attention(dim: int = 16, latents: int = 4, layers: int = 2, heads: in
         return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
 
     return ModelSpec(module=LatentAttention(dim, latents, layers, heads), batch=batch, loss=F.mse_loss)
+
+
+class ChannelsLastBlock(nn.Module):
+    """A ConvNeXt-like block: a depthwise convolution, then a per-pixel MLP over channels-last
+    values permuted back: its output (the residual stream) lies channels-last in memory."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.dw = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.mlp = nn.Linear(channels, channels)
+
+    def forward(self, x):
+        h = self.mlp(self.dw(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return x + h
+
+
+class ChannelsLastNet(nn.Module):
+    """A stem, blocks whose outputs lie channels-last (each cut between blocks carries one such
+    tensor, and with `skip` the stem's output beside it: a message of two), and a head."""
+
+    def __init__(self, channels: int, blocks: int, skip: bool):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 2, stride=2)
+        self.blocks = nn.ModuleList(ChannelsLastBlock(channels) for _ in range(blocks))
+        self.head = nn.Linear(channels, 4)
+        self.skip = skip
+
+    def forward(self, x):
+        s = self.stem(x).to(memory_format=torch.channels_last)
+        h = s
+        for block in self.blocks:
+            h = block(h)
+        if self.skip:
+            h = h + s
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def channels_last(channels: int = 8, blocks: int = 3, skip: bool = False) -> ModelSpec:
+    module = ChannelsLastNet(channels, blocks, skip)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 31)
+        return (torch.randn(batch_size, 3, 8, 8, generator=g),), torch.randn(batch_size, 4, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

@@ -24,7 +24,8 @@ from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
 from planner.profile.cut_profile import MESSAGE_DTYPES
 from planner.plan.fields import (INT, INT_ROWS, INTS, NAMES, NUMBER, NUMBER_OR_NULL, NUMBERS, OBJECT, REMAKE, TEXT,
-                                  VALUES, fields_from_json, fields_to_json, json_field, not_an_object, valid_shape)
+                                  VALUES, fields_from_json, fields_to_json, json_field, not_an_object, valid_order,
+                                  valid_shape)
 from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or an exchange at most this long
 
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
@@ -311,6 +312,10 @@ class Plan:
                                                       and isinstance(v.get("requires_grad", False), bool)):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
                                             f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {REMAKE}")
+                    if v["kind"] == "tensor" and not valid_order(v.get("order"), v["shape"]):
+                        raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has order "
+                                            f"{v.get('order')!r}, not a permutation of its {len(v['shape'])} "
+                                            f"dimensions; {REMAKE}")
             # what the tables, the report and the memory checks read
             missing = [key for key in _MEMORY_KEYS if key not in st.memory_bytes]
             if missing:
@@ -369,7 +374,7 @@ class Plan:
 def _layout(value: Dict[str, Any]) -> Tuple:
     """A message value as both sides must agree on it."""
     return (value.get("name"), value.get("kind"), value.get("dtype"), str(value.get("shape")),
-            value.get("requires_grad", False))
+            value.get("requires_grad", False), str(value.get("order")))
 
 
 def load_plan(path: str) -> Plan:

@@ -4,6 +4,11 @@ and bytes or constants, per micro-batch size.
 Cut k (1 <= k < L) is the boundary just before unit k; the values crossing it are those produced
 before unit k and consumed at or after it (skip connections included). Model inputs are never counted
 as crossing: every rank rebuilds the batch itself from the deterministic `batch` function.
+
+A tensor keeps the order its dimensions lie in memory (`order`, outermost first; recorded where it is
+not the shapes' own, e.g. a channels-last activation): the runtime sends and receives it in that order,
+so the next stage computes on what the profile timed it on (oneDNN picks its kernels by layout: a
+depthwise convolution of a channels-last input received as NCHW ran ~100x slower, BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -32,12 +37,15 @@ class CutValue:
     shape: Dict[int, List[int]] = field(default_factory=dict)
     bytes: Dict[int, int] = field(default_factory=dict)
     value: Dict[int, Any] = field(default_factory=dict)
+    order: Dict[int, List[int]] = field(default_factory=dict)  # where not the shape's own (dense_order)
 
     def to_json(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"name": self.name, "kind": self.kind}
         if self.kind == "tensor":
             d.update(dtype=self.dtype, requires_grad=self.requires_grad,
                      shape=str_keys(self.shape), bytes=str_keys(self.bytes))
+            if self.order:
+                d["order"] = str_keys(self.order)
         else:
             d["value"] = str_keys(self.value)
         return d
@@ -55,6 +63,14 @@ class CutValue:
             return [read.count(n, f"{at}[{i}]") for i, n in enumerate(value)]
 
         tensor = kind == "tensor"
+
+        def order(value: Any, at: str) -> List[int]:
+            if not (isinstance(value, list) and sorted(value) == list(range(len(value)))
+                    and all(isinstance(n, int) and not isinstance(n, bool) for n in value)):
+                raise read.error(at, f"is {show(value)}: expected the tensor's dimensions in memory order, "
+                                     "a permutation of 0 .. its rank - 1")
+            return value
+
         name, dtype, grad = d.get("name", ""), d.get("dtype"), d.get("requires_grad", False)
         if not (isinstance(name, str) and name):
             raise read.error(f"{where}.name", f"is {show(name)}: expected the value's name")
@@ -62,7 +78,7 @@ class CutValue:
             raise read.error(f"{where}.dtype", f"is {show(dtype)}: expected one of {', '.join(MESSAGE_DTYPES)}")
         if not isinstance(grad, bool):
             raise read.error(f"{where}.requires_grad", f"is {show(grad)}: expected true or false")
-        return cls(
+        value = cls(
             name=name,
             kind=kind,
             dtype=dtype,
@@ -70,15 +86,35 @@ class CutValue:
             shape=read.per_size(d.get("shape", {}), f"{where}.shape", shape, required=tensor),
             bytes=read.per_size(d.get("bytes", {}), f"{where}.bytes", read.count, required=tensor),
             value=read.per_size(d.get("value", {}), f"{where}.value", lambda v, _: v, required=not tensor),
+            order=read.per_size(d.get("order", {}), f"{where}.order", order, required=False),
         )
+        for b, dims in value.order.items():
+            if len(dims) != len(value.shape.get(b, ())):
+                raise read.error(f'{where}.order["{b}"]', f"is {show(dims)}: not one entry per dimension of its "
+                                                          f"shape {show(value.shape.get(b))}")
+        return value
 
     def at(self, micro_batch_size: int) -> Dict[str, Any]:
         """This value's description at one micro-batch size (what a plan's stage carries)."""
         b = micro_batch_size
         if self.kind == "tensor":
-            return {"name": self.name, "kind": "tensor", "dtype": self.dtype,
-                    "requires_grad": self.requires_grad, "shape": self.shape[b], "bytes": self.bytes[b]}
+            out = {"name": self.name, "kind": "tensor", "dtype": self.dtype,
+                   "requires_grad": self.requires_grad, "shape": self.shape[b], "bytes": self.bytes[b]}
+            if b in self.order:
+                out["order"] = self.order[b]
+            return out
         return {"name": self.name, "kind": "constant", "value": self.value[b]}
+
+
+def dense_order(tensor: Any) -> Optional[List[int]]:
+    """The order a dense tensor's dimensions lie in memory (outermost first) where it is not the
+    shape's own (e.g. [0, 2, 3, 1] for a channels-last image batch); None where it is, or where the
+    tensor is not dense in any order (a slice: it travels contiguous)."""
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        return None
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], d))
+    return order if tensor.permute(order).is_contiguous() else None
 
 
 @dataclass

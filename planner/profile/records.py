@@ -10,7 +10,7 @@ import torch
 
 from planner.model.capture import CaptureError, CapturedModel
 from planner.profile.analytic import saved_key
-from planner.profile.cut_profile import CutValue
+from planner.profile.cut_profile import CutValue, dense_order
 from planner.profile.unit_profile import UnitProfile
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -90,6 +90,9 @@ def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, g
                 record.requires_grad = grad_flags.get(node.name, False) and (v.is_floating_point() or v.is_complex())
                 record.shape[b] = list(v.shape)
                 record.bytes[b] = tensor_bytes(v)
+                order = dense_order(v)
+                if order is not None:
+                    record.order[b] = order
             else:
                 record.value[b] = encode_constant(v, f"value {node.name!r} crossing cut {k}")
 
