@@ -11,7 +11,7 @@ from planner.plan.file import load_plan, save_plan
 from planner.profile.cut_profile import CutValue, dense_order
 from planner.profile.reader import Reader
 from runtime.comm import DescribedLayout, MessageLayout, PresenceLayout
-from tests.support.runs import execute, max_abs_diff, plan_with, profile_of, reference_state
+from tests.support.runs import execute, held_and_planned, max_abs_diff, plan_with, profile_of, reference_state
 
 ENTRY = "tests.models:channels_last"  # units stem, blocks.0 .. blocks.2, head: channels-last between
 CPU = torch.device("cpu")
@@ -116,3 +116,15 @@ def test_a_rank_receives_and_sends_gradients_in_the_plans_order():
     second = StageRunner(build_rank(plan, plan.topology(), 1, CPU).stages[0])
     assert first.act_out.orders == second.act_in.orders == [tuple(LAST)] * 2
     assert first.grad_in.orders == second.grad_out.orders == [tuple(LAST)] * 2
+
+
+@pytest.mark.parametrize("args, cuts, schedule, recompute", [
+    ({"skip": True}, [1, 3], "1f1b", [2]),
+    ({}, [2], "zb-h1", []),
+    ({"skip": True}, [1, 2, 3], "zb-v", [2]),
+])
+def test_ranks_receiving_in_order_hold_what_the_plan_says(tmp_path, args, cuts, schedule, recompute):
+    """A message in its order is received as a view of its buffer, sent without a copy where the value
+    lies so already: the ranks' saved bytes are the plan's to the byte (and train as one process)."""
+    for held, planned in held_and_planned(tmp_path, ENTRY, args, cuts, schedule, recompute):
+        assert held == planned
