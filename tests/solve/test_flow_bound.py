@@ -171,3 +171,17 @@ def test_a_term_not_separable_is_left_out_of_the_lp_and_the_form_still_holds():
     values = {cuts: _form_value(flow, terms, cuts + (L,)) for cuts in steps}
     assert all(values[c] <= steps[c] * (1 + 1e-9) for c in steps)
     assert min(values.values()) >= flow.lp_s * (1 - LP_TOL)
+
+
+def test_no_stage_of_the_relaxation_is_empty():
+    """Stage 1's forward made a second per unit: a split's stage holds a unit at least, so the LP is at
+    least a second (a staircase whose ends may meet would empty the stage and pay nothing)."""
+    L = 6
+    opts = CostOptions(pipeline_ranks=3, global_batch=6, schedule="1f1b")
+    profile = compute_profile(random_chain(random.Random(5), L), opts)
+    terms = StageTerms(profile, 2, opts)
+    rows = [table.copy() for table in terms.rows]
+    units = np.arange(L + 1)
+    rows[1][STAGE_TERMS.index("forward")] = np.triu(units[None, :] - units[:, None], 1).astype(float)
+    flow = flow_form(rows, terms.ranks, opts, 2, opts.message_s)
+    assert flow.lp_s >= 1.0 * (1 - LP_TOL)
