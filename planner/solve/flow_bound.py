@@ -100,7 +100,12 @@ def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOption
     try:
         graph = step_graph(step_shape(opts, num_micro_batches(opts, b)))
         program = _Program(rows, ranks, graph, message_s, windows, deadline)
+        if deadline is not None and time.perf_counter() + _expected_s(program.nonzeros()) > deadline:
+            return None  # it would not end in time: the search keeps that time
+        solving = time.perf_counter()
         solved = program.solve(None if deadline is None else deadline - time.perf_counter())
+        if solved is not None:
+            _SOLVED.append((program.nonzeros(), time.perf_counter() - solving))
     except OutOfTime:
         return None
     if solved is None:
@@ -115,6 +120,20 @@ def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOption
         for g, t in term_parts(term, S, on_rank) or ():  # a collective's is dropped: the form stays below each path
             per_stage[g, t] += w
     return FlowForm(constant, per_stage, value)
+
+
+_SOLVED: List[Tuple[int, float]] = []  # (nonzeros, seconds) of the programs this process solved
+
+
+def _expected_s(nonzeros: int) -> float:
+    """How long a program of this many nonzeros should take, from the largest one solved so far in this
+    process (the interior point method's time grows faster than its size: scaled by the size's square
+    above it, linearly below); 0 before any."""
+    if not _SOLVED:
+        return 0.0
+    size, seconds = max(_SOLVED)
+    ratio = nonzeros / size
+    return seconds * (ratio ** 2 if ratio > 1 else ratio)
 
 
 def _size(rows: Sequence[np.ndarray], windows: Sequence[Tuple[int, int]]) -> int:
