@@ -185,3 +185,16 @@ def test_no_stage_of_the_relaxation_is_empty():
     rows[1][STAGE_TERMS.index("forward")] = np.triu(units[None, :] - units[:, None], 1).astype(float)
     flow = flow_form(rows, terms.ranks, opts, 2, opts.message_s)
     assert flow.lp_s >= 1.0 * (1 - LP_TOL)
+
+
+def test_a_program_expected_to_overrun_is_not_started(monkeypatch):
+    import planner.solve.flow_bound as flow_bound
+
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2)
+    profile = compute_profile(random_chain(random.Random(2), 8), opts)
+    terms = StageTerms(profile, 2, opts)
+    monkeypatch.setattr(flow_bound, "_SOLVED", [(10, 100.0)])  # 100 s for 10 nonzeros, as if measured
+    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, time_limit=5.0) is None
+    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0) is not None  # no limit: solved
+    monkeypatch.setattr(flow_bound, "_SOLVED", [])
+    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, time_limit=5.0) is not None
