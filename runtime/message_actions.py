@@ -31,7 +31,8 @@ class MessageActions:
         if key not in self.layouts:
             if tensors is None:
                 return None
-            self.layouts[key] = MessageLayout([(tuple(t.shape), t.dtype) for t in tensors], planned.what, planned.orders)
+            self.layouts[key] = MessageLayout([(tuple(t.shape), t.dtype) for t in tensors], planned.what,
+                                              planned.orders)
         return self.layouts[key]
 
     def _send_activations(self, step: StepState, action: Action):

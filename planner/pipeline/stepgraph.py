@@ -286,10 +286,10 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
             posted = []
             only_sends = all(a.kind in SENDS for a in item)
             done: List[Term] = []  # held sends this batch completes before the next compute
-            for a in item:
+            in_batch = [message_of(a) for a in item]
+            for a, message in zip(item, in_batch):
                 if a.kind not in SENDS:
                     continue
-                message = message_of(a)
                 term = sent[message]
                 if message in unsent:  # already counted since a later compute
                     del unsent[message]
@@ -297,7 +297,6 @@ def held_peaks(actions: Sequence[Action]) -> List[Dict[Term, int]]:
                 elif only_sends:
                     counts[term] += 1
                     posted.append(term)
-            in_batch = {message_of(a) for a in item}
             fresh = [(m, t) for m, t in fresh if m not in in_batch]
         for a in (item if isinstance(item, tuple) else (item,)):
             if a.kind in COMPUTE_KINDS:

@@ -31,11 +31,6 @@ def valid_shape(v: Any) -> bool:
     return INTS[0](v) and all(n >= 0 for n in v) and math.prod(v) <= 1 << 40
 
 
-def valid_order(v: Any, shape: Any) -> bool:
-    """A message tensor's dimensions in memory order: absent, or a permutation of its shape's."""
-    return v is None or INTS[0](v) and sorted(v) == list(range(len(shape)))
-
-
 def json_field(kind: Tuple, required: bool = True, **kwargs) -> Any:
     """A dataclass field written under its name, its value of `kind` (one of the above; None: unchecked)."""
     return field(metadata={"json": kind, "required": required}, **kwargs)

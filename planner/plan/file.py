@@ -22,10 +22,9 @@ from planner.pipeline.schedule import MAX_MICRO_BATCHES, SCHEDULES, Action
 from planner.pipeline.simulate import SimEvent, simulate
 from planner.pipeline.stepgraph import Term, Timeline
 from planner.pipeline.topology import Topology, TopologyError, instruction_lists, topology_of
-from planner.profile.cut_profile import MESSAGE_DTYPES
+from planner.profile.cut_profile import MESSAGE_DTYPES, is_dim_order
 from planner.plan.fields import (INT, INT_ROWS, INTS, NAMES, NUMBER, NUMBER_OR_NULL, NUMBERS, OBJECT, REMAKE, TEXT,
-                                  VALUES, fields_from_json, fields_to_json, json_field, not_an_object, valid_order,
-                                  valid_shape)
+                                  VALUES, fields_from_json, fields_to_json, json_field, not_an_object, valid_shape)
 from planner.sizes import MAX_LATENCY_S  # an emulated link holds a message or an exchange at most this long
 
 # 2: the prediction is the simulation of the plan's lists with the `step_durations` it carries
@@ -312,7 +311,8 @@ class Plan:
                                                       and isinstance(v.get("requires_grad", False), bool)):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
                                             f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {REMAKE}")
-                    if v["kind"] == "tensor" and not valid_order(v.get("order"), v["shape"]):
+                    order = v.get("order") if v["kind"] == "tensor" else None
+                    if order is not None and not is_dim_order(order, len(v["shape"])):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has order "
                                             f"{v.get('order')!r}, not a permutation of its {len(v['shape'])} "
                                             f"dimensions; {REMAKE}")

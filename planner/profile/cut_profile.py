@@ -65,8 +65,7 @@ class CutValue:
         tensor = kind == "tensor"
 
         def order(value: Any, at: str) -> List[int]:
-            if not (isinstance(value, list) and sorted(value) == list(range(len(value)))
-                    and all(isinstance(n, int) and not isinstance(n, bool) for n in value)):
+            if not is_dim_order(value, len(value) if isinstance(value, list) else 0):
                 raise read.error(at, f"is {show(value)}: expected the tensor's dimensions in memory order, "
                                      "a permutation of 0 .. its rank - 1")
             return value
@@ -104,6 +103,12 @@ class CutValue:
                 out["order"] = self.order[b]
             return out
         return {"name": self.name, "kind": "constant", "value": self.value[b]}
+
+
+def is_dim_order(value: Any, ndim: int) -> bool:
+    """Whether `value` is a tensor's dimensions in memory order: a permutation of 0 .. ndim - 1 (integers)."""
+    return (isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+            and sorted(value) == list(range(ndim)))
 
 
 def dense_order(tensor: Any) -> Optional[List[int]]:

@@ -192,8 +192,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             # in what is left of the limit after it and a refresh (the probes may have begun)
             left = None if time_limit is None else \
                 min(FLOW_SHARE * time_limit, started + time_limit - time.perf_counter() - 2 * known.refresh_s)
-            flow = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s, left, terms.allowed) \
-                if left is None or left > 0 else None
+            flow = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s, left, terms.allowed)
             if flow is not None:
                 known.add_weighted(flow.constant, flow.per_stage)
         refresh()

@@ -113,11 +113,11 @@ def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOption
     value, duals = solved
     per_stage = np.zeros((S, len(STAGE_TERMS)))
     constant = 0.0
-    on_rank = stages_on_ranks(ranks)
     for term, w in program.path_weights(duals).items():
         if term == ("message",):
             constant += w * message_s
-        for g, t in term_parts(term, S, on_rank) or ():  # a collective's is dropped: the form stays below each path
+        # a collective's term is dropped: the form stays below each path
+        for g, t in term_parts(term, S, program.on_rank) or ():
             per_stage[g, t] += w
     return FlowForm(constant, per_stage, value)
 
@@ -137,8 +137,8 @@ def _expected_s(nonzeros: int) -> float:
 
 
 def _size(rows: Sequence[np.ndarray], windows: Sequence[Tuple[int, int]]) -> int:
-    """The program's nonzeros but the graph's, at most: the staircases' rows (two entries each, two
-    rows per end a window leaves open) and each stage term's row (its stage's two windows)."""
+    """About the program's nonzeros but the graph's: the staircases' rows (two entries each, two rows per
+    end a window leaves open) and each stage term's row (its stage's two windows), before any is built."""
     S = len(rows)
     widths = [0] + [hi - lo + 1 for lo, hi in windows] + [0]  # stage g's start: window g - 1, its end: g
     terms = sum(int(table[g].any()) for g in range(S) for table in rows[g])  # their first start's row: O(L)
@@ -197,7 +197,7 @@ class _Program:
                     self._row_y({(g, u + 1): 1.0, (g - 1, u): -1.0}, {}, 0.0, inf)
         check_deadline(deadline)
         self._tables, self._stage_col = rows, {}
-        self._on_rank, self._message = stages_on_ranks(ranks), self._fixed(message_s)
+        self.on_rank, self._message = stages_on_ranks(ranks), self._fixed(message_s)
         self._term_cols: Dict[tuple, List[int]] = {}
         # a node with one predecessor ends at its predecessor's end plus its durations (nothing else
         # bounds it from below), an expression; one with several gets a column, a row per predecessor
@@ -276,7 +276,7 @@ class _Program:
             if term == ("message",):
                 cols = [self._message]
             else:
-                cols = [self._stage(g, t) for g, t in term_parts(term, self.S, self._on_rank) or ()]
+                cols = [self._stage(g, t) for g, t in term_parts(term, self.S, self.on_rank) or ()]
             self._term_cols[term] = [k for k in cols if k is not None]
         return self._term_cols[term]
 
