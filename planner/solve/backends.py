@@ -124,7 +124,7 @@ def _run_cbc(prob: pulp.LpProblem, time_limit: Optional[float], warm: bool, gap:
 
 
 @contextlib.contextmanager
-def _quiet_stdout() -> Iterator[None]:
+def quiet_stdout() -> Iterator[None]:
     """Send file descriptor 1 to /dev/null for the duration (C libraries write there directly)."""
     sys.stdout.flush()
     saved = os.dup(1)
@@ -225,7 +225,7 @@ def _run_highs_here(prob: pulp.LpProblem, time_limit: Optional[float], cutoff: O
         raise RuntimeError("the highs backend needs highspy: pip install highspy, or use the cbc backend")
     import highspy
     try:
-        with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
+        with quiet_stdout():  # highspy prints a banner on stdout when a model is created
             prob.solve(solver)
             if refused_to_start(prob.solverModel):
                 prob.solve(solver)

@@ -70,7 +70,7 @@ from planner.cost.ties import tied_weights
 from planner.profile.profile import Profile
 from planner.solve.dual import Dual
 from planner.solve.floors import OutOfTime
-from planner.solve.flow_bound import flow_form
+from planner.solve.flow_bound import ScenarioFlow, flow_form
 from planner.solve.forms import TABLE_BYTES, Forms, StageTerms, form_prefix, table_bytes
 from planner.solve.recompute import recompute_for
 from planner.solve.recompute_bound import bounded
@@ -111,11 +111,15 @@ class BranchOutcome:
 def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Candidate],
                      forms: Set[PathForm], time_limit: Optional[float], gap: float = 1e-6,
                      cutoff_s: Optional[float] = None,
-                     improve: Optional[Callable[[Candidate, Optional[float]], Candidate]] = None) -> BranchOutcome:
+                     improve: Optional[Callable[[Candidate, Optional[float]], Candidate]] = None,
+                     flow: Optional[ScenarioFlow] = None) -> BranchOutcome:
     """The best split of (scenario, b) with a proof, or the best found and a bound at the time limit.
     `profile` is the compute profile (planner.cost.compute_dtype.compute_profile); `forms` seed the bound;
     only splits faster than `cutoff_s` (a plan of another scenario) are sought; `improve` (a local
-    search) is given each new incumbent at a refresh, and the time (time.perf_counter()) it must end by."""
+    search) is given each new incumbent at a refresh, and the time (time.perf_counter()) it must end by;
+    `flow` keeps the scenario's linear relaxation between its searches (solved once, by the first that
+    needs it)."""
+    flow = ScenarioFlow() if flow is None else flow
     started = time.perf_counter()
     deadline = None if time_limit is None else started + time_limit
     try:
@@ -127,6 +131,8 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
     known.deadline = deadline
     for form in forms:
         known.add(form, complete=False)  # the first refresh completes them all at once
+    if flow.form is not None:  # solved by an earlier search of this scenario
+        known.add_weighted(flow.form.constant, flow.form.per_stage)
     # the units recomputed: fixed, or (recompute 'auto' under a cap) chosen per split, the terms then
     # a bound a split's own choice may exceed: the least such leaf bound stands for those leaves
     redo = None if terms.redo_bound else list(range(L)) if opts.recompute == "all" else []
@@ -192,9 +198,9 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
             # in what is left of the limit after it and a refresh (the probes may have begun)
             left = None if time_limit is None else \
                 min(FLOW_SHARE * time_limit, started + time_limit - time.perf_counter() - 2 * known.refresh_s)
-            flow = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s, left, terms.allowed)
-            if flow is not None:
-                known.add_weighted(flow.constant, flow.per_stage)
+            flow.form = flow_form(terms.rows, terms.ranks, opts, b, opts.message_s, left, terms.allowed, flow.times)
+            if flow.form is not None:
+                known.add_weighted(flow.form.constant, flow.form.per_stage)
         refresh()
         single = float((known.constant + known.completion[:, 0, 0]).max(initial=-math.inf))
         if not dualized or single >= target * (1 - gap) or opts.virtual_stages == 1:
@@ -206,7 +212,7 @@ def branch_and_bound(profile: Profile, b: int, opts: CostOptions, incumbent: Opt
         if target < before:  # a split the ascent met is the new incumbent
             refresh()
 
-    nodes, dualized, cutting_s, flowed = 0, False, 0.0, False
+    nodes, dualized, cutting_s, flowed = 0, False, 0.0, flow.form is not None
     tried: Set[Tuple[int, ...]] = set()  # the floors' splits simulated
     improved: Set[Tuple[int, ...]] = set()  # the incumbents given to `improve`
     refresh()  # the allowed stages for the target (the dual joins later, if at all)

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from planner.solve.backends import _quiet_stdout, refused_to_start
+from planner.solve.backends import quiet_stdout, refused_to_start
 from planner.solve.floors import form_completions, split_of
 
 try:
@@ -135,7 +135,7 @@ class SimplexMaster:
     re-solved warm as splits (rows) and forms (columns) are added."""
 
     def __init__(self):
-        with _quiet_stdout():  # highspy prints a banner on stdout when a model is created
+        with quiet_stdout():  # highspy prints a banner on stdout when a model is created
             self.solver = highspy.Highs()
         self.solver.setOptionValue("output_flag", False)
         self.solver.setOptionValue("threads", 1)

@@ -34,6 +34,7 @@ from planner.cost.ties import later_uses_bytes, tie_copies, tied_weights
 from planner.profile.profile import Profile
 from planner.solve.branch import applies, branch_and_bound
 from planner.solve.floors import OutOfTime, check_deadline
+from planner.solve.flow_bound import ScenarioFlow
 from planner.solve.ilp import Program, big_m_ms
 from planner.solve.ilp_split import NoSplit
 from planner.solve.local_search import candidate_of, local_search, neighbours, perturbations
@@ -148,7 +149,7 @@ def _share_end(time_limit: Optional[float]) -> Optional[float]:
 
 def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Optional[Candidate],
                            time_limit: Optional[float], gap: float, target_s: Optional[float],
-                           forms: Optional[Set[PathForm]] = None):
+                           forms: Optional[Set[PathForm]] = None, flow: Optional[ScenarioFlow] = None):
     """What the branch and bound over splits (fast, no per-unit choices) tells a `--recompute auto`
     scenario under a cap, which the integer program solves next: (best plan, lower bound, settled).
     With one stage per device it searches the splits with each stage's least recomputation as a bound
@@ -163,7 +164,7 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
         found = branch_and_bound(profile, b, opts, best, set(forms or ()), None if time_limit is None
                                  else CHOSEN_SHARE * time_limit, gap, target_s,
                                  improve=lambda split, until: local_search(profile, b, opts, split, forms or set(),
-                                                                           _earlier(deadline, until)))
+                                                                           _earlier(deadline, until)), flow=flow)
         if forms is not None:
             forms |= found.forms
         return found.best, found.bound_s, found.optimal
@@ -199,9 +200,11 @@ def _without_recomputation(profile: Profile, b: int, opts: CostOptions, best: Op
 
 def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optional[Candidate],
                    time_limit: Optional[float], backend: str, gap: float = 1e-6,
-                   forms: Optional[Set[PathForm]] = None, target_s: Optional[float] = None) -> ScenarioOutcome:
+                   forms: Optional[Set[PathForm]] = None, target_s: Optional[float] = None,
+                   flow: Optional[ScenarioFlow] = None) -> ScenarioOutcome:
     """The best split of (scenario, b), or a proof that none is faster than `incumbent` (a plan of
-    this scenario) or `target_s` (the best plan of any scenario) by more than `gap`."""
+    this scenario) or `target_s` (the best plan of any scenario) by more than `gap`; `flow` keeps the
+    scenario's linear relaxation for its next solve (planner.solve.branch)."""
     started = time.perf_counter()
     forms = set(forms or ()) | structural_forms(profile, b, opts, None if time_limit is None
                                                 else started + STRUCTURAL_SHARE * time_limit)
@@ -218,11 +221,11 @@ def solve_scenario(profile: Profile, b: int, opts: CostOptions, incumbent: Optio
         # the whole time: its floors bound a stopped search closer than the program would in what is left
         found = branch_and_bound(profile, b, opts, best, forms, time_limit, gap, target_s,
                                  improve=lambda split, until: local_search(profile, b, opts, split, forms,
-                                                                           _earlier(deadline, until)))
+                                                                           _earlier(deadline, until)), flow=flow)
         forms |= found.forms
         return outcome(found.best, found.bound_s, found.optimal, "branch")
     if opts.recompute == "auto":  # under a cap: the splits' search first, for a plan and a bound
-        best, bound, settled = _without_recomputation(profile, b, opts, best, time_limit, gap, target_s, forms)
+        best, bound, settled = _without_recomputation(profile, b, opts, best, time_limit, gap, target_s, forms, flow)
         if settled:
             return outcome(best, bound, True, "branch")
         if time_limit is not None and time.perf_counter() - started >= time_limit:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -39,7 +39,7 @@ import numpy as np
 from planner.cost.model import num_micro_batches, step_shape
 from planner.cost.options import CostOptions
 from planner.cost.step import step_graph
-from planner.solve.backends import _quiet_stdout
+from planner.solve.backends import quiet_stdout
 from planner.solve.floors import OutOfTime, check_deadline
 from planner.solve.forms import STAGE_TERMS, stages_on_ranks, term_parts
 
@@ -82,14 +82,44 @@ def separable(table: np.ndarray, g: int, S: int) -> Optional[Tuple[np.ndarray, n
     return (A, B) if error <= SEPARABLE_TOL * scale else None
 
 
+@dataclass
+class FlowTimes:
+    """How long the programs of one solve took: (nonzeros, seconds) of each solved. A program expected
+    to overrun the time left is not started (`expected_s`)."""
+
+    solved: List[Tuple[int, float]] = field(default_factory=list)
+
+    def expected_s(self, nonzeros: int) -> float:
+        """How long a program of this many nonzeros should take, from the largest one solved so far (the
+        interior point method's time grows faster than its size: scaled by the size's square above it,
+        linearly below); 0 before any."""
+        if not self.solved:
+            return 0.0
+        size, seconds = max(self.solved)
+        ratio = nonzeros / size
+        return seconds * (ratio ** 2 if ratio > 1 else ratio)
+
+
+@dataclass
+class ScenarioFlow:
+    """One scenario's relaxation across its searches in a solve: its form once solved (a bound of every
+    split, whatever windows it was solved over: a later search of the scenario starts with it) and the
+    solve's program times (shared by its scenarios)."""
+
+    times: FlowTimes = field(default_factory=FlowTimes)
+    form: Optional[FlowForm] = None
+
+
 def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOptions, b: int, message_s: float,
-              time_limit: Optional[float] = None, allowed: Optional[Sequence[np.ndarray]] = None
-              ) -> Optional[FlowForm]:
+              time_limit: Optional[float] = None, allowed: Optional[Sequence[np.ndarray]] = None,
+              times: Optional[FlowTimes] = None) -> Optional[FlowForm]:
     """The LP's form for stage term tables `rows[g][term, a, e]` (planner.solve.forms.StageTerms) of
     the scenario's lists with micro-batch size b, over the splits whose stages end where `allowed[g][a, e]`
     lets them (the branch and bound's ranges for its target: the LP sharper for the splits it seeks, the
     form a bound of every split); None where no split is allowed, the program is too large, does not
-    finish in `time_limit` seconds or HiGHS is missing."""
+    finish in `time_limit` seconds, `times` (the solve's programs so far, this one joins them) expects it
+    not to, or HiGHS is missing."""
+    times = FlowTimes() if times is None else times
     if highspy is None or time_limit is not None and time_limit <= 0:
         return None
     deadline = None if time_limit is None else time.perf_counter() + time_limit
@@ -100,12 +130,12 @@ def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOption
     try:
         graph = step_graph(step_shape(opts, num_micro_batches(opts, b)))
         program = _Program(rows, ranks, graph, message_s, windows, deadline)
-        if deadline is not None and time.perf_counter() + _expected_s(program.nonzeros()) > deadline:
+        if deadline is not None and time.perf_counter() + times.expected_s(program.nonzeros()) > deadline:
             return None  # it would not end in time: the search keeps that time
         solving = time.perf_counter()
         solved = program.solve(None if deadline is None else deadline - time.perf_counter())
         if solved is not None:
-            _SOLVED.append((program.nonzeros(), time.perf_counter() - solving))
+            times.solved.append((program.nonzeros(), time.perf_counter() - solving))
     except OutOfTime:
         return None
     if solved is None:
@@ -120,20 +150,6 @@ def flow_form(rows: Sequence[np.ndarray], ranks: Sequence[int], opts: CostOption
         for g, t in term_parts(term, S, program.on_rank) or ():
             per_stage[g, t] += w
     return FlowForm(constant, per_stage, value)
-
-
-_SOLVED: List[Tuple[int, float]] = []  # (nonzeros, seconds) of the programs this process solved
-
-
-def _expected_s(nonzeros: int) -> float:
-    """How long a program of this many nonzeros should take, from the largest one solved so far in this
-    process (the interior point method's time grows faster than its size: scaled by the size's square
-    above it, linearly below); 0 before any."""
-    if not _SOLVED:
-        return 0.0
-    size, seconds = max(_SOLVED)
-    ratio = nonzeros / size
-    return seconds * (ratio ** 2 if ratio > 1 else ratio)
 
 
 def _size(rows: Sequence[np.ndarray], windows: Sequence[Tuple[int, int]]) -> int:
@@ -308,7 +324,7 @@ class _Program:
         """(T, row duals) at the optimum; None where HiGHS stops short of it."""
         if time_limit is not None and time_limit <= 0:
             return None
-        with _quiet_stdout():
+        with quiet_stdout():
             h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("solver", "ipm")  # several times faster than simplex here (BENCHMARKS.md)

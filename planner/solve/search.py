@@ -28,6 +28,7 @@ from planner.cost.ranges import range_costs
 from planner.profile.profile import Profile
 from planner.solve.diagnose import NoPlanInTime, memory_matrices, min_max_partition
 from planner.solve.exact import solve_scenario
+from planner.solve.flow_bound import FlowTimes, ScenarioFlow
 from planner.solve.local_search import candidate_of, local_search
 from planner.solve.floors import OutOfTime, check_deadline
 from planner.solve.scenario_bound import scenario_lower_bound
@@ -209,6 +210,7 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         return _solution(profile, best, bound, False, started, "dp", "python", OPTIMALITY_GAP)  # no search
     skipped, engines = math.inf, set()
     learned = {}  # index of a scenario solved -> the path forms its solve knew at the end
+    flow_times, flows = FlowTimes(), {}  # the linear relaxations' times, and each scenario's (index ->)
     skip = scenario_gap(gap) if gap > OPTIMALITY_GAP else 1e-12  # no plan of a skipped one beats the best by more
 
     def settle(index: int, start: Optional[Candidate], seconds: Optional[float], forms=None):
@@ -218,7 +220,8 @@ def search_scenarios(profile: Profile, scenarios: List[CostOptions], method: str
         it = items[index]
         before = proven[index][0] if index in proven else it.lower_bound
         outcome = solve_scenario(profile, it.b, it.opts, start, seconds, backend, gap=scenario_gap(gap), forms=forms,
-                                 target_s=best[0].iteration_s if best is not None and warm_start else None)
+                                 target_s=best[0].iteration_s if best is not None and warm_start else None,
+                                 flow=flows.setdefault(index, ScenarioFlow(flow_times)))
         engines.add(outcome.engine)
         if outcome.best is not None and (best is None or outcome.best.iteration_s < best[0].iteration_s):
             best = (outcome.best, it)

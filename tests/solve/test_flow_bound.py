@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from planner.cost.model import candidate_micro_batch_sizes, compute_profile, evaluate
 from planner.cost.options import CostOptions
-from planner.solve.flow_bound import end_windows, flow_form, separable
+from planner.solve.flow_bound import FlowTimes, end_windows, flow_form, separable
 from planner.solve.forms import STAGE_TERMS, StageTerms
 from tests.support.synthetic import drawn_chain, random_chain
 
@@ -187,14 +187,39 @@ def test_no_stage_of_the_relaxation_is_empty():
     assert flow.lp_s >= 1.0 * (1 - LP_TOL)
 
 
-def test_a_program_expected_to_overrun_is_not_started(monkeypatch):
-    import planner.solve.flow_bound as flow_bound
-
+def test_a_program_expected_to_overrun_is_not_started():
     opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2)
     profile = compute_profile(random_chain(random.Random(2), 8), opts)
     terms = StageTerms(profile, 2, opts)
-    monkeypatch.setattr(flow_bound, "_SOLVED", [(10, 100.0)])  # 100 s for 10 nonzeros, as if measured
-    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, time_limit=5.0) is None
-    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0) is not None  # no limit: solved
-    monkeypatch.setattr(flow_bound, "_SOLVED", [])
-    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, time_limit=5.0) is not None
+    slow = FlowTimes([(10, 100.0)])  # 100 s for 10 nonzeros, as if measured
+    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, time_limit=5.0, times=slow) is None
+    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, times=slow) is not None  # no limit: solved
+    times = FlowTimes()
+    assert flow_form(terms.rows, terms.ranks, opts, 2, 0.0, time_limit=5.0, times=times) is not None
+    assert len(times.solved) == 1 and times.solved[0][0] > 0  # the program joined the solve's record
+    assert FlowTimes([(100, 2.0)]).expected_s(200) == 8.0 and FlowTimes([(100, 2.0)]).expected_s(50) == 1.0
+
+
+def test_a_scenarios_second_search_starts_with_the_first_searchs_form(monkeypatch):
+    """The relaxation is solved once per scenario in a solve (planner.solve.branch's `flow`): a later
+    search of it takes the form as it is (a bound of every split, whatever windows it was solved over)."""
+    import planner.solve.branch as branch
+
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2)
+    profile = compute_profile(random_chain(random.Random(11), 9), opts)
+    b = 2
+    best = min(evaluate(profile, list(cuts), b, opts, []).iteration_s
+               for cuts in itertools.combinations(range(1, 9), opts.num_stages - 1))
+    monkeypatch.setattr(branch, "DUAL_AFTER_NODES", 0)  # the dual, then the flow, from the first node
+    flow = branch.ScenarioFlow()
+    first = branch.branch_and_bound(profile, b, opts, None, set(), time_limit=None, flow=flow)
+    assert flow.form is not None and len(flow.times.solved) == 1
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("the scenario's relaxation was solved again")
+
+    monkeypatch.setattr(branch, "flow_form", not_again)
+    second = branch.branch_and_bound(profile, b, opts, None, set(), time_limit=None, flow=flow)
+    for found in (first, second):
+        assert found.optimal and math.isclose(found.best.iteration_s, best, rel_tol=1e-9)
+        assert found.bound_s <= best * (1 + 1e-9)
