@@ -105,7 +105,7 @@ class MessageLayout:
         """A buffer to receive the message into."""
         if len(self.tensors) == 1:
             shape, dtype = self.tensors[0]
-            shape = _in_order(shape, self.orders[0])
+            shape = shape_in_order(shape, self.orders[0])
             if dtype.is_complex:  # the real view it travels as (_wire_of)
                 return torch.empty((*shape, 2), dtype=dtype.to_real(), device=device)
             return torch.empty(shape, dtype=dtype, device=device)
@@ -114,14 +114,14 @@ class MessageLayout:
     def unpack(self, wire: torch.Tensor) -> List[torch.Tensor]:
         """The message's tensors: views of the buffer that travelled (they share its storage)."""
         if len(self.tensors) == 1:
-            return [_from_order(torch.view_as_complex(wire) if self.tensors[0][1].is_complex else wire,
+            return [from_order(torch.view_as_complex(wire) if self.tensors[0][1].is_complex else wire,
                                 self.orders[0])]
         return self.views(wire)
 
     def views(self, flat: torch.Tensor, start: int = 0) -> List[torch.Tensor]:
         """The tensors as views of a byte buffer holding the message from byte `start` on."""
-        return [_from_order(flat[start + offset:start + offset + _numel(shape) * _itemsize(dtype)].view(dtype)
-                            .view(_in_order(shape, order)), order)
+        return [from_order(flat[start + offset:start + offset + _numel(shape) * _itemsize(dtype)].view(dtype)
+                            .view(shape_in_order(shape, order)), order)
                 for offset, (shape, dtype), order in zip(self.offsets, self.tensors, self.orders)]
 
 
@@ -159,12 +159,12 @@ class PresenceLayout:
         return self.layout.views(wire, self.header), present
 
 
-def _in_order(shape: Tuple[int, ...], order: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
+def shape_in_order(shape: Tuple[int, ...], order: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
     """The shape with its dimensions in memory order (the travelling buffer's)."""
     return shape if order is None else tuple(shape[d] for d in order)
 
 
-def _from_order(buffer: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
+def from_order(buffer: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
     """The tensor a buffer in memory order holds: a view with the sender's strides."""
     return buffer if order is None else buffer.permute(sorted(range(len(order)), key=order.__getitem__))
 

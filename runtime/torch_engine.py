@@ -53,7 +53,7 @@ from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.plan.export import TORCH_SCHEDULE_NAMES, torch_layout_refusal
 from planner.model.spec import loss_problem, to_device
 from planner.profile.saved import SavedBytes
-from runtime.comm import torch_dtype
+from runtime.comm import from_order, shape_in_order, torch_dtype
 from runtime.engine import StepStats
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets
 from runtime.microbatch import assemble, replica_micro_batches
@@ -177,6 +177,11 @@ class StageAsTorchModule(nn.Module):
         self.loss, self.scale = loss, scale
         self.wanted = [stage.model_inputs.index(n) for n in stage.io.inputs]
         self.send_tensors = [j for j, v in enumerate(stage.send) if v["kind"] == "tensor"]
+        # a value travels in its dimensions' memory order (the plan's `order`, as the own engine sends it):
+        # torch's receive buffers are contiguous, so a channels-last activation crosses as its permuted
+        # view and is read back with the sender's strides, not as an NCHW copy its convolutions run slowly on
+        self.recv_orders = [v.get("order") for v in stage.recv if v["kind"] == "tensor"]
+        self.send_orders = [stage.send[j].get("order") for j in self.send_tensors]
         self.split_backward = split_backward
 
     def forward(self, *received: torch.Tensor, samples: Optional[torch.Tensor] = None) -> Any:
@@ -184,7 +189,8 @@ class StageAsTorchModule(nn.Module):
             samples, received = received[0], ()
         i = self.batch.index(samples)
         inputs = to_device([self.batch.inputs[i][j] for j in self.wanted], self.device, copy=True)
-        out = self.stage_module(*inputs, *assemble(self.stage, list(received)))
+        received = [from_order(t, order) for t, order in zip(received, self.recv_orders)]
+        out = self.stage_module(*inputs, *assemble(self.stage, received))
         if self.stage.is_last:  # the loss scaled by its share of the step (the own engine seeds its backward with it)
             loss = self.loss(out, to_device(self.batch.targets[i], self.device, copy=True))
             problem = loss_problem(loss)  # what one process's loss.backward() would refuse
@@ -196,16 +202,19 @@ class StageAsTorchModule(nn.Module):
         # part detaches the stage's outputs in place, which a view refuses (a Llama layer's output is one)
         # and which breaks the weight part where a later unit of the stage saved that value (a residual a
         # LayerNorm read, sent on to the next stage: "a saved tensor that has been detached in-place")
-        sent = [out[j].contiguous() for j in self.send_tensors]
+        sent = [(out[j] if order is None else out[j].permute(order)).contiguous()
+                for j, order in zip(self.send_tensors, self.send_orders)]
         return tuple(t.clone() if self.split_backward and (t._is_view() or t.requires_grad) else t for t in sent)
 
 
 def _meta(values: List[Dict[str, Any]]) -> tuple:
-    """Meta tensors with the plan's shapes, dtypes and requires_grad (torch's static metadata)."""
+    """Meta tensors with the plan's shapes (in memory order, as they travel), dtypes and requires_grad
+    (torch's static metadata)."""
     def differentiable(dtype: torch.dtype) -> bool:  # complex activations (an FFT's) carry gradients too
         return dtype.is_floating_point or dtype.is_complex
 
-    return tuple(torch.empty(v["shape"], dtype=torch_dtype(v["dtype"]), device="meta")
+    return tuple(torch.empty(shape_in_order(tuple(v["shape"]), v.get("order")), dtype=torch_dtype(v["dtype"]),
+                             device="meta")
                  .requires_grad_(bool(v.get("requires_grad")) and differentiable(torch_dtype(v["dtype"])))
                  for v in values if v["kind"] == "tensor")
 

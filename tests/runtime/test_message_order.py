@@ -11,7 +11,7 @@ from planner.plan.file import load_plan, save_plan
 from planner.profile.cut_profile import CutValue, dense_order
 from planner.profile.reader import Reader
 from runtime.comm import DescribedLayout, MessageLayout, PresenceLayout
-from tests.support.runs import execute, held_and_planned, max_abs_diff, plan_with, profile_of, reference_state
+from tests.support.runs import execute, fixed_plan, held_and_planned, max_abs_diff, plan_with, profile_of, reference_state
 
 ENTRY = "tests.models:channels_last"  # units stem, blocks.0 .. blocks.2, head: channels-last between
 CPU = torch.device("cpu")
@@ -105,6 +105,44 @@ def test_channels_last_activations_train_like_one_process(tmp_path, args, cuts, 
     assert all(v.get("order") == LAST for v in plan.stages[0].send)
     state = execute(plan, tmp_path, steps=2, extra=["--p2p", p2p])
     assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
+
+
+@pytest.mark.parametrize("args, cuts, schedule", [
+    ({"skip": True}, [2], "1f1b"),
+    ({}, [1, 2, 3], "zb-v"),  # the split backward's copies of views, two stages a rank
+])
+def test_channels_last_activations_train_like_one_process_on_torchs_engine(tmp_path, args, cuts, schedule):
+    plan = fixed_plan(profile_of(ENTRY, args, sizes=(2,)), cuts, schedule, [],
+                      virtual_stages=2 if schedule == "zb-v" else 1)
+    state = execute(plan, tmp_path, steps=2, extra=["--engine", "torch"])
+    assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
+
+
+def test_torchs_engine_sends_in_the_plans_order_and_its_stage_reads_the_senders_strides():
+    """torch's stages allocate contiguous receive buffers from their metadata: that metadata is the
+    message's shape in memory order, and the stage reads the buffer back as the sender's layout."""
+    from runtime.stage import build_rank
+    from runtime.torch_engine import StageAsTorchModule, _Batch, _meta
+
+    plan = plan_with(profile_of(ENTRY, {}, sizes=(2,)), [2], 2, 8)
+    first = build_rank(plan, plan.topology(), 0, CPU).stages[0]
+    second = build_rank(plan, plan.topology(), 1, CPU).stages[0]
+    (sent_meta,), (received_meta,) = _meta(first.send), _meta(second.recv)
+    shape = first.send[0]["shape"]
+    assert sent_meta.shape == received_meta.shape == torch.Size([shape[d] for d in LAST])
+    batch = _Batch()
+    batch.micro_batch_size = 2
+    batch.inputs = [[torch.randn(2, 3, 8, 8)]]
+    batch.targets = [torch.randint(0, 4, (2,))]
+    seen = []
+    stage = StageAsTorchModule(first, batch, CPU, lambda out, target: out.sum(), 1.0)
+    (sent,) = stage(torch.zeros(2, dtype=torch.int64))
+    assert sent.shape == sent_meta.shape and sent.is_contiguous()
+    receiver = StageAsTorchModule(second, batch, CPU, lambda out, target: out.float().sum(), 1.0)
+    receiver.stage_module.register_forward_pre_hook(lambda module, values: seen.extend(values))
+    receiver(sent.detach().requires_grad_(), samples=torch.zeros(2, dtype=torch.int64))
+    (value,) = [v for v in seen if isinstance(v, torch.Tensor) and v.dim() == 4]
+    assert value.shape == torch.Size(shape) and value.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_a_rank_receives_and_sends_gradients_in_the_plans_order():
