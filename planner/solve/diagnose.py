@@ -246,7 +246,8 @@ def no_layout_message(num_units: int, opts: CostOptions, devices: Optional[int],
     stages than the profile's units, or no d divides the global batch."""
     chunked = [s for s in schedules if schedule_virtual_stages(s) != 1]
     per_rank = f" ({', '.join(chunked)}: several per rank)" if chunked else ""
-    if devices is None and not chunked:
+    if devices is None and (not chunked or opts.pipeline_ranks > num_units):
+        # more ranks than units: no schedule, one stage per rank included, has a layout
         return diagnose_stages(opts.pipeline_ranks, num_units)
     if devices is None:
         fewer = " or fewer --virtual-stages" if any(s in MULTI_STAGE_SCHEDULES for s in chunked) else ""

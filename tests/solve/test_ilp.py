@@ -215,6 +215,10 @@ def test_other_infeasible_requests():
     # no layout at all: said so, not "a plan fits" (the memory floor of a request never searched)
     with pytest.raises(InfeasibleError, match="3 ranks' stages .zb-v: several per rank. outnumber the profile's 3"):
         solve(p, CostOptions(pipeline_ranks=3, global_batch=8, schedule="zb-v", virtual_stages=2))
+    # more ranks than units under --schedule auto: no schedule has a layout, one stage per rank included (it
+    # blamed the schedules of several stages per rank and proposed one stage per rank)
+    with pytest.raises(InfeasibleError, match="4 stages requested but the profile has only 3 units"):
+        solve(p, CostOptions(pipeline_ranks=4, global_batch=8), schedules=["1f1b", "interleaved", "zb-v"])
     # (it listed the divisors of 5, [1, 5], as if d = 5 were allowed)
     with pytest.raises(InfeasibleError, match=r"no way to lay out 5 devices.*dividing both 5 and the global batch 8 "
                                               r"\(d in \[1\], so p at least 5\)"):
