@@ -734,3 +734,38 @@ def channels_last(channels: int = 8, blocks: int = 3, skip: bool = False) -> Mod
         return (torch.randn(batch_size, 3, 8, 8, generator=g),), torch.randn(batch_size, 4, generator=g)
 
     return ModelSpec(module=module, batch=batch, loss=F.mse_loss)
+
+
+class SlicedOutput(nn.Module):
+    """A sequence model returning, beside its head's output, a slice of a larger value for the loss to
+    read squared (which saves the slice): of a copy the last unit makes (`flip`: the loss keeps all of
+    it), of a value it receives (`view`: the recomputed unit keeps that anyway) or a copy of the slice."""
+
+    def __init__(self, dim: int, layers: int, second: str):
+        super().__init__()
+        self.second = second
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        if self.second == "flip":
+            return self.out(h[:, -1]), h.flip(1)[:, 0]
+        if self.second == "view":
+            return self.out(h[:, -1]), h[:, 0]
+        return self.out(h[:, -1]), h[:, 0].clone()
+
+
+def sliced_output(dim: int = 8, layers: int = 3, seq: int = 5, second: str = "flip") -> ModelSpec:
+    def batch(n: int, step: int):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(n, seq, dim, generator=g),), torch.randn(n, dim, generator=g)
+
+    def loss(output, target):
+        head, side = output
+        return F.mse_loss(head, target) + 0.1 * side.pow(2).mean()
+
+    return ModelSpec(module=SlicedOutput(dim, layers, second), batch=batch, loss=loss)

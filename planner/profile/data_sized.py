@@ -71,10 +71,10 @@ def add_unit_peaks(run, b: int, peaks: List[int]) -> None:
                 counts[b] += extra
 
 
-def add_loss_peak(run, b: int, output, target) -> None:
+def add_loss_peak(run, b: int, output, target, kept=()) -> None:
     """Add to the last unit's held bytes at size b what the loss saves more on another probed batch's
     target than on the measured one's (`target`; its count already in the unit's loss_saved_bytes), from the
-    measured `output`: what a loss saves can follow the target's values where the graph's shapes do not (CTC's
+    measured `output` (`kept`: the last unit's arguments, planner.profile.saved.loss_saved_bytes): what a loss saves can follow the target's values where the graph's shapes do not (CTC's
     alignment table is as long as the batch's longest label sequence). Targets of other shapes than the
     measured one are not probed."""
     shapes = [tuple(t.shape) for t in tree_leaves(target) if isinstance(t, torch.Tensor)]
@@ -85,7 +85,7 @@ def add_loss_peak(run, b: int, output, target) -> None:
         except Exception:  # a batch the model cannot make at a later step: the run reports it at that step
             break
         if [tuple(t.shape) for t in tree_leaves(probe) if isinstance(t, torch.Tensor)] == shapes:
-            counts.append(loss_saved_bytes(run.spec.loss, output, probe))
+            counts.append(loss_saved_bytes(run.spec.loss, output, probe, kept))
     last = run.units[-1]
     extra = max(counts, default=0) - last.loss_saved_bytes[b]  # (the measured target's, measure._measure_size)
     if extra <= 0:

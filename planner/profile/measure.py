@@ -231,7 +231,9 @@ def _measure_size(run: ProfileRun, b: int) -> None:
     first = [as_first(run, call, target) for call in work]
     # what the loss holds on the last stage when its last unit is recomputed (outside the recomputation)
     output = captured.output_of(values)
-    run.units[L - 1].loss_saved_bytes[b] = loss_saved_bytes(run.spec.loss, output, target)
+    last_io = run.stages[L - 1][1]
+    kept = [values[n] for n in list(last_io.inputs) + list(last_io.received)]  # the recomputed last unit keeps them
+    run.units[L - 1].loss_saved_bytes[b] = loss_saved_bytes(run.spec.loss, output, target, kept)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
         unit.forward_s[b], unit.backward_s[b], unit.saved_bytes[b] = timing.forward_s, timing.backward_s, \
@@ -260,7 +262,7 @@ def _measure_size(run: ProfileRun, b: int) -> None:
         run.say(f"  b={b:<4} unit {k + 1:>3}/{L} {unit.name:<24} forward {timing.forward_s * 1e3:8.3f} ms  "
                 f"backward {timing.backward_s * 1e3:8.3f} ms  saved {timing.saved_bytes / 2**20:8.2f} MiB")
     add_unit_peaks(run, b, peaks)  # where the data sets shapes: a unit's bytes at their largest probed batch
-    add_loss_peak(run, b, output, target)  # ... and the loss's, at its largest probed target
+    add_loss_peak(run, b, output, target, kept)  # ... and the loss's, at its largest probed target
     if b in run.stage_overhead:
         call_f, call_b = run.stage_overhead[b]
         run.say(f"  b={b:<4} a stage's own cost per micro-batch (whole model vs its units timed alone): "

@@ -12,7 +12,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -133,20 +133,36 @@ class SavedBytes:
         self.live -= held
 
 
-def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any,
+def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any, kept: Iterable[Any] = (),
                      key: Callable[[torch.Tensor], int] = lambda t: t.untyped_storage().data_ptr()) -> int:
-    """The bytes `loss` saves for backward on a fresh copy of `output` (as a last stage hands it over)
-    and `target`, each storage once (`key`: its identity; a meta tensor needs another than its data
-    pointer). Parameters it saves are not counted (a rank holds them anyway)."""
-    fresh = tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point() or
-                                                                                  t.is_complex()), output)
+    """The bytes `loss` saves for backward on `output` as a last stage hands it over (each storage the
+    output's tensors view copied afresh, their views kept: a loss saving a slice of a larger value keeps
+    all of it) and `target`, each storage once (`key`: its identity; a meta tensor needs another than its
+    data pointer), less those of `kept`'s tensors (the last unit's arguments: held anyway where the loss
+    counts, the last unit recomputed, so a view of one costs nothing more). Parameters it saves are not
+    counted (a rank holds them anyway)."""
+    held = {key(t) for t in tree_leaves(kept) if isinstance(t, torch.Tensor)}
+    copies: Dict[int, torch.Tensor] = {}  # an output storage's key -> a tensor on its fresh copy
+
+    def handed_over(t: torch.Tensor) -> torch.Tensor:
+        if key(t) in held:
+            fresh = t.detach()  # the very storage the recomputed unit keeps
+        else:
+            if key(t) not in copies:
+                copies[key(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage().clone())
+            base = copies[key(t)]
+            fresh = torch.empty(0, dtype=t.dtype, device=t.device).set_(base.untyped_storage(), t.storage_offset(),
+                                                                        t.size(), t.stride())
+        return fresh.requires_grad_(t.is_floating_point() or t.is_complex())
+
+    fresh_output = tree_map_only(torch.Tensor, handed_over, output)
     saved: Dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> Packed:
-        if not isinstance(tensor, torch.nn.Parameter):
+        if not isinstance(tensor, torch.nn.Parameter) and key(tensor) not in held:
             saved[key(tensor)] = tensor.untyped_storage().nbytes()
         return Packed(tensor)
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        loss(fresh, target)
+        loss(fresh_output, target)
     return sum(saved.values())

@@ -40,3 +40,27 @@ def test_zb_v_ranks_with_recomputed_views_are_held_as_planned(tmp_path, entry, a
     in a storage of its own as a message's (tests/runtime/test_view_memory.py)."""
     for held, planned in held_and_planned(tmp_path, entry, args, cuts, "zb-v", recompute):
         assert held == planned
+
+
+def test_the_loss_keeps_all_of_a_copy_its_output_slices_and_nothing_more_of_a_received_value():
+    """What the loss saves where the last unit is recomputed (planner.profile.saved.loss_saved_bytes): a slice
+    of a copy the unit makes (h.flip(1)[:, 0]) keeps the whole copy (320 B, counted as the slice's 64 before);
+    a slice of a value the unit receives (h[:, 0]) keeps what the recomputed unit keeps anyway (nothing more)."""
+    loss_saved = {second: range_costs(profile_of("tests.models:sliced_output", {"second": second}, sizes=(2,)),
+                                      2).loss_saved[-1] for second in ("flip", "view", "clone")}
+    head = 2 * 64  # the head's output and the target, which mse saves
+    assert loss_saved == {"flip": head + 320, "view": head, "clone": head + 64}
+
+
+@pytest.mark.parametrize("second,cuts,schedule,recompute", [
+    ("flip", [4], "gpipe", [4]),  # the last stage is the recomputed last unit alone
+    ("flip", [2], "1f1b", [2, 3, 4]),
+    ("view", [4], "gpipe", [4]),
+    ("view", [2], "zb-h1", [3, 4]),
+    ("flip", [1, 2, 3], "zb-v", [3, 4]),
+])
+def test_a_recomputed_last_unit_whose_output_slices_a_larger_value_is_held_as_planned(tmp_path, second, cuts,
+                                                                                       schedule, recompute):
+    for held, planned in held_and_planned(tmp_path, "tests.models:sliced_output", {"second": second}, cuts,
+                                          schedule, recompute):
+        assert held == planned
