@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -114,12 +115,26 @@ def _rank_main(argv: List[str], env: Dict[str, str], log_path: str, stdout_path:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     _leave_fork_server()
+    _no_process_locks_for_progress_bars()
     from runtime.worker import main
 
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no atexit handlers of the fork server's modules
+
+
+def _no_process_locks_for_progress_bars() -> None:
+    """torch.fx's Interpreter opens a (disabled) tqdm bar on every run, and tqdm's first bar makes a
+    multiprocessing lock: a named semaphore, registered with the launcher's resource tracker, which a
+    rank ending with os._exit never unlinks ("leaked semaphore objects" printed at the launcher's
+    exit after a model whose stages are interpreted: one routing tokens by index). A rank's bars are
+    never shared with another process: a thread lock is enough."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # (optional: torch then uses its own stand-in, without a lock)
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _leave_fork_server() -> None:

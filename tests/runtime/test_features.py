@@ -280,3 +280,40 @@ def test_a_loss_no_backward_can_start_from_stops_the_run_in_one_line(tmp_path):
         errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
         assert code == 1 and len(errors) == 1 and "rank 1 failed: " in errors[0], (kind, engine, err.getvalue())
         assert words in errors[0], (kind, engine, errors[0])
+
+
+_SEMAPHORES = """
+import multiprocessing
+import multiprocessing.resource_tracker as tracker
+import sys
+import torch
+multiprocessing.set_start_method("forkserver")  # a rank's (forked by the fork server): its semaphores are named
+registered = []
+tracker.register = lambda name, kind: registered.append(kind)
+if sys.argv[1] == "rank":
+    from runtime.launch import _no_process_locks_for_progress_bars
+    _no_process_locks_for_progress_bars()
+graph = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+torch.fx.Interpreter(graph).run(torch.ones(1, 2))
+print(registered.count("semaphore"))
+"""
+
+
+def test_a_rank_interpreting_a_graph_makes_no_semaphore_it_would_leak():
+    """torch.fx's Interpreter opens a tqdm bar, whose first makes a multiprocessing lock: a named
+    semaphore a forked rank (ending with os._exit) never unlinked, so `runtime execute` ended with
+    "leaked semaphore objects" after a model routing tokens by index (its stages interpreted)."""
+    pytest.importorskip("tqdm")
+    import subprocess
+    import sys
+
+    from tests.support.runs import ROOT
+
+    def semaphores(where: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _SEMAPHORES, where], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.split()[-1])
+
+    assert semaphores("plain") == 1  # what a process gets without it
+    assert semaphores("rank") == 0
