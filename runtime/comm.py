@@ -22,7 +22,7 @@ step distinct.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -167,6 +167,15 @@ def shape_in_order(shape: Tuple[int, ...], order: Optional[Tuple[int, ...]]) -> 
 def from_order(buffer: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
     """The tensor a buffer in memory order holds: a view with the sender's strides."""
     return buffer if order is None else buffer.permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+def in_order(tensor: Any, order: Optional[Sequence[int]]) -> Any:
+    """`tensor` laid out as a message in `order` delivers it (None: its shape's order), for a value a stage
+    hands over in memory: itself where it lies so, else a copy that does (what is not a strided tensor as it is)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return tensor
+    permuted = tensor.permute(tuple(order)) if order is not None else tensor
+    return tensor if permuted.is_contiguous() else from_order(permuted.contiguous(), order)
 
 
 def _wire_of(tensor: torch.Tensor, order: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, bool]:

@@ -15,7 +15,8 @@ Communication runs in batches (runtime.program): a batch's sends and receives ar
 and waited for entirely before the next action, except a batch of sends only, which is waited for
 before the rank's next batch or the end of its step (runtime.outbox). Stages on the same rank hand values over in
 memory: the forward of stage g + 1 takes stage g's outputs of that micro-batch (as leaves sharing
-their storage), the backward of stage g takes the gradients stage g + 1's backward left on them; a view
+their storage), the backward of stage g takes the gradients stage g + 1's backward left on them (laid out as
+their message would be: runtime.comm.in_order); a view
 of a larger storage goes over as a copy, as a message's tensors arrive (step_state.own_storages), not
 pinning the rest of that storage.
 
@@ -48,7 +49,7 @@ import torch
 from planner.pipeline.actions import Action, ActionKind
 from planner.pipeline.topology import Topology
 from planner.profile.saved import SavedBytes
-from runtime.comm import MessageLayout, Operation, exchange, post
+from runtime.comm import MessageLayout, Operation, exchange, in_order, post
 from runtime.emulation import hold, hold_exchange, transfer_delay
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets, last_backwards
 from runtime.localsgd import ModelAverager
@@ -291,8 +292,9 @@ class Engine(MessageActions):
         else:
             if self._here(g + 1, i):  # the next stage's backward left them here
                 after = step.states.pop((g + 1, i))
-                state.grads = [grad if present else None
-                               for grad, present in zip(own_storages(after.input_grads), after.input_present)]
+                # each laid out as its message would deliver it (the order the plan gives its gradient)
+                state.grads = [in_order(grad, order) if present else None for grad, present, order in
+                               zip(own_storages(after.input_grads), after.input_present, runner.grad_in.orders)]
             pairs = [(state.outputs[j], grad) for j, grad in zip(runner.send_grads, state.grads)
                      if grad is not None and isinstance(state.outputs[j], torch.Tensor) and state.outputs[j].requires_grad]
             if pairs:

@@ -27,15 +27,16 @@ class StageRunner:
         self.recv_grads = [i for i in self.recv_tensors if stage.recv[i].get("requires_grad")]
         self.wanted_inputs = [stage.model_inputs.index(n) for n in stage.io.inputs]
 
-        def layout(values, indices, what):
+        def layout(values, indices, what, key="order"):
             return MessageLayout([(tuple(values[j]["shape"]), torch_dtype(values[j]["dtype"])) for j in indices], what,
-                                 [values[j].get("order") for j in indices])
+                                 [values[j].get(key, values[j].get("order")) for j in indices])
 
         g = stage.index
         self.act_in = layout(stage.recv, self.recv_tensors, f"stage {g}'s input")
         self.act_out = layout(stage.send, self.send_tensors, f"stage {g}'s output")
-        self.grad_in = layout(stage.send, self.send_grads, f"the gradient of stage {g}'s output")
-        self.grad_out = layout(stage.recv, self.recv_grads, f"the gradient of stage {g}'s input")
+        # a gradient travels in the order the model's backward lays it out (the profile's grad_order), else the value's
+        self.grad_in = layout(stage.send, self.send_grads, f"the gradient of stage {g}'s output", "grad_order")
+        self.grad_out = layout(stage.recv, self.recv_grads, f"the gradient of stage {g}'s input", "grad_order")
         # Positions (in `send_tensors` / `recv_tensors` order) whose storage autograd saved; None
         # until learned. A stage with recomputed units reads its inputs again in backward: keep all.
         self.kept_outputs: Optional[Set[int]] = None

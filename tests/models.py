@@ -769,3 +769,33 @@ def sliced_output(dim: int = 8, layers: int = 3, seq: int = 5, second: str = "fl
         return F.mse_loss(head, target) + 0.1 * side.pow(2).mean()
 
     return ModelSpec(module=SlicedOutput(dim, layers, second), batch=batch, loss=loss)
+
+
+class TimeMajorGrads(nn.Module):
+    """A Linear reading a sequence that lies time-major in memory (as a batch-first GRU's output does),
+    then a batch-first LSTM, whose backward hands its input's gradient back time-major. The Linear runs
+    as a matmul and a bias addition; its weight part keeps the bias's gradient as it arrives and the
+    matmul's contiguous copy of it: two storages where that gradient lies time-major, one where it lies
+    as the value does (planner.profile.cut_profile's grad_order)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.inp(x.transpose(0, 1)).transpose(0, 1)  # batch-first, lying time-major
+        l, _ = self.lstm(torch.tanh(self.mid(h)))
+        return self.out(l[:, -1])
+
+
+def time_major_grads(dim: int = 8, seq: int = 5) -> ModelSpec:
+    module = TimeMajorGrads(dim)
+
+    def batch(batch_size: int, step: int):
+        g = torch.Generator().manual_seed(step + 37)
+        return (torch.randn(batch_size, seq, dim, generator=g),), torch.randn(batch_size, dim, generator=g)
+
+    return ModelSpec(module=module, batch=batch, loss=F.mse_loss)

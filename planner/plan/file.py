@@ -311,11 +311,12 @@ class Plan:
                                                       and isinstance(v.get("requires_grad", False), bool)):
                         raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has no dtype (one of "
                                             f"{', '.join(MESSAGE_DTYPES)}), shape (sizes) and requires_grad; {REMAKE}")
-                    order = v.get("order") if v["kind"] == "tensor" else None
-                    if order is not None and not is_dim_order(order, len(v["shape"])):
-                        raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has order "
-                                            f"{v.get('order')!r}, not a permutation of its {len(v['shape'])} "
-                                            f"dimensions; {REMAKE}")
+                    for key in ("order", "grad_order"):
+                        order = v.get(key) if v["kind"] == "tensor" else None
+                        if order is not None and not is_dim_order(order, len(v["shape"])):
+                            raise JsonFileError(f"{where} stage {k} {side} value {v['name']!r} has {key} "
+                                                f"{order!r}, not a permutation of its {len(v['shape'])} "
+                                                f"dimensions; {REMAKE}")
             # what the tables, the report and the memory checks read
             missing = [key for key in _MEMORY_KEYS if key not in st.memory_bytes]
             if missing:
@@ -374,7 +375,7 @@ class Plan:
 def _layout(value: Dict[str, Any]) -> Tuple:
     """A message value as both sides must agree on it."""
     return (value.get("name"), value.get("kind"), value.get("dtype"), str(value.get("shape")),
-            value.get("requires_grad", False), str(value.get("order")))
+            value.get("requires_grad", False), str(value.get("order")), str(value.get("grad_order")))
 
 
 def load_plan(path: str) -> Plan:

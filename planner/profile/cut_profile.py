@@ -9,6 +9,11 @@ A tensor keeps the order its dimensions lie in memory (`order`, outermost first;
 not the shapes' own, e.g. a channels-last activation): the runtime sends and receives it in that order,
 so the next stage computes on what the profile timed it on (oneDNN picks its kernels by layout: a
 depthwise convolution of a channels-last input received as NCHW ran ~100x slower, BENCHMARKS.md).
+Its gradient travels back in the order the model's backward lays it out (`grad_order`, recorded where
+that is not the value's own: a batch-first LSTM hands its input's gradient back time-major), so the
+stage before holds between a split backward's parts what the profile measured, as inside one stage
+(a Linear on a transposed value keeps its bias's gradient and a contiguous copy of it where that
+gradient arrives transposed, one storage where it arrives in the value's order; BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class CutValue:
     bytes: Dict[int, int] = field(default_factory=dict)
     value: Dict[int, Any] = field(default_factory=dict)
     order: Dict[int, List[int]] = field(default_factory=dict)  # where not the shape's own (dense_order)
+    grad_order: Dict[int, List[int]] = field(default_factory=dict)  # the gradient's, where not `order`'s
 
     def to_json(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"name": self.name, "kind": self.kind}
@@ -46,6 +52,8 @@ class CutValue:
                      shape=str_keys(self.shape), bytes=str_keys(self.bytes))
             if self.order:
                 d["order"] = str_keys(self.order)
+            if self.grad_order:
+                d["grad_order"] = str_keys(self.grad_order)
         else:
             d["value"] = str_keys(self.value)
         return d
@@ -86,11 +94,13 @@ class CutValue:
             bytes=read.per_size(d.get("bytes", {}), f"{where}.bytes", read.count, required=tensor),
             value=read.per_size(d.get("value", {}), f"{where}.value", lambda v, _: v, required=not tensor),
             order=read.per_size(d.get("order", {}), f"{where}.order", order, required=False),
+            grad_order=read.per_size(d.get("grad_order", {}), f"{where}.grad_order", order, required=False),
         )
-        for b, dims in value.order.items():
-            if len(dims) != len(value.shape.get(b, ())):
-                raise read.error(f'{where}.order["{b}"]', f"is {show(dims)}: not one entry per dimension of its "
-                                                          f"shape {show(value.shape.get(b))}")
+        for field_name, orders in (("order", value.order), ("grad_order", value.grad_order)):
+            for b, dims in orders.items():
+                if len(dims) != len(value.shape.get(b, ())):
+                    raise read.error(f'{where}.{field_name}["{b}"]', f"is {show(dims)}: not one entry per dimension "
+                                                                     f"of its shape {show(value.shape.get(b))}")
         return value
 
     def at(self, micro_batch_size: int) -> Dict[str, Any]:
@@ -101,6 +111,8 @@ class CutValue:
                    "requires_grad": self.requires_grad, "shape": self.shape[b], "bytes": self.bytes[b]}
             if b in self.order:
                 out["order"] = self.order[b]
+            if b in self.grad_order:
+                out["grad_order"] = self.grad_order[b]
             return out
         return {"name": self.name, "kind": "constant", "value": self.value[b]}
 

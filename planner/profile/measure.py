@@ -43,7 +43,8 @@ from planner.profile.hostspeed import REFERENCE_KERNEL, mean_kernel_s
 from planner.profile.mixed import MixedRun
 from planner.profile.profile import PROFILE_PRECISIONS, Profile
 from planner.profile.profile_run import ProfileRun, prepare
-from planner.profile.records import prepare_args, record_cut_values, shared_parameters_json, tensor_bytes
+from planner.profile.records import (gradient_order, prepare_args, record_cut_values, shared_parameters_json,
+                                     tensor_bytes)
 from planner.profile.run_timing import measure_optimizer, time_parts, time_units
 from planner.profile.saved import loss_saved_bytes
 from planner.profile.saved_storages import as_first, inner_counts, shared_saved
@@ -214,14 +215,16 @@ def _measure_size(run: ProfileRun, b: int) -> None:
             values = run_all_nodes(captured, inputs)
     except NodeRunError as e:
         raise model_failure(e, b) from e
-    record_cut_values(captured, values, b, run.grad_flags, run.cut_values)
+    grad_orders = _gradient_orders(run, inputs, target)
+    record_cut_values(captured, values, b, run.grad_flags, run.cut_values, grad_orders)
     work, produced_of = [], []
     for k, (stage, io) in enumerate(run.stages):
         args = prepare_args(values, io.inputs + io.received,
                              {n: run.cut_values[k][n].requires_grad for n in io.received} if k else {}, dev)
         own = {n.name for n in captured.units[k].nodes}
         produced = [i for i, name in enumerate(io.sent) if name in own]
-        work.append(UnitCall(stage, args, produced, io.is_last, run.trainable(stage)))
+        work.append(UnitCall(stage, args, produced, io.is_last, run.trainable(stage),
+                             {i: grad_orders[io.sent[i]] for i in produced if io.sent[i] in grad_orders}))
         produced_of.append(produced)
     if run.co is not None:
         run.co.load(b)
@@ -273,6 +276,35 @@ def _measure_size(run: ProfileRun, b: int) -> None:
             f"part {later_weight * 1e3:.3f} ms on top of its units'"
             + (f", and {run.weight_walk[b] * 1e9:.0f} ns per call per autograd node of the stage's earlier units it walks"
                if run.weight_walk.get(b) else ""))
+
+def _gradient_orders(run: ProfileRun, inputs: Any, target: Any) -> Dict[str, List[int]]:
+    """The orders in which the model's backward lays out the gradients of the values crossing cuts, where
+    not the values' own (planner.profile.records.gradient_order): one more forward and backward of the
+    whole model (its buffers and the random state put back after). A unit's seeds are laid out so
+    (UnitCall.grad_orders), as its stage receives them (the runtime sends a gradient in that order)."""
+    captured = run.captured
+    names = sorted({n.name for k in range(1, len(captured.units)) for n in captured.crossing(k)
+                    if run.grad_flags.get(n.name)})
+    if not names:
+        return {}
+    buffers = [(t, t.detach().clone()) for t in captured.gm.buffers()]
+    devices = [run.dev] if run.dev.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), run.forwarding():
+            values = run_all_nodes(captured, inputs, grad=True)
+            loss = run.spec.loss(captured.output_of(values), target)
+            tensors = [(n, values[n]) for n in names if isinstance(values[n], torch.Tensor) and values[n].requires_grad]
+            if not tensors or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return {}
+            grads = torch.autograd.grad(loss, [t for _, t in tensors], allow_unused=True)
+    except (RuntimeError, NodeRunError):  # (a value written in place after it crossed): laid out as the value
+        return {}
+    finally:
+        with torch.no_grad():
+            for t, value in buffers:
+                t.copy_(value)
+    return {n: order for (n, t), g in zip(tensors, grads) if (order := gradient_order(t, g)) is not None}
+
 
 def _profile(run: ProfileRun, entry: str, model_args: Dict[str, Any], seed: int, sizes: List[int], co_runners: int,
              host_kernel: List[Optional[float]], precision: str = "fp32", flush: bool = False) -> Profile:

@@ -75,10 +75,25 @@ def _grad_leaf(v: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def gradient_order(value: Any, grad: Any) -> Optional[List[int]]:
+    """The order `grad`, the model's gradient of the tensor `value`, lies in memory where it is dense
+    and that is not the order `value` travels in (`dense_order`, its shape's where None): the
+    gradient's `grad_order`. None where they agree, or where the gradient is not dense in any order
+    (it travels as the value does)."""
+    if not isinstance(grad, torch.Tensor) or grad.layout != torch.strided or grad.shape != value.shape or \
+            grad.dim() < 2:
+        return None
+    mine = list(range(grad.dim())) if grad.is_contiguous() else dense_order(grad)
+    theirs = dense_order(value) or list(range(value.dim()))
+    return mine if mine is not None and mine != theirs else None
+
+
 def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, grad_flags: Dict[str, bool],
-                      cut_values: Dict[int, Dict[str, CutValue]]) -> None:
+                      cut_values: Dict[int, Dict[str, CutValue]],
+                      grad_orders: Optional[Dict[str, List[int]]] = None) -> None:
     """Add micro-batch size b's shapes, bytes and constants of every value crossing every cut
-    (from one run's node values) to `cut_values[k][name]`, creating records on first sight."""
+    (from one run's node values) to `cut_values[k][name]`, creating records on first sight;
+    `grad_orders`: the gradients' orders where not the values' (`gradient_order`)."""
     for k in range(1, len(captured.units)):
         for node in captured.crossing(k):
             v = values[node.name]
@@ -93,6 +108,8 @@ def record_cut_values(captured: CapturedModel, values: Dict[str, Any], b: int, g
                 order = dense_order(v)
                 if order is not None:
                     record.order[b] = order
+                if record.requires_grad and grad_orders and node.name in grad_orders:
+                    record.grad_order[b] = grad_orders[node.name]
             else:
                 record.value[b] = encode_constant(v, f"value {node.name!r} crossing cut {k}")
 

@@ -80,7 +80,7 @@ def as_first(run: ProfileRun, call: UnitCall, target: Any) -> Optional[Tuple[int
     received = as_received(call.args)
     if received is None:
         return None
-    first = UnitCall(call.module, received, call.produced, call.is_last, call.params)
+    first = UnitCall(call.module, received, call.produced, call.is_last, call.params, call.grad_orders)
     forward, _ = _closures(first, run.spec.loss, target)
     counter = SavedBytes(call.module.parameters())
     with torch.enable_grad():

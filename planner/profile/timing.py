@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,13 +21,16 @@ class UnitCall:
     its outputs that later units use (their gradients drive the backward); the last unit's
     forward includes the loss; `params`: its trainable parameters as the runtime's engine lists
     them for a split backward (None: the module's; under bf16-mixed the fp32 masters, while the
-    module holds their compute copies: planner.profile.mixed.MixedRun)."""
+    module holds their compute copies: planner.profile.mixed.MixedRun); `grad_orders`: output index
+    -> the order its gradient's dimensions lie in memory where the model's backward lays it out
+    otherwise than the output (CutValue.grad_order): its seed is laid out so (`backward_seeds`)."""
 
     module: torch.nn.Module
     args: List[Any]
     produced: List[int]
     is_last: bool
     params: Optional[List[torch.Tensor]] = None
+    grad_orders: Dict[int, List[int]] = field(default_factory=dict)
 
     def trainable(self) -> List[torch.Tensor]:
         """The trainable parameters a split backward computes gradients for (`params`)."""
@@ -69,11 +72,22 @@ def _closures(call: UnitCall, loss_fn, target) -> "tuple[Callable[[], Any], Call
 def backward_seeds(call: UnitCall, out) -> "tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]":
     """(tensors, their gradients) a unit's backward starts from, the rule every profile times it
     by: the last unit's loss (gradient None: 1), else each produced output that requires grad,
-    seeded with ones (what later units would send back)."""
+    seeded with ones (what later units would send back), laid out as the model's backward lays out
+    its gradient where that is not the output's own layout (`UnitCall.grad_orders`: a batch-first
+    LSTM hands its input's gradient back time-major; what a unit keeps for its weight part may
+    depend on it, planner.profile.splitgrad)."""
     if call.is_last:
         return [out], [None]
-    tensors = [out[i] for i in call.produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
-    return tensors, [torch.ones_like(t) for t in tensors]
+    produced = [i for i in call.produced if isinstance(out[i], torch.Tensor) and out[i].requires_grad]
+    return [out[i] for i in produced], [ones_in_order(out[i], call.grad_orders.get(i)) for i in produced]
+
+
+def ones_in_order(tensor: torch.Tensor, order: Optional[Sequence[int]]) -> torch.Tensor:
+    """Ones shaped as `tensor`, its dimensions in memory in `order` (outermost first; None: as `tensor`'s)."""
+    if order is None:
+        return torch.ones_like(tensor)
+    ones = torch.ones([tensor.shape[d] for d in order], dtype=tensor.dtype, device=tensor.device)
+    return ones.permute(sorted(range(len(order)), key=list(order).__getitem__))
 
 
 class _InputRestore:

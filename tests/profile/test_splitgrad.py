@@ -165,6 +165,43 @@ def test_measured_parts():
     assert parts[1].held_bytes >= 8 * 16 * 4
 
 
+@pytest.mark.filterwarnings("ignore:grad and param do not obey")  # the timed whole backward into the leaf h
+def test_held_bytes_are_measured_with_the_gradient_laid_out_as_the_model_lays_it_out():
+    # a Linear on a time-major input runs as a matmul and a bias addition: its weight part keeps the bias's
+    # gradient as it arrives and the matmul's contiguous copy of it, two storages where the gradient lies
+    # time-major (a batch-first LSTM's backward hands it back so), one where it lies as the output does
+    import json
+
+    from planner.profile.profile import Profile
+    from planner.profile.splitgrad import measure_backward_parts
+    from planner.profile.timing import UnitCall
+    from tests.support.runs import profile_of
+
+    class Unit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, h):
+            return (torch.tanh(self.layer(h)),)
+
+    h = torch.randn(5, 2, 8).transpose(0, 1).requires_grad_()  # (2, 5, 8), lying time-major
+    unit = Unit()
+    as_output, time_major = measure_backward_parts(
+        [UnitCall(unit, [h], [0], False), UnitCall(unit, [h], [0], False, grad_orders={0: [1, 0, 2]})],
+        None, None, torch.device("cpu"), repeats=1)
+    assert (as_output.kept_bytes, time_major.kept_bytes) == (320, 640)
+    assert time_major.held_bytes - as_output.held_bytes == 320
+    # the profile finds the order from the model's backward, and its cut value keeps it
+    profile = profile_of("tests.models:time_major_grads", sizes=(2,))
+    assert [v.grad_order for v in profile.cut(2).values] == [{2: [1, 0, 2]}]
+    assert [v.grad_order for v in profile.cut(1).values] == [{2: [0, 1, 2]}]  # contiguous, the value time-major
+    assert profile.units[1].weight_kept_bytes == {2: 640}
+    again = Profile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert again.cut(2).values[0].grad_order == {2: [1, 0, 2]}
+    assert again.cut(2).values[0].at(2)["grad_order"] == [1, 0, 2]
+
+
 def test_the_first_stage_and_a_later_stage_are_costed_as_they_run():
     """planner.cost.ranges: a stage from unit 0 runs no autograd in its input part and its whole
     backward in its weight part, holding everything saved between them; a later stage pays its

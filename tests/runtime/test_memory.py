@@ -8,7 +8,7 @@ from planner.profile.optim import make_optimizer
 from runtime.engine import Engine, StepStats, StepState
 from runtime.groups import Groups
 from runtime.stage import build_rank
-from tests.support.runs import fixed_plan, plan_with, profile_of
+from tests.support.runs import fixed_plan, held_and_planned, plan_with, profile_of
 
 
 def _engine(plan, rank=0):
@@ -624,3 +624,14 @@ def test_a_broadcast_view_handed_on_profiles_and_trains(tmp_path, schedule, cuts
     assert max_abs_diff(state, reference_state(plan, steps=2)) <= 1e-5
     for rank in report_of(tmp_path)["stages"]:
         assert rank["peak_saved_bytes"] == rank["predicted_activation_bytes"], rank
+
+
+@pytest.mark.parametrize("schedule,cuts", [("zb-h1", [1]), ("zb-h1", [2]), ("zb-v", [1, 2, 3])])
+def test_zero_bubble_gradient_laid_out_as_the_model_lays_it_out(tmp_path, schedule, cuts):
+    # the LSTM hands the gradient of the Linear's output back time-major: inside a stage ([1]) the Linear
+    # (a matmul and a bias addition on its time-major input) then keeps two storages for its weight part
+    # where the profile, seeding its output with ones laid out as the output, measured one (+320 B a
+    # micro-batch); a stage of its own whose gradient came in memory from the LSTM's stage on the same
+    # rank (zb-v) held them as well. The gradient now travels, and is profiled, as the model lays it out
+    for held, planned in held_and_planned(tmp_path, "tests.models:time_major_grads", {}, cuts, schedule, []):
+        assert held == planned

@@ -153,7 +153,9 @@ def test_a_rank_receives_and_sends_gradients_in_the_plans_order():
     first = StageRunner(build_rank(plan, plan.topology(), 0, CPU).stages[0])
     second = StageRunner(build_rank(plan, plan.topology(), 1, CPU).stages[0])
     assert first.act_out.orders == second.act_in.orders == [tuple(LAST)] * 2
-    assert first.grad_in.orders == second.grad_out.orders == [tuple(LAST)] * 2
+    # their gradients in the order the model's backward lays them out (the profile's grad_order): NCHW here
+    assert [v.get("grad_order") for v in second.stage.recv] == [[0, 1, 2, 3]] * 2
+    assert first.grad_in.orders == second.grad_out.orders == [(0, 1, 2, 3)] * 2
 
 
 @pytest.mark.parametrize("args, cuts, schedule, recompute", [
