@@ -739,11 +739,13 @@ def channels_last(channels: int = 8, blocks: int = 3, skip: bool = False) -> Mod
 class SlicedOutput(nn.Module):
     """A sequence model returning, beside its head's output, a slice of a larger value for the loss to
     read squared (which saves the slice): of a copy the last unit makes (`flip`: the loss keeps all of
-    it), of a value it receives (`view`: the recomputed unit keeps that anyway) or a copy of the slice."""
+    it), of a value it receives (`view`: the recomputed unit keeps that anyway), of a parameter (`table`: held
+    anyway) or a copy of the slice."""
 
     def __init__(self, dim: int, layers: int, second: str):
         super().__init__()
         self.second = second
+        self.table = nn.Parameter(torch.randn(64, dim))  # `table`: a slice of a parameter (held anyway)
         self.inp = nn.Linear(dim, dim)
         self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
         self.out = nn.Linear(dim, dim)
@@ -756,6 +758,8 @@ class SlicedOutput(nn.Module):
             return self.out(h[:, -1]), h.flip(1)[:, 0]
         if self.second == "view":
             return self.out(h[:, -1]), h[:, 0]
+        if self.second == "table":
+            return self.out(h[:, -1]) + self.table[0], self.table[: h.shape[0]]
         return self.out(h[:, -1]), h[:, 0].clone()
 
 

@@ -178,7 +178,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                                        if isinstance(values[io.sent[i]], torch.Tensor))
         last_io = stages[-1][1]
         units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target,
-                                                         [values[n] for n in list(last_io.inputs) + list(last_io.received)],
+                                                         [values[n] for n in list(last_io.inputs) + list(last_io.received)]
+                                                         + list(captured.gm.parameters()) + list(captured.gm.buffers()),
                                                          key=saved_key)
         say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "
             f"backward {sum(u.backward_s[b] for u in units) * 1e3:.3f} ms ({time.perf_counter() - start:.1f} s)")

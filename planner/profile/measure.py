@@ -29,7 +29,7 @@ import torch
 from planner.model.capture import CaptureError, CapturedModel, capture, run_all_nodes
 from planner.model.entry import build_spec
 from planner.model.example import EXAMPLE_BATCH_SIZE
-from planner.model.failures import NodeRunError, model_failure
+from planner.model.failures import NodeRunError, first_line, model_failure
 from planner.model.forward_state import pipeline_spec
 from planner.model.same_output import check_same_output
 from planner.model.spec import ModelEntryError, ModelSpec, batch_problem, call_model, to_device
@@ -235,7 +235,9 @@ def _measure_size(run: ProfileRun, b: int) -> None:
     # what the loss holds on the last stage when its last unit is recomputed (outside the recomputation)
     output = captured.output_of(values)
     last_io = run.stages[L - 1][1]
-    kept = [values[n] for n in list(last_io.inputs) + list(last_io.received)]  # the recomputed last unit keeps them
+    # held anyway where the loss counts: the recomputed last unit's arguments, the parameters and buffers
+    kept = [values[n] for n in list(last_io.inputs) + list(last_io.received)] + list(captured.gm.parameters()) \
+        + list(captured.gm.buffers())
     run.units[L - 1].loss_saved_bytes[b] = loss_saved_bytes(run.spec.loss, output, target, kept)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]
@@ -297,7 +299,8 @@ def _gradient_orders(run: ProfileRun, inputs: Any, target: Any) -> Dict[str, Lis
             if not tensors or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return {}
             grads = torch.autograd.grad(loss, [t for _, t in tensors], allow_unused=True)
-    except (RuntimeError, NodeRunError):  # (a value written in place after it crossed): laid out as the value
+    except (RuntimeError, NodeRunError) as e:  # (a value written in place after it crossed; out of memory)
+        run.say(f"  gradient layouts not found ({first_line(e)}): each gradient is taken to lie as its value")
         return {}
     finally:
         with torch.no_grad():

@@ -138,9 +138,9 @@ def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any, 
     """The bytes `loss` saves for backward on `output` as a last stage hands it over (each storage the
     output's tensors view copied afresh, their views kept: a loss saving a slice of a larger value keeps
     all of it) and `target`, each storage once (`key`: its identity; a meta tensor needs another than its
-    data pointer), less those of `kept`'s tensors (the last unit's arguments: held anyway where the loss
-    counts, the last unit recomputed, so a view of one costs nothing more). Parameters it saves are not
-    counted (a rank holds them anyway)."""
+    data pointer), less those of `kept`'s tensors (the last unit's arguments, the model's parameters and
+    buffers: held anyway where the loss counts, the last unit recomputed, so a view of one costs nothing
+    more). Parameters it saves are not counted (a rank holds them anyway)."""
     held = {key(t) for t in tree_leaves(kept) if isinstance(t, torch.Tensor)}
     copies: Dict[int, torch.Tensor] = {}  # an output storage's key -> a tensor on its fresh copy
 

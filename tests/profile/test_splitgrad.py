@@ -282,3 +282,22 @@ def test_what_neighbours_both_save_is_counted_once_in_a_stage():
             for e in range(a + 1, 5):
                 assert matrix[a, e] == pytest.approx(costs.saved(a, e, recompute=range(4) if every else ()))
         assert np.isinf(matrix[2, 2])
+
+
+def test_a_model_whose_whole_backward_fails_is_profiled_with_each_gradient_laid_out_as_its_value(monkeypatch):
+    """The gradients' layouts come from one more forward and backward of the whole model; where that fails (out
+    of memory, a value written in place after it crossed) the profile says so in one line and goes on."""
+    import planner.profile.measure as measure
+
+    said = []
+    real = measure.run_all_nodes
+
+    def failing(captured, inputs, grad=False, **kwargs):
+        if grad:
+            raise RuntimeError("CUDA out of memory (as if)")
+        return real(captured, inputs, grad=grad, **kwargs)
+
+    monkeypatch.setattr(measure, "run_all_nodes", failing)
+    profile = measure.profile_model("tests.models:time_major_grads", {}, [2], repeats=1, progress=said.append)
+    assert all(not v.grad_order for c in profile.cuts for v in c.values)
+    assert any("gradient layouts not found (RuntimeError: CUDA out of memory (as if))" in line for line in said)

@@ -47,9 +47,9 @@ def test_the_loss_keeps_all_of_a_copy_its_output_slices_and_nothing_more_of_a_re
     of a copy the unit makes (h.flip(1)[:, 0]) keeps the whole copy (320 B, counted as the slice's 64 before);
     a slice of a value the unit receives (h[:, 0]) keeps what the recomputed unit keeps anyway (nothing more)."""
     loss_saved = {second: range_costs(profile_of("tests.models:sliced_output", {"second": second}, sizes=(2,)),
-                                      2).loss_saved[-1] for second in ("flip", "view", "clone")}
+                                      2).loss_saved[-1] for second in ("flip", "view", "clone", "table")}
     head = 2 * 64  # the head's output and the target, which mse saves
-    assert loss_saved == {"flip": head + 320, "view": head, "clone": head + 64}
+    assert loss_saved == {"flip": head + 320, "view": head, "clone": head + 64, "table": head}
 
 
 @pytest.mark.parametrize("second,cuts,schedule,recompute", [
@@ -58,6 +58,7 @@ def test_the_loss_keeps_all_of_a_copy_its_output_slices_and_nothing_more_of_a_re
     ("view", [4], "gpipe", [4]),
     ("view", [2], "zb-h1", [3, 4]),
     ("flip", [1, 2, 3], "zb-v", [3, 4]),
+    ("table", [4], "gpipe", [4]),  # the loss saves a slice of a parameter: nothing more held
 ])
 def test_a_recomputed_last_unit_whose_output_slices_a_larger_value_is_held_as_planned(tmp_path, second, cuts,
                                                                                        schedule, recompute):

@@ -223,3 +223,23 @@ def test_a_scenarios_second_search_starts_with_the_first_searchs_form(monkeypatc
     for found in (first, second):
         assert found.optimal and math.isclose(found.best.iteration_s, best, rel_tol=1e-9)
         assert found.bound_s <= best * (1 + 1e-9)
+
+
+def test_solve_scenario_hands_the_scenarios_relaxation_to_its_next_solve(monkeypatch):
+    """planner.solve.exact.solve_scenario passes its `flow` to the branch and bound (planner.solve.search keeps
+    one per scenario): the second solve of a scenario does not solve its LP again."""
+    import planner.solve.branch as branch
+    from planner.solve.exact import solve_scenario
+    from planner.solve.flow_bound import ScenarioFlow
+
+    opts = CostOptions(pipeline_ranks=2, global_batch=8, schedule="interleaved", virtual_stages=2)
+    profile = compute_profile(random_chain(random.Random(11), 9), opts)
+    monkeypatch.setattr(branch, "DUAL_AFTER_NODES", 0)
+    calls = []
+    real = branch.flow_form
+    monkeypatch.setattr(branch, "flow_form", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    flow = ScenarioFlow()
+    for _ in range(2):
+        found = solve_scenario(profile, 2, opts, None, None, "highs", flow=flow)
+        assert found.optimal
+    assert len(calls) == 1 and flow.form is not None
