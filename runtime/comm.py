@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from planner.profile.cut_profile import from_order, shape_in_order, to_order
+
 from planner.profile.cut_profile import MESSAGE_DTYPES
 
 # the dtypes a message carries, as a profile's cut values name them
@@ -159,22 +161,12 @@ class PresenceLayout:
         return self.layout.views(wire, self.header), present
 
 
-def shape_in_order(shape: Tuple[int, ...], order: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
-    """The shape with its dimensions in memory order (the travelling buffer's)."""
-    return shape if order is None else tuple(shape[d] for d in order)
-
-
-def from_order(buffer: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
-    """The tensor a buffer in memory order holds: a view with the sender's strides."""
-    return buffer if order is None else buffer.permute(sorted(range(len(order)), key=order.__getitem__))
-
-
 def in_order(tensor: Any, order: Optional[Sequence[int]]) -> Any:
     """`tensor` laid out as a message in `order` delivers it (None: its shape's order), for a value a stage
     hands over in memory: itself where it lies so, else a copy that does (what is not a strided tensor as it is)."""
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
         return tensor
-    permuted = tensor.permute(tuple(order)) if order is not None else tensor
+    permuted = to_order(tensor, order)
     return tensor if permuted.is_contiguous() else from_order(permuted.contiguous(), order)
 
 
@@ -183,9 +175,7 @@ def _wire_of(tensor: torch.Tensor, order: Optional[Tuple[int, ...]] = None) -> T
     order, None: its shape's), a complex one as its real view (gloo and NCCL move floating and
     integer tensors); and whether that is a copy (a tensor not dense in that order, or a lazily
     conjugated one, which `view_as_real` cannot view, is)."""
-    tensor = tensor.detach()
-    if order is not None:
-        tensor = tensor.permute(order)
+    tensor = to_order(tensor.detach(), order)
     copied = not tensor.is_contiguous() or tensor.is_conj()
     wire = tensor.resolve_conj().contiguous()
     return (torch.view_as_real(wire) if wire.is_complex() else wire), copied

@@ -52,8 +52,9 @@ from planner.pipeline.topology import Topology
 from planner.pipeline.zerobubble import ZERO_BUBBLE_SCHEDULES
 from planner.plan.export import TORCH_SCHEDULE_NAMES, torch_layout_refusal
 from planner.model.spec import loss_problem, to_device
+from planner.profile.cut_profile import from_order, shape_in_order, to_order
 from planner.profile.saved import SavedBytes
-from runtime.comm import from_order, shape_in_order, torch_dtype
+from runtime.comm import torch_dtype
 from runtime.engine import StepStats
 from runtime.groups import GradientBuckets, Groups, data_parallel_buckets
 from runtime.microbatch import assemble, replica_micro_batches
@@ -202,8 +203,7 @@ class StageAsTorchModule(nn.Module):
         # part detaches the stage's outputs in place, which a view refuses (a Llama layer's output is one)
         # and which breaks the weight part where a later unit of the stage saved that value (a residual a
         # LayerNorm read, sent on to the next stage: "a saved tensor that has been detached in-place")
-        sent = [(out[j] if order is None else out[j].permute(order)).contiguous()
-                for j, order in zip(self.send_tensors, self.send_orders)]
+        sent = [to_order(out[j], order).contiguous() for j, order in zip(self.send_tensors, self.send_orders)]
         return tuple(t.clone() if self.split_backward and (t._is_view() or t.requires_grad) else t for t in sent)
 
 
@@ -213,8 +213,7 @@ def _meta(values: List[Dict[str, Any]]) -> tuple:
     def differentiable(dtype: torch.dtype) -> bool:  # complex activations (an FFT's) carry gradients too
         return dtype.is_floating_point or dtype.is_complex
 
-    return tuple(torch.empty(shape_in_order(tuple(v["shape"]), v.get("order")), dtype=torch_dtype(v["dtype"]),
-                             device="meta")
+    return tuple(torch.empty(shape_in_order(v["shape"], v.get("order")), dtype=torch_dtype(v["dtype"]), device="meta")
                  .requires_grad_(bool(v.get("requires_grad")) and differentiable(torch_dtype(v["dtype"])))
                  for v in values if v["kind"] == "tensor")
 

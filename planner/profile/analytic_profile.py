@@ -30,7 +30,7 @@ from planner.profile.profile import Profile
 from planner.profile.profile_run import InnerSources
 from planner.profile.records import as_received, blank_unit, record_cut_values, shared_parameters_json, tensor_bytes
 from planner.profile.saved_storages import inner_counts
-from planner.profile.saved import Packed, loss_saved_bytes, unpack
+from planner.profile.saved import Packed, held_beside_loss, loss_saved_bytes, unpack
 from planner.profile.splitgrad import BackwardParts, backward_weight, first_part, forward_and_input_part
 from planner.profile.timing import UnitCall, _closures, backward_seeds
 
@@ -176,10 +176,8 @@ def analytic_profile(entry: str, model_args: Dict[str, Any], micro_batch_sizes: 
                     values, parts.held_bytes, parts.kept_bytes, spec.loss, target, inner)
             unit.output_bytes[b] = sum(tensor_bytes(values[io.sent[i]]) for i in produced
                                        if isinstance(values[io.sent[i]], torch.Tensor))
-        last_io = stages[-1][1]
         units[-1].loss_saved_bytes[b] = loss_saved_bytes(spec.loss, captured.output_of(values), target,
-                                                         [values[n] for n in list(last_io.inputs) + list(last_io.received)]
-                                                         + list(captured.gm.parameters()) + list(captured.gm.buffers()),
+                                                         held_beside_loss(values, stages[-1][1], captured.gm),
                                                          key=saved_key)
         say(f"  b={b:<4} {L} units costed, forward {sum(u.forward_s[b] for u in units) * 1e3:.3f} ms, "
             f"backward {sum(u.backward_s[b] for u in units) * 1e3:.3f} ms ({time.perf_counter() - start:.1f} s)")

@@ -18,7 +18,7 @@ gradient arrives transposed, one storage where it arrives in the value's order; 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from planner.profile.reader import Reader, show, str_keys
 
@@ -132,6 +132,21 @@ def dense_order(tensor: Any) -> Optional[List[int]]:
     strides = tensor.stride()
     order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], d))
     return order if tensor.permute(order).is_contiguous() else None
+
+
+def shape_in_order(shape: Sequence[int], order: Optional[Sequence[int]]) -> Tuple[int, ...]:
+    """The shape with its dimensions in memory order (`order`, outermost first; None: the shape's own)."""
+    return tuple(shape) if order is None else tuple(shape[d] for d in order)
+
+
+def to_order(tensor: Any, order: Optional[Sequence[int]]) -> Any:
+    """The tensor with its dimensions permuted into `order` (a view; contiguous where it lies so)."""
+    return tensor if order is None else tensor.permute(tuple(order))
+
+
+def from_order(buffer: Any, order: Optional[Sequence[int]]) -> Any:
+    """What a buffer in memory order `order` holds: a view with the strides the tensor had (`to_order`'s inverse)."""
+    return buffer if order is None else buffer.permute(sorted(range(len(order)), key=list(order).__getitem__))
 
 
 @dataclass

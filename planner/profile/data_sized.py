@@ -74,9 +74,9 @@ def add_unit_peaks(run, b: int, peaks: List[int]) -> None:
 def add_loss_peak(run, b: int, output, target, kept=()) -> None:
     """Add to the last unit's held bytes at size b what the loss saves more on another probed batch's
     target than on the measured one's (`target`; its count already in the unit's loss_saved_bytes), from the
-    measured `output` (`kept`: the last unit's arguments, planner.profile.saved.loss_saved_bytes): what a loss saves can follow the target's values where the graph's shapes do not (CTC's
-    alignment table is as long as the batch's longest label sequence). Targets of other shapes than the
-    measured one are not probed."""
+    measured `output` (`kept`: what is held anyway, planner.profile.saved.held_beside_loss): what a loss saves
+    can follow the target's values where the graph's shapes do not (CTC's alignment table is as long as the
+    batch's longest label sequence). Targets of other shapes than the measured one are not probed."""
     shapes = [tuple(t.shape) for t in tree_leaves(target) if isinstance(t, torch.Tensor)]
     counts = []
     for step in range(PROBED_BATCHES):

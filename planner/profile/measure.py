@@ -46,7 +46,7 @@ from planner.profile.profile_run import ProfileRun, prepare
 from planner.profile.records import (gradient_order, prepare_args, record_cut_values, shared_parameters_json,
                                      tensor_bytes)
 from planner.profile.run_timing import measure_optimizer, time_parts, time_units
-from planner.profile.saved import loss_saved_bytes
+from planner.profile.saved import held_beside_loss, loss_saved_bytes
 from planner.profile.saved_storages import as_first, inner_counts, shared_saved
 from planner.profile.subnormal import flushed
 from planner.profile.timing import UnitCall
@@ -234,10 +234,7 @@ def _measure_size(run: ProfileRun, b: int) -> None:
     first = [as_first(run, call, target) for call in work]
     # what the loss holds on the last stage when its last unit is recomputed (outside the recomputation)
     output = captured.output_of(values)
-    last_io = run.stages[L - 1][1]
-    # held anyway where the loss counts: the recomputed last unit's arguments, the parameters and buffers
-    kept = [values[n] for n in list(last_io.inputs) + list(last_io.received)] + list(captured.gm.parameters()) \
-        + list(captured.gm.buffers())
+    kept = held_beside_loss(values, run.stages[L - 1][1], captured.gm)
     run.units[L - 1].loss_saved_bytes[b] = loss_saved_bytes(run.spec.loss, output, target, kept)
     for k, ((stage, io), timing) in enumerate(zip(run.stages, measured)):
         unit = run.units[k]

@@ -133,6 +133,14 @@ class SavedBytes:
         self.live -= held
 
 
+def held_beside_loss(values: Dict[str, Any], last_io: Any, module: torch.nn.Module) -> List[Any]:
+    """What a rank holds anyway where `loss_saved_bytes` counts (the last unit recomputed): the last unit's
+    arguments (`last_io`'s inputs and received values, from one run's `values`), the model's parameters and
+    buffers."""
+    return [values[n] for n in list(last_io.inputs) + list(last_io.received)] + list(module.parameters()) \
+        + list(module.buffers())
+
+
 def loss_saved_bytes(loss: Callable[[Any, Any], Any], output: Any, target: Any, kept: Iterable[Any] = (),
                      key: Callable[[torch.Tensor], int] = lambda t: t.untyped_storage().data_ptr()) -> int:
     """The bytes `loss` saves for backward on `output` as a last stage hands it over (each storage the

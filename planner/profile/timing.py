@@ -11,6 +11,7 @@ import torch
 
 from planner.model.failures import UnitRunError
 from planner.model.inplace import written_inputs
+from planner.profile.cut_profile import from_order, shape_in_order
 from planner.profile.optim import OPTIMIZERS, make_optimizer
 from planner.profile.saved import SavedBytes
 
@@ -86,8 +87,7 @@ def ones_in_order(tensor: torch.Tensor, order: Optional[Sequence[int]]) -> torch
     """Ones shaped as `tensor`, its dimensions in memory in `order` (outermost first; None: as `tensor`'s)."""
     if order is None:
         return torch.ones_like(tensor)
-    ones = torch.ones([tensor.shape[d] for d in order], dtype=tensor.dtype, device=tensor.device)
-    return ones.permute(sorted(range(len(order)), key=list(order).__getitem__))
+    return from_order(torch.ones(shape_in_order(tensor.shape, order), dtype=tensor.dtype, device=tensor.device), order)
 
 
 class _InputRestore:

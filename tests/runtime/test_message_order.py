@@ -83,14 +83,21 @@ def test_a_cut_value_refuses_an_order_that_is_not_its_dimensions(tmp_path):
                      order={2: LAST})
     read = Reader("profile.json", sizes=[2])
     assert CutValue.from_json(json.loads(json.dumps(value.to_json())), read, "cut").order == {2: LAST}
-    for bad in ([0, 1, 2], [0, 2, 2, 1], "0231"):
-        with pytest.raises(JsonFileError, match="order"):
-            CutValue.from_json(dict(value.to_json(), order={"2": bad}), read, "cut")
+    for key in ("order", "grad_order"):  # the value's, and its gradient's (where the backward lays it out otherwise)
+        for bad in ([0, 1, 2], [0, 2, 2, 1], "0231"):
+            with pytest.raises(JsonFileError, match=f"cut.{key}"):
+                CutValue.from_json(dict(value.to_json(), **{key: {"2": bad}}), read, "cut")
+        plan = plan_with(profile_of(ENTRY, {}, sizes=(2,)), [2], 2, 8)
+        plan.stages[0].send[0][key] = [0, 1, 2]
+        path = str(tmp_path / "plan.json")
+        save_plan(plan, path)
+        with pytest.raises(JsonFileError, match=f"has {key} "):
+            load_plan(path)
+    # both ends of a cut must agree on it: the receiving stage's gradient order alone differs
     plan = plan_with(profile_of(ENTRY, {}, sizes=(2,)), [2], 2, 8)
-    plan.stages[0].send[0]["order"] = [0, 1, 2]
-    path = str(tmp_path / "plan.json")
+    plan.stages[1].recv[0]["grad_order"] = [0, 3, 2, 1]
     save_plan(plan, path)
-    with pytest.raises(JsonFileError, match="order"):
+    with pytest.raises(JsonFileError, match="sends other values than stage 1 receives"):
         load_plan(path)
 
 
